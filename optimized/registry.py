@@ -1,0 +1,130 @@
+"""Stage name -> implementations: the one table the pipeline and the harness read.
+
+A stage is a public-contract function (`sparse_prefill`, `convert_index`, ...). Each stage has
+one or more implementations, listed in order of preference; each says which devices it runs on,
+whether it can run here (flash_mla needs its wheel and an SM90/SM100 GPU), and which documented
+deviations from the exact contract it has (their bounds live in `equivalence.policy`).
+
+`forward_mqa` looks every stage up here, so replacing one stage with a user's kernel is a
+dictionary update (`resolve(..., overrides={"sparse_prefill": fn})`), not a fork of the pipeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+
+@dataclass(frozen=True)
+class Implementation:
+    stage: str
+    name: str
+    fn: Callable
+    devices: frozenset[str]
+    # Returns None when the implementation can run here, else the reason it cannot.
+    unavailable: Callable[[], str | None] = field(default=lambda: None, compare=False)
+    deviations: tuple[str, ...] = ()
+    doc: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def why_not(self, device: str) -> str | None:
+        if device not in self.devices:
+            return f"runs on {'/'.join(sorted(self.devices))}, not {device}"
+        return self.unavailable()
+
+
+_REGISTRY: dict[str, list[Implementation]] = {}
+
+
+def register(
+    stage: str,
+    name: str,
+    *,
+    devices: Iterable[str] = ("cpu", "cuda"),
+    unavailable: Callable[[], str | None] | None = None,
+    deviations: Iterable[str] = (),
+    doc: str = "",
+) -> Callable[[Callable], Callable]:
+    """Decorator: add `fn` as implementation `name` of `stage` (later registrations rank lower)."""
+
+    def add(fn: Callable) -> Callable:
+        impl = Implementation(
+            stage=stage,
+            name=name,
+            fn=fn,
+            devices=frozenset(devices),
+            unavailable=unavailable or (lambda: None),
+            deviations=tuple(deviations),
+            doc=doc or (fn.__doc__ or "").strip().split("\n")[0],
+        )
+        impls = _REGISTRY.setdefault(stage, [])
+        if any(i.name == name for i in impls):
+            raise ValueError(f"stage {stage!r} already has an implementation named {name!r}")
+        impls.append(impl)
+        return fn
+
+    return add
+
+
+def stages() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def implementations(stage: str) -> list[Implementation]:
+    if stage not in _REGISTRY:
+        raise KeyError(f"unknown stage {stage!r}; known: {', '.join(stages())}")
+    return list(_REGISTRY[stage])
+
+
+def select(stage: str, device: str, name: str | None = None) -> Implementation:
+    """The preferred implementation of `stage` that runs on `device` (or the one called `name`)."""
+    reasons = []
+    for impl in implementations(stage):
+        if name is not None and impl.name != name:
+            continue
+        why = impl.why_not(device)
+        if why is None:
+            return impl
+        reasons.append(f"{impl.name}: {why}")
+    if name is not None and not reasons:
+        known = ", ".join(i.name for i in implementations(stage))
+        raise KeyError(f"stage {stage!r} has no implementation {name!r}; known: {known}")
+    raise RuntimeError(f"no implementation of {stage!r} runs on {device}: " + "; ".join(reasons))
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The implementation chosen for each stage, plus why preferred ones were passed over."""
+
+    chosen: Mapping[str, Implementation]
+    fallbacks: Mapping[str, str]  # stage -> "flash_mla: <reason>" for each skipped preference
+
+    def fn(self, stage: str) -> Callable:
+        return self.chosen[stage].fn
+
+    def describe(self) -> str:
+        return ",".join(f"{s}={self.chosen[s].name}" for s in sorted(self.chosen))
+
+
+def resolve(
+    needed: Iterable[str],
+    device: str,
+    overrides: Mapping[str, Implementation] | None = None,
+) -> Resolved:
+    """Pick an implementation for every stage in `needed`; `overrides` win over the registry."""
+    overrides = dict(overrides or {})
+    chosen: dict[str, Implementation] = {}
+    fallbacks: dict[str, str] = {}
+    for stage in needed:
+        if stage in overrides:
+            chosen[stage] = overrides[stage]
+            continue
+        impl = select(stage, device)
+        first = implementations(stage)[0]
+        if impl.name != first.name:
+            fallbacks[stage] = f"{first.name}: {first.why_not(device)}"
+        chosen[stage] = impl
+    return Resolved(chosen, fallbacks)
