@@ -25,6 +25,7 @@ KNOB_COLUMNS = (
 
 METRIC_COLUMNS = (
     "numel",          # elements compared
+    "ref_rms",        # rms of the reference over finite positions: the magnitude the error sits on
     "rel_l2",         # ||impl - ref|| / ||ref|| over finite positions
     "cos_dist",       # 1 - cos(impl, ref)
     "max_abs",        # max |impl - ref| over finite positions
@@ -64,6 +65,7 @@ class Row:
     # metrics
     exact: bool = False
     numel: int = 0
+    ref_rms: float = math.nan
     rel_l2: float = math.nan
     cos_dist: float = math.nan
     max_abs: float = math.nan
