@@ -7,7 +7,8 @@ Three kinds of tensor, three ways of measuring:
     rel_l2          ||a - r|| / ||r||
     cos_dist        1 - <a, r> / (||a|| ||r||)
     bf16_units      ||a - r|| / ||bf16(r) - r||: the error in units of rounding the exact answer
-                    to bf16, the least any bf16 output can do
+                    to bf16, the least any bf16 output can do (the unit never drops below
+                    2**-10 ||r||, for answers that happen to be bf16-representable)
     elem_bf16_units max |a - r| / (2**-8 * max|r| over the row's last dim): the worst element in
                     bf16 rounding steps of its own row's magnitude
     mean_err        mean(a - r) / rms(r): rounding averages out, a bug biases
@@ -117,7 +118,7 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float) -> Metrics:
     af = torch.where(finite, a.double(), 0.0)
     denom = float(af.norm() * rf.norm())
     m.cos_dist = 1.0 - float((af * rf).sum()) / denom if denom else float(af.norm() != rf.norm())
-    rounding = float((rf.to(torch.bfloat16).double() - rf).norm())
+    rounding = max(float((rf.to(torch.bfloat16).double() - rf).norm()), 2.0**-10 * float(rf.norm()))
     err = float(d.norm())
     m.bf16_units = err / rounding if rounding else (0.0 if err == 0 else math.inf)
     row_scale = BF16_UNIT * rf.abs().amax(dim=-1, keepdim=True)
