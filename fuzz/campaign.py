@@ -55,6 +55,7 @@ def fuzz(
     out_dir: Path | None = None,
     shrink: bool = True,
     progress_label: str | None = None,
+    path: str | None = None,
 ) -> FuzzResult:
     """Run up to `examples` cases of `op`; stop at the first discrepancy and shrink it."""
     result = FuzzResult(op, seed, 0)
@@ -66,7 +67,7 @@ def fuzz(
     @settings(max_examples=examples, deadline=None, database=None, phases=phases, print_blob=False,
               report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
     @hypothesis_seed(seed)
-    @given(case=strategy(op, profile))
+    @given(case=strategy(op, profile, path))
     def search(case: Case) -> None:
         rows = run(case, "shrink" if state["shrinking"] else "fuzz")
         if not state["shrinking"]:
@@ -88,8 +89,9 @@ def fuzz(
         if all(r.case_id != d.case.case_id for r in result.rows):
             result.rows.extend(d.rows)  # the minimized case, found while shrinking
         if out_dir is not None:
-            path = Path(out_dir) / "failures" / f"{op}-{d.case.case_id}.json"
-            result.case_file = casefile.save(path, casefile.CaseFile(
+            where = Path(out_dir) / "failures" / f"{op}-{d.case.case_id}.json"
+            found_by = f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "") + f" --seed {seed}"
+            result.case_file = casefile.save(where, casefile.CaseFile(
                 d.case, impl_specs, device, casefile.failure_summary(d.rows),
-                note=f"found by `mla-verify fuzz --op {op} --seed {seed}` (profile {profile.name})"))
+                note=f"found by `{found_by}` (profile {profile.name})"))
     return result

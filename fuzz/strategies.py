@@ -117,26 +117,44 @@ def layout(p: Profile, op: str) -> st.SearchStrategy[Case]:
     if op == "concat_mla_q":
         params = st.fixed_dictionaries({"tokens": st.integers(1, p.max_tokens * 2), "heads": st.sampled_from(p.heads)})
     elif op == "split_prefill_chunks":
+        def sizes(lens):
+            # Workspaces that some run of requests fills exactly: where <= and < part ways.
+            exact = [t for t in (sum(lens[i:j]) for i in range(len(lens)) for j in range(i + 1, len(lens) + 1)) if t >= max(lens)]
+            return st.one_of(st.sampled_from(exact), st.integers(max(lens), 2 * sum(lens)))
+
         params = st.lists(st.integers(1, p.max_context), min_size=1, max_size=p.max_requests).flatmap(
-            lambda lens: st.fixed_dictionaries({"seq_lens": st.just(lens),
-                                                "workspace_size": st.integers(max(lens), 2 * sum(lens))}))
+            lambda lens: st.fixed_dictionaries({"seq_lens": st.just(lens), "workspace_size": sizes(lens)}))
     else:
         params = st.fixed_dictionaries({"num_decodes": st.integers(1, p.max_requests), "s": st.integers(1, 4),
                                         "heads": st.sampled_from(p.heads), "four_d": st.booleans()})
     return _case(op, params)
 
 
-def forward_mqa(p: Profile) -> st.SearchStrategy[Case]:
+FORWARD_PATHS = ("bf16", "fp8_mixed", "fp8_separate", "fp8_mixed_dcp")
+
+
+def forward_mqa(p: Profile, path: str | None = None) -> st.SearchStrategy[Case]:
+    """forward_mqa batches; `path` restricts them to one of FORWARD_PATHS."""
+    if path is not None and path not in FORWARD_PATHS:
+        raise KeyError(f"unknown forward_mqa path {path!r}; known: {', '.join(FORWARD_PATHS)}")
+    small = [h for h in p.mqa_heads if h < 32] or [16]
+    large = [h for h in p.mqa_heads if h >= 32] or [32]
+
     @st.composite
     def params(draw):
-        heads = draw(st.sampled_from(p.mqa_heads))
-        cache_dtype = draw(st.sampled_from(("bfloat16", "fp8_ds_mla")))
+        if path is None:
+            heads = draw(st.sampled_from(p.mqa_heads))
+            cache_dtype = draw(st.sampled_from(("bfloat16", "fp8_ds_mla")))
+        else:
+            heads = draw(st.sampled_from(large if path == "fp8_separate" else small if path.startswith("fp8_mixed") else p.mqa_heads))
+            cache_dtype = "bfloat16" if path == "bf16" else "fp8_ds_mla"
         mixed = cache_dtype == "fp8_ds_mla" and heads < 32
         block_size = draw(st.sampled_from(p.block_sizes))
         # DCP runs on the mixed path only, with local and gathered heads in one FP8 envelope.
         dcp = 1
-        if mixed:
-            dcp = draw(st.sampled_from([n for n in (1, 2, 4, 8) if (heads * n <= 64) == (heads <= 64)]))
+        if mixed and path != "fp8_mixed":
+            sizes = [n for n in (1, 2, 4, 8) if (heads * n <= 64) == (heads <= 64)]
+            dcp = draw(st.sampled_from([n for n in sizes if n > 1] if path == "fp8_mixed_dcp" else sizes))
         interleave = draw(st.sampled_from([i for i in (1, 2, 4, 64) if block_size % i == 0])) if dcp > 1 else 1
         s = draw(st.integers(1, 3))
         n_dec = draw(st.integers(0, p.max_requests))
@@ -146,18 +164,21 @@ def forward_mqa(p: Profile) -> st.SearchStrategy[Case]:
         ctx = [draw(st.integers(0, p.max_context)) for _ in qlens]
         topk = draw(st.sampled_from(p.decode_topk if mixed else p.prefill_topk))
         seq_max = max(c + n for c, n in zip(ctx, qlens))
-        chunked = draw(st.booleans()) and cache_dtype == "fp8_ds_mla" and not mixed
+        # A workspace little larger than the longest sequence splits the prefills into chunks.
+        chunked = draw(st.sampled_from((True, True, False))) and cache_dtype == "fp8_ds_mla" and not mixed
         return {
             "cache_dtype": cache_dtype, "heads": heads, "query_lens": qlens, "context_lens": ctx,
             "block_size": block_size, "stride_pad": draw(st.sampled_from((0, 1, 64))),
             "spare_blocks": draw(st.integers(0, 2)), "shuffle": draw(st.booleans()), "table_pad": draw(st.integers(0, 2)),
             "topk": topk, "sm_scale": draw(sm_scales), "value_regime": draw(regimes), "scale_rule": draw(scale_rules),
             "invalid": draw(_patterns(INVALID_PATTERNS)),
-            "mqa": draw(st.sampled_from(("all", "decodes"))) if n_dec else "all",
+            # Only decode tokens reach forward_mqa when dense MHA takes the prefills; under DCP with
+            # interleave != 1 nothing counts as a decode (threshold 1), so that case has no rows.
+            "mqa": draw(st.sampled_from(("all", "decodes"))) if n_dec and interleave == 1 else "all",
             "q_form": draw(st.sampled_from(("tensor", "tuple"))) if dcp == 1 else "tensor",
             "arch": draw(st.sampled_from(("sm90", "sm100"))), "max_decode_query_len": s,
             "max_model_len": seq_max,
-            "workspace_size": draw(st.integers(seq_max, seq_max + sum(ctx) + sum(qlens))) if chunked else None,
+            "workspace_size": draw(st.integers(seq_max, seq_max + seq_max // 2)) if chunked else None,
             "dcp_size": dcp, "interleave": interleave,
         }
 
@@ -183,7 +204,11 @@ STRATEGIES: dict[str, Callable[[Profile], st.SearchStrategy[Case]]] = {
 }
 
 
-def strategy(op: str, profile: Profile) -> st.SearchStrategy[Case]:
+def strategy(op: str, profile: Profile, path: str | None = None) -> st.SearchStrategy[Case]:
     if op not in STRATEGIES:
         raise KeyError(f"no strategy for op {op!r}")
+    if path is not None:
+        if op != "forward_mqa":
+            raise KeyError(f"--path applies to forward_mqa only, not {op}")
+        return forward_mqa(profile, path)
     return STRATEGIES[op](profile)

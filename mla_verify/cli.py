@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     _add_isolation(p)
     p.add_argument("--op", required=True)
+    p.add_argument("--path", default=None, help="forward_mqa only: bf16 | fp8_mixed | fp8_separate | fp8_mixed_dcp")
     p.add_argument("--impl", action="append", default=[], metavar="[STAGE=]MODULE:CALLABLE|NAME",
                    help="implementation under test (default: the project's); repeat for several stages")
     p.add_argument("--examples", type=int, default=None, help="default: the profile's budget")
@@ -160,8 +161,12 @@ def cmd_fuzz(args, device: str) -> int:
     from equivalence.subject import UsageError, resolve_subject
     from fuzz.campaign import fuzz, new_seed
 
+    from fuzz.strategies import FORWARD_PATHS
+
     if args.op not in OPS:
         raise UsageError(f"unknown op {args.op!r}; known: {', '.join(sorted(OPS))}")
+    if args.path is not None and (args.op != "forward_mqa" or args.path not in FORWARD_PATHS):
+        raise UsageError(f"--path applies to --op forward_mqa with one of {', '.join(FORWARD_PATHS)}")
     subject = resolve_subject(args.op, args.impl, device)
     profile = _profile(args.profile, device, "dev")
     examples = args.examples or profile.examples
@@ -180,7 +185,7 @@ def cmd_fuzz(args, device: str) -> int:
 
     try:
         result = fuzz(args.op, run, profile=profile, examples=examples, seed=seed, impl_specs=tuple(args.impl),
-                      device=device, out_dir=args.out, shrink=not args.no_shrink)
+                      device=device, out_dir=args.out, shrink=not args.no_shrink, path=args.path)
     finally:
         if worker is not None:
             worker.close()

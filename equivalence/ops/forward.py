@@ -52,11 +52,10 @@ def _whole(fn, b, p) -> ImplOutput:
 
 
 def _call(subject, kw, p) -> ImplOutput:
-    from optimized import pipeline  # the pipeline imports every kernel module: only when needed
-
     b = kw["batch"]
     if subject.fn is not None:
         return _whole(subject.fn, b, p)
+    from optimized import pipeline  # imports every kernel module: only when the pipeline runs
     dcp = p.get("dcp_size", 1)
     needed = pipeline.needed_stages(p["cache_dtype"], p["heads"], dcp, isinstance(b.q, tuple))
     stages = registry.resolve(needed, b.kv_cache.device.type, subject.overrides)
