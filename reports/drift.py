@@ -106,7 +106,8 @@ class Drift:
     def verdict(self) -> str:
         compared = int((self.table["status"] == "both").sum())
         if self.drifted:
-            return f"DRIFT in {len(self.flagged)} of {len(self.table)} groups (factor {self.factor:g})"
+            return (f"DRIFT in {len(self.flagged)} of {len(self.table)} groups "
+                    f"(factor {self.factor:g})")
         return f"no drift in {compared} groups compared (factor {self.factor:g})"
 
     def lines(self) -> list[str]:
@@ -119,8 +120,8 @@ class Drift:
                            f"{self._explain(r, r[column])}")
         for tag, rows in (("appeared", self.appeared), ("disappeared", self.disappeared)):
             if not rows.empty:
-                names = ", ".join(group_label(*(r[k] for k in GROUP_KEYS)) for _, r in rows.iterrows())
-                out.append(f"  {tag}: {names}")
+                names = (group_label(*(r[k] for k in GROUP_KEYS)) for _, r in rows.iterrows())
+                out.append(f"  {tag}: {', '.join(names)}")
         return out
 
     @staticmethod
@@ -169,7 +170,8 @@ def compare(current: pd.DataFrame, baseline: pd.DataFrame, factor: float = DEFAU
     table["drift"] = _reasons(grown, table.index)
     table["improved"] = _reasons(shrunk, table.index)
     # what needs a look first: drifted, improved, new or gone, then the rest in group order
-    rank = np.select([table["drift"] != "", table["improved"] != "", table["status"] != "both"],
+    rank = np.select([(table[c] != v).to_numpy(dtype=bool)
+                      for c, v in (("drift", ""), ("improved", ""), ("status", "both"))],
                      [0, 1, 2], default=3)
     table = table.assign(_rank=rank).sort_values(["_rank", *GROUP_KEYS], kind="stable")
     return Drift(table=table[list(DRIFT_COLUMNS)].reset_index(drop=True), factor=factor)

@@ -4,14 +4,14 @@ external references) that opens from disk or from a CI artifact alone."""
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Mapping
 from html import escape
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from reports.fmt import MISSING, cells, number
+from reports.fmt import cells
+from reports.meta import describe
 from reports.plots import Plot, figures
 
 if TYPE_CHECKING:
@@ -26,7 +26,8 @@ p.intro, figcaption, .note { color: #555; max-width: 75em; }
 table { border-collapse: collapse; font-size: 12px; }
 th, td { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; white-space: nowrap; }
 th { background: #f4f4f6; position: sticky; top: 0; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; font-family: ui-monospace, monospace; }
+td.num { text-align: right; font-variant-numeric: tabular-nums;
+         font-family: ui-monospace, monospace; }
 tr.bad td { background: #fde8e6; }
 tr.good td { background: #e6f5ea; }
 tr.note td { background: #fff7e0; }
@@ -41,29 +42,6 @@ nav a { margin-right: 1em; }
 figure { margin: 1em 0; }
 figure img { max-width: 100%; border: 1px solid #eee; }
 """
-
-
-def _meta_rows(meta: Mapping[str, Any], run_id: str) -> list[tuple[str, str]]:
-    git = meta.get("git") or {}
-    versions = meta.get("versions") or {}
-    seeds = list(meta.get("seeds") or [])
-    shown = ", ".join(map(str, seeds[:12])) + (f", … ({len(seeds)} seeds)" if len(seeds) > 12 else "")
-    rows = [
-        ("run", run_id),
-        ("profile", str(meta.get("profile", MISSING))),
-        ("command", str(meta.get("command") or MISSING)),
-        ("device", f"{meta.get('device', MISSING)} ({meta.get('device_name', MISSING)})"),
-        ("git", f"{git.get('revision') or MISSING}{' (dirty)' if git.get('dirty') else ''}"),
-        ("versions", " · ".join(f"{k} {v or MISSING}" for k, v in versions.items()) or MISSING),
-        ("seeds", shown or MISSING),
-        ("started", str(meta.get("started_at") or MISSING)),
-        ("finished", f"{meta.get('finished_at') or MISSING}"
-                     f" ({number(meta.get('duration_s'))} s)"),
-        ("platform", str(meta.get("platform") or MISSING)),
-    ]
-    if meta.get("extra"):
-        rows.append(("extra", json.dumps(meta["extra"], sort_keys=True, default=str)))
-    return rows
 
 
 def _row_class(record: Mapping[str, Any]) -> str:
@@ -124,8 +102,8 @@ def render_html(report: Report) -> str:
     by_section: dict[str, list[Plot]] = {}
     for p in plots:
         by_section.setdefault(p.section, []).append(p)
-    meta = "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>"
-                   for k, v in _meta_rows(report.meta, report.run_id))
+    facts = {"run": report.run_id, **describe(report.meta)}
+    meta = "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in facts.items())
     nav = "".join(f'<a href="#{s.key}">{escape(s.title)}</a>' for s in report.sections)
     sections = "".join(_section_html(s, by_section.get(s.key, [])) for s in report.sections)
     title = f"mla-verify report: {report.run_id}"

@@ -41,7 +41,7 @@ KEY_METRIC: dict[str, str] = {
 # Order in which kinds are listed everywhere.
 KIND_ORDER: tuple[str, ...] = tuple(KEY_METRIC)
 
-# kind -> (floor of the key error metric, floor of mean |mean_err|); reasons in the module docstring.
+# kind -> (floor of the key error metric, floor of mean |mean_err|); reasons in the docstring.
 NOISE_FLOOR: dict[str, tuple[float, float]] = {
     "out": (2.0**-10, 2.0**-13),
     "lse": (2.0**-18, 2.0**-20),

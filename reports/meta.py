@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import json
 import platform
 import subprocess
 from collections.abc import Iterable, Mapping
@@ -14,6 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from reports.fmt import MISSING, number
 from reports.store import RUN_FORMAT
 
 # module name -> distribution names that may provide it (flash_mla ships as sgl-flash-mla)
@@ -117,3 +119,26 @@ def finish_meta(meta: Mapping[str, Any], finished_at: str | None = None) -> dict
     duration = ((datetime.fromisoformat(end) - datetime.fromisoformat(started)).total_seconds()
                 if started else None)
     return {**meta, "finished_at": end, "duration_s": duration}
+
+
+def describe(meta: Mapping[str, Any]) -> dict[str, str]:
+    """Label -> text of a run's metadata, as the report headers and the side-by-side table print
+    it (missing entries as a dash: runs written by older versions lack some)."""
+    git = meta.get("git") or {}
+    seeds = [str(s) for s in meta.get("seeds") or []]
+    shown = ", ".join(seeds[:12]) + (f", … ({len(seeds)} seeds)" if seeds[12:] else "")
+    versions = meta.get("versions") or {}
+    described = {
+        "profile": str(meta.get("profile") or MISSING),
+        "command": str(meta.get("command") or MISSING),
+        "device": f"{meta.get('device') or MISSING} ({meta.get('device_name') or MISSING})",
+        "git": f"{git.get('revision') or MISSING}{' (dirty)' if git.get('dirty') else ''}",
+        "versions": " · ".join(f"{k} {v or MISSING}" for k, v in versions.items()) or MISSING,
+        "seeds": shown or MISSING,
+        "started": str(meta.get("started_at") or MISSING),
+        "finished": f"{meta.get('finished_at') or MISSING} ({number(meta.get('duration_s'))} s)",
+        "platform": str(meta.get("platform") or MISSING),
+    }
+    if meta.get("extra"):
+        described["extra"] = json.dumps(meta["extra"], sort_keys=True, default=str)
+    return described

@@ -65,7 +65,8 @@ class Category:
 
 @dataclass(frozen=True)
 class LogAxis:
-    """Where zeros and +inf are drawn on a log axis, and how many of each (and of NaN) there were."""
+    """Where zeros and +inf are drawn on a log axis, and how many of each (and of NaN) there
+    were."""
 
     floor: float
     ceiling: float
@@ -75,7 +76,7 @@ class LogAxis:
 
     @classmethod
     def of(cls, arrays: Sequence[np.ndarray]) -> LogAxis:
-        v = np.concatenate([np.asarray(a, dtype="float64") for a in arrays]) if arrays else np.zeros(0)
+        v = np.concatenate([np.asarray(a, dtype="float64") for a in arrays] or [np.zeros(0)])
         finite = v[np.isfinite(v)]
         positive = finite[finite > 0]
         low = math.floor(math.log10(positive.min())) - 1 if positive.size else -12
@@ -140,7 +141,8 @@ def _png(fig: Figure) -> bytes:
 def _boxes(ax, categories: Sequence[Category], ylabel: str, rng: np.random.Generator,
            empty: str = "no finite values") -> LogAxis:
     """Boxes (p25..p75, p50 line, whiskers min..p99, dots beyond p99) over a jittered strip of
-    every value (failed rows red), on a log y axis; `empty` marks a category with nothing to draw."""
+    every value (failed rows red), on a log y axis; `empty` marks a category with nothing to
+    draw."""
     scale = LogAxis.of([c.values for c in categories])
     stats, positions, colors = [], [], []
     for i, c in enumerate(categories):
@@ -257,7 +259,8 @@ def error_vs_magnitude(frame: pd.DataFrame) -> Plot | None:
     regimes = [(str(r), g) for (r,), g in grouped(rows, ("value_regime",))]
     if rows["value_regime"].isna().any():
         regimes.append(("(none)", rows[rows["value_regime"].isna()]))
-    cats = [Category.of(r, g, color=_PALETTE[i % len(_PALETTE)]) for i, (r, g) in enumerate(regimes)]
+    cats = [Category.of(r, g, color=_PALETTE[i % len(_PALETTE)])
+            for i, (r, g) in enumerate(regimes)]
     rms = LogAxis.of([rows["ref_rms"].to_numpy(dtype="float64")])
     err = LogAxis.of([c.values for c in cats])
     for c, (_, g) in zip(cats, regimes, strict=True):

@@ -11,11 +11,12 @@ from typing import Any
 import pandas as pd
 
 from reports.drift import DEFAULT_FACTOR, Drift, compare
-from reports.fmt import MISSING, number
+from reports.fmt import MISSING, header, number
 from reports.html import render_html
 from reports.kinds import KEY_METRIC, annotate
 from reports.markdown import render_markdown
-from reports.stats import Counts, by_group, by_knob, counts, deviation_groups, failures
+from reports.meta import describe
+from reports.stats import Counts, by_group, by_knob, counts, deviation_groups, failures, run_ids
 from reports.store import load_run
 from reports.terminal import terminal_summary
 
@@ -57,7 +58,7 @@ class Report:
 
     @property
     def run_id(self) -> str:
-        return ",".join(sorted(set(self.rows["run_id"]))) or MISSING
+        return run_ids(self.rows)
 
     def summary(self) -> str:
         text = terminal_summary(self.rows, self.meta)
@@ -66,20 +67,9 @@ class Report:
 
 def _side_by_side(report: Report, baseline_rows: pd.DataFrame) -> pd.DataFrame:
     def facts(meta: Mapping[str, Any], rows: pd.DataFrame, c: Counts) -> dict[str, str]:
-        git = meta.get("git") or {}
-        versions = meta.get("versions") or {}
-        return {
-            "run": ",".join(sorted(set(rows["run_id"]))) or MISSING,
-            "profile": str(meta.get("profile", MISSING)),
-            "device": f"{meta.get('device', MISSING)} ({meta.get('device_name', MISSING)})",
-            "git": f"{git.get('revision') or MISSING}{' (dirty)' if git.get('dirty') else ''}",
-            **{name: str(v or MISSING) for name, v in versions.items()},
-            "started": str(meta.get("started_at") or MISSING),
-            "rows": number(c.rows),
-            "cases": number(c.cases),
-            "failed rows": number(c.failed_rows),
-            "deviation rows": number(c.deviation_rows),
-        }
+        return {"run": run_ids(rows), **describe(meta), "rows": number(c.rows),
+                "cases": number(c.cases), "failed rows": number(c.failed_rows),
+                "deviation rows": number(c.deviation_rows)}
 
     base = facts(report.baseline_meta or {}, baseline_rows, report.baseline_counts)
     cur = facts(report.meta, report.rows, report.counts)
@@ -129,8 +119,8 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
         if not table.empty:
             report.sections.append(Section(
                 f"knob-{knob}", f"Error by {_KNOB_TITLES[knob]}",
-                f"Per {knob} value and tensor kind, rows without a deviation (rows whose op has "
-                f"no {knob} are left out).", table))
+                f"Per {header(knob)} value and tensor kind, rows without a deviation (rows whose "
+                f"op has no {header(knob)} are left out).", table))
     return report
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from reports.fmt import MISSING
 from reports.kinds import KNOB_TABLES
 
 GROUP_KEYS: tuple[str, ...] = ("op", "path", "tensor", "impl", "deviation")
@@ -127,6 +128,11 @@ def failures(frame: pd.DataFrame) -> pd.DataFrame:
         "seed": failed["seed"],
     })
     return table.reset_index(drop=True)
+
+
+def run_ids(frame: pd.DataFrame) -> str:
+    """The run ids among the rows ("a,b" for rows pooled from several runs)."""
+    return ",".join(sorted(set(frame["run_id"]))) or MISSING
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ import pandas as pd
 
 from reports.fmt import MISSING, number
 from reports.kinds import annotate
-from reports.stats import counts, expected, grouped, summarize
+from reports.meta import describe
+from reports.stats import counts, expected, grouped, run_ids, summarize
 
 _KIND_HEADER = {"out": "out", "lse": "lse", "max_logits": "mxlog", "exact": "exact",
                 "other": "other"}
@@ -39,11 +40,10 @@ def _worst(rows: pd.DataFrame) -> tuple[str, str]:
 
 
 def _header(meta: Mapping[str, Any], frame: pd.DataFrame) -> str:
+    facts = describe(meta)
     git = meta.get("git") or {}
     rev = (git.get("revision") or "")[:10] + ("+dirty" if git.get("dirty") else "")
-    run_ids = ",".join(sorted(set(frame["run_id"]))) or MISSING
-    parts = [f"run {run_ids}", f"profile {meta.get('profile', MISSING)}",
-             f"{meta.get('device', MISSING)} ({meta.get('device_name', MISSING)})"]
+    parts = [f"run {run_ids(frame)}", f"profile {facts['profile']}", facts["device"]]
     return "mla-verify report: " + " | ".join(parts + ([f"git {rev}"] if rev else []))
 
 
@@ -70,7 +70,9 @@ def terminal_summary(rows: pd.DataFrame, meta: Mapping[str, Any] | None = None) 
     c = counts(frame)
     if c.deviation_rows:
         dev = frame[expected(frame)]
-        names = ", ".join(f"{d} ({n})" for d, n in dev["deviation"].value_counts().sort_index().items())
-        lines += ["", f"documented deviations (expected, not regressions): {c.deviation_rows} rows: {names}"]
+        per_name = dev["deviation"].value_counts().sort_index()
+        names = ", ".join(f"{d} ({n})" for d, n in per_name.items())
+        lines += ["", f"documented deviations (expected, not regressions): "
+                      f"{c.deviation_rows} rows: {names}"]
     lines += ["", c.line()]
     return "\n".join(lines)

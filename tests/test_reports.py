@@ -13,7 +13,6 @@ import base64
 import math
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -72,10 +71,12 @@ def synthetic_rows(seed: int, run_id: str, cases_per_group: int = 24,
             regime = REGIMES[i % len(REGIMES)]
             knobs = dict(
                 topk=int(rng.choice([512, 1024, 2048])), heads=int(rng.choice([64, 128])),
-                num_tokens=int(rng.integers(1, 512)), seq_len=int(rng.choice([200, 1500, 9000, 40000])),
+                num_tokens=int(rng.integers(1, 512)),
+                seq_len=int(rng.choice([200, 1500, 9000, 40000])),
                 block_size=64, dcp_size=2 if path.endswith("dcp") else 1,
                 cache_dtype="bfloat16" if path in ("bf16", "sparse_prefill") else "fp8_ds_mla",
-                scale_rule="raw" if (impl == "flash_mla" and op == "sparse_decode_fp8" and i % 3 == 0)
+                # the decode kernel rounds raw (non-pow2) scales to bf16: a documented deviation
+                scale_rule="raw" if (op, impl, i % 3) == ("sparse_decode_fp8", "flash_mla", 0)
                 else "pow2",
                 value_regime=regime, sm_scale=576**-0.5,
             )
@@ -143,7 +144,8 @@ def rows_strategy(draw) -> list[Row]:
     for _ in range(draw(st.integers(0, 6))):
         out.append(Row(
             run_id=draw(st.sampled_from(["r1", "run,2"])), case_id=draw(_text), op="forward_mqa",
-            path=draw(st.sampled_from(["bf16", "fp8_mixed"])), tensor=draw(st.sampled_from(["out", "NA"])),
+            path=draw(st.sampled_from(["bf16", "fp8_mixed"])),
+            tensor=draw(st.sampled_from(["out", "NA"])),
             impl="pipeline", stages=draw(_text), device="cpu",
             seed=draw(st.integers(-(2**63), 2**63 - 1)), source="fuzz",
             topk=draw(st.none() | st.integers(0, 2**31)), heads=draw(st.none() | st.just(64)),
@@ -228,7 +230,8 @@ def test_planted_p99_growth_is_flagged_and_named(baseline):
     flagged = drift.flagged
     assert list(zip(flagged["path"], flagged["tensor"])) == [("fp8_mixed", "out")]
     assert flagged["drift"].iloc[0] == "p99" and flagged["p99_ratio"].iloc[0] > 4.0
-    assert any("DRIFT forward_mqa/fp8_mixed out [pipeline]: p99 rel_l2" in ln for ln in drift.lines())
+    assert any("DRIFT forward_mqa/fp8_mixed out [pipeline]: p99 rel_l2" in ln
+               for ln in drift.lines())
 
 
 def test_planted_bias_is_flagged(baseline):
@@ -278,10 +281,14 @@ def test_new_failures_and_groups_that_appear_or_disappear(baseline):
 
 
 def test_run_report_exit_codes(tmp_path, meta, capsys):
-    base_dir = write_run(tmp_path / "base", synthetic_rows(110, "base"), meta)
-    same_dir = write_run(tmp_path / "same", synthetic_rows(111, "same"), meta)
-    drift_dir = write_run(tmp_path / "drift",
-                          synthetic_rows(112, "drift", scale={("fp8_mixed", "out"): 5.0}), meta)
+    def run(name: str, seed: int, **plants):
+        return write_run(tmp_path / name, synthetic_rows(seed, name, cases_per_group=8, **plants),
+                         meta)
+
+    base_dir, same_dir = run("base", 110), run("same", 111)
+    drift_dir = run("drift", 112, scale={("fp8_mixed", "out"): 5.0})
+    failing, failed = with_failure(synthetic_rows(113, "fail", cases_per_group=8))
+    fail_dir = write_run(tmp_path / "fail", failing, meta)
 
     assert run_report(same_dir, baseline=base_dir) == 0
     out = capsys.readouterr().out
@@ -290,18 +297,23 @@ def test_run_report_exit_codes(tmp_path, meta, capsys):
     md = tmp_path / "drift.md"
     assert run_report(drift_dir, baseline=base_dir, html=tmp_path / "d.html", markdown=md) == 1
     out = capsys.readouterr().out
-    assert "DRIFT forward_mqa/fp8_mixed out [pipeline]" in out
+    assert "DRIFT forward_mqa/fp8_mixed out [pipeline]" in out and "PASS" in out
     assert "DRIFT forward_mqa/fp8_mixed out" in md.read_text()
     assert (tmp_path / "d.html").exists() and not (drift_dir / "report.html").exists()
 
+    assert run_report(fail_dir) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: 1 of" in out and failed.path in out
 
-def test_a_run_with_a_failure_exits_1(baseline, meta):
+
+def test_exit_code_is_failures_or_drift(baseline, meta):
     failing, _ = with_failure(synthetic_rows(113, "fail"))
-    report = build_report(rows_frame(failing), meta)
-    assert report.exit_code == 1 and report.summary().splitlines()[-1].startswith("FAIL: 1 of")
-    # against a baseline without drift elsewhere the failure alone still decides
+    assert build_report(rows_frame(failing), meta).exit_code == 1
     assert build_report(rows_frame(failing), meta, (baseline, meta)).exit_code == 1
-    assert build_report(rows_frame(synthetic_rows(114, "ok")), meta, (baseline, meta)).exit_code == 0
+    passing = rows_frame(synthetic_rows(114, "ok"))
+    assert build_report(passing, meta, (baseline, meta)).exit_code == 0
+    drifting = rows_frame(synthetic_rows(115, "drift", bias={("bf16", "out"): 5e-4}))
+    assert build_report(drifting, meta, (baseline, meta)).exit_code == 1
 
 
 @pytest.fixture(scope="module")
@@ -375,7 +387,8 @@ def test_tables_handle_nan_inf_and_empty_runs(meta):
     caption = error_by_path(annotate(rows_frame(rows))).caption
     assert re.search(r"lse max_abs: 1 zero values drawn at the floor 1e-\d\d; "
                      r"1 inf drawn at the ceiling 1e-\d\d\.", caption)
-    assert re.search(r"out rel_l2: 1 inf drawn at the ceiling 1e[-+]\d\d; 1 NaN not drawn\.", caption)
+    assert re.search(r"out rel_l2: 1 inf drawn at the ceiling 1e[-+]\d\d; 1 NaN not drawn\.",
+                     caption)
     empty = build_report(rows_frame([]), meta)
     assert empty.exit_code == 0 and "PASS: 0 rows" in render_html(empty)
     assert figures(empty.rows) == []
