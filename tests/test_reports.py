@@ -2,7 +2,8 @@
 doublings not), exit codes, and the rendered reports (self-contained HTML, markdown, terminal).
 
 Synthetic runs are Rows with realistic metric magnitudes drawn from a seeded generator: out
-rel_l2 ~2e-3 (1.2 bf16 units), lse/max_logits max_abs ~1e-6, exact tensors mismatch 0, over the
+rel_l2 ~2e-3 (1.2 bf16 units), lse/max_logits max_abs ~1e-6, exact tensors mismatch 0, each with
+a 15% case-to-case spread (an rms or a max over thousands of elements concentrates), over the
 forward_mqa paths and single ops, several impls, topk, heads, value regimes, and one group held to
 a documented deviation (raw fp8 scales rounded to bf16 in the decode kernel).
 """
@@ -100,7 +101,7 @@ def synthetic_rows(seed: int, run_id: str, cases_per_group: int = 24,
                                   bf16_units=rel / BF16_ROUNDING_REL_L2)
                     rows.append(_gated(row, "rel_l2", OUT_BOUND * (4.0 if deviation else 1.0)))
                 elif tensor in ("lse", "max_logits"):
-                    err = 1.0e-6 * s * float(rng.lognormal(0.0, 0.3))
+                    err = 1.0e-6 * s * float(rng.lognormal(0.0, 0.15))
                     row = replace(base, tensor=tensor, numel=numel, ref_rms=9.0, rel_l2=err / 9,
                                   cos_dist=0.0, max_abs=err, max_abs_at="5,1", mismatch_frac=0.0,
                                   mean_err=float(rng.normal(0, 1e-8)) + b)
@@ -217,9 +218,9 @@ def test_unchanged_rerun_is_not_flagged(baseline, seed):
     assert drift.exit_code == 0
     t = drift.table
     assert (t["status"] == "both").all() and drift.improvements.empty
-    # out sits above its floor, so only the factor's margin separates a rerun from drift; lse
-    # p99 (the max of ~1e-6 ulp noise) moves up to x2.5 between seeds: that is what floors are for
-    assert t.loc[t["kind"] == "out", "p99_ratio"].between(1 / 1.5, 1.5).all()
+    # not vacuous: out p99 sits above its floor, so the factor alone kept these reruns unflagged
+    out = t[t["kind"] == "out"]
+    assert (np.fmin(out["base_p99"], out["cur_p99"]) > NOISE_FLOOR["out"][0]).all()
     assert (t.loc[t["kind"] == "exact", "cur_p99"] == 0).all()
 
 
@@ -281,29 +282,25 @@ def test_new_failures_and_groups_that_appear_or_disappear(baseline):
 
 
 def test_run_report_exit_codes(tmp_path, meta, capsys):
-    def run(name: str, seed: int, **plants):
-        return write_run(tmp_path / name, synthetic_rows(seed, name, cases_per_group=8, **plants),
-                         meta)
+    def run(name: str, seed: int, plant=lambda rows: rows, **scale):
+        rows = plant(synthetic_rows(seed, name, cases_per_group=8, **scale))
+        return write_run(tmp_path / name, rows, meta)
 
     base_dir, same_dir = run("base", 110), run("same", 111)
-    drift_dir = run("drift", 112, scale={("fp8_mixed", "out"): 5.0})
-    failing, failed = with_failure(synthetic_rows(113, "fail", cases_per_group=8))
-    fail_dir = write_run(tmp_path / "fail", failing, meta)
+    bad_dir = run("bad", 112, plant=lambda rows: with_failure(rows)[0],
+                  scale={("fp8_mixed", "out"): 5.0})
 
     assert run_report(same_dir, baseline=base_dir) == 0
     out = capsys.readouterr().out
     assert "no drift" in out and "PASS" in out and (same_dir / "report.html").exists()
 
-    md = tmp_path / "drift.md"
-    assert run_report(drift_dir, baseline=base_dir, html=tmp_path / "d.html", markdown=md) == 1
+    md, html = tmp_path / "bad.md", tmp_path / "bad.html"
+    assert run_report(bad_dir, baseline=base_dir, html=html, markdown=md) == 1
     out = capsys.readouterr().out
-    assert "DRIFT forward_mqa/fp8_mixed out [pipeline]" in out and "PASS" in out
+    assert "FAIL: 1 of" in out and "DRIFT forward_mqa/fp8_mixed out [pipeline]" in out
+    assert "DRIFT sparse_prefill out [flash_mla]" in out            # the new failure's group
     assert "DRIFT forward_mqa/fp8_mixed out" in md.read_text()
-    assert (tmp_path / "d.html").exists() and not (drift_dir / "report.html").exists()
-
-    assert run_report(fail_dir) == 1
-    out = capsys.readouterr().out
-    assert "FAIL: 1 of" in out and failed.path in out
+    assert html.exists() and not (bad_dir / "report.html").exists()
 
 
 def test_exit_code_is_failures_or_drift(baseline, meta):
