@@ -11,6 +11,7 @@ import pandas as pd
 MISSING = "—"
 
 _HEADERS = {
+    "case_id": "case_id",          # as replay and the case files spell it
     "units_p50": "bf16u p50",
     "units_p99": "bf16u p99",
     "bias": "bias (mean)",
