@@ -11,7 +11,9 @@ Three kinds of tensor, three ways of measuring:
                     2**-10 ||r||, for answers that happen to be bf16-representable)
     elem_bf16_units max |a - r| / (2**-8 * max|r| over the row's last dim): the worst element in
                     bf16 rounding steps of its own row's magnitude
-    mean_err        mean(a - r) / rms(r): rounding averages out, a bug biases
+    mean_err        <a - r, r> / <r, r>: the signed gain error along the reference. Rounding to
+                    nearest averages out (~rel_l2 / sqrt(numel)); a wrong scale, a lost softmax
+                    mass or a biased dequantization shows as a steady sign
 * lse and max_logits (fp32 against float64):
     lse_fp32_units  max |a - r| / (2**-24 * (logit_l1 + |r| + 1)): the worst error in fp32 rounding
                     steps of the row's logit scale (logit_l1 = max_j sm_scale * sum_d |q_d K_jd|,
@@ -105,7 +107,7 @@ def _finite_common(a: torch.Tensor, r: torch.Tensor) -> tuple[Metrics, torch.Ten
         m.max_abs_at = _position(int(d.abs().flatten().argmax()), r.shape)
         ref_norm = float(rf.norm())
         m.rel_l2 = float(d.norm()) / ref_norm if ref_norm else float(d.norm() != 0) * math.inf
-        m.mean_err = float(d.sum() / n) / m.ref_rms if m.ref_rms else 0.0
+        m.mean_err = float((d * rf).sum()) / ref_norm**2 if ref_norm else 0.0
     return m, d, rf, finite
 
 

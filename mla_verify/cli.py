@@ -147,11 +147,16 @@ def _profile(name: str | None, device: str, default_cpu: str):
         raise UsageError(str(exc.args[0])) from None
 
 
-def _write_run(run_dir: Path, rows, meta_kwargs: dict) -> None:
+def _start_meta(profile: str, seed: int, device: str) -> dict:
     import reports
 
-    meta = reports.collect_meta(**meta_kwargs)
-    reports.write_run(run_dir, rows, meta)
+    return reports.collect_meta(profile, [seed], device, command=shlex.join(["mla-verify"] + sys.argv[1:]))
+
+
+def _write_run(run_dir: Path, rows, meta: dict) -> None:
+    import reports
+
+    reports.write_run(run_dir, rows, reports.finish_meta(meta))
 
 
 def cmd_fuzz(args, device: str) -> int:
@@ -176,6 +181,7 @@ def cmd_fuzz(args, device: str) -> int:
     print(f"mla-verify fuzz: op {args.op}, implementation {subject.label}, {examples} examples, profile {profile.name}, "
           f"device {device}, seed {seed}{', isolated' if isolate else ''}", flush=True)
     notes: set[str] = set()
+    meta = _start_meta(profile.name, seed, device)
     worker = Worker(device, args.timeout) if isolate else None
 
     def run(case, source):
@@ -191,8 +197,7 @@ def cmd_fuzz(args, device: str) -> int:
             worker.close()
     for note in sorted(notes):
         print(f"note: {note}")
-    _write_run(args.out, result.rows, dict(profile=profile.name, seeds=[seed], device=device,
-                                           command=shlex.join(["mla-verify"] + sys.argv[1:])))
+    _write_run(args.out, result.rows, meta)
     if args.junit:
         from .junit import write_junit
 
@@ -251,14 +256,14 @@ def cmd_gate(args, device: str) -> int:
     print(f"mla-verify gate: device {device}, profile {profile.name}, {examples} fuzz examples per op and "
           f"implementation, seed {seed}, run {out}", flush=True)
     started = time.time()
+    meta = _start_meta(profile.name, seed, device)
     result = run_gate(device=device, profile=profile, examples=examples, seed=seed, run_id=run_id, out_dir=out,
                       isolate=isolate, timeout_s=args.timeout, ops=args.op)
     for note in sorted(result.notes):
         print(f"note: {note}")
     for line in odd_ones_out(result.rows):
         print(f"odd one out: {line}")
-    _write_run(out, result.rows, dict(profile=profile.name, seeds=[seed], device=device,
-                                      command=shlex.join(["mla-verify"] + sys.argv[1:])))
+    _write_run(out, result.rows, meta)
     if args.junit:
         from .junit import write_junit
 
