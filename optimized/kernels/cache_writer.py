@@ -21,7 +21,7 @@ from optimized.kernels.kv_formats import (
     dequantize_fp8_ds_mla_rows,
     quantize_fp8_ds_mla_rows,
 )
-from optimized.kernels.launch import launch_flags, rows_per_program
+from optimized.kernels.launch import native, rows_per_program
 from optimized.registry import register
 from optimized.validation import check_choice, check_index_range, check_same_device, check_tensor, InputError
 
@@ -66,7 +66,7 @@ def _launch_quantize(
     n_tokens = kv.shape[0]
     _quantize_kernel[(triton.cdiv(n_tokens, rows),)](
         kv, kv.stride(0), cache, block_stride, slots, n_tokens, block_size,
-        HAS_SLOTS=slots is not None, POW2=scale_rule == "pow2", NATIVE=launch_flags(kv.device), ROWS=rows,
+        HAS_SLOTS=slots is not None, POW2=scale_rule == "pow2", NATIVE=native(kv.device), ROWS=rows,
     )
 
 
@@ -96,7 +96,7 @@ def dequantize_fp8_ds_mla(rows: torch.Tensor) -> torch.Tensor:
     if rows.shape[0]:
         n = rows_per_program()
         _dequantize_kernel[(triton.cdiv(rows.shape[0], n),)](
-            rows, rows.stride(0), out, rows.shape[0], NATIVE=launch_flags(rows.device), ROWS=n
+            rows, rows.stride(0), out, rows.shape[0], NATIVE=native(rows.device), ROWS=n
         )
     return out
 

@@ -9,15 +9,17 @@ from optimized.kernels import interpreting
 from optimized.validation import InputError
 
 
-def launch_flags(device: torch.device) -> bool:
-    """The NATIVE constexpr for a launch on `device`: hardware conversions unless interpreting.
-
-    CPU tensors run only under the interpreter; say so instead of letting Triton fail obscurely.
-    """
+def check_launchable(device: torch.device) -> None:
+    """CPU tensors run only under the interpreter: say so instead of letting Triton fail obscurely."""
     if device.type == "cpu" and not interpreting():
         raise InputError(
             "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported"
         )
+
+
+def native(device: torch.device) -> bool:
+    """The NATIVE constexpr for a launch on `device`: hardware conversions unless interpreting."""
+    check_launchable(device)
     return not interpreting()
 
 
