@@ -3,7 +3,7 @@ fp8_ds_mla writer and reader, the DCP merge and the MLA query concat.
 
 Exact contracts (indices, cache bytes, bf16 bits) are compared bit for bit; the DCP merge is held
 to the rounding bound derived in `_merge_tolerance`. Kernel outputs are allocated poisoned (NaN,
-0xFF bytes, 0x5A5A5A5A ints) so an element a kernel forgets to write shows. Hypothesis draws the
+0xFF bytes, 0x5A5A5A5A int32) so an element a kernel forgets to write shows. Hypothesis draws the
 structure and an integer seed; every tensor comes from `torch.Generator().manual_seed(seed)`.
 Test names carry the name of the Triton entry point they run.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from hypothesis import given, note, settings, strategies as st
 
 import reference as R
 from equivalence.values import REGIMES, kv_values
+from optimized import buffers
 from optimized.kernels import cache_writer, concat, dcp_merge as merge_kernels, gather, indices, launch
 from optimized.kernels.bits import e2m1_bits_to_f32, e4m3_bits_to_f32
 from optimized.kernels.cache_writer import dequantize_fp8_ds_mla, quantize_fp8_ds_mla, write_fp8_ds_mla_cache
@@ -43,22 +45,18 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _poison(t: torch.Tensor) -> torch.Tensor:
-    if t.is_floating_point():
-        return t.fill_(float("nan"))
-    return t.fill_(0xFF if t.dtype == torch.uint8 else INT_POISON)
-
-
 @contextlib.contextmanager
 def poisoned_outputs():
-    """Inside the block every torch.empty / empty_like (the kernels' output allocations) is poisoned."""
-    empty, empty_like = torch.empty, torch.empty_like
-    torch.empty = lambda *a, **k: _poison(empty(*a, **k))
-    torch.empty_like = lambda *a, **k: _poison(empty_like(*a, **k))
-    try:
+    """The harness's output poisoning (optimized.buffers: NaN floats, 0xFF bytes), except that
+    int32 outputs get 0x5A5A5A5A: the harness's -1 would hide an index kernel's unwritten -1."""
+    plain = buffers.empty
+
+    def empty(shape, dtype, device):
+        t = plain(shape, dtype, device)
+        return t.fill_(INT_POISON) if dtype == torch.int32 else t
+
+    with buffers.poisoned(), mock.patch.object(buffers, "empty", empty):
         yield
-    finally:
-        torch.empty, torch.empty_like = empty, empty_like
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -264,7 +262,7 @@ _gather_shapes = dict(
 )
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(rule=st.sampled_from(["pow2", "raw"]), **_gather_shapes)
 def test_triton_gather_upconvert_fp8_matches_reference(rule, **shapes):
     _check_gather(
@@ -272,7 +270,7 @@ def test_triton_gather_upconvert_fp8_matches_reference(rule, **shapes):
     )
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(rounding=st.sampled_from(["up", "rn"]), **_gather_shapes)
 def test_triton_gather_upconvert_nvfp4_matches_reference(rounding, **shapes):
     _check_gather(
@@ -360,8 +358,10 @@ def test_triton_write_fp8_ds_mla_cache_matches_reference(
 #   f_n = exp(lse_n - L) in fp32: relative error <= |dL| + 2**-24 |lse_n - L| + 2**-22     (eps_n)
 #   partial: bf16(fp32(o_n f_n)) vs bf16(p_n): the unrounded values differ by (eps_n + 2**-24)|p_n|,
 #       and two round-to-nearest results differ by that plus at most one bf16 ulp (<= 2**-7 |p_n|)
+#       (plus |o_n| 2**-126 where f_n is so small that fp32 flushes it: exp below 2**-126)
 #   sum: N fp32 additions, <= N 2**-24 sum_n |p_n| (first order);  final bf16 rounding <= 2**-8 |out|
-#   tol = 2**-8 |out_ref| + sum_n (2**-7 (1 + 2**-7) + eps_n + (N + 1) 2**-24) |p_n| + N 2**-133
+#   tol = 2**-8 |out_ref| + sum_n [(2**-7 (1 + 2**-7) + eps_n + (N + 1) 2**-24) |p_n| + 2**-126 |o_n|]
+#         + N 2**-133
 # (the 2**-7 factor covers second-order terms; 2**-133 is bf16's smallest subnormal step).
 
 
@@ -377,7 +377,8 @@ def _merge_tolerance(outs: torch.Tensor, lses: torch.Tensor, out_ref: torch.Tens
     exponent = (lses.double() - lse_ref).abs().nan_to_num(0.0, 0.0, 0.0)
     eps = tol_lse + 2.0**-24 * exponent + 2.0**-22
     p = torch.where(f[..., None] == 0, 0.0, outs.double() * f[..., None]).abs()
-    per_rank = (2.0**-7 * (1 + 2.0**-7) + eps[..., None] + (ranks + 1) * 2.0**-24) * p
+    flushed = 2.0**-126 * torch.where(f[..., None] == 0, 0.0, outs.double()).abs()
+    per_rank = (2.0**-7 * (1 + 2.0**-7) + eps[..., None] + (ranks + 1) * 2.0**-24) * p + flushed
     tol_out = 2.0**-8 * out_ref.abs() + per_rank.sum(0) + ranks * 2.0**-133
     return tol_out, tol_lse
 
@@ -411,7 +412,7 @@ _IGNORE_NUMPY_WARNINGS = pytest.mark.filterwarnings("ignore::RuntimeWarning:trit
 
 
 @_IGNORE_NUMPY_WARNINGS
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     ranks=st.integers(1, 8), tokens=st.integers(1, 4), heads=st.integers(1, 9),
     dim=st.sampled_from([16, 100, 512]), empties=st.sampled_from(_EMPTINESS), seed=seeds,

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from optimized import buffers
 from optimized.kernels.kv_formats import (
     FP8_ROW_BYTES,
     HEAD_DIM,
@@ -78,7 +79,7 @@ def quantize_fp8_ds_mla(kv: torch.Tensor, scale_rule: str = "pow2") -> torch.Ten
     """
     _check_kv(kv)
     check_choice("scale_rule", scale_rule, SCALE_RULES, "the fp8_ds_mla scale contract")
-    out = torch.empty((kv.shape[0], FP8_ROW_BYTES.value), dtype=torch.uint8, device=kv.device)
+    out = buffers.empty((kv.shape[0], FP8_ROW_BYTES.value), torch.uint8, kv.device)
     if kv.shape[0]:
         _launch_quantize(kv, out, 0, None, 1, scale_rule)
     return out
@@ -92,7 +93,7 @@ def dequantize_fp8_ds_mla(rows: torch.Tensor) -> torch.Tensor:
     RoPE = bytes [528, 656) as 64 bf16, bit for bit. rows' last dim must be contiguous.
     """
     check_tensor("rows", rows, dtype=torch.uint8, shape=(None, FP8_ROW_BYTES.value), last_dim_contiguous=True)
-    out = torch.empty((rows.shape[0], HEAD_DIM.value), dtype=torch.bfloat16, device=rows.device)
+    out = buffers.empty((rows.shape[0], HEAD_DIM.value), torch.bfloat16, rows.device)
     if rows.shape[0]:
         n = rows_per_program()
         _dequantize_kernel[(triton.cdiv(rows.shape[0], n),)](

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from optimized import buffers
 from optimized.kernels.kv_formats import HEAD_DIM, NOPE, ROPE
 from optimized.kernels.launch import check_launchable
 from optimized.registry import register
@@ -42,7 +43,7 @@ def concat_mla_q(ql_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
     tokens, heads = ql_nope.shape[:2]
     check_tensor("q_pe", q_pe, dtype=torch.bfloat16, shape=(tokens, heads, ROPE.value))
     check_same_device(ql_nope=ql_nope, q_pe=q_pe)
-    q = torch.empty((tokens, heads, HEAD_DIM.value), dtype=torch.bfloat16, device=ql_nope.device)
+    q = buffers.empty((tokens, heads, HEAD_DIM.value), torch.bfloat16, ql_nope.device)
     if q.numel():
         check_launchable(q.device)
         block_h = min(triton.next_power_of_2(heads), _MAX_HEADS_PER_PROGRAM)

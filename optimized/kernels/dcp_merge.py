@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from optimized import buffers
 from optimized.kernels.bits import bf16_to_f32, to_bf16
 from optimized.kernels.launch import native
 from optimized.registry import register
@@ -114,8 +115,8 @@ def dcp_lse_correct(out_r: torch.Tensor, lses: torch.Tensor, rank: int) -> tuple
     if not 0 <= rank < num_ranks:
         raise InputError(f"rank={rank} is outside [0, N={num_ranks}) (lses has {num_ranks} ranks)")
     dim = _check_dim(out_r)
-    scaled = torch.empty((tokens, heads, dim), dtype=torch.bfloat16, device=out_r.device)
-    lse = torch.empty((tokens, heads), dtype=torch.float32, device=out_r.device)
+    scaled = buffers.empty((tokens, heads, dim), torch.bfloat16, out_r.device)
+    lse = buffers.empty((tokens, heads), torch.float32, out_r.device)
     if lse.numel():
         tiles = _tiles(num_ranks, heads, dim)
         _lse_correct_kernel[(tokens, triton.cdiv(heads, tiles["BLOCK_H"]))](
@@ -139,8 +140,8 @@ def dcp_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, tor
     if num_ranks == 0:
         raise InputError("outs: need at least one rank (dim 0 is 0)")
     _check_dim(outs)
-    merged = torch.empty((tokens, heads, dim), dtype=torch.bfloat16, device=outs.device)
-    lse = torch.empty((tokens, heads), dtype=torch.float32, device=outs.device)
+    merged = buffers.empty((tokens, heads, dim), torch.bfloat16, outs.device)
+    lse = buffers.empty((tokens, heads), torch.float32, outs.device)
     if lse.numel():
         tiles = _tiles(num_ranks, heads, dim)
         _merge_kernel[(tokens, triton.cdiv(heads, tiles["BLOCK_H"]))](

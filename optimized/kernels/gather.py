@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from optimized import buffers
 from optimized.kernels.kv_formats import (
     FP8_ROW_BYTES,
     HEAD_DIM,
@@ -117,7 +118,7 @@ def _gather(
 ) -> torch.Tensor:
     row_bytes = (NVFP4_ROW_BYTES if nvfp4 else FP8_ROW_BYTES).value
     _check_gather(kv_cache, row_bytes, block_table, workspace_starts, num_rows)
-    out = torch.empty((num_rows, HEAD_DIM.value), dtype=torch.bfloat16, device=kv_cache.device)
+    out = buffers.empty((num_rows, HEAD_DIM.value), torch.bfloat16, kv_cache.device)
     if num_rows == 0:
         return out
     rows = rows_per_program()

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from optimized import buffers
 from optimized.kernels.launch import check_launchable
 from optimized.registry import register
 from optimized.validation import InputError, check_index_range, check_same_device, check_tensor
@@ -120,8 +121,8 @@ def _convert(
     prefill_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_tokens, topk_width = topk.shape
-    out = torch.empty_like(topk)
-    counts = torch.empty(num_tokens, dtype=torch.int32, device=topk.device) if compact else None
+    out = buffers.empty(topk.shape, torch.int32, topk.device)
+    counts = buffers.empty((num_tokens,), torch.int32, topk.device) if compact else None
     if num_tokens:
         _convert_kernel[(num_tokens,)](
             req_id, block_table, block_table.stride(0), topk, out, counts, prefill_ids, prefill_starts,
