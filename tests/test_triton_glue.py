@@ -323,6 +323,21 @@ def test_triton_quantize_fp8_ds_mla_worked_example():
     assert_same_bits(rows, R.quantize_fp8_ds_mla(kv, "pow2"))
 
 
+@pytest.mark.parametrize("rule", ["pow2", "raw"])
+def test_triton_quantize_fp8_ds_mla_leaves_nan_out_of_amax(rule):
+    # As the CUDA writer's fmaxf reduction: a NaN does not set its tile's scale, and itself
+    # becomes e4m3 NaN. (Outside the reference's contract, which takes finite rows.)
+    kv = kv_values(torch.Generator().manual_seed(11), 2, "normal")
+    finite = kv.clone()
+    kv[0, 5], kv[1, 300], finite[0, 5], finite[1, 300] = math.nan, -math.nan, 0.0, 0.0
+    got = quantize_fp8_ds_mla(kv.to(DEVICE), scale_rule=rule).cpu()
+    want = R.quantize_fp8_ds_mla(finite, rule)
+    nan_at = torch.zeros_like(got, dtype=torch.bool)
+    nan_at[0, 5] = nan_at[1, 300] = True
+    assert_same_bits(got[~nan_at], want[~nan_at])
+    assert all(int(b) & 0x7F == 0x7F for b in got[nan_at])
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     n=st.integers(1, 24), block_size=BLOCK_SIZES, num_blocks=st.integers(1, 5), layers=st.integers(1, 3),

@@ -24,7 +24,7 @@ from optimized.kernels.kv_formats import (
 )
 from optimized.kernels.launch import native, rows_per_program
 from optimized.registry import register
-from optimized.validation import check_choice, check_index_range, check_same_device, check_tensor, InputError
+from optimized.validation import InputError, check_choice, check_index_range, check_same_device, check_tensor
 
 SCALE_RULES = ("pow2", "raw")
 

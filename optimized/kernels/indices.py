@@ -155,7 +155,7 @@ def convert_index(
     then -1) and also returns the counts [T] int32.
     """
     req_id, block_table, topk_indices = _checked_rows(req_id, block_table, topk_indices, block_size)
-    stride_rows = block_size if block_stride_rows is None else block_stride_rows
+    stride_rows = block_stride_rows or block_size
     if stride_rows < block_size:
         raise InputError(
             f"block_stride_rows={stride_rows} is below block_size={block_size}: blocks would overlap"

@@ -54,41 +54,39 @@ def _fp8_scale_offsets():
 
 
 @triton.jit
-def fp8_ds_mla_scale(amax, POW2: tl.constexpr):
+def _fp8_ds_mla_scale(amax, POW2: tl.constexpr):
     """Per-tile fp32 scale from amax = max |x| (spec §3.2).
 
     POW2 (v0.33.0, vLLM PR #49435): s = 2 ** ceil(log2(max(amax / 448, 1e-4))).
     Otherwise (older writers):       s = max(amax / 448, FLT_MIN).
     amax / 448 is an IEEE division; the power-of-two ceiling is taken on the bits (a positive
     normal float is already a power of two iff its mantissa is zero; else bump the exponent),
-    so it is exact where log2/exp2 approximations are not. A NaN amax stays NaN.
+    so it is exact where log2/exp2 approximations are not.
     """
     r = tl.math.div_rn(amax, tl.full(amax.shape, E4M3_MAX, tl.float32))
     if POW2:
         u = tl.maximum(r, POW2_SCALE_FLOOR).to(tl.int32, bitcast=True)
         u = tl.where((u & 0x7FFFFF) == 0, u, (u & 0x7F800000) + 0x800000)
-        s = u.to(tl.float32, bitcast=True)
+        return u.to(tl.float32, bitcast=True)
     else:
-        s = tl.maximum(r, FLT_MIN)
-    # tl.maximum drops a NaN operand on the GPU but keeps it in the interpreter: decide here.
-    return tl.where(r != r, r, s)
+        return tl.maximum(r, FLT_MIN)
 
 
 @triton.jit
 def quantize_fp8_ds_mla_rows(src, dst, mask, POW2: tl.constexpr, NATIVE: tl.constexpr):
     """Write fp8_ds_mla rows: src [R] bf16 row pointers (576 values), dst [R] uint8 row pointers.
 
-    Per tile j: s_j = fp8_ds_mla_scale(max |x|); q_i = e4m3fn_rn_satfinite(x_i / s_j) with an IEEE
+    Per tile j: s_j = _fp8_ds_mla_scale(max |x|), NaN ignored; q_i = e4m3fn_rn_satfinite(x_i / s_j) with an IEEE
     fp32 division (not a reciprocal multiply); RoPE bits copied. Rows where `mask` is False are
     neither read nor written.
     """
     nope = _fp8_nope_offsets()
     m3 = mask[:, None, None]
     x = bf16_to_f32(tl.load(src[:, None, None] + nope, mask=m3, other=0.0), NATIVE)
-    amax = tl.max(tl.abs(x), axis=2)
-    # tl.max ignores NaN on the GPU and propagates it in the interpreter: propagate, as torch does.
-    has_nan = tl.max((x != x).to(tl.int32), axis=2) > 0
-    scale = fp8_ds_mla_scale(tl.where(has_nan, float("nan"), amax), POW2)
+    # NaN takes no part in amax, as in the CUDA writer's fmaxf reduction (tl.max would drop it on
+    # the GPU but keep it in the interpreter); the NaN itself quantizes to e4m3 NaN.
+    amax = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=2)
+    scale = _fp8_ds_mla_scale(amax, POW2)
     q = f32_to_e4m3_bits(tl.math.div_rn(x, tl.broadcast_to(scale[:, :, None], x.shape)))
     tl.store(dst[:, None, None] + nope, q.to(tl.uint8), mask=m3)
 
