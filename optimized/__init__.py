@@ -1,0 +1,11 @@
+"""The optimized side: real kernels and our own, composed like vLLM's FlashMLA sparse backend.
+
+Importing the package registers every implementation. Registration order is preference order
+(`optimized.registry`): flash_mla's kernels first where they exist, then our Triton kernels, then
+the float32 eager fallbacks; metadata and spec-decode helpers have one implementation each.
+"""
+
+from . import eager, metadata, spec_decode  # noqa: F401  (imported to register, in preference order)
+from .pipeline import PipelineResult, forward_mqa, forward_mqa_dcp, needed_stages
+
+__all__ = ["PipelineResult", "forward_mqa", "forward_mqa_dcp", "needed_stages"]
