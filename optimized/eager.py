@@ -537,25 +537,50 @@ def concat_mla_q(ql_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
     return q
 
 
+def _merge_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """lses [N, T, H] -> (L [T, H], f [N, T, H]) of the LSE merge: L = logsumexp_n x_n with
+    x = lse where NaN / +inf become -inf (-inf where every rank is empty); f_n = exp(lse_n - L),
+    0 where that exponent is NaN or +inf."""
+    inf = float("inf")
+    merged = torch.logsumexp(lses.masked_fill(torch.isnan(lses) | (lses == inf), -inf), dim=0)
+    exponent = lses - merged
+    return merged, torch.exp(exponent).masked_fill_(torch.isnan(exponent) | (exponent == inf), 0.0)
+
+
+def _scaled_terms(outs: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """bf16(f * out), as each rank stores its term before the reduce-scatter; exactly 0 where
+    f = 0, which drops whatever junk (NaN, inf) an empty rank's output holds."""
+    terms = (outs.float() * f[..., None]).to(torch.bfloat16)
+    return terms.masked_fill_(f[..., None] == 0, 0.0)
+
+
+@_stage("dcp_lse_correct")
+def dcp_lse_correct(out_r: torch.Tensor, lses: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's share of the AG+RS combine (`correct_attn_out`): out_r [T, H, D] bf16 and every
+    rank's lses [N, T, H] f32 -> (bf16(f_rank * out_r) [T, H, D], L [T, H] f32)."""
+    check_tensor("lses", lses, dtype=torch.float32, ndim=3)
+    check_tensor("out_r", out_r, dtype=torch.bfloat16, shape=(*lses.shape[1:], None))
+    check_same_device(out_r=out_r, lses=lses)
+    if not 0 <= rank < lses.shape[0]:
+        raise InputError(f"rank={rank} is outside [0, {lses.shape[0]}) (lses has {lses.shape[0]} ranks)")
+    merged, f = _merge_weights(lses)
+    partial = buffers.empty(tuple(out_r.shape), torch.bfloat16, out_r.device)
+    lse = buffers.empty(tuple(merged.shape), torch.float32, out_r.device)
+    partial.copy_(_scaled_terms(out_r, f[rank]))
+    lse.copy_(merged)
+    return partial, lse
+
+
 @_stage("dcp_merge")
 def dcp_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge N ranks' partial attention by LSE, as the AG+RS combine does:
-    L = logsumexp_n x_n (x = lse with NaN/+inf -> -inf), f_n = exp(lse_n - L) (0 where NaN/+inf),
-    out = sum_n bf16(f_n * out_n), rank n's term 0 where f_n = 0. outs [N, T, H, D] bf16,
-    lses [N, T, H] f32 -> (out [T, H, D] bf16, L [T, H] f32)."""
-    check_tensor("outs", outs, dtype=torch.bfloat16, ndim=4)
-    check_tensor("lses", lses, dtype=torch.float32, shape=tuple(outs.shape[:3]))
+    """Every rank's `dcp_lse_correct` share, summed (in float32) and rounded to bf16:
+    outs [N, T, H, D] bf16, lses [N, T, H] f32 -> (out [T, H, D] bf16, L [T, H] f32)."""
+    check_tensor("lses", lses, dtype=torch.float32, ndim=3)
+    check_tensor("outs", outs, dtype=torch.bfloat16, shape=(*lses.shape, None))
     check_same_device(outs=outs, lses=lses)
-    inf = float("inf")
-    x = lses.masked_fill(torch.isnan(lses) | (lses == inf), -inf)
-    merged = torch.logsumexp(x, dim=0)  # -inf where every rank is empty
-    exponent = lses - merged
-    f = torch.exp(exponent).masked_fill_(torch.isnan(exponent) | (exponent == inf), 0.0)
-    # Each rank stores its scaled term in bf16 before the reduce-scatter sums them.
-    terms = (outs.float() * f[..., None]).to(torch.bfloat16).float()
-    terms = torch.where(f[..., None] == 0, 0.0, terms)
+    merged, f = _merge_weights(lses)
     out = buffers.empty(tuple(outs.shape[1:]), torch.bfloat16, outs.device)
-    lse = buffers.empty(tuple(lses.shape[1:]), torch.float32, lses.device)
-    out.copy_(terms.sum(dim=0))
+    lse = buffers.empty(tuple(merged.shape), torch.float32, outs.device)
+    out.copy_(_scaled_terms(outs, f).float().sum(dim=0))
     lse.copy_(merged)
     return out, lse

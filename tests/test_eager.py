@@ -1,6 +1,6 @@
 """optimized/eager.py op by op: the exact ops (cache bytes, index conversion, workspace gather,
 query concat) bit for bit against the reference; the prefill op with sinks, topk_length and every
-invalid-index form within the fp32 model of test_pipeline; the merge on junk; input checks.
+invalid-index form within the fp32 model of fp32_bounds; the merge on junk; input checks.
 Every output is allocated poisoned, so an unwritten element shows."""
 
 import math
@@ -19,12 +19,11 @@ seeds = st.integers(0, 2**31 - 1)
 
 
 def same_bits(a, b):
-    """Bit equality (also for bf16, where NaN != NaN and -0 == 0 would hide differences)."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.uint8 else torch.equal(
-        a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32),
-        b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32),
-    )
+    """Bit equality: unlike ==, it tells -0 from 0 and compares NaNs."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
 
 
 @given(seed=seeds, n=st.integers(1, 40), regime=st.sampled_from(REGIMES), rule=st.sampled_from(["pow2", "raw"]))
@@ -193,6 +192,11 @@ def test_dcp_merge_matches_and_never_lets_junk_through(seed, ranks, tokens):
     terms = torch.where(f[..., None] == 0, 0.0, outs.double() * f[..., None]).abs().sum(0)
     assert bool(((out.double() - want_out).abs() <= 2.0**-7 * terms + 2.0**-8 * want_out.abs()).all())
     assert bool(((lse.double() - want_lse).abs() <= 8 * U * (1 + want_lse.abs()))[live].all())
+    # The merge is the sum of every rank's own correction (what the reduce-scatter adds up).
+    with buffers.poisoned():
+        shares = [E.dcp_lse_correct(out_r=outs[r], lses=lses, rank=r) for r in range(ranks)]
+    assert all(same_bits(share_lse, lse) for _, share_lse in shares)
+    assert same_bits(torch.stack([p for p, _ in shares]).float().sum(0).to(torch.bfloat16), out)
 
 
 @given(seed=seeds, tokens=st.integers(0, 6), heads=st.sampled_from([1, 16]))
