@@ -203,7 +203,7 @@ def _fp8_separate(
     """`_forward_fp8_kv_separate_prefill_decode`: decodes through the decode kernel, prefills
     chunk by chunk through the BF16 prefill kernel over an up-converted workspace."""
     q, stages = step.q, step.stages
-    num_tokens, num_heads = q.shape[:2]  # under DCP, q would carry every rank's heads
+    num_tokens, num_heads = q.shape[:2]
     num_decode_tokens, num_prefill_tokens = split.num_decode_tokens, num_tokens - split.num_decode_tokens
     if num_prefill_tokens not in (0, split.num_prefill_tokens):
         raise InputError(

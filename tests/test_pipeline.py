@@ -110,8 +110,9 @@ def test_dcp_ranks_and_merge_match_the_reference(seed, dcp, data):
 
 
 def test_an_index_past_a_prefill_reads_the_next_workspace_rows_or_nothing():
-    # No `tok < seq_len` check: one past request r's sequence is request r+1's first workspace
-    # row, and one past the chunk's last request is past the workspace (invalid).
+    # No `tok < seq_len` check: one past a prefill's sequence is the next prefill's first workspace
+    # row, one past the chunk's last prefill is past the workspace (invalid), and one past the
+    # decode (the 3-token request) reads its block's stale slot through the block table.
     params = dict(cache_dtype="fp8_ds_mla", heads=64, query_lens=[3, 4, 2], context_lens=[20, 33, 7], block_size=16,
                   table_pad=1, topk=16, sm_scale=0.1352, value_regime="normal")
     batch = make_batch(params, 11)
