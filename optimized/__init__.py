@@ -1,7 +1,12 @@
-"""The side under test: the backend's GPU implementation, as named, replaceable stages.
+"""The optimized side: real kernels and our own, composed like vLLM's FlashMLA sparse backend.
 
-Importing this package registers every implementation in order of preference (the registry
-lists earlier registrations first): the real FlashMLA kernels, then our Triton kernels.
+Importing the package registers every implementation. Registration order is preference order
+(`optimized.registry`): flash_mla's kernels first where they exist, then our Triton kernels, then
+the float32 eager fallbacks; metadata and spec-decode helpers have one implementation each.
 """
 
 from optimized.kernels import cache_writer, concat, dcp_merge, gather, indices  # noqa: F401
+from . import eager, metadata, spec_decode  # noqa: F401  (imported to register, in preference order)
+from .pipeline import PipelineResult, forward_mqa, forward_mqa_dcp, needed_stages
+
+__all__ = ["PipelineResult", "forward_mqa", "forward_mqa_dcp", "needed_stages"]
