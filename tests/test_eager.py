@@ -13,7 +13,7 @@ import reference as R
 from equivalence.values import REGIMES, kv_values, q_values
 from optimized import buffers, eager as E, spec_decode
 from optimized.validation import InputError
-from fp32_bounds import U, ErrorModel, check_against_reference
+from tests.fp32_bounds import U, ErrorModel, check_against_reference
 
 seeds = st.integers(0, 2**31 - 1)
 

@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 import reference as R
 from equivalence.batch import INVALID_PATTERNS, make_batch
 from equivalence.values import REGIMES
-from fp32_bounds import U, ErrorModel, check_against_reference, fp32_stages
+from tests.fp32_bounds import U, ErrorModel, check_against_reference, fp32_stages
 from optimized import buffers, forward_mqa, forward_mqa_dcp, needed_stages, registry
 
 seeds = st.integers(0, 2**31 - 1)
