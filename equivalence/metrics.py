@@ -11,10 +11,13 @@ Three kinds of tensor, three ways of measuring:
                     2**-10 ||r||, for answers that happen to be bf16-representable)
     elem_bf16_units max |a - r| / (2**-8 * max|r| over the row's last dim): the worst element in
                     bf16 rounding steps of its own row's magnitude
-    mean_err        <a - r, r> / <r, r>: the signed gain error along the reference. Rounding to
-                    nearest averages out (~rel_l2 / sqrt(numel)); a wrong scale, a lost softmax
-                    mass or a biased dequantization shows as a steady sign
+    mean_err        mean of (a - r) / r over the elements at least 2**-8 of their row's largest:
+                    the signed relative bias, each element weighing the same (large outlier
+                    channels do not dominate it). Rounding to nearest averages out
+                    (~2**-8 / sqrt(3 n)); a wrong scale, a lost softmax mass or a biased
+                    dequantization shows as a steady sign
 * lse and max_logits (fp32 against float64):
+    mean_err        (for these, the signed gain <a - r, r> / <r, r>)
     lse_fp32_units  max |a - r| / (2**-24 * (logit_l1 + |r| + 1)): the worst error in fp32 rounding
                     steps of the row's logit scale (logit_l1 = max_j sm_scale * sum_d |q_d K_jd|,
                     what an fp32 dot product's rounding error grows with)
@@ -124,6 +127,8 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float) -> Metrics:
     err = float(d.norm())
     m.bf16_units = err / rounding if rounding else (0.0 if err == 0 else math.inf)
     row_scale = BF16_UNIT * rf.abs().amax(dim=-1, keepdim=True)
+    sizable = finite & (rf.abs() >= row_scale) & (rf != 0)
+    m.mean_err = float((d[sizable] / rf[sizable]).mean()) if bool(sizable.any()) else 0.0
     per_elem = torch.where(row_scale > 0, d.abs() / row_scale, torch.where(d != 0, math.inf, 0.0))
     m.elem_bf16_units = float(per_elem.max())
     m.mismatch_frac = float((per_elem > elem_units).double().mean())

@@ -31,7 +31,7 @@ METRIC_COLUMNS = (
     "max_abs",        # max |impl - ref| over finite positions
     "max_abs_at",     # index of that element, as "i,j,k"
     "mismatch_frac",  # fraction failing the per-element abs-or-rel check (exact ops: not bit-equal)
-    "mean_err",       # <impl - ref, ref> / <ref, ref>: signed gain error; a bug biases, rounding does not
+    "mean_err",       # signed relative bias, mean (impl - ref) / ref: a bug biases, rounding does not
     "bf16_units",     # ||impl - ref|| / ||bf16(ref) - ref||: error in units of bf16 rounding
     "elem_bf16_units",  # worst element, in bf16 rounding steps of its row's magnitude
     "lse_fp32_units",   # worst LSE error, in fp32 rounding steps of its row's logit scale
