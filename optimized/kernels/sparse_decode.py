@@ -1,0 +1,204 @@
+"""Sparse MLA decode attention reading the fp8_ds_mla KV cache directly, in Triton (FlashMLA
+`flash_mla_with_kvcache`'s sparse FP8 contract without its 64/128-head and top-k % 64 limits).
+
+A cache row is 656 bytes: [0, 512) float8_e4m3fn NoPE, [512, 528) four fp32 scales (scale i
+covers NoPE elements [128i, 128i+128)), [528, 656) 64 bf16 RoPE. It is dequantized as
+
+    K[d] = bf16(float(fp8[d]) * scale[d // 128])   d < 512   (fp32 multiply, round to nearest even)
+    K[512 + r] = rope[r]
+
+which is exact for power-of-two scales (the "bf16_dequant" deviation otherwise). An index is a
+physical slot, block * page_size + offset, and only -1 is invalid. For batch b, query token s,
+head h: s_j = sm_scale <q[b,s,h], K_j>, lse[b,h,s] = ln sum_j e^(s_j), out[b,s,h] =
+softmax(s) @ K[:, :512]; a row of -1 gives out 0, lse +inf.
+
+When B*S*head-blocks programs would leave SMs idle, the top-k list is split over several programs
+(split-KV); each writes an fp32 partial output normalised by its own sum plus its lse, and a
+combine kernel merges them: lse = ln sum_i e^(lse_i), out = sum_i e^(lse_i - lse) out_i.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from optimized.kernels import interpreting
+from optimized.formats import D_QK, D_V, FP8_ROW_BYTES
+from optimized.kernels.attention_launch import AttentionConfig, check_launch_device, decode_splits, num_sms
+from optimized.kernels.bits import e4m3_to_f32, to_bf16
+from optimized.kernels.online_softmax import LOG2E, attend_block, finish
+from optimized.registry import register
+from optimized.validation import InputError, check_index_range, check_same_device, check_sm_scale, check_tensor
+
+@triton.jit
+def _gather_dequant(cache_ptr, idx, valid, block_size, stride_block, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
+    """Rows `idx` of the paged fp8_ds_mla cache -> (k_nope [BN, 512] bf16, k_rope [BN, 64] bf16)."""
+    slot = tl.where(valid, idx, 0)
+    rows = cache_ptr + (slot // block_size).to(tl.int64) * stride_block + (slot % block_size).to(tl.int64) * 656
+    codes = tl.load(rows[:, None] + tl.arange(0, 512)[None, :], mask=valid[:, None], other=0)
+    scales = tl.load((rows + 512).to(tl.pointer_type(tl.float32))[:, None] + tl.arange(0, 4)[None, :],
+                     mask=valid[:, None], other=0.0)
+    tiles = tl.reshape(e4m3_to_f32(codes, NATIVE), (BLOCK_N, 4, 128)) * scales[:, :, None]
+    k_nope = to_bf16(tl.reshape(tiles, (BLOCK_N, 512)), NATIVE)
+    k_rope = tl.load((rows + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + tl.arange(0, 64)[None, :],
+                     mask=valid[:, None], other=0.0)
+    return k_nope, k_rope
+
+
+@triton.jit
+def _sparse_decode_kernel(
+    q_ptr, cache_ptr, idx_ptr,
+    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    sm_scale, seq, num_heads, topk, head_blocks, num_splits, split_len, block_size,
+    stride_q_b, stride_q_s, stride_q_h, stride_block, stride_idx_b, stride_idx_s,
+    SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
+):
+    """One program: one (b, s) row, one head block, one split of the top-k list.
+
+    Outputs are indexed by row = b*S + s: out [rows, H, 512], lse [rows, H] (the caller views it
+    as [B, H, S]); partials [rows, H, splits, 512] and [rows, H, splits].
+    """
+    # Head blocks vary fastest, then splits: programs that gather the same rows run together.
+    pid = tl.program_id(0)
+    hb = pid % head_blocks
+    split = (pid // head_blocks) % num_splits
+    row = (pid // (head_blocks * num_splits)).to(tl.int64)
+    b = row // seq
+    s = row % seq
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    dv = tl.arange(0, 512)
+
+    q_rows = q_ptr + b * stride_q_b + s * stride_q_s + heads[:, None] * stride_q_h
+    q_nope = tl.load(q_rows + dv[None, :], mask=head_ok[:, None], other=0.0)
+    q_rope = tl.load(q_rows + 512 + tl.arange(0, 64)[None, :], mask=head_ok[:, None], other=0.0)
+
+    begin = split * split_len
+    end = tl.minimum(begin + split_len, topk)
+    scale_log2e = sm_scale * LOG2E
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, 512), tl.float32)
+    for start in range(begin, end, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + b * stride_idx_b + s * stride_idx_s + j, mask=j < end, other=-1)
+        valid = idx != -1
+        k_nope, k_rope = _gather_dequant(cache_ptr, idx, valid, block_size, stride_block, BLOCK_N, NATIVE)
+        m, l, acc = attend_block(q_nope, q_rope, k_nope, k_rope, valid, m, l, acc, scale_log2e, NATIVE)
+
+    lse, _, scale = finish(m, l, sm_scale, float("-inf"))
+    o = acc * scale[:, None]
+    if SPLIT:
+        # An empty split weighs e^-inf = 0 in the combine (an empty final row is +inf).
+        part = (row * num_heads + heads) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * 512 + dv[None, :], o, mask=head_ok[:, None])
+        tl.store(part_lse_ptr + part, tl.where(l > 0.0, lse, float("-inf")), mask=head_ok)
+    else:
+        tl.store(out_ptr + (row * num_heads + heads)[:, None] * 512 + dv[None, :], to_bf16(o, NATIVE),
+                 mask=head_ok[:, None])
+        tl.store(lse_ptr + row * num_heads + heads, lse, mask=head_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits,
+                           BLOCK_S: tl.constexpr, NATIVE: tl.constexpr):
+    """One program per (row, head): merge the split partials into out (bf16) and lse."""
+    rh = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_S)
+    lse_i = tl.load(part_lse_ptr + rh * num_splits + i, mask=i < num_splits, other=float("-inf"))
+    top = tl.max(lse_i, 0)
+    nonempty = top > float("-inf")
+    top = tl.where(nonempty, top, 0.0)
+    w = tl.math.exp2((lse_i - top) * LOG2E)
+    total = tl.sum(w, 0)
+    dv = tl.arange(0, 512)
+    o_i = tl.load(part_out_ptr + (rh * num_splits + i)[:, None] * 512 + dv[None, :],
+                  mask=(i < num_splits)[:, None], other=0.0)
+    o = tl.sum(w[:, None] * o_i, 0) / tl.where(nonempty, total, 1.0)
+    tl.store(out_ptr + rh * 512 + dv, to_bf16(o, NATIVE))
+    tl.store(lse_ptr + rh, tl.where(nonempty, top + tl.log(tl.where(nonempty, total, 1.0)), float("inf")))
+
+
+def check_decode_inputs(
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float
+) -> float:
+    """Shape, dtype, layout and index-range checks of the FP8 decode contract (any device).
+
+    Only -1 is an invalid index; any other value outside [0, NB*BS) is refused here, because the
+    FlashMLA kernel reads it unchecked (an out-of-bounds read can take down the CUDA context).
+    """
+    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, None, D_QK), last_dim_contiguous=True)
+    batch, seq, heads, _ = q.shape
+    if min(batch, seq, heads) < 1:
+        raise InputError(f"q: batch, query tokens and heads must all be >= 1, got shape {tuple(q.shape)}")
+    check_tensor("kv_cache", kv_cache, dtype=torch.uint8, shape=(None, None, FP8_ROW_BYTES), last_dim_contiguous=True)
+    if kv_cache.stride(1) != FP8_ROW_BYTES:
+        raise InputError(
+            f"kv_cache: rows of a page must be packed (stride(1) == {FP8_ROW_BYTES}), got strides {kv_cache.stride()}"
+        )
+    # The fp32 scales are read as words: every row must start 4-byte aligned.
+    if kv_cache.data_ptr() % 4 or kv_cache.stride(0) % 4:
+        raise InputError(
+            f"kv_cache: base address and stride(0) must be multiples of 4 bytes "
+            f"(address % 4 = {kv_cache.data_ptr() % 4}, stride(0) = {kv_cache.stride(0)})"
+        )
+    check_tensor("indices", indices, dtype=torch.int32, shape=(batch, seq, None), last_dim_contiguous=True)
+    if indices.shape[2] < 1:
+        raise InputError(f"indices: top-k width must be >= 1, got shape {tuple(indices.shape)}")
+    check_same_device(q=q, kv_cache=kv_cache, indices=indices)
+    sm_scale = check_sm_scale(sm_scale)
+    check_index_range("indices", indices, kv_cache.shape[0] * kv_cache.shape[1], sentinels=(-1,))
+    return sm_scale
+
+
+@register("sparse_decode_fp8", "triton", devices=("cpu", "cuda"), deviations=("bf16_dequant",))
+def sparse_decode_fp8(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    *,
+    config: AttentionConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse decode over the fp8_ds_mla cache: (out [B,S,H,512] bf16, lse [B,H,S] f32).
+
+    q [B,S,H,576] bf16, kv_cache [NB,BS,656] uint8 (stride(1) == 656, any stride(0)), indices
+    [B,S,K] int32 physical slots (-1 = invalid). out = softmax(s) @ K[:, :512] with
+    s_j = sm_scale <q, K_j> over the dequantized rows; lse = ln sum e^(s_j); all -1: out 0, lse +inf.
+    lse is a [B,H,S] view of a [B,S,H] buffer, as FlashMLA returns it.
+    """
+    sm_scale = check_decode_inputs(q, kv_cache, indices, sm_scale)
+    check_launch_device(q.device)
+    batch, seq, heads, _ = q.shape
+    topk = indices.shape[2]
+    cfg = (config or AttentionConfig()).resolve(heads, topk)
+    rows = batch * seq
+    head_blocks = triton.cdiv(heads, cfg.block_h)
+    blocks = triton.cdiv(topk, cfg.block_n)
+    splits = cfg.num_splits or decode_splits(rows * head_blocks, blocks, num_sms(q.device))
+    splits = min(max(1, splits), blocks)
+    split_len = triton.cdiv(blocks, splits) * cfg.block_n
+    splits = triton.cdiv(topk, split_len)  # no split left without a block
+
+    out = torch.empty((batch, seq, heads, D_V), dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((batch, seq, heads), dtype=torch.float32, device=q.device)
+    if splits > 1:
+        part_out = torch.empty((rows, heads, splits, D_V), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = None
+    _sparse_decode_kernel[(rows * head_blocks * splits,)](
+        q, kv_cache, indices,
+        out, lse, part_out, part_lse,
+        sm_scale, seq, heads, topk, head_blocks, splits, split_len, kv_cache.shape[1],
+        q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), indices.stride(0), indices.stride(1),
+        SPLIT=splits > 1, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NATIVE=not interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(rows * heads,)](
+            part_out, part_lse, out, lse, splits,
+            BLOCK_S=triton.next_power_of_2(splits), NATIVE=not interpreting(), num_warps=4,
+        )
+    return out, lse.transpose(1, 2)
