@@ -37,7 +37,7 @@ class AttentionConfig:
     block_h: int | None = None    # query heads per program (16, 32 or 64)
     block_n: int = 64             # gathered KV rows per inner-loop step (16, 32 or 64)
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
     # decode only: programs the top-k list is split over; None = `decode_splits`
     num_splits: int | None = None
 

@@ -103,21 +103,23 @@ def _sparse_decode_kernel(
 @triton.jit
 def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits,
                            BLOCK_S: tl.constexpr, NATIVE: tl.constexpr):
-    """One program per (row, head): merge the split partials into out (bf16) and lse."""
+    """One program per (row, head): out = sum_i e^(lse_i - lse) out_i, lse = ln sum_i e^(lse_i)."""
     rh = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_S)
-    lse_i = tl.load(part_lse_ptr + rh * num_splits + i, mask=i < num_splits, other=float("-inf"))
-    top = tl.max(lse_i, 0)
+    top = tl.max(tl.load(part_lse_ptr + rh * num_splits + i, mask=i < num_splits, other=float("-inf")), 0)
     nonempty = top > float("-inf")
     top = tl.where(nonempty, top, 0.0)
-    w = tl.math.exp2((lse_i - top) * LOG2E)
-    total = tl.sum(w, 0)
     dv = tl.arange(0, 512)
-    o_i = tl.load(part_out_ptr + (rh * num_splits + i)[:, None] * 512 + dv[None, :],
-                  mask=(i < num_splits)[:, None], other=0.0)
-    o = tl.sum(w[:, None] * o_i, 0) / tl.where(nonempty, total, 1.0)
-    tl.store(out_ptr + rh * 512 + dv, to_bf16(o, NATIVE))
-    tl.store(lse_ptr + rh, tl.where(nonempty, top + tl.log(tl.where(nonempty, total, 1.0)), float("inf")))
+    total = 0.0
+    o = tl.zeros((512,), tl.float32)
+    # One split at a time: a [splits, 512] tile would spill once there are many splits.
+    for k in range(0, num_splits):
+        w = tl.math.exp2((tl.load(part_lse_ptr + rh * num_splits + k) - top) * LOG2E)
+        total += w
+        o += w * tl.load(part_out_ptr + (rh * num_splits + k) * 512 + dv)
+    total = tl.where(nonempty, total, 1.0)
+    tl.store(out_ptr + rh * 512 + dv, to_bf16(o / total, NATIVE))
+    tl.store(lse_ptr + rh, tl.where(nonempty, top + tl.log(total), float("inf")))
 
 
 def check_decode_inputs(
