@@ -1,0 +1,43 @@
+"""The exact reference: slow, eager, readable PyTorch for every path of vLLM's FlashMLA sparse
+backend, in float64 by default. It never imports `optimized/` or the harness; it is meant to be
+read: each module holds one concern, each function states its formula.
+
+    fp8_ds_mla / nvfp4_ds_mla   the quantized cache row formats
+    paged_cache                 writing rows by slot mapping; the flat row view
+    attention                   sparse attention, prefill and FP8 decode index forms
+    indices                     logical -> physical index conversion, DCP ownership
+    metadata                    decode/prefill split, path choice, prefill chunking
+    workspace                   gather + up-convert into the BF16 prefill workspace
+    query                       query concat and spec-decode reshapes
+    dcp                         empty-row neutralization and the LSE merge
+    forward_mqa                 the three paths end to end, with and without DCP
+"""
+
+from .attention import AttentionResult, sparse_decode, sparse_decode_fp8, sparse_prefill
+from .dcp import dcp_merge, dcp_merge_exact, merge_weights, neutralize_empty_rows
+from .fp8_ds_mla import dequantize_fp8_ds_mla, fp8_ds_mla_values, quantize_fp8_ds_mla
+from .forward_mqa import MQAResult, forward_mqa, forward_mqa_dcp, select_path
+from .indices import (
+    convert_index,
+    dcp_convert_index,
+    dcp_local_seq_lens,
+    dcp_owner_and_local,
+    req_id_per_token,
+)
+from .metadata import split_prefill_chunks
+from .nvfp4_ds_mla import dequantize_nvfp4_ds_mla, nvfp4_ds_mla_values, quantize_nvfp4_ds_mla
+from .paged_cache import flat_kv_row_view, write_bf16_cache, write_fp8_ds_mla_cache, write_nvfp4_ds_mla_cache
+from .query import concat_mla_q, reshape_attn_output_for_spec_decode, reshape_query_for_spec_decode
+from .workspace import gather_upconvert_fp8, gather_upconvert_nvfp4
+
+__all__ = [
+    "AttentionResult", "MQAResult", "concat_mla_q", "convert_index", "dcp_convert_index",
+    "dcp_local_seq_lens", "dcp_merge", "dcp_merge_exact", "dcp_owner_and_local",
+    "dequantize_fp8_ds_mla", "dequantize_nvfp4_ds_mla", "flat_kv_row_view", "forward_mqa",
+    "forward_mqa_dcp", "fp8_ds_mla_values", "gather_upconvert_fp8", "gather_upconvert_nvfp4",
+    "merge_weights", "neutralize_empty_rows", "nvfp4_ds_mla_values", "quantize_fp8_ds_mla",
+    "quantize_nvfp4_ds_mla", "req_id_per_token", "reshape_attn_output_for_spec_decode",
+    "reshape_query_for_spec_decode", "select_path", "sparse_decode", "sparse_decode_fp8",
+    "sparse_prefill", "split_prefill_chunks", "write_bf16_cache", "write_fp8_ds_mla_cache",
+    "write_nvfp4_ds_mla_cache",
+]

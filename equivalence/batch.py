@@ -1,0 +1,189 @@
+"""A forward_mqa batch, built from a Case's params and seed, identically on any device.
+
+The batch is what vLLM hands the backend after the cache write of this step: a paged cache per
+DCP rank, the block table, `query_start_loc` (decodes first), `seq_lens` (context + query), the
+MQA query and the indexer's logical top-k. How the cache is laid out:
+
+* block 0 is the null block (unused block-table entries point at it); it and the unused tail
+  slots of allocated blocks hold finite stale rows, as a real cache does;
+* blocks no request owns, and the padding rows between blocks when `stride_pad` > 0, are
+  poisoned (every byte 0xFF: NaN in bf16, e4m3 and fp32), so a stray read shows as NaN;
+* under DCP, rank r stores token p of a sequence iff (p // I) % N == r, at local position
+  (p // (N * I)) * I + p % I, in its own cache through its own block table.
+
+The top-k rows start causal (distinct positions <= the token's own position, -1 padding at the
+tail) and then get the case's invalid-index patterns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import reference
+from reference.indices import dcp_local_seq_lens, dcp_owner_and_local
+from reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
+
+from .values import kv_values, q_values
+
+ROW_WIDTH = {"bfloat16": 576, "fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
+INVALID_PATTERNS = ("scattered", "whole_row", "negatives", "beyond_table", "beyond_seq", "duplicates")
+OTHER_NEGATIVES = (-2, -7, -123456, -(2**31))
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    rank_caches: list[torch.Tensor]
+    rank_block_tables: list[torch.Tensor]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    topk_indices: torch.Tensor
+    config: dict[str, Any] = field(default_factory=dict)  # forward_mqa's remaining keywords
+    kv_source: list[torch.Tensor] = field(default_factory=list)  # per request [seq_len, 576] bf16
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.rank_caches[0]
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        return self.rank_block_tables[0]
+
+    def forward_kwargs(self) -> dict[str, Any]:
+        """Keywords of forward_mqa for a run without DCP."""
+        return dict(
+            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_table=self.block_table,
+            topk_indices=self.topk_indices, **self.config,
+        )
+
+
+def _poisoned_cache(num_blocks: int, block_size: int, pad: int, dtype: str, device: str) -> torch.Tensor:
+    width = ROW_WIDTH[dtype]
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.uint8
+    storage = torch.empty((num_blocks, block_size + pad, width), dtype=torch_dtype, device=device)
+    storage.view(torch.uint8).fill_(0xFF)
+    return storage[:, :block_size]
+
+
+def _write(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, dtype: str, scale_rule: str) -> None:
+    if dtype == "bfloat16":
+        reference.write_bf16_cache(kv, cache, slots)
+    elif dtype == "fp8_ds_mla":
+        reference.write_fp8_ds_mla_cache(kv, cache, slots, scale_rule)
+    else:
+        reference.write_nvfp4_ds_mla_cache(kv, cache, slots)
+
+
+def _topk_rows(gen: torch.Generator, positions: list[int], topk: int, patterns: list[str], table_tokens: int) -> torch.Tensor:
+    """Causal top-k rows for tokens at `positions`, then the invalid-index patterns."""
+    rows = torch.full((len(positions), topk), -1, dtype=torch.int64)
+    for i, pos in enumerate(positions):
+        chosen = torch.randperm(pos + 1, generator=gen)[:topk]
+        rows[i, : len(chosen)] = chosen
+    if not len(positions):
+        return rows.to(torch.int32)
+    hit = torch.rand(rows.shape, generator=gen) < 0.15  # entries a pattern rewrites
+    for pattern in patterns:
+        if pattern == "scattered":
+            rows = torch.where(hit, -1, rows)
+            rows = rows.gather(1, torch.argsort(torch.rand(rows.shape, generator=gen), dim=1))
+        elif pattern == "whole_row":
+            rows[torch.rand(len(positions), generator=gen) < 0.25] = -1
+        elif pattern == "negatives":
+            pick = torch.randint(0, len(OTHER_NEGATIVES), rows.shape, generator=gen)
+            rows = torch.where((rows == -1) & hit, torch.tensor(OTHER_NEGATIVES)[pick], rows)
+        elif pattern == "beyond_table":
+            far = table_tokens + torch.randint(0, 4 * topk + 1, rows.shape, generator=gen)
+            rows = torch.where(hit, far, rows)
+        elif pattern == "beyond_seq":
+            pos = torch.tensor(positions)[:, None]
+            past = pos + 1 + torch.randint(0, 64, rows.shape, generator=gen)
+            rows = torch.where(hit & (past < table_tokens), past, rows)
+        elif pattern == "duplicates":
+            src = torch.randint(0, topk, rows.shape, generator=gen)
+            rows = torch.where(hit & (rows.gather(1, src) >= 0), rows.gather(1, src), rows)
+        else:
+            raise ValueError(f"unknown invalid-index pattern {pattern!r}; known: {INVALID_PATTERNS}")
+    return rows.to(torch.int32)
+
+
+def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
+    """Build the batch a forward_mqa Case describes (see the module docstring).
+
+    params: cache_dtype, heads, query_lens, context_lens, block_size, topk, sm_scale, value_regime;
+    optional: scale_rule ("pow2"), stride_pad (0), spare_blocks (1), shuffle (True),
+    table_pad (0 extra block-table columns), invalid ([]), mqa ("all" | "decodes"), arch
+    ("sm90"), max_model_len, workspace_size, max_decode_query_len (1), dcp_size (1),
+    interleave (1), q_form ("tensor" | "tuple").
+    """
+    gen = torch.Generator().manual_seed(seed)
+    dtype, bs = params["cache_dtype"], params["block_size"]
+    heads, topk, regime = params["heads"], params["topk"], params["value_regime"]
+    dcp, inter = params.get("dcp_size", 1), params.get("interleave", 1)
+    scale_rule = params.get("scale_rule", "pow2")
+    qlens, ctx = list(params["query_lens"]), list(params["context_lens"])
+    seq_lens = [c + n for c, n in zip(ctx, qlens)]
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+
+    local = [[dcp_local_seq_lens(s, dcp, r, inter) for s in seq_lens] for r in range(dcp)]
+    blocks_needed = [[-(-n // bs) for n in lens] for lens in local]
+    width_blocks = max(max(b) for b in blocks_needed) + params.get("table_pad", 0)
+    width_blocks = max(width_blocks, 1)
+    kv_source = [kv_values(gen, s, regime) for s in seq_lens]
+
+    caches, tables = [], []
+    for r in range(dcp):
+        used = sum(blocks_needed[r])
+        num_blocks = 1 + used + params.get("spare_blocks", 1)
+        ids = torch.arange(1, num_blocks)
+        if params.get("shuffle", True):
+            ids = ids[torch.randperm(len(ids), generator=gen)]
+        table = torch.zeros((len(seq_lens), width_blocks), dtype=torch.int32)
+        cursor = 0
+        for i, nb in enumerate(blocks_needed[r]):
+            table[i, :nb] = ids[cursor : cursor + nb].to(torch.int32)
+            cursor += nb
+        cache = _poisoned_cache(num_blocks, bs, params.get("stride_pad", 0), dtype, "cpu")
+        # Stale rows in the null block and in every allocated block, then this step's tokens.
+        stale_blocks = torch.cat([torch.zeros(1, dtype=torch.int64), table[table > 0].long()])
+        stale_slots = (stale_blocks[:, None] * bs + torch.arange(bs)).flatten()
+        _write(kv_values(gen, len(stale_slots), "normal"), cache, stale_slots, dtype, scale_rule)
+        for i, s in enumerate(seq_lens):
+            pos = torch.arange(s)
+            owner, loc = dcp_owner_and_local(pos, dcp, inter)
+            mine = owner == r
+            slots = table[i].long()[loc[mine] // bs] * bs + loc[mine] % bs
+            _write(kv_source[i][mine], cache, slots, dtype, scale_rule)
+        caches.append(cache.to(device))
+        tables.append(table.to(device))
+
+    positions = [c + j for c, n in zip(ctx, qlens) for j in range(n)]
+    table_tokens = width_blocks * bs * dcp  # logical positions past this are outside every table
+    topk_indices = _topk_rows(gen, positions, topk, list(params.get("invalid", [])), table_tokens)
+
+    num_tokens = qsl[-1]
+    if params.get("mqa", "all") == "decodes":
+        threshold = reorder_batch_threshold(
+            heads, params.get("arch", "sm90"), max_decode_query_len=params.get("max_decode_query_len", 1)
+        )
+        num_tokens = split_decodes_and_prefills(qsl, threshold).num_decode_tokens
+    q = q_values(gen, (num_tokens, heads * dcp, 576), regime).to(device)
+    if params.get("q_form", "tensor") == "tuple":
+        q = (q[..., :512], q[..., 512:])
+    config = dict(
+        num_heads=heads,
+        kv_cache_dtype=dtype,
+        sm_scale=params["sm_scale"],
+        max_model_len=params.get("max_model_len", max(seq_lens + [1])),
+        arch=params.get("arch", "sm90"),
+        workspace_size=params.get("workspace_size"),
+        max_decode_query_len=params.get("max_decode_query_len", 1),
+    )
+    if dcp > 1:
+        config["interleave"] = inter
+    return Batch(q, caches, tables, qsl, seq_lens, topk_indices.to(device), config, kv_source)
