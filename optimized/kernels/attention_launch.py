@@ -1,17 +1,18 @@
 """Launch configuration of the sparse attention kernels: the one place the tile shapes are chosen.
 
-Why these defaults (targets: H200 = SM90, 132 SMs, 227 KiB shared memory per block):
-- block_h = 64 heads: one wgmma M tile; a block of gathered rows is then reused by 64 heads, the
-  same tile as FlashMLA's SM90 kernels. Fewer heads (TP shards of 16/32) use a 16/32 tile rather
-  than padding to 64: the padded rows would cost tensor-core time and registers for nothing.
-- block_n = 64 gathered rows: a [64, 576] bf16 tile is 72 KiB; with q's [64, 576] tile (72 KiB)
-  and two pipeline stages this is the largest tile that fits in shared memory.
-- num_warps = 8: the [64, 512] fp32 output accumulator is 128 registers a thread over 8 warps (two
-  warpgroups share the wgmma N dimension); with 4 warps it would be 256 and spill.
-- num_stages = 2: double-buffer the gathered rows (cp.async) so the next block's loads run under
-  this block's dots; a third stage does not fit next to q.
+Why these defaults (H200 = SM90: 132 SMs, 227 KiB shared memory and 64K registers per SM;
+numbers from compiling for sm_90a with triton 3.6, see ATTENTION_NOTES.md):
+- block_h = 64 heads: one wgmma M tile, so a block of gathered rows is reused by 64 heads (the
+  tile of FlashMLA's SM90 kernels). TP shards of 16/32 heads get a 16/32 tile instead of padding.
+- block_n = 64 gathered rows: q's [64, 576] bf16 tile (72 KiB) plus two [64, 576] row buffers
+  (144 KiB) is 216 KiB of the 227; prefill compiles to 221 KiB of shared memory.
+- num_warps = 8: the [64, 512] fp32 accumulator is 128 registers a thread over 8 warps (two
+  warpgroups split its 512 columns); with 4 warps it is 256 and spills ~2 KiB a thread.
+- num_stages = 3: the index block is fetched one iteration before the rows it addresses, which
+  are fetched one before their dots (the pipeliner's schedule for an indirect load); it costs
+  512 bytes more than 2 stages and spills less (24 bytes instead of 152 in prefill).
 - Decode splits the top-k list of a (token, head block) across programs when B*S*head-blocks
-  leaves SMs idle (see `decode_splits`), and merges the partial results in a combine kernel.
+  leaves SMs idle (see `split_plan`), and merges the partial results in a combine kernel.
 
 Every entry point takes `config=` so variants can be timed side by side in one GPU run.
 """
@@ -38,7 +39,7 @@ class AttentionConfig:
     block_n: int = 64             # gathered KV rows per inner-loop step (16, 32 or 64)
     num_warps: int = 8
     num_stages: int = 3
-    # decode only: programs the top-k list is split over; None = `decode_splits`
+    # decode only: programs the top-k list is split over; None = `split_plan` decides
     num_splits: int | None = None
 
     def resolve(self, heads: int, topk: int) -> "AttentionConfig":
@@ -51,6 +52,15 @@ class AttentionConfig:
         return replace(self, block_h=block_h, block_n=block_n)
 
 
+# Launch variants worth timing against the defaults on a GPU (scripts/bench_attention.py times
+# them; scripts/kernel_resources.py shows what each compiles to).
+VARIANTS = {
+    "default": AttentionConfig(),
+    "stages2": AttentionConfig(num_stages=2),
+    "n32s3": AttentionConfig(block_n=32, num_stages=3),
+}
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -61,16 +71,24 @@ def num_sms(device: torch.device) -> int:
     return NOMINAL_SMS
 
 
-def decode_splits(programs: int, blocks: int, sms: int) -> int:
-    """How many programs share one top-k list so that `programs` fill the GPU.
+def split_plan(topk: int, block_n: int, programs: int, sms: int, requested: int | None) -> tuple[int, int]:
+    """(splits, entries per split) for one top-k list of the decode.
 
-    `programs` = B*S*head-blocks, `blocks` = top-k blocks of one list. Splitting costs a combine
-    pass and partial results in fp32, so split only when fewer programs than SMs exist, and only
-    as far as one wave: splits = ceil(sms / programs), at most one block per split.
+    `programs` = B*S*head-blocks. Splitting costs a combine pass and fp32 partial results, so by
+    default split only when fewer programs than SMs exist, and only as far as one wave:
+    ceil(sms / programs) splits, at most one block of `block_n` entries each. Every split gets
+    a whole number of blocks and none is left empty.
     """
-    if programs >= sms:
-        return 1
-    return max(1, min(blocks, -(-sms // programs)))
+    blocks = -(-topk // block_n)
+    if requested is not None:
+        splits = requested
+    elif programs >= sms:
+        splits = 1
+    else:
+        splits = -(-sms // programs)
+    splits = min(max(1, splits), blocks)
+    split_len = -(-blocks // splits) * block_n
+    return -(-topk // split_len), split_len
 
 
 def check_launch_device(device: torch.device) -> None:

@@ -10,7 +10,7 @@ SM90 kernels do it):
     l     = sum_j p_j                                 from the unrounded p
     acc   = sum_j bf16(p_j) V_j                       P is rounded to bf16 for the tensor-core dot
     lse   = m*sm_scale + ln(l),   max_logit = m*sm_scale
-    out   = acc / (l + e^(sink - m*sm_scale))         = softmax @ V * 1/(1+e^(sink-lse))
+    out   = acc / l * sigmoid(lse - sink)            = softmax @ V * 1/(1+e^(sink-lse))
 
 Taking the max on raw scores and scaling after is only right for sm_scale > 0 (callers validate).
 Invalid columns are -inf scores over zero-filled rows (masked loads, so a NaN in an unreferenced
@@ -63,13 +63,18 @@ def finish(m, l, sm_scale, sink):
     """-> (lse, max_logit, scale): out = acc * scale. Empty rows: +inf, -inf, 0.
 
     `sink` is the per-head attention-sink logit (-inf for none): it joins the normaliser as one
-    more logit whose value vector is zero, so it shrinks out and leaves lse alone.
+    more logit whose value vector is zero, so scale = sigmoid(lse - sink) / l, which shrinks out
+    and leaves lse alone. The sigmoid is evaluated on the side where e^(-|x|) cannot overflow:
+    `1/(l + e^(sink - m))` would turn a sink 90 above the logits into an exact 0 where the true
+    factor is still a normal fp32 number.
     """
     nonempty = l > 0.0
     # Empty rows take placeholder values (m 0, l 1) so no inf - inf or log(0) is ever evaluated.
     m_nat = tl.where(nonempty, m, 0.0) * sm_scale
     l_safe = tl.where(nonempty, l, 1.0)
-    lse = tl.where(nonempty, m_nat + tl.log(l_safe), float("inf"))
-    max_logit = tl.where(nonempty, m_nat, NEG_INF)
-    scale = tl.where(nonempty, 1.0 / (l_safe + tl.math.exp2((sink - m_nat) * LOG2E)), 0.0)
-    return lse, max_logit, scale
+    lse = m_nat + tl.log(l_safe)
+    x = lse - sink
+    e = tl.math.exp2(-tl.abs(x) * LOG2E)
+    sigmoid = tl.where(x >= 0.0, 1.0 / (1.0 + e), e / (1.0 + e))
+    scale = tl.where(nonempty, sigmoid / l_safe, 0.0)
+    return tl.where(nonempty, lse, float("inf")), tl.where(nonempty, m_nat, NEG_INF), scale

@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 
 from optimized.kernels import interpreting
+from optimized import buffers
 from optimized.formats import D_QK, D_V, FP8_ROW_BYTES
-from optimized.kernels.attention_launch import AttentionConfig, check_launch_device, decode_splits, num_sms
+from optimized.kernels.attention_launch import AttentionConfig, check_launch_device, num_sms, split_plan
 from optimized.kernels.bits import e4m3_to_f32, to_bf16
 from optimized.kernels.online_softmax import LOG2E, attend_block, finish
 from optimized.registry import register
@@ -172,22 +173,29 @@ def sparse_decode_fp8(
     """
     sm_scale = check_decode_inputs(q, kv_cache, indices, sm_scale)
     check_launch_device(q.device)
+    return launch_sparse_decode_fp8(q, kv_cache, indices, sm_scale, config)
+
+
+def launch_sparse_decode_fp8(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    config: AttentionConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_decode_fp8` without the checks (for timing): inputs must already pass them."""
     batch, seq, heads, _ = q.shape
     topk = indices.shape[2]
     cfg = (config or AttentionConfig()).resolve(heads, topk)
     rows = batch * seq
     head_blocks = triton.cdiv(heads, cfg.block_h)
-    blocks = triton.cdiv(topk, cfg.block_n)
-    splits = cfg.num_splits or decode_splits(rows * head_blocks, blocks, num_sms(q.device))
-    splits = min(max(1, splits), blocks)
-    split_len = triton.cdiv(blocks, splits) * cfg.block_n
-    splits = triton.cdiv(topk, split_len)  # no split left without a block
+    splits, split_len = split_plan(topk, cfg.block_n, rows * head_blocks, num_sms(q.device), cfg.num_splits)
 
-    out = torch.empty((batch, seq, heads, D_V), dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty((batch, seq, heads), dtype=torch.float32, device=q.device)
+    out = buffers.empty((batch, seq, heads, D_V), torch.bfloat16, q.device)
+    lse = buffers.empty((batch, seq, heads), torch.float32, q.device)
     if splits > 1:
-        part_out = torch.empty((rows, heads, splits, D_V), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
+        part_out = buffers.empty((rows, heads, splits, D_V), torch.float32, q.device)
+        part_lse = buffers.empty((rows, heads, splits), torch.float32, q.device)
     else:
         part_out = part_lse = None
     _sparse_decode_kernel[(rows * head_blocks * splits,)](

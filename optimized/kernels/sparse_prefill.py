@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from optimized.kernels import interpreting
+from optimized import buffers
 from optimized.formats import D_QK, D_V
 from optimized.kernels.attention_launch import AttentionConfig, check_launch_device
 from optimized.kernels.bits import to_bf16
@@ -119,13 +120,25 @@ def sparse_prefill(
     """
     sm_scale = check_prefill_inputs(q, kv, indices, sm_scale, topk_length, attn_sink)
     check_launch_device(q.device)
+    return launch_sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink, config)
+
+
+def launch_sparse_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    topk_length: torch.Tensor | None,
+    attn_sink: torch.Tensor | None,
+    config: AttentionConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sparse_prefill` without the checks (for timing): inputs must already pass them."""
     tokens, heads, _ = q.shape
     topk = indices.shape[1]
     cfg = (config or AttentionConfig()).resolve(heads, topk)
-
-    out = torch.empty((tokens, heads, D_V), dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty((tokens, heads), dtype=torch.float32, device=q.device)
-    max_logits = torch.empty((tokens, heads), dtype=torch.float32, device=q.device)
+    out = buffers.empty((tokens, heads, D_V), torch.bfloat16, q.device)
+    lse = buffers.empty((tokens, heads), torch.float32, q.device)
+    max_logits = buffers.empty((tokens, heads), torch.float32, q.device)
     if tokens == 0:
         return out, lse, max_logits
     head_blocks = triton.cdiv(heads, cfg.block_h)
