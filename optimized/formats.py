@@ -11,9 +11,4 @@ In the fp8_ds_mla cache one token is 656 bytes:
 
 D_QK = 576
 D_V = 512
-D_ROPE = D_QK - D_V
-
 FP8_ROW_BYTES = 656
-FP8_SCALE_OFFSET = 512
-FP8_ROPE_OFFSET = 528
-FP8_TILE = 128

@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from optimized.kernels import sparse_decode, sparse_prefill
-from optimized.kernels.attention_launch import VARIANTS, AttentionConfig
+from optimized.kernels.attention_launch import VARIANTS
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.uint8: "*u8"}
@@ -99,16 +99,19 @@ def main() -> None:
     qd = torch.empty(b, s, heads, 576, dtype=torch.bfloat16, **meta)
     cache = torch.empty(4096, 64, 656, dtype=torch.uint8, **meta)
     idxd = torch.empty(b, s, topk, dtype=torch.int32, **meta)
+    prefill = sparse_prefill.launch_sparse_prefill
+    decode = sparse_decode.launch_sparse_decode_fp8
     cases = {
-        "prefill": (sparse_prefill, lambda cfg: sparse_prefill.launch_sparse_prefill(q, kv, idx, 0.1, None, None, cfg)),
-        "prefill+len+sink": (sparse_prefill, lambda cfg: sparse_prefill.launch_sparse_prefill(q, kv, idx, 0.1, length, sink, cfg)),
-        "decode B=64 S=2": (sparse_decode, lambda cfg: sparse_decode.launch_sparse_decode_fp8(qd, cache, idxd, 0.1, cfg)),
-        "decode B=1 split": (sparse_decode, lambda cfg: sparse_decode.launch_sparse_decode_fp8(qd[:1, :1], cache, idxd[:1, :1], 0.1, cfg)),
+        "prefill": (sparse_prefill, lambda cfg: prefill(q, kv, idx, 0.1, None, None, cfg)),
+        "prefill+len+sink": (sparse_prefill, lambda cfg: prefill(q, kv, idx, 0.1, length, sink, cfg)),
+        "decode B=64 S=2": (sparse_decode, lambda cfg: decode(qd, cache, idxd, 0.1, cfg)),
+        "decode B=1 split": (sparse_decode, lambda cfg: decode(qd[:1, :1], cache, idxd[:1, :1], 0.1, cfg)),
     }
     for label, (module, launch) in cases.items():
         for variant, cfg in VARIANTS.items():
             for kernel, args, kwargs in record(module, lambda: launch(cfg)):
-                print(f"{label:<18} {variant:<8} {kernel.__name__:<24} {describe(compile_call(kernel, args, kwargs))}", flush=True)
+                report = describe(compile_call(kernel, args, kwargs))
+                print(f"{label:<18} {variant:<8} {kernel.__name__:<24} {report}", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, note, strategies as st
+from hypothesis import currently_in_test_context, given, note, strategies as st
 
 import reference as R
 from equivalence.values import kv_values, q_values
@@ -79,8 +79,11 @@ def weighted_abs_values(q, rows, valid, sm_scale, lse, sink):
     return a, b
 
 
-def check_attention(label, out, lse, max_logits, ref_out, ref_lse, ref_max, l1, ab, topk, dequant_rel=0.0):
-    """Compare one implementation's (out, lse[, max_logits]) with the reference, flattened to [n, H]."""
+def check_attention(label, got, ref, ab, topk, dequant_rel=0.0):
+    """Compare got = (out, lse, max_logits | None) with ref = (out, lse, max_logits | None,
+    logit_l1), all laid out [n, H(, 512)]; ab = `weighted_abs_values`."""
+    out, lse, max_logits = got
+    ref_out, ref_lse, ref_max, l1 = ref
     u = fp32_unit()
     assert not bool(torch.isnan(out).any()), f"{label}: NaN in out"
     assert not bool(torch.isnan(lse).any()), f"{label}: NaN in lse"
@@ -115,7 +118,11 @@ def check_attention(label, out, lse, max_logits, ref_out, ref_lse, ref_max, l1, 
     err = (out.double() - ref_out).abs()
     rounding = (ref_out.bfloat16().double() - ref_out).norm()
     units = float(err.norm() / rounding) if rounding > 0 else float("nan")
-    note(f"{label}: ||out - ref|| = {units:.3f} bf16 roundings of the reference")
+    summary = f"{label}: ||out - ref|| = {units:.3f} bf16 roundings of the reference"
+    if currently_in_test_context():
+        note(summary)
+    else:
+        print(summary)
     worst = int(torch.argmax(err - bound))
     assert bool((err <= bound).all()), (
         f"{label}: out error {err.flatten()[worst]:.3e} > bound {bound.flatten()[worst]:.3e} at flat index "
@@ -183,16 +190,17 @@ def prefill_inputs(seed, tokens, heads, rows, topk, invalid, length_mode, sink_m
     sm_scale=SM_SCALES,
     strided=st.booleans(),
 )
-def test_triton_prefill_matches_reference(seed, tokens, heads, rows, topk, invalid, length_mode, sink_mode, regime, sm_scale, strided):
+def test_triton_prefill_matches_reference(
+    seed, tokens, heads, rows, topk, invalid, length_mode, sink_mode, regime, sm_scale, strided
+):
     q, kv, idx, length, sink, valid = prefill_inputs(
         seed, tokens, heads, rows, topk, invalid, length_mode, sink_mode, regime, strided
     )
     with buffers.poisoned():
-        out, lse, max_logits = triton_prefill.sparse_prefill(q, kv, idx, sm_scale, length, sink)
+        got = triton_prefill.sparse_prefill(q, kv, idx, sm_scale, length, sink)
     ref = R.sparse_prefill(q, kv, idx, sm_scale, topk_length=length, attn_sink=sink)
-    gathered = kv[torch.where(valid, idx, 0).long()]
-    ab = weighted_abs_values(q, gathered, valid, sm_scale, ref.lse, sink)
-    check_attention("triton prefill", out, lse, max_logits, ref.out, ref.lse, ref.max_logits, ref.logit_l1, ab, topk)
+    ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()], valid, sm_scale, ref.lse, sink)
+    check_attention("triton prefill", got, ref, ab, topk)
 
 
 def test_triton_prefill_single_valid_index_returns_that_row_exactly():
@@ -234,8 +242,8 @@ def decode_inputs(seed, batch, s_q, heads, topk, page, pad, invalid, rule, regim
     return q, cache, idx
 
 
-def decode_bound_inputs(q, cache, idx, sm_scale, ref):
-    """Flatten a decode case to [B*S, ...] for `check_attention`."""
+def decode_check_inputs(q, cache, idx, sm_scale, got, ref):
+    """A decode case flattened to [B*S, H(, 512)] for `check_attention`: (got, ref, ab)."""
     batch, s_q, heads, _ = q.shape
     valid = (idx != -1).reshape(batch * s_q, -1)
     slots = torch.where(valid, idx.reshape(batch * s_q, -1), 0).long()
@@ -243,7 +251,10 @@ def decode_bound_inputs(q, cache, idx, sm_scale, ref):
     flat = lambda x: x.transpose(1, 2).reshape(batch * s_q, heads)  # noqa: E731  [B,H,S] -> [B*S,H]
     lse = flat(ref.lse)
     ab = weighted_abs_values(q.reshape(batch * s_q, heads, 576), rows, valid, sm_scale, lse, None)
-    return ref.out.reshape(batch * s_q, heads, 512), lse, flat(ref.logit_l1), ab
+    out, got_lse = got
+    assert out.shape == ref.out.shape and got_lse.shape == ref.lse.shape
+    got = (out.reshape(batch * s_q, heads, 512), flat(got_lse), None)
+    return got, (ref.out.reshape(batch * s_q, heads, 512), lse, None, flat(ref.logit_l1)), ab
 
 
 @given(
@@ -260,17 +271,16 @@ def decode_bound_inputs(q, cache, idx, sm_scale, ref):
     sm_scale=SM_SCALES,
     splits=st.sampled_from([None, 1, 3]),
 )
-def test_triton_decode_matches_reference(seed, batch, s_q, heads, topk, page, pad, invalid, rule, regime, sm_scale, splits):
+def test_triton_decode_matches_reference(
+    seed, batch, s_q, heads, topk, page, pad, invalid, rule, regime, sm_scale, splits
+):
     q, cache, idx = decode_inputs(seed, batch, s_q, heads, topk, page, pad, invalid, rule, regime)
     with buffers.poisoned():
-        out, lse = triton_decode.sparse_decode_fp8(q, cache, idx, sm_scale, config=AttentionConfig(num_splits=splits))
+        got = triton_decode.sparse_decode_fp8(q, cache, idx, sm_scale, config=AttentionConfig(num_splits=splits))
     ref = R.sparse_decode_fp8(q, cache, idx, sm_scale)
-    assert out.shape == ref.out.shape and lse.shape == ref.lse.shape
-    ref_out, ref_lse, l1, ab = decode_bound_inputs(q, cache, idx, sm_scale, ref)
-    check_attention(
-        f"triton decode ({rule} scales)", out.reshape(ref_out.shape), lse.transpose(1, 2).reshape(ref_lse.shape),
-        None, ref_out, ref_lse, None, l1, ab, topk, dequant_rel=BF16_U if rule == "raw" else 0.0,
-    )
+    dequant_rel = BF16_U if rule == "raw" else 0.0
+    check_attention(f"triton decode ({rule} scales)", *decode_check_inputs(q, cache, idx, sm_scale, got, ref),
+                    topk, dequant_rel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,15 +351,13 @@ def test_prefill_refuses_wrong_dtype_noncontiguous_and_bad_scale(no_launch, impl
 
 def test_flash_mla_wrappers_refuse_what_the_kernels_cannot_run(no_launch):
     kv = torch.zeros(10, 576, dtype=torch.bfloat16)
+    q, idx = torch.zeros(2, 64, 576, dtype=torch.bfloat16), torch.zeros(2, 128, dtype=torch.int32)
     with pytest.raises(InputError, match="topk=192 must be a multiple of 128"):
-        flashmla.sparse_prefill(torch.zeros(2, 64, 576, dtype=torch.bfloat16), kv, torch.zeros(2, 192, dtype=torch.int32), 0.1)
+        flashmla.sparse_prefill(q, kv, torch.zeros(2, 192, dtype=torch.int32), 0.1)
     with pytest.raises(InputError, match="heads=129"):
-        flashmla.sparse_prefill(torch.zeros(2, 129, 576, dtype=torch.bfloat16), kv, torch.zeros(2, 128, dtype=torch.int32), 0.1)
+        flashmla.sparse_prefill(torch.zeros(2, 129, 576, dtype=torch.bfloat16), kv, idx, 0.1)
     with pytest.raises(InputError, match=r"topk_length: entry \(1,\) is 129"):
-        flashmla.sparse_prefill(
-            torch.zeros(2, 64, 576, dtype=torch.bfloat16), kv, torch.zeros(2, 128, dtype=torch.int32), 0.1,
-            topk_length=torch.tensor([0, 129], dtype=torch.int32),
-        )
+        flashmla.sparse_prefill(q, kv, idx, 0.1, topk_length=torch.tensor([0, 129], dtype=torch.int32))
     q, cache, _ = _decode_args()
     with pytest.raises(InputError, match="topk=96 must be a multiple of 64"):
         flashmla.sparse_decode_fp8(q, cache, torch.zeros(1, 1, 96, dtype=torch.int32), 0.1)
@@ -393,11 +401,11 @@ def test_gpu_prefill_matches_reference(name, heads):
     length = torch.randint(0, topk + 1, (tokens,), generator=g, dtype=torch.int32).cuda()
     length[:3] = torch.tensor([0, 1, topk], dtype=torch.int32)
     sink = torch.randn(heads, generator=g).cuda()
-    out, lse, max_logits = fn(q, kv, idx, sm_scale, length, sink)
+    got = fn(q, kv, idx, sm_scale, length, sink)
     ref = R.sparse_prefill(q, kv, idx, sm_scale, topk_length=length, attn_sink=sink)
     valid = (idx >= 0) & (idx < rows) & (torch.arange(topk, device="cuda")[None, :] < length[:, None])
     ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()], valid, sm_scale, ref.lse, sink)
-    check_attention(f"{name} prefill H={heads}", out, lse, max_logits, ref.out, ref.lse, ref.max_logits, ref.logit_l1, ab, topk)
+    check_attention(f"{name} prefill H={heads}", got, ref, ab, topk)
 
 
 @pytest.mark.gpu
@@ -407,13 +415,10 @@ def test_gpu_decode_matches_reference(name, batch, s_q, heads):
     fn = _implementation("sparse_decode_fp8", name)
     q, cache, idx = decode_inputs(batch * 100 + heads, batch, s_q, heads, 2048, 64, 1, "scattered", "pow2", "normal")
     q, cache, idx = q.cuda(), cache.cuda(), idx.cuda()
-    out, lse = fn(q, cache, idx, 0.1352)
+    got = fn(q, cache, idx, 0.1352)
     ref = R.sparse_decode_fp8(q, cache, idx, 0.1352)
-    ref_out, ref_lse, l1, ab = decode_bound_inputs(q, cache, idx, 0.1352, ref)
-    check_attention(
-        f"{name} decode B={batch} S={s_q} H={heads}", out.reshape(ref_out.shape),
-        lse.transpose(1, 2).reshape(ref_lse.shape), None, ref_out, ref_lse, None, l1, ab, 2048,
-    )
+    check_attention(f"{name} decode B={batch} S={s_q} H={heads}",
+                    *decode_check_inputs(q, cache, idx, 0.1352, got, ref), 2048)
 
 
 @pytest.mark.gpu
@@ -425,8 +430,7 @@ def test_gpu_triton_configs_agree_with_reference(config):
     g = torch.Generator().manual_seed(3)
     q, kv = q_values(g, (16, 128, 576), "normal").cuda(), kv_values(g, 3000, "normal").cuda()
     idx = torch.randint(0, 3000, (16, 2048), generator=g, dtype=torch.int32).cuda()
-    out, lse, max_logits = triton_prefill.sparse_prefill(q, kv, idx, 0.1, config=config)
+    got = triton_prefill.sparse_prefill(q, kv, idx, 0.1, config=config)
     ref = R.sparse_prefill(q, kv, idx, 0.1)
-    valid = torch.ones_like(idx, dtype=torch.bool)
-    ab = weighted_abs_values(q, kv[idx.long()], valid, 0.1, ref.lse, None)
-    check_attention("triton prefill config", out, lse, max_logits, ref.out, ref.lse, ref.max_logits, ref.logit_l1, ab, 2048)
+    ab = weighted_abs_values(q, kv[idx.long()], torch.ones_like(idx, dtype=torch.bool), 0.1, ref.lse, None)
+    check_attention("triton prefill config", got, ref, ab, 2048)

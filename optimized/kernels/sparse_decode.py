@@ -23,14 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from optimized.kernels import interpreting
 from optimized import buffers
 from optimized.formats import D_QK, D_V, FP8_ROW_BYTES
+from optimized.kernels import interpreting
 from optimized.kernels.attention_launch import AttentionConfig, check_launch_device, num_sms, split_plan
 from optimized.kernels.bits import e4m3_to_f32, to_bf16
 from optimized.kernels.online_softmax import LOG2E, attend_block, finish
 from optimized.registry import register
 from optimized.validation import InputError, check_index_range, check_same_device, check_sm_scale, check_tensor
+
 
 @triton.jit
 def _gather_dequant(cache_ptr, idx, valid, block_size, stride_block, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):

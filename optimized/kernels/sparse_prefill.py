@@ -18,14 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from optimized.kernels import interpreting
 from optimized import buffers
 from optimized.formats import D_QK, D_V
+from optimized.kernels import interpreting
 from optimized.kernels.attention_launch import AttentionConfig, check_launch_device
 from optimized.kernels.bits import to_bf16
 from optimized.kernels.online_softmax import LOG2E, attend_block, finish
 from optimized.registry import register
 from optimized.validation import InputError, check_same_device, check_sm_scale, check_tensor
+
 
 @triton.jit
 def _sparse_prefill_kernel(
