@@ -20,16 +20,10 @@ import math
 
 import torch
 
-from optimized.formats import D_QK, D_V, FP8_ROW_BYTES
+from optimized.attention_checks import check_decode_contract, check_prefill_contract
+from optimized.formats import D_QK, D_V
 from optimized.registry import register
-from optimized.validation import (
-    InputError,
-    check_index_range,
-    check_multiple,
-    check_same_device,
-    check_sm_scale,
-    check_tensor,
-)
+from optimized.validation import InputError, check_index_range, check_multiple, check_same_device
 
 
 @functools.cache
@@ -94,26 +88,19 @@ def check_prefill_inputs(
     topk_length: torch.Tensor | None,
     attn_sink: torch.Tensor | None,
 ) -> float:
-    """Everything `flash_mla_sparse_fwd` (SM90 legacy) requires, checked on any device."""
-    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, D_QK), last_dim_contiguous=True)
-    tokens, heads, _ = q.shape
+    """The prefill contract plus what `flash_mla_sparse_fwd` (SM90 legacy) requires, any device."""
+    sm_scale = check_prefill_contract(q, kv, indices, sm_scale, topk_length, attn_sink)
+    heads, topk = q.shape[1], indices.shape[1]
     padded_heads(heads)
-    check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, D_QK), last_dim_contiguous=True)
-    check_tensor("indices", indices, dtype=torch.int32, shape=(tokens, None), last_dim_contiguous=True)
-    topk = indices.shape[1]
-    if topk == 0:
-        raise InputError("indices: top-k width must be > 0")
     check_multiple("topk", topk, 128, "the SM90 prefill kernel walks the list in pairs of 64-row blocks")
     if topk_length is not None:
-        check_tensor("topk_length", topk_length, dtype=torch.int32, shape=(tokens,), contiguous=True)
         # Past topk the kernel would read the next row's indices; negative is undefined.
         check_index_range("topk_length", topk_length, topk + 1)
-    if attn_sink is not None:
-        check_tensor("attn_sink", attn_sink, dtype=torch.float32, shape=(heads,), contiguous=True)
-    # q is read through TMA, kv rows with 16-byte cp.async.
-    _check_aligned("q", q, (q.stride(0), q.stride(1)), 16)
+    # q is read through TMA (a padded q is a fresh copy), kv rows with 16-byte cp.async.
+    if padded_heads(heads) == heads:
+        _check_aligned("q", q, (q.stride(0), q.stride(1)), 16)
     _check_aligned("kv", kv, (kv.stride(0),), 16)
-    return check_sm_scale(sm_scale)
+    return sm_scale
 
 
 @register("sparse_prefill", "flash_mla", devices=("cuda",), unavailable=flash_mla_unavailable)
@@ -156,27 +143,15 @@ def sparse_prefill(
 def check_decode_inputs(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float
 ) -> float:
-    """Everything `flash_mla_with_kvcache` (sparse FP8, SM90 legacy) requires, on any device."""
-    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, None, D_QK), last_dim_contiguous=True)
-    batch, seq, heads, _ = q.shape
-    if batch < 1 or seq < 1:
-        raise InputError(f"q: batch and query tokens must be >= 1, got shape {tuple(q.shape)}")
+    """The decode contract plus what `flash_mla_with_kvcache` (sparse FP8, SM90 legacy) requires."""
+    sm_scale = check_decode_contract(q, kv_cache, indices, sm_scale)
+    heads, topk = q.shape[2], indices.shape[2]
     padded_heads(heads)
-    check_tensor("kv_cache", kv_cache, dtype=torch.uint8, shape=(None, None, FP8_ROW_BYTES), last_dim_contiguous=True)
-    if kv_cache.stride(1) != FP8_ROW_BYTES:
-        raise InputError(
-            f"kv_cache: rows of a page must be packed (stride(1) == {FP8_ROW_BYTES}), got strides {kv_cache.stride()}"
-        )
-    _check_aligned("kv_cache", kv_cache, (kv_cache.stride(0),), 16)
-    check_tensor("indices", indices, dtype=torch.int32, shape=(batch, seq, None), last_dim_contiguous=True)
-    topk = indices.shape[2]
-    if topk == 0:
-        raise InputError("indices: top-k width must be > 0")
     check_multiple("topk", topk, 64, "the SM90 decode kernel reads the list in 64-entry blocks")
+    _check_aligned("kv_cache", kv_cache, (kv_cache.stride(0),), 16)
     _check_aligned("indices", indices, (indices.stride(0), indices.stride(1)), 8)  # read as int2
-    _check_aligned("q", q, (q.stride(0), q.stride(1), q.stride(2)), 16)  # read through TMA
-    sm_scale = check_sm_scale(sm_scale)
-    check_index_range("indices", indices, kv_cache.shape[0] * kv_cache.shape[1], sentinels=(-1,))
+    if padded_heads(heads) == heads:  # read through TMA; a padded q is a fresh copy
+        _check_aligned("q", q, (q.stride(0), q.stride(1), q.stride(2)), 16)
     return sm_scale
 
 

@@ -24,13 +24,14 @@ import triton
 import triton.language as tl
 
 from optimized import buffers
-from optimized.formats import D_QK, D_V, FP8_ROW_BYTES
+from optimized.attention_checks import check_decode_contract
+from optimized.formats import D_V
 from optimized.kernels import interpreting
 from optimized.kernels.attention_launch import AttentionConfig, check_launch_device, num_sms, split_plan
 from optimized.kernels.bits import e4m3_to_f32, to_bf16
 from optimized.kernels.online_softmax import LOG2E, attend_block, finish
 from optimized.registry import register
-from optimized.validation import InputError, check_index_range, check_same_device, check_sm_scale, check_tensor
+from optimized.validation import InputError
 
 
 @triton.jit
@@ -127,32 +128,13 @@ def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_spl
 def check_decode_inputs(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float
 ) -> float:
-    """Shape, dtype, layout and index-range checks of the FP8 decode contract (any device).
-
-    Only -1 is an invalid index; any other value outside [0, NB*BS) is refused here, because the
-    FlashMLA kernel reads it unchecked (an out-of-bounds read can take down the CUDA context).
-    """
-    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, None, D_QK), last_dim_contiguous=True)
-    batch, seq, heads, _ = q.shape
-    if min(batch, seq, heads) < 1:
-        raise InputError(f"q: batch, query tokens and heads must all be >= 1, got shape {tuple(q.shape)}")
-    check_tensor("kv_cache", kv_cache, dtype=torch.uint8, shape=(None, None, FP8_ROW_BYTES), last_dim_contiguous=True)
-    if kv_cache.stride(1) != FP8_ROW_BYTES:
-        raise InputError(
-            f"kv_cache: rows of a page must be packed (stride(1) == {FP8_ROW_BYTES}), got strides {kv_cache.stride()}"
-        )
-    # The fp32 scales are read as words: every row must start 4-byte aligned.
+    """The decode contract, plus word alignment of the rows (the fp32 scales are loaded as words)."""
+    sm_scale = check_decode_contract(q, kv_cache, indices, sm_scale)
     if kv_cache.data_ptr() % 4 or kv_cache.stride(0) % 4:
         raise InputError(
             f"kv_cache: base address and stride(0) must be multiples of 4 bytes "
-            f"(address % 4 = {kv_cache.data_ptr() % 4}, stride(0) = {kv_cache.stride(0)})"
+            f"(address % 4 = {kv_cache.data_ptr() % 4}, strides {kv_cache.stride()})"
         )
-    check_tensor("indices", indices, dtype=torch.int32, shape=(batch, seq, None), last_dim_contiguous=True)
-    if indices.shape[2] < 1:
-        raise InputError(f"indices: top-k width must be >= 1, got shape {tuple(indices.shape)}")
-    check_same_device(q=q, kv_cache=kv_cache, indices=indices)
-    sm_scale = check_sm_scale(sm_scale)
-    check_index_range("indices", indices, kv_cache.shape[0] * kv_cache.shape[1], sentinels=(-1,))
     return sm_scale
 
 

@@ -19,13 +19,13 @@ import triton
 import triton.language as tl
 
 from optimized import buffers
-from optimized.formats import D_QK, D_V
+from optimized.attention_checks import check_prefill_contract
+from optimized.formats import D_V
 from optimized.kernels import interpreting
 from optimized.kernels.attention_launch import AttentionConfig, check_launch_device
 from optimized.kernels.bits import to_bf16
 from optimized.kernels.online_softmax import LOG2E, attend_block, finish
 from optimized.registry import register
-from optimized.validation import InputError, check_same_device, check_sm_scale, check_tensor
 
 
 @triton.jit
@@ -76,31 +76,6 @@ def _sparse_prefill_kernel(
     tl.store(max_logits_ptr + t * num_heads + heads, max_logit, mask=head_ok)
 
 
-def check_prefill_inputs(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    topk_length: torch.Tensor | None,
-    attn_sink: torch.Tensor | None,
-) -> float:
-    """Shape, dtype and layout checks of the prefill contract (no device requirement)."""
-    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, D_QK), last_dim_contiguous=True)
-    tokens, heads, _ = q.shape
-    if heads < 1:
-        raise InputError(f"q: needs at least one head, got shape {tuple(q.shape)}")
-    check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, D_QK), last_dim_contiguous=True)
-    check_tensor("indices", indices, dtype=torch.int32, shape=(tokens, None), last_dim_contiguous=True)
-    if indices.shape[1] < 1:
-        raise InputError(f"indices: top-k width must be >= 1, got shape {tuple(indices.shape)}")
-    if topk_length is not None:
-        check_tensor("topk_length", topk_length, dtype=torch.int32, shape=(tokens,), contiguous=True)
-    if attn_sink is not None:
-        check_tensor("attn_sink", attn_sink, dtype=torch.float32, shape=(heads,), contiguous=True)
-    check_same_device(q=q, kv=kv, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
-    return check_sm_scale(sm_scale)
-
-
 @register("sparse_prefill", "triton", devices=("cpu", "cuda"))
 def sparse_prefill(
     q: torch.Tensor,
@@ -119,7 +94,7 @@ def sparse_prefill(
     lse = ln sum_j e^(s_j), s_j = sm_scale <q, kv[idx_j]>; out = softmax(s) @ kv[idx, :512],
     scaled by 1/(1+e^(sink-lse)); empty rows give out 0, lse +inf, max_logits -inf.
     """
-    sm_scale = check_prefill_inputs(q, kv, indices, sm_scale, topk_length, attn_sink)
+    sm_scale = check_prefill_contract(q, kv, indices, sm_scale, topk_length, attn_sink)
     check_launch_device(q.device)
     return launch_sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink, config)
 
