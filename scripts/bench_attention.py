@@ -43,7 +43,7 @@ def compare(out, lse, ref_out, ref_lse) -> str:
 def run(label: str, tokens: int, heads: int, fn, reference_pair=None):
     result = fn()
     ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    print(f"{label:<44} {ms * 1e3:9.1f} us {tflops(tokens, heads, ms):7.1f} TFLOP/s"
+    print(f"{label:<52} {ms * 1e3:9.1f} us {tflops(tokens, heads, ms):7.1f} TFLOP/s"
           + compare(result[0], result[1], *(reference_pair or (None, None))), flush=True)
     return result
 
@@ -77,6 +77,7 @@ def bench_decode(quick: bool) -> None:
     page, blocks = 64, 4096
     kv = (torch.randn(blocks * page, 576, generator=g, device="cuda") / 4).bfloat16()
     cache = reference.quantize_fp8_ds_mla(kv, "pow2").view(blocks, page, 656)
+    rows_bf16 = reference.dequantize_fp8_ds_mla(cache.view(-1, 656))  # for the decode kernel minus its dequant
     for heads in (128,) if quick else (64, 128):
         for batch, s_q in ((1, 1), (64, 2), (128, 2)) if quick else (
             (1, 1), (8, 1), (32, 1), (64, 1), (64, 2), (128, 1), (128, 2)
@@ -96,6 +97,9 @@ def bench_decode(quick: bool) -> None:
             for name, cfg in VARIANTS.items():
                 run(f"{shape} triton[{name}]", batch * s_q, heads,
                     lambda cfg=cfg: launch_sparse_decode_fp8(q, cache, idx, SM_SCALE, cfg), base)
+            run(f"{shape} triton prefill on bf16 rows", batch * s_q, heads,
+                lambda: launch_sparse_prefill(q.view(batch * s_q, heads, 576), rows_bf16,
+                                              idx.view(batch * s_q, TOPK), SM_SCALE, None, None))
             if batch * s_q <= 16:
                 run(f"{shape} triton[no split]", batch * s_q, heads,
                     lambda: launch_sparse_decode_fp8(q, cache, idx, SM_SCALE, AttentionConfig(num_splits=1)), base)
