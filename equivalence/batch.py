@@ -26,11 +26,11 @@ import reference
 from reference.indices import dcp_local_seq_lens, dcp_owner_and_local
 from reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
+from .patterns import PATTERNS, apply_patterns, distinct_rows
 from .values import kv_values, q_values
 
 ROW_WIDTH = {"bfloat16": 576, "fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
-INVALID_PATTERNS = ("scattered", "whole_row", "negatives", "beyond_table", "beyond_seq", "duplicates")
-OTHER_NEGATIVES = (-2, -7, -123456, -(2**31))
+INVALID_PATTERNS = PATTERNS + ("beyond_seq",)
 
 
 @dataclass
@@ -60,12 +60,13 @@ class Batch:
         )
 
 
-def _poisoned_cache(num_blocks: int, block_size: int, pad: int, dtype: str, device: str) -> torch.Tensor:
+def _poisoned_storage(num_blocks: int, block_size: int, pad: int, dtype: str) -> torch.Tensor:
+    """[num_blocks, block_size + pad, W], every byte 0xFF; the cache is its [:, :block_size] view."""
     width = ROW_WIDTH[dtype]
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.uint8
-    storage = torch.empty((num_blocks, block_size + pad, width), dtype=torch_dtype, device=device)
+    storage = torch.empty((num_blocks, block_size + pad, width), dtype=torch_dtype)
     storage.view(torch.uint8).fill_(0xFF)
-    return storage[:, :block_size]
+    return storage
 
 
 def _write(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, dtype: str, scale_rule: str) -> None:
@@ -78,35 +79,18 @@ def _write(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, dtype: st
 
 
 def _topk_rows(gen: torch.Generator, positions: list[int], topk: int, patterns: list[str], table_tokens: int) -> torch.Tensor:
-    """Causal top-k rows for tokens at `positions`, then the invalid-index patterns."""
-    rows = torch.full((len(positions), topk), -1, dtype=torch.int64)
-    for i, pos in enumerate(positions):
-        chosen = torch.randperm(pos + 1, generator=gen)[:topk]
-        rows[i, : len(chosen)] = chosen
-    if not len(positions):
-        return rows.to(torch.int32)
-    hit = torch.rand(rows.shape, generator=gen) < 0.15  # entries a pattern rewrites
-    for pattern in patterns:
-        if pattern == "scattered":
-            rows = torch.where(hit, -1, rows)
-            rows = rows.gather(1, torch.argsort(torch.rand(rows.shape, generator=gen), dim=1))
-        elif pattern == "whole_row":
-            rows[torch.rand(len(positions), generator=gen) < 0.25] = -1
-        elif pattern == "negatives":
-            pick = torch.randint(0, len(OTHER_NEGATIVES), rows.shape, generator=gen)
-            rows = torch.where((rows == -1) & hit, torch.tensor(OTHER_NEGATIVES)[pick], rows)
-        elif pattern == "beyond_table":
-            far = table_tokens + torch.randint(0, 4 * topk + 1, rows.shape, generator=gen)
-            rows = torch.where(hit, far, rows)
-        elif pattern == "beyond_seq":
-            pos = torch.tensor(positions)[:, None]
-            past = pos + 1 + torch.randint(0, 64, rows.shape, generator=gen)
-            rows = torch.where(hit & (past < table_tokens), past, rows)
-        elif pattern == "duplicates":
-            src = torch.randint(0, topk, rows.shape, generator=gen)
-            rows = torch.where(hit & (rows.gather(1, src) >= 0), rows.gather(1, src), rows)
-        else:
-            raise ValueError(f"unknown invalid-index pattern {pattern!r}; known: {INVALID_PATTERNS}")
+    """Causal top-k rows for tokens at `positions`, then the invalid-index patterns.
+
+    `beyond_seq` (logical positions past the token's own, still inside the block table: the
+    backend reads whatever those slots hold) is this module's; the rest are `patterns`'.
+    """
+    rows = distinct_rows(gen, [torch.arange(p + 1) for p in positions], topk)
+    if "beyond_seq" in patterns and len(positions):
+        hit = torch.rand(rows.shape, generator=gen) < 0.15
+        past = torch.tensor(positions)[:, None] + 1 + torch.randint(0, 64, rows.shape, generator=gen)
+        rows = torch.where(hit & (past < table_tokens), past, rows)
+    rest = [p for p in patterns if p != "beyond_seq"]
+    rows = apply_patterns(gen, rows, rest, out_of_range=(table_tokens, table_tokens + 4 * topk))
     return rows.to(torch.int32)
 
 
@@ -148,7 +132,8 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
         for i, nb in enumerate(blocks_needed[r]):
             table[i, :nb] = ids[cursor : cursor + nb].to(torch.int32)
             cursor += nb
-        cache = _poisoned_cache(num_blocks, bs, params.get("stride_pad", 0), dtype, "cpu")
+        storage = _poisoned_storage(num_blocks, bs, params.get("stride_pad", 0), dtype)
+        cache = storage[:, :bs]
         # Stale rows in the null block and in every allocated block, then this step's tokens.
         stale_blocks = torch.cat([torch.zeros(1, dtype=torch.int64), table[table > 0].long()])
         stale_slots = (stale_blocks[:, None] * bs + torch.arange(bs)).flatten()
@@ -159,7 +144,7 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
             mine = owner == r
             slots = table[i].long()[loc[mine] // bs] * bs + loc[mine] % bs
             _write(kv_source[i][mine], cache, slots, dtype, scale_rule)
-        caches.append(cache.to(device))
+        caches.append(storage.to(device)[:, :bs])  # slicing after the copy keeps the padded stride
         tables.append(table.to(device))
 
     positions = [c + j for c, n in zip(ctx, qlens) for j in range(n)]
@@ -169,7 +154,8 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
     num_tokens = qsl[-1]
     if params.get("mqa", "all") == "decodes":
         threshold = reorder_batch_threshold(
-            heads, params.get("arch", "sm90"), max_decode_query_len=params.get("max_decode_query_len", 1)
+            heads, params.get("arch", "sm90"), max_decode_query_len=params.get("max_decode_query_len", 1),
+            dcp_size=dcp, interleave=inter,
         )
         num_tokens = split_decodes_and_prefills(qsl, threshold).num_decode_tokens
     q = q_values(gen, (num_tokens, heads * dcp, 576), regime).to(device)

@@ -31,8 +31,10 @@ METRIC_COLUMNS = (
     "max_abs",        # max |impl - ref| over finite positions
     "max_abs_at",     # index of that element, as "i,j,k"
     "mismatch_frac",  # fraction failing the per-element abs-or-rel check (exact ops: not bit-equal)
-    "mean_err",       # signed mean of (impl - ref) / rms(ref): a bug biases, rounding does not
+    "mean_err",       # <impl - ref, ref> / <ref, ref>: signed gain error; a bug biases, rounding does not
     "bf16_units",     # ||impl - ref|| / ||bf16(ref) - ref||: error in units of bf16 rounding
+    "elem_bf16_units",  # worst element, in bf16 rounding steps of its row's magnitude
+    "lse_fp32_units",   # worst LSE error, in fp32 rounding steps of its row's logit scale
     "nan_count",      # NaN in the implementation's output
     "inf_mismatch",   # positions whose +inf / -inf / NaN pattern differs from the reference
 )
@@ -73,6 +75,8 @@ class Row:
     mismatch_frac: float = math.nan
     mean_err: float = math.nan
     bf16_units: float = math.nan
+    elem_bf16_units: float = math.nan
+    lse_fp32_units: float = math.nan
     nan_count: int = 0
     inf_mismatch: int = 0
     # verdict: the gated metric with the least headroom, its value and bound

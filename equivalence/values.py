@@ -29,13 +29,13 @@ def kv_values(gen: torch.Generator, n: int, regime: str) -> torch.Tensor:
     if regime == "saturation":
         power = torch.randint(-4, 5, (n, NOPE // TILE, 1), generator=gen).float()
         magnitude = 380 + 68 * torch.rand((n, NOPE // TILE, TILE), generator=gen)
-        x[:, :NOPE] = (torch.sign(x[:, :NOPE]).view(n, -1, TILE) * magnitude * 2.0**power).view(n, NOPE)
+        x[:, :NOPE] = (torch.sign(x[:, :NOPE]).view(n, NOPE // TILE, TILE) * magnitude * 2.0**power).view(n, NOPE)
     elif regime == "outliers":
         channels = torch.randperm(576, generator=gen)[:4]
         x[:, channels] *= 30 + 70 * torch.rand(4, generator=gen)
     elif regime == "zero_tiles":
         zero = torch.rand((n, NOPE // TILE), generator=gen) < 0.5
-        x[:, :NOPE] = (x[:, :NOPE].view(n, -1, TILE) * ~zero[..., None]).view(n, NOPE)
+        x[:, :NOPE] = (x[:, :NOPE].view(n, NOPE // TILE, TILE) * ~zero[..., None]).view(n, NOPE)
     elif regime == "tiny":
         x[:, :NOPE] *= 1e-6
     elif regime not in ("normal", "peaked"):

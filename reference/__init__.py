@@ -10,13 +10,13 @@ read: each module holds one concern, each function states its formula.
     workspace                   gather + up-convert into the BF16 prefill workspace
     query                       query concat and spec-decode reshapes
     dcp                         empty-row neutralization and the LSE merge
-    forward_mqa                 the three paths end to end, with and without DCP
+    forward                     forward_mqa: the three paths end to end, with and without DCP
 """
 
 from .attention import AttentionResult, sparse_decode, sparse_decode_fp8, sparse_prefill
 from .dcp import dcp_merge, dcp_merge_exact, merge_weights, neutralize_empty_rows
 from .fp8_ds_mla import dequantize_fp8_ds_mla, fp8_ds_mla_values, quantize_fp8_ds_mla
-from .forward_mqa import MQAResult, forward_mqa, forward_mqa_dcp, select_path
+from .forward import MQAResult, forward_mqa, forward_mqa_dcp, select_path
 from .indices import (
     convert_index,
     dcp_convert_index,

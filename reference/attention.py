@@ -158,7 +158,7 @@ def sparse_decode(
         raise ValueError(f"q [B, S, H, {HEAD_DIM}] and indices [B, S, K] expected, got {tuple(q.shape)}, {tuple(indices.shape)}")
     batch, s_q, num_heads, _ = q.shape
     capacity = kv_cache.shape[0] * kv_cache.shape[1]
-    idx = indices.long().reshape(batch * s_q, -1)
+    idx = indices.long().reshape(batch * s_q, indices.shape[-1])
     bad = (idx != -1) & ((idx < 0) | (idx >= capacity))
     if bool(bad.any()):
         where = tuple(bad.nonzero()[0].tolist())

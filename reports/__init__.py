@@ -1,0 +1,23 @@
+"""Numerical-drift reports: a run's rows on disk, their tables and figures, and drift against a
+baseline run.
+
+    write_run(run_dir, rows, meta) / load_run(run_dir)      store.py
+    collect_meta(...) / finish_meta(meta)                    meta.py
+    terminal_summary(rows, meta)                             terminal.py
+    compare(current, baseline, factor) -> Drift              drift.py
+    build_report(...) / run_report(run_dir, baseline, ...)   report.py
+    render_html(report) / render_markdown(report)            html.py, markdown.py
+"""
+
+from reports.drift import Drift, compare
+from reports.html import render_html
+from reports.markdown import render_markdown
+from reports.meta import collect_meta, finish_meta
+from reports.report import Report, build_report, run_report
+from reports.store import load_run, rows_frame, write_run
+from reports.terminal import terminal_summary
+
+__all__ = [
+    "Drift", "Report", "build_report", "collect_meta", "compare", "finish_meta", "load_run",
+    "render_html", "render_markdown", "rows_frame", "run_report", "terminal_summary", "write_run",
+]

@@ -30,3 +30,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests.test_zoo import zoo_summary
+
+    for line in zoo_summary():
+        terminalreporter.write_line(line)

@@ -12,7 +12,7 @@ from reference import metadata as M
 
 seeds = st.integers(0, 2**31 - 1)
 # Invalid patterns the naive formulation models: every one of them leaves an entry invalid.
-SAFE_PATTERNS = ["scattered", "whole_row", "negatives", "beyond_table", "duplicates"]
+SAFE_PATTERNS = ["scattered", "whole_row", "negatives", "out_of_range", "duplicates"]
 
 
 @st.composite

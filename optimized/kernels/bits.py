@@ -2,7 +2,8 @@
 
 Why not `x.to(tl.bfloat16)` / `tl.float8e4nv`: Triton's CPU interpreter rounds fp32 -> bf16 toward
 zero and mis-encodes float8e4nv (measured with triton 3.6 and 3.9: 126.6 -> 104, 0x7F decodes to
-480 instead of NaN). These helpers give the same bits compiled and interpreted. Kernels whose
+480 instead of NaN); with triton 3.6 it also flushes bf16 subnormals to zero when widening to
+fp32. These helpers give the same bits compiled and interpreted. Kernels whose
 inner loop is conversion-bound pass NATIVE=True on a GPU to use the hardware instructions, which
 round the same way.
 """
@@ -30,6 +31,22 @@ def to_bf16(x, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def bf16_to_f32(x, NATIVE: tl.constexpr):
+    """bf16 -> fp32, exactly (the interpreter's `.to(tl.float32)` flushes bf16 subnormals to zero)."""
+    if NATIVE:
+        return x.to(tl.float32)
+    else:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _with_sign(mag, sign):
+    """Set the sign bit of fp32 `mag` where `sign` is 1. Not `-mag`: Triton negates as 0 - x,
+    which turns -0 into +0."""
+    return (mag.to(tl.int32, bitcast=True) | (sign.to(tl.int32) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def e4m3_bits_to_f32(b):
     """float8_e4m3fn bit pattern (any int type, low 8 bits used) -> fp32, exactly; 0x7F/0xFF -> NaN."""
     b = b.to(tl.int32) & 0xFF
@@ -39,7 +56,7 @@ def e4m3_bits_to_f32(b):
     normal = ((exp + 120) << 23) | (man << 20)
     mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
     mag = tl.where((exp == 15) & (man == 7), float("nan"), mag)
-    return tl.where(sign == 1, -mag, mag)
+    return _with_sign(mag, sign)
 
 
 @triton.jit
@@ -75,4 +92,4 @@ def e2m1_bits_to_f32(n):
     exp = (n >> 1) & 0x3
     man = (n & 1).to(tl.float32)
     mag = tl.where(exp == 0, man * 0.5, (2.0 + man) * tl.where(exp == 1, 0.5, tl.where(exp == 2, 1.0, 2.0)))
-    return tl.where((n >> 3) == 1, -mag, mag)
+    return _with_sign(mag, n >> 3)

@@ -48,8 +48,9 @@ CACHE_DTYPES = ("bfloat16", "fp8_ds_mla", "nvfp4_ds_mla")
 
 
 class MQAResult(NamedTuple):
-    out: torch.Tensor   # [T, Hq, 512]
-    lse: torch.Tensor   # [T, Hq], natural log
+    out: torch.Tensor       # [T, Hq, 512]
+    lse: torch.Tensor       # [T, Hq], natural log
+    logit_l1: torch.Tensor  # [T, Hq]: the logit scale fp32 errors grow with (attention.AttentionResult)
     path: str
 
 
@@ -97,7 +98,7 @@ def forward_mqa(
         rows, stride_rows = flat_kv_row_view(kv_cache)
         idx, counts = convert_index(req_id, block_table, topk, block_size, stride_rows, return_valid_counts=True)
         res = sparse_prefill(q, rows, idx, sm_scale, topk_length=counts, dtype=dtype)
-        return MQAResult(res.out, res.lse, path)
+        return MQAResult(res.out, res.lse, res.logit_l1, path)
 
     if path == "fp8_mixed":
         if dcp_size > 1:
@@ -105,10 +106,10 @@ def forward_mqa(
         else:
             idx = convert_index(req_id, block_table, topk, block_size)
         res = sparse_decode(q[None], kv_cache, idx[None], sm_scale, dtype=dtype)
-        out, lse = res.out[0], res.lse[0].transpose(0, 1)
+        out, lse, logit_l1 = res.out[0], res.lse[0].transpose(0, 1), res.logit_l1[0].transpose(0, 1)
         if dcp_size > 1:
             out, lse = neutralize_empty_rows(out, lse, idx)
-        return MQAResult(out, lse, path)
+        return MQAResult(out, lse, logit_l1, path)
 
     threshold = reorder_batch_threshold(num_heads, arch, max_decode_query_len=max_decode_query_len)
     split = split_decodes_and_prefills(query_start_loc, threshold)
@@ -132,12 +133,14 @@ def forward_mqa(
 
     out = q.new_zeros((num_tokens, q.shape[1], 512), dtype=dtype)
     lse = q.new_zeros((num_tokens, q.shape[1]), dtype=dtype)
+    logit_l1 = torch.zeros_like(lse)
     if num_decode_tokens:
         _, active = active_decodes(query_start_loc, split)
         q_d = reshape_query_for_spec_decode(q[:num_decode_tokens], active)
         res = sparse_decode(q_d, kv_cache, idx[:num_decode_tokens].view(active, q_d.shape[1], -1), sm_scale, dtype=dtype)
         out[:num_decode_tokens] = reshape_attn_output_for_spec_decode(res.out)
         lse[:num_decode_tokens] = res.lse.transpose(1, 2).reshape(num_decode_tokens, -1)
+        logit_l1[:num_decode_tokens] = res.logit_l1.transpose(1, 2).reshape(num_decode_tokens, -1)
     gather = gather_upconvert_nvfp4 if kv_cache.shape[-1] == NVFP4_ROW_BYTES else gather_upconvert_fp8
     for chunk in plan.chunks if plan else ():
         workspace = gather(
@@ -146,8 +149,8 @@ def forward_mqa(
         )
         rows = slice(*chunk.tokens)
         res = sparse_prefill(q[rows], workspace, idx[rows], sm_scale, topk_length=counts[rows], dtype=dtype)
-        out[rows], lse[rows] = res.out, res.lse
-    return MQAResult(out, lse, path)
+        out[rows], lse[rows], logit_l1[rows] = res.out, res.lse, res.logit_l1
+    return MQAResult(out, lse, logit_l1, path)
 
 
 def forward_mqa_dcp(
@@ -173,4 +176,5 @@ def forward_mqa_dcp(
     outs = torch.stack([p.out for p in parts])
     lses = torch.stack([p.lse for p in parts])
     out, lse = (dcp_merge_exact if exact_merge else dcp_merge)(outs, lses)
-    return MQAResult(out, lse, parts[0].path + "_dcp")
+    logit_l1 = torch.stack([p.logit_l1 for p in parts]).amax(dim=0)
+    return MQAResult(out, lse, logit_l1, parts[0].path + "_dcp")

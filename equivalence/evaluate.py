@@ -1,0 +1,84 @@
+"""Run one Case: build its inputs, ask the reference, call the implementation, judge each tensor.
+
+The implementation runs after the reference, on its own poisoned outputs
+(`optimized.buffers.poisoned`), and may raise: that is a failure of the case (reason "raised"),
+never of the harness. Inputs the case generator builds are valid by contract, so a refusal
+(InputError) is a failure too.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+from optimized.buffers import poisoned
+
+from .case import Case
+from .oracle import judge
+from .ops import get_op
+from .rows import Row
+from .subject import Subject
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device):
+    _sync(device)
+    start = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return result, time.perf_counter() - start
+
+
+def evaluate(
+    case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
+    notes: set[str] | None = None,
+) -> list[Row]:
+    """Every checked tensor of `case` as a Row (a single failure row if the implementation raised).
+
+    `notes` collects what the implementation side reported, e.g. a stage that fell back to a
+    portable implementation because the preferred one cannot run on this device.
+    """
+    spec = get_op(case.op)
+    params = case.params
+    base = dict(run_id=run_id, case_id=case.case_id, op=case.op, path=spec.path_of(params), impl=subject.label,
+                stages="", device=device, seed=case.seed, source=source, **spec.knobs(params))
+    kwargs = spec.inputs(params, case.seed, device)
+    ref, t_ref = _timed(lambda: spec.reference(kwargs, params), device)
+    try:
+        with poisoned():
+            got, t_impl = _timed(lambda: spec.call(subject, kwargs, params), device)
+    except Exception as exc:  # the implementation's failure is the case's result, not ours
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        reason = f"raised {type(exc).__name__}: {exc} (at {frame.filename}:{frame.lineno})"
+        return [Row(**base, tensor="*", passed=False, gate_metric="raised", value=1.0, bound=0.0,
+                    headroom=0.0, reason=reason, time_ref_s=t_ref)]
+    if notes is not None:
+        notes.update(got.notes)
+    rows = []
+    for check in spec.checks:
+        if check.tensor not in ref or (check.optional and check.tensor not in got.tensors):
+            continue  # not asked for by this case, or not produced by this implementation
+        if check.tensor not in got.tensors:
+            rows.append(Row(**{**base, "stages": got.stages}, tensor=check.tensor, passed=False, gate_metric="missing",
+                            reason=f"the implementation returned no {check.tensor!r}", time_ref_s=t_ref, time_impl_s=t_impl))
+            continue
+        scale = ref.get(check.scale) if check.scale else None
+        v = judge(check.kind, got.tensors[check.tensor], ref[check.tensor], params, got.deviations, scale)
+        m = v.metrics
+        rows.append(Row(
+            **{**base, "path": got.path or base["path"], "stages": got.stages},
+            tensor=check.tensor, exact=check.kind == "exact",
+            numel=m.numel, ref_rms=m.ref_rms, rel_l2=m.rel_l2, cos_dist=m.cos_dist, max_abs=m.max_abs,
+            max_abs_at=m.max_abs_at, mismatch_frac=m.mismatch_frac, mean_err=m.mean_err,
+            bf16_units=m.bf16_units, elem_bf16_units=m.elem_bf16_units, lse_fp32_units=m.lse_fp32_units,
+            nan_count=m.nan_count, inf_mismatch=m.inf_mismatch,
+            gate_metric=v.gate_metric, value=v.value, bound=v.bound, headroom=v.headroom,
+            deviation=v.deviation, passed=v.passed, reason=v.reason, time_ref_s=t_ref, time_impl_s=t_impl,
+        ))
+    return rows

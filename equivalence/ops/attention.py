@@ -1,0 +1,121 @@
+"""The two attention kernels' contracts: BF16 sparse prefill and FP8 sparse decode.
+
+Inputs keep the kernels honest: rows and cache slots that no valid index selects are poisoned
+(NaN), so a kernel that reads one shows it; invalid entries take every form the contract allows
+(prefill: any negative or >= N; decode: -1 only).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import reference
+from equivalence.patterns import apply_patterns, distinct_rows
+from equivalence.policy import LSE, OUT
+from equivalence.values import kv_values, q_values
+
+from . import Check, ImplOutput, OpSpec, register_op
+from .common import generator, knobs
+
+
+def _named_attention(result) -> dict[str, torch.Tensor]:
+    names = ("out", "lse", "max_logits")
+    return dict(zip(names, result))
+
+
+def _call(subject, kwargs, params) -> ImplOutput:
+    return ImplOutput(_named_attention(subject.fn(**kwargs)), deviations=subject.deviations)
+
+
+def _prefill_inputs(p, seed, device):
+    g = generator(seed)
+    tokens, heads, rows, topk = p["tokens"], p["heads"], p["kv_rows"], p["topk"]
+    q = q_values(g, (tokens, heads, 576), p["value_regime"])
+    kv = kv_values(g, rows, p["value_regime"])
+    idx = distinct_rows(g, [torch.arange(rows)] * tokens, topk)
+    idx = apply_patterns(g, idx, p.get("invalid", []), out_of_range=(rows, 2**31 - 1))
+    length = None
+    mode = p.get("topk_length", "none")
+    if mode == "random":
+        length = torch.randint(0, topk + 1, (tokens,), generator=g)
+    elif mode == "edges":  # 0, 1 and full lengths
+        length = torch.tensor([0, 1, topk])[torch.randint(0, 3, (tokens,), generator=g)]
+    sink = None
+    if p.get("sink", "none") != "none":
+        sink = torch.randn(heads, generator=g)
+        if p["sink"] == "inf":
+            sink[torch.rand(heads, generator=g) < 0.3] = math.inf
+            sink[torch.rand(heads, generator=g) < 0.3] = -math.inf
+    # Poison every kv row no valid entry selects.
+    live = (idx >= 0) & (idx < rows)
+    if length is not None:
+        live &= torch.arange(topk)[None, :] < length[:, None]
+    used = torch.zeros(rows, dtype=torch.bool)
+    used[idx[live]] = True
+    kv[~used] = float("nan")
+    kwargs = {"q": q, "kv": kv, "indices": idx.to(torch.int32), "sm_scale": p["sm_scale"],
+              "topk_length": None if length is None else length.to(torch.int32),
+              "attn_sink": sink}
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+def _prefill_reference(kw, p):
+    res = reference.sparse_prefill(kw["q"], kw["kv"], kw["indices"], kw["sm_scale"], kw["topk_length"], kw["attn_sink"])
+    return res._asdict()
+
+
+register_op(OpSpec(
+    name="sparse_prefill",
+    stage="sparse_prefill",
+    arguments=("q", "kv", "indices", "sm_scale", "topk_length", "attn_sink"),
+    inputs=_prefill_inputs,
+    reference=_prefill_reference,
+    call=_call,
+    checks=(Check("out", OUT), Check("lse", LSE, "logit_l1"), Check("max_logits", LSE, "logit_l1", optional=True)),
+    knobs=lambda p: knobs(p, num_tokens=p["tokens"], seq_len=p["kv_rows"], cache_dtype="bfloat16"),
+    doc="flash_mla_sparse_fwd: bf16 q/kv rows, top-k row indices (invalid: <0 or >=N), topk_length, sink",
+))
+
+
+def _decode_inputs(p, seed, device):
+    g = generator(seed)
+    batch, s_q, heads, topk, page = p["batch"], p["s_q"], p["heads"], p["topk"], p["page_size"]
+    seq_lens = p["seq_lens"]
+    blocks = [-(-n // page) for n in seq_lens]
+    num_blocks = sum(blocks) + 1
+    order = torch.randperm(num_blocks, generator=g)
+    pools, cursor = [], 0
+    for n, nb in zip(seq_lens, blocks):  # each sequence's slots live in its own shuffled blocks
+        mine = order[cursor : cursor + nb]
+        cursor += nb
+        pos = torch.arange(n)
+        pools.append(mine[pos // page] * page + pos % page)
+    idx = distinct_rows(g, [pool for pool in pools for _ in range(s_q)], topk)
+    idx = apply_patterns(g, idx, p.get("invalid", []))
+    storage = torch.full((num_blocks, page + p.get("stride_pad", 0), 656), 0xFF, dtype=torch.uint8)
+    cache = storage[:, :page]
+    slots = idx[idx >= 0].unique()  # write only the selected slots: every other byte stays NaN
+    reference.write_fp8_ds_mla_cache(kv_values(g, len(slots), p["value_regime"]), cache, slots, p["scale_rule"])
+    q = q_values(g, (batch, s_q, heads, 576), p["value_regime"])
+    return {"q": q.to(device), "kv_cache": storage.to(device)[:, :page],  # keeps the padded stride
+            "indices": idx.view(batch, s_q, topk).to(torch.int32).to(device), "sm_scale": p["sm_scale"]}
+
+
+def _decode_reference(kw, p):
+    return reference.sparse_decode_fp8(kw["q"], kw["kv_cache"], kw["indices"], kw["sm_scale"])._asdict()
+
+
+register_op(OpSpec(
+    name="sparse_decode_fp8",
+    stage="sparse_decode_fp8",
+    arguments=("q", "kv_cache", "indices", "sm_scale"),
+    inputs=_decode_inputs,
+    reference=_decode_reference,
+    call=_call,
+    checks=(Check("out", OUT), Check("lse", LSE, "logit_l1")),
+    knobs=lambda p: knobs(p, num_tokens=p["batch"] * p["s_q"], seq_len=max(p["seq_lens"]),
+                          block_size=p["page_size"], cache_dtype="fp8_ds_mla"),
+    doc="flash_mla_with_kvcache sparse decode on 656-byte fp8_ds_mla pages; indices are physical slots, -1 only invalid",
+))

@@ -1,0 +1,31 @@
+"""Pieces shared by the op specs: calling a single-function subject, knobs, seeded generators."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from . import ImplOutput
+
+
+def generator(seed: int) -> torch.Generator:
+    """Every tensor of a case comes from this CPU generator, so a case is the same on any device."""
+    return torch.Generator().manual_seed(seed)
+
+
+def single(unpack: Callable[[Any], dict[str, torch.Tensor]]) -> Callable:
+    """A `call` for ops with one implementation function: call it with the contract's keywords."""
+
+    def call(subject, kwargs: dict, params: Mapping) -> ImplOutput:
+        return ImplOutput(unpack(subject.fn(**kwargs)), deviations=subject.deviations)
+
+    return call
+
+
+def knobs(params: Mapping, **derived: Any) -> dict[str, Any]:
+    """The report's knob columns from a case's params (plus derived values)."""
+    keys = ("topk", "heads", "block_size", "dcp_size", "cache_dtype", "scale_rule", "value_regime", "sm_scale")
+    out = {k: params[k] for k in keys if k in params}
+    out.update(derived)
+    return out

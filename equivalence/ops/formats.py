@@ -1,0 +1,86 @@
+"""fp8_ds_mla cache bytes: quantize, dequantize, and the paged cache writer (all exact)."""
+
+from __future__ import annotations
+
+import torch
+
+import reference
+from equivalence.policy import EXACT
+from equivalence.values import kv_values
+
+from . import Check, ImplOutput, OpSpec, register_op
+from .common import generator, knobs, single
+
+
+def _kv(params, seed, device):
+    return kv_values(generator(seed), params["n"], params["value_regime"]).to(device)
+
+
+register_op(OpSpec(
+    name="quantize_fp8_ds_mla",
+    stage="quantize_fp8_ds_mla",
+    arguments=("kv", "scale_rule"),
+    inputs=lambda p, seed, device: {"kv": _kv(p, seed, device), "scale_rule": p["scale_rule"]},
+    reference=lambda kw, p: {"rows": reference.quantize_fp8_ds_mla(kw["kv"], kw["scale_rule"])},
+    call=single(lambda rows: {"rows": rows}),
+    checks=(Check("rows", EXACT),),
+    knobs=lambda p: knobs(p, num_tokens=p["n"]),
+    doc="[N,576] bf16 -> [N,656] uint8 rows; bytes must match exactly",
+))
+
+register_op(OpSpec(
+    name="dequantize_fp8_ds_mla",
+    stage="dequantize_fp8_ds_mla",
+    arguments=("rows",),
+    inputs=lambda p, seed, device: {"rows": reference.quantize_fp8_ds_mla(_kv(p, seed, device), p["scale_rule"])},
+    reference=lambda kw, p: {"values": reference.dequantize_fp8_ds_mla(kw["rows"])},
+    call=single(lambda values: {"values": values}),
+    checks=(Check("values", EXACT),),
+    knobs=lambda p: knobs(p, num_tokens=p["n"]),
+    doc="[N,656] uint8 -> [N,576] bf16 = bf16(fp32(fp8) * scale); bits must match",
+))
+
+
+def _writer_inputs(p, seed, device):
+    g = generator(seed)
+    kv = kv_values(g, p["n"], p["value_regime"])
+    capacity = p["num_blocks"] * p["block_size"]
+    slots = torch.randperm(capacity, generator=g)[: p["n"]]
+    slots[torch.rand(p["n"], generator=g) < p.get("skip_frac", 0.0)] = -1
+    # Every byte the writer must leave alone (skipped slots, padding rows) is poisoned.
+    storage = torch.full((p["num_blocks"], p["block_size"] + p.get("stride_pad", 0), 656), 0xFF, dtype=torch.uint8)
+    return {"kv": kv.to(device), "kv_cache": storage.to(device)[:, : p["block_size"]],
+            "slot_mapping": slots.to(device), "scale_rule": p["scale_rule"]}
+
+
+def _fresh_cache(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A new all-0xFF storage with `like`'s geometry (padding rows included) and its cache view."""
+    num_blocks, block_size, width = like.shape
+    storage = torch.full((num_blocks, like.stride(0) // width, width), 0xFF, dtype=torch.uint8, device=like.device)
+    return storage, storage[:, :block_size]
+
+
+def _reference_write(kw, p):
+    storage, cache = _fresh_cache(kw["kv_cache"])
+    reference.write_fp8_ds_mla_cache(kw["kv"], cache, kw["slot_mapping"], kw["scale_rule"])
+    return {"cache": storage}
+
+
+def _call_write(subject, kw, p):
+    storage, cache = _fresh_cache(kw["kv_cache"])
+    subject.fn(kv=kw["kv"], kv_cache=cache, slot_mapping=kw["slot_mapping"], scale_rule=kw["scale_rule"])
+    return ImplOutput({"cache": storage}, deviations=subject.deviations)
+
+
+register_op(OpSpec(
+    name="write_fp8_ds_mla_cache",
+    stage="write_fp8_ds_mla_cache",
+    arguments=("kv", "kv_cache", "slot_mapping", "scale_rule"),
+    inputs=_writer_inputs,
+    reference=_reference_write,
+    call=_call_write,
+    checks=(Check("cache", EXACT),),
+    knobs=lambda p: knobs(p, num_tokens=p["n"]),
+    doc="quantize + scatter by slot mapping into a paged cache; every byte of the cache's storage "
+        "(including padding rows between blocks and skipped slots) must match",
+))

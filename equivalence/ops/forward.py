@@ -1,0 +1,84 @@
+"""forward_mqa end to end: the project's pipeline (or a user's stage / whole replacement) against
+the reference's, on batches from `equivalence.batch`; under DCP every rank runs and the partials
+are merged, against the reference's exact merge."""
+
+from __future__ import annotations
+
+import torch
+
+import reference
+from equivalence.batch import make_batch
+from equivalence.policy import LSE, OUT
+from optimized import registry
+
+from . import Check, ImplOutput, OpSpec, register_op
+from .common import knobs
+
+ARGUMENTS = ("q", "kv_cache", "query_start_loc", "seq_lens", "block_table", "topk_indices", "num_heads",
+             "kv_cache_dtype", "sm_scale", "max_model_len")
+
+
+def path_of(p) -> str:
+    path = reference.select_path(p["cache_dtype"], p["heads"])
+    return path + "_dcp" if p.get("dcp_size", 1) > 1 else path
+
+
+def _dcp_kwargs(batch) -> dict:
+    kwargs = batch.forward_kwargs()
+    kwargs.pop("block_table")
+    return kwargs
+
+
+def _reference(kw, p):
+    b = kw["batch"]
+    if p.get("dcp_size", 1) > 1:
+        res = reference.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, exact_merge=True, **_dcp_kwargs(b))
+    else:
+        res = reference.forward_mqa(b.q, b.kv_cache, **b.forward_kwargs())
+    return {"out": res.out, "lse": res.lse, "logit_l1": res.logit_l1}
+
+
+def _whole(fn, b, p) -> ImplOutput:
+    """A user's complete forward_mqa; under DCP it runs per rank and the registry's merge combines."""
+    if p.get("dcp_size", 1) == 1:
+        out, lse = fn(q=b.q, kv_cache=b.kv_cache, **b.forward_kwargs())[:2]
+        return ImplOutput({"out": out, "lse": lse})
+    kwargs, size = _dcp_kwargs(b), p["dcp_size"]
+    parts = [fn(q=b.q, kv_cache=c, block_table=t, dcp_size=size, dcp_rank=r, **kwargs)[:2]
+             for r, (c, t) in enumerate(zip(b.rank_caches, b.rank_block_tables))]
+    merge = registry.select("dcp_merge", b.kv_cache.device.type)
+    out, lse = merge.fn(outs=torch.stack([o for o, _ in parts]), lses=torch.stack([s for _, s in parts]))
+    return ImplOutput({"out": out, "lse": lse}, stages=f"dcp_merge={merge.name}", deviations=merge.deviations)
+
+
+def _call(subject, kw, p) -> ImplOutput:
+    b = kw["batch"]
+    if subject.fn is not None:
+        return _whole(subject.fn, b, p)
+    from optimized import pipeline  # imports every kernel module: only when the pipeline runs
+    dcp = p.get("dcp_size", 1)
+    needed = pipeline.needed_stages(p["cache_dtype"], p["heads"], dcp, isinstance(b.q, tuple))
+    stages = registry.resolve(needed, b.kv_cache.device.type, subject.overrides)
+    if dcp > 1:
+        res = pipeline.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, stages=stages, **_dcp_kwargs(b))
+    else:
+        res = pipeline.forward_mqa(b.q, b.kv_cache, stages=stages, **b.forward_kwargs())
+    deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
+    notes = tuple(f"{stage}: {why}" for stage, why in sorted(stages.fallbacks.items()))
+    return ImplOutput({"out": res.out, "lse": res.lse}, stages=stages.describe(), deviations=deviations,
+                      path=res.path, notes=notes)
+
+
+register_op(OpSpec(
+    name="forward_mqa",
+    stage=None,
+    arguments=ARGUMENTS,
+    inputs=lambda p, seed, device: {"batch": make_batch(p, seed, device)},
+    reference=_reference,
+    call=_call,
+    checks=(Check("out", OUT), Check("lse", LSE, "logit_l1")),
+    knobs=lambda p: knobs(p, num_tokens=sum(p["query_lens"]),
+                          seq_len=max(c + n for c, n in zip(p["context_lens"], p["query_lens"]))),
+    path=path_of,
+    doc="FlashMLASparseImpl.forward_mqa: bf16 / fp8_mixed / fp8_separate paths, with DCP over ranks",
+))

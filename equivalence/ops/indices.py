@@ -1,0 +1,80 @@
+"""Index conversion ops (exact): logical top-k -> physical rows, with and without DCP."""
+
+from __future__ import annotations
+
+import torch
+
+import reference
+from equivalence.patterns import apply_patterns, distinct_rows
+from equivalence.policy import EXACT
+
+from . import Check, ImplOutput, OpSpec, register_op
+from .common import generator, knobs
+
+
+def _common_inputs(g, p, logical_tokens):
+    tokens, requests, width, topk = p["tokens"], p["requests"], p["table_width"], p["topk"]
+    req_id = torch.randint(0, requests, (tokens,), generator=g)
+    table = torch.randint(0, 4096, (requests, width), generator=g)
+    idx = distinct_rows(g, [torch.arange(logical_tokens)] * tokens, topk)
+    idx = apply_patterns(g, idx, p.get("invalid", []), out_of_range=(logical_tokens, logical_tokens + 8 * topk))
+    return req_id.to(torch.int32), table.to(torch.int32), idx.to(torch.int32)
+
+
+def _convert_inputs(p, seed, device):
+    g = generator(seed)
+    bs = p["block_size"]
+    req_id, table, idx = _common_inputs(g, p, p["table_width"] * bs)
+    kwargs = {"req_id": req_id, "block_table": table, "topk_indices": idx, "block_size": bs,
+              "block_stride_rows": bs + p["stride_extra"] if p.get("stride_extra") else None,
+              "prefill_request_ids": None, "prefill_workspace_starts": None,
+              "return_valid_counts": p.get("counts", False)}
+    if p.get("prefill"):
+        num_prefills = max(1, p["requests"] // 2)
+        kwargs["prefill_request_ids"] = torch.randint(-1, num_prefills, (p["tokens"],), generator=g).to(torch.int32)
+        starts = torch.randint(0, 2 * p["table_width"] * bs, (num_prefills,), generator=g).sort().values
+        kwargs["prefill_workspace_starts"] = (starts - starts[0]).to(torch.int32)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+def _named_indices(result) -> dict[str, torch.Tensor]:
+    if isinstance(result, tuple):
+        return {"indices": result[0], "valid_counts": result[1]}
+    return {"indices": result}
+
+
+register_op(OpSpec(
+    name="convert_index",
+    stage="convert_index",
+    arguments=("req_id", "block_table", "topk_indices", "block_size", "block_stride_rows",
+               "prefill_request_ids", "prefill_workspace_starts", "return_valid_counts"),
+    inputs=_convert_inputs,
+    reference=lambda kw, p: _named_indices(reference.convert_index(**kw)),
+    call=lambda subject, kw, p: ImplOutput(_named_indices(subject.fn(**kw)), deviations=subject.deviations),
+    checks=(Check("indices", EXACT), Check("valid_counts", EXACT)),
+    knobs=lambda p: knobs(p, num_tokens=p["tokens"], seq_len=p["table_width"] * p["block_size"]),
+    doc="triton_convert_req_index_to_global_index: block table / stride rows / prefill workspace, stable compaction",
+))
+
+
+def _dcp_inputs(p, seed, device):
+    g = generator(seed)
+    req_id, table, idx = _common_inputs(g, p, p["table_width"] * p["block_size"] * p["dcp_size"])
+    kwargs = {"req_id": req_id, "block_table": table, "topk_indices": idx, "block_size": p["block_size"],
+              "dcp_size": p["dcp_size"], "dcp_rank": p["dcp_rank"], "interleave": p["interleave"],
+              "compact_valid_to_front": p["compact"]}
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+register_op(OpSpec(
+    name="dcp_convert_index",
+    stage="dcp_convert_index",
+    arguments=("req_id", "block_table", "topk_indices", "block_size", "dcp_size", "dcp_rank",
+               "interleave", "compact_valid_to_front"),
+    inputs=_dcp_inputs,
+    reference=lambda kw, p: {"indices": reference.dcp_convert_index(**kw)},
+    call=lambda subject, kw, p: ImplOutput({"indices": subject.fn(**kw)}, deviations=subject.deviations),
+    checks=(Check("indices", EXACT),),
+    knobs=lambda p: knobs(p, num_tokens=p["tokens"], seq_len=p["table_width"] * p["block_size"] * p["dcp_size"]),
+    doc="triton_filter_and_convert_dcp_index: this rank's shard of global top-k, through its block table",
+))

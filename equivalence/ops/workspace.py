@@ -1,0 +1,58 @@
+"""Gather + up-convert ops (exact): a chunk's fp8_ds_mla / nvfp4_ds_mla rows into the BF16 workspace."""
+
+from __future__ import annotations
+
+import torch
+
+import reference
+from equivalence.policy import EXACT
+from equivalence.values import kv_values
+
+from . import Check, ImplOutput, OpSpec, register_op
+from .common import generator, knobs
+
+WIDTH = {"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
+
+
+def _gather_inputs(fmt):
+    def inputs(p, seed, device):
+        g = generator(seed)
+        bs, seq_lens = p["block_size"], p["seq_lens"]
+        blocks = [-(-n // bs) for n in seq_lens]
+        width = max(blocks) + p.get("table_pad", 0)
+        num_blocks = sum(blocks) + 1
+        order = torch.randperm(num_blocks, generator=g) if p.get("shuffle", True) else torch.arange(num_blocks)
+        table = torch.zeros((len(seq_lens), width), dtype=torch.int64)
+        storage = torch.full((num_blocks, bs + p.get("stride_pad", 0), WIDTH[fmt]), 0xFF, dtype=torch.uint8)
+        cache = storage[:, :bs]
+        cursor = 0
+        for r, (n, nb) in enumerate(zip(seq_lens, blocks)):
+            table[r, :nb] = order[cursor : cursor + nb]
+            cursor += nb
+            pos = torch.arange(n)
+            slots = table[r][pos // bs] * bs + pos % bs  # only the sequence's rows: the rest stays NaN
+            kv = kv_values(g, n, p["value_regime"])
+            if fmt == "fp8_ds_mla":
+                reference.write_fp8_ds_mla_cache(kv, cache, slots, p["scale_rule"])
+            else:
+                reference.write_nvfp4_ds_mla_cache(kv, cache, slots)
+        starts = torch.tensor([0] + seq_lens[:-1]).cumsum(0)
+        return {"kv_cache": storage.to(device)[:, :bs], "block_table": table.to(torch.int32).to(device),
+                "workspace_starts": starts.to(torch.int32).to(device), "num_rows": sum(seq_lens)}
+
+    return inputs
+
+
+for _fmt, _fn in (("fp8_ds_mla", reference.gather_upconvert_fp8), ("nvfp4_ds_mla", reference.gather_upconvert_nvfp4)):
+    _name = "gather_upconvert_fp8" if _fmt == "fp8_ds_mla" else "gather_upconvert_nvfp4"
+    register_op(OpSpec(
+        name=_name,
+        stage=_name,
+        arguments=("kv_cache", "block_table", "workspace_starts", "num_rows"),
+        inputs=_gather_inputs(_fmt),
+        reference=lambda kw, p, fn=_fn: {"workspace": fn(**kw)},
+        call=lambda subject, kw, p: ImplOutput({"workspace": subject.fn(**kw)}, deviations=subject.deviations),
+        checks=(Check("workspace", EXACT),),
+        knobs=lambda p, fmt=_fmt: knobs(p, num_tokens=sum(p["seq_lens"]), seq_len=max(p["seq_lens"]), cache_dtype=fmt),
+        doc=f"cp_gather_and_upconvert ({_fmt}): rows of a prefill chunk into the bf16 workspace, bits exact",
+    ))

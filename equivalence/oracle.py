@@ -1,0 +1,82 @@
+"""The oracle: compare one implementation tensor with the reference's and give the verdict.
+
+`judge` measures (equivalence.metrics), looks up the bounds (equivalence.policy) and returns the
+metrics plus the gated metric with the least headroom. NaN never passes, and infinities must sit
+exactly where the reference has them, whatever the tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+from . import metrics as M
+from .policy import EXACT, LSE, OUT, Bound, bounds_for
+
+ELEM_UNITS_FOR_MISMATCH = 4.0  # per-element count reported as mismatch_frac (not gated itself)
+
+
+@dataclass
+class Verdict:
+    metrics: M.Metrics
+    passed: bool
+    gate_metric: str
+    value: float
+    bound: float
+    headroom: float
+    deviation: str
+    reason: str
+
+
+def _value(m: M.Metrics, metric: str) -> float:
+    if metric == "abs_mean_err":
+        return abs(m.mean_err) if not math.isnan(m.mean_err) else 0.0
+    v = getattr(m, metric)
+    return 0.0 if isinstance(v, float) and math.isnan(v) else float(v)
+
+
+def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, logit_l1: torch.Tensor | None = None) -> M.Metrics:
+    if impl.shape != ref.shape:
+        return M.Metrics(numel=ref.numel(), mismatch_frac=1.0, extra={"shape": f"{tuple(impl.shape)} vs {tuple(ref.shape)}"})
+    if kind == EXACT:
+        return M.exact(impl, ref)
+    if kind == OUT:
+        return M.output(impl, ref, ELEM_UNITS_FOR_MISMATCH)
+    if kind == LSE:
+        return M.lse(impl, ref, logit_l1 if logit_l1 is not None else torch.zeros_like(ref))
+    raise ValueError(f"unknown tensor kind {kind!r}")
+
+
+def judge(
+    kind: str,
+    impl: torch.Tensor,
+    ref: torch.Tensor,
+    params: Mapping,
+    deviations: Iterable[str] = (),
+    logit_l1: torch.Tensor | None = None,
+) -> Verdict:
+    m = measure(kind, impl, ref, logit_l1)
+    bounds, deviation = bounds_for(kind, params, deviations)
+    if "shape" in m.extra:
+        return Verdict(m, False, "shape", 1.0, 0.0, 0.0, deviation, f"shape/dtype mismatch: {m.extra['shape']}")
+    if kind != EXACT and (m.nan_count or m.inf_mismatch):
+        what = f"{m.nan_count} NaN" if m.nan_count else f"{m.inf_mismatch} positions with another +inf/-inf/NaN pattern"
+        return Verdict(m, False, "inf_mismatch" if m.inf_mismatch else "nan_count",
+                       float(m.inf_mismatch or m.nan_count), 0.0, 0.0, deviation, what)
+    worst: tuple[float, Bound, float] | None = None
+    for b in bounds:
+        v = _value(m, b.metric)
+        room = math.inf if v == 0 else (b.limit / v if b.limit > 0 else 0.0)
+        if worst is None or room < worst[0]:
+            worst = (room, b, v)
+    room, bound, value = worst
+    passed = value <= bound.limit
+    reason = "" if passed else f"{bound.metric} = {value:.4g} > {bound.limit:.4g} ({bound.reason})"
+    if not passed and m.max_abs_at:
+        reason += f"; worst element at [{m.max_abs_at}]"
+        if "first_mismatch" in m.extra:
+            reason += f": {m.extra['first_mismatch']}"
+    return Verdict(m, passed, bound.metric, value, bound.limit, room, deviation, reason)

@@ -1,0 +1,114 @@
+"""The implementation under test: the project's own, or one a user names on the command line.
+
+`--impl` accepts, for an op: a registered implementation name (`triton`, `flash_mla`,
+`torch-fp32`) or `MODULE:CALLABLE`; for forward_mqa: `STAGE=NAME` or `STAGE=MODULE:CALLABLE`
+(that stage replaced inside the pipeline, the rest as registered), or `MODULE:CALLABLE` (a whole
+forward_mqa with the reference's keyword arguments). A callable must accept every keyword of the
+op's contract; anything else is a usage error, found before any case runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from optimized import registry
+
+from .ops import get_op
+
+
+class UsageError(ValueError):
+    """Bad command-line input: the CLI exits 2 with this one-line message."""
+
+
+@dataclass(frozen=True)
+class Subject:
+    label: str                                   # what the rows call the implementation
+    fn: Callable | None = None                   # the op's implementation (or a whole forward_mqa)
+    overrides: dict = field(default_factory=dict)  # forward_mqa: stage -> registry.Implementation
+    deviations: tuple[str, ...] = ()
+    specs: tuple[str, ...] = ()                  # the --impl strings, kept in replay files
+
+
+def load_callable(spec: str) -> Callable:
+    """`package.module:attr` -> the object; the working directory is importable, as in pytest."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise UsageError(f"--impl {spec!r}: expected MODULE:CALLABLE or a registered implementation name")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as exc:  # any import failure is the user's input, reported in one line
+        raise UsageError(f"--impl {spec!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"--impl {spec!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"--impl {spec!r}: {attr!r} is not callable")
+    return obj
+
+
+def check_signature(fn: Callable, arguments: Sequence[str], what: str) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins and C extensions: nothing to inspect, the first call will tell
+    params = sig.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    names = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    missing = [a for a in arguments if a not in names]
+    if missing:
+        raise UsageError(f"{what}: the contract passes keyword(s) {', '.join(missing)} that {fn.__qualname__}{sig} does not accept")
+
+
+def _implementation(stage: str, spec: str, device: str) -> registry.Implementation:
+    """A registered implementation by name, or a user's callable wrapped as one."""
+    if ":" not in spec:
+        try:
+            impl = registry.select(stage, device, name=spec)
+        except (KeyError, RuntimeError) as exc:
+            raise UsageError(f"--impl {spec!r} for {stage}: {exc}") from None
+        return impl
+    fn = load_callable(spec)
+    check_signature(fn, get_op(stage).arguments, f"--impl {spec}")
+    return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}))
+
+
+def resolve_subject(op: str, specs: Sequence[str], device: str) -> Subject:
+    """Turn the --impl strings for `op` into a Subject; no strings: the project's implementation."""
+    spec_op = get_op(op)
+    if spec_op.stage is None:  # forward_mqa: a pipeline, whole or with stages replaced
+        overrides, whole = {}, None
+        for s in specs:
+            stage, sep, target = s.partition("=")
+            if not sep:
+                if whole is not None:
+                    raise UsageError("give at most one whole-forward_mqa --impl")
+                whole = load_callable(s)
+                check_signature(whole, spec_op.arguments, f"--impl {s}")
+                continue
+            if stage not in registry.stages():
+                raise UsageError(f"--impl {s!r}: unknown stage {stage!r}; stages: {', '.join(registry.stages())}")
+            overrides[stage] = _implementation(stage, target, device)
+        if whole is not None and overrides:
+            raise UsageError("a whole-forward_mqa --impl cannot be combined with STAGE= overrides")
+        label = specs[0] if whole is not None else "pipeline"
+        return Subject(label, whole, overrides, specs=tuple(specs))
+    if len(specs) > 1:
+        raise UsageError(f"op {op} takes one --impl, got {len(specs)}")
+    if specs:
+        target = specs[0].split("=", 1)[1] if "=" in specs[0] else specs[0]
+        impl = _implementation(spec_op.stage, target, device)
+    else:
+        try:
+            impl = registry.select(spec_op.stage, device)
+        except RuntimeError as exc:
+            raise UsageError(str(exc)) from None
+    return Subject(impl.name, impl.fn, deviations=impl.deviations, specs=tuple(specs))

@@ -1,0 +1,114 @@
+"""The gate: every op and forward_mqa path, every implementation that runs on the device, the
+regression corpus plus a fuzz budget; rows into one run directory; a verdict a CI can use.
+
+Implementations checked per op: every registered one that runs here (on a GPU: flash_mla, our
+Triton kernels and the float32 eager ones; on CPU the Triton kernels under the interpreter and
+the eager ones), so when one disagrees with the reference and the others do not, the gate names
+the odd one out.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from equivalence.case import Case
+from equivalence.evaluate import evaluate
+from equivalence.isolation import Worker
+from equivalence.ops import OPS
+from equivalence.rows import Row
+from equivalence.subject import Subject, resolve_subject
+from optimized import registry
+
+from .campaign import FuzzResult, fuzz
+from .profiles import Profile
+from .regressions import corpus
+
+# forward_mqa on a GPU is checked twice: with the preferred stages (flash_mla attention) and with
+# our Triton attention kernels in their place.
+PIPELINE_VARIANTS = {"pipeline": (), "pipeline[triton attention]": ("sparse_prefill=triton", "sparse_decode_fp8=triton")}
+
+
+@dataclass
+class GateResult:
+    rows: list[Row] = field(default_factory=list)
+    fuzz: list[FuzzResult] = field(default_factory=list)
+    notes: set[str] = field(default_factory=set)
+
+    @property
+    def failed(self) -> bool:
+        return any(not r.passed for r in self.rows)
+
+
+def subjects_for(op: str, device: str) -> dict[str, tuple[str, ...]]:
+    """label -> --impl specs for every implementation of `op` that runs on `device`."""
+    spec = OPS[op]
+    if spec.stage is None:
+        variants = {"pipeline": ()}
+        if device == "cuda" and registry.select("sparse_prefill", device).name != "triton":
+            variants = dict(PIPELINE_VARIANTS)
+        return variants
+    return {impl.name: (impl.name,) for impl in registry.implementations(spec.stage) if impl.why_not(device) is None}
+
+
+def odd_ones_out(rows: list[Row]) -> list[str]:
+    """Cases where some implementations fail and others pass: name the ones that disagree."""
+    by_case: dict[tuple[str, str], dict[str, bool]] = defaultdict(dict)
+    for r in rows:
+        verdict = by_case[(r.op, r.case_id)]
+        verdict[r.impl] = verdict.get(r.impl, True) and r.passed
+    lines = []
+    for (op, case_id), verdict in sorted(by_case.items()):
+        bad = sorted(i for i, ok in verdict.items() if not ok)
+        if bad and len(bad) < len(verdict):
+            lines.append(f"{op} case {case_id}: {', '.join(bad)} disagree(s) with the reference; "
+                         f"{', '.join(sorted(i for i, ok in verdict.items() if ok))} agree")
+    return lines
+
+
+def run_gate(
+    *,
+    device: str,
+    profile: Profile,
+    examples: int,
+    seed: int,
+    run_id: str,
+    out_dir: Path,
+    isolate: bool,
+    timeout_s: float,
+    ops: list[str] | None = None,
+    log=sys.stderr,
+) -> GateResult:
+    result = GateResult()
+    worker = Worker(device, timeout_s) if isolate else None
+    try:
+        for op in ops or sorted(OPS):
+            pinned = corpus(op)
+            for label, specs in subjects_for(op, device.split(":")[0]).items():
+                subject = resolve_subject(op, specs, device.split(":")[0])
+                subject = Subject(label, subject.fn, subject.overrides, subject.deviations, specs)
+
+                def run(case: Case, source: str, subject=subject, specs=specs, label=label) -> list[Row]:
+                    if worker is not None:
+                        rows = worker.run(case, specs, label, run_id, source, notes=result.notes)
+                        for r in rows:
+                            r.impl = label
+                        return rows
+                    return evaluate(case, subject, device, run_id=run_id, source=source, notes=result.notes)
+
+                for case, _why in pinned:
+                    result.rows.extend(run(case, "corpus"))
+                fz = fuzz(op, run, profile=profile, examples=examples, seed=seed, impl_specs=specs, device=device,
+                          out_dir=out_dir, progress_label=f"{op} / {label}")
+                result.fuzz.append(fz)
+                result.rows.extend(fz.rows)
+                bad = sum(not r.passed for r in result.rows if r.op == op and r.impl == label)
+                log.write(f"{op:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases  "
+                          f"{'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
+                log.flush()
+    finally:
+        if worker is not None:
+            worker.close()
+    return result

@@ -1,0 +1,46 @@
+"""Fuzz profiles: how many examples per op and how large the drawn cases may get.
+
+    ci       CPU, bounded: small shapes the Triton interpreter runs in seconds (the CI gate)
+    dev      CPU or GPU, a broader sweep for a developer's loop
+    nightly  long runs: larger shapes, more examples
+    gpu      H200: production shapes (topk up to 2048, up to 128 heads, long contexts)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    examples: int                 # fuzz examples per op in the gate
+    max_tokens: int               # query tokens of a single-op case
+    heads: tuple[int, ...]        # head counts drawn
+    prefill_topk: tuple[int, ...]  # multiples of 128 (prefill kernel granularity)
+    decode_topk: tuple[int, ...]   # multiples of 64 (decode kernel granularity)
+    max_context: int              # longest context a request may have
+    max_requests: int
+    max_query: int                # longest prefill query
+    block_sizes: tuple[int, ...]
+    mqa_heads: tuple[int, ...]    # forward_mqa heads: < 32 takes the mixed FP8 path, >= 32 the separate one
+
+
+PROFILES = {
+    p.name: p
+    for p in (
+        Profile("ci", 6, 4, (1, 8, 16), (128, 256), (64, 128, 192), 320, 3, 6, (64, 128), (8, 16, 32)),
+        Profile("dev", 40, 16, (8, 16, 32, 64), (128, 256, 512), (64, 128, 256, 512), 1200, 5, 24, (64, 128, 256),
+                (8, 16, 32, 64)),
+        Profile("nightly", 300, 64, (8, 16, 32, 64, 128), (128, 512, 1024, 2048), (64, 256, 1024, 2048), 9000, 8, 128,
+                (64, 128, 256), (8, 16, 24, 32, 64, 128)),
+        Profile("gpu", 200, 256, (16, 32, 64, 128), (512, 1024, 2048), (512, 1024, 2048), 20000, 8, 512, (64, 128),
+                (8, 16, 32, 64, 128)),
+    )
+}
+
+
+def get_profile(name: str) -> Profile:
+    if name not in PROFILES:
+        raise KeyError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
+    return PROFILES[name]

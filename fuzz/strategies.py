@@ -1,0 +1,214 @@
+"""Hypothesis strategies: one per op, each drawing a Case (structure + seed) within a profile.
+
+Hypothesis draws the structure (shapes, knobs, patterns) and an integer seed; the tensors come
+from a generator seeded with it (`equivalence.inputs`), so a failure shrinks to a small structure
+and replays from its JSON. Every drawn case is valid by the op's contract: what a correct
+implementation must accept.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hypothesis import strategies as st
+
+from equivalence.batch import INVALID_PATTERNS
+from equivalence.case import Case
+from equivalence.patterns import PATTERNS
+from equivalence.values import REGIMES
+
+from .profiles import Profile
+
+seeds = st.integers(0, 2**31 - 1)
+regimes = st.sampled_from(REGIMES)
+scale_rules = st.sampled_from(("pow2", "raw"))
+sm_scales = st.sampled_from((0.0417, 0.1, 0.1352, 0.3))  # 576**-0.5, ..., DeepSeek's 192**-0.5 * mscale**2
+DECODE_PATTERNS = ("scattered", "whole_row", "duplicates")  # only -1 is invalid for the decode kernel
+
+
+def _patterns(options) -> st.SearchStrategy[list[str]]:
+    return st.lists(st.sampled_from(options), max_size=3, unique=True)
+
+
+def _case(op: str, params: st.SearchStrategy[dict]) -> st.SearchStrategy[Case]:
+    return st.builds(lambda p, seed: Case(op, p, seed), params, seeds)
+
+
+def quantize(p: Profile, op: str) -> st.SearchStrategy[Case]:
+    return _case(op, st.fixed_dictionaries({"n": st.integers(1, 4 * p.max_tokens), "value_regime": regimes,
+                                            "scale_rule": scale_rules}))
+
+
+def write_cache(p: Profile) -> st.SearchStrategy[Case]:
+    @st.composite
+    def params(draw):
+        block_size = draw(st.sampled_from((16,) + p.block_sizes))
+        num_blocks = draw(st.integers(1, 4))
+        return {"n": draw(st.integers(1, num_blocks * block_size)), "num_blocks": num_blocks, "block_size": block_size,
+                "stride_pad": draw(st.sampled_from((0, 1, 3))), "value_regime": draw(regimes),
+                "scale_rule": draw(scale_rules), "skip_frac": draw(st.sampled_from((0.0, 0.2)))}
+
+    return _case("write_fp8_ds_mla_cache", params())
+
+
+def sparse_prefill(p: Profile) -> st.SearchStrategy[Case]:
+    @st.composite
+    def params(draw):
+        topk = draw(st.sampled_from(p.prefill_topk))
+        return {"tokens": draw(st.integers(1, p.max_tokens)), "heads": draw(st.sampled_from(p.heads)),
+                "kv_rows": draw(st.integers(1, max(2, p.max_context))), "topk": topk,
+                "value_regime": draw(regimes), "sm_scale": draw(sm_scales), "invalid": draw(_patterns(PATTERNS)),
+                "topk_length": draw(st.sampled_from(("none", "random", "edges"))),
+                "sink": draw(st.sampled_from(("none", "finite", "inf")))}
+
+    return _case("sparse_prefill", params())
+
+
+def sparse_decode(p: Profile) -> st.SearchStrategy[Case]:
+    @st.composite
+    def params(draw):
+        batch = draw(st.integers(1, max(1, p.max_tokens // 2)))
+        return {"batch": batch, "s_q": draw(st.integers(1, 2)), "heads": draw(st.sampled_from(p.heads)),
+                "topk": draw(st.sampled_from(p.decode_topk)),
+                "seq_lens": draw(st.lists(st.integers(1, p.max_context), min_size=batch, max_size=batch)),
+                "page_size": draw(st.sampled_from((1, 16) + p.block_sizes)), "stride_pad": draw(st.sampled_from((0, 1))),
+                "value_regime": draw(regimes), "scale_rule": draw(scale_rules), "sm_scale": draw(sm_scales),
+                "invalid": draw(_patterns(DECODE_PATTERNS))}
+
+    return _case("sparse_decode_fp8", params())
+
+
+def convert_index(p: Profile) -> st.SearchStrategy[Case]:
+    return _case("convert_index", st.fixed_dictionaries({
+        "tokens": st.integers(1, p.max_tokens * 2), "requests": st.integers(1, p.max_requests),
+        "table_width": st.integers(1, 6), "topk": st.sampled_from(p.decode_topk),
+        "block_size": st.sampled_from((16,) + p.block_sizes), "stride_extra": st.sampled_from((0, 0, 1, 64)),
+        "prefill": st.booleans(), "counts": st.booleans(), "invalid": _patterns(PATTERNS)}))
+
+
+def dcp_convert_index(p: Profile) -> st.SearchStrategy[Case]:
+    @st.composite
+    def params(draw):
+        size = draw(st.sampled_from((1, 2, 4, 8)))
+        block_size = draw(st.sampled_from(p.block_sizes))
+        return {"tokens": draw(st.integers(1, p.max_tokens * 2)), "requests": draw(st.integers(1, p.max_requests)),
+                "table_width": draw(st.integers(1, 4)), "topk": draw(st.sampled_from(p.decode_topk)),
+                "block_size": block_size, "dcp_size": size, "dcp_rank": draw(st.integers(0, size - 1)),
+                "interleave": draw(st.sampled_from((1, 2, 4, 64))), "compact": draw(st.booleans()),
+                "invalid": draw(_patterns(PATTERNS))}
+
+    return _case("dcp_convert_index", params())
+
+
+def gather(p: Profile, op: str) -> st.SearchStrategy[Case]:
+    return _case(op, st.fixed_dictionaries({
+        "seq_lens": st.lists(st.integers(1, p.max_context), min_size=1, max_size=p.max_requests),
+        "block_size": st.sampled_from((16,) + p.block_sizes), "stride_pad": st.sampled_from((0, 2)),
+        "table_pad": st.integers(0, 2), "shuffle": st.booleans(), "value_regime": regimes, "scale_rule": scale_rules}))
+
+
+def dcp_merge(p: Profile) -> st.SearchStrategy[Case]:
+    return _case("dcp_merge", st.fixed_dictionaries({
+        "ranks": st.sampled_from((1, 2, 4, 8)), "tokens": st.integers(1, p.max_tokens * 2),
+        "heads": st.sampled_from(p.heads), "empty_frac": st.sampled_from((0.0, 0.3)), "junk": st.booleans()}))
+
+
+def layout(p: Profile, op: str) -> st.SearchStrategy[Case]:
+    if op == "concat_mla_q":
+        params = st.fixed_dictionaries({"tokens": st.integers(1, p.max_tokens * 2), "heads": st.sampled_from(p.heads)})
+    elif op == "split_prefill_chunks":
+        def sizes(lens):
+            # Workspaces that some run of requests fills exactly: where <= and < part ways.
+            exact = [t for t in (sum(lens[i:j]) for i in range(len(lens)) for j in range(i + 1, len(lens) + 1)) if t >= max(lens)]
+            return st.one_of(st.sampled_from(exact), st.integers(max(lens), 2 * sum(lens)))
+
+        params = st.lists(st.integers(1, p.max_context), min_size=1, max_size=p.max_requests).flatmap(
+            lambda lens: st.fixed_dictionaries({"seq_lens": st.just(lens), "workspace_size": sizes(lens)}))
+    else:
+        params = st.fixed_dictionaries({"num_decodes": st.integers(1, p.max_requests), "s": st.integers(1, 4),
+                                        "heads": st.sampled_from(p.heads), "four_d": st.booleans()})
+    return _case(op, params)
+
+
+FORWARD_PATHS = ("bf16", "fp8_mixed", "fp8_separate", "fp8_mixed_dcp")
+
+
+def forward_mqa(p: Profile, path: str | None = None) -> st.SearchStrategy[Case]:
+    """forward_mqa batches; `path` restricts them to one of FORWARD_PATHS."""
+    if path is not None and path not in FORWARD_PATHS:
+        raise KeyError(f"unknown forward_mqa path {path!r}; known: {', '.join(FORWARD_PATHS)}")
+    small = [h for h in p.mqa_heads if h < 32] or [16]
+    large = [h for h in p.mqa_heads if h >= 32] or [32]
+
+    @st.composite
+    def params(draw):
+        if path is None:
+            heads = draw(st.sampled_from(p.mqa_heads))
+            cache_dtype = draw(st.sampled_from(("bfloat16", "fp8_ds_mla")))
+        else:
+            heads = draw(st.sampled_from(large if path == "fp8_separate" else small if path.startswith("fp8_mixed") else p.mqa_heads))
+            cache_dtype = "bfloat16" if path == "bf16" else "fp8_ds_mla"
+        mixed = cache_dtype == "fp8_ds_mla" and heads < 32
+        block_size = draw(st.sampled_from(p.block_sizes))
+        # DCP runs on the mixed path only, with local and gathered heads in one FP8 envelope.
+        dcp = 1
+        if mixed and path != "fp8_mixed":
+            sizes = [n for n in (1, 2, 4, 8) if (heads * n <= 64) == (heads <= 64)]
+            dcp = draw(st.sampled_from([n for n in sizes if n > 1] if path == "fp8_mixed_dcp" else sizes))
+        interleave = draw(st.sampled_from([i for i in (1, 2, 4, 64) if block_size % i == 0])) if dcp > 1 else 1
+        s = draw(st.integers(1, 3))
+        n_dec = draw(st.integers(0, p.max_requests))
+        padding = draw(st.integers(0, 2)) if n_dec else 0  # zero-length CUDA-graph padding requests
+        prefills = draw(st.lists(st.integers(1, p.max_query), min_size=0 if n_dec else 1, max_size=p.max_requests))
+        qlens = [s] * n_dec + [0] * padding + prefills
+        ctx = [draw(st.integers(0, p.max_context)) for _ in qlens]
+        topk = draw(st.sampled_from(p.decode_topk if mixed else p.prefill_topk))
+        seq_max = max(c + n for c, n in zip(ctx, qlens))
+        # A workspace little larger than the longest sequence splits the prefills into chunks.
+        chunked = draw(st.sampled_from((True, True, False))) and cache_dtype == "fp8_ds_mla" and not mixed
+        return {
+            "cache_dtype": cache_dtype, "heads": heads, "query_lens": qlens, "context_lens": ctx,
+            "block_size": block_size, "stride_pad": draw(st.sampled_from((0, 1, 64))),
+            "spare_blocks": draw(st.integers(0, 2)), "shuffle": draw(st.booleans()), "table_pad": draw(st.integers(0, 2)),
+            "topk": topk, "sm_scale": draw(sm_scales), "value_regime": draw(regimes), "scale_rule": draw(scale_rules),
+            "invalid": draw(_patterns(INVALID_PATTERNS)),
+            # Only decode tokens reach forward_mqa when dense MHA takes the prefills; under DCP with
+            # interleave != 1 nothing counts as a decode (threshold 1), so that case has no rows.
+            "mqa": draw(st.sampled_from(("all", "decodes"))) if n_dec and interleave == 1 else "all",
+            "q_form": draw(st.sampled_from(("tensor", "tuple"))) if dcp == 1 else "tensor",
+            "arch": draw(st.sampled_from(("sm90", "sm100"))), "max_decode_query_len": s,
+            "max_model_len": seq_max,
+            "workspace_size": draw(st.integers(seq_max, seq_max + seq_max // 2)) if chunked else None,
+            "dcp_size": dcp, "interleave": interleave,
+        }
+
+    return _case("forward_mqa", params())
+
+
+STRATEGIES: dict[str, Callable[[Profile], st.SearchStrategy[Case]]] = {
+    "quantize_fp8_ds_mla": lambda p: quantize(p, "quantize_fp8_ds_mla"),
+    "dequantize_fp8_ds_mla": lambda p: quantize(p, "dequantize_fp8_ds_mla"),
+    "write_fp8_ds_mla_cache": write_cache,
+    "sparse_prefill": sparse_prefill,
+    "sparse_decode_fp8": sparse_decode,
+    "convert_index": convert_index,
+    "dcp_convert_index": dcp_convert_index,
+    "gather_upconvert_fp8": lambda p: gather(p, "gather_upconvert_fp8"),
+    "gather_upconvert_nvfp4": lambda p: gather(p, "gather_upconvert_nvfp4"),
+    "dcp_merge": dcp_merge,
+    "concat_mla_q": lambda p: layout(p, "concat_mla_q"),
+    "split_prefill_chunks": lambda p: layout(p, "split_prefill_chunks"),
+    "reshape_query_for_spec_decode": lambda p: layout(p, "reshape_query_for_spec_decode"),
+    "reshape_attn_output_for_spec_decode": lambda p: layout(p, "reshape_attn_output_for_spec_decode"),
+    "forward_mqa": forward_mqa,
+}
+
+
+def strategy(op: str, profile: Profile, path: str | None = None) -> st.SearchStrategy[Case]:
+    if op not in STRATEGIES:
+        raise KeyError(f"no strategy for op {op!r}")
+    if path is not None:
+        if op != "forward_mqa":
+            raise KeyError(f"--path applies to forward_mqa only, not {op}")
+        return forward_mqa(profile, path)
+    return STRATEGIES[op](profile)

@@ -1,0 +1,297 @@
+"""`mla-verify`: the command-line tool. A thin layer over equivalence/, fuzz/ and reports/.
+
+Exit codes (for CI): 0 = no discrepancy; 1 = a discrepancy (or a drift beyond the factor);
+2 = usage error or bad input, with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _prepare(device: str) -> None:
+    """Triton decides interpreter vs compiler when kernels are defined: set it before importing them."""
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _run_id(kind: str) -> str:
+    return f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present, else cpu")
+
+
+def _add_isolation(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="run cases in a worker process replaced after a crash or hang (default: on for cuda)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a case may take in the worker")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mla-verify", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("list", help="ops, pipeline stages, their reference and the implementations available here")
+    _add_common(p)
+    p.add_argument("--tolerances", action="store_true", help="also print every bound of the tolerance policy")
+
+    p = sub.add_parser("fuzz", help="fuzz one op (or forward_mqa) against the reference")
+    _add_common(p)
+    _add_isolation(p)
+    p.add_argument("--op", required=True)
+    p.add_argument("--path", default=None, help="forward_mqa only: bf16 | fp8_mixed | fp8_separate | fp8_mixed_dcp")
+    p.add_argument("--impl", action="append", default=[], metavar="[STAGE=]MODULE:CALLABLE|NAME",
+                   help="implementation under test (default: the project's); repeat for several stages")
+    p.add_argument("--examples", type=int, default=None, help="default: the profile's budget")
+    p.add_argument("--seed", type=int, default=None, help="campaign seed (printed; default: random)")
+    p.add_argument("--profile", default=None, help="ci | dev | nightly | gpu (default: dev on cpu, gpu on cuda)")
+    p.add_argument("--out", type=Path, default=Path("runs/fuzz"), help="run directory: rows, failing case files")
+    p.add_argument("--no-shrink", action="store_true", help="report the first failing case as found")
+    p.add_argument("--junit", type=Path, default=None)
+
+    p = sub.add_parser("replay", help="re-run a saved case exactly; exit 1 if it still fails")
+    _add_common(p)
+    p.add_argument("file", type=Path)
+    p.add_argument("--impl", action="append", default=None, metavar="[STAGE=]MODULE:CALLABLE|NAME",
+                   help="replay against another implementation than the one saved")
+
+    p = sub.add_parser("gate", help="every op and path: regression corpus + fuzz budget; drift report; CI verdict")
+    _add_common(p)
+    _add_isolation(p)
+    p.add_argument("--profile", default=None, help="default: ci on cpu, gpu on cuda")
+    p.add_argument("--examples", type=int, default=None, help="fuzz examples per op and implementation")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--op", action="append", default=None, help="restrict to these ops")
+    p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/gate-<time>)")
+    p.add_argument("--baseline", type=Path, default=None, help="compare the drift with this earlier run")
+    p.add_argument("--junit", type=Path, default=None)
+
+    p = sub.add_parser("report", help="drift report of a run directory, optionally against a baseline run")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--baseline", type=Path, default=None)
+    p.add_argument("--html", type=Path, default=None)
+    p.add_argument("--markdown", type=Path, default=None)
+    p.add_argument("--factor", type=float, default=2.0, help="flag drift when p99 error or bias grows beyond this")
+
+    p = sub.add_parser("bench", help="kernel, reference and harness speed at production shapes; table + JSON")
+    _add_common(p)
+    p.add_argument("--out", type=Path, default=Path("runs/bench.json"))
+    p.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = getattr(args, "device", None) or (_default_device() if args.command != "report" else "cpu")
+    _prepare(device)
+    from equivalence.subject import UsageError
+
+    try:
+        return COMMANDS[args.command](args, device)
+    except UsageError as exc:
+        print(f"mla-verify: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_list(args, device: str) -> int:
+    from equivalence.ops import OPS
+    from equivalence.policy import all_bounds
+    from optimized import registry
+
+    print(f"device: {device}")
+    for name in sorted(OPS):
+        spec = OPS[name]
+        stage = spec.stage or "pipeline of stages"
+        print(f"\n{name}  [{stage}]\n  {spec.doc}\n  reference: reference.{name}")
+        if spec.stage is None:
+            continue
+        for impl in registry.implementations(spec.stage):
+            why = impl.why_not(device)
+            status = "available" if why is None else f"unavailable: {why}"
+            dev = f"; deviations: {', '.join(impl.deviations)}" if impl.deviations else ""
+            print(f"  - {impl.name:12s} {status}{dev}")
+    extra = sorted(set(registry.stages()) - {s.stage for s in OPS.values()})
+    for stage in extra:
+        print(f"\n{stage}  [pipeline stage]")
+        for impl in registry.implementations(stage):
+            why = impl.why_not(device)
+            print(f"  - {impl.name:12s} {'available' if why is None else 'unavailable: ' + why}")
+    if args.tolerances:
+        print("\ntolerances (equivalence/policy.py):")
+        for kind, where, b in all_bounds():
+            print(f"  {kind:6s} {where or 'default':22s} {b.metric:16s} <= {b.limit:<10.4g} {b.reason}")
+    return 0
+
+
+def _profile(name: str | None, device: str, default_cpu: str):
+    from fuzz.profiles import get_profile
+
+    try:
+        return get_profile(name or (default_cpu if device == "cpu" else "gpu"))
+    except KeyError as exc:
+        from equivalence.subject import UsageError
+
+        raise UsageError(str(exc.args[0])) from None
+
+
+def _start_meta(profile: str, seed: int, device: str) -> dict:
+    import reports
+
+    return reports.collect_meta(profile, [seed], device, command=shlex.join(["mla-verify"] + sys.argv[1:]))
+
+
+def _write_run(run_dir: Path, rows, meta: dict) -> None:
+    import reports
+
+    reports.write_run(run_dir, rows, reports.finish_meta(meta))
+
+
+def cmd_fuzz(args, device: str) -> int:
+    from equivalence.evaluate import evaluate
+    from equivalence.isolation import Worker
+    from equivalence.ops import OPS
+    from equivalence.subject import UsageError, resolve_subject
+    from fuzz.campaign import fuzz, new_seed
+
+    from fuzz.strategies import FORWARD_PATHS
+
+    if args.op not in OPS:
+        raise UsageError(f"unknown op {args.op!r}; known: {', '.join(sorted(OPS))}")
+    if args.path is not None and (args.op != "forward_mqa" or args.path not in FORWARD_PATHS):
+        raise UsageError(f"--path applies to --op forward_mqa with one of {', '.join(FORWARD_PATHS)}")
+    subject = resolve_subject(args.op, args.impl, device)
+    profile = _profile(args.profile, device, "dev")
+    examples = args.examples or profile.examples
+    seed = new_seed() if args.seed is None else args.seed
+    run_id = _run_id("fuzz")
+    isolate = device == "cuda" if args.isolate is None else args.isolate
+    print(f"mla-verify fuzz: op {args.op}, implementation {subject.label}, {examples} examples, profile {profile.name}, "
+          f"device {device}, seed {seed}{', isolated' if isolate else ''}", flush=True)
+    notes: set[str] = set()
+    meta = _start_meta(profile.name, seed, device)
+    worker = Worker(device, args.timeout) if isolate else None
+
+    def run(case, source):
+        if worker is not None:
+            return worker.run(case, args.impl, subject.label, run_id, source, notes=notes)
+        return evaluate(case, subject, device, run_id=run_id, source=source, notes=notes)
+
+    try:
+        result = fuzz(args.op, run, profile=profile, examples=examples, seed=seed, impl_specs=tuple(args.impl),
+                      device=device, out_dir=args.out, shrink=not args.no_shrink, path=args.path)
+    finally:
+        if worker is not None:
+            worker.close()
+    for note in sorted(notes):
+        print(f"note: {note}")
+    _write_run(args.out, result.rows, meta)
+    if args.junit:
+        from .junit import write_junit
+
+        write_junit(args.junit, result.rows)
+    if result.failure is None:
+        gated = [r for r in result.rows if r.gate_metric and r.passed]
+        tightest = min(gated, key=lambda r: r.headroom, default=None)
+        room = f"; least headroom: {tightest.tensor} {tightest.gate_metric} = {tightest.value:.3g} of {tightest.bound:.3g}" if tightest else ""
+        print(f"PASS: {result.examples} examples, no discrepancy (seed {seed}){room}")
+        return 0
+    d = result.failure
+    print(f"DISCREPANCY in {args.op} ({subject.label}) at example {result.first_failure_at}, seed {seed}")
+    print(f"  minimized case: {d.case.short()}")
+    for r in d.rows:
+        if not r.passed:
+            print(f"  {r.tensor}: {r.gate_metric} = {r.value:.4g}, bound {r.bound:.4g} -- {r.reason}")
+    if result.case_file:
+        print(f"  case saved: {result.case_file}")
+        print(f"  replay: mla-verify replay {result.case_file} --device {device}")
+    return 1
+
+
+def cmd_replay(args, device: str) -> int:
+    from equivalence.evaluate import evaluate
+    from equivalence.subject import UsageError, resolve_subject
+    from fuzz import casefile
+
+    try:
+        cf = casefile.load(args.file)
+    except (OSError, ValueError, KeyError) as exc:
+        raise UsageError(f"cannot read case file {args.file}: {exc}") from None
+    specs = tuple(args.impl) if args.impl is not None else cf.impl
+    subject = resolve_subject(cf.case.op, specs, device)
+    print(f"replay {cf.case.short()} on {device} with {subject.label}")
+    if cf.failure:
+        print("  saved failure: " + "; ".join(f"{f['tensor']} {f['metric']} = {f['value']:.4g} (bound {f['bound']:.4g})" for f in cf.failure))
+    rows = evaluate(cf.case, subject, device, source="replay")
+    for r in rows:
+        verdict = "ok  " if r.passed else "FAIL"
+        detail = r.reason if not r.passed else f"{r.gate_metric} = {r.value:.4g} of {r.bound:.4g}"
+        print(f"  {verdict} {r.tensor:12s} {detail}")
+    return 0 if all(r.passed for r in rows) else 1
+
+
+def cmd_gate(args, device: str) -> int:
+    import reports
+    from fuzz.campaign import new_seed
+    from fuzz.gate import odd_ones_out, run_gate
+
+    profile = _profile(args.profile, device, "ci")
+    seed = new_seed() if args.seed is None else args.seed
+    run_id = _run_id("gate")
+    out = args.out or Path("runs") / run_id
+    isolate = device == "cuda" if args.isolate is None else args.isolate
+    examples = args.examples if args.examples is not None else profile.examples
+    print(f"mla-verify gate: device {device}, profile {profile.name}, {examples} fuzz examples per op and "
+          f"implementation, seed {seed}, run {out}", flush=True)
+    started = time.time()
+    meta = _start_meta(profile.name, seed, device)
+    result = run_gate(device=device, profile=profile, examples=examples, seed=seed, run_id=run_id, out_dir=out,
+                      isolate=isolate, timeout_s=args.timeout, ops=args.op)
+    for note in sorted(result.notes):
+        print(f"note: {note}")
+    for line in odd_ones_out(result.rows):
+        print(f"odd one out: {line}")
+    _write_run(out, result.rows, meta)
+    if args.junit:
+        from .junit import write_junit
+
+        write_junit(args.junit, result.rows)
+    for fz in result.fuzz:
+        if fz.case_file:
+            print(f"failing case saved: {fz.case_file}  (mla-verify replay {fz.case_file} --device {device})")
+    code = reports.run_report(out, baseline=args.baseline)
+    print(f"gate {'FAILED' if result.failed else 'passed'}: {len(result.rows)} rows in {time.time() - started:.0f} s; "
+          f"report {out / 'report.html'}")
+    return 1 if result.failed else code
+
+
+def cmd_report(args, device: str) -> int:
+    import reports
+
+    return reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
+                              factor=args.factor)
+
+
+def cmd_bench(args, device: str) -> int:
+    from . import bench
+
+    return bench.main(args, device)
+
+
+COMMANDS = {"list": cmd_list, "fuzz": cmd_fuzz, "replay": cmd_replay, "gate": cmd_gate, "report": cmd_report,
+            "bench": cmd_bench}
+
+if __name__ == "__main__":
+    sys.exit(main())

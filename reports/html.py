@@ -1,0 +1,115 @@
+"""The HTML report: one self-contained file (inline CSS, figures as data: URIs, no scripts, no
+external references) that opens from disk or from a CI artifact alone."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from html import escape
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from reports.fmt import cells
+from reports.meta import describe
+from reports.plots import Plot, figures
+
+if TYPE_CHECKING:
+    from reports.report import Report, Section
+
+_CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.5em 2em;
+       color: #1d1d1f; }
+h1 { font-size: 1.5em; margin-bottom: 0.2em; }
+h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; padding-bottom: 0.2em; }
+p.intro, figcaption, .note { color: #555; max-width: 75em; }
+table { border-collapse: collapse; font-size: 12px; }
+th, td { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; white-space: nowrap; }
+th { background: #f4f4f6; position: sticky; top: 0; }
+td.num { text-align: right; font-variant-numeric: tabular-nums;
+         font-family: ui-monospace, monospace; }
+tr.bad td { background: #fde8e6; }
+tr.good td { background: #e6f5ea; }
+tr.note td { background: #fff7e0; }
+.scroll { overflow-x: auto; max-height: 40em; }
+.banner { padding: 0.6em 1em; margin: 0.6em 0; border-radius: 4px; font-weight: 600; }
+.banner.pass { background: #e6f5ea; border: 1px solid #2e8b57; }
+.banner.fail { background: #fde8e6; border: 1px solid #c0392b; }
+.banner ul { font-weight: normal; margin: 0.3em 0 0; }
+table.meta td { border: none; padding: 1px 10px 1px 0; white-space: normal; }
+table.meta td:first-child { color: #555; }
+nav a { margin-right: 1em; }
+figure { margin: 1em 0; }
+figure img { max-width: 100%; border: 1px solid #eee; }
+"""
+
+
+def _row_class(record: Mapping[str, Any]) -> str:
+    if record.get("failed", 0) or record.get("drift"):
+        return "bad"
+    if record.get("improved"):
+        return "good"
+    return "note" if record.get("status") in ("new", "gone") else ""
+
+
+def table_html(frame: pd.DataFrame, limit: int | None = None) -> str:
+    shown = frame if limit is None else frame.head(limit)
+    headers, rows = cells(shown)
+    numeric = [pd.api.types.is_numeric_dtype(frame[c]) and not pd.api.types.is_bool_dtype(frame[c])
+               for c in frame.columns]
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    body = []
+    for record, texts in zip(shown.to_dict("records"), rows, strict=True):
+        tds = "".join(f'<td class="num">{escape(t)}</td>' if num else f"<td>{escape(t)}</td>"
+                      for t, num in zip(texts, numeric, strict=True))
+        css = _row_class(record)
+        body.append(f'<tr class="{css}">{tds}</tr>' if css else f"<tr>{tds}</tr>")
+    more = (f'<p class="note">{len(frame) - len(shown)} more rows not shown (see rows.csv).</p>'
+            if len(shown) < len(frame) else "")
+    return (f'<div class="scroll"><table><thead><tr>{head}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table></div>{more}")
+
+
+def _figure_html(plot: Plot) -> str:
+    data = base64.b64encode(plot.png).decode("ascii")
+    return (f'<figure id="{plot.key}"><img alt="{escape(plot.title)}" '
+            f'src="data:image/png;base64,{data}"><figcaption><b>{escape(plot.title)}.</b> '
+            f"{escape(plot.caption)}</figcaption></figure>")
+
+
+def _section_html(section: Section, plots: list[Plot]) -> str:
+    return (f'<section id="{section.key}"><h2>{escape(section.title)}</h2>'
+            f'<p class="intro">{escape(section.intro)}</p>'
+            f"{table_html(section.table, section.limit)}"
+            f"{''.join(_figure_html(p) for p in plots)}</section>")
+
+
+def _banners(report: Report) -> str:
+    c = report.counts
+    dev = f"; {c.deviation_rows} rows under documented deviations" if c.deviation_rows else ""
+    out = [f'<div class="banner {"pass" if c.passed else "fail"}">{escape(c.line() + dev)}</div>']
+    if report.drift is not None:
+        css = "fail" if report.drift.drifted else "pass"
+        items = "".join(f"<li>{escape(line.strip())}</li>" for line in report.drift.lines()[1:])
+        out.append(f'<div class="banner {css}">Baseline: {escape(report.drift.verdict)}'
+                   f"{f'<ul>{items}</ul>' if items else ''}</div>")
+    return "".join(out)
+
+
+def render_html(report: Report) -> str:
+    """The whole report as one HTML document."""
+    plots = figures(report.rows)
+    by_section: dict[str, list[Plot]] = {}
+    for p in plots:
+        by_section.setdefault(p.section, []).append(p)
+    facts = {"run": report.run_id, **describe(report.meta)}
+    meta = "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in facts.items())
+    nav = "".join(f'<a href="#{s.key}">{escape(s.title)}</a>' for s in report.sections)
+    sections = "".join(_section_html(s, by_section.get(s.key, [])) for s in report.sections)
+    title = f"mla-verify report: {report.run_id}"
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>"
+        f"<header><h1>{escape(title)}</h1><table class=\"meta\">{meta}</table></header>"
+        f"{_banners(report)}<nav>{nav}</nav>{sections}</body></html>\n"
+    )

@@ -1,0 +1,144 @@
+"""Run metadata: what ran, where, with which versions; enough to tell two runs apart in a drift
+report. Collecting it never fails: a package that does not import is recorded as None, a missing
+git as None, so a gate never dies over its own paperwork.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import platform
+import subprocess
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from reports.fmt import MISSING, number
+from reports.store import RUN_FORMAT
+
+# module name -> distribution names that may provide it (flash_mla ships as sgl-flash-mla)
+_VERSIONED_MODULES = {
+    "torch": ("torch",),
+    "triton": ("triton",),
+    "flash_mla": ("sgl-flash-mla", "flash-mla", "flash_mla"),
+    "pandas": ("pandas",),
+    "numpy": ("numpy",),
+}
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def module_version(module: str) -> str | None:
+    """Version of an importable module, else None. The import itself is the test (a wheel that
+    is installed but cannot load its CUDA library is not usable), then `__version__` or the
+    version of the distribution that provides it."""
+    try:
+        mod = importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - any import failure means "not available here"
+        return None
+    version = getattr(mod, "__version__", None)
+    if isinstance(version, str):
+        return version
+    for dist in _VERSIONED_MODULES.get(module, (module,)):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_name(device: str) -> str:
+    """The GPU's name for a cuda device torch can see, else the CPU model."""
+    if str(device).startswith("cuda"):
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.get_device_name(torch.device(device))
+        except Exception:  # noqa: BLE001 - no usable CUDA: report the host CPU instead
+            pass
+    return _cpu_name()
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=_REPO_ROOT, capture_output=True, text=True,
+                              timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def git_state() -> dict[str, Any]:
+    """{"revision": HEAD or None, "dirty": tracked files modified (None without git)}."""
+    revision = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no") if revision else None
+    return {"revision": revision, "dirty": None if status is None else bool(status)}
+
+
+def collect_meta(profile: str, seeds: int | Iterable[int], device: str,
+                 command: str | Iterable[str] | None = None,
+                 extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Metadata of a run that starts now; `finish_meta` stamps its end."""
+    return {
+        "format": RUN_FORMAT,
+        "profile": profile,
+        "seeds": [int(seeds)] if isinstance(seeds, int) else [int(s) for s in seeds],
+        "device": str(device),
+        "device_name": device_name(str(device)),
+        "command": command if command is None or isinstance(command, str) else " ".join(command),
+        "versions": {"python": platform.python_version(),
+                     **{m: module_version(m) for m in _VERSIONED_MODULES}},
+        "platform": platform.platform(),
+        "git": git_state(),
+        "started_at": now(),
+        "finished_at": None,
+        **({"extra": dict(extra)} if extra else {}),
+    }
+
+
+def finish_meta(meta: Mapping[str, Any], finished_at: str | None = None) -> dict[str, Any]:
+    """A copy of `meta` with its end time and the duration in seconds."""
+    end = finished_at or now()
+    started = meta.get("started_at")
+    duration = ((datetime.fromisoformat(end) - datetime.fromisoformat(started)).total_seconds()
+                if started else None)
+    return {**meta, "finished_at": end, "duration_s": duration}
+
+
+def describe(meta: Mapping[str, Any]) -> dict[str, str]:
+    """Label -> text of a run's metadata, as the report headers and the side-by-side table print
+    it (missing entries as a dash: runs written by older versions lack some)."""
+    git = meta.get("git") or {}
+    seeds = [str(s) for s in meta.get("seeds") or []]
+    shown = ", ".join(seeds[:12]) + (f", … ({len(seeds)} seeds)" if seeds[12:] else "")
+    versions = meta.get("versions") or {}
+    described = {
+        "profile": str(meta.get("profile") or MISSING),
+        "command": str(meta.get("command") or MISSING),
+        "device": f"{meta.get('device') or MISSING} ({meta.get('device_name') or MISSING})",
+        "git": f"{git.get('revision') or MISSING}{' (dirty)' if git.get('dirty') else ''}",
+        "versions": " · ".join(f"{k} {v or MISSING}" for k, v in versions.items()) or MISSING,
+        "seeds": shown or MISSING,
+        "started": str(meta.get("started_at") or MISSING),
+        "finished": f"{meta.get('finished_at') or MISSING} ({number(meta.get('duration_s'))} s)",
+        "platform": str(meta.get("platform") or MISSING),
+    }
+    if meta.get("extra"):
+        described["extra"] = json.dumps(meta["extra"], sort_keys=True, default=str)
+    return described

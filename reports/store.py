@@ -1,0 +1,122 @@
+"""A run on disk: `rows.parquet` (typed, what `load_run` reads), `rows.csv` (for eyes and
+spreadsheets; the same values) and `meta.json` (what ran, where, with which versions).
+
+Column types follow the `Row` annotations, so a run written today and one written months ago load
+to identical dtypes: str -> string, int -> int64, `int | None` -> Int64 (nullable), float (and
+`float | None`) -> float64 with NaN for missing, bool -> bool. Optional strings (knobs) are <NA>
+when absent (an empty knob is absent); required strings are never missing ("" is a value).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from equivalence.rows import COLUMNS, Row
+
+RUN_FORMAT = "mla-verify-run/1"
+ROWS_PARQUET = "rows.parquet"
+ROWS_CSV = "rows.csv"
+META_JSON = "meta.json"
+
+_DTYPE_OF_ANNOTATION = {
+    "str": "string",
+    "str | None": "string",
+    "int": "int64",
+    "int | None": "Int64",
+    "float": "float64",
+    "float | None": "float64",
+    "bool": "bool",
+}
+# column -> (pandas dtype, may be missing)
+SCHEMA: dict[str, tuple[str, bool]] = {
+    f.name: (_DTYPE_OF_ANNOTATION[str(f.type)], str(f.type).endswith("| None")) for f in fields(Row)
+}
+_DEFAULTS = {f.name: f.default for f in fields(Row) if f.default is not MISSING}
+
+
+def rows_frame(rows: Iterable[Row | Mapping[str, Any]]) -> pd.DataFrame:
+    """Rows (Row objects or dicts with Row's fields; missing fields take Row's defaults) as a
+    DataFrame with COLUMNS in order and the schema's dtypes."""
+    records = [(r if isinstance(r, Row) else Row(**r)).to_record() for r in rows]
+    return conform(pd.DataFrame.from_records(records, columns=list(COLUMNS)))
+
+
+def conform(frame: pd.DataFrame) -> pd.DataFrame:
+    """COLUMNS first, in order, with the schema's dtypes. A column an older run lacks is added
+    with Row's default (missing for optional knobs); columns Row no longer has are kept last."""
+    out = frame.copy()
+    for name, (dtype, optional) in SCHEMA.items():
+        if name not in out.columns:
+            if not optional and name not in _DEFAULTS:
+                raise ValueError(f"rows lack the required column {name!r}")
+            out[name] = None if optional else _DEFAULTS[name]
+        out[name] = out[name].astype(dtype)
+        if optional and dtype == "string":   # an empty knob is an absent knob (as in rows.csv)
+            out[name] = out[name].mask(out[name] == "")
+    extra = [c for c in out.columns if c not in SCHEMA]
+    return out[[*COLUMNS, *extra]].reset_index(drop=True)
+
+
+def _parse_csv_column(raw: pd.Series, dtype: str, optional: bool) -> pd.Series:
+    """Text from rows.csv back to the schema type. Parsing is ours, not read_csv's guesses:
+    "NA" or "nan" in a reason stays text, and float() reads Python's shortest repr exactly."""
+    if dtype == "string":
+        return raw.mask(raw == "", None).astype(dtype) if optional else raw.astype(dtype)
+    if dtype == "float64":
+        return raw.map(lambda s: float(s) if s else float("nan")).astype(dtype)
+    if dtype == "bool":
+        return raw.map({"True": True, "False": False}).astype(dtype)
+    return raw.map(lambda s: int(s) if s else None).astype(dtype)
+
+
+def read_csv_rows(path: Path) -> pd.DataFrame:
+    raw = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False)
+    parsed = {
+        name: _parse_csv_column(raw[name], *SCHEMA[name]) if name in SCHEMA else raw[name]
+        for name in raw.columns
+    }
+    return conform(pd.DataFrame(parsed, index=raw.index))
+
+
+def _json_default(obj: Any) -> Any:
+    # numpy scalars (seeds, counts) reach meta from callers; anything else is a caller's bug.
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"meta value of type {type(obj).__name__} is not JSON: {obj!r}")
+
+
+def write_run(run_dir: str | Path, rows: Iterable[Row | Mapping[str, Any]] | pd.DataFrame,
+              meta: Mapping[str, Any]) -> Path:
+    """Write rows.parquet, rows.csv and meta.json under `run_dir` (created); returns it."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    frame = conform(rows) if isinstance(rows, pd.DataFrame) else rows_frame(rows)
+    frame.to_parquet(run_dir / ROWS_PARQUET, index=False)
+    # RFC 4180 line ends: Python's csv quotes a field only for the characters of the line
+    # terminator, and a bare "\r" in a reason must be quoted to survive the trip.
+    frame.to_csv(run_dir / ROWS_CSV, index=False, lineterminator="\r\n")
+    body = {"format": RUN_FORMAT, **meta, "rows": len(frame)}
+    (run_dir / META_JSON).write_text(json.dumps(body, indent=2, default=_json_default) + "\n")
+    return run_dir
+
+
+def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """(rows, meta) of a run written by `write_run`: rows.parquet, or rows.csv where the parquet
+    file is absent (a run copied around as text)."""
+    run_dir = Path(run_dir)
+    parquet, csv = run_dir / ROWS_PARQUET, run_dir / ROWS_CSV
+    if parquet.exists():
+        frame = conform(pd.read_parquet(parquet))
+    elif csv.exists():
+        frame = read_csv_rows(csv)
+    else:
+        raise FileNotFoundError(f"{run_dir} holds no {ROWS_PARQUET} or {ROWS_CSV}: not a run")
+    meta_path = run_dir / META_JSON
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    return frame, meta

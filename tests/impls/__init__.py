@@ -1,0 +1,1 @@
+"""Implementations the harness's own tests plug in through --impl (correct, crashing, hanging)."""

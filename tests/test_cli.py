@@ -1,0 +1,59 @@
+"""The command line as CI and users drive it: exit codes, saved cases that replay exactly."""
+
+import json
+
+import pytest
+
+from mla_verify.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_list_names_every_op_and_its_implementations(capsys):
+    from equivalence.ops import OPS
+
+    code, text = run(capsys, "list", "--device", "cpu", "--tolerances")
+    assert code == 0
+    for op in OPS:
+        assert op in text
+    assert "bf16_units" in text and "bf16_cache_scale" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["fuzz", "--op", "no_such_op"], "unknown op"),
+    (["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "no_such_module:fn"], "cannot import"),
+    (["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.impls.misbehaving:wrong_signature"], "scale_rule"),
+    (["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "reference:no_such_fn"], "no attribute"),
+    (["fuzz", "--op", "sparse_prefill", "--path", "bf16"], "--path applies"),
+    (["fuzz", "--op", "forward_mqa", "--impl", "no_such_stage=reference:convert_index"], "unknown stage"),
+    (["fuzz", "--op", "quantize_fp8_ds_mla", "--profile", "huge"], "unknown profile"),
+])
+def test_usage_errors_exit_2_with_one_line(capsys, tmp_path, argv, message):
+    code, text = run(capsys, *argv, "--device", "cpu", "--out", str(tmp_path))
+    assert code == 2 and message in text
+
+
+def test_a_discrepancy_exits_1_saves_the_case_and_replays_exactly(capsys, tmp_path):
+    code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.zoo.formats:divisor_224",
+                     "--examples", "20", "--seed", "5", "--device", "cpu", "--out", str(tmp_path), "--profile", "ci")
+    assert code == 1 and "DISCREPANCY" in text and "seed 5" in text
+    [saved] = (tmp_path / "failures").glob("*.json")
+    failure = json.loads(saved.read_text())["failure"]
+    code, text = run(capsys, "replay", str(saved), "--device", "cpu")
+    assert code == 1 and f"{failure[0]['value']:.4g}" in text  # the same metric value, exactly
+    code, text = run(capsys, "replay", str(saved), "--device", "cpu", "--impl", "reference:quantize_fp8_ds_mla")
+    assert code == 0
+    assert (tmp_path / "rows.parquet").exists() and (tmp_path / "meta.json").exists()
+
+
+def test_a_correct_implementation_passes_and_the_report_builds(capsys, tmp_path):
+    code, text = run(capsys, "fuzz", "--op", "convert_index", "--impl", "reference:convert_index", "--examples", "15",
+                     "--device", "cpu", "--out", str(tmp_path), "--profile", "ci", "--junit", str(tmp_path / "j.xml"))
+    assert code == 0 and "PASS: 15 examples" in text
+    assert 'failures="0"' in (tmp_path / "j.xml").read_text()
+    code, text = run(capsys, "report", str(tmp_path), "--markdown", str(tmp_path / "r.md"))
+    assert code == 0 and (tmp_path / "report.html").exists() and "convert_index" in (tmp_path / "r.md").read_text()

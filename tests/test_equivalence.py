@@ -1,0 +1,102 @@
+"""The oracle's own behaviour: metrics on known inputs, the NaN/inf rules, bounds lookups, case
+round trips, and crash isolation."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from equivalence import metrics as M
+from equivalence.case import Case
+from equivalence.isolation import Worker
+from equivalence.oracle import judge
+from equivalence.policy import DEVIATIONS, EXACT, LSE, OUT, bounds_for
+from fuzz import casefile
+
+
+def test_exact_metrics_count_bit_differences_including_nan_payloads():
+    a = torch.tensor([1.0, float("nan"), 0.0], dtype=torch.bfloat16)
+    b = torch.tensor([1.0, float("nan"), -0.0], dtype=torch.bfloat16)
+    m = M.exact(a, b)
+    assert m.mismatch_frac == pytest.approx(1 / 3) and m.max_abs_at == "2"
+    assert M.exact(a.clone(), a).mismatch_frac == 0.0
+    assert M.exact(torch.tensor([1, 2]), torch.tensor([1, 2, 3])).mismatch_frac == 1.0
+
+
+def test_output_metrics_in_bf16_units():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, 8, 512, generator=g, dtype=torch.float64)
+    rounded = M.output(ref.to(torch.bfloat16), ref, 4.0)
+    assert rounded.bf16_units == pytest.approx(1.0) and rounded.elem_bf16_units <= 1.0
+    assert abs(rounded.mean_err) < 1e-4  # round to nearest: unbiased
+    biased = M.output((ref * (1 + 2**-7)).to(torch.bfloat16), ref, 4.0)
+    assert biased.bf16_units > 3 and biased.mean_err == pytest.approx(2**-7, rel=0.05)
+    shifted = ref.clone()
+    shifted[3, 2, 7] += 1.0
+    m = M.output(shifted, ref, 4.0)
+    assert m.max_abs == pytest.approx(1.0) and m.max_abs_at == "3,2,7" and m.mismatch_frac > 0
+
+
+def test_lse_units_scale_with_the_logit_scale():
+    ref = torch.tensor([[10.0, 2.0]], dtype=torch.float64)
+    l1 = torch.tensor([[100.0, 0.0]], dtype=torch.float64)
+    err = torch.tensor([[1e-4, 0.0]], dtype=torch.float64)
+    m = M.lse(ref + err, ref, l1)
+    assert m.lse_fp32_units == pytest.approx(1e-4 / (2**-24 * 111))
+
+
+@pytest.mark.parametrize("impl, ref, what", [
+    ([1.0, float("inf")], [1.0, float("-inf")], "inf_mismatch"),
+    ([1.0, float("nan")], [1.0, 2.0], "inf_mismatch"),
+    ([float("nan"), 1.0], [float("nan"), 1.0], None),
+])
+def test_inf_and_nan_patterns_must_match_exactly(impl, ref, what):
+    v = judge(LSE, torch.tensor(impl, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64), {})
+    if what is None:
+        assert v.passed
+    else:
+        assert not v.passed and v.gate_metric == what
+
+
+def test_nan_never_passes_whatever_the_bound():
+    ref = torch.zeros(4, 512, dtype=torch.float64) + 1
+    impl = ref.clone()
+    impl[0, 0] = float("nan")
+    v = judge(OUT, impl, ref, {"scale_rule": "raw", "cache_dtype": "fp8_ds_mla"}, deviations=("bf16_cache_scale",))
+    assert not v.passed and v.metrics.nan_count == 1
+
+
+def test_deviation_bounds_apply_only_where_their_condition_holds():
+    pow2, dev = bounds_for(OUT, {"scale_rule": "pow2", "cache_dtype": "fp8_ds_mla"}, ["bf16_cache_scale"])
+    raw, dev_raw = bounds_for(OUT, {"scale_rule": "raw", "cache_dtype": "fp8_ds_mla"}, ["bf16_cache_scale"])
+    assert dev == "" and dev_raw == "bf16_cache_scale"
+    assert raw == DEVIATIONS["bf16_cache_scale"].bounds[OUT] and pow2 != raw
+    assert bounds_for(EXACT, {}, ["bf16_cache_scale"])[0][0].limit == 0.0
+    dcp = dict(bounds_for(OUT, {"dcp_size": 4}, [])[0][0].__dict__)
+    assert dcp["limit"] > bounds_for(OUT, {}, [])[0][0].limit
+
+
+def test_case_and_case_file_round_trip(tmp_path):
+    case = Case("sparse_prefill", {"tokens": 2, "invalid": ["scattered"]}, 7)
+    assert Case.from_dict(json.loads(case.dumps())) == case and len(case.case_id) == 12
+    path = casefile.save(tmp_path / "f" / "c.json", casefile.CaseFile(case, ("triton",), "cuda", [{"tensor": "out"}]))
+    back = casefile.load(path)
+    assert back.case == case and back.impl == ("triton",) and back.device == "cuda"
+    (tmp_path / "bad.json").write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="not an mla-verify case file"):
+        casefile.load(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("impl, what", [("segfaults", "died"), ("exits", "died"), ("hangs", "hung")])
+def test_a_crashing_or_hanging_implementation_fails_its_case_and_the_worker_is_replaced(impl, what):
+    worker = Worker("cpu", timeout_s=20.0 if impl != "hangs" else 3.0)
+    try:
+        case = Case("quantize_fp8_ds_mla", {"n": 2, "value_regime": "normal", "scale_rule": "pow2"}, 1)
+        rows = worker.run(case, [f"tests.impls.misbehaving:{impl}"], impl)
+        assert len(rows) == 1 and not rows[0].passed and rows[0].gate_metric == "crashed"
+        assert what in rows[0].reason
+        after = worker.run(case, ["reference:quantize_fp8_ds_mla"], "reference")  # a fresh worker goes on
+        assert after and all(r.passed for r in after) and worker.restarts == 1
+    finally:
+        worker.close()

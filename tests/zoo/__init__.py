@@ -1,0 +1,57 @@
+"""The bug zoo: deliberately broken implementations, one per bug class of the backend's history
+(shared/spec/vllm_backend.md §11-12). The oracle must catch every one within the `ci` fuzz
+profile's budget; tests/test_zoo.py asserts it and reports how fast."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    op: str
+    impl: str            # the --impl spec
+    bug_class: str
+    upstream: str = ""
+    path: str | None = None  # forward_mqa path to fuzz
+
+
+ZOO = [
+    Bug("divisor_224", "quantize_fp8_ds_mla", "tests.zoo.formats:divisor_224", "arch constant", "vLLM #32976"),
+    Bug("reciprocal_multiply", "quantize_fp8_ds_mla", "tests.zoo.formats:reciprocal_multiply", "rounding contract"),
+    Bug("pow2_floor_flt_min", "quantize_fp8_ds_mla", "tests.zoo.formats:pow2_floor_flt_min", "scale-format mismatch", "vLLM #49435"),
+    Bug("writes_negative_slots", "write_fp8_ds_mla_cache", "tests.zoo.formats:writes_negative_slots", "padded requests counted"),
+    Bug("writer_ignores_block_stride", "write_fp8_ds_mla_cache", "tests.zoo.formats:ignores_block_stride", "kernel ignores stride(0)", "vLLM #47493"),
+    Bug("convert_ignores_block_stride", "convert_index", "tests.zoo.indices:ignores_block_stride", "block stride != block size", "vLLM #54465"),
+    Bug("unstable_compaction", "convert_index", "tests.zoo.indices:unstable_compaction", "compaction order"),
+    Bug("counts_without_compaction", "convert_index", "tests.zoo.indices:counts_without_compaction", "valid counts", "vLLM 02a26fa0"),
+    Bug("no_block_range_check", "convert_index", "tests.zoo.indices:no_block_range_check", "invalid index rule"),
+    Bug("only_minus_one_invalid", "convert_index", "tests.zoo.indices:only_minus_one_invalid", "invalid index rule", "FlashMLA PR #109"),
+    Bug("prefill_rows_through_block_table", "convert_index", "tests.zoo.indices:prefill_rows_through_block_table", "metadata assumes full batch"),
+    Bug("dcp_no_ownership_filter", "dcp_convert_index", "tests.zoo.indices:dcp_no_ownership_filter", "DCP index ownership", "vLLM #46514"),
+    Bug("dcp_interleave_ignored", "dcp_convert_index", "tests.zoo.indices:dcp_interleave_ignored", "DCP index ownership"),
+    Bug("drops_last_valid", "sparse_prefill", "tests.zoo.attention:drops_last_valid", "lanes beyond topk_length", "FlashInfer #5095"),
+    Bug("ignores_topk_length", "sparse_prefill", "tests.zoo.attention:ignores_topk_length", "missing length mask", "vLLM #36616"),
+    Bug("empty_row_lse_minus_inf", "sparse_prefill", "tests.zoo.attention:empty_row_lse_minus_inf", "LSE convention", "FlashMLA #150"),
+    Bug("lse_base_2", "sparse_prefill", "tests.zoo.attention:lse_base_2", "LSE base", "FlashMLA #106"),
+    Bug("deduplicates", "sparse_prefill", "tests.zoo.attention:deduplicates", "duplicate indices"),
+    Bug("ignores_sink", "sparse_prefill", "tests.zoo.attention:ignores_sink", "attention sink"),
+    Bug("default_softmax_scale", "sparse_prefill", "tests.zoo.attention:default_softmax_scale", "softmax scale", "spec §12 #14"),
+    Bug("reads_past_the_end", "sparse_prefill", "tests.zoo.attention:reads_past_the_end", "invalid index rule", "FlashMLA PR #109"),
+    Bug("decode_e8m0_scales", "sparse_decode_fp8", "tests.zoo.attention:decode_e8m0_scales", "scale-format mismatch", "FlashMLA PR #184"),
+    Bug("decode_ignores_rope", "sparse_decode_fp8", "tests.zoo.attention:decode_ignores_rope", "row layout"),
+    Bug("decode_lse_token_major", "sparse_decode_fp8", "tests.zoo.attention:decode_lse_token_major", "LSE layout", "vLLM #46514"),
+    Bug("gather_one_scale_per_row", "gather_upconvert_fp8", "tests.zoo.workspace:one_scale_per_row", "wrong dequant layout", "vLLM #48611"),
+    Bug("gather_request_by_strict_start", "gather_upconvert_fp8", "tests.zoo.workspace:request_by_strict_start", "row -> request mapping"),
+    Bug("gather_ignores_block_stride", "gather_upconvert_fp8", "tests.zoo.workspace:ignores_block_stride", "kernel ignores stride(0)", "vLLM #47493"),
+    Bug("merge_no_sanitize", "dcp_merge", "tests.zoo.dcp:no_sanitize", "NaN propagation", "vLLM #46514"),
+    Bug("merge_ignores_weights", "dcp_merge", "tests.zoo.dcp:ignores_weights", "LSE merge"),
+    Bug("concat_contiguous_read", "concat_mla_q", "tests.zoo.layout:contiguous_read", "stride assumption"),
+    Bug("chunks_strictly_below", "split_prefill_chunks", "tests.zoo.layout:chunks_strictly_below", "chunk bounds (<= vs <)"),
+    Bug("sequence_major_reshape", "reshape_query_for_spec_decode", "tests.zoo.layout:sequence_major_reshape", "spec-decode shapes", "vLLM #34552"),
+    Bug("req_id_not_sliced", "forward_mqa", "tests.zoo.forward:req_id_not_sliced", "row-count mismatch", "vLLM #47327"),
+    Bug("padding_counted_as_decodes", "forward_mqa", "tests.zoo.forward:padding_counted_as_decodes", "padded requests counted", "spec §11 #12", "fp8_separate"),
+    Bug("starts_not_rebased", "forward_mqa", "tests.zoo.forward:starts_not_rebased", "workspace accounting", "spec §12 #3", "fp8_separate"),
+    Bug("chunk_tokens_without_decode_offset", "forward_mqa", "tests.zoo.forward:chunk_tokens_without_decode_offset", "metadata assumes full batch", "vLLM #48642", "fp8_separate"),
+    Bug("workspace_sized_by_query_lens", "forward_mqa", "tests.zoo.forward:workspace_sized_by_query_lens", "workspace accounting", "spec §12 #4", "fp8_separate"),
+    Bug("decode_lse_not_transposed", "forward_mqa", "tests.zoo.forward:decode_lse_not_transposed", "LSE layout", "vLLM #46514", "fp8_mixed"),
+]

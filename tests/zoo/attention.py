@@ -1,0 +1,96 @@
+"""Broken attention kernels: the reference with one defect each, returning what a kernel returns
+(bf16 output, fp32 statistics)."""
+
+import math
+
+import torch
+
+import reference
+from reference import fp8_ds_mla as F8
+
+
+def _as_kernel(res):
+    return tuple(t.float().to(torch.bfloat16) if i == 0 else t.float() for i, t in enumerate(res[:3]))
+
+
+def _valid(indices, rows, topk_length):
+    valid = (indices >= 0) & (indices < rows)
+    if topk_length is not None:
+        valid &= torch.arange(indices.shape[1], device=indices.device)[None] < topk_length[:, None]
+    return valid
+
+
+def drops_last_valid(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """Off by one: the last valid entry of each row is skipped."""
+    valid = _valid(indices, kv.shape[0], topk_length)
+    pos = torch.arange(indices.shape[1], device=indices.device).expand_as(indices)
+    last = torch.where(valid, pos, -1).amax(1, keepdim=True)
+    spoiled = torch.where(pos == last, -1, indices)
+    return _as_kernel(reference.sparse_prefill(q, kv, spoiled, sm_scale, topk_length, attn_sink))
+
+
+def ignores_topk_length(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """vLLM #36616: topk_length not passed to the kernel, so entries past it count."""
+    return _as_kernel(reference.sparse_prefill(q, kv, indices, sm_scale, None, attn_sink))
+
+
+def empty_row_lse_minus_inf(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """The Sept-2025 convention: an empty row's LSE is -inf, not +inf."""
+    out, lse, mx = _as_kernel(reference.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink))
+    return out, torch.where(lse == math.inf, -math.inf, lse), mx
+
+
+def lse_base_2(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """Statistics in base 2 (the old kernel / SGLang shim) where natural log is the contract."""
+    out, lse, mx = _as_kernel(reference.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink))
+    return out, lse * math.log2(math.e), mx * math.log2(math.e)
+
+
+def deduplicates(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """Duplicate entries counted once (the kernels count each occurrence)."""
+    valid = _valid(indices, kv.shape[0], topk_length)
+    keyed = torch.where(valid, indices.long(), -1)
+    sorted_keys, order = keyed.sort(dim=1)
+    repeat = torch.zeros_like(valid)
+    repeat.scatter_(1, order[:, 1:], (sorted_keys[:, 1:] == sorted_keys[:, :-1]) & (sorted_keys[:, 1:] >= 0))
+    return _as_kernel(reference.sparse_prefill(q, kv, torch.where(repeat, -1, indices), sm_scale, topk_length, attn_sink))
+
+
+def ignores_sink(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """The attention sink is dropped."""
+    return _as_kernel(reference.sparse_prefill(q, kv, indices, sm_scale, topk_length, None))
+
+
+def default_softmax_scale(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """1/sqrt(576) (FlashMLA's default) instead of the layer's scale."""
+    return _as_kernel(reference.sparse_prefill(q, kv, indices, 576**-0.5, topk_length, attn_sink))
+
+
+def reads_past_the_end(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """FlashMLA PR #109 class: indices >= N clamped to the last row instead of masked."""
+    clamped = torch.where(indices >= kv.shape[0], kv.shape[0] - 1, indices)
+    return _as_kernel(reference.sparse_prefill(q, kv, clamped, sm_scale, topk_length, attn_sink))
+
+
+def decode_e8m0_scales(q, kv_cache, indices, sm_scale):
+    """vLLM #49435 / FlashMLA #184: fp32 tile scales truncated to a power of two (e8m0) before use."""
+    scales_at = slice(F8.SCALE_OFFSET, F8.ROPE_OFFSET)
+    truncated = kv_cache.clone()
+    scales = truncated[..., scales_at].contiguous().view(torch.float32)
+    truncated[..., scales_at] = torch.exp2(torch.floor(torch.log2(scales))).view(torch.uint8)
+    res = reference.sparse_decode_fp8(q, truncated, indices, sm_scale)
+    return res.out.float().to(torch.bfloat16), res.lse.float()
+
+
+def decode_ignores_rope(q, kv_cache, indices, sm_scale):
+    """Logits from the 512 NoPE dims only: the 64 RoPE dims of q and the row are dropped."""
+    q_nope = torch.cat([q[..., :512], torch.zeros_like(q[..., 512:])], dim=-1)
+    res = reference.sparse_decode_fp8(q_nope, kv_cache, indices, sm_scale)
+    return res.out.float().to(torch.bfloat16), res.lse.float()
+
+
+def decode_lse_token_major(q, kv_cache, indices, sm_scale):
+    """vLLM #46514 class: the decode LSE handed over as (B, S, H) values in a (B, H, S) tensor."""
+    res = reference.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
+    lse = res.lse.transpose(1, 2).reshape(res.lse.shape)
+    return res.out.float().to(torch.bfloat16), lse.float()

@@ -1,0 +1,76 @@
+"""Broken index converters, each the reference with one defect from the backend's bug history."""
+
+import torch
+
+import reference
+from reference.indices import compact_rows
+
+
+def ignores_block_stride(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
+                         prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False):
+    """vLLM #54465: phys = block * block_size + offset although blocks are stride rows apart."""
+    return reference.convert_index(req_id, block_table, topk_indices, block_size, None, prefill_request_ids,
+                                   prefill_workspace_starts, return_valid_counts)
+
+
+def unstable_compaction(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
+                        prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False):
+    """Valid entries compacted to the front in reverse order (the multi-tile atomic path's risk)."""
+    phys = reference.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows,
+                                   prefill_request_ids, prefill_workspace_starts, False)
+    if not return_valid_counts:
+        return phys
+    out, counts = compact_rows(phys.flip(1))
+    return out, counts
+
+
+def counts_without_compaction(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
+                              prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False):
+    """vLLM 02a26fa0: valid counts returned but entries left in place (wrong with topk_length)."""
+    phys = reference.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows,
+                                   prefill_request_ids, prefill_workspace_starts, False)
+    return (phys, (phys >= 0).sum(1).to(torch.int32)) if return_valid_counts else phys
+
+
+def no_block_range_check(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
+                         prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False):
+    """Logical blocks past the block table read its last column instead of becoming -1."""
+    last_ok = block_table.shape[1] * block_size - 1
+    clamped = torch.where(topk_indices >= 0, topk_indices.clamp(max=last_ok), topk_indices)
+    return reference.convert_index(req_id, block_table, clamped, block_size, block_stride_rows,
+                                   prefill_request_ids, prefill_workspace_starts, return_valid_counts)
+
+
+def only_minus_one_invalid(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
+                           prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False):
+    """Treats only -1 as invalid (the upstream test reference's gap): other negatives pass through."""
+    result = reference.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows,
+                                     prefill_request_ids, prefill_workspace_starts, False)
+    result = torch.where(topk_indices < -1, topk_indices, result)
+    if not return_valid_counts:
+        return result
+    valid = result != -1
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+    return result.gather(1, order), valid.sum(1).to(torch.int32)
+
+
+def prefill_rows_through_block_table(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
+                                     prefill_request_ids=None, prefill_workspace_starts=None,
+                                     return_valid_counts=False):
+    """Prefill tokens converted to cache slots instead of workspace rows."""
+    return reference.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows, None, None,
+                                   return_valid_counts)
+
+
+def dcp_no_ownership_filter(req_id, block_table, topk_indices, block_size, dcp_size, dcp_rank, interleave,
+                            compact_valid_to_front):
+    """vLLM #46514: global positions converted through the local block table, unfiltered."""
+    out = reference.convert_index(req_id, block_table, topk_indices, block_size)
+    return compact_rows(out)[0] if compact_valid_to_front else out
+
+
+def dcp_interleave_ignored(req_id, block_table, topk_indices, block_size, dcp_size, dcp_rank, interleave,
+                           compact_valid_to_front):
+    """Ownership computed as if the interleave were 1."""
+    return reference.dcp_convert_index(req_id, block_table, topk_indices, block_size, dcp_size, dcp_rank, 1,
+                                       compact_valid_to_front)
