@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from optimized.kernels import interpreting
 from optimized.validation import InputError
 
 # H200 multiprocessors; also the nominal count under the CPU interpreter, so the CPU runs the
@@ -89,13 +88,3 @@ def split_plan(topk: int, block_n: int, programs: int, sms: int, requested: int 
     splits = min(max(1, splits), blocks)
     split_len = -(-blocks // splits) * block_n
     return -(-topk // split_len), split_len
-
-
-def check_launch_device(device: torch.device) -> None:
-    """Compiled kernels need CUDA tensors; CPU tensors run only under the interpreter."""
-    if device.type == "cuda":
-        return
-    if device.type != "cpu":
-        raise InputError(f"tensors on {device}: the Triton kernels run on cuda (or cpu when interpreting)")
-    if not interpreting():
-        raise InputError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton")

@@ -18,13 +18,14 @@ row never enters). A row with no valid column keeps l == 0 and comes out as out 
 max_logit -inf.
 
 `NATIVE` selects bf16 tensor-core dots on a GPU; under the CPU interpreter (whose bf16 dot is
-wrong) the same bf16 values are multiplied as fp32, which is exact for bf16 products.
+wrong) the same bf16 values are widened exactly (subnormals too) and multiplied as fp32, which is
+exact for bf16 products.
 """
 
 import triton
 import triton.language as tl
 
-from optimized.kernels.bits import to_bf16
+from optimized.kernels.bits import bf16_to_f32, to_bf16
 
 LOG2E = tl.constexpr(1.4426950408889634)
 NEG_INF = tl.constexpr(float("-inf"))
@@ -32,10 +33,11 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 @triton.jit
 def _dot(a, b, acc, NATIVE: tl.constexpr):
+    """acc + a @ b for bf16 a, b with fp32 accumulation."""
     if NATIVE:
         return tl.dot(a, b, acc)
     else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(bf16_to_f32(a, NATIVE), bf16_to_f32(b, NATIVE), acc, input_precision="ieee")
 
 
 @triton.jit

@@ -26,8 +26,8 @@ import triton.language as tl
 from optimized import buffers
 from optimized.attention_checks import check_decode_contract
 from optimized.formats import D_V
-from optimized.kernels import interpreting
-from optimized.kernels.attention_launch import AttentionConfig, check_launch_device, num_sms, split_plan
+from optimized.kernels.attention_launch import AttentionConfig, num_sms, split_plan
+from optimized.kernels.launch import native
 from optimized.kernels.bits import e4m3_to_f32, to_bf16
 from optimized.kernels.online_softmax import LOG2E, attend_block, finish
 from optimized.registry import register
@@ -155,7 +155,6 @@ def sparse_decode_fp8(
     lse is a [B,H,S] view of a [B,S,H] buffer, as FlashMLA returns it.
     """
     sm_scale = check_decode_inputs(q, kv_cache, indices, sm_scale)
-    check_launch_device(q.device)
     return launch_sparse_decode_fp8(q, kv_cache, indices, sm_scale, config)
 
 
@@ -167,6 +166,7 @@ def launch_sparse_decode_fp8(
     config: AttentionConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sparse_decode_fp8` without the checks (for timing): inputs must already pass them."""
+    is_native = native(q.device)
     batch, seq, heads, _ = q.shape
     topk = indices.shape[2]
     cfg = (config or AttentionConfig()).resolve(heads, topk)
@@ -186,12 +186,12 @@ def launch_sparse_decode_fp8(
         out, lse, part_out, part_lse,
         sm_scale, seq, heads, topk, head_blocks, splits, split_len, kv_cache.shape[1],
         q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), indices.stride(0), indices.stride(1),
-        SPLIT=splits > 1, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NATIVE=not interpreting(),
+        SPLIT=splits > 1, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NATIVE=is_native,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _combine_splits_kernel[(rows * heads,)](
             part_out, part_lse, out, lse, splits,
-            BLOCK_S=triton.next_power_of_2(splits), NATIVE=not interpreting(), num_warps=4,
+            BLOCK_S=triton.next_power_of_2(splits), NATIVE=is_native, num_warps=4,
         )
     return out, lse.transpose(1, 2)

@@ -21,8 +21,8 @@ import triton.language as tl
 from optimized import buffers
 from optimized.attention_checks import check_prefill_contract
 from optimized.formats import D_V
-from optimized.kernels import interpreting
-from optimized.kernels.attention_launch import AttentionConfig, check_launch_device
+from optimized.kernels.attention_launch import AttentionConfig
+from optimized.kernels.launch import native
 from optimized.kernels.bits import to_bf16
 from optimized.kernels.online_softmax import LOG2E, attend_block, finish
 from optimized.registry import register
@@ -95,7 +95,6 @@ def sparse_prefill(
     scaled by 1/(1+e^(sink-lse)); empty rows give out 0, lse +inf, max_logits -inf.
     """
     sm_scale = check_prefill_contract(q, kv, indices, sm_scale, topk_length, attn_sink)
-    check_launch_device(q.device)
     return launch_sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink, config)
 
 
@@ -109,6 +108,7 @@ def launch_sparse_prefill(
     config: AttentionConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`sparse_prefill` without the checks (for timing): inputs must already pass them."""
+    is_native = native(q.device)
     tokens, heads, _ = q.shape
     topk = indices.shape[1]
     cfg = (config or AttentionConfig()).resolve(heads, topk)
@@ -124,7 +124,7 @@ def launch_sparse_prefill(
         sm_scale, kv.shape[0], heads, topk, head_blocks,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
         HAS_TOPK_LENGTH=topk_length is not None, HAS_SINK=attn_sink is not None,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NATIVE=not interpreting(),
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NATIVE=is_native,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse, max_logits
