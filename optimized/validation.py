@@ -8,6 +8,7 @@ argument, what was expected and what was found.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -100,3 +101,16 @@ def check_choice(name: str, value: object, allowed: Sequence[object], why: str =
     if value not in allowed:
         suffix = f" ({why})" if why else ""
         raise InputError(f"{name}={value!r} is not one of {list(allowed)}{suffix}")
+
+
+def check_sm_scale(sm_scale: object) -> float:
+    """The softmax scale of the attention kernels: finite and > 0.
+
+    Both FlashMLA and our kernels take the row max of raw scores and scale after, which picks
+    the wrong extreme for a negative scale; 0 turns masked -inf * 0 into NaN.
+    """
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise InputError(f"sm_scale: expected a number, got {type(sm_scale).__name__}")
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise InputError(f"sm_scale: must be finite and > 0, got {sm_scale!r}")
+    return float(sm_scale)

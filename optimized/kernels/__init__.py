@@ -6,3 +6,29 @@ import os
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (must be set before triton is imported)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _fix_interpreter_loop_bounds() -> None:
+    """Let the interpreter take a tensor as a `range` bound under numpy >= 2.4.
+
+    The interpreter holds scalars as 1-element arrays and converts them with `int(array)`, which
+    numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars",
+    triton-lang/triton#9171, fixed after triton 3.6). Without this, every kernel whose loop runs
+    to a run-time bound (a top-k length, a split's range) fails on CPU while it runs on a GPU.
+    """
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+    if getattr(patch, "fixes_loop_bounds", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.fixes_loop_bounds = True
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    _fix_interpreter_loop_bounds()

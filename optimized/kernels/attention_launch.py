@@ -1,0 +1,90 @@
+"""Launch configuration of the sparse attention kernels: the one place the tile shapes are chosen.
+
+Why these defaults (H200 = SM90: 132 SMs, 227 KiB shared memory and 64K registers per SM;
+numbers from compiling for sm_90a with triton 3.6, see ATTENTION_NOTES.md):
+- block_h = 64 heads: one wgmma M tile, so a block of gathered rows is reused by 64 heads (the
+  tile of FlashMLA's SM90 kernels). TP shards of 16/32 heads get a 16/32 tile instead of padding.
+- block_n = 64 gathered rows: q's [64, 576] bf16 tile (72 KiB) plus two [64, 576] row buffers
+  (144 KiB) is 216 KiB of the 227; prefill compiles to 221 KiB of shared memory.
+- num_warps = 8: the [64, 512] fp32 accumulator is 128 registers a thread over 8 warps (two
+  warpgroups split its 512 columns); with 4 warps it is 256 and spills ~2 KiB a thread.
+- num_stages = 3: the index block is fetched one iteration before the rows it addresses, which
+  are fetched one before their dots (the pipeliner's schedule for an indirect load); it costs
+  512 bytes more than 2 stages and spills less (24 bytes instead of 152 in prefill).
+- Decode splits the top-k list of a (token, head block) across programs when B*S*head-blocks
+  leaves SMs idle (see `split_plan`), and merges the partial results in a combine kernel.
+
+Every entry point takes `config=` so variants can be timed side by side in one GPU run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from optimized.validation import InputError
+
+# H200 multiprocessors; also the nominal count under the CPU interpreter, so the CPU runs the
+# same split plan as the GPU it stands in for.
+NOMINAL_SMS = 132
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile shapes and launch parameters; None fields are chosen per call by `resolve`."""
+
+    block_h: int | None = None    # query heads per program (16, 32 or 64)
+    block_n: int = 64             # gathered KV rows per inner-loop step (16, 32 or 64)
+    num_warps: int = 8
+    num_stages: int = 3
+    # decode only: programs the top-k list is split over; None = `split_plan` decides
+    num_splits: int | None = None
+
+    def resolve(self, heads: int, topk: int) -> "AttentionConfig":
+        """Fill `block_h` from the head count and shrink `block_n` for short top-k lists."""
+        block_h = self.block_h or min(64, max(16, triton_next_pow2(heads)))
+        block_n = min(self.block_n, max(16, triton_next_pow2(topk)))
+        for name, value in (("block_h", block_h), ("block_n", block_n)):
+            if value not in (16, 32, 64, 128):
+                raise InputError(f"config.{name}={value} must be 16, 32, 64 or 128 (tl.dot tile)")
+        return replace(self, block_h=block_h, block_n=block_n)
+
+
+# Launch variants worth timing against the defaults on a GPU (scripts/bench_attention.py times
+# them; scripts/kernel_resources.py shows what each compiles to).
+VARIANTS = {
+    "default": AttentionConfig(),
+    "stages2": AttentionConfig(num_stages=2),
+    "n32s3": AttentionConfig(block_n=32, num_stages=3),
+}
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return NOMINAL_SMS
+
+
+def split_plan(topk: int, block_n: int, programs: int, sms: int, requested: int | None) -> tuple[int, int]:
+    """(splits, entries per split) for one top-k list of the decode.
+
+    `programs` = B*S*head-blocks. Splitting costs a combine pass and fp32 partial results, so by
+    default split only when fewer programs than SMs exist, and only as far as one wave:
+    ceil(sms / programs) splits, at most one block of `block_n` entries each. Every split gets
+    a whole number of blocks and none is left empty.
+    """
+    blocks = -(-topk // block_n)
+    if requested is not None:
+        splits = requested
+    elif programs >= sms:
+        splits = 1
+    else:
+        splits = -(-sms // programs)
+    splits = min(max(1, splits), blocks)
+    split_len = -(-blocks // splits) * block_n
+    return -(-topk // split_len), split_len
