@@ -5,8 +5,10 @@ Importing the package registers every implementation. Registration order is pref
 the float32 eager fallbacks; metadata and spec-decode helpers have one implementation each.
 """
 
-from optimized.kernels import cache_writer, concat, dcp_merge, gather, indices  # noqa: F401
-from . import eager, metadata, spec_decode  # noqa: F401  (imported to register, in preference order)
+# Imported to register, in preference order.
+from . import flashmla  # noqa: F401
+from .kernels import cache_writer, concat, dcp_merge, gather, indices, sparse_decode, sparse_prefill  # noqa: F401
+from . import eager, metadata, spec_decode  # noqa: F401
 from .pipeline import PipelineResult, forward_mqa, forward_mqa_dcp, needed_stages
 
 __all__ = ["PipelineResult", "forward_mqa", "forward_mqa_dcp", "needed_stages"]
