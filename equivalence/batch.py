@@ -12,7 +12,9 @@ MQA query and the indexer's logical top-k. How the cache is laid out:
   (p // (N * I)) * I + p % I, in its own cache through its own block table.
 
 The top-k rows start causal (distinct positions <= the token's own position, -1 padding at the
-tail) and then get the case's invalid-index patterns.
+tail) and then get the case's invalid-index patterns. `pad_rows` appends CUDA-graph padding rows
+past the last request: their query is as random as any, their top-k rows stale causal rows of
+request 0's range (what an earlier step left in the indexer's buffer).
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ class Batch:
             topk_indices=self.topk_indices, **self.config,
         )
 
+    def dcp_kwargs(self) -> dict[str, Any]:
+        """Keywords of forward_mqa_dcp: forward_kwargs without the block table (each rank has its own)."""
+        kwargs = self.forward_kwargs()
+        del kwargs["block_table"]
+        return kwargs
+
 
 def _poisoned_storage(num_blocks: int, block_size: int, pad: int, dtype: str) -> torch.Tensor:
     """[num_blocks, block_size + pad, W], every byte 0xFF; the cache is its [:, :block_size] view."""
@@ -101,7 +109,7 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
     optional: scale_rule ("pow2"), stride_pad (0), spare_blocks (1), shuffle (True),
     table_pad (0 extra block-table columns), invalid ([]), mqa ("all" | "decodes"), arch
     ("sm90"), max_model_len, workspace_size, max_decode_query_len (1), dcp_size (1),
-    interleave (1), q_form ("tensor" | "tuple").
+    interleave (1), q_form ("tensor" | "tuple"), pad_rows (0; with mqa "all" only).
     """
     gen = torch.Generator().manual_seed(seed)
     dtype, bs = params["cache_dtype"], params["block_size"]
@@ -148,10 +156,15 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
         tables.append(table.to(device))
 
     positions = [c + j for c, n in zip(ctx, qlens) for j in range(n)]
+    pad_rows = params.get("pad_rows", 0)
+    if pad_rows:
+        if params.get("mqa", "all") != "all":
+            raise ValueError("pad_rows needs mqa 'all': padding rows follow the whole batch")
+        positions += torch.randint(0, max(seq_lens[0], 1), (pad_rows,), generator=gen).tolist()
     table_tokens = width_blocks * bs * dcp  # logical positions past this are outside every table
     topk_indices = _topk_rows(gen, positions, topk, list(params.get("invalid", [])), table_tokens)
 
-    num_tokens = qsl[-1]
+    num_tokens = qsl[-1] + pad_rows
     if params.get("mqa", "all") == "decodes":
         threshold = reorder_batch_threshold(
             heads, params.get("arch", "sm90"), max_decode_query_len=params.get("max_decode_query_len", 1),

@@ -99,10 +99,20 @@ DEVIATIONS = {
 }
 
 
-def dcp_out_bounds(dcp_size: int) -> tuple[Bound, ...]:
-    """The merged DCP output: each rank's bf16 partial, its bf16-rounded scaled term and the
-    final sum are three roundings per rank instead of one."""
-    factor = 1 + 2 * dcp_size
+def dcp_roundings(dcp_size: int, combine: str = "merge") -> int:
+    """bf16 roundings in a merged DCP output of N ranks: every rank's partial (N), plus what the
+    combine adds. In-process merge: each scaled term (N) and the fp32 sum (1); all-gather +
+    reduce-scatter: each scaled term (N) and the collective's N - 1 bf16 additions; all-to-all:
+    one rounding of the fp32 sum."""
+    extra = {"merge": dcp_size + 1, "ag_rs": 2 * dcp_size - 1, "a2a": 1}
+    if combine not in extra:
+        raise ValueError(f"unknown DCP combine {combine!r}; known: {', '.join(extra)}")
+    return dcp_size + extra[combine]
+
+
+def dcp_out_bounds(dcp_size: int, combine: str = "merge") -> tuple[Bound, ...]:
+    """The merged DCP output: `dcp_roundings` bf16 roundings instead of one."""
+    factor = dcp_roundings(dcp_size, combine)
     return (
         Bound("bf16_units", 6.0 * factor**0.5,
               f"{factor} bf16 roundings of terms of about the output's size add in quadrature"),
@@ -121,7 +131,7 @@ def bounds_for(kind: str, params: Mapping, deviations: Iterable[str] = ()) -> tu
             return dev.bounds[kind], dev.name
     if kind == OUT:
         dcp = params.get("dcp_size", 1)
-        return (dcp_out_bounds(dcp) if dcp > 1 else OUT_BOUNDS), ""
+        return (dcp_out_bounds(dcp, params.get("combine", "merge")) if dcp > 1 else OUT_BOUNDS), ""
     if kind == LSE:
         return LSE_BOUNDS, ""
     raise ValueError(f"unknown tensor kind {kind!r}")
@@ -131,7 +141,7 @@ def all_bounds() -> list[tuple[str, str, Bound]]:
     """Every bound with where it applies, for `mla-verify list --tolerances` and the README."""
     rows = [(EXACT, "", b) for b in EXACT_BOUNDS]
     rows += [(OUT, "", b) for b in OUT_BOUNDS] + [(LSE, "", b) for b in LSE_BOUNDS]
-    rows += [(OUT, "dcp (N ranks)", b) for b in dcp_out_bounds(2)]
+    rows += [(OUT, f"dcp {combine} (2 ranks)", b) for combine in ("merge", "ag_rs", "a2a") for b in dcp_out_bounds(2, combine)]
     for dev in DEVIATIONS.values():
         rows += [(kind, dev.name, b) for kind, bs in dev.bounds.items() for b in bs]
     return rows

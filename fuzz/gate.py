@@ -5,6 +5,10 @@ Implementations checked per op: every registered one that runs here (on a GPU: f
 Triton kernels and the float32 eager ones; on CPU the Triton kernels under the interpreter and
 the eager ones), so when one disagrees with the reference and the others do not, the gate names
 the odd one out.
+
+The multi-process DCP op runs with world size 2 on CPU (two gloo ranks) and on a GPU machine with
+the most ranks its GPUs hold one each (2, 4 or 8; a single GPU: 2 gloo ranks sharing it). Its
+ranks are processes of their own, so it never runs inside the isolation worker.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from equivalence import distributed
 from equivalence.case import Case
 from equivalence.evaluate import evaluate
 from equivalence.isolation import Worker
@@ -25,6 +30,7 @@ from optimized import registry
 from .campaign import FuzzResult, fuzz
 from .profiles import Profile
 from .regressions import corpus
+from .strategies import WORLD_SIZES
 
 # forward_mqa on a GPU is checked twice: with the preferred stages (flash_mla attention) and with
 # our Triton attention kernels in their place.
@@ -51,6 +57,15 @@ def subjects_for(op: str, device: str) -> dict[str, tuple[str, ...]]:
             variants = dict(PIPELINE_VARIANTS)
         return variants
     return {impl.name: (impl.name,) for impl in registry.implementations(spec.stage) if impl.why_not(device) is None}
+
+
+def gate_world_size(device: str) -> int:
+    """DCP ranks the gate runs: one per GPU where they fit (up to 8), else 2."""
+    if device != "cuda":
+        return 2
+    import torch
+
+    return max([n for n in WORLD_SIZES if n <= torch.cuda.device_count()], default=2)
 
 
 def odd_ones_out(rows: list[Row]) -> list[str]:
@@ -83,14 +98,17 @@ def run_gate(
 ) -> GateResult:
     result = GateResult()
     worker = Worker(device, timeout_s) if isolate else None
+    distributed.set_timeout(timeout_s)
     try:
         for op in ops or sorted(OPS):
             pinned = corpus(op)
+            in_worker = worker if not OPS[op].own_processes else None
+            world_size = gate_world_size(device.split(":")[0]) if op == "dcp" else None
             for label, specs in subjects_for(op, device.split(":")[0]).items():
                 subject = resolve_subject(op, specs, device.split(":")[0])
                 subject = Subject(label, subject.fn, subject.overrides, subject.deviations, specs)
 
-                def run(case: Case, source: str, subject=subject, specs=specs, label=label) -> list[Row]:
+                def run(case: Case, source: str, subject=subject, specs=specs, label=label, worker=in_worker) -> list[Row]:
                     if worker is not None:
                         rows = worker.run(case, specs, label, run_id, source, notes=result.notes)
                         for r in rows:
@@ -101,7 +119,7 @@ def run_gate(
                 for case, _why in pinned:
                     result.rows.extend(run(case, "corpus"))
                 fz = fuzz(op, run, profile=profile, examples=examples, seed=seed, impl_specs=specs, device=device,
-                          out_dir=out_dir, progress_label=f"{op} / {label}")
+                          out_dir=out_dir, progress_label=f"{op} / {label}", world_size=world_size)
                 result.fuzz.append(fz)
                 result.rows.extend(fz.rows)
                 bad = sum(not r.passed for r in result.rows if r.op == op and r.impl == label)
@@ -111,4 +129,5 @@ def run_gate(
     finally:
         if worker is not None:
             worker.close()
+        distributed.close_all()
     return result

@@ -584,3 +584,22 @@ def dcp_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, tor
     out.copy_(_scaled_terms(outs, f).float().sum(dim=0))
     lse.copy_(merged)
     return out, lse
+
+
+@_stage("dcp_a2a_merge")
+def dcp_a2a_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The all-to-all combine's merge (`dcp_a2a_lse_reduce` after the exchange), for the heads
+    one rank received from every rank: outs [N, T, H, D] bf16, lses [N, T, H] f32 ->
+    (bf16(sum_n w_n * out_n) [T, H, D], L [T, H] f32), w_n = exp(lse_n - L) as in `dcp_merge`
+    (0 for -inf, +inf and NaN LSEs, and the partial dropped there), summed in float32 and rounded
+    once: unlike the reduce-scatter, no term is stored in bf16 first."""
+    check_tensor("lses", lses, dtype=torch.float32, ndim=3)
+    check_tensor("outs", outs, dtype=torch.bfloat16, shape=(*lses.shape, None))
+    check_same_device(outs=outs, lses=lses)
+    merged, w = _merge_weights(lses)
+    out = buffers.empty(tuple(outs.shape[1:]), torch.bfloat16, outs.device)
+    lse = buffers.empty(tuple(merged.shape), torch.float32, outs.device)
+    terms = (outs.float() * w[..., None]).masked_fill_(w[..., None] == 0, 0.0)
+    out.copy_(terms.sum(dim=0))
+    lse.copy_(merged)
+    return out, lse
