@@ -251,7 +251,7 @@ def cmd_replay(args, device: str) -> int:
     for r in rows:
         verdict = "ok  " if r.passed else "FAIL"
         detail = r.reason if not r.passed else f"{r.gate_metric} = {r.value:.4g} of {r.bound:.4g}"
-        print(f"  {verdict} {r.tensor:12s} {detail}")
+        print(f"  {verdict} {r.tensor:17s} {detail}")
     return 0 if all(r.passed for r in rows) else 1
 
 

@@ -39,7 +39,6 @@ from .pipeline import forward_mqa, needed_stages
 from .registry import Resolved, resolve
 from .validation import check_choice, check_tensor
 
-COMBINE_STAGES = {"ag_rs": "dcp_lse_correct", "a2a": "dcp_a2a_merge"}
 QK_DIM = 576
 LSE_LANES = 2  # bf16 lanes one fp32 LSE is bit-split over in the all-to-all payload
 
@@ -86,13 +85,6 @@ class Collectives:
         return out.to(t.device)
 
 
-def rank_stages(kv_cache_dtype: str, num_heads: int, dcp_size: int, combine: str) -> list[str]:
-    """The stages one rank uses: forward_mqa's on its shard, then its combine's."""
-    check_choice("combine", combine, tuple(COMBINE_STAGES))
-    forward = [s for s in needed_stages(kv_cache_dtype, num_heads, dcp_size) if s != "dcp_merge"]
-    return forward + [COMBINE_STAGES[combine]]
-
-
 def pack_a2a(out: torch.Tensor, lse: torch.Tensor, size: int) -> torch.Tensor:
     """out [T, N*H, D] bf16, lse [T, N*H] f32 -> [N, T, H, D + 2] bf16: slot n holds heads
     [n*H, (n+1)*H) with each LSE's 32 bits in the last two lanes, low half first. Assembled as
@@ -122,7 +114,15 @@ def _combine_a2a(comm: Collectives, out: torch.Tensor, lse: torch.Tensor, stages
     return stages.fn("dcp_a2a_merge")(outs=outs, lses=lses)
 
 
-COMBINES = {"ag_rs": _combine_ag_rs, "a2a": _combine_a2a}
+# combine -> (the registry stage it merges with, the exchange around it)
+COMBINES = {"ag_rs": ("dcp_lse_correct", _combine_ag_rs), "a2a": ("dcp_a2a_merge", _combine_a2a)}
+
+
+def rank_stages(kv_cache_dtype: str, num_heads: int, dcp_size: int, combine: str) -> list[str]:
+    """The stages one rank uses: forward_mqa's on its shard, then its combine's."""
+    check_choice("combine", combine, tuple(COMBINES))
+    forward = [s for s in needed_stages(kv_cache_dtype, num_heads, dcp_size) if s != "dcp_merge"]
+    return forward + [COMBINES[combine][0]]
 
 
 def forward_mqa_dcp_rank(
@@ -162,5 +162,5 @@ def forward_mqa_dcp_rank(
         interleave=interleave, stages=stages,
     )
     masked = mask_empty_shards(part.lse, seq_lens, query_start_loc)
-    out, lse = COMBINES[combine](comm, part.out, masked, stages)
+    out, lse = COMBINES[combine][1](comm, part.out, masked, stages)
     return RankResult(out, lse, part.out, part.lse)

@@ -23,19 +23,17 @@ from equivalence.subject import resolve_subject
 from fuzz import casefile
 from fuzz.campaign import fuzz, new_seed
 from fuzz.profiles import get_profile
+from fuzz.regressions import corpus
 from mla_verify import cli
 from optimized.dcp_runtime import pack_a2a, unpack_a2a
 from optimized.metadata import mask_empty_shards
 
 CASE_TIMEOUT_S = 60.0
-# Request 1 has one token (rank 1 owns none of it: an empty shard), requests 2 and 3 are
-# zero-length CUDA-graph padding (seq_len 0 and 5), two padding rows follow the batch, and some
-# rows select nothing at all.
-BATCH = dict(cache_dtype="fp8_ds_mla", heads=8, query_lens=[1, 1, 0, 0, 3], context_lens=[40, 0, 0, 5, 20],
-             block_size=64, topk=64, sm_scale=0.1352, value_regime="normal", scale_rule="pow2", invalid=["whole_row"],
-             pad_rows=2, dcp_size=2)
-AG_RS = Case("dcp", dict(BATCH, interleave=1, combine="ag_rs"), seed=3)
-A2A = Case("dcp", dict(BATCH, interleave=2, combine="a2a", scale_rule="raw"), seed=4)
+# The regression corpus's two cases: request 1 has one token (rank 1 owns none of it: an empty
+# shard), requests 2 and 3 are zero-length CUDA-graph padding (seq_len 0 and 5), two padding rows
+# follow the batch, and some rows select nothing at all; ag_rs at interleave 1, a2a at 2.
+AG_RS, A2A = (case for case, _ in corpus("dcp"))
+BATCH = {k: v for k, v in AG_RS.params.items() if k not in ("interleave", "combine")}
 FOUR_RANKS = [Case("dcp", dict(BATCH, heads=16, dcp_size=4, interleave=i, combine=c), seed=5)
               for i, c in ((64, "ag_rs"), (1, "a2a"))]
 
