@@ -38,7 +38,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -243,7 +243,7 @@ class RankGroup:
                 answers[rank] = payload
         return [answers[r] for r in range(self.world_size)]
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str) -> NoReturn:
         self.kill()
         self.restarts += 1
         raise RankFailure(message)
