@@ -133,17 +133,19 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
             table[i, :nb] = ids[cursor : cursor + nb].to(torch.int32)
             cursor += nb
         storage = _poisoned_storage(num_blocks, bs, params.get("stride_pad", 0), dtype)
-        cache = storage[:, :bs]
-        # Stale rows in the null block and in every allocated block, then this step's tokens.
-        stale_blocks = torch.cat([torch.zeros(1, dtype=torch.int64), table[table > 0].long()])
-        stale_slots = (stale_blocks[:, None] * bs + torch.arange(bs)).flatten()
-        _write(kv_values(gen, len(stale_slots), "normal"), cache, stale_slots, dtype, scale_rule)
+        slots, rows = [], []
         for i, s in enumerate(seq_lens):
-            pos = torch.arange(s)
-            owner, loc = dcp_owner_and_local(pos, dcp, inter)
+            owner, loc = dcp_owner_and_local(torch.arange(s), dcp, inter)
             mine = owner == r
-            slots = table[i].long()[loc[mine] // bs] * bs + loc[mine] % bs
-            _write(kv_source[i][mine], cache, slots, dtype, scale_rule)
+            slots.append(table[i].long()[loc[mine] // bs] * bs + loc[mine] % bs)
+            rows.append(kv_source[i][mine])
+        # Stale rows wherever this step writes nothing in the null block and the allocated blocks.
+        allocated = torch.cat([torch.zeros(1, dtype=torch.int64), table[table > 0].long()])
+        stale = (allocated[:, None] * bs + torch.arange(bs)).flatten()
+        stale = stale[~torch.isin(stale, torch.cat(slots))]
+        slots.append(stale)
+        rows.append(kv_values(gen, len(stale), "normal"))
+        _write(torch.cat(rows), storage[:, :bs], torch.cat(slots), dtype, scale_rule)
         caches.append(storage.to(device)[:, :bs])  # slicing after the copy keeps the padded stride
         tables.append(table.to(device))
 
