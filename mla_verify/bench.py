@@ -52,8 +52,10 @@ def _median_ms(fn, inputs: list, reps: int) -> float:
 
 
 def _row(kind: str, shape: str, impl: str, ms: float, fl: float, nbytes: float, **extra) -> dict:
-    return {"kind": kind, "shape": shape, "impl": impl, "ms": ms, "tflops": fl / ms / 1e9,
-            "gbs": nbytes / ms / 1e6, "pct_peak": 100 * fl / ms / 1e9 / BF16_CEILING_TFLOPS, **extra}
+    row = {"kind": kind, "shape": shape, "impl": impl, "ms": ms, "tflops": fl / ms / 1e9,
+           "gbs": nbytes / ms / 1e6, "pct_peak": 100 * fl / ms / 1e9 / BF16_CEILING_TFLOPS, **extra}
+    print(json.dumps(row), flush=True)  # progress, and what survives if a later step dies
+    return row
 
 
 def _prefill_inputs(tokens: int, heads: int, rows: int, gen: torch.Generator):

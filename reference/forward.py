@@ -89,7 +89,7 @@ def forward_mqa(
     num_tokens = q.shape[0]
     topk = topk_indices[:num_tokens]
     # req_id covers the whole batch; slice it to the MQA rows (vLLM bug #47327).
-    req_id = req_id_per_token(query_start_loc, query_start_loc[-1])[:num_tokens]
+    req_id = req_id_per_token(query_start_loc, query_start_loc[-1])[:num_tokens].to(q.device)
     check_dcp_supported(num_heads, dcp_size, kv_cache_dtype)
     path = select_path(kv_cache_dtype, num_heads)
     block_size = kv_cache.shape[1]
@@ -126,8 +126,8 @@ def forward_mqa(
         )
         idx, counts = convert_index(
             req_id, block_table, topk, block_size,
-            prefill_request_ids=plan.request_ids[:num_tokens],
-            prefill_workspace_starts=plan.workspace_starts,
+            prefill_request_ids=plan.request_ids[:num_tokens].to(q.device),
+            prefill_workspace_starts=plan.workspace_starts.to(q.device),
             return_valid_counts=True,
         )
 
@@ -145,7 +145,7 @@ def forward_mqa(
     for chunk in plan.chunks if plan else ():
         workspace = gather(
             kv_cache, block_table[slice(*chunk.requests)],
-            torch.tensor(chunk.workspace_starts, dtype=torch.int32), chunk.total_rows,
+            torch.tensor(chunk.workspace_starts, dtype=torch.int32, device=q.device), chunk.total_rows,
         )
         rows = slice(*chunk.tokens)
         res = sparse_prefill(q[rows], workspace, idx[rows], sm_scale, topk_length=counts[rows], dtype=dtype)

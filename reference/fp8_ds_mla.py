@@ -37,7 +37,7 @@ def tile_scales(nope: torch.Tensor, scale_rule: str) -> torch.Tensor:
     amax = nope.abs().view(-1, NUM_TILES, TILE).amax(dim=-1)
     ratio = amax / FP8_MAX  # fp32 division, as the writers do it
     if scale_rule == "pow2":
-        ratio = torch.clamp_min(ratio, torch.tensor(POW2_FLOOR, dtype=torch.float32))
+        ratio = ratio.clamp_min(POW2_FLOOR)  # the floor rounds to fp32, as the writers' constant does
         # frexp: ratio = m * 2**e with m in [0.5, 1); the smallest power of two >= ratio is
         # 2**(e-1) when m == 0.5 (ratio is already a power of two) and 2**e otherwise.
         mantissa, exponent = torch.frexp(ratio)
