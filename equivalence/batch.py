@@ -1,4 +1,4 @@
-"""A forward_mqa batch, built from a Case's params and seed, identically on any device.
+"""A forward_mqa batch, built from a Case's params and seed on the device it runs on.
 
 The batch is what vLLM hands the backend after the cache write of this step: a paged cache per
 DCP rank, the block table, `query_start_loc` (decodes first), `seq_lens` (context + query), the
@@ -26,7 +26,7 @@ import reference
 from reference.indices import dcp_local_seq_lens, dcp_owner_and_local
 from reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
-from .patterns import PATTERNS, apply_patterns, distinct_rows
+from .patterns import PATTERNS, apply_patterns, distinct_rows, prefix_candidates
 from .values import kv_values, q_values
 
 ROW_WIDTH = {"bfloat16": 576, "fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
@@ -60,11 +60,11 @@ class Batch:
         )
 
 
-def _poisoned_storage(num_blocks: int, block_size: int, pad: int, dtype: str) -> torch.Tensor:
+def _poisoned_storage(num_blocks: int, block_size: int, pad: int, dtype: str, device: str) -> torch.Tensor:
     """[num_blocks, block_size + pad, W], every byte 0xFF; the cache is its [:, :block_size] view."""
     width = ROW_WIDTH[dtype]
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.uint8
-    storage = torch.empty((num_blocks, block_size + pad, width), dtype=torch_dtype)
+    storage = torch.empty((num_blocks, block_size + pad, width), dtype=torch_dtype, device=device)
     storage.view(torch.uint8).fill_(0xFF)
     return storage
 
@@ -84,10 +84,11 @@ def _topk_rows(gen: torch.Generator, positions: list[int], topk: int, patterns: 
     `beyond_seq` (logical positions past the token's own, still inside the block table: the
     backend reads whatever those slots hold) is this module's; the rest are `patterns`'.
     """
-    rows = distinct_rows(gen, [torch.arange(p + 1) for p in positions], topk)
+    pos = torch.tensor(positions, dtype=torch.int64, device=gen.device)
+    rows = distinct_rows(gen, prefix_candidates(pos + 1), topk)
     if "beyond_seq" in patterns and len(positions):
-        hit = torch.rand(rows.shape, generator=gen) < 0.15
-        past = torch.tensor(positions)[:, None] + 1 + torch.randint(0, 64, rows.shape, generator=gen)
+        hit = torch.rand(rows.shape, generator=gen, device=gen.device) < 0.15
+        past = pos[:, None] + 1 + torch.randint(0, 64, rows.shape, generator=gen, device=gen.device)
         rows = torch.where(hit & (past < table_tokens), past, rows)
     rest = [p for p in patterns if p != "beyond_seq"]
     rows = apply_patterns(gen, rows, rest, out_of_range=(table_tokens, table_tokens + 4 * topk))
@@ -103,7 +104,7 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
     ("sm90"), max_model_len, workspace_size, max_decode_query_len (1), dcp_size (1),
     interleave (1), q_form ("tensor" | "tuple").
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     dtype, bs = params["cache_dtype"], params["block_size"]
     heads, topk, regime = params["heads"], params["topk"], params["value_regime"]
     dcp, inter = params.get("dcp_size", 1), params.get("interleave", 1)
@@ -124,30 +125,30 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
     for r in range(dcp):
         used = sum(blocks_needed[r])
         num_blocks = 1 + used + params.get("spare_blocks", 1)
-        ids = torch.arange(1, num_blocks)
+        ids = torch.arange(1, num_blocks, device=device)
         if params.get("shuffle", True):
-            ids = ids[torch.randperm(len(ids), generator=gen)]
-        table = torch.zeros((len(seq_lens), width_blocks), dtype=torch.int32)
+            ids = ids[torch.randperm(len(ids), generator=gen, device=device)]
+        table = torch.zeros((len(seq_lens), width_blocks), dtype=torch.int32, device=device)
         cursor = 0
         for i, nb in enumerate(blocks_needed[r]):
             table[i, :nb] = ids[cursor : cursor + nb].to(torch.int32)
             cursor += nb
-        storage = _poisoned_storage(num_blocks, bs, params.get("stride_pad", 0), dtype)
+        storage = _poisoned_storage(num_blocks, bs, params.get("stride_pad", 0), dtype, device)
         slots, rows = [], []
         for i, s in enumerate(seq_lens):
-            owner, loc = dcp_owner_and_local(torch.arange(s), dcp, inter)
+            owner, loc = dcp_owner_and_local(torch.arange(s, device=device), dcp, inter)
             mine = owner == r
             slots.append(table[i].long()[loc[mine] // bs] * bs + loc[mine] % bs)
             rows.append(kv_source[i][mine])
         # Stale rows wherever this step writes nothing in the null block and the allocated blocks.
-        allocated = torch.cat([torch.zeros(1, dtype=torch.int64), table[table > 0].long()])
-        stale = (allocated[:, None] * bs + torch.arange(bs)).flatten()
+        allocated = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), table[table > 0].long()])
+        stale = (allocated[:, None] * bs + torch.arange(bs, device=device)).flatten()
         stale = stale[~torch.isin(stale, torch.cat(slots))]
         slots.append(stale)
         rows.append(kv_values(gen, len(stale), "normal"))
         _write(torch.cat(rows), storage[:, :bs], torch.cat(slots), dtype, scale_rule)
-        caches.append(storage.to(device)[:, :bs])  # slicing after the copy keeps the padded stride
-        tables.append(table.to(device))
+        caches.append(storage[:, :bs])
+        tables.append(table)
 
     positions = [c + j for c, n in zip(ctx, qlens) for j in range(n)]
     table_tokens = width_blocks * bs * dcp  # logical positions past this are outside every table
@@ -160,7 +161,7 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
             dcp_size=dcp, interleave=inter,
         )
         num_tokens = split_decodes_and_prefills(qsl, threshold).num_decode_tokens
-    q = q_values(gen, (num_tokens, heads * dcp, 576), regime).to(device)
+    q = q_values(gen, (num_tokens, heads * dcp, 576), regime)
     if params.get("q_form", "tensor") == "tuple":
         q = (q[..., :512], q[..., 512:])
     config = dict(
@@ -174,4 +175,4 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
     )
     if dcp > 1:
         config["interleave"] = inter
-    return Batch(q, caches, tables, qsl, seq_lens, topk_indices.to(device), config, kv_source)
+    return Batch(q, caches, tables, qsl, seq_lens, topk_indices, config, kv_source)

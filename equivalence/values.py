@@ -9,6 +9,9 @@ Each regime stresses something different in the kernels and the cache formats:
     tiny        kv ~ N(0, 1e-6): fp8 subnormals after scaling, the scale floor
     peaked      q scaled 8x: one or two keys dominate each softmax
 Nothing is ever all zero: a zero tensor hides unwritten outputs and wrong indexing.
+
+Values are drawn on the generator's device: a case's tensors are a deterministic function of
+(case, device type), and building them where they are used keeps the harness's own cost small.
 """
 
 from __future__ import annotations
@@ -20,21 +23,25 @@ NOPE, TILE = 512, 128
 
 
 def _normal(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.randn(shape, generator=gen, dtype=torch.float32)
+    return torch.randn(shape, generator=gen, dtype=torch.float32, device=gen.device)
+
+
+def _uniform(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.rand(shape, generator=gen, device=gen.device)
 
 
 def kv_values(gen: torch.Generator, n: int, regime: str) -> torch.Tensor:
     """[n, 576] bf16 latent rows (512 NoPE + 64 RoPE) in `regime`."""
     x = _normal(gen, (n, 576))
     if regime == "saturation":
-        power = torch.randint(-4, 5, (n, NOPE // TILE, 1), generator=gen).float()
-        magnitude = 380 + 68 * torch.rand((n, NOPE // TILE, TILE), generator=gen)
+        power = torch.randint(-4, 5, (n, NOPE // TILE, 1), generator=gen, device=gen.device).float()
+        magnitude = 380 + 68 * _uniform(gen, (n, NOPE // TILE, TILE))
         x[:, :NOPE] = (torch.sign(x[:, :NOPE]).view(n, NOPE // TILE, TILE) * magnitude * 2.0**power).view(n, NOPE)
     elif regime == "outliers":
-        channels = torch.randperm(576, generator=gen)[:4]
-        x[:, channels] *= 30 + 70 * torch.rand(4, generator=gen)
+        channels = torch.randperm(576, generator=gen, device=gen.device)[:4]
+        x[:, channels] *= 30 + 70 * _uniform(gen, (4,))
     elif regime == "zero_tiles":
-        zero = torch.rand((n, NOPE // TILE), generator=gen) < 0.5
+        zero = _uniform(gen, (n, NOPE // TILE)) < 0.5
         x[:, :NOPE] = (x[:, :NOPE].view(n, NOPE // TILE, TILE) * ~zero[..., None]).view(n, NOPE)
     elif regime == "tiny":
         x[:, :NOPE] *= 1e-6
@@ -47,7 +54,7 @@ def q_values(gen: torch.Generator, shape: tuple[int, ...], regime: str) -> torch
     """Query rows (last dim 576) in `regime`, bf16."""
     q = _normal(gen, shape)
     if regime == "outliers":
-        channels = torch.randperm(576, generator=gen)[:4]
+        channels = torch.randperm(576, generator=gen, device=gen.device)[:4]
         q[..., channels] *= 10
     elif regime == "peaked":
         q *= 8

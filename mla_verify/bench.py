@@ -36,19 +36,23 @@ def flops(rows: int, heads: int, topk: int = TOPK) -> float:
     return 2.0 * rows * heads * topk * (576 + 512)
 
 
-def _median_ms(fn, inputs: list, reps: int) -> float:
-    for args in inputs:  # warm-up: compilation, plans, allocator
-        fn(*args)
+def _median_ms(fns: dict[str, tuple], reps: int) -> dict[str, float]:
+    """name -> (fn, input sets): median milliseconds of one call each, the implementations
+    interleaved call by call so clock and thermal drift fall on all of them alike."""
+    for fn, inputs in fns.values():  # warm-up: compilation, plans, allocator
+        for args in inputs:
+            fn(*args)
     torch.cuda.synchronize()
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*inputs[i % len(inputs)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        for name, (fn, inputs) in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*inputs[i % len(inputs)])
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _row(kind: str, shape: str, impl: str, ms: float, fl: float, nbytes: float, **extra) -> dict:
@@ -84,9 +88,24 @@ def _decode_inputs(batch: int, s_q: int, heads: int, blocks: int, gen: torch.Gen
     return sets, nbytes
 
 
+def _kernel_rows(shape: str, fl: float, nbytes: float, fns: dict[str, tuple], reps: int) -> list[dict]:
+    ms = _median_ms(fns, reps)
+    base = ms.get("flash_mla standalone")
+    rows = []
+    for name, t in ms.items():
+        extra = {}
+        if name == "flash_mla via mla-verify":
+            extra["vs_standalone"] = t / base
+        elif name.startswith("triton") and base:
+            extra["vs_flash_mla"] = base / t
+        rows.append(_row("kernel", shape, name, t, fl, nbytes, **extra))
+    return rows
+
+
 def bench_kernels(quick: bool, reps: int) -> list[dict]:
     from optimized import flashmla
     from optimized.kernels import sparse_decode, sparse_prefill
+    from optimized.kernels.attention_launch import VARIANTS
 
     have_fm = flashmla.flash_mla_unavailable() is None
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -94,47 +113,32 @@ def bench_kernels(quick: bool, reps: int) -> list[dict]:
     prefill = [(4096, 128), (4096, 64)] if quick else [(t, h) for h in (128, 64, 32, 16) for t in (1024, 4096, 16384)]
     for tokens, heads in prefill:
         sets, nbytes = _prefill_inputs(tokens, heads, 65536, gen)
-        shape = f"prefill T={tokens} H={heads}"
-        fl = flops(tokens, heads)
+        fns = {f"triton[{name}]": (lambda q, kv, i, cfg=cfg: sparse_prefill.launch_sparse_prefill(q, kv, i, SM_SCALE, None, None, cfg), sets)
+               for name, cfg in VARIANTS.items()}
         if have_fm:
             import flash_mla
 
-            padded = flashmla.padded_heads(heads)
             raw = [(flashmla._pad_heads(q, 576, 0.0), kv.unsqueeze(1), idx.unsqueeze(1)) for q, kv, idx in sets]
-            standalone = _median_ms(lambda q, kv, i: flash_mla.flash_mla_sparse_fwd(q, kv, i, SM_SCALE, use_legacy=True),
-                                    raw, reps)
-            wrapped = _median_ms(lambda q, kv, i: flashmla.launch_sparse_prefill(q, kv, i, SM_SCALE), sets, reps)
-            out.append(_row("kernel", shape, f"flash_mla standalone (h={padded})", standalone, fl, nbytes))
-            out.append(_row("kernel", shape, "flash_mla via mla-verify", wrapped, fl, nbytes,
-                            vs_standalone=wrapped / standalone))
-        triton_ms = _median_ms(lambda q, kv, i: sparse_prefill.launch_sparse_prefill(q, kv, i, SM_SCALE, None, None),
-                               sets, reps)
-        out.append(_row("kernel", shape, "triton", triton_ms, fl, nbytes,
-                        vs_flash_mla=(out[-1]["ms"] / triton_ms) if have_fm else None))
-        del sets
-    decode = [(64, 1, 128), (128, 2, 128)] if quick else [
+            fns["flash_mla standalone"] = (lambda q, kv, i: flash_mla.flash_mla_sparse_fwd(q, kv, i, SM_SCALE, use_legacy=True), raw)
+            fns["flash_mla via mla-verify"] = (lambda q, kv, i: flashmla.launch_sparse_prefill(q, kv, i, SM_SCALE), sets)
+        out += _kernel_rows(f"prefill T={tokens} H={heads}", flops(tokens, heads), nbytes, fns, reps)
+        del sets, fns
+    decode = [(64, 1, 128), (128, 2, 128), (64, 2, 64)] if quick else [
         (b, s, h) for h in (128, 64, 32, 16) for s in (1, 2) for b in (1, 8, 32, 64, 128)]
     for batch, s_q, heads in decode:
         sets, nbytes = _decode_inputs(batch, s_q, heads, 8192, gen)
-        shape = f"decode B={batch} s_q={s_q} H={heads}"
-        fl = flops(batch * s_q, heads)
+        fns = {f"triton[{name}]": (lambda q, c, i, cfg=cfg: sparse_decode.launch_sparse_decode_fp8(q, c, i, SM_SCALE, cfg), sets)
+               for name, cfg in VARIANTS.items()}
         if have_fm:
             import flash_mla
 
-            padded = flashmla.padded_heads(heads)
             plan = flash_mla.get_mla_metadata()[0]
             raw = [(flashmla._pad_heads(q, 576, 0.0), c.unsqueeze(-2), i) for q, c, i in sets]
-            standalone = _median_ms(lambda q, c, i: flash_mla.flash_mla_with_kvcache(
-                q, c, None, None, 512, plan, softmax_scale=SM_SCALE, is_fp8_kvcache=True, indices=i, use_legacy=True),
-                raw, reps)
-            wrapped = _median_ms(lambda q, c, i: flashmla.launch_sparse_decode_fp8(q, c, i, SM_SCALE), sets, reps)
-            out.append(_row("kernel", shape, f"flash_mla standalone (h={padded})", standalone, fl, nbytes))
-            out.append(_row("kernel", shape, "flash_mla via mla-verify", wrapped, fl, nbytes,
-                            vs_standalone=wrapped / standalone))
-        triton_ms = _median_ms(lambda q, c, i: sparse_decode.launch_sparse_decode_fp8(q, c, i, SM_SCALE), sets, reps)
-        out.append(_row("kernel", shape, "triton", triton_ms, fl, nbytes,
-                        vs_flash_mla=(out[-1]["ms"] / triton_ms) if have_fm else None))
-        del sets
+            fns["flash_mla standalone"] = (lambda q, c, i: flash_mla.flash_mla_with_kvcache(
+                q, c, None, None, 512, plan, softmax_scale=SM_SCALE, is_fp8_kvcache=True, indices=i, use_legacy=True), raw)
+            fns["flash_mla via mla-verify"] = (lambda q, c, i: flashmla.launch_sparse_decode_fp8(q, c, i, SM_SCALE), sets)
+        out += _kernel_rows(f"decode B={batch} s_q={s_q} H={heads}", flops(batch * s_q, heads), nbytes, fns, reps)
+        del sets, fns
     return out
 
 

@@ -34,4 +34,6 @@ for step in "${@:-env pytest gate bench}"; do
   for s in $step; do run_step "$s"; done
 done
 tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . 2>/dev/null
+# What comes back from a device call is a few files: keep the logs and the archive.
+find "$OUT" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +
 printf '%s\n' "${summary[@]}"
