@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-import reference
 from reference.indices import dcp_local_seq_lens, dcp_owner_and_local
 from reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
+from reference.paged_cache import scatter_rows
 
 from .patterns import PATTERNS, apply_patterns, distinct_rows, prefix_candidates
-from .values import kv_values, q_values
+from .values import pooled_rows, q_values
 
 ROW_WIDTH = {"bfloat16": 576, "fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
 INVALID_PATTERNS = PATTERNS + ("beyond_seq",)
@@ -67,15 +67,6 @@ def _poisoned_storage(num_blocks: int, block_size: int, pad: int, dtype: str, de
     storage = torch.empty((num_blocks, block_size + pad, width), dtype=torch_dtype, device=device)
     storage.view(torch.uint8).fill_(0xFF)
     return storage
-
-
-def _write(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, dtype: str, scale_rule: str) -> None:
-    if dtype == "bfloat16":
-        reference.write_bf16_cache(kv, cache, slots)
-    elif dtype == "fp8_ds_mla":
-        reference.write_fp8_ds_mla_cache(kv, cache, slots, scale_rule)
-    else:
-        reference.write_nvfp4_ds_mla_cache(kv, cache, slots)
 
 
 def _topk_rows(gen: torch.Generator, positions: list[int], topk: int, patterns: list[str], table_tokens: int) -> torch.Tensor:
@@ -119,7 +110,9 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
     blocks_needed = [[-(-n // bs) for n in lens] for lens in local]
     width_blocks = max(max(b) for b in blocks_needed) + params.get("table_pad", 0)
     width_blocks = max(width_blocks, 1)
-    kv_source = [kv_values(gen, s, regime) for s in seq_lens]
+    source, packed = pooled_rows(gen, sum(seq_lens), regime, dtype, scale_rule)
+    kv_source = list(source.split(seq_lens))
+    packed = packed.split(seq_lens)
 
     caches, tables = [], []
     for r in range(dcp):
@@ -139,14 +132,14 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
             owner, loc = dcp_owner_and_local(torch.arange(s, device=device), dcp, inter)
             mine = owner == r
             slots.append(table[i].long()[loc[mine] // bs] * bs + loc[mine] % bs)
-            rows.append(kv_source[i][mine])
+            rows.append(packed[i][mine])
         # Stale rows wherever this step writes nothing in the null block and the allocated blocks.
         allocated = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), table[table > 0].long()])
         stale = (allocated[:, None] * bs + torch.arange(bs, device=device)).flatten()
         stale = stale[~torch.isin(stale, torch.cat(slots))]
         slots.append(stale)
-        rows.append(kv_values(gen, len(stale), "normal"))
-        _write(torch.cat(rows), storage[:, :bs], torch.cat(slots), dtype, scale_rule)
+        rows.append(pooled_rows(gen, len(stale), "normal", dtype, scale_rule)[1])
+        scatter_rows(torch.cat(rows), storage[:, :bs], torch.cat(slots))
         caches.append(storage[:, :bs])
         tables.append(table)
 

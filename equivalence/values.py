@@ -16,7 +16,12 @@ Values are drawn on the generator's device: a case's tensors are a deterministic
 
 from __future__ import annotations
 
+import functools
+import zlib
+
 import torch
+
+import reference
 
 REGIMES = ("normal", "saturation", "outliers", "zero_tiles", "tiny", "peaked")
 NOPE, TILE = 512, 128
@@ -61,3 +66,38 @@ def q_values(gen: torch.Generator, shape: tuple[int, ...], regime: str) -> torch
     elif regime == "saturation":
         q *= 0.01  # kv is ~400x larger: keep logits in a range where the softmax still mixes
     return q.to(torch.bfloat16)
+
+
+# Row pools: quantizing a large cache costs far more than the attention a case checks, so caches
+# are filled from pools of rows quantized once per (regime, format, scale rule, device) and drawn
+# per case with the case's generator. A pool is seeded by its regime alone: still a deterministic
+# function of the case.
+POOL_ROWS = {"cuda": 1 << 18, "cpu": 1 << 15}
+
+
+@functools.lru_cache(maxsize=16)
+def _source_pool(regime: str, device: str) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(regime.encode()))
+    return kv_values(gen, POOL_ROWS[torch.device(device).type], regime)
+
+
+@functools.lru_cache(maxsize=32)
+def _packed_pool(regime: str, cache_dtype: str, scale_rule: str, device: str) -> torch.Tensor:
+    source = _source_pool(regime, device)
+    if cache_dtype == "fp8_ds_mla":
+        return reference.quantize_fp8_ds_mla(source, scale_rule)
+    if cache_dtype == "nvfp4_ds_mla":
+        return reference.quantize_nvfp4_ds_mla(source)
+    return source
+
+
+def pooled_rows(
+    gen: torch.Generator, n: int, regime: str, cache_dtype: str, scale_rule: str = "pow2"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """n (source rows [n, 576] bf16, cache rows [n, W]) drawn from the pools with `gen`: a run of
+    consecutive pool rows from a random start, so no row repeats within a case below the pool size."""
+    device = str(gen.device)
+    size = POOL_ROWS[gen.device.type]
+    start = torch.randint(0, size, (1,), generator=gen, device=gen.device)
+    pick = (start + torch.arange(n, device=gen.device)) % size
+    return _source_pool(regime, device)[pick], _packed_pool(regime, cache_dtype, scale_rule, device)[pick]

@@ -55,6 +55,11 @@ def _median_ms(fns: dict[str, tuple], reps: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def _row(kind: str, shape: str, impl: str, ms: float, fl: float, nbytes: float, **extra) -> dict:
     row = {"kind": kind, "shape": shape, "impl": impl, "ms": ms, "tflops": fl / ms / 1e9,
            "gbs": nbytes / ms / 1e6, "pct_peak": 100 * fl / ms / 1e9 / BF16_CEILING_TFLOPS, **extra}
@@ -169,6 +174,7 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
     """Harness overhead per compared case, and fuzz throughput, on decode-sized cases."""
     from equivalence.case import Case
     from equivalence.evaluate import evaluate
+    from equivalence.ops import get_op
     from equivalence.subject import resolve_subject
     from fuzz.campaign import fuzz
     from fuzz.profiles import get_profile
@@ -182,9 +188,14 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
                                       "seq_lens": [seq] * batch, "page_size": PAGE, "stride_pad": 0,
                                       "value_regime": "normal", "scale_rule": "pow2", "sm_scale": SM_SCALE, "invalid": []}, 7)
     subject = resolve_subject("sparse_decode_fp8", [], device)
-    evaluate(case, subject, device)  # warm-up: compilation, plans
-    totals, overheads = [], []
+    spec = get_op(case.op)
+    evaluate(case, subject, device)  # warm-up: compilation, plans, row pools
+    totals, overheads, inputs = [], [], []
     for _ in range(3):
+        start = time.perf_counter()
+        spec.inputs(case.params, case.seed, device)
+        _sync(device)
+        inputs.append(time.perf_counter() - start)
         start = time.perf_counter()
         rows = evaluate(case, subject, device)
         total = time.perf_counter() - start
@@ -193,6 +204,7 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
         overheads.append((total - inner) / inner)
     out.append({"kind": "harness", "shape": f"decode B={batch} s_q=2 H={heads}", "impl": subject.label,
                 "ms": statistics.median(totals) * 1e3, "overhead_pct": 100 * statistics.median(overheads),
+                "inputs_ms": statistics.median(inputs) * 1e3,
                 "ref_ms": rows[0].time_ref_s * 1e3, "impl_ms": rows[0].time_impl_s * 1e3})
     start = time.perf_counter()
     result = fuzz("sparse_decode_fp8", lambda c, source: evaluate(c, subject, device, source=source),
@@ -236,6 +248,7 @@ def table(rows: list[dict]) -> str:
         notes = []
         for key, fmt in (("vs_standalone", "{:.3f}x standalone"), ("vs_flash_mla", "{:.0%} of flash_mla"),
                          ("peak_gib", "peak {:.2f} GiB"), ("overhead_pct", "overhead {:.1f}%"),
+                         ("inputs_ms", "inputs {:.1f} ms"), ("ref_ms", "reference {:.1f} ms"), ("impl_ms", "kernel {:.2f} ms"),
                          ("cases_per_s", "{:.1f} cases/s")):
             if r.get(key) is not None:
                 notes.append(fmt.format(r[key]))

@@ -14,7 +14,8 @@ import torch
 import reference
 from equivalence.patterns import apply_patterns, distinct_rows, prefix_candidates
 from equivalence.policy import LSE, OUT
-from equivalence.values import kv_values, q_values
+from equivalence.values import kv_values, pooled_rows, q_values
+from reference.paged_cache import scatter_rows
 
 from . import Check, ImplOutput, OpSpec, register_op
 from .common import generator, knobs, rand, randint
@@ -94,7 +95,7 @@ def _decode_inputs(p, seed, device):
     storage = torch.full((num_blocks, page + p.get("stride_pad", 0), 656), 0xFF, dtype=torch.uint8, device=device)
     cache = storage[:, :page]  # the padded stride stays
     slots = idx[idx >= 0].unique()  # write only the selected slots: every other byte stays NaN
-    reference.write_fp8_ds_mla_cache(kv_values(g, len(slots), p["value_regime"]), cache, slots, p["scale_rule"])
+    scatter_rows(pooled_rows(g, len(slots), p["value_regime"], "fp8_ds_mla", p["scale_rule"])[1], cache, slots)
     q = q_values(g, (batch, s_q, heads, 576), p["value_regime"])
     return {"q": q, "kv_cache": cache, "indices": idx.view(batch, s_q, topk).to(torch.int32), "sm_scale": p["sm_scale"]}
 

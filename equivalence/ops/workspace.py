@@ -6,7 +6,8 @@ import torch
 
 import reference
 from equivalence.policy import EXACT
-from equivalence.values import kv_values
+from equivalence.values import pooled_rows
+from reference.paged_cache import scatter_rows
 
 from . import Check, ImplOutput, OpSpec, register_op
 from .common import generator, knobs
@@ -32,11 +33,7 @@ def _gather_inputs(fmt):
             pos = torch.arange(n, device=device)
             slots.append(table[r][pos // bs] * bs + pos % bs)  # only the sequences' rows: the rest stays NaN
         slots = torch.cat(slots)
-        kv = kv_values(g, len(slots), p["value_regime"])
-        if fmt == "fp8_ds_mla":
-            reference.write_fp8_ds_mla_cache(kv, storage[:, :bs], slots, p["scale_rule"])
-        else:
-            reference.write_nvfp4_ds_mla_cache(kv, storage[:, :bs], slots)
+        scatter_rows(pooled_rows(g, len(slots), p["value_regime"], fmt, p["scale_rule"])[1], storage[:, :bs], slots)
         starts = torch.tensor([0] + seq_lens[:-1], device=device).cumsum(0)
         return {"kv_cache": storage[:, :bs], "block_table": table.to(torch.int32),
                 "workspace_starts": starts.to(torch.int32), "num_rows": sum(seq_lens)}
