@@ -46,9 +46,10 @@ OUT_BOUNDS = (
 )
 
 LSE_BOUNDS = (
-    Bound("lse_fp32_units", 32.0,
-          "fp32 logits and log-sum-exp err by a few fp32 steps of the logit scale (flash_mla "
-          "measured rel 5e-8); one dropped key of 2048 moves the LSE by ~5e-4, hundreds of units"),
+    Bound("lse_fp32_units", 64.0,
+          "a 576-term fp32 dot product errs by ~sqrt(576) = 24 fp32 steps of its logit scale: "
+          "worst seen 18.8 (flash_mla and Triton, outlier channels, H200); one dropped key of "
+          "2048 moves a broad softmax's LSE by ~5e-4, over 100 units of a normal-regime row"),
 )
 
 # Deviations an implementation may declare (optimized.registry), when they apply, and the bounds
@@ -125,9 +126,9 @@ def bounds_for(kind: str, params: Mapping, deviations: Iterable[str] = ()) -> tu
     """The bounds for one compared tensor, and the name(s) of the deviations that set them."""
     if kind == EXACT:
         return EXACT_BOUNDS, ""
-    applied = [DEVIATIONS[d] for d in deviations if d in DEVIATIONS and DEVIATIONS[d].applies(params)]
-    for dev in reversed(applied):  # the widest declared deviation is listed last by convention
-        if kind in dev.bounds:
+    # DEVIATIONS is ordered narrowest first: the widest one that applies sets the bounds.
+    for dev in reversed(DEVIATIONS.values()):
+        if dev.name in deviations and dev.applies(params) and kind in dev.bounds:
             return dev.bounds[kind], dev.name
     if kind == OUT:
         dcp = params.get("dcp_size", 1)

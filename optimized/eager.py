@@ -107,7 +107,9 @@ def _from_le_bytes(raw: torch.Tensor, nbytes: int, dtype: torch.dtype) -> torch.
 def _tile_scales(nope: torch.Tensor, scale_rule: str) -> torch.Tensor:
     """[N, 512] float32 -> [N, 4] float32 scales: amax / 448 (an fp32 division), then
     pow2: the smallest power of two >= max(ratio, 1e-4); raw: max(ratio, FLT_MIN)."""
-    ratio = nope.abs().unflatten(-1, (-1, FP8_TILE)).amax(dim=-1) / E4M3_MAX
+    amax = nope.abs().unflatten(-1, (-1, FP8_TILE)).amax(dim=-1)
+    # Divide by a tensor: CUDA kernels replace division by a Python scalar with a reciprocal multiply.
+    ratio = amax / torch.full_like(amax, E4M3_MAX)
     if scale_rule == "raw":
         return ratio.clamp(min=torch.finfo(torch.float32).tiny)
     # A positive normal float rounds up to a power of two by carrying any mantissa bit into the

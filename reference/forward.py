@@ -90,7 +90,7 @@ def forward_mqa(
     topk = topk_indices[:num_tokens]
     # req_id covers the whole batch and any CUDA-graph padding rows past it (request 0's); slice it
     # to the MQA rows (vLLM bug #47327).
-    req_id = req_id_per_token(query_start_loc, max(query_start_loc[-1], num_tokens))[:num_tokens]
+    req_id = req_id_per_token(query_start_loc, max(query_start_loc[-1], num_tokens))[:num_tokens].to(q.device)
     check_dcp_supported(num_heads, dcp_size, kv_cache_dtype)
     path = select_path(kv_cache_dtype, num_heads)
     block_size = kv_cache.shape[1]
@@ -127,8 +127,8 @@ def forward_mqa(
         )
         idx, counts = convert_index(
             req_id, block_table, topk, block_size,
-            prefill_request_ids=plan.request_ids[:num_tokens],
-            prefill_workspace_starts=plan.workspace_starts,
+            prefill_request_ids=plan.request_ids[:num_tokens].to(q.device),
+            prefill_workspace_starts=plan.workspace_starts.to(q.device),
             return_valid_counts=True,
         )
 
@@ -146,7 +146,7 @@ def forward_mqa(
     for chunk in plan.chunks if plan else ():
         workspace = gather(
             kv_cache, block_table[slice(*chunk.requests)],
-            torch.tensor(chunk.workspace_starts, dtype=torch.int32), chunk.total_rows,
+            torch.tensor(chunk.workspace_starts, dtype=torch.int32, device=q.device), chunk.total_rows,
         )
         rows = slice(*chunk.tokens)
         res = sparse_prefill(q[rows], workspace, idx[rows], sm_scale, topk_length=counts[rows], dtype=dtype)

@@ -12,25 +12,25 @@ from equivalence.batch import make_batch
 from equivalence.policy import LSE, OUT
 
 from . import Check, ImplOutput, OpSpec, register_op
-from .common import generator, knobs
+from .common import generator, knobs, rand
 
 
 def _merge_inputs(p, seed, device):
-    g = generator(seed)
+    g = generator(seed, device)
     ranks, tokens, heads = p["ranks"], p["tokens"], p["heads"]
-    outs = torch.randn((ranks, tokens, heads, 512), generator=g)
-    lses = 4 + 3 * torch.randn((ranks, tokens, heads), generator=g)
+    outs = torch.randn((ranks, tokens, heads, 512), generator=g, device=device)
+    lses = 4 + 3 * torch.randn((ranks, tokens, heads), generator=g, device=device)
     # Neutralized rows (a rank owning none of a token's keys) are the merge's identity (0, -inf).
-    empty = torch.rand((ranks, tokens), generator=g) < p.get("empty_frac", 0.0)
-    empty[:, torch.rand(tokens, generator=g) < p.get("empty_frac", 0.0) / 2] = True  # some tokens empty on every rank
+    empty = rand(g, ranks, tokens) < p.get("empty_frac", 0.0)
+    empty[:, rand(g, tokens) < p.get("empty_frac", 0.0) / 2] = True  # some tokens empty on every rank
     outs[empty] = 0.0
     lses[empty] = -math.inf
     if p.get("junk"):
         # Undefined partials the combine must drop: NaN or +inf LSE with a NaN output.
-        junk = (torch.rand((ranks, tokens, heads), generator=g) < 0.1) & ~empty[..., None]
-        lses[junk] = torch.where(torch.rand(int(junk.sum()), generator=g) < 0.5, math.nan, math.inf)
+        junk = (rand(g, ranks, tokens, heads) < 0.1) & ~empty[..., None]
+        lses[junk] = torch.where(rand(g, int(junk.sum())) < 0.5, math.nan, math.inf)
         outs[junk] = math.nan
-    return {"outs": outs.to(torch.bfloat16).to(device), "lses": lses.to(device)}
+    return {"outs": outs.to(torch.bfloat16), "lses": lses}
 
 
 def _merge_reference(kw, p):
