@@ -7,8 +7,9 @@ are tensor-core ops and local-memory spill traffic).
 
 No GPU needed: the launchers run on meta tensors with each kernel swapped for a recorder, and
 every recorded launch is compiled by `triton.compile` for cuda:90 and assembled with `ptxas -v`
-(both ship with Triton). Pointers are taken as 16-byte aligned and integer arguments divisible
-by 16 are marked so, as Triton's launcher specializes them at run time.
+(both ship with Triton). Pointers are taken as 16-byte aligned, integer arguments divisible by 16
+are marked so and integers equal to 1 become constants, as Triton's launcher specializes them at
+run time.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def compile_call(kernel, args, kwargs):
     signature, constants, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
         value = values[name]
-        if name in constexpr or value is None:
+        # The launcher also turns an integer argument equal to 1 into a constant (H=64: head_blocks).
+        if name in constexpr or value is None or (type(value) is int and value == 1):
             signature[name], constants[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name], attrs[(i,)] = TYPES[value.dtype], [["tt.divisibility", 16]]

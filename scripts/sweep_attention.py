@@ -2,13 +2,13 @@
 
     PYTHONPATH=/tmp/site:$PWD python3 scripts/sweep_attention.py [--op prefill|decode|both] [--out FILE]
 
-For prefill (T=4096, H 128 and 64, 65536 KV rows) and decode (B=64 s_q=1 H=128, B=128 s_q=2 H=128,
-B=64 s_q=2 H=64; 8192 pages of 64), topk 2048: FlashMLA standalone and each
-`attention_launch.PREFILL_VARIANTS` / `DECODE_VARIANTS` entry, timed call by call in turn over rotated inputs (CUDA events,
-medians; mla_verify.bench's timer and inputs). Each variant's first call is timed on its own: that
-is its compilation. Each variant's output on the first input set is compared with FlashMLA's:
-out error as max |triton - flash_mla| over the row's max |flash_mla|, in bf16 roundings (2^-8),
-and the max lse difference. Identical arithmetic up to summation order gives ~1-4 units; a wrong
+For prefill (T=4096, H 128 and 64, 65536 KV rows) and decode (B=64 s_q=1 H=128, B=128 s_q=2
+H=128, B=64 s_q=2 H=64; 8192 pages of 64), topk 2048: FlashMLA standalone and each entry of
+`attention_launch.PREFILL_VARIANTS` / `DECODE_VARIANTS`, timed call by call in turn over rotated
+inputs (CUDA events, medians; mla_verify.bench's timer and inputs). Each variant's first call is
+timed on its own: that is its compilation. Each variant's output on the first input set is
+compared with FlashMLA's: out error as max |triton - flash_mla| over the row's max |flash_mla|,
+in bf16 roundings (2^-8), and the max lse difference. Identical arithmetic up to summation order gives ~1-4 units; a wrong
 variant gives hundreds or NaN. Two diagnostics: prefill H=128 again over 4096 KV rows (they fit
 in L2; the gap to the 65536-row line is what HBM latency costs each kernel), and at B=128 s_q=2
 the prefill kernel over a dequantized copy of the cache (the decode kernel minus its dequant).
@@ -66,10 +66,11 @@ def compare(got, ref) -> tuple[float, float]:
     return units, float((lse - ref_lse).abs()[live].max()) if live.any() else 0.0
 
 
-def time_shape(shape: str, fl: float, fns: dict, reference, reps: int) -> list[Row]:
-    """fns: name -> (fn, input sets); reference(first set) -> FlashMLA's (out, lse) or None."""
+def time_shape(shape: str, fl: float, fns: dict, flash_output, reps: int) -> list[Row]:
+    """fns: name -> (fn, input sets); flash_output() -> FlashMLA's (out, lse) on the first set,
+    or None where FlashMLA is unavailable."""
     compile_s, errors = {}, {}
-    ref = reference() if reference else None
+    ref = flash_output() if flash_output else None
     for name, (fn, sets) in fns.items():
         start = time.perf_counter()
         got = fn(*sets[0])
@@ -91,23 +92,24 @@ def time_shape(shape: str, fl: float, fns: dict, reference, reps: int) -> list[R
 
 
 def prefill_rows(tokens: int, heads: int, kv_rows: int, names: list[str] | None, reps: int, gen) -> list[Row]:
+    """FlashMLA and the prefill variants (all, or `names`) over `kv_rows` random rows."""
     sets, _ = _prefill_inputs(tokens, heads, kv_rows, gen)
     variants = {n: c for n, c in PREFILL_VARIANTS.items() if names is None or n in names}
     fns = {f"triton[{n}]": (lambda q, kv, i, cfg=cfg: launch_sparse_prefill(q, kv, i, SM_SCALE, None, None, cfg), sets)
            for n, cfg in variants.items()}
-    reference = None
+    flash_output = None
     if flashmla.flash_mla_unavailable() is None:
         import flash_mla
 
         raw = [(flashmla._pad_heads(q, 576, 0.0), kv.unsqueeze(1), idx.unsqueeze(1)) for q, kv, idx in sets]
         fns[FLASH] = (lambda q, kv, i: flash_mla.flash_mla_sparse_fwd(q, kv, i, SM_SCALE, use_legacy=True), raw)
-        reference = lambda: flashmla.launch_sparse_prefill(*sets[0], SM_SCALE)  # noqa: E731
+        flash_output = lambda: flashmla.launch_sparse_prefill(*sets[0], SM_SCALE)  # noqa: E731
     shape = f"prefill T={tokens} H={heads}" + ("" if kv_rows == 65536 else f" N={kv_rows} (L2)")
-    return time_shape(shape, flops(tokens, heads), fns, reference, reps)
+    return time_shape(shape, flops(tokens, heads), fns, flash_output, reps)
 
 
 def decode_rows(batch: int, s_q: int, heads: int, reps: int, gen, bf16_rows: bool = False) -> list[Row]:
-    """bf16_rows adds the diagnostic `prefill on bf16 rows`: the prefill kernel over a dequantized
+    """FlashMLA and the decode variants over a cache of 8192 pages; bf16_rows adds the diagnostic `prefill on bf16 rows`: the prefill kernel over a dequantized
     copy of the cache, i.e. the decode kernel's work without its dequantization."""
     sets, _ = _decode_inputs(batch, s_q, heads, 8192, gen)
     fns = {f"triton[{n}]": (lambda q, c, i, cfg=cfg: launch_sparse_decode_fp8(q, c, i, SM_SCALE, cfg), sets)
@@ -118,7 +120,7 @@ def decode_rows(batch: int, s_q: int, heads: int, reps: int, gen, bf16_rows: boo
         rows = reference.dequantize_fp8_ds_mla(sets[0][1].view(-1, 656))
         flat = [(q.view(batch * s_q, heads, 576), rows, i.view(batch * s_q, TOPK)) for q, _, i in sets]
         fns["prefill on bf16 rows"] = (lambda q, kv, i: prefill_as_decode(q, kv, i, batch, s_q), flat)
-    reference = None
+    flash_output = None
     if flashmla.flash_mla_unavailable() is None:
         import flash_mla
 
@@ -126,8 +128,8 @@ def decode_rows(batch: int, s_q: int, heads: int, reps: int, gen, bf16_rows: boo
         raw = [(flashmla._pad_heads(q, 576, 0.0), c.unsqueeze(-2), i) for q, c, i in sets]
         fns[FLASH] = (lambda q, c, i: flash_mla.flash_mla_with_kvcache(
             q, c, None, None, 512, plan, softmax_scale=SM_SCALE, is_fp8_kvcache=True, indices=i, use_legacy=True), raw)
-        reference = lambda: flashmla.launch_sparse_decode_fp8(*sets[0], SM_SCALE)  # noqa: E731
-    return time_shape(f"decode B={batch} s_q={s_q} H={heads}", flops(batch * s_q, heads), fns, reference, reps)
+        flash_output = lambda: flashmla.launch_sparse_decode_fp8(*sets[0], SM_SCALE)  # noqa: E731
+    return time_shape(f"decode B={batch} s_q={s_q} H={heads}", flops(batch * s_q, heads), fns, flash_output, reps)
 
 
 def prefill_as_decode(q, kv, idx, batch: int, s_q: int):
