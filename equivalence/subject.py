@@ -3,8 +3,10 @@
 `--impl` accepts, for an op: a registered implementation name (`triton`, `flash_mla`,
 `torch-fp32`) or `MODULE:CALLABLE`; for forward_mqa: `STAGE=NAME` or `STAGE=MODULE:CALLABLE`
 (that stage replaced inside the pipeline, the rest as registered), or `MODULE:CALLABLE` (a whole
-forward_mqa with the reference's keyword arguments). A callable must accept every keyword of the
-op's contract; anything else is a usage error, found before any case runs.
+forward_mqa with the reference's keyword arguments); for a property (`property:NAME`, which calls
+several stages): `STAGE=NAME`, `STAGE=MODULE:CALLABLE`, or `NAME` (that implementation for every
+stage that has one here). A callable must accept every keyword of the op's contract; anything else
+is a usage error, found before any case runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Callable, Sequence
 from optimized import registry
 
 from .ops import get_op
+from .properties import get_property, is_property
 
 
 class UsageError(ValueError):
@@ -81,8 +84,42 @@ def _implementation(stage: str, spec: str, device: str) -> registry.Implementati
     return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}))
 
 
+def _named_everywhere(name: str, device: str) -> dict[str, registry.Implementation]:
+    """stage -> its implementation called `name`, for every stage that has one running on `device`."""
+    found = [i for stage in registry.stages() for i in registry.implementations(stage) if i.name == name]
+    if not found:
+        names = sorted({i.name for stage in registry.stages() for i in registry.implementations(stage)})
+        raise UsageError(f"--impl {name!r}: no stage has an implementation of that name; known: {', '.join(names)}")
+    runnable = {i.stage: i for i in found if i.why_not(device) is None}
+    if not runnable:
+        raise UsageError(f"--impl {name!r} does not run here: {found[0].why_not(device)}")
+    return runnable
+
+
+def _property_subject(op: str, specs: Sequence[str], device: str) -> Subject:
+    prop = get_property(op)
+    overrides: dict[str, registry.Implementation] = {}
+    for s in specs:
+        stage, sep, target = s.partition("=")
+        if sep:
+            if stage not in registry.stages():
+                raise UsageError(f"--impl {s!r}: unknown stage {stage!r}; stages: {', '.join(registry.stages())}")
+            overrides[stage] = _implementation(stage, target, device)
+        elif ":" in s:
+            raise UsageError(f"--impl {s!r}: {op} calls several stages; name the one it replaces (STAGE={s})")
+        else:
+            overrides.update(_named_everywhere(s, device))
+    if not prop.covered(overrides):
+        under_test = sorted({st for t in prop.targets.values() for st in t.under_test})
+        raise UsageError(f"--impl {', '.join(specs)} replaces none of the stages {op} tests ({', '.join(under_test)})")
+    return Subject(",".join(specs) or "preferred", overrides=overrides, specs=tuple(specs))
+
+
 def resolve_subject(op: str, specs: Sequence[str], device: str) -> Subject:
-    """Turn the --impl strings for `op` into a Subject; no strings: the project's implementation."""
+    """Turn the --impl strings for `op` into a Subject; no strings: the project's implementation
+    (for a property, the registry's preferred implementation of every stage, labelled "preferred")."""
+    if is_property(op):
+        return _property_subject(op, specs, device)
     spec_op = get_op(op)
     if spec_op.stage is None:  # forward_mqa: a pipeline, whole or with stages replaced
         overrides, whole = {}, None
