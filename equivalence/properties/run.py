@@ -5,11 +5,15 @@ As in `equivalence.evaluate`, the implementation runs on poisoned outputs and ma
 of the case, one row); the problems are built before it runs, so a harness error stays ours.
 `mismatch_frac` of a property row is the fraction of elements that differ bit for bit, whatever
 the bound (0: the property held bitwise); float64 answers (a merge) have no bits to compare (NaN).
+Zeros are compared without their sign: a sum that starts from +0 (a merge, a block of invalid
+keys folded in) turns -0 into +0, and the sign of a zero is not a value.
 """
 
 from __future__ import annotations
 
 import math
+
+import torch
 
 from equivalence import metrics as M
 from equivalence.case import Case
@@ -22,6 +26,10 @@ from optimized import registry
 from optimized.buffers import poisoned
 
 from . import get_property
+
+
+def _unsigned_zeros(t: torch.Tensor) -> torch.Tensor:
+    return t + 0 if t.is_floating_point() else t  # -0 + 0 = +0; all else, infinities and NaN too, unchanged
 
 
 def evaluate_property(
@@ -46,9 +54,10 @@ def evaluate_property(
     rows = []
     for c in compared:
         kind, bounds, deviation = property_bounds(f"{prop.name}.{c.check}", c.kind, deviations)
-        m = measure(kind, c.got, c.base, c.scale)
+        got, want = _unsigned_zeros(c.got), _unsigned_zeros(c.base)
+        m = measure(kind, got, want, c.scale)
         if kind != EXACT:
-            m.mismatch_frac = M.exact(c.got, c.base).mismatch_frac if c.got.dtype == c.base.dtype else math.nan
+            m.mismatch_frac = M.exact(got, want).mismatch_frac if got.dtype == want.dtype else math.nan
         rows.append(judged_row(base, f"{c.check}.{c.tensor}", kind, verdict(kind, m, bounds, deviation),
                                time_impl_s=t_impl))
     return rows
