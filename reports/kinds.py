@@ -1,8 +1,8 @@
 """Tensor kinds: which metric speaks for each compared tensor, and where its noise floor lies.
 
 A row's *kind* is `exact` for bit-exact contracts (cache bytes, indices, chunk bounds), else its
-tensor name when that has a key metric of its own (`out`, `lse`, `max_logits`), else `other`
-(a dense float tensor, read like `out`). Every table, plot and drift test reads one number per row,
+tensor name when that has a key metric of its own (`out`, `lse`, `max_logits`; a property's
+"CHECK.TENSOR" by its last part), else `other` (a dense float tensor, read like `out`). Every table, plot and drift test reads one number per row,
 the kind's key metric, so that rows of one kind compare with each other across paths and runs.
 
 Noise floors (used by `reports.drift` only): below them a ratio of two values compares rounding
@@ -63,7 +63,8 @@ SEQ_BUCKETS: tuple[tuple[float, str], ...] = (
 def tensor_kind(tensor: str, exact: bool) -> str:
     if exact:
         return "exact"
-    return tensor if tensor in KEY_METRIC else "other"
+    name = tensor.rsplit(".", 1)[-1]
+    return name if name in KEY_METRIC else "other"
 
 
 def seq_bucket(seq_len: pd.Series) -> pd.Series:

@@ -1,0 +1,154 @@
+"""Every property (equivalence.properties) for every implementation here, at production shapes: one table.
+
+    PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu_properties.py [--impl NAME ...] [--examples N] [--seed S]
+                                                                [--out DIR] [--no-pinned] [--device cuda|cpu]
+
+For each property, each implementation of the stages it tests that runs here (on an H200:
+flash_mla, triton, torch-fp32) and each target it covers: one pinned case at production shapes
+(64-128 heads, top-k 2048, decode batches of 64), plus N cases drawn from the `gpu` profile (the
+`ci` profile on CPU) with --examples N. Prints one line per (property, check.tensor,
+implementation): the cases, whether the property held, whether it held bit for bit, the gated
+metric with the least headroom against its bound (and the deviation that set it), and the
+implementation's time; writes the rows to --out for `mla-verify report`. Exit 1 when a row
+failed. Budget: about two minutes on an H200, most of it compiling the Triton kernels and
+building each case's caches on the CPU (~45 s per implementation on 2 CPU cores, less on 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+HEADS, TOPK, SM_SCALE = 128, 2048, 0.1352
+PREFILL = dict(tokens=64, heads=HEADS, kv_rows=8192, topk=TOPK, value_regime="normal", sm_scale=SM_SCALE,
+               invalid=["scattered"], topk_length="random", sink="finite")
+DECODE = dict(batch=64, s_q=1, heads=HEADS, topk=TOPK, seq_lens=[4096] * 64, page_size=64, stride_pad=0,
+              value_regime="normal", scale_rule="pow2", sm_scale=SM_SCALE, invalid=["scattered"])
+# A separate-path batch: 16 decodes and 2 prefills over contexts of 1-4K tokens.
+FORWARD = dict(cache_dtype="fp8_ds_mla", heads=64, query_lens=[1] * 16 + [128, 256], context_lens=[4096] * 16 + [1024, 2048],
+               block_size=64, stride_pad=0, spare_blocks=1, shuffle=True, table_pad=0, topk=TOPK, sm_scale=SM_SCALE,
+               value_regime="normal", scale_rule="pow2", invalid=["scattered"], mqa="all", q_form="tensor", arch="sm90",
+               max_decode_query_len=1, max_model_len=4097, workspace_size=None, dcp_size=1, interleave=1)
+PREFILLS = dict(query_lens=[128, 256, 64, 128], context_lens=[1024, 2048, 3072, 512], max_model_len=3136)
+
+PINNED: dict[str, dict[str, dict]] = {
+    "split_invariance": {
+        "sparse_prefill": {**PREFILL, "sink": "none", "parts": 4, "scheme": "random"},
+        "sparse_decode_fp8": {**DECODE, "parts": 4, "scheme": "residue"},
+    },
+    "decode_equals_prefill": {"sparse_decode_fp8": {**DECODE, "heads": 64}},
+    "padding_and_order": {
+        "sparse_prefill": {**PREFILL, "tokens": 32, "heads": 64, "pad_tokens": 8, "pad_rows": "live", "pad_heads": 64,
+                           "wider": 128},
+        "sparse_decode_fp8": {**DECODE, "batch": 56, "heads": 64, "pad_tokens": 8, "pad_rows": "empty", "pad_heads": 64,
+                              "wider": 64},
+        "forward_mqa": {**FORWARD, "pad_columns": 2, "pad_fill": "blocks"},
+    },
+    "batch_invariance": {
+        "sparse_decode_fp8": {**DECODE, "alone": [0, 37]},
+        "forward_mqa": {**FORWARD, **PREFILLS, "workspace_size": 3136},
+    },
+    "spec_decode": {
+        "sparse_decode_fp8": {**DECODE, "batch": 32, "s_q": 2, "seq_lens": [4096] * 32},
+        "forward_mqa": {**FORWARD, "query_lens": [2] * 32, "context_lens": [4096] * 32, "max_decode_query_len": 2,
+                        "max_model_len": 4098},
+    },
+    "dcp_size_one": {
+        "dcp_convert_index": dict(tokens=256, requests=8, table_width=64, topk=TOPK, block_size=64, interleave=1,
+                                  compact=True, invalid=["scattered"]),
+        "forward_mqa": {**FORWARD, "heads": 16, "query_lens": [1] * 32 + [64], "context_lens": [4096] * 33,
+                        "max_model_len": 4160},
+        "dcp_merge": dict(tokens=256, heads=HEADS, empty_frac=0.3),
+    },
+    "determinism": {
+        "sparse_prefill": PREFILL,
+        "sparse_decode_fp8": DECODE,
+        "forward_mqa": FORWARD,
+        "dcp_merge": dict(ranks=4, tokens=256, heads=HEADS, empty_frac=0.3, junk=True),
+    },
+}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
+    p.add_argument("--impl", action="append", default=None, metavar="NAME", help="default: every one that runs here")
+    p.add_argument("--examples", type=int, default=0, help="drawn cases per property, implementation and target")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("runs/properties"))
+    p.add_argument("--no-pinned", action="store_true", help="drawn cases only (a CPU run: pinned shapes are GPU-sized)")
+    return p.parse_args(argv)
+
+
+def summary(rows) -> list[str]:
+    """One line per (property, check.tensor, implementation), worst row first within each."""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r.path, r.tensor, r.impl)].append(r)
+    lines = [f"{'property':22s} {'check.tensor':22s} {'impl':11s} {'cases':>5s} {'holds':5s} {'bitwise':7s} "
+             f"{'worst: metric value / bound (deviation)':48s} {'s':>6s}"]
+    for (path, tensor, impl), group in sorted(groups.items()):
+        worst = min(group, key=lambda r: (r.passed, r.headroom))
+        fractions = [r.mismatch_frac for r in group]
+        bitwise = ("n/a" if all(f != f for f in fractions)  # float64 answers (a merge) have no bits to compare
+                   else "yes" if all(f == 0 for f in fractions) else "no")
+        detail = (f"{worst.gate_metric} {worst.value:.3g} / {worst.bound:.3g}" if worst.gate_metric != "raised"
+                  else worst.reason[:60])
+        detail += f" ({worst.deviation})" if worst.deviation else ""
+        seconds = sum(r.time_impl_s for r in group if r.time_impl_s == r.time_impl_s)
+        lines.append(f"{path:22s} {tensor:22s} {impl:11s} {len({r.case_id for r in group}):5d} "
+                     f"{'yes' if all(r.passed for r in group) else 'NO':5s} {bitwise:7s} "
+                     f"{detail:48s} {seconds:6.2f}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+    import reports
+    from equivalence.case import Case
+    from equivalence.evaluate import evaluate
+    from equivalence.properties import PROPERTIES
+    from equivalence.subject import resolve_subject
+    from fuzz.campaign import fuzz
+    from fuzz.profiles import get_profile
+
+    profile = get_profile("gpu" if device == "cuda" else "ci")
+    run_id = f"properties-{time.strftime('%Y%m%d-%H%M%S')}"
+    meta = reports.collect_meta(profile.name, [args.seed], device, command=shlex.join(["gpu_properties.py", *sys.argv[1:]]))
+    started, rows, notes = time.monotonic(), [], set()
+    for name, prop in PROPERTIES.items():
+        for impl in args.impl or prop.implementations(device):
+            subject = resolve_subject(prop.op, [impl], device)
+
+            def run(case: Case, source: str, subject=subject) -> list:
+                return evaluate(case, subject, device, run_id=run_id, source=source, notes=notes)
+
+            for target in prop.covered(subject.overrides):
+                tick = time.monotonic()
+                if not args.no_pinned:
+                    rows += run(Case(prop.op, {"target": target, **PINNED[name][target]}, args.seed), "pinned")
+                if args.examples:
+                    rows += fuzz(prop.op, run, profile=profile, examples=args.examples, seed=args.seed, path=target,
+                                 shrink=False, progress_label=f"{prop.op} / {impl} / {target}").rows
+                print(f"  {name} / {impl} / {target}: {time.monotonic() - tick:.1f} s", file=sys.stderr, flush=True)
+    for note in sorted(notes):
+        print(f"note: {note}")
+    print("\n".join(summary(rows)))
+    reports.write_run(args.out, rows, reports.finish_meta(meta))
+    failed = sum(not r.passed for r in rows)
+    print(f"{len(rows)} rows, {failed} failed, {time.monotonic() - started:.0f} s; rows in {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
