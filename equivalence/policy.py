@@ -162,7 +162,9 @@ def bounds_for(kind: str, params: Mapping, deviations: Iterable[str] = ()) -> tu
 # side's bf16 output: bf16(ref) - ref = 0 there, so the bf16_units unit is its floor 2**-10 ||out||
 # (metrics.output), about half the norm of one bf16 rounding; elem_bf16_units keeps its meaning.
 # LSE units use the Cauchy-Schwarz logit scale sm_scale * ||q|| * max_j ||K_j|| (1-1.6x the
-# oracle's logit_l1; properties never form the [T, H, K] product).
+# oracle's logit_l1; properties never form the [T, H, K] product). The worst values in the
+# reasons are CPU measurements (ci and dev profiles, torch-fp32 and the Triton interpreter, 40-130
+# cases a check); scripts/gpu_properties.py measures FlashMLA and compiled Triton on the H200.
 
 
 @dataclass(frozen=True)
@@ -192,19 +194,19 @@ def _rounding_apart(measured: str) -> dict[str, tuple[Bound, ...]]:
 PROPERTY_RULES: dict[str, PropertyRule] = {
     "split_invariance.merged": PropertyRule(
         False, "the float64 merge of the parts' bf16 outputs against one bf16 output of the whole",
-        _rounding_apart("CPU worst: out 3.2 units, element 1.6, lse 0.43")),
+        _rounding_apart("CPU worst: out 3.2 units, element 1.8, lse 0.44")),
     "decode_equals_prefill.prefill": PropertyRule(
         False, "two kernels over the same bf16 rows (power-of-two scales dequantize exactly)",
         _rounding_apart("CPU worst: Triton out 1.5 units, element 1.8, lse 0.27; torch-fp32 bitwise")),
     "padding_and_order.wider_k": PropertyRule(
         False, "extra invalid entries regroup the valid ones into other blocks (decode: another split plan)",
-        _rounding_apart("CPU worst: out 1.9 units, element 1.4, lse 0.24")),
+        _rounding_apart("CPU worst: out 1.9 units, element 1.9, lse 0.24")),
     "padding_and_order.permuted": PropertyRule(
         False, "the online softmax visits the same keys in another order",
-        _rounding_apart("CPU worst: out 2.3 units, element 1.7, lse 0.25")),
+        _rounding_apart("CPU worst: out 2.3 units, element 1.9, lse 0.32")),
     "padding_and_order.padded_heads": PropertyRule(
         False, "another head tile (FlashMLA: another kernel past 64 heads; torch: another GEMM blocking)",
-        _rounding_apart("CPU worst: out 0.03 units, element 0.1, lse 0.32; Triton's out bitwise")),
+        _rounding_apart("CPU worst: out 0.03 units, element 1.0, lse 0.5")),
     "padding_and_order.padded_tokens": PropertyRule(
         False, "more rows in the launch (decode: another split plan)",
         _rounding_apart("CPU: bitwise for torch-fp32 and Triton")),

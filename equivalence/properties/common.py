@@ -55,8 +55,7 @@ def decode_knobs(params: Mapping) -> dict[str, Any]:
 
 
 def forward_knobs(params: Mapping) -> dict[str, Any]:
-    return {**get_op("forward_mqa").knobs(params), "cache_dtype": params["cache_dtype"],
-            "dcp_size": params.get("dcp_size", 1)}
+    return get_op("forward_mqa").knobs(params)
 
 
 def forward_stages(params: Mapping) -> list[str]:
