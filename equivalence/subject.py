@@ -84,6 +84,14 @@ def _implementation(stage: str, spec: str, device: str) -> registry.Implementati
     return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}))
 
 
+def _stage_override(spec: str, device: str) -> tuple[str, registry.Implementation]:
+    """`STAGE=NAME` or `STAGE=MODULE:CALLABLE` -> (stage, the implementation that replaces it)."""
+    stage, _, target = spec.partition("=")
+    if stage not in registry.stages():
+        raise UsageError(f"--impl {spec!r}: unknown stage {stage!r}; stages: {', '.join(registry.stages())}")
+    return stage, _implementation(stage, target, device)
+
+
 def _named_everywhere(name: str, device: str) -> dict[str, registry.Implementation]:
     """stage -> its implementation called `name`, for every stage that has one running on `device`."""
     found = [i for stage in registry.stages() for i in registry.implementations(stage) if i.name == name]
@@ -97,14 +105,15 @@ def _named_everywhere(name: str, device: str) -> dict[str, registry.Implementati
 
 
 def _property_subject(op: str, specs: Sequence[str], device: str) -> Subject:
-    prop = get_property(op)
+    try:
+        prop = get_property(op)
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
     overrides: dict[str, registry.Implementation] = {}
     for s in specs:
-        stage, sep, target = s.partition("=")
-        if sep:
-            if stage not in registry.stages():
-                raise UsageError(f"--impl {s!r}: unknown stage {stage!r}; stages: {', '.join(registry.stages())}")
-            overrides[stage] = _implementation(stage, target, device)
+        if "=" in s:
+            stage, impl = _stage_override(s, device)
+            overrides[stage] = impl
         elif ":" in s:
             raise UsageError(f"--impl {s!r}: {op} calls several stages; name the one it replaces (STAGE={s})")
         else:
@@ -124,16 +133,14 @@ def resolve_subject(op: str, specs: Sequence[str], device: str) -> Subject:
     if spec_op.stage is None:  # forward_mqa: a pipeline, whole or with stages replaced
         overrides, whole = {}, None
         for s in specs:
-            stage, sep, target = s.partition("=")
-            if not sep:
-                if whole is not None:
-                    raise UsageError("give at most one whole-forward_mqa --impl")
-                whole = load_callable(s)
-                check_signature(whole, spec_op.arguments, f"--impl {s}")
+            if "=" in s:
+                stage, impl = _stage_override(s, device)
+                overrides[stage] = impl
                 continue
-            if stage not in registry.stages():
-                raise UsageError(f"--impl {s!r}: unknown stage {stage!r}; stages: {', '.join(registry.stages())}")
-            overrides[stage] = _implementation(stage, target, device)
+            if whole is not None:
+                raise UsageError("give at most one whole-forward_mqa --impl")
+            whole = load_callable(s)
+            check_signature(whole, spec_op.arguments, f"--impl {s}")
         if whole is not None and overrides:
             raise UsageError("a whole-forward_mqa --impl cannot be combined with STAGE= overrides")
         label = specs[0] if whole is not None else "pipeline"

@@ -177,11 +177,8 @@ def cmd_fuzz(args, device: str) -> int:
     from fuzz.strategies import FORWARD_PATHS
 
     if is_property(args.op):
-        try:
-            prop = get_property(args.op)
-        except KeyError as exc:
-            raise UsageError(str(exc.args[0])) from None
         subject = resolve_subject(args.op, args.impl, device)
+        prop = get_property(args.op)
         covered = prop.covered(subject.overrides)  # the targets this --impl takes part in
         if args.path is None and len(covered) == 1:
             args.path = covered[0]

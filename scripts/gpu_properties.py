@@ -5,11 +5,11 @@
 
 For each property, each implementation of the stages it tests that runs here (on an H200:
 flash_mla, triton, torch-fp32) and each target it covers: one pinned case at production shapes
-(64-128 heads, top-k 2048, decode batches of 64), plus N cases drawn from the `gpu` profile (the
-`ci` profile on CPU) with --examples N. Prints one line per (property, check.tensor,
-implementation): the cases, whether the property held, whether it held bit for bit, the gated
-metric with the least headroom against its bound (and the deviation that set it), and the
-implementation's time; writes the rows to --out for `mla-verify report`. Exit 1 when a row
+(fuzz/production.py: 64-128 heads, top-k 2048, decode batches of 64), plus N cases drawn from the
+`gpu` profile (the `ci` profile on CPU) with --examples N. Prints one line per (property,
+check.tensor, implementation): the cases, whether the property held, whether it held bit for
+bit, the gated metric with the least headroom against its bound (and the deviation that set it),
+and the implementation's time; writes the rows to --out for `mla-verify report`. Exit 1 when a row
 failed. Budget: about two minutes on an H200, most of it compiling the Triton kernels and
 building each case's caches on the CPU (~45 s per implementation on 2 CPU cores, less on 16).
 """
@@ -25,55 +25,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-
-HEADS, TOPK, SM_SCALE = 128, 2048, 0.1352
-PREFILL = dict(tokens=64, heads=HEADS, kv_rows=8192, topk=TOPK, value_regime="normal", sm_scale=SM_SCALE,
-               invalid=["scattered"], topk_length="random", sink="finite")
-DECODE = dict(batch=64, s_q=1, heads=HEADS, topk=TOPK, seq_lens=[4096] * 64, page_size=64, stride_pad=0,
-              value_regime="normal", scale_rule="pow2", sm_scale=SM_SCALE, invalid=["scattered"])
-# A separate-path batch: 16 decodes and 2 prefills over contexts of 1-4K tokens.
-FORWARD = dict(cache_dtype="fp8_ds_mla", heads=64, query_lens=[1] * 16 + [128, 256], context_lens=[4096] * 16 + [1024, 2048],
-               block_size=64, stride_pad=0, spare_blocks=1, shuffle=True, table_pad=0, topk=TOPK, sm_scale=SM_SCALE,
-               value_regime="normal", scale_rule="pow2", invalid=["scattered"], mqa="all", q_form="tensor", arch="sm90",
-               max_decode_query_len=1, max_model_len=4097, workspace_size=None, dcp_size=1, interleave=1)
-PREFILLS = dict(query_lens=[128, 256, 64, 128], context_lens=[1024, 2048, 3072, 512], max_model_len=3136)
-
-PINNED: dict[str, dict[str, dict]] = {
-    "split_invariance": {
-        "sparse_prefill": {**PREFILL, "sink": "none", "parts": 4, "scheme": "random"},
-        "sparse_decode_fp8": {**DECODE, "parts": 4, "scheme": "residue"},
-    },
-    "decode_equals_prefill": {"sparse_decode_fp8": {**DECODE, "heads": 64}},
-    "padding_and_order": {
-        "sparse_prefill": {**PREFILL, "tokens": 32, "heads": 64, "pad_tokens": 8, "pad_rows": "live", "pad_heads": 64,
-                           "wider": 128},
-        "sparse_decode_fp8": {**DECODE, "batch": 56, "heads": 64, "pad_tokens": 8, "pad_rows": "empty", "pad_heads": 64,
-                              "wider": 64},
-        "forward_mqa": {**FORWARD, "pad_columns": 2, "pad_fill": "blocks"},
-    },
-    "batch_invariance": {
-        "sparse_decode_fp8": {**DECODE, "alone": [0, 37]},
-        "forward_mqa": {**FORWARD, **PREFILLS, "workspace_size": 3136},
-    },
-    "spec_decode": {
-        "sparse_decode_fp8": {**DECODE, "batch": 32, "s_q": 2, "seq_lens": [4096] * 32},
-        "forward_mqa": {**FORWARD, "query_lens": [2] * 32, "context_lens": [4096] * 32, "max_decode_query_len": 2,
-                        "max_model_len": 4098},
-    },
-    "dcp_size_one": {
-        "dcp_convert_index": dict(tokens=256, requests=8, table_width=64, topk=TOPK, block_size=64, interleave=1,
-                                  compact=True, invalid=["scattered"]),
-        "forward_mqa": {**FORWARD, "heads": 16, "query_lens": [1] * 32 + [64], "context_lens": [4096] * 33,
-                        "max_model_len": 4160},
-        "dcp_merge": dict(tokens=256, heads=HEADS, empty_frac=0.3),
-    },
-    "determinism": {
-        "sparse_prefill": PREFILL,
-        "sparse_decode_fp8": DECODE,
-        "forward_mqa": FORWARD,
-        "dcp_merge": dict(ranks=4, tokens=256, heads=HEADS, empty_frac=0.3, junk=True),
-    },
-}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -120,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from equivalence.properties import PROPERTIES
     from equivalence.subject import resolve_subject
     from fuzz.campaign import fuzz
+    from fuzz.production import production_cases
     from fuzz.profiles import get_profile
 
     profile = get_profile("gpu" if device == "cuda" else "ci")
@@ -127,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = reports.collect_meta(profile.name, [args.seed], device, command=shlex.join(["gpu_properties.py", *sys.argv[1:]]))
     started, rows, notes = time.monotonic(), [], set()
     for name, prop in PROPERTIES.items():
-        for impl in args.impl or prop.implementations(device):
+        for impl in [i for i in prop.implementations(device) if not args.impl or i in args.impl]:
             subject = resolve_subject(prop.op, [impl], device)
 
             def run(case: Case, source: str, subject=subject) -> list:
@@ -136,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             for target in prop.covered(subject.overrides):
                 tick = time.monotonic()
                 if not args.no_pinned:
-                    rows += run(Case(prop.op, {"target": target, **PINNED[name][target]}, args.seed), "pinned")
+                    rows += [row for case in production_cases(name, [target], args.seed) for row in run(case, "corpus")]
                 if args.examples:
                     rows += fuzz(prop.op, run, profile=profile, examples=args.examples, seed=args.seed, path=target,
                                  shrink=False, progress_label=f"{prop.op} / {impl} / {target}").rows
