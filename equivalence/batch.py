@@ -1,4 +1,4 @@
-"""A forward_mqa batch, built from a Case's params and seed, identically on any device.
+"""A forward_mqa batch, built from a Case's params and seed on the device it runs on.
 
 The batch is what vLLM hands the backend after the cache write of this step: a paged cache per
 DCP rank, the block table, `query_start_loc` (decodes first), `seq_lens` (context + query), the
@@ -12,7 +12,9 @@ MQA query and the indexer's logical top-k. How the cache is laid out:
   (p // (N * I)) * I + p % I, in its own cache through its own block table.
 
 The top-k rows start causal (distinct positions <= the token's own position, -1 padding at the
-tail) and then get the case's invalid-index patterns.
+tail) and then get the case's invalid-index patterns. `pad_rows` appends CUDA-graph padding rows
+past the last request: their query is as random as any, their top-k rows stale causal rows of
+request 0's range (what an earlier step left in the indexer's buffer).
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from typing import Any
 
 import torch
 
-import reference
 from reference.indices import dcp_local_seq_lens, dcp_owner_and_local
 from reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
+from reference.paged_cache import scatter_rows
 
-from .patterns import PATTERNS, apply_patterns, distinct_rows
-from .values import kv_values, q_values
+from .patterns import PATTERNS, apply_patterns, distinct_rows, prefix_candidates
+from .values import pooled_rows, q_values
 
 ROW_WIDTH = {"bfloat16": 576, "fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
 INVALID_PATTERNS = PATTERNS + ("beyond_seq",)
@@ -59,23 +61,20 @@ class Batch:
             topk_indices=self.topk_indices, **self.config,
         )
 
+    def dcp_kwargs(self) -> dict[str, Any]:
+        """Keywords of forward_mqa_dcp: forward_kwargs without the block table (each rank has its own)."""
+        kwargs = self.forward_kwargs()
+        del kwargs["block_table"]
+        return kwargs
 
-def _poisoned_storage(num_blocks: int, block_size: int, pad: int, dtype: str) -> torch.Tensor:
+
+def _poisoned_storage(num_blocks: int, block_size: int, pad: int, dtype: str, device: str) -> torch.Tensor:
     """[num_blocks, block_size + pad, W], every byte 0xFF; the cache is its [:, :block_size] view."""
     width = ROW_WIDTH[dtype]
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.uint8
-    storage = torch.empty((num_blocks, block_size + pad, width), dtype=torch_dtype)
+    storage = torch.empty((num_blocks, block_size + pad, width), dtype=torch_dtype, device=device)
     storage.view(torch.uint8).fill_(0xFF)
     return storage
-
-
-def _write(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, dtype: str, scale_rule: str) -> None:
-    if dtype == "bfloat16":
-        reference.write_bf16_cache(kv, cache, slots)
-    elif dtype == "fp8_ds_mla":
-        reference.write_fp8_ds_mla_cache(kv, cache, slots, scale_rule)
-    else:
-        reference.write_nvfp4_ds_mla_cache(kv, cache, slots)
 
 
 def _topk_rows(gen: torch.Generator, positions: list[int], topk: int, patterns: list[str], table_tokens: int) -> torch.Tensor:
@@ -84,10 +83,11 @@ def _topk_rows(gen: torch.Generator, positions: list[int], topk: int, patterns: 
     `beyond_seq` (logical positions past the token's own, still inside the block table: the
     backend reads whatever those slots hold) is this module's; the rest are `patterns`'.
     """
-    rows = distinct_rows(gen, [torch.arange(p + 1) for p in positions], topk)
+    pos = torch.tensor(positions, dtype=torch.int64, device=gen.device)
+    rows = distinct_rows(gen, prefix_candidates(pos + 1), topk)
     if "beyond_seq" in patterns and len(positions):
-        hit = torch.rand(rows.shape, generator=gen) < 0.15
-        past = torch.tensor(positions)[:, None] + 1 + torch.randint(0, 64, rows.shape, generator=gen)
+        hit = torch.rand(rows.shape, generator=gen, device=gen.device) < 0.15
+        past = pos[:, None] + 1 + torch.randint(0, 64, rows.shape, generator=gen, device=gen.device)
         rows = torch.where(hit & (past < table_tokens), past, rows)
     rest = [p for p in patterns if p != "beyond_seq"]
     rows = apply_patterns(gen, rows, rest, out_of_range=(table_tokens, table_tokens + 4 * topk))
@@ -101,9 +101,9 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
     optional: scale_rule ("pow2"), stride_pad (0), spare_blocks (1), shuffle (True),
     table_pad (0 extra block-table columns), invalid ([]), mqa ("all" | "decodes"), arch
     ("sm90"), max_model_len, workspace_size, max_decode_query_len (1), dcp_size (1),
-    interleave (1), q_form ("tensor" | "tuple").
+    interleave (1), q_form ("tensor" | "tuple"), pad_rows (0; with mqa "all" only).
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     dtype, bs = params["cache_dtype"], params["block_size"]
     heads, topk, regime = params["heads"], params["topk"], params["value_regime"]
     dcp, inter = params.get("dcp_size", 1), params.get("interleave", 1)
@@ -118,47 +118,57 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
     blocks_needed = [[-(-n // bs) for n in lens] for lens in local]
     width_blocks = max(max(b) for b in blocks_needed) + params.get("table_pad", 0)
     width_blocks = max(width_blocks, 1)
-    kv_source = [kv_values(gen, s, regime) for s in seq_lens]
+    source, packed = pooled_rows(gen, sum(seq_lens), regime, dtype, scale_rule)
+    kv_source = list(source.split(seq_lens))
+    packed = packed.split(seq_lens)
 
     caches, tables = [], []
     for r in range(dcp):
         used = sum(blocks_needed[r])
         num_blocks = 1 + used + params.get("spare_blocks", 1)
-        ids = torch.arange(1, num_blocks)
+        ids = torch.arange(1, num_blocks, device=device)
         if params.get("shuffle", True):
-            ids = ids[torch.randperm(len(ids), generator=gen)]
-        table = torch.zeros((len(seq_lens), width_blocks), dtype=torch.int32)
+            ids = ids[torch.randperm(len(ids), generator=gen, device=device)]
+        table = torch.zeros((len(seq_lens), width_blocks), dtype=torch.int32, device=device)
         cursor = 0
         for i, nb in enumerate(blocks_needed[r]):
             table[i, :nb] = ids[cursor : cursor + nb].to(torch.int32)
             cursor += nb
-        storage = _poisoned_storage(num_blocks, bs, params.get("stride_pad", 0), dtype)
-        cache = storage[:, :bs]
-        # Stale rows in the null block and in every allocated block, then this step's tokens.
-        stale_blocks = torch.cat([torch.zeros(1, dtype=torch.int64), table[table > 0].long()])
-        stale_slots = (stale_blocks[:, None] * bs + torch.arange(bs)).flatten()
-        _write(kv_values(gen, len(stale_slots), "normal"), cache, stale_slots, dtype, scale_rule)
+        storage = _poisoned_storage(num_blocks, bs, params.get("stride_pad", 0), dtype, device)
+        slots, rows = [], []
         for i, s in enumerate(seq_lens):
-            pos = torch.arange(s)
-            owner, loc = dcp_owner_and_local(pos, dcp, inter)
+            owner, loc = dcp_owner_and_local(torch.arange(s, device=device), dcp, inter)
             mine = owner == r
-            slots = table[i].long()[loc[mine] // bs] * bs + loc[mine] % bs
-            _write(kv_source[i][mine], cache, slots, dtype, scale_rule)
-        caches.append(storage.to(device)[:, :bs])  # slicing after the copy keeps the padded stride
-        tables.append(table.to(device))
+            slots.append(table[i].long()[loc[mine] // bs] * bs + loc[mine] % bs)
+            rows.append(packed[i][mine])
+        # Stale rows wherever this step writes nothing in the null block and the allocated blocks.
+        allocated = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), table[table > 0].long()])
+        stale = (allocated[:, None] * bs + torch.arange(bs, device=device)).flatten()
+        stale = stale[~torch.isin(stale, torch.cat(slots))]
+        slots.append(stale)
+        rows.append(pooled_rows(gen, len(stale), "normal", dtype, scale_rule)[1])
+        scatter_rows(torch.cat(rows), storage[:, :bs], torch.cat(slots))
+        caches.append(storage[:, :bs])
+        tables.append(table)
 
     positions = [c + j for c, n in zip(ctx, qlens) for j in range(n)]
+    pad_rows = params.get("pad_rows", 0)
+    if pad_rows:
+        if params.get("mqa", "all") != "all":
+            raise ValueError("pad_rows needs mqa 'all': padding rows follow the whole batch")
+        stale = torch.randint(0, max(seq_lens[0], 1), (pad_rows,), generator=gen, device=gen.device)
+        positions += stale.tolist()
     table_tokens = width_blocks * bs * dcp  # logical positions past this are outside every table
     topk_indices = _topk_rows(gen, positions, topk, list(params.get("invalid", [])), table_tokens)
 
-    num_tokens = qsl[-1]
+    num_tokens = qsl[-1] + pad_rows
     if params.get("mqa", "all") == "decodes":
         threshold = reorder_batch_threshold(
             heads, params.get("arch", "sm90"), max_decode_query_len=params.get("max_decode_query_len", 1),
             dcp_size=dcp, interleave=inter,
         )
         num_tokens = split_decodes_and_prefills(qsl, threshold).num_decode_tokens
-    q = q_values(gen, (num_tokens, heads * dcp, 576), regime).to(device)
+    q = q_values(gen, (num_tokens, heads * dcp, 576), regime)
     if params.get("q_form", "tensor") == "tuple":
         q = (q[..., :512], q[..., 512:])
     config = dict(
@@ -172,4 +182,4 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
     )
     if dcp > 1:
         config["interleave"] = inter
-    return Batch(q, caches, tables, qsl, seq_lens, topk_indices.to(device), config, kv_source)
+    return Batch(q, caches, tables, qsl, seq_lens, topk_indices, config, kv_source)

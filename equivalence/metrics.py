@@ -64,15 +64,6 @@ def _position(flat_index: int, shape: torch.Size) -> str:
     return ",".join(str(c) for c in reversed(coords))
 
 
-def _anomalies(a: torch.Tensor, r: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-    """(positions whose +inf/-inf/NaN class differs, NaN in `a` only, mask of finite pairs)."""
-    def cls(x: torch.Tensor) -> torch.Tensor:
-        return torch.isnan(x) * 1 + (x == math.inf) * 2 + (x == -math.inf) * 3
-
-    ca, cr = cls(a), cls(r)
-    return int((ca != cr).sum()), int((torch.isnan(a) & ~torch.isnan(r)).sum()), (ca == 0) & (cr == 0)
-
-
 def exact(a: torch.Tensor, r: torch.Tensor) -> Metrics:
     """Bit-for-bit comparison (shapes must match; float tensors compare their bits)."""
     if a.shape != r.shape or a.dtype != r.dtype:
@@ -97,50 +88,76 @@ def exact(a: torch.Tensor, r: torch.Tensor) -> Metrics:
     return m
 
 
-def _finite_common(a: torch.Tensor, r: torch.Tensor) -> tuple[Metrics, torch.Tensor, torch.Tensor, torch.Tensor]:
-    a, r = a.double(), r.double()
-    inf_mismatch, nan_count, finite = _anomalies(a, r)
-    m = Metrics(numel=r.numel(), inf_mismatch=inf_mismatch, nan_count=nan_count)
+def _classes(x: torch.Tensor) -> torch.Tensor:
+    """0 finite, 1 NaN, 2 +inf, 3 -inf."""
+    return torch.isnan(x) * 1 + (x == math.inf) * 2 + (x == -math.inf) * 3
+
+
+def _float_stats(a: torch.Tensor, r: torch.Tensor, extra) -> tuple[Metrics, dict[str, float]]:
+    """The metrics every float kind shares, plus the kind's own scalars (`extra(d, rf, finite)`
+    -> name: 0-d tensor), read back from the device in one transfer."""
+    ca, cr = _classes(a), _classes(r)
+    finite = (ca == 0) & (cr == 0)
     d = torch.where(finite, a - r, 0.0)
     rf = torch.where(finite, r, 0.0)
-    n = int(finite.sum())
-    if n:
-        m.ref_rms = float(rf.square().sum().div(n).sqrt())
-        m.max_abs = float(d.abs().max())
-        m.max_abs_at = _position(int(d.abs().flatten().argmax()), r.shape)
-        ref_norm = float(rf.norm())
-        m.rel_l2 = float(d.norm()) / ref_norm if ref_norm else float(d.norm() != 0) * math.inf
-        m.mean_err = float((d * rf).sum()) / ref_norm**2 if ref_norm else 0.0
-    return m, d, rf, finite
+    n = finite.sum()
+    ref_norm, err_norm = rf.norm(), d.norm()
+    abs_d = d.abs().flatten()
+    stats = {
+        "inf_mismatch": (ca != cr).sum(), "nan_count": ((ca == 1) & (cr != 1)).sum(), "n": n,
+        "ref_norm": ref_norm, "err_norm": err_norm, "max_abs": abs_d.max() if abs_d.numel() else n * 0.0,
+        "argmax": abs_d.argmax() if abs_d.numel() else n * 0,
+    }
+    stats.update(extra(d, rf, finite))
+    values = dict(zip(stats, torch.stack([v.double() for v in stats.values()]).tolist()))
+    m = Metrics(numel=r.numel(), inf_mismatch=int(values["inf_mismatch"]), nan_count=int(values["nan_count"]))
+    if values["n"]:
+        m.ref_rms = values["ref_norm"] / math.sqrt(values["n"])
+        m.max_abs = values["max_abs"]
+        m.max_abs_at = _position(int(values["argmax"]), r.shape)
+        m.rel_l2 = values["err_norm"] / values["ref_norm"] if values["ref_norm"] else (math.inf if values["err_norm"] else 0.0)
+    return m, values
 
 
 def output(a: torch.Tensor, r: torch.Tensor, elem_units: float) -> Metrics:
     """An attention output (bf16 or wider) against the float64 reference; `elem_units` is the
     per-element bound (in bf16 steps of the row's magnitude) that `mismatch_frac` counts against."""
-    m, d, rf, finite = _finite_common(a, r)
-    if not int(finite.sum()):
+    a, r = a.double(), r.double()
+
+    def extra(d, rf, finite):
+        row_scale = BF16_UNIT * rf.abs().amax(dim=-1, keepdim=True)
+        per_elem = torch.where(row_scale > 0, d.abs() / row_scale, torch.where(d != 0, math.inf, 0.0))
+        sizable = finite & (rf.abs() >= row_scale) & (rf != 0)
+        af = torch.where(finite, a, 0.0)
+        return {
+            "dot": (af * rf).sum(), "a_norm": af.norm(), "rounding": (rf.to(torch.bfloat16).double() - rf).norm(),
+            "elem": per_elem.max(), "beyond": (per_elem > elem_units).double().mean(),
+            "rel_sum": torch.where(sizable, d / torch.where(sizable, rf, 1.0), 0.0).sum(), "rel_n": sizable.sum(),
+        }
+
+    m, v = _float_stats(a, r, extra)
+    if not v["n"]:
         return m
-    af = torch.where(finite, a.double(), 0.0)
-    denom = float(af.norm() * rf.norm())
-    m.cos_dist = 1.0 - float((af * rf).sum()) / denom if denom else float(af.norm() != rf.norm())
-    rounding = max(float((rf.to(torch.bfloat16).double() - rf).norm()), 2.0**-10 * float(rf.norm()))
-    err = float(d.norm())
-    m.bf16_units = err / rounding if rounding else (0.0 if err == 0 else math.inf)
-    row_scale = BF16_UNIT * rf.abs().amax(dim=-1, keepdim=True)
-    sizable = finite & (rf.abs() >= row_scale) & (rf != 0)
-    m.mean_err = float((d[sizable] / rf[sizable]).mean()) if bool(sizable.any()) else 0.0
-    per_elem = torch.where(row_scale > 0, d.abs() / row_scale, torch.where(d != 0, math.inf, 0.0))
-    m.elem_bf16_units = float(per_elem.max())
-    m.mismatch_frac = float((per_elem > elem_units).double().mean())
+    denom = v["a_norm"] * v["ref_norm"]
+    m.cos_dist = 1.0 - v["dot"] / denom if denom else float(v["a_norm"] != v["ref_norm"])
+    rounding = max(v["rounding"], 2.0**-10 * v["ref_norm"])
+    m.bf16_units = v["err_norm"] / rounding if rounding else (0.0 if v["err_norm"] == 0 else math.inf)
+    m.mean_err = v["rel_sum"] / v["rel_n"] if v["rel_n"] else 0.0
+    m.elem_bf16_units = v["elem"]
+    m.mismatch_frac = v["beyond"]
     return m
 
 
 def lse(a: torch.Tensor, r: torch.Tensor, logit_l1: torch.Tensor) -> Metrics:
     """An LSE (or max_logits) against the float64 reference, scaled by each row's logit scale."""
-    m, d, rf, finite = _finite_common(a, r)
-    if int(finite.sum()):
+    a, r = a.double(), r.double()
+
+    def extra(d, rf, finite):
         scale = FP32_UNIT * (torch.where(finite, logit_l1.double(), 0.0) + rf.abs() + 1.0)
-        m.lse_fp32_units = float((d.abs() / scale).max())
-    else:
-        m.lse_fp32_units = 0.0
+        return {"units": (d.abs() / scale).max() if d.numel() else d.sum(), "dot": (d * rf).sum()}
+
+    m, v = _float_stats(a, r, extra)
+    m.lse_fp32_units = v["units"] if v["n"] else 0.0
+    if v["n"]:
+        m.mean_err = v["dot"] / v["ref_norm"] ** 2 if v["ref_norm"] else 0.0
     return m

@@ -17,6 +17,14 @@ PATTERNS = ("scattered", "whole_row", "negatives", "out_of_range", "duplicates")
 OTHER_NEGATIVES = (-2, -7, -123456, -(2**31))
 
 
+def _rand(gen: torch.Generator, shape) -> torch.Tensor:
+    return torch.rand(shape, generator=gen, device=gen.device)
+
+
+def _randint(gen: torch.Generator, lo: int, hi: int, shape) -> torch.Tensor:
+    return torch.randint(lo, hi, shape, generator=gen, device=gen.device)
+
+
 def apply_patterns(
     gen: torch.Generator, rows: torch.Tensor, patterns, out_of_range: tuple[int, int] | None = None
 ) -> torch.Tensor:
@@ -24,24 +32,24 @@ def apply_patterns(
     if rows.numel() == 0:
         return rows
     for pattern in patterns:
-        hit = torch.rand(rows.shape, generator=gen) < 0.15
+        hit = _rand(gen, rows.shape) < 0.15
         if pattern == "scattered":
             rows = torch.where(hit, -1, rows)
-            rows = rows.gather(1, torch.argsort(torch.rand(rows.shape, generator=gen), dim=1))
+            rows = rows.gather(1, torch.argsort(_rand(gen, rows.shape), dim=1))
         elif pattern == "whole_row":
             rows = rows.clone()
-            rows[torch.rand(rows.shape[0], generator=gen) < 0.25] = -1
+            rows[_rand(gen, rows.shape[0]) < 0.25] = -1
         elif pattern == "negatives":
-            pick = torch.randint(0, len(OTHER_NEGATIVES), rows.shape, generator=gen)
-            rows = torch.where((rows == -1) & hit, torch.tensor(OTHER_NEGATIVES)[pick], rows)
+            pick = _randint(gen, 0, len(OTHER_NEGATIVES), rows.shape)
+            others = torch.tensor(OTHER_NEGATIVES, device=rows.device)
+            rows = torch.where((rows == -1) & hit, others[pick], rows)
         elif pattern == "out_of_range":
             if out_of_range is None:
                 raise ValueError("this op has no out-of-range index values: every value but -1 is read")
             lo, hi = out_of_range
-            bad = torch.randint(lo, hi + 1, rows.shape, generator=gen)
-            rows = torch.where(hit, bad, rows)
+            rows = torch.where(hit, _randint(gen, lo, hi + 1, rows.shape), rows)
         elif pattern == "duplicates":
-            src = torch.randint(0, rows.shape[1], rows.shape, generator=gen)
+            src = _randint(gen, 0, rows.shape[1], rows.shape)
             copies = rows.gather(1, src)
             rows = torch.where(hit & (copies >= 0), copies, rows)
         else:
@@ -49,10 +57,18 @@ def apply_patterns(
     return rows
 
 
-def distinct_rows(gen: torch.Generator, pools: list[torch.Tensor], topk: int) -> torch.Tensor:
-    """Row i: up to `topk` distinct entries of pools[i] in random order, then -1 padding."""
-    rows = torch.full((len(pools), topk), -1, dtype=torch.int64)
-    for i, pool in enumerate(pools):
-        chosen = pool[torch.randperm(len(pool), generator=gen)[:topk]]
-        rows[i, : len(chosen)] = chosen
-    return rows
+def distinct_rows(gen: torch.Generator, candidates: torch.Tensor, topk: int) -> torch.Tensor:
+    """Row i: up to `topk` distinct entries of candidates[i] (int64, -1 = padding) in random
+    order, then -1 padding: random keys, padding keyed last, the first `topk` of each row."""
+    keys = torch.where(candidates >= 0, _rand(gen, candidates.shape), 2.0)
+    chosen = candidates.gather(1, torch.argsort(keys, dim=1)[:, :topk])
+    if chosen.shape[1] < topk:
+        chosen = torch.cat([chosen, chosen.new_full((chosen.shape[0], topk - chosen.shape[1]), -1)], dim=1)
+    return chosen
+
+
+def prefix_candidates(lengths: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """[rows, width] int64: row i holds 0 .. lengths[i] - 1, then -1."""
+    width = int(lengths.max()) if width is None and lengths.numel() else (width or 0)
+    pos = torch.arange(width, device=lengths.device)[None, :]
+    return torch.where(pos < lengths[:, None], pos, -1)

@@ -96,3 +96,10 @@ class Row:
 
 
 COLUMNS = tuple(f.name for f in fields(Row))
+
+
+def split_rank(tensor: str) -> tuple[str, int | None]:
+    """A multi-process DCP row's tensor names the rank it came from: "partial_lse_rank3" ->
+    ("partial_lse", 3); any other name -> (name, None)."""
+    base, sep, rank = tensor.rpartition("_rank")
+    return (base, int(rank)) if sep and rank.isdigit() else (tensor, None)

@@ -9,32 +9,44 @@ Each regime stresses something different in the kernels and the cache formats:
     tiny        kv ~ N(0, 1e-6): fp8 subnormals after scaling, the scale floor
     peaked      q scaled 8x: one or two keys dominate each softmax
 Nothing is ever all zero: a zero tensor hides unwritten outputs and wrong indexing.
+
+Values are drawn on the generator's device: a case's tensors are a deterministic function of
+(case, device type), and building them where they are used keeps the harness's own cost small.
 """
 
 from __future__ import annotations
 
+import functools
+import zlib
+
 import torch
+
+import reference
 
 REGIMES = ("normal", "saturation", "outliers", "zero_tiles", "tiny", "peaked")
 NOPE, TILE = 512, 128
 
 
 def _normal(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.randn(shape, generator=gen, dtype=torch.float32)
+    return torch.randn(shape, generator=gen, dtype=torch.float32, device=gen.device)
+
+
+def _uniform(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.rand(shape, generator=gen, device=gen.device)
 
 
 def kv_values(gen: torch.Generator, n: int, regime: str) -> torch.Tensor:
     """[n, 576] bf16 latent rows (512 NoPE + 64 RoPE) in `regime`."""
     x = _normal(gen, (n, 576))
     if regime == "saturation":
-        power = torch.randint(-4, 5, (n, NOPE // TILE, 1), generator=gen).float()
-        magnitude = 380 + 68 * torch.rand((n, NOPE // TILE, TILE), generator=gen)
+        power = torch.randint(-4, 5, (n, NOPE // TILE, 1), generator=gen, device=gen.device).float()
+        magnitude = 380 + 68 * _uniform(gen, (n, NOPE // TILE, TILE))
         x[:, :NOPE] = (torch.sign(x[:, :NOPE]).view(n, NOPE // TILE, TILE) * magnitude * 2.0**power).view(n, NOPE)
     elif regime == "outliers":
-        channels = torch.randperm(576, generator=gen)[:4]
-        x[:, channels] *= 30 + 70 * torch.rand(4, generator=gen)
+        channels = torch.randperm(576, generator=gen, device=gen.device)[:4]
+        x[:, channels] *= 30 + 70 * _uniform(gen, (4,))
     elif regime == "zero_tiles":
-        zero = torch.rand((n, NOPE // TILE), generator=gen) < 0.5
+        zero = _uniform(gen, (n, NOPE // TILE)) < 0.5
         x[:, :NOPE] = (x[:, :NOPE].view(n, NOPE // TILE, TILE) * ~zero[..., None]).view(n, NOPE)
     elif regime == "tiny":
         x[:, :NOPE] *= 1e-6
@@ -47,10 +59,45 @@ def q_values(gen: torch.Generator, shape: tuple[int, ...], regime: str) -> torch
     """Query rows (last dim 576) in `regime`, bf16."""
     q = _normal(gen, shape)
     if regime == "outliers":
-        channels = torch.randperm(576, generator=gen)[:4]
+        channels = torch.randperm(576, generator=gen, device=gen.device)[:4]
         q[..., channels] *= 10
     elif regime == "peaked":
         q *= 8
     elif regime == "saturation":
         q *= 0.01  # kv is ~400x larger: keep logits in a range where the softmax still mixes
     return q.to(torch.bfloat16)
+
+
+# Row pools: quantizing a large cache costs far more than the attention a case checks, so caches
+# are filled from pools of rows quantized once per (regime, format, scale rule, device) and drawn
+# per case with the case's generator. A pool is seeded by its regime alone: still a deterministic
+# function of the case.
+POOL_ROWS = {"cuda": 1 << 18, "cpu": 1 << 15}
+
+
+@functools.lru_cache(maxsize=16)
+def _source_pool(regime: str, device: str) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(regime.encode()))
+    return kv_values(gen, POOL_ROWS[torch.device(device).type], regime)
+
+
+@functools.lru_cache(maxsize=32)
+def _packed_pool(regime: str, cache_dtype: str, scale_rule: str, device: str) -> torch.Tensor:
+    source = _source_pool(regime, device)
+    if cache_dtype == "fp8_ds_mla":
+        return reference.quantize_fp8_ds_mla(source, scale_rule)
+    if cache_dtype == "nvfp4_ds_mla":
+        return reference.quantize_nvfp4_ds_mla(source)
+    return source
+
+
+def pooled_rows(
+    gen: torch.Generator, n: int, regime: str, cache_dtype: str, scale_rule: str = "pow2"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """n (source rows [n, 576] bf16, cache rows [n, W]) drawn from the pools with `gen`: a run of
+    consecutive pool rows from a random start, so no row repeats within a case below the pool size."""
+    device = str(gen.device)
+    size = POOL_ROWS[gen.device.type]
+    start = torch.randint(0, size, (1,), generator=gen, device=gen.device)
+    pick = (start + torch.arange(n, device=gen.device)) % size
+    return _source_pool(regime, device)[pick], _packed_pool(regime, cache_dtype, scale_rule, device)[pick]

@@ -56,6 +56,7 @@ def fuzz(
     shrink: bool = True,
     progress_label: str | None = None,
     path: str | None = None,
+    world_size: int | None = None,
 ) -> FuzzResult:
     """Run up to `examples` cases of `op`; stop at the first discrepancy and shrink it."""
     result = FuzzResult(op, seed, 0)
@@ -67,7 +68,7 @@ def fuzz(
     @settings(max_examples=examples, deadline=None, database=None, phases=phases, print_blob=False,
               report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
     @hypothesis_seed(seed)
-    @given(case=strategy(op, profile, path))
+    @given(case=strategy(op, profile, path, world_size))
     def search(case: Case) -> None:
         rows = run(case, "shrink" if state["shrinking"] else "fuzz")
         if not state["shrinking"]:
@@ -90,7 +91,8 @@ def fuzz(
             result.rows.extend(d.rows)  # the minimized case, found while shrinking
         if out_dir is not None:
             where = Path(out_dir) / "failures" / f"{op.replace(':', '-')}-{d.case.case_id}.json"
-            found_by = f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "") + f" --seed {seed}"
+            found_by = (f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "")
+                        + (f" --world-size {world_size}" if world_size else "") + f" --seed {seed}")
             result.case_file = casefile.save(where, casefile.CaseFile(
                 d.case, impl_specs, device, casefile.failure_summary(d.rows),
                 note=f"found by `{found_by}` (profile {profile.name})"))

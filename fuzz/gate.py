@@ -7,6 +7,10 @@ Triton kernels and the float32 eager ones; on CPU the Triton kernels under the i
 the eager ones), so when one disagrees with the reference and the others do not, the gate names
 the odd one out. A property runs once per implementation name (`--impl NAME`: that
 implementation for every stage that has one), over the targets it covers.
+
+The multi-process DCP op runs with world size 2 on CPU (two gloo ranks) and on a GPU machine with
+the most ranks its GPUs hold one each (2, 4 or 8; a single GPU: 2 gloo ranks sharing it). Its
+ranks are processes of their own, so it never runs inside the isolation worker.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from equivalence import distributed
 from equivalence.case import Case
 from equivalence.evaluate import evaluate
 from equivalence.isolation import Worker
@@ -28,6 +33,7 @@ from optimized import registry
 from .campaign import FuzzResult, fuzz
 from .profiles import Profile
 from .regressions import corpus
+from .strategies import WORLD_SIZES
 
 # forward_mqa on a GPU is checked twice: with the preferred stages (flash_mla attention) and with
 # our Triton attention kernels in their place.
@@ -68,6 +74,15 @@ def campaign_paths(op: str, subject: Subject) -> list[str | None]:
     return [None] if len(covered) == len(prop.targets) else covered
 
 
+def gate_world_size(device: str) -> int:
+    """DCP ranks the gate runs: one per GPU where they fit (up to 8), else 2."""
+    if device != "cuda":
+        return 2
+    import torch
+
+    return max([n for n in WORLD_SIZES if n <= torch.cuda.device_count()], default=2)
+
+
 def odd_ones_out(rows: list[Row]) -> list[str]:
     """Cases where some implementations fail and others pass: name the ones that disagree."""
     by_case: dict[tuple[str, str], dict[str, bool]] = defaultdict(dict)
@@ -99,15 +114,18 @@ def run_gate(
     """`examples` per op (or property) and implementation; None: the profile's budgets."""
     result = GateResult()
     worker = Worker(device, timeout_s) if isolate else None
+    distributed.set_timeout(timeout_s)
     try:
         for op in ops or [*sorted(OPS), *(p.op for p in PROPERTIES.values())]:
             budget = examples if examples is not None else profile.property_examples if is_property(op) else profile.examples
             pinned = corpus(op)
+            in_worker = worker if is_property(op) or not OPS[op].own_processes else None
+            world_size = gate_world_size(device.split(":")[0]) if op == "dcp" else None
             for label, specs in subjects_for(op, device.split(":")[0]).items():
                 subject = resolve_subject(op, specs, device.split(":")[0])
                 subject = Subject(label, subject.fn, subject.overrides, subject.deviations, specs)
 
-                def run(case: Case, source: str, subject=subject, specs=specs, label=label) -> list[Row]:
+                def run(case: Case, source: str, subject=subject, specs=specs, label=label, worker=in_worker) -> list[Row]:
                     if worker is not None:
                         rows = worker.run(case, specs, label, run_id, source, notes=result.notes)
                         for r in rows:
@@ -119,7 +137,7 @@ def run_gate(
                 result.rows.extend(pinned_rows)
                 for path in campaign_paths(op, subject):
                     fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, device=device,
-                              out_dir=out_dir, progress_label=f"{op} / {label}", path=path)
+                              out_dir=out_dir, progress_label=f"{op} / {label}", path=path, world_size=world_size)
                     result.fuzz.append(fz)
                     result.rows.extend(fz.rows)
                     where = f"{op} ({path})" if path else op
@@ -130,4 +148,5 @@ def run_gate(
     finally:
         if worker is not None:
             worker.close()
+        distributed.close_all()
     return result

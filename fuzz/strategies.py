@@ -148,6 +148,49 @@ def layout(p: Profile, op: str) -> st.SearchStrategy[Case]:
 
 
 FORWARD_PATHS = ("bf16", "fp8_mixed", "fp8_separate", "fp8_mixed_dcp")
+WORLD_SIZES = (2, 4, 8)
+COMBINES = ("ag_rs", "a2a")
+
+
+def _batch_params(draw, p: Profile, cache_dtype: str, heads: int, dcp: int, short_contexts: bool = False,
+                  decodes_only: bool = False, min_prefills: int = 0) -> dict:
+    """A forward_mqa batch for `heads` local heads over `dcp` ranks (make_batch's params).
+
+    `short_contexts` draws contexts of a few tokens half the time: sequences shorter than one
+    run of N * interleave tokens leave some ranks' shards empty. `decodes_only`: a uniform batch
+    of spec decodes (2-4 tokens each), nothing else; `min_prefills`: at least that many
+    prefills, every token through forward_mqa.
+    """
+    mixed = cache_dtype == "fp8_ds_mla" and heads < 32
+    block_size = draw(st.sampled_from(p.block_sizes))
+    interleave = draw(st.sampled_from([i for i in (1, 2, 4, 64) if block_size % i == 0])) if dcp > 1 else 1
+    s = draw(st.integers(2, 4) if decodes_only else st.integers(1, 3))
+    n_dec = draw(st.integers(1 if decodes_only else 0, p.max_requests))
+    padding = draw(st.integers(0, 2)) if n_dec and not decodes_only else 0  # zero-length CUDA-graph padding requests
+    prefills = [] if decodes_only else draw(st.lists(
+        st.integers(1, p.max_query), min_size=max(min_prefills, 0 if n_dec else 1), max_size=max(min_prefills, p.max_requests)))
+    qlens = [s] * n_dec + [0] * padding + prefills
+    contexts = st.one_of(st.integers(0, 3), st.integers(0, p.max_context)) if short_contexts else st.integers(0, p.max_context)
+    ctx = [draw(contexts) for _ in qlens]
+    topk = draw(st.sampled_from(p.decode_topk if mixed else p.prefill_topk))
+    seq_max = max(c + n for c, n in zip(ctx, qlens))
+    # A workspace little larger than the longest sequence splits the prefills into chunks.
+    chunked = draw(st.sampled_from((True, True, False))) and cache_dtype == "fp8_ds_mla" and not mixed
+    return {
+        "cache_dtype": cache_dtype, "heads": heads, "query_lens": qlens, "context_lens": ctx,
+        "block_size": block_size, "stride_pad": draw(st.sampled_from((0, 1, 64))),
+        "spare_blocks": draw(st.integers(0, 2)), "shuffle": draw(st.booleans()), "table_pad": draw(st.integers(0, 2)),
+        "topk": topk, "sm_scale": draw(sm_scales), "value_regime": draw(regimes), "scale_rule": draw(scale_rules),
+        "invalid": draw(_patterns(INVALID_PATTERNS)),
+        # Only decode tokens reach forward_mqa when dense MHA takes the prefills; under DCP with
+        # interleave != 1 nothing counts as a decode (threshold 1), so that case has no rows.
+        "mqa": draw(st.sampled_from(("all", "decodes"))) if n_dec and interleave == 1 and not min_prefills else "all",
+        "q_form": draw(st.sampled_from(("tensor", "tuple"))) if dcp == 1 else "tensor",
+        "arch": draw(st.sampled_from(("sm90", "sm100"))), "max_decode_query_len": s,
+        "max_model_len": seq_max,
+        "workspace_size": draw(st.integers(seq_max, seq_max + seq_max // 2)) if chunked else None,
+        "dcp_size": dcp, "interleave": interleave,
+    }
 
 
 def forward_params(p: Profile, path: str | None = None, *, decodes_only: bool = False,
@@ -169,39 +212,12 @@ def forward_params(p: Profile, path: str | None = None, *, decodes_only: bool = 
             heads = draw(st.sampled_from(large if path == "fp8_separate" else small if path.startswith("fp8_mixed") else p.mqa_heads))
             cache_dtype = "bfloat16" if path == "bf16" else "fp8_ds_mla"
         mixed = cache_dtype == "fp8_ds_mla" and heads < 32
-        block_size = draw(st.sampled_from(p.block_sizes))
         # DCP runs on the mixed path only, with local and gathered heads in one FP8 envelope.
         dcp = 1
         if mixed and path != "fp8_mixed":
             sizes = [n for n in (1, 2, 4, 8) if (heads * n <= 64) == (heads <= 64)]
             dcp = draw(st.sampled_from([n for n in sizes if n > 1] if path == "fp8_mixed_dcp" else sizes))
-        interleave = draw(st.sampled_from([i for i in (1, 2, 4, 64) if block_size % i == 0])) if dcp > 1 else 1
-        s = draw(st.integers(2, 4) if decodes_only else st.integers(1, 3))
-        n_dec = draw(st.integers(1 if decodes_only else 0, p.max_requests))
-        padding = draw(st.integers(0, 2)) if n_dec and not decodes_only else 0  # zero-length CUDA-graph padding requests
-        prefills = [] if decodes_only else draw(st.lists(
-            st.integers(1, p.max_query), min_size=max(min_prefills, 0 if n_dec else 1), max_size=max(min_prefills, p.max_requests)))
-        qlens = [s] * n_dec + [0] * padding + prefills
-        ctx = [draw(st.integers(0, p.max_context)) for _ in qlens]
-        topk = draw(st.sampled_from(p.decode_topk if mixed else p.prefill_topk))
-        seq_max = max(c + n for c, n in zip(ctx, qlens))
-        # A workspace little larger than the longest sequence splits the prefills into chunks.
-        chunked = draw(st.sampled_from((True, True, False))) and cache_dtype == "fp8_ds_mla" and not mixed
-        return {
-            "cache_dtype": cache_dtype, "heads": heads, "query_lens": qlens, "context_lens": ctx,
-            "block_size": block_size, "stride_pad": draw(st.sampled_from((0, 1, 64))),
-            "spare_blocks": draw(st.integers(0, 2)), "shuffle": draw(st.booleans()), "table_pad": draw(st.integers(0, 2)),
-            "topk": topk, "sm_scale": draw(sm_scales), "value_regime": draw(regimes), "scale_rule": draw(scale_rules),
-            "invalid": draw(_patterns(INVALID_PATTERNS)),
-            # Only decode tokens reach forward_mqa when dense MHA takes the prefills; under DCP with
-            # interleave != 1 nothing counts as a decode (threshold 1), so that case has no rows.
-            "mqa": draw(st.sampled_from(("all", "decodes"))) if n_dec and interleave == 1 and not min_prefills else "all",
-            "q_form": draw(st.sampled_from(("tensor", "tuple"))) if dcp == 1 else "tensor",
-            "arch": draw(st.sampled_from(("sm90", "sm100"))), "max_decode_query_len": s,
-            "max_model_len": seq_max,
-            "workspace_size": draw(st.integers(seq_max, seq_max + seq_max // 2)) if chunked else None,
-            "dcp_size": dcp, "interleave": interleave,
-        }
+        return _batch_params(draw, p, cache_dtype, heads, dcp, decodes_only=decodes_only, min_prefills=min_prefills)
 
     return params()
 
@@ -209,6 +225,23 @@ def forward_params(p: Profile, path: str | None = None, *, decodes_only: bool = 
 def forward_mqa(p: Profile, path: str | None = None) -> st.SearchStrategy[Case]:
     """forward_mqa batches; `path` restricts them to one of FORWARD_PATHS."""
     return _case("forward_mqa", forward_params(p, path))
+
+
+def dcp(p: Profile, world_size: int = 2) -> st.SearchStrategy[Case]:
+    """Multi-process DCP batches for `world_size` ranks: local heads whose gathered count stays
+    in their FP8 decode envelope (H * N <= 64), interleave 1 and > 1, empty shards, zero-length
+    padding requests with and without context, CUDA-graph padding rows, either combine."""
+    if world_size not in WORLD_SIZES:
+        raise KeyError(f"DCP world size must be one of {WORLD_SIZES}, got {world_size}")
+    heads = [h for h in sorted({1, *p.heads, *p.mqa_heads}) if h < 32 and h * world_size <= 64]
+
+    @st.composite
+    def params(draw):
+        batch = _batch_params(draw, p, "fp8_ds_mla", draw(st.sampled_from(heads)), world_size, short_contexts=True)
+        pad_rows = draw(st.integers(0, 3)) if batch["mqa"] == "all" else 0
+        return {**batch, "combine": draw(st.sampled_from(COMBINES)), "pad_rows": pad_rows}
+
+    return _case("dcp", params())
 
 
 STRATEGIES: dict[str, Callable[[Profile], st.SearchStrategy[Case]]] = {
@@ -227,10 +260,11 @@ STRATEGIES: dict[str, Callable[[Profile], st.SearchStrategy[Case]]] = {
     "reshape_query_for_spec_decode": lambda p: layout(p, "reshape_query_for_spec_decode"),
     "reshape_attn_output_for_spec_decode": lambda p: layout(p, "reshape_attn_output_for_spec_decode"),
     "forward_mqa": forward_mqa,
+    "dcp": dcp,
 }
 
 
-def strategy(op: str, profile: Profile, path: str | None = None) -> st.SearchStrategy[Case]:
+def strategy(op: str, profile: Profile, path: str | None = None, world_size: int | None = None) -> st.SearchStrategy[Case]:
     """Cases of `op` within `profile`; `path` picks a forward_mqa path, or a property's target."""
     if is_property(op):
         from .property_strategies import property_cases  # it builds on this module's strategies
@@ -242,4 +276,8 @@ def strategy(op: str, profile: Profile, path: str | None = None) -> st.SearchStr
         if op != "forward_mqa":
             raise KeyError(f"--path applies to forward_mqa only, not {op}")
         return forward_mqa(profile, path)
+    if world_size is not None:
+        if op != "dcp":
+            raise KeyError(f"--world-size applies to dcp only, not {op}")
+        return dcp(profile, world_size)
     return STRATEGIES[op](profile)

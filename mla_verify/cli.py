@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--op", required=True, help="an op, forward_mqa, or property:NAME (`mla-verify list`)")
     p.add_argument("--path", default=None, help="forward_mqa: bf16 | fp8_mixed | fp8_separate | fp8_mixed_dcp; "
                    "property:NAME: one of its targets")
+    p.add_argument("--world-size", type=int, default=None, choices=(2, 4, 8),
+                   help="dcp only: rank processes (default 2); one GPU each when there are enough, else gloo")
     p.add_argument("--impl", action="append", default=[], metavar="[STAGE=]MODULE:CALLABLE|NAME",
                    help="implementation under test (default: the project's); repeat for several stages")
     p.add_argument("--examples", type=int, default=None, help="default: the profile's budget")
@@ -167,15 +169,18 @@ def _write_run(run_dir: Path, rows, meta: dict) -> None:
 
 
 def cmd_fuzz(args, device: str) -> int:
+    from equivalence import distributed
     from equivalence.evaluate import evaluate
     from equivalence.isolation import Worker
     from equivalence.ops import OPS
     from equivalence.properties import get_property, is_property
     from equivalence.subject import UsageError, resolve_subject
     from fuzz.campaign import fuzz, new_seed
-
     from fuzz.strategies import FORWARD_PATHS
 
+    if args.world_size is not None and args.op != "dcp":
+        raise UsageError("--world-size applies to --op dcp only")
+    world_size = (args.world_size or 2) if args.op == "dcp" else None
     if is_property(args.op):
         subject = resolve_subject(args.op, args.impl, device)
         prop = get_property(args.op)
@@ -194,9 +199,13 @@ def cmd_fuzz(args, device: str) -> int:
     examples = args.examples or (profile.property_examples if is_property(args.op) else profile.examples)
     seed = new_seed() if args.seed is None else args.seed
     run_id = _run_id("fuzz")
-    isolate = device == "cuda" if args.isolate is None else args.isolate
+    # An op whose implementation runs in processes of its own is isolated already.
+    isolate = ((device == "cuda" if args.isolate is None else args.isolate)
+               and (is_property(args.op) or not OPS[args.op].own_processes))
+    distributed.set_timeout(args.timeout)
+    ranks = f", {world_size} ranks ({distributed.placement(world_size, device).describe()})" if world_size else ""
     print(f"mla-verify fuzz: op {args.op}, implementation {subject.label}, {examples} examples, profile {profile.name}, "
-          f"device {device}, seed {seed}{', isolated' if isolate else ''}", flush=True)
+          f"device {device}, seed {seed}{ranks}{', isolated' if isolate else ''}", flush=True)
     notes: set[str] = set()
     meta = _start_meta(profile.name, seed, device)
     worker = Worker(device, args.timeout) if isolate else None
@@ -208,12 +217,17 @@ def cmd_fuzz(args, device: str) -> int:
 
     try:
         result = fuzz(args.op, run, profile=profile, examples=examples, seed=seed, impl_specs=tuple(args.impl),
-                      device=device, out_dir=args.out, shrink=not args.no_shrink, path=args.path)
+                      device=device, out_dir=args.out, shrink=not args.no_shrink, path=args.path,
+                      world_size=world_size)
     finally:
         if worker is not None:
             worker.close()
     for note in sorted(notes):
         print(f"note: {note}")
+    if world_size:
+        print(f"worst per rank over {result.examples} cases (metric value/bound):")
+        for line in distributed.worst_by_rank(result.rows):
+            print(f"  {line}")
     _write_run(args.out, result.rows, meta)
     if args.junit:
         from .junit import write_junit
@@ -255,7 +269,7 @@ def cmd_replay(args, device: str) -> int:
     for r in rows:
         verdict = "ok  " if r.passed else "FAIL"
         detail = r.reason if not r.passed else f"{r.gate_metric} = {r.value:.4g} of {r.bound:.4g}"
-        print(f"  {verdict} {r.tensor:12s} {detail}")
+        print(f"  {verdict} {r.tensor:17s} {detail}")
     return 0 if all(r.passed for r in rows) else 1
 
 

@@ -107,7 +107,9 @@ def _from_le_bytes(raw: torch.Tensor, nbytes: int, dtype: torch.dtype) -> torch.
 def _tile_scales(nope: torch.Tensor, scale_rule: str) -> torch.Tensor:
     """[N, 512] float32 -> [N, 4] float32 scales: amax / 448 (an fp32 division), then
     pow2: the smallest power of two >= max(ratio, 1e-4); raw: max(ratio, FLT_MIN)."""
-    ratio = nope.abs().unflatten(-1, (-1, FP8_TILE)).amax(dim=-1) / E4M3_MAX
+    amax = nope.abs().unflatten(-1, (-1, FP8_TILE)).amax(dim=-1)
+    # Divide by a tensor: CUDA kernels replace division by a Python scalar with a reciprocal multiply.
+    ratio = amax / torch.full_like(amax, E4M3_MAX)
     if scale_rule == "raw":
         return ratio.clamp(min=torch.finfo(torch.float32).tiny)
     # A positive normal float rounds up to a power of two by carrying any mantissa bit into the
@@ -582,5 +584,24 @@ def dcp_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, tor
     out = buffers.empty(tuple(outs.shape[1:]), torch.bfloat16, outs.device)
     lse = buffers.empty(tuple(merged.shape), torch.float32, outs.device)
     out.copy_(_scaled_terms(outs, f).float().sum(dim=0))
+    lse.copy_(merged)
+    return out, lse
+
+
+@_stage("dcp_a2a_merge")
+def dcp_a2a_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The all-to-all combine's merge (`dcp_a2a_lse_reduce` after the exchange), for the heads
+    one rank received from every rank: outs [N, T, H, D] bf16, lses [N, T, H] f32 ->
+    (bf16(sum_n w_n * out_n) [T, H, D], L [T, H] f32), w_n = exp(lse_n - L) as in `dcp_merge`
+    (0 for -inf, +inf and NaN LSEs, and the partial dropped there), summed in float32 and rounded
+    once: unlike the reduce-scatter, no term is stored in bf16 first."""
+    check_tensor("lses", lses, dtype=torch.float32, ndim=3)
+    check_tensor("outs", outs, dtype=torch.bfloat16, shape=(*lses.shape, None))
+    check_same_device(outs=outs, lses=lses)
+    merged, w = _merge_weights(lses)
+    out = buffers.empty(tuple(outs.shape[1:]), torch.bfloat16, outs.device)
+    lse = buffers.empty(tuple(merged.shape), torch.float32, outs.device)
+    terms = (outs.float() * w[..., None]).masked_fill_(w[..., None] == 0, 0.0)
+    out.copy_(terms.sum(dim=0))
     lse.copy_(merged)
     return out, lse

@@ -121,6 +121,18 @@ def sparse_prefill(
     """
     sm_scale = check_prefill_inputs(q, kv, indices, sm_scale, topk_length, attn_sink)
     _check_cuda(q=q, kv=kv, indices=indices, topk_length=topk_length, attn_sink=attn_sink)
+    return launch_sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+
+
+def launch_sparse_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sparse_prefill` without the checks (for timing): inputs must already pass them."""
     import flash_mla
 
     heads = q.shape[1]
@@ -176,11 +188,27 @@ def sparse_decode_fp8(
     """
     sm_scale = check_decode_inputs(q, kv_cache, indices, sm_scale)
     _check_cuda(q=q, kv_cache=kv_cache, indices=indices)
+    return launch_sparse_decode_fp8(q, kv_cache, indices, sm_scale)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_plan(batch: int, s_q: int, padded: int, page: int, topk: int, device: int):
+    """One split-KV plan per shape, filled by its first call and reused, as vLLM reuses one plan
+    across a step's layers. For the V3.2 format the plan depends on shapes only (it has no
+    topk_length), and every later call with the same object asserts the same shapes."""
     import flash_mla
 
-    heads = q.shape[2]
-    # A plan is bound to the shapes of the call that fills it: one fresh plan per call.
-    sched, _ = flash_mla.get_mla_metadata()
+    return flash_mla.get_mla_metadata()[0]
+
+
+def launch_sparse_decode_fp8(
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_decode_fp8` without the checks (for timing): inputs must already pass them."""
+    import flash_mla
+
+    batch, s_q, heads, _ = q.shape
+    sched = _decode_plan(batch, s_q, padded_heads(heads), kv_cache.shape[1], indices.shape[2], q.device.index)
     out, lse = flash_mla.flash_mla_with_kvcache(
         _pad_heads(q, D_QK, 0.0),
         kv_cache.unsqueeze(-2),

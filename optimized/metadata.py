@@ -156,6 +156,20 @@ def req_id_per_token(query_start_loc: Sequence[int], num_tokens: int, device: to
     return req_id.to(device)
 
 
+def mask_empty_shards(lse: torch.Tensor, seq_lens: Sequence[int], query_start_loc: Sequence[int]) -> torch.Tensor:
+    """`mask_dcp_empty_shards_`, applied before a DCP exchange: lse [..., T, H] with -inf in every
+    row no request owns (rows past query_start_loc[-1]: CUDA-graph padding) and in the rows of
+    requests with seq_len 0, so those rows merge to (0, -inf) on every rank. No requests: all rows."""
+    live = torch.repeat_interleave(
+        torch.tensor([int(n) > 0 for n in seq_lens], dtype=torch.bool),
+        torch.tensor(_query_lens(query_start_loc), dtype=torch.long),
+    )
+    num_tokens = lse.shape[-2]
+    keep = torch.zeros(num_tokens, dtype=torch.bool)
+    keep[: min(num_tokens, len(live))] = live[:num_tokens]
+    return lse.masked_fill(~keep[:, None].to(lse.device), float("-inf"))
+
+
 @dataclass(frozen=True)
 class PrefillChunk:
     tokens: slice                    # query rows of the chunk's requests

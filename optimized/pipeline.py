@@ -31,6 +31,7 @@ from .metadata import (
     BatchSplit,
     active_decodes,
     check_dcp_supported,
+    mask_empty_shards,
     plan_prefill,
     prefill_workspace_size,
     reorder_batch_threshold,
@@ -143,8 +144,9 @@ def forward_mqa(
     if q_is_tuple:
         q = stages.fn("concat_mla_q")(ql_nope=q[0], q_pe=q[1])
     num_tokens = q.shape[0]
-    # req_id covers the whole batch; slice it to the MQA rows (vLLM bug #47327).
-    req_id = req_id_per_token(query_start_loc, int(query_start_loc[-1]), q.device)[:num_tokens]
+    # req_id covers the whole batch and any CUDA-graph padding rows past it (request 0's); slice it
+    # to the MQA rows (vLLM bug #47327).
+    req_id = req_id_per_token(query_start_loc, max(int(query_start_loc[-1]), num_tokens), q.device)[:num_tokens]
     step = _Step(q, kv_cache, block_table, req_id, topk_indices[:num_tokens], sm_scale, stages)
     if path == "bf16":
         out, lse = _bf16(step)
@@ -260,8 +262,10 @@ def forward_mqa_dcp(
 
     q is the head-gathered [T, H * N, 576] query every rank sees; rank r's cache and block table
     hold its shard of each sequence. `kwargs` are forward_mqa's keywords without block_table /
-    dcp_size / dcp_rank. Returns the merged out [T, H * N, 512] (rank r keeps heads
-    [r*H, (r+1)*H) after the reduce-scatter) and LSE, with path "<path>_dcp".
+    dcp_size / dcp_rank. Rows of no request are masked before the merge (`mask_empty_shards`).
+    Returns the merged out [T, H * N, 512] (rank r keeps heads [r*H, (r+1)*H) after the
+    reduce-scatter) and LSE, with path "<path>_dcp". `optimized.dcp_runtime` runs the same
+    protocol over real processes.
     """
     dcp_size = len(rank_caches)
     if stages is None:
@@ -272,6 +276,7 @@ def forward_mqa_dcp(
         forward_mqa(q, cache, block_table=table, dcp_size=dcp_size, dcp_rank=rank, stages=stages, **kwargs)
         for rank, (cache, table) in enumerate(zip(rank_caches, rank_block_tables))
     ]
-    outs, lses = torch.stack([p.out for p in parts]), torch.stack([p.lse for p in parts])
+    outs = torch.stack([p.out for p in parts])
+    lses = mask_empty_shards(torch.stack([p.lse for p in parts]), kwargs["seq_lens"], kwargs["query_start_loc"])
     out, lse = stages.fn("dcp_merge")(outs=outs, lses=lses)
     return PipelineResult(out, lse, parts[0].path + "_dcp", stages)

@@ -13,9 +13,15 @@ The merge (`cp_lse_ag_out_rs` -> `correct_attn_out`), per (token, head):
     out = sum_n f_n * out_n,  with rank n's term 0 wherever f_n == 0 (kills NaN/inf junk)
 The all-gather + reduce-scatter combine stores each rank's scaled term in the output dtype
 (bf16) before the sum, and the reduce-scatter hands rank r the heads [r*H, (r+1)*H).
+
+Before the exchange the combine masks rows no request owns (`mask_dcp_empty_shards_`): a row
+t >= query_start_loc[-1] (CUDA-graph padding) or of a request with seq_len 0 gets lse -inf on
+every rank, so it merges to (0, -inf) whatever the kernel computed for it.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -24,6 +30,20 @@ def neutralize_empty_rows(out: torch.Tensor, lse: torch.Tensor, indices: torch.T
     """out [T, H, D], lse [T, H]: rows whose converted indices are all -1 -> (0, -inf)."""
     empty = (indices == -1).all(dim=-1)
     return out.masked_fill(empty[:, None, None], 0), lse.masked_fill(empty[:, None], float("-inf"))
+
+
+def mask_empty_shards(lse: torch.Tensor, seq_lens: Sequence[int], query_start_loc: Sequence[int]) -> torch.Tensor:
+    """lse [..., T, H] with -inf in the rows of no request (module docstring). Row t belongs to
+    the last request r with query_start_loc[r] <= t (zero-length requests own no row); with no
+    requests at all every row is masked."""
+    num_tokens = lse.shape[-2]
+    if not len(seq_lens):
+        return torch.full_like(lse, float("-inf"))
+    qsl = torch.as_tensor(query_start_loc, dtype=torch.int64)
+    rows = torch.arange(num_tokens)
+    owner = (torch.searchsorted(qsl, rows, right=True) - 1).clamp(0, len(seq_lens) - 1)
+    empty = (rows >= qsl[-1]) | (torch.as_tensor(seq_lens, dtype=torch.int64)[owner] == 0)
+    return lse.masked_fill(empty[:, None].to(lse.device), float("-inf"))
 
 
 def merge_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .attention import sparse_decode, sparse_prefill
-from .dcp import dcp_merge, dcp_merge_exact, neutralize_empty_rows
+from .dcp import dcp_merge, dcp_merge_exact, mask_empty_shards, neutralize_empty_rows
 from .indices import convert_index, dcp_convert_index, req_id_per_token
 from .metadata import (
     active_decodes,
@@ -88,8 +88,9 @@ def forward_mqa(
         q = concat_mla_q(*q)
     num_tokens = q.shape[0]
     topk = topk_indices[:num_tokens]
-    # req_id covers the whole batch; slice it to the MQA rows (vLLM bug #47327).
-    req_id = req_id_per_token(query_start_loc, query_start_loc[-1])[:num_tokens]
+    # req_id covers the whole batch and any CUDA-graph padding rows past it (request 0's); slice it
+    # to the MQA rows (vLLM bug #47327).
+    req_id = req_id_per_token(query_start_loc, max(query_start_loc[-1], num_tokens))[:num_tokens].to(q.device)
     check_dcp_supported(num_heads, dcp_size, kv_cache_dtype)
     path = select_path(kv_cache_dtype, num_heads)
     block_size = kv_cache.shape[1]
@@ -126,8 +127,8 @@ def forward_mqa(
         )
         idx, counts = convert_index(
             req_id, block_table, topk, block_size,
-            prefill_request_ids=plan.request_ids[:num_tokens],
-            prefill_workspace_starts=plan.workspace_starts,
+            prefill_request_ids=plan.request_ids[:num_tokens].to(q.device),
+            prefill_workspace_starts=plan.workspace_starts.to(q.device),
             return_valid_counts=True,
         )
 
@@ -145,7 +146,7 @@ def forward_mqa(
     for chunk in plan.chunks if plan else ():
         workspace = gather(
             kv_cache, block_table[slice(*chunk.requests)],
-            torch.tensor(chunk.workspace_starts, dtype=torch.int32), chunk.total_rows,
+            torch.tensor(chunk.workspace_starts, dtype=torch.int32, device=q.device), chunk.total_rows,
         )
         rows = slice(*chunk.tokens)
         res = sparse_prefill(q[rows], workspace, idx[rows], sm_scale, topk_length=counts[rows], dtype=dtype)
@@ -165,8 +166,9 @@ def forward_mqa_dcp(
 
     q is the head-gathered query [T, H * N, 576] every rank sees; rank r's cache and block table
     hold its shard of each sequence (`reference.indices.dcp_owner_and_local`). `kwargs` are
-    `forward_mqa`'s keyword arguments without block_table / dcp_rank. Returns the merged
-    [T, H * N, 512] output (rank r keeps heads [r*H, (r+1)*H) of it) and the merged LSE.
+    `forward_mqa`'s keyword arguments without block_table / dcp_rank. The rows of no request are
+    masked before the merge (`mask_empty_shards`). Returns the merged [T, H * N, 512] output
+    (rank r keeps heads [r*H, (r+1)*H) of it) and the merged LSE.
     """
     dcp_size = len(rank_caches)
     parts = [
@@ -174,7 +176,7 @@ def forward_mqa_dcp(
         for r, (cache, table) in enumerate(zip(rank_caches, rank_block_tables))
     ]
     outs = torch.stack([p.out for p in parts])
-    lses = torch.stack([p.lse for p in parts])
+    lses = mask_empty_shards(torch.stack([p.lse for p in parts]), kwargs["seq_lens"], kwargs["query_start_loc"])
     out, lse = (dcp_merge_exact if exact_merge else dcp_merge)(outs, lses)
     logit_l1 = torch.stack([p.logit_l1 for p in parts]).amax(dim=0)
     return MQAResult(out, lse, logit_l1, parts[0].path + "_dcp")

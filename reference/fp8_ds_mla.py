@@ -35,9 +35,12 @@ SCALE_RULES = ("pow2", "raw")
 def tile_scales(nope: torch.Tensor, scale_rule: str) -> torch.Tensor:
     """[N, 512] float32 NoPE values -> [N, 4] float32 tile scales under `scale_rule`."""
     amax = nope.abs().view(-1, NUM_TILES, TILE).amax(dim=-1)
-    ratio = amax / FP8_MAX  # fp32 division, as the writers do it
+    # An IEEE fp32 division, as the writers do it. Dividing by a tensor, not the Python scalar:
+    # PyTorch's CUDA kernels turn division by a scalar into a multiply by its reciprocal, which
+    # rounds differently (amax 448 would give a ratio of 1 + 2**-23 and a scale of 2.0).
+    ratio = amax / torch.full_like(amax, FP8_MAX)
     if scale_rule == "pow2":
-        ratio = torch.clamp_min(ratio, torch.tensor(POW2_FLOOR, dtype=torch.float32))
+        ratio = ratio.clamp_min(POW2_FLOOR)  # the floor rounds to fp32, as the writers' constant does
         # frexp: ratio = m * 2**e with m in [0.5, 1); the smallest power of two >= ratio is
         # 2**(e-1) when m == 0.5 (ratio is already a power of two) and 2**e otherwise.
         mantissa, exponent = torch.frexp(ratio)

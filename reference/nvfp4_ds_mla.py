@@ -61,7 +61,8 @@ def _block_scales(nope: torch.Tensor, scale_rounding: str) -> torch.Tensor:
     if scale_rounding not in SCALE_ROUNDINGS:
         raise ValueError(f"scale_rounding must be one of {SCALE_ROUNDINGS}, got {scale_rounding!r}")
     amax = nope.abs().view(-1, NUM_BLOCKS, BLOCK).amax(dim=-1)
-    wanted = torch.clamp_min(amax / E2M1_MAX, SCALE_FLOOR)
+    # Tensor divisions: PyTorch's CUDA kernels multiply by the reciprocal of a scalar divisor.
+    wanted = torch.clamp_min(amax / torch.full_like(amax, E2M1_MAX), SCALE_FLOOR)
     sf = _e4m3(wanted)
     if scale_rounding == "up":
         bits = sf.view(torch.uint8)
@@ -77,7 +78,7 @@ def quantize_nvfp4_ds_mla(kv: torch.Tensor, scale_rounding: str = "up") -> torch
     n = kv.shape[0]
     nope = kv[:, :NOPE_DIM].float()
     sf = _block_scales(nope, scale_rounding)
-    inv = 1.0 / sf.float()
+    inv = torch.ones_like(sf, dtype=torch.float32) / sf.float()
     codes = _e2m1_codes(nope.view(n, NUM_BLOCKS, BLOCK) * inv[:, :, None]).view(n, NOPE_DIM)
     rows = torch.empty(n, ROW_BYTES, dtype=torch.uint8, device=kv.device)
     rows[:, :ROPE_OFFSET] = codes[:, 0::2] | (codes[:, 1::2] << 4)

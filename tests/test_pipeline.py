@@ -184,7 +184,7 @@ def test_a_preferred_implementation_that_cannot_run_here_is_reported(monkeypatch
     monkeypatch.setitem(registry._REGISTRY, "sparse_prefill", [gpu_only, eager])
     batch, _ = small_separate_batch()
     got = forward_mqa(batch.q, batch.kv_cache, **batch.forward_kwargs())
-    assert got.stages.fallbacks == {"sparse_prefill": "gpu-only: runs on cuda, not cpu"}
+    assert got.stages.fallbacks["sparse_prefill"] == "gpu-only: runs on cuda, not cpu"
     assert got.stages.chosen["sparse_prefill"].name == "torch-fp32"
 
 

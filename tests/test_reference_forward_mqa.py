@@ -22,6 +22,7 @@ def batch_params(draw, cache_dtypes=("bfloat16", "fp8_ds_mla", "nvfp4_ds_mla"), 
     prefill_lens = draw(st.lists(st.integers(1, 9), min_size=0 if n_dec else 1, max_size=3))
     qlens = [s] * n_dec + prefill_lens
     block_size = draw(st.sampled_from([16, 64])) if dcp == 1 else 64
+    interleave = draw(st.sampled_from([1, 2, 64])) if dcp > 1 else 1
     return dict(
         cache_dtype=draw(st.sampled_from(cache_dtypes)),
         heads=draw(st.sampled_from(heads)),
@@ -34,10 +35,11 @@ def batch_params(draw, cache_dtypes=("bfloat16", "fp8_ds_mla", "nvfp4_ds_mla"), 
         value_regime=draw(st.sampled_from(["normal", "outliers", "zero_tiles", "peaked"])),
         scale_rule=draw(st.sampled_from(["pow2", "raw"])),
         invalid=draw(st.lists(st.sampled_from(SAFE_PATTERNS), max_size=3, unique=True)),
-        mqa=draw(st.sampled_from(["all", "decodes"])),
+        # Under DCP with interleave != 1 nothing counts as a decode (threshold 1): no decode-only batch.
+        mqa=draw(st.sampled_from(["all", "decodes"])) if dcp == 1 or interleave == 1 else "all",
         q_form=draw(st.sampled_from(["tensor", "tuple"])) if dcp == 1 else "tensor",
         dcp_size=dcp,
-        interleave=draw(st.sampled_from([1, 2, 64])) if dcp > 1 else 1,
+        interleave=interleave,
     )
 
 

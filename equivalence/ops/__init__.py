@@ -15,6 +15,7 @@ class Check:
     kind: str              # policy kind: exact | out | lse
     scale: str | None = None  # reference tensor holding the LSE's logit scale
     optional: bool = False    # compared only when the implementation returns it (max_logits)
+    single_rank: bool = False  # one DCP rank's pre-combine partial: held to the bounds without DCP
 
 
 @dataclass
@@ -38,6 +39,9 @@ class OpSpec:
     knobs: Callable[[Mapping], dict[str, Any]] = field(default=lambda p: {})
     path: Callable[[Mapping], str] | None = None
     doc: str = ""
+    # Runs its implementation in processes of its own, each isolated already: never inside an
+    # isolation worker (a daemonic worker process cannot start children).
+    own_processes: bool = False
 
     def path_of(self, params: Mapping) -> str:
         return self.path(params) if self.path else self.name

@@ -12,12 +12,13 @@ import math
 import torch
 
 import reference
-from equivalence.patterns import apply_patterns, distinct_rows
+from equivalence.patterns import apply_patterns, distinct_rows, prefix_candidates
 from equivalence.policy import LSE, OUT
-from equivalence.values import kv_values, q_values
+from equivalence.values import kv_values, pooled_rows, q_values
+from reference.paged_cache import scatter_rows
 
 from . import Check, ImplOutput, OpSpec, register_op
-from .common import generator, knobs
+from .common import generator, knobs, rand, randint
 
 
 def _named_attention(result) -> dict[str, torch.Tensor]:
@@ -30,35 +31,33 @@ def _call(subject, kwargs, params) -> ImplOutput:
 
 
 def _prefill_inputs(p, seed, device):
-    g = generator(seed)
+    g = generator(seed, device)
     tokens, heads, rows, topk = p["tokens"], p["heads"], p["kv_rows"], p["topk"]
     q = q_values(g, (tokens, heads, 576), p["value_regime"])
     kv = kv_values(g, rows, p["value_regime"])
-    idx = distinct_rows(g, [torch.arange(rows)] * tokens, topk)
+    idx = distinct_rows(g, prefix_candidates(torch.full((tokens,), rows, device=device)), topk)
     idx = apply_patterns(g, idx, p.get("invalid", []), out_of_range=(rows, 2**31 - 1))
     length = None
     mode = p.get("topk_length", "none")
     if mode == "random":
-        length = torch.randint(0, topk + 1, (tokens,), generator=g)
+        length = randint(g, 0, topk + 1, tokens)
     elif mode == "edges":  # 0, 1 and full lengths
-        length = torch.tensor([0, 1, topk])[torch.randint(0, 3, (tokens,), generator=g)]
+        length = torch.tensor([0, 1, topk], device=device)[randint(g, 0, 3, tokens)]
     sink = None
     if p.get("sink", "none") != "none":
-        sink = torch.randn(heads, generator=g)
+        sink = torch.randn(heads, generator=g, device=device)
         if p["sink"] == "inf":
-            sink[torch.rand(heads, generator=g) < 0.3] = math.inf
-            sink[torch.rand(heads, generator=g) < 0.3] = -math.inf
+            sink[rand(g, heads) < 0.3] = math.inf
+            sink[rand(g, heads) < 0.3] = -math.inf
     # Poison every kv row no valid entry selects.
     live = (idx >= 0) & (idx < rows)
     if length is not None:
-        live &= torch.arange(topk)[None, :] < length[:, None]
-    used = torch.zeros(rows, dtype=torch.bool)
+        live &= torch.arange(topk, device=device)[None, :] < length[:, None]
+    used = torch.zeros(rows, dtype=torch.bool, device=device)
     used[idx[live]] = True
     kv[~used] = float("nan")
-    kwargs = {"q": q, "kv": kv, "indices": idx.to(torch.int32), "sm_scale": p["sm_scale"],
-              "topk_length": None if length is None else length.to(torch.int32),
-              "attn_sink": sink}
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return {"q": q, "kv": kv, "indices": idx.to(torch.int32), "sm_scale": p["sm_scale"],
+            "topk_length": None if length is None else length.to(torch.int32), "attn_sink": sink}
 
 
 def _prefill_reference(kw, p):
@@ -80,27 +79,25 @@ register_op(OpSpec(
 
 
 def _decode_inputs(p, seed, device):
-    g = generator(seed)
+    g = generator(seed, device)
     batch, s_q, heads, topk, page = p["batch"], p["s_q"], p["heads"], p["topk"], p["page_size"]
-    seq_lens = p["seq_lens"]
-    blocks = [-(-n // page) for n in seq_lens]
-    num_blocks = sum(blocks) + 1
-    order = torch.randperm(num_blocks, generator=g)
-    pools, cursor = [], 0
-    for n, nb in zip(seq_lens, blocks):  # each sequence's slots live in its own shuffled blocks
-        mine = order[cursor : cursor + nb]
-        cursor += nb
-        pos = torch.arange(n)
-        pools.append(mine[pos // page] * page + pos % page)
-    idx = distinct_rows(g, [pool for pool in pools for _ in range(s_q)], topk)
+    seq_lens = torch.tensor(p["seq_lens"], device=device)
+    blocks = -(-seq_lens // page)
+    num_blocks = int(blocks.sum()) + 1
+    # Each sequence's positions live in its own run of shuffled blocks: position -> physical slot.
+    order = torch.randperm(num_blocks, generator=g, device=device)
+    first = torch.cumsum(blocks, 0) - blocks
+    pos = prefix_candidates(seq_lens)
+    block = order[(first[:, None] + pos.clamp(min=0) // page).clamp(max=num_blocks - 1)]
+    slots_of = torch.where(pos >= 0, block * page + pos % page, -1)
+    idx = distinct_rows(g, slots_of.repeat_interleave(s_q, dim=0), topk)
     idx = apply_patterns(g, idx, p.get("invalid", []))
-    storage = torch.full((num_blocks, page + p.get("stride_pad", 0), 656), 0xFF, dtype=torch.uint8)
-    cache = storage[:, :page]
+    storage = torch.full((num_blocks, page + p.get("stride_pad", 0), 656), 0xFF, dtype=torch.uint8, device=device)
+    cache = storage[:, :page]  # the padded stride stays
     slots = idx[idx >= 0].unique()  # write only the selected slots: every other byte stays NaN
-    reference.write_fp8_ds_mla_cache(kv_values(g, len(slots), p["value_regime"]), cache, slots, p["scale_rule"])
+    scatter_rows(pooled_rows(g, len(slots), p["value_regime"], "fp8_ds_mla", p["scale_rule"])[1], cache, slots)
     q = q_values(g, (batch, s_q, heads, 576), p["value_regime"])
-    return {"q": q.to(device), "kv_cache": storage.to(device)[:, :page],  # keeps the padded stride
-            "indices": idx.view(batch, s_q, topk).to(torch.int32).to(device), "sm_scale": p["sm_scale"]}
+    return {"q": q, "kv_cache": cache, "indices": idx.view(batch, s_q, topk).to(torch.int32), "sm_scale": p["sm_scale"]}
 
 
 def _decode_reference(kw, p):

@@ -9,9 +9,18 @@ import torch
 from . import ImplOutput
 
 
-def generator(seed: int) -> torch.Generator:
-    """Every tensor of a case comes from this CPU generator, so a case is the same on any device."""
-    return torch.Generator().manual_seed(seed)
+def generator(seed: int, device: str) -> torch.Generator:
+    """Every tensor of a case comes from this generator, on the device the case runs on: the
+    tensors are a deterministic function of (case, device type), built where they are used."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def rand(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.rand(shape, generator=gen, device=gen.device)
+
+
+def randint(gen: torch.Generator, lo: int, hi: int, *shape: int) -> torch.Tensor:
+    return torch.randint(lo, hi, shape, generator=gen, device=gen.device)
 
 
 def single(unpack: Callable[[Any], dict[str, torch.Tensor]]) -> Callable:

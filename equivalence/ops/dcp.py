@@ -1,4 +1,5 @@
-"""The DCP combine op: per-rank partial outputs and LSEs merged by log-sum-exp (AG+RS semantics)."""
+"""The DCP ops: `dcp_merge`, the combine alone (per-rank partials merged by log-sum-exp, AG+RS
+semantics), and `dcp`, the whole protocol run by real rank processes (`equivalence.distributed`)."""
 
 from __future__ import annotations
 
@@ -7,28 +8,29 @@ import math
 import torch
 
 import reference
+from equivalence.batch import make_batch
 from equivalence.policy import LSE, OUT
 
 from . import Check, ImplOutput, OpSpec, register_op
-from .common import generator, knobs
+from .common import generator, knobs, rand
 
 
 def _merge_inputs(p, seed, device):
-    g = generator(seed)
+    g = generator(seed, device)
     ranks, tokens, heads = p["ranks"], p["tokens"], p["heads"]
-    outs = torch.randn((ranks, tokens, heads, 512), generator=g)
-    lses = 4 + 3 * torch.randn((ranks, tokens, heads), generator=g)
+    outs = torch.randn((ranks, tokens, heads, 512), generator=g, device=device)
+    lses = 4 + 3 * torch.randn((ranks, tokens, heads), generator=g, device=device)
     # Neutralized rows (a rank owning none of a token's keys) are the merge's identity (0, -inf).
-    empty = torch.rand((ranks, tokens), generator=g) < p.get("empty_frac", 0.0)
-    empty[:, torch.rand(tokens, generator=g) < p.get("empty_frac", 0.0) / 2] = True  # some tokens empty on every rank
+    empty = rand(g, ranks, tokens) < p.get("empty_frac", 0.0)
+    empty[:, rand(g, tokens) < p.get("empty_frac", 0.0) / 2] = True  # some tokens empty on every rank
     outs[empty] = 0.0
     lses[empty] = -math.inf
     if p.get("junk"):
         # Undefined partials the combine must drop: NaN or +inf LSE with a NaN output.
-        junk = (torch.rand((ranks, tokens, heads), generator=g) < 0.1) & ~empty[..., None]
-        lses[junk] = torch.where(torch.rand(int(junk.sum()), generator=g) < 0.5, math.nan, math.inf)
+        junk = (rand(g, ranks, tokens, heads) < 0.1) & ~empty[..., None]
+        lses[junk] = torch.where(rand(g, int(junk.sum())) < 0.5, math.nan, math.inf)
         outs[junk] = math.nan
-    return {"outs": outs.to(torch.bfloat16).to(device), "lses": lses.to(device)}
+    return {"outs": outs.to(torch.bfloat16), "lses": lses}
 
 
 def _merge_reference(kw, p):
@@ -46,4 +48,69 @@ register_op(OpSpec(
     checks=(Check("out", OUT), Check("lse", LSE, "logit_l1")),
     knobs=lambda p: knobs(p, num_tokens=p["tokens"], dcp_size=p["ranks"]),
     doc="cp_lse_ag_out_rs: sanitize NaN/+inf LSEs, merge by log-sum-exp, bf16 per-rank terms, sum",
+))
+
+
+# ----------------------------------------------------------------------------- multi-process DCP
+
+MAX_RANKS = 8
+RANK_ARGUMENTS = ("q", "kv_cache", "group", "query_start_loc", "seq_lens", "block_table", "topk_indices",
+                  "num_heads", "kv_cache_dtype", "sm_scale", "max_model_len", "combine", "interleave")
+
+
+def _rank_checks() -> tuple[Check, ...]:
+    """What rank r received (its heads, merged) and its partial over its own shard."""
+    checks = []
+    for r in range(MAX_RANKS):  # ranks past the case's world size have no reference: skipped
+        checks += [
+            Check(f"out_rank{r}", OUT),
+            Check(f"lse_rank{r}", LSE, f"logit_l1_rank{r}"),
+            Check(f"partial_out_rank{r}", OUT, optional=True, single_rank=True),
+            Check(f"partial_lse_rank{r}", LSE, f"partial_logit_l1_rank{r}", optional=True, single_rank=True),
+        ]
+    return tuple(checks)
+
+
+def _dcp_reference(kw, p):
+    """Rank r: heads [r*H, (r+1)*H) of the exact merge over every rank, and its own forward_mqa."""
+    b, size, heads = kw["batch"], p["dcp_size"], p["heads"]
+    kwargs = b.dcp_kwargs()
+    merged = reference.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, exact_merge=True, **kwargs)
+    ref = {}
+    for r, (cache, table) in enumerate(zip(b.rank_caches, b.rank_block_tables)):
+        mine = slice(r * heads, (r + 1) * heads)
+        part = reference.forward_mqa(b.q, cache, block_table=table, dcp_size=size, dcp_rank=r, **kwargs)
+        ref.update({
+            f"out_rank{r}": merged.out[:, mine], f"lse_rank{r}": merged.lse[:, mine],
+            f"logit_l1_rank{r}": merged.logit_l1[:, mine], f"partial_out_rank{r}": part.out,
+            f"partial_lse_rank{r}": part.lse, f"partial_logit_l1_rank{r}": part.logit_l1,
+        })
+    return ref
+
+
+def _dcp_call(subject, kw, p) -> ImplOutput:
+    from equivalence import distributed  # starts processes: only when a case runs
+
+    group = distributed.group_for(p["dcp_size"], kw["device"].split(":")[0])
+    answers = group.run(p, kw["seed"], subject.specs)
+    tensors = {f"{name}_rank{r}": t for r, a in enumerate(answers) for name, t in a["tensors"].items()}
+    first = answers[0]
+    return ImplOutput(tensors, stages=first["stages"], deviations=tuple(first["deviations"]), path=p["combine"],
+                      notes=tuple(first["notes"]) + (f"dcp: {group.place.describe()}",))
+
+
+register_op(OpSpec(
+    name="dcp",
+    stage=None,
+    arguments=RANK_ARGUMENTS,
+    inputs=lambda p, seed, device: {"batch": make_batch(p, seed, device), "seed": seed, "device": device},
+    reference=_dcp_reference,
+    call=_dcp_call,
+    checks=_rank_checks(),
+    knobs=lambda p: knobs(p, num_tokens=sum(p["query_lens"]) + p.get("pad_rows", 0),
+                          seq_len=max(c + n for c, n in zip(p["context_lens"], p["query_lens"]))),
+    path=lambda p: p["combine"],
+    doc="decode context parallelism over torch.distributed: q all-gather, forward_mqa on each rank's shard, "
+        "AG+RS or A2A combine; every rank's heads and partial against the reference",
+    own_processes=True,
 ))

@@ -9,11 +9,11 @@ from equivalence.policy import EXACT
 from equivalence.values import kv_values
 
 from . import Check, ImplOutput, OpSpec, register_op
-from .common import generator, knobs, single
+from .common import generator, knobs, rand, single
 
 
 def _kv(params, seed, device):
-    return kv_values(generator(seed), params["n"], params["value_regime"]).to(device)
+    return kv_values(generator(seed, device), params["n"], params["value_regime"])
 
 
 register_op(OpSpec(
@@ -42,15 +42,15 @@ register_op(OpSpec(
 
 
 def _writer_inputs(p, seed, device):
-    g = generator(seed)
+    g = generator(seed, device)
     kv = kv_values(g, p["n"], p["value_regime"])
     capacity = p["num_blocks"] * p["block_size"]
-    slots = torch.randperm(capacity, generator=g)[: p["n"]]
-    slots[torch.rand(p["n"], generator=g) < p.get("skip_frac", 0.0)] = -1
+    slots = torch.randperm(capacity, generator=g, device=device)[: p["n"]]
+    slots[rand(g, p["n"]) < p.get("skip_frac", 0.0)] = -1
     # Every byte the writer must leave alone (skipped slots, padding rows) is poisoned.
-    storage = torch.full((p["num_blocks"], p["block_size"] + p.get("stride_pad", 0), 656), 0xFF, dtype=torch.uint8)
-    return {"kv": kv.to(device), "kv_cache": storage.to(device)[:, : p["block_size"]],
-            "slot_mapping": slots.to(device), "scale_rule": p["scale_rule"]}
+    shape = (p["num_blocks"], p["block_size"] + p.get("stride_pad", 0), 656)
+    storage = torch.full(shape, 0xFF, dtype=torch.uint8, device=device)
+    return {"kv": kv, "kv_cache": storage[:, : p["block_size"]], "slot_mapping": slots, "scale_rule": p["scale_rule"]}
 
 
 def _fresh_cache(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

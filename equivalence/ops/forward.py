@@ -23,16 +23,10 @@ def path_of(p) -> str:
     return path + "_dcp" if p.get("dcp_size", 1) > 1 else path
 
 
-def _dcp_kwargs(batch) -> dict:
-    kwargs = batch.forward_kwargs()
-    kwargs.pop("block_table")
-    return kwargs
-
-
 def _reference(kw, p):
     b = kw["batch"]
     if p.get("dcp_size", 1) > 1:
-        res = reference.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, exact_merge=True, **_dcp_kwargs(b))
+        res = reference.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, exact_merge=True, **b.dcp_kwargs())
     else:
         res = reference.forward_mqa(b.q, b.kv_cache, **b.forward_kwargs())
     return {"out": res.out, "lse": res.lse, "logit_l1": res.logit_l1}
@@ -43,7 +37,7 @@ def _whole(fn, b, p) -> ImplOutput:
     if p.get("dcp_size", 1) == 1:
         out, lse = fn(q=b.q, kv_cache=b.kv_cache, **b.forward_kwargs())[:2]
         return ImplOutput({"out": out, "lse": lse})
-    kwargs, size = _dcp_kwargs(b), p["dcp_size"]
+    kwargs, size = b.dcp_kwargs(), p["dcp_size"]
     parts = [fn(q=b.q, kv_cache=c, block_table=t, dcp_size=size, dcp_rank=r, **kwargs)[:2]
              for r, (c, t) in enumerate(zip(b.rank_caches, b.rank_block_tables))]
     merge = registry.select("dcp_merge", b.kv_cache.device.type)
@@ -60,7 +54,7 @@ def _call(subject, kw, p) -> ImplOutput:
     needed = pipeline.needed_stages(p["cache_dtype"], p["heads"], dcp, isinstance(b.q, tuple))
     stages = registry.resolve(needed, b.kv_cache.device.type, subject.overrides)
     if dcp > 1:
-        res = pipeline.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, stages=stages, **_dcp_kwargs(b))
+        res = pipeline.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, stages=stages, **b.dcp_kwargs())
     else:
         res = pipeline.forward_mqa(b.q, b.kv_cache, stages=stages, **b.forward_kwargs())
     deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))

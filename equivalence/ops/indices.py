@@ -5,24 +5,24 @@ from __future__ import annotations
 import torch
 
 import reference
-from equivalence.patterns import apply_patterns, distinct_rows
+from equivalence.patterns import apply_patterns, distinct_rows, prefix_candidates
 from equivalence.policy import EXACT
 
 from . import Check, ImplOutput, OpSpec, register_op
-from .common import generator, knobs
+from .common import generator, knobs, randint
 
 
 def _common_inputs(g, p, logical_tokens):
     tokens, requests, width, topk = p["tokens"], p["requests"], p["table_width"], p["topk"]
-    req_id = torch.randint(0, requests, (tokens,), generator=g)
-    table = torch.randint(0, 4096, (requests, width), generator=g)
-    idx = distinct_rows(g, [torch.arange(logical_tokens)] * tokens, topk)
+    req_id = randint(g, 0, requests, tokens)
+    table = randint(g, 0, 4096, requests, width)
+    idx = distinct_rows(g, prefix_candidates(torch.full((tokens,), logical_tokens, device=g.device)), topk)
     idx = apply_patterns(g, idx, p.get("invalid", []), out_of_range=(logical_tokens, logical_tokens + 8 * topk))
     return req_id.to(torch.int32), table.to(torch.int32), idx.to(torch.int32)
 
 
 def _convert_inputs(p, seed, device):
-    g = generator(seed)
+    g = generator(seed, device)
     bs = p["block_size"]
     req_id, table, idx = _common_inputs(g, p, p["table_width"] * bs)
     kwargs = {"req_id": req_id, "block_table": table, "topk_indices": idx, "block_size": bs,
@@ -31,10 +31,10 @@ def _convert_inputs(p, seed, device):
               "return_valid_counts": p.get("counts", False)}
     if p.get("prefill"):
         num_prefills = max(1, p["requests"] // 2)
-        kwargs["prefill_request_ids"] = torch.randint(-1, num_prefills, (p["tokens"],), generator=g).to(torch.int32)
-        starts = torch.randint(0, 2 * p["table_width"] * bs, (num_prefills,), generator=g).sort().values
+        kwargs["prefill_request_ids"] = randint(g, -1, num_prefills, p["tokens"]).to(torch.int32)
+        starts = randint(g, 0, 2 * p["table_width"] * bs, num_prefills).sort().values
         kwargs["prefill_workspace_starts"] = (starts - starts[0]).to(torch.int32)
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return kwargs
 
 
 def _named_indices(result) -> dict[str, torch.Tensor]:
@@ -58,12 +58,11 @@ register_op(OpSpec(
 
 
 def _dcp_inputs(p, seed, device):
-    g = generator(seed)
+    g = generator(seed, device)
     req_id, table, idx = _common_inputs(g, p, p["table_width"] * p["block_size"] * p["dcp_size"])
-    kwargs = {"req_id": req_id, "block_table": table, "topk_indices": idx, "block_size": p["block_size"],
-              "dcp_size": p["dcp_size"], "dcp_rank": p["dcp_rank"], "interleave": p["interleave"],
-              "compact_valid_to_front": p["compact"]}
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return {"req_id": req_id, "block_table": table, "topk_indices": idx, "block_size": p["block_size"],
+            "dcp_size": p["dcp_size"], "dcp_rank": p["dcp_rank"], "interleave": p["interleave"],
+            "compact_valid_to_front": p["compact"]}
 
 
 register_op(OpSpec(

@@ -13,9 +13,9 @@ from .common import generator, knobs, single
 
 
 def _concat_inputs(p, seed, device):
-    g = generator(seed)
+    g = generator(seed, device)
     # Strided views of a wider buffer, as the MLA layer hands them over.
-    base = q_values(g, (p["tokens"], p["heads"], 640), "normal").to(device)
+    base = q_values(g, (p["tokens"], p["heads"], 640), "normal")
     return {"ql_nope": base[..., :512], "q_pe": base[..., 560:624]}
 
 
@@ -50,9 +50,8 @@ register_op(OpSpec(
 
 
 def _spec_q_inputs(p, seed, device):
-    g = generator(seed)
-    q = q_values(g, (p["num_decodes"] * p["s"], p["heads"], 576), "normal")
-    return {"q": q.to(device), "num_decodes": p["num_decodes"]}
+    q = q_values(generator(seed, device), (p["num_decodes"] * p["s"], p["heads"], 576), "normal")
+    return {"q": q, "num_decodes": p["num_decodes"]}
 
 
 register_op(OpSpec(
@@ -69,9 +68,8 @@ register_op(OpSpec(
 
 
 def _spec_out_inputs(p, seed, device):
-    g = generator(seed)
     shape = (p["num_decodes"], p["s"], p["heads"], 512) if p.get("four_d", True) else (p["num_decodes"] * p["s"], p["heads"], 512)
-    return {"out": q_values(g, shape, "normal").to(device)}
+    return {"out": q_values(generator(seed, device), shape, "normal")}
 
 
 register_op(OpSpec(

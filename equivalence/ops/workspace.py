@@ -6,7 +6,8 @@ import torch
 
 import reference
 from equivalence.policy import EXACT
-from equivalence.values import kv_values
+from equivalence.values import pooled_rows
+from reference.paged_cache import scatter_rows
 
 from . import Check, ImplOutput, OpSpec, register_op
 from .common import generator, knobs
@@ -16,29 +17,26 @@ WIDTH = {"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
 
 def _gather_inputs(fmt):
     def inputs(p, seed, device):
-        g = generator(seed)
+        g = generator(seed, device)
         bs, seq_lens = p["block_size"], p["seq_lens"]
         blocks = [-(-n // bs) for n in seq_lens]
         width = max(blocks) + p.get("table_pad", 0)
         num_blocks = sum(blocks) + 1
-        order = torch.randperm(num_blocks, generator=g) if p.get("shuffle", True) else torch.arange(num_blocks)
-        table = torch.zeros((len(seq_lens), width), dtype=torch.int64)
-        storage = torch.full((num_blocks, bs + p.get("stride_pad", 0), WIDTH[fmt]), 0xFF, dtype=torch.uint8)
-        cache = storage[:, :bs]
-        cursor = 0
+        order = torch.randperm(num_blocks, generator=g, device=device) if p.get("shuffle", True) \
+            else torch.arange(num_blocks, device=device)
+        table = torch.zeros((len(seq_lens), width), dtype=torch.int64, device=device)
+        storage = torch.full((num_blocks, bs + p.get("stride_pad", 0), WIDTH[fmt]), 0xFF, dtype=torch.uint8, device=device)
+        slots, cursor = [], 0
         for r, (n, nb) in enumerate(zip(seq_lens, blocks)):
             table[r, :nb] = order[cursor : cursor + nb]
             cursor += nb
-            pos = torch.arange(n)
-            slots = table[r][pos // bs] * bs + pos % bs  # only the sequence's rows: the rest stays NaN
-            kv = kv_values(g, n, p["value_regime"])
-            if fmt == "fp8_ds_mla":
-                reference.write_fp8_ds_mla_cache(kv, cache, slots, p["scale_rule"])
-            else:
-                reference.write_nvfp4_ds_mla_cache(kv, cache, slots)
-        starts = torch.tensor([0] + seq_lens[:-1]).cumsum(0)
-        return {"kv_cache": storage.to(device)[:, :bs], "block_table": table.to(torch.int32).to(device),
-                "workspace_starts": starts.to(torch.int32).to(device), "num_rows": sum(seq_lens)}
+            pos = torch.arange(n, device=device)
+            slots.append(table[r][pos // bs] * bs + pos % bs)  # only the sequences' rows: the rest stays NaN
+        slots = torch.cat(slots)
+        scatter_rows(pooled_rows(g, len(slots), p["value_regime"], fmt, p["scale_rule"])[1], storage[:, :bs], slots)
+        starts = torch.tensor([0] + seq_lens[:-1], device=device).cumsum(0)
+        return {"kv_cache": storage[:, :bs], "block_table": table.to(torch.int32),
+                "workspace_starts": starts.to(torch.int32), "num_rows": sum(seq_lens)}
 
     return inputs
 

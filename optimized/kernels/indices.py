@@ -44,7 +44,6 @@ def _convert_kernel(
     row_out = out + t.to(tl.int64) * K
     if HAS_PREFILL:
         p = tl.load(prefill_ids + t)
-        is_prefill = p >= 0
         ws_start = tl.load(prefill_starts + tl.maximum(p, 0))
     placed = tl.zeros([], tl.int32)
     for k0 in range(0, K, TILE):
@@ -55,6 +54,9 @@ def _convert_kernel(
         b = local // block_size
         valid = (tok >= 0) & (b < M)
         if HAS_PREFILL:
+            # The row's prefill flag as a vector: the interpreter of triton >= 3.7 turns a vector
+            # mask combined with a scalar bool into an int array that tl.load refuses.
+            is_prefill = (tok * 0 + p) >= 0
             # Workspace rows hold every rank's tokens, so ownership does not apply to them.
             valid &= (owner == dcp_rank) | is_prefill
             blk = tl.load(table_row + b, mask=valid & ~is_prefill, other=0)

@@ -1,0 +1,278 @@
+"""`mla-verify bench`: how fast the kernels, the reference and the harness itself are.
+
+On a GPU, per path and production shape (DeepSeek V3.2: topk 2048, 576/512, page 64; 128 heads
+per rank down to 16; decode batch 1-128 with s_q 1 and 2; prefill 1k-16k tokens):
+  kernels    median time over rotated input sets (CUDA events around each call, after warm-up),
+             TFLOP/s and GB/s against the measured ceilings; FlashMLA called standalone and
+             through our wrapper side by side (their ratio must stay within 5%), our Triton kernels
+  reference  float64 reference time and peak memory at production shapes (chunked)
+  harness    per compared case: total time minus the reference's and the kernel's, over their sum
+  fuzz       cases per second per profile, decode-sized cases, float64 reference on the device
+On a CPU: the reference at a 128k-token context (time, peak RSS in a fresh process), harness
+overhead and fuzz throughput of the `ci` profile. Prints a table last; writes everything as JSON.
+
+FLOPs = 2 * rows * heads * topk * (576 + 512), rows = T (prefill) or B * s_q (decode).
+Minimal bytes = q + indices + each distinct gathered row once + out (+ lse).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TOPK, SM_SCALE, PAGE = 2048, 0.1352, 64
+BF16_CEILING_TFLOPS = 790.0   # 8192^3 bf16 matmul on this workplace's H200 (device/KINDS.md)
+HBM_CEILING_GBS = 4300.0      # device-to-device copy, bytes read + written (device/KINDS.md)
+ROTATIONS = 3                 # input sets cycled so no call finds the last one's rows in L2
+
+
+def flops(rows: int, heads: int, topk: int = TOPK) -> float:
+    return 2.0 * rows * heads * topk * (576 + 512)
+
+
+def _median_ms(fns: dict[str, tuple], reps: int) -> dict[str, float]:
+    """name -> (fn, input sets): median milliseconds of one call each, the implementations
+    interleaved call by call so clock and thermal drift fall on all of them alike."""
+    for fn, inputs in fns.values():  # warm-up: compilation, plans, allocator
+        for args in inputs:
+            fn(*args)
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(reps):
+        for name, (fn, inputs) in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*inputs[i % len(inputs)])
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _row(kind: str, shape: str, impl: str, ms: float, fl: float, nbytes: float, **extra) -> dict:
+    row = {"kind": kind, "shape": shape, "impl": impl, "ms": ms, "tflops": fl / ms / 1e9,
+           "gbs": nbytes / ms / 1e6, "pct_peak": 100 * fl / ms / 1e9 / BF16_CEILING_TFLOPS, **extra}
+    print(json.dumps(row), flush=True)  # progress, and what survives if a later step dies
+    return row
+
+
+def _prefill_inputs(tokens: int, heads: int, rows: int, gen: torch.Generator):
+    kv = (torch.randn(rows, 576, generator=gen, device="cuda") / 4).bfloat16()
+    sets = []
+    for _ in range(ROTATIONS):
+        q = torch.randn(tokens, heads, 576, generator=gen, device="cuda").bfloat16()
+        idx = torch.randint(0, rows, (tokens, TOPK), generator=gen, device="cuda", dtype=torch.int32)
+        sets.append((q, kv, idx))
+    nbytes = tokens * heads * (576 + 512) * 2 + tokens * TOPK * 4 + min(rows, tokens * TOPK) * 576 * 2
+    return sets, nbytes
+
+
+def _decode_inputs(batch: int, s_q: int, heads: int, blocks: int, gen: torch.Generator):
+    import reference
+
+    kv = (torch.randn(blocks * PAGE, 576, generator=gen, device="cuda") / 4).bfloat16()
+    cache = reference.quantize_fp8_ds_mla(kv, "pow2").view(blocks, PAGE, 656)
+    sets = []
+    for _ in range(ROTATIONS):
+        q = torch.randn(batch, s_q, heads, 576, generator=gen, device="cuda").bfloat16()
+        idx = torch.randint(0, blocks * PAGE, (batch, s_q, TOPK), generator=gen, device="cuda", dtype=torch.int32)
+        sets.append((q, cache, idx))
+    rows = batch * s_q
+    nbytes = rows * heads * (576 + 512) * 2 + rows * TOPK * 4 + min(blocks * PAGE, rows * TOPK) * 656
+    return sets, nbytes
+
+
+def _kernel_rows(shape: str, fl: float, nbytes: float, fns: dict[str, tuple], reps: int) -> list[dict]:
+    ms = _median_ms(fns, reps)
+    base = ms.get("flash_mla standalone")
+    rows = []
+    for name, t in ms.items():
+        extra = {}
+        if name == "flash_mla via mla-verify":
+            extra["vs_standalone"] = t / base
+        elif name.startswith("triton") and base:
+            extra["vs_flash_mla"] = base / t
+        rows.append(_row("kernel", shape, name, t, fl, nbytes, **extra))
+    return rows
+
+
+def bench_kernels(quick: bool, reps: int) -> list[dict]:
+    from optimized import flashmla
+    from optimized.kernels import sparse_decode, sparse_prefill
+    from optimized.kernels.attention_launch import VARIANTS
+
+    have_fm = flashmla.flash_mla_unavailable() is None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    prefill = [(4096, 128), (4096, 64)] if quick else [(t, h) for h in (128, 64, 32, 16) for t in (1024, 4096, 16384)]
+    for tokens, heads in prefill:
+        sets, nbytes = _prefill_inputs(tokens, heads, 65536, gen)
+        fns = {f"triton[{name}]": (lambda q, kv, i, cfg=cfg: sparse_prefill.launch_sparse_prefill(q, kv, i, SM_SCALE, None, None, cfg), sets)
+               for name, cfg in VARIANTS.items()}
+        if have_fm:
+            import flash_mla
+
+            raw = [(flashmla._pad_heads(q, 576, 0.0), kv.unsqueeze(1), idx.unsqueeze(1)) for q, kv, idx in sets]
+            fns["flash_mla standalone"] = (lambda q, kv, i: flash_mla.flash_mla_sparse_fwd(q, kv, i, SM_SCALE, use_legacy=True), raw)
+            fns["flash_mla via mla-verify"] = (lambda q, kv, i: flashmla.launch_sparse_prefill(q, kv, i, SM_SCALE), sets)
+        out += _kernel_rows(f"prefill T={tokens} H={heads}", flops(tokens, heads), nbytes, fns, reps)
+        del sets, fns
+    decode = [(64, 1, 128), (128, 2, 128), (64, 2, 64)] if quick else [
+        (b, s, h) for h in (128, 64, 32, 16) for s in (1, 2) for b in (1, 8, 32, 64, 128)]
+    for batch, s_q, heads in decode:
+        sets, nbytes = _decode_inputs(batch, s_q, heads, 8192, gen)
+        fns = {f"triton[{name}]": (lambda q, c, i, cfg=cfg: sparse_decode.launch_sparse_decode_fp8(q, c, i, SM_SCALE, cfg), sets)
+               for name, cfg in VARIANTS.items()}
+        if have_fm:
+            import flash_mla
+
+            plan = flash_mla.get_mla_metadata()[0]
+            raw = [(flashmla._pad_heads(q, 576, 0.0), c.unsqueeze(-2), i) for q, c, i in sets]
+            fns["flash_mla standalone"] = (lambda q, c, i: flash_mla.flash_mla_with_kvcache(
+                q, c, None, None, 512, plan, softmax_scale=SM_SCALE, is_fp8_kvcache=True, indices=i, use_legacy=True), raw)
+            fns["flash_mla via mla-verify"] = (lambda q, c, i: flashmla.launch_sparse_decode_fp8(q, c, i, SM_SCALE), sets)
+        out += _kernel_rows(f"decode B={batch} s_q={s_q} H={heads}", flops(batch * s_q, heads), nbytes, fns, reps)
+        del sets, fns
+    return out
+
+
+def bench_reference_gpu(quick: bool) -> list[dict]:
+    import reference
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    out = []
+    tokens = 4096 if quick else 16384
+    kv = torch.randn(65536, 576, generator=gen, device="cuda").bfloat16()
+    q = torch.randn(tokens, 128, 576, generator=gen, device="cuda").bfloat16()
+    idx = torch.randint(0, 65536, (tokens, TOPK), generator=gen, device="cuda", dtype=torch.int32)
+    for dtype in (torch.float64, torch.float32):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        reference.sparse_prefill(q, kv, idx, SM_SCALE, dtype=dtype)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        out.append({"kind": "reference", "shape": f"prefill T={tokens} H=128", "impl": f"reference {str(dtype)[6:]}",
+                    "ms": seconds * 1e3, "tflops": flops(tokens, 128) / seconds / 1e12, "peak_gib": peak})
+    return out
+
+
+def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
+    """Harness overhead per compared case, and fuzz throughput, on decode-sized cases."""
+    from equivalence.case import Case
+    from equivalence.evaluate import evaluate
+    from equivalence.ops import get_op
+    from equivalence.subject import resolve_subject
+    from fuzz.campaign import fuzz
+    from fuzz.profiles import get_profile
+
+    out = []
+    if device == "cuda":
+        heads, batch, seq = 128, 64, 8192
+    else:
+        heads, batch, seq = 16, 2, 2048
+    case = Case("sparse_decode_fp8", {"batch": batch, "s_q": 2, "heads": heads, "topk": TOPK if device == "cuda" else 256,
+                                      "seq_lens": [seq] * batch, "page_size": PAGE, "stride_pad": 0,
+                                      "value_regime": "normal", "scale_rule": "pow2", "sm_scale": SM_SCALE, "invalid": []}, 7)
+    subject = resolve_subject("sparse_decode_fp8", [], device)
+    spec = get_op(case.op)
+    evaluate(case, subject, device)  # warm-up: compilation, plans, row pools
+    totals, overheads, inputs = [], [], []
+    for _ in range(3):
+        start = time.perf_counter()
+        spec.inputs(case.params, case.seed, device)
+        _sync(device)
+        inputs.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        rows = evaluate(case, subject, device)
+        total = time.perf_counter() - start
+        inner = rows[0].time_ref_s + rows[0].time_impl_s
+        totals.append(total)
+        overheads.append((total - inner) / inner)
+    out.append({"kind": "harness", "shape": f"decode B={batch} s_q=2 H={heads}", "impl": subject.label,
+                "ms": statistics.median(totals) * 1e3, "overhead_pct": 100 * statistics.median(overheads),
+                "inputs_ms": statistics.median(inputs) * 1e3,
+                "ref_ms": rows[0].time_ref_s * 1e3, "impl_ms": rows[0].time_impl_s * 1e3})
+    start = time.perf_counter()
+    result = fuzz("sparse_decode_fp8", lambda c, source: evaluate(c, subject, device, source=source),
+                  profile=get_profile(profile_name), examples=examples, seed=3, shrink=False)
+    elapsed = time.perf_counter() - start
+    out.append({"kind": "fuzz", "shape": f"sparse_decode_fp8, profile {profile_name}", "impl": subject.label,
+                "cases_per_s": result.examples / elapsed, "cases": result.examples})
+    return out
+
+
+_CPU_CONTEXT_PROBE = """
+import gc, time, torch, reference
+from equivalence.batch import make_batch
+def rss(field):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field)) / 2**20
+p = dict(cache_dtype="fp8_ds_mla", heads=128, query_lens=[1, 1, 1, 1, 64], context_lens=[131071, 131071, 131071, 131071, 131008],
+         block_size=64, topk=2048, sm_scale=0.1352, value_regime="normal", shuffle=True)
+b = make_batch(p, 0)
+b.kv_source.clear()  # the harness's copy of the rows; the reference reads the cache
+gc.collect()
+inputs = rss("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")  # restart the peak-RSS counter
+t = time.perf_counter()
+r = reference.forward_mqa(b.q, b.kv_cache, **b.forward_kwargs())
+print(time.perf_counter() - t, inputs, rss("VmHWM:"), r.path)
+"""
+
+
+def bench_reference_cpu() -> list[dict]:
+    """forward_mqa's reference over five 128k-token contexts, topk 2048, 128 heads, in a fresh
+    process so its peak RSS is its own."""
+    done = subprocess.run([sys.executable, "-c", _CPU_CONTEXT_PROBE], capture_output=True, text=True, check=True)
+    seconds, before, peak, path = done.stdout.split()
+    return [{"kind": "reference", "shape": "forward_mqa 5 x 128k context, topk 2048, H=128", "impl": f"reference cpu ({path})",
+             "ms": float(seconds) * 1e3, "peak_gib": float(peak), "inputs_gib": float(before)}]
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'kind':9s} {'shape':44s} {'impl':32s} {'ms':>9s} {'TFLOP/s':>8s} {'GB/s':>7s}  notes"]
+    for r in rows:
+        notes = []
+        for key, fmt in (("vs_standalone", "{:.3f}x standalone"), ("vs_flash_mla", "{:.0%} of flash_mla"),
+                         ("peak_gib", "peak {:.2f} GiB"), ("overhead_pct", "overhead {:.1f}%"),
+                         ("inputs_ms", "inputs {:.1f} ms"), ("ref_ms", "reference {:.1f} ms"), ("impl_ms", "kernel {:.2f} ms"),
+                         ("cases_per_s", "{:.1f} cases/s")):
+            if r.get(key) is not None:
+                notes.append(fmt.format(r[key]))
+        ms = f"{r['ms']:9.3f}" if "ms" in r else " " * 9
+        tf = f"{r['tflops']:8.1f}" if "tflops" in r else " " * 8
+        gb = f"{r['gbs']:7.0f}" if "gbs" in r else " " * 7
+        lines.append(f"{r['kind']:9s} {r['shape']:44s} {r['impl']:32s} {ms} {tf} {gb}  {', '.join(notes)}")
+    return "\n".join(lines)
+
+
+def main(args, device: str) -> int:
+    rows: list[dict] = []
+    started = time.time()
+    if device == "cuda":
+        rows += bench_kernels(args.quick, reps=10 if args.quick else 30)
+        rows += bench_reference_gpu(args.quick)
+        rows += bench_harness("cuda", "gpu", 30 if args.quick else 200)
+    else:
+        rows += bench_reference_cpu()
+        rows += bench_harness("cpu", "ci", 10 if args.quick else 40)
+    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            "seconds": time.time() - started, "quick": args.quick}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(table(rows))
+    print(f"bench written to {args.out}")
+    return 0

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU lane in one call on a machine without registry access (the carried wheel in .whl/,
+# see scripts/fetch_gpu_wheel.sh): install flash_mla, then run the named steps, each under its own
+# time limit, logging to $OUT/<step>.log; everything is packed into $OUT/results.tgz and a short
+# table of step exit codes is printed last.
+#   scripts/gpu_lane.sh [STEP ...]     steps: env pytest gate bench properties dcp (default: env pytest gate bench)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu-lane}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OUT GATE_EXAMPLES=${GATE_EXAMPLES:-20}
+declare -A LIMIT=([env]=60 [pytest]=240 [gate]=300 [bench]=240 [properties]=150 [dcp]=150)
+summary=()
+
+declare -A CMD=(
+  [env]='nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv && python3 -c "import torch, triton, flash_mla; print(torch.__version__, triton.__version__, flash_mla.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"'
+  [pytest]='python3 -m pytest -m gpu -q -rs tests'
+  [gate]='python3 -m mla_verify.cli gate --device cuda --examples $GATE_EXAMPLES --seed ${SEED:-1} --out $OUT/gate --junit $OUT/gate/junit.xml'
+  [bench]='python3 -m mla_verify.cli bench --device cuda ${BENCH_ARGS:---quick} --out $OUT/bench.json'
+  [properties]='python3 -m mla_verify.cli gate --device cuda --examples $GATE_EXAMPLES --op property --out $OUT/properties'
+  [dcp]='python3 -m mla_verify.cli fuzz --op dcp --device cuda --examples 10 --out $OUT/dcp'
+)
+
+run_step() {
+  local name=$1 start=$SECONDS code
+  if [ -z "${CMD[$name]:-}" ]; then summary+=("$name: unknown step"); return; fi
+  OUT=$OUT GATE_EXAMPLES=$GATE_EXAMPLES timeout -k 10 "${LIMIT[$name]}" bash -c "${CMD[$name]}" > "$OUT/$name.log" 2>&1
+  code=$?
+  summary+=("$(printf '%-11s exit %-4s %5ss  %s' "$name" "$code" "$((SECONDS - start))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-90)")")
+}
+
+for step in "${@:-env pytest gate bench}"; do
+  for s in $step; do run_step "$s"; done
+done
+tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . 2>/dev/null
+# What comes back from a device call is a few files: keep the logs and the archive.
+find "$OUT" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,56 @@
+"""On a GPU: the reference computes the same answers on CUDA as on CPU, and every corpus case
+passes for every implementation that runs there (flash_mla, compiled Triton, torch-fp32)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from equivalence.evaluate import evaluate
+from equivalence.ops import OPS
+from equivalence.subject import resolve_subject
+from fuzz.gate import subjects_for
+from fuzz.regressions import corpus
+
+CASES = [(op, case) for op in sorted(OPS) for case, _ in corpus(op)]
+
+
+def to_cpu(obj):
+    """A CPU copy of a case's inputs, every tensor with its strides and offset (padded caches)."""
+    if isinstance(obj, torch.Tensor):
+        copy = torch.empty(0, dtype=obj.dtype)
+        return copy.set_(obj.untyped_storage().cpu(), obj.storage_offset(), obj.size(), obj.stride())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: to_cpu(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+    return obj
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, case", CASES, ids=[f"{op}-{c.case_id}" for op, c in CASES])
+def test_reference_on_cuda_matches_cpu(op, case):
+    spec = OPS[op]
+    inputs = spec.inputs(case.params, case.seed, "cuda")
+    on_cpu = spec.reference(to_cpu(inputs), case.params)
+    on_gpu = spec.reference(inputs, case.params)
+    for name, ref in on_cpu.items():
+        got = on_gpu[name].cpu()
+        if ref.is_floating_point() and ref.dtype == torch.float64:
+            assert torch.equal(torch.isinf(got), torch.isinf(ref)) and torch.equal(torch.isnan(got), torch.isnan(ref))
+            finite = torch.isfinite(ref)
+            assert torch.allclose(got[finite], ref[finite], rtol=1e-12, atol=1e-12), name  # summation order only
+        else:
+            assert torch.equal(got.view(torch.uint8) if ref.is_floating_point() else got,
+                               ref.view(torch.uint8) if ref.is_floating_point() else ref), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, case", CASES, ids=[f"{op}-{c.case_id}" for op, c in CASES])
+def test_corpus_passes_for_every_implementation_on_cuda(op, case):
+    for label, specs in subjects_for(op, "cuda").items():
+        rows = evaluate(case, resolve_subject(op, specs, "cuda"), "cuda", source="corpus")
+        failing = [f"{label} {r.tensor}: {r.reason}" for r in rows if not r.passed]
+        assert not failing, failing
