@@ -111,12 +111,14 @@ def run_gate(
     ops: list[str] | None = None,
     log=sys.stderr,
 ) -> GateResult:
-    """`examples` per op (or property) and implementation; None: the profile's budgets."""
+    """`examples` per op (or property) and implementation; None: the profile's budgets. In `ops`,
+    "property" stands for every property."""
     result = GateResult()
     worker = Worker(device, timeout_s) if isolate else None
     distributed.set_timeout(timeout_s)
     try:
-        for op in ops or [*sorted(OPS), *(p.op for p in PROPERTIES.values())]:
+        every_property = [p.op for p in PROPERTIES.values()]
+        for op in [o for op in ops or [*sorted(OPS), "property"] for o in (every_property if op == "property" else [op])]:
             budget = examples if examples is not None else profile.property_examples if is_property(op) else profile.examples
             pinned = corpus(op)
             in_worker = worker if is_property(op) or not OPS[op].own_processes else None

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--examples", type=int, default=None,
                    help="fuzz examples per op (or property) and implementation; default: the profile's")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--op", action="append", default=None, help="restrict to these ops (and property:NAME)")
+    p.add_argument("--op", action="append", default=None, help="restrict to these ops, property:NAME, or property (all of them)")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/gate-<time>)")
     p.add_argument("--baseline", type=Path, default=None, help="compare the drift with this earlier run")
     p.add_argument("--junit", type=Path, default=None)
