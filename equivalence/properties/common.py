@@ -59,9 +59,8 @@ def forward_knobs(params: Mapping) -> dict[str, Any]:
 
 
 def forward_stages(params: Mapping) -> list[str]:
-    stages = pipeline.needed_stages(params["cache_dtype"], params["heads"], params.get("dcp_size", 1),
-                                    params.get("q_form") == "tuple")
-    return list(dict.fromkeys([*stages, "dcp_merge"])) if params.get("dcp_size", 1) > 1 else stages
+    return pipeline.needed_stages(params["cache_dtype"], params["heads"], params.get("dcp_size", 1),
+                                  params.get("q_form") == "tuple")
 
 
 # ----------------------------------------------------------------------------- calling the stages
@@ -179,4 +178,5 @@ def permute_entries(gen: torch.Generator, idx: torch.Tensor, lengths: torch.Tens
 
 
 def on(device: str, **tensors: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    """Keyword updates of a problem, the rewritten (CPU) tensors moved to `device`; None stays None."""
     return {k: None if v is None else v.to(device) for k, v in tensors.items()}
