@@ -36,6 +36,8 @@ def evaluate_property(
     case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
     notes: set[str] | None = None,
 ) -> list[Row]:
+    """Every tensor property `case` compares, as a Row (a single failure row if the implementation
+    raised); `notes` collects the stages that fell back from their preferred implementation."""
     prop = get_property(case.op)
     params = case.params
     target = prop.targets[params["target"]]
