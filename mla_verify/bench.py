@@ -119,7 +119,7 @@ def bench_kernels(quick: bool, reps: int) -> list[dict]:
     for tokens, heads in prefill:
         sets, nbytes = _prefill_inputs(tokens, heads, 65536, gen)
         fns = {f"triton[{name}]": (lambda q, kv, i, cfg=cfg: sparse_prefill.launch_sparse_prefill(q, kv, i, SM_SCALE, None, None, cfg), sets)
-               for name, cfg in VARIANTS.items()}
+               for name, cfg in VARIANTS["prefill"].items()}
         if have_fm:
             import flash_mla
 
@@ -133,7 +133,7 @@ def bench_kernels(quick: bool, reps: int) -> list[dict]:
     for batch, s_q, heads in decode:
         sets, nbytes = _decode_inputs(batch, s_q, heads, 8192, gen)
         fns = {f"triton[{name}]": (lambda q, c, i, cfg=cfg: sparse_decode.launch_sparse_decode_fp8(q, c, i, SM_SCALE, cfg), sets)
-               for name, cfg in VARIANTS.items()}
+               for name, cfg in VARIANTS["decode"].items()}
         if have_fm:
             import flash_mla
 

@@ -6,7 +6,7 @@ Prints one line per (shape, implementation): median kernel time (CUDA events thr
 triton.testing.do_bench, inputs already validated), TFLOP/s counted as
 2 * tokens * heads * topk * (576 + 512), and for Triton the largest difference from FlashMLA's
 output in bf16 ulps of FlashMLA's value and the largest lse difference. Triton variants are
-`AttentionConfig` values: add one to `attention_launch.VARIANTS` to time it. FlashMLA decode reuses one plan per
+`AttentionConfig` values: add one to `attention_launch.VARIANTS[op]` to time it. FlashMLA decode reuses one plan per
 shape, as vLLM does across layers.
 """
 
@@ -63,7 +63,7 @@ def bench_prefill(quick: bool) -> None:
                 out, lse, _ = run(f"{shape} flash_mla", tokens, heads,
                                   lambda: flashmla.sparse_prefill(q, kv, idx, SM_SCALE))
                 base = (out, lse)
-            for name, cfg in VARIANTS.items():
+            for name, cfg in VARIANTS["prefill"].items():
                 run(f"{shape} triton[{name}]", tokens, heads,
                     lambda cfg=cfg: launch_sparse_prefill(q, kv, idx, SM_SCALE, None, None, cfg), base)
             del q, idx
@@ -94,7 +94,7 @@ def bench_decode(quick: bool) -> None:
                     q, cache.unsqueeze(-2), None, None, 512, sched, softmax_scale=SM_SCALE,
                     is_fp8_kvcache=True, indices=idx, use_legacy=True)
                 base = run(f"{shape} flash_mla", batch * s_q, heads, call)
-            for name, cfg in VARIANTS.items():
+            for name, cfg in VARIANTS["decode"].items():
                 run(f"{shape} triton[{name}]", batch * s_q, heads,
                     lambda cfg=cfg: launch_sparse_decode_fp8(q, cache, idx, SM_SCALE, cfg), base)
             run(f"{shape} triton prefill on bf16 rows", batch * s_q, heads,

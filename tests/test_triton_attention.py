@@ -36,7 +36,7 @@ from optimized import buffers, flashmla, registry
 from optimized.kernels import interpreting
 from optimized.kernels import sparse_decode as triton_decode
 from optimized.kernels import sparse_prefill as triton_prefill
-from optimized.kernels.attention_launch import AttentionConfig
+from optimized.kernels.attention_launch import VARIANTS, AttentionConfig
 from optimized.validation import InputError
 
 BF16_U = 2.0**-8
@@ -45,6 +45,10 @@ HEADS = st.sampled_from([1, 8, 16, 64])
 REGIMES = st.sampled_from(["normal", "outliers", "peaked", "tiny"])
 SM_SCALES = st.sampled_from([576**-0.5, 0.5, 0.1352])  # FlashMLA's tests, and DeepSeek's 192^-0.5 * mscale^2
 OUT_OF_RANGE_NEGATIVES = (-2, -7, -123456, -(2**31))
+# The launch switches that change the kernel's code (addressing, the L2 prefetch of a later
+# block): the interpreter skips the prefetch itself but runs the index and address arithmetic.
+LEAN = st.booleans()
+PREFETCH = st.sampled_from([0, 2])
 
 
 def fp32_unit() -> float:
@@ -189,15 +193,18 @@ def prefill_inputs(seed, tokens, heads, rows, topk, invalid, length_mode, sink_m
     regime=REGIMES,
     sm_scale=SM_SCALES,
     strided=st.booleans(),
+    lean=LEAN,
+    prefetch=PREFETCH,
 )
 def test_triton_prefill_matches_reference(
-    seed, tokens, heads, rows, topk, invalid, length_mode, sink_mode, regime, sm_scale, strided
+    seed, tokens, heads, rows, topk, invalid, length_mode, sink_mode, regime, sm_scale, strided, lean, prefetch
 ):
     q, kv, idx, length, sink, valid = prefill_inputs(
         seed, tokens, heads, rows, topk, invalid, length_mode, sink_mode, regime, strided
     )
+    config = AttentionConfig(lean_addressing=lean, l2_prefetch=prefetch)
     with buffers.poisoned():
-        got = triton_prefill.sparse_prefill(q, kv, idx, sm_scale, length, sink)
+        got = triton_prefill.sparse_prefill(q, kv, idx, sm_scale, length, sink, config=config)
     ref = R.sparse_prefill(q, kv, idx, sm_scale, topk_length=length, attn_sink=sink)
     ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()], valid, sm_scale, ref.lse, sink)
     check_attention("triton prefill", got, ref, ab, topk)
@@ -270,13 +277,16 @@ def decode_check_inputs(q, cache, idx, sm_scale, got, ref):
     regime=REGIMES,
     sm_scale=SM_SCALES,
     splits=st.sampled_from([None, 1, 3]),
+    lean=LEAN,
+    prefetch=PREFETCH,
 )
 def test_triton_decode_matches_reference(
-    seed, batch, s_q, heads, topk, page, pad, invalid, rule, regime, sm_scale, splits
+    seed, batch, s_q, heads, topk, page, pad, invalid, rule, regime, sm_scale, splits, lean, prefetch
 ):
     q, cache, idx = decode_inputs(seed, batch, s_q, heads, topk, page, pad, invalid, rule, regime)
+    config = AttentionConfig(num_splits=splits, lean_addressing=lean, l2_prefetch=prefetch)
     with buffers.poisoned():
-        got = triton_decode.sparse_decode_fp8(q, cache, idx, sm_scale, config=AttentionConfig(num_splits=splits))
+        got = triton_decode.sparse_decode_fp8(q, cache, idx, sm_scale, config=config)
     ref = R.sparse_decode_fp8(q, cache, idx, sm_scale)
     dequant_rel = BF16_U if rule == "raw" else 0.0
     check_attention(f"triton decode ({rule} scales)", *decode_check_inputs(q, cache, idx, sm_scale, got, ref),
@@ -422,15 +432,29 @@ def test_gpu_decode_matches_reference(name, batch, s_q, heads):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [AttentionConfig(), AttentionConfig(block_n=32), AttentionConfig(num_stages=2)],
-                         ids=["default", "block_n32", "stages2"])
-def test_gpu_triton_configs_agree_with_reference(config):
+@pytest.mark.parametrize("name", list(VARIANTS["prefill"]))
+def test_gpu_triton_prefill_variants_agree_with_reference(name):
+    """Every prefill launch variant the sweep times, compiled, at production top-k."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     g = torch.Generator().manual_seed(3)
     q, kv = q_values(g, (16, 128, 576), "normal").cuda(), kv_values(g, 3000, "normal").cuda()
-    idx = torch.randint(0, 3000, (16, 2048), generator=g, dtype=torch.int32).cuda()
-    got = triton_prefill.sparse_prefill(q, kv, idx, 0.1, config=config)
+    idx = torch.randint(-8, 3008, (16, 2048), generator=g, dtype=torch.int32).cuda()
+    got = triton_prefill.sparse_prefill(q, kv, idx, 0.1, config=VARIANTS["prefill"][name])
     ref = R.sparse_prefill(q, kv, idx, 0.1)
-    ab = weighted_abs_values(q, kv[idx.long()], torch.ones_like(idx, dtype=torch.bool), 0.1, ref.lse, None)
-    check_attention("triton prefill config", got, ref, ab, 2048)
+    valid = (idx >= 0) & (idx < 3000)
+    ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()], valid, 0.1, ref.lse, None)
+    check_attention(f"triton prefill [{name}]", got, ref, ab, 2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(VARIANTS["decode"]))
+@pytest.mark.parametrize("pad", [0, 1], ids=["packed", "padded"])
+def test_gpu_triton_decode_variants_agree_with_reference(name, pad):
+    """Every decode launch variant the sweep times, compiled, on a packed cache (the layout lean
+    addressing specializes) and a padded one."""
+    q, cache, idx = decode_inputs(7, 3, 2, 128, 2048, 64, pad, "scattered", "pow2", "normal")
+    q, cache, idx = q.cuda(), cache.cuda(), idx.cuda()
+    got = triton_decode.sparse_decode_fp8(q, cache, idx, 0.1352, config=VARIANTS["decode"][name])
+    ref = R.sparse_decode_fp8(q, cache, idx, 0.1352)
+    check_attention(f"triton decode [{name}]", *decode_check_inputs(q, cache, idx, 0.1352, got, ref), 2048)

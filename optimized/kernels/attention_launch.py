@@ -5,14 +5,17 @@ numbers from compiling for sm_90a with triton 3.6, see ATTENTION_NOTES.md):
 - block_h = 64 heads: one wgmma M tile, so a block of gathered rows is reused by 64 heads (the
   tile of FlashMLA's SM90 kernels). TP shards of 16/32 heads get a 16/32 tile instead of padding.
 - block_n = 64 gathered rows: q's [64, 576] bf16 tile (72 KiB) plus two [64, 576] row buffers
-  (144 KiB) is 216 KiB of the 227; prefill compiles to 221 KiB of shared memory.
+  (144 KiB) is 216 KiB of the 227; prefill compiles to 221 KiB of shared memory. 32 rows would
+  allow deeper copy pipelines but make the score dot 64x16 instructions (run 5: 40% slower).
 - num_warps = 8: the [64, 512] fp32 accumulator is 128 registers a thread over 8 warps (two
   warpgroups split its 512 columns); with 4 warps it is 256 and spills ~2 KiB a thread.
 - num_stages = 3: the index block is fetched one iteration before the rows it addresses, which
-  are fetched one before their dots (the pipeliner's schedule for an indirect load); it costs
-  512 bytes more than 2 stages and spills less (24 bytes instead of 152 in prefill).
+  are fetched one before their dots (the pipeliner's schedule for an indirect load); 2 stages
+  load the indices synchronously; run 5 measured the two within 3% of each other.
 - Decode splits the top-k list of a (token, head block) across programs when B*S*head-blocks
   leaves SMs idle (see `split_plan`), and merges the partial results in a combine kernel.
+- lean_addressing and l2_prefetch are off until an H200 sweep (scripts/sweep_attention.py)
+  shows they pay; ATTENTION_NOTES.md has the analysis and the predictions.
 
 Every entry point takes `config=` so variants can be timed side by side in one GPU run.
 """
@@ -40,6 +43,12 @@ class AttentionConfig:
     num_stages: int = 3
     # decode only: programs the top-k list is split over; None = `split_plan` decides
     num_splits: int | None = None
+    # row addresses in fewer instructions where the layout allows: 32-bit offsets when the KV
+    # array spans < 2**31 elements, and (decode) slot * 656 when pages are packed instead of a
+    # division by the page size; the launchers fall back per call
+    lean_addressing: bool = False
+    # prefetch into L2 the rows of the block this many blocks ahead (0: none); see gathered_rows.py
+    l2_prefetch: int = 0
 
     def resolve(self, heads: int, topk: int) -> "AttentionConfig":
         """Fill `block_h` from the head count and shrink `block_n` for short top-k lists."""
@@ -48,16 +57,37 @@ class AttentionConfig:
         for name, value in (("block_h", block_h), ("block_n", block_n)):
             if value not in (16, 32, 64, 128):
                 raise InputError(f"config.{name}={value} must be 16, 32, 64 or 128 (tl.dot tile)")
+        if self.l2_prefetch < 0:
+            raise InputError(f"config.l2_prefetch={self.l2_prefetch} must be >= 0 (blocks ahead)")
         return replace(self, block_h=block_h, block_n=block_n)
 
 
-# Launch variants worth timing against the defaults on a GPU (scripts/bench_attention.py times
-# them; scripts/kernel_resources.py shows what each compiles to).
-VARIANTS = {
+# The candidates an H200 sweep times against FlashMLA before any becomes a default
+# (scripts/sweep_attention.py; scripts/kernel_resources.py shows what each compiles to). Names say
+# what differs from the default: lean = lean_addressing; pfN = l2_prefetch N blocks ahead, one more
+# than the pipeliner's copy distance (1 at 64 rows x 3 stages; 3 for prefill rows and 2 for decode
+# codes at 32 x 7); sN = num_stages; nN = block_n; nosplit = num_splits 1.
+_LEAN = AttentionConfig(lean_addressing=True)
+PREFILL_VARIANTS = {
     "default": AttentionConfig(),
-    "stages2": AttentionConfig(num_stages=2),
-    "n32s3": AttentionConfig(block_n=32, num_stages=3),
+    "lean": _LEAN,
+    "lean+pf2": replace(_LEAN, l2_prefetch=2),
+    "lean+pf2 s2": replace(_LEAN, l2_prefetch=2, num_stages=2),
+    "lean+pf4 n32s7": replace(_LEAN, l2_prefetch=4, block_n=32, num_stages=7),
 }
+DECODE_VARIANTS = {
+    "default": AttentionConfig(),
+    "lean": _LEAN,
+    "lean+pf2": replace(_LEAN, l2_prefetch=2),
+    "lean+pf2 nosplit": replace(_LEAN, l2_prefetch=2, num_splits=1),
+    "lean+pf4 n32s7": replace(_LEAN, l2_prefetch=4, block_n=32, num_stages=7),
+}
+VARIANTS = {"prefill": PREFILL_VARIANTS, "decode": DECODE_VARIANTS}
+
+
+def fits_int32(elements: int) -> bool:
+    """Whether every element offset into an array spanning `elements` fits a signed 32-bit int."""
+    return elements < 2**31
 
 
 def triton_next_pow2(n: int) -> int:

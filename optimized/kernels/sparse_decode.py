@@ -26,20 +26,30 @@ import triton.language as tl
 
 from optimized import buffers
 from optimized.attention_checks import check_decode_contract
-from optimized.formats import D_V
-from optimized.kernels.attention_launch import AttentionConfig, num_sms, split_plan
+from optimized.formats import D_V, FP8_ROW_BYTES
+from optimized.kernels.attention_launch import AttentionConfig, fits_int32, num_sms, split_plan
 from optimized.kernels.launch import native
 from optimized.kernels.bits import e4m3_to_f32, to_bf16
+from optimized.kernels.gathered_rows import offset, prefetch_rows
 from optimized.kernels.online_softmax import LOG2E, attend_block, finish
 from optimized.registry import register
 from optimized.validation import InputError
 
 
 @triton.jit
-def _gather_dequant(cache_ptr, idx, valid, block_size, stride_block, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
-    """Rows `idx` of the paged fp8_ds_mla cache -> (k_nope [BN, 512] bf16, k_rope [BN, 64] bf16)."""
+def _row_ptrs(cache_ptr, idx, valid, block_size, stride_block, OFFSETS32: tl.constexpr, PACKED: tl.constexpr):
+    """Byte addresses of cache slots `idx` (slot 0 where not `valid`). PACKED: pages follow each
+    other without padding (stride(0) == page * 656), so slot s starts at byte s * 656."""
     slot = tl.where(valid, idx, 0)
-    rows = cache_ptr + (slot // block_size).to(tl.int64) * stride_block + (slot % block_size).to(tl.int64) * 656
+    if PACKED:
+        return cache_ptr + offset(slot, OFFSETS32) * 656
+    else:
+        return cache_ptr + offset(slot // block_size, OFFSETS32) * stride_block + offset(slot % block_size, OFFSETS32) * 656
+
+
+@triton.jit
+def _gather_dequant(rows, valid, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
+    """Cache rows at byte addresses `rows` -> (k_nope [BN, 512] bf16, k_rope [BN, 64] bf16)."""
     codes = tl.load(rows[:, None] + tl.arange(0, 512)[None, :], mask=valid[:, None], other=0)
     scales = tl.load((rows + 512).to(tl.pointer_type(tl.float32))[:, None] + tl.arange(0, 4)[None, :],
                      mask=valid[:, None], other=0.0)
@@ -56,7 +66,8 @@ def _sparse_decode_kernel(
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     sm_scale, seq, num_heads, topk, head_blocks, num_splits, split_len, block_size,
     stride_q_b, stride_q_s, stride_q_h, stride_block, stride_idx_b, stride_idx_s,
-    SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
+    SPLIT: tl.constexpr, OFFSETS32: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """One program: one (b, s) row, one head block, one split of the top-k list.
 
@@ -80,16 +91,26 @@ def _sparse_decode_kernel(
 
     begin = split * split_len
     end = tl.minimum(begin + split_len, topk)
+    idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
     scale_log2e = sm_scale * LOG2E
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, 512), tl.float32)
     for start in range(begin, end, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + b * stride_idx_b + s * stride_idx_s + j, mask=j < end, other=-1)
+        idx = tl.load(idx_row + j, mask=j < end, other=-1)
+        if PREFETCH:
+            # Loaded now, used after this block's dots: its latency hides behind them.
+            ahead = j + PREFETCH * BLOCK_N
+            idx_ahead = tl.load(idx_row + ahead, mask=ahead < end, other=-1)
         valid = idx != -1
-        k_nope, k_rope = _gather_dequant(cache_ptr, idx, valid, block_size, stride_block, BLOCK_N, NATIVE)
+        rows = _row_ptrs(cache_ptr, idx, valid, block_size, stride_block, OFFSETS32, PACKED)
+        k_nope, k_rope = _gather_dequant(rows, valid, BLOCK_N, NATIVE)
         m, l, acc = attend_block(q_nope, q_rope, k_nope, k_rope, valid, m, l, acc, scale_log2e, NATIVE)
+        if PREFETCH:
+            ahead_ok = idx_ahead != -1
+            prefetch_rows(_row_ptrs(cache_ptr, idx_ahead, ahead_ok, block_size, stride_block, OFFSETS32, PACKED),
+                          ahead_ok, idx_row.to(tl.pointer_type(tl.uint8)), 656, NATIVE)
 
     lse, _, scale = finish(m, l, sm_scale, float("-inf"))
     o = acc * scale[:, None]
@@ -187,7 +208,10 @@ def launch_sparse_decode_fp8(
         out, lse, part_out, part_lse,
         sm_scale, seq, heads, topk, head_blocks, splits, split_len, kv_cache.shape[1],
         q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), indices.stride(0), indices.stride(1),
-        SPLIT=splits > 1, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NATIVE=is_native,
+        SPLIT=splits > 1, PREFETCH=cfg.l2_prefetch,
+        OFFSETS32=cfg.lean_addressing and fits_int32(kv_cache.shape[0] * kv_cache.stride(0)),
+        PACKED=cfg.lean_addressing and kv_cache.stride(0) == kv_cache.shape[1] * FP8_ROW_BYTES,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NATIVE=is_native,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

@@ -21,11 +21,18 @@ import triton.language as tl
 from optimized import buffers
 from optimized.attention_checks import check_prefill_contract
 from optimized.formats import D_V
-from optimized.kernels.attention_launch import AttentionConfig
+from optimized.kernels.attention_launch import AttentionConfig, fits_int32
 from optimized.kernels.launch import native
 from optimized.kernels.bits import to_bf16
+from optimized.kernels.gathered_rows import offset, prefetch_rows
 from optimized.kernels.online_softmax import LOG2E, attend_block, finish
 from optimized.registry import register
+
+
+@triton.jit
+def _in_range(idx, num_kv):
+    """0 <= idx < num_kv as one unsigned comparison."""
+    return idx.to(tl.uint32, bitcast=True) < tl.cast(num_kv, tl.uint32)
 
 
 @triton.jit
@@ -34,7 +41,7 @@ def _sparse_prefill_kernel(
     out_ptr, lse_ptr, max_logits_ptr,
     sm_scale, num_kv, num_heads, topk, head_blocks,
     stride_q_t, stride_q_h, stride_kv, stride_idx_t, stride_out_t, stride_out_h,
-    HAS_TOPK_LENGTH: tl.constexpr, HAS_SINK: tl.constexpr,
+    HAS_TOPK_LENGTH: tl.constexpr, HAS_SINK: tl.constexpr, OFFSETS32: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
 ):
     # Head blocks vary fastest: the programs of one token run together and share its rows in L2.
@@ -53,18 +60,27 @@ def _sparse_prefill_kernel(
     if HAS_TOPK_LENGTH:
         k_end = tl.minimum(tl.maximum(tl.load(topk_length_ptr + t), 0), topk)
 
+    idx_row = idx_ptr + t * stride_idx_t
     scale_log2e = sm_scale * LOG2E
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, 512), tl.float32)
     for start in range(0, k_end, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + t * stride_idx_t + j, mask=j < k_end, other=-1)
-        valid = (idx >= 0) & (idx < num_kv)
-        rows = kv_ptr + idx.to(tl.int64) * stride_kv
+        idx = tl.load(idx_row + j, mask=j < k_end, other=-1)
+        if PREFETCH:
+            # Loaded now, used after this block's dots: its latency hides behind them.
+            ahead = j + PREFETCH * BLOCK_N
+            idx_ahead = tl.load(idx_row + ahead, mask=ahead < k_end, other=-1)
+        valid = _in_range(idx, num_kv)
+        rows = kv_ptr + offset(idx, OFFSETS32) * stride_kv
         k_nope = tl.load(rows[:, None] + dv[None, :], mask=valid[:, None], other=0.0)
         k_rope = tl.load(rows[:, None] + dr[None, :], mask=valid[:, None], other=0.0)
         m, l, acc = attend_block(q_nope, q_rope, k_nope, k_rope, valid, m, l, acc, scale_log2e, NATIVE)
+        if PREFETCH:
+            ahead_rows = kv_ptr + offset(idx_ahead, OFFSETS32) * stride_kv
+            prefetch_rows(ahead_rows.to(tl.pointer_type(tl.uint8)), _in_range(idx_ahead, num_kv),
+                          idx_row.to(tl.pointer_type(tl.uint8)), 2 * 576, NATIVE)
 
     sink = float("-inf")
     if HAS_SINK:
@@ -124,6 +140,7 @@ def launch_sparse_prefill(
         sm_scale, kv.shape[0], heads, topk, head_blocks,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
         HAS_TOPK_LENGTH=topk_length is not None, HAS_SINK=attn_sink is not None,
+        OFFSETS32=cfg.lean_addressing and fits_int32(kv.shape[0] * kv.stride(0)), PREFETCH=cfg.l2_prefetch,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NATIVE=is_native,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
