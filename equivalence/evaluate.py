@@ -16,8 +16,10 @@ import torch
 from optimized.buffers import poisoned
 
 from .case import Case
-from .oracle import judge
+from .oracle import Verdict, judge
 from .ops import get_op
+from .policy import EXACT
+from .properties import get_property, is_property
 from .rows import Row
 from .subject import Subject
 
@@ -27,12 +29,44 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, device):
+def timed(fn, device):
+    """(fn(), seconds it took, the device synchronized on both sides)."""
     _sync(device)
     start = time.perf_counter()
     result = fn()
     _sync(device)
     return result, time.perf_counter() - start
+
+
+def identity(case: Case) -> dict:
+    """The op, path and knob columns of `case`'s rows (a property's op column reads "property")."""
+    if is_property(case.op):
+        prop = get_property(case.op)
+        return dict(op="property", path=prop.name, **prop.knobs(case.params))
+    spec = get_op(case.op)
+    return dict(op=case.op, path=spec.path_of(case.params), **spec.knobs(case.params))
+
+
+def raised_row(base: dict, exc: Exception, **fields) -> Row:
+    """The single failure row of a case whose implementation raised."""
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    reason = f"raised {type(exc).__name__}: {exc} (at {frame.filename}:{frame.lineno})"
+    return Row(**base, tensor="*", passed=False, gate_metric="raised", value=1.0, bound=0.0, headroom=0.0,
+               reason=reason, **fields)
+
+
+def judged_row(base: dict, tensor: str, kind: str, v: Verdict, **fields) -> Row:
+    """One compared tensor's row: its metrics and the oracle's verdict."""
+    m = v.metrics
+    return Row(
+        **base, tensor=tensor, exact=kind == EXACT,
+        numel=m.numel, ref_rms=m.ref_rms, rel_l2=m.rel_l2, cos_dist=m.cos_dist, max_abs=m.max_abs,
+        max_abs_at=m.max_abs_at, mismatch_frac=m.mismatch_frac, mean_err=m.mean_err,
+        bf16_units=m.bf16_units, elem_bf16_units=m.elem_bf16_units, lse_fp32_units=m.lse_fp32_units,
+        nan_count=m.nan_count, inf_mismatch=m.inf_mismatch,
+        gate_metric=v.gate_metric, value=v.value, bound=v.bound, headroom=v.headroom,
+        deviation=v.deviation, passed=v.passed, reason=v.reason, **fields,
+    )
 
 
 def evaluate(
@@ -42,22 +76,24 @@ def evaluate(
     """Every checked tensor of `case` as a Row (a single failure row if the implementation raised).
 
     `notes` collects what the implementation side reported, e.g. a stage that fell back to a
-    portable implementation because the preferred one cannot run on this device.
+    portable implementation because the preferred one cannot run on this device. A property case
+    (`property:NAME`) runs the implementation against itself (equivalence.properties).
     """
+    if is_property(case.op):
+        from .properties.run import evaluate_property  # it builds on this module's helpers
+
+        return evaluate_property(case, subject, device, run_id=run_id, source=source, notes=notes)
     spec = get_op(case.op)
     params = case.params
-    base = dict(run_id=run_id, case_id=case.case_id, op=case.op, path=spec.path_of(params), impl=subject.label,
-                stages="", device=device, seed=case.seed, source=source, **spec.knobs(params))
+    base = dict(run_id=run_id, case_id=case.case_id, impl=subject.label, stages="", device=device, seed=case.seed,
+                source=source, **identity(case))
     kwargs = spec.inputs(params, case.seed, device)
-    ref, t_ref = _timed(lambda: spec.reference(kwargs, params), device)
+    ref, t_ref = timed(lambda: spec.reference(kwargs, params), device)
     try:
         with poisoned():
-            got, t_impl = _timed(lambda: spec.call(subject, kwargs, params), device)
+            got, t_impl = timed(lambda: spec.call(subject, kwargs, params), device)
     except Exception as exc:  # the implementation's failure is the case's result, not ours
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
-        reason = f"raised {type(exc).__name__}: {exc} (at {frame.filename}:{frame.lineno})"
-        return [Row(**base, tensor="*", passed=False, gate_metric="raised", value=1.0, bound=0.0,
-                    headroom=0.0, reason=reason, time_ref_s=t_ref)]
+        return [raised_row(base, exc, time_ref_s=t_ref)]
     if notes is not None:
         notes.update(got.notes)
     rows = []
@@ -71,15 +107,6 @@ def evaluate(
         scale = ref.get(check.scale) if check.scale else None
         judged_as = {**params, "dcp_size": 1} if check.single_rank else params
         v = judge(check.kind, got.tensors[check.tensor], ref[check.tensor], judged_as, got.deviations, scale)
-        m = v.metrics
-        rows.append(Row(
-            **{**base, "path": got.path or base["path"], "stages": got.stages},
-            tensor=check.tensor, exact=check.kind == "exact",
-            numel=m.numel, ref_rms=m.ref_rms, rel_l2=m.rel_l2, cos_dist=m.cos_dist, max_abs=m.max_abs,
-            max_abs_at=m.max_abs_at, mismatch_frac=m.mismatch_frac, mean_err=m.mean_err,
-            bf16_units=m.bf16_units, elem_bf16_units=m.elem_bf16_units, lse_fp32_units=m.lse_fp32_units,
-            nan_count=m.nan_count, inf_mismatch=m.inf_mismatch,
-            gate_metric=v.gate_metric, value=v.value, bound=v.bound, headroom=v.headroom,
-            deviation=v.deviation, passed=v.passed, reason=v.reason, time_ref_s=t_ref, time_impl_s=t_impl,
-        ))
+        rows.append(judged_row({**base, "path": got.path or base["path"], "stages": got.stages}, check.tensor,
+                               check.kind, v, time_ref_s=t_ref, time_impl_s=t_impl))
     return rows

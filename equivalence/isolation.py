@@ -15,7 +15,7 @@ import traceback
 from typing import Sequence
 
 from .case import Case
-from .ops import get_op
+from .evaluate import identity
 from .rows import Row
 
 
@@ -93,10 +93,9 @@ class Worker:
             what = f"hung: no answer within {self.timeout_s:g} s"
         self._kill()
         self.restarts += 1
-        spec = get_op(case.op)
-        return [Row(run_id=run_id, case_id=case.case_id, op=case.op, path=spec.path_of(case.params), tensor="*",
-                    impl=label, stages="", device=self.device, seed=case.seed, source=source, passed=False,
-                    gate_metric="crashed", value=1.0, bound=0.0, headroom=0.0, reason=what, **spec.knobs(case.params))]
+        return [Row(run_id=run_id, case_id=case.case_id, tensor="*", impl=label, stages="", device=self.device,
+                    seed=case.seed, source=source, passed=False, gate_metric="crashed", value=1.0, bound=0.0,
+                    headroom=0.0, reason=what, **identity(case))]
 
     def close(self) -> None:
         if self._proc is not None and self._proc.is_alive():

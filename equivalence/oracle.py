@@ -50,16 +50,8 @@ def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, logit_l1: torch.Te
     raise ValueError(f"unknown tensor kind {kind!r}")
 
 
-def judge(
-    kind: str,
-    impl: torch.Tensor,
-    ref: torch.Tensor,
-    params: Mapping,
-    deviations: Iterable[str] = (),
-    logit_l1: torch.Tensor | None = None,
-) -> Verdict:
-    m = measure(kind, impl, ref, logit_l1)
-    bounds, deviation = bounds_for(kind, params, deviations)
+def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str = "") -> Verdict:
+    """The gated metric of `m` with the least headroom under `bounds`, and whether it passes."""
     if "shape" in m.extra:
         return Verdict(m, False, "shape", 1.0, 0.0, 0.0, deviation, f"shape/dtype mismatch: {m.extra['shape']}")
     if kind != EXACT and (m.nan_count or m.inf_mismatch):
@@ -80,3 +72,15 @@ def judge(
         if "first_mismatch" in m.extra:
             reason += f": {m.extra['first_mismatch']}"
     return Verdict(m, passed, bound.metric, value, bound.limit, room, deviation, reason)
+
+
+def judge(
+    kind: str,
+    impl: torch.Tensor,
+    ref: torch.Tensor,
+    params: Mapping,
+    deviations: Iterable[str] = (),
+    logit_l1: torch.Tensor | None = None,
+) -> Verdict:
+    bounds, deviation = bounds_for(kind, params, deviations)
+    return verdict(kind, measure(kind, impl, ref, logit_l1), bounds, deviation)

@@ -3,8 +3,10 @@
 `--impl` accepts, for an op: a registered implementation name (`triton`, `flash_mla`,
 `torch-fp32`) or `MODULE:CALLABLE`; for forward_mqa: `STAGE=NAME` or `STAGE=MODULE:CALLABLE`
 (that stage replaced inside the pipeline, the rest as registered), or `MODULE:CALLABLE` (a whole
-forward_mqa with the reference's keyword arguments). A callable must accept every keyword of the
-op's contract; anything else is a usage error, found before any case runs.
+forward_mqa with the reference's keyword arguments); for a property (`property:NAME`, which calls
+several stages): `STAGE=NAME`, `STAGE=MODULE:CALLABLE`, or `NAME` (that implementation for every
+stage that has one here). A callable must accept every keyword of the op's contract; anything else
+is a usage error, found before any case runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Callable, Sequence
 from optimized import registry
 
 from .ops import get_op
+from .properties import get_property, is_property
 
 
 class UsageError(ValueError):
@@ -81,22 +84,63 @@ def _implementation(stage: str, spec: str, device: str) -> registry.Implementati
     return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}))
 
 
+def _stage_override(spec: str, device: str) -> tuple[str, registry.Implementation]:
+    """`STAGE=NAME` or `STAGE=MODULE:CALLABLE` -> (stage, the implementation that replaces it)."""
+    stage, _, target = spec.partition("=")
+    if stage not in registry.stages():
+        raise UsageError(f"--impl {spec!r}: unknown stage {stage!r}; stages: {', '.join(registry.stages())}")
+    return stage, _implementation(stage, target, device)
+
+
+def _named_everywhere(name: str, device: str) -> dict[str, registry.Implementation]:
+    """stage -> its implementation called `name`, for every stage that has one running on `device`."""
+    found = [i for stage in registry.stages() for i in registry.implementations(stage) if i.name == name]
+    if not found:
+        names = sorted({i.name for stage in registry.stages() for i in registry.implementations(stage)})
+        raise UsageError(f"--impl {name!r}: no stage has an implementation of that name; known: {', '.join(names)}")
+    runnable = {i.stage: i for i in found if i.why_not(device) is None}
+    if not runnable:
+        raise UsageError(f"--impl {name!r} does not run here: {found[0].why_not(device)}")
+    return runnable
+
+
+def _property_subject(op: str, specs: Sequence[str], device: str) -> Subject:
+    try:
+        prop = get_property(op)
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
+    overrides: dict[str, registry.Implementation] = {}
+    for s in specs:
+        if "=" in s:
+            stage, impl = _stage_override(s, device)
+            overrides[stage] = impl
+        elif ":" in s:
+            raise UsageError(f"--impl {s!r}: {op} calls several stages; name the one it replaces (STAGE={s})")
+        else:
+            overrides.update(_named_everywhere(s, device))
+    if not prop.covered(overrides):
+        under_test = sorted({st for t in prop.targets.values() for st in t.under_test})
+        raise UsageError(f"--impl {', '.join(specs)} replaces none of the stages {op} tests ({', '.join(under_test)})")
+    return Subject(",".join(specs) or "preferred", overrides=overrides, specs=tuple(specs))
+
+
 def resolve_subject(op: str, specs: Sequence[str], device: str) -> Subject:
-    """Turn the --impl strings for `op` into a Subject; no strings: the project's implementation."""
+    """Turn the --impl strings for `op` into a Subject; no strings: the project's implementation
+    (for a property, the registry's preferred implementation of every stage, labelled "preferred")."""
+    if is_property(op):
+        return _property_subject(op, specs, device)
     spec_op = get_op(op)
     if spec_op.stage is None:  # forward_mqa: a pipeline, whole or with stages replaced
         overrides, whole = {}, None
         for s in specs:
-            stage, sep, target = s.partition("=")
-            if not sep:
-                if whole is not None:
-                    raise UsageError("give at most one whole-forward_mqa --impl")
-                whole = load_callable(s)
-                check_signature(whole, spec_op.arguments, f"--impl {s}")
+            if "=" in s:
+                stage, impl = _stage_override(s, device)
+                overrides[stage] = impl
                 continue
-            if stage not in registry.stages():
-                raise UsageError(f"--impl {s!r}: unknown stage {stage!r}; stages: {', '.join(registry.stages())}")
-            overrides[stage] = _implementation(stage, target, device)
+            if whole is not None:
+                raise UsageError("give at most one whole-forward_mqa --impl")
+            whole = load_callable(s)
+            check_signature(whole, spec_op.arguments, f"--impl {s}")
         if whole is not None and overrides:
             raise UsageError("a whole-forward_mqa --impl cannot be combined with STAGE= overrides")
         label = specs[0] if whole is not None else "pipeline"

@@ -90,7 +90,7 @@ def fuzz(
         if all(r.case_id != d.case.case_id for r in result.rows):
             result.rows.extend(d.rows)  # the minimized case, found while shrinking
         if out_dir is not None:
-            where = Path(out_dir) / "failures" / f"{op}-{d.case.case_id}.json"
+            where = Path(out_dir) / "failures" / f"{op.replace(':', '-')}-{d.case.case_id}.json"
             found_by = (f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "")
                         + (f" --world-size {world_size}" if world_size else "") + f" --seed {seed}")
             result.case_file = casefile.save(where, casefile.CaseFile(

@@ -1,10 +1,12 @@
 """The gate: every op and forward_mqa path, every implementation that runs on the device, the
-regression corpus plus a fuzz budget; rows into one run directory; a verdict a CI can use.
+regression corpus plus a fuzz budget; then every property (equivalence.properties) for every
+implementation of the stages it tests; rows into one run directory; a verdict a CI can use.
 
 Implementations checked per op: every registered one that runs here (on a GPU: flash_mla, our
 Triton kernels and the float32 eager ones; on CPU the Triton kernels under the interpreter and
 the eager ones), so when one disagrees with the reference and the others do not, the gate names
-the odd one out.
+the odd one out. A property runs once per implementation name (`--impl NAME`: that
+implementation for every stage that has one), over the targets it covers.
 
 The multi-process DCP op runs with world size 2 on CPU (two gloo ranks) and on a GPU machine with
 the most ranks its GPUs hold one each (2, 4 or 8; a single GPU: 2 gloo ranks sharing it). Its
@@ -23,6 +25,7 @@ from equivalence.case import Case
 from equivalence.evaluate import evaluate
 from equivalence.isolation import Worker
 from equivalence.ops import OPS
+from equivalence.properties import PROPERTIES, get_property, is_property
 from equivalence.rows import Row
 from equivalence.subject import Subject, resolve_subject
 from optimized import registry
@@ -50,6 +53,8 @@ class GateResult:
 
 def subjects_for(op: str, device: str) -> dict[str, tuple[str, ...]]:
     """label -> --impl specs for every implementation of `op` that runs on `device`."""
+    if is_property(op):
+        return {name: (name,) for name in get_property(op).implementations(device)}
     spec = OPS[op]
     if spec.stage is None:
         variants = {"pipeline": ()}
@@ -57,6 +62,16 @@ def subjects_for(op: str, device: str) -> dict[str, tuple[str, ...]]:
             variants = dict(PIPELINE_VARIANTS)
         return variants
     return {impl.name: (impl.name,) for impl in registry.implementations(spec.stage) if impl.why_not(device) is None}
+
+
+def campaign_paths(op: str, subject: Subject) -> list[str | None]:
+    """The fuzz campaigns of one subject: one over everything, or for a property whose targets the
+    subject covers only some of, one per covered target."""
+    if not is_property(op):
+        return [None]
+    prop = get_property(op)
+    covered = prop.covered(subject.overrides)
+    return [None] if len(covered) == len(prop.targets) else covered
 
 
 def gate_world_size(device: str) -> int:
@@ -87,7 +102,7 @@ def run_gate(
     *,
     device: str,
     profile: Profile,
-    examples: int,
+    examples: int | None,
     seed: int,
     run_id: str,
     out_dir: Path,
@@ -96,13 +111,17 @@ def run_gate(
     ops: list[str] | None = None,
     log=sys.stderr,
 ) -> GateResult:
+    """`examples` per op (or property) and implementation; None: the profile's budgets. In `ops`,
+    "property" stands for every property."""
     result = GateResult()
     worker = Worker(device, timeout_s) if isolate else None
     distributed.set_timeout(timeout_s)
     try:
-        for op in ops or sorted(OPS):
+        every_property = [p.op for p in PROPERTIES.values()]
+        for op in [o for op in ops or [*sorted(OPS), "property"] for o in (every_property if op == "property" else [op])]:
+            budget = examples if examples is not None else profile.property_examples if is_property(op) else profile.examples
             pinned = corpus(op)
-            in_worker = worker if not OPS[op].own_processes else None
+            in_worker = worker if is_property(op) or not OPS[op].own_processes else None
             world_size = gate_world_size(device.split(":")[0]) if op == "dcp" else None
             for label, specs in subjects_for(op, device.split(":")[0]).items():
                 subject = resolve_subject(op, specs, device.split(":")[0])
@@ -116,16 +135,18 @@ def run_gate(
                         return rows
                     return evaluate(case, subject, device, run_id=run_id, source=source, notes=result.notes)
 
-                for case, _why in pinned:
-                    result.rows.extend(run(case, "corpus"))
-                fz = fuzz(op, run, profile=profile, examples=examples, seed=seed, impl_specs=specs, device=device,
-                          out_dir=out_dir, progress_label=f"{op} / {label}", world_size=world_size)
-                result.fuzz.append(fz)
-                result.rows.extend(fz.rows)
-                bad = sum(not r.passed for r in result.rows if r.op == op and r.impl == label)
-                log.write(f"{op:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases  "
-                          f"{'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
-                log.flush()
+                pinned_rows = [row for case, _why in pinned for row in run(case, "corpus")]
+                result.rows.extend(pinned_rows)
+                for path in campaign_paths(op, subject):
+                    fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, device=device,
+                              out_dir=out_dir, progress_label=f"{op} / {label}", path=path, world_size=world_size)
+                    result.fuzz.append(fz)
+                    result.rows.extend(fz.rows)
+                    where = f"{op} ({path})" if path else op
+                    bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
+                    log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases  "
+                              f"{'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
+                    log.flush()
     finally:
         if worker is not None:
             worker.close()

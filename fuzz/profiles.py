@@ -24,18 +24,19 @@ class Profile:
     max_query: int                # longest prefill query
     block_sizes: tuple[int, ...]
     mqa_heads: tuple[int, ...]    # forward_mqa heads: < 32 takes the mixed FP8 path, >= 32 the separate one
+    property_examples: int        # fuzz examples per property in the gate (a case runs the implementation 2-6 times)
 
 
 PROFILES = {
     p.name: p
     for p in (
-        Profile("ci", 6, 4, (1, 8, 16), (128, 256), (64, 128, 192), 320, 3, 6, (64, 128), (8, 16, 32)),
+        Profile("ci", 6, 4, (1, 8, 16), (128, 256), (64, 128, 192), 320, 3, 6, (64, 128), (8, 16, 32), 3),
         Profile("dev", 40, 16, (8, 16, 32, 64), (128, 256, 512), (64, 128, 256, 512), 1200, 5, 24, (64, 128, 256),
-                (8, 16, 32, 64)),
+                (8, 16, 32, 64), 20),
         Profile("nightly", 300, 64, (8, 16, 32, 64, 128), (128, 512, 1024, 2048), (64, 256, 1024, 2048), 9000, 8, 128,
-                (64, 128, 256), (8, 16, 24, 32, 64, 128)),
+                (64, 128, 256), (8, 16, 24, 32, 64, 128), 150),
         Profile("gpu", 200, 256, (16, 32, 64, 128), (512, 1024, 2048), (512, 1024, 2048), 20000, 8, 512, (64, 128),
-                (8, 16, 32, 64, 128)),
+                (8, 16, 32, 64, 128), 50),
     )
 }
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from equivalence.batch import INVALID_PATTERNS
 from equivalence.case import Case
 from equivalence.patterns import PATTERNS
+from equivalence.properties import is_property
 from equivalence.values import REGIMES
 
 from .profiles import Profile
@@ -51,31 +52,37 @@ def write_cache(p: Profile) -> st.SearchStrategy[Case]:
     return _case("write_fp8_ds_mla_cache", params())
 
 
-def sparse_prefill(p: Profile) -> st.SearchStrategy[Case]:
-    @st.composite
-    def params(draw):
-        topk = draw(st.sampled_from(p.prefill_topk))
-        return {"tokens": draw(st.integers(1, p.max_tokens)), "heads": draw(st.sampled_from(p.heads)),
-                "kv_rows": draw(st.integers(1, max(2, p.max_context))), "topk": topk,
-                "value_regime": draw(regimes), "sm_scale": draw(sm_scales), "invalid": draw(_patterns(PATTERNS)),
-                "topk_length": draw(st.sampled_from(("none", "random", "edges"))),
-                "sink": draw(st.sampled_from(("none", "finite", "inf")))}
+def prefill_params(p: Profile, **fields: st.SearchStrategy) -> st.SearchStrategy[dict]:
+    """sparse_prefill params within `p`; `fields` replaces the strategy of any of them."""
+    return st.fixed_dictionaries({
+        "tokens": st.integers(1, p.max_tokens), "heads": st.sampled_from(p.heads),
+        "kv_rows": st.integers(1, max(2, p.max_context)), "topk": st.sampled_from(p.prefill_topk),
+        "value_regime": regimes, "sm_scale": sm_scales, "invalid": _patterns(PATTERNS),
+        "topk_length": st.sampled_from(("none", "random", "edges")),
+        "sink": st.sampled_from(("none", "finite", "inf")), **fields})
 
-    return _case("sparse_prefill", params())
+
+def decode_params(p: Profile, batch: st.SearchStrategy[int] | None = None, **fields: st.SearchStrategy) -> st.SearchStrategy[dict]:
+    """sparse_decode_fp8 params within `p` (one seq_len per request of the drawn batch); `batch` and
+    `fields` replace the default strategies."""
+    def params(size: int) -> st.SearchStrategy[dict]:
+        return st.fixed_dictionaries({
+            "batch": st.just(size), "s_q": st.integers(1, 2), "heads": st.sampled_from(p.heads),
+            "topk": st.sampled_from(p.decode_topk),
+            "seq_lens": st.lists(st.integers(1, p.max_context), min_size=size, max_size=size),
+            "page_size": st.sampled_from((1, 16) + p.block_sizes), "stride_pad": st.sampled_from((0, 1)),
+            "value_regime": regimes, "scale_rule": scale_rules, "sm_scale": sm_scales,
+            "invalid": _patterns(DECODE_PATTERNS), **fields})
+
+    return (batch if batch is not None else st.integers(1, max(1, p.max_tokens // 2))).flatmap(params)
+
+
+def sparse_prefill(p: Profile) -> st.SearchStrategy[Case]:
+    return _case("sparse_prefill", prefill_params(p))
 
 
 def sparse_decode(p: Profile) -> st.SearchStrategy[Case]:
-    @st.composite
-    def params(draw):
-        batch = draw(st.integers(1, max(1, p.max_tokens // 2)))
-        return {"batch": batch, "s_q": draw(st.integers(1, 2)), "heads": draw(st.sampled_from(p.heads)),
-                "topk": draw(st.sampled_from(p.decode_topk)),
-                "seq_lens": draw(st.lists(st.integers(1, p.max_context), min_size=batch, max_size=batch)),
-                "page_size": draw(st.sampled_from((1, 16) + p.block_sizes)), "stride_pad": draw(st.sampled_from((0, 1))),
-                "value_regime": draw(regimes), "scale_rule": draw(scale_rules), "sm_scale": draw(sm_scales),
-                "invalid": draw(_patterns(DECODE_PATTERNS))}
-
-    return _case("sparse_decode_fp8", params())
+    return _case("sparse_decode_fp8", decode_params(p))
 
 
 def convert_index(p: Profile) -> st.SearchStrategy[Case]:
@@ -86,10 +93,11 @@ def convert_index(p: Profile) -> st.SearchStrategy[Case]:
         "prefill": st.booleans(), "counts": st.booleans(), "invalid": _patterns(PATTERNS)}))
 
 
-def dcp_convert_index(p: Profile) -> st.SearchStrategy[Case]:
+def dcp_index_params(p: Profile, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> st.SearchStrategy[dict]:
+    """dcp_convert_index params within `p`, the world size drawn from `sizes`."""
     @st.composite
     def params(draw):
-        size = draw(st.sampled_from((1, 2, 4, 8)))
+        size = draw(st.sampled_from(sizes))
         block_size = draw(st.sampled_from(p.block_sizes))
         return {"tokens": draw(st.integers(1, p.max_tokens * 2)), "requests": draw(st.integers(1, p.max_requests)),
                 "table_width": draw(st.integers(1, 4)), "topk": draw(st.sampled_from(p.decode_topk)),
@@ -97,7 +105,11 @@ def dcp_convert_index(p: Profile) -> st.SearchStrategy[Case]:
                 "interleave": draw(st.sampled_from((1, 2, 4, 64))), "compact": draw(st.booleans()),
                 "invalid": draw(_patterns(PATTERNS))}
 
-    return _case("dcp_convert_index", params())
+    return params()
+
+
+def dcp_convert_index(p: Profile) -> st.SearchStrategy[Case]:
+    return _case("dcp_convert_index", dcp_index_params(p))
 
 
 def gather(p: Profile, op: str) -> st.SearchStrategy[Case]:
@@ -107,10 +119,15 @@ def gather(p: Profile, op: str) -> st.SearchStrategy[Case]:
         "table_pad": st.integers(0, 2), "shuffle": st.booleans(), "value_regime": regimes, "scale_rule": scale_rules}))
 
 
-def dcp_merge(p: Profile) -> st.SearchStrategy[Case]:
-    return _case("dcp_merge", st.fixed_dictionaries({
+def merge_params(p: Profile, **fields: st.SearchStrategy) -> st.SearchStrategy[dict]:
+    """dcp_merge params within `p`; `fields` replaces the strategy of any of them."""
+    return st.fixed_dictionaries({
         "ranks": st.sampled_from((1, 2, 4, 8)), "tokens": st.integers(1, p.max_tokens * 2),
-        "heads": st.sampled_from(p.heads), "empty_frac": st.sampled_from((0.0, 0.3)), "junk": st.booleans()}))
+        "heads": st.sampled_from(p.heads), "empty_frac": st.sampled_from((0.0, 0.3)), "junk": st.booleans(), **fields})
+
+
+def dcp_merge(p: Profile) -> st.SearchStrategy[Case]:
+    return _case("dcp_merge", merge_params(p))
 
 
 def layout(p: Profile, op: str) -> st.SearchStrategy[Case]:
@@ -135,19 +152,23 @@ WORLD_SIZES = (2, 4, 8)
 COMBINES = ("ag_rs", "a2a")
 
 
-def _batch_params(draw, p: Profile, cache_dtype: str, heads: int, dcp: int, short_contexts: bool = False) -> dict:
+def _batch_params(draw, p: Profile, cache_dtype: str, heads: int, dcp: int, short_contexts: bool = False,
+                  decodes_only: bool = False, min_prefills: int = 0) -> dict:
     """A forward_mqa batch for `heads` local heads over `dcp` ranks (make_batch's params).
 
     `short_contexts` draws contexts of a few tokens half the time: sequences shorter than one
-    run of N * interleave tokens leave some ranks' shards empty.
+    run of N * interleave tokens leave some ranks' shards empty. `decodes_only`: a uniform batch
+    of spec decodes (2-4 tokens each), nothing else; `min_prefills`: at least that many
+    prefills, every token through forward_mqa.
     """
     mixed = cache_dtype == "fp8_ds_mla" and heads < 32
     block_size = draw(st.sampled_from(p.block_sizes))
     interleave = draw(st.sampled_from([i for i in (1, 2, 4, 64) if block_size % i == 0])) if dcp > 1 else 1
-    s = draw(st.integers(1, 3))
-    n_dec = draw(st.integers(0, p.max_requests))
-    padding = draw(st.integers(0, 2)) if n_dec else 0  # zero-length CUDA-graph padding requests
-    prefills = draw(st.lists(st.integers(1, p.max_query), min_size=0 if n_dec else 1, max_size=p.max_requests))
+    s = draw(st.integers(2, 4) if decodes_only else st.integers(1, 3))
+    n_dec = draw(st.integers(1 if decodes_only else 0, p.max_requests))
+    padding = draw(st.integers(0, 2)) if n_dec and not decodes_only else 0  # zero-length CUDA-graph padding requests
+    prefills = [] if decodes_only else draw(st.lists(
+        st.integers(1, p.max_query), min_size=max(min_prefills, 0 if n_dec else 1), max_size=max(min_prefills, p.max_requests)))
     qlens = [s] * n_dec + [0] * padding + prefills
     contexts = st.one_of(st.integers(0, 3), st.integers(0, p.max_context)) if short_contexts else st.integers(0, p.max_context)
     ctx = [draw(contexts) for _ in qlens]
@@ -163,7 +184,7 @@ def _batch_params(draw, p: Profile, cache_dtype: str, heads: int, dcp: int, shor
         "invalid": draw(_patterns(INVALID_PATTERNS)),
         # Only decode tokens reach forward_mqa when dense MHA takes the prefills; under DCP with
         # interleave != 1 nothing counts as a decode (threshold 1), so that case has no rows.
-        "mqa": draw(st.sampled_from(("all", "decodes"))) if n_dec and interleave == 1 else "all",
+        "mqa": draw(st.sampled_from(("all", "decodes"))) if n_dec and interleave == 1 and not min_prefills else "all",
         "q_form": draw(st.sampled_from(("tensor", "tuple"))) if dcp == 1 else "tensor",
         "arch": draw(st.sampled_from(("sm90", "sm100"))), "max_decode_query_len": s,
         "max_model_len": seq_max,
@@ -172,8 +193,11 @@ def _batch_params(draw, p: Profile, cache_dtype: str, heads: int, dcp: int, shor
     }
 
 
-def forward_mqa(p: Profile, path: str | None = None) -> st.SearchStrategy[Case]:
-    """forward_mqa batches; `path` restricts them to one of FORWARD_PATHS."""
+def forward_params(p: Profile, path: str | None = None, *, decodes_only: bool = False,
+                   min_prefills: int = 0) -> st.SearchStrategy[dict]:
+    """forward_mqa batches; `path` restricts them to one of FORWARD_PATHS. `decodes_only`: a
+    uniform batch of spec decodes (2-4 tokens each), nothing else; `min_prefills`: at least that
+    many prefills, every token through forward_mqa."""
     if path is not None and path not in FORWARD_PATHS:
         raise KeyError(f"unknown forward_mqa path {path!r}; known: {', '.join(FORWARD_PATHS)}")
     small = [h for h in p.mqa_heads if h < 32] or [16]
@@ -193,9 +217,14 @@ def forward_mqa(p: Profile, path: str | None = None) -> st.SearchStrategy[Case]:
         if mixed and path != "fp8_mixed":
             sizes = [n for n in (1, 2, 4, 8) if (heads * n <= 64) == (heads <= 64)]
             dcp = draw(st.sampled_from([n for n in sizes if n > 1] if path == "fp8_mixed_dcp" else sizes))
-        return _batch_params(draw, p, cache_dtype, heads, dcp)
+        return _batch_params(draw, p, cache_dtype, heads, dcp, decodes_only=decodes_only, min_prefills=min_prefills)
 
-    return _case("forward_mqa", params())
+    return params()
+
+
+def forward_mqa(p: Profile, path: str | None = None) -> st.SearchStrategy[Case]:
+    """forward_mqa batches; `path` restricts them to one of FORWARD_PATHS."""
+    return _case("forward_mqa", forward_params(p, path))
 
 
 def dcp(p: Profile, world_size: int = 2) -> st.SearchStrategy[Case]:
@@ -236,6 +265,11 @@ STRATEGIES: dict[str, Callable[[Profile], st.SearchStrategy[Case]]] = {
 
 
 def strategy(op: str, profile: Profile, path: str | None = None, world_size: int | None = None) -> st.SearchStrategy[Case]:
+    """Cases of `op` within `profile`; `path` picks a forward_mqa path, or a property's target."""
+    if is_property(op):
+        from .property_strategies import property_cases  # it builds on this module's strategies
+
+        return property_cases(op, profile, path)
     if op not in STRATEGIES:
         raise KeyError(f"no strategy for op {op!r}")
     if path is not None:

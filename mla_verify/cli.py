@@ -48,11 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.add_argument("--tolerances", action="store_true", help="also print every bound of the tolerance policy")
 
-    p = sub.add_parser("fuzz", help="fuzz one op (or forward_mqa) against the reference")
+    p = sub.add_parser("fuzz", help="fuzz one op (or forward_mqa) against the reference, or a property:NAME")
     _add_common(p)
     _add_isolation(p)
-    p.add_argument("--op", required=True)
-    p.add_argument("--path", default=None, help="forward_mqa only: bf16 | fp8_mixed | fp8_separate | fp8_mixed_dcp")
+    p.add_argument("--op", required=True, help="an op, forward_mqa, or property:NAME (`mla-verify list`)")
+    p.add_argument("--path", default=None, help="forward_mqa: bf16 | fp8_mixed | fp8_separate | fp8_mixed_dcp; "
+                   "property:NAME: one of its targets")
     p.add_argument("--world-size", type=int, default=None, choices=(2, 4, 8),
                    help="dcp only: rank processes (default 2); one GPU each when there are enough, else gloo")
     p.add_argument("--impl", action="append", default=[], metavar="[STAGE=]MODULE:CALLABLE|NAME",
@@ -74,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     _add_isolation(p)
     p.add_argument("--profile", default=None, help="default: ci on cpu, gpu on cuda")
-    p.add_argument("--examples", type=int, default=None, help="fuzz examples per op and implementation")
+    p.add_argument("--examples", type=int, default=None,
+                   help="fuzz examples per op (or property) and implementation; default: the profile's")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--op", action="append", default=None, help="restrict to these ops")
+    p.add_argument("--op", action="append", default=None, help="restrict to these ops, property:NAME, or property (all of them)")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/gate-<time>)")
     p.add_argument("--baseline", type=Path, default=None, help="compare the drift with this earlier run")
     p.add_argument("--junit", type=Path, default=None)
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_list(args, device: str) -> int:
     from equivalence.ops import OPS
     from equivalence.policy import all_bounds
+    from equivalence.properties import PROPERTIES
     from optimized import registry
 
     print(f"device: {device}")
@@ -131,6 +134,10 @@ def cmd_list(args, device: str) -> int:
         for impl in registry.implementations(stage):
             why = impl.why_not(device)
             print(f"  - {impl.name:12s} {'available' if why is None else 'unavailable: ' + why}")
+    for prop in PROPERTIES.values():
+        print(f"\n{prop.op}  [property: needs no reference]\n  {prop.doc}\n  checks: {', '.join(prop.checks)}; "
+              f"targets (--path): {', '.join(prop.targets)}")
+        print(f"  implementations here (--impl NAME): {', '.join(prop.implementations(device)) or 'none'}")
     if args.tolerances:
         print("\ntolerances (equivalence/policy.py):")
         for kind, where, b in all_bounds():
@@ -166,24 +173,35 @@ def cmd_fuzz(args, device: str) -> int:
     from equivalence.evaluate import evaluate
     from equivalence.isolation import Worker
     from equivalence.ops import OPS
+    from equivalence.properties import get_property, is_property
     from equivalence.subject import UsageError, resolve_subject
     from fuzz.campaign import fuzz, new_seed
     from fuzz.strategies import FORWARD_PATHS
 
-    if args.op not in OPS:
-        raise UsageError(f"unknown op {args.op!r}; known: {', '.join(sorted(OPS))}")
-    if args.path is not None and (args.op != "forward_mqa" or args.path not in FORWARD_PATHS):
-        raise UsageError(f"--path applies to --op forward_mqa with one of {', '.join(FORWARD_PATHS)}")
     if args.world_size is not None and args.op != "dcp":
         raise UsageError("--world-size applies to --op dcp only")
     world_size = (args.world_size or 2) if args.op == "dcp" else None
-    subject = resolve_subject(args.op, args.impl, device)
+    if is_property(args.op):
+        subject = resolve_subject(args.op, args.impl, device)
+        prop = get_property(args.op)
+        covered = prop.covered(subject.overrides)  # the targets this --impl takes part in
+        if args.path is None and len(covered) == 1:
+            args.path = covered[0]
+        elif (args.path is None and len(covered) < len(prop.targets)) or args.path not in (None, *covered):
+            raise UsageError(f"--path: {args.op} with this --impl runs on one of {', '.join(covered)}")
+    else:
+        if args.op not in OPS:
+            raise UsageError(f"unknown op {args.op!r}; known: {', '.join(sorted(OPS))}, or property:NAME")
+        if args.path is not None and (args.op != "forward_mqa" or args.path not in FORWARD_PATHS):
+            raise UsageError(f"--path applies to --op forward_mqa with one of {', '.join(FORWARD_PATHS)}")
+        subject = resolve_subject(args.op, args.impl, device)
     profile = _profile(args.profile, device, "dev")
-    examples = args.examples or profile.examples
+    examples = args.examples or (profile.property_examples if is_property(args.op) else profile.examples)
     seed = new_seed() if args.seed is None else args.seed
     run_id = _run_id("fuzz")
     # An op whose implementation runs in processes of its own is isolated already.
-    isolate = (device == "cuda" if args.isolate is None else args.isolate) and not OPS[args.op].own_processes
+    isolate = ((device == "cuda" if args.isolate is None else args.isolate)
+               and (is_property(args.op) or not OPS[args.op].own_processes))
     distributed.set_timeout(args.timeout)
     ranks = f", {world_size} ranks ({distributed.placement(world_size, device).describe()})" if world_size else ""
     print(f"mla-verify fuzz: op {args.op}, implementation {subject.label}, {examples} examples, profile {profile.name}, "
@@ -265,12 +283,13 @@ def cmd_gate(args, device: str) -> int:
     run_id = _run_id("gate")
     out = args.out or Path("runs") / run_id
     isolate = device == "cuda" if args.isolate is None else args.isolate
-    examples = args.examples if args.examples is not None else profile.examples
-    print(f"mla-verify gate: device {device}, profile {profile.name}, {examples} fuzz examples per op and "
+    budget = (f"{args.examples}" if args.examples is not None
+              else f"{profile.examples} (properties: {profile.property_examples})")
+    print(f"mla-verify gate: device {device}, profile {profile.name}, {budget} fuzz examples per op and "
           f"implementation, seed {seed}, run {out}", flush=True)
     started = time.time()
     meta = _start_meta(profile.name, seed, device)
-    result = run_gate(device=device, profile=profile, examples=examples, seed=seed, run_id=run_id, out_dir=out,
+    result = run_gate(device=device, profile=profile, examples=args.examples, seed=seed, run_id=run_id, out_dir=out,
                       isolate=isolate, timeout_s=args.timeout, ops=args.op)
     for note in sorted(result.notes):
         print(f"note: {note}")

@@ -172,7 +172,7 @@ def check_decode_inputs(
     "flash_mla",
     devices=("cuda",),
     unavailable=flash_mla_unavailable,
-    deviations=("bf16_cache_scale", "bf16_dequant"),
+    deviations=("bf16_cache_scale", "bf16_dequant", "split_kv"),
 )
 def sparse_decode_fp8(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float
@@ -182,7 +182,9 @@ def sparse_decode_fp8(
     q [B,S,H,576] bf16 (H <= 128, padded to 64/128), kv_cache [NB,BS,656] uint8 with
     stride(1) == 656, indices [B,S,K] int32 physical slots, K % 64 == 0, each -1 or in
     [0, NB*BS). The SM90 kernel rounds each fp32 tile scale to bf16 before dequantizing
-    ("bf16_cache_scale": exact for power-of-two scales).
+    ("bf16_cache_scale": exact for power-of-two scales), and splits a short batch's top-k lists
+    over more SM partitions than a long one's ("split_kv": a request's output moves by up to 1 bf16
+    ulp with the batch around it, measured on the H200).
     """
     sm_scale = check_decode_inputs(q, kv_cache, indices, sm_scale)
     _check_cuda(q=q, kv_cache=kv_cache, indices=indices)

@@ -3,7 +3,8 @@
 A row's *kind* is `exact` for bit-exact contracts (cache bytes, indices, chunk bounds), else its
 tensor name when that has a key metric of its own (`out`, `lse`, `max_logits`), else `other`
 (a dense float tensor, read like `out`). A DCP rank's tensors are of their base tensor's kind
-(`out_rank3`, `partial_out_rank0`: out; `lse_rank1`, `partial_lse_rank2`: lse). Every table, plot and drift test reads one number per row,
+(`out_rank3`, `partial_out_rank0`: out; `lse_rank1`, `partial_lse_rank2`: lse), a property's
+"CHECK.TENSOR" of its TENSOR's kind (`wider_k.out`: out). Every table, plot and drift test reads one number per row,
 the kind's key metric, so that rows of one kind compare with each other across paths and runs.
 
 Noise floors (used by `reports.drift` only): below them a ratio of two values compares rounding
@@ -66,6 +67,7 @@ SEQ_BUCKETS: tuple[tuple[float, str], ...] = (
 def tensor_kind(tensor: str, exact: bool) -> str:
     if exact:
         return "exact"
+    tensor = tensor.rsplit(".", 1)[-1]
     base, rank = split_rank(tensor)
     if rank is not None:
         tensor = base.removeprefix("partial_")

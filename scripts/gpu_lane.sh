@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OUT GATE_EXAMPLES=${GATE_EXAMPLES:-20}
 # Seconds each step may take (override one with e.g. LIMIT_gate=120); the call has 600 in all.
-declare -A LIMIT=([env]=60 [pytest]=180 [gate]=200 [bench]=150 [properties]=150 [dcp]=150)
+declare -A LIMIT=([env]=60 [pytest]=180 [gate]=200 [bench]=150 [properties]=180 [dcp]=150)
 summary=()
 
 declare -A CMD=(
@@ -19,7 +19,7 @@ declare -A CMD=(
   [pytest]='python3 -m pytest -m gpu -q -rs tests'
   [gate]='python3 -m mla_verify.cli gate --device cuda --examples $GATE_EXAMPLES --seed ${SEED:-1} --out $OUT/gate --junit $OUT/gate/junit.xml'
   [bench]='python3 -m mla_verify.cli bench --device cuda ${BENCH_ARGS:---quick} --out $OUT/bench.json'
-  [properties]='python3 -m mla_verify.cli gate --device cuda --examples $GATE_EXAMPLES --op property --out $OUT/properties'
+  [properties]='python3 scripts/gpu_properties.py --out $OUT/properties'
   [dcp]='python3 -m mla_verify.cli fuzz --op dcp --device cuda --examples 10 --out $OUT/dcp'
 )
 

@@ -14,7 +14,8 @@ softmax(s) @ K[:, :512]; a row of -1 gives out 0, lse +inf.
 
 When B*S*head-blocks programs would leave SMs idle, the top-k list is split over several programs
 (split-KV); each writes an fp32 partial output normalised by its own sum plus its lse, and a
-combine kernel merges them: lse = ln sum_i e^(lse_i), out = sum_i e^(lse_i - lse) out_i.
+combine kernel merges them: lse = ln sum_i e^(lse_i), out = sum_i e^(lse_i - lse) out_i. The
+split plan depends on the batch, so a request's bits do too (the "split_kv" deviation).
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def check_decode_inputs(
     return sm_scale
 
 
-@register("sparse_decode_fp8", "triton", devices=("cpu", "cuda"), deviations=("bf16_dequant",))
+@register("sparse_decode_fp8", "triton", devices=("cpu", "cuda"), deviations=("bf16_dequant", "split_kv"))
 def sparse_decode_fp8(
     q: torch.Tensor,
     kv_cache: torch.Tensor,

@@ -1,0 +1,77 @@
+"""dcp_size_one: decode context parallelism over one rank is no DCP at all, exactly.
+
+    convert_index  dcp_convert_index with dcp_size 1 (rank 0, any interleave, compacted or not)
+                   against convert_index (compacted = with valid counts): one rank owns every
+                   position, at its own place
+    forward_mqa    forward_mqa_dcp over one rank against forward_mqa (fp8_mixed path): the merge
+                   of one rank weighs it by exp(0) = 1 and gives back its own LSE. A token with
+                   no valid entry merges to (0, -inf), the identity, where forward_mqa says
+                   (0, +inf): compared in the kernels' convention
+    merge          dcp_merge of one rank's (out, lse) is (out, lse) (rows a rank owns nothing of
+                   are already the identity (0, -inf))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+from equivalence.batch import make_batch
+from equivalence.ops import get_op
+from equivalence.policy import EXACT, LSE, OUT
+from optimized import pipeline
+
+from . import Compared, PropertySpec, Target, register_property
+from .common import PIPELINE_STAGES, attention, forward, forward_knobs, forward_scale, forward_stages
+
+INDEX_STAGES = ("dcp_convert_index", "convert_index")
+ONE_RANK = {"dcp_size": 1, "dcp_rank": 0}
+
+
+def _index_check(kw: dict, p: Mapping, stages) -> list:
+    sharded = stages.fn("dcp_convert_index")(**kw)
+    plain = stages.fn("convert_index")(
+        req_id=kw["req_id"], block_table=kw["block_table"], topk_indices=kw["topk_indices"],
+        block_size=kw["block_size"], return_valid_counts=kw["compact_valid_to_front"])
+    plain = plain[0] if isinstance(plain, tuple) else plain
+    return [Compared("convert_index", "indices", EXACT, sharded, plain)]
+
+
+def _forward_inputs(p: Mapping, seed: int, device: str) -> dict:
+    batch = make_batch(p, seed, device)
+    return {"batch": batch, "scale": forward_scale(batch, p["sm_scale"])}
+
+
+def _forward_check(inputs: dict, p: Mapping, stages) -> list:
+    batch = inputs["batch"]
+    kwargs = batch.forward_kwargs()
+    table = kwargs.pop("block_table")
+    one_rank = pipeline.forward_mqa_dcp(batch.q, [batch.kv_cache], [table], stages=stages, **kwargs)
+    lse = one_rank.lse.masked_fill(one_rank.lse == -math.inf, math.inf)
+    return attention("forward_mqa", (one_rank.out, lse), forward(stages, batch), inputs["scale"])
+
+
+def _merge_inputs(p: Mapping, seed: int, device: str) -> dict:
+    return get_op("dcp_merge").inputs({**p, "ranks": 1, "junk": False}, seed, device)
+
+
+def _merge_check(kw: dict, p: Mapping, stages) -> list:
+    out, lse = stages.fn("dcp_merge")(**kw)
+    return [Compared("merge", "out", OUT, out, kw["outs"][0]), Compared("merge", "lse", LSE, lse, kw["lses"][0])]
+
+
+register_property(PropertySpec(
+    name="dcp_size_one",
+    checks=("convert_index", "forward_mqa", "merge"),
+    targets={
+        "dcp_convert_index": Target(
+            "dcp_convert_index", lambda p: list(INDEX_STAGES), INDEX_STAGES,
+            lambda p, seed, device: get_op("dcp_convert_index").inputs({**p, **ONE_RANK}, seed, device),
+            _index_check, lambda p: get_op("dcp_convert_index").knobs({**p, **ONE_RANK})),
+        "forward_mqa": Target("forward_mqa", lambda p: [*forward_stages(p), "dcp_merge"], PIPELINE_STAGES,
+                              _forward_inputs, _forward_check, forward_knobs),
+        "dcp_merge": Target("dcp_merge", lambda p: ["dcp_merge"], ("dcp_merge",), _merge_inputs, _merge_check,
+                            lambda p: get_op("dcp_merge").knobs({**p, "ranks": 1})),
+    },
+    doc="dcp_convert_index, forward_mqa_dcp and dcp_merge over one rank equal no DCP, bit for bit",
+))

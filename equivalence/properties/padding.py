@@ -1,0 +1,161 @@
+"""padding_and_order: what pads or reorders a problem without changing it changes nothing.
+
+Checks (each against the plain problem's answer, on the rows and heads it has):
+    wider_k        extra invalid entries at random places in every row (prefill: -1, other
+                   negatives, rows past the end; decode: -1), K grown by a multiple of 128 / 64
+    permuted       every row's entries shuffled (prefill: within its topk_length)
+    padded_heads   extra query heads of zeros (what the FlashMLA wrappers add up to 64 / 128)
+    padded_tokens  extra query rows after the real ones: live rows, or all-invalid ones (CUDA-graph
+                   padding of a decode batch)
+    topk_length    prefill: topk_length = n against the row with its tail past n set to -1 and no
+                   topk_length (FlashMLA's tests compare these bit for bit)
+    block_table    forward_mqa: extra block-table columns (the null block or any block) that no
+                   index reaches
+All but the last two hold to rounding: they regroup or reorder the same sums (decode: another
+split of the top-k list). topk_length and block_table hand the kernels identical work and are
+held bit for bit (equivalence.policy.PROPERTY_RULES).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple
+
+import torch
+
+from equivalence.batch import make_batch
+
+from . import PropertySpec, Target, register_property
+from .common import (
+    PIPELINE_STAGES,
+    attention,
+    decode,
+    decode_knobs,
+    decode_problem,
+    decode_scale,
+    forward,
+    forward_knobs,
+    forward_scale,
+    forward_stages,
+    insert_entries,
+    on,
+    permute_entries,
+    prefill,
+    prefill_fill,
+    prefill_knobs,
+    prefill_problem,
+    prefill_scale,
+    rewrite_generator,
+)
+
+
+class Variant(NamedTuple):
+    check: str
+    kw: dict                          # the padded or reordered problem
+    rows: int | None = None           # compare only its first rows ...
+    heads: int | None = None          # ... and heads
+    against: dict | None = None       # the problem it must equal, when not the plain one
+    scale: torch.Tensor | None = None  # the logit scale of `against`
+
+
+def _zero_heads(x: torch.Tensor, extra: int) -> torch.Tensor:
+    """x [..., H, D] with `extra` zero heads appended."""
+    return torch.cat([x, x.new_zeros((*x.shape[:-2], extra, x.shape[-1]))], dim=-2)
+
+
+def _prefill_inputs(p: Mapping, seed: int, device: str) -> dict:
+    tokens, extra_tokens = p["tokens"], p["pad_tokens"]
+    full = prefill_problem({**p, "tokens": tokens + extra_tokens}, seed, device)
+    gen = rewrite_generator(seed)
+    rows = full["kv"].shape[0]
+    if p["pad_rows"] == "empty":
+        full["indices"][tokens:] = prefill_fill(gen, (extra_tokens, full["indices"].shape[1]), rows).to(full["indices"].device)
+    base = {**full, "q": full["q"][:tokens], "indices": full["indices"][:tokens],
+            "topk_length": None if full["topk_length"] is None else full["topk_length"][:tokens]}
+    idx = base["indices"].cpu()
+    lengths = None if base["topk_length"] is None else base["topk_length"].cpu()
+    topk = idx.shape[1]
+    wider, wider_lengths = insert_entries(gen, idx, prefill_fill(gen, (tokens, p["wider"]), rows), lengths)
+    variants = [
+        Variant("wider_k", {**base, **on(device, indices=wider, topk_length=wider_lengths)}),
+        Variant("permuted", {**base, **on(device, indices=permute_entries(gen, idx, lengths))}),
+        Variant("padded_tokens", full, rows=tokens),
+    ]
+    if p["pad_heads"]:
+        sink = base["attn_sink"]
+        padded = {**base, "q": _zero_heads(base["q"], p["pad_heads"]),
+                  "attn_sink": None if sink is None else torch.cat([sink, sink.new_zeros(p["pad_heads"])])}
+        variants.append(Variant("padded_heads", padded, heads=p["heads"]))
+    # topk_length = n against -1 past n: the plain problem's lengths, or lengths drawn here.
+    if lengths is None:
+        cut = torch.randint(0, topk + 1, (tokens,), generator=gen, dtype=torch.int32)
+        with_lengths = {**base, **on(device, topk_length=cut)}
+        against = {"against": with_lengths, "scale": prefill_scale(with_lengths)}
+    else:
+        cut, against = lengths, {}
+    tail = torch.where(torch.arange(topk)[None, :] < cut[:, None].long(), idx, -1)
+    variants.append(Variant("topk_length", {**base, **on(device, indices=tail, topk_length=None)}, **against))
+    return {"run": prefill, "base": base, "variants": variants, "scale": prefill_scale(base)}
+
+
+def _decode_inputs(p: Mapping, seed: int, device: str) -> dict:
+    batch, extra = p["batch"], p["pad_tokens"]
+    full = decode_problem({**p, "batch": batch + extra}, seed, device)
+    if p["pad_rows"] == "empty":
+        full["indices"][batch:] = -1
+    base = {**full, "q": full["q"][:batch], "indices": full["indices"][:batch]}
+    gen = rewrite_generator(seed)
+    shape = base["indices"].shape
+    idx = base["indices"].cpu().reshape(-1, shape[-1])
+    wider, _ = insert_entries(gen, idx, torch.full((idx.shape[0], p["wider"]), -1), None)
+    variants = [
+        Variant("wider_k", {**base, **on(device, indices=wider.view(*shape[:2], -1))}),
+        Variant("permuted", {**base, **on(device, indices=permute_entries(gen, idx).view(shape))}),
+        Variant("padded_tokens", full, rows=batch * p["s_q"]),
+    ]
+    if p["pad_heads"]:
+        variants.append(Variant("padded_heads", {**base, "q": _zero_heads(base["q"], p["pad_heads"])}, heads=p["heads"]))
+    return {"run": decode, "base": base, "variants": variants, "scale": decode_scale(base)}
+
+
+def _forward_inputs(p: Mapping, seed: int, device: str) -> dict:
+    if "out_of_range" in p["invalid"]:
+        raise ValueError("block_table: out_of_range top-k entries would reach the added columns")
+    batch = make_batch(p, seed, device)
+    gen = rewrite_generator(seed)
+    table = batch.block_table
+    shape = (table.shape[0], p["pad_columns"])
+    fill = (torch.zeros(shape, dtype=table.dtype) if p["pad_fill"] == "null"
+            else torch.randint(0, batch.kv_cache.shape[0], shape, generator=gen, dtype=table.dtype))
+    padded = torch.cat([table, fill.to(table.device)], dim=1)
+
+    def run(stages, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward(stages, batch, **config)
+
+    return {"run": run, "base": {}, "variants": [Variant("block_table", {"block_table": padded})],
+            "scale": forward_scale(batch, p["sm_scale"])}
+
+
+def _check(inputs: dict, p: Mapping, stages) -> list:
+    run = inputs["run"]
+    plain = run(stages, inputs["base"])
+    compared = []
+    for v in inputs["variants"]:
+        got = tuple(t[: v.rows, : v.heads] for t in run(stages, v.kw))
+        want, scale = (plain, inputs["scale"]) if v.against is None else (run(stages, v.against), v.scale)
+        compared += attention(v.check, got, want, scale)
+    return compared
+
+
+register_property(PropertySpec(
+    name="padding_and_order",
+    checks=("wider_k", "permuted", "padded_heads", "padded_tokens", "topk_length", "block_table"),
+    targets={
+        "sparse_prefill": Target("sparse_prefill", lambda p: ["sparse_prefill"], ("sparse_prefill",),
+                                 _prefill_inputs, _check, prefill_knobs),
+        "sparse_decode_fp8": Target("sparse_decode_fp8", lambda p: ["sparse_decode_fp8"], ("sparse_decode_fp8",),
+                                    _decode_inputs, _check, decode_knobs),
+        "forward_mqa": Target("forward_mqa", forward_stages, PIPELINE_STAGES, _forward_inputs, _check, forward_knobs),
+    },
+    doc="wider K with invalid entries, permuted entries, padded heads / tokens / block table change nothing "
+        "beyond rounding; topk_length = n equals -1 past n bit for bit",
+))

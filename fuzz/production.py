@@ -1,0 +1,64 @@
+"""Property cases at production shapes: 64-128 heads, top-k 2048, decode batches of 64, contexts
+of 1-4K tokens. Sized for a GPU (each builds its cache on the CPU in a few seconds); the GPU tests
+and scripts/gpu_properties.py run them for every implementation.
+"""
+
+from __future__ import annotations
+
+from equivalence.case import Case
+from equivalence.properties import PREFIX
+
+HEADS, TOPK, SM_SCALE = 128, 2048, 0.1352
+PREFILL = dict(tokens=64, heads=HEADS, kv_rows=8192, topk=TOPK, value_regime="normal", sm_scale=SM_SCALE,
+               invalid=["scattered"], topk_length="random", sink="finite")
+DECODE = dict(batch=64, s_q=1, heads=HEADS, topk=TOPK, seq_lens=[4096] * 64, page_size=64, stride_pad=0,
+              value_regime="normal", scale_rule="pow2", sm_scale=SM_SCALE, invalid=["scattered"])
+# A separate-path batch: 16 decodes and 2 prefills over contexts of 1-4K tokens.
+FORWARD = dict(cache_dtype="fp8_ds_mla", heads=64, query_lens=[1] * 16 + [128, 256], context_lens=[4096] * 16 + [1024, 2048],
+               block_size=64, stride_pad=0, spare_blocks=1, shuffle=True, table_pad=0, topk=TOPK, sm_scale=SM_SCALE,
+               value_regime="normal", scale_rule="pow2", invalid=["scattered"], mqa="all", q_form="tensor", arch="sm90",
+               max_decode_query_len=1, max_model_len=4097, workspace_size=None, dcp_size=1, interleave=1)
+# Two prefills longer than the decode threshold (256 at 64 heads), chunked by a 3372-row workspace.
+PREFILLS = dict(query_lens=[260, 300], context_lens=[2048, 3072], max_model_len=3372)
+
+PINNED: dict[str, dict[str, dict]] = {
+    "split_invariance": {
+        "sparse_prefill": {**PREFILL, "sink": "none", "parts": 4, "scheme": "random"},
+        "sparse_decode_fp8": {**DECODE, "parts": 4, "scheme": "residue"},
+    },
+    "decode_equals_prefill": {"sparse_decode_fp8": {**DECODE, "heads": 64}},
+    "padding_and_order": {
+        "sparse_prefill": {**PREFILL, "tokens": 32, "heads": 64, "pad_tokens": 8, "pad_rows": "live", "pad_heads": 64,
+                           "wider": 128},
+        "sparse_decode_fp8": {**DECODE, "batch": 56, "heads": 64, "pad_tokens": 8, "pad_rows": "empty", "pad_heads": 64,
+                              "wider": 64},
+        "forward_mqa": {**FORWARD, "pad_columns": 2, "pad_fill": "blocks"},
+    },
+    "batch_invariance": {
+        "sparse_decode_fp8": {**DECODE, "alone": [0, 37]},
+        "forward_mqa": {**FORWARD, **PREFILLS, "workspace_size": 3372},
+    },
+    "spec_decode": {
+        "sparse_decode_fp8": {**DECODE, "batch": 32, "s_q": 2, "seq_lens": [4096] * 32},
+        "forward_mqa": {**FORWARD, "query_lens": [2] * 32, "context_lens": [4096] * 32, "max_decode_query_len": 2,
+                        "max_model_len": 4098},
+    },
+    "dcp_size_one": {
+        "dcp_convert_index": dict(tokens=256, requests=8, table_width=64, topk=TOPK, block_size=64, interleave=1,
+                                  compact=True, invalid=["scattered"]),
+        "forward_mqa": {**FORWARD, "heads": 16, "query_lens": [1] * 32 + [64], "context_lens": [4096] * 33,
+                        "max_model_len": 4160},
+        "dcp_merge": dict(tokens=256, heads=HEADS, empty_frac=0.3),
+    },
+    "determinism": {
+        "sparse_prefill": PREFILL,
+        "sparse_decode_fp8": DECODE,
+        "forward_mqa": FORWARD,
+        "dcp_merge": dict(ranks=4, tokens=256, heads=HEADS, empty_frac=0.3, junk=True),
+    },
+}
+
+
+def production_cases(name: str, targets: list[str], seed: int = 0) -> list[Case]:
+    """The pinned cases of property `name` on `targets`."""
+    return [Case(PREFIX + name, {"target": t, **PINNED[name][t]}, seed) for t in targets]

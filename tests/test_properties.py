@@ -1,0 +1,190 @@
+"""The properties (equivalence.properties): checks that need no reference.
+
+Each property holds on every target for torch-fp32 and for the Triton kernels (interpreted on CPU,
+compiled on a GPU) and for FlashMLA (GPU); each catches an implementation that is broken the way
+only inconsistency shows (tests/impls/inconsistent.py); the command line fuzzes, saves, replays
+and gates them. Cases come from the property strategies (structure + an integer seed; tensors
+from generators seeded with it); Hypothesis notes every case, and a failure names its rows.
+"""
+
+import json
+
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, currently_in_test_context, given, note, settings
+
+from equivalence.evaluate import evaluate
+from equivalence.properties import PROPERTIES
+from equivalence.subject import resolve_subject
+from fuzz.campaign import fuzz, new_seed
+from fuzz.gate import campaign_paths
+from fuzz.production import production_cases
+from fuzz.profiles import Profile, get_profile
+from fuzz.property_strategies import property_cases
+from mla_verify.cli import main
+from optimized import registry
+
+TARGETS = [(name, target) for name, prop in PROPERTIES.items() for target in prop.targets]
+TARGET_IDS = [f"{name}-{target}" for name, target in TARGETS]
+# The ci profile narrowed to shapes the Triton interpreter runs in about a second a case.
+TINY = Profile("tiny", 3, 2, (1, 8), (128,), (64,), 160, 2, 3, (64,), (8, 32), 3)
+CPU_RUNS = {"torch-fp32": (get_profile("ci"), 6), "triton": (TINY, 2)}
+GPU_EXAMPLES = 3
+
+
+def rows_of(case, subject, device: str) -> list:
+    """Evaluate a property case; every row it gives belongs to one of the property's checks."""
+    (note if currently_in_test_context() else print)(f"case: {case.dumps()}")
+    rows = evaluate(case, subject, device, source="test")
+    prop = PROPERTIES[case.op.removeprefix("property:")]
+    assert rows, f"{case.short()} compared nothing"
+    assert {r.tensor.split(".")[0] for r in rows} <= set(prop.checks) | {"*"}
+    return rows
+
+
+def assert_holds(rows: list) -> None:
+    bad = [r for r in rows if not r.passed]
+    assert not bad, "; ".join(f"{r.tensor} ({r.stages}): {r.reason}" for r in bad)
+
+
+@pytest.mark.parametrize("impl", list(CPU_RUNS))
+@pytest.mark.parametrize("name,target", TARGETS, ids=TARGET_IDS)
+def test_property_holds_on_cpu(name, target, impl):
+    profile, examples = CPU_RUNS[impl]
+    op = PROPERTIES[name].op
+    subject = resolve_subject(op, [impl], "cpu")
+
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=property_cases(op, profile, target))
+    def holds(case):
+        assert_holds(rows_of(case, subject, "cpu"))
+
+    holds()
+
+
+# (property, target, the broken stage as --impl, the checks that catch it)
+BROKEN = [
+    ("determinism", "sparse_prefill", "sparse_prefill=tests.impls.inconsistent:noisy_prefill", {"rerun"}),
+    ("split_invariance", "sparse_prefill", "sparse_prefill=tests.impls.inconsistent:lse_is_max_logit", {"merged"}),
+    ("batch_invariance", "sparse_decode_fp8",
+     "sparse_decode_fp8=tests.impls.inconsistent:split_kv_with_bf16_partials", {"batched"}),
+    ("decode_equals_prefill", "sparse_decode_fp8",
+     "sparse_decode_fp8=tests.impls.inconsistent:decode_without_rope", {"prefill"}),
+    ("padding_and_order", "sparse_prefill", "sparse_prefill=tests.impls.inconsistent:prefill_first_128",
+     {"wider_k", "permuted"}),
+    ("padding_and_order", "sparse_prefill", "sparse_prefill=tests.zoo.attention:ignores_topk_length", {"topk_length"}),
+    ("spec_decode", "sparse_decode_fp8",
+     "sparse_decode_fp8=tests.impls.inconsistent:decode_first_token_indices", {"single_tokens"}),
+    ("spec_decode", "forward_mqa",
+     "sparse_decode_fp8=tests.impls.inconsistent:decode_first_token_indices", {"single_tokens"}),
+    ("dcp_size_one", "dcp_merge", "dcp_merge=tests.impls.inconsistent:merge_lse_in_bf16", {"merge"}),
+]
+BUDGET = 40  # examples per broken implementation; measured: the first or second case catches each
+
+
+@pytest.mark.parametrize("name,target,impl,checks", BROKEN, ids=[b[2].rsplit(":", 1)[1] + "-" + b[1] for b in BROKEN])
+def test_property_catches_a_broken_implementation(name, target, impl, checks):
+    seed = new_seed()
+    op = PROPERTIES[name].op
+    subject = resolve_subject(op, [impl], "cpu")
+    result = fuzz(op, lambda case, source: evaluate(case, subject, "cpu", source=source), profile=get_profile("ci"),
+                  examples=BUDGET, seed=seed, path=target, shrink=False)
+    print(f"{impl} under {op} ({target}): seed {seed}, first failure at example {result.first_failure_at}")
+    assert result.failure is not None, f"{impl} escaped {op} on {target} for {BUDGET} examples (seed {seed})"
+    failing = {r.tensor.split(".")[0] for r in result.failure.rows if not r.passed}
+    assert failing & checks, f"{impl}: expected a failure of {sorted(checks)}, got {sorted(failing)}"
+
+
+def test_the_split_kv_deviation_is_declared_and_relaxes_only_batch_structure_checks():
+    from equivalence.policy import EXACT, OUT, property_bounds
+
+    decodes = {i.name: i.deviations for i in registry.implementations("sparse_decode_fp8")}
+    assert "split_kv" in decodes["flash_mla"] and "split_kv" in decodes["triton"]
+    assert "split_kv" not in decodes["torch-fp32"]
+    kind, bounds, deviation = property_bounds("batch_invariance.batched", OUT, ["split_kv"])
+    assert (kind, deviation) == (OUT, "split_kv") and {b.metric for b in bounds} >= {"elem_bf16_units"}
+    assert property_bounds("batch_invariance.batched", OUT, [])[0] == EXACT
+    assert property_bounds("batch_invariance.chunked", OUT, ["split_kv"])[0] == EXACT
+    assert property_bounds("determinism.rerun", OUT, ["split_kv"])[0] == EXACT
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_list_names_every_property_with_its_targets(capsys):
+    code, text = run_cli(capsys, "list", "--device", "cpu", "--tolerances")
+    assert code == 0
+    for prop in PROPERTIES.values():
+        assert prop.op in text and ", ".join(prop.targets) in text
+    assert "split_kv" in text and "determinism.rerun" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--op", "property:no_such"], "unknown property"),
+    (["--op", "property:determinism", "--impl", "tests.impls.inconsistent:noisy_prefill"], "name the one it replaces"),
+    (["--op", "property:determinism", "--impl", "flash_mla"], "does not run here"),
+    (["--op", "property:determinism", "--impl", "python"], "replaces none of the stages"),
+    (["--op", "property:determinism", "--path", "no_such_target"], "--path"),
+    (["--op", "property:dcp_size_one", "--impl", "dcp_merge=triton", "--path", "dcp_convert_index"], "--path"),
+    (["--op", "property:dcp_size_one", "--impl", "dcp_merge=triton"], "--path"),
+])
+def test_property_usage_errors_exit_2(capsys, tmp_path, argv, message):
+    code, text = run_cli(capsys, "fuzz", *argv, "--device", "cpu", "--out", str(tmp_path))
+    assert code == 2 and message in text
+
+
+def test_a_property_failure_is_saved_and_replays_exactly(capsys, tmp_path):
+    broken = "sparse_prefill=tests.impls.inconsistent:lse_is_max_logit"
+    code, text = run_cli(capsys, "fuzz", "--op", "property:split_invariance", "--impl", broken, "--path",
+                         "sparse_prefill", "--examples", "20", "--seed", "3", "--device", "cpu", "--profile", "ci",
+                         "--out", str(tmp_path))
+    assert code == 1 and "DISCREPANCY" in text
+    [saved] = (tmp_path / "failures").glob("property-split_invariance-*.json")
+    data = json.loads(saved.read_text())
+    assert data["case"]["op"] == "property:split_invariance" and data["impl"] == [broken]
+    code, text = run_cli(capsys, "replay", str(saved), "--device", "cpu")
+    assert code == 1 and f"{data['failure'][0]['value']:.4g}" in text  # the same metric value, exactly
+    code, text = run_cli(capsys, "replay", str(saved), "--device", "cpu", "--impl", "torch-fp32")
+    assert code == 0
+
+
+def test_the_gate_runs_every_property_for_every_implementation(capsys, tmp_path):
+    code, text = run_cli(capsys, "gate", "--op", "property", "--examples", "1", "--seed", "1",
+                         "--device", "cpu", "--out", str(tmp_path))
+    assert code == 0, text
+    rows = pd.read_parquet(tmp_path / "rows.parquet")
+    assert set(rows["op"]) == {"property"} and set(rows["path"]) == set(PROPERTIES)
+    assert all(set(group["impl"]) == {"torch-fp32", "triton"} for _, group in rows.groupby("path"))
+    assert rows["passed"].all()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: FlashMLA and compiled Triton at production shapes and the gpu profile's
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["flash_mla", "triton"])
+@pytest.mark.parametrize("name", list(PROPERTIES))
+def test_property_holds_on_gpu(name, impl):
+    reasons = {i.why_not("cuda") for stage in registry.stages() for i in registry.implementations(stage) if i.name == impl}
+    if None not in reasons:
+        why = sorted(reasons)[0]
+        print(f"skip {name}/{impl}: {why}")
+        pytest.skip(f"{impl}: {why}")
+    prop = PROPERTIES[name]
+    subject = resolve_subject(prop.op, [impl], "cuda")
+    for case in production_cases(name, prop.covered(subject.overrides)):
+        assert_holds(rows_of(case, subject, "cuda"))
+    for path in campaign_paths(prop.op, subject):
+        seed = new_seed()
+        result = fuzz(prop.op, lambda case, source: evaluate(case, subject, "cuda", source=source),
+                      profile=get_profile("gpu"), examples=GPU_EXAMPLES, seed=seed, path=path)
+        print(f"{prop.op} / {impl} ({path or 'all targets'}): {result.examples} drawn cases, seed {seed}")
+        assert result.failure is None, str(result.failure)
