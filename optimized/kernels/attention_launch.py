@@ -12,10 +12,11 @@ numbers from compiling for sm_90a with triton 3.6, see ATTENTION_NOTES.md):
 - num_stages = 3: the index block is fetched one iteration before the rows it addresses, which
   are fetched one before their dots (the pipeliner's schedule for an indirect load); 2 stages
   load the indices synchronously; run 5 measured the two within 3% of each other.
-- Decode splits the top-k list of a (token, head block) across programs when B*S*head-blocks
-  leaves SMs idle (see `split_plan`), and merges the partial results in a combine kernel.
-- lean_addressing and l2_prefetch are off until an H200 sweep (scripts/sweep_attention.py)
-  shows they pay; ATTENTION_NOTES.md has the analysis and the predictions.
+- Decode splits the top-k list of a (token, head block) across programs when that shortens the
+  critical path (see `split_plan`), and merges the partial results in a combine kernel.
+- lean_addressing is on: the H200 sweep (scripts/sweep_attention.py, run 7 in
+  ATTENTION_NOTES.md) measured it never slower and 4-16% faster (prefill H=128 246 -> 260
+  TFLOP/s, decode B=128 s_q=2 163 -> 189). l2_prefetch stays off: within +-4% either way.
 
 Every entry point takes `config=` so variants can be timed side by side in one GPU run.
 """
@@ -46,7 +47,7 @@ class AttentionConfig:
     # row addresses in fewer instructions where the layout allows: 32-bit offsets when the KV
     # array spans < 2**31 elements, and (decode) slot * 656 when pages are packed instead of a
     # division by the page size; the launchers fall back per call
-    lean_addressing: bool = False
+    lean_addressing: bool = True
     # prefetch into L2 the rows of the block this many blocks ahead (0: none); see gathered_rows.py
     l2_prefetch: int = 0
 
@@ -64,23 +65,20 @@ class AttentionConfig:
 
 # The candidates an H200 sweep times against FlashMLA before any becomes a default
 # (scripts/sweep_attention.py; scripts/kernel_resources.py shows what each compiles to). Names say
-# what differs from the default: lean = lean_addressing; pfN = l2_prefetch N blocks ahead, one more
-# than the pipeliner's copy distance (1 at 64 rows x 3 stages; 3 for prefill rows and 2 for decode
-# codes at 32 x 7); sN = num_stages; nN = block_n; nosplit = num_splits 1.
-_LEAN = AttentionConfig(lean_addressing=True)
+# what differs from the default: wide = 64-bit addressing (lean_addressing off); pfN = l2_prefetch N
+# blocks ahead, one more than the pipeliner's copy distance; sN = num_stages; nN = block_n.
+_DEFAULT = AttentionConfig()
 PREFILL_VARIANTS = {
-    "default": AttentionConfig(),
-    "lean": _LEAN,
-    "lean+pf2": replace(_LEAN, l2_prefetch=2),
-    "lean+pf2 s2": replace(_LEAN, l2_prefetch=2, num_stages=2),
-    "lean+pf4 n32s7": replace(_LEAN, l2_prefetch=4, block_n=32, num_stages=7),
+    "default": _DEFAULT,
+    "wide": replace(_DEFAULT, lean_addressing=False),
+    "pf2": replace(_DEFAULT, l2_prefetch=2),
+    "pf4 n32s7": replace(_DEFAULT, l2_prefetch=4, block_n=32, num_stages=7),
 }
 DECODE_VARIANTS = {
-    "default": AttentionConfig(),
-    "lean": _LEAN,
-    "lean+pf2": replace(_LEAN, l2_prefetch=2),
-    "lean+pf2 nosplit": replace(_LEAN, l2_prefetch=2, num_splits=1),
-    "lean+pf4 n32s7": replace(_LEAN, l2_prefetch=4, block_n=32, num_stages=7),
+    "default": _DEFAULT,
+    "wide": replace(_DEFAULT, lean_addressing=False),
+    "pf2": replace(_DEFAULT, l2_prefetch=2),
+    "pf4 n32s7": replace(_DEFAULT, l2_prefetch=4, block_n=32, num_stages=7),
 }
 VARIANTS = {"prefill": PREFILL_VARIANTS, "decode": DECODE_VARIANTS}
 
@@ -103,10 +101,12 @@ def num_sms(device: torch.device) -> int:
 def split_plan(topk: int, block_n: int, programs: int, sms: int, requested: int | None) -> tuple[int, int]:
     """(splits, entries per split) for one top-k list of the decode.
 
-    `programs` = B*S*head-blocks. Splitting costs a combine pass and fp32 partial results, so by
-    default split only when fewer programs than SMs exist, and only as far as one wave:
-    ceil(sms / programs) splits, at most one block of `block_n` entries each. Every split gets
-    a whole number of blocks and none is left empty.
+    `programs` = B*S*head-blocks. A full machine is not split (splitting costs a combine pass and
+    fp32 partials); fewer programs than SMs split to minimise the critical path, waves x blocks
+    per program = ceil(programs * s / sms) * ceil(blocks / s), ties going to fewer splits. (The
+    H200 sweep: at B=64, H=128 the old rule, as many splits as fill one wave, split 128 programs
+    in two and ran 10% slower than not splitting.) Every split gets a whole number of blocks and
+    none is left empty.
     """
     blocks = -(-topk // block_n)
     if requested is not None:
@@ -114,7 +114,7 @@ def split_plan(topk: int, block_n: int, programs: int, sms: int, requested: int 
     elif programs >= sms:
         splits = 1
     else:
-        splits = -(-sms // programs)
+        splits = min(range(1, blocks + 1), key=lambda s: (-(-programs * s // sms)) * (-(-blocks // s)))
     splits = min(max(1, splits), blocks)
     split_len = -(-blocks // splits) * block_n
     return -(-topk // split_len), split_len
