@@ -41,6 +41,7 @@ FP32_UNIT = 2.0**-24
 @dataclass
 class Metrics:
     numel: int = 0
+    rows: int = 0                 # vectors along the last dim (independent softmax rows of an output)
     ref_rms: float = math.nan
     rel_l2: float = math.nan
     cos_dist: float = math.nan
@@ -136,6 +137,7 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float) -> Metrics:
         }
 
     m, v = _float_stats(a, r, extra)
+    m.rows = r.numel() // max(r.shape[-1], 1) if r.dim() else 1
     if not v["n"]:
         return m
     denom = v["a_norm"] * v["ref_norm"]

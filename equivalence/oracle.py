@@ -14,7 +14,7 @@ from typing import Iterable, Mapping
 import torch
 
 from . import metrics as M
-from .policy import EXACT, LSE, OUT, Bound, bounds_for
+from .policy import EXACT, LSE, OUT, Bound, bounds_for, limit_for
 
 ELEM_UNITS_FOR_MISMATCH = 4.0  # per-element count reported as mismatch_frac (not gated itself)
 
@@ -58,20 +58,20 @@ def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str =
         what = f"{m.nan_count} NaN" if m.nan_count else f"{m.inf_mismatch} positions with another +inf/-inf/NaN pattern"
         return Verdict(m, False, "inf_mismatch" if m.inf_mismatch else "nan_count",
                        float(m.inf_mismatch or m.nan_count), 0.0, 0.0, deviation, what)
-    worst: tuple[float, Bound, float] | None = None
+    worst: tuple[float, Bound, float, float] | None = None
     for b in bounds:
-        v = _value(m, b.metric)
-        room = math.inf if v == 0 else (b.limit / v if b.limit > 0 else 0.0)
+        v, limit = _value(m, b.metric), limit_for(b, m.rows)
+        room = math.inf if v == 0 else (limit / v if limit > 0 else 0.0)
         if worst is None or room < worst[0]:
-            worst = (room, b, v)
-    room, bound, value = worst
-    passed = value <= bound.limit
-    reason = "" if passed else f"{bound.metric} = {value:.4g} > {bound.limit:.4g} ({bound.reason})"
+            worst = (room, b, v, limit)
+    room, bound, value, limit = worst
+    passed = value <= limit
+    reason = "" if passed else f"{bound.metric} = {value:.4g} > {limit:.4g} ({bound.reason})"
     if not passed and m.max_abs_at:
         reason += f"; worst element at [{m.max_abs_at}]"
         if "first_mismatch" in m.extra:
             reason += f": {m.extra['first_mismatch']}"
-    return Verdict(m, passed, bound.metric, value, bound.limit, room, deviation, reason)
+    return Verdict(m, passed, bound.metric, value, limit, room, deviation, reason)
 
 
 def judge(
