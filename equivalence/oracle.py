@@ -39,6 +39,7 @@ def _value(m: M.Metrics, metric: str) -> float:
 
 
 def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, logit_l1: torch.Tensor | None = None) -> M.Metrics:
+    impl = impl.to(ref.device)  # an implementation may hand back its result on another device
     if impl.shape != ref.shape:
         return M.Metrics(numel=ref.numel(), mismatch_frac=1.0, extra={"shape": f"{tuple(impl.shape)} vs {tuple(ref.shape)}"})
     if kind == EXACT:
