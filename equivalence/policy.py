@@ -104,6 +104,21 @@ DEVIATIONS = {
             },
         ),
         Deviation(
+            "gemm_batch",
+            "eager PyTorch attention: cuBLAS picks its GEMM kernels by the batch count, so a "
+            "request's fp32 logits depend on the batch around it (measured on the H200: "
+            "torch-fp32 decode alone vs batched differs in the last bits; bitwise on CPU)",
+            _never,
+            {},
+            relaxes=frozenset({"batch_invariance.batched", "spec_decode.single_tokens"}),
+            property_bounds={
+                OUT: (Bound("elem_bf16_units", 4.0, "a few fp32 roundings shift the bf16 output by at most one ulp"),
+                      Bound("bf16_units", 8.0, "one ulp on every element at most"),
+                      Bound("abs_mean_err", 1e-3, "reordered fp32 sums differ without bias")),
+                LSE: (Bound("lse_fp32_units", 32.0, "a reordered 576-term fp32 dot moves a logit by a few steps"),),
+            },
+        ),
+        Deviation(
             "split_kv",
             "splits a short decode batch's top-k lists over several programs and merges the fp32 "
             "partials, so a request's result depends on the batch around it (FlashMLA on the H200: "

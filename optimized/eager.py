@@ -434,7 +434,7 @@ def _check_sm_scale(sm_scale: float) -> None:
         raise InputError(f"sm_scale must be > 0 (the kernels take the row max before scaling), got {sm_scale}")
 
 
-@_stage("sparse_prefill")
+@register("sparse_prefill", IMPL, devices=("cpu", "cuda"), deviations=("gemm_batch",))
 def sparse_prefill(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -506,7 +506,7 @@ def _sparse_decode(
     return out, lse.transpose(1, 2)
 
 
-@_stage("sparse_decode_fp8")
+@register("sparse_decode_fp8", IMPL, devices=("cpu", "cuda"), deviations=("gemm_batch",))
 def sparse_decode_fp8(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
