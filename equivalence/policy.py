@@ -104,13 +104,29 @@ DEVIATIONS = {
             },
         ),
         Deviation(
+            "loop_bound",
+            "our Triton prefill ends its loop over top-k blocks at topk_length instead of masking "
+            "the tail, so its compiled fp32 sums differ in the last bits from the call with -1 "
+            "padding (measured on the H200: 1 bf16 ulp on 5e-5 of the outputs, LSE 7.6e-6 apart; "
+            "bitwise under the CPU interpreter)",
+            _never,
+            {},
+            relaxes=frozenset({"padding_and_order.topk_length"}),
+            property_bounds={
+                OUT: (Bound("elem_bf16_units", 4.0, "one bf16 ulp of an element is at most 2 steps of its row's scale"),
+                      Bound("bf16_units", 8.0, "one ulp on every element at most"),
+                      Bound("abs_mean_err", 1e-3, "a reordered fp32 sum differs without bias")),
+                LSE: (Bound("lse_fp32_units", 32.0, "a few fp32 steps of the logit scale (measured 7.6e-6 on an LSE of 10.6)"),),
+            },
+        ),
+        Deviation(
             "gemm_batch",
             "eager PyTorch attention: cuBLAS picks its GEMM kernels by the batch count, so a "
             "request's fp32 logits depend on the batch around it (measured on the H200: "
-            "torch-fp32 decode alone vs batched differs in the last bits; bitwise on CPU)",
+            "torch-fp32 batched and chunked results differ in the last bits; bitwise on CPU)",
             _never,
             {},
-            relaxes=frozenset({"batch_invariance.batched", "spec_decode.single_tokens"}),
+            relaxes=frozenset({"batch_invariance.batched", "batch_invariance.chunked", "spec_decode.single_tokens"}),
             property_bounds={
                 OUT: (Bound("elem_bf16_units", 4.0, "a few fp32 roundings shift the bf16 output by at most one ulp"),
                       Bound("bf16_units", 8.0, "one ulp on every element at most"),
