@@ -137,13 +137,16 @@ def resolve_subject(op: str, specs: Sequence[str], device: str) -> Subject:
                 stage, impl = _stage_override(s, device)
                 overrides[stage] = impl
                 continue
+            if ":" not in s:  # a registered name: that implementation in every stage that has one
+                overrides.update(_named_everywhere(s, device))
+                continue
             if whole is not None:
                 raise UsageError("give at most one whole-forward_mqa --impl")
             whole = load_callable(s)
             check_signature(whole, spec_op.arguments, f"--impl {s}")
         if whole is not None and overrides:
-            raise UsageError("a whole-forward_mqa --impl cannot be combined with STAGE= overrides")
-        label = specs[0] if whole is not None else "pipeline"
+            raise UsageError("a whole-forward_mqa --impl cannot be combined with stage overrides")
+        label = specs[0] if whole is not None else f"pipeline[{','.join(specs)}]" if specs else "pipeline"
         return Subject(label, whole, overrides, specs=tuple(specs))
     if len(specs) > 1:
         raise UsageError(f"op {op} takes one --impl, got {len(specs)}")

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/gate-<time>)")
     p.add_argument("--baseline", type=Path, default=None, help="compare the drift with this earlier run")
     p.add_argument("--junit", type=Path, default=None)
+    p.add_argument("--parallel", type=int, default=None,
+                   help="split the ops over this many processes, one GPU each (default: every GPU on cuda, 1 on cpu)")
+    p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel: rows only
 
     p = sub.add_parser("report", help="drift report of a run directory, optionally against a baseline run")
     p.add_argument("run_dir", type=Path)
@@ -274,7 +277,6 @@ def cmd_replay(args, device: str) -> int:
 
 
 def cmd_gate(args, device: str) -> int:
-    import reports
     from fuzz.campaign import new_seed
     from fuzz.gate import odd_ones_out, run_gate
 
@@ -289,6 +291,9 @@ def cmd_gate(args, device: str) -> int:
           f"implementation, seed {seed}, run {out}", flush=True)
     started = time.time()
     meta = _start_meta(profile.name, seed, device)
+    parts = args.parallel or (_gpu_count() if device == "cuda" else 1)
+    if parts > 1 and not args.part:
+        return _gate_in_parts(args, device, profile, seed, out, meta, parts, started)
     result = run_gate(device=device, profile=profile, examples=args.examples, seed=seed, run_id=run_id, out_dir=out,
                       isolate=isolate, timeout_s=args.timeout, ops=args.op)
     for note in sorted(result.notes):
@@ -296,17 +301,53 @@ def cmd_gate(args, device: str) -> int:
     for line in odd_ones_out(result.rows):
         print(f"odd one out: {line}")
     _write_run(out, result.rows, meta)
-    if args.junit:
-        from .junit import write_junit
-
-        write_junit(args.junit, result.rows)
     for fz in result.fuzz:
         if fz.case_file:
             print(f"failing case saved: {fz.case_file}  (mla-verify replay {fz.case_file} --device {device})")
+    if args.part:
+        return 1 if result.failed else 0
+    return _finish_gate(args, out, result.rows, result.failed, started)
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _finish_gate(args, out: Path, rows, failed: bool, started: float) -> int:
+    import reports
+
+    if args.junit:
+        from .junit import write_junit
+
+        write_junit(args.junit, rows)
     code = reports.run_report(out, baseline=args.baseline)
-    print(f"gate {'FAILED' if result.failed else 'passed'}: {len(result.rows)} rows in {time.time() - started:.0f} s; "
+    print(f"gate {'FAILED' if failed else 'passed'}: {len(rows)} rows in {time.time() - started:.0f} s; "
           f"report {out / 'report.html'}")
-    return 1 if result.failed else code
+    return 1 if failed else code
+
+
+def _gate_in_parts(args, device, profile, seed, out, meta, parts, started) -> int:
+    from equivalence.ops import OPS
+    from equivalence.properties import PROPERTIES
+    from equivalence.rows import Row
+
+    from .parallel import run_parts
+
+    ops = args.op or [*sorted(OPS), *(p.op for p in PROPERTIES.values())]
+    ops = [o for op in ops for o in ([p.op for p in PROPERTIES.values()] if op == "property" else [op])]
+    child = ["--profile", profile.name, "--seed", str(seed), "--timeout", str(args.timeout)]
+    if args.examples is not None:
+        child += ["--examples", str(args.examples)]
+    if args.isolate is not None:
+        child += ["--isolate" if args.isolate else "--no-isolate"]
+    print(f"  {parts} parts, one per {'GPU' if device == 'cuda' else 'process'}", flush=True)
+    frame, worst = run_parts(ops, parts, device, out, child)
+    _write_run(out, frame, meta)
+    rows = [Row(**r) for r in frame.to_dict("records")]
+    failed = worst != 0 or any(not r.passed for r in rows)
+    return _finish_gate(args, out, rows, failed, started)
 
 
 def cmd_report(args, device: str) -> int:

@@ -57,3 +57,15 @@ def test_a_correct_implementation_passes_and_the_report_builds(capsys, tmp_path)
     assert 'failures="0"' in (tmp_path / "j.xml").read_text()
     code, text = run(capsys, "report", str(tmp_path), "--markdown", str(tmp_path / "r.md"))
     assert code == 0 and (tmp_path / "report.html").exists() and "convert_index" in (tmp_path / "r.md").read_text()
+
+
+def test_gate_in_parallel_parts_merges_every_part_into_one_run(capsys, tmp_path):
+    ops = ["concat_mla_q", "split_prefill_chunks", "reshape_query_for_spec_decode"]
+    code, text = run(capsys, "gate", "--device", "cpu", "--parallel", "2", "--examples", "2", "--seed", "4",
+                     "--out", str(tmp_path), *[a for op in ops for a in ("--op", op)])
+    assert code == 0 and "2 parts" in text
+    import reports
+
+    frame, _ = reports.load_run(tmp_path)
+    assert set(frame.op) == set(ops) and (tmp_path / "part-0").is_dir() and (tmp_path / "part-1").is_dir()
+    assert (tmp_path / "report.html").exists()
