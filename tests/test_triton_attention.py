@@ -377,7 +377,7 @@ def test_flash_mla_wrappers_refuse_what_the_kernels_cannot_run(no_launch):
 
 
 def test_both_stages_register_triton_and_flash_mla():
-    for stage, deviations in (("sparse_prefill", {"triton": (), "flash_mla": ()}),
+    for stage, deviations in (("sparse_prefill", {"triton": ("loop_bound",), "flash_mla": ()}),
                               ("sparse_decode_fp8", {"triton": ("bf16_dequant", "split_kv"),
                                                      "flash_mla": ("bf16_cache_scale", "bf16_dequant", "split_kv")})):
         impls = {i.name: i for i in registry.implementations(stage)}
