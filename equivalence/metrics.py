@@ -9,8 +9,9 @@ Three kinds of tensor, three ways of measuring:
     bf16_units      ||a - r|| / ||bf16(r) - r||: the error in units of rounding the exact answer
                     to bf16, the least any bf16 output can do (the unit never drops below
                     2**-10 ||r||, for answers that happen to be bf16-representable)
-    elem_bf16_units max |a - r| / (2**-8 * max|r| over the row's last dim): the worst element in
-                    bf16 rounding steps of its own row's magnitude
+    elem_bf16_units max |a - r| / max(2**-8 * max|r| over the row's last dim, 2**-126): the worst
+                    element in bf16 rounding steps of its own row's magnitude; the floor is the
+                    smallest normal float32, below which fp32 kernels may flush to zero (FTZ)
     mean_err        mean of (a - r) / r over the elements at least 2**-8 of their row's largest:
                     the signed relative bias, each element weighing the same (large outlier
                     channels do not dominate it). Rounding to nearest averages out
@@ -36,6 +37,7 @@ import torch
 
 BF16_UNIT = 2.0**-8    # unit roundoff of bf16 (8 significant bits)
 FP32_UNIT = 2.0**-24
+FP32_TINY = 2.0**-126  # smallest normal float32: GPU fp32 math flushes below it (a sink can push a row there)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Metrics:
     cos_dist: float = math.nan
     max_abs: float = math.nan
     max_abs_at: str = ""
+    elem_at: str = ""             # index of the worst element in elem_bf16_units
     mismatch_frac: float = math.nan
     mean_err: float = math.nan
     bf16_units: float = math.nan
@@ -126,13 +129,13 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float) -> Metrics:
     a, r = a.double(), r.double()
 
     def extra(d, rf, finite):
-        row_scale = BF16_UNIT * rf.abs().amax(dim=-1, keepdim=True)
-        per_elem = torch.where(row_scale > 0, d.abs() / row_scale, torch.where(d != 0, math.inf, 0.0))
+        row_scale = (BF16_UNIT * rf.abs().amax(dim=-1, keepdim=True)).clamp(min=FP32_TINY)
+        per_elem = d.abs() / row_scale
         sizable = finite & (rf.abs() >= row_scale) & (rf != 0)
         af = torch.where(finite, a, 0.0)
         return {
             "dot": (af * rf).sum(), "a_norm": af.norm(), "rounding": (rf.to(torch.bfloat16).double() - rf).norm(),
-            "elem": per_elem.max(), "beyond": (per_elem > elem_units).double().mean(),
+            "elem": per_elem.max(), "elem_argmax": per_elem.flatten().argmax(), "beyond": (per_elem > elem_units).double().mean(),
             "rel_sum": torch.where(sizable, d / torch.where(sizable, rf, 1.0), 0.0).sum(), "rel_n": sizable.sum(),
         }
 
@@ -146,6 +149,7 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float) -> Metrics:
     m.bf16_units = v["err_norm"] / rounding if rounding else (0.0 if v["err_norm"] == 0 else math.inf)
     m.mean_err = v["rel_sum"] / v["rel_n"] if v["rel_n"] else 0.0
     m.elem_bf16_units = v["elem"]
+    m.elem_at = _position(int(v["elem_argmax"]), r.shape)
     m.mismatch_frac = v["beyond"]
     return m
 

@@ -68,8 +68,9 @@ def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str =
     room, bound, value, limit = worst
     passed = value <= limit
     reason = "" if passed else f"{bound.metric} = {value:.4g} > {limit:.4g} ({bound.reason})"
-    if not passed and m.max_abs_at:
-        reason += f"; worst element at [{m.max_abs_at}]"
+    at = m.elem_at if bound.metric == "elem_bf16_units" else m.max_abs_at
+    if not passed and at:
+        reason += f"; worst element at [{at}]"
         if "first_mismatch" in m.extra:
             reason += f": {m.extra['first_mismatch']}"
     return Verdict(m, passed, bound.metric, value, limit, room, deviation, reason)

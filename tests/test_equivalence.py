@@ -36,6 +36,21 @@ def test_output_metrics_in_bf16_units():
     shifted[3, 2, 7] += 1.0
     m = M.output(shifted, ref, 4.0)
     assert m.max_abs == pytest.approx(1.0) and m.max_abs_at == "3,2,7" and m.mismatch_frac > 0
+    assert m.elem_at == "3,2,7"
+
+
+def test_rows_below_the_smallest_normal_float32_may_flush_to_zero():
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(3, 512, generator=g, dtype=torch.float64)
+    ref[1] *= 1e-39  # a sink 90 nats above every logit scales the row out of float32's normal range
+    flushed = ref.to(torch.bfloat16)
+    flushed[1] = 0.0  # what an FTZ fp32 kernel writes
+    m = M.output(flushed, ref, 4.0)
+    assert m.elem_bf16_units < 1.0 and abs(m.mean_err) < 1e-3
+    lost = flushed.clone()
+    lost[2] = 0.0  # the same at a normal magnitude is a lost row
+    m = M.output(lost, ref, 4.0)
+    assert m.elem_bf16_units >= 255 and m.elem_at.startswith("2,")
 
 
 def test_lse_units_scale_with_the_logit_scale():
