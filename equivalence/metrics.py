@@ -9,9 +9,12 @@ Three kinds of tensor, three ways of measuring:
     bf16_units      ||a - r|| / ||bf16(r) - r||: the error in units of rounding the exact answer
                     to bf16, the least any bf16 output can do (the unit never drops below
                     2**-10 ||r||, for answers that happen to be bf16-representable)
-    elem_bf16_units max |a - r| / max(2**-8 * max|r| over the row's last dim, 2**-126): the worst
-                    element in bf16 rounding steps of its own row's magnitude; the floor is the
-                    smallest normal float32, below which fp32 kernels may flush to zero (FTZ)
+    elem_bf16_units max |a - r| / max(2**-8 * max|r| over the row's last dim, 2**-126 * value_max):
+                    the worst element in bf16 rounding steps of its own row's magnitude. The
+                    floor is where fp32 arithmetic underflows: a weight below the smallest normal
+                    float32 flushes to zero (FTZ), so a row whose weights all sit there (a sink
+                    ~90 nats above the LSE) may come out 0; value_max (the largest |V| the row
+                    averages, 1 when unknown) is what such a weight multiplies
     mean_err        mean of (a - r) / r over the elements at least 2**-8 of their row's largest:
                     the signed relative bias, each element weighing the same (large outlier
                     channels do not dominate it). Rounding to nearest averages out
@@ -123,13 +126,15 @@ def _float_stats(a: torch.Tensor, r: torch.Tensor, extra) -> tuple[Metrics, dict
     return m, values
 
 
-def output(a: torch.Tensor, r: torch.Tensor, elem_units: float) -> Metrics:
+def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch.Tensor | None = None) -> Metrics:
     """An attention output (bf16 or wider) against the float64 reference; `elem_units` is the
-    per-element bound (in bf16 steps of the row's magnitude) that `mismatch_frac` counts against."""
+    per-element bound (in bf16 steps of the row's magnitude) that `mismatch_frac` counts against;
+    `value_max` (the rows' shape without the last dim) the largest |V| each row averages."""
     a, r = a.double(), r.double()
+    floor = FP32_TINY if value_max is None else FP32_TINY * value_max.to(r.device).double().clamp(min=1.0)[..., None]
 
     def extra(d, rf, finite):
-        row_scale = (BF16_UNIT * rf.abs().amax(dim=-1, keepdim=True)).clamp(min=FP32_TINY)
+        row_scale = torch.maximum(BF16_UNIT * rf.abs().amax(dim=-1, keepdim=True), torch.as_tensor(floor, device=rf.device))
         per_elem = d.abs() / row_scale
         sizable = finite & (rf.abs() >= row_scale) & (rf != 0)
         af = torch.where(finite, a, 0.0)

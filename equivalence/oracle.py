@@ -38,16 +38,18 @@ def _value(m: M.Metrics, metric: str) -> float:
     return 0.0 if isinstance(v, float) and math.isnan(v) else float(v)
 
 
-def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, logit_l1: torch.Tensor | None = None) -> M.Metrics:
+def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> M.Metrics:
+    """`scale` (per row): an LSE's logit_l1; an output's value_max (the largest |V| its row
+    averages), which sets the size below which an fp32 kernel's weights flush to zero."""
     impl = impl.to(ref.device)  # an implementation may hand back its result on another device
     if impl.shape != ref.shape:
         return M.Metrics(numel=ref.numel(), mismatch_frac=1.0, extra={"shape": f"{tuple(impl.shape)} vs {tuple(ref.shape)}"})
     if kind == EXACT:
         return M.exact(impl, ref)
     if kind == OUT:
-        return M.output(impl, ref, ELEM_UNITS_FOR_MISMATCH)
+        return M.output(impl, ref, ELEM_UNITS_FOR_MISMATCH, scale)
     if kind == LSE:
-        return M.lse(impl, ref, logit_l1 if logit_l1 is not None else torch.zeros_like(ref))
+        return M.lse(impl, ref, scale if scale is not None else torch.zeros_like(ref))
     raise ValueError(f"unknown tensor kind {kind!r}")
 
 
@@ -82,7 +84,7 @@ def judge(
     ref: torch.Tensor,
     params: Mapping,
     deviations: Iterable[str] = (),
-    logit_l1: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> Verdict:
     bounds, deviation = bounds_for(kind, params, deviations)
-    return verdict(kind, measure(kind, impl, ref, logit_l1), bounds, deviation)
+    return verdict(kind, measure(kind, impl, ref, scale), bounds, deviation)

@@ -51,6 +51,11 @@ def test_rows_below_the_smallest_normal_float32_may_flush_to_zero():
     lost[2] = 0.0  # the same at a normal magnitude is a lost row
     m = M.output(lost, ref, 4.0)
     assert m.elem_bf16_units >= 255 and m.elem_at.startswith("2,")
+    # A weight below 2**-126 flushes before it multiplies V: with |V| ~ 7000 the row can be normal.
+    ref[1] *= 1e4
+    assert M.output(flushed, ref, 4.0).elem_bf16_units > 255
+    value_max = torch.full((3,), 7168.0, dtype=torch.float64)
+    assert M.output(flushed, ref, 4.0, value_max).elem_bf16_units < 1.0
 
 
 def test_lse_units_scale_with_the_logit_scale():

@@ -13,7 +13,7 @@ import torch
 class Check:
     tensor: str            # name in the reference's and the implementation's outputs
     kind: str              # policy kind: exact | out | lse
-    scale: str | None = None  # reference tensor holding the LSE's logit scale
+    scale: str | None = None  # reference tensor of per-row scales: an LSE's logit_l1, an output's value_max
     optional: bool = False    # compared only when the implementation returns it (max_logits)
     single_rank: bool = False  # one DCP rank's pre-combine partial: held to the bounds without DCP
 
