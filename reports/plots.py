@@ -19,16 +19,20 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
-from matplotlib.ticker import LogFormatter
+from matplotlib.ticker import LogFormatter, LogLocator
 
 from reports.stats import expected, grouped, quantile
 
 _NORMAL = "#3b6ea8"
 _DEVIATION = "#d98c1f"
 _FAILED = "#c0392b"
+# Horizontal boxes: matplotlib 3.10 renamed bxp's `vert=False` to `orientation` (and deprecates vert).
+_HORIZONTAL = ({"orientation": "horizontal"} if tuple(int(x) for x in matplotlib.__version__.split(".")[:2]) >= (3, 10)
+               else {"vert": False})
 _PALETTE = ("#3b6ea8", "#d98c1f", "#2e8b57", "#c0392b", "#7b5ea7", "#8c564b", "#d45fa0",
             "#7f7f7f", "#9aa629", "#17a2b8")
 
@@ -120,7 +124,9 @@ class LogAxis:
 
 
 def _plain_log(axis) -> None:
-    """Tick labels like 2e-03 on a log axis: no mathtext, whose parsing dominated render time."""
+    """Tick labels like 2e-03 on a log axis: no mathtext, whose parsing dominated render time;
+    at most ~7 labelled decades, so wide ranges do not print labels over each other."""
+    axis.set_major_locator(LogLocator(base=10, numticks=7))
     axis.set_major_formatter(LogFormatter(labelOnlyBase=False))
     axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
 
@@ -138,45 +144,61 @@ def _png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
-def _boxes(ax, categories: Sequence[Category], ylabel: str, rng: np.random.Generator,
-           empty: str = "no finite values") -> LogAxis:
+def _boxes(ax, categories: Sequence[Category], label: str, rng: np.random.Generator,
+           empty: str = "no finite values", horizontal: bool = False) -> LogAxis:
     """Boxes (p25..p75, p50 line, whiskers min..p99, dots beyond p99) over a jittered strip of
-    every value (failed rows red), on a log y axis; `empty` marks a category with nothing to
-    draw."""
+    every value (failed rows red), on a log value axis; `empty` marks a category with nothing
+    to draw. `horizontal`: one row per category, first on top (for many categories: the labels
+    stay readable at any count)."""
     scale = LogAxis.of([c.values for c in categories])
+    n = len(categories)
+    slot = (lambda i: n - 1 - i) if horizontal else (lambda i: i)
     stats, positions, colors = [], [], []
     for i, c in enumerate(categories):
         v, failed = c.drawable(scale)
         if not v.size:
-            ax.annotate(empty, (i, 0.03), xycoords=("data", "axes fraction"),
-                        ha="center", fontsize=7, color="0.4", rotation=90)
+            at = ((0.03, slot(i)), ("axes fraction", "data")) if horizontal else ((slot(i), 0.03), ("data", "axes fraction"))
+            ax.annotate(empty, at[0], xycoords=at[1], fontsize=7, color="0.4",
+                        ha="left" if horizontal else "center", va="center" if horizontal else "bottom",
+                        rotation=0 if horizontal else 90)
             continue
         p99 = quantile(v, 0.99)
         stats.append({"med": quantile(v, 0.5), "q1": quantile(v, 0.25), "q3": quantile(v, 0.75),
                       "whislo": float(v.min()), "whishi": p99, "fliers": v[v > p99]})
-        positions.append(i)
+        positions.append(slot(i))
         colors.append(c.color)
-        x = i + rng.uniform(-0.2, 0.2, v.size)
-        ax.scatter(x[~failed], v[~failed], s=8, color=c.color, alpha=0.45, linewidths=0, zorder=1)
-        ax.scatter(x[failed], v[failed], s=22, color=_FAILED, zorder=3,
+        jitter = slot(i) + rng.uniform(-0.2, 0.2, v.size)
+        xy = (lambda a, b: (b, a)) if horizontal else (lambda a, b: (a, b))
+        ax.scatter(*xy(jitter[~failed], v[~failed]), s=8, color=c.color, alpha=0.45, linewidths=0, zorder=1)
+        ax.scatter(*xy(jitter[failed], v[failed]), s=22, color=_FAILED, zorder=3,
                    label="failed" if failed.any() else None)
     if stats:
         drawn = ax.bxp(stats, positions=positions, widths=0.55, patch_artist=True,
                        manage_ticks=False, medianprops={"color": "black", "linewidth": 1.6},
                        flierprops={"marker": "o", "markersize": 3, "markerfacecolor": "black"},
-                       zorder=2)
+                       zorder=2, **(_HORIZONTAL if horizontal else {}))
         for box, color in zip(drawn["boxes"], colors, strict=True):
             box.set_edgecolor(color)
             box.set_facecolor((*to_rgb(color), 0.12))
             box.set_linewidth(1.4)
+    labels = [c.label for c in categories]
+    if horizontal:
+        ax.set_xscale("log")
+        _plain_log(ax.xaxis)
+        ax.set_yticks(range(n))
+        ax.set_yticklabels(labels[::-1], fontsize=7)
+        ax.set_ylim(-0.6, n - 0.4)
+        ax.set_xlabel(label)
+        ax.grid(axis="x", which="major", alpha=0.3)
+        scale.mark_x(ax)
+        return scale
     ax.set_yscale("log")
     _plain_log(ax.yaxis)
-    ax.set_xticks(range(len(categories)))
-    tilt = len(categories) > 3
-    ax.set_xticklabels([c.label for c in categories], rotation=35 if tilt else 0,
-                       ha="right" if tilt else "center", fontsize=8)
-    ax.set_xlim(-0.6, len(categories) - 0.4)
-    ax.set_ylabel(ylabel)
+    ax.set_xticks(range(n))
+    tilt = n > 3
+    ax.set_xticklabels(labels, rotation=35 if tilt else 0, ha="right" if tilt else "center", fontsize=8)
+    ax.set_xlim(-0.6, n - 0.4)
+    ax.set_ylabel(label)
     ax.grid(axis="y", which="major", alpha=0.3)
     scale.mark(ax)
     return scale
@@ -218,11 +240,11 @@ def error_by_path(frame: pd.DataFrame) -> Plot | None:
     if not panels:
         return None
     cats = [_path_categories(rows) for _, _, rows in panels]
-    fig, axes = _figure(len(panels), max(7.0, 0.55 * sum(len(c) for c in cats) + 3))
+    fig, axes = _figure(len(panels), 6.5 * len(panels), 0.3 * max(map(len, cats)) + 1.4)
     rng = np.random.default_rng(0)
     notes = ""
     for ax, c, (kind, label, _) in zip(axes, cats, panels, strict=True):
-        notes += _boxes(ax, c, label, rng).note(label)
+        notes += _boxes(ax, c, label, rng, horizontal=True).note(label)
         ax.set_title(f"{kind}: per path · impl")
         _legend(ax)
     caption = ("Key error per path and implementation: the groups of the path and deviation "
@@ -346,12 +368,12 @@ def headroom_by_path(frame: pd.DataFrame) -> Plot | None:
         infinite = np.isinf(g["headroom"]).to_numpy()
         label = f"{path} (∞ ×{infinite.sum()})" if infinite.any() else str(path)
         cats.append(Category.of(label, g[~infinite], "headroom"))
-    fig, (ax,) = _figure(1, max(7.0, 0.7 * len(cats) + 3))
+    fig, (ax,) = _figure(1, 8.0, 0.3 * len(cats) + 1.4)
     scale = _boxes(ax, cats, "headroom = bound / value", np.random.default_rng(0),
-                   empty="all exact: ∞")
-    ax.axhline(1.0, color=_FAILED, linestyle="--", linewidth=1.2, label="bound (headroom 1)")
+                   empty="all exact: ∞", horizontal=True)
+    ax.axvline(1.0, color=_FAILED, linestyle="--", linewidth=1.2, label="bound (headroom 1)")
     _legend(ax)
-    ax.set_title("headroom per path (below the red line fails)")
+    ax.set_title("headroom per path (left of the red line fails)")
     caption = ("Headroom of the gated metric closest to its bound, per path, all tensors and "
                "implementations together (the terminal summary's grouping). "
                f"{_BOX_NOTE} A row whose value is 0 (an exact match) has infinite headroom: "
