@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("runs/fuzz"), help="run directory: rows, failing case files")
     p.add_argument("--no-shrink", action="store_true", help="report the first failing case as found")
     p.add_argument("--junit", type=Path, default=None)
+    p.add_argument("--parallel", type=int, default=None,
+                   help="independent campaigns (seeds S, S+1, ...) sharing the examples, one GPU each "
+                        "(default: every GPU on cuda, 1 on cpu; dcp: 1, its ranks take the GPUs)")
+    p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel
 
     p = sub.add_parser("replay", help="re-run a saved case exactly; exit 1 if it still fails")
     _add_common(p)
@@ -209,8 +213,11 @@ def cmd_fuzz(args, device: str) -> int:
     ranks = f", {world_size} ranks ({distributed.placement(world_size, device).describe()})" if world_size else ""
     print(f"mla-verify fuzz: op {args.op}, implementation {subject.label}, {examples} examples, profile {profile.name}, "
           f"device {device}, seed {seed}{ranks}{', isolated' if isolate else ''}", flush=True)
-    notes: set[str] = set()
     meta = _start_meta(profile.name, seed, device)
+    parts = 1 if args.part or world_size else (args.parallel or (_gpu_count() if device == "cuda" else 1))
+    if parts > 1:
+        return _fuzz_in_parts(args, device, profile.name, examples, seed, meta, parts)
+    notes: set[str] = set()
     worker = Worker(device, args.timeout) if isolate else None
 
     def run(case, source):
@@ -252,6 +259,41 @@ def cmd_fuzz(args, device: str) -> int:
         print(f"  case saved: {result.case_file}")
         print(f"  replay: mla-verify replay {result.case_file} --device {device}")
     return 1
+
+
+def _fuzz_in_parts(args, device: str, profile: str, examples: int, seed: int, meta: dict, parts: int) -> int:
+    from equivalence.rows import Row
+
+    from .parallel import fuzz_parts, share
+
+    child = ["--op", args.op, "--profile", profile, "--timeout", str(args.timeout),
+             *(a for spec in args.impl for a in ("--impl", spec))]
+    child += ["--path", args.path] if args.path else []
+    child += ["--no-shrink"] if args.no_shrink else []
+    child += [] if args.isolate is None else ["--isolate" if args.isolate else "--no-isolate"]
+    shares = share(examples, parts)
+    print(f"  {len(shares)} campaigns, one per {'GPU' if device == 'cuda' else 'process'}: "
+          + ", ".join(f"seed {seed + i} x {n}" for i, n in enumerate(shares)) + f"; logs {args.out}/part-*/fuzz.log",
+          flush=True)
+    frame, results = fuzz_parts(child, examples, seed, parts, device, args.out)
+    _write_run(args.out, frame, meta)
+    rows = [Row(**r) for r in frame.to_dict("records")]
+    if args.junit:
+        from .junit import write_junit
+
+        write_junit(args.junit, rows)
+    worst = 0
+    for part, (part_seed, code, log) in enumerate(results):
+        lines = log.read_text().splitlines() if log.exists() else []
+        start = next((i for i, line in enumerate(lines) if line.startswith("DISCREPANCY")), None)
+        shown = lines[start:] if start is not None else lines[-1:] if code == 0 else lines[-5:]
+        print(f"part {part} (seed {part_seed}): exit {code}")
+        for line in shown:
+            print(f"  {line}")
+        worst = max(worst, code if code in (0, 1, 2) else 1)  # killed by a signal: a failure
+    if worst == 0:
+        print(f"PASS: {examples} examples over {len(results)} campaigns, no discrepancy (seeds {seed}..{seed + len(results) - 1})")
+    return worst
 
 
 def cmd_replay(args, device: str) -> int:

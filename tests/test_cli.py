@@ -69,3 +69,23 @@ def test_gate_in_parallel_parts_merges_every_part_into_one_run(capsys, tmp_path)
     frame, _ = reports.load_run(tmp_path)
     assert set(frame.op) == set(ops) and (tmp_path / "part-0").is_dir() and (tmp_path / "part-1").is_dir()
     assert (tmp_path / "report.html").exists()
+
+
+def test_fuzz_in_parallel_campaigns_merges_rows_and_keeps_each_failure_replayable(capsys, tmp_path):
+    from mla_verify.parallel import share
+
+    assert share(10, 3) == [4, 3, 3] and share(2, 4) == [1, 1]
+    code, text = run(capsys, "fuzz", "--op", "convert_index", "--parallel", "2", "--examples", "6", "--seed", "3",
+                     "--device", "cpu", "--profile", "ci", "--out", str(tmp_path / "ok"))
+    assert code == 0 and "seed 3 x 3, seed 4 x 3" in text and "PASS: 6 examples over 2 campaigns" in text
+    import reports
+
+    frame, _ = reports.load_run(tmp_path / "ok")
+    assert frame.case_id.nunique() >= 2 and set(frame.op) == {"convert_index"}
+    code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.zoo.formats:divisor_224",
+                     "--parallel", "2", "--examples", "20", "--seed", "5", "--device", "cpu", "--profile", "ci",
+                     "--out", str(tmp_path / "bad"))
+    assert code == 1 and text.count("DISCREPANCY") == 2
+    for part in ("part-0", "part-1"):
+        [saved] = (tmp_path / "bad" / part / "failures").glob("*.json")
+        assert run(capsys, "replay", str(saved), "--device", "cpu")[0] == 1
