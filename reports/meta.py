@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 from collections.abc import Iterable, Mapping
@@ -85,9 +86,12 @@ def _git(*args: str) -> str | None:
 
 
 def git_state() -> dict[str, Any]:
-    """{"revision": HEAD or None, "dirty": tracked files modified (None without git)}."""
+    """{"revision": HEAD or None, "dirty": tracked files modified (None without git)}. A tree
+    copied without .git (a GPU machine's copy) names its revision in MLA_VERIFY_REVISION."""
     revision = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no") if revision else None
+    if revision is None:
+        return {"revision": os.environ.get("MLA_VERIFY_REVISION") or None, "dirty": None}
+    status = _git("status", "--porcelain", "--untracked-files=no")
     return {"revision": revision, "dirty": None if status is None else bool(status)}
 
 

@@ -197,6 +197,16 @@ def test_collect_meta_records_versions_device_git_and_times():
     assert meta["finished_at"] is None and meta["extra"] == {"k": 1}
 
 
+def test_a_tree_without_git_takes_its_revision_from_the_environment(monkeypatch):
+    from reports import meta as meta_module
+
+    monkeypatch.setattr(meta_module, "_git", lambda *args: None)
+    monkeypatch.delenv("MLA_VERIFY_REVISION", raising=False)
+    assert meta_module.git_state() == {"revision": None, "dirty": None}
+    monkeypatch.setenv("MLA_VERIFY_REVISION", "29d8f84")
+    assert meta_module.git_state() == {"revision": "29d8f84", "dirty": None}
+
+
 # ---------------------------------------------------------------- drift
 
 
