@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from reference.indices import dcp_local_seq_lens, dcp_owner_and_local
-from reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
-from reference.paged_cache import scatter_rows
+from mla_verify.reference.indices import dcp_local_seq_lens, dcp_owner_and_local
+from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
+from mla_verify.reference.paged_cache import scatter_rows
 
 from .patterns import PATTERNS, apply_patterns, distinct_rows, prefix_candidates
 from .values import pooled_rows, q_values

@@ -110,9 +110,9 @@ def _raised(exc: BaseException) -> str:
 def _rank_case(rank: int, device: str, params: dict, seed: int, specs: tuple[str, ...], subjects: dict) -> dict:
     """Build the batch, run the rank body on this rank's share, return plain CPU tensors."""
     # Imported here, not at the top: Triton must see TRITON_INTERPRET, set by `_rank_main`, first.
-    from optimized import registry
-    from optimized.buffers import poisoned
-    from optimized.dcp_runtime import forward_mqa_dcp_rank, rank_stages
+    from mla_verify.optimized import registry
+    from mla_verify.optimized.buffers import poisoned
+    from mla_verify.optimized.dcp_runtime import forward_mqa_dcp_rank, rank_stages
 
     from .subject import resolve_subject
 
@@ -158,7 +158,7 @@ def _rank_main(rank: int, world_size: int, place: Placement, store_path: str, ti
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(place.backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
-    import optimized  # noqa: F401  (Triton's setup and every registration, before the first case)
+    import mla_verify.optimized  # noqa: F401  (Triton's setup and every registration, before the first case)
 
     conn.send(("ready", None))
     subjects: dict = {}

@@ -13,7 +13,7 @@ import traceback
 
 import torch
 
-from optimized.buffers import poisoned
+from mla_verify.optimized.buffers import poisoned
 
 from .case import Case
 from .oracle import Verdict, judge

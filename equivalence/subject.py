@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from optimized import registry
+from mla_verify.optimized import registry
 
 from .ops import get_op
 from .properties import get_property, is_property

@@ -21,7 +21,7 @@ import zlib
 
 import torch
 
-import reference
+from mla_verify import reference
 
 REGIMES = ("normal", "saturation", "outliers", "zero_tiles", "tiny", "peaked")
 NOPE, TILE = 512, 128

@@ -11,8 +11,8 @@ from typing import Callable
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from equivalence.case import Case
-from equivalence.rows import Row
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.rows import Row
 
 from . import casefile
 from .profiles import Profile

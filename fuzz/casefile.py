@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from equivalence.case import CASE_FORMAT, Case
+from mla_verify.equivalence.case import CASE_FORMAT, Case
 
 
 @dataclass

@@ -20,15 +20,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from equivalence import distributed
-from equivalence.case import Case
-from equivalence.evaluate import evaluate
-from equivalence.isolation import Worker
-from equivalence.ops import OPS
-from equivalence.properties import PROPERTIES, get_property, is_property
-from equivalence.rows import Row
-from equivalence.subject import Subject, resolve_subject
-from optimized import registry
+from mla_verify.equivalence import distributed
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.evaluate import evaluate
+from mla_verify.equivalence.isolation import Worker
+from mla_verify.equivalence.ops import OPS
+from mla_verify.equivalence.properties import PROPERTIES, get_property, is_property
+from mla_verify.equivalence.rows import Row
+from mla_verify.equivalence.subject import Subject, resolve_subject
+from mla_verify.optimized import registry
 
 from .campaign import FuzzResult, fuzz
 from .profiles import Profile

@@ -12,10 +12,10 @@ from typing import Callable
 
 from hypothesis import strategies as st
 
-from equivalence.case import Case
-from equivalence.properties import PREFIX, get_property
-from equivalence.properties.split import SCHEMES
-from reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.properties import PREFIX, get_property
+from mla_verify.equivalence.properties.split import SCHEMES
+from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
 from .profiles import Profile
 from .strategies import dcp_index_params, decode_params, forward_params, merge_params, prefill_params, seeds

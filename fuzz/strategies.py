@@ -12,11 +12,11 @@ from typing import Callable
 
 from hypothesis import strategies as st
 
-from equivalence.batch import INVALID_PATTERNS
-from equivalence.case import Case
-from equivalence.patterns import PATTERNS
-from equivalence.properties import is_property
-from equivalence.values import REGIMES
+from mla_verify.equivalence.batch import INVALID_PATTERNS
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.patterns import PATTERNS
+from mla_verify.equivalence.properties import is_property
+from mla_verify.equivalence.values import REGIMES
 
 from .profiles import Profile
 

@@ -79,7 +79,7 @@ def _prefill_inputs(tokens: int, heads: int, rows: int, gen: torch.Generator):
 
 
 def _decode_inputs(batch: int, s_q: int, heads: int, blocks: int, gen: torch.Generator):
-    import reference
+    from mla_verify import reference
 
     kv = (torch.randn(blocks * PAGE, 576, generator=gen, device="cuda") / 4).bfloat16()
     cache = reference.quantize_fp8_ds_mla(kv, "pow2").view(blocks, PAGE, 656)
@@ -108,9 +108,9 @@ def _kernel_rows(shape: str, fl: float, nbytes: float, fns: dict[str, tuple], re
 
 
 def bench_kernels(quick: bool, reps: int) -> list[dict]:
-    from optimized import flashmla
-    from optimized.kernels import sparse_decode, sparse_prefill
-    from optimized.kernels.attention_launch import VARIANTS
+    from mla_verify.optimized import flashmla
+    from mla_verify.optimized.kernels import sparse_decode, sparse_prefill
+    from mla_verify.optimized.kernels.attention_launch import VARIANTS
 
     have_fm = flashmla.flash_mla_unavailable() is None
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -148,7 +148,7 @@ def bench_kernels(quick: bool, reps: int) -> list[dict]:
 
 
 def bench_reference_gpu(quick: bool) -> list[dict]:
-    import reference
+    from mla_verify import reference
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     out = []
@@ -172,12 +172,12 @@ def bench_reference_gpu(quick: bool) -> list[dict]:
 
 def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
     """Harness overhead per compared case, and fuzz throughput, on decode-sized cases."""
-    from equivalence.case import Case
-    from equivalence.evaluate import evaluate
-    from equivalence.ops import get_op
-    from equivalence.subject import resolve_subject
-    from fuzz.campaign import fuzz
-    from fuzz.profiles import get_profile
+    from mla_verify.equivalence.case import Case
+    from mla_verify.equivalence.evaluate import evaluate
+    from mla_verify.equivalence.ops import get_op
+    from mla_verify.equivalence.subject import resolve_subject
+    from mla_verify.fuzz.campaign import fuzz
+    from mla_verify.fuzz.profiles import get_profile
 
     out = []
     if device == "cuda":
@@ -217,7 +217,7 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
 
 _CPU_CONTEXT_PROBE = """
 import gc, time, torch, reference
-from equivalence.batch import make_batch
+from mla_verify.equivalence.batch import make_batch
 def rss(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field)) / 2**20
 p = dict(cache_dtype="fp8_ds_mla", heads=128, query_lens=[1, 1, 1, 1, 64], context_lens=[131071, 131071, 131071, 131071, 131008],

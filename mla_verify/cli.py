@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = getattr(args, "device", None) or (_default_device() if args.command != "report" else "cpu")
     _prepare(device)
-    from equivalence.subject import UsageError
+    from mla_verify.equivalence.subject import UsageError
 
     try:
         return COMMANDS[args.command](args, device)
@@ -118,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_list(args, device: str) -> int:
-    from equivalence.ops import OPS
-    from equivalence.policy import all_bounds
-    from equivalence.properties import PROPERTIES
-    from optimized import registry
+    from mla_verify.equivalence.ops import OPS
+    from mla_verify.equivalence.policy import all_bounds
+    from mla_verify.equivalence.properties import PROPERTIES
+    from mla_verify.optimized import registry
 
     print(f"device: {device}")
     for name in sorted(OPS):
@@ -153,37 +153,37 @@ def cmd_list(args, device: str) -> int:
 
 
 def _profile(name: str | None, device: str, default_cpu: str):
-    from fuzz.profiles import get_profile
+    from mla_verify.fuzz.profiles import get_profile
 
     try:
         return get_profile(name or (default_cpu if device == "cpu" else "gpu"))
     except KeyError as exc:
-        from equivalence.subject import UsageError
+        from mla_verify.equivalence.subject import UsageError
 
         raise UsageError(str(exc.args[0])) from None
 
 
 def _start_meta(profile: str, seed: int, device: str) -> dict:
-    import reports
+    from mla_verify import reports
 
     return reports.collect_meta(profile, [seed], device, command=shlex.join(["mla-verify"] + sys.argv[1:]))
 
 
 def _write_run(run_dir: Path, rows, meta: dict) -> None:
-    import reports
+    from mla_verify import reports
 
     reports.write_run(run_dir, rows, reports.finish_meta(meta))
 
 
 def cmd_fuzz(args, device: str) -> int:
-    from equivalence import distributed
-    from equivalence.evaluate import evaluate
-    from equivalence.isolation import Worker
-    from equivalence.ops import OPS
-    from equivalence.properties import get_property, is_property
-    from equivalence.subject import UsageError, resolve_subject
-    from fuzz.campaign import fuzz, new_seed
-    from fuzz.strategies import FORWARD_PATHS
+    from mla_verify.equivalence import distributed
+    from mla_verify.equivalence.evaluate import evaluate
+    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.equivalence.ops import OPS
+    from mla_verify.equivalence.properties import get_property, is_property
+    from mla_verify.equivalence.subject import UsageError, resolve_subject
+    from mla_verify.fuzz.campaign import fuzz, new_seed
+    from mla_verify.fuzz.strategies import FORWARD_PATHS
 
     if args.world_size is not None and args.op != "dcp":
         raise UsageError("--world-size applies to --op dcp only")
@@ -262,7 +262,7 @@ def cmd_fuzz(args, device: str) -> int:
 
 
 def _fuzz_in_parts(args, device: str, profile: str, examples: int, seed: int, meta: dict, parts: int) -> int:
-    from equivalence.rows import Row
+    from mla_verify.equivalence.rows import Row
 
     from .parallel import fuzz_parts, share
 
@@ -297,9 +297,9 @@ def _fuzz_in_parts(args, device: str, profile: str, examples: int, seed: int, me
 
 
 def cmd_replay(args, device: str) -> int:
-    from equivalence.evaluate import evaluate
-    from equivalence.subject import UsageError, resolve_subject
-    from fuzz import casefile
+    from mla_verify.equivalence.evaluate import evaluate
+    from mla_verify.equivalence.subject import UsageError, resolve_subject
+    from mla_verify.fuzz import casefile
 
     try:
         cf = casefile.load(args.file)
@@ -319,8 +319,8 @@ def cmd_replay(args, device: str) -> int:
 
 
 def cmd_gate(args, device: str) -> int:
-    from fuzz.campaign import new_seed
-    from fuzz.gate import odd_ones_out, run_gate
+    from mla_verify.fuzz.campaign import new_seed
+    from mla_verify.fuzz.gate import odd_ones_out, run_gate
 
     profile = _profile(args.profile, device, "ci")
     seed = new_seed() if args.seed is None else args.seed
@@ -358,7 +358,7 @@ def _gpu_count() -> int:
 
 
 def _finish_gate(args, out: Path, rows, failed: bool, started: float) -> int:
-    import reports
+    from mla_verify import reports
 
     if args.junit:
         from .junit import write_junit
@@ -371,9 +371,9 @@ def _finish_gate(args, out: Path, rows, failed: bool, started: float) -> int:
 
 
 def _gate_in_parts(args, device, profile, seed, out, meta, parts, started) -> int:
-    from equivalence.ops import OPS
-    from equivalence.properties import PROPERTIES
-    from equivalence.rows import Row
+    from mla_verify.equivalence.ops import OPS
+    from mla_verify.equivalence.properties import PROPERTIES
+    from mla_verify.equivalence.rows import Row
 
     from .parallel import run_parts
 
@@ -393,7 +393,7 @@ def _gate_in_parts(args, device, profile, seed, out, meta, parts, started) -> in
 
 
 def cmd_report(args, device: str) -> int:
-    import reports
+    from mla_verify import reports
 
     return reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
                               factor=args.factor)

@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from xml.sax.saxutils import quoteattr, escape
 
-from equivalence.rows import Row
+from mla_verify.equivalence.rows import Row
 
 
 def write_junit(path: Path, rows: list[Row], suite: str = "mla-verify") -> None:

@@ -47,7 +47,7 @@ def _child(command: str, part: int, args: list[str], device: str, out: Path, pin
 def _collect(procs: list[subprocess.Popen], out: Path) -> tuple[pd.DataFrame, list[int]]:
     """Wait for every child; their rows together, and each one's exit code (1 for a child that
     exited 0 without writing its run)."""
-    import reports
+    from mla_verify import reports
 
     codes = [p.wait() for p in procs]
     frames = []

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from optimized.formats import D_QK, FP8_ROW_BYTES
-from optimized.validation import InputError, check_index_range, check_same_device, check_sm_scale, check_tensor
+from mla_verify.optimized.formats import D_QK, FP8_ROW_BYTES
+from mla_verify.optimized.validation import InputError, check_index_range, check_same_device, check_sm_scale, check_tensor
 
 
 def check_prefill_contract(

@@ -20,10 +20,10 @@ import math
 
 import torch
 
-from optimized.attention_checks import check_decode_contract, check_prefill_contract
-from optimized.formats import D_QK, D_V
-from optimized.registry import register
-from optimized.validation import InputError, check_index_range, check_multiple, check_same_device
+from mla_verify.optimized.attention_checks import check_decode_contract, check_prefill_contract
+from mla_verify.optimized.formats import D_QK, D_V
+from mla_verify.optimized.registry import register
+from mla_verify.optimized.validation import InputError, check_index_range, check_multiple, check_same_device
 
 
 @functools.cache

@@ -9,13 +9,13 @@ baseline run.
     render_html(report) / render_markdown(report)            html.py, markdown.py
 """
 
-from reports.drift import Drift, compare
-from reports.html import render_html
-from reports.markdown import render_markdown
-from reports.meta import collect_meta, finish_meta
-from reports.report import Report, build_report, run_report
-from reports.store import load_run, rows_frame, write_run
-from reports.terminal import terminal_summary
+from mla_verify.reports.drift import Drift, compare
+from mla_verify.reports.html import render_html
+from mla_verify.reports.markdown import render_markdown
+from mla_verify.reports.meta import collect_meta, finish_meta
+from mla_verify.reports.report import Report, build_report, run_report
+from mla_verify.reports.store import load_run, rows_frame, write_run
+from mla_verify.reports.terminal import terminal_summary
 
 __all__ = [
     "Drift", "Report", "build_report", "collect_meta", "compare", "finish_meta", "load_run",

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from reports.fmt import number
-from reports.kinds import NOISE_FLOOR, annotate
-from reports.stats import GROUP_KEYS, summarize
+from mla_verify.reports.fmt import number
+from mla_verify.reports.kinds import NOISE_FLOOR, annotate
+from mla_verify.reports.stats import GROUP_KEYS, summarize
 
 DEFAULT_FACTOR = 2.0
 

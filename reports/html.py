@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from reports.fmt import cells
-from reports.meta import describe
-from reports.plots import Plot, figures
+from mla_verify.reports.fmt import cells
+from mla_verify.reports.meta import describe
+from mla_verify.reports.plots import Plot, figures
 
 if TYPE_CHECKING:
-    from reports.report import Report, Section
+    from mla_verify.reports.report import Report, Section
 
 _CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.5em 2em;

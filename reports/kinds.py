@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from equivalence.rows import split_rank
+from mla_verify.equivalence.rows import split_rank
 
 # kind -> (column that measures its error, label for axes and tables)
 KEY_METRIC: dict[str, str] = {

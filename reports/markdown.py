@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from reports.fmt import cells
+from mla_verify.reports.fmt import cells
 
 if TYPE_CHECKING:
-    from reports.report import Report
+    from mla_verify.reports.report import Report
 
 # GitHub caps a job summary at 1 MiB: a long failure list stops here and points at rows.csv.
 _MARKDOWN_LIMIT = 50

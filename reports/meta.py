@@ -16,8 +16,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from reports.fmt import MISSING, number
-from reports.store import RUN_FORMAT
+from mla_verify.reports.fmt import MISSING, number
+from mla_verify.reports.store import RUN_FORMAT
 
 # module name -> distribution names that may provide it (flash_mla ships as sgl-flash-mla)
 _VERSIONED_MODULES = {

@@ -25,7 +25,7 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter, LogLocator
 
-from reports.stats import expected, grouped, quantile
+from mla_verify.reports.stats import expected, grouped, quantile
 
 _NORMAL = "#3b6ea8"
 _DEVIATION = "#d98c1f"

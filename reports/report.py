@@ -10,15 +10,15 @@ from typing import Any
 
 import pandas as pd
 
-from reports.drift import DEFAULT_FACTOR, Drift, compare
-from reports.fmt import MISSING, header, number
-from reports.html import render_html
-from reports.kinds import KEY_METRIC, annotate
-from reports.markdown import render_markdown
-from reports.meta import describe
-from reports.stats import Counts, by_group, by_knob, counts, deviation_groups, failures, run_ids
-from reports.store import load_run
-from reports.terminal import terminal_summary
+from mla_verify.reports.drift import DEFAULT_FACTOR, Drift, compare
+from mla_verify.reports.fmt import MISSING, header, number
+from mla_verify.reports.html import render_html
+from mla_verify.reports.kinds import KEY_METRIC, annotate
+from mla_verify.reports.markdown import render_markdown
+from mla_verify.reports.meta import describe
+from mla_verify.reports.stats import Counts, by_group, by_knob, counts, deviation_groups, failures, run_ids
+from mla_verify.reports.store import load_run
+from mla_verify.reports.terminal import terminal_summary
 
 _KNOB_TITLES = {"topk": "topk", "heads": "query heads", "value_regime": "value regime",
                 "seq_bucket": "context length (seq_len bucket)", "dcp_size": "DCP world size"}

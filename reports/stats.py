@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from reports.fmt import MISSING
-from reports.kinds import KNOB_TABLES
+from mla_verify.reports.fmt import MISSING
+from mla_verify.reports.kinds import KNOB_TABLES
 
 GROUP_KEYS: tuple[str, ...] = ("op", "path", "tensor", "impl", "deviation")
 

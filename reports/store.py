@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from equivalence.rows import COLUMNS, Row
+from mla_verify.equivalence.rows import COLUMNS, Row
 
 RUN_FORMAT = "mla-verify-run/1"
 ROWS_PARQUET = "rows.parquet"

@@ -9,10 +9,10 @@ from typing import Any
 
 import pandas as pd
 
-from reports.fmt import MISSING, number
-from reports.kinds import annotate
-from reports.meta import describe
-from reports.stats import counts, expected, grouped, run_ids, summarize
+from mla_verify.reports.fmt import MISSING, number
+from mla_verify.reports.kinds import annotate
+from mla_verify.reports.meta import describe
+from mla_verify.reports.stats import counts, expected, grouped, run_ids, summarize
 
 _KIND_HEADER = {"out": "out", "lse": "lse", "max_logits": "mxlog", "exact": "exact",
                 "other": "other"}

@@ -65,14 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-    import reports
-    from equivalence.case import Case
-    from equivalence.evaluate import evaluate
-    from equivalence.properties import PROPERTIES
-    from equivalence.subject import resolve_subject
-    from fuzz.campaign import fuzz
-    from fuzz.production import production_cases
-    from fuzz.profiles import get_profile
+    from mla_verify import reports
+    from mla_verify.equivalence.case import Case
+    from mla_verify.equivalence.evaluate import evaluate
+    from mla_verify.equivalence.properties import PROPERTIES
+    from mla_verify.equivalence.subject import resolve_subject
+    from mla_verify.fuzz.campaign import fuzz
+    from mla_verify.fuzz.production import production_cases
+    from mla_verify.fuzz.profiles import get_profile
 
     profile = get_profile("gpu" if device == "cuda" else "ci")
     run_id = f"properties-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -24,8 +24,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from optimized.kernels import sparse_decode, sparse_prefill
-from optimized.kernels.attention_launch import VARIANTS
+from mla_verify.optimized.kernels import sparse_decode, sparse_prefill
+from mla_verify.optimized.kernels.attention_launch import VARIANTS
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.uint8: "*u8"}

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from mla_verify.bench import SM_SCALE, TOPK, _decode_inputs, _median_ms, _prefill_inputs, flops
-from optimized import flashmla
-from optimized.kernels.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
-from optimized.kernels.sparse_decode import launch_sparse_decode_fp8
-from optimized.kernels.sparse_prefill import launch_sparse_prefill
+from mla_verify.optimized import flashmla
+from mla_verify.optimized.kernels.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
+from mla_verify.optimized.kernels.sparse_decode import launch_sparse_decode_fp8
+from mla_verify.optimized.kernels.sparse_prefill import launch_sparse_prefill
 
 FLASH = "flash_mla"
 BF16_ROUNDING = 2.0**-8
@@ -115,7 +115,7 @@ def decode_rows(batch: int, s_q: int, heads: int, reps: int, gen, bf16_rows: boo
     fns = {f"triton[{n}]": (lambda q, c, i, cfg=cfg: launch_sparse_decode_fp8(q, c, i, SM_SCALE, cfg), sets)
            for n, cfg in DECODE_VARIANTS.items()}
     if bf16_rows:
-        import reference
+        from mla_verify import reference
 
         rows = reference.dequantize_fp8_ds_mla(sets[0][1].view(-1, 656))
         flat = [(q.view(batch * s_q, heads, 576), rows, i.view(batch * s_q, TOPK)) for q, _, i in sets]

@@ -23,8 +23,8 @@ import math
 
 import torch
 
-import reference as R
-from optimized import registry
+from mla_verify import reference as R
+from mla_verify.optimized import registry
 
 U = 2.0**-24
 DOT_SPREAD = math.sqrt(576)  # Higham-Mary: a random-walk sum of n rounding errors grows like sqrt(n)

@@ -14,7 +14,7 @@ def run(capsys, *argv):
 
 
 def test_list_names_every_op_and_its_implementations(capsys):
-    from equivalence.ops import OPS
+    from mla_verify.equivalence.ops import OPS
 
     code, text = run(capsys, "list", "--device", "cpu", "--tolerances")
     assert code == 0
@@ -27,7 +27,7 @@ def test_list_names_every_op_and_its_implementations(capsys):
     (["fuzz", "--op", "no_such_op"], "unknown op"),
     (["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "no_such_module:fn"], "cannot import"),
     (["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.impls.misbehaving:wrong_signature"], "scale_rule"),
-    (["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "reference:no_such_fn"], "no attribute"),
+    (["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "mla_verify.reference:no_such_fn"], "no attribute"),
     (["fuzz", "--op", "sparse_prefill", "--path", "bf16"], "--path applies"),
     (["fuzz", "--op", "forward_mqa", "--impl", "no_such_stage=reference:convert_index"], "unknown stage"),
     (["fuzz", "--op", "quantize_fp8_ds_mla", "--profile", "huge"], "unknown profile"),
@@ -45,13 +45,13 @@ def test_a_discrepancy_exits_1_saves_the_case_and_replays_exactly(capsys, tmp_pa
     failure = json.loads(saved.read_text())["failure"]
     code, text = run(capsys, "replay", str(saved), "--device", "cpu")
     assert code == 1 and f"{failure[0]['value']:.4g}" in text  # the same metric value, exactly
-    code, text = run(capsys, "replay", str(saved), "--device", "cpu", "--impl", "reference:quantize_fp8_ds_mla")
+    code, text = run(capsys, "replay", str(saved), "--device", "cpu", "--impl", "mla_verify.reference:quantize_fp8_ds_mla")
     assert code == 0
     assert (tmp_path / "rows.parquet").exists() and (tmp_path / "meta.json").exists()
 
 
 def test_a_correct_implementation_passes_and_the_report_builds(capsys, tmp_path):
-    code, text = run(capsys, "fuzz", "--op", "convert_index", "--impl", "reference:convert_index", "--examples", "15",
+    code, text = run(capsys, "fuzz", "--op", "convert_index", "--impl", "mla_verify.reference:convert_index", "--examples", "15",
                      "--device", "cpu", "--out", str(tmp_path), "--profile", "ci", "--junit", str(tmp_path / "j.xml"))
     assert code == 0 and "PASS: 15 examples" in text
     assert 'failures="0"' in (tmp_path / "j.xml").read_text()
@@ -64,7 +64,7 @@ def test_gate_in_parallel_parts_merges_every_part_into_one_run(capsys, tmp_path)
     code, text = run(capsys, "gate", "--device", "cpu", "--parallel", "2", "--examples", "2", "--seed", "4",
                      "--out", str(tmp_path), *[a for op in ops for a in ("--op", op)])
     assert code == 0 and "2 parts" in text
-    import reports
+    from mla_verify import reports
 
     frame, _ = reports.load_run(tmp_path)
     assert set(frame.op) == set(ops) and (tmp_path / "part-0").is_dir() and (tmp_path / "part-1").is_dir()
@@ -78,7 +78,7 @@ def test_fuzz_in_parallel_campaigns_merges_rows_and_keeps_each_failure_replayabl
     code, text = run(capsys, "fuzz", "--op", "convert_index", "--parallel", "2", "--examples", "6", "--seed", "3",
                      "--device", "cpu", "--profile", "ci", "--out", str(tmp_path / "ok"))
     assert code == 0 and "seed 3 x 3, seed 4 x 3" in text and "PASS: 6 examples over 2 campaigns" in text
-    import reports
+    from mla_verify import reports
 
     frame, _ = reports.load_run(tmp_path / "ok")
     assert frame.case_id.nunique() >= 2 and set(frame.op) == {"convert_index"}

@@ -14,19 +14,19 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import reference
-from equivalence import distributed
-from equivalence.case import Case
-from equivalence.evaluate import evaluate
-from equivalence.ops import get_op
-from equivalence.subject import resolve_subject
-from fuzz import casefile
-from fuzz.campaign import fuzz, new_seed
-from fuzz.profiles import get_profile
-from fuzz.regressions import corpus
+from mla_verify import reference
+from mla_verify.equivalence import distributed
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.evaluate import evaluate
+from mla_verify.equivalence.ops import get_op
+from mla_verify.equivalence.subject import resolve_subject
+from mla_verify.fuzz import casefile
+from mla_verify.fuzz.campaign import fuzz, new_seed
+from mla_verify.fuzz.profiles import get_profile
+from mla_verify.fuzz.regressions import corpus
 from mla_verify import cli
-from optimized.dcp_runtime import pack_a2a, unpack_a2a
-from optimized.metadata import mask_empty_shards
+from mla_verify.optimized.dcp_runtime import pack_a2a, unpack_a2a
+from mla_verify.optimized.metadata import mask_empty_shards
 
 CASE_TIMEOUT_S = 60.0
 # The regression corpus's two cases: request 1 has one token (rank 1 owns none of it: an empty

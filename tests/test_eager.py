@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import reference as R
-from equivalence.values import REGIMES, kv_values, q_values
-from optimized import buffers, eager as E, spec_decode
-from optimized.validation import InputError
+from mla_verify import reference as R
+from mla_verify.equivalence.values import REGIMES, kv_values, q_values
+from mla_verify.optimized import buffers, eager as E, spec_decode
+from mla_verify.optimized.validation import InputError
 from tests.fp32_bounds import U, ErrorModel, check_against_reference
 
 seeds = st.integers(0, 2**31 - 1)

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from equivalence import metrics as M
-from equivalence.case import Case
-from equivalence.isolation import Worker
-from equivalence.oracle import judge
-from equivalence.policy import DEVIATIONS, EXACT, LSE, OUT, bounds_for
-from fuzz import casefile
+from mla_verify.equivalence import metrics as M
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.isolation import Worker
+from mla_verify.equivalence.oracle import judge
+from mla_verify.equivalence.policy import DEVIATIONS, EXACT, LSE, OUT, bounds_for
+from mla_verify.fuzz import casefile
 
 
 def test_exact_metrics_count_bit_differences_including_nan_payloads():
@@ -116,7 +116,7 @@ def test_a_crashing_or_hanging_implementation_fails_its_case_and_the_worker_is_r
         rows = worker.run(case, [f"tests.impls.misbehaving:{impl}"], impl)
         assert len(rows) == 1 and not rows[0].passed and rows[0].gate_metric == "crashed"
         assert what in rows[0].reason
-        after = worker.run(case, ["reference:quantize_fp8_ds_mla"], "reference")  # a fresh worker goes on
+        after = worker.run(case, ["mla_verify.reference:quantize_fp8_ds_mla"], "reference")  # a fresh worker goes on
         assert after and all(r.passed for r in after) and worker.restarts == 1
     finally:
         worker.close()

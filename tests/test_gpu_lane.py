@@ -6,11 +6,11 @@ import dataclasses
 import pytest
 import torch
 
-from equivalence.evaluate import evaluate
-from equivalence.ops import OPS
-from equivalence.subject import resolve_subject
-from fuzz.gate import subjects_for
-from fuzz.regressions import corpus
+from mla_verify.equivalence.evaluate import evaluate
+from mla_verify.equivalence.ops import OPS
+from mla_verify.equivalence.subject import resolve_subject
+from mla_verify.fuzz.gate import subjects_for
+from mla_verify.fuzz.regressions import corpus
 
 CASES = [(op, case) for op in sorted(OPS) for case, _ in corpus(op)]
 

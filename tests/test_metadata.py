@@ -7,9 +7,9 @@ import pytest
 import torch
 from hypothesis import assume, given, strategies as st
 
-import reference as R
-from optimized import metadata as M
-from reference import metadata as RM
+from mla_verify import reference as R
+from mla_verify.optimized import metadata as M
+from mla_verify.reference import metadata as RM
 
 
 def outcome(fn, *args, **kwargs):

@@ -8,11 +8,11 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import reference as R
-from equivalence.batch import INVALID_PATTERNS, make_batch
-from equivalence.values import REGIMES
+from mla_verify import reference as R
+from mla_verify.equivalence.batch import INVALID_PATTERNS, make_batch
+from mla_verify.equivalence.values import REGIMES
 from tests.fp32_bounds import U, ErrorModel, check_against_reference, fp32_stages
-from optimized import buffers, forward_mqa, forward_mqa_dcp, needed_stages, registry
+from mla_verify.optimized import buffers, forward_mqa, forward_mqa_dcp, needed_stages, registry
 
 seeds = st.integers(0, 2**31 - 1)
 CACHE_DTYPES = ("bfloat16", "fp8_ds_mla", "nvfp4_ds_mla")

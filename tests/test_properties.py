@@ -13,16 +13,16 @@ import pandas as pd
 import pytest
 from hypothesis import HealthCheck, currently_in_test_context, given, note, settings
 
-from equivalence.evaluate import evaluate
-from equivalence.properties import PROPERTIES
-from equivalence.subject import resolve_subject
-from fuzz.campaign import fuzz, new_seed
-from fuzz.gate import campaign_paths
-from fuzz.production import production_cases
-from fuzz.profiles import Profile, get_profile
-from fuzz.property_strategies import property_cases
+from mla_verify.equivalence.evaluate import evaluate
+from mla_verify.equivalence.properties import PROPERTIES
+from mla_verify.equivalence.subject import resolve_subject
+from mla_verify.fuzz.campaign import fuzz, new_seed
+from mla_verify.fuzz.gate import campaign_paths
+from mla_verify.fuzz.production import production_cases
+from mla_verify.fuzz.profiles import Profile, get_profile
+from mla_verify.fuzz.property_strategies import property_cases
 from mla_verify.cli import main
-from optimized import registry
+from mla_verify.optimized import registry
 
 TARGETS = [(name, target) for name, prop in PROPERTIES.items() for target in prop.targets]
 TARGET_IDS = [f"{name}-{target}" for name, target in TARGETS]
@@ -96,7 +96,7 @@ def test_property_catches_a_broken_implementation(name, target, impl, checks):
 
 
 def test_the_split_kv_deviation_is_declared_and_relaxes_only_batch_structure_checks():
-    from equivalence.policy import EXACT, OUT, property_bounds
+    from mla_verify.equivalence.policy import EXACT, OUT, property_bounds
 
     decodes = {i.name: i.deviations for i in registry.implementations("sparse_decode_fp8")}
     assert "split_kv" in decodes["flash_mla"] and "split_kv" in decodes["triton"]

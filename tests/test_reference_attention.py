@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import reference as R
+from mla_verify import reference as R
 
 seeds = st.integers(0, 2**31 - 1)
 

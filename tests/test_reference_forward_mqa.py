@@ -6,9 +6,9 @@ import math
 import torch
 from hypothesis import given, strategies as st
 
-import reference as R
-from equivalence.batch import make_batch
-from reference import metadata as M
+from mla_verify import reference as R
+from mla_verify.equivalence.batch import make_batch
+from mla_verify.reference import metadata as M
 
 seeds = st.integers(0, 2**31 - 1)
 # Invalid patterns the naive formulation models: every one of them leaves an entry invalid.

@@ -5,9 +5,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import reference as R
-from reference import metadata as M
-from reference.indices import compact_rows
+from mla_verify import reference as R
+from mla_verify.reference import metadata as M
+from mla_verify.reference.indices import compact_rows
 
 seeds = st.integers(0, 2**31 - 1)
 

@@ -21,12 +21,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from equivalence.rows import COLUMNS, Row
-from reports import (build_report, collect_meta, compare, finish_meta, load_run, render_html,
+from mla_verify.equivalence.rows import COLUMNS, Row
+from mla_verify.reports import (build_report, collect_meta, compare, finish_meta, load_run, render_html,
                      render_markdown, rows_frame, run_report, terminal_summary, write_run)
-from reports.kinds import NOISE_FLOOR, annotate
-from reports.plots import error_by_path, figures
-from reports.store import ROWS_PARQUET, SCHEMA
+from mla_verify.reports.kinds import NOISE_FLOOR, annotate
+from mla_verify.reports.plots import error_by_path, figures
+from mla_verify.reports.store import ROWS_PARQUET, SCHEMA
 
 BF16_ROUNDING_REL_L2 = 1.66e-3   # rel_l2 of one bf16 rounding of Gaussian data
 OUT_BOUND, STAT_BOUND = 2 / 128, 1.0e-5    # upstream FlashMLA's out rel and lse abs tolerances
@@ -198,7 +198,7 @@ def test_collect_meta_records_versions_device_git_and_times():
 
 
 def test_a_tree_without_git_takes_its_revision_from_the_environment(monkeypatch):
-    from reports import meta as meta_module
+    from mla_verify.reports import meta as meta_module
 
     monkeypatch.setattr(meta_module, "_git", lambda *args: None)
     monkeypatch.delenv("MLA_VERIFY_REVISION", raising=False)

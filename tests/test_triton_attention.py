@@ -30,14 +30,14 @@ import pytest
 import torch
 from hypothesis import currently_in_test_context, given, note, strategies as st
 
-import reference as R
-from equivalence.values import kv_values, q_values
-from optimized import buffers, flashmla, registry
-from optimized.kernels import interpreting
-from optimized.kernels import sparse_decode as triton_decode
-from optimized.kernels import sparse_prefill as triton_prefill
-from optimized.kernels.attention_launch import VARIANTS, AttentionConfig
-from optimized.validation import InputError
+from mla_verify import reference as R
+from mla_verify.equivalence.values import kv_values, q_values
+from mla_verify.optimized import buffers, flashmla, registry
+from mla_verify.optimized.kernels import interpreting
+from mla_verify.optimized.kernels import sparse_decode as triton_decode
+from mla_verify.optimized.kernels import sparse_prefill as triton_prefill
+from mla_verify.optimized.kernels.attention_launch import VARIANTS, AttentionConfig
+from mla_verify.optimized.validation import InputError
 
 BF16_U = 2.0**-8
 SEEDS = st.integers(0, 2**31 - 1)

@@ -20,17 +20,17 @@ import triton
 import triton.language as tl
 from hypothesis import given, note, settings, strategies as st
 
-import reference as R
-from equivalence.values import REGIMES, kv_values
-from optimized import buffers
-from optimized.kernels import cache_writer, concat, dcp_merge as merge_kernels, gather, indices, launch
-from optimized.kernels.bits import e2m1_bits_to_f32, e4m3_bits_to_f32
-from optimized.kernels.cache_writer import dequantize_fp8_ds_mla, quantize_fp8_ds_mla, write_fp8_ds_mla_cache
-from optimized.kernels.concat import concat_mla_q
-from optimized.kernels.dcp_merge import dcp_lse_correct, dcp_merge
-from optimized.kernels.gather import gather_upconvert_fp8, gather_upconvert_nvfp4
-from optimized.kernels.indices import convert_index, dcp_convert_index
-from optimized.validation import InputError
+from mla_verify import reference as R
+from mla_verify.equivalence.values import REGIMES, kv_values
+from mla_verify.optimized import buffers
+from mla_verify.optimized.kernels import cache_writer, concat, dcp_merge as merge_kernels, gather, indices, launch
+from mla_verify.optimized.kernels.bits import e2m1_bits_to_f32, e4m3_bits_to_f32
+from mla_verify.optimized.kernels.cache_writer import dequantize_fp8_ds_mla, quantize_fp8_ds_mla, write_fp8_ds_mla_cache
+from mla_verify.optimized.kernels.concat import concat_mla_q
+from mla_verify.optimized.kernels.dcp_merge import dcp_lse_correct, dcp_merge
+from mla_verify.optimized.kernels.gather import gather_upconvert_fp8, gather_upconvert_nvfp4
+from mla_verify.optimized.kernels.indices import convert_index, dcp_convert_index
+from mla_verify.optimized.validation import InputError
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 seeds = st.integers(0, 2**31 - 1)

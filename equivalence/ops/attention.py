@@ -11,11 +11,11 @@ import math
 
 import torch
 
-import reference
-from equivalence.patterns import apply_patterns, distinct_rows, prefix_candidates
-from equivalence.policy import LSE, OUT
-from equivalence.values import kv_values, pooled_rows, q_values
-from reference.paged_cache import scatter_rows
+from mla_verify import reference
+from mla_verify.equivalence.patterns import apply_patterns, distinct_rows, prefix_candidates
+from mla_verify.equivalence.policy import LSE, OUT
+from mla_verify.equivalence.values import kv_values, pooled_rows, q_values
+from mla_verify.reference.paged_cache import scatter_rows
 
 from . import Check, ImplOutput, OpSpec, register_op
 from .common import generator, knobs, rand, randint

@@ -7,9 +7,9 @@ import math
 
 import torch
 
-import reference
-from equivalence.batch import make_batch
-from equivalence.policy import LSE, OUT
+from mla_verify import reference
+from mla_verify.equivalence.batch import make_batch
+from mla_verify.equivalence.policy import LSE, OUT
 
 from . import Check, ImplOutput, OpSpec, register_op
 from .common import generator, knobs, rand
@@ -89,7 +89,7 @@ def _dcp_reference(kw, p):
 
 
 def _dcp_call(subject, kw, p) -> ImplOutput:
-    from equivalence import distributed  # starts processes: only when a case runs
+    from mla_verify.equivalence import distributed  # starts processes: only when a case runs
 
     group = distributed.group_for(p["dcp_size"], kw["device"].split(":")[0])
     answers = group.run(p, kw["seed"], subject.specs)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-import reference
-from equivalence.batch import make_batch
-from equivalence.policy import LSE, OUT
-from optimized import registry
+from mla_verify import reference
+from mla_verify.equivalence.batch import make_batch
+from mla_verify.equivalence.policy import LSE, OUT
+from mla_verify.optimized import registry
 
 from . import Check, ImplOutput, OpSpec, register_op
 from .common import knobs
@@ -49,7 +49,7 @@ def _call(subject, kw, p) -> ImplOutput:
     b = kw["batch"]
     if subject.fn is not None:
         return _whole(subject.fn, b, p)
-    from optimized import pipeline  # imports every kernel module: only when the pipeline runs
+    from mla_verify.optimized import pipeline  # imports every kernel module: only when the pipeline runs
     dcp = p.get("dcp_size", 1)
     needed = pipeline.needed_stages(p["cache_dtype"], p["heads"], dcp, isinstance(b.q, tuple))
     stages = registry.resolve(needed, b.kv_cache.device.type, subject.overrides)

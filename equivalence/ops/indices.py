@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-import reference
-from equivalence.patterns import apply_patterns, distinct_rows, prefix_candidates
-from equivalence.policy import EXACT
+from mla_verify import reference
+from mla_verify.equivalence.patterns import apply_patterns, distinct_rows, prefix_candidates
+from mla_verify.equivalence.policy import EXACT
 
 from . import Check, ImplOutput, OpSpec, register_op
 from .common import generator, knobs, randint

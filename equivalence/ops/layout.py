@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-import reference
-from equivalence.policy import EXACT
-from equivalence.values import q_values
+from mla_verify import reference
+from mla_verify.equivalence.policy import EXACT
+from mla_verify.equivalence.values import q_values
 
 from . import Check, ImplOutput, OpSpec, register_op
 from .common import generator, knobs, single

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-import reference
-from equivalence.policy import EXACT
-from equivalence.values import pooled_rows
-from reference.paged_cache import scatter_rows
+from mla_verify import reference
+from mla_verify.equivalence.policy import EXACT
+from mla_verify.equivalence.values import pooled_rows
+from mla_verify.reference.paged_cache import scatter_rows
 
 from . import Check, ImplOutput, OpSpec, register_op
 from .common import generator, knobs

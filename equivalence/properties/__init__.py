@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from optimized import registry
+from mla_verify.optimized import registry
 
 PREFIX = "property:"
 

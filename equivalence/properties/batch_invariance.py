@@ -15,7 +15,7 @@ from typing import Mapping
 
 import torch
 
-from equivalence.batch import make_batch
+from mla_verify.equivalence.batch import make_batch
 
 from . import PropertySpec, Target, register_property
 from .common import (

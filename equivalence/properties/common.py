@@ -13,12 +13,12 @@ from typing import Any, Mapping
 
 import torch
 
-from equivalence.batch import Batch
-from equivalence.ops import get_op
-from equivalence.policy import LSE, OUT
-from optimized import pipeline
-from optimized.registry import Resolved
-from reference.attention import cache_row_values
+from mla_verify.equivalence.batch import Batch
+from mla_verify.equivalence.ops import get_op
+from mla_verify.equivalence.policy import LSE, OUT
+from mla_verify.optimized import pipeline
+from mla_verify.optimized.registry import Resolved
+from mla_verify.reference.attention import cache_row_values
 
 from . import Compared
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from equivalence.batch import make_batch
-from equivalence.ops import get_op
-from equivalence.policy import EXACT, LSE, OUT
-from optimized import pipeline
+from mla_verify.equivalence.batch import make_batch
+from mla_verify.equivalence.ops import get_op
+from mla_verify.equivalence.policy import EXACT, LSE, OUT
+from mla_verify.optimized import pipeline
 
 from . import Compared, PropertySpec, Target, register_property
 from .common import PIPELINE_STAGES, attention, forward, forward_knobs, forward_scale, forward_stages

@@ -11,9 +11,9 @@ from typing import Callable, Mapping
 
 import torch
 
-from equivalence.batch import make_batch
-from equivalence.ops import get_op
-from equivalence.policy import LSE, OUT
+from mla_verify.equivalence.batch import make_batch
+from mla_verify.equivalence.ops import get_op
+from mla_verify.equivalence.policy import LSE, OUT
 
 from . import Compared, PropertySpec, Target, register_property
 from .common import (

@@ -22,7 +22,7 @@ from typing import Mapping, NamedTuple
 
 import torch
 
-from equivalence.batch import make_batch
+from mla_verify.equivalence.batch import make_batch
 
 from . import PropertySpec, Target, register_property
 from .common import (

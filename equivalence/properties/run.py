@@ -15,15 +15,15 @@ import math
 
 import torch
 
-from equivalence import metrics as M
-from equivalence.case import Case
-from equivalence.evaluate import identity, judged_row, raised_row, timed
-from equivalence.oracle import measure, verdict
-from equivalence.policy import EXACT, property_bounds
-from equivalence.rows import Row
-from equivalence.subject import Subject
-from optimized import registry
-from optimized.buffers import poisoned
+from mla_verify.equivalence import metrics as M
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.evaluate import identity, judged_row, raised_row, timed
+from mla_verify.equivalence.oracle import measure, verdict
+from mla_verify.equivalence.policy import EXACT, property_bounds
+from mla_verify.equivalence.rows import Row
+from mla_verify.equivalence.subject import Subject
+from mla_verify.optimized import registry
+from mla_verify.optimized.buffers import poisoned
 
 from . import get_property
 

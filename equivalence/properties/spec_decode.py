@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from equivalence.batch import make_batch
+from mla_verify.equivalence.batch import make_batch
 
 from . import PropertySpec, Target, register_property
 from .common import (

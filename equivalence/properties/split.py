@@ -23,7 +23,7 @@ from typing import Mapping
 
 import torch
 
-import reference
+from mla_verify import reference
 
 from . import PropertySpec, Target, register_property
 from .common import (

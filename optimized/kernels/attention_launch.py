@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from optimized.validation import InputError
+from mla_verify.optimized.validation import InputError
 
 # H200 multiprocessors; also the nominal count under the CPU interpreter, so the CPU runs the
 # same split plan as the GPU it stands in for.

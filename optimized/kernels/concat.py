@@ -6,11 +6,11 @@ import torch
 import triton
 import triton.language as tl
 
-from optimized import buffers
-from optimized.kernels.kv_formats import HEAD_DIM, NOPE, ROPE
-from optimized.kernels.launch import check_launchable
-from optimized.registry import register
-from optimized.validation import check_same_device, check_tensor
+from mla_verify.optimized import buffers
+from mla_verify.optimized.kernels.kv_formats import HEAD_DIM, NOPE, ROPE
+from mla_verify.optimized.kernels.launch import check_launchable
+from mla_verify.optimized.registry import register
+from mla_verify.optimized.validation import check_same_device, check_tensor
 
 _MAX_HEADS_PER_PROGRAM = 16
 

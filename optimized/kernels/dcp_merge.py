@@ -17,11 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from optimized import buffers
-from optimized.kernels.bits import bf16_to_f32, to_bf16
-from optimized.kernels.launch import native
-from optimized.registry import register
-from optimized.validation import InputError, check_same_device, check_tensor
+from mla_verify.optimized import buffers
+from mla_verify.optimized.kernels.bits import bf16_to_f32, to_bf16
+from mla_verify.optimized.kernels.launch import native
+from mla_verify.optimized.registry import register
+from mla_verify.optimized.validation import InputError, check_same_device, check_tensor
 
 # Elements of the [heads, D] tile one program combines.
 _TILE_ELEMENTS = 4096

@@ -12,17 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
-from optimized import buffers
-from optimized.kernels.kv_formats import (
+from mla_verify.optimized import buffers
+from mla_verify.optimized.kernels.kv_formats import (
     FP8_ROW_BYTES,
     HEAD_DIM,
     NVFP4_ROW_BYTES,
     dequantize_fp8_ds_mla_rows,
     dequantize_nvfp4_ds_mla_rows,
 )
-from optimized.kernels.launch import native, rows_per_program
-from optimized.registry import register
-from optimized.validation import InputError, check_index_range, check_same_device, check_tensor
+from mla_verify.optimized.kernels.launch import native, rows_per_program
+from mla_verify.optimized.registry import register
+from mla_verify.optimized.validation import InputError, check_index_range, check_same_device, check_tensor
 
 
 @triton.jit

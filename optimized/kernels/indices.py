@@ -23,10 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from optimized import buffers
-from optimized.kernels.launch import check_launchable
-from optimized.registry import register
-from optimized.validation import InputError, check_index_range, check_same_device, check_tensor
+from mla_verify.optimized import buffers
+from mla_verify.optimized.kernels.launch import check_launchable
+from mla_verify.optimized.registry import register
+from mla_verify.optimized.validation import InputError, check_index_range, check_same_device, check_tensor
 
 _MAX_TILE = 1024
 _INT32_MAX = 2**31 - 1

@@ -20,7 +20,7 @@ fp32 scales or bf16 RoPE aligned.
 import triton
 import triton.language as tl
 
-from optimized.kernels.bits import bf16_to_f32, e2m1_bits_to_f32, e4m3_to_f32, f32_to_e4m3_bits, to_bf16
+from mla_verify.optimized.kernels.bits import bf16_to_f32, e2m1_bits_to_f32, e4m3_to_f32, f32_to_e4m3_bits, to_bf16
 
 NOPE = tl.constexpr(512)
 ROPE = tl.constexpr(64)

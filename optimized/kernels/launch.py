@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from optimized.kernels import interpreting
-from optimized.validation import InputError
+from mla_verify.optimized.kernels import interpreting
+from mla_verify.optimized.validation import InputError
 
 
 def check_launchable(device: torch.device) -> None:

@@ -25,7 +25,7 @@ exact for bf16 products.
 import triton
 import triton.language as tl
 
-from optimized.kernels.bits import bf16_to_f32, to_bf16
+from mla_verify.optimized.kernels.bits import bf16_to_f32, to_bf16
 
 LOG2E = tl.constexpr(1.4426950408889634)
 NEG_INF = tl.constexpr(float("-inf"))

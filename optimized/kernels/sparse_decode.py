@@ -24,16 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-from optimized import buffers
-from optimized.attention_checks import check_decode_contract
-from optimized.formats import D_V, FP8_ROW_BYTES
-from optimized.kernels.attention_launch import AttentionConfig, fits_int32, num_sms, split_plan
-from optimized.kernels.launch import native
-from optimized.kernels.bits import e4m3_to_f32, to_bf16
-from optimized.kernels.gathered_rows import offset, prefetch_rows
-from optimized.kernels.online_softmax import LOG2E, attend_block, finish
-from optimized.registry import register
-from optimized.validation import InputError
+from mla_verify.optimized import buffers
+from mla_verify.optimized.attention_checks import check_decode_contract
+from mla_verify.optimized.formats import D_V, FP8_ROW_BYTES
+from mla_verify.optimized.kernels.attention_launch import AttentionConfig, fits_int32, num_sms, split_plan
+from mla_verify.optimized.kernels.launch import native
+from mla_verify.optimized.kernels.bits import e4m3_to_f32, to_bf16
+from mla_verify.optimized.kernels.gathered_rows import offset, prefetch_rows
+from mla_verify.optimized.kernels.online_softmax import LOG2E, attend_block, finish
+from mla_verify.optimized.registry import register
+from mla_verify.optimized.validation import InputError
 
 
 @triton.jit

@@ -18,15 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from optimized import buffers
-from optimized.attention_checks import check_prefill_contract
-from optimized.formats import D_V
-from optimized.kernels.attention_launch import AttentionConfig, fits_int32
-from optimized.kernels.launch import native
-from optimized.kernels.bits import to_bf16
-from optimized.kernels.gathered_rows import offset, prefetch_rows
-from optimized.kernels.online_softmax import LOG2E, attend_block, finish
-from optimized.registry import register
+from mla_verify.optimized import buffers
+from mla_verify.optimized.attention_checks import check_prefill_contract
+from mla_verify.optimized.formats import D_V
+from mla_verify.optimized.kernels.attention_launch import AttentionConfig, fits_int32
+from mla_verify.optimized.kernels.launch import native
+from mla_verify.optimized.kernels.bits import to_bf16
+from mla_verify.optimized.kernels.gathered_rows import offset, prefetch_rows
+from mla_verify.optimized.kernels.online_softmax import LOG2E, attend_block, finish
+from mla_verify.optimized.registry import register
 
 
 @triton.jit

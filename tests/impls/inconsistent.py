@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from optimized import eager
+from mla_verify.optimized import eager
 
 
 def noisy_prefill(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):

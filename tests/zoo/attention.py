@@ -5,8 +5,8 @@ import math
 
 import torch
 
-import reference
-from reference import fp8_ds_mla as F8
+from mla_verify import reference
+from mla_verify.reference import fp8_ds_mla as F8
 
 
 def _as_kernel(res):

@@ -2,7 +2,7 @@
 
 import torch
 
-import reference
+from mla_verify import reference
 
 
 def no_sanitize(outs, lses):

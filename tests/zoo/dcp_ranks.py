@@ -8,7 +8,7 @@ from unittest import mock
 
 import torch
 
-from optimized import dcp_runtime, pipeline
+from mla_verify.optimized import dcp_runtime, pipeline
 
 
 def _run(kw, **replacements):

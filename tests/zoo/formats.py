@@ -2,8 +2,8 @@
 
 import torch
 
-import reference
-from reference import fp8_ds_mla as F8
+from mla_verify import reference
+from mla_verify.reference import fp8_ds_mla as F8
 
 
 def _quantize_with(kv, scale_rule, *, divisor=F8.FP8_MAX, reciprocal=False, floor=F8.POW2_FLOOR):

@@ -7,8 +7,8 @@ from unittest import mock
 
 import torch
 
-import reference.forward as F
-from reference.indices import req_id_per_token
+import mla_verify.reference.forward as F
+from mla_verify.reference.indices import req_id_per_token
 
 
 @contextmanager

@@ -2,8 +2,8 @@
 
 import torch
 
-import reference
-from reference.indices import compact_rows
+from mla_verify import reference
+from mla_verify.reference.indices import compact_rows
 
 
 def ignores_block_stride(req_id, block_table, topk_indices, block_size, block_stride_rows=None,

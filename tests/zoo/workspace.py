@@ -2,9 +2,9 @@
 
 import torch
 
-import reference
-from reference import fp8_ds_mla as F8
-from reference.workspace import workspace_rows_to_cache
+from mla_verify import reference
+from mla_verify.reference import fp8_ds_mla as F8
+from mla_verify.reference.workspace import workspace_rows_to_cache
 
 
 def one_scale_per_row(kv_cache, block_table, workspace_starts, num_rows):
