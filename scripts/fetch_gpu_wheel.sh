@@ -3,7 +3,6 @@
 # machine that reaches PyPI, for a GPU machine that does not (Python 3.12, x86-64).
 # Install it there with:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-#   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .
 #   export PYTHONPATH=/tmp/site:$PWD
 # (--no-deps: the wheel's metadata asks for torch>=2.14.1, but its stable-ABI build loads on
 # torch 2.11; see ../shared/spec/measured_h200.md.)

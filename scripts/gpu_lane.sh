@@ -9,9 +9,6 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-lane}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-# The project installs as mla_verify.* (its folders are mapped under that namespace): a plain
-# PYTHONPATH to the checkout would not find mla_verify.reference.
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OUT GATE_EXAMPLES=${GATE_EXAMPLES:-20}
 # Seconds each step may take (override one with e.g. LIMIT_gate=120); the call has 600 in all.
 declare -A LIMIT=([env]=60 [pytest]=180 [gate]=200 [bench]=150 [properties]=180 [dcp]=150)
