@@ -107,7 +107,8 @@ def _raised(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------- one rank process
 
 
-def _rank_case(rank: int, device: str, params: dict, seed: int, specs: tuple[str, ...], subjects: dict) -> dict:
+def _rank_case(rank: int, device: str, params: dict, seed: int, specs: tuple[str, ...], declared: tuple[str, ...],
+               subjects: dict) -> dict:
     """Build the batch, run the rank body on this rank's share, return plain CPU tensors."""
     # Imported here, not at the top: Triton must see TRITON_INTERPRET, set by `_rank_main`, first.
     from mla_verify.optimized import registry
@@ -117,9 +118,9 @@ def _rank_case(rank: int, device: str, params: dict, seed: int, specs: tuple[str
     from .subject import resolve_subject
 
     device_type = device.split(":")[0]
-    if specs not in subjects:
-        subjects[specs] = resolve_subject("dcp", specs, device_type)
-    subject = subjects[specs]
+    if (specs, declared) not in subjects:
+        subjects[specs, declared] = resolve_subject("dcp", specs, device_type, deviations=declared)
+    subject = subjects[specs, declared]
     batch = make_batch(params, seed, device)
     heads = params["heads"]
     kwargs = dict(batch.forward_kwargs(), block_table=batch.rank_block_tables[rank], combine=params["combine"],
@@ -128,6 +129,7 @@ def _rank_case(rank: int, device: str, params: dict, seed: int, specs: tuple[str
     with poisoned():
         if subject.fn is not None:
             result = subject.fn(group=dist.group.WORLD, **kwargs)
+            deviations = subject.deviations
         else:
             resolved = registry.resolve(
                 rank_stages(params["cache_dtype"], heads, dist.get_world_size(), params["combine"]), device_type,
@@ -167,9 +169,10 @@ def _rank_main(rank: int, world_size: int, place: Placement, store_path: str, ti
             msg = conn.recv()
             if msg is None:
                 break
-            params, seed, specs = msg
+            params, seed, specs, declared = msg
             try:
-                conn.send(("ok", _serialize(_rank_case(rank, device, params, seed, tuple(specs), subjects))))
+                conn.send(("ok", _serialize(_rank_case(rank, device, params, seed, tuple(specs), tuple(declared),
+                                                       subjects))))
             except Exception as exc:  # the case's failure; the parent kills the group
                 conn.send(("error", _raised(exc)))
     except (EOFError, OSError):
@@ -248,16 +251,17 @@ class RankGroup:
         self.restarts += 1
         raise RankFailure(message)
 
-    def run(self, params: dict, seed: int, specs: Sequence[str] = ()) -> list[dict]:
-        """Every rank's answer for the case (params, seed): {"tensors", "stages", "deviations",
-        "notes"}, in rank order. Raises RankFailure (and kills the group) on any rank's failure."""
+    def run(self, params: dict, seed: int, specs: Sequence[str] = (), deviations: Sequence[str] = ()) -> list[dict]:
+        """Every rank's answer for the case (params, seed) from the implementation `specs` name
+        (with the declared `deviations`): {"tensors", "stages", "deviations", "notes"}, in rank
+        order. Raises RankFailure (and kills the group) on any rank's failure."""
         if params.get("dcp_size") != self.world_size:
             raise ValueError(f"a case with dcp_size {params.get('dcp_size')} on a group of {self.world_size} ranks")
         if not self.alive:
             self.kill()
             self._start()
         for conn in self._conns:
-            conn.send((params, seed, list(specs)))
+            conn.send((params, seed, list(specs), list(deviations)))
         return [_deserialize(payload) for payload in self._collect("case", self.timeout_s)]
 
     def kill(self) -> None:

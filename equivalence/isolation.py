@@ -1,10 +1,10 @@
 """Crash isolation: run cases in a worker process that is replaced when it dies or hangs.
 
 A CUDA illegal address poisons the whole context, and a kernel can spin forever; either way the
-campaign must record the case as failed and go on. The worker receives (case, --impl specs),
-evaluates it with `equivalence.evaluate`, and sends back plain row dicts. If it exits, is
-killed by a signal, or does not answer within the timeout, the parent kills it, starts a fresh
-one for the next case, and returns a single failure row ("crashed" / "hung").
+campaign must record the case as failed and go on. The worker receives (case, --impl specs,
+declared deviations), evaluates it with `equivalence.evaluate`, and sends back plain row dicts.
+If it exits, is killed by a signal, or does not answer within the timeout, the parent kills it,
+starts a fresh one for the next case, and returns a single failure row ("crashed" / "hung").
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ def _serve(conn, device: str) -> None:
         msg = conn.recv()
         if msg is None:
             return
-        case_dict, specs, run_id, source = msg
+        case_dict, specs, deviations, run_id, source = msg
         case = Case.from_dict(case_dict)
-        key = (case.op, tuple(specs))
+        key = (case.op, tuple(specs), tuple(deviations))
         if key not in subjects:
-            subjects[key] = resolve_subject(case.op, specs, device.split(":")[0])
+            subjects[key] = resolve_subject(case.op, specs, device.split(":")[0], deviations=deviations)
         notes: set[str] = set()
         try:
             rows = evaluate(case, subjects[key], device, run_id=run_id, source=source, notes=notes)
@@ -69,11 +69,11 @@ class Worker:
 
     def run(
         self, case: Case, specs: Sequence[str], label: str, run_id: str = "", source: str = "fuzz",
-        notes: set[str] | None = None,
+        notes: set[str] | None = None, deviations: Sequence[str] = (),
     ) -> list[Row]:
         if self._proc is None:
             self._start()
-        self._conn.send((case.to_dict(), list(specs), run_id, source))
+        self._conn.send((case.to_dict(), list(specs), list(deviations), run_id, source))
         if self._conn.poll(self.timeout_s):
             try:
                 kind, payload = self._conn.recv()

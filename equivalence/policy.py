@@ -52,8 +52,9 @@ LSE_BOUNDS = (
           "2048 moves a broad softmax's LSE by ~5e-4, over 100 units of a normal-regime row"),
 )
 
-# Deviations an implementation may declare (optimized.registry), when they apply, and the bounds
-# that replace the defaults for the tensor kinds they touch.
+# Deviations an implementation may declare (optimized.registry; a user's kernel through
+# equivalence.subject), when they apply, and the bounds that replace the defaults for the tensor
+# kinds they touch. `applies.__doc__` says when, for `mla-verify list --deviations`.
 Applies = Callable[[Mapping], bool]
 
 
@@ -69,10 +70,12 @@ class Deviation:
 
 
 def _raw_scales(params: Mapping) -> bool:
+    """comparisons with the reference on fp8_ds_mla caches with raw (amax/448) scales"""
     return params.get("scale_rule", "pow2") == "raw" and params.get("cache_dtype", "fp8_ds_mla") == "fp8_ds_mla"
 
 
 def _never(params: Mapping) -> bool:
+    """no comparison with the reference; only the property checks it relaxes"""
     return False
 
 

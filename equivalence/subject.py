@@ -6,7 +6,12 @@
 forward_mqa with the reference's keyword arguments); for a property (`property:NAME`, which calls
 several stages): `STAGE=NAME`, `STAGE=MODULE:CALLABLE`, or `NAME` (that implementation for every
 stage that has one here). A callable must accept every keyword of the op's contract; anything else
-is a usage error, found before any case runs.
+is a usage error, found before any case runs, and one with the native signature of a FlashMLA or
+vLLM function names the `mla_verify.adapters` function that wraps it.
+
+A user's callable has the documented deviations (`equivalence.policy.DEVIATIONS`) it declares in
+its `__mla_verify_deviations__` attribute, plus those declared for it (`--deviation`,
+`deviations=`); registered implementations carry their own.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from mla_verify import adapters
 from mla_verify.optimized import registry
 
 from .ops import get_op
+from .policy import DEVIATIONS
 from .properties import get_property, is_property
 
 
@@ -35,6 +42,7 @@ class Subject:
     overrides: dict = field(default_factory=dict)  # forward_mqa: stage -> registry.Implementation
     deviations: tuple[str, ...] = ()
     specs: tuple[str, ...] = ()                  # the --impl strings, kept in replay files
+    declared: tuple[str, ...] = ()               # --deviation names: they travel with the specs
 
 
 def load_callable(spec: str) -> Callable:
@@ -58,6 +66,9 @@ def load_callable(spec: str) -> Callable:
 
 
 def check_signature(fn: Callable, arguments: Sequence[str], what: str) -> None:
+    native = adapters.native_signature(fn)
+    if native is not None:
+        raise UsageError(f"{what}: {native.hint(fn)}")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -71,8 +82,23 @@ def check_signature(fn: Callable, arguments: Sequence[str], what: str) -> None:
         raise UsageError(f"{what}: the contract passes keyword(s) {', '.join(missing)} that {fn.__qualname__}{sig} does not accept")
 
 
-def _implementation(stage: str, spec: str, device: str) -> registry.Implementation:
-    """A registered implementation by name, or a user's callable wrapped as one."""
+def check_deviations(names: Sequence[str], what: str) -> None:
+    unknown = [n for n in names if n not in DEVIATIONS]
+    if unknown:
+        raise UsageError(f"{what}: unknown deviation {', '.join(map(repr, unknown))}; known: {', '.join(DEVIATIONS)} "
+                         "(mla-verify list --deviations)")
+
+
+def declared_deviations(fn: Callable, deviations: Sequence[str], what: str) -> tuple[str, ...]:
+    """The deviations of a user's callable: its `__mla_verify_deviations__`, then `deviations`."""
+    own = getattr(fn, "__mla_verify_deviations__", ())
+    names = tuple(dict.fromkeys([*((own,) if isinstance(own, str) else own), *deviations]))
+    check_deviations(names, what)
+    return names
+
+
+def _implementation(stage: str, spec: str, device: str, deviations: Sequence[str] = ()) -> registry.Implementation:
+    """A registered implementation by name, or a user's callable wrapped as one (with its deviations)."""
     if ":" not in spec:
         try:
             impl = registry.select(stage, device, name=spec)
@@ -81,15 +107,16 @@ def _implementation(stage: str, spec: str, device: str) -> registry.Implementati
         return impl
     fn = load_callable(spec)
     check_signature(fn, get_op(stage).arguments, f"--impl {spec}")
-    return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}))
+    return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}),
+                                   deviations=declared_deviations(fn, deviations, f"--impl {spec}"))
 
 
-def _stage_override(spec: str, device: str) -> tuple[str, registry.Implementation]:
+def _stage_override(spec: str, device: str, deviations: Sequence[str] = ()) -> tuple[str, registry.Implementation]:
     """`STAGE=NAME` or `STAGE=MODULE:CALLABLE` -> (stage, the implementation that replaces it)."""
     stage, _, target = spec.partition("=")
     if stage not in registry.stages():
         raise UsageError(f"--impl {spec!r}: unknown stage {stage!r}; stages: {', '.join(registry.stages())}")
-    return stage, _implementation(stage, target, device)
+    return stage, _implementation(stage, target, device, deviations)
 
 
 def _named_everywhere(name: str, device: str) -> dict[str, registry.Implementation]:
@@ -104,7 +131,7 @@ def _named_everywhere(name: str, device: str) -> dict[str, registry.Implementati
     return runnable
 
 
-def _property_subject(op: str, specs: Sequence[str], device: str) -> Subject:
+def _property_subject(op: str, specs: Sequence[str], device: str, deviations: Sequence[str]) -> Subject:
     try:
         prop = get_property(op)
     except KeyError as exc:
@@ -112,7 +139,7 @@ def _property_subject(op: str, specs: Sequence[str], device: str) -> Subject:
     overrides: dict[str, registry.Implementation] = {}
     for s in specs:
         if "=" in s:
-            stage, impl = _stage_override(s, device)
+            stage, impl = _stage_override(s, device, deviations)
             overrides[stage] = impl
         elif ":" in s:
             raise UsageError(f"--impl {s!r}: {op} calls several stages; name the one it replaces (STAGE={s})")
@@ -121,20 +148,28 @@ def _property_subject(op: str, specs: Sequence[str], device: str) -> Subject:
     if not prop.covered(overrides):
         under_test = sorted({st for t in prop.targets.values() for st in t.under_test})
         raise UsageError(f"--impl {', '.join(specs)} replaces none of the stages {op} tests ({', '.join(under_test)})")
-    return Subject(",".join(specs) or "preferred", overrides=overrides, specs=tuple(specs))
+    return Subject(",".join(specs) or "preferred", overrides=overrides, specs=tuple(specs), declared=tuple(deviations))
 
 
-def resolve_subject(op: str, specs: Sequence[str], device: str) -> Subject:
+def resolve_subject(op: str, specs: Sequence[str], device: str, deviations: Sequence[str] = ()) -> Subject:
     """Turn the --impl strings for `op` into a Subject; no strings: the project's implementation
-    (for a property, the registry's preferred implementation of every stage, labelled "preferred")."""
+    (for a property, the registry's preferred implementation of every stage, labelled "preferred").
+
+    `deviations` (`--deviation`) are declared for the user's callables among `specs`, on top of
+    what each declares itself; naming one without a user's callable is a usage error."""
+    deviations = tuple(deviations)
+    check_deviations(deviations, "--deviation")
+    if deviations and not any(":" in s for s in specs):
+        raise UsageError(f"--deviation {', '.join(deviations)}: declares a deviation of a user's --impl "
+                         "[STAGE=]MODULE:CALLABLE; registered implementations carry their own (mla-verify list)")
     if is_property(op):
-        return _property_subject(op, specs, device)
+        return _property_subject(op, specs, device, deviations)
     spec_op = get_op(op)
     if spec_op.stage is None:  # forward_mqa: a pipeline, whole or with stages replaced
         overrides, whole = {}, None
         for s in specs:
             if "=" in s:
-                stage, impl = _stage_override(s, device)
+                stage, impl = _stage_override(s, device, deviations)
                 overrides[stage] = impl
                 continue
             if ":" not in s:  # a registered name: that implementation in every stage that has one
@@ -144,18 +179,19 @@ def resolve_subject(op: str, specs: Sequence[str], device: str) -> Subject:
                 raise UsageError("give at most one whole-forward_mqa --impl")
             whole = load_callable(s)
             check_signature(whole, spec_op.arguments, f"--impl {s}")
+            own = declared_deviations(whole, deviations, f"--impl {s}")
         if whole is not None and overrides:
             raise UsageError("a whole-forward_mqa --impl cannot be combined with stage overrides")
         label = specs[0] if whole is not None else f"pipeline[{','.join(specs)}]" if specs else "pipeline"
-        return Subject(label, whole, overrides, specs=tuple(specs))
+        return Subject(label, whole, overrides, own if whole is not None else (), tuple(specs), deviations)
     if len(specs) > 1:
         raise UsageError(f"op {op} takes one --impl, got {len(specs)}")
     if specs:
         target = specs[0].split("=", 1)[1] if "=" in specs[0] else specs[0]
-        impl = _implementation(spec_op.stage, target, device)
+        impl = _implementation(spec_op.stage, target, device, deviations)
     else:
         try:
             impl = registry.select(spec_op.stage, device)
         except RuntimeError as exc:
             raise UsageError(str(exc)) from None
-    return Subject(impl.name, impl.fn, deviations=impl.deviations, specs=tuple(specs))
+    return Subject(impl.name, impl.fn, deviations=impl.deviations, specs=tuple(specs), declared=deviations)

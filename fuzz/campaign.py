@@ -51,6 +51,7 @@ def fuzz(
     examples: int,
     seed: int,
     impl_specs: tuple[str, ...] = (),
+    deviations: tuple[str, ...] = (),
     device: str = "cpu",
     out_dir: Path | None = None,
     shrink: bool = True,
@@ -58,7 +59,8 @@ def fuzz(
     path: str | None = None,
     world_size: int | None = None,
 ) -> FuzzResult:
-    """Run up to `examples` cases of `op`; stop at the first discrepancy and shrink it."""
+    """Run up to `examples` cases of `op`; stop at the first discrepancy and shrink it. A failing
+    case is saved with `impl_specs` and the `deviations` declared for them, for replay."""
     result = FuzzResult(op, seed, 0)
     progress = Progress(progress_label or op, examples)
     state = {"shrinking": False}
@@ -92,8 +94,9 @@ def fuzz(
         if out_dir is not None:
             where = Path(out_dir) / "failures" / f"{op.replace(':', '-')}-{d.case.case_id}.json"
             found_by = (f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "")
-                        + (f" --world-size {world_size}" if world_size else "") + f" --seed {seed}")
+                        + (f" --world-size {world_size}" if world_size else "") + f" --seed {seed}"
+                        + "".join(f" --deviation {name}" for name in deviations))
             result.case_file = casefile.save(where, casefile.CaseFile(
                 d.case, impl_specs, device, casefile.failure_summary(d.rows),
-                note=f"found by `{found_by}` (profile {profile.name})"))
+                note=f"found by `{found_by}` (profile {profile.name})", deviations=deviations))
     return result

@@ -1,7 +1,8 @@
 """Saved cases: a failing case as a small JSON file that `mla-verify replay FILE` re-runs exactly.
 
-The file holds the Case itself (op, params, seed), the implementation spec that failed, the
-device, and the failure as it was seen, so a reader knows what to expect before replaying.
+The file holds the Case itself (op, params, seed), the implementation spec that failed and the
+deviations declared for it, the device, and the failure as it was seen, so a reader knows what
+to expect before replaying.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ class CaseFile:
     device: str = "cpu"
     failure: list[dict[str, Any]] = field(default_factory=list)
     note: str = ""
+    deviations: tuple[str, ...] = ()  # declared for the implementation (--deviation)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": CASE_FORMAT, "case": self.case.to_dict(), "impl": list(self.impl), "device": self.device,
-                "failure": self.failure, "note": self.note}
+                "failure": self.failure, "note": self.note, "deviations": list(self.deviations)}
 
 
 def save(path: Path, cf: CaseFile) -> Path:
@@ -38,7 +40,7 @@ def load(path: Path) -> CaseFile:
     if data.get("format") != CASE_FORMAT:
         raise ValueError(f"{path}: not an mla-verify case file (format {data.get('format')!r}, expected {CASE_FORMAT!r})")
     return CaseFile(Case.from_dict(data["case"]), tuple(data.get("impl", ())), data.get("device", "cpu"),
-                    data.get("failure", []), data.get("note", ""))
+                    data.get("failure", []), data.get("note", ""), tuple(data.get("deviations", ())))
 
 
 def failure_summary(rows) -> list[dict[str, Any]]:

@@ -108,6 +108,7 @@ def _kernel_rows(shape: str, fl: float, nbytes: float, fns: dict[str, tuple], re
 
 
 def bench_kernels(quick: bool, reps: int) -> list[dict]:
+    from mla_verify import adapters
     from mla_verify.optimized import flashmla
     from mla_verify.optimized.kernels import sparse_decode, sparse_prefill
     from mla_verify.optimized.kernels.attention_launch import VARIANTS
@@ -123,7 +124,7 @@ def bench_kernels(quick: bool, reps: int) -> list[dict]:
         if have_fm:
             import flash_mla
 
-            raw = [(flashmla._pad_heads(q, 576, 0.0), kv.unsqueeze(1), idx.unsqueeze(1)) for q, kv, idx in sets]
+            raw = [(adapters.pad_heads(q, 0.0), kv.unsqueeze(1), idx.unsqueeze(1)) for q, kv, idx in sets]
             fns["flash_mla standalone"] = (lambda q, kv, i: flash_mla.flash_mla_sparse_fwd(q, kv, i, SM_SCALE, use_legacy=True), raw)
             fns["flash_mla via mla-verify"] = (lambda q, kv, i: flashmla.launch_sparse_prefill(q, kv, i, SM_SCALE), sets)
         out += _kernel_rows(f"prefill T={tokens} H={heads}", flops(tokens, heads), nbytes, fns, reps)
@@ -138,7 +139,7 @@ def bench_kernels(quick: bool, reps: int) -> list[dict]:
             import flash_mla
 
             plan = flash_mla.get_mla_metadata()[0]
-            raw = [(flashmla._pad_heads(q, 576, 0.0), c.unsqueeze(-2), i) for q, c, i in sets]
+            raw = [(adapters.pad_heads(q, 0.0), c.unsqueeze(-2), i) for q, c, i in sets]
             fns["flash_mla standalone"] = (lambda q, c, i: flash_mla.flash_mla_with_kvcache(
                 q, c, None, None, 512, plan, softmax_scale=SM_SCALE, is_fp8_kvcache=True, indices=i, use_legacy=True), raw)
             fns["flash_mla via mla-verify"] = (lambda q, c, i: flashmla.launch_sparse_decode_fp8(q, c, i, SM_SCALE), sets)

@@ -40,6 +40,13 @@ def _add_isolation(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a case may take in the worker")
 
 
+def _add_deviation(p: argparse.ArgumentParser, default: list | None) -> None:
+    p.add_argument("--deviation", action="append", default=default, metavar="NAME",
+                   help="a documented deviation the --impl callable has (repeatable; `mla-verify list --deviations`); "
+                        "its bounds replace the exact ones where it applies"
+                        + ("" if default is not None else " (default: the ones saved with the case)"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mla-verify", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list", help="ops, pipeline stages, their reference and the implementations available here")
     _add_common(p)
     p.add_argument("--tolerances", action="store_true", help="also print every bound of the tolerance policy")
+    p.add_argument("--deviations", action="store_true",
+                   help="also print each documented deviation a kernel may declare (--deviation): meaning and bounds")
 
     p = sub.add_parser("fuzz", help="fuzz one op (or forward_mqa) against the reference, or a property:NAME")
     _add_common(p)
@@ -58,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dcp only: rank processes (default 2); one GPU each when there are enough, else gloo")
     p.add_argument("--impl", action="append", default=[], metavar="[STAGE=]MODULE:CALLABLE|NAME",
                    help="implementation under test (default: the project's); repeat for several stages")
+    _add_deviation(p, [])
     p.add_argument("--examples", type=int, default=None, help="default: the profile's budget")
     p.add_argument("--seed", type=int, default=None, help="campaign seed (printed; default: random)")
     p.add_argument("--profile", default=None, help="ci | dev | nightly | gpu (default: dev on cpu, gpu on cuda)")
@@ -74,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", type=Path)
     p.add_argument("--impl", action="append", default=None, metavar="[STAGE=]MODULE:CALLABLE|NAME",
                    help="replay against another implementation than the one saved")
+    _add_deviation(p, None)
 
     p = sub.add_parser("gate", help="every op and path: regression corpus + fuzz budget; drift report; CI verdict")
     _add_common(p)
@@ -149,7 +160,30 @@ def cmd_list(args, device: str) -> int:
         print("\ntolerances (equivalence/policy.py):")
         for kind, where, b in all_bounds():
             print(f"  {kind:6s} {where or 'default':22s} {b.metric:16s} <= {b.limit:<10.4g} {b.reason}")
+    if args.deviations:
+        _print_deviations()
     return 0
+
+
+def _print_deviations() -> None:
+    import textwrap
+
+    from mla_verify.equivalence.policy import DEVIATIONS
+
+    def wrapped(text: str, indent: str = "    ") -> str:
+        return textwrap.fill(text, 98, initial_indent=indent, subsequent_indent=indent)
+
+    def bounds(by_kind) -> list[str]:
+        return [f"      {kind:4s}{', '.join(f'{b.metric} <= {b.limit:.4g}' for b in bs)}" for kind, bs in by_kind.items()]
+
+    print("\ndeviations (declare with --deviation NAME, deviations=, or __mla_verify_deviations__):")
+    for dev in DEVIATIONS.values():
+        print(f"\n  {dev.name}\n{wrapped(dev.description)}\n{wrapped('applies to: ' + dev.applies.__doc__)}")
+        if dev.bounds:
+            print("\n".join(["    bounds against the reference:", *bounds(dev.bounds)]))
+        if dev.relaxes:
+            print("\n".join([wrapped(f"relaxes the property checks {', '.join(sorted(dev.relaxes))} to:"),
+                             *bounds(dev.property_bounds)]))
 
 
 def _profile(name: str | None, device: str, default_cpu: str):
@@ -189,7 +223,7 @@ def cmd_fuzz(args, device: str) -> int:
         raise UsageError("--world-size applies to --op dcp only")
     world_size = (args.world_size or 2) if args.op == "dcp" else None
     if is_property(args.op):
-        subject = resolve_subject(args.op, args.impl, device)
+        subject = resolve_subject(args.op, args.impl, device, deviations=args.deviation)
         prop = get_property(args.op)
         covered = prop.covered(subject.overrides)  # the targets this --impl takes part in
         if args.path is None and len(covered) == 1:
@@ -201,7 +235,7 @@ def cmd_fuzz(args, device: str) -> int:
             raise UsageError(f"unknown op {args.op!r}; known: {', '.join(sorted(OPS))}, or property:NAME")
         if args.path is not None and (args.op != "forward_mqa" or args.path not in FORWARD_PATHS):
             raise UsageError(f"--path applies to --op forward_mqa with one of {', '.join(FORWARD_PATHS)}")
-        subject = resolve_subject(args.op, args.impl, device)
+        subject = resolve_subject(args.op, args.impl, device, deviations=args.deviation)
     profile = _profile(args.profile, device, "dev")
     examples = args.examples or (profile.property_examples if is_property(args.op) else profile.examples)
     seed = new_seed() if args.seed is None else args.seed
@@ -222,12 +256,12 @@ def cmd_fuzz(args, device: str) -> int:
 
     def run(case, source):
         if worker is not None:
-            return worker.run(case, args.impl, subject.label, run_id, source, notes=notes)
+            return worker.run(case, args.impl, subject.label, run_id, source, notes=notes, deviations=subject.declared)
         return evaluate(case, subject, device, run_id=run_id, source=source, notes=notes)
 
     try:
         result = fuzz(args.op, run, profile=profile, examples=examples, seed=seed, impl_specs=tuple(args.impl),
-                      device=device, out_dir=args.out, shrink=not args.no_shrink, path=args.path,
+                      deviations=subject.declared, device=device, out_dir=args.out, shrink=not args.no_shrink, path=args.path,
                       world_size=world_size)
     finally:
         if worker is not None:
@@ -267,7 +301,8 @@ def _fuzz_in_parts(args, device: str, profile: str, examples: int, seed: int, me
     from .parallel import fuzz_parts, share
 
     child = ["--op", args.op, "--profile", profile, "--timeout", str(args.timeout),
-             *(a for spec in args.impl for a in ("--impl", spec))]
+             *(a for spec in args.impl for a in ("--impl", spec)),
+             *(a for name in args.deviation for a in ("--deviation", name))]
     child += ["--path", args.path] if args.path else []
     child += ["--no-shrink"] if args.no_shrink else []
     child += [] if args.isolate is None else ["--isolate" if args.isolate else "--no-isolate"]
@@ -306,7 +341,9 @@ def cmd_replay(args, device: str) -> int:
     except (OSError, ValueError, KeyError) as exc:
         raise UsageError(f"cannot read case file {args.file}: {exc}") from None
     specs = tuple(args.impl) if args.impl is not None else cf.impl
-    subject = resolve_subject(cf.case.op, specs, device)
+    # The saved deviations belong to the saved implementation.
+    deviations = args.deviation if args.deviation is not None else cf.deviations if args.impl is None else ()
+    subject = resolve_subject(cf.case.op, specs, device, deviations=deviations)
     print(f"replay {cf.case.short()} on {device} with {subject.label}")
     if cf.failure:
         print("  saved failure: " + "; ".join(f"{f['tensor']} {f['metric']} = {f['value']:.4g} (bound {f['bound']:.4g})" for f in cf.failure))

@@ -1,5 +1,6 @@
 """The FlashMLA kernels the backend calls (`sgl-flash-mla` 1.0.0, import `flash_mla`), wrapped with
-the checks the kernels leave out and the head padding the backend does.
+the checks the kernels leave out; `mla_verify.adapters` maps their native signatures (3-D kv and
+indices, 4-D cache, result order) to the contract and pads the heads as the backend does.
 
 Every call goes to the legacy op namespace (`use_legacy=True`): the wheel's current namespace
 (`torch.ops.flash_mla`) holds only the 2026.09.30 kernels, which are SM100-only and read only the
@@ -16,12 +17,12 @@ module imports on machines without it.
 from __future__ import annotations
 
 import functools
-import math
+from typing import Callable
 
 import torch
 
+from mla_verify import adapters
 from mla_verify.optimized.attention_checks import check_decode_contract, check_prefill_contract
-from mla_verify.optimized.formats import D_QK, D_V
 from mla_verify.optimized.registry import register
 from mla_verify.optimized.validation import InputError, check_index_range, check_multiple, check_same_device
 
@@ -47,7 +48,27 @@ def padded_heads(heads: int) -> int:
     """FlashMLA's SM90 kernels take 64 or 128 heads; fewer are padded with zero heads."""
     if heads < 1 or heads > 128:
         raise InputError(f"heads={heads}: FlashMLA runs 1..128 heads (padded to 64 or 128)")
-    return 64 if heads <= 64 else 128
+    return adapters.flash_mla_heads(heads)
+
+
+def _flash_mla(name: str) -> Callable:
+    """`flash_mla.<name>`, imported at its first call."""
+
+    def call(*args, **kwargs):
+        import flash_mla
+
+        return getattr(flash_mla, name)(*args, **kwargs)
+
+    call.__qualname__ = f"flash_mla.{name}"
+    return call
+
+
+# FlashMLA's own functions through the adapters a user's FlashMLA build goes through (they pad the
+# heads and map shapes and result order); the legacy namespace serves the V3.2 layout.
+_native_prefill = adapters.flash_mla_sparse_fwd(_flash_mla("flash_mla_sparse_fwd"), use_legacy=True)
+_native_decode = adapters.flash_mla_with_kvcache(
+    _flash_mla("flash_mla_with_kvcache"), _flash_mla("get_mla_metadata"), use_legacy=True
+)
 
 
 def _check_aligned(name: str, t: torch.Tensor, strides: tuple[int, ...], multiple_bytes: int) -> None:
@@ -66,18 +87,6 @@ def _check_cuda(**tensors: torch.Tensor | None) -> None:
     device = check_same_device(**tensors)
     if device.type != "cuda":
         raise InputError(f"FlashMLA runs on CUDA tensors, got tensors on {device}")
-
-
-def _pad_heads(x: torch.Tensor, width: int, fill: float) -> torch.Tensor:
-    """x with its head axis (-2) padded with `fill` to 64 or 128 heads (zero q heads give
-    finite junk that is sliced off)."""
-    heads = x.shape[-2]
-    target = padded_heads(heads)
-    if target == heads:
-        return x
-    padded = x.new_full((*x.shape[:-2], target, width), fill)
-    padded[..., :heads, :] = x
-    return padded
 
 
 def check_prefill_inputs(
@@ -133,23 +142,7 @@ def launch_sparse_prefill(
     attn_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`sparse_prefill` without the checks (for timing): inputs must already pass them."""
-    import flash_mla
-
-    heads = q.shape[1]
-    if attn_sink is not None:
-        # Padded heads get a -inf sink: no effect (their rows are sliced off anyway).
-        attn_sink = _pad_heads(attn_sink[:, None], 1, -math.inf)[:, 0].contiguous()
-    out, max_logits, lse = flash_mla.flash_mla_sparse_fwd(
-        _pad_heads(q, D_QK, 0.0),
-        kv.unsqueeze(1),
-        indices.unsqueeze(1),
-        sm_scale,
-        d_v=D_V,
-        attn_sink=attn_sink,
-        topk_length=topk_length,
-        use_legacy=True,
-    )
-    return out[:, :heads], lse[:, :heads], max_logits[:, :heads]
+    return _native_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
 
 
 def check_decode_inputs(
@@ -191,34 +184,8 @@ def sparse_decode_fp8(
     return launch_sparse_decode_fp8(q, kv_cache, indices, sm_scale)
 
 
-@functools.lru_cache(maxsize=256)
-def _decode_plan(batch: int, s_q: int, padded: int, page: int, topk: int, device: int):
-    """One split-KV plan per shape, filled by its first call and reused, as vLLM reuses one plan
-    across a step's layers. For the V3.2 format the plan depends on shapes only (it has no
-    topk_length), and every later call with the same object asserts the same shapes."""
-    import flash_mla
-
-    return flash_mla.get_mla_metadata()[0]
-
-
 def launch_sparse_decode_fp8(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sparse_decode_fp8` without the checks (for timing): inputs must already pass them."""
-    import flash_mla
-
-    batch, s_q, heads, _ = q.shape
-    sched = _decode_plan(batch, s_q, padded_heads(heads), kv_cache.shape[1], indices.shape[2], q.device.index)
-    out, lse = flash_mla.flash_mla_with_kvcache(
-        _pad_heads(q, D_QK, 0.0),
-        kv_cache.unsqueeze(-2),
-        None,
-        None,
-        D_V,
-        sched,
-        softmax_scale=sm_scale,
-        is_fp8_kvcache=True,
-        indices=indices,
-        use_legacy=True,
-    )
-    return out[..., :heads, :], lse[:, :heads, :]
+    return _native_decode(q, kv_cache, indices, sm_scale)

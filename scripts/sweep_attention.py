@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from mla_verify import adapters
 from mla_verify.bench import SM_SCALE, TOPK, _decode_inputs, _median_ms, _prefill_inputs, flops
 from mla_verify.optimized import flashmla
 from mla_verify.optimized.kernels.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
@@ -101,7 +102,7 @@ def prefill_rows(tokens: int, heads: int, kv_rows: int, names: list[str] | None,
     if flashmla.flash_mla_unavailable() is None:
         import flash_mla
 
-        raw = [(flashmla._pad_heads(q, 576, 0.0), kv.unsqueeze(1), idx.unsqueeze(1)) for q, kv, idx in sets]
+        raw = [(adapters.pad_heads(q, 0.0), kv.unsqueeze(1), idx.unsqueeze(1)) for q, kv, idx in sets]
         fns[FLASH] = (lambda q, kv, i: flash_mla.flash_mla_sparse_fwd(q, kv, i, SM_SCALE, use_legacy=True), raw)
         flash_output = lambda: flashmla.launch_sparse_prefill(*sets[0], SM_SCALE)  # noqa: E731
     shape = f"prefill T={tokens} H={heads}" + ("" if kv_rows == 65536 else f" N={kv_rows} (L2)")
@@ -125,7 +126,7 @@ def decode_rows(batch: int, s_q: int, heads: int, reps: int, gen, bf16_rows: boo
         import flash_mla
 
         plan = flash_mla.get_mla_metadata()[0]
-        raw = [(flashmla._pad_heads(q, 576, 0.0), c.unsqueeze(-2), i) for q, c, i in sets]
+        raw = [(adapters.pad_heads(q, 0.0), c.unsqueeze(-2), i) for q, c, i in sets]
         fns[FLASH] = (lambda q, c, i: flash_mla.flash_mla_with_kvcache(
             q, c, None, None, 512, plan, softmax_scale=SM_SCALE, is_fp8_kvcache=True, indices=i, use_legacy=True), raw)
         flash_output = lambda: flashmla.launch_sparse_decode_fp8(*sets[0], SM_SCALE)  # noqa: E731

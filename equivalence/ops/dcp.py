@@ -92,7 +92,7 @@ def _dcp_call(subject, kw, p) -> ImplOutput:
     from mla_verify.equivalence import distributed  # starts processes: only when a case runs
 
     group = distributed.group_for(p["dcp_size"], kw["device"].split(":")[0])
-    answers = group.run(p, kw["seed"], subject.specs)
+    answers = group.run(p, kw["seed"], subject.specs, subject.declared)
     tensors = {f"{name}_rank{r}": t for r, a in enumerate(answers) for name, t in a["tensors"].items()}
     first = answers[0]
     return ImplOutput(tensors, stages=first["stages"], deviations=tuple(first["deviations"]), path=p["combine"],

@@ -32,23 +32,25 @@ def _reference(kw, p):
     return {"out": res.out, "lse": res.lse, "logit_l1": res.logit_l1}
 
 
-def _whole(fn, b, p) -> ImplOutput:
-    """A user's complete forward_mqa; under DCP it runs per rank and the registry's merge combines."""
+def _whole(fn, b, p, deviations: tuple[str, ...]) -> ImplOutput:
+    """A user's complete forward_mqa (with its declared deviations); under DCP it runs per rank and
+    the registry's merge combines."""
     if p.get("dcp_size", 1) == 1:
         out, lse = fn(q=b.q, kv_cache=b.kv_cache, **b.forward_kwargs())[:2]
-        return ImplOutput({"out": out, "lse": lse})
+        return ImplOutput({"out": out, "lse": lse}, deviations=deviations)
     kwargs, size = b.dcp_kwargs(), p["dcp_size"]
     parts = [fn(q=b.q, kv_cache=c, block_table=t, dcp_size=size, dcp_rank=r, **kwargs)[:2]
              for r, (c, t) in enumerate(zip(b.rank_caches, b.rank_block_tables))]
     merge = registry.select("dcp_merge", b.kv_cache.device.type)
     out, lse = merge.fn(outs=torch.stack([o for o, _ in parts]), lses=torch.stack([s for _, s in parts]))
-    return ImplOutput({"out": out, "lse": lse}, stages=f"dcp_merge={merge.name}", deviations=merge.deviations)
+    return ImplOutput({"out": out, "lse": lse}, stages=f"dcp_merge={merge.name}",
+                      deviations=tuple(sorted({*deviations, *merge.deviations})))
 
 
 def _call(subject, kw, p) -> ImplOutput:
     b = kw["batch"]
     if subject.fn is not None:
-        return _whole(subject.fn, b, p)
+        return _whole(subject.fn, b, p, subject.deviations)
     from mla_verify.optimized import pipeline  # imports every kernel module: only when the pipeline runs
     dcp = p.get("dcp_size", 1)
     needed = pipeline.needed_stages(p["cache_dtype"], p["heads"], dcp, isinstance(b.q, tuple))
