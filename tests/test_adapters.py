@@ -1,0 +1,315 @@
+"""mla_verify.adapters and declared deviations.
+
+On CPU the adapters wrap stand-ins with the exact native signatures of FlashMLA's and vLLM's
+functions (tests/impls/upstream.py, computed by the torch-fp32 implementations): the adapted
+callables must pass the oracle, map arguments and result order exactly, and a native signature
+handed over unadapted must be a usage error naming its adapter. The gpu-marked tests run the real
+flash_mla through the same adapters.
+
+A user's kernel that rounds dequantized rows to bf16 (FlashMLA SM90's `bf16_dequant`) fails
+raw-scale decode cases until it declares the deviation (--deviation, deviations=, or
+__mla_verify_deviations__).
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mla_verify import adapters
+from mla_verify.cli import main
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.evaluate import evaluate
+from mla_verify.equivalence.subject import UsageError, check_signature, resolve_subject
+from mla_verify.equivalence.values import REGIMES
+from mla_verify.fuzz import casefile
+from mla_verify.fuzz.campaign import fuzz, new_seed
+from mla_verify.fuzz.profiles import get_profile
+from mla_verify.fuzz.strategies import decode_params, seeds
+from mla_verify.optimized import eager
+from tests.impls import upstream
+
+CI = get_profile("ci")
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def campaign(op, spec, examples=6, deviations=(), device="cpu", profile=CI):
+    seed = new_seed()
+    subject = resolve_subject(op, [spec], device, deviations=deviations)
+    result = fuzz(op, lambda case, source: evaluate(case, subject, device, source=source), profile=profile,
+                  examples=examples, seed=seed, shrink=False)
+    print(f"{spec} on {op}: seed {seed}")
+    return seed, result
+
+
+# ----------------------------------------------------------------------------- adapted stand-ins
+
+
+@pytest.mark.parametrize("op, adapted", [
+    ("sparse_prefill", "prefill"), ("sparse_decode_fp8", "decode"),
+    ("convert_index", "convert_index"), ("dcp_convert_index", "dcp_convert_index"),
+])
+def test_adapted_upstream_signatures_pass_the_oracle(op, adapted):
+    seed, result = campaign(op, f"tests.impls.upstream:{adapted}")
+    assert result.failure is None, f"seed {seed}: {result.failure.case.short()}"
+    assert result.examples == 6 and all(r.passed for r in result.rows)
+    if op.startswith("sparse"):  # the ci profile's 1, 8, 16 heads are padded to 64 for the kernel
+        assert {r.heads for r in result.rows} <= {1, 8, 16}
+
+
+def _prefill_kwargs(heads: int, seed: int) -> dict:
+    from mla_verify.equivalence.ops import get_op
+
+    params = dict(tokens=3, heads=heads, kv_rows=300, topk=128, value_regime="normal", sm_scale=0.1352,
+                  topk_length="random", sink="finite")
+    return get_op("sparse_prefill").inputs(params, seed, "cpu")
+
+
+@pytest.mark.parametrize("heads", [64, 16])
+def test_prefill_adapter_maps_shapes_padding_and_result_order(heads):
+    seed = new_seed()
+    kw = _prefill_kwargs(heads, seed)
+    out, lse, max_logits = upstream.prefill(**kw)
+    want_out, want_lse, want_max = eager.sparse_prefill(**kw)
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape == max_logits.shape == (3, heads)
+    if heads == 64:  # no padding: the very same computation
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse) and torch.equal(max_logits, want_max)
+    else:  # padded heads go through other GEMM shapes: equal up to fp32 reassociation
+        torch.testing.assert_close(out, want_out, rtol=0, atol=2**-7 * out.abs().max().item())
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(max_logits, want_max, rtol=1e-5, atol=1e-5)
+    # lse and max_logits are not swapped: max_logits <= lse on every non-empty row
+    finite = torch.isfinite(lse)
+    assert finite.any() and (max_logits[finite] <= lse[finite] + 1e-5).all(), f"seed {seed}"
+
+
+def test_padded_sink_heads_have_no_effect():
+    q = torch.zeros(1, 2, 576, dtype=torch.bfloat16)
+    sink = torch.tensor([0.5, -1.0])
+    assert adapters.pad_heads(q, 0.0).shape == (1, 64, 576)
+    padded = adapters.pad_heads(sink[:, None], -math.inf)[:, 0]
+    assert padded.shape == (64,) and torch.equal(padded[:2], sink) and (padded[2:] == -math.inf).all()
+    assert adapters.flash_mla_heads(65) == 128 and adapters.flash_mla_heads(200) == 200
+
+
+def test_decode_adapter_reuses_one_plan_per_shape():
+    from mla_verify.equivalence.ops import get_op
+
+    spec = get_op("sparse_decode_fp8")
+    params = dict(batch=2, s_q=1, heads=8, topk=64, seq_lens=[40, 70], page_size=16, value_regime="normal",
+                  scale_rule="pow2", sm_scale=0.1)
+    decode = adapters.flash_mla_with_kvcache(upstream.flash_mla_with_kvcache, upstream.get_mla_metadata)
+    upstream.METADATA_CALLS.clear()
+    for seed in (1, 2):  # same shapes: one plan, which the stand-in asserts is used consistently
+        decode(**spec.inputs(params, seed, "cpu"))
+    assert len(upstream.METADATA_CALLS) == 1
+    out, lse = decode(**spec.inputs({**params, "topk": 128}, 3, "cpu"))
+    assert len(upstream.METADATA_CALLS) == 2 and out.shape == (2, 1, 8, 512) and lse.shape == (2, 8, 1)
+
+
+def test_correct_attn_out_adapter_leaves_the_input_and_matches_the_stage():
+    g = torch.Generator().manual_seed(new_seed())
+    out_r = torch.randn(5, 4, 512, generator=g).to(torch.bfloat16)
+    lses = torch.randn(3, 5, 4, generator=g) * 3
+    kept = out_r.clone()
+    partial, lse = upstream.lse_correct(out_r=out_r, lses=lses, rank=1)
+    want_partial, want_lse = eager.dcp_lse_correct(kept, lses, 1)
+    assert torch.equal(out_r, kept), "the adapter must hand upstream's in-place function a copy"
+    assert torch.equal(partial, want_partial) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_cp_lse_ag_out_rs_adapter_runs_the_ranks_as_a_group(ranks):
+    g = torch.Generator().manual_seed(new_seed())
+    heads = 3  # not a multiple of the rank count: padded with empty heads
+    outs = torch.randn(ranks, 4, heads, 512, generator=g).to(torch.bfloat16)
+    lses = torch.randn(ranks, 4, heads, generator=g) * 3
+    lses[0, 1] = -math.inf  # an empty shard
+    out, lse = upstream.merge(outs=outs, lses=lses)
+    want_out, want_lse = eager.dcp_merge(outs, lses)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_cp_lse_ag_out_rs_is_undefined_for_one_rank_and_says_so():
+    # Upstream returns the bare output for a world of one and its caller unpacks (out, lse) from it.
+    outs, lses = torch.zeros(1, 4, 2, 512, dtype=torch.bfloat16), torch.zeros(1, 4, 2)
+    with pytest.raises(ValueError, match="unpack"):
+        upstream.merge(outs=outs, lses=lses)
+
+
+def test_a_rank_that_raises_releases_the_others():
+    def call(rank, group):
+        if rank == 1:
+            raise RuntimeError("rank 1 failed")
+        return group.all_gather(torch.ones(1), dim=0)
+
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        adapters.run_ranks(3, call)
+
+
+# ----------------------------------------------------------------------------- recognizing native signatures
+
+NATIVE = [
+    (upstream.flash_mla_sparse_fwd, "flash_mla_sparse_fwd"),
+    (upstream.flash_mla_with_kvcache, "flash_mla_with_kvcache"),
+    (upstream.triton_convert_req_index_to_global_index, "triton_convert_req_index_to_global_index"),
+    (upstream.triton_filter_and_convert_dcp_index, "triton_filter_and_convert_dcp_index"),
+    (upstream.correct_attn_out, "correct_attn_out"),
+    (upstream.cp_lse_ag_out_rs, "cp_lse_ag_out_rs"),
+]
+
+
+@pytest.mark.parametrize("fn, adapter", NATIVE, ids=[a for _, a in NATIVE])
+def test_a_native_signature_is_a_usage_error_naming_its_adapter(fn, adapter):
+    # flash_mla_sparse_fwd accepts every keyword of the sparse_prefill contract: only its
+    # signature tells it apart, before its (out, max_logits, lse) order fails as LSE errors.
+    with pytest.raises(UsageError, match=rf"wrap it with mla_verify\.adapters\.{adapter}\(fn"):
+        check_signature(fn, (), "--impl m:f")
+
+
+@pytest.mark.parametrize("fn", [upstream.prefill, upstream.decode, upstream.convert_index, upstream.merge,
+                                eager.sparse_prefill, eager.convert_index, eager.dcp_merge])
+def test_contract_callables_and_adapted_ones_are_not_mistaken_for_native(fn):
+    assert adapters.native_signature(fn) is None
+
+
+def test_the_cli_names_the_adapter_for_flash_mlas_native_function(capsys):
+    code, text = run(capsys, "fuzz", "--op", "sparse_prefill", "--impl", "tests.impls.upstream:flash_mla_sparse_fwd",
+                     "--device", "cpu")
+    assert code == 2 and "mla_verify.adapters.flash_mla_sparse_fwd" in text and len(text.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- declared deviations
+
+DECODE = "tests.impls.bf16_dequant:sparse_decode_fp8"
+
+
+def raw_scale_decode(regime: st.SearchStrategy[str]) -> st.SearchStrategy[Case]:
+    return st.builds(lambda p, seed: Case("sparse_decode_fp8", p, seed),
+                     decode_params(CI, scale_rule=st.just("raw"), value_regime=regime), seeds)
+
+
+@settings(max_examples=3)
+@given(case=raw_scale_decode(st.just("normal")))
+def test_bf16_dequant_fails_raw_scale_decode_cases_until_it_declares_the_deviation(case):
+    undeclared = evaluate(case, resolve_subject("sparse_decode_fp8", [DECODE], "cpu"))
+    lse = next(r for r in undeclared if r.tensor == "lse")
+    assert not lse.passed and lse.value > lse.bound == 64, case.short()
+    for subject in (resolve_subject("sparse_decode_fp8", [DECODE], "cpu", deviations=["bf16_dequant"]),
+                    resolve_subject("sparse_decode_fp8", ["tests.impls.bf16_dequant:declared"], "cpu")):
+        rows = evaluate(case, subject)
+        assert subject.deviations == ("bf16_dequant",)
+        assert all(r.passed for r in rows), [r.reason for r in rows if not r.passed]
+        assert {r.deviation for r in rows} == {"bf16_dequant"}, "the rows name the deviation that set their bound"
+
+
+@settings(max_examples=4)
+@given(case=raw_scale_decode(st.sampled_from(REGIMES)))
+def test_declared_bf16_dequant_passes_raw_scale_decode_cases_in_every_value_regime(case):
+    # (Not every regime fails undeclared: saturated tiles dequantize to their bf16 amax exactly.)
+    rows = evaluate(case, resolve_subject("sparse_decode_fp8", ["tests.impls.bf16_dequant:declared"], "cpu"))
+    assert all(r.passed for r in rows), [r.reason for r in rows if not r.passed]
+
+
+def test_bf16_dequant_is_exact_with_power_of_two_scales():
+    case = Case("sparse_decode_fp8", dict(batch=2, s_q=2, heads=8, topk=128, seq_lens=[90, 200], page_size=16,
+                                          value_regime="normal", scale_rule="pow2", sm_scale=0.1352), new_seed())
+    rows = evaluate(case, resolve_subject("sparse_decode_fp8", [DECODE], "cpu"))
+    assert all(r.passed and r.deviation == "" for r in rows), case.short()
+
+
+def test_the_cli_declares_deviations_and_the_case_file_keeps_them(capsys, tmp_path):
+    common = ["--op", "sparse_decode_fp8", "--impl", DECODE, "--examples", "8", "--profile", "ci", "--seed", "1",
+              "--device", "cpu"]
+    code, text = run(capsys, "fuzz", *common, "--out", str(tmp_path / "plain"))
+    assert code == 1 and "lse_fp32_units" in text and "scale_rule=raw" in text
+    [saved] = (tmp_path / "plain" / "failures").glob("*.json")
+    assert run(capsys, "replay", str(saved), "--device", "cpu")[0] == 1
+    assert run(capsys, "replay", str(saved), "--device", "cpu", "--deviation", "bf16_dequant")[0] == 0
+    # A case file saved with a declaration replays with it.
+    cf = casefile.load(saved)
+    declared = casefile.save(tmp_path / "declared.json", casefile.CaseFile(cf.case, cf.impl, "cpu", cf.failure,
+                                                                           deviations=("bf16_dequant",)))
+    assert json.loads(declared.read_text())["deviations"] == ["bf16_dequant"]
+    assert run(capsys, "replay", str(declared), "--device", "cpu")[0] == 0
+    code, text = run(capsys, "fuzz", *common, "--deviation", "bf16_dequant", "--out", str(tmp_path / "declared"))
+    assert code == 0 and "PASS: 8 examples" in text
+
+
+def test_a_declared_deviation_reaches_the_isolation_worker(capsys, tmp_path):
+    code, text = run(capsys, "fuzz", "--op", "sparse_decode_fp8", "--impl", DECODE, "--deviation", "bf16_dequant",
+                     "--examples", "3", "--profile", "ci", "--seed", "1", "--device", "cpu", "--isolate",
+                     "--out", str(tmp_path))
+    assert code == 0 and "isolated" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["fuzz", "--op", "sparse_decode_fp8", "--impl", DECODE, "--deviation", "bf16_dequantize"], "unknown deviation"),
+    (["fuzz", "--op", "sparse_decode_fp8", "--impl", "tests.impls.bf16_dequant:misdeclared"], "unknown deviation"),
+    (["fuzz", "--op", "sparse_decode_fp8", "--impl", "torch-fp32", "--deviation", "bf16_dequant"], "user's --impl"),
+    (["fuzz", "--op", "sparse_decode_fp8", "--deviation", "bf16_dequant"], "user's --impl"),
+])
+def test_deviation_usage_errors_exit_2(capsys, tmp_path, argv, message):
+    code, text = run(capsys, *argv, "--device", "cpu", "--out", str(tmp_path))
+    assert code == 2 and message in text and len(text.strip().splitlines()) == 1
+
+
+def test_replay_refuses_an_unknown_deviation(capsys, tmp_path):
+    saved = casefile.save(tmp_path / "c.json", casefile.CaseFile(
+        Case("quantize_fp8_ds_mla", {"rows": 4, "value_regime": "normal", "scale_rule": "pow2"}, 1),
+        ("mla_verify.reference:quantize_fp8_ds_mla",)))
+    code, text = run(capsys, "replay", str(saved), "--device", "cpu", "--deviation", "nope")
+    assert code == 2 and "unknown deviation 'nope'" in text
+
+
+def test_list_deviations_shows_meaning_and_bounds(capsys):
+    from mla_verify.equivalence.policy import DEVIATIONS
+
+    code, text = run(capsys, "list", "--device", "cpu", "--deviations")
+    section = text[text.index("deviations (declare"):]
+    assert code == 0 and all(f"\n  {name}\n" in section for name in DEVIATIONS)
+    assert "lse_fp32_units <= 6.557e+04" in section and "applies to:" in section
+    assert max(map(len, section.splitlines())) <= 100
+
+
+# ----------------------------------------------------------------------------- the real flash_mla (H200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, adapted", [("sparse_prefill", "sparse_prefill"), ("sparse_decode_fp8", "sparse_decode_fp8")])
+def test_real_flash_mla_through_the_adapters_passes_the_oracle(op, adapted):
+    seed, result = campaign(op, f"tests.impls.native_flashmla:{adapted}", examples=20, device="cuda",
+                            profile=get_profile("gpu"))
+    assert result.failure is None, f"seed {seed}: {result.failure.case.short()}"
+    assert result.examples == 20
+
+
+@pytest.mark.gpu
+def test_real_flash_mla_functions_unadapted_are_usage_errors():
+    import flash_mla
+
+    for fn, adapter in ((flash_mla.flash_mla_sparse_fwd, "flash_mla_sparse_fwd"),
+                        (flash_mla.flash_mla_with_kvcache, "flash_mla_with_kvcache")):
+        with pytest.raises(UsageError, match=rf"mla_verify\.adapters\.{adapter}\(fn"):
+            check_signature(fn, (), "--impl flash_mla:" + adapter)
+
+
+@pytest.mark.gpu
+def test_the_adapter_passes_flash_mla_through_unchanged_at_its_own_head_counts():
+    import flash_mla
+
+    for heads in (64, 128):
+        kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _prefill_kwargs(heads, new_seed()).items()}
+        kw["topk_length"], kw["attn_sink"] = None, None
+        out, lse, max_logits = adapters.flash_mla_sparse_fwd(flash_mla.flash_mla_sparse_fwd, use_legacy=True)(**kw)
+        raw_out, raw_max, raw_lse = flash_mla.flash_mla_sparse_fwd(
+            kw["q"], kw["kv"].unsqueeze(1), kw["indices"].unsqueeze(1), kw["sm_scale"], use_legacy=True)
+        assert torch.equal(out, raw_out) and torch.equal(lse, raw_lse) and torch.equal(max_logits, raw_max)
