@@ -4,17 +4,16 @@ mla-verify calls an implementation with the keywords of its op's contract (`mla-
 and reads the result tuple in the contract's order. FlashMLA's and vLLM's functions take other
 shapes and names, and return their results in another order; passing one as it is gives
 confusing metric failures, so `equivalence.subject` refuses a callable with a known upstream
-signature and names the adapter here that wraps it:
+signature and names the adapter here that wraps it. Each adapter has the name of the upstream
+function it wraps:
 
-    adapter (this module)                       wraps                                        contract op / stage
-    flash_mla_sparse_fwd(fn, **fixed)           flash_mla.flash_mla_sparse_fwd               sparse_prefill
-    flash_mla_with_kvcache(fn, get_mla_metadata, **fixed)
-                                                flash_mla.flash_mla_with_kvcache (sparse)    sparse_decode_fp8
-    triton_convert_req_index_to_global_index(fn)
-                                                vLLM sparse_utils, same name                 convert_index
-    triton_filter_and_convert_dcp_index(fn)     vLLM sparse_utils, same name                 dcp_convert_index
-    correct_attn_out(fn)                        vLLM ops/dcp.py, same name                   dcp_lse_correct
-    cp_lse_ag_out_rs(fn)                        vLLM ops/dcp.py, same name                   dcp_merge
+    adapter                                        upstream             contract op / stage
+    flash_mla_sparse_fwd(fn)                       flash_mla            sparse_prefill
+    flash_mla_with_kvcache(fn, get_mla_metadata)   flash_mla            sparse_decode_fp8
+    triton_convert_req_index_to_global_index(fn)   vLLM sparse_utils    convert_index
+    triton_filter_and_convert_dcp_index(fn)        vLLM sparse_utils    dcp_convert_index
+    correct_attn_out(fn)                           vLLM ops/dcp.py      dcp_lse_correct
+    cp_lse_ag_out_rs(fn)                           vLLM ops/dcp.py      dcp_merge
 
 An adapter does only what the serving backend does around the call: reshape, pad heads, pass
 the upstream keyword names, reorder the result. It checks nothing and computes nothing, so what

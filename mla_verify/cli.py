@@ -174,7 +174,7 @@ def _print_deviations() -> None:
         return textwrap.fill(text, 98, initial_indent=indent, subsequent_indent=indent)
 
     def bounds(by_kind) -> list[str]:
-        return [f"      {kind:4s}{', '.join(f'{b.metric} <= {b.limit:.4g}' for b in bs)}" for kind, bs in by_kind.items()]
+        return [f"      {kind:4s}" + ", ".join(f"{b.metric} <= {b.limit:.4g}" for b in bs) for kind, bs in by_kind.items()]
 
     print("\ndeviations (declare with --deviation NAME, deviations=, or __mla_verify_deviations__):")
     for dev in DEVIATIONS.values():
@@ -261,8 +261,8 @@ def cmd_fuzz(args, device: str) -> int:
 
     try:
         result = fuzz(args.op, run, profile=profile, examples=examples, seed=seed, impl_specs=tuple(args.impl),
-                      deviations=subject.declared, device=device, out_dir=args.out, shrink=not args.no_shrink, path=args.path,
-                      world_size=world_size)
+                      deviations=subject.declared, device=device, out_dir=args.out, shrink=not args.no_shrink,
+                      path=args.path, world_size=world_size)
     finally:
         if worker is not None:
             worker.close()

@@ -52,7 +52,7 @@ def flash_mla_sparse_fwd(
     s_q, h_q, _ = q.shape
     assert h_q in (64, 128), f"h_q must be 64 or 128, got {h_q}"
     assert kv.dim() == 3 and kv.shape[1] == 1, f"kv must be [s_kv, h_kv=1, d_qk], got {tuple(kv.shape)}"
-    assert indices.dim() == 3 and indices.shape[:2] == (s_q, 1), f"indices must be [s_q, 1, topk], got {tuple(indices.shape)}"
+    assert indices.dim() == 3 and indices.shape[:2] == (s_q, 1), f"indices must be [s_q, 1, topk]: {indices.shape}"
     assert d_v == 512 and return_log2_lse is None
     assert attn_sink is None or attn_sink.shape == (h_q,)
     out, lse, max_logits = eager.sparse_prefill(q, kv[:, 0], indices[:, 0], sm_scale, topk_length, attn_sink)
@@ -87,7 +87,7 @@ def flash_mla_with_kvcache(
     assert isinstance(tile_scheduler_metadata, FlashMLASchedMeta), "tile_scheduler_metadata must be a FlashMLASchedMeta"
     assert num_splits is None and not causal and is_fp8_kvcache and indices is not None and head_dim_v == 512
     assert q.shape[2] in (64, 128), f"h_q must be 64 or 128, got {q.shape[2]}"
-    assert k_cache.dim() == 4 and k_cache.shape[2] == 1, f"k_cache must be [blocks, page, 1, bytes], got {tuple(k_cache.shape)}"
+    assert k_cache.dim() == 4 and k_cache.shape[2] == 1, f"k_cache must be [blocks, page, 1, bytes]: {k_cache.shape}"
     shapes = (tuple(q.shape[:3]), k_cache.shape[1], indices.shape[-1])
     plan = tile_scheduler_metadata
     if not plan.have_initialized:
