@@ -138,7 +138,9 @@ def triton_convert_req_index_to_global_index(fn: Callable, **fixed: Any) -> Call
     Upstream takes `token_indices`, the block size and stride as `BLOCK_SIZE` /
     `BLOCK_STRIDE_ROWS`, the top-k width as `NUM_TOPK_TOKENS` (with a tile width `BLOCK_N` that
     divides it) and the prefill workspace behind `HAS_PREFILL_WORKSPACE`; its result is the
-    contract's (indices, or (indices, valid_counts) compacted to the front).
+    contract's (indices, or (indices, valid_counts) compacted to the front). Upstream compacts
+    stably while one program holds a row (K a power of two or <= 4096); past that its order within
+    the prefix is unspecified, which the exact contract reports.
     """
 
     def convert_index(

@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,6 +284,16 @@ def test_a_declared_deviation_reaches_the_isolation_worker(capsys, tmp_path):
                      "--examples", "3", "--profile", "ci", "--seed", "1", "--device", "cpu", "--isolate",
                      "--out", str(tmp_path))
     assert code == 0 and "isolated" in text
+
+
+def test_a_whole_forward_mqa_carries_its_declared_deviation_into_the_rows():
+    corpus = json.loads((Path(__file__).parents[1] / "fuzz" / "corpus" / "forward_mqa.json").read_text())
+    raw = next(c for c in corpus if c["params"]["scale_rule"] == "raw" and c["params"]["dcp_size"] == 1)
+    case = Case(raw["op"], raw["params"], raw["seed"])
+    subject = resolve_subject("forward_mqa", ["mla_verify.reference:forward_mqa"], "cpu", deviations=["bf16_dequant"])
+    rows = evaluate(case, subject)
+    assert subject.deviations == ("bf16_dequant",) and all(r.passed for r in rows)
+    assert {r.deviation for r in rows} == {"bf16_dequant"}, case.short()
 
 
 @pytest.mark.parametrize("argv, message", [
