@@ -217,7 +217,8 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
 
 
 _CPU_CONTEXT_PROBE = """
-import gc, time, torch, reference
+import gc, time, torch
+from mla_verify import reference
 from mla_verify.equivalence.batch import make_batch
 def rss(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field)) / 2**20
