@@ -130,17 +130,11 @@ def cmd_list(args, device: str) -> int:
         print(f"\n{name}  [{stage}]\n  {spec.doc}\n  reference: reference.{name}")
         if spec.stage is None:
             continue
-        for impl in registry.implementations(spec.stage):
-            why = impl.why_not(device)
-            status = "available" if why is None else f"unavailable: {why}"
-            dev = f"; deviations: {', '.join(impl.deviations)}" if impl.deviations else ""
-            print(f"  - {impl.name:12s} {status}{dev}")
+        _print_implementations(registry, spec.stage, device)
     extra = sorted(set(registry.stages()) - {s.stage for s in OPS.values()})
     for stage in extra:
         print(f"\n{stage}  [pipeline stage]")
-        for impl in registry.implementations(stage):
-            why = impl.why_not(device)
-            print(f"  - {impl.name:12s} {'available' if why is None else 'unavailable: ' + why}")
+        _print_implementations(registry, stage, device)
     for prop in PROPERTIES.values():
         print(f"\n{prop.op}  [property: needs no reference]\n  {prop.doc}\n  checks: {', '.join(prop.checks)}; "
               f"targets (--path): {', '.join(prop.targets)}")
@@ -150,6 +144,24 @@ def cmd_list(args, device: str) -> int:
         for kind, where, b in all_bounds():
             print(f"  {kind:6s} {where or 'default':22s} {b.metric:16s} <= {b.limit:<10.4g} {b.reason}")
     return 0
+
+
+def _print_implementations(registry, stage: str, device: str) -> None:
+    """One line per implementation of `stage`: can it run here, is it the stage's default here
+    (what forward_mqa and a bare `--op` use), how it deviates from the contract."""
+    try:
+        default = registry.select(stage, device).name
+    except RuntimeError:
+        default = None
+    for impl in registry.implementations(stage):
+        why = impl.why_not(device)
+        status = "available" if why is None else f"unavailable: {why}"
+        if impl.name == default:
+            status += ", default here"
+        elif why is None and device in impl.interpreted_on:
+            status += f", interpreted on {device}: by name only"
+        dev = f"; deviations: {', '.join(impl.deviations)}" if impl.deviations else ""
+        print(f"  - {impl.name:12s} {status}{dev}")
 
 
 def _profile(name: str | None, device: str, default_cpu: str):
