@@ -69,25 +69,26 @@ def memory_limit(nbytes: int) -> Iterator[None]:
         _memory_limit.reset(token)
 
 
-def token_bytes(num_heads: int, topk: int, itemsize: int) -> int:
-    """Peak working bytes of one query token, everything it holds at once counted:
-        its K rows [topk, 576] in the compute dtype, while they are built: the gathered source
-        row and a decoded copy (at most 576 * (itemsize + 8) + 656 bytes), an int64 index and
-        flags per entry; then either |K| and its logit sizes [H, topk] in float32, or the
-        logits [H, topk] in the compute dtype; its query (compute dtype and |q| in float32) and
-        two outputs [H, 512] (the one being handed on and the next)."""
-    per_entry = max(HEAD_DIM * (itemsize + 8) + ROW_BYTES, 4 * (HEAD_DIM + num_heads), itemsize * num_heads) + 48
+def token_bytes(num_heads: int, topk: int, itemsize: int, build_bytes: int = 2 * HEAD_DIM + 64) -> int:
+    """Peak working bytes of one query token, everything it holds at once counted: its K rows
+    [topk, 576] in the compute dtype; while they are built, `build_bytes` per row (the gathered
+    source row, its index, a format's decoding temporaries: `row_build_bytes`); then either |K|
+    and its logit sizes [H, topk] in float32, or the logits [H, topk] in the compute dtype; its
+    query (compute dtype and |q| in float32) and two outputs [H, 512] (the one being handed on
+    and the next)."""
+    per_row = HEAD_DIM * itemsize + max(build_bytes, 4 * (HEAD_DIM + num_heads), itemsize * num_heads) + 16
     per_head = HEAD_DIM * (itemsize + 4) + 2 * NOPE_DIM * itemsize + 64
-    return topk * (HEAD_DIM * itemsize + per_entry) + num_heads * per_head
+    return topk * per_row + num_heads * per_head
 
 
-def chunk_tokens(num_heads: int, topk: int, itemsize: int, budget_bytes: int) -> int:
-    """Query tokens per chunk: as many as `budget_bytes` holds (`token_bytes` each)."""
-    one = token_bytes(num_heads, topk, itemsize)
-    if budget_bytes < one:
+def chunk_tokens(num_heads: int, topk: int, itemsize: int, budget_bytes: int, build_bytes: int = 2 * HEAD_DIM + 64) -> int:
+    """Query tokens per chunk: as many as `budget_bytes` holds (`token_bytes` each), less a
+    sixteenth kept for the libraries' own workspaces (BLAS packing buffers, allocator rounding)."""
+    one, usable = token_bytes(num_heads, topk, itemsize, build_bytes), budget_bytes - budget_bytes // 16
+    if usable < one:
         raise ValueError(f"a reference memory budget of {budget_bytes / 2**20:.1f} MiB holds no query token: one "
                          f"with {num_heads} heads and top-k {topk} needs {one / 2**20:.1f} MiB")
-    return budget_bytes // one
+    return usable // one
 
 
 def attend(
@@ -103,11 +104,11 @@ def attend(
         m = max_j s_j,   p_j = exp(s_j - m) / sum_j exp(s_j - m) = exp(s_j - lse),   lse = m + ln sum."""
     # The tolerance's logit scale first (float32 is plenty for a scale); a zero row adds 0.
     abs_keys = torch.empty(keys.shape, dtype=torch.float32, device=keys.device).copy_(keys).abs_()
-    l1 = torch.bmm(q.abs().float(), abs_keys.transpose(1, 2))
+    l1 = torch.einsum("thd,tkd->thk", q.abs().float(), abs_keys)
     del abs_keys
     logit_l1 = (sm_scale * l1.amax(dim=-1)).to(q.dtype)
     del l1
-    logits = torch.bmm(q, keys.transpose(1, 2)).mul_(sm_scale)
+    logits = torch.einsum("thd,tkd->thk", q, keys).mul_(sm_scale)
     logits.masked_fill_(~valid[:, None, :], float("-inf"))
     max_logits = logits.amax(dim=-1)
     empty = max_logits == float("-inf")
@@ -115,7 +116,7 @@ def attend(
     probs = logits.sub_(shift[..., None]).exp_()
     total = probs.sum(dim=-1)
     lse = shift + torch.log(total)
-    out = torch.bmm(probs.div_(total[..., None]), keys[..., :NOPE_DIM])
+    out = torch.einsum("thk,tkd->thd", probs.div_(total[..., None]), keys[..., :NOPE_DIM])
     if attn_sink is not None:
         out.div_((1 + torch.exp(attn_sink.to(out.dtype)[None, :] - lse))[..., None])
     out.masked_fill_(empty[..., None], 0)
@@ -127,17 +128,18 @@ def attend_chunks(
     q: torch.Tensor,
     valid: torch.Tensor,
     gather: Callable[[slice], torch.Tensor],
+    build_bytes: int,
     sm_scale: float,
     attn_sink: torch.Tensor | None,
     dtype: torch.dtype,
     budget_bytes: int | None,
 ) -> Iterator[tuple[slice, AttentionResult]]:
     """(rows, `attend` over q [n, H, 576][rows]) chunk by chunk; `gather(rows)` returns the
-    chunk's keys in `dtype`, invalid entries zero."""
+    chunk's keys in `dtype`, invalid entries zero, with `build_bytes` of temporaries per row."""
     if sm_scale <= 0:
         raise ValueError(f"sm_scale must be > 0 (the kernels take the row max before scaling), got {sm_scale}")
     n, num_heads, _ = q.shape
-    chunk = chunk_tokens(num_heads, valid.shape[1], dtype.itemsize, budget_bytes or memory_budget())
+    chunk = chunk_tokens(num_heads, valid.shape[1], dtype.itemsize, budget_bytes or memory_budget(), build_bytes)
     return ((rows, attend(q[rows].to(dtype), gather(rows), valid[rows], sm_scale, attn_sink))
             for rows in (slice(start, min(start + chunk, n)) for start in range(0, n, chunk)))
 
@@ -178,7 +180,7 @@ def sparse_prefill_chunks(
         keys = kv[torch.where(valid[rows], idx[rows], 0)]
         return keys.masked_fill_(~valid[rows, :, None], 0).to(dtype)
 
-    return attend_chunks(q, valid, gather, sm_scale, attn_sink, dtype, budget_bytes)
+    return attend_chunks(q, valid, gather, 2 * HEAD_DIM + 64, sm_scale, attn_sink, dtype, budget_bytes)
 
 
 def sparse_prefill(
@@ -199,6 +201,15 @@ def sparse_prefill(
     """
     chunks = sparse_prefill_chunks(q, kv, indices, sm_scale, topk_length, attn_sink, dtype=dtype, budget_bytes=budget_bytes)
     return collect(chunks, q, dtype)
+
+
+def row_build_bytes(kv_cache: torch.Tensor, itemsize: int) -> int:
+    """Temporary bytes per row of `cache_row_values`: the row's bytes, its slot's index
+    arithmetic, and for nvfp4 its codes, their int32 table index and the looked-up values."""
+    width = kv_cache.shape[-1] * kv_cache.element_size()
+    if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == NVFP4_ROW_BYTES:
+        width += NOPE_DIM * (2 + 4 + itemsize)
+    return width + 64
 
 
 def cache_row_values(kv_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -248,7 +259,7 @@ def sparse_decode_chunks(
     AttentionResult with out [c, H, 512] and the rest [c, H])."""
     idx, rows_q = _decode_rows(q, indices, kv_cache.shape[0] * kv_cache.shape[1])
     return attend_chunks(rows_q, idx != -1, lambda rows: cache_row_values(kv_cache, idx[rows], dtype),
-                         sm_scale, attn_sink, dtype, budget_bytes)
+                         row_build_bytes(kv_cache, dtype.itemsize), sm_scale, attn_sink, dtype, budget_bytes)
 
 
 def sparse_decode(
