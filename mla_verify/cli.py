@@ -40,6 +40,30 @@ def _add_isolation(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a case may take in the worker")
 
 
+MIN_REFERENCE_MEMORY = 64 << 20
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
+
+
+def memory_size(text: str) -> int:
+    """'4GiB', '512MiB', '1.5G' or a number of bytes -> bytes."""
+    number = text.strip().rstrip("bBiIkKmMgG")
+    unit = text.strip()[len(number):].lower()
+    try:
+        size = int(float(number) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4GiB, 512MiB or a number of bytes") from None
+    if size < MIN_REFERENCE_MEMORY:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 64MiB (one query token at 128 heads and top-k 2048 "
+                                         "takes 17 MiB)")
+    return size
+
+
+def _add_reference_memory(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reference-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="working memory each reference call may hold, e.g. 2GiB (default 4GiB); "
+                        "large cases run in more, smaller chunks")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mla-verify", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fuzz", help="fuzz one op (or forward_mqa) against the reference, or a property:NAME")
     _add_common(p)
     _add_isolation(p)
+    _add_reference_memory(p)
     p.add_argument("--op", required=True, help="an op, forward_mqa, or property:NAME (`mla-verify list`)")
     p.add_argument("--path", default=None, help="forward_mqa: bf16 | fp8_mixed | fp8_separate | fp8_mixed_dcp; "
                    "property:NAME: one of its targets")
@@ -71,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("replay", help="re-run a saved case exactly; exit 1 if it still fails")
     _add_common(p)
+    _add_reference_memory(p)
     p.add_argument("file", type=Path)
     p.add_argument("--impl", action="append", default=None, metavar="[STAGE=]MODULE:CALLABLE|NAME",
                    help="replay against another implementation than the one saved")
@@ -78,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gate", help="every op and path: regression corpus + fuzz budget; drift report; CI verdict")
     _add_common(p)
     _add_isolation(p)
+    _add_reference_memory(p)
     p.add_argument("--profile", default=None, help="default: ci on cpu, gpu on cuda")
     p.add_argument("--examples", type=int, default=None,
                    help="fuzz examples per op (or property) and implementation; default: the profile's")
@@ -99,8 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="kernel, reference and harness speed at production shapes; table + JSON")
     _add_common(p)
+    _add_reference_memory(p)
     p.add_argument("--out", type=Path, default=Path("runs/bench.json"))
     p.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
+    p.add_argument("--only", action="append", choices=("kernels", "reference", "harness"), default=None,
+                   help="run only these sections (repeat; default: all)")
     return parser
 
 
@@ -108,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = getattr(args, "device", None) or (_default_device() if args.command != "report" else "cpu")
     _prepare(device)
+    if getattr(args, "reference_memory", None):
+        from mla_verify.reference.attention import MEMORY_ENV
+
+        os.environ[MEMORY_ENV] = str(args.reference_memory)  # read by the reference here and in every child process
     from mla_verify.equivalence.subject import UsageError
 
     try:
