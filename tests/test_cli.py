@@ -114,3 +114,11 @@ def test_a_reference_memory_that_is_no_size_or_too_small_is_a_usage_error(capsys
     with pytest.raises(SystemExit) as exit_:
         main(["fuzz", "--op", "sparse_decode_fp8", "--reference-memory", size])
     assert exit_.value.code == 2 and "--reference-memory" in capsys.readouterr().err
+
+
+def test_list_says_which_implementation_each_stage_gets_here(capsys):
+    code, text = run(capsys, "list", "--device", "cpu")
+    assert code == 0
+    block = text.split("\nconvert_index  [convert_index]")[1].split("\n\n")[0]
+    assert "triton       available, interpreted on cpu: by name only" in block
+    assert "torch-fp32   available, default here" in block
