@@ -100,24 +100,36 @@ def _classes(x: torch.Tensor) -> torch.Tensor:
     return torch.isnan(x) * 1 + (x == math.inf) * 2 + (x == -math.inf) * 3
 
 
+def _first(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(largest element, its flat position) of x [..., n], from one pass over x."""
+    if x.numel() == 0:
+        return x.new_zeros(()), torch.zeros((), dtype=torch.long, device=x.device)
+    rows = x.reshape(-1, x.shape[-1] if x.dim() else 1)
+    best, col = rows.max(dim=-1)
+    row = best.argmax()  # a 0-d index: take() keeps it on the device, [row] would read it back
+    return best.take(row), row * rows.shape[1] + col.take(row)
+
+
 def _float_stats(a: torch.Tensor, r: torch.Tensor, extra) -> tuple[Metrics, dict[str, float]]:
-    """The metrics every float kind shares, plus the kind's own scalars (`extra(d, rf, finite)`
-    -> name: 0-d tensor), read back from the device in one transfer."""
-    ca, cr = _classes(a), _classes(r)
-    finite = (ca == 0) & (cr == 0)
-    d = torch.where(finite, a - r, 0.0)
-    rf = torch.where(finite, r, 0.0)
-    n = finite.sum()
-    ref_norm, err_norm = rf.norm(), d.norm()
-    abs_d = d.abs().flatten()
-    stats = {
-        "inf_mismatch": (ca != cr).sum(), "nan_count": ((ca == 1) & (cr != 1)).sum(), "n": n,
-        "ref_norm": ref_norm, "err_norm": err_norm, "max_abs": abs_d.max() if abs_d.numel() else n * 0.0,
-        "argmax": abs_d.argmax() if abs_d.numel() else n * 0,
-    }
-    stats.update(extra(d, rf, finite))
+    """The metrics every float kind shares, plus the kind's own scalars (`extra(d, rf, abs_d)` ->
+    name: 0-d tensor), reduced on the device and read back in one transfer. d = a - r and
+    rf = r where both are finite, 0 elsewhere; the +inf/-inf/NaN classes are compared in a
+    second pass only when some element is not finite."""
+    d = torch.sub(a if a.is_floating_point() else a.double(), r)  # a promoted as read: no float64 copy
+    finite = torch.isfinite(d)
+    d.masked_fill_(~finite, 0)
+    rf = r.masked_fill(~finite, 0)
+    abs_d = d.abs()
+    max_abs, argmax = _first(abs_d)
+    flat_d, flat_r = d.reshape(-1), rf.reshape(-1)
+    stats = {"n": finite.sum(), "ref_sq": torch.dot(flat_r, flat_r), "err_sq": torch.dot(flat_d, flat_d),
+             "dot": torch.dot(flat_d, flat_r), "max_abs": max_abs, "argmax": argmax, **extra(d, rf, abs_d)}
     values = dict(zip(stats, torch.stack([v.double() for v in stats.values()]).tolist()))
-    m = Metrics(numel=r.numel(), inf_mismatch=int(values["inf_mismatch"]), nan_count=int(values["nan_count"]))
+    m = Metrics(numel=r.numel())
+    if values["n"] < r.numel():
+        ca, cr = _classes(a), _classes(r)
+        m.inf_mismatch, m.nan_count = map(int, torch.stack([(ca != cr).sum(), ((ca == 1) & (cr != 1)).sum()]).tolist())
+    values["ref_norm"], values["err_norm"] = math.sqrt(values["ref_sq"]), math.sqrt(values["err_sq"])
     if values["n"]:
         m.ref_rms = values["ref_norm"] / math.sqrt(values["n"])
         m.max_abs = values["max_abs"]
@@ -130,45 +142,60 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch
     """An attention output (bf16 or wider) against the float64 reference; `elem_units` is the
     per-element bound (in bf16 steps of the row's magnitude) that `mismatch_frac` counts against;
     `value_max` (the rows' shape without the last dim) the largest |V| each row averages."""
-    a, r = a.double(), r.double()
+    r = r.double()
     floor = FP32_TINY if value_max is None else FP32_TINY * value_max.to(r.device).double().clamp(min=1.0)[..., None]
 
-    def extra(d, rf, finite):
-        row_scale = torch.maximum(BF16_UNIT * rf.abs().amax(dim=-1, keepdim=True), torch.as_tensor(floor, device=rf.device))
-        per_elem = d.abs() / row_scale
-        sizable = finite & (rf.abs() >= row_scale) & (rf != 0)
-        af = torch.where(finite, a, 0.0)
+    def extra(d, rf, abs_d):
+        abs_r = rf.abs()
+        row_scale = torch.clamp(BF16_UNIT * abs_r.amax(dim=-1, keepdim=True), min=floor)
+        elem, elem_argmax = _row_first(abs_d, row_scale)
+        sizable = abs_r >= row_scale  # row_scale > 0: never a zero or a non-finite position
+        rounding = torch.sub(rf.to(torch.bfloat16), rf).reshape(-1)
         return {
-            "dot": (af * rf).sum(), "a_norm": af.norm(), "rounding": (rf.to(torch.bfloat16).double() - rf).norm(),
-            "elem": per_elem.max(), "elem_argmax": per_elem.flatten().argmax(), "beyond": (per_elem > elem_units).double().mean(),
-            "rel_sum": torch.where(sizable, d / torch.where(sizable, rf, 1.0), 0.0).sum(), "rel_n": sizable.sum(),
+            "rounding_sq": torch.dot(rounding, rounding), "elem": elem, "elem_argmax": elem_argmax,
+            "beyond": (abs_d > elem_units * row_scale).sum(),
+            "rel_sum": torch.where(sizable, d / rf, 0.0).sum(), "rel_n": sizable.sum(),
         }
 
     m, v = _float_stats(a, r, extra)
     m.rows = r.numel() // max(r.shape[-1], 1) if r.dim() else 1
     if not v["n"]:
         return m
-    denom = v["a_norm"] * v["ref_norm"]
-    m.cos_dist = 1.0 - v["dot"] / denom if denom else float(v["a_norm"] != v["ref_norm"])
-    rounding = max(v["rounding"], 2.0**-10 * v["ref_norm"])
+    # 1 - cos(a, r) from d = a - r without cancellation: |a|^2 |r|^2 - <a, r>^2 = |d|^2 |r|^2 - <d, r>^2.
+    a_sq, a_dot_r = v["err_sq"] + 2 * v["dot"] + v["ref_sq"], v["dot"] + v["ref_sq"]
+    norms = math.sqrt(max(a_sq, 0.0) * v["ref_sq"])
+    cross = max(v["err_sq"] * v["ref_sq"] - v["dot"] ** 2, 0.0)
+    m.cos_dist = cross / (norms * (norms + a_dot_r)) if norms + a_dot_r > 0 else (1.0 - a_dot_r / norms if norms else float(a_sq != v["ref_sq"]))
+    rounding = max(math.sqrt(v["rounding_sq"]), 2.0**-10 * v["ref_norm"])
     m.bf16_units = v["err_norm"] / rounding if rounding else (0.0 if v["err_norm"] == 0 else math.inf)
     m.mean_err = v["rel_sum"] / v["rel_n"] if v["rel_n"] else 0.0
     m.elem_bf16_units = v["elem"]
     m.elem_at = _position(int(v["elem_argmax"]), r.shape)
-    m.mismatch_frac = v["beyond"]
+    m.mismatch_frac = v["beyond"] / r.numel()
     return m
+
+
+def _row_first(abs_d: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max |d| / row_scale, its flat position) with one pass over |d|: the scale is per row."""
+    if abs_d.numel() == 0:
+        return _first(abs_d)
+    width = abs_d.shape[-1] if abs_d.dim() else 1
+    best, col = abs_d.reshape(-1, width).max(dim=-1)
+    ratio = best / row_scale.reshape(-1)
+    row = ratio.argmax()
+    return ratio.take(row), row * width + col.take(row)
 
 
 def lse(a: torch.Tensor, r: torch.Tensor, logit_l1: torch.Tensor) -> Metrics:
     """An LSE (or max_logits) against the float64 reference, scaled by each row's logit scale."""
-    a, r = a.double(), r.double()
+    r = r.double()
 
-    def extra(d, rf, finite):
-        scale = FP32_UNIT * (torch.where(finite, logit_l1.double(), 0.0) + rf.abs() + 1.0)
-        return {"units": (d.abs() / scale).max() if d.numel() else d.sum(), "dot": (d * rf).sum()}
+    def extra(d, rf, abs_d):
+        scale = FP32_UNIT * (logit_l1.double() + rf.abs() + 1.0)
+        return {"units": (abs_d / scale).max() if d.numel() else d.sum()}
 
     m, v = _float_stats(a, r, extra)
     m.lse_fp32_units = v["units"] if v["n"] else 0.0
     if v["n"]:
-        m.mean_err = v["dot"] / v["ref_norm"] ** 2 if v["ref_norm"] else 0.0
+        m.mean_err = v["dot"] / v["ref_sq"] if v["ref_sq"] else 0.0
     return m

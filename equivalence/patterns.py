@@ -37,8 +37,7 @@ def apply_patterns(
             rows = torch.where(hit, -1, rows)
             rows = rows.gather(1, torch.argsort(_rand(gen, rows.shape), dim=1))
         elif pattern == "whole_row":
-            rows = rows.clone()
-            rows[_rand(gen, rows.shape[0]) < 0.25] = -1
+            rows = rows.masked_fill((_rand(gen, rows.shape[0]) < 0.25)[:, None], -1)
         elif pattern == "negatives":
             pick = _randint(gen, 0, len(OTHER_NEGATIVES), rows.shape)
             others = torch.tensor(OTHER_NEGATIVES, device=rows.device)

@@ -101,3 +101,24 @@ def pooled_rows(
     start = torch.randint(0, size, (1,), generator=gen, device=gen.device)
     pick = (start + torch.arange(n, device=gen.device)) % size
     return _source_pool(regime, device)[pick], _packed_pool(regime, cache_dtype, scale_rule, device)[pick]
+
+
+def fill_selected_slots(
+    gen: torch.Generator, storage: torch.Tensor, block_size: int, slots: torch.Tensor, regime: str,
+    cache_dtype: str, scale_rule: str = "pow2",
+) -> None:
+    """Write pool rows into the cache `storage[:-1, :block_size]` at every distinct slot of `slots`
+    (int64, -1 = none), the rows `pooled_rows` would give the sorted distinct slots, in a fixed
+    number of device ops and no read back: a slot's row is found by its rank among the selected
+    slots (a cumsum over the cache), and the -1 entries write into the last block of `storage`, a
+    scratch block outside the cache, poisoned again afterwards."""
+    capacity = (storage.shape[0] - 1) * block_size
+    target = torch.where(slots >= 0, slots, capacity).reshape(-1)
+    selected = torch.zeros(capacity + 1, dtype=torch.bool, device=storage.device)
+    selected[target] = True
+    rank = selected.cumsum(0) - 1
+    size = POOL_ROWS[gen.device.type]
+    start = torch.randint(0, size, (1,), generator=gen, device=gen.device)
+    packed = _packed_pool(regime, cache_dtype, scale_rule, str(gen.device))
+    storage[target // block_size, target % block_size] = packed[(start + rank[target]) % size]
+    storage[-1].fill_(0xFF)

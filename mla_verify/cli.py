@@ -47,6 +47,30 @@ def _add_deviation(p: argparse.ArgumentParser, default: list | None) -> None:
                         + ("" if default is not None else " (default: the ones saved with the case)"))
 
 
+MIN_REFERENCE_MEMORY = 64 << 20
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
+
+
+def memory_size(text: str) -> int:
+    """'4GiB', '512MiB', '1.5G' or a number of bytes -> bytes."""
+    number = text.strip().rstrip("bBiIkKmMgG")
+    unit = text.strip()[len(number):].lower()
+    try:
+        size = int(float(number) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4GiB, 512MiB or a number of bytes") from None
+    if size < MIN_REFERENCE_MEMORY:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 64MiB (one query token at 128 heads and top-k 2048 "
+                                         "takes 17 MiB)")
+    return size
+
+
+def _add_reference_memory(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reference-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="working memory each reference call may hold, e.g. 2GiB (default 4GiB); "
+                        "large cases run in more, smaller chunks")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mla-verify", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fuzz", help="fuzz one op (or forward_mqa) against the reference, or a property:NAME")
     _add_common(p)
     _add_isolation(p)
+    _add_reference_memory(p)
     p.add_argument("--op", required=True, help="an op, forward_mqa, or property:NAME (`mla-verify list`)")
     p.add_argument("--path", default=None, help="forward_mqa: bf16 | fp8_mixed | fp8_separate | fp8_mixed_dcp; "
                    "property:NAME: one of its targets")
@@ -81,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("replay", help="re-run a saved case exactly; exit 1 if it still fails")
     _add_common(p)
+    _add_reference_memory(p)
     p.add_argument("file", type=Path)
     p.add_argument("--impl", action="append", default=None, metavar="[STAGE=]MODULE:CALLABLE|NAME",
                    help="replay against another implementation than the one saved")
@@ -89,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gate", help="every op and path: regression corpus + fuzz budget; drift report; CI verdict")
     _add_common(p)
     _add_isolation(p)
+    _add_reference_memory(p)
     p.add_argument("--profile", default=None, help="default: ci on cpu, gpu on cuda")
     p.add_argument("--examples", type=int, default=None,
                    help="fuzz examples per op (or property) and implementation; default: the profile's")
@@ -110,8 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="kernel, reference and harness speed at production shapes; table + JSON")
     _add_common(p)
+    _add_reference_memory(p)
     p.add_argument("--out", type=Path, default=Path("runs/bench.json"))
     p.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
+    p.add_argument("--only", action="append", choices=("kernels", "reference", "harness"), default=None,
+                   help="run only these sections (repeat; default: all)")
     return parser
 
 
@@ -119,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = getattr(args, "device", None) or (_default_device() if args.command != "report" else "cpu")
     _prepare(device)
+    if getattr(args, "reference_memory", None):
+        from mla_verify.reference.attention import MEMORY_ENV
+
+        os.environ[MEMORY_ENV] = str(args.reference_memory)  # read by the reference here and in every child process
     from mla_verify.equivalence.subject import UsageError
 
     try:
@@ -141,17 +175,11 @@ def cmd_list(args, device: str) -> int:
         print(f"\n{name}  [{stage}]\n  {spec.doc}\n  reference: reference.{name}")
         if spec.stage is None:
             continue
-        for impl in registry.implementations(spec.stage):
-            why = impl.why_not(device)
-            status = "available" if why is None else f"unavailable: {why}"
-            dev = f"; deviations: {', '.join(impl.deviations)}" if impl.deviations else ""
-            print(f"  - {impl.name:12s} {status}{dev}")
+        _print_implementations(registry, spec.stage, device)
     extra = sorted(set(registry.stages()) - {s.stage for s in OPS.values()})
     for stage in extra:
         print(f"\n{stage}  [pipeline stage]")
-        for impl in registry.implementations(stage):
-            why = impl.why_not(device)
-            print(f"  - {impl.name:12s} {'available' if why is None else 'unavailable: ' + why}")
+        _print_implementations(registry, stage, device)
     for prop in PROPERTIES.values():
         print(f"\n{prop.op}  [property: needs no reference]\n  {prop.doc}\n  checks: {', '.join(prop.checks)}; "
               f"targets (--path): {', '.join(prop.targets)}")
@@ -184,6 +212,24 @@ def _print_deviations() -> None:
         if dev.relaxes:
             print("\n".join([wrapped(f"relaxes the property checks {', '.join(sorted(dev.relaxes))} to:"),
                              *bounds(dev.property_bounds)]))
+
+
+def _print_implementations(registry, stage: str, device: str) -> None:
+    """One line per implementation of `stage`: can it run here, is it the stage's default here
+    (what forward_mqa and a bare `--op` use), how it deviates from the contract."""
+    try:
+        default = registry.select(stage, device).name
+    except RuntimeError:
+        default = None
+    for impl in registry.implementations(stage):
+        why = impl.why_not(device)
+        status = "available" if why is None else f"unavailable: {why}"
+        if impl.name == default:
+            status += ", default here"
+        elif why is None and device in impl.interpreted_on:
+            status += f", interpreted on {device}: by name only"
+        dev = f"; deviations: {', '.join(impl.deviations)}" if impl.deviations else ""
+        print(f"  - {impl.name:12s} {status}{dev}")
 
 
 def _profile(name: str | None, device: str, default_cpu: str):

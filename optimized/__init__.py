@@ -2,7 +2,9 @@
 
 Importing the package registers every implementation. Registration order is preference order
 (`optimized.registry`): flash_mla's kernels first where they exist, then our Triton kernels, then
-the float32 eager fallbacks; metadata and spec-decode helpers have one implementation each.
+the float32 eager fallbacks; metadata and spec-decode helpers have one implementation each. On a
+CPU the Triton kernels run interpreted, so there the eager ones are the default and Triton runs
+by name.
 """
 
 # Imported to register, in preference order.

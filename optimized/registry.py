@@ -5,6 +5,10 @@ one or more implementations, listed in order of preference; each says which devi
 whether it can run here (flash_mla needs its wheel and an SM90/SM100 GPU), and which documented
 deviations from the exact contract it has (their bounds live in `equivalence.policy`).
 
+The default on a device is the first implementation that runs there natively: one that runs only
+under an interpreter (our Triton kernels on CPU, `TRITON_INTERPRET=1`, 10-1000x slower than the
+eager torch-fp32 ones) is chosen by name only, or when nothing else runs.
+
 `forward_mqa` looks every stage up here, so replacing one stage with a user's kernel is a
 dictionary update (`resolve(..., overrides={"sparse_prefill": fn})`), not a fork of the pipeline.
 """
@@ -25,6 +29,7 @@ class Implementation:
     unavailable: Callable[[], str | None] = field(default=lambda: None, compare=False)
     deviations: tuple[str, ...] = ()
     doc: str = ""
+    interpreted_on: frozenset[str] = frozenset()  # devices where it runs only under an interpreter
 
     @property
     def label(self) -> str:
@@ -47,6 +52,7 @@ def register(
     unavailable: Callable[[], str | None] | None = None,
     deviations: Iterable[str] = (),
     doc: str = "",
+    interpreted_on: Iterable[str] = (),
 ) -> Callable[[Callable], Callable]:
     """Decorator: add `fn` as implementation `name` of `stage` (later registrations rank lower)."""
 
@@ -59,6 +65,7 @@ def register(
             unavailable=unavailable or (lambda: None),
             deviations=tuple(deviations),
             doc=doc or (fn.__doc__ or "").strip().split("\n")[0],
+            interpreted_on=frozenset(interpreted_on),
         )
         impls = _REGISTRY.setdefault(stage, [])
         if any(i.name == name for i in impls):
@@ -80,15 +87,21 @@ def implementations(stage: str) -> list[Implementation]:
 
 
 def select(stage: str, device: str, name: str | None = None) -> Implementation:
-    """The preferred implementation of `stage` that runs on `device` (or the one called `name`)."""
-    reasons = []
+    """The implementation called `name`, or else the default of `stage` on `device`: the preferred
+    one that runs there natively, an interpreted one only when nothing else runs."""
+    reasons, interpreted = [], []
     for impl in implementations(stage):
         if name is not None and impl.name != name:
             continue
         why = impl.why_not(device)
-        if why is None:
+        if why is None and name is None and device in impl.interpreted_on:
+            interpreted.append(impl)
+        elif why is None:
             return impl
-        reasons.append(f"{impl.name}: {why}")
+        else:
+            reasons.append(f"{impl.name}: {why}")
+    if interpreted:
+        return interpreted[0]
     if name is not None and not reasons:
         known = ", ".join(i.name for i in implementations(stage))
         raise KeyError(f"stage {stage!r} has no implementation {name!r}; known: {known}")
@@ -100,7 +113,7 @@ class Resolved:
     """The implementation chosen for each stage, plus why preferred ones were passed over."""
 
     chosen: Mapping[str, Implementation]
-    fallbacks: Mapping[str, str]  # stage -> "flash_mla: <reason>" for each skipped preference
+    fallbacks: Mapping[str, str]  # stage -> "flash_mla: <reason>" for each preference that cannot run here
 
     def fn(self, stage: str) -> Callable:
         return self.chosen[stage].fn
@@ -124,7 +137,7 @@ def resolve(
             continue
         impl = select(stage, device)
         first = implementations(stage)[0]
-        if impl.name != first.name:
+        if impl.name != first.name and first.why_not(device) is not None:
             fallbacks[stage] = f"{first.name}: {first.why_not(device)}"
         chosen[stage] = impl
     return Resolved(chosen, fallbacks)

@@ -4,7 +4,7 @@ read: each module holds one concern, each function states its formula.
 
     fp8_ds_mla / nvfp4_ds_mla   the quantized cache row formats
     paged_cache                 writing rows by slot mapping; the flat row view
-    attention                   sparse attention, prefill and FP8 decode index forms
+    attention                   sparse attention, prefill and FP8 decode index forms; the memory budget
     indices                     logical -> physical index conversion, DCP ownership
     metadata                    decode/prefill split, path choice, prefill chunking
     workspace                   gather + up-convert into the BF16 prefill workspace
@@ -13,7 +13,16 @@ read: each module holds one concern, each function states its formula.
     forward                     forward_mqa: the three paths end to end, with and without DCP
 """
 
-from .attention import AttentionResult, sparse_decode, sparse_decode_fp8, sparse_prefill
+from .attention import (
+    AttentionResult,
+    memory_budget,
+    memory_limit,
+    sparse_decode,
+    sparse_decode_chunks,
+    sparse_decode_fp8,
+    sparse_prefill,
+    sparse_prefill_chunks,
+)
 from .dcp import dcp_merge, dcp_merge_exact, mask_empty_shards, merge_weights, neutralize_empty_rows
 from .fp8_ds_mla import dequantize_fp8_ds_mla, fp8_ds_mla_values, quantize_fp8_ds_mla
 from .forward import MQAResult, forward_mqa, forward_mqa_dcp, select_path
@@ -35,9 +44,9 @@ __all__ = [
     "dcp_local_seq_lens", "dcp_merge", "dcp_merge_exact", "dcp_owner_and_local",
     "dequantize_fp8_ds_mla", "dequantize_nvfp4_ds_mla", "flat_kv_row_view", "forward_mqa",
     "forward_mqa_dcp", "fp8_ds_mla_values", "gather_upconvert_fp8", "gather_upconvert_nvfp4",
-    "mask_empty_shards", "merge_weights", "neutralize_empty_rows", "nvfp4_ds_mla_values",
+    "mask_empty_shards", "memory_budget", "memory_limit", "merge_weights", "neutralize_empty_rows", "nvfp4_ds_mla_values",
     "quantize_fp8_ds_mla", "quantize_nvfp4_ds_mla", "req_id_per_token", "reshape_attn_output_for_spec_decode",
-    "reshape_query_for_spec_decode", "select_path", "sparse_decode", "sparse_decode_fp8",
-    "sparse_prefill", "split_prefill_chunks", "write_bf16_cache", "write_fp8_ds_mla_cache",
+    "reshape_query_for_spec_decode", "select_path", "sparse_decode", "sparse_decode_chunks", "sparse_decode_fp8",
+    "sparse_prefill", "sparse_prefill_chunks", "split_prefill_chunks", "write_bf16_cache", "write_fp8_ds_mla_cache",
     "write_nvfp4_ds_mla_cache",
 ]

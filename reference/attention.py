@@ -17,19 +17,28 @@ Two index forms:
     out of range is a caller bug the kernel does not check (it reads out of bounds), so the
     reference refuses it.
 
-Memory is bounded by chunking over query tokens: a chunk gathers its K rows in the compute dtype.
+Memory: besides its inputs and its result, a call holds at most `budget_bytes` (default
+`memory_budget()`, 4 GiB) of working memory. Query tokens go through in chunks sized by
+`token_bytes`, what one token's intermediates take: its K rows gathered in the compute dtype and,
+one at a time, its [H, topk] logits. The `*_chunks` forms yield the result chunk by chunk and so
+hold no more than the budget whatever the number of tokens; the others collect it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import contextlib
+import contextvars
+import os
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
 from .fp8_ds_mla import HEAD_DIM, NOPE_DIM, ROW_BYTES, fp8_ds_mla_values
 from .nvfp4_ds_mla import ROW_BYTES as NVFP4_ROW_BYTES, nvfp4_ds_mla_values
 
-DEFAULT_BUDGET_BYTES = 512 << 20
+DEFAULT_MEMORY_BYTES = 4 << 30
+MEMORY_ENV = "MLA_VERIFY_REFERENCE_MEMORY"  # bytes; how `--reference-memory` reaches child processes
+_memory_limit: contextvars.ContextVar[int | None] = contextvars.ContextVar("reference_memory", default=None)
 
 
 class AttentionResult(NamedTuple):
@@ -39,10 +48,47 @@ class AttentionResult(NamedTuple):
     logit_l1: torch.Tensor     # max_j sm_scale * sum_d |q_d| |K_jd|: the size fp32 errors scale with
 
 
-def token_chunk(num_heads: int, topk: int, itemsize: int, budget_bytes: int) -> int:
-    """Query tokens per chunk so that gathered rows and logits stay within `budget_bytes`."""
-    per_token = topk * (HEAD_DIM + 2 * num_heads) * itemsize
-    return max(1, budget_bytes // max(per_token, 1))
+def memory_budget() -> int:
+    """Working memory a reference attention call may hold, in bytes: the innermost
+    `memory_limit`, else the MLA_VERIFY_REFERENCE_MEMORY environment variable, else 4 GiB."""
+    limit = _memory_limit.get()
+    if limit is not None:
+        return limit
+    return int(os.environ.get(MEMORY_ENV, DEFAULT_MEMORY_BYTES))
+
+
+@contextlib.contextmanager
+def memory_limit(nbytes: int) -> Iterator[None]:
+    """Within the block, reference attention calls hold at most `nbytes` of working memory."""
+    if nbytes <= 0:
+        raise ValueError(f"a memory budget must be positive, got {nbytes}")
+    token = _memory_limit.set(int(nbytes))
+    try:
+        yield
+    finally:
+        _memory_limit.reset(token)
+
+
+def token_bytes(num_heads: int, topk: int, itemsize: int, build_bytes: int = 2 * HEAD_DIM + 64) -> int:
+    """Peak working bytes of one query token, everything it holds at once counted: its K rows
+    [topk, 576] in the compute dtype; while they are built, `build_bytes` per row (the gathered
+    source row, its index, a format's decoding temporaries: `row_build_bytes`); then either |K|
+    and its logit sizes [H, topk] in float32, or the logits [H, topk] in the compute dtype; its
+    query (compute dtype and |q| in float32) and two outputs [H, 512] (the one being handed on
+    and the next)."""
+    per_row = HEAD_DIM * itemsize + max(build_bytes, 4 * (HEAD_DIM + num_heads), itemsize * num_heads) + 16
+    per_head = HEAD_DIM * (itemsize + 4) + 2 * NOPE_DIM * itemsize + 64
+    return topk * per_row + num_heads * per_head
+
+
+def chunk_tokens(num_heads: int, topk: int, itemsize: int, budget_bytes: int, build_bytes: int = 2 * HEAD_DIM + 64) -> int:
+    """Query tokens per chunk: as many as `budget_bytes` holds (`token_bytes` each), less a
+    sixteenth kept for the libraries' own workspaces (BLAS packing buffers, allocator rounding)."""
+    one, usable = token_bytes(num_heads, topk, itemsize, build_bytes), budget_bytes - budget_bytes // 16
+    if usable < one:
+        raise ValueError(f"a reference memory budget of {budget_bytes / 2**20:.1f} MiB holds no query token: one "
+                         f"with {num_heads} heads and top-k {topk} needs {one / 2**20:.1f} MiB")
+    return usable // one
 
 
 def attend(
@@ -52,48 +98,89 @@ def attend(
     sm_scale: float,
     attn_sink: torch.Tensor | None = None,
 ) -> AttentionResult:
-    """The formula above for a chunk: q [c, H, 576], keys [c, k, 576], valid [c, k]."""
-    keys = torch.where(valid[..., None], keys, 0)  # invalid rows are never read: no NaN leaks
-    logits = sm_scale * torch.einsum("thd,tkd->thk", q, keys)
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
+    """The formula above for a chunk: q [c, H, 576], keys [c, k, 576] whose invalid rows are zero
+    (never read: no NaN leaks), valid [c, k]. Batched GEMMs over the gathered rows; the one
+    [c, H, k] logit matrix is worked on in place:
+        m = max_j s_j,   p_j = exp(s_j - m) / sum_j exp(s_j - m) = exp(s_j - lse),   lse = m + ln sum."""
+    # The tolerance's logit scale first (float32 is plenty for a scale); a zero row adds 0.
+    abs_keys = torch.empty(keys.shape, dtype=torch.float32, device=keys.device).copy_(keys).abs_()
+    l1 = torch.einsum("thd,tkd->thk", q.abs().float(), abs_keys)
+    del abs_keys
+    logit_l1 = (sm_scale * l1.amax(dim=-1)).to(q.dtype)
+    del l1
+    logits = torch.einsum("thd,tkd->thk", q, keys).mul_(sm_scale)
+    logits.masked_fill_(~valid[:, None, :], float("-inf"))
     max_logits = logits.amax(dim=-1)
-    empty = ~valid.any(dim=-1)[:, None].expand_as(lse)
-    probs = torch.exp(logits - torch.where(empty, 0, lse)[..., None])
-    out = torch.einsum("thk,tkd->thd", probs, keys[..., :NOPE_DIM])
+    empty = max_logits == float("-inf")
+    shift = max_logits.masked_fill(empty, 0)
+    probs = logits.sub_(shift[..., None]).exp_()
+    total = probs.sum(dim=-1)
+    lse = shift + torch.log(total)
+    out = torch.einsum("thk,tkd->thd", probs.div_(total[..., None]), keys[..., :NOPE_DIM])
     if attn_sink is not None:
-        sink = attn_sink.to(out.dtype)
-        out = out / (1 + torch.exp(sink[None, :] - lse))[..., None]
-    # Only a scale for the tolerance: float32 is plenty and halves the reference's extra cost.
-    l1 = sm_scale * torch.einsum("thd,tkd->thk", q.abs().float(), keys.abs().float()).to(q.dtype)
-    logit_l1 = l1.masked_fill(~valid[:, None, :], 0).amax(dim=-1)
-    out = out.masked_fill(empty[..., None], 0)
-    lse = lse.masked_fill(empty, float("inf"))
+        out.div_((1 + torch.exp(attn_sink.to(out.dtype)[None, :] - lse))[..., None])
+    out.masked_fill_(empty[..., None], 0)
+    lse.masked_fill_(empty, float("inf"))
     return AttentionResult(out, lse, max_logits, logit_l1)
 
 
-def attend_rows(
+def attend_chunks(
     q: torch.Tensor,
     valid: torch.Tensor,
-    gather: Callable[[torch.Tensor], torch.Tensor],
+    gather: Callable[[slice], torch.Tensor],
+    build_bytes: int,
     sm_scale: float,
     attn_sink: torch.Tensor | None,
     dtype: torch.dtype,
-    budget_bytes: int,
-) -> AttentionResult:
-    """`attend` over q [n, H, 576] in token chunks; `gather(rows)` returns the chunk's keys."""
-    n, num_heads, _ = q.shape
+    budget_bytes: int | None,
+) -> Iterator[tuple[slice, AttentionResult]]:
+    """(rows, `attend` over q [n, H, 576][rows]) chunk by chunk; `gather(rows)` returns the
+    chunk's keys in `dtype`, invalid entries zero, with `build_bytes` of temporaries per row."""
     if sm_scale <= 0:
         raise ValueError(f"sm_scale must be > 0 (the kernels take the row max before scaling), got {sm_scale}")
-    if n == 0:
-        z = q.new_zeros((0, num_heads), dtype=dtype)
-        return AttentionResult(q.new_zeros((0, num_heads, NOPE_DIM), dtype=dtype), z, z, z)
-    chunk = token_chunk(num_heads, valid.shape[1], dtype.itemsize, budget_bytes)
-    parts = []
-    for start in range(0, n, chunk):
-        rows = torch.arange(start, min(start + chunk, n), device=q.device)
-        parts.append(attend(q[rows].to(dtype), gather(rows).to(dtype), valid[rows], sm_scale, attn_sink))
-    return AttentionResult(*(torch.cat(p, dim=0) for p in zip(*parts)))
+    n, num_heads, _ = q.shape
+    chunk = chunk_tokens(num_heads, valid.shape[1], dtype.itemsize, budget_bytes or memory_budget(), build_bytes)
+    return ((rows, attend(q[rows].to(dtype), gather(rows), valid[rows], sm_scale, attn_sink))
+            for rows in (slice(start, min(start + chunk, n)) for start in range(0, n, chunk)))
+
+
+def collect(chunks: Iterator[tuple[slice, AttentionResult]], q: torch.Tensor, dtype: torch.dtype) -> AttentionResult:
+    """The whole result of `chunks` over q [n, H, 576]: out [n, H, 512], the rest [n, H]."""
+    n, num_heads, _ = q.shape
+    result = AttentionResult(q.new_empty((n, num_heads, NOPE_DIM), dtype=dtype),
+                             *(q.new_empty((n, num_heads), dtype=dtype) for _ in range(3)))
+    for rows, part in chunks:
+        for whole, piece in zip(result, part):
+            whole[rows] = piece
+    return result
+
+
+def sparse_prefill_chunks(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype = torch.float64,
+    budget_bytes: int | None = None,
+) -> Iterator[tuple[slice, AttentionResult]]:
+    """`sparse_prefill` one chunk of tokens at a time: (token slice, its AttentionResult)."""
+    if q.dim() != 3 or q.shape[2] != HEAD_DIM or kv.dim() != 2 or kv.shape[1] != HEAD_DIM:
+        raise ValueError(f"q [T, H, {HEAD_DIM}] and kv [N, {HEAD_DIM}] expected, got {tuple(q.shape)}, {tuple(kv.shape)}")
+    if indices.dim() != 2 or indices.shape[0] != q.shape[0]:
+        raise ValueError(f"indices must be [T={q.shape[0]}, K], got {tuple(indices.shape)}")
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < kv.shape[0])
+    if topk_length is not None:
+        valid &= torch.arange(idx.shape[1], device=idx.device)[None, :] < topk_length.long()[:, None]
+
+    def gather(rows: slice) -> torch.Tensor:
+        keys = kv[torch.where(valid[rows], idx[rows], 0)]
+        return keys.masked_fill_(~valid[rows, :, None], 0).to(dtype)
+
+    return attend_chunks(q, valid, gather, 2 * HEAD_DIM + 64, sm_scale, attn_sink, dtype, budget_bytes)
 
 
 def sparse_prefill(
@@ -105,31 +192,33 @@ def sparse_prefill(
     attn_sink: torch.Tensor | None = None,
     *,
     dtype: torch.dtype = torch.float64,
-    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    budget_bytes: int | None = None,
 ) -> AttentionResult:
     """`flash_mla_sparse_fwd`: q [T, H, 576], kv [N, 576], indices [T, K], topk_length [T].
 
     Valid entry: 0 <= indices[t, j] < N and j < topk_length[t]. Returns out [T, H, 512],
     lse / max_logits / logit_l1 [T, H], all in `dtype`.
     """
-    if q.dim() != 3 or q.shape[2] != HEAD_DIM or kv.dim() != 2 or kv.shape[1] != HEAD_DIM:
-        raise ValueError(f"q [T, H, {HEAD_DIM}] and kv [N, {HEAD_DIM}] expected, got {tuple(q.shape)}, {tuple(kv.shape)}")
-    if indices.dim() != 2 or indices.shape[0] != q.shape[0]:
-        raise ValueError(f"indices must be [T={q.shape[0]}, K], got {tuple(indices.shape)}")
-    idx = indices.long()
-    valid = (idx >= 0) & (idx < kv.shape[0])
-    if topk_length is not None:
-        valid &= torch.arange(idx.shape[1], device=idx.device)[None, :] < topk_length.long()[:, None]
-    return attend_rows(
-        q, valid, lambda rows: kv[torch.where(valid[rows], idx[rows], 0)],
-        sm_scale, attn_sink, dtype, budget_bytes,
-    )
+    chunks = sparse_prefill_chunks(q, kv, indices, sm_scale, topk_length, attn_sink, dtype=dtype, budget_bytes=budget_bytes)
+    return collect(chunks, q, dtype)
+
+
+def row_build_bytes(kv_cache: torch.Tensor, itemsize: int) -> int:
+    """Temporary bytes per row of `cache_row_values`: the row's bytes, its slot's index
+    arithmetic, and for nvfp4 its codes, their int32 table index and the looked-up values."""
+    width = kv_cache.shape[-1] * kv_cache.element_size()
+    if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == NVFP4_ROW_BYTES:
+        width += NOPE_DIM * (2 + 4 + itemsize)
+    return width + 64
 
 
 def cache_row_values(kv_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The exact values of the cache rows at physical `slots` (block * page_size + offset)."""
+    """The exact values of the cache rows at physical `slots` (block * page_size + offset); a
+    negative slot reads as a zero row."""
     block_size = kv_cache.shape[1]
-    rows = kv_cache[slots // block_size, slots % block_size]
+    safe = slots.clamp(min=0)
+    rows = kv_cache[safe // block_size, safe % block_size]
+    rows.masked_fill_((slots < 0)[..., None], 0)  # zero bytes are a zero row in every format
     width = kv_cache.shape[-1]
     if kv_cache.dtype == torch.uint8 and width == ROW_BYTES:
         return fp8_ds_mla_values(rows, dtype)
@@ -140,25 +229,11 @@ def cache_row_values(kv_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.d
     raise ValueError(f"unknown cache row format: {kv_cache.dtype} x {width}")
 
 
-def sparse_decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    attn_sink: torch.Tensor | None = None,
-    *,
-    dtype: torch.dtype = torch.float64,
-    budget_bytes: int = DEFAULT_BUDGET_BYTES,
-) -> AttentionResult:
-    """`flash_mla_with_kvcache` sparse decode: q [B, S, H, 576], indices [B, S, K] physical slots.
-
-    Reads any cache format by its exact meaning. Returns out [B, S, H, 512] and lse / max_logits /
-    logit_l1 laid out [B, H, S], as the kernel lays out its lse.
-    """
+def _decode_rows(q: torch.Tensor, indices: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked decode indices as [B*S, K] int64, and q as [B*S, H, 576]."""
     if q.dim() != 4 or q.shape[3] != HEAD_DIM or indices.dim() != 3 or indices.shape[:2] != q.shape[:2]:
         raise ValueError(f"q [B, S, H, {HEAD_DIM}] and indices [B, S, K] expected, got {tuple(q.shape)}, {tuple(indices.shape)}")
     batch, s_q, num_heads, _ = q.shape
-    capacity = kv_cache.shape[0] * kv_cache.shape[1]
     idx = indices.long().reshape(batch * s_q, indices.shape[-1])
     bad = (idx != -1) & ((idx < 0) | (idx >= capacity))
     if bool(bad.any()):
@@ -167,12 +242,44 @@ def sparse_decode(
             f"decode index {int(idx[where])} at {where} is neither -1 nor a slot in [0, {capacity}): "
             "the FP8 decode kernel would read out of bounds"
         )
-    valid = idx != -1
-    flat = attend_rows(
-        q.reshape(batch * s_q, num_heads, HEAD_DIM), valid,
-        lambda rows: cache_row_values(kv_cache, torch.where(valid[rows], idx[rows], 0), dtype),
-        sm_scale, attn_sink, dtype, budget_bytes,
-    )
+    return idx, q.reshape(batch * s_q, num_heads, HEAD_DIM)
+
+
+def sparse_decode_chunks(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    attn_sink: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype = torch.float64,
+    budget_bytes: int | None = None,
+) -> Iterator[tuple[slice, AttentionResult]]:
+    """`sparse_decode` one chunk at a time: (slice of the B*S query rows, b-major, their
+    AttentionResult with out [c, H, 512] and the rest [c, H])."""
+    idx, rows_q = _decode_rows(q, indices, kv_cache.shape[0] * kv_cache.shape[1])
+    return attend_chunks(rows_q, idx != -1, lambda rows: cache_row_values(kv_cache, idx[rows], dtype),
+                         row_build_bytes(kv_cache, dtype.itemsize), sm_scale, attn_sink, dtype, budget_bytes)
+
+
+def sparse_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    attn_sink: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype = torch.float64,
+    budget_bytes: int | None = None,
+) -> AttentionResult:
+    """`flash_mla_with_kvcache` sparse decode: q [B, S, H, 576], indices [B, S, K] physical slots.
+
+    Reads any cache format by its exact meaning. Returns out [B, S, H, 512] and lse / max_logits /
+    logit_l1 laid out [B, H, S], as the kernel lays out its lse.
+    """
+    chunks = sparse_decode_chunks(q, kv_cache, indices, sm_scale, attn_sink, dtype=dtype, budget_bytes=budget_bytes)
+    batch, s_q, num_heads, _ = q.shape
+    flat = collect(chunks, q.reshape(batch * s_q, num_heads, HEAD_DIM), dtype)
 
     def heads_major(x: torch.Tensor) -> torch.Tensor:
         return x.view(batch, s_q, num_heads).transpose(1, 2)
@@ -191,7 +298,7 @@ def sparse_decode_fp8(
     attn_sink: torch.Tensor | None = None,
     *,
     dtype: torch.dtype = torch.float64,
-    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    budget_bytes: int | None = None,
 ) -> AttentionResult:
     """The public-contract decode op: `sparse_decode` on a [NB, BS, 656] uint8 fp8_ds_mla cache."""
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3 or kv_cache.shape[2] != ROW_BYTES:

@@ -94,15 +94,16 @@ def nvfp4_ds_mla_values(rows: torch.Tensor, dtype: torch.dtype = torch.float64) 
         raise ValueError(f"rows must be [..., {ROW_BYTES}] uint8, got {tuple(rows.shape)} {rows.dtype}")
     lead = rows.shape[:-1]
     packed = rows[..., :ROPE_OFFSET]
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(*lead, NOPE_DIM).long()
-    table = torch.tensor(E2M1_VALUES, dtype=dtype, device=rows.device)
-    mag = table[codes & 0x7]
-    nope = torch.where((codes & 0x8) != 0, -mag, mag)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(*lead, NOPE_DIM)
+    # Code bit 3 is the sign: codes 8-15 are the negated magnitudes of codes 0-7.
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=dtype, device=rows.device)
     positions = scale_position(torch.arange(NUM_BLOCKS, device=rows.device))
     sf = rows[..., SCALE_OFFSET + positions].contiguous().view(torch.float8_e4m3fn).to(dtype)
-    nope = (nope.view(*lead, NUM_BLOCKS, BLOCK) * sf[..., None]).view(*lead, NOPE_DIM)
-    rope = rows[..., ROPE_OFFSET:SCALE_OFFSET].contiguous().view(torch.float8_e4m3fn).to(dtype)
-    return torch.cat([nope, rope], dim=-1)
+    values = torch.empty(*lead, HEAD_DIM, dtype=dtype, device=rows.device)
+    values[..., :NOPE_DIM] = table[codes.int()]
+    values[..., :NOPE_DIM].view(*lead, NUM_BLOCKS, BLOCK).mul_(sf[..., None])
+    values[..., NOPE_DIM:] = rows[..., ROPE_OFFSET:SCALE_OFFSET].contiguous().view(torch.float8_e4m3fn)
+    return values
 
 
 def dequantize_nvfp4_ds_mla(rows: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 # see scripts/fetch_gpu_wheel.sh): install flash_mla, then run the named steps, each under its own
 # time limit, logging to $OUT/<step>.log; everything is packed into $OUT/results.tgz and a short
 # table of step exit codes is printed last.
-#   scripts/gpu_lane.sh [STEP ...]     steps: env pytest gate bench properties dcp adapters (default: env pytest gate bench)
+#   scripts/gpu_lane.sh [STEP ...]     steps: env pytest gate bench throughput properties dcp adapters (default: env pytest gate bench)
+# throughput: the reference under its memory budget (T = 4k/16k/64k), harness overhead by stage and
+# fuzz cases/s (`mla-verify bench --only reference --only harness`), without the kernel sweep.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-lane}
@@ -11,7 +13,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OUT GATE_EXAMPLES=${GATE_EXAMPLES:-20}
 # Seconds each step may take (override one with e.g. LIMIT_gate=120); the call has 600 in all.
-declare -A LIMIT=([env]=60 [pytest]=180 [gate]=200 [bench]=150 [properties]=180 [dcp]=150 [adapters]=180)
+declare -A LIMIT=([env]=60 [pytest]=180 [gate]=200 [bench]=150 [throughput]=240 [properties]=180 [dcp]=150 [adapters]=180)
 summary=()
 
 declare -A CMD=(
@@ -19,6 +21,7 @@ declare -A CMD=(
   [pytest]='python3 -m pytest -m gpu -q -rs tests'
   [gate]='python3 -m mla_verify.cli gate --device cuda --examples $GATE_EXAMPLES --seed ${SEED:-1} --out $OUT/gate --junit $OUT/gate/junit.xml'
   [bench]='python3 -m mla_verify.cli bench --device cuda ${BENCH_ARGS:---quick} --out $OUT/bench.json'
+  [throughput]='python3 -m mla_verify.cli bench --device cuda --only reference --only harness --out $OUT/throughput.json'
   [properties]='python3 scripts/gpu_properties.py --out $OUT/properties'
   [dcp]='python3 -m mla_verify.cli fuzz --op dcp --device cuda --examples 10 --out $OUT/dcp'
   [adapters]='python3 -m pytest -m gpu -q -rs -s tests/test_adapters.py'

@@ -89,3 +89,36 @@ def test_fuzz_in_parallel_campaigns_merges_rows_and_keeps_each_failure_replayabl
     for part in ("part-0", "part-1"):
         [saved] = (tmp_path / "bad" / part / "failures").glob("*.json")
         assert run(capsys, "replay", str(saved), "--device", "cpu")[0] == 1
+
+
+def test_reference_memory_reaches_every_reference_call(capsys, tmp_path, monkeypatch):
+    from mla_verify.reference import attention
+
+    monkeypatch.delenv(attention.MEMORY_ENV, raising=False)  # restored after the test: main() sets it
+    seen = []
+    real = attention.chunk_tokens
+
+    def spy(num_heads, topk, itemsize, budget_bytes, *rest):
+        seen.append(budget_bytes)
+        return real(num_heads, topk, itemsize, budget_bytes, *rest)
+
+    monkeypatch.setattr(attention, "chunk_tokens", spy)
+    code, text = run(capsys, "fuzz", "--op", "sparse_decode_fp8", "--impl", "torch-fp32", "--examples", "3", "--seed", "2",
+                     "--device", "cpu", "--out", str(tmp_path), "--profile", "ci", "--reference-memory", "96MiB")
+    assert code == 0, text
+    assert seen and set(seen) == {96 << 20}
+
+
+@pytest.mark.parametrize("size", ["lots", "1MiB", "-4GiB"])
+def test_a_reference_memory_that_is_no_size_or_too_small_is_a_usage_error(capsys, size):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fuzz", "--op", "sparse_decode_fp8", "--reference-memory", size])
+    assert exit_.value.code == 2 and "--reference-memory" in capsys.readouterr().err
+
+
+def test_list_says_which_implementation_each_stage_gets_here(capsys):
+    code, text = run(capsys, "list", "--device", "cpu")
+    assert code == 0
+    block = text.split("\nconvert_index  [convert_index]")[1].split("\n\n")[0]
+    assert "triton       available, interpreted on cpu: by name only" in block
+    assert "torch-fp32   available, default here" in block

@@ -195,3 +195,22 @@ def test_unsupported_dcp_raises_as_the_backend_does(heads, dcp, dtype):
     kwargs = dict(batch.forward_kwargs(), num_heads=heads, kv_cache_dtype=dtype, dcp_size=dcp)
     with pytest.raises(NotImplementedError):
         forward_mqa(batch.q, batch.kv_cache, **kwargs)
+
+
+def test_stage_defaults_never_run_an_interpreter_unless_named():
+    """On CPU our Triton kernels run interpreted (10-1000x slower than torch-fp32): every stage
+    defaults to an implementation that runs natively; Triton stays available by name."""
+    for stage in registry.stages():
+        impls = registry.implementations(stage)
+        default = registry.select(stage, "cpu")
+        if any(i.why_not("cpu") is None and "cpu" not in i.interpreted_on for i in impls):
+            assert "cpu" not in default.interpreted_on, stage
+    assert registry.select("convert_index", "cpu").name == "torch-fp32"
+    assert registry.select("convert_index", "cpu", "triton").name == "triton"
+    assert registry.select("convert_index", "cuda").name == "triton"  # compiled there: preferred
+    needed = needed_stages("fp8_ds_mla", 64)
+    user = registry.Implementation("split_prefill_chunks", "mine", lambda **kw: None, frozenset({"cpu"}))
+    resolved = registry.resolve(needed, "cpu", overrides={"split_prefill_chunks": user})
+    assert resolved.chosen["split_prefill_chunks"] is user
+    assert all("cpu" not in i.interpreted_on for i in resolved.chosen.values())
+    assert set(resolved.fallbacks) == {"sparse_decode_fp8", "sparse_prefill"}  # flash_mla: cuda only

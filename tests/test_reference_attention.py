@@ -1,12 +1,16 @@
 """Self-checks of the reference attention against an independent dense formulation."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
+from mla_verify.reference.attention import MEMORY_ENV, chunk_tokens, row_build_bytes, token_bytes
 
 seeds = st.integers(0, 2**31 - 1)
 
@@ -98,12 +102,113 @@ def test_decode_refuses_indices_other_than_minus_one_out_of_range():
             R.sparse_decode_fp8(q, cache, idx, 0.1)
 
 
-def test_chunking_over_tokens_does_not_change_results():
+def budget_for(tokens, heads, topk, build_bytes=2 * 576 + 64):
+    """The smallest budget whose chunks hold `tokens` query tokens."""
+    return -(-tokens * token_bytes(heads, topk, 8, build_bytes) * 16 // 15)
+
+
+@pytest.mark.parametrize("tokens_per_chunk", [1, 5])
+def test_chunking_over_tokens_does_not_change_results(tokens_per_chunk):
     g = torch.Generator().manual_seed(3)
     q = torch.randn(37, 8, 576, generator=g).bfloat16()
     kv = torch.randn(300, 576, generator=g).bfloat16()
     idx = torch.randint(-1, 300, (37, 64), generator=g, dtype=torch.int32)
-    whole = R.sparse_prefill(q, kv, idx, 0.1)
-    tiny = R.sparse_prefill(q, kv, idx, 0.1, budget_bytes=1)  # one token per chunk
-    for a, b in zip(whole, tiny):
-        assert torch.allclose(a, b, atol=1e-12, rtol=0)
+    length = torch.randint(0, 65, (37,), generator=g, dtype=torch.int32)
+    sink = torch.randn(8, generator=g)
+    whole = R.sparse_prefill(q, kv, idx, 0.1, length, sink)
+    budget = budget_for(tokens_per_chunk, 8, 64)
+    assert chunk_tokens(8, 64, 8, budget) == tokens_per_chunk
+    chunked = R.sparse_prefill(q, kv, idx, 0.1, length, sink, budget_bytes=budget)
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a, b)
+    streamed = list(R.sparse_prefill_chunks(q, kv, idx, 0.1, length, sink, budget_bytes=budget))
+    assert [rows.start for rows, _ in streamed] == list(range(0, 37, tokens_per_chunk))
+    for rows, part in streamed:
+        for a, b in zip(whole, part):
+            assert torch.equal(a[rows], b)
+
+
+def test_decode_chunking_does_not_change_results():
+    g = torch.Generator().manual_seed(4)
+    kv = torch.randn(3 * 64, 576, generator=g).bfloat16()
+    cache = torch.full((3, 64, 656), 0xFF, dtype=torch.uint8)  # NaN everywhere no index selects
+    R.write_fp8_ds_mla_cache(kv, cache, torch.arange(3 * 64), "raw")
+    q = torch.randn(3, 2, 16, 576, generator=g).bfloat16()
+    idx = torch.randint(-1, 3 * 64, (3, 2, 128), generator=g, dtype=torch.int32)
+    whole = R.sparse_decode_fp8(q, cache, idx, 0.1)
+    budget = budget_for(1, 16, 128, row_build_bytes(cache, 8))
+    assert chunk_tokens(16, 128, 8, budget, row_build_bytes(cache, 8)) == 1
+    chunked = R.sparse_decode_fp8(q, cache, idx, 0.1, budget_bytes=budget)
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a, b)
+    assert not bool(whole.out.isnan().any())
+
+
+def test_a_budget_below_one_token_is_refused_and_the_default_is_four_gib(monkeypatch):
+    q, kv = torch.randn(2, 4, 576).bfloat16(), torch.randn(9, 576).bfloat16()
+    idx = torch.zeros(2, 128, dtype=torch.int32)
+    with pytest.raises(ValueError, match="holds no query token"):
+        R.sparse_prefill(q, kv, idx, 0.1, budget_bytes=token_bytes(4, 128, 8))
+    monkeypatch.delenv(MEMORY_ENV, raising=False)
+    assert R.memory_budget() == 4 << 30
+    monkeypatch.setenv(MEMORY_ENV, str(3 << 20))
+    assert R.memory_budget() == 3 << 20
+    with R.memory_limit(token_bytes(4, 128, 8)):
+        assert R.memory_budget() == token_bytes(4, 128, 8)
+        with pytest.raises(ValueError, match="holds no query token"):
+            R.sparse_prefill(q, kv, idx, 0.1)
+    assert R.memory_budget() == 3 << 20
+
+
+@pytest.mark.parametrize("heads, topk", [(1, 64), (16, 512), (128, 2048)])
+def test_the_chunk_plan_fills_the_budget_without_passing_it(heads, topk):
+    for budget in (1 << 20, 64 << 20, 4 << 30):
+        one = token_bytes(heads, topk, 8)
+        if budget * 15 / 16 < one:
+            continue
+        chunk = chunk_tokens(heads, topk, 8, budget)
+        assert chunk * one <= budget * 15 / 16 < (chunk + 1) * one
+    # What one token holds grows with its K rows and logits: never below the rows themselves.
+    assert token_bytes(heads, topk, 8) > topk * 576 * 8 + heads * topk * 8
+
+
+_PEAK_PROBE = """
+import sys, torch
+from mla_verify import reference as R
+torch.set_num_threads(1)
+def rss(field):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field)) * 1024
+form, budget = sys.argv[1], int(sys.argv[2])
+g = torch.Generator().manual_seed(0)
+q = torch.randn(64, 8, 576, generator=g).bfloat16()
+kv = torch.randn(4096, 576, generator=g).bfloat16()
+cache = R.quantize_fp8_ds_mla(kv).view(64, 64, 656)
+idx = torch.randint(-1, 4096, (64, 512), generator=g, dtype=torch.int32)
+def run(n):
+    if form == "prefill":
+        for _ in R.sparse_prefill_chunks(q[:n], kv, idx[:n], 0.1, budget_bytes=budget):
+            pass
+    elif form == "decode":
+        for _ in R.sparse_decode_chunks(q[:n, None], cache, idx[:n, None], 0.1, budget_bytes=budget):
+            pass
+    else:
+        return R.sparse_prefill(q[:n], kv, idx[:n], 0.1, budget_bytes=budget)
+run(1)  # code pages and BLAS buffers resident before the measurement
+open("/proc/self/clear_refs", "w").write("5")  # restart the peak-RSS counter
+before = rss("VmRSS:")
+run(64)
+print(rss("VmHWM:") - before)
+"""
+
+
+@pytest.mark.parametrize("form", ["prefill", "decode", "whole"])
+def test_working_memory_stays_within_the_budget(form):
+    """Peak RSS of 64 tokens (8 heads, top-k 512: 224 MiB of K rows in float64) under a 16 MiB
+    budget, measured in a fresh process with every large allocation its own mapping."""
+    budget = 16 << 20
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _PEAK_PROBE, form, str(budget)], env=env,
+                          capture_output=True, text=True, check=True)
+    peak = int(done.stdout.split()[-1])
+    result = 64 * 8 * (512 + 3) * 8 if form == "whole" else 0
+    assert 0.5 * budget < peak <= budget + result

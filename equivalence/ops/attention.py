@@ -7,6 +7,7 @@ Inputs keep the kernels honest: rows and cache slots that no valid index selects
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -14,8 +15,7 @@ import torch
 from mla_verify import reference
 from mla_verify.equivalence.patterns import apply_patterns, distinct_rows, prefix_candidates
 from mla_verify.equivalence.policy import LSE, OUT
-from mla_verify.equivalence.values import kv_values, pooled_rows, q_values
-from mla_verify.reference.paged_cache import scatter_rows
+from mla_verify.equivalence.values import fill_selected_slots, kv_values, q_values
 
 from . import Check, ImplOutput, OpSpec, register_op
 from .common import generator, knobs, rand, randint
@@ -35,7 +35,7 @@ def _prefill_inputs(p, seed, device):
     tokens, heads, rows, topk = p["tokens"], p["heads"], p["kv_rows"], p["topk"]
     q = q_values(g, (tokens, heads, 576), p["value_regime"])
     kv = kv_values(g, rows, p["value_regime"])
-    idx = distinct_rows(g, prefix_candidates(torch.full((tokens,), rows, device=device)), topk)
+    idx = distinct_rows(g, prefix_candidates(torch.full((tokens,), rows, device=device), rows), topk)
     idx = apply_patterns(g, idx, p.get("invalid", []), out_of_range=(rows, 2**31 - 1))
     length = None
     mode = p.get("topk_length", "none")
@@ -47,15 +47,15 @@ def _prefill_inputs(p, seed, device):
     if p.get("sink", "none") != "none":
         sink = torch.randn(heads, generator=g, device=device)
         if p["sink"] == "inf":
-            sink[rand(g, heads) < 0.3] = math.inf
-            sink[rand(g, heads) < 0.3] = -math.inf
-    # Poison every kv row no valid entry selects.
+            sink.masked_fill_(rand(g, heads) < 0.3, math.inf)
+            sink.masked_fill_(rand(g, heads) < 0.3, -math.inf)
+    # Poison every kv row no valid entry selects (the invalid ones mark a spare last flag).
     live = (idx >= 0) & (idx < rows)
     if length is not None:
         live &= torch.arange(topk, device=device)[None, :] < length[:, None]
-    used = torch.zeros(rows, dtype=torch.bool, device=device)
-    used[idx[live]] = True
-    kv[~used] = float("nan")
+    used = torch.zeros(rows + 1, dtype=torch.bool, device=device)
+    used[torch.where(live, idx, rows)] = True
+    kv.masked_fill_(~used[:rows, None], float("nan"))
     return {"q": q, "kv": kv, "indices": idx.to(torch.int32), "sm_scale": p["sm_scale"],
             "topk_length": None if length is None else length.to(torch.int32), "attn_sink": sink}
 
@@ -84,23 +84,24 @@ register_op(OpSpec(
 
 
 def _decode_inputs(p, seed, device):
+    # Shapes come from the params on the host: drawing the case reads nothing back from the device.
     g = generator(seed, device)
     batch, s_q, heads, topk, page = p["batch"], p["s_q"], p["heads"], p["topk"], p["page_size"]
     seq_lens = torch.tensor(p["seq_lens"], device=device)
-    blocks = -(-seq_lens // page)
-    num_blocks = int(blocks.sum()) + 1
+    blocks = [-(-n // page) for n in p["seq_lens"]]
+    num_blocks = sum(blocks) + 1
     # Each sequence's positions live in its own run of shuffled blocks: position -> physical slot.
     order = torch.randperm(num_blocks, generator=g, device=device)
-    first = torch.cumsum(blocks, 0) - blocks
-    pos = prefix_candidates(seq_lens)
+    first = torch.tensor([0, *itertools.accumulate(blocks)][:-1], device=device)
+    pos = prefix_candidates(seq_lens, max(p["seq_lens"]))
     block = order[(first[:, None] + pos.clamp(min=0) // page).clamp(max=num_blocks - 1)]
     slots_of = torch.where(pos >= 0, block * page + pos % page, -1)
     idx = distinct_rows(g, slots_of.repeat_interleave(s_q, dim=0), topk)
     idx = apply_patterns(g, idx, p.get("invalid", []))
-    storage = torch.full((num_blocks, page + p.get("stride_pad", 0), 656), 0xFF, dtype=torch.uint8, device=device)
-    cache = storage[:, :page]  # the padded stride stays
-    slots = idx[idx >= 0].unique()  # write only the selected slots: every other byte stays NaN
-    scatter_rows(pooled_rows(g, len(slots), p["value_regime"], "fp8_ds_mla", p["scale_rule"])[1], cache, slots)
+    storage = torch.full((num_blocks + 1, page + p.get("stride_pad", 0), 656), 0xFF, dtype=torch.uint8, device=device)
+    cache = storage[:-1, :page]  # the padded stride stays; the last block is fill_selected_slots' scratch
+    # Write only the selected slots: every other byte stays NaN.
+    fill_selected_slots(g, storage, page, idx, p["value_regime"], "fp8_ds_mla", p["scale_rule"])
     q = q_values(g, (batch, s_q, heads, 576), p["value_regime"])
     return {"q": q, "kv_cache": cache, "indices": idx.view(batch, s_q, topk).to(torch.int32), "sm_scale": p["sm_scale"]}
 

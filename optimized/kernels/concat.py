@@ -33,7 +33,7 @@ def _concat_kernel(
     _copy_part(pe, sp_t, sp_h, sp_d, q, t, h, hmask, NOPE, ROPE, H)
 
 
-@register("concat_mla_q", "triton", devices=("cpu", "cuda"))
+@register("concat_mla_q", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def concat_mla_q(ql_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
     """q[t, h] = [ql_nope[t, h] (512) | q_pe[t, h] (64)] -> [T, H, 576] bf16, bit for bit.
 

@@ -100,7 +100,7 @@ def _tiles(num_ranks: int, heads: int, dim: int) -> dict[str, int]:
     return {"N": num_ranks, "BLOCK_N": triton.next_power_of_2(num_ranks), "BLOCK_H": block_h, "BLOCK_D": block_d}
 
 
-@register("dcp_lse_correct", "triton", devices=("cpu", "cuda"))
+@register("dcp_lse_correct", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def dcp_lse_correct(out_r: torch.Tensor, lses: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's share of the merge (correct_attn_out): (partial_r [T, H, D] bf16, L [T, H] f32).
 
@@ -126,7 +126,7 @@ def dcp_lse_correct(out_r: torch.Tensor, lses: torch.Tensor, rank: int) -> tuple
     return scaled, lse
 
 
-@register("dcp_merge", "triton", devices=("cpu", "cuda"))
+@register("dcp_merge", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def dcp_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """In-process combine of N ranks: (bf16(sum_r partial_r) [T, H, D] bf16, L [T, H] f32).
 

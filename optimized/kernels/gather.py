@@ -131,7 +131,7 @@ def _gather(
     return out
 
 
-@register("gather_upconvert_fp8", "triton", devices=("cpu", "cuda"))
+@register("gather_upconvert_fp8", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def gather_upconvert_fp8(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -150,7 +150,7 @@ def gather_upconvert_fp8(
     return _gather(kv_cache, block_table, workspace_starts, num_rows, nvfp4=False)
 
 
-@register("gather_upconvert_nvfp4", "triton", devices=("cpu", "cuda"))
+@register("gather_upconvert_nvfp4", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def gather_upconvert_nvfp4(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,

@@ -135,7 +135,7 @@ def _convert(
     return out, counts
 
 
-@register("convert_index", "triton", devices=("cpu", "cuda"))
+@register("convert_index", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def convert_index(
     req_id: torch.Tensor,
     block_table: torch.Tensor,
@@ -188,7 +188,7 @@ def convert_index(
     return (out, counts) if return_valid_counts else out
 
 
-@register("dcp_convert_index", "triton", devices=("cpu", "cuda"))
+@register("dcp_convert_index", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def dcp_convert_index(
     req_id: torch.Tensor,
     block_table: torch.Tensor,

@@ -160,7 +160,7 @@ def check_decode_inputs(
     return sm_scale
 
 
-@register("sparse_decode_fp8", "triton", devices=("cpu", "cuda"), deviations=("bf16_dequant", "split_kv"))
+@register("sparse_decode_fp8", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",), deviations=("bf16_dequant", "split_kv"))
 def sparse_decode_fp8(
     q: torch.Tensor,
     kv_cache: torch.Tensor,

@@ -92,7 +92,7 @@ def _sparse_prefill_kernel(
     tl.store(max_logits_ptr + t * num_heads + heads, max_logit, mask=head_ok)
 
 
-@register("sparse_prefill", "triton", devices=("cpu", "cuda"), deviations=("loop_bound",))
+@register("sparse_prefill", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",), deviations=("loop_bound",))
 def sparse_prefill(
     q: torch.Tensor,
     kv: torch.Tensor,

@@ -1,0 +1,36 @@
+"""The bench's own instruments on CPU (its numbers are measured on the GPU, never asserted here):
+the stage breakdown it prints for the harness case, and what that breakdown proves by design:
+a case's inputs are drawn without reading anything back from the device."""
+
+import pytest
+
+from mla_verify.bench import OpCounter, stage_profile, table
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.ops import get_op
+from mla_verify.equivalence.subject import resolve_subject
+
+DECODE = Case("sparse_decode_fp8", {"batch": 3, "s_q": 2, "heads": 16, "topk": 128, "seq_lens": [300, 1, 70], "page_size": 16,
+                                    "stride_pad": 1, "value_regime": "normal", "scale_rule": "raw", "sm_scale": 0.1,
+                                    "invalid": ["scattered", "whole_row", "duplicates"]}, 5)
+PREFILL = Case("sparse_prefill", {"tokens": 5, "heads": 16, "kv_rows": 300, "topk": 128, "value_regime": "outliers",
+                                  "sm_scale": 0.1, "invalid": ["negatives", "out_of_range", "whole_row"],
+                                  "topk_length": "random", "sink": "inf"}, 6)
+
+
+@pytest.mark.parametrize("case", [DECODE, PREFILL], ids=["decode", "prefill"])
+def test_inputs_read_nothing_back_from_the_device(case):
+    counter = OpCounter()
+    with counter:
+        get_op(case.op).inputs(case.params, case.seed, "cpu")
+    assert counter.ops > 10 and counter.reads_back == 0
+
+
+def test_stage_profile_covers_every_stage_of_a_case():
+    stages = stage_profile(DECODE, resolve_subject(DECODE.op, ["torch-fp32"], "cpu"), "cpu")
+    assert list(stages) == ["inputs", "reference", "kernel", "judge"]
+    for name, stage in stages.items():
+        assert stage["ms"] > 0 and stage["ops"] > 0 and stage["launches"] is None, name
+    assert stages["reference"]["reads_back"] == 1  # the decode index check, before any gather
+    rows = [{"kind": "stage", "shape": "decode", "impl": name, "ms": s["ms"], "ops_note": f"{s['ops']} ops"}
+            for name, s in stages.items()]
+    assert "judge" in table(rows) and f"{stages['judge']['ops']} ops" in table(rows)
