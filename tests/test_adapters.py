@@ -237,8 +237,14 @@ def raw_scale_decode(regime: st.SearchStrategy[str]) -> st.SearchStrategy[Case]:
                      decode_params(CI, scale_rule=st.just("raw"), value_regime=regime), seeds)
 
 
+# Sized like a small production decode: at one head and 64 keys the bf16 rounding of the rows can
+# stay inside the LSE bound by chance; here it sits 10-40x above it (seeds 0-4: 704-2630 units of 64).
+SIZED_RAW_DECODE = dict(batch=2, heads=16, invalid=[], page_size=64, s_q=1, scale_rule="raw", seq_lens=[900, 1500],
+                        sm_scale=0.1352, stride_pad=0, topk=512, value_regime="normal")
+
+
 @settings(max_examples=3)
-@given(case=raw_scale_decode(st.just("normal")))
+@given(case=st.builds(lambda seed: Case("sparse_decode_fp8", SIZED_RAW_DECODE, seed), seeds))
 def test_bf16_dequant_fails_raw_scale_decode_cases_until_it_declares_the_deviation(case):
     undeclared = evaluate(case, resolve_subject("sparse_decode_fp8", [DECODE], "cpu"))
     lse = next(r for r in undeclared if r.tensor == "lse")
