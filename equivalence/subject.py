@@ -11,6 +11,7 @@ is a usage error, found before any case runs.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import os
@@ -124,9 +125,25 @@ def _property_subject(op: str, specs: Sequence[str], device: str) -> Subject:
     return Subject(",".join(specs) or "preferred", overrides=overrides, specs=tuple(specs))
 
 
-def resolve_subject(op: str, specs: Sequence[str], device: str) -> Subject:
+def resolve_subject(op: str, specs: Sequence[str], device: str, *, deviations: Sequence[str] = ()) -> Subject:
     """Turn the --impl strings for `op` into a Subject; no strings: the project's implementation
-    (for a property, the registry's preferred implementation of every stage, labelled "preferred")."""
+    (for a property, the registry's preferred implementation of every stage, labelled "preferred").
+    `deviations`: documented deviations (equivalence.policy) the user's implementation declares."""
+    subject = _resolve(op, specs, device)
+    if not deviations:
+        return subject
+    from .policy import DEVIATIONS
+
+    unknown = [d for d in deviations if d not in DEVIATIONS]
+    if unknown:
+        raise UsageError(f"unknown deviation {unknown[0]!r}; known: {', '.join(DEVIATIONS)}")
+    added = tuple(d for d in deviations if d not in subject.deviations)
+    overrides = {stage: dataclasses.replace(impl, deviations=impl.deviations + added) if ":" in impl.name else impl
+                 for stage, impl in subject.overrides.items()}
+    return dataclasses.replace(subject, deviations=subject.deviations + added, overrides=overrides)
+
+
+def _resolve(op: str, specs: Sequence[str], device: str) -> Subject:
     if is_property(op):
         return _property_subject(op, specs, device)
     spec_op = get_op(op)

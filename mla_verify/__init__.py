@@ -1,5 +1,17 @@
-"""mla-verify: reference-vs-optimized verification of DeepSeek-style sparse MLA attention."""
+"""mla-verify: reference-vs-optimized verification of DeepSeek-style sparse MLA attention.
 
+The Python API (`mla_verify.api`; the CLI is a thin layer over it):
+
+    import mla_verify
+
+    result = mla_verify.check("sparse_decode_fp8", "mykernels.decode:sparse_decode", examples=50)
+    mla_verify.assert_equivalent("sparse_prefill", my_prefill, examples=20, seed=1)
+    mla_verify.replay("runs/fuzz-.../failures/....json", my_prefill)
+    mla_verify.property_check("split_invariance", {"sparse_decode_fp8": my_decode})
+    mla_verify.strategies.cases("sparse_prefill", profile="ci")   # a Hypothesis strategy of Cases
+"""
+
+import os as _os
 from pathlib import Path as _Path
 
 # Installed, the design's top-level folders (reference/, optimized/, equivalence/, fuzz/, reports/)
@@ -8,3 +20,24 @@ from pathlib import Path as _Path
 _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "reference" / "__init__.py").is_file():
     __path__.append(str(_checkout))
+
+__all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "assert_equivalent", "check", "property_check",
+           "replay", "strategies"]
+
+
+def __getattr__(name: str):
+    # Loaded on first use: `import mla_verify` stays light, and Triton's interpreter is chosen (no
+    # GPU here) before any kernel module is imported.
+    if name not in __all__:
+        raise AttributeError(f"module 'mla_verify' has no attribute {name!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        _os.environ.setdefault("TRITON_INTERPRET", "1")
+    if name == "strategies":
+        from . import strategies
+
+        return strategies
+    from . import api
+
+    return getattr(api, name)
