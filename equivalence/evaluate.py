@@ -76,7 +76,8 @@ def raised_row(base: dict, raised: Raised, **fields) -> Row:
         return failure_row(base, "*", "contract", str(exc), **fields)
     frames = traceback.extract_tb(exc.__traceback__)
     at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    reason = f"raised {type(exc).__name__}: {dev.first_line(exc)}{at}"
+    message = dev.first_line(exc)
+    reason = f"raised {type(exc).__name__}{': ' + message if message else ''}{at}"
     if raised.device_error and raised.device_error not in reason:
         reason += f"; the device then reported: {raised.device_error}"
     return failure_row(base, "*", "raised", reason, **fields)
