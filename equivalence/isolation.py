@@ -13,7 +13,7 @@ start-up never makes a correct case look hung.
 Recycling. After an implementation raises a CUDA error, or whenever the context no longer works,
 the worker answers and exits; the next case runs in a fresh one. A harness-side failure after the
 implementation ran with the context gone is the implementation's crash. Once one worker has been
-replaced, a spare is kept warming in the background, so a campaign that shrinks a crash does not
+replaced, spares are kept warming in the background, so a campaign that shrinks a crash does not
 wait for start-ups. On CPU, workers fork from a server that has imported torch and mla-verify once
 (multiprocessing's forkserver), which makes a replacement take milliseconds; CUDA workers are
 spawned fresh (nothing CUDA ever runs in a process that forks).
@@ -34,6 +34,9 @@ from .evaluate import failure_row, identity
 from .rows import Row
 
 STARTUP_TIMEOUT_S = 300.0   # imports, CUDA context, warm-up: never counted against a case
+# Spares kept warming once a worker has been replaced. A CUDA worker takes seconds to start (CUDA
+# context, cuBLAS): shrinking a crash replaces one per failing step, so two start side by side.
+SPARES = {"cpu": 1, "cuda": 2}
 HARNESS_TIMEOUT_S = 1800.0  # a case's inputs and reference (ours, not the implementation's)
 
 
@@ -126,7 +129,7 @@ class Worker:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout_s}")
         self.device, self.timeout_s = device, timeout_s
         self._active: _Process | None = None
-        self._spare: _Process | None = None
+        self._spares: list[_Process] = []
         self.restarts = 0
 
     def _spawn(self) -> _Process:
@@ -157,11 +160,15 @@ class Worker:
         raise HarnessError(f"an isolation worker for {self.device} did not start within {STARTUP_TIMEOUT_S:g} s "
                            f"({_exit_reason(p.proc.exitcode)})")
 
+    def _top_up(self) -> None:
+        while len(self._spares) < SPARES[self.device.split(":")[0]]:
+            self._spares.append(self._spawn())
+
     def _ensure(self) -> _Process:
         if self._active is None:
-            self._active, self._spare = (self._spare or self._spawn()), None
-            if self.restarts:  # crashes come in runs while shrinking: keep the next one warming
-                self._spare = self._spawn()
+            self._active = self._spares.pop(0) if self._spares else self._spawn()
+            if self.restarts:  # crashes come in runs while shrinking: keep the next ones warming
+                self._top_up()
         self._await_ready(self._active)
         return self._active
 
@@ -174,8 +181,7 @@ class Worker:
                 p.proc.kill()
             p.proc.join(5)
         self.restarts += 1
-        if self._spare is None:
-            self._spare = self._spawn()
+        self._top_up()
 
     def _receive(self, p: _Process, timeout_s: float) -> tuple[str, Any]:
         if not p.conn.poll(timeout_s):
@@ -232,7 +238,7 @@ class Worker:
         self._retire()
 
     def close(self) -> None:
-        for p in (self._active, self._spare):
+        for p in (self._active, *self._spares):
             if p is None:
                 continue
             try:
@@ -244,4 +250,4 @@ class Worker:
             if p.proc.is_alive():
                 p.proc.kill()
             p.proc.join(5)
-        self._active = self._spare = None
+        self._active, self._spares = None, []

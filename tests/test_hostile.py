@@ -152,6 +152,18 @@ def test_a_crash_on_some_shapes_shrinks_to_the_smallest_and_correct_cases_are_ne
     assert code == 1 and "reproduced" in text and "SIGABRT" in text
 
 
+def test_the_gpu_lanes_hostile_campaign_script_holds_on_cpu(tmp_path):
+    """scripts/hostile_gpu.py (`scripts/gpu_lane.sh hostile`) against the CPU stand-in of a device-side assert."""
+    done = subprocess.run([sys.executable, "scripts/hostile_gpu.py", "--out", str(tmp_path), "--device", "cpu",
+                           "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:aborts_on_three_rows",
+                           "--param", "n", "--timeouts", "3", "--profile", "ci", "--examples", "12"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    table = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and table[-1].split()[-1] == "ok", done.stdout + done.stderr
+    assert table[-1].split()[3:7] == ["1", "3", "1", "True"]  # exit 1, n = 3, replay exits 1, reproduced
+
+
 @pytest.mark.parametrize("impl, says", [("tests.impls.misbehaving:hangs", "hung: no answer within 2 s"),
                                         ("tests.hostile.cpu:aborts", "killed by SIGABRT")])
 def test_replay_is_isolated_too_a_hang_or_an_abort_returns(capsys, tmp_path, impl, says):
