@@ -11,6 +11,7 @@ The Python API (`mla_verify.api`; the CLI is a thin layer over it):
     mla_verify.strategies.cases("sparse_prefill", profile="ci")   # a Hypothesis strategy of Cases
 """
 
+import importlib as _importlib
 import os as _os
 from pathlib import Path as _Path
 
@@ -34,10 +35,5 @@ def __getattr__(name: str):
 
     if not torch.cuda.is_available():
         _os.environ.setdefault("TRITON_INTERPRET", "1")
-    if name == "strategies":
-        from . import strategies
-
-        return strategies
-    from . import api
-
-    return getattr(api, name)
+    module = _importlib.import_module(f"{__name__}.{'strategies' if name == 'strategies' else 'api'}")
+    return module if name == "strategies" else getattr(module, name)

@@ -49,17 +49,16 @@ def _child(command: str, part: int, args: list[str], device: str, out: Path, pin
 
 def _collect(procs: list[subprocess.Popen], out: Path) -> tuple[pd.DataFrame, list[int]]:
     """Wait for every child; their rows together, and each one's exit code (1 for a child that
-    exited 0 without writing its run)."""
+    exited 0 without leaving rows)."""
     from mla_verify import reports
 
     codes = [p.wait() for p in procs]
     frames = []
     for i, code in enumerate(codes):
-        part = out / f"part-{i}"
-        if (part / "meta.json").exists():
-            frames.append(reports.load_run(part)[0])
-        elif code == 0:
-            codes[i] = 1
+        try:  # a part killed early may have left its journal only, or nothing
+            frames.append(reports.load_run(out / f"part-{i}")[0])
+        except (OSError, ValueError):
+            codes[i] = code or 1
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), codes
 
 

@@ -98,9 +98,11 @@ def test_deviation_bounds_apply_only_where_their_condition_holds():
 
 
 def test_case_and_case_file_round_trip(tmp_path):
-    case = Case("sparse_prefill", {"tokens": 2, "invalid": ["scattered"]}, 7)
+    case = Case("sparse_prefill", {"tokens": 2, "heads": 8, "kv_rows": 40, "topk": 128, "value_regime": "normal",
+                                   "sm_scale": 0.1, "invalid": ["scattered"]}, 7)
     assert Case.from_dict(json.loads(case.dumps())) == case and len(case.case_id) == 12
-    path = casefile.save(tmp_path / "f" / "c.json", casefile.CaseFile(case, ("triton",), "cuda", [{"tensor": "out"}]))
+    saved = [{"tensor": "out", "metric": "bf16_units", "value": 9.0, "bound": 6.0, "reason": "..."}]
+    path = casefile.save(tmp_path / "f" / "c.json", casefile.CaseFile(case, ("triton",), "cuda", saved))
     back = casefile.load(path)
     assert back.case == case and back.impl == ("triton",) and back.device == "cuda"
     (tmp_path / "bad.json").write_text('{"format": "other"}')

@@ -304,3 +304,79 @@ def test_report_on_an_empty_or_truncated_run_or_an_unrelated_baseline_exits_2(ca
     parquet.write_bytes(parquet.read_bytes()[:100])
     code, text = run(capsys, "report", tmp_path / "convert_index")
     assert code == 2 and "not a readable run" in text and len(text.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- the library API
+
+
+USER_KERNELS = '''
+import torch
+
+from mla_verify import reference
+
+
+def quantize(kv, scale_rule="pow2"):
+    return reference.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def quantize_off_by_one(kv, scale_rule="pow2"):
+    rows = reference.quantize_fp8_ds_mla(kv, scale_rule)
+    rows[:, 0] ^= 1
+    return rows
+
+
+def concat(ql_nope, q_pe):
+    return torch.cat([ql_nope, q_pe], dim=-1)
+'''
+
+USER_TESTS = '''
+import pytest
+
+import mla_verify
+from my_kernels import concat, quantize, quantize_off_by_one
+
+FAST = dict(profile="ci", device="cpu", seed=1)
+
+
+def test_a_correct_kernel_passes():
+    mla_verify.assert_equivalent("quantize_fp8_ds_mla", quantize, examples=5, **FAST)
+
+
+def test_a_broken_kernel_fails_with_its_minimized_case_and_replay_command():
+    with pytest.raises(AssertionError) as failed:
+        mla_verify.assert_equivalent("quantize_fp8_ds_mla", quantize_off_by_one, examples=10, **FAST)
+    message = str(failed.value)
+    assert "minimized case: quantize_fp8_ds_mla(n=1" in message
+    assert "mla-verify replay " in message and "--impl my_kernels:quantize_off_by_one" in message
+    result = mla_verify.check("quantize_fp8_ds_mla", quantize_off_by_one, examples=10, **FAST)
+    assert result.failure.metric == "mismatch_frac" and result.failure.replay_command.startswith("mla-verify replay")
+    again = mla_verify.replay(result.failure.case_file, quantize_off_by_one, device="cpu")
+    assert not again.passed and again.reproduced
+
+
+def test_a_stage_of_a_pipeline():
+    result = mla_verify.check("forward_mqa", {"concat_mla_q": concat}, examples=2, path="bf16", **FAST)
+    assert result.passed, result.report()
+    assert set(result.rows.tensor) == {"out", "lse"} and result.rows.impl.iloc[0].startswith("pipeline[concat_mla_q=")
+
+
+def test_strategies_draw_cases():
+    from hypothesis import given, settings
+
+    @settings(max_examples=3, deadline=None)
+    @given(case=mla_verify.strategies.cases("convert_index", profile="ci"))
+    def drawn(case):
+        assert case.op == "convert_index" and case.params["tokens"] >= 1
+
+    drawn()
+'''
+
+
+def test_a_kernel_repos_own_pytest_file_uses_the_api_from_outside_the_repo(tmp_path):
+    (tmp_path / "my_kernels.py").write_text(USER_KERNELS)
+    (tmp_path / "test_my_kernels.py").write_text(USER_TESTS)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_kernels.py"],
+                          cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "4 passed" in done.stdout
