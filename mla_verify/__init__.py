@@ -12,7 +12,6 @@ The Python API (`mla_verify.api`; the CLI is a thin layer over it):
 """
 
 import importlib as _importlib
-import os as _os
 from pathlib import Path as _Path
 
 # Installed, the design's top-level folders (reference/, optimized/, equivalence/, fuzz/, reports/)
@@ -27,13 +26,8 @@ __all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "assert_equiv
 
 
 def __getattr__(name: str):
-    # Loaded on first use: `import mla_verify` stays light, and Triton's interpreter is chosen (no
-    # GPU here) before any kernel module is imported.
+    # Loaded on first use: `import mla_verify` (and `mla-verify --help`) stays light.
     if name not in __all__:
         raise AttributeError(f"module 'mla_verify' has no attribute {name!r}")
-    import torch
-
-    if not torch.cuda.is_available():
-        _os.environ.setdefault("TRITON_INTERPRET", "1")
     module = _importlib.import_module(f"{__name__}.{'strategies' if name == 'strategies' else 'api'}")
     return module if name == "strategies" else getattr(module, name)

@@ -222,6 +222,7 @@ def _start_meta(profile: str, seed: int, device: str) -> dict:
 def cmd_fuzz(args, device: str) -> int:
     from mla_verify import api
     from mla_verify.fuzz.casefile import write_atomic
+    from mla_verify.results import result_file
     from mla_verify.rundir import FreshDir
 
     from .parallel import RESULT_JSON
@@ -234,7 +235,7 @@ def cmd_fuzz(args, device: str) -> int:
                        log=lambda line: print(line, flush=True))
     print(result.report())
     if args.part and result.out is not None:  # the parent reads this part's outcome here
-        write_atomic(result.out / RESULT_JSON, api.result_file(result))
+        write_atomic(result.out / RESULT_JSON, result_file(result))
     return result.exit_code
 
 
@@ -264,12 +265,16 @@ def _gate_ops(ops: list[str] | None) -> None:
 
 
 def cmd_gate(args, device: str) -> int:
-    from mla_verify.api import _Interrupt
+    from mla_verify.interrupt import Interrupt
     from mla_verify.fuzz.campaign import new_seed
     from mla_verify.fuzz.gate import odd_ones_out, run_gate
     from mla_verify.rundir import FreshDir, RunDir
 
     _gate_ops(args.op)
+    if args.junit is not None:
+        from mla_verify.api import _writable_file
+
+        _writable_file(args.junit, "--junit")
     profile = _profile(args.profile, device, "ci")
     seed = new_seed() if args.seed is None else args.seed
     run_id = _run_id("gate")
@@ -284,7 +289,7 @@ def cmd_gate(args, device: str) -> int:
     meta = _start_meta(profile.name, seed, device)
     run_dir.start(meta)
     parts = args.parallel or (_gpu_count() if device == "cuda" else 1)
-    interrupt = _Interrupt()
+    interrupt = Interrupt()
     try:
         if parts > 1 and not args.part:
             with interrupt.installed():

@@ -84,13 +84,14 @@ def fuzz_parts(child_args: list[str], examples: int, seed: int, parts: int, devi
     return frame, [(seed + i, code, log) for i, (code, log) in enumerate(zip(codes, logs))]
 
 
-RESULT_JSON = "result.json"  # a fuzz part's outcome (mla_verify.api.result_file)
+RESULT_JSON = "result.json"  # a fuzz part's outcome (mla_verify.results.result_file)
 
 
 def check_in_parts(plan, parts: int, log):
     """`mla_verify.check` as `parts` child campaigns (seeds S, S+1, ...) sharing the examples;
     their rows merged into the run directory, each part's failure read from its result.json."""
-    from .api import CheckResult, Failure, _Interrupt
+    from .interrupt import Interrupt
+    from .results import CheckResult, Failure
 
     device = plan.device.split(":")[0]
     child = ["--op", plan.op, "--profile", plan.profile.name, "--timeout", f"{plan.timeout:g}",
@@ -106,7 +107,7 @@ def check_in_parts(plan, parts: int, log):
     meta = plan.meta()
     if plan.run_dir:
         plan.run_dir.start({**meta, "seeds": [plan.seed + i for i in range(len(shares))]})
-    with _Interrupt().installed():  # Ctrl-C reaches every part: each finishes its case and writes its run
+    with Interrupt().installed():  # Ctrl-C reaches every part: each finishes its case and writes its run
         frame, results = fuzz_parts(child, plan.examples, plan.seed, parts, device, out)
     if plan.run_dir:
         plan.run_dir.finish(frame, {**meta, "seeds": [plan.seed + i for i in range(len(shares))]})

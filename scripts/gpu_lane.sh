@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OUT GATE_EXAMPLES=${GATE_EXAMPLES:-20}
 # Seconds each step may take (override one with e.g. LIMIT_gate=120); the call has 600 in all.
-declare -A LIMIT=([env]=60 [pytest]=180 [gate]=200 [bench]=150 [properties]=180 [dcp]=150 [hostile]=540
+declare -A LIMIT=([env]=60 [pytest]=300 [gate]=200 [bench]=150 [properties]=180 [dcp]=150 [hostile]=540
                   [hostile_default]=400)
 summary=()
 

@@ -37,13 +37,22 @@ def cli(*argv: str, log: Path) -> tuple[int, str, float]:
     return done.returncode, done.stdout, time.monotonic() - start
 
 
+def load_rows(run: Path):
+    """The run's rows (its journal if it was killed), or none if it left nothing."""
+    from mla_verify import reports
+
+    try:
+        return reports.load_run(run)[0]
+    except (OSError, ValueError):
+        return reports.rows_frame([])
+
+
 def saved_case(text: str) -> str | None:
     lines = [line.split("case saved: ", 1)[1] for line in text.splitlines() if "case saved: " in line]
     return lines[-1] if lines else None
 
 
 def assert_campaign(args, timeout: str) -> dict:
-    from mla_verify import reports
     from mla_verify.fuzz import casefile
 
     out, name = args.out, f"crash-t{timeout}"
@@ -54,7 +63,7 @@ def assert_campaign(args, timeout: str) -> dict:
     row = {"what": f"{args.impl.split(':')[1]}, timeout {timeout}", "exit": code, "secs": secs}
     path = saved_case(text)
     tokens = casefile.load(Path(path)).case.params[args.param] if path else None
-    rows, _ = reports.load_run(out / name)
+    rows = load_rows(out / name)
     passing, failing = rows[rows.passed], rows[~rows.passed]
     row.update(tokens=tokens, hung=int((rows.gate_metric == "hung").sum()), passed=len(passing), failed=len(failing),
                split=bool(len(failing)) and (passing.num_tokens < 3).all() and (failing.num_tokens >= 3).all())
@@ -68,13 +77,11 @@ def assert_campaign(args, timeout: str) -> dict:
 
 
 def other_campaign(out: Path, impl: str, op: str, metric: str, says: str, seed: int) -> dict:
-    from mla_verify import reports
-
     name = impl.split(":")[1]
     code, text, secs = cli("fuzz", "--op", op, "--impl", impl, "--device", "cuda", "--seed", str(seed),
                            "--examples", "8", "--timeout", "10", "--no-shrink", "--out", str(out / name),
                            log=out / f"{name}.log")
-    rows, _ = reports.load_run(out / name)
+    rows = load_rows(out / name)
     failing = rows[~rows.passed]
     found = bool(((failing.gate_metric == metric) & failing.reason.str.contains(says, regex=False)).any())
     hung = int((rows.gate_metric == "hung").sum())
