@@ -116,14 +116,17 @@ def _label(subject) -> str:
 
 
 def replay_command(case_file: Path | None, specs: Sequence[str], device: str, deviations: Sequence[str] = (),
-                   timeout: float | None = None) -> str:
-    """The command that reproduces a saved failure."""
+                   timeout: float | None = None, isolate: bool = False) -> str:
+    """The command that reproduces a saved failure (isolated where the failure was: a hang or a
+    crash replayed in-process would hang or kill the replay)."""
     argv = ["mla-verify", "replay", str(case_file) if case_file else "CASE_FILE"]
     for s in specs:
         argv += ["--impl", "MODULE:CALLABLE" if ".api:local." in s else s]
     for d in deviations:
         argv += ["--deviation", d]
     argv += ["--device", device.split(":")[0]]
+    if isolate and not device.startswith("cuda"):  # isolated by default on cuda
+        argv.append("--isolate")
     if timeout is not None and timeout != DEFAULT_TIMEOUT_S:
         argv += ["--timeout", f"{timeout:g}"]
     return shlex.join(argv)
@@ -395,7 +398,8 @@ def _campaign(plan: _Plan) -> CheckResult:
     failures = []
     if fz.failure is not None:
         failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
-                                   replay_command(fz.case_file, plan.specs, plan.device, plan.deviations, plan.timeout),
+                                   replay_command(fz.case_file, plan.specs, plan.device, plan.deviations, plan.timeout,
+                                                  plan.isolate),
                                    found_at=fz.first_failure_at, seed=plan.seed, flaky=fz.flaky, minimized=fz.shrunk))
     extra = sorted(notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
     if plan.world_size:
@@ -489,7 +493,7 @@ def replay(
         rows = evaluate(cf.case, subject, device, source="replay")
     passed = all(r.passed for r in rows)
     reproduced, note = _reproduced(cf.failure, rows)
-    command = replay_command(Path(case_file), specs, device, deviations, timeout)
+    command = replay_command(Path(case_file), specs, device, deviations, timeout, isolate)
     failures = [] if passed else [Failure.of(cf.case, rows, Path(case_file), command, flaky=cf.flaky,
                                              minimized=bool(cf.failure))]
     return CheckResult(cf.case.op, label, passed, rows_frame(rows), cf.case.seed, 1, None, failures,

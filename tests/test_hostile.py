@@ -141,6 +141,7 @@ def test_a_crash_on_some_shapes_shrinks_to_the_smallest_and_correct_cases_are_ne
     assert code == 1 and "Traceback" not in text
     case = json.loads(Path(saved_case(text)).read_text())
     assert case["case"]["params"]["n"] == 3 and "SIGABRT" in case["failure"][0]["reason"]
+    assert "--isolate --timeout 3" in text  # the printed replay command is isolated like the run
     from mla_verify import reports
 
     rows, _ = reports.load_run(tmp_path)
