@@ -1,27 +1,43 @@
 """Run one Case: build its inputs, ask the reference, call the implementation, judge each tensor.
 
 The implementation runs after the reference, on its own poisoned outputs
-(`optimized.buffers.poisoned`), and may raise: that is a failure of the case (reason "raised"),
-never of the harness. Inputs the case generator builds are valid by contract, so a refusal
-(InputError) is a failure too.
+(`optimized.buffers.poisoned`), with Python's, numpy's and torch's global generators seeded from
+the case (a replay sees what the fuzz run saw). Whatever it does is the case's result, never the
+harness's: raising anything short of KeyboardInterrupt (SystemExit too) fails the case (reason
+"raised"), and so does breaking the contract beyond values (`equivalence.contract`): writing an
+input, returning the wrong arity, type, dtype, shape or device, or an input as output. Inputs
+the case generator builds are valid by contract, so a refusal (InputError) is a failure too.
 """
 
 from __future__ import annotations
 
+import random
 import time
 import traceback
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from mla_verify.optimized.buffers import poisoned
 
+from . import device as dev
 from .case import Case
+from .contract import ContractError, Snapshot, output_problem
 from .oracle import Verdict, judge
 from .ops import get_op
 from .policy import EXACT
 from .properties import get_property, is_property
 from .rows import Row
 from .subject import Subject
+
+
+class Raised(Exception):
+    """The implementation raised `error` (`device_error`: what the device reported after it)."""
+
+    def __init__(self, error: BaseException, device_error: str | None = None):
+        super().__init__(dev.first_line(error))
+        self.error, self.device_error = error, device_error
 
 
 def _sync(device: str) -> None:
@@ -47,12 +63,55 @@ def identity(case: Case) -> dict:
     return dict(op=case.op, path=spec.path_of(case.params), **spec.knobs(case.params))
 
 
-def raised_row(base: dict, exc: Exception, **fields) -> Row:
-    """The single failure row of a case whose implementation raised."""
-    frame = traceback.extract_tb(exc.__traceback__)[-1]
-    reason = f"raised {type(exc).__name__}: {exc} (at {frame.filename}:{frame.lineno})"
-    return Row(**base, tensor="*", passed=False, gate_metric="raised", value=1.0, bound=0.0, headroom=0.0,
-               reason=reason, **fields)
+def failure_row(base: dict, tensor: str, metric: str, reason: str, **fields) -> Row:
+    """A row that failed without a comparison: a crash, a hang, a broken contract."""
+    return Row(**{**base, **fields}, tensor=tensor, passed=False, gate_metric=metric, value=1.0, bound=0.0,
+               headroom=0.0, reason=reason)
+
+
+def raised_row(base: dict, raised: Raised, **fields) -> Row:
+    """The single failure row of a case whose implementation raised (or broke the contract)."""
+    exc = raised.error
+    if isinstance(exc, ContractError):
+        return failure_row(base, "*", "contract", str(exc), **fields)
+    frames = traceback.extract_tb(exc.__traceback__)
+    at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    message = dev.first_line(exc)
+    reason = f"raised {type(exc).__name__}{': ' + message if message else ''}{at}"
+    if raised.device_error and raised.device_error not in reason:
+        reason += f"; the device then reported: {raised.device_error}"
+    return failure_row(base, "*", "raised", reason, **fields)
+
+
+def seed_globals(seed: int) -> None:
+    """Python's, numpy's and torch's global generators from the case's seed, so an implementation
+    that draws from them sees the same numbers in the fuzz run and in its replay."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def call_implementation(fn: Callable[[], Any], seed: int, device: str,
+                        on_call: Callable[[], None] | None = None) -> tuple[Any, float]:
+    """(fn(), seconds) with poisoned outputs and seeded generators; anything it raises (short of
+    KeyboardInterrupt) becomes `Raised`, after the device was synchronized. `on_call` runs just
+    before: an isolation worker starts the case's clock there."""
+    seed_globals(seed)
+    if on_call is not None:
+        on_call()
+    try:
+        with poisoned():
+            return timed(fn, device)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit, GeneratorExit too: the case's failure, not the run's end
+        raise Raised(exc, dev.synchronize(device)) from None
+
+
+def input_rows(base: dict, inputs: Snapshot, writes: tuple[str, ...], **fields) -> list[Row]:
+    """One failing row per input the implementation wrote (tensor "input:NAME")."""
+    return [failure_row(base, f"input:{name}", "input_written", reason, **fields)
+            for name, reason in inputs.changed(writes)]
 
 
 def judged_row(base: dict, tensor: str, kind: str, v: Verdict, **fields) -> Row:
@@ -71,42 +130,52 @@ def judged_row(base: dict, tensor: str, kind: str, v: Verdict, **fields) -> Row:
 
 def evaluate(
     case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
-    notes: set[str] | None = None,
+    notes: set[str] | None = None, on_call: Callable[[], None] | None = None,
 ) -> list[Row]:
     """Every checked tensor of `case` as a Row (a single failure row if the implementation raised).
 
     `notes` collects what the implementation side reported, e.g. a stage that fell back to a
     portable implementation because the preferred one cannot run on this device. A property case
-    (`property:NAME`) runs the implementation against itself (equivalence.properties).
+    (`property:NAME`) runs the implementation against itself (equivalence.properties). `on_call`
+    runs once inputs and reference are ready, just before the implementation.
     """
     if is_property(case.op):
         from .properties.run import evaluate_property  # it builds on this module's helpers
 
-        return evaluate_property(case, subject, device, run_id=run_id, source=source, notes=notes)
+        return evaluate_property(case, subject, device, run_id=run_id, source=source, notes=notes, on_call=on_call)
     spec = get_op(case.op)
     params = case.params
     base = dict(run_id=run_id, case_id=case.case_id, impl=subject.label, stages="", device=device, seed=case.seed,
                 source=source, **identity(case))
     kwargs = spec.inputs(params, case.seed, device)
     ref, t_ref = timed(lambda: spec.reference(kwargs, params), device)
+    inputs = Snapshot(kwargs)
     try:
-        with poisoned():
-            got, t_impl = timed(lambda: spec.call(subject, kwargs, params), device)
-    except Exception as exc:  # the implementation's failure is the case's result, not ours
-        return [raised_row(base, exc, time_ref_s=t_ref)]
+        got, t_impl = call_implementation(lambda: spec.call(subject, kwargs, params), case.seed, device, on_call)
+    except Raised as raised:  # the implementation's failure is the case's result, not ours
+        return [raised_row(base, raised, time_ref_s=t_ref)]
     if notes is not None:
         notes.update(got.notes)
-    rows = []
+    base = {**base, "path": got.path or base["path"], "stages": got.stages}
+    times = dict(time_ref_s=t_ref, time_impl_s=t_impl)
+    rows = input_rows(base, inputs, spec.writes, **times)
+    on_device = None if spec.own_processes else device  # rank answers come back through the host
     for check in spec.checks:
         if check.tensor not in ref or (check.optional and check.tensor not in got.tensors):
             continue  # not asked for by this case, or not produced by this implementation
         if check.tensor not in got.tensors:
-            rows.append(Row(**{**base, "stages": got.stages}, tensor=check.tensor, passed=False, gate_metric="missing",
-                            reason=f"the implementation returned no {check.tensor!r}", time_ref_s=t_ref, time_impl_s=t_impl))
+            rows.append(failure_row(base, check.tensor, "missing", f"the implementation returned no {check.tensor!r}",
+                                    **times))
+            continue
+        out, want = got.tensors[check.tensor], ref[check.tensor]
+        problem = output_problem(check.tensor, out, dtype=check.dtype or want.dtype, shape=want.shape,
+                                 device=on_device, contiguous=check.contiguous)
+        problem = problem or (None if spec.views else inputs.aliased_by(check.tensor, out))
+        if problem:
+            rows.append(failure_row(base, check.tensor, "contract", problem, **times))
             continue
         scale = ref.get(check.scale) if check.scale else None
         judged_as = {**params, "dcp_size": 1} if check.single_rank else params
-        v = judge(check.kind, got.tensors[check.tensor], ref[check.tensor], judged_as, got.deviations, scale)
-        rows.append(judged_row({**base, "path": got.path or base["path"], "stages": got.stages}, check.tensor,
-                               check.kind, v, time_ref_s=t_ref, time_impl_s=t_impl))
+        v = judge(check.kind, out, want, judged_as, got.deviations, scale)
+        rows.append(judged_row(base, check.tensor, check.kind, v, **times))
     return rows

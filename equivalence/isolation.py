@@ -1,30 +1,76 @@
-"""Crash isolation: run cases in a worker process that is replaced when it dies or hangs.
+"""Crash isolation: run cases in a worker process that is replaced when it dies, hangs or sees a
+CUDA error.
 
-A CUDA illegal address poisons the whole context, and a kernel can spin forever; either way the
-campaign must record the case as failed and go on. The worker receives (case, --impl specs,
-declared deviations), evaluates it with `equivalence.evaluate`, and sends back plain row dicts.
-If it exits, is killed by a signal, or does not answer within the timeout, the parent kills it,
-starts a fresh one for the next case, and returns a single failure row ("crashed" / "hung").
+A CUDA illegal address or device-side assert poisons the whole context, and a kernel can spin
+forever; either way the campaign must record the case as failed and go on. The worker receives
+(case, --impl specs, declared deviations), evaluates it with `equivalence.evaluate`, and sends back
+plain row dicts.
+
+Clocks. A worker says "ready" once it has imported everything, created its CUDA context and
+warmed up; it says "calling" once a case's inputs and reference are built, just before the
+implementation runs. Only the implementation's part counts against `timeout_s`: a fresh worker's
+start-up never makes a correct case look hung.
+
+Recycling. After an implementation raises a CUDA error, or whenever the context no longer works,
+the worker answers and exits; the next case runs in a fresh one. A harness-side failure after the
+implementation ran with the context gone is the implementation's crash. Once one worker has been
+replaced, spares are kept warming in the background, so a campaign that shrinks a crash does not
+wait for start-ups. On CPU, workers fork from a server that has imported torch and mla-verify once
+(multiprocessing's forkserver), which makes a replacement take milliseconds; CUDA workers are
+spawned fresh (nothing CUDA ever runs in a process that forks).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import traceback
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from .case import Case
-from .evaluate import identity
+from .device import first_line, is_device_error
+from .evaluate import failure_row, identity
 from .rows import Row
+
+STARTUP_TIMEOUT_S = 300.0   # imports, CUDA context, warm-up: never counted against a case
+# Spares kept warming once a worker has been replaced. A CUDA worker takes seconds to start (CUDA
+# context, cuBLAS): shrinking a crash replaces one per failing step, so two start side by side.
+SPARES = {"cpu": 1, "cuda": 2}
+HARNESS_TIMEOUT_S = 1800.0  # a case's inputs and reference (ours, not the implementation's)
+
+
+class HarnessError(RuntimeError):
+    """mla-verify itself failed (building inputs, the reference, a worker that cannot start);
+    `detail` holds the traceback."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
+
+
+def _warm_up(device: str) -> None:
+    """The CUDA context and the libraries a first kernel call would otherwise initialize."""
+    import torch
+
+    if device.startswith("cuda"):
+        if ":" in device:
+            torch.cuda.set_device(device)
+        a = torch.ones(64, 64, device=device)
+        (a @ a).sum().item()
 
 
 def _serve(conn, device: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it finishes the case
     if not device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from .device import usable
     from .evaluate import evaluate
     from .subject import resolve_subject
 
+    _warm_up(device)
+    conn.send(("ready", os.getpid()))
     subjects = {}
     while True:
         msg = conn.recv()
@@ -32,76 +78,177 @@ def _serve(conn, device: str) -> None:
             return
         case_dict, specs, deviations, run_id, source = msg
         case = Case.from_dict(case_dict)
-        key = (case.op, tuple(specs), tuple(deviations))
-        if key not in subjects:
-            subjects[key] = resolve_subject(case.op, specs, device.split(":")[0], deviations=deviations)
+        called = []
+
+        def on_call() -> None:
+            called.append(True)
+            conn.send(("calling", None))
+
         notes: set[str] = set()
         try:
-            rows = evaluate(case, subjects[key], device, run_id=run_id, source=source, notes=notes)
-        except Exception:  # the harness's own error (inputs, reference): the parent re-raises it
+            key = (case.op, tuple(specs), tuple(deviations))
+            if key not in subjects:
+                subjects[key] = resolve_subject(case.op, specs, device.split(":")[0], deviations=deviations)
+            rows = evaluate(case, subjects[key], device, run_id=run_id, source=source, notes=notes, on_call=on_call)
+        except Exception as exc:
+            if called and (is_device_error(exc) or not usable(device)):
+                # The context died while (or right after) the implementation ran: its crash.
+                conn.send(("crashed", f"CUDA error after the implementation ran: {first_line(exc)}"))
+                return
             conn.send(("error", traceback.format_exc()))
             continue
-        conn.send(("rows", ([r.to_record() for r in rows], sorted(notes))))
+        retire = device.startswith("cuda") and (
+            any(r.gate_metric == "raised" and is_device_error(r.reason) for r in rows) or not usable(device))
+        conn.send(("rows", ([r.to_record() for r in rows], sorted(notes), retire)))
+        if retire:
+            return  # never trust a context that saw a CUDA error with another case
+
+
+@dataclass
+class _Process:
+    proc: Any
+    conn: Any
+    ready: bool = False
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 class Worker:
-    """One isolated evaluation process for `device` (e.g. "cuda:0")."""
+    """One isolated evaluation process for `device` (e.g. "cuda:0"), replaced as needed."""
 
     def __init__(self, device: str, timeout_s: float = 300.0):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout_s}")
         self.device, self.timeout_s = device, timeout_s
-        self._proc = None
-        self._conn = None
+        self._active: _Process | None = None
+        self._spares: list[_Process] = []
         self.restarts = 0
 
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self.device), daemon=True)
-        self._proc.start()
+    def _spawn(self) -> _Process:
+        if self.device.startswith("cuda"):
+            ctx = mp.get_context("spawn")
+        else:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(["mla_verify.equivalence.isolation", "mla_verify.optimized"])
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_serve, args=(child, self.device), daemon=True)
+        proc.start()
         child.close()
+        return _Process(proc, conn)
 
-    def _kill(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-        if self._proc is not None:
-            self._proc.join(5)
-        self._proc = None
+    def _await_ready(self, p: _Process) -> None:
+        if p.ready:
+            return
+        if p.conn.poll(STARTUP_TIMEOUT_S):
+            try:
+                kind, _ = p.conn.recv()
+            except (EOFError, ConnectionResetError):
+                kind = "died"
+            if kind == "ready":
+                p.ready = True
+                return
+        p.proc.kill()
+        p.proc.join(5)
+        raise HarnessError(f"an isolation worker for {self.device} did not start within {STARTUP_TIMEOUT_S:g} s "
+                           f"({_exit_reason(p.proc.exitcode)})")
+
+    def _top_up(self) -> None:
+        while len(self._spares) < SPARES[self.device.split(":")[0]]:
+            self._spares.append(self._spawn())
+
+    def _ensure(self) -> _Process:
+        if self._active is None:
+            self._active = self._spares.pop(0) if self._spares else self._spawn()
+            if self.restarts:  # crashes come in runs while shrinking: keep the next ones warming
+                self._top_up()
+        self._await_ready(self._active)
+        return self._active
+
+    def _retire(self) -> None:
+        p, self._active = self._active, None
+        if p is not None:
+            if p.proc.is_alive():
+                p.proc.join(2)
+            if p.proc.is_alive():
+                p.proc.kill()
+            p.proc.join(5)
+        self.restarts += 1
+        self._top_up()
+
+    def _receive(self, p: _Process, timeout_s: float) -> tuple[str, Any]:
+        if not p.conn.poll(timeout_s):
+            return "timeout", None
+        try:
+            return p.conn.recv()
+        except (EOFError, ConnectionResetError, OSError):
+            return "died", None
 
     def run(
         self, case: Case, specs: Sequence[str], label: str, run_id: str = "", source: str = "fuzz",
         notes: set[str] | None = None, deviations: Sequence[str] = (),
     ) -> list[Row]:
-        if self._proc is None:
-            self._start()
-        self._conn.send((case.to_dict(), list(specs), list(deviations), run_id, source))
-        if self._conn.poll(self.timeout_s):
-            try:
-                kind, payload = self._conn.recv()
-            except (EOFError, ConnectionResetError):
-                kind, payload = "died", None
-            if kind == "rows":
-                records, reported = payload
-                if notes is not None:
-                    notes.update(reported)
-                return [Row(**d) for d in records]
-            if kind == "error":
-                raise RuntimeError(f"harness error in the worker on {case.short()}:\n{payload}")
-            self._proc.join(5)
-            code = self._proc.exitcode
-            what = f"the worker process died (exit code {code}{', a signal' if code is not None and code < 0 else ''})"
-        else:
-            what = f"hung: no answer within {self.timeout_s:g} s"
-        self._kill()
-        self.restarts += 1
-        return [Row(run_id=run_id, case_id=case.case_id, tensor="*", impl=label, stages="", device=self.device,
-                    seed=case.seed, source=source, passed=False, gate_metric="crashed", value=1.0, bound=0.0,
-                    headroom=0.0, reason=what, **identity(case))]
+        """The case's rows, or a single failure row ("crashed" / "hung") when the worker died or
+        did not answer in time. Raises HarnessError for a failure of the harness itself."""
+        p = self._ensure()
+        base = dict(run_id=run_id, case_id=case.case_id, impl=label, stages="", device=self.device,
+                    seed=case.seed, source=source, **identity(case))
+        try:
+            p.conn.send((case.to_dict(), list(specs), list(deviations), run_id, source))
+        except (BrokenPipeError, OSError):
+            self._retire()
+            return [failure_row(base, "*", "crashed", "the worker process died between cases")]
+        kind, payload = self._receive(p, HARNESS_TIMEOUT_S)
+        called = kind == "calling"
+        if called:
+            kind, payload = self._receive(p, self.timeout_s)
+            if kind == "timeout":
+                self._kill_active()
+                return [failure_row(base, "*", "hung", f"hung: no answer within {self.timeout_s:g} s")]
+        elif kind == "timeout":
+            self._kill_active()
+            raise HarnessError(f"building the inputs and reference of {case.short()} took over {HARNESS_TIMEOUT_S:g} s")
+        if kind == "rows":
+            records, reported, retire = payload
+            if notes is not None:
+                notes.update(reported)
+            if retire:
+                self._retire()
+            return [Row(**d) for d in records]
+        if kind == "error":
+            raise HarnessError(f"harness error in the worker on {case.short()}", payload)
+        if kind == "crashed":
+            self._retire()
+            return [failure_row(base, "*", "crashed", payload)]
+        p.proc.join(5)
+        self._retire()
+        when = "" if called else " before the implementation was called"
+        return [failure_row(base, "*", "crashed", f"the worker process died{when} ({_exit_reason(p.proc.exitcode)})")]
+
+    def _kill_active(self) -> None:
+        if self._active is not None:
+            self._active.proc.kill()
+        self._retire()
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
+        for p in (self._active, *self._spares):
+            if p is None:
+                continue
             try:
-                self._conn.send(None)
-                self._proc.join(10)
+                if p.ready and p.proc.is_alive():
+                    p.conn.send(None)
+                    p.proc.join(10)
             except (BrokenPipeError, OSError):
                 pass
-        self._kill()
+            if p.proc.is_alive():
+                p.proc.kill()
+            p.proc.join(5)
+        self._active, self._spares = None, []

@@ -1,5 +1,12 @@
 """A fuzz campaign: Hypothesis draws cases for one op, the oracle judges each, and the first
-discrepancy is shrunk to the smallest case that still fails and saved as a replayable file."""
+discrepancy is shrunk to the smallest case that still fails and saved as a replayable file.
+
+Nothing found is lost. The first failing case is saved the moment it is seen, then re-run: if a
+re-run passes, the failure is reported as flaky (failed k of n re-runs) and the campaign ends
+there, never in a Hypothesis traceback. A hung case is not re-run or shrunk (each try costs the
+whole timeout). `journal` receives every case's rows as it finishes; `stop_reason` is asked after
+every case (Ctrl-C, a lost CUDA context) and ends the campaign with what it has.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from typing import Callable
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
+from hypothesis.errors import Flaky
 
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.rows import Row
@@ -20,6 +28,7 @@ from .progress import Progress
 from .strategies import strategy
 
 Runner = Callable[[Case, str], list[Row]]  # (case, source) -> rows
+RERUNS = 3  # re-runs of the first failing case: a pass among them makes it flaky
 
 
 class Discrepancy(Exception):
@@ -28,19 +37,31 @@ class Discrepancy(Exception):
         self.case, self.rows = case, rows
 
 
+class StopCampaign(BaseException):
+    """Ends the search at once. A BaseException: Hypothesis would shrink and replay an Exception."""
+
+
 @dataclass
 class FuzzResult:
     op: str
     seed: int
-    examples: int                 # cases evaluated while searching (shrink steps not counted)
+    examples: int                 # cases evaluated while searching (re-runs and shrink steps not counted)
     rows: list[Row] = field(default_factory=list)
-    failure: Discrepancy | None = None
-    first_failure_at: int | None = None   # 1-based example number of the first discrepancy
-    case_file: Path | None = None
+    failure: Discrepancy | None = None    # the minimized failing case (as found, if not shrunk)
+    first_failure_at: int | None = None   # 1-based example number of the first failing case
+    case_file: Path | None = None         # the saved failure (the minimized case where there is one)
+    found_file: Path | None = None        # the first failing case as found, saved at once
+    flaky: tuple[int, int] | None = None  # (failed k, of n re-runs) when a re-run passed
+    stopped: str = ""                     # why the campaign ended before its budget ("interrupted", ...)
+    shrunk: bool = False                  # the failure is Hypothesis's minimized case
 
 
 def new_seed() -> int:
     return random.SystemRandom().randrange(2**31)
+
+
+def _failing(rows: list[Row]) -> bool:
+    return any(not r.passed for r in rows)
 
 
 def fuzz(
@@ -51,6 +72,7 @@ def fuzz(
     examples: int,
     seed: int,
     impl_specs: tuple[str, ...] = (),
+    impl_label: str = "",
     deviations: tuple[str, ...] = (),
     device: str = "cpu",
     out_dir: Path | None = None,
@@ -58,12 +80,56 @@ def fuzz(
     progress_label: str | None = None,
     path: str | None = None,
     world_size: int | None = None,
+    reruns: int = RERUNS,
+    journal: Callable[[list[Row]], None] | None = None,
+    stop_reason: Callable[[], str] = lambda: "",
 ) -> FuzzResult:
-    """Run up to `examples` cases of `op`; stop at the first discrepancy and shrink it. A failing
-    case is saved with `impl_specs` and the `deviations` declared for them, for replay."""
+    """Run up to `examples` cases of `op`; stop at the first failing case, re-run it, shrink it.
+
+    Failing cases are saved under `out_dir`/failures (named by op, implementation and case), with
+    `impl_specs` and the `deviations` declared for them, for replay.
+    Exceptions of `run` other than a failing case's rows (a harness error) end the campaign and
+    are raised after it; the rows so far have reached `journal` by then.
+    """
     result = FuzzResult(op, seed, 0)
     progress = Progress(progress_label or op, examples)
-    state = {"shrinking": False}
+    state: dict = {"shrinking": False, "last": None, "error": None}
+    found_by = (f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "")
+                + (f" --world-size {world_size}" if world_size else "") + f" --seed {seed}"
+                + "".join(f" --deviation {name}" for name in deviations))
+
+    def save(case: Case, rows: list[Row], note: str, where: Path | None = None) -> Path | None:
+        if out_dir is None:
+            return None
+        cf = casefile.CaseFile(case, impl_specs, device, casefile.failure_summary(rows),
+                               note=f"{note}; found by `{found_by}` (profile {profile.name})",
+                               deviations=tuple(deviations), flaky=result.flaky)
+        if where is not None:
+            return casefile.save(where, cf)
+        return casefile.save_new(Path(out_dir) / "failures", casefile.stem(op, impl_label or ",".join(impl_specs), case), cf)
+
+    def evaluate(case: Case, source: str) -> list[Row]:
+        try:
+            return run(case, source)
+        except Exception as exc:  # the harness's own failure: stop now, raise it after the campaign
+            state["error"] = exc
+            raise StopCampaign("harness error") from None
+
+    def first_failure(case: Case, rows: list[Row]) -> None:
+        result.first_failure_at = result.examples
+        result.found_file = save(case, rows, f"found at example {result.examples}")
+        if any(r.gate_metric == "hung" for r in rows):
+            raise StopCampaign("")  # a hang is not re-run or shrunk: every try costs the timeout
+        if stop_reason():
+            raise StopCampaign(stop_reason())
+        failed = sum(_failing(evaluate(case, "rerun")) for _ in range(reruns))
+        if failed < reruns:
+            result.flaky = (failed, reruns)
+            save(case, rows, f"flaky: failed {failed} of {reruns} re-runs", result.found_file)
+            raise StopCampaign("")
+        if stop_reason() or not shrink:
+            raise StopCampaign(stop_reason())
+        state["shrinking"] = True
 
     phases = (Phase.explicit, Phase.reuse, Phase.generate) + ((Phase.shrink,) if shrink else ())
 
@@ -72,31 +138,44 @@ def fuzz(
     @hypothesis_seed(seed)
     @given(case=strategy(op, profile, path, world_size))
     def search(case: Case) -> None:
-        rows = run(case, "shrink" if state["shrinking"] else "fuzz")
-        if not state["shrinking"]:
+        shrinking = state["shrinking"]
+        rows = evaluate(case, "shrink" if shrinking else "fuzz")
+        if not shrinking:
             result.examples += 1
             result.rows.extend(rows)
-        failing = [r for r in rows if not r.passed]
-        if not state["shrinking"]:
-            progress.step(bool(failing))
-        if failing:
-            if not state["shrinking"]:
-                result.first_failure_at = result.examples
-            state["shrinking"] = True
+            if journal is not None:
+                journal(rows)
+            progress.step(_failing(rows))
+        if _failing(rows):
+            state["last"] = (case, rows)
+            if not shrinking:
+                first_failure(case, rows)
+            elif stop_reason():
+                raise StopCampaign(stop_reason())
             raise Discrepancy(case, rows)
+        if stop_reason():
+            raise StopCampaign(stop_reason())
 
+    final = None
     try:
         search()
     except Discrepancy as d:
-        result.failure = d
-        if all(r.case_id != d.case.case_id for r in result.rows):
-            result.rows.extend(d.rows)  # the minimized case, found while shrinking
-        if out_dir is not None:
-            where = Path(out_dir) / "failures" / f"{op.replace(':', '-')}-{d.case.case_id}.json"
-            found_by = (f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "")
-                        + (f" --world-size {world_size}" if world_size else "") + f" --seed {seed}"
-                        + "".join(f" --deviation {name}" for name in deviations))
-            result.case_file = casefile.save(where, casefile.CaseFile(
-                d.case, impl_specs, device, casefile.failure_summary(d.rows),
-                note=f"found by `{found_by}` (profile {profile.name})", deviations=deviations))
+        final, result.shrunk = (d.case, d.rows), shrink
+    except StopCampaign as stop:
+        final, result.stopped = state["last"], str(stop.args[0]) if stop.args else ""
+    except Flaky:  # the minimized case passed on Hypothesis's last replay: keep the last failure seen
+        final = state["last"]
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, keep what was found
+        final, result.stopped = state["last"], "interrupted"
+    if state["error"] is not None:
+        raise state["error"]
+    if final is not None:
+        case, rows = final
+        result.failure = Discrepancy(case, rows)
+        result.case_file = result.found_file
+        if all(r.case_id != case.case_id for r in result.rows):  # the minimized case, found while shrinking
+            result.rows.extend(rows)
+            if journal is not None:
+                journal(rows)
+            result.case_file = save(case, rows, f"minimized from the case found at example {result.first_failure_at}")
     return result

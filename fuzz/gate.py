@@ -19,6 +19,7 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from mla_verify.equivalence import distributed
 from mla_verify.equivalence.case import Case
@@ -110,9 +111,12 @@ def run_gate(
     timeout_s: float,
     ops: list[str] | None = None,
     log=sys.stderr,
+    journal: Callable[[list[Row]], None] | None = None,
+    stop_reason: Callable[[], str] = lambda: "",
 ) -> GateResult:
     """`examples` per op (or property) and implementation; None: the profile's budgets. In `ops`,
-    "property" stands for every property."""
+    "property" stands for every property. `journal` receives each case's rows as it finishes;
+    a `stop_reason` (Ctrl-C) ends the gate after the current case."""
     result = GateResult()
     worker = Worker(device, timeout_s) if isolate else None
     distributed.set_timeout(timeout_s)
@@ -135,11 +139,21 @@ def run_gate(
                         return rows
                     return evaluate(case, subject, device, run_id=run_id, source=source, notes=result.notes)
 
-                pinned_rows = [row for case, _why in pinned for row in run(case, "corpus")]
+                pinned_rows = []
+                for case, _why in pinned:
+                    if stop_reason():
+                        return result
+                    case_rows = run(case, "corpus")
+                    pinned_rows += case_rows
+                    if journal is not None:
+                        journal(case_rows)
                 result.rows.extend(pinned_rows)
                 for path in campaign_paths(op, subject):
-                    fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, device=device,
-                              out_dir=out_dir, progress_label=f"{op} / {label}", path=path, world_size=world_size)
+                    if stop_reason():
+                        return result
+                    fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, impl_label=label,
+                              device=device, out_dir=out_dir, progress_label=f"{op} / {label}", path=path,
+                              world_size=world_size, journal=journal, stop_reason=stop_reason)
                     result.fuzz.append(fz)
                     result.rows.extend(fz.rows)
                     where = f"{op} ({path})" if path else op

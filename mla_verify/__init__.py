@@ -1,5 +1,17 @@
-"""mla-verify: reference-vs-optimized verification of DeepSeek-style sparse MLA attention."""
+"""mla-verify: reference-vs-optimized verification of DeepSeek-style sparse MLA attention.
 
+The Python API (`mla_verify.api`; the CLI is a thin layer over it):
+
+    import mla_verify
+
+    result = mla_verify.check("sparse_decode_fp8", "mykernels.decode:sparse_decode", examples=50)
+    mla_verify.assert_equivalent("sparse_prefill", my_prefill, examples=20, seed=1)
+    mla_verify.replay("runs/fuzz-.../failures/....json", my_prefill)
+    mla_verify.property_check("split_invariance", {"sparse_decode_fp8": my_decode})
+    mla_verify.strategies.cases("sparse_prefill", profile="ci")   # a Hypothesis strategy of Cases
+"""
+
+import importlib as _importlib
 from pathlib import Path as _Path
 
 # Installed, the design's top-level folders (reference/, optimized/, equivalence/, fuzz/, reports/)
@@ -8,3 +20,14 @@ from pathlib import Path as _Path
 _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "reference" / "__init__.py").is_file():
     __path__.append(str(_checkout))
+
+__all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "assert_equivalent", "check", "property_check",
+           "replay", "strategies"]
+
+
+def __getattr__(name: str):
+    # Loaded on first use: `import mla_verify` (and `mla-verify --help`) stays light.
+    if name not in __all__:
+        raise AttributeError(f"module 'mla_verify' has no attribute {name!r}")
+    module = _importlib.import_module(f"{__name__}.{'strategies' if name == 'strategies' else 'api'}")
+    return module if name == "strategies" else getattr(module, name)

@@ -1,18 +1,21 @@
-"""`mla-verify`: the command-line tool. A thin layer over equivalence/, fuzz/ and reports/.
+"""`mla-verify`: the command-line tool, a thin layer over the Python API (`mla_verify.api`) and
+the gate, report and bench modules.
 
-Exit codes (for CI): 0 = no discrepancy; 1 = a discrepancy (or a drift beyond the factor);
-2 = usage error or bad input, with a one-line reason.
+Exit codes (for CI): 0 = no discrepancy; 1 = a discrepancy, crash, hang or broken contract of the
+implementation (or a drift beyond the factor); 2 = usage error or bad input, with a one-line
+reason; 3 = mla-verify itself failed (the traceback is saved in the run directory); 130 =
+interrupted (Ctrl-C: the current case finished, the run written, failures' replay commands printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
 import time
 from pathlib import Path
-
 
 def _default_device() -> str:
     import torch
@@ -30,14 +33,37 @@ def _run_id(kind: str) -> str:
     return f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present, else cpu")
 
 
 def _add_isolation(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                   help="run cases in a worker process replaced after a crash or hang (default: on for cuda)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds a case may take in the worker")
+                   help="run cases in a worker process replaced after a crash, hang or CUDA error (default: on for cuda)")
+    p.add_argument("--timeout", type=_positive_float, default=300.0,
+                   help="seconds the implementation may take per case in the worker (start-up and the reference "
+                        "are not counted; default 300)")
 
 
 def _add_deviation(p: argparse.ArgumentParser, default: list | None) -> None:
@@ -72,7 +98,7 @@ def _add_reference_memory(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mla-verify", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="mla-verify", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("list", help="ops, pipeline stages, their reference and the implementations available here")
@@ -93,23 +119,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", action="append", default=[], metavar="[STAGE=]MODULE:CALLABLE|NAME",
                    help="implementation under test (default: the project's); repeat for several stages")
     _add_deviation(p, [])
-    p.add_argument("--examples", type=int, default=None, help="default: the profile's budget")
+    p.add_argument("--examples", type=_positive_int, default=None, help="default: the profile's budget")
     p.add_argument("--seed", type=int, default=None, help="campaign seed (printed; default: random)")
     p.add_argument("--profile", default=None, help="ci | dev | nightly | gpu (default: dev on cpu, gpu on cuda)")
-    p.add_argument("--out", type=Path, default=Path("runs/fuzz"), help="run directory: rows, failing case files")
+    p.add_argument("--out", type=Path, default=None,
+                   help="run directory: rows, meta, failing case files; must not hold a run "
+                        "(default: a new runs/fuzz-OP-IMPL-TIME)")
     p.add_argument("--no-shrink", action="store_true", help="report the first failing case as found")
-    p.add_argument("--junit", type=Path, default=None)
-    p.add_argument("--parallel", type=int, default=None,
+    p.add_argument("--junit", type=Path, default=None, help="also write JUnit XML here")
+    p.add_argument("--parallel", type=_positive_int, default=None,
                    help="independent campaigns (seeds S, S+1, ...) sharing the examples, one GPU each "
                         "(default: every GPU on cuda, 1 on cpu; dcp: 1, its ranks take the GPUs)")
     p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel
 
     p = sub.add_parser("replay", help="re-run a saved case exactly; exit 1 if it still fails")
     _add_common(p)
+    _add_isolation(p)
     _add_reference_memory(p)
     p.add_argument("file", type=Path)
     p.add_argument("--impl", action="append", default=None, metavar="[STAGE=]MODULE:CALLABLE|NAME",
-                   help="replay against another implementation than the one saved")
+                   help="the implementation to replay (a case file's MODULE:CALLABLE is never imported unless "
+                        "named here; default: the registered implementation saved with the case)")
     _add_deviation(p, None)
 
     p = sub.add_parser("gate", help="every op and path: regression corpus + fuzz budget; drift report; CI verdict")
@@ -117,14 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_isolation(p)
     _add_reference_memory(p)
     p.add_argument("--profile", default=None, help="default: ci on cpu, gpu on cuda")
-    p.add_argument("--examples", type=int, default=None,
+    p.add_argument("--examples", type=_positive_int, default=None,
                    help="fuzz examples per op (or property) and implementation; default: the profile's")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--op", action="append", default=None, help="restrict to these ops, property:NAME, or property (all of them)")
-    p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/gate-<time>)")
+    p.add_argument("--out", type=Path, default=None, help="run directory (default: a new runs/gate-<time>)")
     p.add_argument("--baseline", type=Path, default=None, help="compare the drift with this earlier run")
-    p.add_argument("--junit", type=Path, default=None)
-    p.add_argument("--parallel", type=int, default=None,
+    p.add_argument("--junit", type=Path, default=None, help="also write JUnit XML here")
+    p.add_argument("--parallel", type=_positive_int, default=None,
                    help="split the ops over this many processes, one GPU each (default: every GPU on cuda, 1 on cpu)")
     p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel: rows only
 
@@ -133,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", type=Path, default=None)
     p.add_argument("--html", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
-    p.add_argument("--factor", type=float, default=2.0, help="flag drift when p99 error or bias grows beyond this")
+    p.add_argument("--factor", type=_positive_float, default=2.0,
+                   help="flag drift when p99 error or bias grows beyond this")
 
     p = sub.add_parser("bench", help="kernel, reference and harness speed at production shapes; table + JSON")
     _add_common(p)
@@ -146,13 +177,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
+        return int(exc.code or 0)
     device = getattr(args, "device", None) or (_default_device() if args.command != "report" else "cpu")
     _prepare(device)
     if getattr(args, "reference_memory", None):
         from mla_verify.reference.attention import MEMORY_ENV
 
         os.environ[MEMORY_ENV] = str(args.reference_memory)  # read by the reference here and in every child process
+    from mla_verify.equivalence.isolation import HarnessError
     from mla_verify.equivalence.subject import UsageError
 
     try:
@@ -160,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"mla-verify: {exc}", file=sys.stderr)
         return 2
+    except HarnessError as exc:
+        print(f"mla-verify: {exc} (an mla-verify bug: the traceback is in the run directory's harness-error.txt)",
+              file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("mla-verify: interrupted", file=sys.stderr)
+        return 130
 
 
 def cmd_list(args, device: str) -> int:
@@ -249,166 +291,67 @@ def _start_meta(profile: str, seed: int, device: str) -> dict:
     return reports.collect_meta(profile, [seed], device, command=shlex.join(["mla-verify"] + sys.argv[1:]))
 
 
-def _write_run(run_dir: Path, rows, meta: dict) -> None:
-    from mla_verify import reports
-
-    reports.write_run(run_dir, rows, reports.finish_meta(meta))
-
-
 def cmd_fuzz(args, device: str) -> int:
-    from mla_verify.equivalence import distributed
-    from mla_verify.equivalence.evaluate import evaluate
-    from mla_verify.equivalence.isolation import Worker
-    from mla_verify.equivalence.ops import OPS
-    from mla_verify.equivalence.properties import get_property, is_property
-    from mla_verify.equivalence.subject import UsageError, resolve_subject
-    from mla_verify.fuzz.campaign import fuzz, new_seed
-    from mla_verify.fuzz.strategies import FORWARD_PATHS
+    from mla_verify import api
+    from mla_verify.fuzz.casefile import write_atomic
+    from mla_verify.results import result_file
+    from mla_verify.rundir import FreshDir
 
-    if args.world_size is not None and args.op != "dcp":
-        raise UsageError("--world-size applies to --op dcp only")
-    world_size = (args.world_size or 2) if args.op == "dcp" else None
-    if is_property(args.op):
-        subject = resolve_subject(args.op, args.impl, device, deviations=args.deviation)
-        prop = get_property(args.op)
-        covered = prop.covered(subject.overrides)  # the targets this --impl takes part in
-        if args.path is None and len(covered) == 1:
-            args.path = covered[0]
-        elif (args.path is None and len(covered) < len(prop.targets)) or args.path not in (None, *covered):
-            raise UsageError(f"--path: {args.op} with this --impl runs on one of {', '.join(covered)}")
-    else:
-        if args.op not in OPS:
-            raise UsageError(f"unknown op {args.op!r}; known: {', '.join(sorted(OPS))}, or property:NAME")
-        if args.path is not None and (args.op != "forward_mqa" or args.path not in FORWARD_PATHS):
-            raise UsageError(f"--path applies to --op forward_mqa with one of {', '.join(FORWARD_PATHS)}")
-        subject = resolve_subject(args.op, args.impl, device, deviations=args.deviation)
-    profile = _profile(args.profile, device, "dev")
-    examples = args.examples or (profile.property_examples if is_property(args.op) else profile.examples)
-    seed = new_seed() if args.seed is None else args.seed
-    run_id = _run_id("fuzz")
-    # An op whose implementation runs in processes of its own is isolated already.
-    isolate = ((device == "cuda" if args.isolate is None else args.isolate)
-               and (is_property(args.op) or not OPS[args.op].own_processes))
-    distributed.set_timeout(args.timeout)
-    ranks = f", {world_size} ranks ({distributed.placement(world_size, device).describe()})" if world_size else ""
-    print(f"mla-verify fuzz: op {args.op}, implementation {subject.label}, {examples} examples, profile {profile.name}, "
-          f"device {device}, seed {seed}{ranks}{', isolated' if isolate else ''}", flush=True)
-    meta = _start_meta(profile.name, seed, device)
-    parts = 1 if args.part or world_size else (args.parallel or (_gpu_count() if device == "cuda" else 1))
-    if parts > 1:
-        return _fuzz_in_parts(args, device, profile.name, examples, seed, meta, parts)
-    notes: set[str] = set()
-    worker = Worker(device, args.timeout) if isolate else None
+    from .parallel import RESULT_JSON
 
-    def run(case, source):
-        if worker is not None:
-            return worker.run(case, args.impl, subject.label, run_id, source, notes=notes, deviations=subject.declared)
-        return evaluate(case, subject, device, run_id=run_id, source=source, notes=notes)
-
-    try:
-        result = fuzz(args.op, run, profile=profile, examples=examples, seed=seed, impl_specs=tuple(args.impl),
-                      deviations=subject.declared, device=device, out_dir=args.out, shrink=not args.no_shrink,
-                      path=args.path, world_size=world_size)
-    finally:
-        if worker is not None:
-            worker.close()
-    for note in sorted(notes):
-        print(f"note: {note}")
-    if world_size:
-        print(f"worst per rank over {result.examples} cases (metric value/bound):")
-        for line in distributed.worst_by_rank(result.rows):
-            print(f"  {line}")
-    _write_run(args.out, result.rows, meta)
-    if args.junit:
-        from .junit import write_junit
-
-        write_junit(args.junit, result.rows)
-    if result.failure is None:
-        gated = [r for r in result.rows if r.gate_metric and r.passed]
-        tightest = min(gated, key=lambda r: r.headroom, default=None)
-        room = f"; least headroom: {tightest.tensor} {tightest.gate_metric} = {tightest.value:.3g} of {tightest.bound:.3g}" if tightest else ""
-        print(f"PASS: {result.examples} examples, no discrepancy (seed {seed}){room}")
-        return 0
-    d = result.failure
-    print(f"DISCREPANCY in {args.op} ({subject.label}) at example {result.first_failure_at}, seed {seed}")
-    print(f"  minimized case: {d.case.short()}")
-    for r in d.rows:
-        if not r.passed:
-            print(f"  {r.tensor}: {r.gate_metric} = {r.value:.4g}, bound {r.bound:.4g} -- {r.reason}")
-    if result.case_file:
-        print(f"  case saved: {result.case_file}")
-        print(f"  replay: mla-verify replay {result.case_file} --device {device}")
-    return 1
-
-
-def _fuzz_in_parts(args, device: str, profile: str, examples: int, seed: int, meta: dict, parts: int) -> int:
-    from mla_verify.equivalence.rows import Row
-
-    from .parallel import fuzz_parts, share
-
-    child = ["--op", args.op, "--profile", profile, "--timeout", str(args.timeout),
-             *(a for spec in args.impl for a in ("--impl", spec)),
-             *(a for name in args.deviation for a in ("--deviation", name))]
-    child += ["--path", args.path] if args.path else []
-    child += ["--no-shrink"] if args.no_shrink else []
-    child += [] if args.isolate is None else ["--isolate" if args.isolate else "--no-isolate"]
-    shares = share(examples, parts)
-    print(f"  {len(shares)} campaigns, one per {'GPU' if device == 'cuda' else 'process'}: "
-          + ", ".join(f"seed {seed + i} x {n}" for i, n in enumerate(shares)) + f"; logs {args.out}/part-*/fuzz.log",
-          flush=True)
-    frame, results = fuzz_parts(child, examples, seed, parts, device, args.out)
-    _write_run(args.out, frame, meta)
-    rows = [Row(**r) for r in frame.to_dict("records")]
-    if args.junit:
-        from .junit import write_junit
-
-        write_junit(args.junit, rows)
-    worst = 0
-    for part, (part_seed, code, log) in enumerate(results):
-        lines = log.read_text().splitlines() if log.exists() else []
-        start = next((i for i, line in enumerate(lines) if line.startswith("DISCREPANCY")), None)
-        shown = lines[start:] if start is not None else lines[-1:] if code == 0 else lines[-5:]
-        print(f"part {part} (seed {part_seed}): exit {code}")
-        for line in shown:
-            print(f"  {line}")
-        worst = max(worst, code if code in (0, 1, 2) else 1)  # killed by a signal: a failure
-    if worst == 0:
-        print(f"PASS: {examples} examples over {len(results)} campaigns, no discrepancy (seeds {seed}..{seed + len(results) - 1})")
-    return worst
+    out = args.out or FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
+    result = api.check(args.op, args.impl or None, examples=args.examples, seed=args.seed, device=device,
+                       profile=args.profile, out=out, isolate=args.isolate, timeout=args.timeout,
+                       deviations=args.deviation, path=args.path, world_size=args.world_size,
+                       shrink=not args.no_shrink, parallel=1 if args.part else args.parallel, junit=args.junit,
+                       log=lambda line: print(line, flush=True))
+    print(result.report())
+    if args.part and result.out is not None:  # the parent reads this part's outcome here
+        write_atomic(result.out / RESULT_JSON, result_file(result))
+    return result.exit_code
 
 
 def cmd_replay(args, device: str) -> int:
-    from mla_verify.equivalence.evaluate import evaluate
-    from mla_verify.equivalence.subject import UsageError, resolve_subject
-    from mla_verify.fuzz import casefile
+    from mla_verify import api
 
-    try:
-        cf = casefile.load(args.file)
-    except (OSError, ValueError, KeyError) as exc:
-        raise UsageError(f"cannot read case file {args.file}: {exc}") from None
-    specs = tuple(args.impl) if args.impl is not None else cf.impl
-    # The saved deviations belong to the saved implementation.
-    deviations = args.deviation if args.deviation is not None else cf.deviations if args.impl is None else ()
-    subject = resolve_subject(cf.case.op, specs, device, deviations=deviations)
-    print(f"replay {cf.case.short()} on {device} with {subject.label}")
-    if cf.failure:
-        print("  saved failure: " + "; ".join(f"{f['tensor']} {f['metric']} = {f['value']:.4g} (bound {f['bound']:.4g})" for f in cf.failure))
-    rows = evaluate(cf.case, subject, device, source="replay")
-    for r in rows:
+    result = api.replay(args.file, args.impl, device=device, isolate=args.isolate, timeout=args.timeout,
+                        deviations=args.deviation, log=print)
+    for r in result.rows.itertuples():
         verdict = "ok  " if r.passed else "FAIL"
         detail = r.reason if not r.passed else f"{r.gate_metric} = {r.value:.4g} of {r.bound:.4g}"
         print(f"  {verdict} {r.tensor:17s} {detail}")
-    return 0 if all(r.passed for r in rows) else 1
+    for note in result.notes:
+        print(f"  {note}")
+    return result.exit_code
+
+
+def _gate_ops(ops: list[str] | None) -> None:
+    from mla_verify.equivalence.ops import OPS
+    from mla_verify.equivalence.properties import PROPERTIES
+    from mla_verify.equivalence.subject import UsageError
+
+    known = [*sorted(OPS), *(p.op for p in PROPERTIES.values()), "property"]
+    unknown = [op for op in ops or [] if op not in known]
+    if unknown:
+        raise UsageError(f"--op {unknown[0]!r}: unknown; known: {', '.join(known)}")
 
 
 def cmd_gate(args, device: str) -> int:
+    from mla_verify.interrupt import Interrupt
     from mla_verify.fuzz.campaign import new_seed
     from mla_verify.fuzz.gate import odd_ones_out, run_gate
+    from mla_verify.rundir import FreshDir, RunDir
 
+    _gate_ops(args.op)
+    if args.junit is not None:
+        from mla_verify.api import _writable_file
+
+        _writable_file(args.junit, "--junit")
     profile = _profile(args.profile, device, "ci")
     seed = new_seed() if args.seed is None else args.seed
     run_id = _run_id("gate")
-    out = args.out or Path("runs") / run_id
+    run_dir = RunDir.open(args.out or FreshDir.named("runs", "gate"))
+    out = run_dir.path
     isolate = device == "cuda" if args.isolate is None else args.isolate
     budget = (f"{args.examples}" if args.examples is not None
               else f"{profile.examples} (properties: {profile.property_examples})")
@@ -416,19 +359,31 @@ def cmd_gate(args, device: str) -> int:
           f"implementation, seed {seed}, run {out}", flush=True)
     started = time.time()
     meta = _start_meta(profile.name, seed, device)
+    run_dir.start(meta)
     parts = args.parallel or (_gpu_count() if device == "cuda" else 1)
-    if parts > 1 and not args.part:
-        return _gate_in_parts(args, device, profile, seed, out, meta, parts, started)
-    result = run_gate(device=device, profile=profile, examples=args.examples, seed=seed, run_id=run_id, out_dir=out,
-                      isolate=isolate, timeout_s=args.timeout, ops=args.op)
+    interrupt = Interrupt()
+    try:
+        if parts > 1 and not args.part:
+            with interrupt.installed():
+                return _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started)
+        with interrupt.installed():
+            result = run_gate(device=device, profile=profile, examples=args.examples, seed=seed, run_id=run_id,
+                              out_dir=out, isolate=isolate, timeout_s=args.timeout, ops=args.op,
+                              journal=run_dir.append, stop_reason=lambda: "interrupted" if interrupt.requested else "")
+    except BaseException:  # the journal keeps the rows so far; the next run may take the directory's lock
+        run_dir.release()
+        raise
     for note in sorted(result.notes):
         print(f"note: {note}")
     for line in odd_ones_out(result.rows):
         print(f"odd one out: {line}")
-    _write_run(out, result.rows, meta)
+    run_dir.finish(result.rows, meta)
     for fz in result.fuzz:
         if fz.case_file:
             print(f"failing case saved: {fz.case_file}  (mla-verify replay {fz.case_file} --device {device})")
+    if interrupt.requested:
+        print(f"INTERRUPTED: {len(result.rows)} rows written to {out}")
+        return 130
     if args.part:
         return 1 if result.failed else 0
     return _finish_gate(args, out, result.rows, result.failed, started)
@@ -453,7 +408,7 @@ def _finish_gate(args, out: Path, rows, failed: bool, started: float) -> int:
     return 1 if failed else code
 
 
-def _gate_in_parts(args, device, profile, seed, out, meta, parts, started) -> int:
+def _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started) -> int:
     from mla_verify.equivalence.ops import OPS
     from mla_verify.equivalence.properties import PROPERTIES
     from mla_verify.equivalence.rows import Row
@@ -468,16 +423,40 @@ def _gate_in_parts(args, device, profile, seed, out, meta, parts, started) -> in
     if args.isolate is not None:
         child += ["--isolate" if args.isolate else "--no-isolate"]
     print(f"  {parts} parts, one per {'GPU' if device == 'cuda' else 'process'}", flush=True)
-    frame, worst = run_parts(ops, parts, device, out, child)
-    _write_run(out, frame, meta)
+    frame, worst = run_parts(ops, parts, device, run_dir.path, child)
+    run_dir.finish(frame, meta)
     rows = [Row(**r) for r in frame.to_dict("records")]
     failed = worst != 0 or any(not r.passed for r in rows)
-    return _finish_gate(args, out, rows, failed, started)
+    return _finish_gate(args, run_dir.path, rows, failed, started)
+
+
+def _load_run(path: Path, what: str):
+    from mla_verify import reports
+    from mla_verify.equivalence.subject import UsageError
+
+    try:
+        rows, meta = reports.load_run(path)
+    except (OSError, ValueError) as exc:  # missing, empty, truncated or corrupt (pyarrow's errors are ValueErrors)
+        raise UsageError(f"{what} {path}: not a readable run ({exc})") from None
+    if rows.empty:
+        raise UsageError(f"{what} {path}: the run holds no rows")
+    return rows, meta
 
 
 def cmd_report(args, device: str) -> int:
     from mla_verify import reports
+    from mla_verify.equivalence.subject import UsageError
+    from mla_verify.reports.stats import GROUP_KEYS
 
+    rows, meta = _load_run(args.run_dir, "run")
+    if meta.get("incomplete"):
+        print(f"note: {args.run_dir} did not finish (killed?): its rows come from its journal")
+    if args.baseline is not None:
+        base, _ = _load_run(args.baseline, "baseline")
+        keys = list(GROUP_KEYS[:-1])  # op, path, tensor, implementation
+        if not set(map(tuple, rows[keys].to_numpy())) & set(map(tuple, base[keys].to_numpy())):
+            raise UsageError(f"baseline {args.baseline} has no (op, path, tensor, implementation) in common with "
+                             f"{args.run_dir}: nothing to compare")
     return reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
                               factor=args.factor)
 

@@ -7,10 +7,19 @@ CPU the Triton kernels run interpreted, so there the eager ones are the default 
 by name.
 """
 
+import os
+
+import torch
+
+# Triton picks interpreter or compiler when a kernel is defined: with no GPU only the interpreter
+# runs (however this package was reached: the CLI, `mla_verify.check`, a user's import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Imported to register, in preference order.
-from . import flashmla  # noqa: F401
-from .kernels import cache_writer, concat, dcp_merge, gather, indices, sparse_decode, sparse_prefill  # noqa: F401
-from . import eager, metadata, spec_decode  # noqa: F401
-from .pipeline import PipelineResult, forward_mqa, forward_mqa_dcp, needed_stages
+from . import flashmla  # noqa: E402,F401
+from .kernels import cache_writer, concat, dcp_merge, gather, indices, sparse_decode, sparse_prefill  # noqa: E402,F401
+from . import eager, metadata, spec_decode  # noqa: E402,F401
+from .pipeline import PipelineResult, forward_mqa, forward_mqa_dcp, needed_stages  # noqa: E402
 
 __all__ = ["PipelineResult", "forward_mqa", "forward_mqa_dcp", "needed_stages"]

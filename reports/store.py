@@ -23,6 +23,7 @@ RUN_FORMAT = "mla-verify-run/1"
 ROWS_PARQUET = "rows.parquet"
 ROWS_CSV = "rows.csv"
 META_JSON = "meta.json"
+JOURNAL = "journal.jsonl"  # rows appended as each case finishes (mla_verify.rundir); gone once the run is written
 
 _DTYPE_OF_ANNOTATION = {
     "str": "string",
@@ -106,17 +107,34 @@ def write_run(run_dir: str | Path, rows: Iterable[Row | Mapping[str, Any]] | pd.
     return run_dir
 
 
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    """The row records of a journal; a torn last line (the writer was killed mid-write) is dropped."""
+    lines = Path(path).read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not a row") from None
+    return records
+
+
 def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     """(rows, meta) of a run written by `write_run`: rows.parquet, or rows.csv where the parquet
-    file is absent (a run copied around as text)."""
+    file is absent (a run copied around as text), or the journal of a run that never finished
+    (meta then says "incomplete": true)."""
     run_dir = Path(run_dir)
-    parquet, csv = run_dir / ROWS_PARQUET, run_dir / ROWS_CSV
+    parquet, csv, journal = run_dir / ROWS_PARQUET, run_dir / ROWS_CSV, run_dir / JOURNAL
+    incomplete = False
     if parquet.exists():
         frame = conform(pd.read_parquet(parquet))
     elif csv.exists():
         frame = read_csv_rows(csv)
+    elif journal.exists():
+        frame, incomplete = rows_frame(read_journal(journal)), True
     else:
-        raise FileNotFoundError(f"{run_dir} holds no {ROWS_PARQUET} or {ROWS_CSV}: not a run")
+        raise FileNotFoundError(f"{run_dir} holds no {ROWS_PARQUET}, {ROWS_CSV} or {JOURNAL}: not a run")
     meta_path = run_dir / META_JSON
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    return frame, meta
+    return frame, {**meta, "incomplete": True} if incomplete else meta

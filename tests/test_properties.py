@@ -8,6 +8,7 @@ from generators seeded with it); Hypothesis notes every case, and a failure name
 """
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -146,10 +147,11 @@ def test_a_property_failure_is_saved_and_replays_exactly(capsys, tmp_path):
                          "sparse_prefill", "--examples", "20", "--seed", "3", "--device", "cpu", "--profile", "ci",
                          "--out", str(tmp_path))
     assert code == 1 and "DISCREPANCY" in text
-    [saved] = (tmp_path / "failures").glob("property-split_invariance-*.json")
+    saved = Path(next(line.split("case saved: ")[1] for line in text.splitlines() if "case saved: " in line))
+    assert saved.name.startswith("property-split_invariance-") and saved.parent == tmp_path / "failures"
     data = json.loads(saved.read_text())
     assert data["case"]["op"] == "property:split_invariance" and data["impl"] == [broken]
-    code, text = run_cli(capsys, "replay", str(saved), "--device", "cpu")
+    code, text = run_cli(capsys, "replay", str(saved), "--device", "cpu", "--impl", broken)
     assert code == 1 and f"{data['failure'][0]['value']:.4g}" in text  # the same metric value, exactly
     code, text = run_cli(capsys, "replay", str(saved), "--device", "cpu", "--impl", "torch-fp32")
     assert code == 0

@@ -16,6 +16,8 @@ class Check:
     scale: str | None = None  # reference tensor of per-row scales: an LSE's logit_l1, an output's value_max
     optional: bool = False    # compared only when the implementation returns it (max_logits)
     single_rank: bool = False  # one DCP rank's pre-combine partial: held to the bounds without DCP
+    dtype: torch.dtype | None = None  # the contract's dtype (None: the reference's, for exact tensors)
+    contiguous: bool = False   # the contract asks for a dense tensor (a later kernel reads it so)
 
 
 @dataclass
@@ -42,6 +44,8 @@ class OpSpec:
     # Runs its implementation in processes of its own, each isolated already: never inside an
     # isolation worker (a daemonic worker process cannot start children).
     own_processes: bool = False
+    writes: tuple[str, ...] = ()      # arguments written in place (their bytes are the op's checks)
+    views: bool = False               # the result may be a view of an input (the reshapes)
 
     def path_of(self, params: Mapping) -> str:
         return self.path(params) if self.path else self.name

@@ -13,6 +13,7 @@ import math
 import torch
 
 from mla_verify import reference
+from mla_verify.equivalence.contract import returned
 from mla_verify.equivalence.patterns import apply_patterns, distinct_rows, prefix_candidates
 from mla_verify.equivalence.policy import LSE, OUT
 from mla_verify.equivalence.values import fill_selected_slots, kv_values, q_values
@@ -21,13 +22,11 @@ from . import Check, ImplOutput, OpSpec, register_op
 from .common import generator, knobs, rand, randint
 
 
-def _named_attention(result) -> dict[str, torch.Tensor]:
-    names = ("out", "lse", "max_logits")
-    return dict(zip(names, result))
+def _call(names: tuple[str, ...], required: int):
+    def call(subject, kwargs, params) -> ImplOutput:
+        return ImplOutput(returned(subject.fn(**kwargs), names, required), deviations=subject.deviations)
 
-
-def _call(subject, kwargs, params) -> ImplOutput:
-    return ImplOutput(_named_attention(subject.fn(**kwargs)), deviations=subject.deviations)
+    return call
 
 
 def _prefill_inputs(p, seed, device):
@@ -75,9 +74,9 @@ register_op(OpSpec(
     arguments=("q", "kv", "indices", "sm_scale", "topk_length", "attn_sink"),
     inputs=_prefill_inputs,
     reference=_prefill_reference,
-    call=_call,
-    checks=(Check("out", OUT, "value_max"), Check("lse", LSE, "logit_l1"),
-            Check("max_logits", LSE, "logit_l1", optional=True)),
+    call=_call(("out", "lse", "max_logits"), 2),
+    checks=(Check("out", OUT, "value_max", dtype=torch.bfloat16), Check("lse", LSE, "logit_l1", dtype=torch.float32),
+            Check("max_logits", LSE, "logit_l1", optional=True, dtype=torch.float32)),
     knobs=lambda p: knobs(p, num_tokens=p["tokens"], seq_len=p["kv_rows"], cache_dtype="bfloat16"),
     doc="flash_mla_sparse_fwd: bf16 q/kv rows, top-k row indices (invalid: <0 or >=N), topk_length, sink",
 ))
@@ -116,8 +115,8 @@ register_op(OpSpec(
     arguments=("q", "kv_cache", "indices", "sm_scale"),
     inputs=_decode_inputs,
     reference=_decode_reference,
-    call=_call,
-    checks=(Check("out", OUT), Check("lse", LSE, "logit_l1")),
+    call=_call(("out", "lse"), 2),
+    checks=(Check("out", OUT, dtype=torch.bfloat16), Check("lse", LSE, "logit_l1", dtype=torch.float32)),
     knobs=lambda p: knobs(p, num_tokens=p["batch"] * p["s_q"], seq_len=max(p["seq_lens"]),
                           block_size=p["page_size"], cache_dtype="fp8_ds_mla"),
     doc="flash_mla_with_kvcache sparse decode on 656-byte fp8_ds_mla pages; indices are physical slots, -1 only invalid",

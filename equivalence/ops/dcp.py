@@ -8,6 +8,7 @@ import math
 import torch
 
 from mla_verify import reference
+from mla_verify.equivalence.contract import returned
 from mla_verify.equivalence.batch import make_batch
 from mla_verify.equivalence.policy import LSE, OUT
 
@@ -44,8 +45,8 @@ register_op(OpSpec(
     arguments=("outs", "lses"),
     inputs=_merge_inputs,
     reference=_merge_reference,
-    call=lambda subject, kw, p: ImplOutput(dict(zip(("out", "lse"), subject.fn(**kw))), deviations=subject.deviations),
-    checks=(Check("out", OUT), Check("lse", LSE, "logit_l1")),
+    call=lambda subject, kw, p: ImplOutput(returned(subject.fn(**kw), ("out", "lse")), deviations=subject.deviations),
+    checks=(Check("out", OUT, dtype=torch.bfloat16), Check("lse", LSE, "logit_l1", dtype=torch.float32)),
     knobs=lambda p: knobs(p, num_tokens=p["tokens"], dcp_size=p["ranks"]),
     doc="cp_lse_ag_out_rs: sanitize NaN/+inf LSEs, merge by log-sum-exp, bf16 per-rank terms, sum",
 ))
@@ -63,10 +64,11 @@ def _rank_checks() -> tuple[Check, ...]:
     checks = []
     for r in range(MAX_RANKS):  # ranks past the case's world size have no reference: skipped
         checks += [
-            Check(f"out_rank{r}", OUT),
-            Check(f"lse_rank{r}", LSE, f"logit_l1_rank{r}"),
-            Check(f"partial_out_rank{r}", OUT, optional=True, single_rank=True),
-            Check(f"partial_lse_rank{r}", LSE, f"partial_logit_l1_rank{r}", optional=True, single_rank=True),
+            Check(f"out_rank{r}", OUT, dtype=torch.bfloat16),
+            Check(f"lse_rank{r}", LSE, f"logit_l1_rank{r}", dtype=torch.float32),
+            Check(f"partial_out_rank{r}", OUT, optional=True, single_rank=True, dtype=torch.bfloat16),
+            Check(f"partial_lse_rank{r}", LSE, f"partial_logit_l1_rank{r}", optional=True, single_rank=True,
+                  dtype=torch.float32),
         ]
     return tuple(checks)
 

@@ -80,6 +80,7 @@ register_op(OpSpec(
     reference=_reference_write,
     call=_call_write,
     checks=(Check("cache", EXACT),),
+    writes=("kv_cache",),
     knobs=lambda p: knobs(p, num_tokens=p["n"]),
     doc="quantize + scatter by slot mapping into a paged cache; every byte of the cache's storage "
         "(including padding rows between blocks and skipped slots) must match",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mla_verify import reference
+from mla_verify.equivalence.contract import returned
 from mla_verify.equivalence.patterns import apply_patterns, distinct_rows, prefix_candidates
 from mla_verify.equivalence.policy import EXACT
 
@@ -37,10 +38,8 @@ def _convert_inputs(p, seed, device):
     return kwargs
 
 
-def _named_indices(result) -> dict[str, torch.Tensor]:
-    if isinstance(result, tuple):
-        return {"indices": result[0], "valid_counts": result[1]}
-    return {"indices": result}
+def _named_indices(result, counts: bool) -> dict[str, torch.Tensor]:
+    return returned(result, ("indices", "valid_counts") if counts else ("indices",))
 
 
 register_op(OpSpec(
@@ -49,8 +48,9 @@ register_op(OpSpec(
     arguments=("req_id", "block_table", "topk_indices", "block_size", "block_stride_rows",
                "prefill_request_ids", "prefill_workspace_starts", "return_valid_counts"),
     inputs=_convert_inputs,
-    reference=lambda kw, p: _named_indices(reference.convert_index(**kw)),
-    call=lambda subject, kw, p: ImplOutput(_named_indices(subject.fn(**kw)), deviations=subject.deviations),
+    reference=lambda kw, p: _named_indices(reference.convert_index(**kw), kw["return_valid_counts"]),
+    call=lambda subject, kw, p: ImplOutput(_named_indices(subject.fn(**kw), kw["return_valid_counts"]),
+                                           deviations=subject.deviations),
     checks=(Check("indices", EXACT), Check("valid_counts", EXACT)),
     knobs=lambda p: knobs(p, num_tokens=p["tokens"], seq_len=p["table_width"] * p["block_size"]),
     doc="triton_convert_req_index_to_global_index: block table / stride rows / prefill workspace, stable compaction",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mla_verify import reference
+from mla_verify.equivalence.contract import ContractError
 from mla_verify.equivalence.policy import EXACT
 from mla_verify.equivalence.values import q_values
 
@@ -26,14 +27,17 @@ register_op(OpSpec(
     inputs=_concat_inputs,
     reference=lambda kw, p: {"q": reference.concat_mla_q(kw["ql_nope"], kw["q_pe"])},
     call=single(lambda q: {"q": q}),
-    checks=(Check("q", EXACT),),
+    checks=(Check("q", EXACT, contiguous=True),),
     knobs=lambda p: knobs(p, num_tokens=p["tokens"]),
     doc="q[t,h] = [ql_nope (512) | q_pe (64)], bf16 copy",
 ))
 
 
 def _chunks_tensor(chunks) -> torch.Tensor:
-    return torch.tensor([list(c) for c in chunks], dtype=torch.int64).reshape(-1, 2)
+    try:
+        return torch.tensor([list(c) for c in chunks], dtype=torch.int64).reshape(-1, 2)
+    except (TypeError, ValueError, RuntimeError):
+        raise ContractError(f"chunks: returned {chunks!r:.80}; the contract says a list of (start, end) pairs") from None
 
 
 register_op(OpSpec(
@@ -63,6 +67,7 @@ register_op(OpSpec(
     call=single(lambda q: {"q": q}),
     checks=(Check("q", EXACT),),
     knobs=lambda p: knobs(p, num_tokens=p["num_decodes"] * p["s"]),
+    views=True,
     doc="[B*s, H, D] -> [B, s, H, D], token-major",
 ))
 
@@ -81,5 +86,6 @@ register_op(OpSpec(
     call=lambda subject, kw, p: ImplOutput({"out": subject.fn(**kw)}, deviations=subject.deviations),
     checks=(Check("out", EXACT),),
     knobs=lambda p: knobs(p, num_tokens=p["num_decodes"] * p["s"]),
+    views=True,
     doc="[B, s, H, D] -> [B*s, H, D]; 3-D unchanged",
 ))

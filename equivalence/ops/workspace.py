@@ -50,7 +50,7 @@ for _fmt, _fn in (("fp8_ds_mla", reference.gather_upconvert_fp8), ("nvfp4_ds_mla
         inputs=_gather_inputs(_fmt),
         reference=lambda kw, p, fn=_fn: {"workspace": fn(**kw)},
         call=lambda subject, kw, p: ImplOutput({"workspace": subject.fn(**kw)}, deviations=subject.deviations),
-        checks=(Check("workspace", EXACT),),
+        checks=(Check("workspace", EXACT, contiguous=True),),
         knobs=lambda p, fmt=_fmt: knobs(p, num_tokens=sum(p["seq_lens"]), seq_len=max(p["seq_lens"]), cache_dtype=fmt),
         doc=f"cp_gather_and_upconvert ({_fmt}): rows of a prefill chunk into the bf16 workspace, bits exact",
     ))

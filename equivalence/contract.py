@@ -1,0 +1,194 @@
+"""What an implementation promises beyond its values: it leaves its inputs alone, returns what
+the contract says (arity, type, dtype, shape, device), and never hands back an input as output.
+
+Inputs are snapshotted before the call (a byte copy of every storage they live in, on their own
+device) and compared after it. An op that writes in place names the arguments it may write
+(`OpSpec.writes`); its own checks compare every byte of them. A stage inside a pipeline or a
+property gets the same checks through `guarded`. Every violation is a `ContractError` or a
+one-line reason naming the tensor, never a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
+
+import torch
+
+from mla_verify.optimized.registry import Resolved
+
+
+class ContractError(Exception):
+    """The implementation broke the contract in a way that is not a value (one-line message)."""
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"a {str(obj.dtype).removeprefix('torch.')} tensor of shape {tuple(obj.shape)}"
+    return f"a {type(obj).__name__}" if obj is not None else "None"
+
+
+def returned(result: Any, names: Sequence[str], required: int | None = None) -> dict[str, Any]:
+    """An implementation's result as {name: value}: one name, the result itself; several, a tuple
+    (or list) of `required` to len(names) elements. Element types are checked per tensor later."""
+    if len(names) == 1:
+        return {names[0]: result}
+    required = len(names) if required is None else required
+    want = f"({', '.join(names[:required])}{''.join(f'[, {n}]' for n in names[required:])})"
+    if not isinstance(result, (tuple, list)):
+        raise ContractError(f"returned {_describe(result)}; the contract says a tuple {want}")
+    if not required <= len(result) <= len(names):
+        raise ContractError(f"returned a tuple of {len(result)}; the contract says {want}")
+    return dict(zip(names, result))
+
+
+def output_problem(name: str, t: Any, *, dtype: torch.dtype, shape: Sequence[int], device: str | None,
+                   contiguous: bool = False) -> str | None:
+    """Why output `name` breaks its contract (one line), or None. `device` None: not checked."""
+    if not isinstance(t, torch.Tensor):
+        return f"{name}: {_describe(t)}, the contract says a torch.Tensor"
+    if device is not None:
+        want = torch.device(device)
+        if t.device.type != want.type or (want.index is not None and t.device.index not in (None, want.index)):
+            return f"{name}: on device {t.device}, the contract says {want}"
+    if t.dtype != dtype:
+        return f"{name}: dtype {str(t.dtype).removeprefix('torch.')}, the contract says {str(dtype).removeprefix('torch.')}"
+    if tuple(t.shape) != tuple(shape):
+        return f"{name}: shape {tuple(t.shape)}, the contract says {tuple(shape)}"
+    if contiguous and not t.is_contiguous():
+        return f"{name}: strides {t.stride()} are not contiguous, the contract says contiguous"
+    return None
+
+
+def tensors_in(obj: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor in an argument: tensors, tuples/lists, dicts, dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        yield name, obj
+    elif isinstance(obj, (tuple, list)):
+        for i, x in enumerate(obj):
+            yield from tensors_in(x, f"{name}[{i}]")
+    elif isinstance(obj, Mapping):
+        for k, x in obj.items():
+            yield from tensors_in(x, f"{name}.{k}")
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, f.name), f"{name}.{f.name}")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The same elements as integers of the same width: compared bit for bit, NaN equal to NaN."""
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t if t.dtype == width or t.dtype == torch.bool else t.view(width)
+
+
+def _storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _value(t: torch.Tensor, at: tuple[int, ...]) -> str:
+    v = t[at].item()
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+@dataclass
+class _Saved:
+    storage: torch.UntypedStorage
+    copy: torch.Tensor                                   # uint8 copy of every byte of it
+    views: list[tuple[str, torch.Tensor]]               # the arguments that live in it
+
+
+class Snapshot:
+    """Every tensor of `arguments`, copied byte for byte (whole storages: padding between the
+    rows of a strided view counts) before an implementation runs."""
+
+    def __init__(self, arguments: Mapping[str, Any]):
+        self._saved: dict[tuple[str, int], _Saved] = {}
+        for name, value in arguments.items():
+            for path, t in tensors_in(value, name):
+                if t.device.type == "meta" or t.untyped_storage().nbytes() == 0:
+                    continue
+                storage = t.untyped_storage()
+                key = (t.device.type, storage.data_ptr())
+                if key not in self._saved:
+                    self._saved[key] = _Saved(storage, _storage_bytes(storage, t.device).clone(), [])
+                self._saved[key].views.append((path, t))
+
+    def changed(self, allowed: Collection[str] = ()) -> list[tuple[str, str]]:
+        """(argument, one-line reason) for every argument written since the snapshot; arguments
+        named in `allowed` (and anything sharing their storage) may change."""
+        found = []
+        for saved in self._saved.values():
+            if any(path.split(".")[0].split("[")[0] in allowed for path, _ in saved.views):
+                continue
+            now = _storage_bytes(saved.storage, saved.copy.device)
+            if torch.equal(now, saved.copy):
+                continue
+            found.append(self._locate(saved, now))
+        return found
+
+    @staticmethod
+    def _locate(saved: _Saved, now: torch.Tensor) -> tuple[str, str]:
+        for path, t in saved.views:
+            before = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                saved.copy.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+            diff = (_bits(before) != _bits(t)).nonzero()
+            if len(diff):
+                at = tuple(int(i) for i in diff[0])
+                where = ", ".join(map(str, at))
+                return path, (f"{path}: input written by the implementation at [{where}] "
+                              f"({_value(before, at)} -> {_value(t, at)}; {len(diff)} elements changed); "
+                              "inputs are read-only")
+        byte = int((now != saved.copy).nonzero()[0])
+        path = saved.views[0][0]
+        return path, (f"{path}: bytes outside the tensor's view written (storage byte {byte}, e.g. the padding "
+                      "between cache blocks); inputs are read-only")
+
+    def aliased_by(self, name: str, out: Any) -> str | None:
+        """A reason if output `name` shares memory with an input (writing it would write the input)."""
+        if not isinstance(out, torch.Tensor) or out.device.type == "meta" or out.untyped_storage().nbytes() == 0:
+            return None
+        saved = self._saved.get((out.device.type, out.untyped_storage().data_ptr()))
+        if saved is None:
+            return None
+        return f"{name}: shares memory with input {saved.views[0][0]} (an output must be a new tensor)"
+
+
+def _outputs(result: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(result, (tuple, list)):
+        for i, x in enumerate(result):
+            if isinstance(x, torch.Tensor):
+                yield f"output {i}", x
+    elif isinstance(result, torch.Tensor):
+        yield "output", result
+
+
+def guard(stage: str, name: str, fn: Callable, writes: Collection[str] = (), views: bool = False) -> Callable:
+    """`fn` (implementation `name` of `stage`) with its inputs snapshotted and compared after the
+    call, and its outputs checked for aliasing its inputs; a violation raises ContractError."""
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        saved = Snapshot({**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs})
+        result = fn(*args, **kwargs)
+        problems = [reason for _, reason in saved.changed(writes)]
+        if not views:
+            problems += [p for out_name, t in _outputs(result) if (p := saved.aliased_by(out_name, t))]
+        if problems:
+            raise ContractError(f"stage {stage} ({name}): {problems[0]}")
+        return result
+
+    return checked
+
+
+def guarded(stages: Resolved) -> Resolved:
+    """`stages` with every chosen implementation wrapped by `guard` (its op's declared writes and views)."""
+    from .ops import OPS
+
+    def wrap(stage: str, impl):
+        op = OPS.get(stage)
+        fn = guard(stage, impl.name, impl.fn, op.writes if op else (), op.views if op else False)
+        return dataclasses.replace(impl, fn=fn)
+
+    return Resolved({s: wrap(s, impl) for s, impl in stages.chosen.items()}, stages.fallbacks)

@@ -1,0 +1,52 @@
+"""What a CUDA error leaves behind. A device-side assert or an illegal address is reported
+asynchronously, at whatever call synchronizes next, and it poisons the whole context: every later
+CUDA call in that process fails too. So after an implementation raises on CUDA the device is
+synchronized (the error is the implementation's), and a process that saw a CUDA error is never
+trusted with another case."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+# Messages of the errors the CUDA runtime, driver and libraries raise through torch and Triton.
+_DEVICE_ERROR = re.compile(r"CUDA error|CUDA driver error|\[CUDA\]|cudaError|device-side assert|illegal memory access"
+                           r"|illegal instruction|misaligned address|unspecified launch failure|CUBLAS_STATUS"
+                           r"|CUDNN_STATUS|NCCL error", re.IGNORECASE)
+
+
+def is_device_error(error: BaseException | str) -> bool:
+    """Whether an exception (or its message) is the CUDA device's rather than Python's."""
+    accelerator = getattr(torch, "AcceleratorError", None)
+    if accelerator is not None and isinstance(error, accelerator):
+        return True
+    return bool(_DEVICE_ERROR.search(str(error)))
+
+
+def synchronize(device: str) -> str | None:
+    """Wait for the device; the error it reports (one line), or None."""
+    if not device.startswith("cuda"):
+        return None
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:  # any failure here is the device's
+        return first_line(exc)
+    return None
+
+
+def usable(device: str) -> bool:
+    """Whether a fresh allocation and a kernel still work on `device` (a poisoned context fails)."""
+    if not device.startswith("cuda"):
+        return True
+    try:
+        return torch.ones(1, device=device).add_(1).item() == 2.0
+    except Exception:  # a poisoned context raises on anything
+        return False
+
+
+def first_line(error: BaseException | str, limit: int = 300) -> str:
+    """The first non-empty line of an error's message, at most `limit` characters."""
+    text = str(error).strip()
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."

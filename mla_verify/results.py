@@ -1,0 +1,133 @@
+"""What `mla_verify.check` and `mla_verify.replay` return: the rows, the verdict and, for a
+failure, the minimized case with everything needed to replay it; `report()` is what the CLI prints."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import pandas as pd
+
+# Failing rows with no measured value: their reason says it all.
+_QUIET_METRICS = {"raised", "crashed", "hung", "contract", "input_written", "missing"}
+
+
+@dataclass
+class Failure:
+    """A failing case: the (minimized) case, the failing row that decides it, and how to replay it."""
+
+    case: Any                       # mla_verify.equivalence.case.Case
+    tensor: str
+    metric: str
+    value: float
+    bound: float
+    reason: str
+    rows: list[dict[str, Any]]      # every failing row of the case (Row records)
+    case_file: Path | None
+    replay_command: str             # "mla-verify replay FILE --impl ... --device ..."
+    found_at: int | None = None     # example number of the first failing case
+    seed: int | None = None         # the campaign's seed
+    flaky: tuple[int, int] | None = None  # (failed k, of n re-runs) when a re-run passed
+    minimized: bool = False
+
+    @classmethod
+    def of(cls, case, rows, case_file: Path | None, replay_command: str, **fields: Any) -> "Failure":
+        bad = [r for r in rows if not r.passed]
+        first = bad[0]
+        return cls(case, first.tensor, first.gate_metric, first.value, first.bound, first.reason,
+                   [r.to_record() for r in bad], case_file, replay_command, **fields)
+
+    def lines(self) -> list[str]:
+        """The failure as the CLI prints it (after its first line)."""
+        what = "minimized case" if self.minimized else "case (as found, not minimized)"
+        out = [f"  {what}: {self.case.short()}"]
+        for r in self.rows:
+            if r["gate_metric"] in _QUIET_METRICS:
+                out.append(f"  {r['tensor']}: {r['gate_metric']} -- {r['reason']}")
+            else:
+                out.append(f"  {r['tensor']}: {r['gate_metric']} = {r['value']:.4g}, bound {r['bound']:.4g} -- {r['reason']}")
+        if self.case_file is not None:
+            out.append(f"  case saved: {self.case_file}")
+        out.append(f"  replay: {self.replay_command}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"case": self.case.to_dict(), "tensor": self.tensor, "metric": self.metric, "value": self.value,
+                "bound": self.bound, "reason": self.reason, "rows": self.rows,
+                "case_file": None if self.case_file is None else str(self.case_file),
+                "replay_command": self.replay_command, "found_at": self.found_at, "seed": self.seed,
+                "flaky": list(self.flaky) if self.flaky else None, "minimized": self.minimized}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Failure":
+        from mla_verify.equivalence.case import Case
+
+        return cls(Case.from_dict(d["case"]), d["tensor"], d["metric"], d["value"], d["bound"], d["reason"],
+                   list(d["rows"]), None if d["case_file"] is None else Path(d["case_file"]), d["replay_command"],
+                   d.get("found_at"), d.get("seed"), tuple(d["flaky"]) if d.get("flaky") else None,
+                   bool(d.get("minimized")))
+
+
+@dataclass
+class CheckResult:
+    """The outcome of `check` or `replay`."""
+
+    op: str
+    impl: str                       # the implementation's label in the rows
+    passed: bool
+    rows: pd.DataFrame              # the rows the run writes (`reports.load_run` reads the same)
+    seed: int | None
+    examples: int
+    out: Path | None                # the run directory, if one was written
+    failures: list[Failure] = field(default_factory=list)  # one per failing campaign (several with parallel parts)
+    interrupted: bool = False       # Ctrl-C ended it early (the CLI exits 130)
+    reproduced: bool | None = None  # replay: whether the saved failure came back
+    notes: list[str] = field(default_factory=list)
+    campaigns: int = 1              # independent campaigns (parallel parts: seeds seed, seed + 1, ...)
+
+    @property
+    def failure(self) -> Failure | None:
+        """The failing case, or None."""
+        return self.failures[0] if self.failures else None
+
+    def report(self) -> str:
+        """What the CLI prints at the end: PASS with the least headroom, or each failure with its
+        minimized case, failing metric and bound, case file and replay command."""
+        lines = [f"note: {n}" for n in self.notes]
+        for f in self.failures:
+            kind = f"FLAKY DISCREPANCY (failed {f.flaky[0]} of {f.flaky[1]} re-runs)" if f.flaky else "DISCREPANCY"
+            where = f" at example {f.found_at}" if f.found_at else ""
+            seed = f", seed {f.seed}" if f.seed is not None else ""
+            lines.append(f"{kind} in {self.op} ({self.impl}){where}{seed}")
+            lines += f.lines()
+        if self.interrupted:
+            lines.append(f"INTERRUPTED after {self.examples} examples (seed {self.seed}); rows so far in {self.out}"
+                         if self.out else f"INTERRUPTED after {self.examples} examples (seed {self.seed})")
+        elif self.passed:
+            seeds = (f"seed {self.seed}" if self.campaigns == 1
+                     else f"seeds {self.seed}..{self.seed + self.campaigns - 1}")
+            over = f" over {self.campaigns} campaigns" if self.campaigns > 1 else ""
+            lines.append(f"PASS: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}")
+        return "\n".join(lines)
+
+    @property
+    def exit_code(self) -> int:
+        """What the CLI returns: 130 interrupted, 1 a failure, 0 a pass."""
+        return 130 if self.interrupted else 0 if self.passed else 1
+
+
+def _headroom(rows: pd.DataFrame) -> str:
+    gated = rows[(rows.gate_metric != "") & rows.passed] if len(rows) else rows
+    if not len(gated):
+        return ""
+    r = gated.loc[gated.headroom.idxmin()]
+    return f"; least headroom: {r.tensor} {r.gate_metric} = {r.value:.3g} of {r.bound:.3g}"
+
+
+def result_file(result: CheckResult) -> str:
+    """A campaign's outcome as JSON (what a parallel part leaves for its parent)."""
+    return json.dumps({"examples": result.examples, "seed": result.seed, "passed": result.passed,
+                       "interrupted": result.interrupted, "notes": result.notes,
+                       "failures": [f.to_dict() for f in result.failures]}, indent=2) + "\n"

@@ -1,0 +1,167 @@
+"""A run directory while a run writes it: checked and locked before the first case, every case's
+rows journaled as it finishes, the run written whole at the end. Nothing computed is lost and
+nothing is ever overwritten:
+
+    OUT/.lock           the writing process's pid: a second run into OUT is refused
+    OUT/meta.json       what runs (written at the start, completed at the end)
+    OUT/journal.jsonl   one line per row, appended as each case finishes; after a SIGKILL
+                        `mla-verify report OUT` reads it (a torn last line is dropped)
+    OUT/failures/       case files, one per failing case (named by op, implementation, case)
+    OUT/rows.parquet    at the end (with rows.csv; written aside, then renamed into place),
+                        after which the journal goes
+
+A directory that already holds a run is refused, and a fresh default directory is named for the
+command, op, implementation and time (`FreshDir`), with a counter when two runs start together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from mla_verify.equivalence.rows import Row
+from mla_verify.equivalence.subject import UsageError
+from mla_verify.fuzz.casefile import slug, write_atomic
+from mla_verify.reports.store import JOURNAL, META_JSON, ROWS_CSV, ROWS_PARQUET
+
+LOCK = ".lock"
+_RUN_FILES = (META_JSON, ROWS_PARQUET, ROWS_CSV, JOURNAL, "failures")
+
+
+@dataclass(frozen=True)
+class FreshDir:
+    """A new directory named `path`, or `path`-2, -3, ... when that is taken."""
+
+    path: Path
+
+    @classmethod
+    def named(cls, root: str | Path, command: str, *parts: str) -> "FreshDir":
+        """root/COMMAND-PART-...-YYYYmmdd-HHMMSS, e.g. runs/fuzz-sparse_prefill-mykernel.decode-20250101-120000."""
+        name = "-".join([command, *(slug(p, 40) for p in parts if p), time.strftime("%Y%m%d-%H%M%S")])
+        return cls(Path(root) / name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunDir:
+    """The directory a run writes; `open` checks and locks it before any case runs."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._journal = None
+
+    @classmethod
+    def open(cls, out: str | Path | FreshDir) -> "RunDir":
+        """Create (or take an empty) run directory and lock it; UsageError if it cannot be
+        written, is a file, holds a run, or another run is writing it."""
+        if isinstance(out, FreshDir):
+            path = cls._fresh(out.path)
+        else:
+            path = Path(out)
+            if path.exists() and not path.is_dir():
+                raise UsageError(f"--out {path}: a file, not a directory")
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise UsageError(f"--out {path}: cannot create it ({exc.strerror or exc})") from None
+        run = cls(path)
+        run._lock()
+        held = [name for name in _RUN_FILES if (path / name).exists()]
+        if held and not isinstance(out, FreshDir):
+            run.release()
+            raise UsageError(f"--out {path} already holds a run ({', '.join(held)}); runs are never overwritten: "
+                             "name a new directory, or leave --out out for a fresh one")
+        return run
+
+    @staticmethod
+    def _fresh(base: Path) -> Path:
+        try:
+            base.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cannot create {base.parent} ({exc.strerror or exc})") from None
+        for n in range(1, 1000):
+            path = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise UsageError(f"cannot create {path} ({exc.strerror or exc})") from None
+        raise UsageError(f"no free run directory name next to {base}")
+
+    def _lock(self) -> None:
+        lock = self.path / LOCK
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                try:
+                    pid = int(lock.read_text() or 0)
+                except (OSError, ValueError):
+                    pid = 0
+                if pid and _alive(pid):
+                    raise UsageError(f"--out {self.path} is being written by another run (pid {pid})") from None
+                lock.unlink(missing_ok=True)  # left by a run that was killed
+                continue
+            except OSError as exc:
+                raise UsageError(f"--out {self.path}: not writable ({exc.strerror or exc})") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return
+        raise UsageError(f"--out {self.path}: cannot take its lock")
+
+    def start(self, meta: Mapping[str, Any]) -> None:
+        """meta.json as the run starts (what runs, where); the end completes it."""
+        write_atomic(self.path / META_JSON, json.dumps({**meta, "finished_at": None}, indent=2, default=str) + "\n")
+
+    def append(self, rows: Iterable[Row]) -> None:
+        """One case's rows onto the journal, in one write: a kill leaves whole lines and at most
+        one torn last line."""
+        lines = "".join(json.dumps(r.to_record(), default=str) + "\n" for r in rows)
+        if not lines:
+            return
+        if self._journal is None:
+            self._journal = open(self.path / JOURNAL, "a", buffering=1)
+        self._journal.write(lines)
+        self._journal.flush()
+
+    def write_file(self, name: str, text: str) -> Path:
+        return write_atomic(self.path / name, text)
+
+    def finish(self, rows, meta: Mapping[str, Any]) -> None:
+        """The run's rows and meta (`reports.write_run`), written aside and renamed into place;
+        then the journal is removed and the lock released."""
+        from mla_verify import reports
+
+        staging = self.path / f".writing-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        reports.write_run(staging, rows, reports.finish_meta(meta))
+        for item in staging.iterdir():
+            os.replace(item, self.path / item.name)
+        staging.rmdir()
+        self._close_journal()
+        (self.path / JOURNAL).unlink(missing_ok=True)
+        self.release()
+
+    def _close_journal(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+
+    def release(self) -> None:
+        self._close_journal()
+        (self.path / LOCK).unlink(missing_ok=True)

@@ -1,0 +1,35 @@
+"""Hypothesis strategies of mla-verify Cases, for tests that compose their own `@given`.
+
+    from hypothesis import given
+    import mla_verify
+    from mla_verify.equivalence.evaluate import evaluate
+
+    @given(case=mla_verify.strategies.cases("sparse_prefill", profile="ci"))
+    def test_my_prefill(case): ...
+
+A Case is plain data (op, params, seed); `mla_verify.replay` and `mla-verify replay` run one saved
+as JSON, and `equivalence.evaluate.evaluate(case, subject, device)` judges one in-process.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.subject import UsageError
+
+__all__ = ["cases"]
+
+
+def cases(op: str, profile: str = "ci", *, path: str | None = None,
+          world_size: int | None = None) -> st.SearchStrategy[Case]:
+    """Cases of `op` (an op, "forward_mqa", "dcp" or "property:NAME") within fuzz profile
+    `profile` (ci | dev | nightly | gpu); `path` picks a forward_mqa path or a property's target,
+    `world_size` dcp's ranks. Every case drawn is valid by the op's contract."""
+    from mla_verify.fuzz.profiles import get_profile
+    from mla_verify.fuzz.strategies import strategy
+
+    try:
+        return strategy(op, get_profile(profile), path, world_size)
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None

@@ -1,0 +1,57 @@
+"""The second zoo: implementations that misbehave the way unfinished kernels do (raise, crash,
+hang, give different answers run to run, write into their inputs, break the return contract),
+each with the outcome mla-verify must give it. `cpu.py` runs in CI (tests/test_hostile.py);
+`cuda.py` needs a GPU (tests/test_hostile_gpu.py and `scripts/gpu_lane.sh hostile`).
+
+Every finding must be a failing row with the reason below (never a traceback or a pass), a saved
+case that replays, and rows on disk.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hostile:
+    impl: str          # the --impl spec
+    op: str
+    metric: str        # gate_metric of the failing row
+    says: str          # the failing row's reason contains this
+    isolate: bool = False  # takes the process down: only isolated
+
+
+CPU = [
+    Hostile("tests.hostile.cpu:zeroes_kv", "sparse_prefill", "input_written", "kv: input written"),
+    Hostile("tests.hostile.cpu:zeroes_q", "sparse_prefill", "input_written", "q: input written"),
+    Hostile("tests.hostile.cpu:zeroes_indices", "sparse_prefill", "input_written", "indices: input written"),
+    Hostile("tests.hostile.cpu:zeroes_block_table", "convert_index", "input_written", "block_table: input written"),
+    Hostile("tests.hostile.cpu:zeroes_lses", "dcp_merge", "input_written", "lses: input written"),
+    Hostile("tests.hostile.cpu:scribbles_kv_cache", "sparse_decode_fp8", "input_written", "kv_cache: input written"),
+    Hostile("tests.hostile.cpu:writes_cache_padding", "write_fp8_ds_mla_cache", "mismatch_frac", "mismatch_frac"),
+    Hostile("tests.hostile.cpu:returns_input_view", "dcp_merge", "contract", "out: shares memory with input outs"),
+    Hostile("tests.hostile.cpu:out_float32", "sparse_prefill", "contract", "out: dtype float32, the contract says bfloat16"),
+    Hostile("tests.hostile.cpu:lse_float64", "sparse_prefill", "contract", "lse: dtype float64, the contract says float32"),
+    Hostile("tests.hostile.cpu:int32_out", "sparse_prefill", "contract", "out: dtype int32, the contract says bfloat16"),
+    Hostile("tests.hostile.cpu:extra_output", "sparse_decode_fp8", "contract", "returned a tuple of 3; the contract says (out, lse)"),
+    Hostile("tests.hostile.cpu:returns_list", "quantize_fp8_ds_mla", "contract", "rows: a list, the contract says a torch.Tensor"),
+    Hostile("tests.hostile.cpu:meta_out", "sparse_prefill", "contract", "out: on device meta, the contract says cpu"),
+    Hostile("tests.hostile.cpu:strided_workspace", "gather_upconvert_fp8", "contract", "workspace: strides"),
+    Hostile("tests.hostile.cpu:system_exit", "quantize_fp8_ds_mla", "raised", "raised SystemExit: 0"),
+    Hostile("tests.hostile.cpu:generator_exit", "quantize_fp8_ds_mla", "raised", "raised GeneratorExit"),
+    Hostile("tests.hostile.cpu:aborts", "quantize_fp8_ds_mla", "crashed", "killed by SIGABRT", isolate=True),
+    Hostile("tests.impls.misbehaving:segfaults", "quantize_fp8_ds_mla", "crashed", "killed by SIGSEGV", isolate=True),
+    Hostile("tests.impls.misbehaving:exits", "quantize_fp8_ds_mla", "crashed", "exit code 3", isolate=True),
+    Hostile("tests.impls.misbehaving:hangs", "quantize_fp8_ds_mla", "hung", "no answer within", isolate=True),
+]
+
+# Take the isolation worker's CUDA context down (or hang it): every one must fail its case, and the
+# next case must run in a fresh worker, never reported hung.
+CUDA = [
+    Hostile("tests.hostile.cuda:assert_on_three_tokens", "sparse_prefill", "raised", "device-side assert", isolate=True),
+    Hostile("tests.hostile.cuda:triton_illegal_address", "sparse_prefill", "raised", "illegal memory access", isolate=True),
+    Hostile("tests.hostile.cuda:spins", "sparse_prefill", "hung", "no answer within", isolate=True),
+    Hostile("tests.hostile.cuda:aborts_after_launch", "sparse_prefill", "crashed", "killed by SIGABRT", isolate=True),
+    Hostile("tests.hostile.cuda:corrupts_kv_cache", "sparse_decode_fp8", "input_written", "kv_cache: input written",
+            isolate=True),
+    Hostile("tests.hostile.cuda:returns_on_host", "sparse_prefill", "contract", "out: on device cpu, the contract says cuda",
+            isolate=True),
+]

@@ -1,0 +1,192 @@
+"""Misbehaving implementations that run on CPU: each computes the right answer with the float32
+eager implementation (`optimized.eager`) and then breaks one promise the contract makes beyond
+values. The outcome each must get is in `tests.hostile.CPU`."""
+
+import os
+import random
+import secrets
+import signal
+
+import numpy as np
+import torch
+
+from mla_verify.optimized import eager
+
+_calls = {"n": 0}
+
+
+def _count() -> int:
+    _calls["n"] += 1
+    return _calls["n"]
+
+
+# ----------------------------------------------------------------------------- inputs written
+
+
+def zeroes_kv(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """Right answer, then clears the KV rows it read (a kernel reusing its input as scratch)."""
+    result = eager.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+    kv.zero_()
+    return result
+
+
+def zeroes_q(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    result = eager.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+    q.zero_()
+    return result
+
+
+def zeroes_indices(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """Compacts the index rows in place (the next layer reads the wrong top-k)."""
+    result = eager.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+    indices.zero_()
+    return result
+
+
+def zeroes_block_table(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
+                       prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False):
+    result = eager.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows,
+                                 prefill_request_ids, prefill_workspace_starts, return_valid_counts)
+    block_table.zero_()
+    return result
+
+
+def zeroes_lses(outs, lses):
+    """Sanitizes the ranks' LSEs in place while merging."""
+    result = eager.dcp_merge(outs, lses)
+    lses.zero_()
+    return result
+
+
+def scribbles_kv_cache(q, kv_cache, indices, sm_scale):
+    """Right answer, then overwrites one cache row: the next request reads a corrupted cache."""
+    result = eager.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
+    kv_cache[0, 0].zero_()
+    return result
+
+
+def writes_cache_padding(kv, kv_cache, slot_mapping, scale_rule="pow2"):
+    """Writes its slots right, and one byte of the padding between cache blocks (the storage past
+    the view): only slot_mapping's slots may change."""
+    eager.write_fp8_ds_mla_cache(kv, kv_cache, slot_mapping, scale_rule)
+    storage = torch.empty(0, dtype=torch.uint8).set_(kv_cache.untyped_storage())
+    storage[-1] = 0
+
+
+def returns_input_view(outs, lses):
+    """A one-rank fast path that hands back its input: writing the result writes the partials."""
+    if outs.shape[0] == 1:
+        return outs[0], lses[0]
+    return eager.dcp_merge(outs, lses)
+
+
+# ----------------------------------------------------------------------------- return contract
+
+
+def out_float32(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    out, lse, max_logits = eager.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+    return out.float(), lse, max_logits
+
+
+def lse_float64(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    out, lse, max_logits = eager.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+    return out, lse.double(), max_logits
+
+
+def int32_out(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    out, lse, max_logits = eager.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+    return out.to(torch.int32), lse, max_logits
+
+
+def extra_output(q, kv_cache, indices, sm_scale):
+    out, lse = eager.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
+    return out, lse, lse
+
+
+def returns_list(kv, scale_rule="pow2"):
+    return list(eager.quantize_fp8_ds_mla(kv, scale_rule))
+
+
+def meta_out(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    out, lse, max_logits = eager.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+    return torch.empty_like(out, device="meta"), lse, max_logits
+
+
+def strided_workspace(kv_cache, block_table, workspace_starts, num_rows):
+    """Right values in a column-major buffer: the prefill kernel reading it row by row gets garbage."""
+    workspace = eager.gather_upconvert_fp8(kv_cache, block_table, workspace_starts, num_rows)
+    return workspace.t().contiguous().t()
+
+
+# ----------------------------------------------------------------------------- run to run
+
+
+def wrong_every_other_call(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """Flaky, deterministically: every second call scales the output (a race that loses half the time)."""
+    out, lse, max_logits = eager.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+    return (out * 2 if _count() % 2 == 0 else out), lse, max_logits
+
+
+def wrong_on_a_coin_flip(kv, scale_rule="pow2"):
+    """Flaky for real: the OS's entropy decides (nothing the harness seeds)."""
+    rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    if secrets.randbelow(2):
+        rows[:, 0] ^= 1
+    return rows
+
+
+def python_random(kv, scale_rule="pow2"):
+    """Wrong when Python's `random` says so: seeded from the case, a replay sees the same draw."""
+    rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    if random.random() < 0.5:
+        rows[:, 0] ^= 1
+    return rows
+
+
+def numpy_random(kv, scale_rule="pow2"):
+    rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    if np.random.rand() < 0.5:
+        rows[:, 0] ^= 1
+    return rows
+
+
+# ----------------------------------------------------------------------------- ending the process
+
+
+def system_exit(kv, scale_rule="pow2"):
+    """`sys.exit(0)` from inside a kernel must not end the run with exit 0."""
+    raise SystemExit(0)
+
+
+def generator_exit(kv, scale_rule="pow2"):
+    raise GeneratorExit
+
+
+def aborts(kv, scale_rule="pow2"):
+    os.abort()
+
+
+def aborts_on_three_rows(kv, scale_rule="pow2"):
+    """Takes its process down on cases of 3 rows or more (the CPU stand-in of a device-side assert
+    on some shapes): the minimized case has n = 3, and correct cases in between must pass."""
+    if kv.shape[0] >= 3:
+        os.abort()
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def interrupted_on_third_call(kv, scale_rule="pow2"):
+    """Always wrong; the third call is interrupted by Ctrl-C (SIGINT to this process)."""
+    if _count() == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+    rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    rows[:, 0] ^= 1
+    return rows
+
+
+def killed_on_third_call(kv, scale_rule="pow2"):
+    """Always wrong; the third call kills the whole process (SIGKILL: no handler runs)."""
+    if _count() == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    rows[:, 0] ^= 1
+    return rows

@@ -1,0 +1,382 @@
+"""Never lose a finding (issue 13): every way an unfinished kernel misbehaves (tests/hostile/) is a
+failing case with its reason, a saved case file that replays, rows on disk, and an exit code a CI
+can use: never a traceback, a pass, or lost rows. Bad invocations and bad case files exit 2 with
+one line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mla_verify.cli import main
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.evaluate import evaluate
+from mla_verify.equivalence.subject import resolve_subject
+from tests.hostile import CPU
+
+REPO = Path(__file__).resolve().parent.parent
+
+# One small valid case per op the hostile kernels implement.
+CASES = {
+    "sparse_prefill": {"tokens": 2, "heads": 8, "kv_rows": 40, "topk": 128, "value_regime": "normal", "sm_scale": 0.1,
+                       "invalid": [], "topk_length": "none", "sink": "none"},
+    "convert_index": {"tokens": 3, "requests": 2, "table_width": 2, "topk": 64, "block_size": 16, "stride_extra": 0,
+                      "prefill": False, "counts": False, "invalid": []},
+    "dcp_merge": {"ranks": 1, "tokens": 2, "heads": 8, "empty_frac": 0.0, "junk": False},
+    "sparse_decode_fp8": {"batch": 1, "s_q": 1, "heads": 8, "topk": 64, "seq_lens": [40], "page_size": 16,
+                          "stride_pad": 0, "value_regime": "normal", "scale_rule": "pow2", "sm_scale": 0.1,
+                          "invalid": []},
+    "write_fp8_ds_mla_cache": {"n": 4, "num_blocks": 2, "block_size": 16, "stride_pad": 1, "value_regime": "normal",
+                               "scale_rule": "pow2", "skip_frac": 0.0},
+    "quantize_fp8_ds_mla": {"n": 2, "value_regime": "normal", "scale_rule": "pow2"},
+    "gather_upconvert_fp8": {"seq_lens": [5, 9], "block_size": 16, "stride_pad": 0, "table_pad": 0, "shuffle": True,
+                             "value_regime": "normal", "scale_rule": "pow2"},
+}
+IN_PROCESS = [h for h in CPU if not h.isolate]
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def saved_case(text: str) -> str:
+    return next(line.split("case saved: ")[1] for line in text.splitlines() if "case saved: " in line)
+
+
+def cli(*argv, cwd=REPO, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "mla_verify.cli", *map(str, argv)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+@pytest.mark.parametrize("h", IN_PROCESS, ids=[h.impl.split(":")[1] for h in IN_PROCESS])
+def test_each_hostile_kernel_fails_its_case_with_its_reason(h):
+    rows = evaluate(Case(h.op, CASES[h.op], 3), resolve_subject(h.op, [h.impl], "cpu"), "cpu")
+    failing = [(r.tensor, r.gate_metric, r.reason) for r in rows if not r.passed]
+    assert any(metric == h.metric and h.says in reason for _, metric, reason in failing), failing
+
+
+@pytest.mark.parametrize("impl", ["tests.hostile.cpu:zeroes_q", "tests.hostile.cpu:scribbles_kv_cache",
+                                  "tests.hostile.cpu:lse_float64", "tests.hostile.cpu:system_exit"])
+def test_a_finding_exits_1_with_its_case_saved_its_rows_on_disk_and_no_traceback(capsys, tmp_path, impl):
+    op = next(h.op for h in CPU if h.impl == impl)
+    code, text = run(capsys, "fuzz", "--op", op, "--impl", impl, "--examples", 3, "--seed", 1, "--device", "cpu",
+                     "--profile", "ci", "--no-shrink", "--out", tmp_path / "run")
+    assert code == 1 and "Traceback" not in text and "DISCREPANCY" in text
+    case = json.loads(Path(saved_case(text)).read_text())
+    assert case["impl"] == [impl] and case["failure"]
+    from mla_verify import reports
+
+    rows, _ = reports.load_run(tmp_path / "run")
+    assert (~rows.passed).any() and not (tmp_path / "run" / "journal.jsonl").exists()
+
+
+def test_stages_of_a_pipeline_and_of_a_property_get_the_same_checks():
+    from mla_verify import check, property_check
+
+    pipeline = check("forward_mqa", {"sparse_prefill": "tests.hostile.cpu:zeroes_kv"}, examples=2, seed=1,
+                     profile="ci", path="bf16", device="cpu", shrink=False)
+    assert not pipeline.passed and "stage sparse_prefill (tests.hostile.cpu:zeroes_kv): kv: input written" in \
+        pipeline.failure.reason
+    prop = property_check("determinism", {"sparse_prefill": "tests.hostile.cpu:zeroes_q"}, examples=2, seed=1,
+                          profile="ci", path="sparse_prefill", device="cpu", shrink=False)
+    assert not prop.passed and "q: input written" in prop.failure.reason
+
+
+# ----------------------------------------------------------------------------- flakiness
+
+
+def test_a_flaky_failure_is_a_finding_with_its_case_not_a_traceback(capsys, tmp_path):
+    code, text = run(capsys, "fuzz", "--op", "sparse_prefill", "--impl", "tests.hostile.cpu:wrong_every_other_call",
+                     "--examples", 6, "--seed", 2, "--device", "cpu", "--profile", "ci", "--out", tmp_path)
+    assert code == 1 and "Traceback" not in text
+    assert "FLAKY DISCREPANCY (failed 1 of 3 re-runs)" in text
+    case = json.loads(Path(saved_case(text)).read_text())
+    assert case["flaky"] == [1, 3] and case["failure"][0]["tensor"] == "out"
+
+
+def test_a_kernel_that_flips_a_real_coin_is_found_without_a_traceback(capsys, tmp_path):
+    code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:wrong_on_a_coin_flip",
+                     "--examples", 20, "--device", "cpu", "--profile", "ci", "--out", tmp_path)
+    assert code == 1 and "Traceback" not in text and Path(saved_case(text)).exists()
+
+
+@pytest.mark.parametrize("impl", ["tests.hostile.cpu:python_random", "tests.hostile.cpu:numpy_random"])
+def test_python_and_numpy_generators_are_seeded_from_the_case_so_replays_agree(impl):
+    from mla_verify import check, replay
+
+    result = check("quantize_fp8_ds_mla", impl, examples=20, seed=3, profile="ci", device="cpu")
+    assert not result.passed and result.failure.flaky is None  # deterministic per case: 3 of 3 re-runs failed
+    replays = [replay(result.failure.case_file, impl, device="cpu") for _ in range(6)]
+    assert all(r.reproduced and not r.passed for r in replays), [r.notes for r in replays]
+
+
+# ----------------------------------------------------------------------------- crashes and hangs
+
+
+def test_start_up_and_imports_never_count_against_a_case():
+    from mla_verify.equivalence.isolation import Worker
+
+    worker = Worker("cpu", timeout_s=1.0)  # tests.hostile.slow_start takes 3 s to import
+    try:
+        case = Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 1)
+        first = worker.run(case, ["tests.hostile.slow_start:quantize"], "slow")
+        crashed = worker.run(case, ["tests.hostile.cpu:aborts"], "aborts")
+        after = worker.run(case, ["tests.hostile.slow_start:quantize"], "slow")  # a fresh worker imports it again
+        assert all(r.passed for r in first + after) and crashed[0].gate_metric == "crashed" and worker.restarts == 1
+    finally:
+        worker.close()
+
+
+def test_a_crash_on_some_shapes_shrinks_to_the_smallest_and_correct_cases_are_never_hung(capsys, tmp_path):
+    code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:aborts_on_three_rows",
+                     "--isolate", "--timeout", 3, "--examples", 12, "--seed", 4, "--device", "cpu", "--profile", "ci",
+                     "--out", tmp_path)
+    assert code == 1 and "Traceback" not in text
+    case = json.loads(Path(saved_case(text)).read_text())
+    assert case["case"]["params"]["n"] == 3 and "SIGABRT" in case["failure"][0]["reason"]
+    assert "--isolate --timeout 3" in text  # the printed replay command is isolated like the run
+    from mla_verify import reports
+
+    rows, _ = reports.load_run(tmp_path)
+    assert (rows.gate_metric != "hung").all()
+    assert rows[rows.passed].num_tokens.max() < 3 <= rows[~rows.passed].num_tokens.min()
+    code, text = run(capsys, "replay", saved_case(text), "--isolate", "--timeout", 3, "--device", "cpu",
+                     "--impl", "tests.hostile.cpu:aborts_on_three_rows")
+    assert code == 1 and "reproduced" in text and "SIGABRT" in text
+
+
+def test_the_gpu_lanes_hostile_campaign_script_holds_on_cpu(tmp_path):
+    """scripts/hostile_gpu.py (`scripts/gpu_lane.sh hostile`) against the CPU stand-in of a device-side assert."""
+    done = subprocess.run([sys.executable, "scripts/hostile_gpu.py", "--out", str(tmp_path), "--device", "cpu",
+                           "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:aborts_on_three_rows",
+                           "--param", "n", "--timeouts", "3", "--profile", "ci", "--examples", "12"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    table = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and table[-1].split()[-1] == "ok", done.stdout + done.stderr
+    assert table[-1].split()[3:7] == ["1", "3", "1", "True"]  # exit 1, n = 3, replay exits 1, reproduced
+
+
+@pytest.mark.parametrize("impl, says", [("tests.impls.misbehaving:hangs", "hung: no answer within 2 s"),
+                                        ("tests.hostile.cpu:aborts", "killed by SIGABRT")])
+def test_replay_is_isolated_too_a_hang_or_an_abort_returns(capsys, tmp_path, impl, says):
+    from mla_verify.fuzz import casefile
+
+    path = casefile.save(tmp_path / "c.json", casefile.CaseFile(Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 1)))
+    code, text = run(capsys, "replay", path, "--isolate", "--timeout", 2, "--device", "cpu", "--impl", impl)
+    assert code == 1 and says in text and "Traceback" not in text
+
+
+# ----------------------------------------------------------------------------- interrupted runs
+
+
+def test_ctrl_c_finishes_the_case_writes_the_run_prints_the_replay_and_exits_130(tmp_path):
+    proc = cli("fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:interrupted_on_third_call",
+               "--examples", 10, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run")
+    text, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text and "INTERRUPTED" in text and "replay: mla-verify replay" in text
+    assert Path(saved_case(text)).exists() and (tmp_path / "run" / "rows.parquet").exists()
+
+
+def test_after_sigkill_the_journal_keeps_the_rows_and_report_reads_them(capsys, tmp_path):
+    proc = cli("fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:killed_on_third_call",
+               "--examples", 10, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run")
+    proc.communicate(timeout=600)
+    assert proc.returncode == -signal.SIGKILL
+    assert (tmp_path / "run" / "journal.jsonl").exists() and list((tmp_path / "run" / "failures").glob("*.json"))
+    code, text = run(capsys, "report", tmp_path / "run")
+    assert code == 1 and "did not finish" in text  # the failing rows were on disk before the kill
+
+
+# ----------------------------------------------------------------------------- run directories
+
+
+def test_out_is_checked_before_the_first_case(capsys, tmp_path):
+    (tmp_path / "file").write_text("x")
+    fuzz = ["fuzz", "--op", "convert_index", "--examples", 1, "--device", "cpu", "--profile", "ci"]
+    code, text = run(capsys, *fuzz, "--out", tmp_path / "file")
+    assert code == 2 and "a file, not a directory" in text and len(text.strip().splitlines()) == 1
+    code, text = run(capsys, *fuzz, "--out", "/proc/mla-verify-cannot-be-here")
+    assert code == 2 and "cannot create it" in text
+    assert run(capsys, *fuzz, "--out", tmp_path / "run")[0] == 0
+    code, text = run(capsys, *fuzz, "--out", tmp_path / "run")  # never overwritten
+    assert code == 2 and "already holds a run" in text
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / ".lock").write_text(str(os.getpid()))  # a live process writes it
+    code, text = run(capsys, *fuzz, "--out", tmp_path / "busy")
+    assert code == 2 and "being written by another run" in text
+
+
+def test_default_run_directories_are_new_for_every_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fuzz = ["fuzz", "--op", "convert_index", "--impl", "torch-fp32", "--examples", 1, "--device", "cpu", "--profile", "ci"]
+    assert run(capsys, *fuzz)[0] == 0 and run(capsys, *fuzz)[0] == 0
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert len(runs) == 2 and all(name.startswith("fuzz-convert_index-torch-fp32-") for name in runs)
+
+
+# ----------------------------------------------------------------------------- case files are data
+
+
+@pytest.mark.parametrize("body, says", [
+    ([1, 2], "a JSON list"),
+    ({"format": "mla-verify-case/1", "case": {"op": "nosuch", "params": {}, "seed": 1}}, "unknown op 'nosuch'"),
+    ({"format": "mla-verify-case/1", "case": {"op": "sparse_prefill", "seed": 1,
+                                              "params": {**CASES["sparse_prefill"], "topk": 10**9}}},
+     "parameter topk: 1000000000 is outside"),
+    ({"format": "mla-verify-case/1", "case": {"op": "sparse_prefill", "seed": 1,
+                                              "params": {**CASES["sparse_prefill"], "tokens": 60000, "kv_rows": 4000000}}},
+     "over the budget"),
+    ({"format": "mla-verify-case/1", "case": {"op": "quantize_fp8_ds_mla", "seed": 1,
+                                              "params": {**CASES["quantize_fp8_ds_mla"], "n": "2"}}}, "is not an integer"),
+    ({"format": "mla-verify-case/1", "case": {"op": "quantize_fp8_ds_mla", "seed": 1,
+                                              "params": {**CASES["quantize_fp8_ds_mla"], "extra": 1}}}, "unknown parameter"),
+])
+def test_a_bad_case_file_exits_2_with_the_reason(capsys, tmp_path, body, says):
+    (tmp_path / "c.json").write_text(json.dumps(body))
+    code, text = run(capsys, "replay", tmp_path / "c.json", "--device", "cpu")
+    assert code == 2 and says in text and len(text.strip().splitlines()) == 1
+
+
+def test_replay_never_imports_what_a_case_file_names(capsys, tmp_path, monkeypatch):
+    marker = tmp_path / "imported"
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n\ndef fn(kv, scale_rule='pow2'):\n    return kv\n")
+    case = Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 1)
+    (tmp_path / "c.json").write_text(json.dumps({"format": "mla-verify-case/1", "case": case.to_dict(), "impl": ["evil:fn"]}))
+    monkeypatch.chdir(tmp_path)
+    code, text = run(capsys, "replay", tmp_path / "c.json", "--device", "cpu")
+    assert code == 2 and "--impl evil:fn" in text and not marker.exists()
+
+
+def test_every_case_a_profile_draws_is_within_its_op_schema():
+    from hypothesis import HealthCheck, given, settings
+
+    from mla_verify.equivalence.ops import OPS
+    from mla_verify.equivalence.properties import PROPERTIES
+    from mla_verify.equivalence.schema import validate_case
+    from mla_verify.fuzz.profiles import PROFILES
+    from mla_verify.fuzz.strategies import strategy
+
+    for profile in PROFILES.values():
+        for op in [*sorted(OPS), *(p.op for p in PROPERTIES.values())]:
+            @settings(max_examples=8, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+            @given(case=strategy(op, profile))
+            def within(case):
+                validate_case(case.to_dict())
+
+            within()
+
+
+# ----------------------------------------------------------------------------- exit codes
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["fuzz", "--op", "convert_index", "--examples", "0"], "--examples: must be a positive integer"),
+    (["fuzz", "--op", "convert_index", "--examples", "-1"], "--examples: must be a positive integer"),
+    (["fuzz", "--op", "convert_index", "--timeout", "-1"], "--timeout: must be a positive number"),
+    (["replay", "c.json", "--timeout", "0"], "--timeout: must be a positive number"),
+    (["gate", "--op", "nosuch"], "--op 'nosuch': unknown"),
+    (["report", "no/such/run"], "not a readable run"),
+])
+def test_bad_invocations_exit_2_with_one_line(capsys, argv, says):
+    code, text = run(capsys, *argv, *(["--device", "cpu"] if argv[0] != "report" else []))
+    assert code == 2 and says in text and len(text.strip().splitlines()) == 1 and "Traceback" not in text
+
+
+def test_report_on_an_empty_or_truncated_run_or_an_unrelated_baseline_exits_2(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    code, text = run(capsys, "report", tmp_path / "empty")
+    assert code == 2 and "not a readable run" in text
+    for op in ("convert_index", "concat_mla_q"):
+        assert run(capsys, "fuzz", "--op", op, "--impl", "torch-fp32", "--examples", 1, "--device", "cpu",
+                   "--profile", "ci", "--out", tmp_path / op)[0] == 0
+    code, text = run(capsys, "report", tmp_path / "convert_index", "--baseline", tmp_path / "concat_mla_q")
+    assert code == 2 and "nothing to compare" in text
+    parquet = tmp_path / "convert_index" / "rows.parquet"
+    parquet.write_bytes(parquet.read_bytes()[:100])
+    code, text = run(capsys, "report", tmp_path / "convert_index")
+    assert code == 2 and "not a readable run" in text and len(text.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- the library API
+
+
+USER_KERNELS = '''
+import torch
+
+from mla_verify import reference
+
+
+def quantize(kv, scale_rule="pow2"):
+    return reference.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def quantize_off_by_one(kv, scale_rule="pow2"):
+    rows = reference.quantize_fp8_ds_mla(kv, scale_rule)
+    rows[:, 0] ^= 1
+    return rows
+
+
+def concat(ql_nope, q_pe):
+    return torch.cat([ql_nope, q_pe], dim=-1)
+'''
+
+USER_TESTS = '''
+import pytest
+
+import mla_verify
+from my_kernels import concat, quantize, quantize_off_by_one
+
+FAST = dict(profile="ci", device="cpu", seed=1)
+
+
+def test_a_correct_kernel_passes():
+    mla_verify.assert_equivalent("quantize_fp8_ds_mla", quantize, examples=5, **FAST)
+
+
+def test_a_broken_kernel_fails_with_its_minimized_case_and_replay_command():
+    with pytest.raises(AssertionError) as failed:
+        mla_verify.assert_equivalent("quantize_fp8_ds_mla", quantize_off_by_one, examples=10, **FAST)
+    message = str(failed.value)
+    assert "minimized case: quantize_fp8_ds_mla(n=1" in message
+    assert "mla-verify replay " in message and "--impl my_kernels:quantize_off_by_one" in message
+    result = mla_verify.check("quantize_fp8_ds_mla", quantize_off_by_one, examples=10, **FAST)
+    assert result.failure.metric == "mismatch_frac" and result.failure.replay_command.startswith("mla-verify replay")
+    again = mla_verify.replay(result.failure.case_file, quantize_off_by_one, device="cpu")
+    assert not again.passed and again.reproduced
+
+
+def test_a_stage_of_a_pipeline():
+    result = mla_verify.check("forward_mqa", {"concat_mla_q": concat}, examples=2, path="bf16", **FAST)
+    assert result.passed, result.report()
+    assert set(result.rows.tensor) == {"out", "lse"} and result.rows.impl.iloc[0].startswith("pipeline[concat_mla_q=")
+
+
+def test_strategies_draw_cases():
+    from hypothesis import given, settings
+
+    @settings(max_examples=3, deadline=None)
+    @given(case=mla_verify.strategies.cases("convert_index", profile="ci"))
+    def drawn(case):
+        assert case.op == "convert_index" and case.params["tokens"] >= 1
+
+    drawn()
+'''
+
+
+def test_a_kernel_repos_own_pytest_file_uses_the_api_from_outside_the_repo(tmp_path):
+    (tmp_path / "my_kernels.py").write_text(USER_KERNELS)
+    (tmp_path / "test_my_kernels.py").write_text(USER_TESTS)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_kernels.py"],
+                          cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "4 passed" in done.stdout

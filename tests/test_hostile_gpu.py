@@ -1,0 +1,53 @@
+"""On a GPU: kernels that take the CUDA context down or hang it (tests/hostile/cuda.py) fail their
+case in the isolation worker, which is replaced; the correct case after each runs in a fresh
+worker and passes, never reported hung. The campaign that shrinks a device-side assert to its
+smallest case is `scripts/gpu_lane.sh hostile` (scripts/hostile_gpu.py): minutes, not a unit test."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mla_verify.equivalence.case import Case
+from tests.hostile import CUDA
+
+REPO = Path(__file__).resolve().parent.parent
+PREFILL = {"heads": 64, "kv_rows": 300, "topk": 128, "value_regime": "normal", "sm_scale": 0.1, "invalid": [],
+           "topk_length": "none", "sink": "none"}
+DECODE = {"batch": 2, "s_q": 1, "heads": 64, "topk": 64, "seq_lens": [100, 40], "page_size": 64, "stride_pad": 0,
+          "value_regime": "normal", "scale_rule": "pow2", "sm_scale": 0.1, "invalid": []}
+
+
+def case(op: str, tokens: int) -> Case:
+    return Case(op, {**PREFILL, "tokens": tokens} if op == "sparse_prefill" else DECODE, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", CUDA, ids=[h.impl.split(":")[1] for h in CUDA])
+def test_a_kernel_that_kills_or_hangs_the_context_fails_its_case_and_the_next_one_passes(h):
+    from mla_verify.equivalence.isolation import Worker
+
+    worker = Worker("cuda", timeout_s=10.0)
+    try:
+        rows = worker.run(case(h.op, 4), [h.impl], h.impl)
+        assert any(r.gate_metric == h.metric and h.says in r.reason for r in rows if not r.passed), \
+            [(r.gate_metric, r.reason) for r in rows]
+        if h.op == "sparse_prefill":  # a one-token case: every prefill hostile is correct there
+            after = worker.run(case(h.op, 1), [h.impl], h.impl)
+            assert all(r.passed for r in after), [(r.gate_metric, r.reason) for r in after]
+    finally:
+        worker.close()
+
+
+@pytest.mark.gpu
+def test_without_isolation_a_cuda_error_ends_the_campaign_with_the_case_saved(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-m", "mla_verify.cli", "fuzz", "--op", "sparse_prefill", "--impl",
+                           "tests.hostile.cuda:assert_on_three_tokens", "--no-isolate", "--device", "cuda",
+                           "--examples", "20", "--seed", "1", "--out", str(tmp_path / "run")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    text = done.stdout + done.stderr
+    assert done.returncode == 1 and "the CUDA context is unusable" in text and "Traceback" not in text, text
+    assert list((tmp_path / "run" / "failures").glob("*.json")) and (tmp_path / "run" / "rows.parquet").exists()
