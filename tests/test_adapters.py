@@ -277,15 +277,15 @@ def test_the_cli_declares_deviations_and_the_case_file_keeps_them(capsys, tmp_pa
               "--device", "cpu"]
     code, text = run(capsys, "fuzz", *common, "--out", str(tmp_path / "plain"))
     assert code == 1 and "lse_fp32_units" in text and "scale_rule=raw" in text
-    [saved] = (tmp_path / "plain" / "failures").glob("*.json")
-    assert run(capsys, "replay", str(saved), "--device", "cpu")[0] == 1
-    assert run(capsys, "replay", str(saved), "--device", "cpu", "--deviation", "bf16_dequant")[0] == 0
+    saved = max((tmp_path / "plain" / "failures").glob("*.json"), key=lambda f: f.stat().st_mtime)  # the minimized one
+    assert run(capsys, "replay", str(saved), "--device", "cpu", "--impl", DECODE)[0] == 1
+    assert run(capsys, "replay", str(saved), "--device", "cpu", "--impl", DECODE, "--deviation", "bf16_dequant")[0] == 0
     # A case file saved with a declaration replays with it.
     cf = casefile.load(saved)
     declared = casefile.save(tmp_path / "declared.json", casefile.CaseFile(cf.case, cf.impl, "cpu", cf.failure,
                                                                            deviations=("bf16_dequant",)))
     assert json.loads(declared.read_text())["deviations"] == ["bf16_dequant"]
-    assert run(capsys, "replay", str(declared), "--device", "cpu")[0] == 0
+    assert run(capsys, "replay", str(declared), "--device", "cpu", "--impl", DECODE)[0] == 0
     code, text = run(capsys, "fuzz", *common, "--deviation", "bf16_dequant", "--out", str(tmp_path / "declared"))
     assert code == 0 and "PASS: 8 examples" in text
 
@@ -301,7 +301,8 @@ def test_a_whole_forward_mqa_carries_its_declared_deviation_into_the_rows():
     corpus = json.loads((Path(__file__).parents[1] / "fuzz" / "corpus" / "forward_mqa.json").read_text())
     raw = next(c for c in corpus if c["params"]["scale_rule"] == "raw" and c["params"]["dcp_size"] == 1)
     case = Case(raw["op"], raw["params"], raw["seed"])
-    subject = resolve_subject("forward_mqa", ["mla_verify.reference:forward_mqa"], "cpu", deviations=["bf16_dequant"])
+    subject = resolve_subject("forward_mqa", ["tests.impls.bf16_dequant:whole_forward_mqa"], "cpu",
+                              deviations=["bf16_dequant"])
     rows = evaluate(case, subject)
     assert subject.deviations == ("bf16_dequant",) and all(r.passed for r in rows)
     assert {r.deviation for r in rows} == {"bf16_dequant"}, case.short()
@@ -320,9 +321,10 @@ def test_deviation_usage_errors_exit_2(capsys, tmp_path, argv, message):
 
 def test_replay_refuses_an_unknown_deviation(capsys, tmp_path):
     saved = casefile.save(tmp_path / "c.json", casefile.CaseFile(
-        Case("quantize_fp8_ds_mla", {"rows": 4, "value_regime": "normal", "scale_rule": "pow2"}, 1),
+        Case("quantize_fp8_ds_mla", {"n": 4, "value_regime": "normal", "scale_rule": "pow2"}, 1),
         ("mla_verify.reference:quantize_fp8_ds_mla",)))
-    code, text = run(capsys, "replay", str(saved), "--device", "cpu", "--deviation", "nope")
+    code, text = run(capsys, "replay", str(saved), "--device", "cpu", "--impl", "mla_verify.reference:quantize_fp8_ds_mla",
+                     "--deviation", "nope")
     assert code == 2 and "unknown deviation 'nope'" in text
 
 

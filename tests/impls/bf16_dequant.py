@@ -35,3 +35,12 @@ def misdeclared(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, 
 
 
 misdeclared.__mla_verify_deviations__ = ("bf16_dequantize",)  # not a documented deviation: a usage error
+
+
+def whole_forward_mqa(q: torch.Tensor, kv_cache: torch.Tensor, **kwargs):
+    """A whole forward_mqa (the reference's answer in the contract's dtypes), for declaring a
+    deviation on a whole pipeline."""
+    from mla_verify import reference
+
+    result = reference.forward_mqa(q, kv_cache, **kwargs)
+    return result.out.bfloat16(), None if result.lse is None else result.lse.float()
