@@ -159,7 +159,6 @@ def evaluate(
     base = {**base, "path": got.path or base["path"], "stages": got.stages}
     times = dict(time_ref_s=t_ref, time_impl_s=t_impl)
     rows = input_rows(base, inputs, spec.writes, **times)
-    on_device = None if spec.own_processes else device  # rank answers come back through the host
     for check in spec.checks:
         if check.tensor not in ref or (check.optional and check.tensor not in got.tensors):
             continue  # not asked for by this case, or not produced by this implementation
@@ -169,7 +168,10 @@ def evaluate(
             continue
         out, want = got.tensors[check.tensor], ref[check.tensor]
         problem = output_problem(check.tensor, out, dtype=check.dtype or want.dtype, shape=want.shape,
-                                 device=on_device, contiguous=check.contiguous)
+                                 # where the exact answer lives (host-side ops answer on the host);
+                                 # rank answers come back through the host
+                                 device=None if spec.own_processes else str(want.device),
+                                 contiguous=check.contiguous)
         problem = problem or (None if spec.views else inputs.aliased_by(check.tensor, out))
         if problem:
             rows.append(failure_row(base, check.tensor, "contract", problem, **times))

@@ -126,22 +126,29 @@ def attend(
 
 def attend_chunks(
     q: torch.Tensor,
-    valid: torch.Tensor,
-    gather: Callable[[slice], torch.Tensor],
+    topk: int,
+    chunk_keys: Callable[[slice], tuple[torch.Tensor, torch.Tensor]],
     build_bytes: int,
     sm_scale: float,
     attn_sink: torch.Tensor | None,
     dtype: torch.dtype,
     budget_bytes: int | None,
 ) -> Iterator[tuple[slice, AttentionResult]]:
-    """(rows, `attend` over q [n, H, 576][rows]) chunk by chunk; `gather(rows)` returns the
-    chunk's keys in `dtype`, invalid entries zero, with `build_bytes` of temporaries per row."""
+    """(rows, `attend` over q [n, H, 576][rows]) chunk by chunk; `chunk_keys(rows)` returns the
+    chunk's keys in `dtype`, invalid entries zero, and their validity, with `build_bytes` of
+    temporaries per row. Nothing is held for all n tokens at once (their int64 indices alone
+    would outgrow the budget at long prefills)."""
     if sm_scale <= 0:
         raise ValueError(f"sm_scale must be > 0 (the kernels take the row max before scaling), got {sm_scale}")
     n, num_heads, _ = q.shape
-    chunk = chunk_tokens(num_heads, valid.shape[1], dtype.itemsize, budget_bytes or memory_budget(), build_bytes)
-    return ((rows, attend(q[rows].to(dtype), gather(rows), valid[rows], sm_scale, attn_sink))
-            for rows in (slice(start, min(start + chunk, n)) for start in range(0, n, chunk)))
+    chunk = chunk_tokens(num_heads, topk, dtype.itemsize, budget_bytes or memory_budget(), build_bytes)
+
+    def results() -> Iterator[tuple[slice, AttentionResult]]:
+        for rows in (slice(start, min(start + chunk, n)) for start in range(0, n, chunk)):
+            # No local holds a chunk's keys past its `attend`: the next chunk's are built in their place.
+            yield rows, attend(q[rows].to(dtype), *chunk_keys(rows), sm_scale, attn_sink)
+
+    return results()  # a plain function: bad arguments raise at the call, not at the first chunk
 
 
 def collect(chunks: Iterator[tuple[slice, AttentionResult]], q: torch.Tensor, dtype: torch.dtype) -> AttentionResult:
@@ -171,16 +178,17 @@ def sparse_prefill_chunks(
         raise ValueError(f"q [T, H, {HEAD_DIM}] and kv [N, {HEAD_DIM}] expected, got {tuple(q.shape)}, {tuple(kv.shape)}")
     if indices.dim() != 2 or indices.shape[0] != q.shape[0]:
         raise ValueError(f"indices must be [T={q.shape[0]}, K], got {tuple(indices.shape)}")
-    idx = indices.long()
-    valid = (idx >= 0) & (idx < kv.shape[0])
-    if topk_length is not None:
-        valid &= torch.arange(idx.shape[1], device=idx.device)[None, :] < topk_length.long()[:, None]
+    positions = torch.arange(indices.shape[1], device=indices.device)
 
-    def gather(rows: slice) -> torch.Tensor:
-        keys = kv[torch.where(valid[rows], idx[rows], 0)]
-        return keys.masked_fill_(~valid[rows, :, None], 0).to(dtype)
+    def chunk_keys(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = indices[rows].long()
+        valid = (idx >= 0) & (idx < kv.shape[0])
+        if topk_length is not None:
+            valid &= positions[None, :] < topk_length[rows].long()[:, None]
+        keys = kv[torch.where(valid, idx, 0)]
+        return keys.masked_fill_(~valid[..., None], 0).to(dtype), valid
 
-    return attend_chunks(q, valid, gather, 2 * HEAD_DIM + 64, sm_scale, attn_sink, dtype, budget_bytes)
+    return attend_chunks(q, indices.shape[1], chunk_keys, 2 * HEAD_DIM + 64, sm_scale, attn_sink, dtype, budget_bytes)
 
 
 def sparse_prefill(
@@ -230,18 +238,22 @@ def cache_row_values(kv_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.d
 
 
 def _decode_rows(q: torch.Tensor, indices: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked decode indices as [B*S, K] int64, and q as [B*S, H, 576]."""
+    """Checked decode indices as [B*S, K] (their dtype), and q as [B*S, H, 576]. The check runs
+    before any result is produced, a slice of rows at a time (its masks stay within the budget)."""
     if q.dim() != 4 or q.shape[3] != HEAD_DIM or indices.dim() != 3 or indices.shape[:2] != q.shape[:2]:
         raise ValueError(f"q [B, S, H, {HEAD_DIM}] and indices [B, S, K] expected, got {tuple(q.shape)}, {tuple(indices.shape)}")
     batch, s_q, num_heads, _ = q.shape
-    idx = indices.long().reshape(batch * s_q, indices.shape[-1])
-    bad = (idx != -1) & ((idx < 0) | (idx >= capacity))
-    if bool(bad.any()):
-        where = tuple(bad.nonzero()[0].tolist())
-        raise ValueError(
-            f"decode index {int(idx[where])} at {where} is neither -1 nor a slot in [0, {capacity}): "
-            "the FP8 decode kernel would read out of bounds"
-        )
+    idx = indices.reshape(batch * s_q, indices.shape[-1])
+    step = max(1, (64 << 20) // max(1, idx.shape[1]))  # 64 MiB of masks at a time
+    for start in range(0, idx.shape[0], step):
+        part = idx[start:start + step]
+        bad = (part != -1) & ((part < 0) | (part >= capacity))
+        if bool(bad.any()):
+            where = tuple(bad.nonzero()[0].tolist())
+            raise ValueError(
+                f"decode index {int(part[where])} at {(where[0] + start, where[1])} is neither -1 nor a slot in "
+                f"[0, {capacity}): the FP8 decode kernel would read out of bounds"
+            )
     return idx, q.reshape(batch * s_q, num_heads, HEAD_DIM)
 
 
@@ -258,8 +270,13 @@ def sparse_decode_chunks(
     """`sparse_decode` one chunk at a time: (slice of the B*S query rows, b-major, their
     AttentionResult with out [c, H, 512] and the rest [c, H])."""
     idx, rows_q = _decode_rows(q, indices, kv_cache.shape[0] * kv_cache.shape[1])
-    return attend_chunks(rows_q, idx != -1, lambda rows: cache_row_values(kv_cache, idx[rows], dtype),
-                         row_build_bytes(kv_cache, dtype.itemsize), sm_scale, attn_sink, dtype, budget_bytes)
+
+    def chunk_keys(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = idx[rows].long()
+        return cache_row_values(kv_cache, slots, dtype), slots != -1
+
+    return attend_chunks(rows_q, idx.shape[1], chunk_keys, row_build_bytes(kv_cache, dtype.itemsize), sm_scale,
+                         attn_sink, dtype, budget_bytes)
 
 
 def sparse_decode(
