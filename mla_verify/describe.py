@@ -27,12 +27,12 @@ def keywords(op: str) -> tuple[str, ...]:
     return get_op(op).arguments
 
 
-def _smallest_pinned_case(op: str):
+def _pinned_cases(op: str) -> list:
+    """The op's corpus cases, smallest first."""
     from mla_verify.equivalence.schema import SCHEMAS
     from mla_verify.fuzz.regressions import corpus
 
-    cases = [case for case, _ in corpus(op)]
-    return min(cases, key=lambda c: SCHEMAS[op].elements(c.params)) if cases else None
+    return sorted((case for case, _ in corpus(op)), key=lambda c: SCHEMAS[op].elements(c.params))
 
 
 def _dim_names(params: Mapping[str, Any]) -> dict[int, str]:
@@ -90,7 +90,8 @@ def describe_op(op: str) -> list[str]:
     from mla_verify.equivalence.ops import get_op
 
     spec = get_op(op)
-    case = _smallest_pinned_case(op)
+    cases = _pinned_cases(op)
+    case = cases[0] if cases else None
     lines = [*_wrap(f"{op}: {spec.doc}", "", "  ")]
     if case is None:
         return lines + _wrap(f"call: impl({', '.join(spec.arguments)})", "  ", "      ")
@@ -101,8 +102,14 @@ def describe_op(op: str) -> list[str]:
     if received is None:
         lines += _wrap(f"call (in each rank process): impl({', '.join(spec.arguments)})", "  ", "      ")
     else:
+        # An argument None here (an optional tensor) shows its tensor form from a larger pinned case.
+        others = [(_received(spec, c), _dim_names(c.params)) for c in cases[1:]]
         lines.append("  call: impl(")
-        lines += [f"      {name}={_form(received[name], dims)}," for name in spec.arguments if name in received]
+        for name in (a for a in spec.arguments if a in received):
+            form = _form(received[name], dims)
+            if received[name] is None:
+                form += next((f", or {_form(got[name], d)}" for got, d in others if got.get(name) is not None), "")
+            lines.append(f"      {name}={form},")
         lines.append("  )")
     if spec.writes:
         lines.append(f"  writes in place: {', '.join(spec.writes)} (nothing else may change); returns None")
