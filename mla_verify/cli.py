@@ -14,6 +14,7 @@ import math
 import os
 import shlex
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -64,8 +65,6 @@ INTERRUPTED = ("130", "Ctrl-C: the current case finishes, the run is written, fa
 
 
 def _epilog(codes: list[tuple[str, str]], examples: list[tuple[str, str]]) -> str:
-    import textwrap
-
     lines = ["exit codes:"]
     for code, meaning in codes:
         lines += textwrap.wrap(meaning, 98, initial_indent=f"  {code:<5}", subsequent_indent=" " * 7)
@@ -79,10 +78,8 @@ def _epilog(codes: list[tuple[str, str]], examples: list[tuple[str, str]]) -> st
 
 
 def _command(sub, name: str, summary: str, description: str, epilog: str) -> argparse.ArgumentParser:
-    import textwrap
-
-    return sub.add_parser(name, help=summary, description=textwrap.fill(description, 98, break_on_hyphens=False), epilog=epilog,
-                          formatter_class=_Formatter)
+    return sub.add_parser(name, help=summary, description=textwrap.fill(description, 98, break_on_hyphens=False),
+                          epilog=epilog, formatter_class=_Formatter)
 
 
 def _positive_int(text: str) -> int:
@@ -144,9 +141,8 @@ def _add_reference_memory(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import textwrap
-
-    parser = _Parser(prog="mla-verify", description=textwrap.fill(TOOL, 98, break_on_hyphens=False), formatter_class=_Formatter, epilog=_epilog(
+    parser = _Parser(prog="mla-verify", description=textwrap.fill(TOOL, 98, break_on_hyphens=False),
+                     formatter_class=_Formatter, epilog=_epilog(
         [("0", "no discrepancy (and no drift beyond the factor)"), DISCREPANCY, USAGE, HARNESS, INTERRUPTED],
         [("mla-verify fuzz --op sparse_decode_fp8 --impl mykernels.decode:sparse_decode",
           "fuzz your own decode kernel against the reference"),
@@ -200,10 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "importable), a registered NAME (`mla-verify list`), or STAGE=... for one stage of "
                         "forward_mqa, dcp or a property; repeat for several stages (default: the project's)")
     _add_deviation(p, [])
-    p.add_argument("--examples", type=_positive_int, default=None, metavar="N", help="cases to draw (default: the profile's budget)")
+    p.add_argument("--examples", type=_positive_int, default=None, metavar="N",
+                   help="cases to draw (default: the profile's budget)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="campaign seed (printed; default: random)")
-    p.add_argument("--profile", default=None, metavar="NAME", help="case sizes and budget: ci (small, seconds on CPU) | dev | "
-                   "nightly | gpu (production shapes) (default: dev on cpu, gpu on cuda)")
+    p.add_argument("--profile", default=None, metavar="NAME",
+                   help="case sizes and budget: ci (small, seconds on CPU) | dev | nightly | gpu (production "
+                        "shapes) (default: dev on cpu, gpu on cuda)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="run directory: rows, meta, failing case files; must not hold a run "
                         "(default: a new runs/fuzz-OP-IMPL-TIME)")
@@ -283,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "drift against yesterday's run, with a markdown summary for the CI page")]))
     p.add_argument("run_dir", type=Path, help="a run directory written by fuzz or gate")
     p.add_argument("--baseline", type=Path, default=None, help="an earlier run directory to compare with")
-    p.add_argument("--html", type=Path, default=None, help="where to write the HTML report (default: RUN_DIR/report.html)")
+    p.add_argument("--html", type=Path, default=None,
+                   help="where to write the HTML report (default: RUN_DIR/report.html)")
     p.add_argument("--markdown", type=Path, default=None, help="also write a markdown summary there")
     p.add_argument("--factor", type=_positive_float, default=2.0,
                    help="flag drift when p99 error or bias grows beyond this")
@@ -333,8 +332,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_list(args, device: str) -> int:
-    import textwrap
-
     from mla_verify import describe
     from mla_verify.equivalence.ops import OPS
     from mla_verify.equivalence.properties import PROPERTIES, is_property
@@ -350,7 +347,8 @@ def cmd_list(args, device: str) -> int:
         raise UsageError(f"--op {args.op!r}: unknown; known: {', '.join(known)}")
     print(f"device: {device}")
     if args.op is not None:
-        print("\n".join(describe.describe_property(args.op) if is_property(args.op) else describe.describe_op(args.op)))
+        described = describe.describe_property(args.op) if is_property(args.op) else describe.describe_op(args.op)
+        print("\n".join(described))
         stage = None if is_property(args.op) else OPS[args.op].stage
         if stage is not None:
             print("  implementations (--impl NAME):")
@@ -403,8 +401,6 @@ def _print_deviations() -> None:
 def _print_implementations(registry, stage: str, device: str) -> None:
     """One line per implementation of `stage`: can it run here, is it the stage's default here
     (what forward_mqa and a bare `--op` use), how it deviates from the contract."""
-    import textwrap
-
     try:
         default = registry.select(stage, device).name
     except RuntimeError:
