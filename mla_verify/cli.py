@@ -367,7 +367,8 @@ def cmd_list(args, device: str) -> int:
             _print_implementations(registry, stage, device)
         for prop in PROPERTIES.values():
             print(f"\n{prop.op}  [property: needs no reference]\n{wrapped(prop.doc)}")
-            print(wrapped(f"checks: {', '.join(prop.checks)}; targets (--path): {', '.join(prop.targets)}"))
+            print(wrapped(f"checks: {', '.join(prop.checks)}"))
+            print(wrapped(f"targets (--path): {', '.join(prop.targets)}"))
             print(wrapped(f"implementations here (--impl NAME): {', '.join(prop.implementations(device)) or 'none'}"))
         print("\nmla-verify list --op OP: one op's call with shapes and dtypes, what it returns, its bounds")
     if args.tolerances:
