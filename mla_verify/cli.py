@@ -222,9 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                  _epilog([("0", "the case passes now"), ("1", "it still fails (the rows say how)"),
                           ("2", "usage error, or a case file that is unreadable or outside its op's schema"),
                           HARNESS, ("130", "Ctrl-C")],
-                         [("mla-verify replay runs/fuzz-x/failures/sparse_prefill-mykernels.prefill_fwd-3f2a.json "
+                         [("mla-verify replay RUN_DIR/failures/sparse_prefill-mykernels.prefill_fwd-8ea62855f2ee.json "
                            "--impl mykernels.prefill:fwd",
-                           "re-run the printed case on your (fixed?) kernel"),
+                           "re-run the case fuzz printed, on your kernel as it is now"),
                           ("mla-verify replay CASE.json --impl mykernels.decode:sparse_decode --deviation "
                            "bf16_dequant --device cuda",
                            "the same case on the GPU, with a declared deviation's bounds")]))
