@@ -58,7 +58,9 @@ def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str =
     if "shape" in m.extra:
         return Verdict(m, False, "shape", 1.0, 0.0, 0.0, deviation, f"shape/dtype mismatch: {m.extra['shape']}")
     if kind != EXACT and (m.nan_count or m.inf_mismatch):
-        what = f"{m.nan_count} NaN" if m.nan_count else f"{m.inf_mismatch} positions with another +inf/-inf/NaN pattern"
+        what = (f"{m.nan_count} NaN where the reference has none (what a kernel must not read is NaN in "
+                "the inputs: usually such a read)" if m.nan_count
+                else f"{m.inf_mismatch} positions with another +inf/-inf/NaN pattern")
         return Verdict(m, False, "inf_mismatch" if m.inf_mismatch else "nan_count",
                        float(m.inf_mismatch or m.nan_count), 0.0, 0.0, deviation, what)
     worst: tuple[float, Bound, float, float] | None = None

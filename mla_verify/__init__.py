@@ -9,6 +9,9 @@ The Python API (`mla_verify.api`; the CLI is a thin layer over it):
     mla_verify.replay("runs/fuzz-.../failures/....json", my_prefill)
     mla_verify.property_check("split_invariance", {"sparse_decode_fp8": my_decode})
     mla_verify.strategies.cases("sparse_prefill", profile="ci")   # a Hypothesis strategy of Cases
+
+Inside pytest, `--mla-verify-profile`, `--mla-verify-examples` and `--mla-verify-device` set the
+defaults of these calls (`mla_verify.pytest_plugin`).
 """
 
 import importlib as _importlib

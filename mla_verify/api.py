@@ -164,7 +164,9 @@ def check(
         examples: cases to draw (default: the profile's budget). seed: the campaign's seed (default:
             random; `CheckResult.seed` says which).
         device: "cpu", "cuda" or "cuda:N" (default: cuda when present). profile: ci | dev | nightly |
-            gpu (default: dev on cpu, gpu on cuda).
+            gpu (default: dev on cpu, gpu on cuda). Inside pytest, `--mla-verify-examples`,
+            `--mla-verify-device` and `--mla-verify-profile` replace these defaults (the plugin,
+            `mla_verify.pytest_plugin`); a value passed here wins.
         out: a run directory to write (rows, meta, failing case files; must not hold a run). None:
             rows stay in memory and a failing case is saved under the temporary directory.
         isolate: run cases in a worker process replaced after a crash, hang or CUDA error (default:
@@ -188,9 +190,13 @@ def check(
     from mla_verify.fuzz.profiles import get_profile
     from mla_verify.fuzz.strategies import FORWARD_PATHS
 
+    from .pytest_plugin import DEFAULTS
     from .rundir import RunDir
 
-    device = resolve_device(device)
+    # Inside pytest, --mla-verify-profile/-examples/-device fill what the test left unset.
+    examples = DEFAULTS.get("examples") if examples is None else examples
+    profile = DEFAULTS.get("profile") if profile is None else profile
+    device = resolve_device(DEFAULTS.get("device") if device is None else device)
     device_type = device.split(":")[0]
     _positive("examples", examples, int)
     _positive("timeout", timeout, float)
@@ -443,7 +449,8 @@ def replay(
 
     The case file is data: it is validated against its op's schema and nothing it names is
     imported. `impl` defaults to the implementation saved with the case when that is a registered
-    name; a saved MODULE:CALLABLE must be named again here (it is printed as a hint). `deviations`
+    name; a saved MODULE:CALLABLE must be named again here (it is printed as a hint). `device`
+    defaults as in `check` (`--mla-verify-device` inside pytest). `deviations`
     default to the ones saved with the case. `CheckResult.reproduced` says whether the saved
     failure came back (same failing tensors and metrics, values within noise).
     """
@@ -455,7 +462,9 @@ def replay(
     from mla_verify.fuzz import casefile
     from mla_verify.reports import rows_frame
 
-    device = resolve_device(device)
+    from .pytest_plugin import DEFAULTS
+
+    device = resolve_device(DEFAULTS.get("device") if device is None else device)
     device_type = device.split(":")[0]
     _positive("timeout", timeout, float)
     try:

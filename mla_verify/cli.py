@@ -14,6 +14,7 @@ import math
 import os
 import shlex
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -40,6 +41,47 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Epilogs keep their layout; an option's default is shown unless its help states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+TOOL = ("Checks implementations of DeepSeek-style sparse MLA attention (the kernels of vLLM's FlashMLA "
+        "sparse backend) against an exact float64 reference: it fuzzes inputs, compares outputs and "
+        "log-sum-exps within stated bounds, saves the smallest failing case for an exact replay, and "
+        "writes numerical-drift reports.")
+
+# Exit codes, shared by the subcommands that can end that way.
+DISCREPANCY = ("1", "a discrepancy, crash, hang, flaky result or broken contract of the implementation; "
+                    "the failing case is saved and its replay command printed")
+USAGE = ("2", "usage error or bad input, with a one-line reason, before any case runs")
+HARNESS = ("3", "mla-verify itself failed (the traceback is in the run directory's harness-error.txt)")
+INTERRUPTED = ("130", "Ctrl-C: the current case finishes, the run is written, failures' replay commands printed")
+
+
+def _epilog(codes: list[tuple[str, str]], examples: list[tuple[str, str]]) -> str:
+    lines = ["exit codes:"]
+    for code, meaning in codes:
+        lines += textwrap.wrap(meaning, 98, initial_indent=f"  {code:<5}", subsequent_indent=" " * 7)
+    lines += ["", "examples:"]
+    for command, what in examples:
+        shell = textwrap.wrap(command, 94, initial_indent="  ", subsequent_indent="      ", break_long_words=False,
+                              break_on_hyphens=False)
+        lines += [*(line + " \\" for line in shell[:-1]), shell[-1],
+                  *textwrap.wrap(what, 98, initial_indent=" " * 6, subsequent_indent=" " * 6)]
+    return "\n".join(lines)
+
+
+def _command(sub, name: str, summary: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=summary, description=textwrap.fill(description, 98, break_on_hyphens=False),
+                          epilog=epilog, formatter_class=_Formatter)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -55,13 +97,14 @@ def _positive_float(text: str) -> float:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present, else cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the cases run (default: cuda when present, else cpu)")
 
 
 def _add_isolation(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="run cases in a worker process replaced after a crash, hang or CUDA error (default: on for cuda)")
-    p.add_argument("--timeout", type=_positive_float, default=300.0,
+    p.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S",
                    help="seconds the implementation may take per case in the worker (start-up and the reference "
                         "are not counted; default 300)")
 
@@ -98,78 +141,162 @@ def _add_reference_memory(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="mla-verify", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="mla-verify", description=textwrap.fill(TOOL, 98, break_on_hyphens=False),
+                     formatter_class=_Formatter, epilog=_epilog(
+        [("0", "no discrepancy (and no drift beyond the factor)"), DISCREPANCY, USAGE, HARNESS, INTERRUPTED],
+        [("mla-verify fuzz --op sparse_decode_fp8 --impl mykernels.decode:sparse_decode",
+          "fuzz your own decode kernel against the reference"),
+         ("mla-verify gate --device cpu", "the CI gate: every op and path, every implementation available here")])
+        + "\n\n" + textwrap.fill("`mla-verify COMMAND --help` explains each command. From Python or pytest: "
+                                 "`import mla_verify` (check, assert_equivalent, replay, property_check).", 98))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("list", help="ops, pipeline stages, their reference and the implementations available here")
+    p = _command(sub, "list", "ops, their keywords, implementations here, tolerances and deviations",
+                 "List every op of the contract (the keyword arguments an implementation receives, its "
+                 "reference), every pipeline stage and property, and which implementations run on this "
+                 "device. --op OP shows one op's full contract: the call with shapes and dtypes, what "
+                 "is returned and compared, and each bound.",
+                 _epilog([("0", "listed"), ("2", "an unknown --op")],
+                         [("mla-verify list --op sparse_prefill",
+                           "the call your prefill kernel gets, its return value and the bounds it is held to"),
+                          ("mla-verify list --tolerances --long", "every bound, with the measured reason for it")]))
     _add_common(p)
+    p.add_argument("--op", default=None, metavar="OP",
+                   help="show only this op (or property:NAME): its call with shapes and dtypes, returns, bounds")
     p.add_argument("--tolerances", action="store_true", help="also print every bound of the tolerance policy")
+    p.add_argument("--long", action="store_true", help="with --tolerances: each bound's reason in full")
     p.add_argument("--deviations", action="store_true",
                    help="also print each documented deviation a kernel may declare (--deviation): meaning and bounds")
 
-    p = sub.add_parser("fuzz", help="fuzz one op (or forward_mqa) against the reference, or a property:NAME")
+    p = _command(sub, "fuzz", "fuzz one op, pipeline or property against the reference",
+                 "Draw cases of one op with Hypothesis, run the implementation and the float64 reference on "
+                 "each, and compare every returned tensor within its bound (`mla-verify list --op OP`). The "
+                 "first failing case is shrunk to the smallest one that still fails, saved as JSON under "
+                 "the run directory, and printed with the `mla-verify replay` command that reproduces it. "
+                 "Every compared tensor of every case is a row of the run's rows.parquet / rows.csv.",
+                 _epilog([("0", "every case passed"), DISCREPANCY, USAGE, HARNESS, INTERRUPTED],
+                         [("mla-verify fuzz --op sparse_prefill --impl mykernels.prefill:sparse_prefill "
+                           "--examples 50 --seed 1",
+                           "50 cases for your prefill kernel (a module-level function taking the keywords "
+                           "`mla-verify list --op sparse_prefill` shows), repeatable with seed 1"),
+                          ("mla-verify fuzz --op forward_mqa --path fp8_mixed "
+                           "--impl sparse_decode_fp8=mykernels.decode:sparse_decode --deviation bf16_dequant",
+                           "your decode kernel as one stage of the whole forward_mqa, declaring that it "
+                           "rounds dequantized rows to bf16")]))
     _add_common(p)
     _add_isolation(p)
     _add_reference_memory(p)
-    p.add_argument("--op", required=True, help="an op, forward_mqa, or property:NAME (`mla-verify list`)")
+    p.add_argument("--op", required=True, help="an op, forward_mqa, dcp, or property:NAME (`mla-verify list`)")
     p.add_argument("--path", default=None, help="forward_mqa: bf16 | fp8_mixed | fp8_separate | fp8_mixed_dcp; "
-                   "property:NAME: one of its targets")
+                   "property:NAME: one of its targets (default: all of them, drawn)")
     p.add_argument("--world-size", type=int, default=None, choices=(2, 4, 8),
                    help="dcp only: rank processes (default 2); one GPU each when there are enough, else gloo")
     p.add_argument("--impl", action="append", default=[], metavar="[STAGE=]MODULE:CALLABLE|NAME",
-                   help="implementation under test (default: the project's); repeat for several stages")
+                   help="implementation under test: your function as MODULE:CALLABLE (the working directory is "
+                        "importable), a registered NAME (`mla-verify list`), or STAGE=... for one stage of "
+                        "forward_mqa, dcp or a property; repeat for several stages (default: the project's)")
     _add_deviation(p, [])
-    p.add_argument("--examples", type=_positive_int, default=None, help="default: the profile's budget")
-    p.add_argument("--seed", type=int, default=None, help="campaign seed (printed; default: random)")
-    p.add_argument("--profile", default=None, help="ci | dev | nightly | gpu (default: dev on cpu, gpu on cuda)")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--examples", type=_positive_int, default=None, metavar="N",
+                   help="cases to draw (default: the profile's budget)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="campaign seed (printed; default: random)")
+    p.add_argument("--profile", default=None, metavar="NAME",
+                   help="case sizes and budget: ci (small, seconds on CPU) | dev | nightly | gpu (production "
+                        "shapes) (default: dev on cpu, gpu on cuda)")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="run directory: rows, meta, failing case files; must not hold a run "
                         "(default: a new runs/fuzz-OP-IMPL-TIME)")
     p.add_argument("--no-shrink", action="store_true", help="report the first failing case as found")
-    p.add_argument("--junit", type=Path, default=None, help="also write JUnit XML here")
-    p.add_argument("--parallel", type=_positive_int, default=None,
+    p.add_argument("--junit", type=Path, default=None, metavar="FILE",
+                   help="also write a JUnit XML report there for CI: one test case per op and implementation, "
+                        "failed with its first failing row (default: none)")
+    p.add_argument("--parallel", type=_positive_int, default=None, metavar="N",
                    help="independent campaigns (seeds S, S+1, ...) sharing the examples, one GPU each "
                         "(default: every GPU on cuda, 1 on cpu; dcp: 1, its ranks take the GPUs)")
     p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel
 
-    p = sub.add_parser("replay", help="re-run a saved case exactly; exit 1 if it still fails")
+    p = _command(sub, "replay", "re-run a saved failing case exactly; exit 1 if it still fails",
+                 "Re-run one case file (saved by fuzz or gate) on the same inputs and say whether the saved "
+                 "failure came back: the same failing tensors and metrics with the same values, or what "
+                 "moved. The file is data: it is checked against its op's schema, and nothing it names "
+                 "is imported unless --impl names it again.",
+                 _epilog([("0", "the case passes now"), ("1", "it still fails (the rows say how)"),
+                          ("2", "usage error, or a case file that is unreadable or outside its op's schema"),
+                          HARNESS, ("130", "Ctrl-C")],
+                         [("mla-verify replay RUN_DIR/failures/sparse_prefill-mykernels.prefill_fwd-8ea62855f2ee.json "
+                           "--impl mykernels.prefill:fwd",
+                           "re-run the case fuzz printed, on your kernel as it is now"),
+                          ("mla-verify replay CASE.json --impl mykernels.decode:sparse_decode --deviation "
+                           "bf16_dequant --device cuda",
+                           "the same case on the GPU, with a declared deviation's bounds")]))
     _add_common(p)
     _add_isolation(p)
     _add_reference_memory(p)
-    p.add_argument("file", type=Path)
+    p.add_argument("file", type=Path, help="a case file (failures/*.json of a run directory)")
     p.add_argument("--impl", action="append", default=None, metavar="[STAGE=]MODULE:CALLABLE|NAME",
                    help="the implementation to replay (a case file's MODULE:CALLABLE is never imported unless "
                         "named here; default: the registered implementation saved with the case)")
     _add_deviation(p, None)
 
-    p = sub.add_parser("gate", help="every op and path: regression corpus + fuzz budget; drift report; CI verdict")
+    p = _command(sub, "gate", "CI gate: every op and path, corpus + fuzz + properties; drift report",
+                 "Run every op and forward_mqa path with every implementation available on this device: "
+                 "the pinned regression corpus first, then a fuzz budget, then every property. Writes one "
+                 "run directory (rows, meta, report.html) and exits non-zero on any discrepancy; with "
+                 "--baseline also on drift against an earlier run.",
+                 _epilog([("0", "no discrepancy and no drift"),
+                          ("1", "a discrepancy, crash, hang or broken contract (each failing case saved, its "
+                                "replay command printed), or drift beyond the factor against --baseline"),
+                          USAGE, HARNESS, INTERRUPTED],
+                         [("mla-verify gate --device cpu --out runs/cpu-gate", "the CPU gate, as `make gate` runs it"),
+                          ("mla-verify gate --op sparse_decode_fp8 --op property --baseline runs/last-night "
+                           "--junit gate.xml", "only decode and the properties, compared with last night's run, "
+                           "with a JUnit file for the CI")]))
     _add_common(p)
     _add_isolation(p)
     _add_reference_memory(p)
-    p.add_argument("--profile", default=None, help="default: ci on cpu, gpu on cuda")
+    p.add_argument("--profile", default=None, help="case sizes and budget (default: ci on cpu, gpu on cuda)")
     p.add_argument("--examples", type=_positive_int, default=None,
                    help="fuzz examples per op (or property) and implementation; default: the profile's")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--op", action="append", default=None, help="restrict to these ops, property:NAME, or property (all of them)")
+    p.add_argument("--seed", type=int, default=None, help="fuzz seed (printed; default: random)")
+    p.add_argument("--op", action="append", default=None,
+                   help="restrict to these ops, property:NAME, or property (all of them) (default: everything)")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: a new runs/gate-<time>)")
-    p.add_argument("--baseline", type=Path, default=None, help="compare the drift with this earlier run")
-    p.add_argument("--junit", type=Path, default=None, help="also write JUnit XML here")
-    p.add_argument("--parallel", type=_positive_int, default=None,
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="an earlier run directory to compare the drift with (default: none)")
+    p.add_argument("--junit", type=Path, default=None, metavar="FILE",
+                   help="also write a JUnit XML report there for CI: one test case per op and implementation, "
+                        "failed with its first failing row (default: none)")
+    p.add_argument("--parallel", type=_positive_int, default=None, metavar="N",
                    help="split the ops over this many processes, one GPU each (default: every GPU on cuda, 1 on cpu)")
     p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel: rows only
 
-    p = sub.add_parser("report", help="drift report of a run directory, optionally against a baseline run")
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--baseline", type=Path, default=None)
-    p.add_argument("--html", type=Path, default=None)
-    p.add_argument("--markdown", type=Path, default=None)
+    p = _command(sub, "report", "drift report of a run directory, optionally against a baseline run",
+                 "Summarize a run directory's rows (error distributions per op, path and tensor, headroom, "
+                 "failures) in the terminal and in a self-contained HTML file; with --baseline, the two "
+                 "runs side by side and a drift verdict. Reads a run that did not finish from its journal.",
+                 _epilog([("0", "the run has no failure and, with --baseline, no drift beyond --factor"),
+                          ("1", "the run has failures, or p99 error or bias grew beyond --factor"),
+                          ("2", "a missing, empty or truncated run directory, or a baseline with nothing in common")],
+                         [("mla-verify report runs/cpu-gate", "summary, and runs/cpu-gate/report.html"),
+                          ("mla-verify report runs/today --baseline runs/yesterday --markdown summary.md",
+                           "drift against yesterday's run, with a markdown summary for the CI page")]))
+    p.add_argument("run_dir", type=Path, help="a run directory written by fuzz or gate")
+    p.add_argument("--baseline", type=Path, default=None, help="an earlier run directory to compare with")
+    p.add_argument("--html", type=Path, default=None,
+                   help="where to write the HTML report (default: RUN_DIR/report.html)")
+    p.add_argument("--markdown", type=Path, default=None, help="also write a markdown summary there")
     p.add_argument("--factor", type=_positive_float, default=2.0,
                    help="flag drift when p99 error or bias grows beyond this")
 
-    p = sub.add_parser("bench", help="kernel, reference and harness speed at production shapes; table + JSON")
+    p = _command(sub, "bench", "kernel, reference and harness speed at production shapes; table + JSON",
+                 "Time the kernels (GPU only), the float64 reference and the harness's own cost per case at "
+                 "production shapes, print a table and write it as JSON.",
+                 _epilog([("0", "measured and written"), ("2", "usage error")],
+                         [("mla-verify bench --quick", "a few small shapes: a smoke run"),
+                          ("mla-verify bench --only reference --reference-memory 2GiB --out runs/ref.json",
+                           "only the reference, with a 2 GiB working-memory budget")]))
     _add_common(p)
     _add_reference_memory(p)
-    p.add_argument("--out", type=Path, default=Path("runs/bench.json"))
+    p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="the JSON file to write")
     p.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
     p.add_argument("--only", action="append", choices=("kernels", "reference", "harness"), default=None,
                    help="run only these sections (repeat; default: all)")
@@ -205,31 +332,47 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_list(args, device: str) -> int:
+    from mla_verify import describe
     from mla_verify.equivalence.ops import OPS
-    from mla_verify.equivalence.policy import all_bounds
-    from mla_verify.equivalence.properties import PROPERTIES
+    from mla_verify.equivalence.properties import PROPERTIES, is_property
+    from mla_verify.equivalence.subject import UsageError
     from mla_verify.optimized import registry
 
+    def wrapped(text: str, first: str = "  ", rest: str = "    ") -> str:
+        return "\n".join(textwrap.wrap(text, describe.WIDTH, initial_indent=first, subsequent_indent=rest,
+                                        break_on_hyphens=False))
+
+    known = [*sorted(OPS), *(p.op for p in PROPERTIES.values())]
+    if args.op is not None and args.op not in known:
+        raise UsageError(f"--op {args.op!r}: unknown; known: {', '.join(known)}")
     print(f"device: {device}")
-    for name in sorted(OPS):
-        spec = OPS[name]
-        stage = spec.stage or "pipeline of stages"
-        print(f"\n{name}  [{stage}]\n  {spec.doc}\n  reference: reference.{name}")
-        if spec.stage is None:
-            continue
-        _print_implementations(registry, spec.stage, device)
-    extra = sorted(set(registry.stages()) - {s.stage for s in OPS.values()})
-    for stage in extra:
-        print(f"\n{stage}  [pipeline stage]")
-        _print_implementations(registry, stage, device)
-    for prop in PROPERTIES.values():
-        print(f"\n{prop.op}  [property: needs no reference]\n  {prop.doc}\n  checks: {', '.join(prop.checks)}; "
-              f"targets (--path): {', '.join(prop.targets)}")
-        print(f"  implementations here (--impl NAME): {', '.join(prop.implementations(device)) or 'none'}")
+    if args.op is not None:
+        described = describe.describe_property(args.op) if is_property(args.op) else describe.describe_op(args.op)
+        print("\n".join(described))
+        stage = None if is_property(args.op) else OPS[args.op].stage
+        if stage is not None:
+            print("  implementations (--impl NAME):")
+            _print_implementations(registry, stage, device)
+    else:
+        for name in sorted(OPS):
+            spec = OPS[name]
+            print(f"\n{name}  [{spec.stage or 'pipeline of stages'}]\n{wrapped(spec.doc)}")
+            print(wrapped(f"keywords: {', '.join(spec.arguments)}"))
+            print(f"  reference: mla_verify.reference.{name}")
+            if spec.stage is not None:
+                _print_implementations(registry, spec.stage, device)
+        extra = sorted(set(registry.stages()) - {s.stage for s in OPS.values()})
+        for stage in extra:
+            print(f"\n{stage}  [pipeline stage]")
+            _print_implementations(registry, stage, device)
+        for prop in PROPERTIES.values():
+            print(f"\n{prop.op}  [property: needs no reference]\n{wrapped(prop.doc)}")
+            print(wrapped(f"checks: {', '.join(prop.checks)}"))
+            print(wrapped(f"targets (--path): {', '.join(prop.targets)}"))
+            print(wrapped(f"implementations here (--impl NAME): {', '.join(prop.implementations(device)) or 'none'}"))
+        print("\nmla-verify list --op OP: one op's call with shapes and dtypes, what it returns, its bounds")
     if args.tolerances:
-        print("\ntolerances (equivalence/policy.py):")
-        for kind, where, b in all_bounds():
-            print(f"  {kind:6s} {where or 'default':22s} {b.metric:16s} <= {b.limit:<10.4g} {b.reason}")
+        print("\n" + "\n".join(describe.tolerance_lines(long=args.long)))
     if args.deviations:
         _print_deviations()
     return 0
@@ -271,7 +414,7 @@ def _print_implementations(registry, stage: str, device: str) -> None:
         elif why is None and device in impl.interpreted_on:
             status += f", interpreted on {device}: by name only"
         dev = f"; deviations: {', '.join(impl.deviations)}" if impl.deviations else ""
-        print(f"  - {impl.name:12s} {status}{dev}")
+        print("\n".join(textwrap.wrap(f"  - {impl.name:12s} {status}{dev}", 100, subsequent_indent=" " * 17)))
 
 
 def _profile(name: str | None, device: str, default_cpu: str):

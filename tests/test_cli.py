@@ -1,6 +1,7 @@
 """The command line as CI and users drive it: exit codes, saved cases that replay exactly."""
 
 import json
+import re
 
 import pytest
 
@@ -127,3 +128,82 @@ def test_list_says_which_implementation_each_stage_gets_here(capsys):
     block = text.split("\nconvert_index  [convert_index]")[1].split("\n\n")[0]
     assert "triton       available, interpreted on cpu: by name only" in block
     assert "torch-fp32   available, default here" in block
+
+
+# ----------------------------------------------------------------------------- help that teaches
+
+COMMANDS = ("list", "fuzz", "replay", "gate", "report", "bench")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_subcommand_help_has_a_description_exit_codes_and_two_examples(capsys, command):
+    code, text = run(capsys, command, "--help")
+    assert code == 0
+    description = text.split("\n\n")[1]
+    assert not description.startswith(("options:", "positional")) and len(description) > 100, description
+    codes = text.split("exit codes:\n")[1].split("\n\n")[0]
+    assert codes.startswith("  0 ") and "\n  2 " in codes
+    examples = text.split("examples:\n")[1]
+    assert examples.count(f"\n  mla-verify {command} ") + examples.startswith(f"  mla-verify {command} ") == 2
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_the_top_level_help_says_what_the_tool_does_not_where_its_source_lives(capsys):
+    code, text = run(capsys, "--help")
+    assert code == 0 and "float64 reference" in text and "exit codes:" in text and "examples:" in text
+    assert "thin layer" not in text and "equivalence/" not in text
+    for command in COMMANDS:
+        assert f"\n    {command} " in text
+
+
+def test_fuzz_help_shows_defaults_and_explains_junit(capsys):
+    text = run(capsys, "fuzz", "--help")[1]
+    assert "default 300" in text and "runs/fuzz-OP-IMPL-TIME" in text
+    assert "--junit FILE" in text and "JUnit XML" in text
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_list_fits_100_columns_and_long_gives_the_full_reasons(capsys, long):
+    from mla_verify.equivalence.policy import LSE_BOUNDS
+
+    code, text = run(capsys, "list", "--device", "cpu", "--tolerances", "--deviations", *["--long"] * long)
+    assert code == 0
+    too_wide = [line for line in text.splitlines() if len(line) > 100]
+    assert not too_wide, too_wide
+    reason = LSE_BOUNDS[0].reason
+    flat = " ".join(text.split())
+    assert (reason in flat) == long and reason[:30] in flat
+
+
+def test_list_shows_each_ops_keywords(capsys):
+    from mla_verify.equivalence.ops import OPS
+
+    text = run(capsys, "list", "--device", "cpu")[1]
+    for name, spec in OPS.items():
+        block = " ".join(text.split(f"\n{name}  [")[1].split("\n\n")[0].split())
+        assert f"keywords: {', '.join(spec.arguments)}" in block, name
+
+
+def test_list_op_prints_the_call_with_shapes_dtypes_returns_and_bounds(capsys):
+    code, text = run(capsys, "list", "--device", "cpu", "--op", "sparse_prefill")
+    assert code == 0
+    for line in ("q=bfloat16[tokens=", "kv=bfloat16[kv_rows=", "indices=int32[tokens=", "sm_scale=float ",
+                 "returns: (out, lse[, max_logits])", "lse_fp32_units <= 64", "bf16_units <= 6"):
+        assert line in text, line
+    assert "torch-fp32" in text  # the implementations here
+
+
+def test_list_op_shows_every_keyword_each_op_receives(capsys):
+    from mla_verify.equivalence.ops import OPS
+
+    for name, spec in OPS.items():
+        code, text = run(capsys, "list", "--device", "cpu", "--op", name)
+        assert code == 0 and "compared with the reference" in text, name
+        for keyword in spec.arguments:
+            assert re.search(rf"\b{keyword}[=,)]", text), (name, keyword)
+
+
+def test_list_op_of_a_property_shows_each_check_and_what_it_is_held_to(capsys):
+    code, text = run(capsys, "list", "--device", "cpu", "--op", "property:determinism")
+    assert code == 0 and "rerun: bit for bit" in text
+    assert run(capsys, "list", "--op", "no_such_op")[0] == 2

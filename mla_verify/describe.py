@@ -1,0 +1,173 @@
+"""What `mla-verify list --op OP` and `list --tolerances` print, generated from the harness's own
+data rather than written out by hand: the keywords come from the op's OpSpec, the shapes and
+dtypes from what an implementation really receives on the op's smallest pinned corpus case
+(fuzz/corpus), the compared tensors from the reference's answer to that case, and the bounds
+from the tolerance policy."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any, Mapping
+
+WIDTH = 100
+
+
+class _Called(Exception):
+    """Raised by the recording stand-in once it has seen its keyword arguments."""
+
+
+def _wrap(text: str, first: str, rest: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False)
+
+
+def keywords(op: str) -> tuple[str, ...]:
+    """The keyword arguments every implementation of `op` must accept."""
+    from mla_verify.equivalence.ops import get_op
+
+    return get_op(op).arguments
+
+
+def _pinned_cases(op: str) -> list:
+    """The op's corpus cases, smallest first."""
+    from mla_verify.equivalence.schema import SCHEMAS
+    from mla_verify.fuzz.regressions import corpus
+
+    return sorted((case for case, _ in corpus(op)), key=lambda c: SCHEMAS[op].elements(c.params))
+
+
+def _dim_names(params: Mapping[str, Any]) -> dict[int, str]:
+    """A size that equals exactly one integer parameter of the case is labelled with its name."""
+    by_value: dict[int, list[str]] = {}
+    for name, value in params.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            by_value.setdefault(value, []).append(name)
+    return {value: names[0] for value, names in by_value.items() if len(names) == 1}
+
+
+def _form(value: Any, dims: Mapping[int, str]) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        shape = ", ".join(f"{dims[d]}={d}" if d in dims else str(d) for d in value.shape)
+        return f"{str(value.dtype).removeprefix('torch.')}[{shape}]"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_form(v, dims) for v in value) + ")"
+    if value is None:
+        return "None"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _received(spec, case) -> dict[str, Any] | None:
+    """The keyword arguments an implementation receives for `case`, as the harness calls it
+    (None for an op whose implementation runs in rank processes of its own)."""
+    from mla_verify.equivalence.subject import Subject
+
+    if spec.own_processes:
+        return None
+    seen: dict[str, Any] = {}
+
+    def record(**kwargs: Any):
+        seen.update(kwargs)
+        raise _Called
+
+    try:
+        spec.call(Subject(label="list", fn=record), spec.inputs(case.params, case.seed, "cpu"), case.params)
+    except _Called:
+        pass
+    return seen
+
+
+def _bounds_text(kind: str, params: Mapping[str, Any]) -> str:
+    from mla_verify.equivalence.policy import bounds_for
+
+    bounds, _ = bounds_for(kind, params)
+    return ", ".join(f"{b.metric} <= {b.limit:.4g}" for b in bounds)
+
+
+def describe_op(op: str) -> list[str]:
+    """`op`'s contract: the call with keyword names, shapes and dtypes, what is returned and
+    compared, and each compared tensor's bounds."""
+    from mla_verify.equivalence.ops import get_op
+
+    spec = get_op(op)
+    cases = _pinned_cases(op)
+    case = cases[0] if cases else None
+    lines = [*_wrap(f"{op}: {spec.doc}", "", "  ")]
+    if case is None:
+        return lines + _wrap(f"call: impl({', '.join(spec.arguments)})", "  ", "      ")
+    dims = _dim_names(case.params)
+    shown = ", ".join(f"{k}={v}" for k, v in case.params.items() if not isinstance(v, (list, dict)) or len(v) <= 4)
+    lines += _wrap(f"shapes and dtypes of the smallest pinned case ({shown}):", "  ", "    ")
+    received = _received(spec, case)
+    if received is None:
+        lines += _wrap(f"call (in each rank process): impl({', '.join(spec.arguments)})", "  ", "      ")
+    else:
+        # An argument None here (an optional tensor) shows its tensor form from a larger pinned case.
+        others = [(_received(spec, c), _dim_names(c.params)) for c in cases[1:]]
+        lines.append("  call: impl(")
+        for name in (a for a in spec.arguments if a in received):
+            form = _form(received[name], dims)
+            if received[name] is None:
+                form += next((f", or {_form(got[name], d)}" for got, d in others if got.get(name) is not None), "")
+            lines.append(f"      {name}={form},")
+        lines.append("  )")
+    if spec.writes:
+        lines.append(f"  writes in place: {', '.join(spec.writes)} (nothing else may change); returns None")
+    ref = spec.reference(spec.inputs(case.params, case.seed, "cpu"), case.params)
+    compared = [c for c in spec.checks if c.tensor in ref]
+    if not spec.writes and received is not None:
+        names = [c.tensor for c in compared if not c.optional]
+        optional = "".join(f"[, {c.tensor}]" for c in compared if c.optional)
+        form = names[0] if len(names) == 1 and not optional else f"({', '.join(names)}{optional})"
+        lines.append(f"  returns: {form}")
+    lines.append("  compared with the reference (bounds; a declared deviation widens them where it applies):")
+    for c in compared:
+        t = ref[c.tensor]
+        dtype = str(c.dtype or t.dtype).removeprefix("torch.")
+        shape = ", ".join(f"{dims[d]}={d}" if d in dims else str(d) for d in t.shape)
+        judged = {**case.params, "dcp_size": 1} if c.single_rank else case.params
+        extra = " (optional)" if c.optional else ""
+        lines.append(f"    {c.tensor:18s} {dtype}[{shape}]{extra}")
+        lines.append(f"      {c.kind}: {_bounds_text(c.kind, judged)}")
+    if any(c.kind != "exact" for c in compared):
+        lines.append("  every float tensor also: +inf/-inf/NaN exactly where the reference has them, no NaN added")
+    return lines
+
+
+def describe_property(op: str) -> list[str]:
+    """A property: its targets, each check and what it holds the implementation to."""
+    from mla_verify.equivalence.policy import PROPERTY_RULES
+    from mla_verify.equivalence.properties import get_property
+
+    prop = get_property(op)
+    lines = [*_wrap(f"{prop.op}: {prop.doc}", "", "  "), f"  targets (--path): {', '.join(prop.targets)}",
+             "  checks (the implementation against itself, no reference):"]
+    for check in prop.checks:
+        rule = PROPERTY_RULES[f"{prop.name}.{check}"]
+        lines += _wrap(f"{check}: " + ("bit for bit" if rule.bitwise else "; ".join(
+            f"{kind}: " + ", ".join(f"{b.metric} <= {b.limit:.4g}" for b in bounds)
+            for kind, bounds in rule.bounds.items())), "    ", "      ")
+        lines += _wrap(rule.reason, "      ", "      ")
+    return lines
+
+
+def tolerance_lines(long: bool = False) -> list[str]:
+    """Every bound of the policy, grouped by where it applies; each reason cut to the line
+    (`long`: in full, wrapped). No line is wider than WIDTH."""
+    from mla_verify.equivalence.policy import all_bounds
+
+    lines = ["tolerances: the largest value a correct implementation may show"
+             + ("" if long else " (--long: the reasons in full)")]
+    where_before = None
+    for kind, where, b in all_bounds():
+        if where != where_before:
+            lines.append(f"  {where or 'default'}")
+            where_before = where
+        head = f"    {kind:5s} {b.metric:15s} <= {b.limit:<9.4g} "
+        if long:
+            lines.append(head.rstrip())
+            lines += _wrap(b.reason, " " * 6, " " * 6)
+        else:
+            room = WIDTH - len(head)
+            lines.append(head + (b.reason if len(b.reason) <= room else b.reason[:room - 3].rstrip() + "..."))
+    return lines

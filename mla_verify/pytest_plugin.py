@@ -1,0 +1,54 @@
+"""The pytest plugin (installed with the package, entry point `pytest11`): options that set the
+defaults of `mla_verify.check` / `assert_equivalent` / `property_check` (and `replay`'s device)
+for one pytest run, so a CI can raise the budget or move to the GPU without editing tests:
+
+    pytest --mla-verify-profile nightly --mla-verify-examples 500 --mla-verify-device cuda
+
+An argument a test passes explicitly still wins. The plugin imports nothing heavy: it is loaded
+by every pytest run in an environment where mla-verify is installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Read by mla_verify.api for every argument left as None; empty outside a pytest run with the options.
+DEFAULTS: dict[str, Any] = {}
+
+_OPTIONS = {
+    "profile": "fuzz profile for calls that name none: ci | dev | nightly | gpu",
+    "examples": "cases per check for calls that pass no examples= (default: the profile's budget)",
+    "device": "device for calls that pass no device=: cpu, cuda or cuda:N (default: cuda when present)",
+}
+
+
+def pytest_addoption(parser) -> None:
+    group = parser.getgroup("mla-verify", "mla-verify defaults (explicit arguments in a test win)")
+    for name, help_text in _OPTIONS.items():
+        group.addoption(f"--mla-verify-{name}", dest=f"mla_verify_{name}", default=None,
+                        type=int if name == "examples" else str, help=help_text,
+                        metavar={"profile": "NAME", "examples": "N", "device": "DEVICE"}[name])
+
+
+def pytest_configure(config) -> None:
+    import pytest
+
+    from mla_verify.fuzz.profiles import PROFILES  # a table of numbers: no torch
+
+    chosen = {name: config.getoption(f"mla_verify_{name}") for name in _OPTIONS}
+    if chosen["examples"] is not None and chosen["examples"] <= 0:
+        raise pytest.UsageError(f"--mla-verify-examples must be a positive integer, got {chosen['examples']}")
+    if chosen["profile"] is not None and chosen["profile"] not in PROFILES:
+        raise pytest.UsageError(f"--mla-verify-profile {chosen['profile']!r}: unknown; known: {', '.join(PROFILES)}")
+    DEFAULTS.clear()
+    DEFAULTS.update({name: value for name, value in chosen.items() if value is not None})
+
+
+def pytest_unconfigure(config) -> None:
+    DEFAULTS.clear()
+
+
+def pytest_report_header(config) -> str | None:
+    if not DEFAULTS:
+        return None
+    return "mla-verify defaults: " + ", ".join(f"{name} {value}" for name, value in DEFAULTS.items())
