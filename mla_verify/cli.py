@@ -4,7 +4,8 @@ the gate, report and bench modules.
 Exit codes (for CI): 0 = no discrepancy; 1 = a discrepancy, crash, hang or broken contract of the
 implementation (or a drift beyond the factor); 2 = usage error or bad input, with a one-line
 reason; 3 = mla-verify itself failed (the traceback is saved in the run directory); 130 =
-interrupted (Ctrl-C: the current case finished, the run written, failures' replay commands printed).
+interrupted (Ctrl-C: the current case finished, the run written, failures' replay commands printed);
+141 = the output pipe closed.
 """
 
 from __future__ import annotations
@@ -329,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mla-verify: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`mla-verify list | head`): no traceback, and never a pass
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        return 141
 
 
 def cmd_list(args, device: str) -> int:
