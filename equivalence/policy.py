@@ -324,3 +324,64 @@ def all_bounds() -> list[tuple[str, str, Bound]]:
             rows.append((EXACT, check, Bound("mismatch_frac", 0.0, rule.reason)))
         rows += [(kind, check, b) for kind, bs in rule.bounds.items() for b in bs]
     return rows
+
+
+# ----------------------------------------------------------------------------- drift
+#
+# Drift (reports.drift) compares a run with a baseline run of the same ops: did the kernel move
+# away from the exact answer? It is judged on metrics that mean the same thing in every case (the
+# error in units of one rounding, the bias relative to rms(ref), the share of the bound used), so
+# that cases of different scales compare. Raw max_abs is shown and never judged: it tracks each
+# case's magnitude, not the kernel. Measured on CPU gate runs of one revision (profile ci, seeds
+# 11-14, 460 rows and 117 groups each; README "Drift reports" has the table).
+
+
+@dataclass(frozen=True)
+class DriftMetric:
+    """A metric drift is judged on: its name, the kinds it applies to and, per kind, the floor
+    below which a change is rounding residue (values are raised to the floor before any ratio)."""
+
+    name: str
+    floors: Mapping[str, float]
+    reason: str
+
+
+DRIFT_METRICS = (
+    DriftMetric("bf16_units", {"out": 1.0, "other": 1.0},
+                "one rounding of the exact answer; correct kernels sit at 0.8 (p50) to 1.3 (p90), so two "
+                "correct versions stay within 2x of each other while a kernel twice as far off flags"),
+    DriftMetric("elem_bf16_units", {"out": 1.0, "other": 1.0},
+                "the worst element's rounding step; correct kernels: p50 0.7, p90 1.3"),
+    DriftMetric("lse_fp32_units", {"lse": 1.0, "max_logits": 1.0},
+                "one fp32 step of the row's logit scale; correct kernels: p50 0.26, p90 0.73 (lse), 0.6 "
+                "(max_logits)"),
+    DriftMetric("abs_bias", {"out": 2.0**-13, "other": 2.0**-13, "lse": 2.0**-20, "max_logits": 2.0**-20},
+                "|mean_err|: out p90 1.0e-4 (the mean of n unbiased bf16 roundings, ~1.7e-3/sqrt(n), 1.8e-5 at "
+                "8192 elements), lse p90 6e-8 (fp32 roundings); a gain of 1 + 2**-11 biases out by 4.9e-4, 4x "
+                "the floor"),
+    DriftMetric("bound_use", {"out": 0.25, "other": 0.25, "lse": 0.25, "max_logits": 0.25},
+                "value / bound of the row's least-headroom metric (1 / headroom); correct kernels use at most "
+                "0.22 of a bound (out) and 0.05 (lse), so headroom drifts when it falls below factor x 4"),
+    DriftMetric("mismatch_frac", {"exact": 0.0},
+                "bit-exact contracts: any mismatch is real (and a failure)"),
+)
+
+DRIFT_FACTOR = 2.0
+DRIFT_FACTOR_REASON = (
+    "two correct kernels (or one kernel on two seeds) differ by less: per-case ratios of one revision are "
+    "exactly 1 on CPU, group medians across seeds stay within 1.6x above the floors (measured, seeds 11-14); "
+    "a kernel whose error doubled is the smallest change worth a look")
+DRIFT_CONFIDENCE = 0.99
+DRIFT_CONFIDENCE_REASON = (
+    "a gate compares ~400 (group, metric) pairs: at 0.99 a test at the factor's edge would cry wolf about "
+    "4 times a run, at 0.95 about 20; unpaired runs of one revision flagged none at 0.99 (seeds 11-14)")
+DRIFT_MIN_CASES = 5
+DRIFT_MIN_CASES_REASON = (
+    "cases per side below which an unpaired group is 'too few cases to judge': the rank test's smallest "
+    "p-value is 1 / C(2n, n), 0.004 at 5 + 5 cases, 0.014 at 4 + 4 (never significant at 0.99); CPU "
+    "gate groups hold 1-9 cases, so most are judged paired, by re-running the baseline's seed")
+
+
+def drift_metrics(kind: str) -> tuple[DriftMetric, ...]:
+    """The drift metrics that apply to tensors of `kind` (reports.kinds)."""
+    return tuple(m for m in DRIFT_METRICS if kind in m.floors)
