@@ -16,7 +16,11 @@ import pandas as pd
 PAIR_COLUMNS = ("op", "impl", "base_impl", "how")
 
 
-class NothingComparable(ValueError):
+class PairingError(ValueError):
+    """A pairing asked for that the runs cannot give (`--pair` naming an absent implementation)."""
+
+
+class NothingComparable(PairingError):
     """The two runs share no (op, implementation) pair: there is no drift to judge."""
 
 
@@ -26,7 +30,7 @@ def parse_pairs(specs: list[str] | tuple[str, ...]) -> dict[str, str]:
     for spec in specs:
         new, sep, old = spec.partition("=")
         if not sep or not new or not old:
-            raise ValueError(f"--pair {spec!r}: expected NEW=OLD (implementation names as the runs' rows spell them)")
+            raise PairingError(f"--pair {spec!r}: expected NEW=OLD (implementation names as the runs' rows spell them)")
         out[new] = old
     return out
 
@@ -39,10 +43,10 @@ def pair_implementations(current: pd.DataFrame, baseline: pd.DataFrame,
     cur_impls, base_impls = set(current["impl"]), set(baseline["impl"])
     for new, old in explicit.items():
         if new not in cur_impls:
-            raise ValueError(f"--pair {new}={old}: no implementation {new!r} in the run "
+            raise PairingError(f"--pair {new}={old}: no implementation {new!r} in the run "
                              f"(it has {', '.join(sorted(cur_impls))})")
         if old not in base_impls:
-            raise ValueError(f"--pair {new}={old}: no implementation {old!r} in the baseline "
+            raise PairingError(f"--pair {new}={old}: no implementation {old!r} in the baseline "
                              f"(it has {', '.join(sorted(base_impls))})")
     cur_by_op = current.groupby("op", observed=True)["impl"].unique()
     base_by_op = baseline.groupby("op", observed=True)["impl"].unique()
