@@ -178,6 +178,8 @@ class Drift:
     confidence: float
     min_cases: int
     worst: Worst | None
+    cur_rows: pd.DataFrame                # both runs' rows of paired implementations (`measured`,
+    base_rows: pd.DataFrame               # with base_impl): what the drift figure draws
 
     def _with(self, findings: tuple[str, ...]) -> pd.DataFrame:
         hit = self.groups["finding"].map(lambda f: any(x in f.split(", ") for x in findings))
@@ -226,28 +228,36 @@ class Drift:
         return "implementations paired: " + "; ".join(parts)
 
     def lines(self, replay: str | None = None) -> list[str]:
-        """The verdict, the implementation pairs, one line per flagged / improved group, the case
-        that drifted most (with `replay`, its command), then what was not compared."""
-        out = [f"baseline drift: {self.verdict}", f"  {self.pairing_line()}"]
-        for rows, tag in ((self.flagged, None), (self.improvements, "improved")):
-            for _, g in rows.iterrows():
-                out.append(f"  {(tag or g['finding']).upper()} {group_label(*(g[k] for k in GROUP_KEYS))}: "
-                           f"{self.explain(g)}")
+        """The verdict, one line per flagged group, the case that drifted most (with `replay`, its
+        command), then the context (`context_lines`)."""
+        out = [f"baseline drift: {self.verdict}"]
+        out += [f"  {g['finding'].upper()} {group_label(*(g[k] for k in GROUP_KEYS))}: {self.explain(g)}"
+                for _, g in self.flagged.iterrows()]
         if self.worst is not None:
-            w = self.worst
-            out.append(f"  drifted most: case {w.case_id} of {w.label}, {w.metric} x{number(w.ratio)}"
-                       + (f": {replay}" if replay else ""))
+            out.append(f"  {self.worst_line(replay)}")
+        return out + [f"  {line}" for line in self.context_lines()]
+
+    def worst_line(self, replay: str | None = None) -> str:
+        w = self.worst
+        return (f"drifted most: case {w.case_id} of {w.label}, {w.metric} x{number(w.ratio)}"
+                + (f": {replay}" if replay else ""))
+
+    def context_lines(self) -> list[str]:
+        """How implementations were paired, improvements, and what was not compared, and why."""
+        out = [self.pairing_line()]
+        out += [f"improved {group_label(*(g[k] for k in GROUP_KEYS))}: {self.explain(g)}"
+                for _, g in self.improvements.iterrows()]
         too_few = self.mode(TOO_FEW)
         if not too_few.empty:
-            out.append(f"  {TOO_FEW}: {len(too_few)} groups share no case with the baseline and hold fewer than "
+            out.append(f"{TOO_FEW}: {len(too_few)} groups share no case with the baseline and hold fewer than "
                        f"{self.min_cases} cases on a side (re-run the baseline's seed to pair them)")
         for tag, mode in (("appeared", NEW), ("disappeared", GONE)):
             rows = self.mode(mode)
             if not rows.empty:
-                out.append(f"  {tag}: " + ", ".join(group_label(*(r[k] for k in GROUP_KEYS)) for _, r in rows.iterrows()))
+                out.append(f"{tag}: " + ", ".join(group_label(*(r[k] for k in GROUP_KEYS)) for _, r in rows.iterrows()))
         for side, names in zip(("run", "baseline"), self.unpaired, strict=True):
             if names:
-                out.append(f"  compared with nothing ({side}; pair them with --pair NEW=OLD): {', '.join(names)}")
+                out.append(f"compared with nothing ({side}; pair them with --pair NEW=OLD): {', '.join(names)}")
         return out
 
     def explain(self, g: pd.Series) -> str:
@@ -338,5 +348,6 @@ def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DR
               .sort_values(["_rank", "_r"], kind="stable").drop(columns=["_rank", "_r"]).reset_index(drop=True))
     return Drift(groups=groups, metrics=metrics, pairs=impl_pairs,
                  unpaired=unpaired_implementations(cur_all, base_all, impl_pairs),
-                 factor=factor, confidence=confidence, min_cases=min_cases, worst=_worst(groups, cur))
+                 factor=factor, confidence=confidence, min_cases=min_cases, worst=_worst(groups, cur),
+                 cur_rows=cur, base_rows=base)
 
