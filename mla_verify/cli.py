@@ -273,9 +273,21 @@ def cmd_list(args, device: str) -> int:
         print("\ntolerances (equivalence/policy.py):")
         for kind, where, b in all_bounds():
             print(f"  {kind:6s} {where or 'default':22s} {b.metric:16s} <= {b.limit:<10.4g} {b.reason}")
+        _print_drift_policy()
     if args.deviations:
         _print_deviations()
     return 0
+
+
+def _print_drift_policy() -> None:
+    from mla_verify.equivalence.policy import DRIFT_DEFAULTS, DRIFT_METRICS
+
+    print("\ndrift against a baseline (equivalence/policy.py): metrics, raised to these floors before any ratio:")
+    for m in DRIFT_METRICS:
+        floors = ", ".join(f"{kind} {floor:.3g}" for kind, floor in m.floors.items())
+        print(f"  {m.name:16s} {floors}: {m.reason}")
+    for option, value, reason in DRIFT_DEFAULTS:
+        print(f"  {option} {value:g}: {reason}")
 
 
 def _print_deviations() -> None:

@@ -11,13 +11,14 @@ import math
 
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import NullFormatter
 
 from mla_verify.equivalence.policy import DRIFT_METRICS
 from mla_verify.reports.drift import FLAGS, GROUP_KEYS, PAIRED, UNPAIRED, Drift, group_label
 from mla_verify.reports.plots import _FAILED, _NORMAL, Plot, _figure, _plain_log, _png
 from mla_verify.reports.stats import quantile
 
-PANELS = 12          # groups drawn at most: the flagged ones first, then the largest ratios
+PANELS = 12          # groups drawn at most: the flagged ones first, then one per op and path
 _COLUMNS = 4
 _BASE = "#7f7f7f"
 _FLOORS = {m.name: m.floors for m in DRIFT_METRICS}
@@ -35,7 +36,12 @@ def _chosen(drift: Drift) -> pd.DataFrame:
     g = drift.groups
     drawable = g["mode"].isin([PAIRED, UNPAIRED]) & (g["kind"] != "exact") & (g["metric"] != "")
     flagged = g["finding"].map(lambda f: any(x in f.split(", ") for x in FLAGS))
-    return pd.concat([g[drawable & flagged], g[drawable & ~flagged]]).head(PANELS)  # groups come sorted by ratio
+    rest = g[drawable & ~flagged]             # groups come sorted: improved first, then by worst ratio
+    # one group per op and path (its output, where it has one) before a second one of any: a
+    # quiet run shows its breadth
+    outputs_first = rest.iloc[np.argsort((rest["kind"] != "out").to_numpy(), kind="stable")]
+    chosen = pd.concat([g[drawable & flagged], outputs_first.drop_duplicates(["op", "path"]).sort_index(), rest])
+    return chosen[~chosen.index.duplicated()].head(PANELS)
 
 
 def _paired(ax, old: pd.Series, new: pd.Series, factor: float, worst: str) -> None:
@@ -91,9 +97,9 @@ def drift_figure(drift: Drift | None) -> Plot | None:
             _paired(ax, old, new, drift.factor, g["worst_case"])
         else:
             _unpaired(ax, old, new, drift.factor, rng)
-        _plain_log(ax.yaxis)
-        if g["mode"] == PAIRED:
-            _plain_log(ax.xaxis)
+        for axis in (ax.yaxis, ax.xaxis) if g["mode"] == PAIRED else (ax.yaxis,):
+            _plain_log(axis)
+            axis.set_minor_formatter(NullFormatter())   # small panels: decade labels only
         ax.tick_params(labelsize=7, which="both")
         ax.grid(alpha=0.3, which="major")
         finding = g["finding"].upper() or "ok"
@@ -103,7 +109,7 @@ def drift_figure(drift: Drift | None) -> Plot | None:
         ax.legend(fontsize=6, loc="upper left")
     for ax in axes[len(chosen):]:
         ax.set_visible(False)
-    caption = (f"Per group (the flagged ones first, then the largest ratios; {PANELS} at most), the metric that "
+    caption = (f"Per group (the flagged ones first, then one per op and path by ratio; {PANELS} at most), the metric that "
                "speaks for it, raised to its floor. Paired: one dot per case, new against baseline; on the grey "
                f"y = x line nothing changed, above the red y = {drift.factor:g}x line the case grew beyond the "
                "factor; the worst case is circled. Unpaired: the two runs' cases side by side (black: median), "
