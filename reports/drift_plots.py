@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 import pandas as pd
-from matplotlib.ticker import NullFormatter
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from mla_verify.equivalence.policy import DRIFT_METRICS
 from mla_verify.reports.drift import FLAGS, GROUP_KEYS, PAIRED, UNPAIRED, Drift, group_label
@@ -97,9 +97,12 @@ def drift_figure(drift: Drift | None) -> Plot | None:
             _paired(ax, old, new, drift.factor, g["worst_case"])
         else:
             _unpaired(ax, old, new, drift.factor, rng)
-        for axis in (ax.yaxis, ax.xaxis) if g["mode"] == PAIRED else (ax.yaxis,):
+        for axis, limits in ((ax.yaxis, ax.get_ylim()), (ax.xaxis, ax.get_xlim()))[:2 if g["mode"] == PAIRED else 1]:
             _plain_log(axis)
-            axis.set_minor_formatter(NullFormatter())   # small panels: decade labels only
+            if limits[1] > 12 * limits[0]:   # over a decade in a small panel: decade labels only
+                axis.set_minor_formatter(NullFormatter())
+            else:                            # within one: two digits, so that labels differ
+                axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:.2g}"))
         ax.tick_params(labelsize=7, which="both")
         ax.grid(alpha=0.3, which="major")
         finding = g["finding"].upper() or "ok"
