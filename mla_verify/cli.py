@@ -3,8 +3,9 @@ the gate, report and bench modules.
 
 Exit codes (for CI): 0 = no discrepancy; 1 = a discrepancy, crash, hang or broken contract of the
 implementation (or drift against a baseline); 2 = usage error or bad input (or a baseline with
-nothing comparable), with a one-line reason; 3 = mla-verify itself failed (the traceback is saved in the run directory); 130 =
-interrupted (Ctrl-C: the current case finished, the run written, failures' replay commands printed).
+nothing comparable), with a one-line reason; 3 = mla-verify itself failed (the traceback is saved
+in the run directory); 130 = interrupted (Ctrl-C: the current case finished, the run written,
+failures' replay commands printed).
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ Rows of the two runs meet in groups (op, path, tensor, paired implementations, d
 (`equivalence.policy.DRIFT_METRICS`: error in rounding units, |bias|, share of the bound used),
 every value first raised to the metric's floor so that rounding residue never makes a ratio:
 
-  paired     (the group shares cases with the baseline: a run that re-drew the baseline's seed)
-             per case, ratio = new / old; drift when the median ratio exceeds the factor. The
-             worst ratio and its case are reported. Sampling noise cancels: each case meets itself.
+  paired     (the group shares cases with the baseline: a run that re-drew the baseline's seed,
+             or the regression corpus) per shared case, ratio = new / old; drift when the median
+             ratio exceeds the factor. The worst ratio and its case are reported; cases of one
+             side only are counted, not judged. Sampling noise cancels: each case meets itself.
   unpaired   (no shared case, at least `min_cases` on each side) a one-sided rank test
              (`reports.significance.exceeds`) of new > factor x old at the confidence level; the
              p99 ratio is shown.
@@ -216,7 +217,8 @@ class Drift:
         skipped = [f"{n} {what}" for what, n in ((TOO_FEW, len(self.mode(TOO_FEW))), ("new", len(self.mode(NEW))),
                                                   ("gone", len(self.mode(GONE)))) if n]
         counts = f"{paired} paired, {unpaired} unpaired" + (f"; not compared: {', '.join(skipped)}" if skipped else "")
-        head = (f"DRIFT in {len(self.flagged)} of {compared} groups compared" if self.drifted
+        n = len(self.flagged)
+        head = (f"DRIFT in {n} group{'s' * (n != 1)}, {compared} compared" if self.drifted
                 else f"no drift in {compared} groups compared")
         return f"{head} ({counts}; {self.settings})"
 

@@ -231,19 +231,40 @@ def test_runs_that_share_no_op_are_nothing_comparable(baseline, tmp_path, capsys
 # ---------------------------------------------------------------- a real kernel, the CLI
 
 
-def test_a_kernel_inside_its_bounds_but_worse_is_flagged_case_for_case(tmp_path):
+@pytest.fixture(scope="module")
+def v1_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("drift") / "v1"
+    assert api.check("sparse_prefill", "tests.impls.drifted:v1", examples=6, seed=3, device="cpu", profile="ci",
+                     out=out).passed
+    return out
+
+
+def test_a_kernel_inside_its_bounds_but_worse_is_flagged_case_for_case(v1_run):
     """tests.impls.drifted:v2 is v1 with its output gain off by 2**-11: it passes, and drifts."""
-    v1 = api.check("sparse_prefill", "tests.impls.drifted:v1", examples=6, seed=3, device="cpu", profile="ci",
-                   out=tmp_path / "v1")
-    v2 = api.check("sparse_prefill", "tests.impls.drifted:v2", device="cpu", baseline=tmp_path / "v1")
-    assert v1.passed and v2.passed and v2.seed == 3 and v2.examples == 6
-    drift = api.drift(v2, tmp_path / "v1")
+    v2 = api.check("sparse_prefill", "tests.impls.drifted:v2", device="cpu", baseline=v1_run)
+    assert v2.passed and v2.seed == 3 and v2.examples == 6
+    drift = api.drift(v2, v1_run)
     assert drift.exit_code == 1
     g = drift.flagged.iloc[0]
     assert (g["tensor"], g["finding"], g["metric"], g["mode"]) == ("out", "drift", "abs_bias", PAIRED)
     assert g["paired_cases"] == 6 and g["ratio"] > 2.0
-    again = api.check("sparse_prefill", "tests.impls.drifted:v1", device="cpu", baseline=tmp_path / "v1")
-    assert api.drift(again, tmp_path / "v1").exit_code == 0
+    again = api.check("sparse_prefill", "tests.impls.drifted:v1", device="cpu", baseline=v1_run)
+    assert api.drift(again, v1_run).exit_code == 0
+
+
+def test_fuzz_baseline_prints_the_drift_and_a_replay_that_runs(v1_run, tmp_path, capsys):
+    argv = ["fuzz", "--op", "sparse_prefill", "--impl", "tests.impls.drifted:v2", "--device", "cpu",
+            "--baseline", str(v1_run), "--out", str(tmp_path / "v2")]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "PASS: 6 examples" in out and "the cases of baseline" in out
+    assert "DRIFT sparse_prefill out [tests.impls.drifted:v2 vs tests.impls.drifted:v1]: abs_bias median x" in out
+    command = next(ln for ln in out.splitlines() if "drifted most" in ln).split(": ", 1)[1]
+    assert command.startswith(f"mla-verify replay {tmp_path / 'v2' / 'drift'}") and "--impl tests.impls.drifted:v2" in command
+    case_file = command.split()[2]
+    replayed = api.replay(case_file, "tests.impls.drifted:v2", device="cpu")
+    out_row = replayed.rows[replayed.rows["tensor"] == "out"].iloc[0]
+    assert replayed.passed and out_row["mean_err"] > 2.0**-13   # the bias the report named, inside its bound
 
 
 def test_gate_baseline_reruns_its_cases_and_reports_paired(tmp_path, capsys):
