@@ -228,6 +228,24 @@ def test_runs_that_share_no_op_are_nothing_comparable(baseline, tmp_path, capsys
     assert "--pair x=y: no implementation 'x' in the run" in capsys.readouterr().err
 
 
+def test_reports_lead_with_the_drift_and_draw_it(baseline):
+    from mla_verify.reports import build_report, render_html, render_markdown
+    from mla_verify.reports.drift_plots import drift_figure
+
+    meta = _meta(1)
+    report = build_report(_frame(100, scale={("fp8_mixed", "out"): 3.0}), meta, (baseline, meta))
+    md = render_markdown(report)
+    lines = [ln for ln in md.splitlines() if ln]
+    assert lines[1].startswith("**Baseline: DRIFT in 1 group, 23 compared (23 paired")
+    assert lines[2].startswith("- **drift** forward_mqa/fp8_mixed out [pipeline]: bf16_units median x3")
+    assert lines[3].startswith(f"Drifted most: case {report.drift.worst.case_id} of forward_mqa/fp8_mixed out")
+    figure = drift_figure(report.drift)
+    assert figure.png.startswith(b"\x89PNG") and "Paired: one dot per case" in figure.caption
+    page = render_html(report)
+    assert page.index('id="plot-drift"') < page.index('id="groups"')      # inside the drift section
+    assert drift_figure(compare(_frame(101), baseline)) is not None       # unpaired groups draw too
+
+
 # ---------------------------------------------------------------- a real kernel, the CLI
 
 
