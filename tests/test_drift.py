@@ -277,7 +277,7 @@ def test_fuzz_baseline_prints_the_drift_and_a_replay_that_runs(v1_run, tmp_path,
     out = capsys.readouterr().out
     assert "PASS: 6 examples" in out and "the cases of baseline" in out
     assert "DRIFT sparse_prefill out [tests.impls.drifted:v2 vs tests.impls.drifted:v1]: abs_bias median x" in out
-    command = next(ln for ln in out.splitlines() if "drifted most" in ln).split(": ", 1)[1]
+    command = "mla-verify replay" + next(ln for ln in out.splitlines() if "drifted most" in ln).split("mla-verify replay")[1]
     assert command.startswith(f"mla-verify replay {tmp_path / 'v2' / 'drift'}") and "--impl tests.impls.drifted:v2" in command
     case_file = command.split()[2]
     replayed = api.replay(case_file, "tests.impls.drifted:v2", device="cpu")
