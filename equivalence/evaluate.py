@@ -11,6 +11,7 @@ the case generator builds are valid by contract, so a refusal (InputError) is a 
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import traceback
@@ -55,12 +56,13 @@ def timed(fn, device):
 
 
 def identity(case: Case) -> dict:
-    """The op, path and knob columns of `case`'s rows (a property's op column reads "property")."""
+    """The op, path, case and knob columns of `case`'s rows (a property's op column reads "property")."""
+    stored = json.dumps(case.to_dict(), sort_keys=True)
     if is_property(case.op):
         prop = get_property(case.op)
-        return dict(op="property", path=prop.name, **prop.knobs(case.params))
+        return dict(op="property", path=prop.name, case=stored, **prop.knobs(case.params))
     spec = get_op(case.op)
-    return dict(op=case.op, path=spec.path_of(case.params), **spec.knobs(case.params))
+    return dict(op=case.op, path=spec.path_of(case.params), case=stored, **spec.knobs(case.params))
 
 
 def failure_row(base: dict, tensor: str, metric: str, reason: str, **fields) -> Row:

@@ -53,6 +53,7 @@ class Row:
     device: str
     seed: int
     source: str        # corpus | fuzz | property | replay | bench
+    case: str = ""     # the Case as JSON (op, params, seed): what replays this row's case
     # knobs
     topk: int | None = None
     heads: int | None = None

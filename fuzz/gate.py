@@ -110,13 +110,15 @@ def run_gate(
     isolate: bool,
     timeout_s: float,
     ops: list[str] | None = None,
-    log=sys.stderr,
+    log=None,
     journal: Callable[[list[Row]], None] | None = None,
     stop_reason: Callable[[], str] = lambda: "",
 ) -> GateResult:
     """`examples` per op (or property) and implementation; None: the profile's budgets. In `ops`,
     "property" stands for every property. `journal` receives each case's rows as it finishes;
-    a `stop_reason` (Ctrl-C) ends the gate after the current case."""
+    a `stop_reason` (Ctrl-C) ends the gate after the current case. `log`: default the stderr of
+    the moment (pytest's capture replaces it between tests)."""
+    log = log or sys.stderr
     result = GateResult()
     worker = Worker(device, timeout_s) if isolate else None
     distributed.set_timeout(timeout_s)

@@ -7,8 +7,9 @@ import time
 
 
 class Progress:
-    def __init__(self, label: str, total: int, every_s: float = 5.0, stream=sys.stderr):
-        self.label, self.total, self.every_s, self.stream = label, total, every_s, stream
+    def __init__(self, label: str, total: int, every_s: float = 5.0, stream=None):
+        # stderr as it is now, not as it was at import (pytest's capture replaces it per test)
+        self.label, self.total, self.every_s, self.stream = label, total, every_s, stream or sys.stderr
         self.start = self.last = time.monotonic()
         self.done = self.failed = 0
 

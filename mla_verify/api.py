@@ -5,6 +5,10 @@ repository's own pytest suite can make (the CLI is a thin layer over these).
     assert_equivalent(op, impl, ...)             check(); AssertionError with the CLI's report on failure
     replay(case_file, impl, ...) -> CheckResult  re-run a saved case, and say whether it reproduced
     property_check(name, impl, ...)              check() of a property (needs no reference)
+    drift(run, baseline, ...) -> Drift           did the run move away from the exact answer since the baseline?
+
+`check(..., baseline=RUN)` re-draws the baseline run's cases (its seed, profile and budget), so that
+`drift` pairs them case for case: the way to ask "is my kernel v2 worse than v1?".
 
 `impl` is a callable, "MODULE:CALLABLE", a registered implementation name (`mla-verify list`),
 for a pipeline op or a property a dict {stage: impl}, or None for the project's own. A callable
@@ -38,8 +42,8 @@ DEFAULT_TIMEOUT_S = 300.0
 # here in this process: "mla_verify.api:local.NAME" resolves like any MODULE:CALLABLE.
 local = types.SimpleNamespace()
 
-__all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "assert_equivalent", "check", "property_check",
-           "replay"]
+__all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "assert_equivalent", "check", "drift",
+           "property_check", "replay"]
 
 # ----------------------------------------------------------------------------- inputs
 
@@ -152,6 +156,7 @@ def check(
     shrink: bool = True,
     parallel: int | None = None,
     junit: str | Path | None = None,
+    baseline: str | Path | None = None,
     log: Callable[[str], None] | None = None,
 ) -> CheckResult:
     """Fuzz `impl` on `op` against the reference (or a property, "property:NAME"), shrink the first
@@ -177,6 +182,8 @@ def check(
         shrink: minimize the first failing case. parallel: independent campaigns, one per GPU
             (default: every GPU on cuda). junit: also write JUnit XML there. log: receives the
             run's header line (the CLI prints it).
+        baseline: a run directory of the same op: seed, profile, examples and path default to the
+            ones it recorded, so the campaign draws its cases again (`drift` then pairs them).
 
     Raises:
         UsageError: bad input (unknown op, unimportable callable, wrong signature, unwritable out,
@@ -198,6 +205,11 @@ def check(
     profile = DEFAULTS.get("profile") if profile is None else profile
     device = resolve_device(DEFAULTS.get("device") if device is None else device)
     device_type = device.split(":")[0]
+    if baseline is not None:
+        again = _rerun_settings(baseline, op)
+        seed = again["seed"] if seed is None else seed
+        profile, examples, path = profile or again["profile"], examples or again["examples"], path or again["path"]
+        parallel = parallel or again["campaigns"]
     _positive("examples", examples, int)
     _positive("timeout", timeout, float)
     _positive("parallel", parallel, int)
@@ -248,7 +260,8 @@ def check(
 
             ranks = f", {world_size} ranks ({distributed.placement(world_size, device_type).describe()})"
         log(f"mla-verify fuzz: op {op}, implementation {label}, {examples} examples, profile {prof.name}, "
-            f"device {device}, seed {seed}{ranks}{', isolated' if isolate else ''}{where}")
+            f"device {device}, seed {seed}{ranks}{', isolated' if isolate else ''}{where}"
+            + (f"; the cases of baseline {baseline}" if baseline is not None else ""))
     try:
         if parts > 1:
             from .parallel import check_in_parts
@@ -291,14 +304,69 @@ class _Plan:
     def meta(self) -> dict[str, Any]:
         from mla_verify import reports
 
+        # what `check(baseline=...)` reads back to draw the same cases (reports.meta.rerun_settings)
+        extra = {"op": self.op, "examples": self.examples, "path": self.path}
         return reports.collect_meta(self.profile.name, [self.seed], self.device,
-                                    command=shlex.join(["mla-verify"] + sys.argv[1:]) if sys.argv[1:] else None)
+                                    command=shlex.join(["mla-verify"] + sys.argv[1:]) if sys.argv[1:] else None,
+                                    extra=extra)
 
 
 def _gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+def load_run(path: str | Path, what: str = "run"):
+    """(rows, meta) of a run directory; UsageError where it is missing, unreadable or empty."""
+    from mla_verify import reports
+
+    try:
+        rows, meta = reports.load_run(path)
+    except (OSError, ValueError) as exc:  # missing, empty, truncated or corrupt (pyarrow's errors are ValueErrors)
+        raise UsageError(f"{what} {path}: not a readable run ({exc})") from None
+    if rows.empty:
+        raise UsageError(f"{what} {path}: the run holds no rows")
+    return rows, meta
+
+
+def _rerun_settings(baseline: str | Path, op: str) -> dict[str, Any]:
+    from mla_verify.reports.meta import rerun_settings
+
+    rows, meta = load_run(baseline, "baseline")
+    name = op.removeprefix("property:")
+    ran = set(rows["op"]) | {f"property:{p}" for p in rows.loc[rows["op"] == "property", "path"]}
+    if op not in ran and f"property:{name}" not in ran:
+        raise UsageError(f"baseline {baseline} holds no rows of {op} (it ran {', '.join(sorted(ran))}): "
+                         "nothing comparable")
+    return rerun_settings(meta)
+
+
+def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | None = None,
+          confidence: float | None = None, min_cases: int | None = None,
+          pairs: Mapping[str, str] | Sequence[str] | None = None):
+    """`reports.drift.compare` of two runs, each a run directory, a rows DataFrame or a
+    CheckResult; settings default to `equivalence.policy` (DRIFT_FACTOR, DRIFT_CONFIDENCE,
+    DRIFT_MIN_CASES). `pairs`: {NEW: OLD} or ["NEW=OLD", ...] implementation names to compare across.
+
+    Raises UsageError for bad settings or when nothing pairs ("nothing comparable")."""
+    from mla_verify.equivalence import policy
+    from mla_verify.reports.drift import compare
+    from mla_verify.reports.pairing import parse_pairs
+
+    def rows_of(x, what):
+        if isinstance(x, CheckResult):
+            return x.rows
+        return x if hasattr(x, "columns") else load_run(x, what)[0]
+
+    settings = dict(factor=policy.DRIFT_FACTOR if factor is None else factor,
+                    confidence=policy.DRIFT_CONFIDENCE if confidence is None else confidence,
+                    min_cases=policy.DRIFT_MIN_CASES if min_cases is None else min_cases)
+    try:
+        mapping = parse_pairs(list(pairs)) if isinstance(pairs, (list, tuple)) else pairs
+        return compare(rows_of(run, "run"), rows_of(baseline, "baseline"), pairs=mapping, **settings)
+    except ValueError as exc:  # PairingError (nothing comparable, a --pair naming no implementation) or a setting
+        raise UsageError(str(exc)) from None
 
 
 def _writable_file(path: str | Path, what: str) -> Path:

@@ -2,10 +2,10 @@
 the gate, report and bench modules.
 
 Exit codes (for CI): 0 = no discrepancy; 1 = a discrepancy, crash, hang or broken contract of the
-implementation (or a drift beyond the factor); 2 = usage error or bad input, with a one-line
-reason; 3 = mla-verify itself failed (the traceback is saved in the run directory); 130 =
-interrupted (Ctrl-C: the current case finished, the run written, failures' replay commands printed);
-141 = the output pipe closed.
+implementation (or drift against a baseline); 2 = usage error or bad input (or a baseline with
+nothing comparable), with a one-line reason; 3 = mla-verify itself failed (the traceback is saved
+in the run directory); 130 = interrupted (Ctrl-C: the current case finished, the run written,
+failures' replay commands printed); 141 = the output pipe closed.
 """
 
 from __future__ import annotations
@@ -135,6 +135,42 @@ def memory_size(text: str) -> int:
     return size
 
 
+def _factor(text: str) -> float:
+    value = float(text)
+    if not (value > 1 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number > 1, got {text}")
+    return value
+
+
+def _confidence(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def _add_drift(p: argparse.ArgumentParser) -> None:
+    from mla_verify.equivalence import policy
+
+    p.add_argument("--factor", type=_factor, default=policy.DRIFT_FACTOR,
+                   help=f"drift: a metric grew beyond this many times the baseline's (default {policy.DRIFT_FACTOR:g})")
+    p.add_argument("--confidence", type=_confidence, default=policy.DRIFT_CONFIDENCE,
+                   help=f"drift: confidence of the unpaired rank test (default {policy.DRIFT_CONFIDENCE:g})")
+    p.add_argument("--min-cases", type=_positive_int, default=policy.DRIFT_MIN_CASES,
+                   help="drift: fewer cases a side and no case shared with the baseline is 'too few cases to "
+                        f"judge' (default {policy.DRIFT_MIN_CASES})")
+    p.add_argument("--pair", action="append", default=[], metavar="NEW=OLD",
+                   help="drift: compare implementation NEW of this run with OLD of the baseline (repeatable; "
+                        "default: same names, or the one implementation per op of each run)")
+
+
+def _drift_settings(args) -> dict:
+    from mla_verify.reports.pairing import parse_pairs
+
+    return dict(factor=args.factor, confidence=args.confidence, min_cases=args.min_cases,
+                pairs=parse_pairs(args.pair))
+
+
 def _add_reference_memory(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-memory", type=memory_size, default=None, metavar="SIZE",
                    help="working memory each reference call may hold, e.g. 2GiB (default 4GiB); "
@@ -214,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="independent campaigns (seeds S, S+1, ...) sharing the examples, one GPU each "
                         "(default: every GPU on cuda, 1 on cpu; dcp: 1, its ranks take the GPUs)")
     p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="an earlier run of this op: draw its cases again (its seed, profile, examples and path, unless "
+                        "given) and report drift against it")
+    _add_drift(p)
 
     p = _command(sub, "replay", "re-run a saved failing case exactly; exit 1 if it still fails",
                  "Re-run one case file (saved by fuzz or gate) on the same inputs and say whether the saved "
@@ -257,12 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help="case sizes and budget (default: ci on cpu, gpu on cuda)")
     p.add_argument("--examples", type=_positive_int, default=None,
                    help="fuzz examples per op (or property) and implementation; default: the profile's")
-    p.add_argument("--seed", type=int, default=None, help="fuzz seed (printed; default: random)")
+    p.add_argument("--seed", type=int, default=None, help="fuzz seed (printed; default: random, or the baseline's)")
     p.add_argument("--op", action="append", default=None,
                    help="restrict to these ops, property:NAME, or property (all of them) (default: everything)")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: a new runs/gate-<time>)")
     p.add_argument("--baseline", type=Path, default=None,
-                   help="an earlier run directory to compare the drift with (default: none)")
+                   help="an earlier gate run: run its cases again (its seed, profile, examples and ops, unless "
+                        "given) and report drift against it (default: none)")
+    _add_drift(p)
     p.add_argument("--junit", type=Path, default=None, metavar="FILE",
                    help="also write a JUnit XML report there for CI: one test case per op and implementation, "
                         "failed with its first failing row (default: none)")
@@ -275,8 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "failures) in the terminal and in a self-contained HTML file; with --baseline, the two "
                  "runs side by side and a drift verdict. Reads a run that did not finish from its journal.",
                  _epilog([("0", "the run has no failure and, with --baseline, no drift beyond --factor"),
-                          ("1", "the run has failures, or p99 error or bias grew beyond --factor"),
-                          ("2", "a missing, empty or truncated run directory, or a baseline with nothing in common")],
+                          ("1", "the run has failures, or drift: a normalized error, its bias or its headroom "
+                                "grew beyond --factor case for case (or by the rank test, unpaired)"),
+                          ("2", "a missing, empty or truncated run directory, or a baseline with nothing "
+                                "comparable (no op, or no implementation pair, in common), or a bad --pair")],
                          [("mla-verify report runs/cpu-gate", "summary, and runs/cpu-gate/report.html"),
                           ("mla-verify report runs/today --baseline runs/yesterday --markdown summary.md",
                            "drift against yesterday's run, with a markdown summary for the CI page")]))
@@ -285,8 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", type=Path, default=None,
                    help="where to write the HTML report (default: RUN_DIR/report.html)")
     p.add_argument("--markdown", type=Path, default=None, help="also write a markdown summary there")
-    p.add_argument("--factor", type=_positive_float, default=2.0,
-                   help="flag drift when p99 error or bias grows beyond this")
+    _add_drift(p)
 
     p = _command(sub, "bench", "kernel, reference and harness speed at production shapes; table + JSON",
                  "Time the kernels (GPU only), the float64 reference and the harness's own cost per case at "
@@ -317,10 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[MEMORY_ENV] = str(args.reference_memory)  # read by the reference here and in every child process
     from mla_verify.equivalence.isolation import HarnessError
     from mla_verify.equivalence.subject import UsageError
+    from mla_verify.reports.pairing import PairingError
 
     try:
         return COMMANDS[args.command](args, device)
-    except UsageError as exc:
+    except (UsageError, PairingError) as exc:  # PairingError: a --pair naming nothing, or nothing comparable
         print(f"mla-verify: {exc}", file=sys.stderr)
         return 2
     except HarnessError as exc:
@@ -377,6 +421,7 @@ def cmd_list(args, device: str) -> int:
         print("\nmla-verify list --op OP: one op's call with shapes and dtypes, what it returns, its bounds")
     if args.tolerances:
         print("\n" + "\n".join(describe.tolerance_lines(long=args.long)))
+        print("\n" + "\n".join(describe.drift_lines(long=args.long)))
     if args.deviations:
         _print_deviations()
     return 0
@@ -432,10 +477,11 @@ def _profile(name: str | None, device: str, default_cpu: str):
         raise UsageError(str(exc.args[0])) from None
 
 
-def _start_meta(profile: str, seed: int, device: str) -> dict:
+def _start_meta(profile: str, seed: int, device: str, extra: dict) -> dict:
     from mla_verify import reports
 
-    return reports.collect_meta(profile, [seed], device, command=shlex.join(["mla-verify"] + sys.argv[1:]))
+    return reports.collect_meta(profile, [seed], device, command=shlex.join(["mla-verify"] + sys.argv[1:]),
+                                extra=extra)
 
 
 def cmd_fuzz(args, device: str) -> int:
@@ -451,11 +497,18 @@ def cmd_fuzz(args, device: str) -> int:
                        profile=args.profile, out=out, isolate=args.isolate, timeout=args.timeout,
                        deviations=args.deviation, path=args.path, world_size=args.world_size,
                        shrink=not args.no_shrink, parallel=1 if args.part else args.parallel, junit=args.junit,
-                       log=lambda line: print(line, flush=True))
+                       baseline=args.baseline, log=lambda line: print(line, flush=True))
     print(result.report())
     if args.part and result.out is not None:  # the parent reads this part's outcome here
         write_atomic(result.out / RESULT_JSON, result_file(result))
-    return result.exit_code
+    if args.baseline is None or result.interrupted:
+        return result.exit_code
+    from mla_verify.reports.report import save_worst_case
+
+    drift = api.drift(result, args.baseline, **_drift_settings(args))
+    replay = save_worst_case(drift.worst, result.out / "drift") if drift.worst and result.out else None
+    print("\n".join(drift.lines(replay)))
+    return result.exit_code or drift.exit_code
 
 
 def cmd_replay(args, device: str) -> int:
@@ -494,6 +547,16 @@ def cmd_gate(args, device: str) -> int:
         from mla_verify.api import _writable_file
 
         _writable_file(args.junit, "--junit")
+    if args.baseline is not None:  # run the baseline's cases again, so that drift pairs them
+        from mla_verify.api import load_run
+        from mla_verify.reports.meta import rerun_settings
+
+        again = rerun_settings(load_run(args.baseline, "baseline")[1])
+        args.seed = again["seed"] if args.seed is None else args.seed
+        args.profile, args.examples = args.profile or again["profile"], args.examples or again["examples"]
+        args.op = args.op or again["ops"]
+        print(f"baseline {args.baseline}: its cases again (seed {args.seed}, profile {args.profile}"
+              f"{', ops ' + ' '.join(args.op) if args.op else ''})", flush=True)
     profile = _profile(args.profile, device, "ci")
     seed = new_seed() if args.seed is None else args.seed
     run_id = _run_id("gate")
@@ -505,7 +568,7 @@ def cmd_gate(args, device: str) -> int:
     print(f"mla-verify gate: device {device}, profile {profile.name}, {budget} fuzz examples per op and "
           f"implementation, seed {seed}, run {out}", flush=True)
     started = time.time()
-    meta = _start_meta(profile.name, seed, device)
+    meta = _start_meta(profile.name, seed, device, {"examples": args.examples, "ops": args.op})
     run_dir.start(meta)
     parts = args.parallel or (_gpu_count() if device == "cuda" else 1)
     interrupt = Interrupt()
@@ -549,7 +612,7 @@ def _finish_gate(args, out: Path, rows, failed: bool, started: float) -> int:
         from .junit import write_junit
 
         write_junit(args.junit, rows)
-    code = reports.run_report(out, baseline=args.baseline)
+    code = reports.run_report(out, baseline=args.baseline, **_drift_settings(args))
     print(f"gate {'FAILED' if failed else 'passed'}: {len(rows)} rows in {time.time() - started:.0f} s; "
           f"report {out / 'report.html'}")
     return 1 if failed else code
@@ -577,35 +640,17 @@ def _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started) -
     return _finish_gate(args, run_dir.path, rows, failed, started)
 
 
-def _load_run(path: Path, what: str):
-    from mla_verify import reports
-    from mla_verify.equivalence.subject import UsageError
-
-    try:
-        rows, meta = reports.load_run(path)
-    except (OSError, ValueError) as exc:  # missing, empty, truncated or corrupt (pyarrow's errors are ValueErrors)
-        raise UsageError(f"{what} {path}: not a readable run ({exc})") from None
-    if rows.empty:
-        raise UsageError(f"{what} {path}: the run holds no rows")
-    return rows, meta
-
-
 def cmd_report(args, device: str) -> int:
     from mla_verify import reports
-    from mla_verify.equivalence.subject import UsageError
-    from mla_verify.reports.stats import GROUP_KEYS
+    from mla_verify.api import load_run
 
-    rows, meta = _load_run(args.run_dir, "run")
+    _, meta = load_run(args.run_dir, "run")
     if meta.get("incomplete"):
         print(f"note: {args.run_dir} did not finish (killed?): its rows come from its journal")
     if args.baseline is not None:
-        base, _ = _load_run(args.baseline, "baseline")
-        keys = list(GROUP_KEYS[:-1])  # op, path, tensor, implementation
-        if not set(map(tuple, rows[keys].to_numpy())) & set(map(tuple, base[keys].to_numpy())):
-            raise UsageError(f"baseline {args.baseline} has no (op, path, tensor, implementation) in common with "
-                             f"{args.run_dir}: nothing to compare")
+        load_run(args.baseline, "baseline")
     return reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
-                              factor=args.factor)
+                              **_drift_settings(args))
 
 
 def cmd_bench(args, device: str) -> int:

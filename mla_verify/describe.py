@@ -171,3 +171,23 @@ def tolerance_lines(long: bool = False) -> list[str]:
             room = WIDTH - len(head)
             lines.append(head + (b.reason if len(b.reason) <= room else b.reason[:room - 3].rstrip() + "..."))
     return lines
+
+
+def drift_lines(long: bool = False) -> list[str]:
+    """The drift comparison's metrics (with the floors they are raised to before any ratio) and
+    its option defaults, each with its reason cut to the line (`long`: in full). At most WIDTH."""
+    from mla_verify.equivalence.policy import DRIFT_DEFAULTS, DRIFT_METRICS
+
+    def entry(head: str, reason: str) -> list[str]:
+        if long:
+            return [head.rstrip(), *_wrap(reason, " " * 6, " " * 6)]
+        room = WIDTH - len(head)
+        return [head + (reason if len(reason) <= room else reason[:room - 3].rstrip() + "...")]
+
+    lines = ["drift against a baseline: metrics, raised to these floors before any ratio"]
+    for m in DRIFT_METRICS:
+        floors = ", ".join(f"{kind} {floor:.3g}" for kind, floor in m.floors.items())
+        lines += entry(f"  {m.name:16s} {floors:22s} ", m.reason)
+    for option, value, reason in DRIFT_DEFAULTS:
+        lines += entry(f"  {option:12s} {value:<8g} ", reason)
+    return lines

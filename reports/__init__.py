@@ -4,12 +4,14 @@ baseline run.
     write_run(run_dir, rows, meta) / load_run(run_dir)      store.py
     collect_meta(...) / finish_meta(meta)                    meta.py
     terminal_summary(rows, meta)                             terminal.py
-    compare(current, baseline, factor) -> Drift              drift.py
+    compare(current, baseline, *, factor, confidence,
+            min_cases, pairs) -> Drift                        drift.py (pairing.py, significance.py)
     build_report(...) / run_report(run_dir, baseline, ...)   report.py
-    render_html(report) / render_markdown(report)            html.py, markdown.py
+    render_html(report) / render_markdown(report)            html.py, markdown.py (drift_plots.py)
 """
 
 from mla_verify.reports.drift import Drift, compare
+from mla_verify.reports.pairing import NothingComparable
 from mla_verify.reports.html import render_html
 from mla_verify.reports.markdown import render_markdown
 from mla_verify.reports.meta import collect_meta, finish_meta
@@ -18,6 +20,6 @@ from mla_verify.reports.store import load_run, rows_frame, write_run
 from mla_verify.reports.terminal import terminal_summary
 
 __all__ = [
-    "Drift", "Report", "build_report", "collect_meta", "compare", "finish_meta", "load_run",
+    "Drift", "NothingComparable", "Report", "build_report", "collect_meta", "compare", "finish_meta", "load_run",
     "render_html", "render_markdown", "rows_frame", "run_report", "terminal_summary", "write_run",
 ]

@@ -1,19 +1,23 @@
-"""Baseline drift: did a kernel move away from the exact answer since the baseline run?
+"""Baseline drift: did a kernel, or a new version of it, move away from the exact answer?
 
-Per group (op, path, tensor, impl, deviation) present in both runs, compare the p99 and max of
-the kind's key error metric and the mean |bias| (mean of |mean_err|: a systematic offset in
-either direction). A group drifts when
+Rows of the two runs meet in groups (op, path, tensor, paired implementations, deviation; see
+`reports.pairing`), and each group is judged on the drift metrics of its tensor kind
+(`equivalence.policy.DRIFT_METRICS`: error in rounding units, |bias|, share of the bound used),
+every value first raised to the metric's floor so that rounding residue never makes a ratio:
 
-    current p99    > factor * max(baseline p99,    error floor of its kind)   or
-    current |bias| > factor * max(baseline |bias|, bias floor of its kind)    or
-    it fails now and did not in the baseline (or is new and fails).
+  paired     (the group shares cases with the baseline: a run that re-drew the baseline's seed,
+             or the regression corpus) per shared case, ratio = new / old; drift when the median
+             ratio exceeds the factor. The worst ratio and its case are reported; cases of one
+             side only are counted, not judged. Sampling noise cancels: each case meets itself.
+  unpaired   (no shared case, at least `min_cases` on each side) a one-sided rank test
+             (`reports.significance.exceeds`) of new > factor x old at the confidence level; the
+             p99 ratio is shown.
+  too few cases to judge   unpaired with fewer cases on a side: not judged, counted.
 
-The floors (`reports.kinds.NOISE_FLOOR`, reasons there) keep ratios of rounding residue from
-flagging: lse at 1e-6 doubling is an fp32 ulp, not a regression. The same test with current and
-baseline swapped reports improvements, which never fail the run. The max is shown, not tested:
-one case decides it, and a fuzz run with another seed draws other cases. Groups that appear or
-disappear are listed; the deviation is part of the key, so a deviation that was newly documented
-shows as one group gone and one new.
+A value that was 0 in the baseline (bitwise equal) and is not any more is its own finding, "no
+longer bitwise" (paired: any such case; unpaired: Fisher's exact test). A group that fails now
+and did not is "new failures". The reverse tests report improvements, which never fail the run.
+Raw max_abs is shown (its p99 on each side) and never judged: it tracks the cases' scales.
 """
 
 from __future__ import annotations
@@ -24,74 +28,174 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from mla_verify.equivalence.policy import (DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, DriftMetric,
+                                           drift_metrics)
 from mla_verify.reports.fmt import number
-from mla_verify.reports.kinds import NOISE_FLOOR, annotate
-from mla_verify.reports.stats import GROUP_KEYS, summarize
+from mla_verify.reports.kinds import annotate
+from mla_verify.reports.pairing import (NothingComparable, pair_implementations, unpaired_implementations,
+                                        with_partner)
+from mla_verify.reports.significance import exceeds, more_often_nonzero
+from mla_verify.reports.stats import grouped, quantile
 
-DEFAULT_FACTOR = 2.0
+GROUP_KEYS: tuple[str, ...] = ("op", "path", "tensor", "impl", "base_impl", "deviation", "kind")
+DRIFT, NOT_BITWISE, NEW_FAILURES, IMPROVED = "drift", "no longer bitwise", "new failures", "improved"
+FLAGS = (DRIFT, NOT_BITWISE, NEW_FAILURES)        # findings that fail the run
+PAIRED, UNPAIRED, TOO_FEW, NEW, GONE = "paired", "unpaired", "too few cases to judge", "new", "gone"
 
-DRIFT_COLUMNS: tuple[str, ...] = (
-    *GROUP_KEYS, "kind", "metric", "status",
-    "base_rows", "cur_rows", "base_failed", "cur_failed",
-    "base_p99", "cur_p99", "p99_ratio", "base_max", "cur_max", "max_ratio",
-    "base_bias", "cur_bias", "bias_ratio", "drift", "improved",
+METRIC_COLUMNS: tuple[str, ...] = (
+    *GROUP_KEYS, "metric", "mode", "base_cases", "cur_cases", "paired_cases",
+    "base_p50", "cur_p50", "base_p99", "cur_p99", "ratio", "worst_ratio", "worst_case", "p_value",
+    "bitwise_lost", "finding",
+)
+GROUP_COLUMNS: tuple[str, ...] = (
+    *GROUP_KEYS, "mode", "base_cases", "cur_cases", "paired_cases", "base_failed", "cur_failed",
+    "finding", "metric", "ratio", "worst_ratio", "worst_case", "base_max_abs_p99", "cur_max_abs_p99",
 )
 
 
-def group_label(op: str, path: str, tensor: str, impl: str, deviation: str = "") -> str:
-    """"forward_mqa/fp8_mixed out [pipeline]" (plus the deviation where there is one)."""
+def group_label(op: str, path: str, tensor: str, impl: str, base_impl: str | None = None,
+                deviation: str = "", *_: object) -> str:
+    """"forward_mqa/fp8_mixed out [pipeline]" ("[v2 vs v1]" across names; plus the deviation)."""
     where = op if op == path else f"{op}/{path}"
+    who = impl if base_impl in (None, impl) else f"{impl} vs {base_impl}"
     dev = f" (deviation: {deviation})" if deviation else ""
-    return f"{where} {tensor} [{impl}]{dev}"
+    return f"{where} {tensor} [{who}]{dev}"
 
 
-def _ratio(current: pd.Series, baseline: pd.Series) -> pd.Series:
+def measured(rows: pd.DataFrame) -> pd.DataFrame:
+    """Annotated rows plus the drift metrics that are not stored columns: abs_bias = |mean_err|,
+    bound_use = value / bound of the least-headroom metric (1 / headroom; 0 for an exact match)."""
+    out = annotate(rows)
+    out["abs_bias"] = out["mean_err"].abs()
+    with np.errstate(divide="ignore"):
+        out["bound_use"] = 1.0 / out["headroom"].to_numpy(dtype="float64")
+    return out
+
+
+@dataclass(frozen=True)
+class Worst:
+    """The case that drifted most: what to print and what replays it."""
+
+    label: str
+    metric: str
+    ratio: float
+    case_id: str
+    case: str               # the Case as JSON ("" for runs stored before rows carried it)
+    impl_specs: tuple[str, ...]
+    device: str
+
+
+def _floored(values: pd.Series, floor: float) -> np.ndarray:
+    return np.maximum(values.to_numpy(dtype="float64"), floor)
+
+
+def _judge_paired(m: DriftMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame,
+                  factor: float) -> dict:
+    both = cur[["case_id", m.name]].merge(base[["case_id", m.name]], on="case_id", suffixes=("", "_base"))
+    both = both[both[m.name].notna() & both[f"{m.name}_base"].notna()]
+    new, old = both[m.name], both[f"{m.name}_base"]
+    lost = (old == 0) & (new > 0)
+    if floor > 0:
+        ratio = _floored(new, floor) / _floored(old, floor)
+    else:                        # exact contracts: a ratio only where the baseline mismatched
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(old.to_numpy() > 0, new.to_numpy() / old.to_numpy(), np.nan)
+    rec = {"base_p50": quantile(old, 0.5), "cur_p50": quantile(new, 0.5), "base_p99": quantile(old, 0.99),
+           "cur_p99": quantile(new, 0.99), "bitwise_lost": int(lost.sum()), "p_value": np.nan}
+    finite = ~np.isnan(ratio)
+    med = float(np.median(ratio[finite])) if finite.any() else np.nan
+    at = (int(np.flatnonzero(lost.to_numpy())[0]) if lost.any()
+          else int(np.nanargmax(ratio)) if finite.any() else None)
+    rec.update(ratio=med, worst_ratio=float(ratio[at]) if at is not None else np.nan,
+               worst_case=both["case_id"].iloc[at] if at is not None else "")
+    rec["finding"] = (NOT_BITWISE if lost.any() else DRIFT if med > factor
+                      else IMPROVED if med < 1 / factor else "")
+    return rec
+
+
+def _judge_unpaired(m: DriftMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame, factor: float,
+                    alpha: float, judged: bool) -> dict:
+    new, old = cur[m.name].dropna(), base[m.name].dropna()
+    p99_old = np.float64(quantile(_floored(old, floor), 0.99))   # numpy division: x / 0 is inf or NaN
     with np.errstate(divide="ignore", invalid="ignore"):
-        return current.astype("float64") / baseline.astype("float64")
+        ratio = float(quantile(_floored(new, floor), 0.99) / p99_old)
+        worst = float(_floored(new, floor).max() / p99_old) if new.size else np.nan
+    rec = {"base_p50": quantile(old, 0.5), "cur_p50": quantile(new, 0.5), "base_p99": quantile(old, 0.99),
+           "cur_p99": quantile(new, 0.99), "ratio": ratio, "worst_ratio": worst,
+           "worst_case": cur.loc[new.idxmax(), "case_id"] if new.size else "", "p_value": np.nan,
+           "bitwise_lost": 0, "finding": ""}
+    if not judged or not new.size or not old.size:
+        return rec
+    nonzero = int((new > 0).sum())
+    if (old == 0).all() and nonzero:
+        rec["bitwise_lost"] = nonzero
+        rec["p_value"] = more_often_nonzero(nonzero, new.size, 0, old.size)
+        rec["finding"] = NOT_BITWISE if rec["p_value"] < alpha else ""
+        return rec
+    rec["p_value"] = exceeds(new, old, factor, floor)
+    if rec["p_value"] < alpha:
+        rec["finding"] = DRIFT
+    elif exceeds(old, new, factor, floor) < alpha:
+        rec["finding"] = IMPROVED
+    return rec
 
 
-def _grown(current: pd.Series, baseline: pd.Series, floor: pd.Series, factor: float) -> pd.Series:
-    """current > factor * max(baseline, floor); NaN on either side never counts."""
-    return current > factor * np.fmax(baseline, floor)
+def _group_record(key: tuple, cur: pd.DataFrame | None, base: pd.DataFrame | None, metrics: list[dict]) -> dict:
+    def failed(frame):
+        return int((~frame["passed"]).sum()) if frame is not None else 0
 
+    def max_abs_p99(frame):
+        return quantile(frame["max_abs"], 0.99) if frame is not None else np.nan
 
-def _side(frame: pd.DataFrame, prefix: str) -> pd.DataFrame:
-    # kind follows from (tensor, exact): as a key it never splits a group, and it names the floors
-    stats = summarize(annotate(frame), (*GROUP_KEYS, "kind"))
-    kept = {"rows": "rows", "failed": "failed", "p99": "p99", "max": "max", "bias_absmean": "bias"}
-    return stats[[*GROUP_KEYS, "kind", "metric", *kept]].rename(
-        columns={k: f"{prefix}_{v}" for k, v in kept.items()})
-
-
-def _reasons(masks: Mapping[str, pd.Series], index: pd.Index) -> pd.Series:
-    """Per row, the names of the masks that hold there, comma-separated ("" for none)."""
-    flags = np.column_stack([m.to_numpy(dtype=bool) for m in masks.values()])
-    return pd.Series([", ".join(n for n, f in zip(masks, row, strict=True) if f) for row in flags],
-                     index=index, dtype="string")
+    rec = dict(zip(GROUP_KEYS, key, strict=True))
+    rec.update(base_cases=0 if base is None else base["case_id"].nunique(),
+               cur_cases=0 if cur is None else cur["case_id"].nunique(),
+               base_failed=failed(base), cur_failed=failed(cur),
+               base_max_abs_p99=max_abs_p99(base), cur_max_abs_p99=max_abs_p99(cur))
+    rec["mode"] = metrics[0]["mode"] if metrics else (NEW if base is None else GONE)
+    rec["paired_cases"] = metrics[0]["paired_cases"] if metrics else 0
+    findings = [f for f in (NOT_BITWISE, DRIFT, IMPROVED) if any(m["finding"] == f for m in metrics)]
+    if rec["cur_failed"] and not rec["base_failed"] and cur is not None:
+        findings.insert(0, NEW_FAILURES)
+    rec["finding"] = ", ".join(findings)
+    # the metric that speaks for the group: its worst flagged one, else its largest ratio
+    flagged = [m for m in metrics if m["finding"] in FLAGS] or [m for m in metrics if m["finding"]] or metrics
+    top = max(flagged, key=lambda m: -np.inf if np.isnan(m["worst_ratio"]) else m["worst_ratio"], default=None)
+    for col in ("metric", "ratio", "worst_ratio", "worst_case"):
+        rec[col] = top[col] if top else (np.nan if "ratio" in col else "")
+    return rec
 
 
 @dataclass(frozen=True)
 class Drift:
-    """The drift table (DRIFT_COLUMNS, one row per group of either run) and its verdict."""
+    """The drift of a run against a baseline: one row per group (GROUP_COLUMNS) and one per group
+    and metric (METRIC_COLUMNS), the implementation pairs, and the settings that judged them."""
 
-    table: pd.DataFrame
+    groups: pd.DataFrame
+    metrics: pd.DataFrame
+    pairs: pd.DataFrame                   # reports.pairing.PAIR_COLUMNS
+    unpaired: tuple[list[str], list[str]]  # implementations compared with nothing (run, baseline)
     factor: float
+    confidence: float
+    min_cases: int
+    worst: Worst | None
+    cur_rows: pd.DataFrame                # both runs' rows of paired implementations (`measured`,
+    base_rows: pd.DataFrame               # with base_impl): what the drift figure draws
+
+    def _with(self, findings: tuple[str, ...]) -> pd.DataFrame:
+        hit = self.groups["finding"].map(lambda f: any(x in f.split(", ") for x in findings))
+        return self.groups[hit.astype(bool)]
 
     @property
     def flagged(self) -> pd.DataFrame:
-        return self.table[self.table["drift"] != ""]
+        return self._with(FLAGS)
 
     @property
     def improvements(self) -> pd.DataFrame:
-        return self.table[self.table["improved"] != ""]
+        return self._with((IMPROVED,))[lambda t: ~t.index.isin(self.flagged.index)]
 
-    @property
-    def appeared(self) -> pd.DataFrame:
-        return self.table[self.table["status"] == "new"]
-
-    @property
-    def disappeared(self) -> pd.DataFrame:
-        return self.table[self.table["status"] == "gone"]
+    def mode(self, mode: str) -> pd.DataFrame:
+        return self.groups[self.groups["mode"] == mode]
 
     @property
     def drifted(self) -> bool:
@@ -103,75 +207,149 @@ class Drift:
         return int(self.drifted)
 
     @property
-    def verdict(self) -> str:
-        compared = int((self.table["status"] == "both").sum())
-        if self.drifted:
-            return (f"DRIFT in {len(self.flagged)} of {len(self.table)} groups "
-                    f"(factor {self.factor:g})")
-        return f"no drift in {compared} groups compared (factor {self.factor:g})"
+    def settings(self) -> str:
+        return f"factor {self.factor:g}, confidence {self.confidence:g}, min {self.min_cases} cases"
 
-    def lines(self) -> list[str]:
-        """The verdict, then one line per drifted / improved group and the appeared/gone lists."""
+    @property
+    def verdict(self) -> str:
+        paired, unpaired = len(self.mode(PAIRED)), len(self.mode(UNPAIRED))
+        compared = paired + unpaired
+        skipped = [f"{n} {what}" for what, n in ((TOO_FEW, len(self.mode(TOO_FEW))), ("new", len(self.mode(NEW))),
+                                                  ("gone", len(self.mode(GONE)))) if n]
+        counts = f"{paired} paired, {unpaired} unpaired" + (f"; not compared: {', '.join(skipped)}" if skipped else "")
+        n = len(self.flagged)
+        head = (f"DRIFT in {n} group{'s' * (n != 1)}, {compared} compared" if self.drifted
+                else f"no drift in {compared} groups compared")
+        return f"{head} ({counts}; {self.settings})"
+
+    def pairing_line(self) -> str:
+        across = self.pairs[self.pairs["how"] != "same name"]
+        same = len(self.pairs) - len(across)
+        parts = [f"{same} by the same name"] if same else []
+        parts += [f"{r.op}: {r.impl} with {r.base_impl} ({r.how})" for r in across.itertuples()]
+        return "implementations paired: " + "; ".join(parts)
+
+    def lines(self, replay: str | None = None) -> list[str]:
+        """The verdict, one line per flagged group, the case that drifted most (with `replay`, its
+        command), then the context (`context_lines`)."""
         out = [f"baseline drift: {self.verdict}"]
-        for tag, rows, column in (("DRIFT", self.flagged, "drift"),
-                                  ("improved", self.improvements, "improved")):
-            for _, r in rows.iterrows():
-                out.append(f"  {tag} {group_label(*(r[k] for k in GROUP_KEYS))}: "
-                           f"{self._explain(r, r[column])}")
-        for tag, rows in (("appeared", self.appeared), ("disappeared", self.disappeared)):
+        out += [f"  {g['finding'].upper()} {group_label(*(g[k] for k in GROUP_KEYS))}: {self.explain(g)}"
+                for _, g in self.flagged.iterrows()]
+        if self.worst is not None:
+            out.append(f"  {self.worst_line(replay)}")
+        return out + [f"  {line}" for line in self.context_lines()]
+
+    def worst_line(self, replay: str | None = None) -> str:
+        w = self.worst
+        return (f"drifted most: case {w.case_id} of {w.label}, {w.metric} x{number(w.ratio)}"
+                + (f": {replay}" if replay else ""))
+
+    def context_lines(self) -> list[str]:
+        """How implementations were paired, improvements, and what was not compared, and why."""
+        out = [self.pairing_line()]
+        out += [f"improved {group_label(*(g[k] for k in GROUP_KEYS))}: {self.explain(g)}"
+                for _, g in self.improvements.iterrows()]
+        too_few = self.mode(TOO_FEW)
+        if not too_few.empty:
+            out.append(f"{TOO_FEW}: {len(too_few)} groups share no case with the baseline and hold fewer than "
+                       f"{self.min_cases} cases on a side (re-run the baseline's seed to pair them)")
+        for tag, mode in (("appeared", NEW), ("disappeared", GONE)):
+            rows = self.mode(mode)
             if not rows.empty:
-                names = (group_label(*(r[k] for k in GROUP_KEYS)) for _, r in rows.iterrows())
-                out.append(f"  {tag}: {', '.join(names)}")
+                out.append(f"{tag}: " + ", ".join(group_label(*(r[k] for k in GROUP_KEYS)) for _, r in rows.iterrows()))
+        for side, names in zip(("run", "baseline"), self.unpaired, strict=True):
+            if names:
+                out.append(f"compared with nothing ({side}; pair them with --pair NEW=OLD): {', '.join(names)}")
         return out
 
-    @staticmethod
-    def _explain(r: pd.Series, reasons: str) -> str:
-        parts = []
-        for reason in reasons.split(", "):
-            if reason == "p99":
-                parts.append(f"p99 {r['metric']} {number(r['base_p99'])} -> {number(r['cur_p99'])}"
-                              f" (x{number(r['p99_ratio'])})")
-            elif reason == "|bias|":
-                parts.append(f"mean |bias| {number(r['base_bias'])} -> {number(r['cur_bias'])}"
-                              f" (x{number(r['bias_ratio'])})")
+    def explain(self, g: pd.Series) -> str:
+        """What a group's findings rest on, metric by metric."""
+        key = tuple(g[k] for k in GROUP_KEYS)
+        mine = self.metrics[self.metrics[list(GROUP_KEYS)].apply(tuple, axis=1) == key]
+        parts = [] if NEW_FAILURES not in g["finding"] else [
+            f"{int(g['cur_failed'])} failed row{'s' * (g['cur_failed'] != 1)}, none in the baseline"]
+        for _, m in mine[mine["finding"] != ""].iterrows():
+            if m["finding"] == NOT_BITWISE:
+                parts.append(f"{m['metric']} was 0 (bitwise) and is not in {int(m['bitwise_lost'])} of "
+                             f"{int(m['paired_cases'] or m['cur_cases'])} cases")
+            elif m["mode"] == PAIRED:
+                parts.append(f"{m['metric']} median x{number(m['ratio'])} over {int(m['paired_cases'])} paired cases "
+                             f"(worst x{number(m['worst_ratio'])}, case {m['worst_case']})")
             else:
-                n = int(r["cur_failed"])
-                parts.append(f"{reason} ({n} failed row{'' if n == 1 else 's'})")
+                parts.append(f"{m['metric']} p99 {number(m['base_p99'])} -> {number(m['cur_p99'])} "
+                             f"(x{number(m['ratio'])}, rank test p = {number(m['p_value'])}, "
+                             f"{int(m['base_cases'])} vs {int(m['cur_cases'])} cases)")
         return "; ".join(parts)
 
 
-def compare(current: pd.DataFrame, baseline: pd.DataFrame, factor: float = DEFAULT_FACTOR,
-            floors: Mapping[str, tuple[float, float]] = NOISE_FLOOR) -> Drift:
-    """Drift of `current` against `baseline` (stored rows, as `load_run` returns them)."""
+def _replay_specs(row: pd.Series) -> tuple[str, ...]:
+    """The --impl specs that rerun a row's implementation: a pipeline's stages, else its name."""
+    if row["op"] != "property" and row["stages"]:
+        return tuple(row["stages"].split(","))
+    return (row["impl"],)
+
+
+def _worst(groups: pd.DataFrame, cur: pd.DataFrame) -> Worst | None:
+    flagged = groups[groups["finding"].map(lambda f: any(x in f.split(", ") for x in FLAGS)) & (groups["worst_case"] != "")]
+    if flagged.empty:
+        return None
+    g = flagged.loc[flagged["worst_ratio"].fillna(-np.inf).idxmax()]
+    row = cur[(cur["case_id"] == g["worst_case"]) & (cur["op"] == g["op"]) & (cur["impl"] == g["impl"])].iloc[0]
+    case = row["case"] if "case" in row and isinstance(row["case"], str) else ""
+    return Worst(group_label(*(g[k] for k in GROUP_KEYS)), g["metric"], float(g["worst_ratio"]), g["worst_case"],
+                 case, _replay_specs(row), str(row["device"]).split(":")[0])
+
+
+def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DRIFT_FACTOR,
+            confidence: float = DRIFT_CONFIDENCE, min_cases: int = DRIFT_MIN_CASES,
+            pairs: Mapping[str, str] | None = None) -> Drift:
+    """Drift of `current` against `baseline` (stored rows, as `load_run` returns them). `pairs`
+    maps current implementation names to baseline ones (`--pair NEW=OLD`). Raises
+    NothingComparable when no implementation of any op pairs, ValueError for bad settings."""
     if not factor > 1.0:
         raise ValueError(f"drift factor must be > 1, got {factor}")
-    keys = [*GROUP_KEYS, "kind", "metric"]
-    table = _side(current, "cur").merge(_side(baseline, "base"), on=keys, how="outer",
-                                        indicator=True, sort=True)
-    table["status"] = table.pop("_merge").map(
-        {"both": "both", "left_only": "new", "right_only": "gone"}).astype("string")
-    for col in ("base_rows", "cur_rows", "base_failed", "cur_failed"):
-        table[col] = table[col].fillna(0).astype("int64")
-    for stat in ("p99", "max", "bias"):
-        table[f"{stat}_ratio"] = _ratio(table[f"cur_{stat}"], table[f"base_{stat}"])
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"drift confidence must be between 0 and 1, got {confidence}")
+    if min_cases < 1:
+        raise ValueError(f"minimum cases must be >= 1, got {min_cases}")
+    cur_all, base_all = measured(current), measured(baseline)
+    impl_pairs = pair_implementations(cur_all, base_all, pairs)
+    if impl_pairs.empty:
+        shared = sorted(set(cur_all["op"]) & set(base_all["op"]))
+        raise NothingComparable(
+            "nothing comparable: the runs share no op" if not shared else
+            f"nothing comparable: the runs share {', '.join(shared)} but no implementation pairs "
+            "(name them with --pair NEW=OLD)")
+    cur, base = with_partner(cur_all, base_all, impl_pairs)
+    cur_groups = {k: g.drop_duplicates("case_id") for k, g in grouped(cur, GROUP_KEYS)}
+    base_groups = {k: g.drop_duplicates("case_id") for k, g in grouped(base, GROUP_KEYS)}
+    alpha = 1.0 - confidence
+    metric_records, group_records = [], []
+    for key in sorted(set(cur_groups) | set(base_groups), key=lambda k: tuple(map(str, k))):
+        c, b = cur_groups.get(key), base_groups.get(key)
+        records = []
+        if c is not None and b is not None:
+            shared = int(c["case_id"].isin(b["case_id"]).sum())
+            mode = (PAIRED if shared else UNPAIRED if min(len(c), len(b)) >= min_cases else TOO_FEW)
+            kind = key[GROUP_KEYS.index("kind")]
+            for m in drift_metrics(kind):
+                floor = m.floors[kind]
+                rec = (_judge_paired(m, floor, c, b, factor) if mode == PAIRED
+                       else _judge_unpaired(m, floor, c, b, factor, alpha, judged=mode == UNPAIRED))
+                records.append({**dict(zip(GROUP_KEYS, key, strict=True)), "metric": m.name, "mode": mode,
+                                "base_cases": len(b), "cur_cases": len(c), "paired_cases": shared, **rec})
+        metric_records += records
+        group_records.append(_group_record(key, c, b, records))
+    groups = pd.DataFrame.from_records(group_records, columns=list(GROUP_COLUMNS))
+    metrics = pd.DataFrame.from_records(metric_records, columns=list(METRIC_COLUMNS))
+    # what needs a look first: flagged, improved, compared, then what was not compared
+    flagged = groups["finding"].map(lambda f: any(x in f.split(", ") for x in FLAGS))
+    rank = np.select([flagged.to_numpy(dtype=bool), (groups["finding"] != "").to_numpy(dtype=bool),
+                      groups["mode"].isin([PAIRED, UNPAIRED]).to_numpy(dtype=bool)], [0, 1, 2], default=3)
+    groups = (groups.assign(_rank=rank, _r=-groups["worst_ratio"].fillna(0))
+              .sort_values(["_rank", "_r"], kind="stable").drop(columns=["_rank", "_r"]).reset_index(drop=True))
+    return Drift(groups=groups, metrics=metrics, pairs=impl_pairs,
+                 unpaired=unpaired_implementations(cur_all, base_all, impl_pairs),
+                 factor=factor, confidence=confidence, min_cases=min_cases, worst=_worst(groups, cur),
+                 cur_rows=cur, base_rows=base)
 
-    kinds = table["kind"].astype(str)
-    error_floor = kinds.map(lambda k: floors[k][0]).astype("float64")
-    bias_floor = kinds.map(lambda k: floors[k][1]).astype("float64")
-    both = table["status"] == "both"
-    checks = {
-        "p99": (table["cur_p99"], table["base_p99"], error_floor),
-        "|bias|": (table["cur_bias"], table["base_bias"], bias_floor),
-    }
-    grown = {name: both & _grown(c, b, f, factor) for name, (c, b, f) in checks.items()}
-    shrunk = {name: both & _grown(b, c, f, factor) for name, (c, b, f) in checks.items()}
-    grown["new failures"] = ((table["cur_failed"] > 0) & (table["base_failed"] == 0)
-                             & (table["status"] != "gone"))
-    table["drift"] = _reasons(grown, table.index)
-    table["improved"] = _reasons(shrunk, table.index)
-    # what needs a look first: drifted, improved, new or gone, then the rest in group order
-    rank = np.select([(table[c] != v).to_numpy(dtype=bool)
-                      for c, v in (("drift", ""), ("improved", ""), ("status", "both"))],
-                     [0, 1, 2], default=3)
-    table = table.assign(_rank=rank).sort_values(["_rank", *GROUP_KEYS], kind="stable")
-    return Drift(table=table[list(DRIFT_COLUMNS)].reset_index(drop=True), factor=factor)

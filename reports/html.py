@@ -12,6 +12,8 @@ import pandas as pd
 
 from mla_verify.reports.fmt import cells
 from mla_verify.reports.meta import describe
+from mla_verify.reports.drift import FLAGS, GONE, NEW, TOO_FEW
+from mla_verify.reports.drift_plots import drift_figure
 from mla_verify.reports.plots import Plot, figures
 
 if TYPE_CHECKING:
@@ -45,11 +47,12 @@ figure img { max-width: 100%; border: 1px solid #eee; }
 
 
 def _row_class(record: Mapping[str, Any]) -> str:
-    if record.get("failed", 0) or record.get("drift"):
+    finding = str(record.get("finding") or "")
+    if record.get("failed", 0) or any(flag in finding for flag in FLAGS):
         return "bad"
-    if record.get("improved"):
-        return "good"
-    return "note" if record.get("status") in ("new", "gone") else ""
+    if finding:
+        return "good"      # improved
+    return "note" if record.get("mode") in (NEW, GONE, TOO_FEW) else ""
 
 
 def table_html(frame: pd.DataFrame, limit: int | None = None) -> str:
@@ -90,7 +93,7 @@ def _banners(report: Report) -> str:
     out = [f'<div class="banner {"pass" if c.passed else "fail"}">{escape(c.line() + dev)}</div>']
     if report.drift is not None:
         css = "fail" if report.drift.drifted else "pass"
-        items = "".join(f"<li>{escape(line.strip())}</li>" for line in report.drift.lines()[1:])
+        items = "".join(f"<li>{escape(line.strip())}</li>" for line in report.drift.lines(report.replay)[1:])
         out.append(f'<div class="banner {css}">Baseline: {escape(report.drift.verdict)}'
                    f"{f'<ul>{items}</ul>' if items else ''}</div>")
     return "".join(out)
@@ -98,7 +101,7 @@ def _banners(report: Report) -> str:
 
 def render_html(report: Report) -> str:
     """The whole report as one HTML document."""
-    plots = figures(report.rows)
+    plots = figures(report.rows) + [p for p in (drift_figure(report.drift),) if p is not None]
     by_section: dict[str, list[Plot]] = {}
     for p in plots:
         by_section.setdefault(p.section, []).append(p)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from mla_verify.reports.drift import GROUP_KEYS, group_label
 from mla_verify.reports.fmt import cells
 
 if TYPE_CHECKING:
@@ -31,14 +32,23 @@ def table_markdown(frame: pd.DataFrame, limit: int | None = None) -> str:
 
 
 def render_markdown(report: Report) -> str:
-    """Verdict, drift verdict, then every section's table, as in the HTML report."""
+    """Drift first (the verdict, the groups that drifted, the case that drifted most and the
+    command that replays it), then the run's verdict and every section's table, as in the HTML."""
     c = report.counts
-    out = [f"## mla-verify report: {report.run_id}", "", f"**{c.line()}**"]
+    out = [f"## mla-verify report: {report.run_id}", ""]
+    if report.drift is not None:
+        d = report.drift
+        out.append(f"**Baseline: {d.verdict}**\n")
+        for _, g in d.flagged.iterrows():
+            out.append(f"- **{_escape(g['finding'])}** {_escape(group_label(*(g[k] for k in GROUP_KEYS)))}: "
+                       f"{_escape(d.explain(g))}")
+        if d.worst is not None:
+            out.append(f"\nD{_escape(d.worst_line())[1:]}"
+                       + (f"; replay it with\n\n```\n{report.replay}\n```" if report.replay else ""))
+        out += ["", *(f"- {_escape(line)}" for line in d.context_lines()), ""]
+    out.append(f"**{c.line()}**")
     if c.deviation_rows:
         out.append(f"({c.deviation_rows} rows under documented deviations)")
-    if report.drift is not None:
-        out.append(f"\n**Baseline: {report.drift.verdict}**\n")
-        out += [f"- {_escape(line.strip())}" for line in report.drift.lines()[1:]]
     for s in report.sections:
         limit = min(s.limit, _MARKDOWN_LIMIT) if s.limit else None
         out += ["", f"### {s.title}", "", s.intro, "", table_markdown(s.table, limit)]

@@ -146,3 +146,14 @@ def describe(meta: Mapping[str, Any]) -> dict[str, str]:
     if meta.get("extra"):
         described["extra"] = json.dumps(meta["extra"], sort_keys=True, default=str)
     return described
+
+
+def rerun_settings(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """What re-draws a run's cases: its first seed, profile, campaign count (parallel parts run
+    seeds S, S+1, ...) and what it recorded in "extra" (examples, ops or op and path). Missing
+    entries are None: a caller keeps its own default there."""
+    extra = meta.get("extra") or {}
+    seeds = meta.get("seeds") or []
+    return {"seed": seeds[0] if seeds else None, "profile": meta.get("profile"),
+            "campaigns": len(seeds) or None, "examples": extra.get("examples"), "ops": extra.get("ops"),
+            "op": extra.get("op"), "path": extra.get("path")}

@@ -131,10 +131,11 @@ def _plain_log(axis) -> None:
     axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
 
 
-def _figure(panels: int, width: float, height: float = 3.8) -> tuple[Figure, list]:
+def _figure(panels: int, width: float, height: float = 3.8, rows: int = 1) -> tuple[Figure, list]:
+    """A figure of `rows` x `panels` axes, listed row by row."""
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, panels, squeeze=False)[0]
+    axes = fig.subplots(rows, panels, squeeze=False).ravel()
     return fig, list(axes)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,8 @@ from typing import Any
 
 import pandas as pd
 
-from mla_verify.reports.drift import DEFAULT_FACTOR, Drift, compare
+from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
+from mla_verify.reports.drift import Drift, Worst, compare
 from mla_verify.reports.fmt import MISSING, header, number
 from mla_verify.reports.html import render_html
 from mla_verify.reports.kinds import KEY_METRIC, annotate
@@ -49,6 +51,7 @@ class Report:
     baseline_meta: dict[str, Any] | None = None
     baseline_counts: Counts | None = None
     drift: Drift | None = None
+    replay: str | None = None               # the command that replays the case that drifted most
     sections: list[Section] = field(default_factory=list)
 
     @property
@@ -62,7 +65,7 @@ class Report:
 
     def summary(self) -> str:
         text = terminal_summary(self.rows, self.meta)
-        return text + ("\n" + "\n".join(self.drift.lines()) if self.drift is not None else "")
+        return text + ("\n" + "\n".join(self.drift.lines(self.replay)) if self.drift is not None else "")
 
 
 def _side_by_side(report: Report, baseline_rows: pd.DataFrame) -> pd.DataFrame:
@@ -79,9 +82,11 @@ def _side_by_side(report: Report, baseline_rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
-                 baseline: tuple[pd.DataFrame, Mapping[str, Any]] | None = None,
-                 factor: float = DEFAULT_FACTOR) -> Report:
-    """The report of stored rows (as `load_run` returns them), optionally against a baseline run."""
+                 baseline: tuple[pd.DataFrame, Mapping[str, Any]] | None = None, *,
+                 factor: float = DRIFT_FACTOR, confidence: float = DRIFT_CONFIDENCE,
+                 min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None) -> Report:
+    """The report of stored rows (as `load_run` returns them), optionally against a baseline run
+    (`reports.drift.compare` with these settings; NothingComparable when nothing pairs)."""
     frame = annotate(rows)
     report = Report(rows=frame, meta=dict(meta), counts=counts(frame))
     fails = failures(frame)
@@ -94,14 +99,23 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
         base_rows, base_meta = baseline
         report.baseline_meta = dict(base_meta)
         report.baseline_counts = counts(annotate(base_rows))
-        report.drift = compare(rows, base_rows, factor=factor)
+        drift = report.drift = compare(rows, base_rows, factor=factor, confidence=confidence,
+                                       min_cases=min_cases, pairs=pairs)
         report.sections.append(Section(
             "drift", "Drift against the baseline",
-            f"{report.drift.verdict}. A group drifts when its p99 error or mean |bias| grows "
-            f"beyond x{factor:g} of the baseline's (or of the kind's noise floor, if larger: "
-            "ratios of rounding residue are not regressions), or when it fails and did not. "
-            "Improvements (below 1/factor) are listed and never fail the run.",
-            report.drift.table))
+            f"{drift.verdict}. {drift.pairing_line()}. Paired groups (cases the baseline ran too) are "
+            f"judged on the median per-case ratio new / old of each drift metric, unpaired ones by a "
+            f"one-sided rank test of new > x{factor:g} old at confidence {confidence:g} (at least "
+            f"{min_cases} cases a side, else too few cases to judge); values are raised to each metric's "
+            "floor first, so rounding residue makes no ratio. A metric that was 0 (bitwise) and is not is "
+            "'no longer bitwise'. ratio / worst ratio: of the metric named; max_abs p99 is shown, never "
+            "judged. Improvements never fail the run.", drift.groups, limit=300))
+        report.sections.append(Section(
+            "drift-metrics", "Drift per metric",
+            "Every drift metric of every compared group (equivalence.policy.DRIFT_METRICS: bf16_units and "
+            "elem_bf16_units for outputs, lse_fp32_units for LSEs, abs_bias = |mean_err|, bound_use = "
+            "1 / headroom). Paired: ratio is the median per-case ratio; unpaired: the p99 ratio, with the "
+            "rank test's p-value.", drift.metrics[drift.metrics["mode"] != "too few cases to judge"], limit=600))
         report.sections.append(Section(
             "side-by-side", "Runs side by side", "What ran, where, and how it ended.",
             _side_by_side(report, base_rows)))
@@ -124,15 +138,35 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
     return report
 
 
+def save_worst_case(worst: Worst, directory: Path) -> str | None:
+    """Write the case that drifted most as a case file under `directory`; the command that replays
+    it (None for runs whose rows predate the stored case)."""
+    if not worst.case:
+        return None
+    from mla_verify.api import replay_command
+    from mla_verify.equivalence.case import Case
+    from mla_verify.fuzz import casefile
+
+    case = Case.from_dict(json.loads(worst.case))
+    cf = casefile.CaseFile(case, worst.impl_specs, worst.device,
+                           note=f"drifted most against the baseline: {worst.label}, {worst.metric} x{worst.ratio:.3g}")
+    path = casefile.save(directory / f"{casefile.stem(case.op, ','.join(worst.impl_specs), case)}.json", cf)
+    return replay_command(path, worst.impl_specs, worst.device)
+
+
 def run_report(run_dir: str | Path, baseline: str | Path | None = None,
-               html: str | Path | None = None, markdown: str | Path | None = None,
-               factor: float = DEFAULT_FACTOR) -> int:
+               html: str | Path | None = None, markdown: str | Path | None = None, *,
+               factor: float = DRIFT_FACTOR, confidence: float = DRIFT_CONFIDENCE,
+               min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None) -> int:
     """Load a run (and a baseline run), print the terminal summary and drift verdict, write the
-    HTML report (default run_dir/report.html) and, if asked, a markdown one. Returns the exit
-    code: 1 when the run has failures or drift is flagged, else 0."""
+    HTML report (default run_dir/report.html) and, if asked, a markdown one; the case that
+    drifted most is saved under run_dir/drift/ with its replay command. Returns the exit code:
+    1 when the run has failures or drift is flagged, else 0 (NothingComparable is raised)."""
     rows, meta = load_run(run_dir)
     report = build_report(rows, meta, load_run(baseline) if baseline is not None else None,
-                          factor=factor)
+                          factor=factor, confidence=confidence, min_cases=min_cases, pairs=pairs)
+    if report.drift is not None and report.drift.worst is not None:
+        report.replay = save_worst_case(report.drift.worst, Path(run_dir) / "drift")
     print(report.summary())
     html_path = Path(html) if html is not None else Path(run_dir) / "report.html"
     html_path.write_text(render_html(report), encoding="utf-8")

@@ -299,7 +299,7 @@ def test_report_on_an_empty_or_truncated_run_or_an_unrelated_baseline_exits_2(ca
         assert run(capsys, "fuzz", "--op", op, "--impl", "torch-fp32", "--examples", 1, "--device", "cpu",
                    "--profile", "ci", "--out", tmp_path / op)[0] == 0
     code, text = run(capsys, "report", tmp_path / "convert_index", "--baseline", tmp_path / "concat_mla_q")
-    assert code == 2 and "nothing to compare" in text
+    assert code == 2 and text == "mla-verify: nothing comparable: the runs share no op\n"
     parquet = tmp_path / "convert_index" / "rows.parquet"
     parquet.write_bytes(parquet.read_bytes()[:100])
     code, text = run(capsys, "report", tmp_path / "convert_index")
