@@ -108,12 +108,12 @@ def fill_selected_slots(
     cache_dtype: str, scale_rule: str = "pow2",
 ) -> None:
     """Write pool rows into the cache `storage[:-1, :block_size]` at every distinct slot of `slots`
-    (int64, -1 = none), the rows `pooled_rows` would give the sorted distinct slots, in a fixed
+    (int64, -1 = none, the only negative), the rows `pooled_rows` would give the sorted distinct slots, in a fixed
     number of device ops and no read back: a slot's row is found by its rank among the selected
     slots (a cumsum over the cache), and the -1 entries write into the last block of `storage`, a
     scratch block outside the cache, poisoned again afterwards."""
     capacity = (storage.shape[0] - 1) * block_size
-    target = torch.where(slots >= 0, slots, capacity).reshape(-1)
+    target = slots.remainder(capacity + 1).reshape(-1)  # -1 -> capacity, the scratch slot; the rest unchanged
     selected = torch.zeros(capacity + 1, dtype=torch.bool, device=storage.device)
     selected[target] = True
     rank = selected.cumsum(0) - 1
