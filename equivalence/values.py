@@ -81,14 +81,27 @@ def _source_pool(regime: str, device: str) -> torch.Tensor:
     return kv_values(gen, POOL_ROWS[torch.device(device).type], regime)
 
 
+def _pack(rows: torch.Tensor, cache_dtype: str, scale_rule: str) -> torch.Tensor:
+    if cache_dtype == "fp8_ds_mla":
+        return reference.quantize_fp8_ds_mla(rows, scale_rule)
+    if cache_dtype == "nvfp4_ds_mla":
+        return reference.quantize_nvfp4_ds_mla(rows)
+    return rows
+
+
 @functools.lru_cache(maxsize=32)
 def _packed_pool(regime: str, cache_dtype: str, scale_rule: str, device: str) -> torch.Tensor:
-    source = _source_pool(regime, device)
-    if cache_dtype == "fp8_ds_mla":
-        return reference.quantize_fp8_ds_mla(source, scale_rule)
-    if cache_dtype == "nvfp4_ds_mla":
-        return reference.quantize_nvfp4_ds_mla(source)
-    return source
+    return _pack(_source_pool(regime, device), cache_dtype, scale_rule)
+
+
+def _packed_rows(pick: torch.Tensor, regime: str, cache_dtype: str, scale_rule: str) -> torch.Tensor:
+    """The packed pool's rows `pick`. Every format packs a row from that row alone, so a case that
+    asks for few rows (an eighth of the pool or less) packs just those: the same bytes, without
+    quantizing a whole pool for each of a campaign's (regime, format, scale rule) mixes."""
+    device = str(pick.device)
+    if pick.numel() * 8 <= POOL_ROWS[pick.device.type]:
+        return _pack(_source_pool(regime, device)[pick], cache_dtype, scale_rule)
+    return _packed_pool(regime, cache_dtype, scale_rule, device)[pick]
 
 
 def pooled_rows(
@@ -100,7 +113,7 @@ def pooled_rows(
     size = POOL_ROWS[gen.device.type]
     start = torch.randint(0, size, (1,), generator=gen, device=gen.device)
     pick = (start + torch.arange(n, device=gen.device)) % size
-    return _source_pool(regime, device)[pick], _packed_pool(regime, cache_dtype, scale_rule, device)[pick]
+    return _source_pool(regime, device)[pick], _packed_rows(pick, regime, cache_dtype, scale_rule)
 
 
 def fill_selected_slots(
@@ -108,8 +121,8 @@ def fill_selected_slots(
     cache_dtype: str, scale_rule: str = "pow2",
 ) -> None:
     """Write pool rows into the cache `storage[:-1, :block_size]` at every distinct slot of `slots`
-    (int64, -1 = none, the only negative), the rows `pooled_rows` would give the sorted distinct slots, in a fixed
-    number of device ops and no read back: a slot's row is found by its rank among the selected
+    (int64, -1 = none, the only negative), the rows `pooled_rows` would give the sorted distinct
+    slots, in a fixed number of device ops and no read back: a slot's row is found by its rank among the selected
     slots (a cumsum over the cache), and the -1 entries write into the last block of `storage`, a
     scratch block outside the cache, poisoned again afterwards."""
     capacity = (storage.shape[0] - 1) * block_size
@@ -119,6 +132,6 @@ def fill_selected_slots(
     rank = selected.cumsum(0) - 1
     size = POOL_ROWS[gen.device.type]
     start = torch.randint(0, size, (1,), generator=gen, device=gen.device)
-    packed = _packed_pool(regime, cache_dtype, scale_rule, str(gen.device))
-    storage[target // block_size, target % block_size] = packed[(start + rank[target]) % size]
+    storage[target // block_size, target % block_size] = _packed_rows(
+        (start + rank[target]) % size, regime, cache_dtype, scale_rule)
     storage[-1].fill_(0xFF)
