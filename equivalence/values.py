@@ -89,19 +89,20 @@ def _pack(rows: torch.Tensor, cache_dtype: str, scale_rule: str) -> torch.Tensor
     return rows
 
 
-@functools.lru_cache(maxsize=32)
-def _packed_pool(regime: str, cache_dtype: str, scale_rule: str, device: str) -> torch.Tensor:
-    return _pack(_source_pool(regime, device), cache_dtype, scale_rule)
+_PACKED: dict[tuple[str, str, str, str], torch.Tensor] = {}  # (regime, format, scale rule, device) -> whole pool
 
 
 def _packed_rows(pick: torch.Tensor, regime: str, cache_dtype: str, scale_rule: str) -> torch.Tensor:
-    """The packed pool's rows `pick`. Every format packs a row from that row alone, so a case that
-    asks for few rows (an eighth of the pool or less) packs just those: the same bytes, without
-    quantizing a whole pool for each of a campaign's (regime, format, scale rule) mixes."""
-    device = str(pick.device)
-    if pick.numel() * 8 <= POOL_ROWS[pick.device.type]:
-        return _pack(_source_pool(regime, device)[pick], cache_dtype, scale_rule)
-    return _packed_pool(regime, cache_dtype, scale_rule, device)[pick]
+    """The packed pool's rows `pick`. Every format packs a row from that row alone, so while a
+    pool is not packed yet a case that asks for few rows (an eighth of the pool or less) packs
+    just those: the same bytes, and a campaign of small cases never quantizes a whole pool for
+    each (regime, format, scale rule) it meets."""
+    key = (regime, cache_dtype, scale_rule, str(pick.device))
+    if key not in _PACKED:
+        if pick.numel() * 8 <= POOL_ROWS[pick.device.type]:
+            return _pack(_source_pool(regime, key[3])[pick], cache_dtype, scale_rule)
+        _PACKED[key] = _pack(_source_pool(regime, key[3]), cache_dtype, scale_rule)
+    return _PACKED[key][pick]
 
 
 def pooled_rows(
