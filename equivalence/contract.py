@@ -98,10 +98,11 @@ def _storage_words(storage: torch.UntypedStorage, device: torch.device) -> torch
     return _storage_as(storage, device, width)
 
 
-def _unchanged(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
-    """Whether each (now, copy) pair holds the same words: the comparisons of one device are
-    stacked and read back at once (a GPU waits once, not once per input)."""
-    same: list = [now.shape == copy.shape and now.eq(copy).all() for now, copy in pairs]  # resized: changed
+def _unchanged(saved: list["_Saved"]) -> list[bool]:
+    """Whether each saved storage still holds its copy's bytes (one resized in place does not):
+    the comparisons of one device are stacked and read back at once (a GPU waits once, not once
+    per input)."""
+    same: list = [s.storage.nbytes() == s.copy.nbytes and s.words.eq(s.copy).all() for s in saved]
     by_device: dict[torch.device, list[int]] = {}
     for i, flag in enumerate(same):
         if isinstance(flag, torch.Tensor):
@@ -120,7 +121,8 @@ def _value(t: torch.Tensor, at: tuple[int, ...]) -> str:
 @dataclass
 class _Saved:
     storage: torch.UntypedStorage
-    copy: torch.Tensor                                   # copy of every byte of it (`_storage_words`)
+    words: torch.Tensor                                  # every byte of it (`_storage_words`), as it is now
+    copy: torch.Tensor                                   # the same words as they were
     views: list[tuple[str, torch.Tensor]]               # the arguments that live in it
 
 
@@ -137,7 +139,8 @@ class Snapshot:
                 storage = t.untyped_storage()
                 key = (t.device.type, storage.data_ptr())
                 if key not in self._saved:
-                    self._saved[key] = _Saved(storage, _storage_words(storage, t.device).clone(), [])
+                    words = _storage_words(storage, t.device)
+                    self._saved[key] = _Saved(storage, words, words.clone(), [])
                 self._saved[key].views.append((path, t))
 
     def changed(self, allowed: Collection[str] = ()) -> list[tuple[str, str]]:
@@ -145,9 +148,7 @@ class Snapshot:
         named in `allowed` (and anything sharing their storage) may change."""
         checked = [saved for saved in self._saved.values()
                    if not any(path.split(".")[0].split("[")[0] in allowed for path, _ in saved.views)]
-        nows = [_storage_words(saved.storage, saved.copy.device) for saved in checked]
-        same = _unchanged([(now, saved.copy) for now, saved in zip(nows, checked)])
-        return [self._locate(saved) for saved, unchanged in zip(checked, same) if not unchanged]
+        return [self._locate(saved) for saved, unchanged in zip(checked, _unchanged(checked)) if not unchanged]
 
     @staticmethod
     def _locate(saved: _Saved) -> tuple[str, str]:
