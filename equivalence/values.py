@@ -90,16 +90,19 @@ def _pack(rows: torch.Tensor, cache_dtype: str, scale_rule: str) -> torch.Tensor
 
 
 _PACKED: dict[tuple[str, str, str, str], torch.Tensor] = {}  # (regime, format, scale rule, device) -> whole pool
+_PACKED_ON_THE_SPOT: dict[tuple[str, str, str, str], int] = {}  # rows packed so far without the whole pool
 
 
 def _packed_rows(pick: torch.Tensor, regime: str, cache_dtype: str, scale_rule: str) -> torch.Tensor:
-    """The packed pool's rows `pick`. Every format packs a row from that row alone, so while a
-    pool is not packed yet a case that asks for few rows (an eighth of the pool or less) packs
-    just those: the same bytes, and a campaign of small cases never quantizes a whole pool for
-    each (regime, format, scale rule) it meets."""
+    """The packed pool's rows `pick`. Every format packs a row from that row alone, so the rows a
+    case asks for may be packed on the spot: the same bytes. They are, until a pool's worth has
+    been packed that way; then the whole pool is, once (a campaign of small cases never quantizes
+    a pool per (regime, format, scale rule) it meets, and at most doubles the packing it needs)."""
     key = (regime, cache_dtype, scale_rule, str(pick.device))
     if key not in _PACKED:
-        if pick.numel() * 8 <= POOL_ROWS[pick.device.type]:
+        spot = _PACKED_ON_THE_SPOT.get(key, 0) + pick.numel()
+        if spot <= POOL_ROWS[pick.device.type]:
+            _PACKED_ON_THE_SPOT[key] = spot
             return _pack(_source_pool(regime, key[3])[pick], cache_dtype, scale_rule)
         _PACKED[key] = _pack(_source_pool(regime, key[3]), cache_dtype, scale_rule)
     return _PACKED[key][pick]
