@@ -81,6 +81,17 @@ def _source_pool(regime: str, device: str) -> torch.Tensor:
     return kv_values(gen, POOL_ROWS[torch.device(device).type], regime)
 
 
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """The same bytes with each row as 8-byte words (every row format here is a multiple of 8
+    bytes): an indexing op moves one element per 8 bytes, not per byte of a 656-byte row."""
+    return rows.view(torch.int64)
+
+
+def _gather(table: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
+    """table[pick] for a table of rows, gathered as words."""
+    return _words(table)[pick].view(table.dtype)
+
+
 def _pack(rows: torch.Tensor, cache_dtype: str, scale_rule: str) -> torch.Tensor:
     if cache_dtype == "fp8_ds_mla":
         return reference.quantize_fp8_ds_mla(rows, scale_rule)
@@ -103,9 +114,9 @@ def _packed_rows(pick: torch.Tensor, regime: str, cache_dtype: str, scale_rule: 
         spot = _PACKED_ON_THE_SPOT.get(key, 0) + pick.numel()
         if spot <= POOL_ROWS[pick.device.type]:
             _PACKED_ON_THE_SPOT[key] = spot
-            return _pack(_source_pool(regime, key[3])[pick], cache_dtype, scale_rule)
+            return _pack(_gather(_source_pool(regime, key[3]), pick), cache_dtype, scale_rule)
         _PACKED[key] = _pack(_source_pool(regime, key[3]), cache_dtype, scale_rule)
-    return _PACKED[key][pick]
+    return _gather(_PACKED[key], pick)
 
 
 def pooled_rows(
@@ -117,7 +128,7 @@ def pooled_rows(
     size = POOL_ROWS[gen.device.type]
     start = torch.randint(0, size, (1,), generator=gen, device=gen.device)
     pick = (start + torch.arange(n, device=gen.device)) % size
-    return _source_pool(regime, device)[pick], _packed_rows(pick, regime, cache_dtype, scale_rule)
+    return _gather(_source_pool(regime, device), pick), _packed_rows(pick, regime, cache_dtype, scale_rule)
 
 
 def fill_selected_slots(
@@ -136,6 +147,6 @@ def fill_selected_slots(
     rank = selected.cumsum(0) - 1
     size = POOL_ROWS[gen.device.type]
     start = torch.randint(0, size, (1,), generator=gen, device=gen.device)
-    storage[target // block_size, target % block_size] = _packed_rows(
-        (start + rank[target]) % size, regime, cache_dtype, scale_rule)
+    rows = _packed_rows((start + rank[target]) % size, regime, cache_dtype, scale_rule)
+    _words(storage)[target // block_size, target % block_size] = _words(rows)
     storage[-1].fill_(0xFF)
