@@ -73,6 +73,11 @@ def q_values(gen: torch.Generator, shape: tuple[int, ...], regime: str) -> torch
 # per case with the case's generator. A pool is seeded by its regime alone: still a deterministic
 # function of the case.
 POOL_ROWS = {"cuda": 1 << 18, "cpu": 1 << 15}
+# Rows a pool packs on the spot for the cases that ask before it is packed whole (the same bytes:
+# every format packs a row from that row alone). A CPU packs at a cost per row: up to a pool's
+# worth, at most twice the packing a campaign needs, and a campaign of small cases never packs a
+# pool per (regime, format, scale rule) it meets. A GPU pays per launch: it packs the pool at once.
+ON_THE_SPOT_ROWS = {"cuda": 0, "cpu": POOL_ROWS["cpu"]}
 
 
 @functools.lru_cache(maxsize=16)
@@ -105,14 +110,12 @@ _PACKED_ON_THE_SPOT: dict[tuple[str, str, str, str], int] = {}  # rows packed so
 
 
 def _packed_rows(pick: torch.Tensor, regime: str, cache_dtype: str, scale_rule: str) -> torch.Tensor:
-    """The packed pool's rows `pick`. Every format packs a row from that row alone, so the rows a
-    case asks for may be packed on the spot: the same bytes. They are, until a pool's worth has
-    been packed that way; then the whole pool is, once (a campaign of small cases never quantizes
-    a pool per (regime, format, scale rule) it meets, and at most doubles the packing it needs)."""
+    """The packed pool's rows `pick`: packed on the spot while the pool lends (ON_THE_SPOT_ROWS),
+    else gathered from the whole pool, packed once."""
     key = (regime, cache_dtype, scale_rule, str(pick.device))
     if key not in _PACKED:
         spot = _PACKED_ON_THE_SPOT.get(key, 0) + pick.numel()
-        if spot <= POOL_ROWS[pick.device.type]:
+        if spot <= ON_THE_SPOT_ROWS[pick.device.type]:
             _PACKED_ON_THE_SPOT[key] = spot
             return _pack(_gather(_source_pool(regime, key[3]), pick), cache_dtype, scale_rule)
         _PACKED[key] = _pack(_source_pool(regime, key[3]), cache_dtype, scale_rule)
