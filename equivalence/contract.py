@@ -2,7 +2,9 @@
 the contract says (arity, type, dtype, shape, device), and never hands back an input as output.
 
 Inputs are snapshotted before the call (a byte copy of every storage they live in, on their own
-device) and compared after it. An op that writes in place names the arguments it may write
+device) and compared after it, every byte: copied and compared as the widest integers that tile
+the storage (an 8-byte word is one element: an eighth of the elements, and of the comparison's
+mask, of a byte-wise compare), with one read back per device for all of a call's inputs. An op that writes in place names the arguments it may write
 (`OpSpec.writes`); its own checks compare every byte of them. A stage inside a pipeline or a
 property gets the same checks through `guarded`. Every violation is a `ContractError` or a
 one-line reason naming the tensor, never a traceback.
@@ -77,14 +79,38 @@ def tensors_in(obj: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from tensors_in(getattr(obj, f.name), f"{name}.{f.name}")
 
 
+WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # bytes -> integer of that width
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The same elements as integers of the same width: compared bit for bit, NaN equal to NaN."""
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    width = WORDS[t.element_size()]
     return t if t.dtype == width or t.dtype == torch.bool else t.view(width)
 
 
-def _storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
+def _storage_as(storage: torch.UntypedStorage, device: torch.device, width: int) -> torch.Tensor:
+    return torch.empty(0, dtype=WORDS[width], device=device).set_(storage, 0, (storage.nbytes() // width,), (1,))
+
+
+def _storage_words(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """Every byte of `storage` as the widest aligned integers that tile it."""
+    width = next(w for w in WORDS if storage.nbytes() % w == 0 and storage.data_ptr() % w == 0)
+    return _storage_as(storage, device, width)
+
+
+def _unchanged(saved: list["_Saved"]) -> list[bool]:
+    """Whether each saved storage still holds its copy's bytes (one resized in place does not):
+    the comparisons of one device are stacked and read back at once (a GPU waits once, not once
+    per input)."""
+    same: list = [s.storage.nbytes() == s.copy.nbytes and s.words.eq(s.copy).all() for s in saved]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, flag in enumerate(same):
+        if isinstance(flag, torch.Tensor):
+            by_device.setdefault(flag.device, []).append(i)
+    for at in by_device.values():
+        for i, flag in zip(at, torch.stack([same[i] for i in at]).tolist()):
+            same[i] = flag
+    return same
 
 
 def _value(t: torch.Tensor, at: tuple[int, ...]) -> str:
@@ -95,7 +121,8 @@ def _value(t: torch.Tensor, at: tuple[int, ...]) -> str:
 @dataclass
 class _Saved:
     storage: torch.UntypedStorage
-    copy: torch.Tensor                                   # uint8 copy of every byte of it
+    words: torch.Tensor                                  # every byte of it (`_storage_words`), as it is now
+    copy: torch.Tensor                                   # the same words as they were
     views: list[tuple[str, torch.Tensor]]               # the arguments that live in it
 
 
@@ -112,24 +139,19 @@ class Snapshot:
                 storage = t.untyped_storage()
                 key = (t.device.type, storage.data_ptr())
                 if key not in self._saved:
-                    self._saved[key] = _Saved(storage, _storage_bytes(storage, t.device).clone(), [])
+                    words = _storage_words(storage, t.device)
+                    self._saved[key] = _Saved(storage, words, words.clone(), [])
                 self._saved[key].views.append((path, t))
 
     def changed(self, allowed: Collection[str] = ()) -> list[tuple[str, str]]:
         """(argument, one-line reason) for every argument written since the snapshot; arguments
         named in `allowed` (and anything sharing their storage) may change."""
-        found = []
-        for saved in self._saved.values():
-            if any(path.split(".")[0].split("[")[0] in allowed for path, _ in saved.views):
-                continue
-            now = _storage_bytes(saved.storage, saved.copy.device)
-            if torch.equal(now, saved.copy):
-                continue
-            found.append(self._locate(saved, now))
-        return found
+        checked = [saved for saved in self._saved.values()
+                   if not any(path.split(".")[0].split("[")[0] in allowed for path, _ in saved.views)]
+        return [self._locate(saved) for saved, unchanged in zip(checked, _unchanged(checked)) if not unchanged]
 
     @staticmethod
-    def _locate(saved: _Saved, now: torch.Tensor) -> tuple[str, str]:
+    def _locate(saved: _Saved) -> tuple[str, str]:
         for path, t in saved.views:
             before = torch.empty(0, dtype=t.dtype, device=t.device).set_(
                 saved.copy.untyped_storage(), t.storage_offset(), t.size(), t.stride())
@@ -140,7 +162,10 @@ class Snapshot:
                 return path, (f"{path}: input written by the implementation at [{where}] "
                               f"({_value(before, at)} -> {_value(t, at)}; {len(diff)} elements changed); "
                               "inputs are read-only")
-        byte = int((now != saved.copy).nonzero()[0])
+        now, before = _storage_as(saved.storage, saved.copy.device, 1), _storage_as(saved.copy.untyped_storage(), saved.copy.device, 1)
+        common = min(len(now), len(before))  # a storage resized in place differs past the shorter one
+        diff = (now[:common] != before[:common]).nonzero()
+        byte = int(diff[0]) if len(diff) else common
         path = saved.views[0][0]
         return path, (f"{path}: bytes outside the tensor's view written (storage byte {byte}, e.g. the padding "
                       "between cache blocks); inputs are read-only")

@@ -59,7 +59,7 @@ def apply_patterns(
 def distinct_rows(gen: torch.Generator, candidates: torch.Tensor, topk: int) -> torch.Tensor:
     """Row i: up to `topk` distinct entries of candidates[i] (int64, -1 = padding) in random
     order, then -1 padding: random keys, padding keyed last, the first `topk` of each row."""
-    keys = torch.where(candidates >= 0, _rand(gen, candidates.shape), 2.0)
+    keys = _rand(gen, candidates.shape).masked_fill_(candidates < 0, 2.0)
     chosen = candidates.gather(1, torch.argsort(keys, dim=1)[:, :topk])
     if chosen.shape[1] < topk:
         chosen = torch.cat([chosen, chosen.new_full((chosen.shape[0], topk - chosen.shape[1]), -1)], dim=1)

@@ -73,6 +73,11 @@ def q_values(gen: torch.Generator, shape: tuple[int, ...], regime: str) -> torch
 # per case with the case's generator. A pool is seeded by its regime alone: still a deterministic
 # function of the case.
 POOL_ROWS = {"cuda": 1 << 18, "cpu": 1 << 15}
+# Rows a pool packs on the spot for the cases that ask before it is packed whole (the same bytes:
+# every format packs a row from that row alone). A CPU packs at a cost per row: up to a pool's
+# worth, at most twice the packing a campaign needs, and a campaign of small cases never packs a
+# pool per (regime, format, scale rule) it meets. A GPU pays per launch: it packs the pool at once.
+ON_THE_SPOT_ROWS = {"cuda": 0, "cpu": POOL_ROWS["cpu"]}
 
 
 @functools.lru_cache(maxsize=16)
@@ -81,14 +86,40 @@ def _source_pool(regime: str, device: str) -> torch.Tensor:
     return kv_values(gen, POOL_ROWS[torch.device(device).type], regime)
 
 
-@functools.lru_cache(maxsize=32)
-def _packed_pool(regime: str, cache_dtype: str, scale_rule: str, device: str) -> torch.Tensor:
-    source = _source_pool(regime, device)
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """The same bytes with each row as 8-byte words (every row format here is a multiple of 8
+    bytes): an indexing op moves one element per 8 bytes, not per byte of a 656-byte row."""
+    return rows.view(torch.int64)
+
+
+def _gather(table: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
+    """table[pick] for a table of rows, gathered as words."""
+    return _words(table)[pick].view(table.dtype)
+
+
+def _pack(rows: torch.Tensor, cache_dtype: str, scale_rule: str) -> torch.Tensor:
     if cache_dtype == "fp8_ds_mla":
-        return reference.quantize_fp8_ds_mla(source, scale_rule)
+        return reference.quantize_fp8_ds_mla(rows, scale_rule)
     if cache_dtype == "nvfp4_ds_mla":
-        return reference.quantize_nvfp4_ds_mla(source)
-    return source
+        return reference.quantize_nvfp4_ds_mla(rows)
+    return rows
+
+
+_PACKED: dict[tuple[str, str, str, str], torch.Tensor] = {}  # (regime, format, scale rule, device) -> whole pool
+_PACKED_ON_THE_SPOT: dict[tuple[str, str, str, str], int] = {}  # rows packed so far without the whole pool
+
+
+def _packed_rows(pick: torch.Tensor, regime: str, cache_dtype: str, scale_rule: str) -> torch.Tensor:
+    """The packed pool's rows `pick`: packed on the spot while the pool lends (ON_THE_SPOT_ROWS),
+    else gathered from the whole pool, packed once."""
+    key = (regime, cache_dtype, scale_rule, str(pick.device))
+    if key not in _PACKED:
+        spot = _PACKED_ON_THE_SPOT.get(key, 0) + pick.numel()
+        if spot <= ON_THE_SPOT_ROWS[pick.device.type]:
+            _PACKED_ON_THE_SPOT[key] = spot
+            return _pack(_gather(_source_pool(regime, key[3]), pick), cache_dtype, scale_rule)
+        _PACKED[key] = _pack(_source_pool(regime, key[3]), cache_dtype, scale_rule)
+    return _gather(_PACKED[key], pick)
 
 
 def pooled_rows(
@@ -100,7 +131,7 @@ def pooled_rows(
     size = POOL_ROWS[gen.device.type]
     start = torch.randint(0, size, (1,), generator=gen, device=gen.device)
     pick = (start + torch.arange(n, device=gen.device)) % size
-    return _source_pool(regime, device)[pick], _packed_pool(regime, cache_dtype, scale_rule, device)[pick]
+    return _gather(_source_pool(regime, device), pick), _packed_rows(pick, regime, cache_dtype, scale_rule)
 
 
 def fill_selected_slots(
@@ -108,17 +139,17 @@ def fill_selected_slots(
     cache_dtype: str, scale_rule: str = "pow2",
 ) -> None:
     """Write pool rows into the cache `storage[:-1, :block_size]` at every distinct slot of `slots`
-    (int64, -1 = none), the rows `pooled_rows` would give the sorted distinct slots, in a fixed
-    number of device ops and no read back: a slot's row is found by its rank among the selected
+    (int64, -1 = none, the only negative), the rows `pooled_rows` would give the sorted distinct
+    slots, in a fixed number of device ops and no read back: a slot's row is found by its rank among the selected
     slots (a cumsum over the cache), and the -1 entries write into the last block of `storage`, a
     scratch block outside the cache, poisoned again afterwards."""
     capacity = (storage.shape[0] - 1) * block_size
-    target = torch.where(slots >= 0, slots, capacity).reshape(-1)
+    target = slots.remainder(capacity + 1).reshape(-1)  # -1 -> capacity, the scratch slot; the rest unchanged
     selected = torch.zeros(capacity + 1, dtype=torch.bool, device=storage.device)
     selected[target] = True
     rank = selected.cumsum(0) - 1
     size = POOL_ROWS[gen.device.type]
     start = torch.randint(0, size, (1,), generator=gen, device=gen.device)
-    packed = _packed_pool(regime, cache_dtype, scale_rule, str(gen.device))
-    storage[target // block_size, target % block_size] = packed[(start + rank[target]) % size]
+    rows = _packed_rows((start + rank[target]) % size, regime, cache_dtype, scale_rule)
+    _words(storage)[target // block_size, target % block_size] = _words(rows)
     storage[-1].fill_(0xFF)

@@ -8,8 +8,9 @@ per rank down to 16; decode batch 1-128 with s_q 1 and 2; prefill 1k-16k tokens)
   reference  float64 prefill H=128 topk 2048 at T = 4k, 16k, 64k streamed under the reference
              memory budget (`--reference-memory`), and at 16k collected whole: time, peak memory
   harness    per compared case (decode B=64 s_q=2 H=128): total time minus the reference's and
-             the kernel's, over their sum; then stage by stage (inputs, reference, kernel,
-             judge): time, aten ops, reads back to the host, CUDA launches (profiler)
+             the kernel's, over their sum; then stage by stage (inputs, reference, snapshot of the
+             inputs taken and compared back, kernel, judge): time, aten ops, reads back to the
+             host, CUDA launches (profiler)
   fuzz       cases per second, decode-sized cases of the `gpu` profile, float64 reference on the
              device; per case: drawing it, the reference, the kernel, inputs and judging
 On a CPU: the reference at a 128k-token context and a 1024-token prefill streamed under 256 MiB
@@ -221,8 +222,11 @@ def _launches(fn) -> int:
 
 
 def stage_profile(case, subject, device: str) -> dict[str, dict]:
-    """Where one evaluated case's time goes, stage by stage (inputs, reference, kernel, judge):
-    median ms of 3 runs, aten ops dispatched, reads back to the host, and on a GPU launches."""
+    """Where one evaluated case's time goes, stage by stage (inputs, reference, snapshot, kernel,
+    judge): median ms of 3 runs, aten ops dispatched, reads back to the host, and on a GPU
+    launches. The snapshot stage copies the inputs and compares them back, as `evaluate` does
+    around the kernel."""
+    from mla_verify.equivalence.contract import Snapshot
     from mla_verify.equivalence.evaluate import timed
     from mla_verify.equivalence.ops import get_op
     from mla_verify.equivalence.oracle import judge
@@ -237,6 +241,9 @@ def stage_profile(case, subject, device: str) -> dict[str, dict]:
     def ref():
         state["ref"] = spec.reference(state["kw"], case.params)
 
+    def snapshot():
+        Snapshot(state["kw"]).changed(spec.writes)
+
     def kernel():
         with poisoned():
             state["got"] = spec.call(subject, state["kw"], case.params)
@@ -247,7 +254,7 @@ def stage_profile(case, subject, device: str) -> dict[str, dict]:
             judge(check.kind, state["got"].tensors[check.tensor], state["ref"][check.tensor], case.params,
                   state["got"].deviations, scale)
 
-    stages = {"inputs": inputs, "reference": ref, "kernel": kernel, "judge": judged}
+    stages = {"inputs": inputs, "reference": ref, "snapshot": snapshot, "kernel": kernel, "judge": judged}
     times: dict[str, list[float]] = {name: [] for name in stages}
     for _ in range(3):
         for name, fn in stages.items():
@@ -297,7 +304,8 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
         stages = {}
     out.append({"kind": "harness", "shape": shape, "impl": subject.label,
                 "ms": statistics.median(totals) * 1e3, "overhead_pct": 100 * statistics.median(overheads),
-                "inputs_ms": stages.get("inputs", {}).get("ms"), "judge_ms": stages.get("judge", {}).get("ms"),
+                "inputs_ms": stages.get("inputs", {}).get("ms"), "snapshot_ms": stages.get("snapshot", {}).get("ms"),
+                "judge_ms": stages.get("judge", {}).get("ms"),
                 "ref_ms": rows[0].time_ref_s * 1e3, "impl_ms": rows[0].time_impl_s * 1e3})
     for name, st in stages.items():
         launches = "" if st["launches"] is None else f", {st['launches']} launches"
@@ -383,7 +391,7 @@ def bench_reference_cpu(budget: int) -> list[dict]:
 
 
 NOTES = (("vs_standalone", "{:.3f}x standalone"), ("vs_flash_mla", "{:.0%} of flash_mla"), ("peak_gib", "peak {:.2f} GiB"),
-         ("budget_gib", "(budget {:g} GiB)"), ("overhead_pct", "overhead {:.1f}%"), ("inputs_ms", "inputs {:.2f} ms"),
+         ("budget_gib", "(budget {:g} GiB)"), ("overhead_pct", "overhead {:.1f}%"), ("inputs_ms", "inputs {:.2f} ms"), ("snapshot_ms", "snapshot {:.2f} ms"),
          ("ref_ms", "reference {:.2f} ms"), ("impl_ms", "kernel {:.2f} ms"), ("judge_ms", "judge {:.2f} ms"),
          ("cases_per_s", "{:.1f} cases/s"), ("ops_note", "{}"))
 

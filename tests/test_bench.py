@@ -27,7 +27,7 @@ def test_inputs_read_nothing_back_from_the_device(case):
 
 def test_stage_profile_covers_every_stage_of_a_case():
     stages = stage_profile(DECODE, resolve_subject(DECODE.op, ["torch-fp32"], "cpu"), "cpu")
-    assert list(stages) == ["inputs", "reference", "kernel", "judge"]
+    assert list(stages) == ["inputs", "reference", "snapshot", "kernel", "judge"]
     for name, stage in stages.items():
         assert stage["ms"] > 0 and stage["ops"] > 0 and stage["launches"] is None, name
     assert stages["reference"]["reads_back"] == 1  # the decode index check, before any gather

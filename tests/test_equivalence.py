@@ -124,3 +124,22 @@ def test_a_crashing_or_hanging_implementation_fails_its_case_and_the_worker_is_r
         assert after and all(r.passed for r in after) and worker.restarts == 1
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("nbytes", [13, 14, 20, 24], ids=lambda n: f"{n}B")
+def test_snapshot_catches_every_single_byte_change(nbytes):
+    """Inputs are compared as the widest words that tile their storage: one changed byte anywhere
+    (inside the view or in the padding around it), by any amount, is still a changed input."""
+    from mla_verify.equivalence.contract import Snapshot
+
+    storage = torch.arange(nbytes, dtype=torch.uint8)
+    view = storage[1:-1]  # bytes outside the view count too
+    for at in range(nbytes):
+        for delta in (1, 128):
+            saved = Snapshot({"x": view, "scale": 0.5})
+            storage[at] += delta
+            found = saved.changed()
+            storage[at] -= delta
+            assert [name for name, _ in found] == ["x"], (at, delta)
+            assert ("outside the tensor's view" in found[0][1]) == (at in (0, nbytes - 1))
+    assert Snapshot({"x": view}).changed() == [] and Snapshot({"x": view}).changed(("x",)) == []

@@ -14,7 +14,7 @@ import torch
 
 from mla_verify import reference
 from mla_verify.equivalence.contract import returned
-from mla_verify.equivalence.patterns import apply_patterns, distinct_rows, prefix_candidates
+from mla_verify.equivalence.patterns import apply_patterns, distinct_rows
 from mla_verify.equivalence.policy import LSE, OUT
 from mla_verify.equivalence.values import fill_selected_slots, kv_values, q_values
 
@@ -34,7 +34,7 @@ def _prefill_inputs(p, seed, device):
     tokens, heads, rows, topk = p["tokens"], p["heads"], p["kv_rows"], p["topk"]
     q = q_values(g, (tokens, heads, 576), p["value_regime"])
     kv = kv_values(g, rows, p["value_regime"])
-    idx = distinct_rows(g, prefix_candidates(torch.full((tokens,), rows, device=device), rows), topk)
+    idx = distinct_rows(g, torch.arange(rows, device=device).expand(tokens, rows), topk)  # every row a candidate
     idx = apply_patterns(g, idx, p.get("invalid", []), out_of_range=(rows, 2**31 - 1))
     length = None
     mode = p.get("topk_length", "none")
@@ -86,15 +86,17 @@ def _decode_inputs(p, seed, device):
     # Shapes come from the params on the host: drawing the case reads nothing back from the device.
     g = generator(seed, device)
     batch, s_q, heads, topk, page = p["batch"], p["s_q"], p["heads"], p["topk"], p["page_size"]
-    seq_lens = torch.tensor(p["seq_lens"], device=device)
     blocks = [-(-n // page) for n in p["seq_lens"]]
     num_blocks = sum(blocks) + 1
-    # Each sequence's positions live in its own run of shuffled blocks: position -> physical slot.
+    # Each sequence's positions live in its own run of shuffled blocks: position p of the
+    # sequence whose run starts at block f is physical slot slot[f * page + p].
     order = torch.randperm(num_blocks, generator=g, device=device)
-    first = torch.tensor([0, *itertools.accumulate(blocks)][:-1], device=device)
-    pos = prefix_candidates(seq_lens, max(p["seq_lens"]))
-    block = order[(first[:, None] + pos.clamp(min=0) // page).clamp(max=num_blocks - 1)]
-    slots_of = torch.where(pos >= 0, block * page + pos % page, -1)
+    slot = (order[:, None] * page + torch.arange(page, device=device)).reshape(-1)
+    start, length = torch.tensor([[f * page for f in itertools.accumulate([0, *blocks[:-1]])], p["seq_lens"]],
+                                 device=device)  # one copy to the device
+    pos = torch.arange(max(p["seq_lens"]), device=device)
+    at = (start[:, None] + pos).clamp_(max=slot.numel() - 1)  # past a sequence's end: any slot, masked next
+    slots_of = torch.where(pos < length[:, None], slot[at], -1)
     idx = distinct_rows(g, slots_of.repeat_interleave(s_q, dim=0), topk)
     idx = apply_patterns(g, idx, p.get("invalid", []))
     storage = torch.full((num_blocks + 1, page + p.get("stride_pad", 0), 656), 0xFF, dtype=torch.uint8, device=device)
