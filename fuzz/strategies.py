@@ -167,7 +167,8 @@ def layout(p: Profile, op: str) -> st.SearchStrategy[Case]:
     return _case(op, params)
 
 
-FORWARD_PATHS = ("bf16", "fp8_mixed", "fp8_separate", "fp8_mixed_dcp")
+FORWARD_PATHS = ("bf16", "fp8_mixed", "fp8_separate", "fp8_mixed_dcp", "bf16_hisparse", "fp8_separate_hisparse")
+HISPARSE_PATHS = ("bf16_hisparse", "fp8_separate_hisparse")
 WORLD_SIZES = (2, 4, 8)
 COMBINES = ("ag_rs", "a2a")
 
@@ -218,8 +219,8 @@ def forward_params(p: Profile, path: str | None = None, *, decodes_only: bool = 
     """forward_mqa batches; `path` restricts them to one of FORWARD_PATHS. `decodes_only`: a
     uniform batch of spec decodes (2-4 tokens each), nothing else; `min_prefills`: at least that
     many prefills, every token through forward_mqa."""
-    if path is not None and path not in FORWARD_PATHS:
-        raise KeyError(f"unknown forward_mqa path {path!r}; known: {', '.join(FORWARD_PATHS)}")
+    if path is not None and (path not in FORWARD_PATHS or path in HISPARSE_PATHS):
+        raise KeyError(f"unknown plain forward_mqa path {path!r}; known: {', '.join(FORWARD_PATHS)} (HiSparse: hisparse_params)")
     small = [h for h in p.mqa_heads if h < 32] or [16]
     large = [h for h in p.mqa_heads if h >= 32] or [32]
 
@@ -242,8 +243,47 @@ def forward_params(p: Profile, path: str | None = None, *, decodes_only: bool = 
     return params()
 
 
+def hisparse_params(p: Profile, path: str, heads: tuple[int, ...] | None = None) -> st.SearchStrategy[dict]:
+    """HiSparse forward_mqa batches (equivalence.hisparse_batch): decodes of 1 + spec tokens, prefills
+    longer than that (the builder's threshold), contexts that leave pages before the resident
+    tail, a hot cache from exactly the rows needed to (q_len + 1) * K slots, prior hot rows, slot
+    permutations, 1-4 layers, a persistent buffer smaller than the batch (the fallback), a swap
+    budget below the decodes (the resident route), and FP8 prefills over 1-4 workspace chunks."""
+    cache_dtype = "bfloat16" if path == "bf16_hisparse" else "fp8_ds_mla"
+
+    @st.composite
+    def params(draw):
+        s = draw(st.integers(1, 3))
+        n_dec = draw(st.integers(0, p.max_requests))
+        prefills = draw(st.lists(st.integers(s + 1, s + p.max_query), min_size=0 if n_dec else 1, max_size=p.max_requests))
+        qlens = [s] * n_dec + prefills
+        ctx = [draw(st.integers(0, p.max_context)) for _ in qlens]
+        seq_max = max(c + n for c, n in zip(ctx, qlens))
+        topk = draw(st.sampled_from(p.prefill_topk))
+        frac = draw(st.sampled_from((0.0, 0.3, 0.7, 1.0)))
+        chunked = cache_dtype == "fp8_ds_mla" and draw(st.sampled_from((True, True, False)))
+        return {
+            "cache_dtype": cache_dtype, "heads": draw(st.sampled_from(heads or p.mqa_heads)), "query_lens": qlens,
+            "context_lens": ctx, "block_size": draw(st.sampled_from(p.block_sizes)),
+            "spare_blocks": draw(st.integers(0, 2)), "shuffle": draw(st.booleans()), "table_pad": draw(st.integers(0, 2)),
+            "topk": topk, "sm_scale": draw(sm_scales), "value_regime": draw(regimes), "scale_rule": draw(scale_rules),
+            "invalid": draw(_patterns(PATTERNS)), "max_decode_query_len": s, "max_model_len": seq_max,
+            "workspace_size": draw(st.integers(seq_max, seq_max + seq_max // 2)) if chunked else None,
+            "hisparse": True, "layers": draw(st.integers(1, 4)), "resident_frac": frac,
+            "hot_slack": draw(st.sampled_from((-1, 0, 1, 37, topk))), "prior_hits": draw(st.sampled_from((0.0, 0.3, 0.9))),
+            "slot_perm": draw(st.booleans()), "stride_blocks": draw(st.sampled_from((1, 2))),
+            "spare_state_rows": draw(st.integers(0, 2)),
+            "swap_rows": draw(st.sampled_from(("fit", "below"))) if frac == 1.0 and n_dec else "fit",
+            "buffer_rows": draw(st.integers(1, sum(qlens) + 2)),
+        }
+
+    return params()
+
+
 def forward_mqa(p: Profile, path: str | None = None) -> st.SearchStrategy[Case]:
     """forward_mqa batches; `path` restricts them to one of FORWARD_PATHS."""
+    if path in HISPARSE_PATHS:
+        return _case("forward_mqa", hisparse_params(p, path))
     return _case("forward_mqa", forward_params(p, path))
 
 

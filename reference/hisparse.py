@@ -85,8 +85,8 @@ def swap_in(
     columns j; for request r (state s), valid logical i (i >= 0, i // B < M):
         resident:  phys = residency[s, i//B] * S + i%B
         hot hit:   slot k with dgi[s, k] = h = host_block_table[r, i//B] * B + i%B
-        miss:      k = the least recently used slot of s not used this step; dgi[s, k] = h and the
-                   swap (h -> hot row of k) is listed
+        miss:      k = the least recently used slot of s neither used this step nor holding a row
+                   the step needs; dgi[s, k] = h and the swap (h -> hot row of k) is listed
         phys = hot_block_table[r, k//B] * S + k%B; hits and misses become most recently used.
     A step never evicts a row it needs (a request's union fits its D slots). With counts the valid
     entries are compacted stably to the front."""
@@ -94,6 +94,13 @@ def swap_in(
     dgi = device_global_indices.clone()
     lru = {s: [int(k) for k in lru_slots[s]] for s in range(lru_slots.shape[0])}
     used: dict[int, set[int]] = {}
+    needed: dict[int, set[int]] = {}
+    for t in range(topk.shape[0]):
+        r = int(req_id[t])
+        s = int(request_state_indices[r])
+        for i in topk[t].tolist():
+            if s >= 0 and 0 <= i and i // bs < width and not int(residency[s, i // bs]):
+                needed.setdefault(s, set()).add(int(host_block_table[r, i // bs]) * bs + i % bs)
     phys = torch.full(tuple(topk.shape), -1, dtype=torch.int64)
     host_rows, hot_rows = [], []
     for t in range(topk.shape[0]):
@@ -114,7 +121,7 @@ def swap_in(
             if len(held):
                 k = int(held[0])
             else:
-                k = next(k for k in lru[s] if k not in used.get(s, set()))
+                k = next(k for k in lru[s] if k not in used.get(s, set()) and int(dgi[s, k]) not in needed[s])
                 dgi[s, k] = h
                 host_rows.append(h)
                 hot_rows.append(int(hot_block_table[r, k // bs]) * stride_rows + k % bs)
@@ -195,6 +202,7 @@ def forward_mqa_hisparse(
     """Every layer of one index group on one shared top-k (module docstring): one swap-in,
     applied to each layer's own slab. Returns one MQAResult per layer."""
     bs, stride = host_caches[0].shape[1], attention_block_stride
+    host_caches = [h.to(g.device) for h, g in zip(host_caches, gpu_rows)]  # pinned host memory on CUDA
     num_tokens = q_layers[0].shape[0]
     topk = topk_indices[:num_tokens]
     req_id = req_id_per_token(query_start_loc, num_tokens)
