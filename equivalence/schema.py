@@ -221,6 +221,7 @@ PROPERTY_KNOBS: dict[str, dict[str, Param]] = {
     "spec_decode": {},
     "dcp_size_one": {},
     "determinism": {},
+    "hisparse_equals_plain": {},
 }
 
 

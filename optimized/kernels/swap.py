@@ -29,7 +29,7 @@ def _copy_rows_kernel(src, src_rows, dst, dst_rows, ROW_BYTES: tl.constexpr, TIL
 @register("hisparse_swap_in", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def hisparse_swap_in(host_rows: torch.Tensor, gpu_rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """A copy of the slab [G, W] with host_rows[src[i]] written to row dst[i] (one program per row)."""
-    check_tensor("gpu_rows", gpu_rows, ndim=2)
+    check_tensor("gpu_rows", gpu_rows, dtype=(torch.bfloat16, torch.uint8), ndim=2)
     check_tensor("host_rows", host_rows, dtype=gpu_rows.dtype, ndim=2)
     if host_rows.shape[1] != gpu_rows.shape[1] or src.shape != dst.shape:
         raise InputError(f"rows of {host_rows.shape[1]} and {gpu_rows.shape[1]} elements, or {src.shape} sources for {dst.shape} rows")
