@@ -274,7 +274,8 @@ def hisparse_params(p: Profile, path: str, heads: tuple[int, ...] | None = None)
             "slot_perm": draw(st.booleans()), "stride_blocks": draw(st.sampled_from((1, 2))),
             "spare_state_rows": draw(st.integers(0, 2)),
             "swap_rows": draw(st.sampled_from(("fit", "below"))) if frac == 1.0 and n_dec else "fit",
-            "buffer_rows": draw(st.integers(1, sum(qlens) + 2)),
+            # Usually as large as a decode batch (max_rows + 1), sometimes below the batch (the fallback).
+            "buffer_rows": draw(st.one_of(st.just(sum(qlens) + 1), st.integers(1, sum(qlens) + 2))),
         }
 
     return params()
