@@ -158,7 +158,8 @@ def make_hisparse_batch(params: dict[str, Any], seed: int, device: str = "cpu") 
         slab[hot_rows.flatten()] = pooled_rows(gen, hot_rows.numel(), "normal", cache_dtype, rule)[1]
         hit = held >= 0
         slab[hot_rows[hit]] = host.view(-1, width)[held[hit]]
-        host_caches.append(host)
+        # On CUDA the host tier is pinned CPU memory, as HiSparse's source cache is.
+        host_caches.append(host.cpu().pin_memory() if host.is_cuda else host)
         gpu_rows.append(slab)
 
     num_tokens = plain.query_start_loc[-1]
