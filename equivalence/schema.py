@@ -18,7 +18,7 @@ from .patterns import PATTERNS
 from .values import REGIMES
 
 MAX_ELEMENTS = 2**31  # tensor elements a case's inputs (and their index candidates) may hold in all
-DECODE_PATTERNS = ("scattered", "whole_row", "duplicates")
+DECODE_PATTERNS = ("scattered", "whole_row", "duplicates", "boundaries")
 
 
 @dataclass(frozen=True)

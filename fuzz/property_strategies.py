@@ -46,9 +46,10 @@ def _padding(draw, params: st.SearchStrategy[dict], target: str) -> dict:
 
 def _block_table(p: Profile) -> st.SearchStrategy[dict]:
     batches = st.sampled_from(("bf16", "fp8_mixed", "fp8_separate")).flatmap(lambda path: forward_params(p, path))
-    # Top-k entries past the table would reach the added columns: no out_of_range pattern.
+    # Top-k entries past the table would reach the added columns: no out_of_range or boundaries pattern.
     return st.tuples(batches, st.integers(1, 3), st.sampled_from(("null", "blocks"))).map(lambda t: {
-        **t[0], "invalid": [i for i in t[0]["invalid"] if i != "out_of_range"], "pad_columns": t[1], "pad_fill": t[2]})
+        **t[0], "invalid": [i for i in t[0]["invalid"] if i not in ("out_of_range", "boundaries")], "pad_columns": t[1],
+        "pad_fill": t[2]})
 
 
 def _prefill_seq_lens(params: dict) -> list[int]:
@@ -65,11 +66,12 @@ def _prefill_seq_lens(params: dict) -> list[int]:
 def _chunked(draw, p: Profile) -> dict:
     """fp8_separate batches with two or more prefills and a workspace that splits them into chunks.
 
-    No beyond_seq pattern: a prefill's entry past its own sequence reads whichever workspace row
-    sits there (the next request's, or none past the chunk), garbage that moves with the layout."""
+    No beyond_seq or boundaries pattern: a prefill's entry past its own sequence (the table's
+    last slot is one) reads whichever workspace row sits there (the next request's, or none past
+    the chunk), garbage that moves with the layout."""
     d = draw(forward_params(p, "fp8_separate", min_prefills=2).filter(lambda d: len(_prefill_seq_lens(d)) >= 2))
     lens = _prefill_seq_lens(d)
-    return {**d, "invalid": [i for i in d["invalid"] if i != "beyond_seq"],
+    return {**d, "invalid": [i for i in d["invalid"] if i not in ("beyond_seq", "boundaries")],
             "workspace_size": draw(st.integers(max(lens), sum(lens) - 1))}
 
 

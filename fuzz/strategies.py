@@ -19,6 +19,7 @@ from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.patterns import PATTERNS
 from mla_verify.equivalence.properties import is_property
 from mla_verify.equivalence.values import REGIMES
+from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
 from .profiles import Profile
 
@@ -27,7 +28,7 @@ DRAWN_LENGTHS = 8
 regimes = st.sampled_from(REGIMES)
 scale_rules = st.sampled_from(("pow2", "raw"))
 sm_scales = st.sampled_from((0.0417, 0.1, 0.1352, 0.3))  # 576**-0.5, ..., DeepSeek's 192**-0.5 * mscale**2
-DECODE_PATTERNS = ("scattered", "whole_row", "duplicates")  # only -1 is invalid for the decode kernel
+DECODE_PATTERNS = ("scattered", "whole_row", "duplicates", "boundaries")  # only -1 is invalid for the decode kernel
 
 
 def _patterns(options) -> st.SearchStrategy[list[str]]:
@@ -195,8 +196,19 @@ def _batch_params(draw, p: Profile, cache_dtype: str, heads: int, dcp: int, shor
     ctx = [draw(contexts) for _ in qlens]
     topk = draw(st.sampled_from(p.decode_topk if mixed else p.prefill_topk))
     seq_max = max(c + n for c, n in zip(ctx, qlens))
-    # A workspace little larger than the longest sequence splits the prefills into chunks.
+    arch = draw(st.sampled_from(("sm90", "sm100")))
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    first = split_decodes_and_prefills(qsl, reorder_batch_threshold(heads, arch, max_decode_query_len=s)).num_decodes
+    prefill_seqs = [c + n for c, n in zip(ctx[first:], qlens[first:])]
+    # Chunked: with two or more prefills a workspace below their total (at least two chunks, at
+    # every profile's lengths), else one little larger than the longest sequence.
     chunked = draw(st.sampled_from((True, True, False))) and cache_dtype == "fp8_ds_mla" and not mixed
+    if chunked and len(prefill_seqs) >= 2:
+        workspace = draw(st.integers(max(prefill_seqs), max(max(prefill_seqs), sum(prefill_seqs) - 1)))
+    elif chunked:
+        workspace = draw(st.integers(seq_max, seq_max + seq_max // 2))
     return {
         "cache_dtype": cache_dtype, "heads": heads, "query_lens": qlens, "context_lens": ctx,
         "block_size": block_size, "stride_pad": draw(st.sampled_from((0, 1, 64))),
@@ -207,9 +219,9 @@ def _batch_params(draw, p: Profile, cache_dtype: str, heads: int, dcp: int, shor
         # interleave != 1 nothing counts as a decode (threshold 1), so that case has no rows.
         "mqa": draw(st.sampled_from(("all", "decodes"))) if n_dec and interleave == 1 and not min_prefills else "all",
         "q_form": draw(st.sampled_from(("tensor", "tuple"))) if dcp == 1 else "tensor",
-        "arch": draw(st.sampled_from(("sm90", "sm100"))), "max_decode_query_len": s,
+        "arch": arch, "max_decode_query_len": s,
         "max_model_len": seq_max,
-        "workspace_size": draw(st.integers(seq_max, seq_max + seq_max // 2)) if chunked else None,
+        "workspace_size": workspace if chunked else None,
         "dcp_size": dcp, "interleave": interleave,
     }
 
@@ -267,7 +279,9 @@ def hisparse_params(p: Profile, path: str, heads: tuple[int, ...] | None = None)
             "context_lens": ctx, "block_size": draw(st.sampled_from(p.block_sizes)),
             "spare_blocks": draw(st.integers(0, 2)), "shuffle": draw(st.booleans()), "table_pad": draw(st.integers(0, 2)),
             "topk": topk, "sm_scale": draw(sm_scales), "value_regime": draw(regimes), "scale_rule": draw(scale_rules),
-            "invalid": draw(_patterns(PATTERNS)), "max_decode_query_len": s, "max_model_len": seq_max,
+            # No boundaries: the table's last slot may lie in a page with no host block (undefined upstream).
+            "invalid": draw(_patterns(tuple(x for x in PATTERNS if x != "boundaries"))),
+            "max_decode_query_len": s, "max_model_len": seq_max,
             "workspace_size": draw(st.integers(seq_max, seq_max + seq_max // 2)) if chunked else None,
             "hisparse": True, "layers": draw(st.integers(1, 4)), "resident_frac": frac,
             "hot_slack": draw(st.sampled_from((-1, 0, 1, 37, topk))), "prior_hits": draw(st.sampled_from((0.0, 0.3, 0.9))),

@@ -37,6 +37,7 @@ ZOO = [
     Bug("ignores_sink", "sparse_prefill", "tests.zoo.attention:ignores_sink", "attention sink"),
     Bug("default_softmax_scale", "sparse_prefill", "tests.zoo.attention:default_softmax_scale", "softmax scale", "spec §12 #14"),
     Bug("reads_past_the_end", "sparse_prefill", "tests.zoo.attention:reads_past_the_end", "invalid index rule", "FlashMLA PR #109"),
+    Bug("index_n_is_valid", "sparse_prefill", "tests.zoo.attention:index_n_is_valid", "invalid index boundary", "issue 15 mutant"),
     Bug("decode_e8m0_scales", "sparse_decode_fp8", "tests.zoo.attention:decode_e8m0_scales", "scale-format mismatch", "FlashMLA PR #184"),
     Bug("decode_ignores_rope", "sparse_decode_fp8", "tests.zoo.attention:decode_ignores_rope", "row layout"),
     Bug("decode_lse_token_major", "sparse_decode_fp8", "tests.zoo.attention:decode_lse_token_major", "LSE layout", "vLLM #46514"),
