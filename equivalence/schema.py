@@ -189,7 +189,7 @@ SCHEMAS: dict[str, Schema] = {
     "sparse_prefill": Schema(PREFILL, _prefill_elements),
     "sparse_decode_fp8": Schema(DECODE, _decode_elements, _decode_check),
     "convert_index": Schema(dict(INDEX, stride_extra=Int(0, 2**16, optional=True), prefill=Flag(optional=True),
-                                 counts=Flag(optional=True)), _index_elements),
+                                 counts=Flag(optional=True), mapping=Flag(optional=True)), _index_elements),
     "dcp_convert_index": Schema(
         dict(INDEX, dcp_size=Int(1, 64), dcp_rank=Int(0, 63), interleave=Int(1, 1024), compact=Flag()),
         lambda p: _index_elements(p, p["dcp_size"]),
