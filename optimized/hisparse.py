@@ -25,10 +25,10 @@ from typing import Sequence
 import torch
 
 from . import buffers
-from .index_group import Resolved
+from .index_group import SwapIn
 from .metadata import active_decodes, plan_prefill, prefill_workspace_size, req_id_per_token, split_decodes_and_prefills
 from .pipeline import V_DIM, PipelineResult
-from .registry import Resolved as Stages
+from .registry import Resolved
 from .registry import register, resolve
 from .validation import InputError
 
@@ -211,7 +211,7 @@ def forward_mqa_hisparse(
     request_state_indices: torch.Tensor, hot_block_table: torch.Tensor, device_global_indices: torch.Tensor,
     lru_slots: torch.Tensor, attention_block_stride: int, max_swap_rows: int,
     group_buffer: tuple[torch.Tensor, torch.Tensor], workspace_size: int | None = None, max_decode_query_len: int = 1,
-    stages: Stages | None = None,
+    stages: Resolved | None = None,
 ) -> list[PipelineResult]:
     """Every layer of one index group over one shared top-k (module docstring); one result per layer."""
     device = gpu_rows[0].device
@@ -239,11 +239,11 @@ def forward_mqa_hisparse(
                                      idx_mapping=request_state_indices)
             return (*res, slab) if counts else (res, None, slab)
 
-        def resolve_step() -> Resolved:
+        def resolve_step() -> SwapIn:
             host_idx = convert(req_id=req_id[rows], block_table=host_block_table, topk_indices=topk[rows], block_size=bs)
             res_idx = convert(req_id=req_id[rows], block_table=residency, topk_indices=topk[rows], block_size=bs,
                               block_stride_rows=stride, idx_mapping=request_state_indices)
-            return Resolved(*stages.fn("hisparse_place")(
+            return SwapIn(*stages.fn("hisparse_place")(
                 req_id=req_id[rows], host_rows=host_idx, resident_rows=res_idx,
                 request_state_indices=request_state_indices, hot_block_table=hot_block_table,
                 device_global_indices=device_global_indices, lru_slots=lru_slots, block_size=bs,

@@ -64,7 +64,7 @@ class Streams:
 
 
 @dataclass
-class Resolved:
+class SwapIn:
     """One step's swap-in, shared by the group's layers."""
 
     physical: torch.Tensor  # [N, K] int32 slab rows
@@ -81,7 +81,7 @@ class IndexGroup:
         self.physical, self.counts = physical.clone(), counts.clone()
         self.streams = Streams(physical.device)
         self._ready = None                       # physical_topk_ready
-        self._resolved: Resolved | None = None   # the leader's swap-in of this step
+        self._resolved: SwapIn | None = None   # the leader's swap-in of this step
 
     def convert_once(self, layer: int, convert: Callable, return_valid_counts: bool, **kwargs):
         """`_convert_once`: the converter's result for this step, converted by layer 0 only."""
@@ -99,8 +99,8 @@ class IndexGroup:
         self.streams.wait(self._ready)
         return (self.physical[:n], self.counts[:n]) if return_valid_counts else self.physical[:n]
 
-    def swap_in(self, layer: int, resolve: Callable[[], Resolved], copy: Callable, host_rows: torch.Tensor,
-                gpu_rows: torch.Tensor) -> tuple[Resolved, torch.Tensor]:
+    def swap_in(self, layer: int, resolve: Callable[[], SwapIn], copy: Callable, host_rows: torch.Tensor,
+                gpu_rows: torch.Tensor) -> tuple[SwapIn, torch.Tensor]:
         """This layer's hot slab after the step's swaps (resolved by the leader once) and the shared result."""
         if layer == 0:
             with self.streams.on(self.streams.side):
