@@ -7,13 +7,17 @@ sequence is shorter than top-k). Each pattern then rewrites a seeded ~15% of the
     negatives     -1 padding replaced by other negative values (-2, -7, -123456, -2**31)
     out_of_range  entries replaced by values past the valid range (never read by a correct kernel)
     duplicates    entries replaced by copies of other valid entries of the row (each counts)
+    boundaries    entries replaced by the exact edges of the valid range: the first invalid value
+                  (prefill: N; a logical position: the block-table width) and the last valid one
+                  (N - 1; the table's last slot). Where only -1 is invalid (decode slots: one past
+                  the cache is refused before launch) only the last valid slot.
 """
 
 from __future__ import annotations
 
 import torch
 
-PATTERNS = ("scattered", "whole_row", "negatives", "out_of_range", "duplicates")
+PATTERNS = ("scattered", "whole_row", "negatives", "out_of_range", "duplicates", "boundaries")
 OTHER_NEGATIVES = (-2, -7, -123456, -(2**31))
 
 
@@ -26,9 +30,11 @@ def _randint(gen: torch.Generator, lo: int, hi: int, shape) -> torch.Tensor:
 
 
 def apply_patterns(
-    gen: torch.Generator, rows: torch.Tensor, patterns, out_of_range: tuple[int, int] | None = None
+    gen: torch.Generator, rows: torch.Tensor, patterns, out_of_range: tuple[int, int] | None = None,
+    last_valid: int | None = None,
 ) -> torch.Tensor:
-    """Apply `patterns` in order to int64 rows; `out_of_range` is the [lo, hi] of bad values."""
+    """Apply `patterns` in order to int64 rows; `out_of_range` is the [lo, hi] of bad values (lo
+    the first), `last_valid` the largest valid value where there is no out-of-range one."""
     if rows.numel() == 0:
         return rows
     for pattern in patterns:
@@ -47,6 +53,14 @@ def apply_patterns(
                 raise ValueError("this op has no out-of-range index values: every value but -1 is read")
             lo, hi = out_of_range
             rows = torch.where(hit, _randint(gen, lo, hi + 1, rows.shape), rows)
+        elif pattern == "boundaries":
+            if out_of_range is not None:
+                edge = torch.where(_rand(gen, rows.shape) < 0.5, out_of_range[0], out_of_range[0] - 1)
+            elif last_valid is not None:
+                edge = torch.full_like(rows, last_valid)
+            else:
+                raise ValueError("boundaries needs the op's first invalid or last valid value")
+            rows = torch.where(hit, edge, rows)
         elif pattern == "duplicates":
             src = _randint(gen, 0, rows.shape[1], rows.shape)
             copies = rows.gather(1, src)

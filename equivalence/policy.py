@@ -129,7 +129,8 @@ DEVIATIONS = {
             "torch-fp32 batched and chunked results differ in the last bits; bitwise on CPU)",
             _never,
             {},
-            relaxes=frozenset({"batch_invariance.batched", "batch_invariance.chunked", "spec_decode.single_tokens"}),
+            relaxes=frozenset({"batch_invariance.batched", "batch_invariance.chunked", "spec_decode.single_tokens",
+                               "hisparse_equals_plain.layers"}),
             property_bounds={
                 OUT: (Bound("elem_bf16_units", 4.0, "a few fp32 roundings shift the bf16 output by at most one ulp"),
                       Bound("bf16_units", 8.0, "one ulp on every element at most"),
@@ -291,6 +292,10 @@ PROPERTY_RULES: dict[str, PropertyRule] = {
     "dcp_size_one.forward_mqa": PropertyRule(
         True, "one rank's merge weight is exp(0) = 1 and its log-sum-exp is its own LSE, exactly"),
     "dcp_size_one.merge": PropertyRule(True, "one rank: weight exp(0) = 1, L = ln(1) + lse = lse exactly"),
+    "hisparse_equals_plain.layers": PropertyRule(
+        True, "every row a kernel reads is a byte copy of the logical row, in the same column order, through "
+        "the same kernels with the same split (bf16: HiSparse splits the launch into decode and prefill "
+        "tokens, which only a batch-dependent GEMM notices: gemm_batch)"),
     "determinism.rerun": PropertyRule(
         True, "no atomics, fixed reduction orders (FlashMLA prefill and decode measured bitwise on the H200)"),
 }

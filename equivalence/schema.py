@@ -18,7 +18,7 @@ from .patterns import PATTERNS
 from .values import REGIMES
 
 MAX_ELEMENTS = 2**31  # tensor elements a case's inputs (and their index candidates) may hold in all
-DECODE_PATTERNS = ("scattered", "whole_row", "duplicates")
+DECODE_PATTERNS = ("scattered", "whole_row", "duplicates", "boundaries")
 
 
 @dataclass(frozen=True)
@@ -106,13 +106,22 @@ def _seq_lens(p: Mapping) -> list[int]:
 def _forward_elements(p: Mapping) -> int:
     seqs, dcp, tokens = _seq_lens(p), p.get("dcp_size", 1), sum(p["query_lens"]) + p.get("pad_rows", 0)
     cache = (_blocks(seqs, p["block_size"]) + p.get("spare_blocks", 1)) * (p["block_size"] + p.get("stride_pad", 0))
-    return (dcp * cache * 656 + sum(seqs) * 576 + tokens * p["heads"] * dcp * 1088
-            + tokens * (max(seqs, default=0) + p["topk"]))
+    # HiSparse: per layer a host cache, a slab and the logical cache.
+    copies = 3 * p.get("layers", 1) if p.get("hisparse") else 1
+    return copies * (dcp * cache * 656 + sum(seqs) * 576 + tokens * p["heads"] * dcp * 1088
+                     + tokens * (max(seqs, default=0) + p["topk"]))
 
 
 def _forward_check(p: Mapping) -> str | None:
     if len(p["query_lens"]) != len(p["context_lens"]) or not p["query_lens"]:
         return "query_lens and context_lens must be non-empty lists of one length"
+    if p.get("hisparse"):
+        if p["cache_dtype"] == "nvfp4_ds_mla" or p.get("dcp_size", 1) > 1 or p.get("mqa", "all") != "all":
+            return "hisparse needs a bfloat16 or fp8_ds_mla cache, no DCP and every token through forward_mqa"
+        if "beyond_seq" in p["invalid"] or p.get("pad_rows", 0) or 0 in p["query_lens"]:
+            return "hisparse cases have no indices past the sequence, padding rows or zero-length requests (undefined upstream)"
+        if p.get("swap_rows") == "below" and p.get("resident_frac", 0.5) < 1:
+            return "swap_rows 'below' takes the resident path, which needs every page resident (resident_frac 1)"
     return None
 
 
@@ -126,6 +135,11 @@ FORWARD = dict(
     max_decode_query_len=Int(1, 64, optional=True), max_model_len=Int(1, 2**23, optional=True),
     workspace_size=Int(1, 2**23, optional=True, nullable=True), dcp_size=Int(1, 8, optional=True),
     interleave=Int(1, 1024, optional=True), pad_rows=Int(0, 64, optional=True),
+    # HiSparse (equivalence.hisparse_batch)
+    hisparse=Flag(optional=True), layers=Int(1, 4, optional=True), resident_frac=Real(0, 1, optional=True),
+    hot_slack=Int(-1, 2**15, optional=True), prior_hits=Real(0, 1, optional=True), slot_perm=Flag(optional=True),
+    stride_blocks=Int(1, 8, optional=True), spare_state_rows=Int(0, 64, optional=True),
+    swap_rows=OneOf("fit", "below", optional=True), buffer_rows=Int(1, 2**20, optional=True),
 )
 PREFILL = dict(tokens=TOKENS, heads=HEADS, kv_rows=ROWS, topk=TOPK, value_regime=VALUES["value_regime"],
                sm_scale=SM_SCALE, invalid=SubsetOf(*PATTERNS),
@@ -175,7 +189,7 @@ SCHEMAS: dict[str, Schema] = {
     "sparse_prefill": Schema(PREFILL, _prefill_elements),
     "sparse_decode_fp8": Schema(DECODE, _decode_elements, _decode_check),
     "convert_index": Schema(dict(INDEX, stride_extra=Int(0, 2**16, optional=True), prefill=Flag(optional=True),
-                                 counts=Flag(optional=True)), _index_elements),
+                                 counts=Flag(optional=True), mapping=Flag(optional=True)), _index_elements),
     "dcp_convert_index": Schema(
         dict(INDEX, dcp_size=Int(1, 64), dcp_rank=Int(0, 63), interleave=Int(1, 1024), compact=Flag()),
         lambda p: _index_elements(p, p["dcp_size"]),
@@ -207,6 +221,7 @@ PROPERTY_KNOBS: dict[str, dict[str, Param]] = {
     "spec_decode": {},
     "dcp_size_one": {},
     "determinism": {},
+    "hisparse_equals_plain": {},
 }
 
 

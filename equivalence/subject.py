@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 from mla_verify import adapters
 from mla_verify.optimized import registry
 
-from .ops import get_op
+from .ops import OPS, get_op
 from .policy import DEVIATIONS
 from .properties import get_property, is_property
 
@@ -97,6 +97,14 @@ def declared_deviations(fn: Callable, deviations: Sequence[str], what: str) -> t
     return names
 
 
+def _stage_arguments(stage: str) -> tuple[str, ...]:
+    """The keywords a stage is called with: its op's contract, or for a pipeline-internal stage (the
+    HiSparse data plane, the index group) the parameters of its registered implementation."""
+    if stage in OPS:
+        return get_op(stage).arguments
+    return tuple(inspect.signature(registry.implementations(stage)[0].fn).parameters)
+
+
 def _implementation(stage: str, spec: str, device: str, deviations: Sequence[str] = ()) -> registry.Implementation:
     """A registered implementation by name, or a user's callable wrapped as one (with its deviations)."""
     if ":" not in spec:
@@ -106,7 +114,7 @@ def _implementation(stage: str, spec: str, device: str, deviations: Sequence[str
             raise UsageError(f"--impl {spec!r} for {stage}: {exc}") from None
         return impl
     fn = load_callable(spec)
-    check_signature(fn, get_op(stage).arguments, f"--impl {spec}")
+    check_signature(fn, _stage_arguments(stage), f"--impl {spec}")
     return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}),
                                    deviations=declared_deviations(fn, deviations, f"--impl {spec}"))
 

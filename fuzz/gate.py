@@ -34,7 +34,7 @@ from mla_verify.optimized import registry
 from .campaign import FuzzResult, fuzz
 from .profiles import Profile
 from .regressions import corpus
-from .strategies import WORLD_SIZES
+from .strategies import HISPARSE_PATHS, WORLD_SIZES
 
 # forward_mqa on a GPU is checked twice: with the preferred stages (flash_mla attention) and with
 # our Triton attention kernels in their place.
@@ -66,8 +66,11 @@ def subjects_for(op: str, device: str) -> dict[str, tuple[str, ...]]:
 
 
 def campaign_paths(op: str, subject: Subject) -> list[str | None]:
-    """The fuzz campaigns of one subject: one over everything, or for a property whose targets the
-    subject covers only some of, one per covered target."""
+    """The fuzz campaigns of one subject: one over everything (forward_mqa: the plain paths, then
+    each HiSparse path, which the unrestricted draw never takes), or for a property whose targets
+    the subject covers only some of, one per covered target."""
+    if op == "forward_mqa" and subject.fn is None:
+        return [None, *HISPARSE_PATHS]
     if not is_property(op):
         return [None]
     prop = get_property(op)

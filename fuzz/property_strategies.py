@@ -18,7 +18,7 @@ from mla_verify.equivalence.properties.split import SCHEMES
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
 from .profiles import Profile
-from .strategies import dcp_index_params, decode_params, forward_params, merge_params, prefill_params, seeds
+from .strategies import dcp_index_params, decode_params, forward_params, hisparse_params, merge_params, prefill_params, seeds
 
 MAX_HEADS = 128              # FlashMLA's largest head count (the wrappers pad to 64 or 128)
 TOPK_UNIT = {"sparse_prefill": 128, "sparse_decode_fp8": 64}  # FlashMLA's top-k granularity
@@ -46,9 +46,10 @@ def _padding(draw, params: st.SearchStrategy[dict], target: str) -> dict:
 
 def _block_table(p: Profile) -> st.SearchStrategy[dict]:
     batches = st.sampled_from(("bf16", "fp8_mixed", "fp8_separate")).flatmap(lambda path: forward_params(p, path))
-    # Top-k entries past the table would reach the added columns: no out_of_range pattern.
+    # Top-k entries past the table would reach the added columns: no out_of_range or boundaries pattern.
     return st.tuples(batches, st.integers(1, 3), st.sampled_from(("null", "blocks"))).map(lambda t: {
-        **t[0], "invalid": [i for i in t[0]["invalid"] if i != "out_of_range"], "pad_columns": t[1], "pad_fill": t[2]})
+        **t[0], "invalid": [i for i in t[0]["invalid"] if i not in ("out_of_range", "boundaries")], "pad_columns": t[1],
+        "pad_fill": t[2]})
 
 
 def _prefill_seq_lens(params: dict) -> list[int]:
@@ -65,11 +66,12 @@ def _prefill_seq_lens(params: dict) -> list[int]:
 def _chunked(draw, p: Profile) -> dict:
     """fp8_separate batches with two or more prefills and a workspace that splits them into chunks.
 
-    No beyond_seq pattern: a prefill's entry past its own sequence reads whichever workspace row
-    sits there (the next request's, or none past the chunk), garbage that moves with the layout."""
+    No beyond_seq or boundaries pattern: a prefill's entry past its own sequence (the table's
+    last slot is one) reads whichever workspace row sits there (the next request's, or none past
+    the chunk), garbage that moves with the layout."""
     d = draw(forward_params(p, "fp8_separate", min_prefills=2).filter(lambda d: len(_prefill_seq_lens(d)) >= 2))
     lens = _prefill_seq_lens(d)
-    return {**d, "invalid": [i for i in d["invalid"] if i != "beyond_seq"],
+    return {**d, "invalid": [i for i in d["invalid"] if i not in ("beyond_seq", "boundaries")],
             "workspace_size": draw(st.integers(max(lens), sum(lens) - 1))}
 
 
@@ -80,6 +82,22 @@ def _alone(draw, p: Profile) -> dict:
     batch = st.integers(MIN_BATCH, max(MIN_BATCH, min(64, p.max_tokens)))
     d = draw(decode_params(p, batch=batch, s_q=st.just(1)))
     return {**d, "alone": draw(st.lists(st.integers(0, d["batch"] - 1), min_size=1, max_size=2, unique=True))}
+
+
+@st.composite
+def _fp8_hisparse_like_plain(draw, p: Profile) -> dict:
+    """fp8 HiSparse batches the plain separate path splits the same way: 32 heads on sm90, prefills
+    longer than its threshold, and -1 only at the tail of a top-k row (no invalid-index patterns:
+    each of them, duplicates too, leaves -1 or an out-of-range entry between valid ones)."""
+    d = draw(hisparse_params(p, "fp8_separate_hisparse", heads=(32,)))
+    s = d["max_decode_query_len"]
+    longer = reorder_batch_threshold(32, "sm90", max_decode_query_len=s) + draw(st.integers(0, 8))
+    qlens = [n if n == s else longer + n for n in d["query_lens"]]
+    seq_max = max(c + n for c, n in zip(d["context_lens"], qlens))
+    ws = d["workspace_size"]
+    return {**d, "query_lens": qlens, "arch": "sm90", "invalid": [],
+            "max_model_len": seq_max, "buffer_rows": min(d["buffer_rows"], sum(qlens) + 2),
+            "workspace_size": None if ws is None else max(ws, seq_max)}
 
 
 PARAMS: dict[str, dict[str, Callable[[Profile], st.SearchStrategy[dict]]]] = {
@@ -108,6 +126,9 @@ PARAMS: dict[str, dict[str, Callable[[Profile], st.SearchStrategy[dict]]]] = {
         "dcp_convert_index": lambda p: dcp_index_params(p, sizes=(1,)),
         "forward_mqa": lambda p: forward_params(p, "fp8_mixed"),
         "dcp_merge": lambda p: merge_params(p, ranks=st.just(1), junk=st.just(False)),
+    },
+    "hisparse_equals_plain": {
+        "forward_mqa": lambda p: st.one_of(hisparse_params(p, "bf16_hisparse"), _fp8_hisparse_like_plain(p)),
     },
     "determinism": {
         "sparse_prefill": prefill_params,

@@ -19,6 +19,7 @@ from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.patterns import PATTERNS
 from mla_verify.equivalence.properties import is_property
 from mla_verify.equivalence.values import REGIMES
+from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
 from .profiles import Profile
 
@@ -27,7 +28,7 @@ DRAWN_LENGTHS = 8
 regimes = st.sampled_from(REGIMES)
 scale_rules = st.sampled_from(("pow2", "raw"))
 sm_scales = st.sampled_from((0.0417, 0.1, 0.1352, 0.3))  # 576**-0.5, ..., DeepSeek's 192**-0.5 * mscale**2
-DECODE_PATTERNS = ("scattered", "whole_row", "duplicates")  # only -1 is invalid for the decode kernel
+DECODE_PATTERNS = ("scattered", "whole_row", "duplicates", "boundaries")  # only -1 is invalid for the decode kernel
 
 
 def _patterns(options) -> st.SearchStrategy[list[str]]:
@@ -108,9 +109,10 @@ def sparse_decode(p: Profile) -> st.SearchStrategy[Case]:
 def convert_index(p: Profile) -> st.SearchStrategy[Case]:
     return _case("convert_index", st.fixed_dictionaries({
         "tokens": st.integers(1, p.max_tokens * 2), "requests": st.integers(1, p.max_requests),
-        "table_width": st.integers(1, 6), "topk": st.sampled_from(p.decode_topk),
+        # 4224 and 6144: not powers of two past upstream's single-tile limit (its prefix order unspecified).
+        "table_width": st.integers(1, 6), "topk": st.sampled_from(p.decode_topk + (4224, 6144)),
         "block_size": st.sampled_from((16,) + p.block_sizes), "stride_extra": st.sampled_from((0, 0, 1, 64)),
-        "prefill": st.booleans(), "counts": st.booleans(), "invalid": _patterns(PATTERNS)}))
+        "prefill": st.booleans(), "counts": st.booleans(), "mapping": st.booleans(), "invalid": _patterns(PATTERNS)}))
 
 
 def dcp_index_params(p: Profile, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> st.SearchStrategy[dict]:
@@ -167,7 +169,8 @@ def layout(p: Profile, op: str) -> st.SearchStrategy[Case]:
     return _case(op, params)
 
 
-FORWARD_PATHS = ("bf16", "fp8_mixed", "fp8_separate", "fp8_mixed_dcp")
+FORWARD_PATHS = ("bf16", "fp8_mixed", "fp8_separate", "fp8_mixed_dcp", "bf16_hisparse", "fp8_separate_hisparse")
+HISPARSE_PATHS = ("bf16_hisparse", "fp8_separate_hisparse")
 WORLD_SIZES = (2, 4, 8)
 COMBINES = ("ag_rs", "a2a")
 
@@ -194,8 +197,19 @@ def _batch_params(draw, p: Profile, cache_dtype: str, heads: int, dcp: int, shor
     ctx = [draw(contexts) for _ in qlens]
     topk = draw(st.sampled_from(p.decode_topk if mixed else p.prefill_topk))
     seq_max = max(c + n for c, n in zip(ctx, qlens))
-    # A workspace little larger than the longest sequence splits the prefills into chunks.
+    arch = draw(st.sampled_from(("sm90", "sm100")))
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    first = split_decodes_and_prefills(qsl, reorder_batch_threshold(heads, arch, max_decode_query_len=s)).num_decodes
+    prefill_seqs = [c + n for c, n in zip(ctx[first:], qlens[first:])]
+    # Chunked: with two or more prefills a workspace below their total (at least two chunks, at
+    # every profile's lengths), else one little larger than the longest sequence.
     chunked = draw(st.sampled_from((True, True, False))) and cache_dtype == "fp8_ds_mla" and not mixed
+    if chunked and len(prefill_seqs) >= 2:
+        workspace = draw(st.integers(max(prefill_seqs), max(max(prefill_seqs), sum(prefill_seqs) - 1)))
+    elif chunked:
+        workspace = draw(st.integers(seq_max, seq_max + seq_max // 2))
     return {
         "cache_dtype": cache_dtype, "heads": heads, "query_lens": qlens, "context_lens": ctx,
         "block_size": block_size, "stride_pad": draw(st.sampled_from((0, 1, 64))),
@@ -206,9 +220,9 @@ def _batch_params(draw, p: Profile, cache_dtype: str, heads: int, dcp: int, shor
         # interleave != 1 nothing counts as a decode (threshold 1), so that case has no rows.
         "mqa": draw(st.sampled_from(("all", "decodes"))) if n_dec and interleave == 1 and not min_prefills else "all",
         "q_form": draw(st.sampled_from(("tensor", "tuple"))) if dcp == 1 else "tensor",
-        "arch": draw(st.sampled_from(("sm90", "sm100"))), "max_decode_query_len": s,
+        "arch": arch, "max_decode_query_len": s,
         "max_model_len": seq_max,
-        "workspace_size": draw(st.integers(seq_max, seq_max + seq_max // 2)) if chunked else None,
+        "workspace_size": workspace if chunked else None,
         "dcp_size": dcp, "interleave": interleave,
     }
 
@@ -218,8 +232,8 @@ def forward_params(p: Profile, path: str | None = None, *, decodes_only: bool = 
     """forward_mqa batches; `path` restricts them to one of FORWARD_PATHS. `decodes_only`: a
     uniform batch of spec decodes (2-4 tokens each), nothing else; `min_prefills`: at least that
     many prefills, every token through forward_mqa."""
-    if path is not None and path not in FORWARD_PATHS:
-        raise KeyError(f"unknown forward_mqa path {path!r}; known: {', '.join(FORWARD_PATHS)}")
+    if path is not None and (path not in FORWARD_PATHS or path in HISPARSE_PATHS):
+        raise KeyError(f"unknown plain forward_mqa path {path!r}; known: {', '.join(FORWARD_PATHS)} (HiSparse: hisparse_params)")
     small = [h for h in p.mqa_heads if h < 32] or [16]
     large = [h for h in p.mqa_heads if h >= 32] or [32]
 
@@ -242,8 +256,50 @@ def forward_params(p: Profile, path: str | None = None, *, decodes_only: bool = 
     return params()
 
 
+def hisparse_params(p: Profile, path: str, heads: tuple[int, ...] | None = None) -> st.SearchStrategy[dict]:
+    """HiSparse forward_mqa batches (equivalence.hisparse_batch): decodes of 1 + spec tokens, prefills
+    longer than that (the builder's threshold), contexts that leave pages before the resident
+    tail, a hot cache from exactly the rows needed to (q_len + 1) * K slots, prior hot rows, slot
+    permutations, 1-4 layers, a persistent buffer smaller than the batch (the fallback), a swap
+    budget below the decodes (the resident route), and FP8 prefills over 1-4 workspace chunks."""
+    cache_dtype = "bfloat16" if path == "bf16_hisparse" else "fp8_ds_mla"
+
+    @st.composite
+    def params(draw):
+        s = draw(st.integers(1, 3))
+        n_dec = draw(st.integers(0, p.max_requests))
+        prefills = draw(st.lists(st.integers(s + 1, s + p.max_query), min_size=0 if n_dec else 1, max_size=p.max_requests))
+        qlens = [s] * n_dec + prefills
+        ctx = [draw(st.integers(0, p.max_context)) for _ in qlens]
+        seq_max = max(c + n for c, n in zip(ctx, qlens))
+        topk = draw(st.sampled_from(p.prefill_topk))
+        frac = draw(st.sampled_from((0.0, 0.3, 0.7, 1.0)))
+        chunked = cache_dtype == "fp8_ds_mla" and draw(st.sampled_from((True, True, False)))
+        return {
+            "cache_dtype": cache_dtype, "heads": draw(st.sampled_from(heads or p.mqa_heads)), "query_lens": qlens,
+            "context_lens": ctx, "block_size": draw(st.sampled_from(p.block_sizes)),
+            "spare_blocks": draw(st.integers(0, 2)), "shuffle": draw(st.booleans()), "table_pad": draw(st.integers(0, 2)),
+            "topk": topk, "sm_scale": draw(sm_scales), "value_regime": draw(regimes), "scale_rule": draw(scale_rules),
+            # No boundaries: the table's last slot may lie in a page with no host block (undefined upstream).
+            "invalid": draw(_patterns(tuple(x for x in PATTERNS if x != "boundaries"))),
+            "max_decode_query_len": s, "max_model_len": seq_max,
+            "workspace_size": draw(st.integers(seq_max, seq_max + seq_max // 2)) if chunked else None,
+            "hisparse": True, "layers": draw(st.integers(1, 4)), "resident_frac": frac,
+            "hot_slack": draw(st.sampled_from((-1, 0, 1, 37, topk))), "prior_hits": draw(st.sampled_from((0.0, 0.3, 0.9))),
+            "slot_perm": draw(st.booleans()), "stride_blocks": draw(st.sampled_from((1, 2))),
+            "spare_state_rows": draw(st.integers(0, 2)),
+            "swap_rows": draw(st.sampled_from(("fit", "below"))) if frac == 1.0 and n_dec else "fit",
+            # Usually as large as a decode batch (max_rows + 1), sometimes below the batch (the fallback).
+            "buffer_rows": draw(st.one_of(st.just(sum(qlens) + 1), st.integers(1, sum(qlens) + 2))),
+        }
+
+    return params()
+
+
 def forward_mqa(p: Profile, path: str | None = None) -> st.SearchStrategy[Case]:
     """forward_mqa batches; `path` restricts them to one of FORWARD_PATHS."""
+    if path in HISPARSE_PATHS:
+        return _case("forward_mqa", hisparse_params(p, path))
     return _case("forward_mqa", forward_params(p, path))
 
 

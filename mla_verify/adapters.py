@@ -152,12 +152,15 @@ def triton_convert_req_index_to_global_index(fn: Callable, **fixed: Any) -> Call
         prefill_request_ids: torch.Tensor | None = None,
         prefill_workspace_starts: torch.Tensor | None = None,
         return_valid_counts: bool = False,
+        idx_mapping: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         topk = topk_indices.shape[1]
+        # idx_mapping only when given: upstream before HAS_IDX_MAPPING has no such keyword.
+        mapping = {} if idx_mapping is None else {"idx_mapping": idx_mapping}
         return fn(req_id, block_table, topk_indices, BLOCK_SIZE=block_size, BLOCK_STRIDE_ROWS=block_stride_rows,
                   NUM_TOPK_TOKENS=topk, BLOCK_N=_block_n(topk), HAS_PREFILL_WORKSPACE=prefill_request_ids is not None,
                   prefill_workspace_request_ids=prefill_request_ids, prefill_workspace_starts=prefill_workspace_starts,
-                  return_valid_counts=return_valid_counts, **fixed)
+                  return_valid_counts=return_valid_counts, **mapping, **fixed)
 
     return _adapted(convert_index, fn, "triton_convert_req_index_to_global_index")
 
@@ -166,9 +169,8 @@ def triton_filter_and_convert_dcp_index(fn: Callable, **fixed: Any) -> Callable:
     """Wrap vLLM's `triton_filter_and_convert_dcp_index` into the `dcp_convert_index` contract.
 
     Upstream compacts with `compact_valid_to_front` when dcp_size > 1 but, at dcp_size 1, hands
-    over to the plain conversion, which compacts only when asked for counts; so the adapter asks
-    for counts exactly when the contract asks for compaction, and drops them (the contract
-    returns the indices alone).
+    over to the plain conversion, which compacts only when asked for counts. The contract follows
+    upstream as the backend calls it (no counts): no compaction at dcp_size 1.
     """
 
     def dcp_convert_index(
@@ -184,8 +186,8 @@ def triton_filter_and_convert_dcp_index(fn: Callable, **fixed: Any) -> Callable:
         topk = topk_indices.shape[1]
         result = fn(req_id, block_table, topk_indices, dcp_size, dcp_rank, cp_kv_cache_interleave_size=interleave,
                     BLOCK_SIZE=block_size, NUM_TOPK_TOKENS=topk, BLOCK_N=_block_n(topk),
-                    return_valid_counts=compact_valid_to_front, compact_valid_to_front=compact_valid_to_front, **fixed)
-        return result[0] if isinstance(result, tuple) else result
+                    return_valid_counts=False, compact_valid_to_front=compact_valid_to_front, **fixed)
+        return result
 
     return _adapted(dcp_convert_index, fn, "triton_filter_and_convert_dcp_index")
 

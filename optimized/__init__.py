@@ -18,8 +18,9 @@ if not torch.cuda.is_available():
 
 # Imported to register, in preference order.
 from . import flashmla  # noqa: E402,F401
-from .kernels import cache_writer, concat, dcp_merge, gather, indices, sparse_decode, sparse_prefill  # noqa: E402,F401
+from .kernels import cache_writer, concat, dcp_merge, gather, indices, sparse_decode, sparse_prefill, swap  # noqa: E402,F401
 from . import eager, metadata, spec_decode  # noqa: E402,F401
+from . import hisparse, index_group  # noqa: E402,F401
 from .pipeline import PipelineResult, forward_mqa, forward_mqa_dcp, needed_stages  # noqa: E402
 
 __all__ = ["PipelineResult", "forward_mqa", "forward_mqa_dcp", "needed_stages"]

@@ -341,13 +341,21 @@ def convert_index(
     prefill_request_ids: torch.Tensor | None = None,
     prefill_workspace_starts: torch.Tensor | None = None,
     return_valid_counts: bool = False,
+    idx_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Logical top-k [T, K] -> physical rows, int32, -1 where invalid.
+
+    idx_mapping [R'] int32 (HAS_IDX_MAPPING): the table row is max(idx_mapping[req_id[t]], 0).
 
     tok < 0 or tok // BS >= M is invalid; decode rows: block_table[r, tok // BS] * S + tok % BS
     (S = block_stride_rows or BS); prefill rows (prefill_request_ids[t] = p >= 0):
     prefill_workspace_starts[p] + tok. With counts, rows are stably compacted.
     """
+    if idx_mapping is not None:
+        check_tensor("idx_mapping", idx_mapping, dtype=torch.int32, ndim=1)
+        check_same_device(req_id=req_id, idx_mapping=idx_mapping)
+        check_index_range("req_id", req_id, idx_mapping.shape[0])
+        req_id = idx_mapping[req_id.long()].clamp(min=0)
     _check_conversion_inputs(req_id, block_table, topk_indices, block_size)
     num_tokens = topk_indices.shape[0]
     if (prefill_request_ids is None) != (prefill_workspace_starts is None):
@@ -390,7 +398,8 @@ def dcp_convert_index(
     """Global top-k -> this rank's physical slots, -1 for entries another rank owns.
 
     Position p lies in run g = p // I; rank g % N owns it, at local position (g // N) * I + p % I,
-    which converts through this rank's block table. Compacted (stably) iff compact_valid_to_front.
+    which converts through this rank's block table. Compacted (stably) iff compact_valid_to_front
+    and dcp_size > 1: at dcp_size 1 upstream delegates to the plain converter, which ignores the flag.
     """
     _check_conversion_inputs(req_id, block_table, topk_indices, block_size)
     if dcp_size < 1 or not 0 <= dcp_rank < dcp_size or interleave < 1 or block_size % interleave:
@@ -404,7 +413,7 @@ def dcp_convert_index(
     local = (run // dcp_size) * interleave + pos % interleave
     phys, inside = _through_block_table(req_id, block_table, local, block_size, block_size)
     valid = (tok >= 0) & inside & (run % dcp_size == dcp_rank)
-    return _place(phys, valid, compact=compact_valid_to_front)
+    return _place(phys, valid, compact=compact_valid_to_front and dcp_size > 1)
 
 
 # ----------------------------------------------------------------------------- attention

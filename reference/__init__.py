@@ -11,6 +11,7 @@ read: each module holds one concern, each function states its formula.
     query                       query concat and spec-decode reshapes
     dcp                         empty-row neutralization, empty-shard masking and the LSE merge
     forward                     forward_mqa: the three paths end to end, with and without DCP
+    hisparse                    host-backed KV: hot cache, swap-in, staged prefill rows, its forward_mqa
 """
 
 from .attention import (
@@ -26,6 +27,7 @@ from .attention import (
 from .dcp import dcp_merge, dcp_merge_exact, mask_empty_shards, merge_weights, neutralize_empty_rows
 from .fp8_ds_mla import dequantize_fp8_ds_mla, fp8_ds_mla_values, quantize_fp8_ds_mla
 from .forward import MQAResult, forward_mqa, forward_mqa_dcp, select_path
+from .hisparse import forward_mqa_hisparse
 from .indices import (
     convert_index,
     dcp_convert_index,
@@ -43,7 +45,7 @@ __all__ = [
     "AttentionResult", "MQAResult", "concat_mla_q", "convert_index", "dcp_convert_index",
     "dcp_local_seq_lens", "dcp_merge", "dcp_merge_exact", "dcp_owner_and_local",
     "dequantize_fp8_ds_mla", "dequantize_nvfp4_ds_mla", "flat_kv_row_view", "forward_mqa",
-    "forward_mqa_dcp", "fp8_ds_mla_values", "gather_upconvert_fp8", "gather_upconvert_nvfp4",
+    "forward_mqa_dcp", "forward_mqa_hisparse", "fp8_ds_mla_values", "gather_upconvert_fp8", "gather_upconvert_nvfp4",
     "mask_empty_shards", "memory_budget", "memory_limit", "merge_weights", "neutralize_empty_rows", "nvfp4_ds_mla_values",
     "quantize_fp8_ds_mla", "quantize_nvfp4_ds_mla", "req_id_per_token", "reshape_attn_output_for_spec_decode",
     "reshape_query_for_spec_decode", "select_path", "sparse_decode", "sparse_decode_chunks", "sparse_decode_fp8",

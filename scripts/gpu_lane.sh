@@ -3,7 +3,7 @@
 # see scripts/fetch_gpu_wheel.sh): install flash_mla, then run the named steps, each under its own
 # time limit, logging to $OUT/<step>.log; everything is packed into $OUT/results.tgz and a short
 # table of step exit codes is printed last.
-#   scripts/gpu_lane.sh [STEP ...]     steps: env pytest gate bench throughput properties dcp adapters hostile
+#   scripts/gpu_lane.sh [STEP ...]     steps: env pytest gate bench throughput properties dcp adapters hostile hisparse
 #                                      hostile_default (default: env pytest gate bench)
 # throughput: the reference under its memory budget (T = 4k/16k/64k), harness overhead by stage and
 # fuzz cases/s (`mla-verify bench --only reference --only harness`), without the kernel sweep.
@@ -18,7 +18,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || 
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OUT GATE_EXAMPLES=${GATE_EXAMPLES:-20}
 # Seconds each step may take (override one with e.g. LIMIT_gate=120); the call has 600 in all.
 declare -A LIMIT=([env]=60 [pytest]=300 [gate]=200 [bench]=150 [throughput]=240 [properties]=180 [dcp]=150
-                  [adapters]=180 [hostile]=540 [hostile_default]=400)
+                  [adapters]=180 [hostile]=540 [hostile_default]=400 [hisparse]=560)
 summary=()
 
 declare -A CMD=(
@@ -32,6 +32,7 @@ declare -A CMD=(
   [adapters]='python3 -m pytest -m gpu -q -rs -s tests/test_adapters.py'
   [hostile]='python3 scripts/hostile_gpu.py --out $OUT/hostile --timeouts 10 --others --seed ${SEED:-1}'
   [hostile_default]='python3 scripts/hostile_gpu.py --out $OUT/hostile-default --timeouts default --seed ${SEED:-1}'
+  [hisparse]='OUT=$OUT/hisparse LIMIT=100 scripts/gpu_hisparse.sh ${HISPARSE_EXAMPLES:-100} ${SEED:-1}'
 )
 
 run_step() {

@@ -83,7 +83,8 @@ def test_dcp_convert_index_partitions_the_valid_entries(seed, size, inter, compa
         owner, local = R.dcp_owner_and_local(topk_idx.long().clamp(min=0), size, inter)
         mine = (topk_idx >= 0) & (owner == r) & (local // bs < width)
         want = torch.where(mine, tables[r].long()[req_id.long()[:, None], (local // bs).clamp(max=width - 1)] * bs + local % bs, -1)
-        assert torch.equal(got, compact_rows(want.int())[0] if compact else want.int())
+        # At dcp_size 1 upstream delegates to the plain converter, which never compacts here.
+        assert torch.equal(got, compact_rows(want.int())[0] if compact and size > 1 else want.int())
         owned += mine
     # Every valid global entry is owned by exactly one rank.
     assert bool((owned <= 1).all())

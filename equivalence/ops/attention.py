@@ -40,8 +40,8 @@ def _prefill_inputs(p, seed, device):
     mode = p.get("topk_length", "none")
     if mode == "random":
         length = randint(g, 0, topk + 1, tokens)
-    elif mode == "edges":  # 0, 1 and full lengths
-        length = torch.tensor([0, 1, topk], device=device)[randint(g, 0, 3, tokens)]
+    elif mode == "edges":  # 0, 1, K - 1 and K
+        length = torch.tensor([0, 1, max(topk - 1, 0), topk], device=device)[randint(g, 0, 4, tokens)]
     sink = None
     if p.get("sink", "none") != "none":
         sink = torch.randn(heads, generator=g, device=device)
@@ -98,7 +98,7 @@ def _decode_inputs(p, seed, device):
     at = (start[:, None] + pos).clamp_(max=slot.numel() - 1)  # past a sequence's end: any slot, masked next
     slots_of = torch.where(pos < length[:, None], slot[at], -1)
     idx = distinct_rows(g, slots_of.repeat_interleave(s_q, dim=0), topk)
-    idx = apply_patterns(g, idx, p.get("invalid", []))
+    idx = apply_patterns(g, idx, p.get("invalid", []), last_valid=num_blocks * page - 1)
     storage = torch.full((num_blocks + 1, page + p.get("stride_pad", 0), 656), 0xFF, dtype=torch.uint8, device=device)
     cache = storage[:-1, :page]  # the padded stride stays; the last block is fill_selected_slots' scratch
     # Write only the selected slots: every other byte stays NaN.

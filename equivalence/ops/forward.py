@@ -9,6 +9,8 @@ import torch
 from mla_verify import reference
 from mla_verify.equivalence.batch import make_batch
 from mla_verify.equivalence.contract import guarded
+from mla_verify.equivalence.hisparse_batch import make_hisparse_batch
+from mla_verify.optimized.validation import InputError
 from mla_verify.equivalence.policy import LSE, OUT
 from mla_verify.optimized import registry
 
@@ -20,12 +22,26 @@ ARGUMENTS = ("q", "kv_cache", "query_start_loc", "seq_lens", "block_table", "top
 
 
 def path_of(p) -> str:
+    if p.get("hisparse"):
+        return "bf16_hisparse" if p["cache_dtype"] == "bfloat16" else "fp8_separate_hisparse"
     path = reference.select_path(p["cache_dtype"], p["heads"])
     return path + "_dcp" if p.get("dcp_size", 1) > 1 else path
 
 
+def _layers(outs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Every layer of a HiSparse group compared: the layers' rows concatenated along the tokens."""
+    return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+
+
+def _inputs(p, seed, device):
+    return {"batch": make_hisparse_batch(p, seed, device) if p.get("hisparse") else make_batch(p, seed, device)}
+
+
 def _reference(kw, p):
     b = kw["batch"]
+    if p.get("hisparse"):
+        res = reference.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, **b.hisparse_kwargs())
+        return _layers([{"out": r.out, "lse": r.lse, "logit_l1": r.logit_l1} for r in res])
     if p.get("dcp_size", 1) > 1:
         res = reference.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, exact_merge=True, **b.dcp_kwargs())
     else:
@@ -50,6 +66,8 @@ def _whole(fn, b, p, deviations: tuple[str, ...]) -> ImplOutput:
 
 def _call(subject, kw, p) -> ImplOutput:
     b = kw["batch"]
+    if p.get("hisparse"):
+        return _hisparse(subject, b, p)
     if subject.fn is not None:
         return _whole(subject.fn, b, p, subject.deviations)
     from mla_verify.optimized import pipeline  # imports every kernel module: only when the pipeline runs
@@ -66,16 +84,32 @@ def _call(subject, kw, p) -> ImplOutput:
                       path=res.path, notes=notes)
 
 
+def _hisparse(subject, b, p) -> ImplOutput:
+    """The HiSparse pipeline over every layer of the group, stages resolved as the plain paths'."""
+    if subject.fn is not None:
+        raise InputError("the HiSparse paths take stage implementations (--impl NAME or STAGE=...), not a whole forward_mqa")
+    from mla_verify.optimized import hisparse
+
+    device = b.gpu_rows[0].device.type
+    stages = guarded(registry.resolve(hisparse.needed_stages(p["cache_dtype"]), device, subject.overrides))
+    res = hisparse.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, group_buffer=b.group_buffer,
+                                        stages=stages, **b.hisparse_kwargs())
+    deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
+    notes = tuple(f"{stage}: {why}" for stage, why in sorted(stages.fallbacks.items()))
+    return ImplOutput(_layers([{"out": r.out, "lse": r.lse} for r in res]), stages=stages.describe(),
+                      deviations=deviations, path=res[0].path, notes=notes)
+
+
 register_op(OpSpec(
     name="forward_mqa",
     stage=None,
     arguments=ARGUMENTS,
-    inputs=lambda p, seed, device: {"batch": make_batch(p, seed, device)},
+    inputs=_inputs,
     reference=_reference,
     call=_call,
     checks=(Check("out", OUT, dtype=torch.bfloat16), Check("lse", LSE, "logit_l1", dtype=torch.float32)),
     knobs=lambda p: knobs(p, num_tokens=sum(p["query_lens"]),
                           seq_len=max(c + n for c, n in zip(p["context_lens"], p["query_lens"]))),
     path=path_of,
-    doc="FlashMLASparseImpl.forward_mqa: bf16 / fp8_mixed / fp8_separate paths, with DCP over ranks",
+    doc="FlashMLASparseImpl.forward_mqa: bf16 / fp8_mixed / fp8_separate paths, with DCP over ranks, and the HiSparse paths",
 ))

@@ -22,14 +22,31 @@ def _common_inputs(g, p, logical_tokens):
     return req_id.to(torch.int32), table.to(torch.int32), idx.to(torch.int32)
 
 
+SINGLE_TILE_LIMIT = 4096  # upstream: one program per row iff K is a power of two or next_pow2(K) <= 4096
+
+
+def multi_tile(topk: int) -> bool:
+    """Upstream's converter splits a row over tiles racing on an atomic count: with counts the
+    order within the valid prefix is unspecified (spec vllm_backend.md §5.2)."""
+    return topk & (topk - 1) != 0 and 1 << (topk - 1).bit_length() > SINGLE_TILE_LIMIT
+
+
 def _convert_inputs(p, seed, device):
     g = generator(seed, device)
     bs = p["block_size"]
     req_id, table, idx = _common_inputs(g, p, p["table_width"] * bs)
+    mapping = None
+    if p.get("mapping"):
+        # Batch row -> state row (HiSparse's request_state_indices): the table has a row per
+        # state, some requests none (-1, which reads row 0).
+        states = p["requests"] + 2
+        table = randint(g, 0, 4096, states, p["table_width"]).to(torch.int32)
+        mapping = torch.randperm(states, generator=g, device=device)[: p["requests"]].to(torch.int32)
+        mapping = torch.where(randint(g, 0, 4, p["requests"]) == 0, -1, mapping).to(torch.int32)
     kwargs = {"req_id": req_id, "block_table": table, "topk_indices": idx, "block_size": bs,
               "block_stride_rows": bs + p["stride_extra"] if p.get("stride_extra") else None,
               "prefill_request_ids": None, "prefill_workspace_starts": None,
-              "return_valid_counts": p.get("counts", False)}
+              "return_valid_counts": p.get("counts", False), "idx_mapping": mapping}
     if p.get("prefill"):
         num_prefills = max(1, p["requests"] // 2)
         kwargs["prefill_request_ids"] = randint(g, -1, num_prefills, p["tokens"]).to(torch.int32)
@@ -39,21 +56,31 @@ def _convert_inputs(p, seed, device):
 
 
 def _named_indices(result, counts: bool) -> dict[str, torch.Tensor]:
-    return returned(result, ("indices", "valid_counts") if counts else ("indices",))
+    named = returned(result, ("indices", "valid_counts") if counts else ("indices",))
+    idx = named["indices"]
+    if counts and isinstance(idx, torch.Tensor) and idx.ndim == 2 and multi_tile(idx.shape[1]):
+        # Multi-tile K: the valid prefix is compared as a set (each row's prefix sorted by its own count).
+        cnt = named["valid_counts"]
+        if isinstance(cnt, torch.Tensor) and cnt.shape == idx.shape[:1]:
+            prefix = torch.arange(idx.shape[1], device=idx.device)[None, :] < cnt.to(idx.device).long()[:, None]
+            key = torch.where(prefix, idx.long(), torch.iinfo(torch.int64).max)
+            named["indices"] = torch.where(prefix, key.sort(dim=1).values, idx.long()).to(idx.dtype)
+    return named
 
 
 register_op(OpSpec(
     name="convert_index",
     stage="convert_index",
     arguments=("req_id", "block_table", "topk_indices", "block_size", "block_stride_rows",
-               "prefill_request_ids", "prefill_workspace_starts", "return_valid_counts"),
+               "prefill_request_ids", "prefill_workspace_starts", "return_valid_counts", "idx_mapping"),
     inputs=_convert_inputs,
     reference=lambda kw, p: _named_indices(reference.convert_index(**kw), kw["return_valid_counts"]),
     call=lambda subject, kw, p: ImplOutput(_named_indices(subject.fn(**kw), kw["return_valid_counts"]),
                                            deviations=subject.deviations),
     checks=(Check("indices", EXACT), Check("valid_counts", EXACT)),
     knobs=lambda p: knobs(p, num_tokens=p["tokens"], seq_len=p["table_width"] * p["block_size"]),
-    doc="triton_convert_req_index_to_global_index: block table / stride rows / prefill workspace, stable compaction",
+    doc="triton_convert_req_index_to_global_index: block table / stride rows / prefill workspace / idx_mapping, "
+        "stable compaction (a set past one tile)",
 ))
 
 

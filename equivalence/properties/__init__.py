@@ -108,7 +108,7 @@ def get_property(op: str) -> PropertySpec:
 
 def _load() -> None:
     # In the order `mla-verify list` shows them.
-    from . import split, decode_prefill, padding, batch_invariance, spec_decode, dcp_one, determinism  # noqa: F401
+    from . import split, decode_prefill, padding, batch_invariance, spec_decode, dcp_one, determinism, hisparse_plain  # noqa: F401
 
 
 _load()

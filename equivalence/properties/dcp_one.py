@@ -1,8 +1,8 @@
 """dcp_size_one: decode context parallelism over one rank is no DCP at all, exactly.
 
-    convert_index  dcp_convert_index with dcp_size 1 (rank 0, any interleave, compacted or not)
-                   against convert_index (compacted = with valid counts): one rank owns every
-                   position, at its own place
+    convert_index  dcp_convert_index with dcp_size 1 (rank 0, any interleave, either flag)
+                   against convert_index without counts: one rank owns every position, at its own
+                   place, and upstream's dcp_size 1 ignores compact_valid_to_front
     forward_mqa    forward_mqa_dcp over one rank against forward_mqa (fp8_mixed path): the merge
                    of one rank weighs it by exp(0) = 1 and gives back its own LSE. A token with
                    no valid entry merges to (0, -inf), the identity, where forward_mqa says
@@ -32,8 +32,7 @@ def _index_check(kw: dict, p: Mapping, stages) -> list:
     sharded = stages.fn("dcp_convert_index")(**kw)
     plain = stages.fn("convert_index")(
         req_id=kw["req_id"], block_table=kw["block_table"], topk_indices=kw["topk_indices"],
-        block_size=kw["block_size"], return_valid_counts=kw["compact_valid_to_front"])
-    plain = plain[0] if isinstance(plain, tuple) else plain
+        block_size=kw["block_size"])
     return [Compared("convert_index", "indices", EXACT, sharded, plain)]
 
 

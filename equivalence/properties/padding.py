@@ -118,8 +118,8 @@ def _decode_inputs(p: Mapping, seed: int, device: str) -> dict:
 
 
 def _forward_inputs(p: Mapping, seed: int, device: str) -> dict:
-    if "out_of_range" in p["invalid"]:
-        raise ValueError("block_table: out_of_range top-k entries would reach the added columns")
+    if {"out_of_range", "boundaries"} & set(p["invalid"]):
+        raise ValueError("block_table: out_of_range / boundaries top-k entries would reach the added columns")
     batch = make_batch(p, seed, device)
     gen = rewrite_generator(seed)
     table = batch.block_table

@@ -34,12 +34,17 @@ _INT32_MAX = 2**31 - 1
 
 @triton.jit
 def _convert_kernel(
-    req_id, block_table, bt_stride, topk, out, counts, prefill_ids, prefill_starts,
+    req_id, block_table, bt_stride, topk, out, counts, prefill_ids, prefill_starts, idx_mapping,
     M, block_size, stride_rows, dcp_size, dcp_rank, interleave,
     K: tl.constexpr, HAS_PREFILL: tl.constexpr, COMPACT: tl.constexpr, TILE: tl.constexpr,
+    HAS_IDX_MAPPING: tl.constexpr,
 ):
     t = tl.program_id(0)
-    table_row = block_table + tl.load(req_id + t).to(tl.int64) * bt_stride
+    r = tl.load(req_id + t)
+    if HAS_IDX_MAPPING:
+        # A request without a state row (-1) reads row 0, as upstream's max(mapping, 0).
+        r = tl.maximum(tl.load(idx_mapping + r), 0)
+    table_row = block_table + r.to(tl.int64) * bt_stride
     row_in = topk + t.to(tl.int64) * K
     row_out = out + t.to(tl.int64) * K
     if HAS_PREFILL:
@@ -121,16 +126,17 @@ def _convert(
     compact: bool,
     prefill_ids: torch.Tensor | None = None,
     prefill_starts: torch.Tensor | None = None,
+    idx_mapping: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_tokens, topk_width = topk.shape
     out = buffers.empty(topk.shape, torch.int32, topk.device)
     counts = buffers.empty((num_tokens,), torch.int32, topk.device) if compact else None
     if num_tokens:
         _convert_kernel[(num_tokens,)](
-            req_id, block_table, block_table.stride(0), topk, out, counts, prefill_ids, prefill_starts,
+            req_id, block_table, block_table.stride(0), topk, out, counts, prefill_ids, prefill_starts, idx_mapping,
             block_table.shape[1], block_size, stride_rows, dcp_size, dcp_rank, interleave,
             K=topk_width, HAS_PREFILL=prefill_ids is not None, COMPACT=compact,
-            TILE=min(triton.next_power_of_2(topk_width), _MAX_TILE),
+            TILE=min(triton.next_power_of_2(topk_width), _MAX_TILE), HAS_IDX_MAPPING=idx_mapping is not None,
         )
     return out, counts
 
@@ -145,8 +151,12 @@ def convert_index(
     prefill_request_ids: torch.Tensor | None = None,
     prefill_workspace_starts: torch.Tensor | None = None,
     return_valid_counts: bool = False,
+    idx_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """triton_convert_req_index_to_global_index with dcp_size = 1 (spec §5.2).
+
+    idx_mapping [R'] int32 (HAS_IDX_MAPPING, HiSparse's request_state_indices): the block-table
+    row of token t is max(idx_mapping[req_id[t]], 0) instead of req_id[t].
 
     req_id [T], block_table [R, M], topk_indices [T, K], all int32 -> [T, K] int32:
     phys = block_table[req_id[t], tok // BS] * S + tok % BS with S = block_stride_rows or BS;
@@ -156,7 +166,16 @@ def convert_index(
     return_valid_counts=True compacts each row stably (valid entries first, in input order,
     then -1) and also returns the counts [T] int32.
     """
-    req_id, block_table, topk_indices = _checked_rows(req_id, block_table, topk_indices, block_size)
+    if idx_mapping is not None:
+        check_tensor("idx_mapping", idx_mapping, dtype=torch.int32, ndim=1)
+        check_same_device(req_id=req_id, idx_mapping=idx_mapping)
+        check_index_range("req_id", req_id, idx_mapping.shape[0])
+        # _checked_rows bounds req_id by the table's rows; under a mapping it bounds the mapping.
+        rows_checked = _checked_rows(idx_mapping[req_id.long()].clamp(min=0), block_table, topk_indices, block_size)
+        req_id, block_table, topk_indices = req_id.contiguous(), rows_checked[1], rows_checked[2]
+        idx_mapping = idx_mapping.contiguous()
+    else:
+        req_id, block_table, topk_indices = _checked_rows(req_id, block_table, topk_indices, block_size)
     stride_rows = block_stride_rows or block_size
     if stride_rows < block_size:
         raise InputError(
@@ -184,6 +203,7 @@ def convert_index(
         req_id, block_table, topk_indices,
         block_size=block_size, stride_rows=stride_rows, dcp_size=1, dcp_rank=0, interleave=1,
         compact=return_valid_counts, prefill_ids=prefill_request_ids, prefill_starts=prefill_workspace_starts,
+        idx_mapping=idx_mapping,
     )
     return (out, counts) if return_valid_counts else out
 
@@ -203,10 +223,9 @@ def dcp_convert_index(
 
     owner = (tok // I) % N, local = (tok // (N * I)) * I + tok % I; entries with owner != rank,
     tok < 0 or local // BS outside [0, M) -> -1; the rest -> block_table[r, local // BS] * BS +
-    local % BS (this rank's block table). Compacts stably (-1 tail) iff compact_valid_to_front,
-    for every dcp_size. Upstream delegates dcp_size == 1 to the plain converter and ignores the
-    flag there (it compacts only with return_valid_counts); the two agree whenever the flag is
-    False, which is how the backend calls it.
+    local % BS (this rank's block table). Compacts stably (-1 tail) iff compact_valid_to_front
+    and dcp_size > 1: upstream delegates dcp_size == 1 to the plain converter, which ignores the
+    flag (it compacts only with return_valid_counts), and we follow it.
     """
     req_id, block_table, topk_indices = _checked_rows(req_id, block_table, topk_indices, block_size)
     if dcp_size < 1:
@@ -223,6 +242,6 @@ def dcp_convert_index(
     out, _ = _convert(
         req_id, block_table, topk_indices,
         block_size=block_size, stride_rows=block_size, dcp_size=dcp_size, dcp_rank=dcp_rank,
-        interleave=interleave, compact=compact_valid_to_front,
+        interleave=interleave, compact=compact_valid_to_front and dcp_size > 1,
     )
     return out

@@ -44,9 +44,10 @@ def zeroes_indices(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
 
 
 def zeroes_block_table(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
-                       prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False):
+                       prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False,
+                       idx_mapping=None):
     result = eager.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows,
-                                 prefill_request_ids, prefill_workspace_starts, return_valid_counts)
+                                 prefill_request_ids, prefill_workspace_starts, return_valid_counts, idx_mapping)
     block_table.zero_()
     return result
 

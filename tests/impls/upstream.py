@@ -126,13 +126,14 @@ def triton_convert_req_index_to_global_index(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     _check_tiling(token_indices, NUM_TOPK_TOKENS, BLOCK_N)
     assert req_id.shape[0] == token_indices.shape[0]
-    assert dcp_size == 1 and out is None and valid_counts_out is None and idx_mapping is None  # not modelled here
+    assert dcp_size == 1 and out is None and valid_counts_out is None  # not modelled here
     if HAS_PREFILL_WORKSPACE:
         assert prefill_workspace_request_ids is not None and prefill_workspace_starts is not None
     else:  # upstream never reads them without the flag
         prefill_workspace_request_ids = prefill_workspace_starts = None
     return eager.convert_index(req_id, block_table, token_indices, BLOCK_SIZE, BLOCK_STRIDE_ROWS,
-                               prefill_workspace_request_ids, prefill_workspace_starts, return_valid_counts)
+                               prefill_workspace_request_ids, prefill_workspace_starts, return_valid_counts,
+                               idx_mapping=idx_mapping)
 
 
 def triton_filter_and_convert_dcp_index(

@@ -94,3 +94,11 @@ def decode_lse_token_major(q, kv_cache, indices, sm_scale):
     res = reference.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
     lse = res.lse.transpose(1, 2).reshape(res.lse.shape)
     return res.out.float().to(torch.bfloat16), lse.float()
+
+
+def index_n_is_valid(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """An off-by-one range check (`idx <= N`): index N, one past the last row, is read (as row N - 1,
+    what a padded buffer would hold). Survived 100 forward_mqa examples before the boundary draws."""
+    at_n = indices == kv.shape[0]
+    return _as_kernel(reference.sparse_prefill(q, kv, torch.where(at_n, kv.shape[0] - 1, indices), sm_scale,
+                                               topk_length, attn_sink))

@@ -7,17 +7,19 @@ from mla_verify.reference.indices import compact_rows
 
 
 def ignores_block_stride(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
-                         prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False):
+                         prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False,
+                         idx_mapping=None):
     """vLLM #54465: phys = block * block_size + offset although blocks are stride rows apart."""
     return reference.convert_index(req_id, block_table, topk_indices, block_size, None, prefill_request_ids,
-                                   prefill_workspace_starts, return_valid_counts)
+                                   prefill_workspace_starts, return_valid_counts, idx_mapping=idx_mapping)
 
 
 def unstable_compaction(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
-                        prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False):
+                        prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False,
+                         idx_mapping=None):
     """Valid entries compacted to the front in reverse order (the multi-tile atomic path's risk)."""
     phys = reference.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows,
-                                   prefill_request_ids, prefill_workspace_starts, False)
+                                   prefill_request_ids, prefill_workspace_starts, False, idx_mapping=idx_mapping)
     if not return_valid_counts:
         return phys
     out, counts = compact_rows(phys.flip(1))
@@ -25,27 +27,30 @@ def unstable_compaction(req_id, block_table, topk_indices, block_size, block_str
 
 
 def counts_without_compaction(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
-                              prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False):
+                              prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False,
+                         idx_mapping=None):
     """vLLM 02a26fa0: valid counts returned but entries left in place (wrong with topk_length)."""
     phys = reference.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows,
-                                   prefill_request_ids, prefill_workspace_starts, False)
+                                   prefill_request_ids, prefill_workspace_starts, False, idx_mapping=idx_mapping)
     return (phys, (phys >= 0).sum(1).to(torch.int32)) if return_valid_counts else phys
 
 
 def no_block_range_check(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
-                         prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False):
+                         prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False,
+                         idx_mapping=None):
     """Logical blocks past the block table read its last column instead of becoming -1."""
     last_ok = block_table.shape[1] * block_size - 1
     clamped = torch.where(topk_indices >= 0, topk_indices.clamp(max=last_ok), topk_indices)
     return reference.convert_index(req_id, block_table, clamped, block_size, block_stride_rows,
-                                   prefill_request_ids, prefill_workspace_starts, return_valid_counts)
+                                   prefill_request_ids, prefill_workspace_starts, return_valid_counts, idx_mapping=idx_mapping)
 
 
 def only_minus_one_invalid(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
-                           prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False):
+                           prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False,
+                         idx_mapping=None):
     """Treats only -1 as invalid (the upstream test reference's gap): other negatives pass through."""
     result = reference.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows,
-                                     prefill_request_ids, prefill_workspace_starts, False)
+                                     prefill_request_ids, prefill_workspace_starts, False, idx_mapping=idx_mapping)
     result = torch.where(topk_indices < -1, topk_indices, result)
     if not return_valid_counts:
         return result
@@ -56,16 +61,16 @@ def only_minus_one_invalid(req_id, block_table, topk_indices, block_size, block_
 
 def prefill_rows_through_block_table(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
                                      prefill_request_ids=None, prefill_workspace_starts=None,
-                                     return_valid_counts=False):
+                                     return_valid_counts=False, idx_mapping=None):
     """Prefill tokens converted to cache slots instead of workspace rows."""
     return reference.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows, None, None,
-                                   return_valid_counts)
+                                   return_valid_counts, idx_mapping=idx_mapping)
 
 
 def dcp_no_ownership_filter(req_id, block_table, topk_indices, block_size, dcp_size, dcp_rank, interleave,
                             compact_valid_to_front):
     """vLLM #46514: global positions converted through the local block table, unfiltered."""
-    out = reference.convert_index(req_id, block_table, topk_indices, block_size)
+    out = reference.convert_index(req_id, block_table, topk_indices, block_size, idx_mapping=idx_mapping)
     return compact_rows(out)[0] if compact_valid_to_front else out
 
 

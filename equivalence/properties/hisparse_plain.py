@@ -1,0 +1,57 @@
+"""hisparse_equals_plain: the HiSparse path and the plain path of one implementation agree bit for bit.
+
+    layers   every layer of a HiSparse group (host cache, hot slots, swap-in, staged prefill rows,
+             resident path, persistent buffer or its fallback) against the plain pipeline on that
+             layer's logical cache and query: out and LSE, the layers' rows concatenated.
+HiSparse relocates rows; every row a kernel reads is a byte copy of a logical one, in the same
+column order (stable compaction), so the same kernels see the same bytes. Two conditions keep
+the work identical and are drawn so: bf16 runs the same BF16 kernel over every token either
+way; fp8 (heads >= 32) needs the same decode/prefill split on both sides, so prefills are longer
+than the plain threshold, and -1 only trails a row (no invalid-index patterns) (HiSparse's FP8 decode keeps -1 in place where
+the plain separate path compacts, which moves valid entries when -1 is interleaved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+
+from mla_verify.equivalence.hisparse_batch import make_hisparse_batch
+from mla_verify.equivalence.policy import LSE, OUT
+from mla_verify.optimized import hisparse, pipeline
+
+from . import Compared, PropertySpec, Target, register_property
+from .common import forward_knobs, forward_scale
+
+UNDER_TEST = ("convert_index", "hisparse_place", "hisparse_swap_in", "hisparse_prefill_plan", "stage_prefill_rows",
+              "gather_fp8_prefill", "index_group", "sparse_prefill", "sparse_decode_fp8", "gather_upconvert_fp8")
+
+
+def _stages(p: Mapping) -> list[str]:
+    plain = pipeline.needed_stages(p["cache_dtype"], p["heads"])
+    return list(dict.fromkeys([*hisparse.needed_stages(p["cache_dtype"]), *plain]))
+
+
+def _inputs(p: Mapping, seed: int, device: str) -> dict:
+    return {"batch": make_hisparse_batch(p, seed, device)}
+
+
+def _check(kw: dict, p: Mapping, stages) -> list:
+    b = kw["batch"]
+    got = hisparse.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, group_buffer=b.group_buffer,
+                                        stages=stages, **b.hisparse_kwargs())
+    base = [pipeline.forward_mqa(q, cache, stages=stages, **b.plain_kwargs()) for q, cache in zip(b.q_layers, b.plain_caches)]
+    # Layer 0's key norms stand in for every layer's (rows of one distribution): a unit, not a bound.
+    scale = torch.cat([forward_scale(dataclasses.replace(b.plain, q=q), p["sm_scale"]) for q in b.q_layers])
+    return [Compared("layers", "out", OUT, torch.cat([r.out for r in got]), torch.cat([r.out for r in base])),
+            Compared("layers", "lse", LSE, torch.cat([r.lse for r in got]), torch.cat([r.lse for r in base]), scale)]
+
+
+register_property(PropertySpec(
+    name="hisparse_equals_plain",
+    checks=("layers",),
+    targets={"forward_mqa": Target("forward_mqa", _stages, UNDER_TEST, _inputs, _check, forward_knobs)},
+    doc="every layer of a HiSparse group equals the plain path on its logical cache, bit for bit",
+))
