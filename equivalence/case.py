@@ -2,7 +2,7 @@
 
 A Case names an op (a public-contract function or a `forward_mqa` path), the structure of its
 inputs (shapes, knobs, value regime, scale rule) and a seed. Every tensor is derived from the
-seed by `equivalence.inputs`, so a Case is small JSON that reads the same on CPU and GPU, and a
+seed by its op's `inputs` (`equivalence.ops`), so a Case is small JSON that reads the same on CPU and GPU, and a
 saved failure replays without pickles.
 """
 

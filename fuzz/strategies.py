@@ -1,7 +1,7 @@
 """Hypothesis strategies: one per op, each drawing a Case (structure + seed) within a profile.
 
 Hypothesis draws the structure (shapes, knobs, patterns) and an integer seed; the tensors come
-from a generator seeded with it (`equivalence.inputs`), so a failure shrinks to a small structure
+from a generator seeded with it (each op's `inputs`, `equivalence.ops`), so a failure shrinks to a small structure
 and replays from its JSON. Every drawn case is valid by the op's contract: what a correct
 implementation must accept.
 """

@@ -31,10 +31,6 @@ class Implementation:
     doc: str = ""
     interpreted_on: frozenset[str] = frozenset()  # devices where it runs only under an interpreter
 
-    @property
-    def label(self) -> str:
-        return self.name
-
     def why_not(self, device: str) -> str | None:
         if device not in self.devices:
             return f"runs on {'/'.join(sorted(self.devices))}, not {device}"

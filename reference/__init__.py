@@ -37,7 +37,7 @@ from .indices import (
 )
 from .metadata import split_prefill_chunks
 from .nvfp4_ds_mla import dequantize_nvfp4_ds_mla, nvfp4_ds_mla_values, quantize_nvfp4_ds_mla
-from .paged_cache import flat_kv_row_view, write_bf16_cache, write_fp8_ds_mla_cache, write_nvfp4_ds_mla_cache
+from .paged_cache import flat_kv_row_view, write_fp8_ds_mla_cache, write_nvfp4_ds_mla_cache
 from .query import concat_mla_q, reshape_attn_output_for_spec_decode, reshape_query_for_spec_decode
 from .workspace import gather_upconvert_fp8, gather_upconvert_nvfp4
 
@@ -49,6 +49,6 @@ __all__ = [
     "mask_empty_shards", "memory_budget", "memory_limit", "merge_weights", "neutralize_empty_rows", "nvfp4_ds_mla_values",
     "quantize_fp8_ds_mla", "quantize_nvfp4_ds_mla", "req_id_per_token", "reshape_attn_output_for_spec_decode",
     "reshape_query_for_spec_decode", "select_path", "sparse_decode", "sparse_decode_chunks", "sparse_decode_fp8",
-    "sparse_prefill", "sparse_prefill_chunks", "split_prefill_chunks", "write_bf16_cache", "write_fp8_ds_mla_cache",
+    "sparse_prefill", "sparse_prefill_chunks", "split_prefill_chunks", "write_fp8_ds_mla_cache",
     "write_nvfp4_ds_mla_cache",
 ]

@@ -79,9 +79,3 @@ def dcp_merge_exact(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tenso
     """The same merge with no intermediate rounding: what the combine approximates."""
     merged, f = merge_weights(lses)
     return _scaled_terms(outs, f).sum(dim=0), merged
-
-
-def reduce_scatter_heads(merged: torch.Tensor, dcp_rank: int, dcp_size: int) -> torch.Tensor:
-    """The heads rank `dcp_rank` receives from the reduce-scatter: [r*H, (r+1)*H) of dim 1."""
-    heads = merged.shape[1] // dcp_size
-    return merged[:, dcp_rank * heads : (dcp_rank + 1) * heads]

@@ -29,11 +29,6 @@ def scatter_rows(rows: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch
     kv_cache[slots[keep] // block_size, slots[keep] % block_size] = rows[keep]
 
 
-def write_bf16_cache(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """bf16 cache: the row is [kv_c (512) | k_pe (64)], copied (`concat_and_cache_mla`)."""
-    scatter_rows(kv.to(kv_cache.dtype), kv_cache, slot_mapping)
-
-
 def write_fp8_ds_mla_cache(
     kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, scale_rule: str = "pow2"
 ) -> None:

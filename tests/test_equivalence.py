@@ -143,3 +143,14 @@ def test_snapshot_catches_every_single_byte_change(nbytes):
             assert [name for name, _ in found] == ["x"], (at, delta)
             assert ("outside the tensor's view" in found[0][1]) == (at in (0, nbytes - 1))
     assert Snapshot({"x": view}).changed() == [] and Snapshot({"x": view}).changed(("x",)) == []
+
+
+def test_every_deviation_a_registered_implementation_declares_is_in_the_policy():
+    """optimized/ cannot import the policy (one-way layering), so a misspelled deviation on a
+    registry entry would silently hold that implementation to the exact bounds: caught here."""
+    from mla_verify.optimized import registry
+
+    declared = {(stage, impl.name, d) for stage in registry.stages() for impl in registry.implementations(stage)
+                for d in impl.deviations}
+    assert declared, "no registered implementation declares a deviation: the registry did not load"
+    assert not [entry for entry in declared if entry[2] not in DEVIATIONS]
