@@ -50,6 +50,17 @@ PINNED: dict[str, dict[str, dict]] = {
                         "max_model_len": 4160},
         "dcp_merge": dict(tokens=256, heads=HEADS, empty_frac=0.3),
     },
+    # A bf16 HiSparse batch over two layers: 16 decodes swapped into a hot cache sized to fit, and
+    # two staged prefills, against the same batch on the plain path.
+    "hisparse_equals_plain": {
+        "forward_mqa": dict(cache_dtype="bfloat16", heads=64, query_lens=[1] * 16 + [128, 256],
+                            context_lens=[4096] * 16 + [1024, 2048], block_size=64, stride_blocks=1, spare_blocks=1,
+                            spare_state_rows=0, shuffle=True, slot_perm=True, table_pad=0, topk=TOPK,
+                            sm_scale=SM_SCALE, value_regime="normal", scale_rule="pow2", invalid=["scattered"],
+                            hisparse=True, layers=2, buffer_rows=512, hot_slack=0, prior_hits=0.5,
+                            resident_frac=0.0, swap_rows="fit", max_decode_query_len=1, max_model_len=4097,
+                            workspace_size=None),
+    },
     "determinism": {
         "sparse_prefill": PREFILL,
         "sparse_decode_fp8": DECODE,

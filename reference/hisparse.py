@@ -89,7 +89,12 @@ def swap_in(
                    the step needs; dgi[s, k] = h and the swap (h -> hot row of k) is listed
         phys = hot_block_table[r, k//B] * S + k%B; hits and misses become most recently used.
     A step never evicts a row it needs (a request's union fits its D slots). With counts the valid
-    entries are compacted stably to the front."""
+    entries are compacted stably to the front. The policy walks the tables on the host (one read
+    each, not one device sync per entry); the physical indices come back on topk's device."""
+    device = topk.device
+    req_id, topk, host_block_table, residency, request_state_indices, hot_block_table, device_global_indices, \
+        lru_slots = (t.cpu() for t in (req_id, topk, host_block_table, residency, request_state_indices,
+                                        hot_block_table, device_global_indices, lru_slots))
     bs, width = block_size, host_block_table.shape[1]
     dgi = device_global_indices.clone()
     lru = {s: [int(k) for k in lru_slots[s]] for s in range(lru_slots.shape[0])}
@@ -133,7 +138,7 @@ def swap_in(
     if return_valid_counts:
         order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
         phys = phys.gather(1, order)
-    return Swaps(phys.to(torch.int32), valid.sum(dim=1).to(torch.int32), host_rows, hot_rows)
+    return Swaps(phys.to(device, torch.int32), valid.sum(dim=1).to(device, torch.int32), host_rows, hot_rows)
 
 
 def apply_swaps(host_cache: torch.Tensor, gpu_rows: torch.Tensor, swaps: Swaps) -> torch.Tensor:
@@ -158,6 +163,9 @@ def staged_prefill_rows(
     them: its resident block's rows if that page is resident for it, else the host rows. Returns
     (staged rows [|U| * B, W], staged block table [P, M] int32)."""
     bs = host_cache.shape[1]
+    device = prefill_block_table.device
+    prefill_block_table, residency, prefill_state_rows = (t.cpu() for t in (prefill_block_table, residency,
+                                                                            prefill_state_rows))
     first_ref: dict[int, tuple[int, int]] = {}
     for p, n in enumerate(prefill_seq_lens):
         for page in range(-(-n // bs)):
@@ -173,7 +181,7 @@ def staged_prefill_rows(
         p, page = first_ref.get(b, (None, None))
         resident = int(residency[int(prefill_state_rows[p]), page]) if p is not None and b else 0
         staged.append(gpu_rows[resident * stride_rows : resident * stride_rows + bs] if resident else host_cache[b])
-    return torch.cat(staged), table
+    return torch.cat(staged), table.to(device)
 
 
 def forward_mqa_hisparse(
@@ -205,7 +213,7 @@ def forward_mqa_hisparse(
     host_caches = [h.to(g.device) for h, g in zip(host_caches, gpu_rows)]  # pinned host memory on CUDA
     num_tokens = q_layers[0].shape[0]
     topk = topk_indices[:num_tokens]
-    req_id = req_id_per_token(query_start_loc, num_tokens)
+    req_id = req_id_per_token(query_start_loc, num_tokens).to(topk_indices.device)
     # The HiSparse builder's reorder threshold is 1, raised to the spec-decode query length.
     split = split_decodes_and_prefills(query_start_loc, max_decode_query_len)
     nd, nreq = split.num_decode_tokens, split.num_decodes
@@ -242,8 +250,10 @@ def forward_mqa_hisparse(
         dec = convert(slice(0, nd), False) if nd else None
         if nd < num_tokens:
             plan = plan_prefill(query_start_loc, seq_lens, split, workspace_size or prefill_workspace_size(max_model_len))
-            pidx, pcnt = convert_index(req_id, host_block_table, topk, bs, prefill_request_ids=plan.request_ids[:num_tokens],
-                                       prefill_workspace_starts=plan.workspace_starts, return_valid_counts=True)
+            pidx, pcnt = convert_index(req_id, host_block_table, topk, bs,
+                                       prefill_request_ids=plan.request_ids[:num_tokens].to(topk.device),
+                                       prefill_workspace_starts=plan.workspace_starts.to(topk.device),
+                                       return_valid_counts=True)
 
     results = []
     for layer, (q, host, slab) in enumerate(zip(q_layers, host_caches, gpu_rows)):
@@ -273,7 +283,7 @@ def forward_mqa_hisparse(
                 first = chunk.requests[0] - nreq
                 workspace = gather_upconvert_fp8(
                     rows.view(-1, bs, rows.shape[-1]), table[first : first + chunk.requests[1] - chunk.requests[0]],
-                    torch.tensor(chunk.workspace_starts, dtype=torch.int32), chunk.total_rows)
+                    torch.tensor(chunk.workspace_starts, dtype=torch.int32, device=rows.device), chunk.total_rows)
                 t = slice(*chunk.tokens)
                 res = sparse_prefill(q[t], workspace, pidx[t], sm_scale, topk_length=pcnt[t], dtype=dtype)
                 out[t], lse[t], l1[t] = res.out, res.lse, res.logit_l1

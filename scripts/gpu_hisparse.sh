@@ -26,6 +26,8 @@ run fuzz-fp8_separate_hisparse fuzz --op forward_mqa --path fp8_separate_hispars
 for impl in flash_mla triton torch-fp32; do
   run "property-$impl" fuzz --op property:hisparse_equals_plain --impl "$impl" --examples "$((EXAMPLES / 4 + 1))"
 done
-# What comes back from a device call is a few files: keep the logs.
+# What comes back from a device call is a few files: the logs, and the run directories (rows,
+# failing cases, harness-error.txt) packed into one archive.
+tar czf "$OUT/runs.tgz" -C "$OUT" --exclude runs.tgz $(cd "$OUT" && find . -mindepth 1 -maxdepth 1 -type d) 2>/dev/null
 find "$OUT" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +
 printf '%s\n' "${summary[@]}"
