@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_isolation(p)
     _add_reference_memory(p)
     p.add_argument("--op", required=True, help="an op, forward_mqa, dcp, or property:NAME (`mla-verify list`)")
-    p.add_argument("--path", default=None, help="forward_mqa: bf16 | fp8_mixed | fp8_separate | fp8_mixed_dcp; "
-                   "property:NAME: one of its targets (default: all of them, drawn)")
+    p.add_argument("--path", default=None, help="forward_mqa: bf16 | fp8_mixed | fp8_separate | fp8_mixed_dcp | "
+                   "bf16_hisparse | fp8_separate_hisparse; property:NAME: one of its targets (default: all of them, "
+                   "drawn)")
     p.add_argument("--world-size", type=int, default=None, choices=(2, 4, 8),
                    help="dcp only: rank processes (default 2); one GPU each when there are enough, else gloo")
     p.add_argument("--impl", action="append", default=[], metavar="[STAGE=]MODULE:CALLABLE|NAME",

@@ -207,3 +207,11 @@ def test_list_op_of_a_property_shows_each_check_and_what_it_is_held_to(capsys):
     code, text = run(capsys, "list", "--device", "cpu", "--op", "property:determinism")
     assert code == 0 and "rerun: bit for bit" in text
     assert run(capsys, "list", "--op", "no_such_op")[0] == 2
+
+
+def test_fuzz_help_names_every_forward_mqa_path(capsys):
+    from mla_verify.fuzz.strategies import FORWARD_PATHS
+
+    assert main(["fuzz", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert all(path in text for path in FORWARD_PATHS), [p for p in FORWARD_PATHS if p not in text]
