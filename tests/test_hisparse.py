@@ -117,8 +117,7 @@ def test_dcp_size_one_never_compacts(convert):
 
 @pytest.mark.gpu
 def test_cuda_host_tier_is_pinned():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA: the host tier is pinned CPU memory only there")
+    """On CUDA the host tier is pinned CPU memory, as HiSparse's source cache is (conftest skips it without a GPU)."""
     p = dict(cache_dtype="bfloat16", heads=16, query_lens=[1, 1], context_lens=[300, 200], block_size=64, topk=128,
              sm_scale=0.1, value_regime="normal")
     hb = make_hisparse_batch(p, 0, "cuda")
