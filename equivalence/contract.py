@@ -21,6 +21,8 @@ import torch
 
 from mla_verify.optimized.registry import Resolved
 
+from .spec import SPECS
+
 
 class ContractError(Exception):
     """The implementation broke the contract in a way that is not a value (one-line message)."""
@@ -209,10 +211,8 @@ def guard(stage: str, name: str, fn: Callable, writes: Collection[str] = (), vie
 
 def guarded(stages: Resolved) -> Resolved:
     """`stages` with every chosen implementation wrapped by `guard` (its op's declared writes and views)."""
-    from .ops import OPS
-
     def wrap(stage: str, impl):
-        op = OPS.get(stage)
+        op = SPECS[stage].spec if stage in SPECS else None  # pipeline-internal stages have no op of their own
         fn = guard(stage, impl.name, impl.fn, op.writes if op else (), op.views if op else False)
         return dataclasses.replace(impl, fn=fn)
 

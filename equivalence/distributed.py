@@ -115,11 +115,11 @@ def _rank_case(rank: int, device: str, params: dict, seed: int, specs: tuple[str
     from mla_verify.optimized.buffers import poisoned
     from mla_verify.optimized.dcp_runtime import forward_mqa_dcp_rank, rank_stages
 
-    from .subject import resolve_subject
+    from .subject import pipeline_subject
 
     device_type = device.split(":")[0]
     if (specs, declared) not in subjects:
-        subjects[specs, declared] = resolve_subject("dcp", specs, device_type, deviations=declared)
+        subjects[specs, declared] = pipeline_subject("dcp", specs, device_type, declared)
     subject = subjects[specs, declared]
     batch = make_batch(params, seed, device)
     heads = params["heads"]

@@ -3,7 +3,7 @@ CUDA error.
 
 A CUDA illegal address or device-side assert poisons the whole context, and a kernel can spin
 forever; either way the campaign must record the case as failed and go on. The worker receives
-(case, --impl specs, declared deviations), evaluates it with `equivalence.evaluate`, and sends back
+(case, --impl specs, declared deviations), evaluates it with `equivalence.catalog.evaluate`, and sends back
 plain row dicts.
 
 Clocks. A worker says "ready" once it has imported everything, created its CUDA context and
@@ -31,8 +31,8 @@ from typing import Any, Sequence
 
 from .case import Case
 from .device import first_line, is_device_error
-from .evaluate import failure_row, identity
 from .rows import Row
+from .running import failure_row
 
 STARTUP_TIMEOUT_S = 300.0   # imports, CUDA context, warm-up: never counted against a case
 # Spares kept warming once a worker has been replaced. A CUDA worker takes seconds to start (CUDA
@@ -65,9 +65,8 @@ def _serve(conn, device: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it finishes the case
     if not device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from .catalog import evaluate, resolve_subject
     from .device import usable
-    from .evaluate import evaluate
-    from .subject import resolve_subject
 
     _warm_up(device)
     conn.send(("ready", os.getpid()))
@@ -198,9 +197,11 @@ class Worker:
     ) -> list[Row]:
         """The case's rows, or a single failure row ("crashed" / "hung") when the worker died or
         did not answer in time. Raises HarnessError for a failure of the harness itself."""
+        from .catalog import get_spec  # it imports the kernels: not before `_serve` set up Triton
+
         p = self._ensure()
         base = dict(run_id=run_id, case_id=case.case_id, impl=label, stages="", device=self.device,
-                    seed=case.seed, source=source, **identity(case))
+                    seed=case.seed, source=source, **get_spec(case.op).identity(case))
         try:
             p.conn.send((case.to_dict(), list(specs), list(deviations), run_id, source))
         except (BrokenPipeError, OSError):

@@ -26,9 +26,8 @@ from typing import Callable, Sequence
 from mla_verify import adapters
 from mla_verify.optimized import registry
 
-from .ops import OPS, get_op
+from .contracts import CONTRACTS, arguments as contract_arguments
 from .policy import DEVIATIONS
-from .properties import get_property, is_property
 
 
 class UsageError(ValueError):
@@ -97,15 +96,15 @@ def declared_deviations(fn: Callable, deviations: Sequence[str], what: str) -> t
     return names
 
 
-def _stage_arguments(stage: str) -> tuple[str, ...]:
+def stage_arguments(stage: str) -> tuple[str, ...]:
     """The keywords a stage is called with: its op's contract, or for a pipeline-internal stage (the
     HiSparse data plane, the index group) the parameters of its registered implementation."""
-    if stage in OPS:
-        return get_op(stage).arguments
+    if stage in CONTRACTS:
+        return contract_arguments(stage)
     return tuple(inspect.signature(registry.implementations(stage)[0].fn).parameters)
 
 
-def _implementation(stage: str, spec: str, device: str, deviations: Sequence[str] = ()) -> registry.Implementation:
+def implementation(stage: str, spec: str, device: str, deviations: Sequence[str] = ()) -> registry.Implementation:
     """A registered implementation by name, or a user's callable wrapped as one (with its deviations)."""
     if ":" not in spec:
         try:
@@ -114,7 +113,7 @@ def _implementation(stage: str, spec: str, device: str, deviations: Sequence[str
             raise UsageError(f"--impl {spec!r} for {stage}: {exc}") from None
         return impl
     fn = load_callable(spec)
-    check_signature(fn, _stage_arguments(stage), f"--impl {spec}")
+    check_signature(fn, stage_arguments(stage), f"--impl {spec}")
     return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}),
                                    deviations=declared_deviations(fn, deviations, f"--impl {spec}"))
 
@@ -124,7 +123,7 @@ def _stage_override(spec: str, device: str, deviations: Sequence[str] = ()) -> t
     stage, _, target = spec.partition("=")
     if stage not in registry.stages():
         raise UsageError(f"--impl {spec!r}: unknown stage {stage!r}; stages: {', '.join(registry.stages())}")
-    return stage, _implementation(stage, target, device, deviations)
+    return stage, implementation(stage, target, device, deviations)
 
 
 def _named_everywhere(name: str, device: str) -> dict[str, registry.Implementation]:
@@ -139,67 +138,44 @@ def _named_everywhere(name: str, device: str) -> dict[str, registry.Implementati
     return runnable
 
 
-def _property_subject(op: str, specs: Sequence[str], device: str, deviations: Sequence[str]) -> Subject:
-    try:
-        prop = get_property(op)
-    except KeyError as exc:
-        raise UsageError(str(exc.args[0])) from None
+def stage_overrides(specs: Sequence[str], device: str,
+                    deviations: Sequence[str] = ()) -> tuple[dict[str, registry.Implementation], list[str]]:
+    """(stage -> implementation, the specs left over) for the --impl strings of something that calls
+    several stages: `STAGE=...` replaces that stage, a registered `NAME` every stage that has one;
+    what is left (MODULE:CALLABLE) is the caller's to take or refuse."""
     overrides: dict[str, registry.Implementation] = {}
+    rest = []
     for s in specs:
         if "=" in s:
             stage, impl = _stage_override(s, device, deviations)
             overrides[stage] = impl
-        elif ":" in s:
-            raise UsageError(f"--impl {s!r}: {op} calls several stages; name the one it replaces (STAGE={s})")
-        else:
+        elif ":" not in s:
             overrides.update(_named_everywhere(s, device))
-    if not prop.covered(overrides):
-        under_test = sorted({st for t in prop.targets.values() for st in t.under_test})
-        raise UsageError(f"--impl {', '.join(specs)} replaces none of the stages {op} tests ({', '.join(under_test)})")
-    return Subject(",".join(specs) or "preferred", overrides=overrides, specs=tuple(specs), declared=tuple(deviations))
+        else:
+            rest.append(s)
+    return overrides, rest
 
 
-def resolve_subject(op: str, specs: Sequence[str], device: str, deviations: Sequence[str] = ()) -> Subject:
-    """Turn the --impl strings for `op` into a Subject; no strings: the project's implementation
-    (for a property, the registry's preferred implementation of every stage, labelled "preferred").
-
-    `deviations` (`--deviation`) are declared for the user's callables among `specs`, on top of
-    what each declares itself; naming one without a user's callable is a usage error."""
-    deviations = tuple(deviations)
+def check_declared(specs: Sequence[str], deviations: Sequence[str]) -> None:
+    """`--deviation` names documented deviations, for a user's callable among `specs`."""
     check_deviations(deviations, "--deviation")
     if deviations and not any(":" in s for s in specs):
         raise UsageError(f"--deviation {', '.join(deviations)}: declares a deviation of a user's --impl "
                          "[STAGE=]MODULE:CALLABLE; registered implementations carry their own (mla-verify list)")
-    if is_property(op):
-        return _property_subject(op, specs, device, deviations)
-    spec_op = get_op(op)
-    if spec_op.stage is None:  # forward_mqa: a pipeline, whole or with stages replaced
-        overrides, whole = {}, None
-        for s in specs:
-            if "=" in s:
-                stage, impl = _stage_override(s, device, deviations)
-                overrides[stage] = impl
-                continue
-            if ":" not in s:  # a registered name: that implementation in every stage that has one
-                overrides.update(_named_everywhere(s, device))
-                continue
-            if whole is not None:
-                raise UsageError("give at most one whole-forward_mqa --impl")
-            whole = load_callable(s)
-            check_signature(whole, spec_op.arguments, f"--impl {s}")
-            own = declared_deviations(whole, deviations, f"--impl {s}")
-        if whole is not None and overrides:
-            raise UsageError("a whole-forward_mqa --impl cannot be combined with stage overrides")
-        label = specs[0] if whole is not None else f"pipeline[{','.join(specs)}]" if specs else "pipeline"
-        return Subject(label, whole, overrides, own if whole is not None else (), tuple(specs), deviations)
-    if len(specs) > 1:
-        raise UsageError(f"op {op} takes one --impl, got {len(specs)}")
-    if specs:
-        target = specs[0].split("=", 1)[1] if "=" in specs[0] else specs[0]
-        impl = _implementation(spec_op.stage, target, device, deviations)
-    else:
-        try:
-            impl = registry.select(spec_op.stage, device)
-        except RuntimeError as exc:
-            raise UsageError(str(exc)) from None
-    return Subject(impl.name, impl.fn, deviations=impl.deviations, specs=tuple(specs), declared=deviations)
+
+
+def pipeline_subject(op: str, specs: Sequence[str], device: str, deviations: Sequence[str] = ()) -> Subject:
+    """A pipeline op's subject: its stages, any replaced (`stage_overrides`), or one whole
+    MODULE:CALLABLE taking the op's contract keywords."""
+    overrides, wholes = stage_overrides(specs, device, deviations)
+    if len(wholes) > 1:
+        raise UsageError(f"give at most one whole-{op} --impl")
+    if wholes and overrides:
+        raise UsageError(f"a whole-{op} --impl cannot be combined with stage overrides")
+    if wholes:
+        whole = load_callable(wholes[0])
+        check_signature(whole, contract_arguments(op), f"--impl {wholes[0]}")
+        own = declared_deviations(whole, deviations, f"--impl {wholes[0]}")
+        return Subject(wholes[0], whole, {}, own, tuple(specs), tuple(deviations))
+    label = f"pipeline[{','.join(specs)}]" if specs else "pipeline"
+    return Subject(label, None, overrides, (), tuple(specs), tuple(deviations))

@@ -17,17 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import seed as hypothesis_seed
+from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
 from hypothesis.errors import Flaky
 
 from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.catalog import get_spec
+from mla_verify.equivalence.profiles import Profile
 from mla_verify.equivalence.rows import Row
 
 from . import casefile
-from .profiles import Profile
 from .progress import Progress
-from .strategies import strategy
 
 Runner = Callable[[Case, str], list[Row]]  # (case, source) -> rows
 RERUNS = 3  # re-runs of the first failing case: a pass among them makes it flaky
@@ -150,7 +149,7 @@ def fuzz(
     @settings(max_examples=examples, deadline=None, database=None, phases=phases, print_blob=False,
               report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
     @hypothesis_seed(seed)
-    @given(case=strategy(op, profile, path, world_size))
+    @given(case=get_spec(op).strategy(profile, path, world_size))
     def search(case: Case) -> None:
         shrinking = state["shrinking"]
         rows = evaluate(case, "shrink" if shrinking else "fuzz")

@@ -3,7 +3,7 @@
 The file holds the Case itself (op, params, seed), the implementation spec that failed and the
 deviations declared for it, the device, and the failure as it was seen, so a reader knows what to
 expect before replaying. A case file is data: loading it validates every parameter against the op's schema
-(`equivalence.schema`) and imports nothing; the implementation it names is a hint for the reader.
+(`equivalence.catalog.validate_case`) and imports nothing; the implementation it names is a hint for the reader.
 Files are written whole or not at all (temporary file + rename), and a new file never replaces
 another (its name carries op, implementation and case, plus a counter where needed).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_verify.equivalence.case import CASE_FORMAT, Case
-from mla_verify.equivalence.schema import validate_case
+from mla_verify.equivalence.catalog import validate_case
 
 
 @dataclass

@@ -21,24 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from mla_verify.equivalence import distributed
+from mla_verify.equivalence import catalog, distributed
 from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.evaluate import evaluate
 from mla_verify.equivalence.isolation import Worker
-from mla_verify.equivalence.ops import OPS
-from mla_verify.equivalence.properties import PROPERTIES, get_property, is_property
+from mla_verify.equivalence.profiles import Profile
 from mla_verify.equivalence.rows import Row
-from mla_verify.equivalence.subject import Subject, resolve_subject
-from mla_verify.optimized import registry
+from mla_verify.equivalence.spec import Spec
+from mla_verify.equivalence.subject import Subject
 
 from .campaign import FuzzResult, fuzz
-from .profiles import Profile
 from .regressions import corpus
-from .strategies import HISPARSE_PATHS, WORLD_SIZES
-
-# forward_mqa on a GPU is checked twice: with the preferred stages (flash_mla attention) and with
-# our Triton attention kernels in their place.
-PIPELINE_VARIANTS = {"pipeline": (), "pipeline[triton attention]": ("sparse_prefill=triton", "sparse_decode_fp8=triton")}
 
 
 @dataclass
@@ -52,39 +44,17 @@ class GateResult:
         return any(not r.passed for r in self.rows)
 
 
-def subjects_for(op: str, device: str) -> dict[str, tuple[str, ...]]:
-    """label -> --impl specs for every implementation of `op` that runs on `device`."""
-    if is_property(op):
-        return {name: (name,) for name in get_property(op).implementations(device)}
-    spec = OPS[op]
-    if spec.stage is None:
-        variants = {"pipeline": ()}
-        if device == "cuda" and registry.select("sparse_prefill", device).name != "triton":
-            variants = dict(PIPELINE_VARIANTS)
-        return variants
-    return {impl.name: (impl.name,) for impl in registry.implementations(spec.stage) if impl.why_not(device) is None}
+def gate_world_size(spec: Spec, device: str) -> int | None:
+    """The ranks a multi-process spec runs in the gate: the most its GPUs hold one each, else
+    its default (None: a spec of one process)."""
+    if not spec.ranks:
+        return None
+    gpus = 0
+    if device == "cuda":
+        import torch
 
-
-def campaign_paths(op: str, subject: Subject) -> list[str | None]:
-    """The fuzz campaigns of one subject: one over everything (forward_mqa: the plain paths, then
-    each HiSparse path, which the unrestricted draw never takes), or for a property whose targets
-    the subject covers only some of, one per covered target."""
-    if op == "forward_mqa" and subject.fn is None:
-        return [None, *HISPARSE_PATHS]
-    if not is_property(op):
-        return [None]
-    prop = get_property(op)
-    covered = prop.covered(subject.overrides)
-    return [None] if len(covered) == len(prop.targets) else covered
-
-
-def gate_world_size(device: str) -> int:
-    """DCP ranks the gate runs: one per GPU where they fit (up to 8), else 2."""
-    if device != "cuda":
-        return 2
-    import torch
-
-    return max([n for n in WORLD_SIZES if n <= torch.cuda.device_count()], default=2)
+        gpus = torch.cuda.device_count()
+    return max([n for n in spec.ranks if n <= gpus], default=spec.ranks[0])
 
 
 def odd_ones_out(rows: list[Row]) -> list[str]:
@@ -126,14 +96,14 @@ def run_gate(
     worker = Worker(device, timeout_s) if isolate else None
     distributed.set_timeout(timeout_s)
     try:
-        every_property = [p.op for p in PROPERTIES.values()]
-        for op in [o for op in ops or [*sorted(OPS), "property"] for o in (every_property if op == "property" else [op])]:
-            budget = examples if examples is not None else profile.property_examples if is_property(op) else profile.examples
+        for op in catalog.select(ops or ["op", "property"]):
+            spec = catalog.get_spec(op)
+            budget = examples if examples is not None else spec.examples(profile)
             pinned = corpus(op)
-            in_worker = worker if is_property(op) or not OPS[op].own_processes else None
-            world_size = gate_world_size(device.split(":")[0]) if op == "dcp" else None
-            for label, specs in subjects_for(op, device.split(":")[0]).items():
-                subject = resolve_subject(op, specs, device.split(":")[0])
+            in_worker = None if spec.own_processes else worker
+            world_size = gate_world_size(spec, device.split(":")[0])
+            for label, specs in spec.subjects(device.split(":")[0]).items():
+                subject = catalog.resolve_subject(op, specs, device.split(":")[0])
                 subject = Subject(label, subject.fn, subject.overrides, subject.deviations, specs)
 
                 def run(case: Case, source: str, subject=subject, specs=specs, label=label, worker=in_worker) -> list[Row]:
@@ -142,7 +112,7 @@ def run_gate(
                         for r in rows:
                             r.impl = label
                         return rows
-                    return evaluate(case, subject, device, run_id=run_id, source=source, notes=result.notes)
+                    return catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=result.notes)
 
                 pinned_rows = []
                 for case, _why in pinned:
@@ -153,7 +123,7 @@ def run_gate(
                     if journal is not None:
                         journal(case_rows)
                 result.rows.extend(pinned_rows)
-                for path in campaign_paths(op, subject):
+                for path in spec.campaigns(subject):
                     if stop_reason():
                         return result
                     fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, impl_label=label,

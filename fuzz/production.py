@@ -6,7 +6,7 @@ and scripts/gpu_properties.py run them for every implementation.
 from __future__ import annotations
 
 from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.properties import PREFIX
+from mla_verify.equivalence.properties.base import PREFIX
 
 HEADS, TOPK, SM_SCALE = 128, 2048, 0.1352
 PREFILL = dict(tokens=64, heads=HEADS, kv_rows=8192, topk=TOPK, value_regime="normal", sm_scale=SM_SCALE,

@@ -190,12 +190,9 @@ def check(
             ...), before any case runs.
         HarnessError: mla-verify itself failed; the rows so far are written first.
     """
-    from mla_verify.equivalence.ops import OPS
-    from mla_verify.equivalence.properties import get_property, is_property
-    from mla_verify.equivalence.subject import resolve_subject
+    from mla_verify.equivalence.catalog import get_spec, resolve_subject
+    from mla_verify.equivalence.profiles import get_profile
     from mla_verify.fuzz.campaign import new_seed
-    from mla_verify.fuzz.profiles import get_profile
-    from mla_verify.fuzz.strategies import FORWARD_PATHS
 
     from .pytest_plugin import DEFAULTS
     from .rundir import RunDir
@@ -213,34 +210,26 @@ def check(
     _positive("examples", examples, int)
     _positive("timeout", timeout, float)
     _positive("parallel", parallel, int)
-    if world_size is not None and op != "dcp":
-        raise UsageError("--world-size applies to --op dcp only")
-    world_size = (world_size or 2) if op == "dcp" else None
+    try:
+        spec = get_spec(op)
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
+    if world_size is not None and world_size not in spec.ranks:
+        raise UsageError(f"--world-size must be one of {', '.join(map(str, spec.ranks))}, got {world_size}"
+                         if spec.ranks else f"--world-size: {op} runs in one process")
+    world_size = (world_size or spec.ranks[0]) if spec.ranks else None
     specs, named = impl_specs(impl)
     deviations = tuple(deviations or ())
-    if is_property(op):
-        subject = resolve_subject(op, specs, device_type, deviations=deviations)
-        covered = get_property(op).covered(subject.overrides)  # the targets this impl takes part in
-        if path is None and len(covered) == 1:
-            path = covered[0]
-        elif (path is None and len(covered) < len(get_property(op).targets)) or path not in (None, *covered):
-            raise UsageError(f"--path: {op} with this --impl runs on one of {', '.join(covered)}")
-    else:
-        if op not in OPS:
-            raise UsageError(f"unknown op {op!r}; known: {', '.join(sorted(OPS))}, or property:NAME")
-        if world_size not in (None, 2, 4, 8):
-            raise UsageError(f"--world-size must be 2, 4 or 8, got {world_size}")
-        if path is not None and (op != "forward_mqa" or path not in FORWARD_PATHS):
-            raise UsageError(f"--path applies to --op forward_mqa with one of {', '.join(FORWARD_PATHS)}")
-        subject = resolve_subject(op, specs, device_type, deviations=deviations)
+    subject = resolve_subject(op, specs, device_type, deviations=deviations)
+    path = spec.path_for(path, subject)
     label = _label(subject)
     try:
         prof = get_profile(profile or ("dev" if device_type == "cpu" else "gpu"))
     except KeyError as exc:
         raise UsageError(str(exc.args[0])) from None
-    examples = examples or (prof.property_examples if is_property(op) else prof.examples)
+    examples = examples or spec.examples(prof)
     seed = new_seed() if seed is None else seed
-    own_processes = not is_property(op) and OPS[op].own_processes
+    own_processes = spec.own_processes
     if isolate and not named:
         raise UsageError("isolate=True needs an implementation importable by MODULE:CALLABLE (a module-level "
                          "function); a lambda, closure or partial runs in this process only")
@@ -386,7 +375,8 @@ def _in_process_runner(plan: _Plan, notes: set[str], lost: list[str]):
     """Evaluate in this process. On CUDA, a context that saw a CUDA error cannot run another case:
     the campaign stops there (`lost`), the case being the implementation's crash."""
     from mla_verify.equivalence import device as dev
-    from mla_verify.equivalence.evaluate import evaluate, failure_row, identity
+    from mla_verify.equivalence.catalog import evaluate, get_spec
+    from mla_verify.equivalence.running import failure_row
 
     def run(case, source: str):
         called: list[bool] = []
@@ -397,7 +387,7 @@ def _in_process_runner(plan: _Plan, notes: set[str], lost: list[str]):
             if not (plan.device.startswith("cuda") and called and (dev.is_device_error(exc) or not dev.usable(plan.device))):
                 raise
             base = dict(run_id=plan.run_id, case_id=case.case_id, impl=plan.label, stages="", device=plan.device,
-                        seed=case.seed, source=source, **identity(case))
+                        seed=case.seed, source=source, **get_spec(case.op).identity(case))
             rows = [failure_row(base, "*", "crashed", f"CUDA error after the implementation ran: {dev.first_line(exc)}")]
         if plan.device.startswith("cuda") and not lost and (
                 any(r.gate_metric in ("raised", "crashed") and dev.is_device_error(r.reason) for r in rows)
@@ -522,11 +512,8 @@ def replay(
     default to the ones saved with the case. `CheckResult.reproduced` says whether the saved
     failure came back (same failing tensors and metrics, values within noise).
     """
-    from mla_verify.equivalence.evaluate import evaluate
+    from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
     from mla_verify.equivalence.isolation import Worker
-    from mla_verify.equivalence.ops import OPS
-    from mla_verify.equivalence.properties import is_property
-    from mla_verify.equivalence.subject import resolve_subject
     from mla_verify.fuzz import casefile
     from mla_verify.reports import rows_frame
 
@@ -553,7 +540,7 @@ def replay(
     deviations = tuple(cf.deviations if deviations is None else deviations)
     subject = resolve_subject(cf.case.op, specs, device_type, deviations=deviations)
     label = _label(subject)
-    own_processes = not is_property(cf.case.op) and OPS[cf.case.op].own_processes
+    own_processes = get_spec(cf.case.op).own_processes
     isolate = ((device_type == "cuda" if isolate is None else isolate) and named) and not own_processes
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     log(f"replay {cf.case.short()} on {device} with {label}{', isolated' if isolate else ''}")

@@ -226,13 +226,13 @@ def stage_profile(case, subject, device: str) -> dict[str, dict]:
     judge): median ms of 3 runs, aten ops dispatched, reads back to the host, and on a GPU
     launches. The snapshot stage copies the inputs and compares them back, as `evaluate` does
     around the kernel."""
+    from mla_verify.equivalence.catalog import get_spec
     from mla_verify.equivalence.contract import Snapshot
-    from mla_verify.equivalence.evaluate import timed
-    from mla_verify.equivalence.ops import get_op
     from mla_verify.equivalence.oracle import judge
+    from mla_verify.equivalence.running import timed
     from mla_verify.optimized.buffers import poisoned
 
-    spec = get_op(case.op)
+    spec = get_spec(case.op)
     state: dict = {}
 
     def inputs():
@@ -273,10 +273,9 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
     """Harness overhead per compared case and where its time goes, then fuzz throughput with the
     time per case split into drawing it, the reference, the kernel and the rest (inputs, judging)."""
     from mla_verify.equivalence.case import Case
-    from mla_verify.equivalence.evaluate import evaluate
-    from mla_verify.equivalence.subject import resolve_subject
+    from mla_verify.equivalence.catalog import evaluate, resolve_subject
+    from mla_verify.equivalence.profiles import get_profile
     from mla_verify.fuzz.campaign import fuzz
-    from mla_verify.fuzz.profiles import get_profile
 
     out = []
     if device == "cuda":

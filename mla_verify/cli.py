@@ -382,8 +382,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_list(args, device: str) -> int:
     from mla_verify import describe
-    from mla_verify.equivalence.ops import OPS
-    from mla_verify.equivalence.properties import PROPERTIES, is_property
+    from mla_verify.equivalence import catalog
     from mla_verify.equivalence.subject import UsageError
     from mla_verify.optimized import registry
 
@@ -391,34 +390,31 @@ def cmd_list(args, device: str) -> int:
         return "\n".join(textwrap.wrap(text, describe.WIDTH, initial_indent=first, subsequent_indent=rest,
                                         break_on_hyphens=False))
 
-    known = [*sorted(OPS), *(p.op for p in PROPERTIES.values())]
+    known = catalog.names()
     if args.op is not None and args.op not in known:
         raise UsageError(f"--op {args.op!r}: unknown; known: {', '.join(known)}")
     print(f"device: {device}")
     if args.op is not None:
-        described = describe.describe_property(args.op) if is_property(args.op) else describe.describe_op(args.op)
-        print("\n".join(described))
-        stage = None if is_property(args.op) else OPS[args.op].stage
-        if stage is not None:
+        spec = catalog.get_spec(args.op)
+        print("\n".join(describe.describe(args.op)))
+        if spec.stage is not None:
             print("  implementations (--impl NAME):")
-            _print_implementations(registry, stage, device)
+            _print_implementations(registry, spec.stage, device)
     else:
-        for name in sorted(OPS):
-            spec = OPS[name]
-            print(f"\n{name}  [{spec.stage or 'pipeline of stages'}]\n{wrapped(spec.doc)}")
-            print(wrapped(f"keywords: {', '.join(spec.arguments)}"))
-            print(f"  reference: mla_verify.reference.{name}")
+        def show(spec) -> None:
+            print(f"\n{spec.name}  [{spec.tag}]\n{wrapped(spec.doc)}")
+            for fact in spec.facts(device):
+                print(wrapped(fact))
             if spec.stage is not None:
                 _print_implementations(registry, spec.stage, device)
-        extra = sorted(set(registry.stages()) - {s.stage for s in OPS.values()})
-        for stage in extra:
+
+        for spec in catalog.specs("op"):
+            show(spec)
+        for stage in sorted(set(registry.stages()) - {s.stage for s in catalog.specs()}):
             print(f"\n{stage}  [pipeline stage]")
             _print_implementations(registry, stage, device)
-        for prop in PROPERTIES.values():
-            print(f"\n{prop.op}  [property: needs no reference]\n{wrapped(prop.doc)}")
-            print(wrapped(f"checks: {', '.join(prop.checks)}"))
-            print(wrapped(f"targets (--path): {', '.join(prop.targets)}"))
-            print(wrapped(f"implementations here (--impl NAME): {', '.join(prop.implementations(device)) or 'none'}"))
+        for spec in catalog.specs("property"):
+            show(spec)
         print("\nmla-verify list --op OP: one op's call with shapes and dtypes, what it returns, its bounds")
     if args.tolerances:
         print("\n" + "\n".join(describe.tolerance_lines(long=args.long)))
@@ -468,7 +464,7 @@ def _print_implementations(registry, stage: str, device: str) -> None:
 
 
 def _profile(name: str | None, device: str, default_cpu: str):
-    from mla_verify.fuzz.profiles import get_profile
+    from mla_verify.equivalence.profiles import get_profile
 
     try:
         return get_profile(name or (default_cpu if device == "cpu" else "gpu"))
@@ -527,20 +523,19 @@ def cmd_replay(args, device: str) -> int:
 
 
 def _gate_ops(ops: list[str] | None) -> None:
-    from mla_verify.equivalence.ops import OPS
-    from mla_verify.equivalence.properties import PROPERTIES
+    from mla_verify.equivalence import catalog
     from mla_verify.equivalence.subject import UsageError
 
-    known = [*sorted(OPS), *(p.op for p in PROPERTIES.values()), "property"]
+    known = [*catalog.names(), "property"]
     unknown = [op for op in ops or [] if op not in known]
     if unknown:
         raise UsageError(f"--op {unknown[0]!r}: unknown; known: {', '.join(known)}")
 
 
 def cmd_gate(args, device: str) -> int:
-    from mla_verify.interrupt import Interrupt
     from mla_verify.fuzz.campaign import new_seed
     from mla_verify.fuzz.gate import odd_ones_out, run_gate
+    from mla_verify.interrupt import Interrupt
     from mla_verify.rundir import FreshDir, RunDir
 
     _gate_ops(args.op)
@@ -620,14 +615,12 @@ def _finish_gate(args, out: Path, rows, failed: bool, started: float) -> int:
 
 
 def _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started) -> int:
-    from mla_verify.equivalence.ops import OPS
-    from mla_verify.equivalence.properties import PROPERTIES
+    from mla_verify.equivalence import catalog
     from mla_verify.equivalence.rows import Row
 
     from .parallel import run_parts
 
-    ops = args.op or [*sorted(OPS), *(p.op for p in PROPERTIES.values())]
-    ops = [o for op in ops for o in ([p.op for p in PROPERTIES.values()] if op == "property" else [op])]
+    ops = catalog.select(args.op or ["op", "property"])
     child = ["--profile", profile.name, "--seed", str(seed), "--timeout", str(args.timeout)]
     if args.examples is not None:
         child += ["--examples", str(args.examples)]

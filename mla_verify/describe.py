@@ -22,17 +22,17 @@ def _wrap(text: str, first: str, rest: str) -> list[str]:
 
 def keywords(op: str) -> tuple[str, ...]:
     """The keyword arguments every implementation of `op` must accept."""
-    from mla_verify.equivalence.ops import get_op
+    from mla_verify.equivalence.catalog import get_spec
 
-    return get_op(op).arguments
+    return get_spec(op).arguments
 
 
 def _pinned_cases(op: str) -> list:
     """The op's corpus cases, smallest first."""
-    from mla_verify.equivalence.schema import SCHEMAS
+    from mla_verify.equivalence.catalog import get_spec
     from mla_verify.fuzz.regressions import corpus
 
-    return sorted((case for case, _ in corpus(op)), key=lambda c: SCHEMAS[op].elements(c.params))
+    return sorted((case for case, _ in corpus(op)), key=lambda c: get_spec(op).schema.elements(c.params))
 
 
 def _dim_names(params: Mapping[str, Any]) -> dict[int, str]:
@@ -87,9 +87,9 @@ def _bounds_text(kind: str, params: Mapping[str, Any]) -> str:
 def describe_op(op: str) -> list[str]:
     """`op`'s contract: the call with keyword names, shapes and dtypes, what is returned and
     compared, and each compared tensor's bounds."""
-    from mla_verify.equivalence.ops import get_op
+    from mla_verify.equivalence.catalog import get_spec
 
-    spec = get_op(op)
+    spec = get_spec(op)
     cases = _pinned_cases(op)
     case = cases[0] if cases else None
     lines = [*_wrap(f"{op}: {spec.doc}", "", "  ")]
@@ -136,14 +136,14 @@ def describe_op(op: str) -> list[str]:
 
 def describe_property(op: str) -> list[str]:
     """A property: its targets, each check and what it holds the implementation to."""
+    from mla_verify.equivalence.catalog import get_spec
     from mla_verify.equivalence.policy import PROPERTY_RULES
-    from mla_verify.equivalence.properties import get_property
 
-    prop = get_property(op)
-    lines = [*_wrap(f"{prop.op}: {prop.doc}", "", "  "), f"  targets (--path): {', '.join(prop.targets)}",
+    prop = get_spec(op)
+    lines = [*_wrap(f"{prop.name}: {prop.doc}", "", "  "), f"  targets (--path): {', '.join(prop.targets)}",
              "  checks (the implementation against itself, no reference):"]
     for check in prop.checks:
-        rule = PROPERTY_RULES[f"{prop.name}.{check}"]
+        rule = PROPERTY_RULES[f"{prop.short}.{check}"]
         lines += _wrap(f"{check}: " + ("bit for bit" if rule.bitwise else "; ".join(
             f"{kind}: " + ", ".join(f"{b.metric} <= {b.limit:.4g}" for b in bounds)
             for kind, bounds in rule.bounds.items())), "    ", "      ")
@@ -191,3 +191,13 @@ def drift_lines(long: bool = False) -> list[str]:
     for option, value, reason in DRIFT_DEFAULTS:
         lines += entry(f"  {option:12s} {value:<8g} ", reason)
     return lines
+
+
+DESCRIBERS = {"op": describe_op, "property": describe_property}
+
+
+def describe(op: str) -> list[str]:
+    """What `mla-verify list --op OP` prints, by the spec's family (an op's call, a property's checks)."""
+    from mla_verify.equivalence.catalog import get_spec
+
+    return DESCRIBERS[get_spec(op).family](op)

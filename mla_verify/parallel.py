@@ -22,8 +22,10 @@ import pandas as pd
 
 
 def deal(ops: list[str], parts: int) -> list[list[str]]:
-    """Round-robin, `dcp` first into part 0 (the one that keeps every GPU)."""
-    ordered = sorted(ops, key=lambda op: op != "dcp")
+    """Round-robin, the specs of many ranks first into part 0 (the one that keeps every GPU)."""
+    from mla_verify.equivalence.catalog import get_spec
+
+    ordered = sorted(ops, key=lambda op: not get_spec(op).ranks)
     return [ordered[i::parts] for i in range(parts) if ordered[i::parts]]
 
 
@@ -64,8 +66,10 @@ def _collect(procs: list[subprocess.Popen], out: Path) -> tuple[pd.DataFrame, li
 
 def run_parts(ops: list[str], parts: int, device: str, out: Path, child_args: list[str]) -> tuple[pd.DataFrame, int]:
     """Run the child gates, wait for all, and return their rows together and the worst exit code."""
+    from mla_verify.equivalence.catalog import get_spec
+
     procs = [_child("gate", i, [*child_args, *(a for op in part_ops for a in ("--op", op))], device, out,
-                    pin="dcp" not in part_ops)
+                    pin=not any(get_spec(op).ranks for op in part_ops))
              for i, part_ops in enumerate(deal(ops, parts))]
     frame, codes = _collect(procs, out)
     return frame, max(codes)

@@ -2,13 +2,12 @@
 
     from hypothesis import given
     import mla_verify
-    from mla_verify.equivalence.evaluate import evaluate
 
     @given(case=mla_verify.strategies.cases("sparse_prefill", profile="ci"))
     def test_my_prefill(case): ...
 
 A Case is plain data (op, params, seed); `mla_verify.replay` and `mla-verify replay` run one saved
-as JSON, and `equivalence.evaluate.evaluate(case, subject, device)` judges one in-process.
+as JSON, and `mla_verify.equivalence.catalog.evaluate(case, subject, device)` judges one in-process.
 """
 
 from __future__ import annotations
@@ -26,10 +25,10 @@ def cases(op: str, profile: str = "ci", *, path: str | None = None,
     """Cases of `op` (an op, "forward_mqa", "dcp" or "property:NAME") within fuzz profile
     `profile` (ci | dev | nightly | gpu); `path` picks a forward_mqa path or a property's target,
     `world_size` dcp's ranks. Every case drawn is valid by the op's contract."""
-    from mla_verify.fuzz.profiles import get_profile
-    from mla_verify.fuzz.strategies import strategy
+    from mla_verify.equivalence.catalog import get_spec
+    from mla_verify.equivalence.profiles import get_profile
 
     try:
-        return strategy(op, get_profile(profile), path, world_size)
+        return get_spec(op).strategy(get_profile(profile), path, world_size)
     except KeyError as exc:
         raise UsageError(str(exc.args[0])) from None

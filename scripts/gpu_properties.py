@@ -67,20 +67,19 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
     from mla_verify import reports
     from mla_verify.equivalence.case import Case
-    from mla_verify.equivalence.evaluate import evaluate
-    from mla_verify.equivalence.properties import PROPERTIES
-    from mla_verify.equivalence.subject import resolve_subject
+    from mla_verify.equivalence.catalog import evaluate, resolve_subject, specs
+    from mla_verify.equivalence.profiles import get_profile
     from mla_verify.fuzz.campaign import fuzz
     from mla_verify.fuzz.production import production_cases
-    from mla_verify.fuzz.profiles import get_profile
 
     profile = get_profile("gpu" if device == "cuda" else "ci")
     run_id = f"properties-{time.strftime('%Y%m%d-%H%M%S')}"
     meta = reports.collect_meta(profile.name, [args.seed], device, command=shlex.join(["gpu_properties.py", *sys.argv[1:]]))
     started, rows, notes = time.monotonic(), [], set()
-    for name, prop in PROPERTIES.items():
+    for prop in specs("property"):
+        name = prop.short
         for impl in [i for i in prop.implementations(device) if not args.impl or i in args.impl]:
-            subject = resolve_subject(prop.op, [impl], device)
+            subject = resolve_subject(prop.name, [impl], device)
 
             def run(case: Case, source: str, subject=subject) -> list:
                 return evaluate(case, subject, device, run_id=run_id, source=source, notes=notes)
@@ -90,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.no_pinned:
                     rows += [row for case in production_cases(name, [target], args.seed) for row in run(case, "corpus")]
                 if args.examples:
-                    rows += fuzz(prop.op, run, profile=profile, examples=args.examples, seed=args.seed, path=target,
-                                 shrink=False, progress_label=f"{prop.op} / {impl} / {target}").rows
+                    rows += fuzz(prop.name, run, profile=profile, examples=args.examples, seed=args.seed, path=target,
+                                 shrink=False, progress_label=f"{prop.name} / {impl} / {target}").rows
                 print(f"  {name} / {impl} / {target}: {time.monotonic() - tick:.1f} s", file=sys.stderr, flush=True)
     for note in sorted(notes):
         print(f"note: {note}")

@@ -19,19 +19,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from mla_verify import adapters
 from mla_verify.cli import main
 from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.evaluate import evaluate
-from mla_verify.equivalence.subject import UsageError, check_signature, resolve_subject
+from mla_verify.equivalence.catalog import evaluate, resolve_subject
+from mla_verify.equivalence.draws import decode_params
+from mla_verify.equivalence.ops.base import SEEDS as seeds
+from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.subject import UsageError, check_signature
 from mla_verify.equivalence.values import REGIMES
 from mla_verify.fuzz import casefile
 from mla_verify.fuzz.campaign import fuzz, new_seed
-from mla_verify.fuzz.profiles import get_profile
-from mla_verify.fuzz.strategies import decode_params, seeds
 from mla_verify.optimized import eager
 from tests.impls import upstream
 
@@ -69,11 +69,11 @@ def test_adapted_upstream_signatures_pass_the_oracle(op, adapted):
 
 
 def _prefill_kwargs(heads: int, seed: int, topk_length: str = "random", sink: str = "finite") -> dict:
-    from mla_verify.equivalence.ops import get_op
+    from mla_verify.equivalence.catalog import get_spec
 
     params = dict(tokens=3, heads=heads, kv_rows=300, topk=128, value_regime="normal", sm_scale=0.1352,
                   topk_length=topk_length, sink=sink)
-    return get_op("sparse_prefill").inputs(params, seed, "cpu")
+    return get_spec("sparse_prefill").inputs(params, seed, "cpu")
 
 
 @pytest.mark.parametrize("heads", [64, 16])
@@ -104,9 +104,9 @@ def test_padded_sink_heads_have_no_effect():
 
 
 def test_decode_adapter_reuses_one_plan_per_shape():
-    from mla_verify.equivalence.ops import get_op
+    from mla_verify.equivalence.catalog import get_spec
 
-    spec = get_op("sparse_decode_fp8")
+    spec = get_spec("sparse_decode_fp8")
     params = dict(batch=2, s_q=1, heads=8, topk=64, seq_lens=[40, 70], page_size=16, value_regime="normal",
                   scale_rule="pow2", sm_scale=0.1)
     decode = adapters.flash_mla_with_kvcache(upstream.flash_mla_with_kvcache, upstream.get_mla_metadata)
@@ -165,7 +165,7 @@ def test_a_rank_that_raises_releases_the_others():
 
 def test_the_projects_flash_mla_implementation_calls_flash_mla_through_the_adapters(monkeypatch):
     """optimized/flashmla.py's launch path on CPU, with the stand-ins in place of the flash_mla module."""
-    from mla_verify.equivalence.ops import get_op
+    from mla_verify.equivalence.catalog import get_spec
     from mla_verify.optimized import flashmla
 
     calls = []
@@ -188,7 +188,7 @@ def test_the_projects_flash_mla_implementation_calls_flash_mla_through_the_adapt
     torch.testing.assert_close(out, want_out, rtol=0, atol=2**-7 * want_out.abs().max().item())
     params = dict(batch=2, s_q=2, heads=8, topk=64, seq_lens=[40, 70], page_size=16, value_regime="normal",
                   scale_rule="pow2", sm_scale=0.1)
-    decode_kw = get_op("sparse_decode_fp8").inputs(params, seed, "cpu")
+    decode_kw = get_spec("sparse_decode_fp8").inputs(params, seed, "cpu")
     out, lse = flashmla.launch_sparse_decode_fp8(**decode_kw)
     assert out.shape == (2, 2, 8, 512) and lse.shape == (2, 8, 2)
     torch.testing.assert_close(lse, eager.sparse_decode_fp8(**decode_kw)[1], rtol=1e-5, atol=1e-5)

@@ -6,8 +6,7 @@ import pytest
 
 from mla_verify.bench import OpCounter, stage_profile, table
 from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.ops import get_op
-from mla_verify.equivalence.subject import resolve_subject
+from mla_verify.equivalence.catalog import get_spec, resolve_subject
 
 DECODE = Case("sparse_decode_fp8", {"batch": 3, "s_q": 2, "heads": 16, "topk": 128, "seq_lens": [300, 1, 70], "page_size": 16,
                                     "stride_pad": 1, "value_regime": "normal", "scale_rule": "raw", "sm_scale": 0.1,
@@ -21,7 +20,7 @@ PREFILL = Case("sparse_prefill", {"tokens": 5, "heads": 16, "kv_rows": 300, "top
 def test_inputs_read_nothing_back_from_the_device(case):
     counter = OpCounter()
     with counter:
-        get_op(case.op).inputs(case.params, case.seed, "cpu")
+        get_spec(case.op).inputs(case.params, case.seed, "cpu")
     assert counter.ops > 10 and counter.reads_back == 0
 
 

@@ -11,20 +11,16 @@ import time
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
-from mla_verify import reference
+from mla_verify import cli, reference
 from mla_verify.equivalence import distributed
 from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.evaluate import evaluate
-from mla_verify.equivalence.ops import get_op
-from mla_verify.equivalence.subject import resolve_subject
+from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
+from mla_verify.equivalence.profiles import get_profile
 from mla_verify.fuzz import casefile
 from mla_verify.fuzz.campaign import fuzz, new_seed
-from mla_verify.fuzz.profiles import get_profile
 from mla_verify.fuzz.regressions import corpus
-from mla_verify import cli
 from mla_verify.optimized.dcp_runtime import pack_a2a, unpack_a2a
 from mla_verify.optimized.metadata import mask_empty_shards
 
@@ -66,7 +62,7 @@ def test_every_rank_receives_its_heads_of_the_exact_merge(case):
     assert_every_rank_passes(rows, 2)
     assert {r.path for r in rows} == {case.params["combine"]}
     # The case does reach what it pins: masked padding rows and a shard empty on one rank only.
-    spec = get_op("dcp")
+    spec = get_spec("dcp")
     ref = spec.reference(spec.inputs(case.params, case.seed, "cpu"), case.params)
     assert bool((ref["lse_rank0"][-2:] == -math.inf).all())
     one_sided = (ref["partial_lse_rank1"] == -math.inf).all(1) & torch.isfinite(ref["partial_lse_rank0"]).all(1)

@@ -6,13 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from mla_verify.equivalence.evaluate import evaluate
-from mla_verify.equivalence.ops import OPS
-from mla_verify.equivalence.subject import resolve_subject
-from mla_verify.fuzz.gate import subjects_for
+from mla_verify.equivalence.catalog import evaluate, get_spec, names, resolve_subject
 from mla_verify.fuzz.regressions import corpus
 
-CASES = [(op, case) for op in sorted(OPS) for case, _ in corpus(op)]
+CASES = [(op, case) for op in names("op") for case, _ in corpus(op)]
 
 
 def to_cpu(obj):
@@ -32,7 +29,7 @@ def to_cpu(obj):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op, case", CASES, ids=[f"{op}-{c.case_id}" for op, c in CASES])
 def test_reference_on_cuda_matches_cpu(op, case):
-    spec = OPS[op]
+    spec = get_spec(op)
     inputs = spec.inputs(case.params, case.seed, "cuda")
     on_cpu = spec.reference(to_cpu(inputs), case.params)
     on_gpu = spec.reference(inputs, case.params)
@@ -54,7 +51,7 @@ def test_reference_on_cuda_matches_cpu(op, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op, case", CASES, ids=[f"{op}-{c.case_id}" for op, c in CASES])
 def test_corpus_passes_for_every_implementation_on_cuda(op, case):
-    for label, specs in subjects_for(op, "cuda").items():
+    for label, specs in get_spec(op).subjects("cuda").items():
         rows = evaluate(case, resolve_subject(op, specs, "cuda"), "cuda", source="corpus")
         failing = [f"{label} {r.tensor}: {r.reason}" for r in rows if not r.passed]
         assert not failing, failing

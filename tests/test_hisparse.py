@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 
 import mla_verify
 from mla_verify import reference
+from mla_verify.equivalence.catalog import get_spec
 from mla_verify.equivalence.hisparse_batch import make_hisparse_batch
-from mla_verify.fuzz.profiles import get_profile
-from mla_verify.fuzz.strategies import forward_mqa
+from mla_verify.equivalence.profiles import get_profile
 from mla_verify.optimized import eager
 from mla_verify.optimized.index_group import IndexGroup
 from mla_verify.optimized.kernels import indices as triton_indices
@@ -43,7 +43,7 @@ def _draws(path, n=150):
     seen = []
 
     @settings(max_examples=n, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(forward_mqa(get_profile("ci"), path))
+    @given(get_spec("forward_mqa").strategy(get_profile("ci"), path))
     def collect(case):
         seen.append(case.params)
 

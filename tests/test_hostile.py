@@ -14,8 +14,7 @@ import pytest
 
 from mla_verify.cli import main
 from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.evaluate import evaluate
-from mla_verify.equivalence.subject import resolve_subject
+from mla_verify.equivalence.catalog import evaluate, resolve_subject
 from tests.hostile import CPU
 
 REPO = Path(__file__).resolve().parent.parent
@@ -259,16 +258,13 @@ def test_replay_never_imports_what_a_case_file_names(capsys, tmp_path, monkeypat
 def test_every_case_a_profile_draws_is_within_its_op_schema():
     from hypothesis import HealthCheck, given, settings
 
-    from mla_verify.equivalence.ops import OPS
-    from mla_verify.equivalence.properties import PROPERTIES
-    from mla_verify.equivalence.schema import validate_case
-    from mla_verify.fuzz.profiles import PROFILES
-    from mla_verify.fuzz.strategies import strategy
+    from mla_verify.equivalence.catalog import specs, validate_case
+    from mla_verify.equivalence.profiles import PROFILES
 
     for profile in PROFILES.values():
-        for op in [*sorted(OPS), *(p.op for p in PROPERTIES.values())]:
+        for spec in specs():
             @settings(max_examples=8, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-            @given(case=strategy(op, profile))
+            @given(case=spec.strategy(profile))
             def within(case):
                 validate_case(case.to_dict())
 

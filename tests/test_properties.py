@@ -14,17 +14,14 @@ import pandas as pd
 import pytest
 from hypothesis import HealthCheck, currently_in_test_context, given, note, settings
 
-from mla_verify.equivalence.evaluate import evaluate
-from mla_verify.equivalence.properties import PROPERTIES
-from mla_verify.equivalence.subject import resolve_subject
-from mla_verify.fuzz.campaign import fuzz, new_seed
-from mla_verify.fuzz.gate import campaign_paths
-from mla_verify.fuzz.production import production_cases
-from mla_verify.fuzz.profiles import Profile, get_profile
-from mla_verify.fuzz.property_strategies import property_cases
 from mla_verify.cli import main
+from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject, specs
+from mla_verify.equivalence.profiles import Profile, get_profile
+from mla_verify.fuzz.campaign import fuzz, new_seed
+from mla_verify.fuzz.production import production_cases
 from mla_verify.optimized import registry
 
+PROPERTIES = {prop.short: prop for prop in specs("property")}
 TARGETS = [(name, target) for name, prop in PROPERTIES.items() for target in prop.targets]
 TARGET_IDS = [f"{name}-{target}" for name, target in TARGETS]
 # The ci profile narrowed to shapes the Triton interpreter runs in about a second a case.
@@ -52,11 +49,11 @@ def assert_holds(rows: list) -> None:
 @pytest.mark.parametrize("name,target", TARGETS, ids=TARGET_IDS)
 def test_property_holds_on_cpu(name, target, impl):
     profile, examples = CPU_RUNS[impl]
-    op = PROPERTIES[name].op
+    op = PROPERTIES[name].name
     subject = resolve_subject(op, [impl], "cpu")
 
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(case=property_cases(op, profile, target))
+    @given(case=get_spec(op).strategy(profile, target))
     def holds(case):
         assert_holds(rows_of(case, subject, "cpu"))
 
@@ -86,7 +83,7 @@ BUDGET = 40  # examples per broken implementation; measured: the first or second
 @pytest.mark.parametrize("name,target,impl,checks", BROKEN, ids=[b[2].rsplit(":", 1)[1] + "-" + b[1] for b in BROKEN])
 def test_property_catches_a_broken_implementation(name, target, impl, checks):
     seed = new_seed()
-    op = PROPERTIES[name].op
+    op = PROPERTIES[name].name
     subject = resolve_subject(op, [impl], "cpu")
     result = fuzz(op, lambda case, source: evaluate(case, subject, "cpu", source=source), profile=get_profile("ci"),
                   examples=BUDGET, seed=seed, path=target, shrink=False)
@@ -123,7 +120,7 @@ def test_list_names_every_property_with_its_targets(capsys):
     code, text = run_cli(capsys, "list", "--device", "cpu", "--tolerances")
     assert code == 0
     for prop in PROPERTIES.values():
-        assert prop.op in text and ", ".join(prop.targets) in text
+        assert prop.name in text and ", ".join(prop.targets) in text
     assert "split_kv" in text and "determinism.rerun" in text
 
 
@@ -181,12 +178,12 @@ def test_property_holds_on_gpu(name, impl):
         print(f"skip {name}/{impl}: {why}")
         pytest.skip(f"{impl}: {why}")
     prop = PROPERTIES[name]
-    subject = resolve_subject(prop.op, [impl], "cuda")
+    subject = resolve_subject(prop.name, [impl], "cuda")
     for case in production_cases(name, prop.covered(subject.overrides)):
         assert_holds(rows_of(case, subject, "cuda"))
-    for path in campaign_paths(prop.op, subject):
+    for path in prop.campaigns(subject):
         seed = new_seed()
-        result = fuzz(prop.op, lambda case, source: evaluate(case, subject, "cuda", source=source),
+        result = fuzz(prop.name, lambda case, source: evaluate(case, subject, "cuda", source=source),
                       profile=get_profile("gpu"), examples=GPU_EXAMPLES, seed=seed, path=path)
-        print(f"{prop.op} / {impl} ({path or 'all targets'}): {result.examples} drawn cases, seed {seed}")
+        print(f"{prop.name} / {impl} ({path or 'all targets'}): {result.examples} drawn cases, seed {seed}")
         assert result.failure is None, str(result.failure)

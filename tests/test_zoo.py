@@ -8,10 +8,9 @@ import statistics
 
 import pytest
 
-from mla_verify.equivalence.evaluate import evaluate
-from mla_verify.equivalence.subject import resolve_subject
+from mla_verify.equivalence.catalog import evaluate, resolve_subject
+from mla_verify.equivalence.profiles import get_profile
 from mla_verify.fuzz.campaign import fuzz, new_seed
-from mla_verify.fuzz.profiles import get_profile
 from tests.zoo import ZOO
 
 BUDGET = 200  # examples per bug; the slowest measured (multi-chunk prefill bugs) need ~25 on median

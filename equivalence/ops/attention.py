@@ -18,7 +18,10 @@ from mla_verify.equivalence.patterns import apply_patterns, distinct_rows
 from mla_verify.equivalence.policy import LSE, OUT
 from mla_verify.equivalence.values import fill_selected_slots, kv_values, q_values
 
-from . import Check, ImplOutput, OpSpec, register_op
+from ..draws import decode_params, prefill_params
+from ..schema import DECODE, PREFILL, Schema, decode_check, decode_elements, prefill_elements
+from ..spec import register
+from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, rand, randint
 
 
@@ -68,10 +71,12 @@ def _prefill_reference(kw, p):
     return {**res._asdict(), "value_max": value_max.expand(res.lse.shape)}
 
 
-register_op(OpSpec(
+SPARSE_PREFILL = register(OpSpec(
     name="sparse_prefill",
     stage="sparse_prefill",
     arguments=("q", "kv", "indices", "sm_scale", "topk_length", "attn_sink"),
+    schema=Schema(PREFILL, prefill_elements),
+    draw=prefill_params,
     inputs=_prefill_inputs,
     reference=_prefill_reference,
     call=_call(("out", "lse", "max_logits"), 2),
@@ -79,7 +84,7 @@ register_op(OpSpec(
             Check("max_logits", LSE, "logit_l1", optional=True, dtype=torch.float32)),
     knobs=lambda p: knobs(p, num_tokens=p["tokens"], seq_len=p["kv_rows"], cache_dtype="bfloat16"),
     doc="flash_mla_sparse_fwd: bf16 q/kv rows, top-k row indices (invalid: <0 or >=N), topk_length, sink",
-))
+), priority=0)
 
 
 def _decode_inputs(p, seed, device):
@@ -111,10 +116,12 @@ def _decode_reference(kw, p):
     return reference.sparse_decode_fp8(kw["q"], kw["kv_cache"], kw["indices"], kw["sm_scale"])._asdict()
 
 
-register_op(OpSpec(
+SPARSE_DECODE_FP8 = register(OpSpec(
     name="sparse_decode_fp8",
     stage="sparse_decode_fp8",
     arguments=("q", "kv_cache", "indices", "sm_scale"),
+    schema=Schema(DECODE, decode_elements, decode_check),
+    draw=decode_params,
     inputs=_decode_inputs,
     reference=_decode_reference,
     call=_call(("out", "lse"), 2),
@@ -122,4 +129,4 @@ register_op(OpSpec(
     knobs=lambda p: knobs(p, num_tokens=p["batch"] * p["s_q"], seq_len=max(p["seq_lens"]),
                           block_size=p["page_size"], cache_dtype="fp8_ds_mla"),
     doc="flash_mla_with_kvcache sparse decode on 656-byte fp8_ds_mla pages; indices are physical slots, -1 only invalid",
-))
+), priority=0)

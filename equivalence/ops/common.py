@@ -6,7 +6,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import ImplOutput
+from .base import ImplOutput
 
 
 def generator(seed: int, device: str) -> torch.Generator:

@@ -6,14 +6,20 @@ from __future__ import annotations
 import math
 
 import torch
+from hypothesis import strategies as st
 
 from mla_verify import reference
-from mla_verify.equivalence.contract import returned
 from mla_verify.equivalence.batch import make_batch
+from mla_verify.equivalence.contract import returned
 from mla_verify.equivalence.policy import LSE, OUT
 
-from . import Check, ImplOutput, OpSpec, register_op
+from ..draws import COMBINES, WORLD_SIZES, batch_params, merge_params
+from ..profiles import Profile
+from ..schema import FORWARD, MERGE, OneOf, Schema, forward_check, forward_elements
+from ..spec import register
+from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, rand
+from .pipeline import PipelineSpec
 
 
 def _merge_inputs(p, seed, device):
@@ -39,17 +45,19 @@ def _merge_reference(kw, p):
     return {"out": out, "lse": lse, "logit_l1": torch.zeros_like(lse)}
 
 
-register_op(OpSpec(
+DCP_MERGE = register(OpSpec(
     name="dcp_merge",
     stage="dcp_merge",
     arguments=("outs", "lses"),
+    schema=Schema(MERGE, lambda p: p["ranks"] * p["tokens"] * p["heads"] * 1026),
+    draw=merge_params,
     inputs=_merge_inputs,
     reference=_merge_reference,
     call=lambda subject, kw, p: ImplOutput(returned(subject.fn(**kw), ("out", "lse")), deviations=subject.deviations),
     checks=(Check("out", OUT, dtype=torch.bfloat16), Check("lse", LSE, "logit_l1", dtype=torch.float32)),
     knobs=lambda p: knobs(p, num_tokens=p["tokens"], dcp_size=p["ranks"]),
     doc="cp_lse_ag_out_rs: sanitize NaN/+inf LSEs, merge by log-sum-exp, bf16 per-rank terms, sum",
-))
+), priority=0)
 
 
 # ----------------------------------------------------------------------------- multi-process DCP
@@ -57,6 +65,21 @@ register_op(OpSpec(
 MAX_RANKS = 8
 RANK_ARGUMENTS = ("q", "kv_cache", "group", "query_start_loc", "seq_lens", "block_table", "topk_indices",
                   "num_heads", "kv_cache_dtype", "sm_scale", "max_model_len", "combine", "interleave")
+
+
+def _rank_params(p: Profile, world_size: int) -> st.SearchStrategy[dict]:
+    """Multi-process DCP batches for `world_size` ranks: local heads whose gathered count stays
+    in their FP8 decode envelope (H * N <= 64), interleave 1 and > 1, empty shards, zero-length
+    padding requests with and without context, CUDA-graph padding rows, either combine."""
+    heads = [h for h in sorted({1, *p.heads, *p.mqa_heads}) if h < 32 and h * world_size <= 64]
+
+    @st.composite
+    def params(draw):
+        batch = batch_params(draw, p, "fp8_ds_mla", draw(st.sampled_from(heads)), world_size, short_contexts=True)
+        pad_rows = draw(st.integers(0, 3)) if batch["mqa"] == "all" else 0
+        return {**batch, "combine": draw(st.sampled_from(COMBINES)), "pad_rows": pad_rows}
+
+    return params()
 
 
 def _rank_checks() -> tuple[Check, ...]:
@@ -101,10 +124,15 @@ def _dcp_call(subject, kw, p) -> ImplOutput:
                       notes=tuple(first["notes"]) + (f"dcp: {group.place.describe()}",))
 
 
-register_op(OpSpec(
+register(PipelineSpec(
     name="dcp",
     stage=None,
     arguments=RANK_ARGUMENTS,
+    schema=Schema(dict(FORWARD, dcp_size=OneOf(*WORLD_SIZES), combine=OneOf(*COMBINES)), forward_elements,
+                  forward_check),
+    draw=lambda p: _rank_params(p, WORLD_SIZES[0]),
+    draw_ranks=_rank_params,
+    ranks=WORLD_SIZES,
     inputs=lambda p, seed, device: {"batch": make_batch(p, seed, device), "seed": seed, "device": device},
     reference=_dcp_reference,
     call=_dcp_call,
@@ -115,4 +143,4 @@ register_op(OpSpec(
     doc="decode context parallelism over torch.distributed: q all-gather, forward_mqa on each rank's shard, "
         "AG+RS or A2A combine; every rank's heads and partial against the reference",
     own_processes=True,
-))
+), priority=0)

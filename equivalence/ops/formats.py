@@ -3,42 +3,70 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import strategies as st
 
 from mla_verify import reference
 from mla_verify.equivalence.policy import EXACT
 from mla_verify.equivalence.values import kv_values
 
-from . import Check, ImplOutput, OpSpec, register_op
+from ..draws import regimes, scale_rules
+from ..profiles import Profile
+from ..schema import BLOCK, Int, PAD, Real, Schema, VALUES
+from ..spec import register
+from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, rand, single
+
+CODEC = Schema(dict(n=Int(1, 2**22), **VALUES), lambda p: p["n"] * 1232)
+
+
+def _codec_params(p: Profile) -> st.SearchStrategy[dict]:
+    return st.fixed_dictionaries({"n": st.integers(1, 4 * p.max_tokens), "value_regime": regimes,
+                                  "scale_rule": scale_rules})
 
 
 def _kv(params, seed, device):
     return kv_values(generator(seed, device), params["n"], params["value_regime"])
 
 
-register_op(OpSpec(
+register(OpSpec(
     name="quantize_fp8_ds_mla",
     stage="quantize_fp8_ds_mla",
     arguments=("kv", "scale_rule"),
+    schema=CODEC,
+    draw=_codec_params,
     inputs=lambda p, seed, device: {"kv": _kv(p, seed, device), "scale_rule": p["scale_rule"]},
     reference=lambda kw, p: {"rows": reference.quantize_fp8_ds_mla(kw["kv"], kw["scale_rule"])},
     call=single(lambda rows: {"rows": rows}),
     checks=(Check("rows", EXACT),),
     knobs=lambda p: knobs(p, num_tokens=p["n"]),
     doc="[N,576] bf16 -> [N,656] uint8 rows; bytes must match exactly",
-))
+), priority=0)
 
-register_op(OpSpec(
+register(OpSpec(
     name="dequantize_fp8_ds_mla",
     stage="dequantize_fp8_ds_mla",
     arguments=("rows",),
+    schema=CODEC,
+    draw=_codec_params,
     inputs=lambda p, seed, device: {"rows": reference.quantize_fp8_ds_mla(_kv(p, seed, device), p["scale_rule"])},
     reference=lambda kw, p: {"values": reference.dequantize_fp8_ds_mla(kw["rows"])},
     call=single(lambda values: {"values": values}),
     checks=(Check("values", EXACT),),
     knobs=lambda p: knobs(p, num_tokens=p["n"]),
     doc="[N,656] uint8 -> [N,576] bf16 = bf16(fp32(fp8) * scale); bits must match",
-))
+), priority=0)
+
+
+def _writer_params(p: Profile) -> st.SearchStrategy[dict]:
+    @st.composite
+    def params(draw):
+        block_size = draw(st.sampled_from((16,) + p.block_sizes))
+        num_blocks = draw(st.integers(1, 4))
+        return {"n": draw(st.integers(1, num_blocks * block_size)), "num_blocks": num_blocks, "block_size": block_size,
+                "stride_pad": draw(st.sampled_from((0, 1, 3))), "value_regime": draw(regimes),
+                "scale_rule": draw(scale_rules), "skip_frac": draw(st.sampled_from((0.0, 0.2)))}
+
+    return params()
 
 
 def _writer_inputs(p, seed, device):
@@ -72,10 +100,16 @@ def _call_write(subject, kw, p):
     return ImplOutput({"cache": storage}, deviations=subject.deviations)
 
 
-register_op(OpSpec(
+register(OpSpec(
     name="write_fp8_ds_mla_cache",
     stage="write_fp8_ds_mla_cache",
     arguments=("kv", "kv_cache", "slot_mapping", "scale_rule"),
+    schema=Schema(
+        dict(n=Int(1, 2**22), num_blocks=Int(1, 2**20), block_size=BLOCK, stride_pad=PAD,
+             skip_frac=Real(0, 1, optional=True), **VALUES),
+        lambda p: p["num_blocks"] * (p["block_size"] + p.get("stride_pad", 0)) * 1312 + p["n"] * 577,
+        lambda p: None if p["n"] <= p["num_blocks"] * p["block_size"] else "n exceeds num_blocks * block_size slots"),
+    draw=_writer_params,
     inputs=_writer_inputs,
     reference=_reference_write,
     call=_call_write,
@@ -84,4 +118,4 @@ register_op(OpSpec(
     knobs=lambda p: knobs(p, num_tokens=p["n"]),
     doc="quantize + scatter by slot mapping into a paged cache; every byte of the cache's storage "
         "(including padding rows between blocks and skipped slots) must match",
-))
+), priority=0)

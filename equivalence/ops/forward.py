@@ -5,20 +5,30 @@ are merged, against the reference's exact merge."""
 from __future__ import annotations
 
 import torch
+from hypothesis import strategies as st
 
 from mla_verify import reference
 from mla_verify.equivalence.batch import make_batch
 from mla_verify.equivalence.contract import guarded
 from mla_verify.equivalence.hisparse_batch import make_hisparse_batch
-from mla_verify.optimized.validation import InputError
 from mla_verify.equivalence.policy import LSE, OUT
 from mla_verify.optimized import registry
+from mla_verify.optimized.validation import InputError
 
-from . import Check, ImplOutput, OpSpec, register_op
+from ..draws import FORWARD_PATHS, HISPARSE_PATHS, forward_params, hisparse_params
+from ..profiles import Profile
+from ..schema import FORWARD, Schema, forward_check, forward_elements
+from ..spec import register
+from .base import Check, ImplOutput
 from .common import knobs
+from .pipeline import PipelineSpec
 
 ARGUMENTS = ("q", "kv_cache", "query_start_loc", "seq_lens", "block_table", "topk_indices", "num_heads",
              "kv_cache_dtype", "sm_scale", "max_model_len")
+
+
+def _path_params(p: Profile, path: str) -> st.SearchStrategy[dict]:
+    return hisparse_params(p, path) if path in HISPARSE_PATHS else forward_params(p, path)
 
 
 def path_of(p) -> str:
@@ -100,10 +110,12 @@ def _hisparse(subject, b, p) -> ImplOutput:
                       deviations=deviations, path=res[0].path, notes=notes)
 
 
-register_op(OpSpec(
+FORWARD_MQA = register(PipelineSpec(
     name="forward_mqa",
     stage=None,
     arguments=ARGUMENTS,
+    schema=Schema(FORWARD, forward_elements, forward_check),
+    draw=forward_params,
     inputs=_inputs,
     reference=_reference,
     call=_call,
@@ -111,5 +123,8 @@ register_op(OpSpec(
     knobs=lambda p: knobs(p, num_tokens=sum(p["query_lens"]),
                           seq_len=max(c + n for c, n in zip(p["context_lens"], p["query_lens"]))),
     path=path_of,
+    paths=FORWARD_PATHS,
+    own_campaigns=HISPARSE_PATHS,
+    draw_path=_path_params,
     doc="FlashMLASparseImpl.forward_mqa: bf16 / fp8_mixed / fp8_separate paths, with DCP over ranks, and the HiSparse paths",
-))
+), priority=0)

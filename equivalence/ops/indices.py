@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import strategies as st
 
 from mla_verify import reference
 from mla_verify.equivalence.contract import returned
 from mla_verify.equivalence.patterns import apply_patterns, distinct_rows, prefix_candidates
 from mla_verify.equivalence.policy import EXACT
 
-from . import Check, ImplOutput, OpSpec, register_op
+from ..draws import dcp_index_params, patterns
+from ..patterns import PATTERNS
+from ..profiles import Profile
+from ..schema import Flag, INDEX, Int, Schema, index_elements
+from ..spec import register
+from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, randint
 
 
@@ -29,6 +35,15 @@ def multi_tile(topk: int) -> bool:
     """Upstream's converter splits a row over tiles racing on an atomic count: with counts the
     order within the valid prefix is unspecified (spec vllm_backend.md §5.2)."""
     return topk & (topk - 1) != 0 and 1 << (topk - 1).bit_length() > SINGLE_TILE_LIMIT
+
+
+def _convert_params(p: Profile) -> st.SearchStrategy[dict]:
+    return st.fixed_dictionaries({
+        "tokens": st.integers(1, p.max_tokens * 2), "requests": st.integers(1, p.max_requests),
+        # 4224 and 6144: not powers of two past upstream's single-tile limit (its prefix order unspecified).
+        "table_width": st.integers(1, 6), "topk": st.sampled_from(p.decode_topk + (4224, 6144)),
+        "block_size": st.sampled_from((16,) + p.block_sizes), "stride_extra": st.sampled_from((0, 0, 1, 64)),
+        "prefill": st.booleans(), "counts": st.booleans(), "mapping": st.booleans(), "invalid": patterns(PATTERNS)})
 
 
 def _convert_inputs(p, seed, device):
@@ -68,11 +83,14 @@ def _named_indices(result, counts: bool) -> dict[str, torch.Tensor]:
     return named
 
 
-register_op(OpSpec(
+register(OpSpec(
     name="convert_index",
     stage="convert_index",
     arguments=("req_id", "block_table", "topk_indices", "block_size", "block_stride_rows",
                "prefill_request_ids", "prefill_workspace_starts", "return_valid_counts", "idx_mapping"),
+    schema=Schema(dict(INDEX, stride_extra=Int(0, 2**16, optional=True), prefill=Flag(optional=True),
+                       counts=Flag(optional=True), mapping=Flag(optional=True)), index_elements),
+    draw=_convert_params,
     inputs=_convert_inputs,
     reference=lambda kw, p: _named_indices(reference.convert_index(**kw), kw["return_valid_counts"]),
     call=lambda subject, kw, p: ImplOutput(_named_indices(subject.fn(**kw), kw["return_valid_counts"]),
@@ -81,7 +99,7 @@ register_op(OpSpec(
     knobs=lambda p: knobs(p, num_tokens=p["tokens"], seq_len=p["table_width"] * p["block_size"]),
     doc="triton_convert_req_index_to_global_index: block table / stride rows / prefill workspace / idx_mapping, "
         "stable compaction (a set past one tile)",
-))
+), priority=0)
 
 
 def _dcp_inputs(p, seed, device):
@@ -92,15 +110,20 @@ def _dcp_inputs(p, seed, device):
             "compact_valid_to_front": p["compact"]}
 
 
-register_op(OpSpec(
+DCP_CONVERT_INDEX = register(OpSpec(
     name="dcp_convert_index",
     stage="dcp_convert_index",
     arguments=("req_id", "block_table", "topk_indices", "block_size", "dcp_size", "dcp_rank",
                "interleave", "compact_valid_to_front"),
+    schema=Schema(
+        dict(INDEX, dcp_size=Int(1, 64), dcp_rank=Int(0, 63), interleave=Int(1, 1024), compact=Flag()),
+        lambda p: index_elements(p, p["dcp_size"]),
+        lambda p: None if p["dcp_rank"] < p["dcp_size"] else "dcp_rank must be below dcp_size"),
+    draw=dcp_index_params,
     inputs=_dcp_inputs,
     reference=lambda kw, p: {"indices": reference.dcp_convert_index(**kw)},
     call=lambda subject, kw, p: ImplOutput({"indices": subject.fn(**kw)}, deviations=subject.deviations),
     checks=(Check("indices", EXACT),),
     knobs=lambda p: knobs(p, num_tokens=p["tokens"], seq_len=p["table_width"] * p["block_size"] * p["dcp_size"]),
     doc="triton_filter_and_convert_dcp_index: this rank's shard of global top-k, through its block table",
-))
+), priority=0)

@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import strategies as st
 
 from mla_verify import reference
 from mla_verify.equivalence.policy import EXACT
 from mla_verify.equivalence.values import pooled_rows
 from mla_verify.reference.paged_cache import scatter_rows
 
-from . import Check, ImplOutput, OpSpec, register_op
+from ..draws import regimes, scale_rules
+from ..profiles import Profile
+from ..schema import BLOCK, Flag, Int, PAD, SEQ_LENS, Schema, VALUES, gather_elements
+from ..spec import register
+from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs
 
 WIDTH = {"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
+SCHEMA = Schema(dict(seq_lens=SEQ_LENS, block_size=BLOCK, stride_pad=PAD, table_pad=Int(0, 64, optional=True),
+                     shuffle=Flag(optional=True), **VALUES), gather_elements)
+
+
+def _params(p: Profile) -> st.SearchStrategy[dict]:
+    return st.fixed_dictionaries({
+        "seq_lens": st.lists(st.integers(1, p.max_context), min_size=1, max_size=p.max_requests),
+        "block_size": st.sampled_from((16,) + p.block_sizes), "stride_pad": st.sampled_from((0, 2)),
+        "table_pad": st.integers(0, 2), "shuffle": st.booleans(), "value_regime": regimes, "scale_rule": scale_rules})
 
 
 def _gather_inputs(fmt):
@@ -43,14 +57,16 @@ def _gather_inputs(fmt):
 
 for _fmt, _fn in (("fp8_ds_mla", reference.gather_upconvert_fp8), ("nvfp4_ds_mla", reference.gather_upconvert_nvfp4)):
     _name = "gather_upconvert_fp8" if _fmt == "fp8_ds_mla" else "gather_upconvert_nvfp4"
-    register_op(OpSpec(
+    register(OpSpec(
         name=_name,
         stage=_name,
         arguments=("kv_cache", "block_table", "workspace_starts", "num_rows"),
+        schema=SCHEMA,
+        draw=_params,
         inputs=_gather_inputs(_fmt),
         reference=lambda kw, p, fn=_fn: {"workspace": fn(**kw)},
         call=lambda subject, kw, p: ImplOutput({"workspace": subject.fn(**kw)}, deviations=subject.deviations),
         checks=(Check("workspace", EXACT, contiguous=True),),
         knobs=lambda p, fmt=_fmt: knobs(p, num_tokens=sum(p["seq_lens"]), seq_len=max(p["seq_lens"]), cache_dtype=fmt),
         doc=f"cp_gather_and_upconvert ({_fmt}): rows of a prefill chunk into the bf16 workspace, bits exact",
-    ))
+    ), priority=0)

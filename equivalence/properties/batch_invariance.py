@@ -14,10 +14,16 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
+from hypothesis import strategies as st
 
 from mla_verify.equivalence.batch import make_batch
 
-from . import PropertySpec, Target, register_property
+from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
+from ..draws import decode_params, forward_params
+from ..profiles import Profile
+from ..schema import Ints
+from ..spec import register
+from .base import PropertySpec, Target
 from .common import (
     PIPELINE_STAGES,
     attention,
@@ -60,15 +66,51 @@ def _forward_check(inputs: dict, p: Mapping, stages) -> list:
     return attention("chunked", chunked, one, inputs["scale"])
 
 
-register_property(PropertySpec(
-    name="batch_invariance",
+MIN_BATCH = 8                # batch invariance: "in a batch of 8 or more"
+
+
+def _prefill_seq_lens(params: dict) -> list[int]:
+    """Sequence lengths of the requests the batch treats as prefills."""
+    qsl = [0]
+    for n in params["query_lens"]:
+        qsl.append(qsl[-1] + n)
+    threshold = reorder_batch_threshold(params["heads"], params["arch"], max_decode_query_len=params["max_decode_query_len"])
+    first = split_decodes_and_prefills(qsl, threshold).num_decodes
+    return [c + n for c, n in zip(params["context_lens"][first:], params["query_lens"][first:])]
+
+
+@st.composite
+def _chunked(draw, p: Profile) -> dict:
+    """fp8_separate batches with two or more prefills and a workspace that splits them into chunks.
+
+    No beyond_seq or boundaries pattern: a prefill's entry past its own sequence (the table's
+    last slot is one) reads whichever workspace row sits there (the next request's, or none past
+    the chunk), garbage that moves with the layout."""
+    d = draw(forward_params(p, "fp8_separate", min_prefills=2).filter(lambda d: len(_prefill_seq_lens(d)) >= 2))
+    lens = _prefill_seq_lens(d)
+    return {**d, "invalid": [i for i in d["invalid"] if i not in ("beyond_seq", "boundaries")],
+            "workspace_size": draw(st.integers(max(lens), sum(lens) - 1))}
+
+
+@st.composite
+def _alone(draw, p: Profile) -> dict:
+    """Decode batches of 8 or more single-token requests (spec_decode covers s > 1), and the
+    requests to run alone."""
+    batch = st.integers(MIN_BATCH, max(MIN_BATCH, min(64, p.max_tokens)))
+    d = draw(decode_params(p, batch=batch, s_q=st.just(1)))
+    return {**d, "alone": draw(st.lists(st.integers(0, d["batch"] - 1), min_size=1, max_size=2, unique=True))}
+
+
+register(PropertySpec(
+    short="batch_invariance",
     checks=("batched", "chunked"),
+    knob_params=dict(alone=Ints(0, 4095, 64, optional=True)),
     targets={
         "sparse_decode_fp8": Target("sparse_decode_fp8", lambda p: ["sparse_decode_fp8"], ("sparse_decode_fp8",),
-                                    _decode_inputs, _decode_check, decode_knobs),
+                                    _decode_inputs, _decode_check, decode_knobs, _alone),
         "forward_mqa": Target("forward_mqa", forward_stages, PIPELINE_STAGES, _forward_inputs, _forward_check,
-                              forward_knobs),
+                              forward_knobs, _chunked),
     },
     doc="a decode request alone equals it inside a batch of 8+ (split_kv kernels: within their bound); "
         "chunked prefill with any workspace equals one chunk",
-))
+), priority=104)

@@ -14,13 +14,14 @@ from typing import Any, Mapping
 import torch
 
 from mla_verify.equivalence.batch import Batch
-from mla_verify.equivalence.ops import get_op
 from mla_verify.equivalence.policy import LSE, OUT
 from mla_verify.optimized import pipeline
 from mla_verify.optimized.registry import Resolved
 from mla_verify.reference.attention import cache_row_values
 
-from . import Compared
+from ..ops.attention import SPARSE_DECODE_FP8, SPARSE_PREFILL
+from ..ops.forward import FORWARD_MQA
+from .base import Compared
 
 D_V = 512
 ATTENTION_STAGES = ("sparse_prefill", "sparse_decode_fp8")
@@ -39,23 +40,23 @@ def rewrite_generator(seed: int) -> torch.Generator:
 
 
 def prefill_problem(params: Mapping, seed: int, device: str) -> dict[str, Any]:
-    return get_op("sparse_prefill").inputs(params, seed, device)
+    return SPARSE_PREFILL.inputs(params, seed, device)
 
 
 def decode_problem(params: Mapping, seed: int, device: str) -> dict[str, Any]:
-    return get_op("sparse_decode_fp8").inputs(params, seed, device)
+    return SPARSE_DECODE_FP8.inputs(params, seed, device)
 
 
 def prefill_knobs(params: Mapping) -> dict[str, Any]:
-    return get_op("sparse_prefill").knobs(params)
+    return SPARSE_PREFILL.knobs(params)
 
 
 def decode_knobs(params: Mapping) -> dict[str, Any]:
-    return get_op("sparse_decode_fp8").knobs(params)
+    return SPARSE_DECODE_FP8.knobs(params)
 
 
 def forward_knobs(params: Mapping) -> dict[str, Any]:
-    return get_op("forward_mqa").knobs(params)
+    return FORWARD_MQA.knobs(params)
 
 
 def forward_stages(params: Mapping) -> list[str]:

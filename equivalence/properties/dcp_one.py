@@ -16,12 +16,17 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
+from hypothesis import strategies as st
+
 from mla_verify.equivalence.batch import make_batch
-from mla_verify.equivalence.ops import get_op
 from mla_verify.equivalence.policy import EXACT, LSE, OUT
 from mla_verify.optimized import pipeline
 
-from . import Compared, PropertySpec, Target, register_property
+from ..draws import dcp_index_params, forward_params, merge_params
+from ..ops.dcp import DCP_MERGE
+from ..ops.indices import DCP_CONVERT_INDEX
+from ..spec import register
+from .base import Compared, PropertySpec, Target
 from .common import PIPELINE_STAGES, attention, forward, forward_knobs, forward_scale, forward_stages
 
 INDEX_STAGES = ("dcp_convert_index", "convert_index")
@@ -51,7 +56,7 @@ def _forward_check(inputs: dict, p: Mapping, stages) -> list:
 
 
 def _merge_inputs(p: Mapping, seed: int, device: str) -> dict:
-    return get_op("dcp_merge").inputs({**p, "ranks": 1, "junk": False}, seed, device)
+    return DCP_MERGE.inputs({**p, "ranks": 1, "junk": False}, seed, device)
 
 
 def _merge_check(kw: dict, p: Mapping, stages) -> list:
@@ -59,18 +64,20 @@ def _merge_check(kw: dict, p: Mapping, stages) -> list:
     return [Compared("merge", "out", OUT, out, kw["outs"][0]), Compared("merge", "lse", LSE, lse, kw["lses"][0])]
 
 
-register_property(PropertySpec(
-    name="dcp_size_one",
+register(PropertySpec(
+    short="dcp_size_one",
     checks=("convert_index", "forward_mqa", "merge"),
     targets={
         "dcp_convert_index": Target(
             "dcp_convert_index", lambda p: list(INDEX_STAGES), INDEX_STAGES,
-            lambda p, seed, device: get_op("dcp_convert_index").inputs({**p, **ONE_RANK}, seed, device),
-            _index_check, lambda p: get_op("dcp_convert_index").knobs({**p, **ONE_RANK})),
+            lambda p, seed, device: DCP_CONVERT_INDEX.inputs({**p, **ONE_RANK}, seed, device),
+            _index_check, lambda p: DCP_CONVERT_INDEX.knobs({**p, **ONE_RANK}),
+            lambda p: dcp_index_params(p, sizes=(1,))),
         "forward_mqa": Target("forward_mqa", lambda p: [*forward_stages(p), "dcp_merge"], PIPELINE_STAGES,
-                              _forward_inputs, _forward_check, forward_knobs),
+                              _forward_inputs, _forward_check, forward_knobs, lambda p: forward_params(p, "fp8_mixed")),
         "dcp_merge": Target("dcp_merge", lambda p: ["dcp_merge"], ("dcp_merge",), _merge_inputs, _merge_check,
-                            lambda p: get_op("dcp_merge").knobs({**p, "ranks": 1})),
+                            lambda p: DCP_MERGE.knobs({**p, "ranks": 1}),
+                            lambda p: merge_params(p, ranks=st.just(1), junk=st.just(False))),
     },
     doc="dcp_convert_index, forward_mqa_dcp and dcp_merge over one rank equal no DCP, bit for bit",
-))
+), priority=106)

@@ -14,8 +14,11 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
+from hypothesis import strategies as st
 
-from . import PropertySpec, Target, register_property
+from ..draws import decode_params
+from ..spec import register
+from .base import PropertySpec, Target
 from .common import ATTENTION_STAGES, attention, decode, decode_knobs, decode_problem, decode_scale, prefill
 
 PREFILL_TOPK_MULTIPLE = 128
@@ -46,13 +49,13 @@ def _check(inputs: dict, p: Mapping, stages) -> list:
     return attention("prefill", got_prefill, got_decode, inputs["scale"])
 
 
-register_property(PropertySpec(
-    name="decode_equals_prefill",
+register(PropertySpec(
+    short="decode_equals_prefill",
     checks=("prefill",),
     targets={
         "sparse_decode_fp8": Target(
             "sparse_decode_fp8", lambda p: ["sparse_decode_fp8", "sparse_prefill", "dequantize_fp8_ds_mla"],
-            ATTENTION_STAGES, _inputs, _check, decode_knobs),
+            ATTENTION_STAGES, _inputs, _check, decode_knobs, lambda p: decode_params(p, scale_rule=st.just("pow2"))),
     },
     doc="sparse_decode_fp8 on an fp8_ds_mla cache equals sparse_prefill on its rows up-converted to bf16",
-))
+), priority=102)

@@ -12,10 +12,12 @@ from typing import Callable, Mapping
 import torch
 
 from mla_verify.equivalence.batch import make_batch
-from mla_verify.equivalence.ops import get_op
 from mla_verify.equivalence.policy import LSE, OUT
 
-from . import Compared, PropertySpec, Target, register_property
+from ..draws import decode_params, forward_params, merge_params, prefill_params
+from ..ops.dcp import DCP_MERGE
+from ..spec import register
+from .base import Compared, PropertySpec, Target
 from .common import (
     PIPELINE_STAGES,
     decode_knobs,
@@ -31,7 +33,8 @@ NAMES = ("out", "lse", "max_logits")
 
 
 def _target(name: str, stages: Callable[[Mapping], list[str]], under_test: tuple[str, ...],
-            inputs: Callable[[Mapping, int, str], dict], run: Callable, knobs: Callable[[Mapping], dict]) -> Target:
+            inputs: Callable[[Mapping, int, str], dict], run: Callable, knobs: Callable[[Mapping], dict],
+            draw: Callable) -> Target:
     """A determinism target: `run(stages, inputs)` returns the tensors (out, lse[, max_logits])."""
 
     def check(kw: dict, p: Mapping, resolved) -> list:
@@ -39,26 +42,26 @@ def _target(name: str, stages: Callable[[Mapping], list[str]], under_test: tuple
         return [Compared("rerun", tensor, OUT if tensor == "out" else LSE, b, a)
                 for tensor, a, b in zip(NAMES, first, second)]
 
-    return Target(name, stages, under_test, inputs, check, knobs)
+    return Target(name, stages, under_test, inputs, check, knobs, draw)
 
 
 def _stage(name: str) -> Callable[[object, dict], tuple[torch.Tensor, ...]]:
     return lambda stages, kw: tuple(stages.fn(name)(**kw))
 
 
-register_property(PropertySpec(
-    name="determinism",
+register(PropertySpec(
+    short="determinism",
     checks=("rerun",),
     targets={
         "sparse_prefill": _target("sparse_prefill", lambda p: ["sparse_prefill"], ("sparse_prefill",),
-                                  prefill_problem, _stage("sparse_prefill"), prefill_knobs),
+                                  prefill_problem, _stage("sparse_prefill"), prefill_knobs, prefill_params),
         "sparse_decode_fp8": _target("sparse_decode_fp8", lambda p: ["sparse_decode_fp8"], ("sparse_decode_fp8",),
-                                     decode_problem, _stage("sparse_decode_fp8"), decode_knobs),
+                                     decode_problem, _stage("sparse_decode_fp8"), decode_knobs, decode_params),
         "forward_mqa": _target("forward_mqa", forward_stages, PIPELINE_STAGES,
                                lambda p, seed, device: {"batch": make_batch(p, seed, device)},
-                               lambda stages, kw: forward(stages, kw["batch"]), forward_knobs),
-        "dcp_merge": _target("dcp_merge", lambda p: ["dcp_merge"], ("dcp_merge",), get_op("dcp_merge").inputs,
-                             _stage("dcp_merge"), get_op("dcp_merge").knobs),
+                               lambda stages, kw: forward(stages, kw["batch"]), forward_knobs, forward_params),
+        "dcp_merge": _target("dcp_merge", lambda p: ["dcp_merge"], ("dcp_merge",), DCP_MERGE.inputs,
+                             _stage("dcp_merge"), DCP_MERGE.knobs, merge_params),
     },
     doc="the same inputs give bitwise the same outputs run to run",
-))
+), priority=107)

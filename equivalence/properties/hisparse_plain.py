@@ -17,12 +17,17 @@ import dataclasses
 from typing import Mapping
 
 import torch
+from hypothesis import strategies as st
 
 from mla_verify.equivalence.hisparse_batch import make_hisparse_batch
 from mla_verify.equivalence.policy import LSE, OUT
 from mla_verify.optimized import hisparse, pipeline
 
-from . import Compared, PropertySpec, Target, register_property
+from mla_verify.reference.metadata import reorder_batch_threshold
+from ..draws import hisparse_params
+from ..profiles import Profile
+from ..spec import register
+from .base import Compared, PropertySpec, Target
 from .common import forward_knobs, forward_scale
 
 UNDER_TEST = ("convert_index", "hisparse_place", "hisparse_swap_in", "hisparse_prefill_plan", "stage_prefill_rows",
@@ -49,9 +54,26 @@ def _check(kw: dict, p: Mapping, stages) -> list:
             Compared("layers", "lse", LSE, torch.cat([r.lse for r in got]), torch.cat([r.lse for r in base]), scale)]
 
 
-register_property(PropertySpec(
-    name="hisparse_equals_plain",
+@st.composite
+def _like_plain(draw, p: Profile) -> dict:
+    """fp8 HiSparse batches the plain separate path splits the same way: 32 heads on sm90, prefills
+    longer than its threshold, and -1 only at the tail of a top-k row (no invalid-index patterns:
+    each of them, duplicates too, leaves -1 or an out-of-range entry between valid ones)."""
+    d = draw(hisparse_params(p, "fp8_separate_hisparse", heads=(32,)))
+    s = d["max_decode_query_len"]
+    longer = reorder_batch_threshold(32, "sm90", max_decode_query_len=s) + draw(st.integers(0, 8))
+    qlens = [n if n == s else longer + n for n in d["query_lens"]]
+    seq_max = max(c + n for c, n in zip(d["context_lens"], qlens))
+    ws = d["workspace_size"]
+    return {**d, "query_lens": qlens, "arch": "sm90", "invalid": [],
+            "max_model_len": seq_max, "buffer_rows": min(d["buffer_rows"], sum(qlens) + 2),
+            "workspace_size": None if ws is None else max(ws, seq_max)}
+
+
+register(PropertySpec(
+    short="hisparse_equals_plain",
     checks=("layers",),
-    targets={"forward_mqa": Target("forward_mqa", _stages, UNDER_TEST, _inputs, _check, forward_knobs)},
+    targets={"forward_mqa": Target("forward_mqa", _stages, UNDER_TEST, _inputs, _check, forward_knobs,
+                                   lambda p: st.one_of(hisparse_params(p, "bf16_hisparse"), _like_plain(p)))},
     doc="every layer of a HiSparse group equals the plain path on its logical cache, bit for bit",
-))
+), priority=108)

@@ -21,10 +21,15 @@ from __future__ import annotations
 from typing import Mapping, NamedTuple
 
 import torch
+from hypothesis import strategies as st
 
 from mla_verify.equivalence.batch import make_batch
 
-from . import PropertySpec, Target, register_property
+from ..draws import decode_params, forward_params, prefill_params
+from ..profiles import Profile
+from ..schema import Int, OneOf
+from ..spec import register
+from .base import PropertySpec, Target
 from .common import (
     PIPELINE_STAGES,
     attention,
@@ -146,16 +151,49 @@ def _check(inputs: dict, p: Mapping, stages) -> list:
     return compared
 
 
-register_property(PropertySpec(
-    name="padding_and_order",
+MAX_HEADS = 128              # FlashMLA's largest head count (the wrappers pad to 64 or 128)
+TOPK_UNIT = {"sparse_prefill": 128, "sparse_decode_fp8": 64}  # FlashMLA's top-k granularity
+
+
+@st.composite
+def _padding(draw, params: st.SearchStrategy[dict], target: str) -> dict:
+    """Base problem plus padding knobs; decode draws the padded batch and keeps its first rows."""
+    d = draw(params)
+    if target == "sparse_decode_fp8":
+        extra = draw(st.integers(1, d["batch"] - 1))
+        d = {**d, "batch": d["batch"] - extra, "pad_tokens": extra}
+    else:
+        d = {**d, "pad_tokens": draw(st.integers(1, 3))}
+    return {**d, "pad_rows": draw(st.sampled_from(("live", "empty"))),
+            "pad_heads": draw(st.integers(min(1, MAX_HEADS - d["heads"]), min(16, MAX_HEADS - d["heads"]))),
+            "wider": TOPK_UNIT[target] * draw(st.integers(1, 2))}
+
+
+def _block_table(p: Profile) -> st.SearchStrategy[dict]:
+    batches = st.sampled_from(("bf16", "fp8_mixed", "fp8_separate")).flatmap(lambda path: forward_params(p, path))
+    # Top-k entries past the table would reach the added columns: no out_of_range or boundaries pattern.
+    return st.tuples(batches, st.integers(1, 3), st.sampled_from(("null", "blocks"))).map(lambda t: {
+        **t[0], "invalid": [i for i in t[0]["invalid"] if i not in ("out_of_range", "boundaries")], "pad_columns": t[1],
+        "pad_fill": t[2]})
+
+
+register(PropertySpec(
+    short="padding_and_order",
     checks=("wider_k", "permuted", "padded_heads", "padded_tokens", "topk_length", "block_table"),
+    knob_params=dict(pad_tokens=Int(1, 1024, optional=True), pad_rows=OneOf("live", "empty", optional=True),
+                     pad_heads=Int(0, 128, optional=True), wider=Int(1, 2**14, optional=True),
+                     pad_columns=Int(1, 64, optional=True), pad_fill=OneOf("null", "blocks", optional=True)),
     targets={
         "sparse_prefill": Target("sparse_prefill", lambda p: ["sparse_prefill"], ("sparse_prefill",),
-                                 _prefill_inputs, _check, prefill_knobs),
+                                 _prefill_inputs, _check, prefill_knobs,
+                                 lambda p: _padding(prefill_params(p), "sparse_prefill")),
         "sparse_decode_fp8": Target("sparse_decode_fp8", lambda p: ["sparse_decode_fp8"], ("sparse_decode_fp8",),
-                                    _decode_inputs, _check, decode_knobs),
-        "forward_mqa": Target("forward_mqa", forward_stages, PIPELINE_STAGES, _forward_inputs, _check, forward_knobs),
+                                    _decode_inputs, _check, decode_knobs,
+                                    lambda p: _padding(decode_params(p, batch=st.integers(2, max(2, p.max_tokens // 2 + 1))),
+                                                       "sparse_decode_fp8")),
+        "forward_mqa": Target("forward_mqa", forward_stages, PIPELINE_STAGES, _forward_inputs, _check, forward_knobs,
+                              _block_table),
     },
     doc="wider K with invalid entries, permuted entries, padded heads / tokens / block table change nothing "
         "beyond rounding; topk_length = n equals -1 past n bit for bit",
-))
+), priority=103)

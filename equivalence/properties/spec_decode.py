@@ -14,9 +14,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+from hypothesis import strategies as st
+
 from mla_verify.equivalence.batch import make_batch
 
-from . import PropertySpec, Target, register_property
+from ..draws import decode_params, forward_params
+from ..spec import register
+from .base import PropertySpec, Target
 from .common import (
     PIPELINE_STAGES,
     attention,
@@ -57,13 +61,14 @@ def _check(inputs: dict, p: Mapping, stages) -> list:
     return attention("single_tokens", run(stages, inputs["single"]), run(stages, inputs["spec"]), inputs["scale"])
 
 
-register_property(PropertySpec(
-    name="spec_decode",
+register(PropertySpec(
+    short="spec_decode",
     checks=("single_tokens",),
     targets={
         "sparse_decode_fp8": Target("sparse_decode_fp8", lambda p: ["sparse_decode_fp8"], ("sparse_decode_fp8",),
-                                    _decode_inputs, _check, decode_knobs),
-        "forward_mqa": Target("forward_mqa", forward_stages, PIPELINE_STAGES, _forward_inputs, _check, forward_knobs),
+                                    _decode_inputs, _check, decode_knobs, lambda p: decode_params(p, s_q=st.integers(2, 4))),
+        "forward_mqa": Target("forward_mqa", forward_stages, PIPELINE_STAGES, _forward_inputs, _check, forward_knobs,
+                              lambda p: forward_params(p, "fp8_separate", decodes_only=True)),
     },
     doc="a batch of B requests with s tokens each equals the same tokens as B*s single-token decodes",
-))
+), priority=105)

@@ -22,10 +22,14 @@ import math
 from typing import Mapping
 
 import torch
+from hypothesis import strategies as st
 
 from mla_verify import reference
 
-from . import PropertySpec, Target, register_property
+from ..draws import decode_params, prefill_params
+from ..schema import Int, OneOf
+from ..spec import register
+from .base import PropertySpec, Target
 from .common import (
     attention,
     decode,
@@ -41,6 +45,11 @@ from .common import (
 )
 
 SCHEMES = ("random", "contiguous", "residue")
+
+
+def _parts(params: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
+    return st.tuples(params, st.integers(2, 4), st.sampled_from(SCHEMES)).map(
+        lambda t: {**t[0], "parts": t[1], "scheme": t[2]})
 
 
 def _assign(gen: torch.Generator, idx: torch.Tensor, parts: int, scheme: str) -> torch.Tensor:
@@ -94,14 +103,16 @@ def _check(inputs: dict, p: Mapping, stages) -> list:
     return attention("merged", (out, lse), whole, inputs["scale"])
 
 
-register_property(PropertySpec(
-    name="split_invariance",
+register(PropertySpec(
+    short="split_invariance",
     checks=("merged",),
+    knob_params=dict(parts=Int(2, 64), scheme=OneOf(*SCHEMES)),
     targets={
         "sparse_prefill": Target("sparse_prefill", lambda p: ["sparse_prefill"], ("sparse_prefill",),
-                                 _prefill_inputs, _check, prefill_knobs),
+                                 _prefill_inputs, _check, prefill_knobs,
+                                 lambda p: _parts(prefill_params(p, sink=st.just("none")))),
         "sparse_decode_fp8": Target("sparse_decode_fp8", lambda p: ["sparse_decode_fp8"], ("sparse_decode_fp8",),
-                                    _decode_inputs, _check, decode_knobs),
+                                    _decode_inputs, _check, decode_knobs, lambda p: _parts(decode_params(p))),
     },
     doc="attention over a top-k set equals the exact LSE merge of attention over any partition of it (DCP's identity)",
-))
+), priority=101)

@@ -1,9 +1,10 @@
-"""Hypothesis strategies: one per op, each drawing a Case (structure + seed) within a profile.
+"""The Hypothesis draws the specs share: the params of the attention ops, of forward_mqa's
+batches (plain, DCP, HiSparse), of the index conversions and of the DCP merge, within a profile.
 
-Hypothesis draws the structure (shapes, knobs, patterns) and an integer seed; the tensors come
-from a generator seeded with it (each op's `inputs`, `equivalence.ops`), so a failure shrinks to a small structure
-and replays from its JSON. Every drawn case is valid by the op's contract: what a correct
-implementation must accept.
+Hypothesis draws the structure (shapes, knobs, patterns) and each spec adds an integer seed; the
+tensors come from a generator seeded with it (each spec's `inputs`), so a failure shrinks to a
+small structure and replays from its JSON. Every drawn case is valid by the op's contract: what a
+correct implementation must accept. Draws only one spec uses live in its module.
 """
 
 from __future__ import annotations
@@ -14,16 +15,13 @@ from typing import Callable
 
 from hypothesis import strategies as st
 
-from mla_verify.equivalence.batch import INVALID_PATTERNS
-from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.patterns import PATTERNS
-from mla_verify.equivalence.properties import is_property
-from mla_verify.equivalence.values import REGIMES
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
+from .batch import INVALID_PATTERNS
+from .patterns import PATTERNS
 from .profiles import Profile
+from .values import REGIMES
 
-seeds = st.integers(0, 2**31 - 1)
 DRAWN_LENGTHS = 8
 regimes = st.sampled_from(REGIMES)
 scale_rules = st.sampled_from(("pow2", "raw"))
@@ -31,29 +29,8 @@ sm_scales = st.sampled_from((0.0417, 0.1, 0.1352, 0.3))  # 576**-0.5, ..., DeepS
 DECODE_PATTERNS = ("scattered", "whole_row", "duplicates", "boundaries")  # only -1 is invalid for the decode kernel
 
 
-def _patterns(options) -> st.SearchStrategy[list[str]]:
+def patterns(options) -> st.SearchStrategy[list[str]]:
     return st.lists(st.sampled_from(options), max_size=3, unique=True)
-
-
-def _case(op: str, params: st.SearchStrategy[dict]) -> st.SearchStrategy[Case]:
-    return st.builds(lambda p, seed: Case(op, p, seed), params, seeds)
-
-
-def quantize(p: Profile, op: str) -> st.SearchStrategy[Case]:
-    return _case(op, st.fixed_dictionaries({"n": st.integers(1, 4 * p.max_tokens), "value_regime": regimes,
-                                            "scale_rule": scale_rules}))
-
-
-def write_cache(p: Profile) -> st.SearchStrategy[Case]:
-    @st.composite
-    def params(draw):
-        block_size = draw(st.sampled_from((16,) + p.block_sizes))
-        num_blocks = draw(st.integers(1, 4))
-        return {"n": draw(st.integers(1, num_blocks * block_size)), "num_blocks": num_blocks, "block_size": block_size,
-                "stride_pad": draw(st.sampled_from((0, 1, 3))), "value_regime": draw(regimes),
-                "scale_rule": draw(scale_rules), "skip_frac": draw(st.sampled_from((0.0, 0.2)))}
-
-    return _case("write_fp8_ds_mla_cache", params())
 
 
 def prefill_params(p: Profile, **fields: st.SearchStrategy) -> st.SearchStrategy[dict]:
@@ -61,7 +38,7 @@ def prefill_params(p: Profile, **fields: st.SearchStrategy) -> st.SearchStrategy
     return st.fixed_dictionaries({
         "tokens": st.integers(1, p.max_tokens), "heads": st.sampled_from(p.heads),
         "kv_rows": st.integers(1, max(2, p.max_context)), "topk": st.sampled_from(p.prefill_topk),
-        "value_regime": regimes, "sm_scale": sm_scales, "invalid": _patterns(PATTERNS),
+        "value_regime": regimes, "sm_scale": sm_scales, "invalid": patterns(PATTERNS),
         "topk_length": st.sampled_from(("none", "random", "edges")),
         "sink": st.sampled_from(("none", "finite", "inf")), **fields})
 
@@ -91,28 +68,11 @@ def decode_params(p: Profile, batch: st.SearchStrategy[int] | None = None, **fie
             "seq_lens": lengths(size, p.max_context),
             "page_size": st.sampled_from((1, 16) + p.block_sizes), "stride_pad": st.sampled_from((0, 1)),
             "value_regime": regimes, "scale_rule": scale_rules, "sm_scale": sm_scales,
-            "invalid": _patterns(DECODE_PATTERNS), **fields})
+            "invalid": patterns(DECODE_PATTERNS), **fields})
 
     # One strategy object per batch size: Hypothesis re-derives a new strategy's properties on
     # every draw, which cost more than the draws themselves.
     return (batch if batch is not None else st.integers(1, max(1, p.max_tokens // 2))).flatmap(functools.lru_cache(params))
-
-
-def sparse_prefill(p: Profile) -> st.SearchStrategy[Case]:
-    return _case("sparse_prefill", prefill_params(p))
-
-
-def sparse_decode(p: Profile) -> st.SearchStrategy[Case]:
-    return _case("sparse_decode_fp8", decode_params(p))
-
-
-def convert_index(p: Profile) -> st.SearchStrategy[Case]:
-    return _case("convert_index", st.fixed_dictionaries({
-        "tokens": st.integers(1, p.max_tokens * 2), "requests": st.integers(1, p.max_requests),
-        # 4224 and 6144: not powers of two past upstream's single-tile limit (its prefix order unspecified).
-        "table_width": st.integers(1, 6), "topk": st.sampled_from(p.decode_topk + (4224, 6144)),
-        "block_size": st.sampled_from((16,) + p.block_sizes), "stride_extra": st.sampled_from((0, 0, 1, 64)),
-        "prefill": st.booleans(), "counts": st.booleans(), "mapping": st.booleans(), "invalid": _patterns(PATTERNS)}))
 
 
 def dcp_index_params(p: Profile, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> st.SearchStrategy[dict]:
@@ -125,20 +85,9 @@ def dcp_index_params(p: Profile, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> st.Se
                 "table_width": draw(st.integers(1, 4)), "topk": draw(st.sampled_from(p.decode_topk)),
                 "block_size": block_size, "dcp_size": size, "dcp_rank": draw(st.integers(0, size - 1)),
                 "interleave": draw(st.sampled_from((1, 2, 4, 64))), "compact": draw(st.booleans()),
-                "invalid": draw(_patterns(PATTERNS))}
+                "invalid": draw(patterns(PATTERNS))}
 
     return params()
-
-
-def dcp_convert_index(p: Profile) -> st.SearchStrategy[Case]:
-    return _case("dcp_convert_index", dcp_index_params(p))
-
-
-def gather(p: Profile, op: str) -> st.SearchStrategy[Case]:
-    return _case(op, st.fixed_dictionaries({
-        "seq_lens": st.lists(st.integers(1, p.max_context), min_size=1, max_size=p.max_requests),
-        "block_size": st.sampled_from((16,) + p.block_sizes), "stride_pad": st.sampled_from((0, 2)),
-        "table_pad": st.integers(0, 2), "shuffle": st.booleans(), "value_regime": regimes, "scale_rule": scale_rules}))
 
 
 def merge_params(p: Profile, **fields: st.SearchStrategy) -> st.SearchStrategy[dict]:
@@ -148,34 +97,13 @@ def merge_params(p: Profile, **fields: st.SearchStrategy) -> st.SearchStrategy[d
         "heads": st.sampled_from(p.heads), "empty_frac": st.sampled_from((0.0, 0.3)), "junk": st.booleans(), **fields})
 
 
-def dcp_merge(p: Profile) -> st.SearchStrategy[Case]:
-    return _case("dcp_merge", merge_params(p))
-
-
-def layout(p: Profile, op: str) -> st.SearchStrategy[Case]:
-    if op == "concat_mla_q":
-        params = st.fixed_dictionaries({"tokens": st.integers(1, p.max_tokens * 2), "heads": st.sampled_from(p.heads)})
-    elif op == "split_prefill_chunks":
-        def sizes(lens):
-            # Workspaces that some run of requests fills exactly: where <= and < part ways.
-            exact = [t for t in (sum(lens[i:j]) for i in range(len(lens)) for j in range(i + 1, len(lens) + 1)) if t >= max(lens)]
-            return st.one_of(st.sampled_from(exact), st.integers(max(lens), 2 * sum(lens)))
-
-        params = st.lists(st.integers(1, p.max_context), min_size=1, max_size=p.max_requests).flatmap(
-            lambda lens: st.fixed_dictionaries({"seq_lens": st.just(lens), "workspace_size": sizes(lens)}))
-    else:
-        params = st.fixed_dictionaries({"num_decodes": st.integers(1, p.max_requests), "s": st.integers(1, 4),
-                                        "heads": st.sampled_from(p.heads), "four_d": st.booleans()})
-    return _case(op, params)
-
-
 FORWARD_PATHS = ("bf16", "fp8_mixed", "fp8_separate", "fp8_mixed_dcp", "bf16_hisparse", "fp8_separate_hisparse")
 HISPARSE_PATHS = ("bf16_hisparse", "fp8_separate_hisparse")
 WORLD_SIZES = (2, 4, 8)
 COMBINES = ("ag_rs", "a2a")
 
 
-def _batch_params(draw, p: Profile, cache_dtype: str, heads: int, dcp: int, short_contexts: bool = False,
+def batch_params(draw, p: Profile, cache_dtype: str, heads: int, dcp: int, short_contexts: bool = False,
                   decodes_only: bool = False, min_prefills: int = 0) -> dict:
     """A forward_mqa batch for `heads` local heads over `dcp` ranks (make_batch's params).
 
@@ -215,7 +143,7 @@ def _batch_params(draw, p: Profile, cache_dtype: str, heads: int, dcp: int, shor
         "block_size": block_size, "stride_pad": draw(st.sampled_from((0, 1, 64))),
         "spare_blocks": draw(st.integers(0, 2)), "shuffle": draw(st.booleans()), "table_pad": draw(st.integers(0, 2)),
         "topk": topk, "sm_scale": draw(sm_scales), "value_regime": draw(regimes), "scale_rule": draw(scale_rules),
-        "invalid": draw(_patterns(INVALID_PATTERNS)),
+        "invalid": draw(patterns(INVALID_PATTERNS)),
         # Only decode tokens reach forward_mqa when dense MHA takes the prefills; under DCP with
         # interleave != 1 nothing counts as a decode (threshold 1), so that case has no rows.
         "mqa": draw(st.sampled_from(("all", "decodes"))) if n_dec and interleave == 1 and not min_prefills else "all",
@@ -251,7 +179,7 @@ def forward_params(p: Profile, path: str | None = None, *, decodes_only: bool = 
         if mixed and path != "fp8_mixed":
             sizes = [n for n in (1, 2, 4, 8) if (heads * n <= 64) == (heads <= 64)]
             dcp = draw(st.sampled_from([n for n in sizes if n > 1] if path == "fp8_mixed_dcp" else sizes))
-        return _batch_params(draw, p, cache_dtype, heads, dcp, decodes_only=decodes_only, min_prefills=min_prefills)
+        return batch_params(draw, p, cache_dtype, heads, dcp, decodes_only=decodes_only, min_prefills=min_prefills)
 
     return params()
 
@@ -281,7 +209,7 @@ def hisparse_params(p: Profile, path: str, heads: tuple[int, ...] | None = None)
             "spare_blocks": draw(st.integers(0, 2)), "shuffle": draw(st.booleans()), "table_pad": draw(st.integers(0, 2)),
             "topk": topk, "sm_scale": draw(sm_scales), "value_regime": draw(regimes), "scale_rule": draw(scale_rules),
             # No boundaries: the table's last slot may lie in a page with no host block (undefined upstream).
-            "invalid": draw(_patterns(tuple(x for x in PATTERNS if x != "boundaries"))),
+            "invalid": draw(patterns(tuple(x for x in PATTERNS if x != "boundaries"))),
             "max_decode_query_len": s, "max_model_len": seq_max,
             "workspace_size": draw(st.integers(seq_max, seq_max + seq_max // 2)) if chunked else None,
             "hisparse": True, "layers": draw(st.integers(1, 4)), "resident_frac": frac,
@@ -294,66 +222,3 @@ def hisparse_params(p: Profile, path: str, heads: tuple[int, ...] | None = None)
         }
 
     return params()
-
-
-def forward_mqa(p: Profile, path: str | None = None) -> st.SearchStrategy[Case]:
-    """forward_mqa batches; `path` restricts them to one of FORWARD_PATHS."""
-    if path in HISPARSE_PATHS:
-        return _case("forward_mqa", hisparse_params(p, path))
-    return _case("forward_mqa", forward_params(p, path))
-
-
-def dcp(p: Profile, world_size: int = 2) -> st.SearchStrategy[Case]:
-    """Multi-process DCP batches for `world_size` ranks: local heads whose gathered count stays
-    in their FP8 decode envelope (H * N <= 64), interleave 1 and > 1, empty shards, zero-length
-    padding requests with and without context, CUDA-graph padding rows, either combine."""
-    if world_size not in WORLD_SIZES:
-        raise KeyError(f"DCP world size must be one of {WORLD_SIZES}, got {world_size}")
-    heads = [h for h in sorted({1, *p.heads, *p.mqa_heads}) if h < 32 and h * world_size <= 64]
-
-    @st.composite
-    def params(draw):
-        batch = _batch_params(draw, p, "fp8_ds_mla", draw(st.sampled_from(heads)), world_size, short_contexts=True)
-        pad_rows = draw(st.integers(0, 3)) if batch["mqa"] == "all" else 0
-        return {**batch, "combine": draw(st.sampled_from(COMBINES)), "pad_rows": pad_rows}
-
-    return _case("dcp", params())
-
-
-STRATEGIES: dict[str, Callable[[Profile], st.SearchStrategy[Case]]] = {
-    "quantize_fp8_ds_mla": lambda p: quantize(p, "quantize_fp8_ds_mla"),
-    "dequantize_fp8_ds_mla": lambda p: quantize(p, "dequantize_fp8_ds_mla"),
-    "write_fp8_ds_mla_cache": write_cache,
-    "sparse_prefill": sparse_prefill,
-    "sparse_decode_fp8": sparse_decode,
-    "convert_index": convert_index,
-    "dcp_convert_index": dcp_convert_index,
-    "gather_upconvert_fp8": lambda p: gather(p, "gather_upconvert_fp8"),
-    "gather_upconvert_nvfp4": lambda p: gather(p, "gather_upconvert_nvfp4"),
-    "dcp_merge": dcp_merge,
-    "concat_mla_q": lambda p: layout(p, "concat_mla_q"),
-    "split_prefill_chunks": lambda p: layout(p, "split_prefill_chunks"),
-    "reshape_query_for_spec_decode": lambda p: layout(p, "reshape_query_for_spec_decode"),
-    "reshape_attn_output_for_spec_decode": lambda p: layout(p, "reshape_attn_output_for_spec_decode"),
-    "forward_mqa": forward_mqa,
-    "dcp": dcp,
-}
-
-
-def strategy(op: str, profile: Profile, path: str | None = None, world_size: int | None = None) -> st.SearchStrategy[Case]:
-    """Cases of `op` within `profile`; `path` picks a forward_mqa path, or a property's target."""
-    if is_property(op):
-        from .property_strategies import property_cases  # it builds on this module's strategies
-
-        return property_cases(op, profile, path)
-    if op not in STRATEGIES:
-        raise KeyError(f"no strategy for op {op!r}")
-    if path is not None:
-        if op != "forward_mqa":
-            raise KeyError(f"--path applies to forward_mqa only, not {op}")
-        return forward_mqa(profile, path)
-    if world_size is not None:
-        if op != "dcp":
-            raise KeyError(f"--world-size applies to dcp only, not {op}")
-        return dcp(profile, world_size)
-    return STRATEGIES[op](profile)

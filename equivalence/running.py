@@ -1,4 +1,5 @@
-"""Run one Case: build its inputs, ask the reference, call the implementation, judge each tensor.
+"""Running an implementation on a case and turning what happened into rows: the pieces every
+spec's `evaluate` is made of.
 
 The implementation runs after the reference, on its own poisoned outputs
 (`optimized.buffers.poisoned`), with Python's, numpy's and torch's global generators seeded from
@@ -11,7 +12,6 @@ the case generator builds are valid by contract, so a refusal (InputError) is a 
 
 from __future__ import annotations
 
-import json
 import random
 import time
 import traceback
@@ -23,14 +23,10 @@ import torch
 from mla_verify.optimized.buffers import poisoned
 
 from . import device as dev
-from .case import Case
-from .contract import ContractError, Snapshot, output_problem
-from .oracle import Verdict, judge
-from .ops import get_op
+from .contract import ContractError, Snapshot
+from .oracle import Verdict
 from .policy import EXACT
-from .properties import get_property, is_property
 from .rows import Row
-from .subject import Subject
 
 
 class Raised(Exception):
@@ -53,16 +49,6 @@ def timed(fn, device):
     result = fn()
     _sync(device)
     return result, time.perf_counter() - start
-
-
-def identity(case: Case) -> dict:
-    """The op, path, case and knob columns of `case`'s rows (a property's op column reads "property")."""
-    stored = json.dumps(case.to_dict(), sort_keys=True)
-    if is_property(case.op):
-        prop = get_property(case.op)
-        return dict(op="property", path=prop.name, case=stored, **prop.knobs(case.params))
-    spec = get_op(case.op)
-    return dict(op=case.op, path=spec.path_of(case.params), case=stored, **spec.knobs(case.params))
 
 
 def failure_row(base: dict, tensor: str, metric: str, reason: str, **fields) -> Row:
@@ -132,58 +118,3 @@ def judged_row(base: dict, tensor: str, kind: str, v: Verdict, **fields) -> Row:
         gate_metric=v.gate_metric, value=v.value, bound=v.bound, headroom=v.headroom,
         deviation=v.deviation, passed=v.passed, reason=v.reason, **fields,
     )
-
-
-def evaluate(
-    case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
-    notes: set[str] | None = None, on_call: Callable[[], None] | None = None,
-) -> list[Row]:
-    """Every checked tensor of `case` as a Row (a single failure row if the implementation raised).
-
-    `notes` collects what the implementation side reported, e.g. a stage that fell back to a
-    portable implementation because the preferred one cannot run on this device. A property case
-    (`property:NAME`) runs the implementation against itself (equivalence.properties). `on_call`
-    runs once inputs and reference are ready, just before the implementation.
-    """
-    if is_property(case.op):
-        from .properties.run import evaluate_property  # it builds on this module's helpers
-
-        return evaluate_property(case, subject, device, run_id=run_id, source=source, notes=notes, on_call=on_call)
-    spec = get_op(case.op)
-    params = case.params
-    base = dict(run_id=run_id, case_id=case.case_id, impl=subject.label, stages="", device=device, seed=case.seed,
-                source=source, **identity(case))
-    kwargs = spec.inputs(params, case.seed, device)
-    ref, t_ref = timed(lambda: spec.reference(kwargs, params), device)
-    inputs = Snapshot(kwargs)
-    try:
-        got, t_impl = call_implementation(lambda: spec.call(subject, kwargs, params), case.seed, device, on_call)
-    except Raised as raised:  # the implementation's failure is the case's result, not ours
-        return [raised_row(base, raised, time_ref_s=t_ref)]
-    if notes is not None:
-        notes.update(got.notes)
-    base = {**base, "path": got.path or base["path"], "stages": got.stages}
-    times = dict(time_ref_s=t_ref, time_impl_s=t_impl)
-    rows = input_rows(base, inputs, spec.writes, **times)
-    for check in spec.checks:
-        if check.tensor not in ref or (check.optional and check.tensor not in got.tensors):
-            continue  # not asked for by this case, or not produced by this implementation
-        if check.tensor not in got.tensors:
-            rows.append(failure_row(base, check.tensor, "missing", f"the implementation returned no {check.tensor!r}",
-                                    **times))
-            continue
-        out, want = got.tensors[check.tensor], ref[check.tensor]
-        problem = output_problem(check.tensor, out, dtype=check.dtype or want.dtype, shape=want.shape,
-                                 # where the exact answer lives (host-side ops answer on the host);
-                                 # rank answers come back through the host
-                                 device=None if spec.own_processes else str(want.device),
-                                 contiguous=check.contiguous)
-        problem = problem or (None if spec.views else inputs.aliased_by(check.tensor, out))
-        if problem:
-            rows.append(failure_row(base, check.tensor, "contract", problem, **times))
-            continue
-        scale = ref.get(check.scale) if check.scale else None
-        judged_as = {**params, "dcp_size": 1} if check.single_rank else params
-        v = judge(check.kind, out, want, judged_as, got.deviations, scale)
-        rows.append(judged_row(base, check.tensor, check.kind, v, **times))
-    return rows

@@ -1,0 +1,89 @@
+"""Every spec the harness checks, by name, and the calls that dispatch through them.
+
+Importing this module imports every op, pipeline and property module (each registers itself,
+`equivalence.spec.register`); nothing here asks what kind of spec it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from .case import Case
+from .ops import attention, dcp, formats, forward, indices, layout, workspace  # noqa: F401 (they register)
+from .properties import (  # noqa: F401 (they register)
+    batch_invariance,
+    dcp_one,
+    decode_prefill,
+    determinism,
+    hisparse_plain,
+    padding,
+    spec_decode,
+    split,
+)
+from .rows import Row
+from .spec import SPECS, Spec
+from .subject import Subject, UsageError, check_declared
+
+
+def specs(family: str | None = None) -> list[Spec]:
+    """Every spec (of `family`: "op" or "property"), by priority then name."""
+    entries = sorted(SPECS.values(), key=lambda e: (e.priority, e.spec.name))
+    return [e.spec for e in entries if family is None or e.spec.family == family]
+
+
+def names(family: str | None = None) -> list[str]:
+    return [s.name for s in specs(family)]
+
+
+def select(requested: Sequence[str]) -> list[str]:
+    """Spec names for `requested`, where a family's name ("op", "property") stands for every spec of it."""
+    families = {s.family for s in specs()}
+    return [n for r in requested for n in (names(r) if r in families else [r])]
+
+
+def get_spec(name: str) -> Spec:
+    if name not in SPECS:
+        raise KeyError(f"unknown op {name!r}; known: {', '.join(names())}")
+    return SPECS[name].spec
+
+
+def resolve_subject(op: str, specs: Sequence[str], device: str, deviations: Sequence[str] = ()) -> Subject:
+    """The --impl strings for `op` as a Subject; none: the project's implementation (for a property,
+    the registry's preferred implementation of every stage, labelled "preferred").
+
+    `deviations` (`--deviation`) are declared for the user's callables among `specs`, on top of
+    what each declares itself; naming one without a user's callable is a usage error."""
+    check_declared(specs, deviations)
+    try:
+        spec = get_spec(op)
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
+    return spec.subject(tuple(specs), device, tuple(deviations))
+
+
+def evaluate(case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
+             notes: set[str] | None = None, on_call: Callable[[], None] | None = None) -> list[Row]:
+    """Every checked tensor of `case` as a Row (a single failure row if the implementation raised);
+    see the spec's own `evaluate`."""
+    return get_spec(case.op).evaluate(case, subject, device, run_id=run_id, source=source, notes=notes,
+                                      on_call=on_call)
+
+
+def validate_case(data: Any) -> None:
+    """Raise ValueError with the reason unless `data` (a case's JSON object) is within its op's
+    schema: a known op, every parameter of the right type and range, no unknown ones, and inputs
+    within the size budget."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a case is a JSON object, not a {type(data).__name__}")
+    op, params, seed = data.get("op"), data.get("params", {}), data.get("seed", 0)
+    if not isinstance(op, str):
+        raise ValueError(f"case op {op!r} is not a string")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ValueError(f"case seed {seed!r} is not an integer in [0, 2**63)")
+    if not isinstance(params, dict):
+        raise ValueError(f"case params of {op} are not an object")
+    try:
+        spec = get_spec(op)
+    except KeyError as exc:
+        raise ValueError(str(exc.args[0])) from None
+    spec.validate(params)

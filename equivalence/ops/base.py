@@ -1,0 +1,171 @@
+"""An op of the public contract as a Spec (`equivalence.spec`): how to build its inputs from a
+Case, what the reference says, how to call an implementation, and which tensors to compare.
+
+`OpSpec` is an op with one stage in the registry (`optimized.registry`): a subject is one
+implementation of that stage. The pipelines (`ops.forward`, `ops.dcp`) extend it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from hypothesis import strategies as st
+
+from mla_verify.optimized import registry
+
+from ..case import Case
+from ..contract import Snapshot, output_problem
+from ..oracle import judge
+from ..profiles import Profile
+from ..running import Raised, call_implementation, failure_row, input_rows, judged_row, raised_row, timed
+from ..schema import Schema, check_params
+from ..subject import Subject, UsageError, implementation
+
+SEEDS = st.integers(0, 2**31 - 1)  # every drawn case's seed: its tensors come from a generator seeded with it
+
+
+@dataclass(frozen=True)
+class Check:
+    tensor: str            # name in the reference's and the implementation's outputs
+    kind: str              # policy kind: exact | out | lse
+    scale: str | None = None  # reference tensor of per-row scales: an LSE's logit_l1, an output's value_max
+    optional: bool = False    # compared only when the implementation returns it (max_logits)
+    single_rank: bool = False  # one DCP rank's pre-combine partial: held to the bounds without DCP
+    dtype: torch.dtype | None = None  # the contract's dtype (None: the reference's, for exact tensors)
+    contiguous: bool = False   # the contract asks for a dense tensor (a later kernel reads it so)
+
+
+@dataclass
+class ImplOutput:
+    tensors: dict[str, torch.Tensor]
+    stages: str = ""                 # "stage=impl,..." when a pipeline ran
+    deviations: tuple[str, ...] = ()
+    path: str | None = None          # the path the implementation reports it took
+    notes: tuple[str, ...] = ()      # e.g. "sparse_prefill: flash_mla: runs on cuda, not cpu"
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    stage: str | None                 # registry stage of the project's implementation (None: a pipeline)
+    arguments: tuple[str, ...]        # keyword arguments every implementation must accept
+    schema: Schema                    # what a case's params may hold (replay validates against it)
+    draw: Callable[[Profile], st.SearchStrategy[dict]]              # the params a fuzz profile draws
+    inputs: Callable[[Mapping, int, str], dict[str, Any]]          # (params, seed, device) -> kwargs
+    reference: Callable[[dict[str, Any], Mapping], dict[str, torch.Tensor]]
+    call: Callable[[Any, dict[str, Any], Mapping], ImplOutput]   # (Subject, kwargs, params)
+    checks: tuple[Check, ...]
+    knobs: Callable[[Mapping], dict[str, Any]] = field(default=lambda p: {})
+    path: Callable[[Mapping], str] | None = None
+    doc: str = ""
+    # Runs its implementation in processes of its own, each isolated already: never inside an
+    # isolation worker (a daemonic worker process cannot start children).
+    own_processes: bool = False
+    writes: tuple[str, ...] = ()      # arguments written in place (their bytes are the op's checks)
+    views: bool = False               # the result may be a view of an input (the reshapes)
+    family: str = "op"
+    ranks: tuple[int, ...] = ()
+
+    @property
+    def tag(self) -> str:
+        """What `mla-verify list` shows beside the name."""
+        return self.stage or "pipeline of stages"
+
+    def facts(self, device: str) -> list[str]:
+        """The lines `mla-verify list` shows under the doc."""
+        return [f"keywords: {', '.join(self.arguments)}", f"reference: mla_verify.reference.{self.name}"]
+
+    def path_of(self, params: Mapping) -> str:
+        return self.path(params) if self.path else self.name
+
+    def validate(self, params: Mapping) -> None:
+        check_params(self.name, self.schema, params)
+
+    def strategy(self, profile: Profile, path: str | None = None, world_size: int | None = None) -> st.SearchStrategy[Case]:
+        if path is not None:
+            raise KeyError(f"{self.name} has no paths; --path applies to a pipeline or a property")
+        if world_size is not None:
+            raise KeyError(f"{self.name} runs in one process; --world-size applies to an op of ranks")
+        return st.builds(lambda p, seed: Case(self.name, p, seed), self.draw(profile), SEEDS)
+
+    def examples(self, profile: Profile) -> int:
+        return profile.examples
+
+    def identity(self, case: Case) -> dict[str, Any]:
+        """The op, path, case and knob columns of `case`'s rows."""
+        return dict(op=self.name, path=self.path_of(case.params), case=json.dumps(case.to_dict(), sort_keys=True),
+                    **self.knobs(case.params))
+
+    def subject(self, specs: Sequence[str], device: str, deviations: Sequence[str] = ()) -> Subject:
+        """One implementation of the op's stage: the registry's preferred one, one named, or a
+        user's MODULE:CALLABLE (also written STAGE=...)."""
+        if len(specs) > 1:
+            raise UsageError(f"op {self.name} takes one --impl, got {len(specs)}")
+        if specs:
+            target = specs[0].split("=", 1)[1] if "=" in specs[0] else specs[0]
+            impl = implementation(self.stage, target, device, deviations)
+        else:
+            try:
+                impl = registry.select(self.stage, device)
+            except RuntimeError as exc:
+                raise UsageError(str(exc)) from None
+        return Subject(impl.name, impl.fn, deviations=impl.deviations, specs=tuple(specs), declared=tuple(deviations))
+
+    def subjects(self, device: str) -> dict[str, tuple[str, ...]]:
+        """Every registered implementation of the stage that runs on `device`, by name."""
+        return {impl.name: (impl.name,) for impl in registry.implementations(self.stage) if impl.why_not(device) is None}
+
+    def campaigns(self, subject: Subject) -> list[str | None]:
+        return [None]
+
+    def path_for(self, path: str | None, subject: Subject) -> str | None:
+        if path is not None:
+            raise UsageError(f"--path applies to a pipeline (forward_mqa) or a property, not {self.name}")
+        return None
+
+    def evaluate(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
+                 notes: set[str] | None = None, on_call: Callable[[], None] | None = None) -> list:
+        """Every checked tensor of `case` as a Row (a single failure row if the implementation
+        raised). `notes` collects what the implementation side reported (a stage that fell back
+        to a portable implementation); `on_call` runs once inputs and reference are ready, just
+        before the implementation."""
+        params = case.params
+        base = dict(run_id=run_id, case_id=case.case_id, impl=subject.label, stages="", device=device,
+                    seed=case.seed, source=source, **self.identity(case))
+        kwargs = self.inputs(params, case.seed, device)
+        ref, t_ref = timed(lambda: self.reference(kwargs, params), device)
+        inputs = Snapshot(kwargs)
+        try:
+            got, t_impl = call_implementation(lambda: self.call(subject, kwargs, params), case.seed, device, on_call)
+        except Raised as raised:  # the implementation's failure is the case's result, not ours
+            return [raised_row(base, raised, time_ref_s=t_ref)]
+        if notes is not None:
+            notes.update(got.notes)
+        base = {**base, "path": got.path or base["path"], "stages": got.stages}
+        times = dict(time_ref_s=t_ref, time_impl_s=t_impl)
+        rows = input_rows(base, inputs, self.writes, **times)
+        for check in self.checks:
+            if check.tensor not in ref or (check.optional and check.tensor not in got.tensors):
+                continue  # not asked for by this case, or not produced by this implementation
+            if check.tensor not in got.tensors:
+                rows.append(failure_row(base, check.tensor, "missing",
+                                        f"the implementation returned no {check.tensor!r}", **times))
+                continue
+            out, want = got.tensors[check.tensor], ref[check.tensor]
+            problem = output_problem(check.tensor, out, dtype=check.dtype or want.dtype, shape=want.shape,
+                                     # where the exact answer lives (host-side ops answer on the host);
+                                     # rank answers come back through the host
+                                     device=None if self.own_processes else str(want.device),
+                                     contiguous=check.contiguous)
+            problem = problem or (None if self.views else inputs.aliased_by(check.tensor, out))
+            if problem:
+                rows.append(failure_row(base, check.tensor, "contract", problem, **times))
+                continue
+            scale = ref.get(check.scale) if check.scale else None
+            judged_as = {**params, "dcp_size": 1} if check.single_rank else params
+            v = judge(check.kind, out, want, judged_as, got.deviations, scale)
+            rows.append(judged_row(base, check.tensor, check.kind, v, **times))
+        return rows

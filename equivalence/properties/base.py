@@ -1,0 +1,189 @@
+"""A property as a Spec (`equivalence.spec`): its targets, their base problems and draws, and
+how its rows are made.
+
+As in `ops.base`, the implementation runs on poisoned outputs with seeded generators and may
+raise (a failure of the case, one row); every stage call is guarded (`equivalence.contract`:
+inputs read-only, no output aliasing an input); the problems are built before it runs, so a
+harness error stays ours. `mismatch_frac` of a property row is the fraction of elements that
+differ bit for bit, whatever the bound (0: the property held bitwise); float64 answers (a merge)
+have no bits to compare (NaN). Zeros are compared without their sign: a sum that starts from +0
+(a merge, a block of invalid keys folded in) turns -0 into +0, and the sign of a zero is not a value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from hypothesis import strategies as st
+
+from mla_verify.optimized import registry
+
+from .. import metrics as M
+from ..case import Case
+from ..contract import Snapshot, guarded
+from ..oracle import measure, verdict
+from ..policy import EXACT, property_bounds
+from ..profiles import Profile
+from ..running import Raised, call_implementation, input_rows, judged_row, raised_row
+from ..schema import OneOf, Param, Schema, check_params
+from ..spec import SPECS
+from ..subject import Subject, UsageError, stage_overrides
+
+PREFIX = "property:"
+SEEDS = st.integers(0, 2**31 - 1)
+
+
+@dataclass(frozen=True)
+class Compared:
+    """One tensor a check holds to another: `got` (the transformed problem's answer) against
+    `base` (the plain problem's), measured as policy kind `kind`."""
+
+    check: str
+    tensor: str                      # out | lse | indices
+    kind: str                        # exact | out | lse (the tensor's nature; PROPERTY_RULES may compare it exactly)
+    got: torch.Tensor
+    base: torch.Tensor
+    scale: torch.Tensor | None = None  # lse: the logit scale of each row
+
+
+Inputs = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str                                    # the op whose base problem it poses (its schema, its knobs)
+    stages: Callable[[Mapping], list[str]]       # registry stages a case of these params calls
+    under_test: tuple[str, ...]                  # stages whose implementations the target exercises
+    inputs: Callable[[Mapping, int, str], Inputs]  # (params, seed, device) -> the base problem
+    check: Callable[[Inputs, Mapping, registry.Resolved], list[Compared]]
+    knobs: Callable[[Mapping], dict[str, Any]]
+    draw: Callable[[Profile], st.SearchStrategy[dict]]  # the base problem plus the property's knobs
+
+
+def _unsigned_zeros(t: torch.Tensor) -> torch.Tensor:
+    return t + 0 if t.is_floating_point() else t  # -0 + 0 = +0; all else, infinities and NaN too, unchanged
+
+
+@dataclass(frozen=True)
+class PropertySpec:
+    short: str                                   # NAME of "property:NAME"
+    checks: tuple[str, ...]
+    targets: Mapping[str, Target]
+    doc: str
+    knob_params: Mapping[str, Param] = field(default_factory=dict)  # the property's own knobs (schema)
+    family: str = "property"
+    own_processes: bool = False
+    ranks: tuple[int, ...] = ()
+    stage: None = None           # no stage of its own: it calls the stages of its targets
+    tag: str = "property: needs no reference"
+
+    @property
+    def name(self) -> str:
+        return PREFIX + self.short
+
+    def facts(self, device: str) -> list[str]:
+        return [f"checks: {', '.join(self.checks)}", f"targets (--path): {', '.join(self.targets)}",
+                f"implementations here (--impl NAME): {', '.join(self.subjects(device)) or 'none'}"]
+
+    def target(self, params: Mapping) -> Target:
+        return self.targets[params["target"]]
+
+    def validate(self, params: Mapping) -> None:
+        target = params.get("target")
+        if target not in self.targets:
+            raise ValueError(f"{self.name}: target {target!r} is not one of {', '.join(self.targets)}")
+        base = SPECS[target].spec.schema
+        schema = Schema({**base.params, **self.knob_params, "target": OneOf(*self.targets)}, base.elements, base.check)
+        check_params(self.name, schema, params)
+
+    def strategy(self, profile: Profile, path: str | None = None, world_size: int | None = None) -> st.SearchStrategy[Case]:
+        """Cases on target `path`, or on any of the targets."""
+        if world_size is not None:
+            raise KeyError(f"{self.name} runs in one process; --world-size applies to an op of ranks")
+        if path is not None and path not in self.targets:
+            raise KeyError(f"{self.name} has no target {path!r}; targets: {', '.join(self.targets)}")
+        names = [path] if path is not None else list(self.targets)
+        params = st.one_of(*(self.targets[t].draw(profile).map(lambda d, t=t: {"target": t, **d}) for t in names))
+        return st.builds(lambda d, seed: Case(self.name, d, seed), params, SEEDS)
+
+    def examples(self, profile: Profile) -> int:
+        return profile.property_examples
+
+    def identity(self, case: Case) -> dict[str, Any]:
+        """The rows' columns: op "property", path NAME, the case, the target's knobs."""
+        return dict(op="property", path=self.short, case=json.dumps(case.to_dict(), sort_keys=True),
+                    **self.target(case.params).knobs(case.params))
+
+    def covered(self, stages: Iterable[str]) -> list[str]:
+        """Targets that exercise one of `stages` (an --impl's overrides); none given: every target."""
+        stages = set(stages)
+        return [t.name for t in self.targets.values() if not stages or stages & set(t.under_test)]
+
+    def subject(self, specs: Sequence[str], device: str, deviations: Sequence[str] = ()) -> Subject:
+        """The registry's preferred implementation of every stage, with the --impl strings'
+        replacements (a property calls several stages: a MODULE:CALLABLE must name its STAGE=)."""
+        overrides, wholes = stage_overrides(specs, device, deviations)
+        if wholes:
+            raise UsageError(f"--impl {wholes[0]!r}: {self.name} calls several stages; name the one it replaces "
+                             f"(STAGE={wholes[0]})")
+        if not self.covered(overrides):
+            under_test = sorted({st for t in self.targets.values() for st in t.under_test})
+            raise UsageError(f"--impl {', '.join(specs)} replaces none of the stages {self.name} tests "
+                             f"({', '.join(under_test)})")
+        return Subject(",".join(specs) or "preferred", overrides=overrides, specs=tuple(specs), declared=tuple(deviations))
+
+    def subjects(self, device: str) -> dict[str, tuple[str, ...]]:
+        """One subject per implementation name of the stages under test that runs on `device`."""
+        names: dict[str, None] = {}
+        for target in self.targets.values():
+            for stage in target.under_test:
+                names.update((i.name, None) for i in registry.implementations(stage) if i.why_not(device) is None)
+        return {name: (name,) for name in names}
+
+    def campaigns(self, subject: Subject) -> list[str | None]:
+        covered = self.covered(subject.overrides)
+        return [None] if len(covered) == len(self.targets) else covered
+
+    def path_for(self, path: str | None, subject: Subject) -> str | None:
+        """The target to draw on: the one the subject covers when it covers one."""
+        covered = self.covered(subject.overrides)
+        if path is None and len(covered) == 1:
+            return covered[0]
+        if (path is None and len(covered) < len(self.targets)) or path not in (None, *covered):
+            raise UsageError(f"--path: {self.name} with this --impl runs on one of {', '.join(covered)}")
+        return path
+
+    def evaluate(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
+                 notes: set[str] | None = None, on_call: Callable[[], None] | None = None) -> list:
+        """Every tensor the property compares, as a Row (a single failure row if the
+        implementation raised); `notes` collects the stages that fell back from their preferred
+        implementation; `on_call` runs just before the implementation is first called."""
+        params = case.params
+        target = self.target(params)
+        stages = registry.resolve(target.stages(params), device.split(":")[0], subject.overrides)
+        deviations = sorted({d for impl in stages.chosen.values() for d in impl.deviations})
+        base = dict(run_id=run_id, case_id=case.case_id, impl=subject.label, stages=stages.describe(), device=device,
+                    seed=case.seed, source=source, **self.identity(case))
+        inputs = target.inputs(params, case.seed, device)
+        saved = Snapshot(inputs)
+        try:
+            compared, t_impl = call_implementation(lambda: target.check(inputs, params, guarded(stages)), case.seed,
+                                                   device, on_call)
+        except Raised as raised:  # the implementation's failure is the case's result, not ours
+            return [raised_row(base, raised)]
+        if notes is not None:
+            notes.update(f"{stage}: {why}" for stage, why in stages.fallbacks.items())
+        rows = input_rows(base, saved, (), time_impl_s=t_impl)
+        for c in compared:
+            kind, bounds, deviation = property_bounds(f"{self.short}.{c.check}", c.kind, deviations)
+            got, want = _unsigned_zeros(c.got), _unsigned_zeros(c.base)
+            m = measure(kind, got, want, c.scale)
+            if kind != EXACT:
+                m.mismatch_frac = M.exact(got, want).mismatch_frac if got.dtype == want.dtype else math.nan
+            rows.append(judged_row(base, f"{c.check}.{c.tensor}", kind, verdict(kind, m, bounds, deviation),
+                                   time_impl_s=t_impl))
+        return rows

@@ -1,0 +1,76 @@
+"""The one protocol of everything the harness checks, and the table of what implements it.
+
+An op of the public contract (`ops.base.OpSpec`), a pipeline (`ops.forward`: forward_mqa, and
+`ops.dcp`'s multi-process `dcp`) and a property (`properties.base.PropertySpec`) each answer the
+same questions; the CLI, the library API, the gate, replay and the isolation worker ask them and
+never what kind of thing they hold (torch's `_comparison.Pair` idea: each handles its own inputs).
+
+    validate(params)            the case's params within the spec's schema (replay checks files here)
+    strategy(profile, path)     Hypothesis cases within a fuzz profile (`path`: a pipeline's path, a
+                                property's target)
+    examples(profile)           the profile's fuzz budget for one campaign
+    identity(params)            the rows' path and knob columns
+    subject(specs, device, deviations)  the --impl strings resolved to what runs
+    subjects(device)            label -> --impl strings: every implementation the gate runs here
+    campaigns(subject)          the paths a gate campaign covers (None: the unrestricted draw)
+    path_for(path, subject)     a requested --path, checked (UsageError) and defaulted
+    evaluate(case, subject, device, ...)  the case's rows
+    checks, own_processes, ranks  what it compares; whether it starts processes of its own (never
+                                inside an isolation worker); the world sizes it runs (multi-process only)
+
+Registration (`register`) takes the spec and an explicit `priority`: the order `mla-verify list`,
+the gate and `--op property` walk them (ascending; names break ties). `equivalence.catalog`
+imports every spec module and looks them up; spec modules never import the catalog.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol, Sequence, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
+
+    from .case import Case
+    from .profiles import Profile
+    from .rows import Row
+    from .subject import Subject
+
+
+class Spec(Protocol):
+    name: str                  # a case's op: "sparse_prefill", "forward_mqa", "property:split_invariance"
+    family: str                # "op" | "property": what `--op property` selects, and the list's sections
+    doc: str
+    checks: tuple              # what its rows compare (Check for an op, a check name for a property)
+    own_processes: bool
+    ranks: tuple[int, ...]     # world sizes of a multi-process spec (the first is the default), else ()
+
+    def validate(self, params: Mapping[str, Any]) -> None: ...
+    def strategy(self, profile: "Profile", path: str | None = None,
+                 world_size: int | None = None) -> "SearchStrategy[Case]": ...
+    def examples(self, profile: "Profile") -> int: ...
+    def identity(self, params: Mapping[str, Any]) -> dict[str, Any]: ...
+    def subject(self, specs: Sequence[str], device: str, deviations: Sequence[str] = ()) -> "Subject": ...
+    def subjects(self, device: str) -> dict[str, tuple[str, ...]]: ...
+    def campaigns(self, subject: "Subject") -> list[str | None]: ...
+    def path_for(self, path: str | None, subject: "Subject") -> str | None: ...
+    def evaluate(self, case: "Case", subject: "Subject", device: str = "cpu", *, run_id: str = "",
+                 source: str = "fuzz", notes: set[str] | None = None,
+                 on_call: Callable[[], None] | None = None) -> list["Row"]: ...
+
+
+@dataclass(frozen=True)
+class Entry:
+    spec: Spec
+    priority: int
+
+
+SPECS: dict[str, Entry] = {}
+
+
+def register(spec: Spec, *, priority: int) -> Spec:
+    """Add `spec` to the table, listed by ascending `priority` (then name)."""
+    if spec.name in SPECS:
+        raise ValueError(f"{spec.name!r} registered twice")
+    SPECS[spec.name] = Entry(spec, priority)
+    return spec
