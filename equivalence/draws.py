@@ -22,6 +22,7 @@ from .patterns import PATTERNS
 from .profiles import Profile
 from .values import REGIMES
 
+SEEDS = st.integers(0, 2**31 - 1)  # a case's seed: its tensors come from a generator seeded with it
 DRAWN_LENGTHS = 8
 regimes = st.sampled_from(REGIMES)
 scale_rules = st.sampled_from(("pow2", "raw"))
@@ -55,7 +56,7 @@ def lengths(size: int, longest: int) -> st.SearchStrategy[list[int]]:
         rng = random.Random(seed)
         return first + [rng.randint(1, longest) for _ in range(size - DRAWN_LENGTHS)]
 
-    return st.builds(extend, drawn, seeds)
+    return st.builds(extend, drawn, SEEDS)
 
 
 def decode_params(p: Profile, batch: st.SearchStrategy[int] | None = None, **fields: st.SearchStrategy) -> st.SearchStrategy[dict]:

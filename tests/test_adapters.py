@@ -25,8 +25,7 @@ from mla_verify import adapters
 from mla_verify.cli import main
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
-from mla_verify.equivalence.draws import decode_params
-from mla_verify.equivalence.ops.base import SEEDS as seeds
+from mla_verify.equivalence.draws import SEEDS as seeds, decode_params
 from mla_verify.equivalence.profiles import get_profile
 from mla_verify.equivalence.subject import UsageError, check_signature
 from mla_verify.equivalence.values import REGIMES

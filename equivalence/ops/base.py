@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from mla_verify.optimized import registry
 
 from ..case import Case
+from ..draws import SEEDS
 from ..contract import Snapshot, output_problem
 from ..oracle import judge
 from ..profiles import Profile
@@ -24,7 +25,6 @@ from ..running import Raised, call_implementation, failure_row, input_rows, judg
 from ..schema import Schema, check_params
 from ..subject import Subject, UsageError, implementation
 
-SEEDS = st.integers(0, 2**31 - 1)  # every drawn case's seed: its tensors come from a generator seeded with it
 
 
 @dataclass(frozen=True)

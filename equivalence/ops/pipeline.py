@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 from mla_verify.optimized import registry
 
 from ..case import Case
+from ..draws import SEEDS
 from ..profiles import Profile
 from ..subject import Subject, UsageError, pipeline_subject
-from .base import OpSpec, SEEDS
+from .base import OpSpec
 
 # On a GPU a pipeline is checked twice: with the preferred stages (flash_mla attention) and with
 # our Triton attention kernels in their place.

@@ -24,6 +24,7 @@ from mla_verify.optimized import registry
 
 from .. import metrics as M
 from ..case import Case
+from ..draws import SEEDS
 from ..contract import Snapshot, guarded
 from ..oracle import measure, verdict
 from ..policy import EXACT, property_bounds
@@ -34,7 +35,6 @@ from ..spec import SPECS
 from ..subject import Subject, UsageError, stage_overrides
 
 PREFIX = "property:"
-SEEDS = st.integers(0, 2**31 - 1)
 
 
 @dataclass(frozen=True)
