@@ -1,10 +1,10 @@
 """The optimized side: real kernels and our own, composed like vLLM's FlashMLA sparse backend.
 
-Importing the package registers every implementation. Registration order is preference order
+Importing the package registers every implementation, each with its priority
 (`optimized.registry`): flash_mla's kernels first where they exist, then our Triton kernels, then
-the float32 eager fallbacks; metadata and spec-decode helpers have one implementation each. On a
-CPU the Triton kernels run interpreted, so there the eager ones are the default and Triton runs
-by name.
+the float32 eager fallbacks (`optimized.eager`); metadata and spec-decode helpers have one
+implementation each. The order of the imports below does not matter. On a CPU the Triton kernels
+run interpreted, so there the eager ones are the default and Triton runs by name.
 """
 
 import os
@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Imported to register, in preference order.
+# Imported to register.
 from . import flashmla  # noqa: E402,F401
 from .kernels import cache_writer, concat, dcp_merge, gather, indices, sparse_decode, sparse_prefill, swap  # noqa: E402,F401
 from . import eager, metadata, spec_decode  # noqa: E402,F401

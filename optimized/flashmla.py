@@ -23,7 +23,7 @@ import torch
 
 from mla_verify import adapters
 from mla_verify.optimized.attention_checks import check_decode_contract, check_prefill_contract
-from mla_verify.optimized.registry import register
+from mla_verify.optimized.registry import FLASH_MLA, register
 from mla_verify.optimized.validation import InputError, check_index_range, check_multiple, check_same_device
 
 
@@ -112,7 +112,7 @@ def check_prefill_inputs(
     return sm_scale
 
 
-@register("sparse_prefill", "flash_mla", devices=("cuda",), unavailable=flash_mla_unavailable)
+@register("sparse_prefill", "flash_mla", priority=FLASH_MLA, devices=("cuda",), unavailable=flash_mla_unavailable)
 def sparse_prefill(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -163,6 +163,7 @@ def check_decode_inputs(
 @register(
     "sparse_decode_fp8",
     "flash_mla",
+    priority=FLASH_MLA,
     devices=("cuda",),
     unavailable=flash_mla_unavailable,
     deviations=("bf16_cache_scale", "bf16_dequant", "split_kv"),

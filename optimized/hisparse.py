@@ -24,12 +24,12 @@ from typing import Sequence
 
 import torch
 
-from . import buffers
+from . import buffers, eager
 from .index_group import SwapIn
+from .kernels import gather as triton_gather
 from .metadata import active_decodes, plan_prefill, prefill_workspace_size, req_id_per_token, split_decodes_and_prefills
 from .pipeline import V_DIM, PipelineResult
-from .registry import Resolved
-from .registry import register, resolve
+from .registry import EAGER, TRITON, Resolved, register, resolve
 from .validation import InputError
 
 BF16_STAGES = ["index_group", "convert_index", "hisparse_place", "hisparse_swap_in", "hisparse_prefill_plan",
@@ -116,7 +116,7 @@ def _host_rows_to(host_rows: torch.Tensor, rows: torch.Tensor, device: torch.dev
     return picked.to(device, non_blocking=True)
 
 
-@register("hisparse_swap_in", "torch-fp32")
+@register("hisparse_swap_in", "torch-fp32", priority=EAGER)
 def hisparse_swap_in(host_rows: torch.Tensor, gpu_rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """hisparse_gather_compact: a copy of the slab [G, W] with host_rows[src[i]] written to row dst[i]."""
     out = gpu_rows.clone()
@@ -179,16 +179,9 @@ def _gather_fp8_prefill(gather):
     return gather_fp8_prefill
 
 
-def _register_gathers() -> None:
-    from . import eager
-    from .kernels import gather
-
-    register("gather_fp8_prefill", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))(
-        _gather_fp8_prefill(gather.gather_upconvert_fp8))
-    register("gather_fp8_prefill", "torch-fp32")(_gather_fp8_prefill(eager.gather_upconvert_fp8))
-
-
-_register_gathers()
+register("gather_fp8_prefill", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))(
+    _gather_fp8_prefill(triton_gather.gather_upconvert_fp8))
+register("gather_fp8_prefill", "torch-fp32", priority=EAGER)(_gather_fp8_prefill(eager.gather_upconvert_fp8))
 
 
 # ----------------------------------------------------------------------------- the pipeline

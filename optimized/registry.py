@@ -1,9 +1,12 @@
 """Stage name -> implementations: the one table the pipeline and the harness read.
 
 A stage is a public-contract function (`sparse_prefill`, `convert_index`, ...). Each stage has
-one or more implementations, listed in order of preference; each says which devices it runs on,
-whether it can run here (flash_mla needs its wheel and an SM90/SM100 GPU), and which documented
-deviations from the exact contract it has (their bounds live in `equivalence.policy`).
+one or more implementations, each registered with a priority: the lower, the more preferred
+(`FLASH_MLA` < `TRITON` < `EAGER`), and two implementations of one stage may not share one, so
+the preference order is the priorities' and never the order modules happen to be imported in.
+Each implementation also says which devices it runs on, whether it can run here (flash_mla needs
+its wheel and an SM90/SM100 GPU), and which documented deviations from the exact contract it has
+(their bounds live in `equivalence.policy`).
 
 The default on a device is the first implementation that runs there natively: one that runs only
 under an interpreter (our Triton kernels on CPU, `TRITON_INTERPRET=1`, 10-1000x slower than the
@@ -18,6 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
+# Priorities, most preferred first: the real flash_mla kernels, our Triton kernels, plain eager
+# PyTorch (or Python). A stage with one implementation may leave it at the default, EAGER; a
+# second one left there too is refused as a tie, not ranked by when it was imported.
+FLASH_MLA, TRITON, EAGER = 0, 1, 2
+
 
 @dataclass(frozen=True)
 class Implementation:
@@ -30,6 +38,7 @@ class Implementation:
     deviations: tuple[str, ...] = ()
     doc: str = ""
     interpreted_on: frozenset[str] = frozenset()  # devices where it runs only under an interpreter
+    priority: int = EAGER  # lower is preferred; unique within a stage
 
     def why_not(self, device: str) -> str | None:
         if device not in self.devices:
@@ -37,6 +46,7 @@ class Implementation:
         return self.unavailable()
 
 
+# Stage -> its implementations in preference order (ascending priority).
 _REGISTRY: dict[str, list[Implementation]] = {}
 
 
@@ -44,13 +54,15 @@ def register(
     stage: str,
     name: str,
     *,
+    priority: int = EAGER,
     devices: Iterable[str] = ("cpu", "cuda"),
     unavailable: Callable[[], str | None] | None = None,
     deviations: Iterable[str] = (),
     doc: str = "",
     interpreted_on: Iterable[str] = (),
 ) -> Callable[[Callable], Callable]:
-    """Decorator: add `fn` as implementation `name` of `stage` (later registrations rank lower)."""
+    """Decorator: add `fn` as implementation `name` of `stage`, ranked by `priority` (lower is
+    preferred); a name or a priority the stage already has is refused."""
 
     def add(fn: Callable) -> Callable:
         impl = Implementation(
@@ -62,11 +74,16 @@ def register(
             deviations=tuple(deviations),
             doc=doc or (fn.__doc__ or "").strip().split("\n")[0],
             interpreted_on=frozenset(interpreted_on),
+            priority=priority,
         )
         impls = _REGISTRY.setdefault(stage, [])
-        if any(i.name == name for i in impls):
-            raise ValueError(f"stage {stage!r} already has an implementation named {name!r}")
+        for other in impls:
+            if other.name == name:
+                raise ValueError(f"stage {stage!r} already has an implementation named {name!r}")
+            if other.priority == priority:
+                raise ValueError(f"stage {stage!r}: {name!r} and {other.name!r} both have priority {priority}")
         impls.append(impl)
+        impls.sort(key=lambda i: i.priority)
         return fn
 
     return add

@@ -23,7 +23,7 @@ from mla_verify.optimized.kernels.kv_formats import (
     quantize_fp8_ds_mla_rows,
 )
 from mla_verify.optimized.kernels.launch import native, rows_per_program
-from mla_verify.optimized.registry import register
+from mla_verify.optimized.registry import TRITON, register
 from mla_verify.optimized.validation import InputError, check_choice, check_index_range, check_same_device, check_tensor
 
 SCALE_RULES = ("pow2", "raw")
@@ -71,7 +71,7 @@ def _launch_quantize(
     )
 
 
-@register("quantize_fp8_ds_mla", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
+@register("quantize_fp8_ds_mla", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def quantize_fp8_ds_mla(kv: torch.Tensor, scale_rule: str = "pow2") -> torch.Tensor:
     """kv [N, 576] bf16 -> fp8_ds_mla rows [N, 656] uint8 (module docstring: layout and formula).
 
@@ -85,7 +85,7 @@ def quantize_fp8_ds_mla(kv: torch.Tensor, scale_rule: str = "pow2") -> torch.Ten
     return out
 
 
-@register("dequantize_fp8_ds_mla", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
+@register("dequantize_fp8_ds_mla", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def dequantize_fp8_ds_mla(rows: torch.Tensor) -> torch.Tensor:
     """fp8_ds_mla rows [N, 656] uint8 -> [N, 576] bf16.
 
@@ -102,7 +102,7 @@ def dequantize_fp8_ds_mla(rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@register("write_fp8_ds_mla_cache", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
+@register("write_fp8_ds_mla_cache", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def write_fp8_ds_mla_cache(
     kv: torch.Tensor,
     kv_cache: torch.Tensor,

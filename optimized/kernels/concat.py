@@ -9,7 +9,7 @@ import triton.language as tl
 from mla_verify.optimized import buffers
 from mla_verify.optimized.kernels.kv_formats import HEAD_DIM, NOPE, ROPE
 from mla_verify.optimized.kernels.launch import check_launchable
-from mla_verify.optimized.registry import register
+from mla_verify.optimized.registry import TRITON, register
 from mla_verify.optimized.validation import check_same_device, check_tensor
 
 _MAX_HEADS_PER_PROGRAM = 16
@@ -33,7 +33,7 @@ def _concat_kernel(
     _copy_part(pe, sp_t, sp_h, sp_d, q, t, h, hmask, NOPE, ROPE, H)
 
 
-@register("concat_mla_q", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
+@register("concat_mla_q", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def concat_mla_q(ql_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
     """q[t, h] = [ql_nope[t, h] (512) | q_pe[t, h] (64)] -> [T, H, 576] bf16, bit for bit.
 

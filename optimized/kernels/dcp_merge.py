@@ -20,7 +20,7 @@ import triton.language as tl
 from mla_verify.optimized import buffers
 from mla_verify.optimized.kernels.bits import bf16_to_f32, to_bf16
 from mla_verify.optimized.kernels.launch import native
-from mla_verify.optimized.registry import register
+from mla_verify.optimized.registry import TRITON, register
 from mla_verify.optimized.validation import InputError, check_same_device, check_tensor
 
 # Elements of the [heads, D] tile one program combines.
@@ -100,7 +100,7 @@ def _tiles(num_ranks: int, heads: int, dim: int) -> dict[str, int]:
     return {"N": num_ranks, "BLOCK_N": triton.next_power_of_2(num_ranks), "BLOCK_H": block_h, "BLOCK_D": block_d}
 
 
-@register("dcp_lse_correct", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
+@register("dcp_lse_correct", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def dcp_lse_correct(out_r: torch.Tensor, lses: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's share of the merge (correct_attn_out): (partial_r [T, H, D] bf16, L [T, H] f32).
 
@@ -126,7 +126,7 @@ def dcp_lse_correct(out_r: torch.Tensor, lses: torch.Tensor, rank: int) -> tuple
     return scaled, lse
 
 
-@register("dcp_merge", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
+@register("dcp_merge", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def dcp_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """In-process combine of N ranks: (bf16(sum_r partial_r) [T, H, D] bf16, L [T, H] f32).
 

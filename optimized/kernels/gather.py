@@ -21,7 +21,7 @@ from mla_verify.optimized.kernels.kv_formats import (
     dequantize_nvfp4_ds_mla_rows,
 )
 from mla_verify.optimized.kernels.launch import native, rows_per_program
-from mla_verify.optimized.registry import register
+from mla_verify.optimized.registry import TRITON, register
 from mla_verify.optimized.validation import InputError, check_index_range, check_same_device, check_tensor
 
 
@@ -131,7 +131,7 @@ def _gather(
     return out
 
 
-@register("gather_upconvert_fp8", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
+@register("gather_upconvert_fp8", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def gather_upconvert_fp8(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -150,7 +150,7 @@ def gather_upconvert_fp8(
     return _gather(kv_cache, block_table, workspace_starts, num_rows, nvfp4=False)
 
 
-@register("gather_upconvert_nvfp4", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
+@register("gather_upconvert_nvfp4", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def gather_upconvert_nvfp4(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from mla_verify.optimized import buffers
 from mla_verify.optimized.kernels.launch import check_launchable
-from mla_verify.optimized.registry import register
+from mla_verify.optimized.registry import TRITON, register
 from mla_verify.optimized.validation import InputError, check_index_range, check_same_device, check_tensor
 
 _MAX_TILE = 1024
@@ -141,7 +141,7 @@ def _convert(
     return out, counts
 
 
-@register("convert_index", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
+@register("convert_index", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def convert_index(
     req_id: torch.Tensor,
     block_table: torch.Tensor,
@@ -208,7 +208,7 @@ def convert_index(
     return (out, counts) if return_valid_counts else out
 
 
-@register("dcp_convert_index", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
+@register("dcp_convert_index", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def dcp_convert_index(
     req_id: torch.Tensor,
     block_table: torch.Tensor,

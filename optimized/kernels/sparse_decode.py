@@ -32,7 +32,7 @@ from mla_verify.optimized.kernels.launch import native
 from mla_verify.optimized.kernels.bits import e4m3_to_f32, to_bf16
 from mla_verify.optimized.kernels.gathered_rows import offset, prefetch_rows
 from mla_verify.optimized.kernels.online_softmax import LOG2E, attend_block, finish
-from mla_verify.optimized.registry import register
+from mla_verify.optimized.registry import TRITON, register
 from mla_verify.optimized.validation import InputError
 
 
@@ -160,7 +160,8 @@ def check_decode_inputs(
     return sm_scale
 
 
-@register("sparse_decode_fp8", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",), deviations=("bf16_dequant", "split_kv"))
+@register("sparse_decode_fp8", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",),
+          deviations=("bf16_dequant", "split_kv"))
 def sparse_decode_fp8(
     q: torch.Tensor,
     kv_cache: torch.Tensor,

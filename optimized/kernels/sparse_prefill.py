@@ -26,7 +26,7 @@ from mla_verify.optimized.kernels.launch import native
 from mla_verify.optimized.kernels.bits import to_bf16
 from mla_verify.optimized.kernels.gathered_rows import offset, prefetch_rows
 from mla_verify.optimized.kernels.online_softmax import LOG2E, attend_block, finish
-from mla_verify.optimized.registry import register
+from mla_verify.optimized.registry import TRITON, register
 
 
 @triton.jit
@@ -92,7 +92,8 @@ def _sparse_prefill_kernel(
     tl.store(max_logits_ptr + t * num_heads + heads, max_logit, mask=head_ok)
 
 
-@register("sparse_prefill", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",), deviations=("loop_bound",))
+@register("sparse_prefill", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",),
+          deviations=("loop_bound",))
 def sparse_prefill(
     q: torch.Tensor,
     kv: torch.Tensor,

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from mla_verify.optimized.kernels.launch import check_launchable
-from mla_verify.optimized.registry import register
+from mla_verify.optimized.registry import TRITON, register
 from mla_verify.optimized.validation import InputError, check_index_range, check_tensor
 
 
@@ -26,7 +26,7 @@ def _copy_rows_kernel(src, src_rows, dst, dst_rows, ROW_BYTES: tl.constexpr, TIL
     tl.store(dst + d + b, tl.load(src + s + b, mask=b < ROW_BYTES), mask=b < ROW_BYTES)
 
 
-@register("hisparse_swap_in", "triton", devices=("cpu", "cuda"), interpreted_on=("cpu",))
+@register("hisparse_swap_in", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))
 def hisparse_swap_in(host_rows: torch.Tensor, gpu_rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """A copy of the slab [G, W] with host_rows[src[i]] written to row dst[i] (one program per row)."""
     check_tensor("gpu_rows", gpu_rows, dtype=(torch.bfloat16, torch.uint8), ndim=2)

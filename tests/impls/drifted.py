@@ -27,5 +27,5 @@ def v2(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float
         valid &= torch.arange(indices.shape[1])[None, :] < topk_length[:, None]
     keys = torch.zeros((*valid.shape, kv.shape[1]), dtype=torch.float32)
     keys[valid] = kv[idx[valid]].float()
-    out, lse, max_logits = eager._attend(q.float(), keys, valid, sm_scale, attn_sink)
+    out, lse, max_logits = eager.attend(q.float(), keys, valid, sm_scale, attn_sink)
     return (out * GAIN).to(torch.bfloat16), lse, max_logits
