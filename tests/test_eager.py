@@ -1,4 +1,4 @@
-"""optimized/eager.py op by op: the exact ops (cache bytes, index conversion, workspace gather,
+"""optimized/eager/ op by op: the exact ops (cache bytes, index conversion, workspace gather,
 query concat) bit for bit against the reference; the prefill op with sinks, topk_length and every
 invalid-index form within the fp32 model of fp32_bounds; the merge on junk; input checks.
 Every output is allocated poisoned, so an unwritten element shows."""

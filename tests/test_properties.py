@@ -125,7 +125,7 @@ def test_list_names_every_property_with_its_targets(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--op", "property:no_such"], "unknown property"),
+    (["--op", "property:no_such"], "unknown op 'property:no_such'"),
     (["--op", "property:determinism", "--impl", "tests.impls.inconsistent:noisy_prefill"], "name the one it replaces"),
     (["--op", "property:determinism", "--impl", "flash_mla"], "does not run here"),
     (["--op", "property:determinism", "--impl", "python"], "replaces none of the stages"),
