@@ -27,7 +27,6 @@ from .case import Case
 from .contract import ContractError, Snapshot, output_problem
 from .oracle import Verdict, judge
 from .ops import get_op
-from .policy import EXACT
 from .properties import get_property, is_property
 from .rows import Row
 from .subject import Subject
@@ -121,17 +120,9 @@ def input_rows(base: dict, inputs: Snapshot, writes: tuple[str, ...], **fields) 
 
 
 def judged_row(base: dict, tensor: str, kind: str, v: Verdict, **fields) -> Row:
-    """One compared tensor's row: its metrics and the oracle's verdict."""
-    m = v.metrics
-    return Row(
-        **base, tensor=tensor, exact=kind == EXACT,
-        numel=m.numel, ref_rms=m.ref_rms, rel_l2=m.rel_l2, cos_dist=m.cos_dist, max_abs=m.max_abs,
-        max_abs_at=m.max_abs_at, mismatch_frac=m.mismatch_frac, mean_err=m.mean_err,
-        bf16_units=m.bf16_units, elem_bf16_units=m.elem_bf16_units, lse_fp32_units=m.lse_fp32_units,
-        nan_count=m.nan_count, inf_mismatch=m.inf_mismatch,
-        gate_metric=v.gate_metric, value=v.value, bound=v.bound, headroom=v.headroom,
-        deviation=v.deviation, passed=v.passed, reason=v.reason, **fields,
-    )
+    """One compared tensor's row, of kind `kind` (equivalence.rows): its metrics and the oracle's verdict."""
+    return Row(**base, tensor=tensor, kind=kind, metrics=v.metrics, gate_metric=v.gate_metric, value=v.value,
+               bound=v.bound, headroom=v.headroom, deviation=v.deviation, passed=v.passed, reason=v.reason, **fields)
 
 
 def evaluate(
@@ -170,7 +161,7 @@ def evaluate(
             continue  # not asked for by this case, or not produced by this implementation
         if check.tensor not in got.tensors:
             rows.append(failure_row(base, check.tensor, "missing", f"the implementation returned no {check.tensor!r}",
-                                    **times))
+                                    kind=check.row_kind or check.kind, **times))
             continue
         out, want = got.tensors[check.tensor], ref[check.tensor]
         problem = output_problem(check.tensor, out, dtype=check.dtype or want.dtype, shape=want.shape,
@@ -180,10 +171,10 @@ def evaluate(
                                  contiguous=check.contiguous)
         problem = problem or (None if spec.views else inputs.aliased_by(check.tensor, out))
         if problem:
-            rows.append(failure_row(base, check.tensor, "contract", problem, **times))
+            rows.append(failure_row(base, check.tensor, "contract", problem, kind=check.row_kind or check.kind, **times))
             continue
         scale = ref.get(check.scale) if check.scale else None
         judged_as = {**params, "dcp_size": 1} if check.single_rank else params
         v = judge(check.kind, out, want, judged_as, got.deviations, scale)
-        rows.append(judged_row(base, check.tensor, check.kind, v, **times))
+        rows.append(judged_row(base, check.tensor, check.row_kind or check.kind, v, **times))
     return rows

@@ -18,6 +18,7 @@ class Check:
     single_rank: bool = False  # one DCP rank's pre-combine partial: held to the bounds without DCP
     dtype: torch.dtype | None = None  # the contract's dtype (None: the reference's, for exact tensors)
     contiguous: bool = False   # the contract asks for a dense tensor (a later kernel reads it so)
+    row_kind: str | None = None  # its rows' kind (equivalence.rows) where not the policy kind's own
 
 
 @dataclass
