@@ -223,7 +223,7 @@ class Worker:
                 notes.update(reported)
             if retire:
                 self._retire()
-            return [Row(**d) for d in records]
+            return [Row.from_record(d) for d in records]
         if kind == "error":
             raise HarnessError(f"harness error in the worker on {case.short()}", payload)
         if kind == "crashed":

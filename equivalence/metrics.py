@@ -45,22 +45,25 @@ FP32_TINY = 2.0**-126  # smallest normal float32: GPU fp32 math flushes below it
 
 @dataclass
 class Metrics:
-    numel: int = 0
+    """One tensor's distance from the reference's. Each field is a column of the tensor's row
+    (equivalence.rows), but those only the oracle's verdict reads (rows, elem_at, extra)."""
+
+    numel: int = 0                # elements compared
     rows: int = 0                 # vectors along the last dim (independent softmax rows of an output)
-    ref_rms: float = math.nan
-    rel_l2: float = math.nan
-    cos_dist: float = math.nan
-    max_abs: float = math.nan
-    max_abs_at: str = ""
+    ref_rms: float = math.nan     # rms of the reference over finite positions: the magnitude the error sits on
+    rel_l2: float = math.nan      # ||impl - ref|| / ||ref|| over finite positions
+    cos_dist: float = math.nan    # 1 - cos(impl, ref)
+    max_abs: float = math.nan     # max |impl - ref| over finite positions (exact: at the first mismatch)
+    max_abs_at: str = ""          # index of that element, as "i,j,k"
     elem_at: str = ""             # index of the worst element in elem_bf16_units
-    mismatch_frac: float = math.nan
-    mean_err: float = math.nan
-    bf16_units: float = math.nan
-    elem_bf16_units: float = math.nan
-    lse_fp32_units: float = math.nan
-    nan_count: int = 0
-    inf_mismatch: int = 0
-    extra: dict = field(default_factory=dict)
+    mismatch_frac: float = math.nan  # fraction failing the per-element abs-or-rel check (exact: not bit-equal)
+    mean_err: float = math.nan    # signed relative bias (lse: gain): a bug biases, rounding does not
+    bf16_units: float = math.nan  # ||impl - ref|| / ||bf16(ref) - ref||: error in units of bf16 rounding
+    elem_bf16_units: float = math.nan  # worst element, in bf16 rounding steps of its row's magnitude
+    lse_fp32_units: float = math.nan   # worst LSE error, in fp32 rounding steps of its row's logit scale
+    nan_count: int = 0            # NaN in the implementation's output where the reference has none
+    inf_mismatch: int = 0         # positions whose +inf / -inf / NaN pattern differs from the reference
+    extra: dict = field(default_factory=dict)  # "shape" (a mismatch), "first_mismatch" (exact)
 
 
 def _position(flat_index: int, shape: torch.Size) -> str:

@@ -1,43 +1,41 @@
 """The row: one compared tensor of one case, as the drift report stores it.
 
 Every gate, fuzz, property and replay run emits rows; `reports` turns them into a DataFrame. The
-columns are fixed here so that runs made months apart compare column by column.
+columns are fixed here so that runs made months apart compare column by column. A Row holds the
+tensor's `Metrics` (equivalence.metrics) and is stored flat (`to_record`, COLUMNS): each metric a
+column of its own, so a metric added to Metrics is a column, and `from_record` reads one back.
+
+A row's *kind* says which key metric speaks for it in the report's tables and plots (reports.kinds):
+
+    exact       compared bit for bit (cache bytes, indices, a property the kernels keep bitwise)
+    out         an attention output (a DCP rank's, a partial one, a property's "CHECK.out")
+    lse         a log-sum-exp (likewise)
+    max_logits  each row's largest logit (compared as an LSE)
+    other       another float tensor (read like out)
+    ""          none: the case failed as a whole (tensor "*") or wrote an input ("input:NAME")
+
+It is set where the row is made, from the check that compared the tensor. That is not the
+policy's exact | out | lse (`equivalence.policy`: how a tensor is measured and which bounds hold
+it; `Check.kind`): max_logits is measured as an LSE and other as an output, and a row is of kind
+exact exactly when its tensor was compared bit for bit.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
-# Knobs every op reports where it has them (None elsewhere): the axes of the report's tables.
-KNOB_COLUMNS = (
-    "topk",          # width of the top-k index rows
-    "heads",         # query heads the caller asked for (before any padding)
-    "num_tokens",    # query tokens (T, or B*S for decode)
-    "seq_len",       # longest context a query attends into
-    "block_size",    # tokens per KV page
-    "dcp_size",      # decode-context-parallel world size (1 = none)
-    "cache_dtype",   # bfloat16 | fp8_ds_mla | nvfp4_ds_mla
-    "scale_rule",    # pow2 | raw (fp8_ds_mla tile scales)
-    "value_regime",  # normal | saturation | outliers | zero_tiles | tiny | peaked
-    "sm_scale",
-)
+from .metrics import Metrics
 
-METRIC_COLUMNS = (
-    "numel",          # elements compared
-    "ref_rms",        # rms of the reference over finite positions: the magnitude the error sits on
-    "rel_l2",         # ||impl - ref|| / ||ref|| over finite positions
-    "cos_dist",       # 1 - cos(impl, ref)
-    "max_abs",        # max |impl - ref| over finite positions
-    "max_abs_at",     # index of that element, as "i,j,k"
-    "mismatch_frac",  # fraction failing the per-element abs-or-rel check (exact ops: not bit-equal)
-    "mean_err",       # signed relative bias, mean (impl - ref) / ref: a bug biases, rounding does not
-    "bf16_units",     # ||impl - ref|| / ||bf16(ref) - ref||: error in units of bf16 rounding
-    "elem_bf16_units",  # worst element, in bf16 rounding steps of its row's magnitude
-    "lse_fp32_units",   # worst LSE error, in fp32 rounding steps of its row's logit scale
-    "nan_count",      # NaN in the implementation's output
-    "inf_mismatch",   # positions whose +inf / -inf / NaN pattern differs from the reference
-)
+KINDS = ("out", "lse", "max_logits", "exact", "other")
+
+# Metrics' fields that serve the oracle's verdict and are not stored: the rows an output's bound
+# grows with, the worst element's position (named in the reason), the shape and first mismatch.
+_UNSTORED_METRICS = frozenset({"rows", "elem_at", "extra"})
+_METRIC_FIELDS: tuple[Field, ...] = tuple(f for f in fields(Metrics) if f.name not in _UNSTORED_METRICS)
+_METRIC_NAMES = frozenset(f.name for f in _METRIC_FIELDS)
 
 
 @dataclass
@@ -54,32 +52,21 @@ class Row:
     seed: int
     source: str        # corpus | fuzz | property | replay | bench
     case: str = ""     # the Case as JSON (op, params, seed): what replays this row's case
-    # knobs
-    topk: int | None = None
-    heads: int | None = None
-    num_tokens: int | None = None
-    seq_len: int | None = None
-    block_size: int | None = None
-    dcp_size: int | None = None
-    cache_dtype: str | None = None
-    scale_rule: str | None = None
-    value_regime: str | None = None
+    # knobs every op reports where it has them (None elsewhere): the axes of the report's tables
+    topk: int | None = None          # width of the top-k index rows
+    heads: int | None = None         # query heads the caller asked for (before any padding)
+    num_tokens: int | None = None    # query tokens (T, or B*S for decode)
+    seq_len: int | None = None       # longest context a query attends into
+    block_size: int | None = None    # tokens per KV page
+    dcp_size: int | None = None      # decode-context-parallel world size (1 = none)
+    cache_dtype: str | None = None   # bfloat16 | fp8_ds_mla | nvfp4_ds_mla
+    scale_rule: str | None = None    # pow2 | raw (fp8_ds_mla tile scales)
+    value_regime: str | None = None  # normal | saturation | outliers | zero_tiles | tiny | peaked
     sm_scale: float | None = None
-    # metrics
-    exact: bool = False
-    numel: int = 0
-    ref_rms: float = math.nan
-    rel_l2: float = math.nan
-    cos_dist: float = math.nan
-    max_abs: float = math.nan
-    max_abs_at: str = ""
-    mismatch_frac: float = math.nan
-    mean_err: float = math.nan
-    bf16_units: float = math.nan
-    elem_bf16_units: float = math.nan
-    lse_fp32_units: float = math.nan
-    nan_count: int = 0
-    inf_mismatch: int = 0
+    # what was compared, and how far apart
+    kind: str = ""                   # KINDS, or "" (see the module's docstring)
+    exact: bool = field(init=False, default=False)  # kind == "exact" (a column before kind was one)
+    metrics: Metrics = field(default_factory=Metrics)
     # verdict: the gated metric with the least headroom, its value and bound
     gate_metric: str = ""
     value: float = math.nan
@@ -92,11 +79,34 @@ class Row:
     time_ref_s: float = math.nan
     time_impl_s: float = math.nan
 
-    def to_record(self) -> dict:
-        return asdict(self)
+    def __post_init__(self) -> None:
+        if self.kind and self.kind not in KINDS:
+            raise ValueError(f"row kind {self.kind!r} is none of {', '.join(KINDS)}")
+        self.exact = self.kind == "exact"
+
+    def to_record(self) -> dict[str, Any]:
+        """The row flat, COLUMNS in order: the metrics' stored fields in the place of `metrics`."""
+        record: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "metrics":
+                record.update((m.name, getattr(self.metrics, m.name)) for m in _METRIC_FIELDS)
+            else:
+                record[f.name] = getattr(self, f.name)
+        return record
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Row:
+        """The Row of a record (`to_record`'s, or a stored row's): absent fields take their defaults,
+        and `exact` follows from kind."""
+        own = {k: v for k, v in record.items() if k not in _METRIC_NAMES and k != "exact"}
+        return cls(**own, metrics=Metrics(**{k: v for k, v in record.items() if k in _METRIC_NAMES}))
 
 
-COLUMNS = tuple(f.name for f in fields(Row))
+# The stored columns, in order, as dataclass fields (name, annotation, default): Row's own, with
+# the stored metrics in the place of `metrics`.
+STORED_FIELDS: tuple[Field, ...] = tuple(
+    g for f in fields(Row) for g in (_METRIC_FIELDS if f.name == "metrics" else (f,)))
+COLUMNS = tuple(f.name for f in STORED_FIELDS)
 
 
 def split_rank(tensor: str) -> tuple[str, int | None]:

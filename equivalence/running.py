@@ -25,7 +25,6 @@ from mla_verify.optimized.buffers import poisoned
 from . import device as dev
 from .contract import ContractError, Snapshot
 from .oracle import Verdict
-from .policy import EXACT
 from .rows import Row
 
 
@@ -107,14 +106,6 @@ def input_rows(base: dict, inputs: Snapshot, writes: tuple[str, ...], **fields) 
 
 
 def judged_row(base: dict, tensor: str, kind: str, v: Verdict, **fields) -> Row:
-    """One compared tensor's row: its metrics and the oracle's verdict."""
-    m = v.metrics
-    return Row(
-        **base, tensor=tensor, exact=kind == EXACT,
-        numel=m.numel, ref_rms=m.ref_rms, rel_l2=m.rel_l2, cos_dist=m.cos_dist, max_abs=m.max_abs,
-        max_abs_at=m.max_abs_at, mismatch_frac=m.mismatch_frac, mean_err=m.mean_err,
-        bf16_units=m.bf16_units, elem_bf16_units=m.elem_bf16_units, lse_fp32_units=m.lse_fp32_units,
-        nan_count=m.nan_count, inf_mismatch=m.inf_mismatch,
-        gate_metric=v.gate_metric, value=v.value, bound=v.bound, headroom=v.headroom,
-        deviation=v.deviation, passed=v.passed, reason=v.reason, **fields,
-    )
+    """One compared tensor's row, of kind `kind` (equivalence.rows): its metrics and the oracle's verdict."""
+    return Row(**base, tensor=tensor, kind=kind, metrics=v.metrics, gate_metric=v.gate_metric, value=v.value,
+               bound=v.bound, headroom=v.headroom, deviation=v.deviation, passed=v.passed, reason=v.reason, **fields)

@@ -19,6 +19,7 @@ where asked); any other callable (a lambda, a closure, a partial) runs in this p
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import shlex
@@ -134,6 +135,21 @@ def replay_command(case_file: Path | None, specs: Sequence[str], device: str, de
     if timeout is not None and timeout != DEFAULT_TIMEOUT_S:
         argv += ["--timeout", f"{timeout:g}"]
     return shlex.join(argv)
+
+
+def save_worst_case(worst, directory: Path) -> str | None:
+    """Write the case that drifted most (a `reports.drift.Worst`) as a case file under `directory`;
+    the command that replays it (None for runs whose rows predate the stored case)."""
+    from mla_verify.equivalence.case import Case
+    from mla_verify.fuzz import casefile
+
+    if not worst.case:
+        return None
+    case = Case.from_dict(json.loads(worst.case))
+    cf = casefile.CaseFile(case, worst.impl_specs, worst.device,
+                           note=f"drifted most against the baseline: {worst.label}, {worst.metric} x{worst.ratio:.3g}")
+    path = casefile.save(directory / f"{casefile.stem(case.op, ','.join(worst.impl_specs), case)}.json", cf)
+    return replay_command(path, worst.impl_specs, worst.device)
 
 
 # ----------------------------------------------------------------------------- check
@@ -266,7 +282,7 @@ def check(
 
         from .junit import write_junit
 
-        write_junit(junit_path, [Row(**r) for r in result.rows.to_dict("records")])
+        write_junit(junit_path, [Row.from_record(r) for r in result.rows.to_dict("records")])
     return result
 
 

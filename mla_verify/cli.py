@@ -500,10 +500,8 @@ def cmd_fuzz(args, device: str) -> int:
         write_atomic(result.out / RESULT_JSON, result_file(result))
     if args.baseline is None or result.interrupted:
         return result.exit_code
-    from mla_verify.reports.report import save_worst_case
-
     drift = api.drift(result, args.baseline, **_drift_settings(args))
-    replay = save_worst_case(drift.worst, result.out / "drift") if drift.worst and result.out else None
+    replay = api.save_worst_case(drift.worst, result.out / "drift") if drift.worst and result.out else None
     print("\n".join(drift.lines(replay)))
     return result.exit_code or drift.exit_code
 
@@ -602,13 +600,13 @@ def _gpu_count() -> int:
 
 
 def _finish_gate(args, out: Path, rows, failed: bool, started: float) -> int:
-    from mla_verify import reports
+    from mla_verify import api, reports
 
     if args.junit:
         from .junit import write_junit
 
         write_junit(args.junit, rows)
-    code = reports.run_report(out, baseline=args.baseline, **_drift_settings(args))
+    code = reports.run_report(out, baseline=args.baseline, save_case=api.save_worst_case, **_drift_settings(args))
     print(f"gate {'FAILED' if failed else 'passed'}: {len(rows)} rows in {time.time() - started:.0f} s; "
           f"report {out / 'report.html'}")
     return 1 if failed else code
@@ -629,14 +627,14 @@ def _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started) -
     print(f"  {parts} parts, one per {'GPU' if device == 'cuda' else 'process'}", flush=True)
     frame, worst = run_parts(ops, parts, device, run_dir.path, child)
     run_dir.finish(frame, meta)
-    rows = [Row(**r) for r in frame.to_dict("records")]
+    rows = [Row.from_record(r) for r in frame.to_dict("records")]
     failed = worst != 0 or any(not r.passed for r in rows)
     return _finish_gate(args, run_dir.path, rows, failed, started)
 
 
 def cmd_report(args, device: str) -> int:
     from mla_verify import reports
-    from mla_verify.api import load_run
+    from mla_verify.api import load_run, save_worst_case
 
     _, meta = load_run(args.run_dir, "run")
     if meta.get("incomplete"):
@@ -644,7 +642,7 @@ def cmd_report(args, device: str) -> int:
     if args.baseline is not None:
         load_run(args.baseline, "baseline")
     return reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
-                              **_drift_settings(args))
+                              save_case=save_worst_case, **_drift_settings(args))
 
 
 def cmd_bench(args, device: str) -> int:

@@ -6,7 +6,7 @@ baseline run.
     terminal_summary(rows, meta)                             terminal.py
     compare(current, baseline, *, factor, confidence,
             min_cases, pairs) -> Drift                        drift.py (pairing.py, significance.py)
-    build_report(...) / run_report(run_dir, baseline, ...)   report.py
+    build_report(...) -> Report / run_report(run_dir, ...)  report.py (document.py)
     render_html(report) / render_markdown(report)            html.py, markdown.py (drift_plots.py)
 """
 
@@ -15,7 +15,8 @@ from mla_verify.reports.pairing import NothingComparable
 from mla_verify.reports.html import render_html
 from mla_verify.reports.markdown import render_markdown
 from mla_verify.reports.meta import collect_meta, finish_meta
-from mla_verify.reports.report import Report, build_report, run_report
+from mla_verify.reports.document import Report
+from mla_verify.reports.report import build_report, run_report
 from mla_verify.reports.store import load_run, rows_frame, write_run
 from mla_verify.reports.terminal import terminal_summary
 

@@ -6,18 +6,16 @@ from __future__ import annotations
 import base64
 from collections.abc import Mapping
 from html import escape
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 
-from mla_verify.reports.fmt import cells
-from mla_verify.reports.meta import describe
+from mla_verify.reports.document import Report, Section
 from mla_verify.reports.drift import FLAGS, GONE, NEW, TOO_FEW
 from mla_verify.reports.drift_plots import drift_figure
+from mla_verify.reports.fmt import cells
+from mla_verify.reports.meta import describe
 from mla_verify.reports.plots import Plot, figures
-
-if TYPE_CHECKING:
-    from mla_verify.reports.report import Report, Section
 
 _CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.5em 2em;

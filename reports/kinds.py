@@ -1,11 +1,9 @@
 """Tensor kinds: which metric speaks for each compared tensor in the tables and plots.
 
-A row's *kind* is `exact` for bit-exact contracts (cache bytes, indices, chunk bounds), else its
-tensor name when that has a key metric of its own (`out`, `lse`, `max_logits`), else `other`
-(a dense float tensor, read like `out`). A DCP rank's tensors are of their base tensor's kind
-(`out_rank3`, `partial_out_rank0`: out; `lse_rank1`, `partial_lse_rank2`: lse), a property's
-"CHECK.TENSOR" of its TENSOR's kind (`wider_k.out`: out). Every table and plot reads one number
-per row, the kind's key metric, so that rows of one kind compare with each other across paths.
+A row's kind is stored with it (`equivalence.rows`: exact, out, lse, max_logits, other; "" for a
+row of no tensor, a case that failed as a whole, which the tables list with other). Every table
+and plot reads one number per row, its kind's key metric, so that rows of one kind compare with
+each other across paths.
 
 Drift is judged on other, normalized metrics with floors of their own (`equivalence.policy.DRIFT_METRICS`).
 """
@@ -15,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from mla_verify.equivalence.rows import split_rank
+from mla_verify.equivalence.rows import KINDS
 
-# kind -> (column that measures its error, label for axes and tables)
+# kind (every one of equivalence.rows.KINDS) -> the column that measures its error
 KEY_METRIC: dict[str, str] = {
     "out": "rel_l2",
     "lse": "max_abs",
@@ -25,9 +23,6 @@ KEY_METRIC: dict[str, str] = {
     "exact": "mismatch_frac",
     "other": "rel_l2",
 }
-
-# Order in which kinds are listed everywhere.
-KIND_ORDER: tuple[str, ...] = tuple(KEY_METRIC)
 
 KNOB_TABLES: tuple[str, ...] = ("topk", "heads", "value_regime", "seq_bucket", "dcp_size")
 
@@ -39,16 +34,6 @@ SEQ_BUCKETS: tuple[tuple[float, str], ...] = (
 )
 
 
-def tensor_kind(tensor: str, exact: bool) -> str:
-    if exact:
-        return "exact"
-    tensor = tensor.rsplit(".", 1)[-1]
-    base, rank = split_rank(tensor)
-    if rank is not None:
-        tensor = base.removeprefix("partial_")
-    return tensor if tensor in KEY_METRIC else "other"
-
-
 def seq_bucket(seq_len: pd.Series) -> pd.Series:
     """Ordered categorical of `seq_len` in SEQ_BUCKETS (missing stays missing)."""
     edges = [-np.inf, *(edge for edge, _ in SEQ_BUCKETS)]
@@ -58,11 +43,11 @@ def seq_bucket(seq_len: pd.Series) -> pd.Series:
 
 
 def annotate(rows: pd.DataFrame) -> pd.DataFrame:
-    """`rows` plus the analysis columns: kind, metric (name of the key metric), error (its value),
-    seq_bucket. A copy; the stored columns are untouched."""
+    """`rows` with kind as an ordered categorical ("" read as other) and the analysis columns:
+    metric (name of the key metric), error (its value), seq_bucket. A copy."""
     out = rows.copy()
-    kinds = [tensor_kind(t, e) for t, e in zip(out["tensor"], out["exact"], strict=True)]
-    out["kind"] = pd.Categorical(kinds, categories=KIND_ORDER, ordered=True)
+    kinds = [kind or "other" for kind in out["kind"]]
+    out["kind"] = pd.Categorical(kinds, categories=KINDS, ordered=True)  # listed in this order everywhere
     out["metric"] = pd.array([KEY_METRIC[k] for k in kinds], dtype="string")
     error = np.full(len(out), np.nan)
     for kind, column in KEY_METRIC.items():

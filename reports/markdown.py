@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import pandas as pd
 
+from mla_verify.reports.document import Report
 from mla_verify.reports.drift import GROUP_KEYS, group_label
 from mla_verify.reports.fmt import cells
-
-if TYPE_CHECKING:
-    from mla_verify.reports.report import Report
 
 # GitHub caps a job summary at 1 MiB: a long failure list stops here and points at rows.csv.
 _MARKDOWN_LIMIT = 50

@@ -1,18 +1,18 @@
-"""A report: a run's tables (and, given a baseline, its drift), built once and rendered three ways
-(terminal, HTML, markdown), and `run_report`, the entry point behind `mla-verify report`."""
+"""A run's report: `build_report` makes its tables (and, given a baseline, its drift) once, as a
+`reports.document.Report` rendered three ways (terminal, HTML, markdown); `run_report` is the
+entry point behind `mla-verify report`."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
-from mla_verify.reports.drift import Drift, Worst, compare
+from mla_verify.reports.document import Report, Section
+from mla_verify.reports.drift import Worst, compare
 from mla_verify.reports.fmt import MISSING, header, number
 from mla_verify.reports.html import render_html
 from mla_verify.reports.kinds import KEY_METRIC, annotate
@@ -20,7 +20,6 @@ from mla_verify.reports.markdown import render_markdown
 from mla_verify.reports.meta import describe
 from mla_verify.reports.stats import Counts, by_group, by_knob, counts, deviation_groups, failures, run_ids
 from mla_verify.reports.store import load_run
-from mla_verify.reports.terminal import terminal_summary
 
 _KNOB_TITLES = {"topk": "topk", "heads": "query heads", "value_regime": "value regime",
                 "seq_bucket": "context length (seq_len bucket)", "dcp_size": "DCP world size"}
@@ -32,40 +31,6 @@ _COLUMNS_NOTE = (
     "the signed mean error relative to rms(ref), which rounding leaves near 0 and a bug does not. "
     "min headroom: least bound/value (below 1 fails)."
 )
-
-
-@dataclass(frozen=True)
-class Section:
-    key: str
-    title: str
-    intro: str
-    table: pd.DataFrame
-    limit: int | None = None   # rows shown at most (the rest are in rows.csv)
-
-
-@dataclass
-class Report:
-    rows: pd.DataFrame                      # annotated (reports.kinds.annotate)
-    meta: dict[str, Any]
-    counts: Counts
-    baseline_meta: dict[str, Any] | None = None
-    baseline_counts: Counts | None = None
-    drift: Drift | None = None
-    replay: str | None = None               # the command that replays the case that drifted most
-    sections: list[Section] = field(default_factory=list)
-
-    @property
-    def exit_code(self) -> int:
-        """1 when a row failed or drift is flagged, else 0."""
-        return int(not self.counts.passed or (self.drift is not None and self.drift.drifted))
-
-    @property
-    def run_id(self) -> str:
-        return run_ids(self.rows)
-
-    def summary(self) -> str:
-        text = terminal_summary(self.rows, self.meta)
-        return text + ("\n" + "\n".join(self.drift.lines(self.replay)) if self.drift is not None else "")
 
 
 def _side_by_side(report: Report, baseline_rows: pd.DataFrame) -> pd.DataFrame:
@@ -138,35 +103,22 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
     return report
 
 
-def save_worst_case(worst: Worst, directory: Path) -> str | None:
-    """Write the case that drifted most as a case file under `directory`; the command that replays
-    it (None for runs whose rows predate the stored case)."""
-    if not worst.case:
-        return None
-    from mla_verify.api import replay_command
-    from mla_verify.equivalence.case import Case
-    from mla_verify.fuzz import casefile
-
-    case = Case.from_dict(json.loads(worst.case))
-    cf = casefile.CaseFile(case, worst.impl_specs, worst.device,
-                           note=f"drifted most against the baseline: {worst.label}, {worst.metric} x{worst.ratio:.3g}")
-    path = casefile.save(directory / f"{casefile.stem(case.op, ','.join(worst.impl_specs), case)}.json", cf)
-    return replay_command(path, worst.impl_specs, worst.device)
-
-
 def run_report(run_dir: str | Path, baseline: str | Path | None = None,
                html: str | Path | None = None, markdown: str | Path | None = None, *,
                factor: float = DRIFT_FACTOR, confidence: float = DRIFT_CONFIDENCE,
-               min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None) -> int:
+               min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None,
+               save_case: Callable[[Worst, Path], str | None] | None = None) -> int:
     """Load a run (and a baseline run), print the terminal summary and drift verdict, write the
-    HTML report (default run_dir/report.html) and, if asked, a markdown one; the case that
-    drifted most is saved under run_dir/drift/ with its replay command. Returns the exit code:
-    1 when the run has failures or drift is flagged, else 0 (NothingComparable is raised)."""
+    HTML report (default run_dir/report.html) and, if asked, a markdown one. `save_case(worst,
+    directory)` saves the case that drifted most under run_dir/drift/ and returns the command that
+    replays it, which the report prints (`mla_verify.api.save_worst_case`; None: nothing saved).
+    Returns the exit code: 1 when the run has failures or drift is flagged, else 0
+    (NothingComparable is raised)."""
     rows, meta = load_run(run_dir)
     report = build_report(rows, meta, load_run(baseline) if baseline is not None else None,
                           factor=factor, confidence=confidence, min_cases=min_cases, pairs=pairs)
-    if report.drift is not None and report.drift.worst is not None:
-        report.replay = save_worst_case(report.drift.worst, Path(run_dir) / "drift")
+    if save_case is not None and report.drift is not None and report.drift.worst is not None:
+        report.replay = save_case(report.drift.worst, Path(run_dir) / "drift")
     print(report.summary())
     html_path = Path(html) if html is not None else Path(run_dir) / "report.html"
     html_path.write_text(render_html(report), encoding="utf-8")

@@ -1,23 +1,25 @@
 """A run on disk: `rows.parquet` (typed, what `load_run` reads), `rows.csv` (for eyes and
 spreadsheets; the same values) and `meta.json` (what ran, where, with which versions).
 
-Column types follow the `Row` annotations, so a run written today and one written months ago load
-to identical dtypes: str -> string, int -> int64, `int | None` -> Int64 (nullable), float (and
-`float | None`) -> float64 with NaN for missing, bool -> bool. Optional strings (knobs) are <NA>
-when absent (an empty knob is absent); required strings are never missing ("" is a value).
+Column types follow the annotations of the stored fields (`equivalence.rows.STORED_FIELDS`), so a
+run written today and one written months ago load to identical dtypes: str -> string, int -> int64,
+`int | None` -> Int64 (nullable), float (and `float | None`) -> float64 with NaN for missing,
+bool -> bool. Optional strings (knobs) are <NA> when absent (an empty knob is absent); required
+strings are never missing ("" is a value). A column an older run lacks takes its default; `kind`
+alone, which runs stored before rows had one lack, is derived from their tensors' names (`_old_kind`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import MISSING, fields
+from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from mla_verify.equivalence.rows import COLUMNS, Row
+from mla_verify.equivalence.rows import COLUMNS, STORED_FIELDS, Row, split_rank
 
 RUN_FORMAT = "mla-verify-run/1"
 ROWS_PARQUET = "rows.parquet"
@@ -36,22 +38,41 @@ _DTYPE_OF_ANNOTATION = {
 }
 # column -> (pandas dtype, may be missing)
 SCHEMA: dict[str, tuple[str, bool]] = {
-    f.name: (_DTYPE_OF_ANNOTATION[str(f.type)], str(f.type).endswith("| None")) for f in fields(Row)
+    f.name: (_DTYPE_OF_ANNOTATION[str(f.type)], str(f.type).endswith("| None")) for f in STORED_FIELDS
 }
-_DEFAULTS = {f.name: f.default for f in fields(Row) if f.default is not MISSING}
+_DEFAULTS = {f.name: f.default for f in STORED_FIELDS if f.default is not MISSING}
+
+
+def _old_kind(tensor: str, exact: bool) -> str:
+    """The kind (equivalence.rows) of a row stored before rows had one, from its tensor's name as
+    the reports read it then: for those runs only (no kind column, or journal records without one).
+    A row that failed before any comparison (missing, a broken contract) was not marked exact then:
+    of an exact tensor, it reads as other."""
+    if exact:
+        return "exact"
+    if tensor == "*" or tensor.startswith("input:"):
+        return ""
+    name = tensor.rsplit(".", 1)[-1]      # a property's "CHECK.TENSOR"
+    base, rank = split_rank(name)         # a DCP rank's "out_rank3", "partial_lse_rank1"
+    if rank is not None:
+        name = base.removeprefix("partial_")
+    return name if name in ("out", "lse", "max_logits") else "other"
 
 
 def rows_frame(rows: Iterable[Row | Mapping[str, Any]]) -> pd.DataFrame:
-    """Rows (Row objects or dicts with Row's fields; missing fields take Row's defaults) as a
+    """Rows (Row objects or records with Row's columns; missing columns take their defaults) as a
     DataFrame with COLUMNS in order and the schema's dtypes."""
-    records = [(r if isinstance(r, Row) else Row(**r)).to_record() for r in rows]
+    records = [(r if isinstance(r, Row) else Row.from_record(r)).to_record() for r in rows]
     return conform(pd.DataFrame.from_records(records, columns=list(COLUMNS)))
 
 
 def conform(frame: pd.DataFrame) -> pd.DataFrame:
     """COLUMNS first, in order, with the schema's dtypes. A column an older run lacks is added
-    with Row's default (missing for optional knobs); columns Row no longer has are kept last."""
+    with its default (missing for optional knobs; `kind` from the tensors' names); columns no
+    longer stored are kept last."""
     out = frame.copy()
+    if "kind" not in out.columns:
+        out["kind"] = [_old_kind(t, e) for t, e in zip(out["tensor"], out["exact"].astype(bool), strict=True)]
     for name, (dtype, optional) in SCHEMA.items():
         if name not in out.columns:
             if not optional and name not in _DEFAULTS:
@@ -113,10 +134,14 @@ def read_journal(path: Path) -> list[dict[str, Any]]:
     records = []
     for i, line in enumerate(lines):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             if i != len(lines) - 1:
                 raise ValueError(f"{path}: line {i + 1} is not a row") from None
+            continue
+        if "kind" not in record:  # written before rows had a kind
+            record["kind"] = _old_kind(record["tensor"], record["exact"])
+        records.append(record)
     return records
 
 

@@ -8,8 +8,6 @@ two runs of the same seed pair case for case and runs of different seeds do not.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -24,7 +22,7 @@ from mla_verify.reports.drift import IMPROVED, NOT_BITWISE, PAIRED, TOO_FEW, UNP
 from mla_verify.reports.pairing import NothingComparable
 from mla_verify.reports.significance import exceeds, more_often_nonzero, smallest_p
 
-from .test_reports import _meta, synthetic_rows
+from .test_reports import _meta, changed, synthetic_rows
 
 
 def _frame(seed: int, cases: int = 24, **plants) -> pd.DataFrame:
@@ -129,7 +127,7 @@ def _bitwise(rows: list, nonzero: int = 0) -> list:
         if (r.path, r.tensor) == ("bf16", "out"):
             seen += 1
             tiny = seen <= nonzero
-            r = replace(r, bf16_units=0.01 if tiny else 0.0, elem_bf16_units=0.0, mean_err=1e-9 if tiny else 0.0,
+            r = changed(r, bf16_units=0.01 if tiny else 0.0, elem_bf16_units=0.0, mean_err=1e-9 if tiny else 0.0,
                         rel_l2=0.0, max_abs=0.0, headroom=float("inf"), value=0.0)
         out.append(r)
     return out

@@ -12,22 +12,25 @@ a documented deviation (raw fp8 scales rounded to bf16 in the decode kernel).
 from __future__ import annotations
 
 import base64
+import json
 import math
 import re
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mla_verify.equivalence.rows import COLUMNS, Row
+from mla_verify.equivalence.metrics import Metrics
+from mla_verify.equivalence.rows import COLUMNS, KINDS, Row
 from mla_verify.reports import (build_report, collect_meta, finish_meta, load_run, render_html,
                      render_markdown, rows_frame, run_report, terminal_summary, write_run)
 from mla_verify.reports.kinds import annotate
 from mla_verify.reports.plots import error_by_path, figures
-from mla_verify.reports.store import ROWS_PARQUET, SCHEMA
+from mla_verify.reports.store import JOURNAL, ROWS_PARQUET, SCHEMA
 
 BF16_ROUNDING_REL_L2 = 1.66e-3   # rel_l2 of one bf16 rounding of Gaussian data
 OUT_BOUND, STAT_BOUND = 2 / 128, 1.0e-5    # upstream FlashMLA's out rel and lse abs tolerances
@@ -51,8 +54,18 @@ REGIMES = ("normal", "outliers", "tiny", "peaked")
 REGIME_RMS = {"normal": 0.05, "outliers": 0.4, "tiny": 3e-4, "peaked": 0.08}
 
 
+_METRICS = {f.name for f in fields(Metrics)}
+
+
+def changed(row: Row, **changes) -> Row:
+    """`row` with `changes`, each to its own field or to its metrics' (dataclasses.replace)."""
+    metrics = {k: v for k, v in changes.items() if k in _METRICS}
+    own = {k: v for k, v in changes.items() if k not in _METRICS}
+    return replace(row, **own, metrics=replace(row.metrics, **metrics))
+
+
 def _gated(row: Row, metric: str, bound: float) -> Row:
-    value = getattr(row, metric)
+    value = getattr(row.metrics, metric)
     headroom = math.inf if value == 0 else bound / value
     return replace(row, gate_metric=metric, value=value, bound=bound, headroom=headroom,
                    passed=value <= bound,
@@ -96,7 +109,7 @@ def synthetic_rows(seed: int, run_id: str, cases_per_group: int = 24,
                 if tensor == "out":
                     rel = 2.0e-3 * s * float(rng.lognormal(0.0, 0.15))
                     rms = REGIME_RMS[regime] * float(rng.lognormal(0.0, 0.2))
-                    row = replace(base, tensor=tensor, numel=numel, ref_rms=rms, rel_l2=rel,
+                    row = changed(base, tensor=tensor, kind=tensor, numel=numel, ref_rms=rms, rel_l2=rel,
                                   cos_dist=rel**2 / 2, max_abs=rel * rms * 6, max_abs_at="0,3,17",
                                   mismatch_frac=0.0, mean_err=float(rng.normal(0, 3e-6)) + b,
                                   bf16_units=rel / BF16_ROUNDING_REL_L2,
@@ -104,12 +117,12 @@ def synthetic_rows(seed: int, run_id: str, cases_per_group: int = 24,
                     rows.append(_gated(row, "rel_l2", OUT_BOUND * (4.0 if deviation else 1.0)))
                 elif tensor in ("lse", "max_logits"):
                     err = 1.0e-6 * s * float(rng.lognormal(0.0, 0.15))
-                    row = replace(base, tensor=tensor, numel=numel, ref_rms=9.0, rel_l2=err / 9,
+                    row = changed(base, tensor=tensor, kind=tensor, numel=numel, ref_rms=9.0, rel_l2=err / 9,
                                   cos_dist=0.0, max_abs=err, max_abs_at="5,1", mismatch_frac=0.0,
                                   mean_err=float(rng.normal(0, 1e-8)) + b, lse_fp32_units=err / 2.5e-6)
                     rows.append(_gated(row, "max_abs", STAT_BOUND * (4.0 if deviation else 1.0)))
                 else:
-                    row = replace(base, tensor=tensor, exact=True, numel=numel, mismatch_frac=0.0,
+                    row = changed(base, tensor=tensor, kind="exact", numel=numel, mismatch_frac=0.0,
                                   max_abs=0.0)
                     rows.append(_gated(row, "mismatch_frac", 0.0))
     return rows
@@ -118,7 +131,7 @@ def synthetic_rows(seed: int, run_id: str, cases_per_group: int = 24,
 def with_failure(rows: list[Row]) -> tuple[list[Row], Row]:
     """The rows with one sparse_prefill out row pushed over its bound."""
     i = next(i for i, r in enumerate(rows) if r.path == "sparse_prefill" and r.tensor == "out")
-    failed = _gated(replace(rows[i], rel_l2=0.05, bf16_units=30.0), "rel_l2", OUT_BOUND)
+    failed = _gated(changed(rows[i], rel_l2=0.05, bf16_units=30.0), "rel_l2", OUT_BOUND)
     return [*rows[:i], failed, *rows[i + 1:]], failed
 
 
@@ -153,9 +166,10 @@ def rows_strategy(draw) -> list[Row]:
             seed=draw(st.integers(-(2**63), 2**63 - 1)), source="fuzz",
             topk=draw(st.none() | st.integers(0, 2**31)), heads=draw(st.none() | st.just(64)),
             value_regime=draw(st.none() | st.sampled_from(["normal", "nan", "None", ""])),
-            sm_scale=draw(st.none() | _floats), exact=draw(st.booleans()),
-            numel=draw(st.integers(0, 2**40)), rel_l2=draw(_floats), mean_err=draw(_floats),
-            max_abs_at=draw(st.sampled_from(["", "1,2,3", '"q"'])), headroom=draw(_floats),
+            sm_scale=draw(st.none() | _floats), kind=draw(st.sampled_from(["", *KINDS])),
+            metrics=Metrics(numel=draw(st.integers(0, 2**40)), rel_l2=draw(_floats), mean_err=draw(_floats),
+                            max_abs_at=draw(st.sampled_from(["", "1,2,3", '"q"']))),
+            headroom=draw(_floats),
             passed=draw(st.booleans()), reason=draw(_text | st.sampled_from(["NA", "nan", "a\nb"])),
         ))
     return out
@@ -184,6 +198,61 @@ def test_rows_arrive_as_row_objects_or_dicts(tmp_path):
     pd.testing.assert_frame_equal(rows_frame(rows), from_dicts)
     assert from_dicts["topk"].dtype == "Int64" and from_dicts["seed"].dtype == "int64"
     assert from_dicts.loc[from_dicts["tensor"] == "cache_bytes", "headroom"].eq(math.inf).all()
+
+
+# tensor -> its rows' kind, every way a tensor is named: a DCP rank's, a partial, a property's
+# "CHECK.TENSOR" (compared bitwise or not), a tensor of no check
+NAMED_KINDS = {"out": "out", "lse": "lse", "max_logits": "max_logits", "indices": "exact", "weights": "other",
+               "out_rank1": "out", "partial_out_rank0": "out", "lse_rank1": "lse", "partial_lse_rank0": "lse",
+               "wider_k.out": "out", "rerun.max_logits": "max_logits", "rerun.lse": "exact", "*": "", "input:kv": ""}
+
+
+def test_a_run_stored_before_rows_had_a_kind_loads_with_the_same_kinds(tmp_path):
+    base = synthetic_rows(seed=4, run_id="r", cases_per_group=1)[0]
+    rows = [replace(base, tensor=tensor, kind=kind) for tensor, kind in NAMED_KINDS.items()]
+    new = write_run(tmp_path / "new", rows, {})
+    loaded = load_run(new)[0]
+    assert dict(zip(loaded["tensor"], loaded["kind"])) == NAMED_KINDS
+    # the same run as it was stored before: no kind column (rows.parquet, rows.csv or a journal alone)
+    old = {name: tmp_path / name for name in ("parquet", "csv", "journal")}
+    for path in old.values():
+        path.mkdir()
+    loaded.drop(columns="kind").to_parquet(old["parquet"] / ROWS_PARQUET, index=False)
+    text = pd.read_csv(new / "rows.csv", dtype=str, keep_default_na=False)
+    (old["csv"] / "rows.csv").write_text(text.drop(columns="kind").to_csv(index=False))
+    records = [{k: v for k, v in r.to_record().items() if k != "kind"} for r in rows]
+    (old["journal"] / JOURNAL).write_text("".join(json.dumps(r) + "\n" for r in records))
+    for path in old.values():
+        pd.testing.assert_frame_equal(load_run(path)[0], loaded)
+    assert list(annotate(loaded)["kind"]) == [kind or "other" for kind in NAMED_KINDS.values()]
+
+
+def _strided_concat(ql_nope, q_pe):
+    """concat_mla_q with the right values in a wider buffer: the contract asks for a dense q."""
+    return torch.cat([ql_nope, q_pe, q_pe], dim=-1)[..., :576]
+
+
+def _raises(ql_nope, q_pe):
+    raise RuntimeError("no kernel here")
+
+
+def test_rows_that_fail_before_a_comparison_take_their_checks_kind():
+    from mla_verify import api
+
+    contract = api.check("concat_mla_q", _strided_concat, examples=1, seed=1, device="cpu", shrink=False).rows
+    assert contract[["tensor", "gate_metric", "kind", "exact"]].values.tolist() == [["q", "contract", "exact", True]]
+    raised = api.check("concat_mla_q", _raises, examples=1, seed=1, device="cpu", shrink=False).rows
+    assert raised[["tensor", "gate_metric", "kind", "exact"]].values.tolist() == [["*", "raised", "", False]]
+
+
+def test_a_row_is_its_record_and_knows_its_kinds():
+    row = changed(synthetic_rows(seed=5, run_id="r", cases_per_group=1)[0], mean_err=1e-3, elem_at="1,2")
+    record = row.to_record()
+    assert tuple(record) == COLUMNS and "elem_at" not in record and record["mean_err"] == 1e-3
+    assert Row.from_record(record) == changed(row, elem_at="")   # the oracle's own fields are not stored
+    assert replace(row, kind="exact").exact and not replace(row, kind="out").exact
+    with pytest.raises(ValueError, match="row kind 'partial_out' is none of"):
+        replace(row, kind="partial_out")
 
 
 def test_collect_meta_records_versions_device_git_and_times():
@@ -238,8 +307,12 @@ def test_run_report_exit_codes(tmp_path, meta, capsys):
     assert "no drift" in out and "PASS" in out and (same_dir / "report.html").exists()
 
     md, html = tmp_path / "bad.md", tmp_path / "bad.html"
-    assert run_report(bad_dir, baseline=base_dir, html=html, markdown=md) == 1
+    saved = []   # the caller saves the case that drifted most (mla_verify.api.save_worst_case)
+    assert run_report(bad_dir, baseline=base_dir, html=html, markdown=md,
+                      save_case=lambda worst, directory: saved.append((worst, directory)) or "REPLAY IT") == 1
     out = capsys.readouterr().out
+    assert [d for _, d in saved] == [bad_dir / "drift"] and f"drifted most: case {saved[0][0].case_id}" in out
+    assert "REPLAY IT" in out and "REPLAY IT" in md.read_text()
     assert "FAIL: 1 of" in out and "DRIFT forward_mqa/fp8_mixed out [pipeline]: bf16_units p99" in out
     assert "NEW FAILURES sparse_prefill out [flash_mla]" in out      # the new failure's group
     assert "**drift** forward_mqa/fp8_mixed out [pipeline]" in md.read_text()
@@ -312,9 +385,9 @@ def test_terminal_summary_is_short_and_names_every_path(failing_report, meta):
 
 def test_tables_handle_nan_inf_and_empty_runs(meta):
     rows = synthetic_rows(130, "r130", cases_per_group=3)
-    rows[0] = replace(rows[0], rel_l2=math.nan, value=math.nan, headroom=math.nan, passed=False,
+    rows[0] = changed(rows[0], rel_l2=math.nan, value=math.nan, headroom=math.nan, passed=False,
                       reason="NaN in output", nan_count=5)
-    rows[2] = replace(rows[2], rel_l2=math.inf, value=math.inf, headroom=0.0, passed=False)
+    rows[2] = changed(rows[2], rel_l2=math.inf, value=math.inf, headroom=0.0, passed=False)
     report = build_report(rows_frame(rows), meta)
     groups = next(s.table for s in report.sections if s.key == "groups")
     bf16_out = groups[(groups["path"] == rows[0].path) & (groups["tensor"] == "out")].iloc[0]
@@ -322,8 +395,8 @@ def test_tables_handle_nan_inf_and_empty_runs(meta):
     assert "| inf |" in render_markdown(report) and report.exit_code == 1
     # log axes: exact zeros sit on a floor line, inf on a ceiling line, NaN is left out; all counted
     lse = [i for i, r in enumerate(rows) if r.tensor == "lse"]
-    rows[lse[0]] = replace(rows[lse[0]], max_abs=0.0)
-    rows[lse[1]] = replace(rows[lse[1]], max_abs=math.inf)
+    rows[lse[0]] = changed(rows[lse[0]], max_abs=0.0)
+    rows[lse[1]] = changed(rows[lse[1]], max_abs=math.inf)
     caption = error_by_path(annotate(rows_frame(rows))).caption
     assert re.search(r"lse max_abs: 1 zero values drawn at the floor 1e-\d\d; "
                      r"1 inf drawn at the ceiling 1e-\d\d\.", caption)

@@ -81,7 +81,7 @@ SPARSE_PREFILL = register(OpSpec(
     reference=_prefill_reference,
     call=_call(("out", "lse", "max_logits"), 2),
     checks=(Check("out", OUT, "value_max", dtype=torch.bfloat16), Check("lse", LSE, "logit_l1", dtype=torch.float32),
-            Check("max_logits", LSE, "logit_l1", optional=True, dtype=torch.float32)),
+            Check("max_logits", LSE, "logit_l1", optional=True, dtype=torch.float32, row_kind="max_logits")),
     knobs=lambda p: knobs(p, num_tokens=p["tokens"], seq_len=p["kv_rows"], cache_dtype="bfloat16"),
     doc="flash_mla_sparse_fwd: bf16 q/kv rows, top-k row indices (invalid: <0 or >=N), topk_length, sink",
 ), priority=0)

@@ -36,6 +36,7 @@ class Check:
     single_rank: bool = False  # one DCP rank's pre-combine partial: held to the bounds without DCP
     dtype: torch.dtype | None = None  # the contract's dtype (None: the reference's, for exact tensors)
     contiguous: bool = False   # the contract asks for a dense tensor (a later kernel reads it so)
+    row_kind: str | None = None  # its rows' kind (equivalence.rows) where not the policy kind's own
 
 
 @dataclass
@@ -151,8 +152,8 @@ class OpSpec:
             if check.tensor not in ref or (check.optional and check.tensor not in got.tensors):
                 continue  # not asked for by this case, or not produced by this implementation
             if check.tensor not in got.tensors:
-                rows.append(failure_row(base, check.tensor, "missing",
-                                        f"the implementation returned no {check.tensor!r}", **times))
+                rows.append(failure_row(base, check.tensor, "missing", f"the implementation returned no {check.tensor!r}",
+                                        kind=check.row_kind or check.kind, **times))
                 continue
             out, want = got.tensors[check.tensor], ref[check.tensor]
             problem = output_problem(check.tensor, out, dtype=check.dtype or want.dtype, shape=want.shape,
@@ -162,10 +163,11 @@ class OpSpec:
                                      contiguous=check.contiguous)
             problem = problem or (None if self.views else inputs.aliased_by(check.tensor, out))
             if problem:
-                rows.append(failure_row(base, check.tensor, "contract", problem, **times))
+                rows.append(failure_row(base, check.tensor, "contract", problem, kind=check.row_kind or check.kind,
+                                        **times))
                 continue
             scale = ref.get(check.scale) if check.scale else None
             judged_as = {**params, "dcp_size": 1} if check.single_rank else params
             v = judge(check.kind, out, want, judged_as, got.deviations, scale)
-            rows.append(judged_row(base, check.tensor, check.kind, v, **times))
+            rows.append(judged_row(base, check.tensor, check.row_kind or check.kind, v, **times))
         return rows

@@ -184,6 +184,6 @@ class PropertySpec:
             m = measure(kind, got, want, c.scale)
             if kind != EXACT:
                 m.mismatch_frac = M.exact(got, want).mismatch_frac if got.dtype == want.dtype else math.nan
-            rows.append(judged_row(base, f"{c.check}.{c.tensor}", kind, verdict(kind, m, bounds, deviation),
-                                   time_impl_s=t_impl))
+            rows.append(judged_row(base, f"{c.check}.{c.tensor}", "exact" if kind == EXACT else c.tensor,
+                                   verdict(kind, m, bounds, deviation), time_impl_s=t_impl))
         return rows

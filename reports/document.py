@@ -1,0 +1,48 @@
+"""A report as data: a run's annotated rows, its verdict counts, its drift against a baseline and
+the sections (tables) that `reports.report.build_report` fills and the renderers (terminal,
+`reports.html`, `reports.markdown`) read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from mla_verify.reports.drift import Drift
+from mla_verify.reports.stats import Counts, run_ids
+from mla_verify.reports.terminal import terminal_summary
+
+
+@dataclass(frozen=True)
+class Section:
+    key: str
+    title: str
+    intro: str
+    table: pd.DataFrame
+    limit: int | None = None   # rows shown at most (the rest are in rows.csv)
+
+
+@dataclass
+class Report:
+    rows: pd.DataFrame                      # annotated (reports.kinds.annotate)
+    meta: dict[str, Any]
+    counts: Counts
+    baseline_meta: dict[str, Any] | None = None
+    baseline_counts: Counts | None = None
+    drift: Drift | None = None
+    replay: str | None = None               # the command that replays the case that drifted most
+    sections: list[Section] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """1 when a row failed or drift is flagged, else 0."""
+        return int(not self.counts.passed or (self.drift is not None and self.drift.drifted))
+
+    @property
+    def run_id(self) -> str:
+        return run_ids(self.rows)
+
+    def summary(self) -> str:
+        text = terminal_summary(self.rows, self.meta)
+        return text + ("\n" + "\n".join(self.drift.lines(self.replay)) if self.drift is not None else "")
