@@ -1,28 +1,31 @@
 """Every spec the harness checks, by name, and the calls that dispatch through them.
 
-Importing this module imports every op, pipeline and property module (each registers itself,
-`equivalence.spec.register`); nothing here asks what kind of spec it holds.
+Importing this module imports every module of `equivalence.ops` and `equivalence.properties`
+(each registers its specs, `equivalence.spec.register`); nothing here asks what kind of spec it holds.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any, Callable, Sequence
 
+from . import ops, properties
 from .case import Case
-from .ops import attention, dcp, formats, forward, indices, layout, workspace  # noqa: F401 (they register)
-from .properties import (  # noqa: F401 (they register)
-    batch_invariance,
-    dcp_one,
-    decode_prefill,
-    determinism,
-    hisparse_plain,
-    padding,
-    spec_decode,
-    split,
-)
 from .rows import Row
 from .spec import SPECS, Spec
 from .subject import Subject, UsageError, check_declared
+
+
+def _load() -> None:
+    """Import every module of the ops and properties packages: each registers its specs (a new
+    one is found by being there; its priority, not the import order, places it)."""
+    for package in (ops, properties):
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{module.name}")
+
+
+_load()
 
 
 def specs(family: str | None = None) -> list[Spec]:
