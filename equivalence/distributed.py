@@ -17,7 +17,7 @@ Every rank builds the case's batch itself from (params, seed) with `equivalence.
 (deterministic on any device), keeps its query heads q[:, r*H:(r+1)*H], its cache and its block
 table, and runs the rank body: `optimized.dcp_runtime.forward_mqa_dcp_rank` with the case's stage
 overrides, or a whole replacement (`--impl MODULE:CALLABLE`, the same keywords). Outputs are
-poisoned first, as in `equivalence.evaluate`; tensors come back serialized over a pipe.
+poisoned first, as in `equivalence.running`; tensors come back serialized over a pipe.
 
 A group serves case after case. A case fails, and the whole group is killed, when any rank
 raises (its peers are left blocked in a collective), dies, or does not answer by the deadline;
