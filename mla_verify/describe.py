@@ -1,8 +1,8 @@
 """What `mla-verify list --op OP` and `list --tolerances` print, generated from the harness's own
-data rather than written out by hand: the keywords come from the op's OpSpec, the shapes and
-dtypes from what an implementation really receives on the op's smallest pinned corpus case
-(fuzz/corpus), the compared tensors from the reference's answer to that case, and the bounds
-from the tolerance policy."""
+data rather than written out by hand: the keywords and the formula come from the op's contract
+(`equivalence.contracts`), the shapes and dtypes from what an implementation really receives on
+the op's smallest pinned corpus case (fuzz/corpus), the compared tensors from the reference's
+answer to that case, and the bounds from the tolerance policy."""
 
 from __future__ import annotations
 
@@ -92,7 +92,11 @@ def describe_op(op: str) -> list[str]:
     spec = get_spec(op)
     cases = _pinned_cases(op)
     case = cases[0] if cases else None
+    from mla_verify.equivalence.contracts import formula
+
     lines = [*_wrap(f"{op}: {spec.doc}", "", "  ")]
+    for paragraph in formula(op).split("\n\n"):
+        lines += _wrap(" ".join(paragraph.split()), "  | ", "  | ")
     if case is None:
         return lines + _wrap(f"call: impl({', '.join(spec.arguments)})", "  ", "      ")
     dims = _dim_names(case.params)

@@ -74,7 +74,6 @@ def _prefill_reference(kw, p):
 SPARSE_PREFILL = register(OpSpec(
     name="sparse_prefill",
     stage="sparse_prefill",
-    arguments=("q", "kv", "indices", "sm_scale", "topk_length", "attn_sink"),
     schema=Schema(PREFILL, prefill_elements),
     draw=prefill_params,
     inputs=_prefill_inputs,
@@ -119,7 +118,6 @@ def _decode_reference(kw, p):
 SPARSE_DECODE_FP8 = register(OpSpec(
     name="sparse_decode_fp8",
     stage="sparse_decode_fp8",
-    arguments=("q", "kv_cache", "indices", "sm_scale"),
     schema=Schema(DECODE, decode_elements, decode_check),
     draw=decode_params,
     inputs=_decode_inputs,

@@ -19,6 +19,7 @@ from mla_verify.optimized import registry
 from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, output_problem
+from ..contracts import arguments as contract_arguments
 from ..oracle import judge
 from ..profiles import Profile
 from ..running import Raised, call_implementation, failure_row, input_rows, judged_row, raised_row, timed
@@ -52,7 +53,6 @@ class ImplOutput:
 class OpSpec:
     name: str
     stage: str | None                 # registry stage of the project's implementation (None: a pipeline)
-    arguments: tuple[str, ...]        # keyword arguments every implementation must accept
     schema: Schema                    # what a case's params may hold (replay validates against it)
     draw: Callable[[Profile], st.SearchStrategy[dict]]              # the params a fuzz profile draws
     inputs: Callable[[Mapping, int, str], dict[str, Any]]          # (params, seed, device) -> kwargs
@@ -69,6 +69,11 @@ class OpSpec:
     views: bool = False               # the result may be a view of an input (the reshapes)
     family: str = "op"
     ranks: tuple[int, ...] = ()
+
+    @property
+    def arguments(self) -> tuple[str, ...]:
+        """The keyword arguments every implementation is called with (`equivalence.contracts`)."""
+        return contract_arguments(self.name)
 
     @property
     def tag(self) -> str:

@@ -48,7 +48,6 @@ def _merge_reference(kw, p):
 DCP_MERGE = register(OpSpec(
     name="dcp_merge",
     stage="dcp_merge",
-    arguments=("outs", "lses"),
     schema=Schema(MERGE, lambda p: p["ranks"] * p["tokens"] * p["heads"] * 1026),
     draw=merge_params,
     inputs=_merge_inputs,
@@ -63,8 +62,6 @@ DCP_MERGE = register(OpSpec(
 # ----------------------------------------------------------------------------- multi-process DCP
 
 MAX_RANKS = 8
-RANK_ARGUMENTS = ("q", "kv_cache", "group", "query_start_loc", "seq_lens", "block_table", "topk_indices",
-                  "num_heads", "kv_cache_dtype", "sm_scale", "max_model_len", "combine", "interleave")
 
 
 def _rank_params(p: Profile, world_size: int) -> st.SearchStrategy[dict]:
@@ -127,7 +124,6 @@ def _dcp_call(subject, kw, p) -> ImplOutput:
 register(PipelineSpec(
     name="dcp",
     stage=None,
-    arguments=RANK_ARGUMENTS,
     schema=Schema(dict(FORWARD, dcp_size=OneOf(*WORLD_SIZES), combine=OneOf(*COMBINES)), forward_elements,
                   forward_check),
     draw=lambda p: _rank_params(p, WORLD_SIZES[0]),

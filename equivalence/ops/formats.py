@@ -31,7 +31,6 @@ def _kv(params, seed, device):
 register(OpSpec(
     name="quantize_fp8_ds_mla",
     stage="quantize_fp8_ds_mla",
-    arguments=("kv", "scale_rule"),
     schema=CODEC,
     draw=_codec_params,
     inputs=lambda p, seed, device: {"kv": _kv(p, seed, device), "scale_rule": p["scale_rule"]},
@@ -45,7 +44,6 @@ register(OpSpec(
 register(OpSpec(
     name="dequantize_fp8_ds_mla",
     stage="dequantize_fp8_ds_mla",
-    arguments=("rows",),
     schema=CODEC,
     draw=_codec_params,
     inputs=lambda p, seed, device: {"rows": reference.quantize_fp8_ds_mla(_kv(p, seed, device), p["scale_rule"])},
@@ -103,7 +101,6 @@ def _call_write(subject, kw, p):
 register(OpSpec(
     name="write_fp8_ds_mla_cache",
     stage="write_fp8_ds_mla_cache",
-    arguments=("kv", "kv_cache", "slot_mapping", "scale_rule"),
     schema=Schema(
         dict(n=Int(1, 2**22), num_blocks=Int(1, 2**20), block_size=BLOCK, stride_pad=PAD,
              skip_frac=Real(0, 1, optional=True), **VALUES),

@@ -23,9 +23,6 @@ from .base import Check, ImplOutput
 from .common import knobs
 from .pipeline import PipelineSpec
 
-ARGUMENTS = ("q", "kv_cache", "query_start_loc", "seq_lens", "block_table", "topk_indices", "num_heads",
-             "kv_cache_dtype", "sm_scale", "max_model_len")
-
 
 def _path_params(p: Profile, path: str) -> st.SearchStrategy[dict]:
     return hisparse_params(p, path) if path in HISPARSE_PATHS else forward_params(p, path)
@@ -113,7 +110,6 @@ def _hisparse(subject, b, p) -> ImplOutput:
 FORWARD_MQA = register(PipelineSpec(
     name="forward_mqa",
     stage=None,
-    arguments=ARGUMENTS,
     schema=Schema(FORWARD, forward_elements, forward_check),
     draw=forward_params,
     inputs=_inputs,

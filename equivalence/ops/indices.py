@@ -86,8 +86,6 @@ def _named_indices(result, counts: bool) -> dict[str, torch.Tensor]:
 register(OpSpec(
     name="convert_index",
     stage="convert_index",
-    arguments=("req_id", "block_table", "topk_indices", "block_size", "block_stride_rows",
-               "prefill_request_ids", "prefill_workspace_starts", "return_valid_counts", "idx_mapping"),
     schema=Schema(dict(INDEX, stride_extra=Int(0, 2**16, optional=True), prefill=Flag(optional=True),
                        counts=Flag(optional=True), mapping=Flag(optional=True)), index_elements),
     draw=_convert_params,
@@ -113,8 +111,6 @@ def _dcp_inputs(p, seed, device):
 DCP_CONVERT_INDEX = register(OpSpec(
     name="dcp_convert_index",
     stage="dcp_convert_index",
-    arguments=("req_id", "block_table", "topk_indices", "block_size", "dcp_size", "dcp_rank",
-               "interleave", "compact_valid_to_front"),
     schema=Schema(
         dict(INDEX, dcp_size=Int(1, 64), dcp_rank=Int(0, 63), interleave=Int(1, 1024), compact=Flag()),
         lambda p: index_elements(p, p["dcp_size"]),

@@ -31,7 +31,6 @@ def _concat_inputs(p, seed, device):
 register(OpSpec(
     name="concat_mla_q",
     stage="concat_mla_q",
-    arguments=("ql_nope", "q_pe"),
     schema=Schema(dict(tokens=Int(1, 2**20), heads=HEADS), lambda p: p["tokens"] * p["heads"] * 1216),
     draw=_concat_params,
     inputs=_concat_inputs,
@@ -63,7 +62,6 @@ def _chunks_tensor(chunks) -> torch.Tensor:
 register(OpSpec(
     name="split_prefill_chunks",
     stage="split_prefill_chunks",
-    arguments=("seq_lens", "workspace_size"),
     schema=Schema(
         dict(seq_lens=Ints(1, 2**31, 2**16), workspace_size=Int(1, 2**40)), lambda p: len(p["seq_lens"]),
         lambda p: None if p["workspace_size"] >= max(p["seq_lens"], default=0) else "workspace_size is below a sequence"),
@@ -94,7 +92,6 @@ def _spec_q_inputs(p, seed, device):
 register(OpSpec(
     name="reshape_query_for_spec_decode",
     stage="reshape_query_for_spec_decode",
-    arguments=("q", "num_decodes"),
     schema=SPEC_RESHAPE,
     draw=_spec_reshape_params,
     inputs=_spec_q_inputs,
@@ -115,7 +112,6 @@ def _spec_out_inputs(p, seed, device):
 register(OpSpec(
     name="reshape_attn_output_for_spec_decode",
     stage="reshape_attn_output_for_spec_decode",
-    arguments=("out",),
     schema=SPEC_RESHAPE,
     draw=_spec_reshape_params,
     inputs=_spec_out_inputs,

@@ -60,7 +60,6 @@ for _fmt, _fn in (("fp8_ds_mla", reference.gather_upconvert_fp8), ("nvfp4_ds_mla
     register(OpSpec(
         name=_name,
         stage=_name,
-        arguments=("kv_cache", "block_table", "workspace_starts", "num_rows"),
         schema=SCHEMA,
         draw=_params,
         inputs=_gather_inputs(_fmt),
