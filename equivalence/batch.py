@@ -28,11 +28,11 @@ from mla_verify.reference.indices import dcp_local_seq_lens, dcp_owner_and_local
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 from mla_verify.reference.paged_cache import scatter_rows
 
-from .patterns import PATTERNS, apply_patterns, distinct_rows, prefix_candidates
+from .params import ForwardParams
+from .patterns import apply_patterns, distinct_rows, prefix_candidates
 from .values import pooled_rows, q_values
 
 ROW_WIDTH = {"bfloat16": 576, "fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
-INVALID_PATTERNS = PATTERNS + ("beyond_seq",)
 
 
 @dataclass
@@ -94,29 +94,19 @@ def _topk_rows(gen: torch.Generator, positions: list[int], topk: int, patterns: 
     return rows.to(torch.int32)
 
 
-def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
-    """Build the batch a forward_mqa Case describes (see the module docstring).
-
-    params: cache_dtype, heads, query_lens, context_lens, block_size, topk, sm_scale, value_regime;
-    optional: scale_rule ("pow2"), stride_pad (0), spare_blocks (1), shuffle (True),
-    table_pad (0 extra block-table columns), invalid ([]), mqa ("all" | "decodes"), arch
-    ("sm90"), max_model_len, workspace_size, max_decode_query_len (1), dcp_size (1),
-    interleave (1), q_form ("tensor" | "tuple"), pad_rows (0; with mqa "all" only).
-    """
+def make_batch(p: ForwardParams, seed: int, device: str = "cpu") -> Batch:
+    """Build the batch a forward_mqa Case describes (see the module docstring and ForwardParams)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    dtype, bs = params["cache_dtype"], params["block_size"]
-    heads, topk, regime = params["heads"], params["topk"], params["value_regime"]
-    dcp, inter = params.get("dcp_size", 1), params.get("interleave", 1)
-    scale_rule = params.get("scale_rule", "pow2")
-    qlens, ctx = list(params["query_lens"]), list(params["context_lens"])
-    seq_lens = [c + n for c, n in zip(ctx, qlens)]
+    dtype, bs, heads, topk, regime = p.cache_dtype, p.block_size, p.heads, p.topk, p.value_regime
+    dcp, inter, scale_rule = p.dcp_size, p.interleave, p.scale_rule
+    qlens, ctx, seq_lens = list(p.query_lens), list(p.context_lens), p.seq_lens
     qsl = [0]
     for n in qlens:
         qsl.append(qsl[-1] + n)
 
     local = [[dcp_local_seq_lens(s, dcp, r, inter) for s in seq_lens] for r in range(dcp)]
     blocks_needed = [[-(-n // bs) for n in lens] for lens in local]
-    width_blocks = max(max(b) for b in blocks_needed) + params.get("table_pad", 0)
+    width_blocks = max(max(b) for b in blocks_needed) + p.table_pad
     width_blocks = max(width_blocks, 1)
     source, packed = pooled_rows(gen, sum(seq_lens), regime, dtype, scale_rule)
     kv_source = list(source.split(seq_lens))
@@ -125,16 +115,16 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
     caches, tables = [], []
     for r in range(dcp):
         used = sum(blocks_needed[r])
-        num_blocks = 1 + used + params.get("spare_blocks", 1)
+        num_blocks = 1 + used + p.spare_blocks
         ids = torch.arange(1, num_blocks, device=device)
-        if params.get("shuffle", True):
+        if p.shuffle:
             ids = ids[torch.randperm(len(ids), generator=gen, device=device)]
         table = torch.zeros((len(seq_lens), width_blocks), dtype=torch.int32, device=device)
         cursor = 0
         for i, nb in enumerate(blocks_needed[r]):
             table[i, :nb] = ids[cursor : cursor + nb].to(torch.int32)
             cursor += nb
-        storage = _poisoned_storage(num_blocks, bs, params.get("stride_pad", 0), dtype, device)
+        storage = _poisoned_storage(num_blocks, bs, p.stride_pad, dtype, device)
         slots, rows = [], []
         for i, s in enumerate(seq_lens):
             owner, loc = dcp_owner_and_local(torch.arange(s, device=device), dcp, inter)
@@ -152,33 +142,33 @@ def make_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> Batch:
         tables.append(table)
 
     positions = [c + j for c, n in zip(ctx, qlens) for j in range(n)]
-    pad_rows = params.get("pad_rows", 0)
+    pad_rows = p.pad_rows
     if pad_rows:
-        if params.get("mqa", "all") != "all":
+        if p.mqa != "all":
             raise ValueError("pad_rows needs mqa 'all': padding rows follow the whole batch")
         stale = torch.randint(0, max(seq_lens[0], 1), (pad_rows,), generator=gen, device=gen.device)
         positions += stale.tolist()
     table_tokens = width_blocks * bs * dcp  # logical positions past this are outside every table
-    topk_indices = _topk_rows(gen, positions, topk, list(params.get("invalid", [])), table_tokens)
+    topk_indices = _topk_rows(gen, positions, topk, list(p.invalid), table_tokens)
 
     num_tokens = qsl[-1] + pad_rows
-    if params.get("mqa", "all") == "decodes":
+    if p.mqa == "decodes":
         threshold = reorder_batch_threshold(
-            heads, params.get("arch", "sm90"), max_decode_query_len=params.get("max_decode_query_len", 1),
+            heads, p.arch, max_decode_query_len=p.max_decode_query_len,
             dcp_size=dcp, interleave=inter,
         )
         num_tokens = split_decodes_and_prefills(qsl, threshold).num_decode_tokens
     q = q_values(gen, (num_tokens, heads * dcp, 576), regime)
-    if params.get("q_form", "tensor") == "tuple":
+    if p.q_form == "tuple":
         q = (q[..., :512], q[..., 512:])
     config = dict(
         num_heads=heads,
         kv_cache_dtype=dtype,
-        sm_scale=params["sm_scale"],
-        max_model_len=params.get("max_model_len", max(seq_lens + [1])),
-        arch=params.get("arch", "sm90"),
-        workspace_size=params.get("workspace_size"),
-        max_decode_query_len=params.get("max_decode_query_len", 1),
+        sm_scale=p.sm_scale,
+        max_model_len=p.max_model_len or max(seq_lens + [1]),
+        arch=p.arch,
+        workspace_size=p.workspace_size,
+        max_decode_query_len=p.max_decode_query_len,
     )
     if dcp > 1:
         config["interleave"] = inter

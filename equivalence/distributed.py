@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .batch import make_batch
+from .params import DcpParams
 from .rows import Row, split_rank
 
 RANK_TENSORS = ("out", "lse", "partial_out", "partial_lse")
@@ -107,7 +108,7 @@ def _raised(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------- one rank process
 
 
-def _rank_case(rank: int, device: str, params: dict, seed: int, specs: tuple[str, ...], declared: tuple[str, ...],
+def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tuple[str, ...], declared: tuple[str, ...],
                subjects: dict) -> dict:
     """Build the batch, run the rank body on this rank's share, return plain CPU tensors."""
     # Imported here, not at the top: Triton must see TRITON_INTERPRET, set by `_rank_main`, first.
@@ -122,8 +123,8 @@ def _rank_case(rank: int, device: str, params: dict, seed: int, specs: tuple[str
         subjects[specs, declared] = pipeline_subject("dcp", specs, device_type, declared)
     subject = subjects[specs, declared]
     batch = make_batch(params, seed, device)
-    heads = params["heads"]
-    kwargs = dict(batch.forward_kwargs(), block_table=batch.rank_block_tables[rank], combine=params["combine"],
+    heads = params.heads
+    kwargs = dict(batch.forward_kwargs(), block_table=batch.rank_block_tables[rank], combine=params.combine,
                   q=batch.q[:, rank * heads : (rank + 1) * heads].contiguous(), kv_cache=batch.rank_caches[rank])
     stages, deviations, notes = "", (), ()
     with poisoned():
@@ -132,7 +133,7 @@ def _rank_case(rank: int, device: str, params: dict, seed: int, specs: tuple[str
             deviations = subject.deviations
         else:
             resolved = registry.resolve(
-                rank_stages(params["cache_dtype"], heads, dist.get_world_size(), params["combine"]), device_type,
+                rank_stages(params.cache_dtype, heads, dist.get_world_size(), params.combine), device_type,
                 subject.overrides,
             )
             result = forward_mqa_dcp_rank(group=dist.group.WORLD, stages=resolved, **kwargs)
@@ -251,12 +252,12 @@ class RankGroup:
         self.restarts += 1
         raise RankFailure(message)
 
-    def run(self, params: dict, seed: int, specs: Sequence[str] = (), deviations: Sequence[str] = ()) -> list[dict]:
+    def run(self, params: DcpParams, seed: int, specs: Sequence[str] = (), deviations: Sequence[str] = ()) -> list[dict]:
         """Every rank's answer for the case (params, seed) from the implementation `specs` name
         (with the declared `deviations`): {"tensors", "stages", "deviations", "notes"}, in rank
         order. Raises RankFailure (and kills the group) on any rank's failure."""
-        if params.get("dcp_size") != self.world_size:
-            raise ValueError(f"a case with dcp_size {params.get('dcp_size')} on a group of {self.world_size} ranks")
+        if params.dcp_size != self.world_size:
+            raise ValueError(f"a case with dcp_size {params.dcp_size} on a group of {self.world_size} ranks")
         if not self.alive:
             self.kill()
             self._start()

@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
-from .batch import INVALID_PATTERNS
-from .patterns import PATTERNS
+from .patterns import FORWARD_PATTERNS, PATTERNS
 from .profiles import Profile
 from .values import REGIMES
 
@@ -144,7 +143,7 @@ def batch_params(draw, p: Profile, cache_dtype: str, heads: int, dcp: int, short
         "block_size": block_size, "stride_pad": draw(st.sampled_from((0, 1, 64))),
         "spare_blocks": draw(st.integers(0, 2)), "shuffle": draw(st.booleans()), "table_pad": draw(st.integers(0, 2)),
         "topk": topk, "sm_scale": draw(sm_scales), "value_regime": draw(regimes), "scale_rule": draw(scale_rules),
-        "invalid": draw(patterns(INVALID_PATTERNS)),
+        "invalid": draw(patterns(FORWARD_PATTERNS)),
         # Only decode tokens reach forward_mqa when dense MHA takes the prefills; under DCP with
         # interleave != 1 nothing counts as a decode (threshold 1), so that case has no rows.
         "mqa": draw(st.sampled_from(("all", "decodes"))) if n_dec and interleave == 1 and not min_prefills else "all",

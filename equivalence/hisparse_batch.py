@@ -29,6 +29,7 @@ from mla_verify.reference.metadata import split_decodes_and_prefills
 from mla_verify.reference.paged_cache import scatter_rows
 
 from .batch import ROW_WIDTH, Batch, make_batch
+from .params import ForwardParams
 from .values import pooled_rows, q_values
 
 ACTIVE_TAIL_PAGES = 2  # vLLM hisparse/types.py: the newest two pages are never unpinned
@@ -64,20 +65,19 @@ def _poison(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def make_hisparse_batch(params: dict[str, Any], seed: int, device: str = "cpu") -> HiSparseBatch:
-    """params: make_batch's, plus layers (1), resident_frac, hot_slack (D = q_len * K + slack;
-    -1: exactly the most rows one request needs), prior_hits, slot_perm, stride_blocks (1),
-    spare_state_rows (0), swap_rows ("fit" | "below"), buffer_rows."""
+def make_hisparse_batch(params: ForwardParams, seed: int, device: str = "cpu") -> HiSparseBatch:
+    """The plain batch of `params` (make_batch), then its HiSparse tiers from ForwardParams'
+    HiSparse fields: hot_slack sets D = q_len * K + slack (-1: exactly the most rows one request
+    needs)."""
     plain = make_batch(params, seed, device)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
-    cache_dtype, regime = params["cache_dtype"], params["value_regime"]
-    rule = params.get("scale_rule", "pow2")
-    bs, topk_w = params["block_size"], params["topk"]
+    cache_dtype, regime, rule = params.cache_dtype, params.value_regime, params.scale_rule
+    bs, topk_w = params.block_size, params.topk
     table = plain.block_table
     seq_lens = plain.seq_lens
     num_req, width_blocks = table.shape
     pages = [-(-n // bs) for n in seq_lens]
-    layers = params.get("layers", 1)
+    layers = params.layers
 
     # The logical cache of each layer: layer 0 the plain one, later layers fresh rows in its slots.
     owned = table[table > 0].long()
@@ -90,21 +90,21 @@ def make_hisparse_batch(params: dict[str, Any], seed: int, device: str = "cpu") 
     q_layers = [plain.q] + [q_values(gen, tuple(plain.q.shape), regime) for _ in range(1, layers)]
 
     # Residency by state row.
-    num_states = num_req + params.get("spare_state_rows", 0)
+    num_states = num_req + params.spare_state_rows
     state_rows = torch.randperm(num_states, generator=gen, device=device)[:num_req].to(torch.int32)
-    frac = params.get("resident_frac", 0.5)
+    frac = params.resident_frac
     resident = [[p >= n - ACTIVE_TAIL_PAGES or frac >= 1.0 or float(torch.rand((), generator=gen, device=device)) < frac
                  for p in range(n)] for n in pages]
 
     # Hot slots: D per request; the union of one request's non-resident valid rows bounds "exact".
-    q_len = params.get("max_decode_query_len", 1)
-    slack = params.get("hot_slack", topk_w)
+    q_len = params.max_decode_query_len
+    slack = topk_w if params.hot_slack is None else params.hot_slack
     split = split_decodes_and_prefills(plain.query_start_loc, q_len)
     needed = _needed_rows(plain, resident, bs, split.num_decodes)
     hot_slots = max(1, max(needed, default=1)) if slack < 0 else q_len * topk_w + slack
     hot_blocks = -(-hot_slots // bs)
 
-    stride_rows = bs * params.get("stride_blocks", 1)
+    stride_rows = bs * params.stride_blocks
     num_resident = sum(map(sum, resident))
     num_gpu = 1 + num_resident + num_req * hot_blocks + 1
     gpu_ids = torch.randperm(num_gpu - 1, generator=gen, device=device) + 1
@@ -124,9 +124,9 @@ def make_hisparse_batch(params: dict[str, Any], seed: int, device: str = "cpu") 
 
     dgi = torch.full((num_states, hot_slots), -1, dtype=torch.int32, device=device)
     lru = torch.arange(hot_slots, device=device).repeat(num_states, 1)
-    if params.get("slot_perm", False):
+    if params.slot_perm:
         lru = torch.stack([torch.randperm(hot_slots, generator=gen, device=device) for _ in range(num_states)])
-    prior = params.get("prior_hits", 0.0)
+    prior = params.prior_hits
     for r in range(num_req):
         host_rows = [int(table[r, p]) * bs + o for p in range(pages[r]) if not resident[r][p]
                      for o in range(min(bs, seq_lens[r] - p * bs))]
@@ -164,8 +164,8 @@ def make_hisparse_batch(params: dict[str, Any], seed: int, device: str = "cpu") 
 
     num_tokens = plain.query_start_loc[-1]
     num_decode_tokens = split.num_decode_tokens
-    swap_rows = max(num_decode_tokens, 1) if params.get("swap_rows", "fit") == "fit" else max(num_decode_tokens - 1, 0)
-    buffer_rows = params.get("buffer_rows", num_tokens + 1)
+    swap_rows = max(num_decode_tokens, 1) if params.swap_rows == "fit" else max(num_decode_tokens - 1, 0)
+    buffer_rows = num_tokens + 1 if params.buffer_rows is None else params.buffer_rows
     valid_rows = torch.cat([torch.arange(g * stride_rows, (g + 1) * stride_rows, device=device) for g in range(num_gpu)])
     stale = valid_rows[torch.randint(0, len(valid_rows), (buffer_rows, topk_w), generator=gen, device=device)]
     tables = dict(residency=residency, request_state_indices=state_rows, hot_block_table=hot_table,

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import torch
 
 from . import metrics as M
-from .policy import EXACT, LSE, OUT, Bound, bounds_for, limit_for
+from .policy import EXACT, LSE, OUT, Bound, Numerics, bounds_for, limit_for
 
 ELEM_UNITS_FOR_MISMATCH = 4.0  # per-element count reported as mismatch_frac (not gated itself)
 
@@ -84,9 +84,10 @@ def judge(
     kind: str,
     impl: torch.Tensor,
     ref: torch.Tensor,
-    params: Mapping,
+    case: Numerics,
     deviations: Iterable[str] = (),
     scale: torch.Tensor | None = None,
 ) -> Verdict:
-    bounds, deviation = bounds_for(kind, params, deviations)
+    """`impl` against `ref` as a tensor of `kind`, under the bounds for `case`'s numerics."""
+    bounds, deviation = bounds_for(kind, case, deviations)
     return verdict(kind, measure(kind, impl, ref, scale), bounds, deviation)

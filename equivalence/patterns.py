@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 PATTERNS = ("scattered", "whole_row", "negatives", "out_of_range", "duplicates", "boundaries")
+FORWARD_PATTERNS = PATTERNS + ("beyond_seq",)  # a forward_mqa batch's: also positions past the token's sequence
 OTHER_NEGATIVES = (-2, -7, -123456, -(2**31))
 
 

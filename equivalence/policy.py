@@ -17,6 +17,7 @@ wider bounds replace the default ones, and the row names the deviation.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
@@ -52,10 +53,24 @@ LSE_BOUNDS = (
           "2048 moves a broad softmax's LSE by ~5e-4, over 100 units of a normal-regime row"),
 )
 
+@dataclass(frozen=True)
+class Numerics:
+    """What the policy reads of a case: what its bounds and the deviations' `applies` depend on
+    (`Params.numerics` fills it from the case's fields of these names)."""
+
+    cache_dtype: str = "fp8_ds_mla"   # the attention ops without the field read fp8_ds_mla pages (decode) or bf16 rows
+    scale_rule: str = "pow2"          # fp8_ds_mla tile scales: powers of two (exact) or raw amax / 448
+    dcp_size: int = 1                 # ranks whose partials a DCP output merges
+    combine: str = "merge"            # how they are merged (dcp_roundings)
+
+    def replace(self, **changes) -> "Numerics":
+        return dataclasses.replace(self, **changes)
+
+
 # Deviations an implementation may declare (optimized.registry; a user's kernel through
 # equivalence.subject), when they apply, and the bounds that replace the defaults for the tensor
 # kinds they touch. `applies.__doc__` says when, for `mla-verify list --deviations`.
-Applies = Callable[[Mapping], bool]
+Applies = Callable[[Numerics], bool]
 
 
 @dataclass(frozen=True)
@@ -69,12 +84,12 @@ class Deviation:
     property_bounds: Mapping[str, tuple[Bound, ...]] = field(default_factory=dict)
 
 
-def _raw_scales(params: Mapping) -> bool:
+def _raw_scales(case: Numerics) -> bool:
     """comparisons with the reference on fp8_ds_mla caches with raw (amax/448) scales"""
-    return params.get("scale_rule", "pow2") == "raw" and params.get("cache_dtype", "fp8_ds_mla") == "fp8_ds_mla"
+    return case.scale_rule == "raw" and case.cache_dtype == "fp8_ds_mla"
 
 
-def _never(params: Mapping) -> bool:
+def _never(case: Numerics) -> bool:
     """no comparison with the reference; only the property checks it relaxes"""
     return False
 
@@ -192,17 +207,16 @@ def limit_for(bound: Bound, rows: int) -> float:
     return bound.limit
 
 
-def bounds_for(kind: str, params: Mapping, deviations: Iterable[str] = ()) -> tuple[tuple[Bound, ...], str]:
+def bounds_for(kind: str, case: Numerics = Numerics(), deviations: Iterable[str] = ()) -> tuple[tuple[Bound, ...], str]:
     """The bounds for one compared tensor, and the name(s) of the deviations that set them."""
     if kind == EXACT:
         return EXACT_BOUNDS, ""
     # DEVIATIONS is ordered narrowest first: the widest one that applies sets the bounds.
     for dev in reversed(DEVIATIONS.values()):
-        if dev.name in deviations and dev.applies(params) and kind in dev.bounds:
+        if dev.name in deviations and dev.applies(case) and kind in dev.bounds:
             return dev.bounds[kind], dev.name
     if kind == OUT:
-        dcp = params.get("dcp_size", 1)
-        return (dcp_out_bounds(dcp, params.get("combine", "merge")) if dcp > 1 else OUT_BOUNDS), ""
+        return (dcp_out_bounds(case.dcp_size, case.combine) if case.dcp_size > 1 else OUT_BOUNDS), ""
     if kind == LSE:
         return LSE_BOUNDS, ""
     raise ValueError(f"unknown tensor kind {kind!r}")

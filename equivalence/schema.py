@@ -1,35 +1,37 @@
-"""What a Case may hold: the parameter types and ranges each spec's schema is made of, the groups
-of them several specs share, and a budget on the elements a case's inputs allocate (`MAX_ELEMENTS`).
+"""What a Case may hold: each spec's parameters as a frozen dataclass (`Params`), each field's
+type and range declared with it (`param`), and a budget on the elements a case's inputs allocate.
 
-Replay checks a case file here before anything is built: a hand-edited or corrupted file (topk
-10**9, a string where a count goes, an op that does not exist) is a usage error with the reason,
-not gigabytes of allocation or a traceback. The ranges are wider than any fuzz profile draws
-(every drawn case validates: tests/test_hostile.py) and as wide as the kernels' contracts allow.
+A Case carries its params as JSON (what a case file holds); a spec turns them into its dataclass
+(`of`) and every reader takes fields from it. Replay checks a case file here before anything is
+built (`parse`): a hand-edited or corrupted file (topk 10**9, a string where a count goes, an op
+that does not exist) is a usage error with the reason, not gigabytes of allocation or a
+traceback. The ranges are wider than any fuzz profile draws (every drawn case validates:
+tests/test_hostile.py) and as wide as the kernels' contracts allow. A field with a default may be
+left out of a file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping, TypeVar
 
-from .batch import INVALID_PATTERNS
-from .patterns import PATTERNS
-from .values import REGIMES
+from .policy import Numerics
 
 MAX_ELEMENTS = 2**31  # tensor elements a case's inputs (and their index candidates) may hold in all
-DECODE_PATTERNS = ("scattered", "whole_row", "duplicates", "boundaries")
 
 
 @dataclass(frozen=True)
 class Param:
+    """A field's type and range: what `Params.parse` holds a case file's value to."""
+
     kind: type                         # int | float | bool | str | list
     lo: float | None = None
     hi: float | None = None
     choices: tuple = ()
     item: "Param | None" = None        # a list's elements
     max_len: int = 0
-    optional: bool = False
     nullable: bool = False             # JSON null allowed
 
     def problem(self, value: Any) -> str | None:
@@ -39,6 +41,8 @@ class Param:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         elif self.kind is int:
             ok = isinstance(value, int) and not isinstance(value, bool)
+        elif self.kind is list:
+            ok = isinstance(value, (list, tuple))
         else:
             ok = isinstance(value, self.kind)
         if not ok:
@@ -78,122 +82,78 @@ def Ints(lo: int, hi: int, max_len: int, **kw: Any) -> Param:
 
 
 def SubsetOf(*choices: str) -> Param:
-    return Param(list, item=OneOf(*choices), max_len=len(choices), optional=True)
+    return Param(list, item=OneOf(*choices), max_len=len(choices))
+
+
+def param(kind: Param, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A field of a Params dataclass, `kind` its type and range; with a `default` a case file may
+    leave it out (a list's default is a tuple: params are immutable)."""
+    return field(default=default, metadata={"param": kind}, **kw)
+
+
+P = TypeVar("P", bound="Params")
 
 
 @dataclass(frozen=True)
-class Schema:
-    params: Mapping[str, Param]
-    elements: Callable[[Mapping], int]             # what the inputs allocate, roughly
-    check: Callable[[Mapping], str | None] = lambda p: None   # relations between parameters
+class Params:
+    """A spec's parameters. Subclasses declare their fields with `param` and may override
+    `elements` (what the inputs allocate, roughly) and `problem` (relations between fields)."""
 
+    @classmethod
+    def schema(cls) -> dict[str, Param]:
+        """Every field's Param, by name."""
+        return {f.name: f.metadata["param"] for f in dataclasses.fields(cls)}
 
-TOKENS, HEADS, TOPK, REQUESTS = Int(1, 2**16), Int(1, 128), Int(1, 2**14), Int(1, 4096)
-BLOCK, PAD, ROWS = Int(1, 1024), Int(0, 1024, optional=True), Int(1, 2**22)
-SEQ_LENS = Ints(1, 2**22, 4096)
-VALUES = dict(value_regime=OneOf(*REGIMES), scale_rule=OneOf("pow2", "raw"))
-SM_SCALE = Real(1e-6, 100.0)
+    @classmethod
+    def required(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclasses.fields(cls)
+                         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+
+    @classmethod
+    def of(cls: type[P], data: Mapping[str, Any]) -> P:
+        """The params of a case known to be valid (drawn, or checked by `parse`); lists become tuples."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+    @classmethod
+    def parse(cls: type[P], op: str, data: Mapping[str, Any]) -> P:
+        """`of(data)`, or ValueError with the reason unless every field is of its type and within
+        its range, none is unknown or missing, the fields agree and the inputs fit the budget."""
+        schema = cls.schema()
+        for name in data:
+            if name not in schema:
+                raise ValueError(f"{op}: unknown parameter {name!r}; known: {', '.join(sorted(schema))}")
+        for name in sorted(cls.required() - set(data)):
+            raise ValueError(f"{op}: parameter {name!r} is missing")
+        for name, value in data.items():
+            if (why := schema[name].problem(value)) is not None:
+                raise ValueError(f"{op}: parameter {name}: {why}")
+        params = cls.of(data)
+        if (why := params.problem()) is not None:
+            raise ValueError(f"{op}: {why}")
+        if (elements := params.elements()) > MAX_ELEMENTS:
+            raise ValueError(f"{op}: its inputs would hold ~{elements:.3g} elements, over the budget of "
+                             f"{MAX_ELEMENTS:.3g} (a case file is data: sizes stay bounded)")
+        return params
+
+    def replace(self: P, **changes: Any) -> P:
+        return dataclasses.replace(self, **changes)
+
+    def elements(self) -> int:
+        return 0
+
+    def problem(self) -> str | None:
+        return None
+
+    def numerics(self) -> Numerics:
+        """What the tolerance policy reads of the case: the fields it shares with `Numerics`."""
+        return Numerics(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Numerics) if hasattr(self, f.name)})
 
 
 def blocks(seq_lens, block: int) -> int:
     return sum(-(-n // block) for n in seq_lens) + 1
 
 
-def seq_lens_of(p: Mapping) -> list[int]:
-    return [c + n for c, n in zip(p["context_lens"], p["query_lens"])]
-
-
-def forward_elements(p: Mapping) -> int:
-    seqs, dcp, tokens = seq_lens_of(p), p.get("dcp_size", 1), sum(p["query_lens"]) + p.get("pad_rows", 0)
-    cache = (blocks(seqs, p["block_size"]) + p.get("spare_blocks", 1)) * (p["block_size"] + p.get("stride_pad", 0))
-    # HiSparse: per layer a host cache, a slab and the logical cache.
-    copies = 3 * p.get("layers", 1) if p.get("hisparse") else 1
-    return copies * (dcp * cache * 656 + sum(seqs) * 576 + tokens * p["heads"] * dcp * 1088
-                     + tokens * (max(seqs, default=0) + p["topk"]))
-
-
-def forward_check(p: Mapping) -> str | None:
-    if len(p["query_lens"]) != len(p["context_lens"]) or not p["query_lens"]:
-        return "query_lens and context_lens must be non-empty lists of one length"
-    if p.get("hisparse"):
-        if p["cache_dtype"] == "nvfp4_ds_mla" or p.get("dcp_size", 1) > 1 or p.get("mqa", "all") != "all":
-            return "hisparse needs a bfloat16 or fp8_ds_mla cache, no DCP and every token through forward_mqa"
-        if "beyond_seq" in p["invalid"] or p.get("pad_rows", 0) or 0 in p["query_lens"]:
-            return "hisparse cases have no indices past the sequence, padding rows or zero-length requests (undefined upstream)"
-        if p.get("swap_rows") == "below" and p.get("resident_frac", 0.5) < 1:
-            return "swap_rows 'below' takes the resident path, which needs every page resident (resident_frac 1)"
-    return None
-
-
-FORWARD = dict(
-    cache_dtype=OneOf("bfloat16", "fp8_ds_mla", "nvfp4_ds_mla"), heads=HEADS,
-    query_lens=Ints(0, 2**20, 4096), context_lens=Ints(0, 2**22, 4096), block_size=BLOCK, stride_pad=PAD,
-    spare_blocks=Int(0, 1024, optional=True), shuffle=Flag(optional=True), table_pad=Int(0, 64, optional=True),
-    topk=TOPK, sm_scale=SM_SCALE, value_regime=VALUES["value_regime"], scale_rule=OneOf("pow2", "raw", optional=True),
-    invalid=SubsetOf(*INVALID_PATTERNS), mqa=OneOf("all", "decodes", optional=True),
-    q_form=OneOf("tensor", "tuple", optional=True), arch=OneOf("sm90", "sm100", optional=True),
-    max_decode_query_len=Int(1, 64, optional=True), max_model_len=Int(1, 2**23, optional=True),
-    workspace_size=Int(1, 2**23, optional=True, nullable=True), dcp_size=Int(1, 8, optional=True),
-    interleave=Int(1, 1024, optional=True), pad_rows=Int(0, 64, optional=True),
-    # HiSparse (equivalence.hisparse_batch)
-    hisparse=Flag(optional=True), layers=Int(1, 4, optional=True), resident_frac=Real(0, 1, optional=True),
-    hot_slack=Int(-1, 2**15, optional=True), prior_hits=Real(0, 1, optional=True), slot_perm=Flag(optional=True),
-    stride_blocks=Int(1, 8, optional=True), spare_state_rows=Int(0, 64, optional=True),
-    swap_rows=OneOf("fit", "below", optional=True), buffer_rows=Int(1, 2**20, optional=True),
-)
-PREFILL = dict(tokens=TOKENS, heads=HEADS, kv_rows=ROWS, topk=TOPK, value_regime=VALUES["value_regime"],
-               sm_scale=SM_SCALE, invalid=SubsetOf(*PATTERNS),
-               topk_length=OneOf("none", "random", "edges", optional=True),
-               sink=OneOf("none", "finite", "inf", optional=True))
-DECODE = dict(batch=Int(1, 4096), s_q=Int(1, 64), heads=HEADS, topk=TOPK, seq_lens=SEQ_LENS, page_size=BLOCK,
-              stride_pad=PAD, sm_scale=SM_SCALE, invalid=SubsetOf(*DECODE_PATTERNS), **VALUES)
-INDEX = dict(tokens=Int(1, 2**20), requests=REQUESTS, table_width=Int(1, 2**16), topk=TOPK, block_size=BLOCK,
-             invalid=SubsetOf(*PATTERNS))
-MERGE = dict(ranks=Int(1, 64), tokens=Int(1, 2**20), heads=HEADS, empty_frac=Real(0, 1, optional=True),
-             junk=Flag(optional=True))
-
-
-def prefill_elements(p: Mapping) -> int:
-    return p["tokens"] * (p["heads"] * 1088 + p["kv_rows"] + p["topk"]) + p["kv_rows"] * 576
-
-
-def decode_elements(p: Mapping) -> int:
-    tokens = p["batch"] * p["s_q"]
-    cache = blocks(p["seq_lens"], p["page_size"]) * (p["page_size"] + p.get("stride_pad", 0)) * 656
-    return cache + tokens * (p["heads"] * 1088 + p["topk"] + max(p["seq_lens"]))
-
-
-def decode_check(p: Mapping) -> str | None:
-    # padding_and_order's decode target keeps the padded batch's lengths (batch + pad_tokens).
-    requests = p["batch"] + p.get("pad_tokens", 0)
-    return None if len(p["seq_lens"]) == requests else "seq_lens must hold one length per request (batch)"
-
-
-def index_elements(p: Mapping, ranks: int = 1) -> int:
-    return p["tokens"] * (2 * p["topk"] + p["table_width"] * p["block_size"] * ranks) + p["requests"] * p["table_width"]
-
-
-def gather_elements(p: Mapping) -> int:
-    return (blocks(p["seq_lens"], p["block_size"]) * (p["block_size"] + p.get("stride_pad", 0)) * 656
-            + sum(p["seq_lens"]) * 576)
-
-
-def check_params(op: str, schema: Schema, params: Mapping) -> None:
-    """Raise ValueError with the reason unless `params` are within `schema`: every parameter of
-    the right type and range, none unknown, and inputs within the size budget."""
-    for name in params:
-        if name not in schema.params:
-            raise ValueError(f"{op}: unknown parameter {name!r}; known: {', '.join(sorted(schema.params))}")
-    for name, param in schema.params.items():
-        if name not in params:
-            if not param.optional:
-                raise ValueError(f"{op}: parameter {name!r} is missing")
-            continue
-        if (why := param.problem(params[name])) is not None:
-            raise ValueError(f"{op}: parameter {name}: {why}")
-    if (why := schema.check(params)) is not None:
-        raise ValueError(f"{op}: {why}")
-    elements = schema.elements(params)
-    if elements > MAX_ELEMENTS:
-        raise ValueError(f"{op}: its inputs would hold ~{elements:.3g} elements, over the budget of "
-                         f"{MAX_ELEMENTS:.3g} (a case file is data: sizes stay bounded)")
+TOKENS, HEADS, TOPK, REQUESTS = Int(1, 2**16), Int(1, 128), Int(1, 2**14), Int(1, 4096)
+BLOCK, PAD, ROWS = Int(1, 1024), Int(0, 1024), Int(1, 2**22)
+SEQ_LENS = Ints(1, 2**22, 4096)
+SM_SCALE = Real(1e-6, 100.0)

@@ -5,11 +5,13 @@ An op of the public contract (`ops.base.OpSpec`), a pipeline (`ops.forward`: for
 same questions; the CLI, the library API, the gate, replay and the isolation worker ask them and
 never what kind of thing they hold (torch's `_comparison.Pair` idea: each handles its own inputs).
 
-    validate(params)            the case's params within the spec's schema (replay checks files here)
+    params_of(data)             a case's params (its JSON) as the spec's frozen dataclass
+                                (`schema.Params`: fields with their types and ranges)
+    validate(data)              the same, checked field by field (replay checks files here)
     strategy(profile, path)     Hypothesis cases within a fuzz profile (`path`: a pipeline's path, a
                                 property's target)
     examples(profile)           the profile's fuzz budget for one campaign
-    identity(params)            the rows' path and knob columns
+    identity(case)              the rows' op, path, case and knob columns
     subject(specs, device, deviations)  the --impl strings resolved to what runs
     subjects(device)            label -> --impl strings: every implementation the gate runs here
     campaigns(subject)          the paths a gate campaign covers (None: the unrestricted draw)
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from .case import Case
     from .profiles import Profile
     from .rows import Row
+    from .schema import Params
     from .subject import Subject
 
 
@@ -45,11 +48,12 @@ class Spec(Protocol):
     own_processes: bool
     ranks: tuple[int, ...]     # world sizes of a multi-process spec (the first is the default), else ()
 
-    def validate(self, params: Mapping[str, Any]) -> None: ...
+    def params_of(self, data: Mapping[str, Any]) -> "Params": ...
+    def validate(self, data: Mapping[str, Any]) -> None: ...
     def strategy(self, profile: "Profile", path: str | None = None,
                  world_size: int | None = None) -> "SearchStrategy[Case]": ...
     def examples(self, profile: "Profile") -> int: ...
-    def identity(self, params: Mapping[str, Any]) -> dict[str, Any]: ...
+    def identity(self, case: "Case") -> dict[str, Any]: ...
     def subject(self, specs: Sequence[str], device: str, deviations: Sequence[str] = ()) -> "Subject": ...
     def subjects(self, device: str) -> dict[str, tuple[str, ...]]: ...
     def campaigns(self, subject: "Subject") -> list[str | None]: ...

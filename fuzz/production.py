@@ -28,9 +28,9 @@ PINNED: dict[str, dict[str, dict]] = {
     },
     "decode_equals_prefill": {"sparse_decode_fp8": {**DECODE, "heads": 64}},
     "padding_and_order": {
-        "sparse_prefill": {**PREFILL, "tokens": 32, "heads": 64, "pad_tokens": 8, "pad_rows": "live", "pad_heads": 64,
+        "sparse_prefill": {**PREFILL, "tokens": 32, "heads": 64, "pad_tokens": 8, "pad_token_rows": "live", "pad_heads": 64,
                            "wider": 128},
-        "sparse_decode_fp8": {**DECODE, "batch": 56, "heads": 64, "pad_tokens": 8, "pad_rows": "empty", "pad_heads": 64,
+        "sparse_decode_fp8": {**DECODE, "batch": 56, "heads": 64, "pad_tokens": 8, "pad_token_rows": "empty", "pad_heads": 64,
                               "wider": 64},
         "forward_mqa": {**FORWARD, "pad_columns": 2, "pad_fill": "blocks"},
     },

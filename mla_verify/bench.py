@@ -233,25 +233,26 @@ def stage_profile(case, subject, device: str) -> dict[str, dict]:
     from mla_verify.optimized.buffers import poisoned
 
     spec = get_spec(case.op)
+    params = spec.params_of(case.params)
     state: dict = {}
 
     def inputs():
-        state["kw"] = spec.inputs(case.params, case.seed, device)
+        state["kw"] = spec.inputs(params, case.seed, device)
 
     def ref():
-        state["ref"] = spec.reference(state["kw"], case.params)
+        state["ref"] = spec.reference(state["kw"], params)
 
     def snapshot():
         Snapshot(state["kw"]).changed(spec.writes)
 
     def kernel():
         with poisoned():
-            state["got"] = spec.call(subject, state["kw"], case.params)
+            state["got"] = spec.call(subject, state["kw"], params)
 
     def judged():
         for check in spec.checks:
             scale = state["ref"].get(check.scale) if check.scale else None
-            judge(check.kind, state["got"].tensors[check.tensor], state["ref"][check.tensor], case.params,
+            judge(check.kind, state["got"].tensors[check.tensor], state["ref"][check.tensor], params.numerics(),
                   state["got"].deviations, scale)
 
     stages = {"inputs": inputs, "reference": ref, "snapshot": snapshot, "kernel": kernel, "judge": judged}
@@ -338,6 +339,7 @@ _CPU_PROBE = """
 import gc, sys, time, torch
 from mla_verify import reference
 from mla_verify.equivalence.batch import make_batch
+from mla_verify.equivalence.params import ForwardParams
 torch.set_num_threads(int(sys.argv[3]))
 def rss(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field)) / 2**20
@@ -345,7 +347,7 @@ budget = int(sys.argv[2])
 if sys.argv[1] == "context":
     p = dict(cache_dtype="fp8_ds_mla", heads=128, query_lens=[1, 1, 1, 1, 64], context_lens=[131071, 131071, 131071, 131071, 131008],
              block_size=64, topk=2048, sm_scale=0.1352, value_regime="normal", shuffle=True)
-    b = make_batch(p, 0)
+    b = make_batch(ForwardParams.of(p), 0)
     b.kv_source.clear()  # the harness's copy of the rows; the reference reads the cache
     run = lambda: reference.forward_mqa(b.q, b.kv_cache, **b.forward_kwargs()).path
 else:  # a prefill streamed through the budget: 2.4 GB of K rows in float64 unchunked

@@ -32,7 +32,7 @@ def _pinned_cases(op: str) -> list:
     from mla_verify.equivalence.catalog import get_spec
     from mla_verify.fuzz.regressions import corpus
 
-    return sorted((case for case, _ in corpus(op)), key=lambda c: get_spec(op).schema.elements(c.params))
+    return sorted((case for case, _ in corpus(op)), key=lambda c: get_spec(op).params_of(c.params).elements())
 
 
 def _dim_names(params: Mapping[str, Any]) -> dict[int, str]:
@@ -70,17 +70,18 @@ def _received(spec, case) -> dict[str, Any] | None:
         seen.update(kwargs)
         raise _Called
 
+    params = spec.params_of(case.params)
     try:
-        spec.call(Subject(label="list", fn=record), spec.inputs(case.params, case.seed, "cpu"), case.params)
+        spec.call(Subject(label="list", fn=record), spec.inputs(params, case.seed, "cpu"), params)
     except _Called:
         pass
     return seen
 
 
-def _bounds_text(kind: str, params: Mapping[str, Any]) -> str:
+def _bounds_text(kind: str, case: Any) -> str:
     from mla_verify.equivalence.policy import bounds_for
 
-    bounds, _ = bounds_for(kind, params)
+    bounds, _ = bounds_for(kind, case)
     return ", ".join(f"{b.metric} <= {b.limit:.4g}" for b in bounds)
 
 
@@ -117,7 +118,8 @@ def describe_op(op: str) -> list[str]:
         lines.append("  )")
     if spec.writes:
         lines.append(f"  writes in place: {', '.join(spec.writes)} (nothing else may change); returns None")
-    ref = spec.reference(spec.inputs(case.params, case.seed, "cpu"), case.params)
+    params = spec.params_of(case.params)
+    ref = spec.reference(spec.inputs(params, case.seed, "cpu"), params)
     compared = [c for c in spec.checks if c.tensor in ref]
     if not spec.writes and received is not None:
         names = [c.tensor for c in compared if not c.optional]
@@ -129,7 +131,7 @@ def describe_op(op: str) -> list[str]:
         t = ref[c.tensor]
         dtype = str(c.dtype or t.dtype).removeprefix("torch.")
         shape = ", ".join(f"{dims[d]}={d}" if d in dims else str(d) for d in t.shape)
-        judged = {**case.params, "dcp_size": 1} if c.single_rank else case.params
+        judged = params.numerics().replace(dcp_size=1) if c.single_rank else params.numerics()
         extra = " (optional)" if c.optional else ""
         lines.append(f"    {c.tensor:18s} {dtype}[{shape}]{extra}")
         lines.append(f"      {c.kind}: {_bounds_text(c.kind, judged)}")

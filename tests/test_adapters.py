@@ -72,7 +72,8 @@ def _prefill_kwargs(heads: int, seed: int, topk_length: str = "random", sink: st
 
     params = dict(tokens=3, heads=heads, kv_rows=300, topk=128, value_regime="normal", sm_scale=0.1352,
                   topk_length=topk_length, sink=sink)
-    return get_spec("sparse_prefill").inputs(params, seed, "cpu")
+    spec = get_spec("sparse_prefill")
+    return spec.inputs(spec.params_of(params), seed, "cpu")
 
 
 @pytest.mark.parametrize("heads", [64, 16])
@@ -111,9 +112,9 @@ def test_decode_adapter_reuses_one_plan_per_shape():
     decode = adapters.flash_mla_with_kvcache(upstream.flash_mla_with_kvcache, upstream.get_mla_metadata)
     upstream.METADATA_CALLS.clear()
     for seed in (1, 2):  # same shapes: one plan, which the stand-in asserts is used consistently
-        decode(**spec.inputs(params, seed, "cpu"))
+        decode(**spec.inputs(spec.params_of(params), seed, "cpu"))
     assert len(upstream.METADATA_CALLS) == 1
-    out, lse = decode(**spec.inputs({**params, "topk": 128}, 3, "cpu"))
+    out, lse = decode(**spec.inputs(spec.params_of({**params, "topk": 128}), 3, "cpu"))
     assert len(upstream.METADATA_CALLS) == 2 and out.shape == (2, 1, 8, 512) and lse.shape == (2, 8, 1)
 
 
@@ -187,7 +188,7 @@ def test_the_projects_flash_mla_implementation_calls_flash_mla_through_the_adapt
     torch.testing.assert_close(out, want_out, rtol=0, atol=2**-7 * want_out.abs().max().item())
     params = dict(batch=2, s_q=2, heads=8, topk=64, seq_lens=[40, 70], page_size=16, value_regime="normal",
                   scale_rule="pow2", sm_scale=0.1)
-    decode_kw = get_spec("sparse_decode_fp8").inputs(params, seed, "cpu")
+    decode_kw = get_spec("sparse_decode_fp8").inputs(get_spec("sparse_decode_fp8").params_of(params), seed, "cpu")
     out, lse = flashmla.launch_sparse_decode_fp8(**decode_kw)
     assert out.shape == (2, 2, 8, 512) and lse.shape == (2, 8, 2)
     torch.testing.assert_close(lse, eager.sparse_decode_fp8(**decode_kw)[1], rtol=1e-5, atol=1e-5)

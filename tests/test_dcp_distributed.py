@@ -17,6 +17,7 @@ from mla_verify import cli, reference
 from mla_verify.equivalence import distributed
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
+from mla_verify.equivalence.params import DcpParams
 from mla_verify.equivalence.profiles import get_profile
 from mla_verify.fuzz import casefile
 from mla_verify.fuzz.campaign import fuzz, new_seed
@@ -63,7 +64,8 @@ def test_every_rank_receives_its_heads_of_the_exact_merge(case):
     assert {r.path for r in rows} == {case.params["combine"]}
     # The case does reach what it pins: masked padding rows and a shard empty on one rank only.
     spec = get_spec("dcp")
-    ref = spec.reference(spec.inputs(case.params, case.seed, "cpu"), case.params)
+    params = spec.params_of(case.params)
+    ref = spec.reference(spec.inputs(params, case.seed, "cpu"), params)
     assert bool((ref["lse_rank0"][-2:] == -math.inf).all())
     one_sided = (ref["partial_lse_rank1"] == -math.inf).all(1) & torch.isfinite(ref["partial_lse_rank0"]).all(1)
     assert bool(one_sided[: -BATCH["pad_rows"]].any())
@@ -112,7 +114,7 @@ def test_a_hung_or_dead_rank_fails_the_case_and_the_group_is_killed(bug, what):
     try:
         started = time.monotonic()
         with pytest.raises(distributed.RankFailure) as failure:
-            group.run(AG_RS.params, AG_RS.seed, [f"tests.zoo.dcp_ranks:{bug}"])
+            group.run(DcpParams.of(AG_RS.params), AG_RS.seed, [f"tests.zoo.dcp_ranks:{bug}"])
         print(f"{bug}: {failure.value} after {time.monotonic() - started:.1f} s")
         assert any(w in str(failure.value) for w in what)
         assert not group.alive and group.restarts == 1

@@ -11,7 +11,7 @@ from mla_verify.equivalence import metrics as M
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.isolation import Worker
 from mla_verify.equivalence.oracle import judge
-from mla_verify.equivalence.policy import DEVIATIONS, EXACT, LSE, OUT, bounds_for
+from mla_verify.equivalence.policy import DEVIATIONS, EXACT, LSE, OUT, Numerics, bounds_for
 from mla_verify.fuzz import casefile
 
 
@@ -72,7 +72,7 @@ def test_lse_units_scale_with_the_logit_scale():
     ([float("nan"), 1.0], [float("nan"), 1.0], None),
 ])
 def test_inf_and_nan_patterns_must_match_exactly(impl, ref, what):
-    v = judge(LSE, torch.tensor(impl, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64), {})
+    v = judge(LSE, torch.tensor(impl, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64), Numerics())
     if what is None:
         assert v.passed
     else:
@@ -83,18 +83,18 @@ def test_nan_never_passes_whatever_the_bound():
     ref = torch.zeros(4, 512, dtype=torch.float64) + 1
     impl = ref.clone()
     impl[0, 0] = float("nan")
-    v = judge(OUT, impl, ref, {"scale_rule": "raw", "cache_dtype": "fp8_ds_mla"}, deviations=("bf16_cache_scale",))
+    v = judge(OUT, impl, ref, Numerics(scale_rule="raw"), deviations=("bf16_cache_scale",))
     assert not v.passed and v.metrics.nan_count == 1
 
 
 def test_deviation_bounds_apply_only_where_their_condition_holds():
-    pow2, dev = bounds_for(OUT, {"scale_rule": "pow2", "cache_dtype": "fp8_ds_mla"}, ["bf16_cache_scale"])
-    raw, dev_raw = bounds_for(OUT, {"scale_rule": "raw", "cache_dtype": "fp8_ds_mla"}, ["bf16_cache_scale"])
+    pow2, dev = bounds_for(OUT, Numerics(scale_rule="pow2"), ["bf16_cache_scale"])
+    raw, dev_raw = bounds_for(OUT, Numerics(scale_rule="raw"), ["bf16_cache_scale"])
     assert dev == "" and dev_raw == "bf16_cache_scale"
     assert raw == DEVIATIONS["bf16_cache_scale"].bounds[OUT] and pow2 != raw
-    assert bounds_for(EXACT, {}, ["bf16_cache_scale"])[0][0].limit == 0.0
-    dcp = dict(bounds_for(OUT, {"dcp_size": 4}, [])[0][0].__dict__)
-    assert dcp["limit"] > bounds_for(OUT, {}, [])[0][0].limit
+    assert bounds_for(EXACT, Numerics(), ["bf16_cache_scale"])[0][0].limit == 0.0
+    dcp = dict(bounds_for(OUT, Numerics(dcp_size=4), [])[0][0].__dict__)
+    assert dcp["limit"] > bounds_for(OUT, Numerics(), [])[0][0].limit
 
 
 def test_case_and_case_file_round_trip(tmp_path):

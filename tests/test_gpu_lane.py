@@ -30,9 +30,10 @@ def to_cpu(obj):
 @pytest.mark.parametrize("op, case", CASES, ids=[f"{op}-{c.case_id}" for op, c in CASES])
 def test_reference_on_cuda_matches_cpu(op, case):
     spec = get_spec(op)
-    inputs = spec.inputs(case.params, case.seed, "cuda")
-    on_cpu = spec.reference(to_cpu(inputs), case.params)
-    on_gpu = spec.reference(inputs, case.params)
+    params = spec.params_of(case.params)
+    inputs = spec.inputs(params, case.seed, "cuda")
+    on_cpu = spec.reference(to_cpu(inputs), params)
+    on_gpu = spec.reference(inputs, params)
     for name, ref in on_cpu.items():
         got = on_gpu[name].cpu()
         if ref.is_floating_point() and ref.dtype == torch.float64:

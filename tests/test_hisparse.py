@@ -12,6 +12,7 @@ import mla_verify
 from mla_verify import reference
 from mla_verify.equivalence.catalog import get_spec
 from mla_verify.equivalence.hisparse_batch import make_hisparse_batch
+from mla_verify.equivalence.params import ForwardParams
 from mla_verify.equivalence.profiles import get_profile
 from mla_verify.optimized import eager
 from mla_verify.optimized.index_group import IndexGroup
@@ -120,5 +121,5 @@ def test_cuda_host_tier_is_pinned():
     """On CUDA the host tier is pinned CPU memory, as HiSparse's source cache is (conftest skips it without a GPU)."""
     p = dict(cache_dtype="bfloat16", heads=16, query_lens=[1, 1], context_lens=[300, 200], block_size=64, topk=128,
              sm_scale=0.1, value_regime="normal")
-    hb = make_hisparse_batch(p, 0, "cuda")
+    hb = make_hisparse_batch(ForwardParams.of(p), 0, "cuda")
     assert all(h.device.type == "cpu" and h.is_pinned() for h in hb.host_caches)

@@ -9,7 +9,9 @@ import torch
 from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
-from mla_verify.equivalence.batch import INVALID_PATTERNS, make_batch
+from mla_verify.equivalence.batch import make_batch
+from mla_verify.equivalence.params import ForwardParams
+from mla_verify.equivalence.patterns import FORWARD_PATTERNS
 from mla_verify.equivalence.values import REGIMES
 from tests.fp32_bounds import U, ErrorModel, check_against_reference, fp32_stages
 from mla_verify.optimized import buffers, forward_mqa, forward_mqa_dcp, needed_stages, registry
@@ -38,7 +40,7 @@ def batch_params(draw, cache_dtypes=CACHE_DTYPES, heads=(16, 32, 64), dcp=1):
         sm_scale=draw(st.sampled_from([0.04, 0.1352])),
         value_regime=draw(st.sampled_from(REGIMES)),
         scale_rule=draw(st.sampled_from(["pow2", "raw"])),
-        invalid=draw(st.lists(st.sampled_from(INVALID_PATTERNS), max_size=3, unique=True)),
+        invalid=draw(st.lists(st.sampled_from(FORWARD_PATTERNS), max_size=3, unique=True)),
         mqa=draw(st.sampled_from(["all", "decodes"])),
         q_form=draw(st.sampled_from(["tensor", "tuple"])) if dcp == 1 else "tensor",
         arch=draw(st.sampled_from(["sm90", "sm100"])),
@@ -60,7 +62,7 @@ def run_both(batch, stages, **extra):
 
 @given(params=batch_params(), seed=seeds)
 def test_every_path_matches_the_reference(params, seed):
-    batch = make_batch(params, seed)
+    batch = make_batch(ForwardParams.of(params), seed)
     dtype, heads = params["cache_dtype"], params["heads"]
     stages = fp32_stages(needed_stages(dtype, heads, 1, params["q_form"] == "tuple"))
     got, ref = run_both(batch, stages)
@@ -73,7 +75,7 @@ def test_every_path_matches_the_reference(params, seed):
 @given(seed=seeds, dcp=st.sampled_from([2, 4]), data=st.data())
 def test_dcp_ranks_and_merge_match_the_reference(seed, dcp, data):
     params = data.draw(batch_params(cache_dtypes=("fp8_ds_mla", "nvfp4_ds_mla"), heads=(16,), dcp=dcp))
-    batch = make_batch(params, seed)
+    batch = make_batch(ForwardParams.of(params), seed)
     kwargs = batch.forward_kwargs()
     kwargs.pop("block_table")
     dtype = params["cache_dtype"]
@@ -115,7 +117,7 @@ def test_an_index_past_a_prefill_reads_the_next_workspace_rows_or_nothing():
     # decode (the 3-token request) reads its block's stale slot through the block table.
     params = dict(cache_dtype="fp8_ds_mla", heads=64, query_lens=[3, 4, 2], context_lens=[20, 33, 7], block_size=16,
                   table_pad=1, topk=16, sm_scale=0.1352, value_regime="normal")
-    batch = make_batch(params, 11)
+    batch = make_batch(ForwardParams.of(params), 11)
     qsl = batch.query_start_loc
     for r, seq_len in enumerate(batch.seq_lens):
         batch.topk_indices[qsl[r]:qsl[r + 1], 0] = seq_len
@@ -128,7 +130,7 @@ def test_dcp_neutralizes_whatever_the_decode_kernel_leaves_in_empty_rows():
     # The kernel's out / lse of a row with no valid index are undefined: junk must not reach the merge.
     params = dict(cache_dtype="fp8_ds_mla", heads=16, query_lens=[1, 1, 3], context_lens=[0, 2, 1], block_size=64,
                   topk=16, sm_scale=0.1352, value_regime="normal", dcp_size=4, invalid=["whole_row"])
-    batch = make_batch(params, 5)
+    batch = make_batch(ForwardParams.of(params), 5)
     eager = registry.select("sparse_decode_fp8", "cpu", "torch-fp32")
 
     def junk_on_empty_rows(**kwargs):
@@ -154,7 +156,7 @@ def test_dcp_neutralizes_whatever_the_decode_kernel_leaves_in_empty_rows():
 def small_separate_batch(seed=7):
     params = dict(cache_dtype="fp8_ds_mla", heads=32, query_lens=[1, 1, 6, 4, 5], context_lens=[20, 9, 30, 40, 12],
                   block_size=16, topk=16, sm_scale=0.1352, value_regime="normal", workspace_size=50)
-    return make_batch(params, seed), params
+    return make_batch(ForwardParams.of(params), seed), params
 
 
 def test_a_stage_override_is_the_one_that_runs():

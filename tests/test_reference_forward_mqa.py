@@ -8,6 +8,7 @@ from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
 from mla_verify.equivalence.batch import make_batch
+from mla_verify.equivalence.params import ForwardParams
 from mla_verify.reference import metadata as M
 
 seeds = st.integers(0, 2**31 - 1)
@@ -77,7 +78,7 @@ def naive_forward(batch, params):
 
 @given(params=batch_params(), seed=seeds)
 def test_every_path_matches_per_token_naive_attention(params, seed):
-    batch = make_batch(params, seed)
+    batch = make_batch(ForwardParams.of(params), seed)
     res = R.forward_mqa(batch.q, batch.kv_cache, **batch.forward_kwargs())
     assert res.path == R.select_path(params["cache_dtype"], params["heads"])
     out, lse = naive_forward(batch, params)
@@ -92,7 +93,7 @@ def test_every_path_matches_per_token_naive_attention(params, seed):
        slack=st.lists(st.integers(0, 40), min_size=3, max_size=3))
 def test_chunked_prefill_equals_one_chunk_for_every_workspace_size(params, seed, slack):
     params = dict(params, mqa="all")
-    batch = make_batch(params, seed)
+    batch = make_batch(ForwardParams.of(params), seed)
     kwargs = batch.forward_kwargs()
     whole = R.forward_mqa(batch.q, batch.kv_cache, **dict(kwargs, workspace_size=sum(batch.seq_lens)))
     longest = max(batch.seq_lens)
@@ -108,7 +109,7 @@ def test_chunked_prefill_equals_one_chunk_for_every_workspace_size(params, seed,
 def test_dcp_merged_over_ranks_equals_one_rank(seed, data, dcp):
     heads = 8 if dcp == 8 else 16  # local x gathered heads must pad to one FP8 envelope
     params = data.draw(batch_params(cache_dtypes=("fp8_ds_mla",), heads=(heads,), dcp=dcp))
-    batch = make_batch(params, seed)
+    batch = make_batch(ForwardParams.of(params), seed)
     kwargs = batch.forward_kwargs()
     kwargs.pop("block_table")
     exact = R.forward_mqa_dcp(batch.q, batch.rank_caches, batch.rank_block_tables, exact_merge=True, **kwargs)

@@ -10,6 +10,7 @@ import torch
 import mla_verify.reference.hisparse as H
 from mla_verify import reference
 from mla_verify.equivalence.hisparse_batch import make_hisparse_batch
+from mla_verify.equivalence.params import ForwardParams
 
 
 def _params(cache_dtype, qlens, frac, **extra):
@@ -21,7 +22,7 @@ def _params(cache_dtype, qlens, frac, **extra):
 
 
 def _both(p, seed=3):
-    hb = make_hisparse_batch(p, seed)
+    hb = make_hisparse_batch(ForwardParams.of(p), seed)
     res = reference.forward_mqa_hisparse(hb.q_layers, hb.host_caches, hb.gpu_rows, **hb.hisparse_kwargs())
     plain = [reference.forward_mqa(q, c, **hb.plain_kwargs()) for q, c in zip(hb.q_layers, hb.plain_caches)]
     return res, plain
@@ -44,7 +45,7 @@ def test_hisparse_equals_plain_on_the_logical_cache(cache_dtype, qlens, frac):
 def test_hot_cache_exactly_as_large_as_needed_evicts_prior_rows():
     p = _params("bfloat16", [3, 3], 0.0, spare_state_rows=2)
     p["context_lens"], p["prior_hits"] = [600, 900], 1.0
-    hb = make_hisparse_batch(p, 11)
+    hb = make_hisparse_batch(ForwardParams.of(p), 11)
     kw = hb.hisparse_kwargs()
     sw = H.swap_in(torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.int32), kw["topk_indices"], block_size=64,
                    stride_rows=kw["attention_block_stride"], return_valid_counts=True,

@@ -19,7 +19,7 @@ from mla_verify.equivalence.policy import LSE, OUT
 from mla_verify.equivalence.values import fill_selected_slots, kv_values, q_values
 
 from ..draws import decode_params, prefill_params
-from ..schema import DECODE, PREFILL, Schema, decode_check, decode_elements, prefill_elements
+from ..params import DecodeParams, PrefillParams
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, rand, randint
@@ -32,23 +32,22 @@ def _call(names: tuple[str, ...], required: int):
     return call
 
 
-def _prefill_inputs(p, seed, device):
+def _prefill_inputs(p: PrefillParams, seed: int, device: str) -> dict:
     g = generator(seed, device)
-    tokens, heads, rows, topk = p["tokens"], p["heads"], p["kv_rows"], p["topk"]
-    q = q_values(g, (tokens, heads, 576), p["value_regime"])
-    kv = kv_values(g, rows, p["value_regime"])
+    tokens, heads, rows, topk = p.tokens, p.heads, p.kv_rows, p.topk
+    q = q_values(g, (tokens, heads, 576), p.value_regime)
+    kv = kv_values(g, rows, p.value_regime)
     idx = distinct_rows(g, torch.arange(rows, device=device).expand(tokens, rows), topk)  # every row a candidate
-    idx = apply_patterns(g, idx, p.get("invalid", []), out_of_range=(rows, 2**31 - 1))
+    idx = apply_patterns(g, idx, p.invalid, out_of_range=(rows, 2**31 - 1))
     length = None
-    mode = p.get("topk_length", "none")
-    if mode == "random":
+    if p.topk_length == "random":
         length = randint(g, 0, topk + 1, tokens)
-    elif mode == "edges":  # 0, 1, K - 1 and K
+    elif p.topk_length == "edges":  # 0, 1, K - 1 and K
         length = torch.tensor([0, 1, max(topk - 1, 0), topk], device=device)[randint(g, 0, 4, tokens)]
     sink = None
-    if p.get("sink", "none") != "none":
+    if p.sink != "none":
         sink = torch.randn(heads, generator=g, device=device)
-        if p["sink"] == "inf":
+        if p.sink == "inf":
             sink.masked_fill_(rand(g, heads) < 0.3, math.inf)
             sink.masked_fill_(rand(g, heads) < 0.3, -math.inf)
     # Poison every kv row no valid entry selects (the invalid ones mark a spare last flag).
@@ -58,7 +57,7 @@ def _prefill_inputs(p, seed, device):
     used = torch.zeros(rows + 1, dtype=torch.bool, device=device)
     used[torch.where(live, idx, rows)] = True
     kv.masked_fill_(~used[:rows, None], float("nan"))
-    return {"q": q, "kv": kv, "indices": idx.to(torch.int32), "sm_scale": p["sm_scale"],
+    return {"q": q, "kv": kv, "indices": idx.to(torch.int32), "sm_scale": p.sm_scale,
             "topk_length": None if length is None else length.to(torch.int32), "attn_sink": sink}
 
 
@@ -74,41 +73,41 @@ def _prefill_reference(kw, p):
 SPARSE_PREFILL = register(OpSpec(
     name="sparse_prefill",
     stage="sparse_prefill",
-    schema=Schema(PREFILL, prefill_elements),
+    params=PrefillParams,
     draw=prefill_params,
     inputs=_prefill_inputs,
     reference=_prefill_reference,
     call=_call(("out", "lse", "max_logits"), 2),
     checks=(Check("out", OUT, "value_max", dtype=torch.bfloat16), Check("lse", LSE, "logit_l1", dtype=torch.float32),
             Check("max_logits", LSE, "logit_l1", optional=True, dtype=torch.float32, row_kind="max_logits")),
-    knobs=lambda p: knobs(p, num_tokens=p["tokens"], seq_len=p["kv_rows"], cache_dtype="bfloat16"),
+    knobs=lambda p: knobs(p, num_tokens=p.tokens, seq_len=p.kv_rows, cache_dtype="bfloat16"),
     doc="flash_mla_sparse_fwd: bf16 q/kv rows, top-k row indices (invalid: <0 or >=N), topk_length, sink",
 ), priority=0)
 
 
-def _decode_inputs(p, seed, device):
+def _decode_inputs(p: DecodeParams, seed: int, device: str) -> dict:
     # Shapes come from the params on the host: drawing the case reads nothing back from the device.
     g = generator(seed, device)
-    batch, s_q, heads, topk, page = p["batch"], p["s_q"], p["heads"], p["topk"], p["page_size"]
-    blocks = [-(-n // page) for n in p["seq_lens"]]
+    batch, s_q, heads, topk, page = p.batch, p.s_q, p.heads, p.topk, p.page_size
+    blocks = [-(-n // page) for n in p.seq_lens]
     num_blocks = sum(blocks) + 1
     # Each sequence's positions live in its own run of shuffled blocks: position p of the
     # sequence whose run starts at block f is physical slot slot[f * page + p].
     order = torch.randperm(num_blocks, generator=g, device=device)
     slot = (order[:, None] * page + torch.arange(page, device=device)).reshape(-1)
-    start, length = torch.tensor([[f * page for f in itertools.accumulate([0, *blocks[:-1]])], p["seq_lens"]],
+    start, length = torch.tensor([[f * page for f in itertools.accumulate([0, *blocks[:-1]])], list(p.seq_lens)],
                                  device=device)  # one copy to the device
-    pos = torch.arange(max(p["seq_lens"]), device=device)
+    pos = torch.arange(max(p.seq_lens), device=device)
     at = (start[:, None] + pos).clamp_(max=slot.numel() - 1)  # past a sequence's end: any slot, masked next
     slots_of = torch.where(pos < length[:, None], slot[at], -1)
     idx = distinct_rows(g, slots_of.repeat_interleave(s_q, dim=0), topk)
-    idx = apply_patterns(g, idx, p.get("invalid", []), last_valid=num_blocks * page - 1)
-    storage = torch.full((num_blocks + 1, page + p.get("stride_pad", 0), 656), 0xFF, dtype=torch.uint8, device=device)
+    idx = apply_patterns(g, idx, p.invalid, last_valid=num_blocks * page - 1)
+    storage = torch.full((num_blocks + 1, page + p.stride_pad, 656), 0xFF, dtype=torch.uint8, device=device)
     cache = storage[:-1, :page]  # the padded stride stays; the last block is fill_selected_slots' scratch
     # Write only the selected slots: every other byte stays NaN.
-    fill_selected_slots(g, storage, page, idx, p["value_regime"], "fp8_ds_mla", p["scale_rule"])
-    q = q_values(g, (batch, s_q, heads, 576), p["value_regime"])
-    return {"q": q, "kv_cache": cache, "indices": idx.view(batch, s_q, topk).to(torch.int32), "sm_scale": p["sm_scale"]}
+    fill_selected_slots(g, storage, page, idx, p.value_regime, "fp8_ds_mla", p.scale_rule)
+    q = q_values(g, (batch, s_q, heads, 576), p.value_regime)
+    return {"q": q, "kv_cache": cache, "indices": idx.view(batch, s_q, topk).to(torch.int32), "sm_scale": p.sm_scale}
 
 
 def _decode_reference(kw, p):
@@ -118,13 +117,13 @@ def _decode_reference(kw, p):
 SPARSE_DECODE_FP8 = register(OpSpec(
     name="sparse_decode_fp8",
     stage="sparse_decode_fp8",
-    schema=Schema(DECODE, decode_elements, decode_check),
+    params=DecodeParams,
     draw=decode_params,
     inputs=_decode_inputs,
     reference=_decode_reference,
     call=_call(("out", "lse"), 2),
     checks=(Check("out", OUT, dtype=torch.bfloat16), Check("lse", LSE, "logit_l1", dtype=torch.float32)),
-    knobs=lambda p: knobs(p, num_tokens=p["batch"] * p["s_q"], seq_len=max(p["seq_lens"]),
-                          block_size=p["page_size"], cache_dtype="fp8_ds_mla"),
+    knobs=lambda p: knobs(p, num_tokens=p.batch * p.s_q, seq_len=max(p.seq_lens), block_size=p.page_size,
+                          cache_dtype="fp8_ds_mla"),
     doc="flash_mla_with_kvcache sparse decode on 656-byte fp8_ds_mla pages; indices are physical slots, -1 only invalid",
 ), priority=0)

@@ -23,7 +23,7 @@ from ..contracts import arguments as contract_arguments
 from ..oracle import judge
 from ..profiles import Profile
 from ..running import Raised, call_implementation, failure_row, input_rows, judged_row, raised_row, timed
-from ..schema import Schema, check_params
+from ..schema import Params
 from ..subject import Subject, UsageError, implementation
 
 
@@ -53,14 +53,14 @@ class ImplOutput:
 class OpSpec:
     name: str
     stage: str | None                 # registry stage of the project's implementation (None: a pipeline)
-    schema: Schema                    # what a case's params may hold (replay validates against it)
+    params: type[Params]              # a case's params, typed (replay validates a file against it)
     draw: Callable[[Profile], st.SearchStrategy[dict]]              # the params a fuzz profile draws
-    inputs: Callable[[Mapping, int, str], dict[str, Any]]          # (params, seed, device) -> kwargs
-    reference: Callable[[dict[str, Any], Mapping], dict[str, torch.Tensor]]
-    call: Callable[[Any, dict[str, Any], Mapping], ImplOutput]   # (Subject, kwargs, params)
+    inputs: Callable[[Any, int, str], dict[str, Any]]              # (params, seed, device) -> kwargs
+    reference: Callable[[dict[str, Any], Any], dict[str, torch.Tensor]]  # (kwargs, params)
+    call: Callable[[Any, dict[str, Any], Any], ImplOutput]         # (Subject, kwargs, params)
     checks: tuple[Check, ...]
-    knobs: Callable[[Mapping], dict[str, Any]] = field(default=lambda p: {})
-    path: Callable[[Mapping], str] | None = None
+    knobs: Callable[[Any], dict[str, Any]] = field(default=lambda p: {})
+    path: Callable[[Any], str] | None = None
     doc: str = ""
     # Runs its implementation in processes of its own, each isolated already: never inside an
     # isolation worker (a daemonic worker process cannot start children).
@@ -84,11 +84,15 @@ class OpSpec:
         """The lines `mla-verify list` shows under the doc."""
         return [f"keywords: {', '.join(self.arguments)}", f"reference: mla_verify.reference.{self.name}"]
 
-    def path_of(self, params: Mapping) -> str:
+    def params_of(self, data: Mapping) -> Params:
+        """A case's params (its JSON) as the op's dataclass."""
+        return self.params.of(data)
+
+    def path_of(self, params: Params) -> str:
         return self.path(params) if self.path else self.name
 
     def validate(self, params: Mapping) -> None:
-        check_params(self.name, self.schema, params)
+        self.params.parse(self.name, params)
 
     def strategy(self, profile: Profile, path: str | None = None, world_size: int | None = None) -> st.SearchStrategy[Case]:
         if path is not None:
@@ -102,8 +106,9 @@ class OpSpec:
 
     def identity(self, case: Case) -> dict[str, Any]:
         """The op, path, case and knob columns of `case`'s rows."""
-        return dict(op=self.name, path=self.path_of(case.params), case=json.dumps(case.to_dict(), sort_keys=True),
-                    **self.knobs(case.params))
+        params = self.params_of(case.params)
+        return dict(op=self.name, path=self.path_of(params), case=json.dumps(case.to_dict(), sort_keys=True),
+                    **self.knobs(params))
 
     def subject(self, specs: Sequence[str], device: str, deviations: Sequence[str] = ()) -> Subject:
         """One implementation of the op's stage: the registry's preferred one, one named, or a
@@ -138,7 +143,7 @@ class OpSpec:
         raised). `notes` collects what the implementation side reported (a stage that fell back
         to a portable implementation); `on_call` runs once inputs and reference are ready, just
         before the implementation."""
-        params = case.params
+        params = self.params_of(case.params)
         base = dict(run_id=run_id, case_id=case.case_id, impl=subject.label, stages="", device=device,
                     seed=case.seed, source=source, **self.identity(case))
         kwargs = self.inputs(params, case.seed, device)
@@ -172,7 +177,8 @@ class OpSpec:
                                         **times))
                 continue
             scale = ref.get(check.scale) if check.scale else None
-            judged_as = {**params, "dcp_size": 1} if check.single_rank else params
-            v = judge(check.kind, out, want, judged_as, got.deviations, scale)
+            numerics = params.numerics()
+            v = judge(check.kind, out, want, numerics.replace(dcp_size=1) if check.single_rank else numerics,
+                      got.deviations, scale)
             rows.append(judged_row(base, check.tensor, check.row_kind or check.kind, v, **times))
         return rows

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
+from ..schema import Params
 from .base import ImplOutput
 
 
@@ -26,15 +27,16 @@ def randint(gen: torch.Generator, lo: int, hi: int, *shape: int) -> torch.Tensor
 def single(unpack: Callable[[Any], dict[str, torch.Tensor]]) -> Callable:
     """A `call` for ops with one implementation function: call it with the contract's keywords."""
 
-    def call(subject, kwargs: dict, params: Mapping) -> ImplOutput:
+    def call(subject, kwargs: dict, params: Params) -> ImplOutput:
         return ImplOutput(unpack(subject.fn(**kwargs)), deviations=subject.deviations)
 
     return call
 
 
-def knobs(params: Mapping, **derived: Any) -> dict[str, Any]:
-    """The report's knob columns from a case's params (plus derived values)."""
-    keys = ("topk", "heads", "block_size", "dcp_size", "cache_dtype", "scale_rule", "value_regime", "sm_scale")
-    out = {k: params[k] for k in keys if k in params}
-    out.update(derived)
-    return out
+KNOBS = ("topk", "heads", "block_size", "dcp_size", "cache_dtype", "scale_rule", "value_regime", "sm_scale")
+
+
+def knobs(params: Params, **derived: Any) -> dict[str, Any]:
+    """The report's knob columns (equivalence.rows): the params' fields of those names, plus
+    `derived` values; a column the op has no field for stays empty."""
+    return {**{k: getattr(params, k) for k in KNOBS if hasattr(params, k)}, **derived}

@@ -4,6 +4,7 @@ semantics), and `dcp`, the whole protocol run by real rank processes (`equivalen
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
@@ -15,24 +16,39 @@ from mla_verify.equivalence.policy import LSE, OUT
 
 from ..draws import COMBINES, WORLD_SIZES, batch_params, merge_params
 from ..profiles import Profile
-from ..schema import FORWARD, MERGE, OneOf, Schema, forward_check, forward_elements
+from ..params import DcpParams
+from ..schema import HEADS, Flag, Int, Params, Real, param
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, rand
 from .pipeline import PipelineSpec
 
 
-def _merge_inputs(p, seed, device):
+@dataclass(frozen=True)
+class MergeParams(Params):
+    """Partials of T tokens and H heads from each of `ranks` ranks."""
+
+    ranks: int = param(Int(1, 64))
+    tokens: int = param(Int(1, 2**20))
+    heads: int = param(HEADS)
+    empty_frac: float = param(Real(0, 1), 0.0)  # partials of ranks owning none of a token's keys
+    junk: bool = param(Flag(), False)           # undefined partials (NaN or +inf LSE) the combine must drop
+
+    def elements(self) -> int:
+        return self.ranks * self.tokens * self.heads * 1026
+
+
+def _merge_inputs(p: MergeParams, seed: int, device: str) -> dict:
     g = generator(seed, device)
-    ranks, tokens, heads = p["ranks"], p["tokens"], p["heads"]
+    ranks, tokens, heads = p.ranks, p.tokens, p.heads
     outs = torch.randn((ranks, tokens, heads, 512), generator=g, device=device)
     lses = 4 + 3 * torch.randn((ranks, tokens, heads), generator=g, device=device)
     # Neutralized rows (a rank owning none of a token's keys) are the merge's identity (0, -inf).
-    empty = rand(g, ranks, tokens) < p.get("empty_frac", 0.0)
-    empty[:, rand(g, tokens) < p.get("empty_frac", 0.0) / 2] = True  # some tokens empty on every rank
+    empty = rand(g, ranks, tokens) < p.empty_frac
+    empty[:, rand(g, tokens) < p.empty_frac / 2] = True  # some tokens empty on every rank
     outs[empty] = 0.0
     lses[empty] = -math.inf
-    if p.get("junk"):
+    if p.junk:
         # Undefined partials the combine must drop: NaN or +inf LSE with a NaN output.
         junk = (rand(g, ranks, tokens, heads) < 0.1) & ~empty[..., None]
         lses[junk] = torch.where(rand(g, int(junk.sum())) < 0.5, math.nan, math.inf)
@@ -48,13 +64,13 @@ def _merge_reference(kw, p):
 DCP_MERGE = register(OpSpec(
     name="dcp_merge",
     stage="dcp_merge",
-    schema=Schema(MERGE, lambda p: p["ranks"] * p["tokens"] * p["heads"] * 1026),
+    params=MergeParams,
     draw=merge_params,
     inputs=_merge_inputs,
     reference=_merge_reference,
     call=lambda subject, kw, p: ImplOutput(returned(subject.fn(**kw), ("out", "lse")), deviations=subject.deviations),
     checks=(Check("out", OUT, dtype=torch.bfloat16), Check("lse", LSE, "logit_l1", dtype=torch.float32)),
-    knobs=lambda p: knobs(p, num_tokens=p["tokens"], dcp_size=p["ranks"]),
+    knobs=lambda p: knobs(p, num_tokens=p.tokens, dcp_size=p.ranks),
     doc="cp_lse_ag_out_rs: sanitize NaN/+inf LSEs, merge by log-sum-exp, bf16 per-rank terms, sum",
 ), priority=0)
 
@@ -95,7 +111,7 @@ def _rank_checks() -> tuple[Check, ...]:
 
 def _dcp_reference(kw, p):
     """Rank r: heads [r*H, (r+1)*H) of the exact merge over every rank, and its own forward_mqa."""
-    b, size, heads = kw["batch"], p["dcp_size"], p["heads"]
+    b, size, heads = kw["batch"], p.dcp_size, p.heads
     kwargs = b.dcp_kwargs()
     merged = reference.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, exact_merge=True, **kwargs)
     ref = {}
@@ -113,19 +129,18 @@ def _dcp_reference(kw, p):
 def _dcp_call(subject, kw, p) -> ImplOutput:
     from mla_verify.equivalence import distributed  # starts processes: only when a case runs
 
-    group = distributed.group_for(p["dcp_size"], kw["device"].split(":")[0])
+    group = distributed.group_for(p.dcp_size, kw["device"].split(":")[0])
     answers = group.run(p, kw["seed"], subject.specs, subject.declared)
     tensors = {f"{name}_rank{r}": t for r, a in enumerate(answers) for name, t in a["tensors"].items()}
     first = answers[0]
-    return ImplOutput(tensors, stages=first["stages"], deviations=tuple(first["deviations"]), path=p["combine"],
+    return ImplOutput(tensors, stages=first["stages"], deviations=tuple(first["deviations"]), path=p.combine,
                       notes=tuple(first["notes"]) + (f"dcp: {group.place.describe()}",))
 
 
 register(PipelineSpec(
     name="dcp",
     stage=None,
-    schema=Schema(dict(FORWARD, dcp_size=OneOf(*WORLD_SIZES), combine=OneOf(*COMBINES)), forward_elements,
-                  forward_check),
+    params=DcpParams,
     draw=lambda p: _rank_params(p, WORLD_SIZES[0]),
     draw_ranks=_rank_params,
     ranks=WORLD_SIZES,
@@ -133,9 +148,8 @@ register(PipelineSpec(
     reference=_dcp_reference,
     call=_dcp_call,
     checks=_rank_checks(),
-    knobs=lambda p: knobs(p, num_tokens=sum(p["query_lens"]) + p.get("pad_rows", 0),
-                          seq_len=max(c + n for c, n in zip(p["context_lens"], p["query_lens"]))),
-    path=lambda p: p["combine"],
+    knobs=lambda p: knobs(p, num_tokens=sum(p.query_lens) + p.pad_rows, seq_len=max(p.seq_lens)),
+    path=lambda p: p.combine,
     doc="decode context parallelism over torch.distributed: q all-gather, forward_mqa on each rank's shard, "
         "AG+RS or A2A combine; every rank's heads and partial against the reference",
     own_processes=True,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from hypothesis import strategies as st
 
@@ -11,12 +13,23 @@ from mla_verify.equivalence.values import kv_values
 
 from ..draws import regimes, scale_rules
 from ..profiles import Profile
-from ..schema import BLOCK, Int, PAD, Real, Schema, VALUES
+from ..params import REGIME, SCALE_RULE
+from ..schema import BLOCK, Int, PAD, Params, Real, param
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, rand, single
 
-CODEC = Schema(dict(n=Int(1, 2**22), **VALUES), lambda p: p["n"] * 1232)
+
+@dataclass(frozen=True)
+class CodecParams(Params):
+    """n rows of 576 bf16 values through the fp8_ds_mla row codec."""
+
+    n: int = param(Int(1, 2**22))
+    value_regime: str = param(REGIME)
+    scale_rule: str = param(SCALE_RULE)
+
+    def elements(self) -> int:
+        return self.n * 1232
 
 
 def _codec_params(p: Profile) -> st.SearchStrategy[dict]:
@@ -24,33 +37,33 @@ def _codec_params(p: Profile) -> st.SearchStrategy[dict]:
                                   "scale_rule": scale_rules})
 
 
-def _kv(params, seed, device):
-    return kv_values(generator(seed, device), params["n"], params["value_regime"])
+def _kv(p: CodecParams, seed: int, device: str) -> torch.Tensor:
+    return kv_values(generator(seed, device), p.n, p.value_regime)
 
 
 register(OpSpec(
     name="quantize_fp8_ds_mla",
     stage="quantize_fp8_ds_mla",
-    schema=CODEC,
+    params=CodecParams,
     draw=_codec_params,
-    inputs=lambda p, seed, device: {"kv": _kv(p, seed, device), "scale_rule": p["scale_rule"]},
+    inputs=lambda p, seed, device: {"kv": _kv(p, seed, device), "scale_rule": p.scale_rule},
     reference=lambda kw, p: {"rows": reference.quantize_fp8_ds_mla(kw["kv"], kw["scale_rule"])},
     call=single(lambda rows: {"rows": rows}),
     checks=(Check("rows", EXACT),),
-    knobs=lambda p: knobs(p, num_tokens=p["n"]),
+    knobs=lambda p: knobs(p, num_tokens=p.n),
     doc="[N,576] bf16 -> [N,656] uint8 rows; bytes must match exactly",
 ), priority=0)
 
 register(OpSpec(
     name="dequantize_fp8_ds_mla",
     stage="dequantize_fp8_ds_mla",
-    schema=CODEC,
+    params=CodecParams,
     draw=_codec_params,
-    inputs=lambda p, seed, device: {"rows": reference.quantize_fp8_ds_mla(_kv(p, seed, device), p["scale_rule"])},
+    inputs=lambda p, seed, device: {"rows": reference.quantize_fp8_ds_mla(_kv(p, seed, device), p.scale_rule)},
     reference=lambda kw, p: {"values": reference.dequantize_fp8_ds_mla(kw["rows"])},
     call=single(lambda values: {"values": values}),
     checks=(Check("values", EXACT),),
-    knobs=lambda p: knobs(p, num_tokens=p["n"]),
+    knobs=lambda p: knobs(p, num_tokens=p.n),
     doc="[N,656] uint8 -> [N,576] bf16 = bf16(fp32(fp8) * scale); bits must match",
 ), priority=0)
 
@@ -67,16 +80,33 @@ def _writer_params(p: Profile) -> st.SearchStrategy[dict]:
     return params()
 
 
-def _writer_inputs(p, seed, device):
+@dataclass(frozen=True)
+class WriterParams(Params):
+    """n rows written into a paged cache of num_blocks blocks, some slots skipped (-1)."""
+
+    n: int = param(Int(1, 2**22))
+    num_blocks: int = param(Int(1, 2**20))
+    block_size: int = param(BLOCK)
+    value_regime: str = param(REGIME)
+    scale_rule: str = param(SCALE_RULE)
+    stride_pad: int = param(PAD, 0)      # slots between blocks past the block size (poisoned)
+    skip_frac: float = param(Real(0, 1), 0.0)
+
+    def elements(self) -> int:
+        return self.num_blocks * (self.block_size + self.stride_pad) * 1312 + self.n * 577
+
+    def problem(self) -> str | None:
+        return None if self.n <= self.num_blocks * self.block_size else "n exceeds num_blocks * block_size slots"
+
+
+def _writer_inputs(p: WriterParams, seed: int, device: str) -> dict:
     g = generator(seed, device)
-    kv = kv_values(g, p["n"], p["value_regime"])
-    capacity = p["num_blocks"] * p["block_size"]
-    slots = torch.randperm(capacity, generator=g, device=device)[: p["n"]]
-    slots[rand(g, p["n"]) < p.get("skip_frac", 0.0)] = -1
+    kv = kv_values(g, p.n, p.value_regime)
+    slots = torch.randperm(p.num_blocks * p.block_size, generator=g, device=device)[: p.n]
+    slots[rand(g, p.n) < p.skip_frac] = -1
     # Every byte the writer must leave alone (skipped slots, padding rows) is poisoned.
-    shape = (p["num_blocks"], p["block_size"] + p.get("stride_pad", 0), 656)
-    storage = torch.full(shape, 0xFF, dtype=torch.uint8, device=device)
-    return {"kv": kv, "kv_cache": storage[:, : p["block_size"]], "slot_mapping": slots, "scale_rule": p["scale_rule"]}
+    storage = torch.full((p.num_blocks, p.block_size + p.stride_pad, 656), 0xFF, dtype=torch.uint8, device=device)
+    return {"kv": kv, "kv_cache": storage[:, : p.block_size], "slot_mapping": slots, "scale_rule": p.scale_rule}
 
 
 def _fresh_cache(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,18 +131,14 @@ def _call_write(subject, kw, p):
 register(OpSpec(
     name="write_fp8_ds_mla_cache",
     stage="write_fp8_ds_mla_cache",
-    schema=Schema(
-        dict(n=Int(1, 2**22), num_blocks=Int(1, 2**20), block_size=BLOCK, stride_pad=PAD,
-             skip_frac=Real(0, 1, optional=True), **VALUES),
-        lambda p: p["num_blocks"] * (p["block_size"] + p.get("stride_pad", 0)) * 1312 + p["n"] * 577,
-        lambda p: None if p["n"] <= p["num_blocks"] * p["block_size"] else "n exceeds num_blocks * block_size slots"),
+    params=WriterParams,
     draw=_writer_params,
     inputs=_writer_inputs,
     reference=_reference_write,
     call=_call_write,
     checks=(Check("cache", EXACT),),
     writes=("kv_cache",),
-    knobs=lambda p: knobs(p, num_tokens=p["n"]),
+    knobs=lambda p: knobs(p, num_tokens=p.n),
     doc="quantize + scatter by slot mapping into a paged cache; every byte of the cache's storage "
         "(including padding rows between blocks and skipped slots) must match",
 ), priority=0)

@@ -17,7 +17,7 @@ from mla_verify.optimized.validation import InputError
 
 from ..draws import FORWARD_PATHS, HISPARSE_PATHS, forward_params, hisparse_params
 from ..profiles import Profile
-from ..schema import FORWARD, Schema, forward_check, forward_elements
+from ..params import ForwardParams
 from ..spec import register
 from .base import Check, ImplOutput
 from .common import knobs
@@ -28,11 +28,11 @@ def _path_params(p: Profile, path: str) -> st.SearchStrategy[dict]:
     return hisparse_params(p, path) if path in HISPARSE_PATHS else forward_params(p, path)
 
 
-def path_of(p) -> str:
-    if p.get("hisparse"):
-        return "bf16_hisparse" if p["cache_dtype"] == "bfloat16" else "fp8_separate_hisparse"
-    path = reference.select_path(p["cache_dtype"], p["heads"])
-    return path + "_dcp" if p.get("dcp_size", 1) > 1 else path
+def path_of(p: ForwardParams) -> str:
+    if p.hisparse:
+        return "bf16_hisparse" if p.cache_dtype == "bfloat16" else "fp8_separate_hisparse"
+    path = reference.select_path(p.cache_dtype, p.heads)
+    return path + "_dcp" if p.dcp_size > 1 else path
 
 
 def _layers(outs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -40,29 +40,29 @@ def _layers(outs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
 
 
-def _inputs(p, seed, device):
-    return {"batch": make_hisparse_batch(p, seed, device) if p.get("hisparse") else make_batch(p, seed, device)}
+def _inputs(p: ForwardParams, seed: int, device: str) -> dict:
+    return {"batch": make_hisparse_batch(p, seed, device) if p.hisparse else make_batch(p, seed, device)}
 
 
-def _reference(kw, p):
+def _reference(kw, p: ForwardParams):
     b = kw["batch"]
-    if p.get("hisparse"):
+    if p.hisparse:
         res = reference.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, **b.hisparse_kwargs())
         return _layers([{"out": r.out, "lse": r.lse, "logit_l1": r.logit_l1} for r in res])
-    if p.get("dcp_size", 1) > 1:
+    if p.dcp_size > 1:
         res = reference.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, exact_merge=True, **b.dcp_kwargs())
     else:
         res = reference.forward_mqa(b.q, b.kv_cache, **b.forward_kwargs())
     return {"out": res.out, "lse": res.lse, "logit_l1": res.logit_l1}
 
 
-def _whole(fn, b, p, deviations: tuple[str, ...]) -> ImplOutput:
+def _whole(fn, b, p: ForwardParams, deviations: tuple[str, ...]) -> ImplOutput:
     """A user's complete forward_mqa (with its declared deviations); under DCP it runs per rank and
     the registry's merge combines."""
-    if p.get("dcp_size", 1) == 1:
+    if p.dcp_size == 1:
         out, lse = fn(q=b.q, kv_cache=b.kv_cache, **b.forward_kwargs())[:2]
         return ImplOutput({"out": out, "lse": lse}, deviations=deviations)
-    kwargs, size = b.dcp_kwargs(), p["dcp_size"]
+    kwargs, size = b.dcp_kwargs(), p.dcp_size
     parts = [fn(q=b.q, kv_cache=c, block_table=t, dcp_size=size, dcp_rank=r, **kwargs)[:2]
              for r, (c, t) in enumerate(zip(b.rank_caches, b.rank_block_tables))]
     merge = registry.select("dcp_merge", b.kv_cache.device.type)
@@ -71,15 +71,15 @@ def _whole(fn, b, p, deviations: tuple[str, ...]) -> ImplOutput:
                       deviations=tuple(sorted({*deviations, *merge.deviations})))
 
 
-def _call(subject, kw, p) -> ImplOutput:
+def _call(subject, kw, p: ForwardParams) -> ImplOutput:
     b = kw["batch"]
-    if p.get("hisparse"):
+    if p.hisparse:
         return _hisparse(subject, b, p)
     if subject.fn is not None:
         return _whole(subject.fn, b, p, subject.deviations)
     from mla_verify.optimized import pipeline  # imports every kernel module: only when the pipeline runs
-    dcp = p.get("dcp_size", 1)
-    needed = pipeline.needed_stages(p["cache_dtype"], p["heads"], dcp, isinstance(b.q, tuple))
+    dcp = p.dcp_size
+    needed = pipeline.needed_stages(p.cache_dtype, p.heads, dcp, isinstance(b.q, tuple))
     stages = guarded(registry.resolve(needed, b.kv_cache.device.type, subject.overrides))
     if dcp > 1:
         res = pipeline.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, stages=stages, **b.dcp_kwargs())
@@ -91,14 +91,14 @@ def _call(subject, kw, p) -> ImplOutput:
                       path=res.path, notes=notes)
 
 
-def _hisparse(subject, b, p) -> ImplOutput:
+def _hisparse(subject, b, p: ForwardParams) -> ImplOutput:
     """The HiSparse pipeline over every layer of the group, stages resolved as the plain paths'."""
     if subject.fn is not None:
         raise InputError("the HiSparse paths take stage implementations (--impl NAME or STAGE=...), not a whole forward_mqa")
     from mla_verify.optimized import hisparse
 
     device = b.gpu_rows[0].device.type
-    stages = guarded(registry.resolve(hisparse.needed_stages(p["cache_dtype"]), device, subject.overrides))
+    stages = guarded(registry.resolve(hisparse.needed_stages(p.cache_dtype), device, subject.overrides))
     res = hisparse.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, group_buffer=b.group_buffer,
                                         stages=stages, **b.hisparse_kwargs())
     deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
@@ -110,14 +110,13 @@ def _hisparse(subject, b, p) -> ImplOutput:
 FORWARD_MQA = register(PipelineSpec(
     name="forward_mqa",
     stage=None,
-    schema=Schema(FORWARD, forward_elements, forward_check),
+    params=ForwardParams,
     draw=forward_params,
     inputs=_inputs,
     reference=_reference,
     call=_call,
     checks=(Check("out", OUT, dtype=torch.bfloat16), Check("lse", LSE, "logit_l1", dtype=torch.float32)),
-    knobs=lambda p: knobs(p, num_tokens=sum(p["query_lens"]),
-                          seq_len=max(c + n for c, n in zip(p["context_lens"], p["query_lens"]))),
+    knobs=lambda p: knobs(p, num_tokens=sum(p.query_lens), seq_len=max(p.seq_lens)),
     path=path_of,
     paths=FORWARD_PATHS,
     own_campaigns=HISPARSE_PATHS,

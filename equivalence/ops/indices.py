@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from hypothesis import strategies as st
 
@@ -13,18 +15,37 @@ from mla_verify.equivalence.policy import EXACT
 from ..draws import dcp_index_params, patterns
 from ..patterns import PATTERNS
 from ..profiles import Profile
-from ..schema import Flag, INDEX, Int, Schema, index_elements
+from ..schema import BLOCK, REQUESTS, TOPK, Flag, Int, Params, SubsetOf, param
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, randint
 
 
-def _common_inputs(g, p, logical_tokens):
-    tokens, requests, width, topk = p["tokens"], p["requests"], p["table_width"], p["topk"]
-    req_id = randint(g, 0, requests, tokens)
-    table = randint(g, 0, 4096, requests, width)
-    idx = distinct_rows(g, prefix_candidates(torch.full((tokens,), logical_tokens, device=g.device)), topk)
-    idx = apply_patterns(g, idx, p.get("invalid", []), out_of_range=(logical_tokens, logical_tokens + 8 * topk))
+@dataclass(frozen=True)
+class IndexParams(Params):
+    """T tokens' top-k rows of logical positions, converted through a block table of R requests."""
+
+    tokens: int = param(Int(1, 2**20))
+    requests: int = param(REQUESTS)
+    table_width: int = param(Int(1, 2**16))  # block-table columns
+    topk: int = param(TOPK)
+    block_size: int = param(BLOCK)
+    invalid: tuple[str, ...] = param(SubsetOf(*PATTERNS), ())
+
+    @property
+    def ranks(self) -> int:
+        return 1
+
+    def elements(self) -> int:
+        return (self.tokens * (2 * self.topk + self.table_width * self.block_size * self.ranks)
+                + self.requests * self.table_width)
+
+
+def _common_inputs(g: torch.Generator, p: IndexParams, logical_tokens: int):
+    req_id = randint(g, 0, p.requests, p.tokens)
+    table = randint(g, 0, 4096, p.requests, p.table_width)
+    idx = distinct_rows(g, prefix_candidates(torch.full((p.tokens,), logical_tokens, device=g.device)), p.topk)
+    idx = apply_patterns(g, idx, p.invalid, out_of_range=(logical_tokens, logical_tokens + 8 * p.topk))
     return req_id.to(torch.int32), table.to(torch.int32), idx.to(torch.int32)
 
 
@@ -46,26 +67,34 @@ def _convert_params(p: Profile) -> st.SearchStrategy[dict]:
         "prefill": st.booleans(), "counts": st.booleans(), "mapping": st.booleans(), "invalid": patterns(PATTERNS)})
 
 
-def _convert_inputs(p, seed, device):
+@dataclass(frozen=True)
+class ConvertParams(IndexParams):
+    stride_extra: int = param(Int(0, 2**16), 0)  # block_stride_rows = block_size + this (0: no stride given)
+    prefill: bool = param(Flag(), False)         # some tokens read a prefill workspace
+    counts: bool = param(Flag(), False)          # return_valid_counts
+    mapping: bool = param(Flag(), False)         # idx_mapping: batch rows -> state rows
+
+
+def _convert_inputs(p: ConvertParams, seed: int, device: str) -> dict:
     g = generator(seed, device)
-    bs = p["block_size"]
-    req_id, table, idx = _common_inputs(g, p, p["table_width"] * bs)
+    bs = p.block_size
+    req_id, table, idx = _common_inputs(g, p, p.table_width * bs)
     mapping = None
-    if p.get("mapping"):
+    if p.mapping:
         # Batch row -> state row (HiSparse's request_state_indices): the table has a row per
         # state, some requests none (-1, which reads row 0).
-        states = p["requests"] + 2
-        table = randint(g, 0, 4096, states, p["table_width"]).to(torch.int32)
-        mapping = torch.randperm(states, generator=g, device=device)[: p["requests"]].to(torch.int32)
-        mapping = torch.where(randint(g, 0, 4, p["requests"]) == 0, -1, mapping).to(torch.int32)
+        states = p.requests + 2
+        table = randint(g, 0, 4096, states, p.table_width).to(torch.int32)
+        mapping = torch.randperm(states, generator=g, device=device)[: p.requests].to(torch.int32)
+        mapping = torch.where(randint(g, 0, 4, p.requests) == 0, -1, mapping).to(torch.int32)
     kwargs = {"req_id": req_id, "block_table": table, "topk_indices": idx, "block_size": bs,
-              "block_stride_rows": bs + p["stride_extra"] if p.get("stride_extra") else None,
+              "block_stride_rows": bs + p.stride_extra if p.stride_extra else None,
               "prefill_request_ids": None, "prefill_workspace_starts": None,
-              "return_valid_counts": p.get("counts", False), "idx_mapping": mapping}
-    if p.get("prefill"):
-        num_prefills = max(1, p["requests"] // 2)
-        kwargs["prefill_request_ids"] = randint(g, -1, num_prefills, p["tokens"]).to(torch.int32)
-        starts = randint(g, 0, 2 * p["table_width"] * bs, num_prefills).sort().values
+              "return_valid_counts": p.counts, "idx_mapping": mapping}
+    if p.prefill:
+        num_prefills = max(1, p.requests // 2)
+        kwargs["prefill_request_ids"] = randint(g, -1, num_prefills, p.tokens).to(torch.int32)
+        starts = randint(g, 0, 2 * p.table_width * bs, num_prefills).sort().values
         kwargs["prefill_workspace_starts"] = (starts - starts[0]).to(torch.int32)
     return kwargs
 
@@ -86,40 +115,53 @@ def _named_indices(result, counts: bool) -> dict[str, torch.Tensor]:
 register(OpSpec(
     name="convert_index",
     stage="convert_index",
-    schema=Schema(dict(INDEX, stride_extra=Int(0, 2**16, optional=True), prefill=Flag(optional=True),
-                       counts=Flag(optional=True), mapping=Flag(optional=True)), index_elements),
+    params=ConvertParams,
     draw=_convert_params,
     inputs=_convert_inputs,
     reference=lambda kw, p: _named_indices(reference.convert_index(**kw), kw["return_valid_counts"]),
     call=lambda subject, kw, p: ImplOutput(_named_indices(subject.fn(**kw), kw["return_valid_counts"]),
                                            deviations=subject.deviations),
     checks=(Check("indices", EXACT), Check("valid_counts", EXACT)),
-    knobs=lambda p: knobs(p, num_tokens=p["tokens"], seq_len=p["table_width"] * p["block_size"]),
+    knobs=lambda p: knobs(p, num_tokens=p.tokens, seq_len=p.table_width * p.block_size),
     doc="triton_convert_req_index_to_global_index: block table / stride rows / prefill workspace / idx_mapping, "
         "stable compaction (a set past one tile)",
 ), priority=0)
 
 
-def _dcp_inputs(p, seed, device):
+@dataclass(frozen=True)
+class DcpIndexParams(IndexParams):
+    """IndexParams on rank dcp_rank of dcp_size: the top-k rows are global positions."""
+
+    dcp_size: int = param(Int(1, 64), kw_only=True)
+    dcp_rank: int = param(Int(0, 63), kw_only=True)
+    interleave: int = param(Int(1, 1024), kw_only=True)
+    compact: bool = param(Flag(), kw_only=True)   # compact_valid_to_front
+
+    @property
+    def ranks(self) -> int:
+        return self.dcp_size
+
+    def problem(self) -> str | None:
+        return None if self.dcp_rank < self.dcp_size else "dcp_rank must be below dcp_size"
+
+
+def _dcp_inputs(p: DcpIndexParams, seed: int, device: str) -> dict:
     g = generator(seed, device)
-    req_id, table, idx = _common_inputs(g, p, p["table_width"] * p["block_size"] * p["dcp_size"])
-    return {"req_id": req_id, "block_table": table, "topk_indices": idx, "block_size": p["block_size"],
-            "dcp_size": p["dcp_size"], "dcp_rank": p["dcp_rank"], "interleave": p["interleave"],
-            "compact_valid_to_front": p["compact"]}
+    req_id, table, idx = _common_inputs(g, p, p.table_width * p.block_size * p.dcp_size)
+    return {"req_id": req_id, "block_table": table, "topk_indices": idx, "block_size": p.block_size,
+            "dcp_size": p.dcp_size, "dcp_rank": p.dcp_rank, "interleave": p.interleave,
+            "compact_valid_to_front": p.compact}
 
 
 DCP_CONVERT_INDEX = register(OpSpec(
     name="dcp_convert_index",
     stage="dcp_convert_index",
-    schema=Schema(
-        dict(INDEX, dcp_size=Int(1, 64), dcp_rank=Int(0, 63), interleave=Int(1, 1024), compact=Flag()),
-        lambda p: index_elements(p, p["dcp_size"]),
-        lambda p: None if p["dcp_rank"] < p["dcp_size"] else "dcp_rank must be below dcp_size"),
+    params=DcpIndexParams,
     draw=dcp_index_params,
     inputs=_dcp_inputs,
     reference=lambda kw, p: {"indices": reference.dcp_convert_index(**kw)},
     call=lambda subject, kw, p: ImplOutput({"indices": subject.fn(**kw)}, deviations=subject.deviations),
     checks=(Check("indices", EXACT),),
-    knobs=lambda p: knobs(p, num_tokens=p["tokens"], seq_len=p["table_width"] * p["block_size"] * p["dcp_size"]),
+    knobs=lambda p: knobs(p, num_tokens=p.tokens, seq_len=p.table_width * p.block_size * p.dcp_size),
     doc="triton_filter_and_convert_dcp_index: this rank's shard of global top-k, through its block table",
 ), priority=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from hypothesis import strategies as st
 
@@ -12,14 +14,30 @@ from mla_verify.reference.paged_cache import scatter_rows
 
 from ..draws import regimes, scale_rules
 from ..profiles import Profile
-from ..schema import BLOCK, Flag, Int, PAD, SEQ_LENS, Schema, VALUES, gather_elements
+from ..params import REGIME, SCALE_RULE
+from ..schema import BLOCK, PAD, SEQ_LENS, Flag, Int, Params, blocks, param
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs
 
 WIDTH = {"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
-SCHEMA = Schema(dict(seq_lens=SEQ_LENS, block_size=BLOCK, stride_pad=PAD, table_pad=Int(0, 64, optional=True),
-                     shuffle=Flag(optional=True), **VALUES), gather_elements)
+
+
+@dataclass(frozen=True)
+class GatherParams(Params):
+    """A prefill chunk of requests with seq_lens, in a paged cache of block_size slots per block."""
+
+    seq_lens: tuple[int, ...] = param(SEQ_LENS)
+    block_size: int = param(BLOCK)
+    value_regime: str = param(REGIME)
+    scale_rule: str = param(SCALE_RULE)
+    stride_pad: int = param(PAD, 0)
+    table_pad: int = param(Int(0, 64), 0)     # block-table columns past the longest request
+    shuffle: bool = param(Flag(), True)       # blocks in random order
+
+    def elements(self) -> int:
+        return (blocks(self.seq_lens, self.block_size) * (self.block_size + self.stride_pad) * 656
+                + sum(self.seq_lens) * 576)
 
 
 def _params(p: Profile) -> st.SearchStrategy[dict]:
@@ -30,25 +48,23 @@ def _params(p: Profile) -> st.SearchStrategy[dict]:
 
 
 def _gather_inputs(fmt):
-    def inputs(p, seed, device):
+    def inputs(p: GatherParams, seed: int, device: str) -> dict:
         g = generator(seed, device)
-        bs, seq_lens = p["block_size"], p["seq_lens"]
-        blocks = [-(-n // bs) for n in seq_lens]
-        width = max(blocks) + p.get("table_pad", 0)
-        num_blocks = sum(blocks) + 1
-        order = torch.randperm(num_blocks, generator=g, device=device) if p.get("shuffle", True) \
-            else torch.arange(num_blocks, device=device)
-        table = torch.zeros((len(seq_lens), width), dtype=torch.int64, device=device)
-        storage = torch.full((num_blocks, bs + p.get("stride_pad", 0), WIDTH[fmt]), 0xFF, dtype=torch.uint8, device=device)
+        bs, seq_lens = p.block_size, p.seq_lens
+        pages = [-(-n // bs) for n in seq_lens]
+        num_blocks = sum(pages) + 1
+        order = torch.randperm(num_blocks, generator=g, device=device) if p.shuffle else torch.arange(num_blocks, device=device)
+        table = torch.zeros((len(seq_lens), max(pages) + p.table_pad), dtype=torch.int64, device=device)
+        storage = torch.full((num_blocks, bs + p.stride_pad, WIDTH[fmt]), 0xFF, dtype=torch.uint8, device=device)
         slots, cursor = [], 0
-        for r, (n, nb) in enumerate(zip(seq_lens, blocks)):
+        for r, (n, nb) in enumerate(zip(seq_lens, pages)):
             table[r, :nb] = order[cursor : cursor + nb]
             cursor += nb
             pos = torch.arange(n, device=device)
             slots.append(table[r][pos // bs] * bs + pos % bs)  # only the sequences' rows: the rest stays NaN
         slots = torch.cat(slots)
-        scatter_rows(pooled_rows(g, len(slots), p["value_regime"], fmt, p["scale_rule"])[1], storage[:, :bs], slots)
-        starts = torch.tensor([0] + seq_lens[:-1], device=device).cumsum(0)
+        scatter_rows(pooled_rows(g, len(slots), p.value_regime, fmt, p.scale_rule)[1], storage[:, :bs], slots)
+        starts = torch.tensor([0, *seq_lens[:-1]], device=device).cumsum(0)
         return {"kv_cache": storage[:, :bs], "block_table": table.to(torch.int32),
                 "workspace_starts": starts.to(torch.int32), "num_rows": sum(seq_lens)}
 
@@ -60,12 +76,12 @@ for _fmt, _fn in (("fp8_ds_mla", reference.gather_upconvert_fp8), ("nvfp4_ds_mla
     register(OpSpec(
         name=_name,
         stage=_name,
-        schema=SCHEMA,
+        params=GatherParams,
         draw=_params,
         inputs=_gather_inputs(_fmt),
         reference=lambda kw, p, fn=_fn: {"workspace": fn(**kw)},
         call=lambda subject, kw, p: ImplOutput({"workspace": subject.fn(**kw)}, deviations=subject.deviations),
         checks=(Check("workspace", EXACT, contiguous=True),),
-        knobs=lambda p, fmt=_fmt: knobs(p, num_tokens=sum(p["seq_lens"]), seq_len=max(p["seq_lens"]), cache_dtype=fmt),
+        knobs=lambda p, fmt=_fmt: knobs(p, num_tokens=sum(p.seq_lens), seq_len=max(p.seq_lens), cache_dtype=fmt),
         doc=f"cp_gather_and_upconvert ({_fmt}): rows of a prefill chunk into the bf16 workspace, bits exact",
     ), priority=0)

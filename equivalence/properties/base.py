@@ -12,9 +12,11 @@ have no bits to compare (NaN). Zeros are compared without their sign: a sum that
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -30,7 +32,7 @@ from ..oracle import measure, verdict
 from ..policy import EXACT, property_bounds
 from ..profiles import Profile
 from ..running import Raised, call_implementation, input_rows, judged_row, raised_row
-from ..schema import OneOf, Param, Schema, check_params
+from ..schema import OneOf, Params, param
 from ..spec import SPECS
 from ..subject import Subject, UsageError, stage_overrides
 
@@ -55,13 +57,30 @@ Inputs = dict[str, Any]
 
 @dataclass(frozen=True)
 class Target:
-    name: str                                    # the op whose base problem it poses (its schema, its knobs)
-    stages: Callable[[Mapping], list[str]]       # registry stages a case of these params calls
+    name: str                                    # the op whose base problem it poses (its params, its knobs)
+    stages: Callable[[Any], list[str]]           # registry stages a case of these params calls
     under_test: tuple[str, ...]                  # stages whose implementations the target exercises
-    inputs: Callable[[Mapping, int, str], Inputs]  # (params, seed, device) -> the base problem
-    check: Callable[[Inputs, Mapping, registry.Resolved], list[Compared]]
-    knobs: Callable[[Mapping], dict[str, Any]]
+    inputs: Callable[[Any, int, str], Inputs]    # (params, seed, device) -> the base problem
+    check: Callable[[Inputs, Any, registry.Resolved], list[Compared]]
+    knobs: Callable[[Any], dict[str, Any]]       # the rows' knob columns
     draw: Callable[[Profile], st.SearchStrategy[dict]]  # the base problem plus the property's knobs
+
+
+@dataclass(frozen=True)
+class NoKnobs:
+    """The fields of a property without knobs of its own."""
+
+
+@functools.cache
+def _params_class(own: type, base: type[Params], targets: tuple[str, ...]) -> type[Params]:
+    """A case's params on one target: the target op's (`base`), the property's own fields
+    (`own`, a frozen dataclass whose fields have defaults or are keyword-only) and the target."""
+    clash = {f.name for f in dataclasses.fields(own)} & {f.name for f in dataclasses.fields(base)}
+    if clash:  # the property's field would silently replace the op's
+        raise TypeError(f"{own.__name__} redefines {base.__name__}'s {', '.join(sorted(clash))}")
+    return dataclasses.make_dataclass(f"{own.__name__}On{base.__name__}",
+                                      [("target", str, param(OneOf(*targets), kw_only=True))],
+                                      bases=(own, base), frozen=True)
 
 
 def _unsigned_zeros(t: torch.Tensor) -> torch.Tensor:
@@ -74,7 +93,7 @@ class PropertySpec:
     checks: tuple[str, ...]
     targets: Mapping[str, Target]
     doc: str
-    knob_params: Mapping[str, Param] = field(default_factory=dict)  # the property's own knobs (schema)
+    own_params: type = NoKnobs   # the property's own knobs (a frozen dataclass of `schema.param` fields)
     family: str = "property"
     own_processes: bool = False
     ranks: tuple[int, ...] = ()
@@ -89,16 +108,21 @@ class PropertySpec:
         return [f"checks: {', '.join(self.checks)}", f"targets (--path): {', '.join(self.targets)}",
                 f"implementations here (--impl NAME): {', '.join(self.subjects(device)) or 'none'}"]
 
-    def target(self, params: Mapping) -> Target:
-        return self.targets[params["target"]]
+    def params_class(self, target: str) -> type[Params]:
+        return _params_class(self.own_params, SPECS[target].spec.params, tuple(self.targets))
+
+    def params_of(self, data: Mapping) -> Params:
+        """A case's params (its JSON) as its target's dataclass."""
+        return self.params_class(data["target"]).of(data)
+
+    def target(self, params: Params) -> Target:
+        return self.targets[params.target]
 
     def validate(self, params: Mapping) -> None:
         target = params.get("target")
         if target not in self.targets:
             raise ValueError(f"{self.name}: target {target!r} is not one of {', '.join(self.targets)}")
-        base = SPECS[target].spec.schema
-        schema = Schema({**base.params, **self.knob_params, "target": OneOf(*self.targets)}, base.elements, base.check)
-        check_params(self.name, schema, params)
+        self.params_class(target).parse(self.name, params)
 
     def strategy(self, profile: Profile, path: str | None = None, world_size: int | None = None) -> st.SearchStrategy[Case]:
         """Cases on target `path`, or on any of the targets."""
@@ -115,8 +139,9 @@ class PropertySpec:
 
     def identity(self, case: Case) -> dict[str, Any]:
         """The rows' columns: op "property", path NAME, the case, the target's knobs."""
+        params = self.params_of(case.params)
         return dict(op="property", path=self.short, case=json.dumps(case.to_dict(), sort_keys=True),
-                    **self.target(case.params).knobs(case.params))
+                    **self.target(params).knobs(params))
 
     def covered(self, stages: Iterable[str]) -> list[str]:
         """Targets that exercise one of `stages` (an --impl's overrides); none given: every target."""
@@ -162,7 +187,7 @@ class PropertySpec:
         """Every tensor the property compares, as a Row (a single failure row if the
         implementation raised); `notes` collects the stages that fell back from their preferred
         implementation; `on_call` runs just before the implementation is first called."""
-        params = case.params
+        params = self.params_of(case.params)
         target = self.target(params)
         stages = registry.resolve(target.stages(params), device.split(":")[0], subject.overrides)
         deviations = sorted({d for impl in stages.chosen.values() for d in impl.deviations})

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
@@ -21,7 +21,8 @@ from mla_verify.equivalence.batch import make_batch
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 from ..draws import decode_params, forward_params
 from ..profiles import Profile
-from ..schema import Ints
+from ..params import ForwardParams
+from ..schema import Ints, param
 from ..spec import register
 from .base import PropertySpec, Target
 from .common import (
@@ -38,15 +39,20 @@ from .common import (
 )
 
 
-def _decode_inputs(p: Mapping, seed: int, device: str) -> dict:
+@dataclass(frozen=True)
+class Alone:
+    alone: tuple[int, ...] = param(Ints(0, 4095, 64), (0,))  # decode: the requests run alone
+
+
+def _decode_inputs(p, seed: int, device: str) -> dict:
     kw = decode_problem(p, seed, device)
-    alone = [{**kw, "q": kw["q"][i : i + 1], "indices": kw["indices"][i : i + 1]} for i in p["alone"]]
+    alone = [{**kw, "q": kw["q"][i : i + 1], "indices": kw["indices"][i : i + 1]} for i in p.alone]
     # The batch's token-major rows of those requests.
-    rows = torch.cat([torch.arange(i * p["s_q"], (i + 1) * p["s_q"]) for i in p["alone"]]).to(device)
+    rows = torch.cat([torch.arange(i * p.s_q, (i + 1) * p.s_q) for i in p.alone]).to(device)
     return {"batch": kw, "alone": alone, "rows": rows, "scale": decode_scale(kw)[rows]}
 
 
-def _decode_check(inputs: dict, p: Mapping, stages) -> list:
+def _decode_check(inputs: dict, p, stages) -> list:
     out, lse = decode(stages, inputs["batch"])
     alone = [decode(stages, kw) for kw in inputs["alone"]]
     got = (torch.cat([o for o, _ in alone]), torch.cat([s for _, s in alone]))
@@ -54,15 +60,15 @@ def _decode_check(inputs: dict, p: Mapping, stages) -> list:
     return attention("batched", got, (out[rows], lse[rows]), inputs["scale"])
 
 
-def _forward_inputs(p: Mapping, seed: int, device: str) -> dict:
+def _forward_inputs(p: ForwardParams, seed: int, device: str) -> dict:
     batch = make_batch(p, seed, device)
-    return {"batch": batch, "one_chunk": sum(batch.seq_lens), "scale": forward_scale(batch, p["sm_scale"])}
+    return {"batch": batch, "one_chunk": sum(batch.seq_lens), "scale": forward_scale(batch, p.sm_scale)}
 
 
-def _forward_check(inputs: dict, p: Mapping, stages) -> list:
+def _forward_check(inputs: dict, p: ForwardParams, stages) -> list:
     batch = inputs["batch"]
     one = forward(stages, batch, workspace_size=inputs["one_chunk"])
-    chunked = forward(stages, batch, workspace_size=p["workspace_size"])
+    chunked = forward(stages, batch, workspace_size=p.workspace_size)
     return attention("chunked", chunked, one, inputs["scale"])
 
 
@@ -104,7 +110,7 @@ def _alone(draw, p: Profile) -> dict:
 register(PropertySpec(
     short="batch_invariance",
     checks=("batched", "chunked"),
-    knob_params=dict(alone=Ints(0, 4095, 64, optional=True)),
+    own_params=Alone,
     targets={
         "sparse_decode_fp8": Target("sparse_decode_fp8", lambda p: ["sparse_decode_fp8"], ("sparse_decode_fp8",),
                                     _decode_inputs, _decode_check, decode_knobs, _alone),

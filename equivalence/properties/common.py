@@ -20,6 +20,7 @@ from mla_verify.optimized.registry import Resolved
 from mla_verify.reference.attention import cache_row_values
 
 from ..ops.attention import SPARSE_DECODE_FP8, SPARSE_PREFILL
+from ..params import DecodeParams, ForwardParams, PrefillParams
 from ..ops.forward import FORWARD_MQA
 from .base import Compared
 
@@ -39,29 +40,28 @@ def rewrite_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed + 1)
 
 
-def prefill_problem(params: Mapping, seed: int, device: str) -> dict[str, Any]:
+def prefill_problem(params: PrefillParams, seed: int, device: str) -> dict[str, Any]:
     return SPARSE_PREFILL.inputs(params, seed, device)
 
 
-def decode_problem(params: Mapping, seed: int, device: str) -> dict[str, Any]:
+def decode_problem(params: DecodeParams, seed: int, device: str) -> dict[str, Any]:
     return SPARSE_DECODE_FP8.inputs(params, seed, device)
 
 
-def prefill_knobs(params: Mapping) -> dict[str, Any]:
+def prefill_knobs(params: PrefillParams) -> dict[str, Any]:
     return SPARSE_PREFILL.knobs(params)
 
 
-def decode_knobs(params: Mapping) -> dict[str, Any]:
+def decode_knobs(params: DecodeParams) -> dict[str, Any]:
     return SPARSE_DECODE_FP8.knobs(params)
 
 
-def forward_knobs(params: Mapping) -> dict[str, Any]:
+def forward_knobs(params: ForwardParams) -> dict[str, Any]:
     return FORWARD_MQA.knobs(params)
 
 
-def forward_stages(params: Mapping) -> list[str]:
-    return pipeline.needed_stages(params["cache_dtype"], params["heads"], params.get("dcp_size", 1),
-                                  params.get("q_form") == "tuple")
+def forward_stages(params: ForwardParams) -> list[str]:
+    return pipeline.needed_stages(params.cache_dtype, params.heads, params.dcp_size, params.q_form == "tuple")
 
 
 # ----------------------------------------------------------------------------- calling the stages

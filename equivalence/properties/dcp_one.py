@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping
 
 from hypothesis import strategies as st
 
@@ -23,8 +22,9 @@ from mla_verify.equivalence.policy import EXACT, LSE, OUT
 from mla_verify.optimized import pipeline
 
 from ..draws import dcp_index_params, forward_params, merge_params
-from ..ops.dcp import DCP_MERGE
+from ..ops.dcp import DCP_MERGE, MergeParams
 from ..ops.indices import DCP_CONVERT_INDEX
+from ..params import ForwardParams
 from ..spec import register
 from .base import Compared, PropertySpec, Target
 from .common import PIPELINE_STAGES, attention, forward, forward_knobs, forward_scale, forward_stages
@@ -33,7 +33,7 @@ INDEX_STAGES = ("dcp_convert_index", "convert_index")
 ONE_RANK = {"dcp_size": 1, "dcp_rank": 0}
 
 
-def _index_check(kw: dict, p: Mapping, stages) -> list:
+def _index_check(kw: dict, p, stages) -> list:
     sharded = stages.fn("dcp_convert_index")(**kw)
     plain = stages.fn("convert_index")(
         req_id=kw["req_id"], block_table=kw["block_table"], topk_indices=kw["topk_indices"],
@@ -41,12 +41,12 @@ def _index_check(kw: dict, p: Mapping, stages) -> list:
     return [Compared("convert_index", "indices", EXACT, sharded, plain)]
 
 
-def _forward_inputs(p: Mapping, seed: int, device: str) -> dict:
+def _forward_inputs(p: ForwardParams, seed: int, device: str) -> dict:
     batch = make_batch(p, seed, device)
-    return {"batch": batch, "scale": forward_scale(batch, p["sm_scale"])}
+    return {"batch": batch, "scale": forward_scale(batch, p.sm_scale)}
 
 
-def _forward_check(inputs: dict, p: Mapping, stages) -> list:
+def _forward_check(inputs: dict, p: ForwardParams, stages) -> list:
     batch = inputs["batch"]
     kwargs = batch.forward_kwargs()
     table = kwargs.pop("block_table")
@@ -55,11 +55,11 @@ def _forward_check(inputs: dict, p: Mapping, stages) -> list:
     return attention("forward_mqa", (one_rank.out, lse), forward(stages, batch), inputs["scale"])
 
 
-def _merge_inputs(p: Mapping, seed: int, device: str) -> dict:
-    return DCP_MERGE.inputs({**p, "ranks": 1, "junk": False}, seed, device)
+def _merge_inputs(p: MergeParams, seed: int, device: str) -> dict:
+    return DCP_MERGE.inputs(p.replace(ranks=1, junk=False), seed, device)
 
 
-def _merge_check(kw: dict, p: Mapping, stages) -> list:
+def _merge_check(kw: dict, p: MergeParams, stages) -> list:
     out, lse = stages.fn("dcp_merge")(**kw)
     return [Compared("merge", "out", OUT, out, kw["outs"][0]), Compared("merge", "lse", LSE, lse, kw["lses"][0])]
 
@@ -70,13 +70,13 @@ register(PropertySpec(
     targets={
         "dcp_convert_index": Target(
             "dcp_convert_index", lambda p: list(INDEX_STAGES), INDEX_STAGES,
-            lambda p, seed, device: DCP_CONVERT_INDEX.inputs({**p, **ONE_RANK}, seed, device),
-            _index_check, lambda p: DCP_CONVERT_INDEX.knobs({**p, **ONE_RANK}),
+            lambda p, seed, device: DCP_CONVERT_INDEX.inputs(p.replace(**ONE_RANK), seed, device),
+            _index_check, lambda p: DCP_CONVERT_INDEX.knobs(p.replace(**ONE_RANK)),
             lambda p: dcp_index_params(p, sizes=(1,))),
         "forward_mqa": Target("forward_mqa", lambda p: [*forward_stages(p), "dcp_merge"], PIPELINE_STAGES,
                               _forward_inputs, _forward_check, forward_knobs, lambda p: forward_params(p, "fp8_mixed")),
         "dcp_merge": Target("dcp_merge", lambda p: ["dcp_merge"], ("dcp_merge",), _merge_inputs, _merge_check,
-                            lambda p: DCP_MERGE.knobs({**p, "ranks": 1}),
+                            lambda p: DCP_MERGE.knobs(p.replace(ranks=1)),
                             lambda p: merge_params(p, ranks=st.just(1), junk=st.just(False))),
     },
     doc="dcp_convert_index, forward_mqa_dcp and dcp_merge over one rank equal no DCP, bit for bit",

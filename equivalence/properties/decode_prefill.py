@@ -11,12 +11,11 @@ bf16 keys; their answers differ only by their own roundings.
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import torch
 from hypothesis import strategies as st
 
 from ..draws import decode_params
+from ..params import DecodeParams
 from ..spec import register
 from .base import PropertySpec, Target
 from .common import ATTENTION_STAGES, attention, decode, decode_knobs, decode_problem, decode_scale, prefill
@@ -24,14 +23,14 @@ from .common import ATTENTION_STAGES, attention, decode, decode_knobs, decode_pr
 PREFILL_TOPK_MULTIPLE = 128
 
 
-def _inputs(p: Mapping, seed: int, device: str) -> dict:
-    if p["scale_rule"] != "pow2":
+def _inputs(p: DecodeParams, seed: int, device: str) -> dict:
+    if p.scale_rule != "pow2":
         raise ValueError("decode_equals_prefill needs power-of-two scales: raw ones do not dequantize to bf16 exactly")
     kw = decode_problem(p, seed, device)
     return {"decode": kw, "scale": decode_scale(kw)}
 
 
-def _check(inputs: dict, p: Mapping, stages) -> list:
+def _check(inputs: dict, p: DecodeParams, stages) -> list:
     kw = inputs["decode"]
     got_decode = decode(stages, kw)
     cache, idx, q = kw["kv_cache"], kw["indices"], kw["q"]

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 
@@ -16,6 +16,7 @@ from mla_verify.equivalence.policy import LSE, OUT
 
 from ..draws import decode_params, forward_params, merge_params, prefill_params
 from ..ops.dcp import DCP_MERGE
+from ..schema import Params
 from ..spec import register
 from .base import Compared, PropertySpec, Target
 from .common import (
@@ -32,12 +33,12 @@ from .common import (
 NAMES = ("out", "lse", "max_logits")
 
 
-def _target(name: str, stages: Callable[[Mapping], list[str]], under_test: tuple[str, ...],
-            inputs: Callable[[Mapping, int, str], dict], run: Callable, knobs: Callable[[Mapping], dict],
+def _target(name: str, stages: Callable[[Params], list[str]], under_test: tuple[str, ...],
+            inputs: Callable[[Params, int, str], dict], run: Callable, knobs: Callable[[Params], dict],
             draw: Callable) -> Target:
     """A determinism target: `run(stages, inputs)` returns the tensors (out, lse[, max_logits])."""
 
-    def check(kw: dict, p: Mapping, resolved) -> list:
+    def check(kw: dict, p: Params, resolved) -> list:
         first, second = run(resolved, kw), run(resolved, kw)
         return [Compared("rerun", tensor, OUT if tensor == "out" else LSE, b, a)
                 for tensor, a, b in zip(NAMES, first, second)]

@@ -14,7 +14,6 @@ the plain separate path compacts, which moves valid entries when -1 is interleav
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
 
 import torch
 from hypothesis import strategies as st
@@ -25,6 +24,7 @@ from mla_verify.optimized import hisparse, pipeline
 
 from mla_verify.reference.metadata import reorder_batch_threshold
 from ..draws import hisparse_params
+from ..params import ForwardParams
 from ..profiles import Profile
 from ..spec import register
 from .base import Compared, PropertySpec, Target
@@ -34,22 +34,22 @@ UNDER_TEST = ("convert_index", "hisparse_place", "hisparse_swap_in", "hisparse_p
               "gather_fp8_prefill", "index_group", "sparse_prefill", "sparse_decode_fp8", "gather_upconvert_fp8")
 
 
-def _stages(p: Mapping) -> list[str]:
-    plain = pipeline.needed_stages(p["cache_dtype"], p["heads"])
-    return list(dict.fromkeys([*hisparse.needed_stages(p["cache_dtype"]), *plain]))
+def _stages(p: ForwardParams) -> list[str]:
+    plain = pipeline.needed_stages(p.cache_dtype, p.heads)
+    return list(dict.fromkeys([*hisparse.needed_stages(p.cache_dtype), *plain]))
 
 
-def _inputs(p: Mapping, seed: int, device: str) -> dict:
+def _inputs(p: ForwardParams, seed: int, device: str) -> dict:
     return {"batch": make_hisparse_batch(p, seed, device)}
 
 
-def _check(kw: dict, p: Mapping, stages) -> list:
+def _check(kw: dict, p: ForwardParams, stages) -> list:
     b = kw["batch"]
     got = hisparse.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, group_buffer=b.group_buffer,
                                         stages=stages, **b.hisparse_kwargs())
     base = [pipeline.forward_mqa(q, cache, stages=stages, **b.plain_kwargs()) for q, cache in zip(b.q_layers, b.plain_caches)]
     # Layer 0's key norms stand in for every layer's (rows of one distribution): a unit, not a bound.
-    scale = torch.cat([forward_scale(dataclasses.replace(b.plain, q=q), p["sm_scale"]) for q in b.q_layers])
+    scale = torch.cat([forward_scale(dataclasses.replace(b.plain, q=q), p.sm_scale) for q in b.q_layers])
     return [Compared("layers", "out", OUT, torch.cat([r.out for r in got]), torch.cat([r.out for r in base])),
             Compared("layers", "lse", LSE, torch.cat([r.lse for r in got]), torch.cat([r.lse for r in base]), scale)]
 

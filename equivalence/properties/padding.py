@@ -18,7 +18,8 @@ held bit for bit (equivalence.policy.PROPERTY_RULES).
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from hypothesis import strategies as st
@@ -27,7 +28,7 @@ from mla_verify.equivalence.batch import make_batch
 
 from ..draws import decode_params, forward_params, prefill_params
 from ..profiles import Profile
-from ..schema import Int, OneOf
+from ..schema import Int, OneOf, param
 from ..spec import register
 from .base import PropertySpec, Target
 from .common import (
@@ -67,29 +68,47 @@ def _zero_heads(x: torch.Tensor, extra: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((*x.shape[:-2], extra, x.shape[-1]))], dim=-2)
 
 
-def _prefill_inputs(p: Mapping, seed: int, device: str) -> dict:
-    tokens, extra_tokens = p["tokens"], p["pad_tokens"]
-    full = prefill_problem({**p, "tokens": tokens + extra_tokens}, seed, device)
+@dataclass(frozen=True)
+class Padding:
+    """The padding: extra tokens (live or all-invalid rows), heads, top-k width, table columns."""
+
+    pad_tokens: int = param(Int(1, 1024), 1)
+    # the padded tokens' top-k rows: live ones, or all invalid (ForwardParams.pad_rows is a count)
+    pad_token_rows: str = param(OneOf("live", "empty"), "live")
+    pad_heads: int = param(Int(0, 128), 0)
+    wider: int = param(Int(1, 2**14), 128)               # extra top-k entries, a multiple of FlashMLA's unit
+    pad_columns: int = param(Int(1, 64), 1)              # forward_mqa: extra block-table columns ...
+    pad_fill: str = param(OneOf("null", "blocks"), "null")  # ... holding the null block or any block
+
+    @property
+    def requests(self) -> int:
+        """decode: the padded batch's requests, which seq_lens holds one length each of."""
+        return self.batch + self.pad_tokens
+
+
+def _prefill_inputs(p, seed: int, device: str) -> dict:
+    tokens, extra_tokens = p.tokens, p.pad_tokens
+    full = prefill_problem(p.replace(tokens=tokens + extra_tokens), seed, device)
     gen = rewrite_generator(seed)
     rows = full["kv"].shape[0]
-    if p["pad_rows"] == "empty":
+    if p.pad_token_rows == "empty":
         full["indices"][tokens:] = prefill_fill(gen, (extra_tokens, full["indices"].shape[1]), rows).to(full["indices"].device)
     base = {**full, "q": full["q"][:tokens], "indices": full["indices"][:tokens],
             "topk_length": None if full["topk_length"] is None else full["topk_length"][:tokens]}
     idx = base["indices"].cpu()
     lengths = None if base["topk_length"] is None else base["topk_length"].cpu()
     topk = idx.shape[1]
-    wider, wider_lengths = insert_entries(gen, idx, prefill_fill(gen, (tokens, p["wider"]), rows), lengths)
+    wider, wider_lengths = insert_entries(gen, idx, prefill_fill(gen, (tokens, p.wider), rows), lengths)
     variants = [
         Variant("wider_k", {**base, **on(device, indices=wider, topk_length=wider_lengths)}),
         Variant("permuted", {**base, **on(device, indices=permute_entries(gen, idx, lengths))}),
         Variant("padded_tokens", full, rows=tokens),
     ]
-    if p["pad_heads"]:
+    if p.pad_heads:
         sink = base["attn_sink"]
-        padded = {**base, "q": _zero_heads(base["q"], p["pad_heads"]),
-                  "attn_sink": None if sink is None else torch.cat([sink, sink.new_zeros(p["pad_heads"])])}
-        variants.append(Variant("padded_heads", padded, heads=p["heads"]))
+        padded = {**base, "q": _zero_heads(base["q"], p.pad_heads),
+                  "attn_sink": None if sink is None else torch.cat([sink, sink.new_zeros(p.pad_heads)])}
+        variants.append(Variant("padded_heads", padded, heads=p.heads))
     # topk_length = n against -1 past n: the plain problem's lengths, or lengths drawn here.
     if lengths is None:
         cut = torch.randint(0, topk + 1, (tokens,), generator=gen, dtype=torch.int32)
@@ -102,34 +121,34 @@ def _prefill_inputs(p: Mapping, seed: int, device: str) -> dict:
     return {"run": prefill, "base": base, "variants": variants, "scale": prefill_scale(base)}
 
 
-def _decode_inputs(p: Mapping, seed: int, device: str) -> dict:
-    batch, extra = p["batch"], p["pad_tokens"]
-    full = decode_problem({**p, "batch": batch + extra}, seed, device)
-    if p["pad_rows"] == "empty":
+def _decode_inputs(p, seed: int, device: str) -> dict:
+    batch, extra = p.batch, p.pad_tokens
+    full = decode_problem(p.replace(batch=batch + extra), seed, device)
+    if p.pad_token_rows == "empty":
         full["indices"][batch:] = -1
     base = {**full, "q": full["q"][:batch], "indices": full["indices"][:batch]}
     gen = rewrite_generator(seed)
     shape = base["indices"].shape
     idx = base["indices"].cpu().reshape(-1, shape[-1])
-    wider, _ = insert_entries(gen, idx, torch.full((idx.shape[0], p["wider"]), -1), None)
+    wider, _ = insert_entries(gen, idx, torch.full((idx.shape[0], p.wider), -1), None)
     variants = [
         Variant("wider_k", {**base, **on(device, indices=wider.view(*shape[:2], -1))}),
         Variant("permuted", {**base, **on(device, indices=permute_entries(gen, idx).view(shape))}),
-        Variant("padded_tokens", full, rows=batch * p["s_q"]),
+        Variant("padded_tokens", full, rows=batch * p.s_q),
     ]
-    if p["pad_heads"]:
-        variants.append(Variant("padded_heads", {**base, "q": _zero_heads(base["q"], p["pad_heads"])}, heads=p["heads"]))
+    if p.pad_heads:
+        variants.append(Variant("padded_heads", {**base, "q": _zero_heads(base["q"], p.pad_heads)}, heads=p.heads))
     return {"run": decode, "base": base, "variants": variants, "scale": decode_scale(base)}
 
 
-def _forward_inputs(p: Mapping, seed: int, device: str) -> dict:
-    if {"out_of_range", "boundaries"} & set(p["invalid"]):
+def _forward_inputs(p, seed: int, device: str) -> dict:
+    if {"out_of_range", "boundaries"} & set(p.invalid):
         raise ValueError("block_table: out_of_range / boundaries top-k entries would reach the added columns")
     batch = make_batch(p, seed, device)
     gen = rewrite_generator(seed)
     table = batch.block_table
-    shape = (table.shape[0], p["pad_columns"])
-    fill = (torch.zeros(shape, dtype=table.dtype) if p["pad_fill"] == "null"
+    shape = (table.shape[0], p.pad_columns)
+    fill = (torch.zeros(shape, dtype=table.dtype) if p.pad_fill == "null"
             else torch.randint(0, batch.kv_cache.shape[0], shape, generator=gen, dtype=table.dtype))
     padded = torch.cat([table, fill.to(table.device)], dim=1)
 
@@ -137,10 +156,10 @@ def _forward_inputs(p: Mapping, seed: int, device: str) -> dict:
         return forward(stages, batch, **config)
 
     return {"run": run, "base": {}, "variants": [Variant("block_table", {"block_table": padded})],
-            "scale": forward_scale(batch, p["sm_scale"])}
+            "scale": forward_scale(batch, p.sm_scale)}
 
 
-def _check(inputs: dict, p: Mapping, stages) -> list:
+def _check(inputs: dict, p, stages) -> list:
     run = inputs["run"]
     plain = run(stages, inputs["base"])
     compared = []
@@ -164,7 +183,7 @@ def _padding(draw, params: st.SearchStrategy[dict], target: str) -> dict:
         d = {**d, "batch": d["batch"] - extra, "pad_tokens": extra}
     else:
         d = {**d, "pad_tokens": draw(st.integers(1, 3))}
-    return {**d, "pad_rows": draw(st.sampled_from(("live", "empty"))),
+    return {**d, "pad_token_rows": draw(st.sampled_from(("live", "empty"))),
             "pad_heads": draw(st.integers(min(1, MAX_HEADS - d["heads"]), min(16, MAX_HEADS - d["heads"]))),
             "wider": TOPK_UNIT[target] * draw(st.integers(1, 2))}
 
@@ -180,9 +199,7 @@ def _block_table(p: Profile) -> st.SearchStrategy[dict]:
 register(PropertySpec(
     short="padding_and_order",
     checks=("wider_k", "permuted", "padded_heads", "padded_tokens", "topk_length", "block_table"),
-    knob_params=dict(pad_tokens=Int(1, 1024, optional=True), pad_rows=OneOf("live", "empty", optional=True),
-                     pad_heads=Int(0, 128, optional=True), wider=Int(1, 2**14, optional=True),
-                     pad_columns=Int(1, 64, optional=True), pad_fill=OneOf("null", "blocks", optional=True)),
+    own_params=Padding,
     targets={
         "sparse_prefill": Target("sparse_prefill", lambda p: ["sparse_prefill"], ("sparse_prefill",),
                                  _prefill_inputs, _check, prefill_knobs,

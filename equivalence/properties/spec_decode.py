@@ -12,13 +12,13 @@ The rows and their order are the same; a kernel whose split plan depends on s (F
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
 
 from hypothesis import strategies as st
 
 from mla_verify.equivalence.batch import make_batch
 
 from ..draws import decode_params, forward_params
+from ..params import DecodeParams, ForwardParams
 from ..spec import register
 from .base import PropertySpec, Target
 from .common import (
@@ -35,16 +35,16 @@ from .common import (
 )
 
 
-def _decode_inputs(p: Mapping, seed: int, device: str) -> dict:
+def _decode_inputs(p: DecodeParams, seed: int, device: str) -> dict:
     kw = decode_problem(p, seed, device)
     q, idx = kw["q"], kw["indices"]
     single = {**kw, "q": q.reshape(-1, 1, *q.shape[2:]), "indices": idx.reshape(-1, 1, idx.shape[-1])}
     return {"run": decode, "spec": kw, "single": single, "scale": decode_scale(kw)}
 
 
-def _forward_inputs(p: Mapping, seed: int, device: str) -> dict:
+def _forward_inputs(p: ForwardParams, seed: int, device: str) -> dict:
     batch = make_batch(p, seed, device)
-    s = p["max_decode_query_len"]
+    s = p.max_decode_query_len
     tokens = batch.query_start_loc[-1]
     single = dataclasses.replace(
         batch,
@@ -53,10 +53,10 @@ def _forward_inputs(p: Mapping, seed: int, device: str) -> dict:
         seq_lens=[n - s + j + 1 for n in batch.seq_lens for j in range(s)],
         config={**batch.config, "max_decode_query_len": 1},
     )
-    return {"run": forward, "spec": batch, "single": single, "scale": forward_scale(batch, p["sm_scale"])}
+    return {"run": forward, "spec": batch, "single": single, "scale": forward_scale(batch, p.sm_scale)}
 
 
-def _check(inputs: dict, p: Mapping, stages) -> list:
+def _check(inputs: dict, p, stages) -> list:
     run = inputs["run"]
     return attention("single_tokens", run(stages, inputs["single"]), run(stages, inputs["spec"]), inputs["scale"])
 

@@ -19,7 +19,7 @@ n, DCP's ownership of interleaved positions).
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from mla_verify import reference
 
 from ..draws import decode_params, prefill_params
-from ..schema import Int, OneOf
+from ..schema import Int, OneOf, param
 from ..spec import register
 from .base import PropertySpec, Target
 from .common import (
@@ -63,17 +63,23 @@ def _assign(gen: torch.Generator, idx: torch.Tensor, parts: int, scheme: str) ->
     raise ValueError(f"unknown split scheme {scheme!r}; known: {SCHEMES}")
 
 
-def _split(p: Mapping, gen: torch.Generator, kw: dict, idx: torch.Tensor, valid: torch.Tensor,
+@dataclass(frozen=True)
+class Split:
+    parts: int = param(Int(2, 64), kw_only=True)
+    scheme: str = param(OneOf(*SCHEMES), kw_only=True)  # how entries are assigned to parts (module docstring)
+
+
+def _split(p: Split, gen: torch.Generator, kw: dict, idx: torch.Tensor, valid: torch.Tensor,
            fill: torch.Tensor) -> dict:
     """The parts of problem `kw` whose index rows (CPU, [n, K] view) are `idx`, `valid` where live."""
-    assign = _assign(gen, idx, p["parts"], p["scheme"])
+    assign = _assign(gen, idx, p.parts, p.scheme)
     shape, device = kw["indices"].shape, kw["indices"].device
-    parts = [{**kw, "indices": torch.where(assign == i, idx, fill).view(shape).to(device)} for i in range(p["parts"])]
-    nonempty = torch.stack([(valid & (assign == i)).any(dim=1) for i in range(p["parts"])])
+    parts = [{**kw, "indices": torch.where(assign == i, idx, fill).view(shape).to(device)} for i in range(p.parts)]
+    nonempty = torch.stack([(valid & (assign == i)).any(dim=1) for i in range(p.parts)])
     return {"whole": kw, "parts": parts, "nonempty": nonempty.to(device)}
 
 
-def _prefill_inputs(p: Mapping, seed: int, device: str) -> dict:
+def _prefill_inputs(p, seed: int, device: str) -> dict:
     kw = prefill_problem(p, seed, device)
     idx = kw["indices"].cpu()
     valid = (idx >= 0) & (idx < kw["kv"].shape[0])
@@ -84,14 +90,14 @@ def _prefill_inputs(p: Mapping, seed: int, device: str) -> dict:
     return {**_split(p, gen, kw, idx, valid, fill), "run": prefill, "scale": prefill_scale(kw)}
 
 
-def _decode_inputs(p: Mapping, seed: int, device: str) -> dict:
+def _decode_inputs(p, seed: int, device: str) -> dict:
     kw = decode_problem(p, seed, device)
     idx = kw["indices"].cpu().reshape(-1, kw["indices"].shape[-1])
     fill = torch.full_like(idx, -1)
     return {**_split(p, rewrite_generator(seed), kw, idx, idx != -1, fill), "run": decode, "scale": decode_scale(kw)}
 
 
-def _check(inputs: dict, p: Mapping, stages) -> list:
+def _check(inputs: dict, p, stages) -> list:
     run = inputs["run"]
     whole = run(stages, inputs["whole"])
     outs, lses = zip(*(run(stages, kw) for kw in inputs["parts"]))
@@ -106,7 +112,7 @@ def _check(inputs: dict, p: Mapping, stages) -> list:
 register(PropertySpec(
     short="split_invariance",
     checks=("merged",),
-    knob_params=dict(parts=Int(2, 64), scheme=OneOf(*SCHEMES)),
+    own_params=Split,
     targets={
         "sparse_prefill": Target("sparse_prefill", lambda p: ["sparse_prefill"], ("sparse_prefill",),
                                  _prefill_inputs, _check, prefill_knobs,
