@@ -209,11 +209,16 @@ def _argument(param: inspect.Parameter, hint: object) -> str:
     return shown + note
 
 
-def call(op: str) -> str:
-    """`op`'s keywords with their shapes, dtypes, values and defaults, in the contract's order."""
+def declared(op: str) -> tuple[str, ...]:
+    """`op`'s keywords with their shapes, dtypes, values, defaults and notes, in the contract's order."""
     hints = _hints(op)
     params = inspect.signature(CONTRACTS[op].__call__).parameters
-    return ", ".join(_argument(params[name], hints[name]) for name in arguments(op))
+    return tuple(_argument(params[name], hints[name]) for name in arguments(op))
+
+
+def call(op: str) -> str:
+    """`op`'s call as the README's table shows it: its `declared` keywords."""
+    return ", ".join(declared(op))
 
 
 def returns(op: str) -> str:
