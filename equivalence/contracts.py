@@ -2,92 +2,122 @@
 every implementation is called with and its docstring the formula (`reference/` computes it).
 
 The op specs (`equivalence.ops`) take their keywords from here (`arguments`), the subject check
-holds a user's callable to them (`equivalence.subject`), and `mla-verify list` prints them. Shapes:
-T tokens, H heads, K top-k width, N kv rows, NB blocks of BS slots, D = 576 (512 latent + 64 rope).
+holds a user's callable to them (`equivalence.subject`), `mla-verify list` prints them, and the
+README's contract table is rendered from them (`contract_table`; `scripts/contract_table.py`
+rewrites it). Shapes: T tokens, H heads, K top-k width, N kv rows (for dcp_merge and dcp: ranks),
+NB blocks of BS slots, B requests of s (S) tokens each, R block-table rows of M blocks,
+D = 576 (512 latent + 64 rope).
+
+Each argument's and each return's shape and dtype is an `Annotated` string next to its type:
+"[T,H,576] bf16" is a tensor's shape and dtype ("| None" added where the type allows None), a
+text in parentheses a note, anything else the values the argument takes. A default is the
+reference's (the harness passes every keyword).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Protocol, Sequence
+import typing
+from typing import Annotated, Protocol, Sequence
 
 from torch import Tensor
 
 
 class QuantizeFp8DsMla(Protocol):
-    def __call__(self, *, kv: Tensor, scale_rule: str) -> Tensor:
-        """[N, 576] bf16 -> [N, 656] uint8 rows: 512 latent values as e4m3 in 4 tiles of 128, each
-        tile scaled by s = amax / 448 (scale_rule "pow2": s rounded up to a power of two), the 4 fp32
-        scales, then the 64 rope values as bf16. Bytes exact."""
+    def __call__(self, *, kv: Annotated[Tensor, "[N,576] bf16"],
+                 scale_rule: Annotated[str, '"pow2" | "raw"'] = "pow2") -> Annotated[Tensor, "[N,656] uint8"]:
+        """Each row: 512 latent values as e4m3 in 4 tiles of 128, each tile scaled by s = amax / 448
+        (scale_rule "pow2": s rounded up to a power of two), the 4 fp32 scales, then the 64 rope
+        values as bf16. Bytes exact."""
 
 
 class DequantizeFp8DsMla(Protocol):
-    def __call__(self, *, rows: Tensor) -> Tensor:
-        """[N, 656] uint8 -> [N, 576] bf16: bf16(fp32(e4m3) * scale) per tile, rope copied. Bits exact."""
+    def __call__(self, *, rows: Annotated[Tensor, "[N,656] uint8"]
+                 ) -> Annotated[Tensor, "[N,576] bf16 = bf16(fp32(e4m3) * scale)"]:
+        """Per tile of 128 latent values with its fp32 scale; the 64 rope values copied. Bits exact."""
 
 
 class WriteFp8DsMlaCache(Protocol):
-    def __call__(self, *, kv: Tensor, kv_cache: Tensor, slot_mapping: Tensor, scale_rule: str) -> None:
+    def __call__(self, *, kv: Annotated[Tensor, "[N,576] bf16"], kv_cache: Annotated[Tensor, "[NB,BS,656] uint8"],
+                 slot_mapping: Annotated[Tensor, "[N]"], scale_rule: Annotated[str, '"pow2" | "raw"'] = "pow2"
+                 ) -> Annotated[None, "None (in place; slot < 0 skipped)"]:
         """kv_cache[slot // BS, slot % BS] = quantize_fp8_ds_mla(kv[i]) for slot = slot_mapping[i] >= 0;
         slot -1 skips the row. Writes in place; every other byte of the cache's storage is unchanged."""
 
 
 class SparsePrefill(Protocol):
-    def __call__(self, *, q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float, topk_length: Tensor | None,
-                 attn_sink: Tensor | None) -> tuple[Tensor, ...]:
-        """q [T, H, 576] bf16, kv [N, 576] bf16, indices [T, K] int32 (valid: 0 <= i < N and, with
-        topk_length, position < topk_length[t]). s_j = sm_scale * q . kv[i_j];
-        lse = ln sum_j e^(s_j) (+inf with no valid index), max_logits = max_j s_j (-inf);
-        out = sum_j e^(s_j - lse) kv[i_j, :512] * sigmoid(lse - sink[h]) (0 with no valid index).
-        Returns (out [T, H, 512] bf16, lse [T, H] fp32[, max_logits [T, H] fp32])."""
+    def __call__(self, *, q: Annotated[Tensor, "[T,H,576] bf16"], kv: Annotated[Tensor, "[N,576] bf16"],
+                 indices: Annotated[Tensor, "[T,K] int32"], sm_scale: float,
+                 topk_length: Annotated[Tensor | None, "[T] int32"], attn_sink: Annotated[Tensor | None, "[H] f32"]
+                 ) -> Annotated[tuple[Tensor, ...], "(out[T,H,512] bf16, lse[T,H] f32[, max_logits[T,H] f32])"]:
+        """An index i_j is valid when 0 <= i_j < N and, with topk_length, its position < topk_length[t].
+        s_j = sm_scale * q . kv[i_j]; lse = ln sum_j e^(s_j) (+inf with no valid index),
+        max_logits = max_j s_j (-inf); out = sum_j e^(s_j - lse) kv[i_j, :512] * sigmoid(lse - sink[h])
+        (0 with no valid index)."""
 
 
 class SparseDecodeFp8(Protocol):
-    def __call__(self, *, q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float) -> tuple[Tensor, Tensor]:
-        """q [B, S, H, 576] bf16, kv_cache [NB, BS, 656] uint8 fp8_ds_mla, indices [B, S, K] int32
-        physical slots (block * BS + offset; -1 the only invalid value). The prefill formula over
-        the dequantized rows, no sink. Returns (out [B, S, H, 512] bf16, lse [B, H, S] fp32)."""
+    def __call__(self, *, q: Annotated[Tensor, "[B,S,H,576] bf16"],
+                 kv_cache: Annotated[Tensor, "[NB,BS,656] uint8 fp8_ds_mla"],
+                 indices: Annotated[Tensor, "[B,S,K] int32"], sm_scale: float
+                 ) -> Annotated[tuple[Tensor, Tensor], "(out[B,S,H,512] bf16, lse[B,H,S] f32)"]:
+        """indices are physical slots (block * BS + offset; -1 the only invalid value). The prefill
+        formula over the dequantized rows, no sink."""
 
 
 class ConvertIndex(Protocol):
-    def __call__(self, *, req_id: Tensor, block_table: Tensor, topk_indices: Tensor, block_size: int,
-                 block_stride_rows: int | None, prefill_request_ids: Tensor | None,
-                 prefill_workspace_starts: Tensor | None, return_valid_counts: bool,
-                 idx_mapping: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
+    def __call__(self, *, req_id: Annotated[Tensor, "[T] int32"], block_table: Annotated[Tensor, "[R,M] int32"],
+                 topk_indices: Annotated[Tensor, "[T,K] int32"], block_size: int,
+                 block_stride_rows: int | None = None,
+                 prefill_request_ids: Annotated[Tensor | None, "[T] (-1: not a prefill token)"] = None,
+                 prefill_workspace_starts: Annotated[Tensor | None, "[P]"] = None, return_valid_counts: bool = False,
+                 idx_mapping: Annotated[Tensor | None, "(table row = max(idx_mapping[req_id], 0))"] = None
+                 ) -> Annotated[Tensor | tuple[Tensor, Tensor],
+                                "[T,K] int32, or with counts ([T,K], [T]); for non-power-of-two K past 4096 "
+                                "the valid prefix is compared as a set"]:
         """Logical top-k -> physical rows: p = block_table[r, i // BS] * stride + i % BS for the
         token's request r (through idx_mapping when given); a prefill token reads its workspace,
         workspace_start + i. Invalid (-1, past the table) stays -1; with return_valid_counts the
-        valid entries are compacted to the front (stably) and counted. int32 [T, K] (+ counts [T])."""
+        valid entries are compacted to the front (stably) and counted."""
 
 
 class DcpConvertIndex(Protocol):
-    def __call__(self, *, req_id: Tensor, block_table: Tensor, topk_indices: Tensor, block_size: int, dcp_size: int,
-                 dcp_rank: int, interleave: int, compact_valid_to_front: bool) -> Tensor:
+    def __call__(self, *, req_id: Annotated[Tensor, "[T] int32"], block_table: Annotated[Tensor, "[R,M] int32"],
+                 topk_indices: Annotated[Tensor, "[T,K] int32"], block_size: int, dcp_size: int, dcp_rank: int,
+                 interleave: int, compact_valid_to_front: Annotated[bool, "(ignored at dcp_size 1, as upstream)"]
+                 ) -> Annotated[Tensor, "[T,K] int32"]:
         """Global top-k -> this rank's physical slots: position i belongs to rank (i // interleave) % N
         and sits at local position (i // (N * interleave)) * interleave + i % interleave of its shard;
-        other ranks' entries -1; compacted (stably) iff compact_valid_to_front and N > 1. int32 [T, K]."""
+        other ranks' entries -1; compacted (stably) iff compact_valid_to_front and N > 1."""
 
 
 class GatherUpconvertFp8(Protocol):
-    def __call__(self, *, kv_cache: Tensor, block_table: Tensor, workspace_starts: Tensor, num_rows: int) -> Tensor:
-        """[NB, BS, 656] fp8_ds_mla cache -> [num_rows, 576] bf16 workspace: request r's positions
-        0..len-1 dequantized into rows workspace_starts[r] + position. Bits exact."""
+    def __call__(self, *, kv_cache: Annotated[Tensor, "[NB,BS,656] uint8 fp8_ds_mla"],
+                 block_table: Annotated[Tensor, "[P,M]"], workspace_starts: Annotated[Tensor, "[P]"], num_rows: int
+                 ) -> Annotated[Tensor, "[num_rows,576] bf16"]:
+        """The cache -> a bf16 workspace: request r's positions 0..len-1 dequantized into rows
+        workspace_starts[r] + position. Bits exact."""
 
 
 class GatherUpconvertNvfp4(Protocol):
-    def __call__(self, *, kv_cache: Tensor, block_table: Tensor, workspace_starts: Tensor, num_rows: int) -> Tensor:
-        """[NB, BS, 352] nvfp4_ds_mla cache -> [num_rows, 576] bf16 workspace, as gather_upconvert_fp8."""
+    def __call__(self, *, kv_cache: Annotated[Tensor, "[NB,BS,352] uint8 nvfp4_ds_mla"],
+                 block_table: Annotated[Tensor, "[P,M]"], workspace_starts: Annotated[Tensor, "[P]"], num_rows: int
+                 ) -> Annotated[Tensor, "[num_rows,576] bf16"]:
+        """As gather_upconvert_fp8, from an nvfp4_ds_mla cache."""
 
 
 class DcpMerge(Protocol):
-    def __call__(self, *, outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
-        """outs [N, T, H, 512], lses [N, T, H] (NaN or +inf: an undefined partial, dropped):
-        lse = ln sum_r e^(lse_r), out = sum_r bf16(e^(lse_r - lse) out_r). Returns (out bf16, lse fp32)."""
+    def __call__(self, *, outs: Annotated[Tensor, "[N,T,H,D] bf16 (every rank's partial)"],
+                 lses: Annotated[Tensor, "[N,T,H] f32"]
+                 ) -> Annotated[tuple[Tensor, Tensor], "(out[T,H,D] bf16, lse[T,H] f32)"]:
+        """A partial whose lse is NaN or +inf is undefined and dropped:
+        lse = ln sum_r e^(lse_r), out = sum_r bf16(e^(lse_r - lse) out_r)."""
 
 
 class ConcatMlaQ(Protocol):
-    def __call__(self, *, ql_nope: Tensor, q_pe: Tensor) -> Tensor:
-        """q[t, h] = [ql_nope[t, h] (512) | q_pe[t, h] (64)], a dense bf16 [T, H, 576] copy."""
+    def __call__(self, *, ql_nope: Annotated[Tensor, "[T,H,512]"], q_pe: Annotated[Tensor, "[T,H,64]"]
+                 ) -> Annotated[Tensor, "[T,H,576] bf16"]:
+        """q[t, h] = [ql_nope[t, h] (512) | q_pe[t, h] (64)], a dense copy."""
 
 
 class SplitPrefillChunks(Protocol):
@@ -97,32 +127,38 @@ class SplitPrefillChunks(Protocol):
 
 
 class ReshapeQueryForSpecDecode(Protocol):
-    def __call__(self, *, q: Tensor, num_decodes: int) -> Tensor:
-        """[B * s, H, D] -> [B, s, H, D], token-major (a view may be returned)."""
+    def __call__(self, *, q: Annotated[Tensor, "[B*s,H,D]"], num_decodes: int) -> Annotated[Tensor, "[B,s,H,D]"]:
+        """Token-major: B = num_decodes requests of s tokens each (a view may be returned)."""
 
 
 class ReshapeAttnOutputForSpecDecode(Protocol):
-    def __call__(self, *, out: Tensor) -> Tensor:
-        """[B, s, H, D] -> [B * s, H, D]; a 3-D tensor unchanged (a view may be returned)."""
+    def __call__(self, *, out: Annotated[Tensor, "[B,s,H,D]"]) -> Annotated[Tensor, "[B*s,H,D]"]:
+        """The inverse of reshape_query_for_spec_decode; a 3-D tensor unchanged (a view may be returned)."""
 
 
 class ForwardMqa(Protocol):
     def __call__(self, *, q: Tensor | tuple[Tensor, Tensor], kv_cache: Tensor, query_start_loc: Tensor,
                  seq_lens: Tensor, block_table: Tensor, topk_indices: Tensor, num_heads: int, kv_cache_dtype: str,
-                 sm_scale: float, max_model_len: int) -> tuple[Tensor, Tensor]:
-        """FlashMLASparseImpl.forward_mqa: the batch's top-k (logical positions per token) converted
-        to cache rows, attended on the path the cache dtype and head count select (bf16, fp8_mixed,
-        fp8_separate with its chunked prefill workspace). Returns (out [T, H, 512], lse [T, H])."""
+                 sm_scale: float, max_model_len: int) -> Annotated[tuple[Tensor, Tensor], "(out[T,H,512], lse[T,H])"]:
+        """FlashMLASparseImpl.forward_mqa, whole: the batch's top-k (logical positions per token)
+        converted to cache rows, attended on the path the cache dtype and head count select (bf16,
+        fp8_mixed, fp8_separate with its chunked prefill workspace)."""
 
 
 class DcpForwardMqa(Protocol):
-    def __call__(self, *, q: Tensor, kv_cache: Tensor, group: object, query_start_loc: Tensor, seq_lens: Tensor,
-                 block_table: Tensor, topk_indices: Tensor, num_heads: int, kv_cache_dtype: str, sm_scale: float,
-                 max_model_len: int, combine: str, interleave: int) -> tuple[Tensor, ...]:
-        """One rank of decode context parallelism in process group `group`: q all-gathered over the
-        heads, forward_mqa on this rank's shard of the cache, the partials combined (combine
-        "ag_rs": all-gather of LSEs and reduce-scatter of the scaled outputs; "a2a": all-to-all).
-        Returns (out, lse) of this rank's heads[, its pre-combine partial out and lse]."""
+    def __call__(self, *, q: Annotated[Tensor, "[T,H,576] (this rank's heads)"],
+                 kv_cache: Annotated[Tensor, "(this rank's shard)"],
+                 group: Annotated[object, "a torch.distributed process group"], query_start_loc: Tensor,
+                 seq_lens: Tensor, block_table: Annotated[Tensor, "(this rank's shard)"], topk_indices: Tensor,
+                 num_heads: int, kv_cache_dtype: str, sm_scale: float, max_model_len: int,
+                 combine: Annotated[str, '"ag_rs" | "a2a"'], interleave: int
+                 ) -> Annotated[tuple[Tensor, ...],
+                                "(out[T,H,512], lse[T,H][, partial_out[T,N*H,512], partial_lse[T,N*H]])"]:
+        """One rank's body of decode context parallelism in process group `group`: q all-gathered
+        over the heads, forward_mqa on this rank's shard of the cache, the partials combined
+        (combine "ag_rs": all-gather of LSEs and reduce-scatter of the scaled outputs; "a2a":
+        all-to-all). out and lse are this rank's heads'; partial_out and partial_lse, when
+        returned, its pre-combine partials."""
 
 
 CONTRACTS: dict[str, type] = {
@@ -145,3 +181,60 @@ def arguments(op: str) -> tuple[str, ...]:
 def formula(op: str) -> str:
     """`op`'s formula: its Protocol's docstring."""
     return inspect.getdoc(CONTRACTS[op].__call__) or ""
+
+
+def _hints(op: str) -> dict[str, object]:
+    return typing.get_type_hints(CONTRACTS[op].__call__, include_extras=True)
+
+
+def _argument(param: inspect.Parameter, hint: object) -> str:
+    """One keyword as the table shows it: its shape and dtype, its values or its type, its default
+    and its note (the module docstring says how the `Annotated` text reads)."""
+    annotated = typing.get_origin(hint) is Annotated
+    base, text = (hint.__origin__, hint.__metadata__[0]) if annotated else (hint, "")
+    if text.startswith("("):
+        shape, note = "", f" {text}"
+    else:
+        shape, paren, rest = text.partition(" (")
+        note = f" ({rest}" if paren else ""
+    if not annotated:
+        shown = param.name if base is Tensor else f"{param.name}: {param.annotation}"
+    elif base is Tensor or Tensor in typing.get_args(base):
+        shown = param.name + shape + (" | None" if type(None) in typing.get_args(base) else "")
+    else:
+        shown = f"{param.name}: {shape or base.__name__}"
+    if param.default is not inspect.Parameter.empty:
+        default = param.default
+        shown += f' = "{default}"' if isinstance(default, str) else f" = {default!r}"
+    return shown + note
+
+
+def declared(op: str) -> tuple[str, ...]:
+    """`op`'s keywords with their shapes, dtypes, values, defaults and notes, in the contract's order."""
+    hints = _hints(op)
+    params = inspect.signature(CONTRACTS[op].__call__).parameters
+    return tuple(_argument(params[name], hints[name]) for name in arguments(op))
+
+
+def call(op: str) -> str:
+    """`op`'s call as the README's table shows it: its `declared` keywords."""
+    return ", ".join(declared(op))
+
+
+def returns(op: str) -> str:
+    """What `op` returns, with shapes and dtypes."""
+    hint = _hints(op)["return"]
+    if typing.get_origin(hint) is Annotated:
+        return hint.__metadata__[0]
+    return str(inspect.signature(CONTRACTS[op].__call__).return_annotation)
+
+
+def contract_table() -> str:
+    """The README's contract table (between its `<!-- contracts:begin -->` and `end` markers):
+    one row per op, its call and what it returns. `python scripts/contract_table.py` writes it."""
+    def code(text: str) -> str:
+        return "`" + text.replace("|", "\\|") + "`"
+
+    rows = ["| op | call | returns |", "|---|---|---|"]
+    rows += [f"| {code(op)} | {code(call(op))} | {code(returns(op))} |" for op in CONTRACTS]
+    return "\n".join(rows) + "\n"

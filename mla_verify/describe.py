@@ -1,6 +1,6 @@
 """What `mla-verify list --op OP` and `list --tolerances` print, generated from the harness's own
-data rather than written out by hand: the keywords and the formula come from the op's contract
-(`equivalence.contracts`), the shapes and dtypes from what an implementation really receives on
+data rather than written out by hand: the keywords, their declared shapes and the formula come
+from the op's contract (`equivalence.contracts`), the shapes and dtypes from what an implementation really receives on
 the op's smallest pinned corpus case (fuzz/corpus), the compared tensors from the reference's
 answer to that case, and the bounds from the tolerance policy."""
 
@@ -18,6 +18,19 @@ class _Called(Exception):
 
 def _wrap(text: str, first: str, rest: str) -> list[str]:
     return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False)
+
+
+def _packed(parts: list[str], first: str, rest: str) -> list[str]:
+    """`parts` on lines of at most WIDTH, broken only between parts (a part wider is wrapped alone)."""
+    lines = [first]
+    for part in parts:
+        if lines[-1] not in (first, rest) and len(lines[-1]) + 1 + len(part) > WIDTH:
+            lines.append(rest)
+        if len(lines[-1]) + len(part) > WIDTH:
+            lines[-1:] = _wrap(part, lines[-1], rest)
+        else:
+            lines[-1] += ("" if lines[-1] in (first, rest) else " ") + part
+    return lines
 
 
 def keywords(op: str) -> tuple[str, ...]:
@@ -93,9 +106,12 @@ def describe_op(op: str) -> list[str]:
     spec = get_spec(op)
     cases = _pinned_cases(op)
     case = cases[0] if cases else None
-    from mla_verify.equivalence.contracts import formula
+    from mla_verify.equivalence.contracts import declared, formula, returns
 
     lines = [*_wrap(f"{op}: {spec.doc}", "", "  ")]
+    lines += _packed([f"{text}," for text in declared(op)], "  | impl(", "  |      ")
+    lines[-1] = lines[-1].removesuffix(",") + ")"
+    lines += _wrap(f"-> {returns(op)}", "  |   ", "  |      ")
     for paragraph in formula(op).split("\n\n"):
         lines += _wrap(" ".join(paragraph.split()), "  | ", "  | ")
     if case is None:
