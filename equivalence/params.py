@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .draws import COMBINES, WORLD_SIZES
 from .patterns import FORWARD_PATTERNS, PATTERNS
 from .schema import (BLOCK, HEADS, PAD, ROWS, SEQ_LENS, SM_SCALE, TOKENS, TOPK, Flag, Int, Ints, OneOf, Params, Real,
                      SubsetOf, blocks, param)
@@ -18,6 +17,8 @@ from .values import REGIMES
 REGIME = OneOf(*REGIMES)
 SCALE_RULE = OneOf("pow2", "raw")  # fp8_ds_mla tile scales: amax / 448 rounded up to a power of two, or raw
 DECODE_PATTERNS = ("scattered", "whole_row", "duplicates", "boundaries")  # only -1 is invalid for the decode kernel
+WORLD_SIZES = (2, 4, 8)              # the multi-process DCP op's rank counts
+COMBINES = ("ag_rs", "a2a")          # ... and its combines: all-gather + reduce-scatter, all-to-all
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from mla_verify.equivalence.batch import make_batch
 from mla_verify.equivalence.contract import returned
 from mla_verify.equivalence.policy import LSE, OUT
 
-from ..draws import COMBINES, WORLD_SIZES, batch_params, merge_params
+from ..draws import batch_params, merge_params
 from ..profiles import Profile
-from ..params import DcpParams
+from ..params import COMBINES, WORLD_SIZES, DcpParams
 from ..schema import HEADS, Flag, Int, Params, Real, param
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec

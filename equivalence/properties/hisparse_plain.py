@@ -23,7 +23,7 @@ from mla_verify.equivalence.policy import LSE, OUT
 from mla_verify.optimized import hisparse, pipeline
 
 from mla_verify.reference.metadata import reorder_batch_threshold
-from ..draws import hisparse_params
+from ..draws import hisparse_params, within_budget
 from ..params import ForwardParams
 from ..profiles import Profile
 from ..spec import register
@@ -65,9 +65,9 @@ def _like_plain(draw, p: Profile) -> dict:
     qlens = [n if n == s else longer + n for n in d["query_lens"]]
     seq_max = max(c + n for c, n in zip(d["context_lens"], qlens))
     ws = d["workspace_size"]
-    return {**d, "query_lens": qlens, "arch": "sm90", "invalid": [],
-            "max_model_len": seq_max, "buffer_rows": min(d["buffer_rows"], sum(qlens) + 2),
-            "workspace_size": None if ws is None else max(ws, seq_max)}
+    return within_budget({**d, "query_lens": qlens, "arch": "sm90", "invalid": [], "max_model_len": seq_max,
+                          "buffer_rows": min(d["buffer_rows"], sum(qlens) + 2),
+                          "workspace_size": None if ws is None else max(ws, seq_max)})
 
 
 register(PropertySpec(
