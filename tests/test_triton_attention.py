@@ -1,24 +1,12 @@
 """The sparse attention kernels (Triton; FlashMLA on a GPU) against the float64 reference.
 
-Each kernel output is held to a bound derived from the arithmetic the kernel does, element by
-element, so a pass means "within what fp32/bf16 arithmetic can explain" and not "close enough":
-
-    score error      delta = gamma_600 * l1 (+ 2^-8 l1 when rows are dequantized to bf16 from
-                     non-power-of-two scales), l1 = sm_scale * sum_d |q_d| |K_d| (the reference's
-                     logit_l1): an fp32 dot of 576 exact bf16 products, then a few scalings
-    lse error        delta + lam,  lam = gamma_(K+16) + 4u (|lse| + 1): the sum of K exponentials,
-                     exp2/log and the split-KV merge
-    out error        |out - ref| <= 2^-8 |ref| + (1 + 2^-8) * c * A,   A = sink * sum_j p_j |V_j|
-                     c = 2^-8 (P rounded to bf16 for the PV dot) + expm1(3 delta + 2 lam)
-                         (weights and normaliser) + gamma_(K + K/16 + 8) (fp32 accumulation)
-                         (+ 2^-8 for V rounded to bf16 from non-power-of-two scales);
-                     the leading 2^-8 |ref| is the final rounding to bf16; below bf16's normal
-                     range rounding is absolute, so add 2^-134 (1 + B) + K 2^-149,
-                     B = sink * sum_j |V_j| (half the smallest subnormal, per output and per P).
-u = 2^-24 under the interpreter (IEEE fp32 dots); 2^-23 on a GPU, whose tensor cores may
-truncate rather than round when they accumulate. Exact contracts (empty rows, +-inf / NaN
-patterns, a single valid index) are compared exactly. Every failure message carries the error in
-units of the reference's own bf16 rounding, ||out - ref|| / ||bf16(ref) - ref||.
+Each kernel output is held element by element to the bound derived from the arithmetic the kernel
+does (`mla_verify.equivalence.bounds`, section 1: bf16 P, fp32 accumulation, the bf16 output
+rounding, subnormal floors, the rows' own rounding from non-power-of-two scales), so a pass means
+"within what fp32/bf16 arithmetic can explain" and not "close enough". u = 2^-24 under the
+interpreter (IEEE fp32 dots); 2^-23 on a GPU. Exact contracts (empty rows, +-inf / NaN patterns,
+a single valid index) are compared exactly. Every failure message carries the error in units of
+the reference's own bf16 rounding, ||out - ref|| / ||bf16(ref) - ref||.
 """
 
 from __future__ import annotations
@@ -28,18 +16,18 @@ import sys
 
 import pytest
 import torch
-from hypothesis import currently_in_test_context, given, note, strategies as st
+from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
+from mla_verify.equivalence.bounds import DEQUANT_REL, weighted_abs_values
 from mla_verify.equivalence.values import kv_values, q_values
 from mla_verify.optimized import buffers, flashmla, registry
-from mla_verify.optimized.kernels import interpreting
 from mla_verify.optimized.kernels import sparse_decode as triton_decode
 from mla_verify.optimized.kernels import sparse_prefill as triton_prefill
 from mla_verify.optimized.kernels.attention_launch import VARIANTS, AttentionConfig
 from mla_verify.optimized.validation import InputError
+from tests.bound_checks import check_attention
 
-BF16_U = 2.0**-8
 SEEDS = st.integers(0, 2**31 - 1)
 HEADS = st.sampled_from([1, 8, 16, 64])
 REGIMES = st.sampled_from(["normal", "outliers", "peaked", "tiny"])
@@ -49,89 +37,6 @@ OUT_OF_RANGE_NEGATIVES = (-2, -7, -123456, -(2**31))
 # block): the interpreter skips the prefetch itself but runs the index and address arithmetic.
 LEAN = st.booleans()
 PREFETCH = st.sampled_from([0, 2])
-
-
-def fp32_unit() -> float:
-    return 2.0**-24 if interpreting() else 2.0**-23
-
-
-def gamma(n: int) -> float:
-    u = fp32_unit()
-    return n * u / (1 - n * u)
-
-
-# ---------------------------------------------------------------------------------------------
-# The bound and the comparison
-
-
-def weighted_abs_values(q, rows, valid, sm_scale, lse, sink):
-    """(A, B) per (token, head, dim) in float64: A = f * sum_j p_j |V_j|, B = f * sum_j |V_j|,
-    f the sink factor 1 / (1 + e^(sink - lse)).
-
-    q [n, H, 576], rows [n, K, 576] (exact values), valid [n, K], lse [n, H] (reference), sink [H].
-    """
-    rows = torch.where(valid[..., None], rows.double(), 0)
-    s = sm_scale * torch.einsum("nhd,nkd->nhk", q.double(), rows)
-    live = torch.isfinite(lse)
-    lse = torch.where(live, lse, 0)
-    p = torch.exp(s - lse[..., None]) * (valid[:, None, :] & live[..., None])
-    a = torch.einsum("nhk,nkd->nhd", p, rows[..., :512].abs())
-    b = rows[..., :512].abs().sum(1)[:, None, :] * live[..., None]
-    if sink is not None:
-        f = 1 / (1 + torch.exp(sink.double()[None, :] - lse))[..., None]
-        a, b = a * f, b * f
-    return a, b
-
-
-def check_attention(label, got, ref, ab, topk, dequant_rel=0.0):
-    """Compare got = (out, lse, max_logits | None) with ref = (out, lse, max_logits | None,
-    logit_l1), all laid out [n, H(, 512)]; ab = `weighted_abs_values`."""
-    out, lse, max_logits = got
-    ref_out, ref_lse, ref_max, l1 = ref
-    u = fp32_unit()
-    assert not bool(torch.isnan(out).any()), f"{label}: NaN in out"
-    assert not bool(torch.isnan(lse).any()), f"{label}: NaN in lse"
-    lse, ref_lse = lse.double(), ref_lse.double()
-    live = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), live), f"{label}: finite-lse pattern differs from the reference"
-    assert torch.equal(lse[~live], ref_lse[~live]), f"{label}: lse of empty rows must be +inf"
-    assert bool((out[~live] == 0).all()), f"{label}: out of empty rows must be exactly 0"
-
-    delta = (gamma(600) + dequant_rel) * l1
-    lam = gamma(topk + 16) + 4 * u * (torch.where(live, ref_lse, 0).abs() + 1)
-    lse_err = torch.where(live, (lse - ref_lse).abs(), 0)
-    lse_bound = torch.where(live, delta + lam, 0)
-    worst = int(torch.argmax(lse_err - lse_bound))
-    assert bool((lse_err <= lse_bound).all()), (
-        f"{label}: lse error {lse_err.flatten()[worst]:.3e} > bound {lse_bound.flatten()[worst]:.3e} at flat {worst}"
-    )
-    if max_logits is not None:
-        max_logits, ref_max = max_logits.double(), ref_max.double()
-        assert torch.equal(max_logits[~live], ref_max[~live]), f"{label}: max_logits of empty rows must be -inf"
-        max_err = torch.where(live, (max_logits - ref_max).abs(), 0)
-        assert bool((max_err <= torch.where(live, delta + u * ref_max.abs(), 0)).all()), (
-            f"{label}: max_logits error {float(max_err.max()):.3e} over the score bound"
-        )
-
-    a, b = ab
-    c = BF16_U + dequant_rel + torch.expm1(3 * delta + 2 * lam) + gamma(topk + topk // 16 + 8)
-    # Below bf16's normal range rounding is absolute: half the smallest subnormal, 2^-134, for
-    # the output and for each P entry (weighted by |V_j|), plus fp32 subnormal steps 2^-149.
-    floor = 2.0**-134 * (1 + b) + topk * 2.0**-149
-    bound = BF16_U * ref_out.abs() + (1 + BF16_U) * c[..., None] * a + floor
-    err = (out.double() - ref_out).abs()
-    rounding = (ref_out.bfloat16().double() - ref_out).norm()
-    units = float(err.norm() / rounding) if rounding > 0 else float("nan")
-    summary = f"{label}: ||out - ref|| = {units:.3f} bf16 roundings of the reference"
-    if currently_in_test_context():
-        note(summary)
-    else:
-        print(summary)
-    worst = int(torch.argmax(err - bound))
-    assert bool((err <= bound).all()), (
-        f"{label}: out error {err.flatten()[worst]:.3e} > bound {bound.flatten()[worst]:.3e} at flat index "
-        f"{worst} (ref {ref_out.flatten()[worst]:.4e}); overall {units:.2f} bf16 roundings of the reference"
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +193,7 @@ def test_triton_decode_matches_reference(
     with buffers.poisoned():
         got = triton_decode.sparse_decode_fp8(q, cache, idx, sm_scale, config=config)
     ref = R.sparse_decode_fp8(q, cache, idx, sm_scale)
-    dequant_rel = BF16_U if rule == "raw" else 0.0
+    dequant_rel = DEQUANT_REL["bf16_dequant"] if rule == "raw" else 0.0  # the Triton decode's deviation
     check_attention(f"triton decode ({rule} scales)", *decode_check_inputs(q, cache, idx, sm_scale, got, ref),
                     topk, dequant_rel)
 

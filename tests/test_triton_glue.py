@@ -2,7 +2,7 @@
 fp8_ds_mla writer and reader, the DCP merge and the MLA query concat.
 
 Exact contracts (indices, cache bytes, bf16 bits) are compared bit for bit; the DCP merge is held
-to the rounding bound derived in `_merge_tolerance`. Kernel outputs are allocated poisoned (NaN,
+to the rounding bound derived in `mla_verify.equivalence.bounds`. Kernel outputs are allocated poisoned (NaN,
 0xFF bytes, 0x5A5A5A5A int32) so an element a kernel forgets to write shows. Hypothesis draws the
 structure and an integer seed; every tensor comes from `torch.Generator().manual_seed(seed)`.
 Test names carry the name of the Triton entry point they run.
@@ -21,6 +21,7 @@ import triton.language as tl
 from hypothesis import given, note, settings, strategies as st
 
 from mla_verify import reference as R
+from mla_verify.equivalence.bounds import dcp_merge_bounds
 from mla_verify.equivalence.values import REGIMES, kv_values
 from mla_verify.optimized import buffers
 from mla_verify.optimized.kernels import cache_writer, concat, dcp_merge as merge_kernels, gather, indices, launch
@@ -365,38 +366,7 @@ def test_triton_write_fp8_ds_mla_cache_matches_reference(
 # ---------------------------------------------------------------------------------------------
 # DCP merge
 
-# Error bound of the merge against the reference (float64 L and f; each partial rounded to bf16
-# once; an exact sum). Per (t, h), with p_n = o_n * f_n (reference, unrounded):
-#   L:  a handful of fp32 operations (exp, sum of N terms, log, + m), each within a few units of
-#       2**-24 of its magnitude, plus the GPU's ex2/lg2 approximations (<= 2**-22):
-#       |dL| <= 2**-20 * (1 + N + |L| + max_n |x_n - m|)                                   (tol_L)
-#   f_n = exp(lse_n - L) in fp32: relative error <= |dL| + 2**-24 |lse_n - L| + 2**-22     (eps_n)
-#   partial: bf16(fp32(o_n f_n)) vs bf16(p_n): the unrounded values differ by (eps_n + 2**-24)|p_n|,
-#       and two round-to-nearest results differ by that plus at most one bf16 ulp (<= 2**-7 |p_n|)
-#       (plus |o_n| 2**-126 where f_n is so small that fp32 flushes it: exp below 2**-126)
-#   sum: N fp32 additions, <= N 2**-24 sum_n |p_n| (first order);  final bf16 rounding <= 2**-8 |out|
-#   tol = 2**-8 |out_ref| + sum_n [(2**-7 (1 + 2**-7) + eps_n + (N + 1) 2**-24) |p_n| + 2**-126 |o_n|]
-#         + N 2**-133
-# (the 2**-7 factor covers second-order terms; 2**-133 is bf16's smallest subnormal step).
-
-
-def _merge_tolerance(outs: torch.Tensor, lses: torch.Tensor, out_ref: torch.Tensor, lse_ref: torch.Tensor):
-    ranks = outs.shape[0]
-    x = lses.double()
-    x = torch.where(x.isnan() | (x == math.inf), -math.inf, x)
-    finite = lse_ref.isfinite()
-    m = torch.where(finite, x.amax(0), 0.0)
-    spread = torch.where(x.isfinite(), (x - m).abs(), 0.0).amax(0)
-    tol_lse = 2.0**-20 * (1 + ranks + lse_ref.abs().nan_to_num(0.0, 0.0, 0.0) + spread)
-    _, f = R.merge_weights(lses)
-    exponent = (lses.double() - lse_ref).abs().nan_to_num(0.0, 0.0, 0.0)
-    eps = tol_lse + 2.0**-24 * exponent + 2.0**-22
-    p = torch.where(f[..., None] == 0, 0.0, outs.double() * f[..., None]).abs()
-    flushed = 2.0**-126 * torch.where(f[..., None] == 0, 0.0, outs.double()).abs()
-    per_rank = (2.0**-7 * (1 + 2.0**-7) + eps[..., None] + (ranks + 1) * 2.0**-24) * p + flushed
-    tol_out = 2.0**-8 * out_ref.abs() + per_rank.sum(0) + ranks * 2.0**-133
-    return tol_out, tol_lse
-
+# The merge is held to the rounding bound of mla_verify.equivalence.bounds (section 3).
 
 _EMPTINESS = ("none", "some", "junk", "all")
 
@@ -439,7 +409,7 @@ def test_triton_dcp_merge_and_dcp_lse_correct_match_reference(ranks, tokens, hea
         out, lse = dcp_merge(outs.to(DEVICE), lses.to(DEVICE))
     out, lse = out.cpu(), lse.cpu()
     assert not out.isnan().any() and not lse.isnan().any()
-    tol_out, tol_lse = _merge_tolerance(outs, lses, out_ref, lse_ref)
+    tol_out, tol_lse = dcp_merge_bounds(outs, lses, out_ref, lse_ref)
     assert torch.equal(lse.isinf(), lse_ref.isinf()) and torch.equal(lse[lse.isinf()], lse_ref[lse_ref.isinf()].float())
     finite = lse_ref.isfinite()
     assert bool(((lse.double() - lse_ref).abs()[finite] <= tol_lse[finite]).all()), "lse outside its bound"
