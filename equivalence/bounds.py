@@ -156,7 +156,8 @@ def weighted_abs_values(q, rows, valid, sm_scale, lse, sink=None) -> tuple[torch
     s = sm_scale * torch.einsum("nhd,nkd->nhk", q.double(), rows)
     live = torch.isfinite(lse)
     lse = torch.where(live, lse.double(), 0)
-    p = torch.exp(s - lse[..., None]) * (valid[:, None, :] & live[..., None])
+    # where, not a product: an invalid key's logit is 0, whose exp(0 - lse) overflows when lse < -709
+    p = torch.where(valid[:, None, :] & live[..., None], torch.exp(s - lse[..., None]), 0)
     values = rows[..., :512].abs()
     a = torch.einsum("nhk,nkd->nhd", p, values)
     b = values.sum(1)[:, None, :] * live[..., None]
