@@ -20,11 +20,15 @@ Three kinds of tensor, three ways of measuring:
                     channels do not dominate it). Rounding to nearest averages out
                     (~2**-8 / sqrt(3 n)); a wrong scale, a lost softmax mass or a biased
                     dequantization shows as a steady sign
+    elem_bound_ratio max |a - r| / bound over the finite elements, where the op's reference derives a
+                    per-element bound (equivalence.bounds): <= 1 for any correct kernel (0 / 0 is 0;
+                    an error where the bound is 0, an empty row's output, is inf)
 * lse and max_logits (fp32 against float64):
     mean_err        (for these, the signed gain <a - r, r> / <r, r>)
     lse_fp32_units  max |a - r| / (2**-24 * (logit_l1 + |r| + 1)): the worst error in fp32 rounding
                     steps of the row's logit scale (logit_l1 = max_j sm_scale * sum_d |q_d K_jd|,
                     what an fp32 dot product's rounding error grows with)
+    elem_bound_ratio as for out, against the derived LSE (max_logits) bound
 Both float kinds compare NaN and infinities by position first: +inf, -inf and NaN must sit in
 exactly the reference's places (`inf_mismatch` counts the positions that differ) and NaN the
 reference does not have is counted in `nan_count`. The other metrics use the positions where
@@ -61,9 +65,10 @@ class Metrics:
     bf16_units: float = math.nan  # ||impl - ref|| / ||bf16(ref) - ref||: error in units of bf16 rounding
     elem_bf16_units: float = math.nan  # worst element, in bf16 rounding steps of its row's magnitude
     lse_fp32_units: float = math.nan   # worst LSE error, in fp32 rounding steps of its row's logit scale
+    elem_bound_ratio: float = math.nan  # worst element's error / its derived bound (NaN: no bound derived)
     nan_count: int = 0            # NaN in the implementation's output where the reference has none
     inf_mismatch: int = 0         # positions whose +inf / -inf / NaN pattern differs from the reference
-    extra: dict = field(default_factory=dict)  # "shape" (a mismatch), "first_mismatch" (exact)
+    extra: dict = field(default_factory=dict)  # "shape" (a mismatch), "first_mismatch" (exact), "bound_at"
 
 
 def _position(flat_index: int, shape: torch.Size) -> str:
@@ -144,10 +149,28 @@ def _float_stats(a: torch.Tensor, r: torch.Tensor, extra) -> tuple[Metrics, dict
     return m, values
 
 
-def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch.Tensor | None = None) -> Metrics:
+def _bound_ratio(abs_d: torch.Tensor, bound: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """elem_bound_ratio's (value, flat position) as `extra` scalars: max |d| / bound, 0 where d is."""
+    if bound is None:
+        return {}
+    ratio = torch.where(abs_d > 0, abs_d / bound.to(abs_d.device, torch.float64), 0.0)
+    value, at = _first(ratio)
+    return {"bound_ratio": value, "bound_at": at}
+
+
+def _set_bound_ratio(m: Metrics, v: dict[str, float], shape: torch.Size) -> None:
+    if "bound_ratio" in v:
+        m.elem_bound_ratio = v["bound_ratio"] if v["n"] else 0.0
+        if v["bound_ratio"] > 0:
+            m.extra["bound_at"] = _position(int(v["bound_at"]), shape)
+
+
+def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch.Tensor | None = None,
+           bound: torch.Tensor | None = None) -> Metrics:
     """An attention output (bf16 or wider) against the float64 reference; `elem_units` is the
     per-element bound (in bf16 steps of the row's magnitude) that `mismatch_frac` counts against;
-    `value_max` (the rows' shape without the last dim) the largest |V| each row averages."""
+    `value_max` (the rows' shape without the last dim) the largest |V| each row averages; `bound`
+    (r's shape) the derived per-element bound, for elem_bound_ratio."""
     r = r.double()
     floor = FP32_TINY if value_max is None else FP32_TINY * value_max.to(r.device).double().clamp(min=1.0)[..., None]
 
@@ -161,10 +184,12 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch
             "rounding_sq": torch.dot(rounding, rounding), "elem": elem, "elem_argmax": elem_argmax,
             "beyond": (abs_d > elem_units * row_scale).sum(dtype=torch.float64),
             "rel_sum": torch.where(sizable, d / rf, 0.0).sum(), "rel_n": sizable.sum(dtype=torch.float64),
+            **_bound_ratio(abs_d, bound),
         }
 
     m, v = _float_stats(a, r, extra)
     m.rows = r.numel() // max(r.shape[-1], 1) if r.dim() else 1
+    _set_bound_ratio(m, v, r.shape)
     if not v["n"]:
         return m
     # 1 - cos(a, r) from d = a - r without cancellation: |a|^2 |r|^2 - <a, r>^2 = |d|^2 |r|^2 - <d, r>^2.
@@ -191,16 +216,18 @@ def _row_first(abs_d: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tens
     return ratio, row * width + col.take(row)  # take(): a 0-d index stays on the device
 
 
-def lse(a: torch.Tensor, r: torch.Tensor, logit_l1: torch.Tensor) -> Metrics:
-    """An LSE (or max_logits) against the float64 reference, scaled by each row's logit scale."""
+def lse(a: torch.Tensor, r: torch.Tensor, logit_l1: torch.Tensor, bound: torch.Tensor | None = None) -> Metrics:
+    """An LSE (or max_logits) against the float64 reference, scaled by each row's logit scale;
+    `bound` (r's shape) the derived per-element bound, for elem_bound_ratio."""
     r = r.double()
 
     def extra(d, rf, abs_d):
         scale = FP32_UNIT * (logit_l1.double() + rf.abs() + 1.0)
-        return {"units": (abs_d / scale).max() if d.numel() else d.sum()}
+        return {"units": (abs_d / scale).max() if d.numel() else d.sum(), **_bound_ratio(abs_d, bound)}
 
     m, v = _float_stats(a, r, extra)
     m.lse_fp32_units = v["units"] if v["n"] else 0.0
+    _set_bound_ratio(m, v, r.shape)
     if v["n"]:
         m.mean_err = v["dot"] / v["ref_sq"] if v["ref_sq"] else 0.0
     return m

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -17,6 +17,7 @@ from . import metrics as M
 from .policy import EXACT, LSE, OUT, Bound, Numerics, bounds_for, limit_for
 
 ELEM_UNITS_FOR_MISMATCH = 4.0  # per-element count reported as mismatch_frac (not gated itself)
+ELEM_BOUND = "elem_bound_ratio"  # the metric of the derived per-element bound (equivalence.bounds)
 
 
 @dataclass
@@ -38,18 +39,20 @@ def _value(m: M.Metrics, metric: str) -> float:
     return 0.0 if isinstance(v, float) and math.isnan(v) else float(v)
 
 
-def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> M.Metrics:
+def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None,
+            bound: torch.Tensor | None = None) -> M.Metrics:
     """`scale` (per row): an LSE's logit_l1; an output's value_max (the largest |V| its row
-    averages), which sets the size below which an fp32 kernel's weights flush to zero."""
+    averages), which sets the size below which an fp32 kernel's weights flush to zero. `bound`
+    (ref's shape): the derived per-element bound (equivalence.bounds), for elem_bound_ratio."""
     impl = impl.to(ref.device)  # an implementation may hand back its result on another device
     if impl.shape != ref.shape:
         return M.Metrics(numel=ref.numel(), mismatch_frac=1.0, extra={"shape": f"{tuple(impl.shape)} vs {tuple(ref.shape)}"})
     if kind == EXACT:
         return M.exact(impl, ref)
     if kind == OUT:
-        return M.output(impl, ref, ELEM_UNITS_FOR_MISMATCH, scale)
+        return M.output(impl, ref, ELEM_UNITS_FOR_MISMATCH, scale, bound)
     if kind == LSE:
-        return M.lse(impl, ref, scale if scale is not None else torch.zeros_like(ref))
+        return M.lse(impl, ref, scale if scale is not None else torch.zeros_like(ref), bound)
     raise ValueError(f"unknown tensor kind {kind!r}")
 
 
@@ -72,7 +75,7 @@ def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str =
     room, bound, value, limit = worst
     passed = value <= limit
     reason = "" if passed else f"{bound.metric} = {value:.4g} > {limit:.4g} ({bound.reason})"
-    at = m.elem_at if bound.metric == "elem_bf16_units" else m.max_abs_at
+    at = {"elem_bf16_units": m.elem_at, ELEM_BOUND: m.extra.get("bound_at", "")}.get(bound.metric, m.max_abs_at)
     if not passed and at:
         reason += f"; worst element at [{at}]"
         if "first_mismatch" in m.extra:
@@ -87,7 +90,15 @@ def judge(
     case: Numerics,
     deviations: Iterable[str] = (),
     scale: torch.Tensor | None = None,
+    bound: Mapping[str, torch.Tensor] | None = None,
 ) -> Verdict:
-    """`impl` against `ref` as a tensor of `kind`, under the bounds for `case`'s numerics."""
+    """`impl` against `ref` as a tensor of `kind`, under the bounds for `case`'s numerics.
+
+    `bound`: the reference's derived per-element bounds of this tensor by the deviation they
+    allow for ("" none: `equivalence.ops.base.Check.bound`). The elem_bound_ratio bound applies
+    only where the reference derived one for the deviation that set the bounds."""
     bounds, deviation = bounds_for(kind, case, deviations)
-    return verdict(kind, measure(kind, impl, ref, scale), bounds, deviation)
+    tensor = None if bound is None else bound.get(deviation)
+    if tensor is None:
+        bounds = tuple(b for b in bounds if b.metric != ELEM_BOUND)
+    return verdict(kind, measure(kind, impl, ref, scale, tensor), bounds, deviation)

@@ -253,7 +253,7 @@ def stage_profile(case, subject, device: str) -> dict[str, dict]:
         for check in spec.checks:
             scale = state["ref"].get(check.scale) if check.scale else None
             judge(check.kind, state["got"].tensors[check.tensor], state["ref"][check.tensor], params.numerics(),
-                  state["got"].deviations, scale)
+                  state["got"].deviations, scale, check.bounds_in(state["ref"]))
 
     stages = {"inputs": inputs, "reference": ref, "snapshot": snapshot, "kernel": kernel, "judge": judged}
     times: dict[str, list[float]] = {name: [] for name in stages}

@@ -1,6 +1,6 @@
 """The optimized pipeline with its float32 eager stages against the float64 reference, every path:
 bf16 / fp8_mixed / fp8_separate, DCP merged over ranks, and stage overrides and fallbacks.
-Tolerances: the fp32 error model of `fp32_bounds`."""
+Tolerances: the fp32 error model of `mla_verify.equivalence.bounds` (section 2)."""
 
 import math
 
@@ -12,9 +12,10 @@ from mla_verify import reference as R
 from mla_verify.equivalence.batch import make_batch
 from mla_verify.equivalence.params import ForwardParams
 from mla_verify.equivalence.patterns import FORWARD_PATTERNS
+from mla_verify.equivalence.bounds import ErrorModel
 from mla_verify.equivalence.values import REGIMES
-from tests.fp32_bounds import U, ErrorModel, check_against_reference, fp32_stages
 from mla_verify.optimized import buffers, forward_mqa, forward_mqa_dcp, needed_stages, registry
+from tests.bound_checks import check_against_reference, fp32_stages
 
 seeds = st.integers(0, 2**31 - 1)
 CACHE_DTYPES = ("bfloat16", "fp8_ds_mla", "nvfp4_ds_mla")
@@ -96,18 +97,12 @@ def test_dcp_ranks_and_merge_match_the_reference(seed, dcp, data):
     assert not bool(got.out.isnan().any()) and not bool(got.lse.isnan().any())
     assert torch.equal(got.lse == -math.inf, ref.lse == -math.inf) and not bool((got.lse == math.inf).any())
     assert bool((got.out[ref.lse == -math.inf] == 0).all())
-    # To first order, four bf16 roundings separate the two (each rank's output, its scaled term
-    # on both sides, the final sum), each <= 2^-8 (bf16 unit roundoff) of sum_n f_n |out_n|; the
-    # fp32 weights add 2 dlse of it and each rank's fp32 output its dout (the f_n sum to 1).
-    # Measured: up to 0.66 of this bound.
-    lses = torch.stack([p.lse for p in ref_parts])
-    _, f = R.merge_weights(lses)
-    scale = (torch.stack([p.out for p in ref_parts]).abs() * f[..., None]).sum(0)
-    dlse = model.lse(torch.nan_to_num(lses, posinf=0.0, neginf=0.0).abs().amax(0))
-    bound = (2.0**-6 + 2 * dlse[..., None]) * scale + 2 * model.out()
+    # Four bf16 roundings, the fp32 weights and each rank's own error (bounds section 2, the DCP
+    # merge). Measured: up to 0.66 of this bound.
+    bound = model.merged_out(torch.stack([p.out for p in ref_parts]), torch.stack([p.lse for p in ref_parts]))
     assert bool(((got.out.double() - ref.out).abs() <= bound).all())
     live = ref.lse.isfinite()
-    lse_bound = model.lse(ref.lse) + U * (dcp + 2 * ref.lse.abs())
+    lse_bound = model.merged_lse(ref.lse, dcp)
     assert bool(((got.lse.double() - ref.lse).abs() <= lse_bound)[live].all())
 
 

@@ -1,24 +1,12 @@
 """The sparse attention kernels (Triton; FlashMLA on a GPU) against the float64 reference.
 
-Each kernel output is held to a bound derived from the arithmetic the kernel does, element by
-element, so a pass means "within what fp32/bf16 arithmetic can explain" and not "close enough":
-
-    score error      delta = gamma_600 * l1 (+ 2^-8 l1 when rows are dequantized to bf16 from
-                     non-power-of-two scales), l1 = sm_scale * sum_d |q_d| |K_d| (the reference's
-                     logit_l1): an fp32 dot of 576 exact bf16 products, then a few scalings
-    lse error        delta + lam,  lam = gamma_(K+16) + 4u (|lse| + 1): the sum of K exponentials,
-                     exp2/log and the split-KV merge
-    out error        |out - ref| <= 2^-8 |ref| + (1 + 2^-8) * c * A,   A = sink * sum_j p_j |V_j|
-                     c = 2^-8 (P rounded to bf16 for the PV dot) + expm1(3 delta + 2 lam)
-                         (weights and normaliser) + gamma_(K + K/16 + 8) (fp32 accumulation)
-                         (+ 2^-8 for V rounded to bf16 from non-power-of-two scales);
-                     the leading 2^-8 |ref| is the final rounding to bf16; below bf16's normal
-                     range rounding is absolute, so add 2^-134 (1 + B) + K 2^-149,
-                     B = sink * sum_j |V_j| (half the smallest subnormal, per output and per P).
-u = 2^-24 under the interpreter (IEEE fp32 dots); 2^-23 on a GPU, whose tensor cores may
-truncate rather than round when they accumulate. Exact contracts (empty rows, +-inf / NaN
-patterns, a single valid index) are compared exactly. Every failure message carries the error in
-units of the reference's own bf16 rounding, ||out - ref|| / ||bf16(ref) - ref||.
+Each kernel output is held element by element to the bound derived from the arithmetic the kernel
+does (`mla_verify.equivalence.bounds`, section 1: bf16 P, fp32 accumulation, the bf16 output
+rounding, subnormal floors, the rows' own rounding from non-power-of-two scales), so a pass means
+"within what fp32/bf16 arithmetic can explain" and not "close enough". u = 2^-24 under the
+interpreter (IEEE fp32 dots); 2^-23 on a GPU. Exact contracts (empty rows, +-inf / NaN patterns,
+a single valid index) are compared exactly. Every failure message carries the error in units of
+the reference's own bf16 rounding, ||out - ref|| / ||bf16(ref) - ref||.
 """
 
 from __future__ import annotations
@@ -28,179 +16,77 @@ import sys
 
 import pytest
 import torch
-from hypothesis import currently_in_test_context, given, note, strategies as st
+from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
-from mla_verify.equivalence.values import kv_values, q_values
+from mla_verify.equivalence.bounds import DEQUANT_REL, weighted_abs_values
+from mla_verify.equivalence.patterns import PATTERNS
+from mla_verify.equivalence.params import DECODE_PATTERNS
+from mla_verify.equivalence.values import REGIMES as VALUE_REGIMES, kv_values, q_values
 from mla_verify.optimized import buffers, flashmla, registry
-from mla_verify.optimized.kernels import interpreting
 from mla_verify.optimized.kernels import sparse_decode as triton_decode
 from mla_verify.optimized.kernels import sparse_prefill as triton_prefill
 from mla_verify.optimized.kernels.attention_launch import VARIANTS, AttentionConfig
 from mla_verify.optimized.validation import InputError
+from tests.bound_checks import check_attention
+from tests.specs import spec_inputs
 
-BF16_U = 2.0**-8
 SEEDS = st.integers(0, 2**31 - 1)
 HEADS = st.sampled_from([1, 8, 16, 64])
-REGIMES = st.sampled_from(["normal", "outliers", "peaked", "tiny"])
+REGIMES = st.sampled_from(VALUE_REGIMES)
 SM_SCALES = st.sampled_from([576**-0.5, 0.5, 0.1352])  # FlashMLA's tests, and DeepSeek's 192^-0.5 * mscale^2
-OUT_OF_RANGE_NEGATIVES = (-2, -7, -123456, -(2**31))
+# The ops' params (equivalence.params PrefillParams, DecodeParams): every invalid-index pattern each allows.
+PREFILL_INVALID = st.lists(st.sampled_from(PATTERNS), max_size=3, unique=True)
+DECODE_INVALID = st.lists(st.sampled_from(DECODE_PATTERNS), max_size=3, unique=True)
 # The launch switches that change the kernel's code (addressing, the L2 prefetch of a later
 # block): the interpreter skips the prefetch itself but runs the index and address arithmetic.
 LEAN = st.booleans()
 PREFETCH = st.sampled_from([0, 2])
 
 
-def fp32_unit() -> float:
-    return 2.0**-24 if interpreting() else 2.0**-23
-
-
-def gamma(n: int) -> float:
-    u = fp32_unit()
-    return n * u / (1 - n * u)
-
-
-# ---------------------------------------------------------------------------------------------
-# The bound and the comparison
-
-
-def weighted_abs_values(q, rows, valid, sm_scale, lse, sink):
-    """(A, B) per (token, head, dim) in float64: A = f * sum_j p_j |V_j|, B = f * sum_j |V_j|,
-    f the sink factor 1 / (1 + e^(sink - lse)).
-
-    q [n, H, 576], rows [n, K, 576] (exact values), valid [n, K], lse [n, H] (reference), sink [H].
-    """
-    rows = torch.where(valid[..., None], rows.double(), 0)
-    s = sm_scale * torch.einsum("nhd,nkd->nhk", q.double(), rows)
-    live = torch.isfinite(lse)
-    lse = torch.where(live, lse, 0)
-    p = torch.exp(s - lse[..., None]) * (valid[:, None, :] & live[..., None])
-    a = torch.einsum("nhk,nkd->nhd", p, rows[..., :512].abs())
-    b = rows[..., :512].abs().sum(1)[:, None, :] * live[..., None]
-    if sink is not None:
-        f = 1 / (1 + torch.exp(sink.double()[None, :] - lse))[..., None]
-        a, b = a * f, b * f
-    return a, b
-
-
-def check_attention(label, got, ref, ab, topk, dequant_rel=0.0):
-    """Compare got = (out, lse, max_logits | None) with ref = (out, lse, max_logits | None,
-    logit_l1), all laid out [n, H(, 512)]; ab = `weighted_abs_values`."""
-    out, lse, max_logits = got
-    ref_out, ref_lse, ref_max, l1 = ref
-    u = fp32_unit()
-    assert not bool(torch.isnan(out).any()), f"{label}: NaN in out"
-    assert not bool(torch.isnan(lse).any()), f"{label}: NaN in lse"
-    lse, ref_lse = lse.double(), ref_lse.double()
-    live = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), live), f"{label}: finite-lse pattern differs from the reference"
-    assert torch.equal(lse[~live], ref_lse[~live]), f"{label}: lse of empty rows must be +inf"
-    assert bool((out[~live] == 0).all()), f"{label}: out of empty rows must be exactly 0"
-
-    delta = (gamma(600) + dequant_rel) * l1
-    lam = gamma(topk + 16) + 4 * u * (torch.where(live, ref_lse, 0).abs() + 1)
-    lse_err = torch.where(live, (lse - ref_lse).abs(), 0)
-    lse_bound = torch.where(live, delta + lam, 0)
-    worst = int(torch.argmax(lse_err - lse_bound))
-    assert bool((lse_err <= lse_bound).all()), (
-        f"{label}: lse error {lse_err.flatten()[worst]:.3e} > bound {lse_bound.flatten()[worst]:.3e} at flat {worst}"
-    )
-    if max_logits is not None:
-        max_logits, ref_max = max_logits.double(), ref_max.double()
-        assert torch.equal(max_logits[~live], ref_max[~live]), f"{label}: max_logits of empty rows must be -inf"
-        max_err = torch.where(live, (max_logits - ref_max).abs(), 0)
-        assert bool((max_err <= torch.where(live, delta + u * ref_max.abs(), 0)).all()), (
-            f"{label}: max_logits error {float(max_err.max()):.3e} over the score bound"
-        )
-
-    a, b = ab
-    c = BF16_U + dequant_rel + torch.expm1(3 * delta + 2 * lam) + gamma(topk + topk // 16 + 8)
-    # Below bf16's normal range rounding is absolute: half the smallest subnormal, 2^-134, for
-    # the output and for each P entry (weighted by |V_j|), plus fp32 subnormal steps 2^-149.
-    floor = 2.0**-134 * (1 + b) + topk * 2.0**-149
-    bound = BF16_U * ref_out.abs() + (1 + BF16_U) * c[..., None] * a + floor
-    err = (out.double() - ref_out).abs()
-    rounding = (ref_out.bfloat16().double() - ref_out).norm()
-    units = float(err.norm() / rounding) if rounding > 0 else float("nan")
-    summary = f"{label}: ||out - ref|| = {units:.3f} bf16 roundings of the reference"
-    if currently_in_test_context():
-        note(summary)
-    else:
-        print(summary)
-    worst = int(torch.argmax(err - bound))
-    assert bool((err <= bound).all()), (
-        f"{label}: out error {err.flatten()[worst]:.3e} > bound {bound.flatten()[worst]:.3e} at flat index "
-        f"{worst} (ref {ref_out.flatten()[worst]:.4e}); overall {units:.2f} bf16 roundings of the reference"
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # Prefill
 
 
-def prefill_inputs(seed, tokens, heads, rows, topk, invalid, length_mode, sink_mode, regime, strided):
-    """q, kv (unreferenced rows NaN), indices, topk_length, attn_sink from one seed."""
-    g = torch.Generator().manual_seed(seed)
-    q = q_values(g, (tokens, heads + 3 * strided, 576), regime)[:, :heads]
-    kv = kv_values(g, rows, regime)
-    if strided:  # rows further apart than 576 elements
-        kv = torch.cat([kv, torch.zeros(rows, 64, dtype=torch.bfloat16)], dim=1)[:, :576]
-    idx = torch.randint(0, rows, (tokens, topk), generator=g, dtype=torch.int32)
-    bad = torch.tensor([-1, *OUT_OF_RANGE_NEGATIVES, rows, rows + 5, 2**31 - 1], dtype=torch.int32)
-    pick = lambda shape: bad[torch.randint(0, len(bad), shape, generator=g)]  # noqa: E731
-    if invalid == "tail":
-        cut = int(torch.randint(0, topk + 1, (1,), generator=g))
-        idx[:, cut:] = pick((tokens, topk - cut))
-    elif invalid == "scattered":
-        mask = torch.rand(tokens, topk, generator=g) < 0.3
-        idx[mask] = pick((int(mask.sum()),))
-    elif invalid == "whole_row":
-        idx[int(torch.randint(0, tokens, (1,), generator=g))] = int(pick((1,)))
-    elif invalid == "duplicates":
-        idx[:, 1::2] = idx[:, : topk // 2]
-    length = {
-        None: None,
-        "zero": torch.zeros(tokens, dtype=torch.int32),
-        "one": torch.ones(tokens, dtype=torch.int32),
-        "full": torch.full((tokens,), topk, dtype=torch.int32),
-        "random": torch.randint(0, topk + 1, (tokens,), generator=g, dtype=torch.int32),
-    }[length_mode]
-    sink = {
-        None: None,
-        "-inf": torch.full((heads,), -math.inf),
-        "+inf": torch.full((heads,), math.inf),
-        "finite": torch.randn(heads, generator=g) * 3,
-        "mixed": torch.tensor([-math.inf, math.inf, 0.5])[torch.randint(0, 3, (heads,), generator=g)],
-    }[sink_mode]
-    valid = (idx >= 0) & (idx < rows)
+def prefill_inputs(seed, strided=False, device="cpu", **params):
+    """The sparse_prefill spec's inputs (q, kv with unreferenced rows NaN, indices, topk_length,
+    attn_sink) and the valid mask; `strided`: q's heads and kv's rows further apart than 576
+    elements (copied into wider NaN-filled tensors and sliced)."""
+    kw = spec_inputs("sparse_prefill", seed, device, **params)
+    q, kv, idx, length = kw["q"], kw["kv"], kw["indices"], kw["topk_length"]
+    if strided:
+        wide_q = q.new_full((q.shape[0], q.shape[1] + 3, 576), float("nan"))
+        wide_q[:, : q.shape[1]] = q
+        wide_kv = kv.new_full((kv.shape[0], 640), float("nan"))
+        wide_kv[:, :576] = kv
+        q, kv = wide_q[:, : q.shape[1]], wide_kv[:, :576]
+    valid = (idx >= 0) & (idx < kv.shape[0])
     if length is not None:
-        valid &= torch.arange(topk)[None, :] < length[:, None]
-    unreferenced = torch.ones(rows, dtype=torch.bool)
-    unreferenced[idx[valid].long()] = False
-    kv[unreferenced] = float("nan")
-    return q, kv, idx, length, sink, valid
+        valid &= torch.arange(idx.shape[1], device=idx.device)[None, :] < length[:, None]
+    return q, kv, idx, length, kw["attn_sink"], valid
 
 
 @given(
     seed=SEEDS,
     tokens=st.integers(1, 3),
     heads=HEADS,
-    rows=st.integers(1, 300),
+    kv_rows=st.integers(1, 300),  # below topk: -1 tails
     topk=st.integers(16, 256),
-    invalid=st.sampled_from([None, "tail", "scattered", "whole_row", "duplicates"]),
-    length_mode=st.sampled_from([None, "zero", "one", "full", "random"]),
-    sink_mode=st.sampled_from([None, "-inf", "+inf", "finite", "mixed"]),
-    regime=REGIMES,
+    invalid=PREFILL_INVALID,
+    topk_length=st.sampled_from(["none", "random", "edges"]),  # edges: 0, 1, K - 1, K
+    sink=st.sampled_from(["none", "finite", "inf"]),  # inf: +inf, -inf and finite heads mixed
+    value_regime=REGIMES,
     sm_scale=SM_SCALES,
     strided=st.booleans(),
     lean=LEAN,
     prefetch=PREFETCH,
 )
 def test_triton_prefill_matches_reference(
-    seed, tokens, heads, rows, topk, invalid, length_mode, sink_mode, regime, sm_scale, strided, lean, prefetch
+    seed, tokens, heads, kv_rows, topk, invalid, topk_length, sink, value_regime, sm_scale, strided, lean, prefetch
 ):
     q, kv, idx, length, sink, valid = prefill_inputs(
-        seed, tokens, heads, rows, topk, invalid, length_mode, sink_mode, regime, strided
+        seed, strided, tokens=tokens, heads=heads, kv_rows=kv_rows, topk=topk, invalid=invalid,
+        topk_length=topk_length, sink=sink, value_regime=value_regime, sm_scale=sm_scale,
     )
     config = AttentionConfig(lean_addressing=lean, l2_prefetch=prefetch)
     with buffers.poisoned():
@@ -226,27 +112,11 @@ def test_triton_prefill_single_valid_index_returns_that_row_exactly():
 # Decode
 
 
-def decode_inputs(seed, batch, s_q, heads, topk, page, pad, invalid, rule, regime):
-    """q, a paged fp8_ds_mla cache (unreferenced slots and padding rows all 0xFF = NaN), indices."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = 1 + -(-48 // page) + int(torch.randint(0, 3, (1,), generator=g))
-    slots = blocks * page
-    q = q_values(g, (batch, s_q, heads, 576), regime)
-    idx = torch.randint(0, slots, (batch, s_q, topk), generator=g, dtype=torch.int32)
-    if invalid == "tail":
-        cut = int(torch.randint(0, topk + 1, (1,), generator=g))
-        idx[..., cut:] = -1
-    elif invalid == "scattered":
-        idx[torch.rand(batch, s_q, topk, generator=g) < 0.3] = -1
-    elif invalid == "whole_row":
-        idx[int(torch.randint(0, batch, (1,), generator=g)), int(torch.randint(0, s_q, (1,), generator=g))] = -1
-    elif invalid == "duplicates":
-        idx[..., 1::2] = idx[..., : topk // 2]
-    storage = torch.full((blocks, page + pad, 656), 0xFF, dtype=torch.uint8)
-    cache = storage[:, :page]
-    referenced = idx[idx >= 0].long().unique()
-    R.write_fp8_ds_mla_cache(kv_values(g, len(referenced), regime), cache, referenced, rule)
-    return q, cache, idx
+def decode_inputs(seed, device="cpu", **params):
+    """The sparse_decode_fp8 spec's q, paged fp8_ds_mla cache (unselected slots and padding rows
+    all 0xFF = NaN) and indices."""
+    kw = spec_inputs("sparse_decode_fp8", seed, device, **params)
+    return kw["q"], kw["kv_cache"], kw["indices"]
 
 
 def decode_check_inputs(q, cache, idx, sm_scale, got, ref):
@@ -270,25 +140,30 @@ def decode_check_inputs(q, cache, idx, sm_scale, got, ref):
     s_q=st.integers(1, 2),
     heads=HEADS,
     topk=st.integers(16, 256),
-    page=st.sampled_from([1, 16, 64, 69]),
-    pad=st.sampled_from([0, 1]),
-    invalid=st.sampled_from([None, "tail", "scattered", "whole_row", "duplicates"]),
+    seq_lens=st.lists(st.integers(1, 300), min_size=2, max_size=2),  # below topk: -1 tails
+    page_size=st.sampled_from([1, 16, 64, 69]),
+    stride_pad=st.sampled_from([0, 1]),
+    invalid=DECODE_INVALID,
     rule=st.sampled_from(["pow2", "pow2", "raw"]),
-    regime=REGIMES,
+    value_regime=REGIMES,
     sm_scale=SM_SCALES,
     splits=st.sampled_from([None, 1, 3]),
     lean=LEAN,
     prefetch=PREFETCH,
 )
 def test_triton_decode_matches_reference(
-    seed, batch, s_q, heads, topk, page, pad, invalid, rule, regime, sm_scale, splits, lean, prefetch
+    seed, batch, s_q, heads, topk, seq_lens, page_size, stride_pad, invalid, rule, value_regime, sm_scale, splits,
+    lean, prefetch
 ):
-    q, cache, idx = decode_inputs(seed, batch, s_q, heads, topk, page, pad, invalid, rule, regime)
+    q, cache, idx = decode_inputs(
+        seed, batch=batch, s_q=s_q, heads=heads, topk=topk, seq_lens=seq_lens[:batch], page_size=page_size,
+        stride_pad=stride_pad, invalid=invalid, scale_rule=rule, value_regime=value_regime, sm_scale=sm_scale,
+    )
     config = AttentionConfig(num_splits=splits, lean_addressing=lean, l2_prefetch=prefetch)
     with buffers.poisoned():
         got = triton_decode.sparse_decode_fp8(q, cache, idx, sm_scale, config=config)
     ref = R.sparse_decode_fp8(q, cache, idx, sm_scale)
-    dequant_rel = BF16_U if rule == "raw" else 0.0
+    dequant_rel = DEQUANT_REL["bf16_dequant"] if rule == "raw" else 0.0  # the Triton decode's deviation
     check_attention(f"triton decode ({rule} scales)", *decode_check_inputs(q, cache, idx, sm_scale, got, ref),
                     topk, dequant_rel)
 
@@ -403,19 +278,21 @@ def _implementation(stage: str, name: str):
 @pytest.mark.parametrize("heads", [16, 64, 128])
 def test_gpu_prefill_matches_reference(name, heads):
     fn = _implementation("sparse_prefill", name)
-    g = torch.Generator().manual_seed(heads)
-    tokens, rows, topk, sm_scale = 48, 6000, 2048, 0.1352
-    q = q_values(g, (tokens, heads, 576), "normal").cuda()
-    kv = kv_values(g, rows, "normal").cuda()
-    idx = torch.randint(-64, rows + 64, (tokens, topk), generator=g, dtype=torch.int32).cuda()
-    length = torch.randint(0, topk + 1, (tokens,), generator=g, dtype=torch.int32).cuda()
-    length[:3] = torch.tensor([0, 1, topk], dtype=torch.int32)
-    sink = torch.randn(heads, generator=g).cuda()
+    topk, sm_scale = 2048, 0.1352
+    q, kv, idx, length, sink, valid = prefill_inputs(
+        heads, device="cuda", tokens=48, heads=heads, kv_rows=6000, topk=topk, value_regime="normal",
+        sm_scale=sm_scale, invalid=["scattered", "negatives", "out_of_range"], topk_length="edges", sink="finite",
+    )
     got = fn(q, kv, idx, sm_scale, length, sink)
     ref = R.sparse_prefill(q, kv, idx, sm_scale, topk_length=length, attn_sink=sink)
-    valid = (idx >= 0) & (idx < rows) & (torch.arange(topk, device="cuda")[None, :] < length[:, None])
     ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()], valid, sm_scale, ref.lse, sink)
     check_attention(f"{name} prefill H={heads}", got, ref, ab, topk)
+
+
+def _gpu_decode_params(batch, s_q, heads, stride_pad):
+    """Production decode: top-k 2048 of 4096-token sequences on 64-slot pages, scattered -1."""
+    return dict(batch=batch, s_q=s_q, heads=heads, topk=2048, seq_lens=[4096] * batch, page_size=64,
+                stride_pad=stride_pad, invalid=["scattered"], scale_rule="pow2", value_regime="normal", sm_scale=0.1352)
 
 
 @pytest.mark.gpu
@@ -423,8 +300,7 @@ def test_gpu_prefill_matches_reference(name, heads):
 @pytest.mark.parametrize("batch,s_q,heads", [(1, 1, 128), (4, 2, 128), (64, 2, 64), (3, 1, 16)])
 def test_gpu_decode_matches_reference(name, batch, s_q, heads):
     fn = _implementation("sparse_decode_fp8", name)
-    q, cache, idx = decode_inputs(batch * 100 + heads, batch, s_q, heads, 2048, 64, 1, "scattered", "pow2", "normal")
-    q, cache, idx = q.cuda(), cache.cuda(), idx.cuda()
+    q, cache, idx = decode_inputs(batch * 100 + heads, "cuda", **_gpu_decode_params(batch, s_q, heads, 1))
     got = fn(q, cache, idx, 0.1352)
     ref = R.sparse_decode_fp8(q, cache, idx, 0.1352)
     check_attention(f"{name} decode B={batch} S={s_q} H={heads}",
@@ -437,12 +313,12 @@ def test_gpu_triton_prefill_variants_agree_with_reference(name):
     """Every prefill launch variant the sweep times, compiled, at production top-k."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    g = torch.Generator().manual_seed(3)
-    q, kv = q_values(g, (16, 128, 576), "normal").cuda(), kv_values(g, 3000, "normal").cuda()
-    idx = torch.randint(-8, 3008, (16, 2048), generator=g, dtype=torch.int32).cuda()
+    q, kv, idx, _, _, valid = prefill_inputs(
+        3, device="cuda", tokens=16, heads=128, kv_rows=3000, topk=2048, value_regime="normal", sm_scale=0.1,
+        invalid=["scattered", "negatives", "out_of_range"],
+    )
     got = triton_prefill.sparse_prefill(q, kv, idx, 0.1, config=VARIANTS["prefill"][name])
     ref = R.sparse_prefill(q, kv, idx, 0.1)
-    valid = (idx >= 0) & (idx < 3000)
     ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()], valid, 0.1, ref.lse, None)
     check_attention(f"triton prefill [{name}]", got, ref, ab, 2048)
 
@@ -453,8 +329,7 @@ def test_gpu_triton_prefill_variants_agree_with_reference(name):
 def test_gpu_triton_decode_variants_agree_with_reference(name, pad):
     """Every decode launch variant the sweep times, compiled, on a packed cache (the layout lean
     addressing specializes) and a padded one."""
-    q, cache, idx = decode_inputs(7, 3, 2, 128, 2048, 64, pad, "scattered", "pow2", "normal")
-    q, cache, idx = q.cuda(), cache.cuda(), idx.cuda()
+    q, cache, idx = decode_inputs(7, "cuda", **_gpu_decode_params(3, 2, 128, pad))
     got = triton_decode.sparse_decode_fp8(q, cache, idx, 0.1352, config=VARIANTS["decode"][name])
     ref = R.sparse_decode_fp8(q, cache, idx, 0.1352)
     check_attention(f"triton decode [{name}]", *decode_check_inputs(q, cache, idx, 0.1352, got, ref), 2048)

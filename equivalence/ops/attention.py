@@ -15,7 +15,8 @@ import torch
 from mla_verify import reference
 from mla_verify.equivalence.contract import returned
 from mla_verify.equivalence.patterns import apply_patterns, distinct_rows
-from mla_verify.equivalence.policy import LSE, OUT
+from mla_verify.equivalence import bounds
+from mla_verify.equivalence.policy import DEVIATIONS, LSE, OUT
 from mla_verify.equivalence.values import fill_selected_slots, kv_values, q_values
 
 from ..draws import decode_params, prefill_params
@@ -61,13 +62,32 @@ def _prefill_inputs(p: PrefillParams, seed: int, device: str) -> dict:
             "topk_length": None if length is None else length.to(torch.int32), "attn_sink": sink}
 
 
+def _elem_bounds(res, ab, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, torch.Tensor]:
+    """The derived per-element bounds (equivalence.bounds) of out, lse and max_logits: "NAME_bound",
+    and "NAME_bound@DEVIATION" for each deviation whose kernels round the rows (DEQUANT_REL) and that
+    applies to the case. `lse_of` lays an [.., H, ..] result out as the output's [..., H]; its
+    inverse is a transpose as well."""
+    found = {}
+    rels = {"": 0.0, **{name: rel for name, rel in bounds.DEQUANT_REL.items() if DEVIATIONS[name].applies(p.numerics())}}
+    for deviation, rel in rels.items():
+        b = bounds.attention_bounds(res.out, lse_of(res.lse), lse_of(res.max_logits), lse_of(res.logit_l1), ab, topk,
+                                    dequant_rel=rel, sink=sink)
+        at = f"@{deviation}" if deviation else ""
+        found.update({f"out_bound{at}": b.out, f"lse_bound{at}": lse_of(b.lse),
+                      f"max_logits_bound{at}": lse_of(b.max_logits)})
+    return found
+
+
 def _prefill_reference(kw, p):
     res = reference.sparse_prefill(kw["q"], kw["kv"], kw["indices"], kw["sm_scale"], kw["topk_length"], kw["attn_sink"])
     # With a sink ~90 nats above the LSE every fp32 weight underflows and the row may come out 0:
     # the oracle tolerates that below 2**-126 of the largest |V| (any |V| averaged is <= the cache's).
     kv = kw["kv"][:, :512].float()
     value_max = kv.nan_to_num(0.0).abs().amax() if kv.numel() else kv.new_zeros(())
-    return {**res._asdict(), "value_max": value_max.expand(res.lse.shape)}
+    ab = bounds.prefill_weighted_abs_values(kw["q"], kw["kv"], kw["indices"], kw["sm_scale"], res.lse,
+                                            kw["topk_length"], kw["attn_sink"])
+    found = _elem_bounds(res, ab, kw["indices"].shape[-1], p, sink=kw["attn_sink"])
+    return {**res._asdict(), "value_max": value_max.expand(res.lse.shape), **found}
 
 
 SPARSE_PREFILL = register(OpSpec(
@@ -78,8 +98,10 @@ SPARSE_PREFILL = register(OpSpec(
     inputs=_prefill_inputs,
     reference=_prefill_reference,
     call=_call(("out", "lse", "max_logits"), 2),
-    checks=(Check("out", OUT, "value_max", dtype=torch.bfloat16), Check("lse", LSE, "logit_l1", dtype=torch.float32),
-            Check("max_logits", LSE, "logit_l1", optional=True, dtype=torch.float32, row_kind="max_logits")),
+    checks=(Check("out", OUT, "value_max", dtype=torch.bfloat16, bound="out_bound"),
+            Check("lse", LSE, "logit_l1", dtype=torch.float32, bound="lse_bound"),
+            Check("max_logits", LSE, "logit_l1", optional=True, dtype=torch.float32, row_kind="max_logits",
+                  bound="max_logits_bound")),
     knobs=lambda p: knobs(p, num_tokens=p.tokens, seq_len=p.kv_rows, cache_dtype="bfloat16"),
     doc="flash_mla_sparse_fwd: bf16 q/kv rows, top-k row indices (invalid: <0 or >=N), topk_length, sink",
 ), priority=0)
@@ -111,7 +133,11 @@ def _decode_inputs(p: DecodeParams, seed: int, device: str) -> dict:
 
 
 def _decode_reference(kw, p):
-    return reference.sparse_decode_fp8(kw["q"], kw["kv_cache"], kw["indices"], kw["sm_scale"])._asdict()
+    res = reference.sparse_decode_fp8(kw["q"], kw["kv_cache"], kw["indices"], kw["sm_scale"])
+    ab = bounds.decode_weighted_abs_values(kw["q"], kw["kv_cache"], kw["indices"], kw["sm_scale"], res.lse)
+    found = _elem_bounds(res, ab, kw["indices"].shape[-1], p, lse_of=lambda x: x.transpose(1, 2))  # [B, H, S] <-> [B, S, H]
+    found = {name: t for name, t in found.items() if not name.startswith("max_logits")}  # not compared: the op returns none
+    return {**res._asdict(), **found}
 
 
 SPARSE_DECODE_FP8 = register(OpSpec(
@@ -122,7 +148,8 @@ SPARSE_DECODE_FP8 = register(OpSpec(
     inputs=_decode_inputs,
     reference=_decode_reference,
     call=_call(("out", "lse"), 2),
-    checks=(Check("out", OUT, dtype=torch.bfloat16), Check("lse", LSE, "logit_l1", dtype=torch.float32)),
+    checks=(Check("out", OUT, dtype=torch.bfloat16, bound="out_bound"),
+            Check("lse", LSE, "logit_l1", dtype=torch.float32, bound="lse_bound")),
     knobs=lambda p: knobs(p, num_tokens=p.batch * p.s_q, seq_len=max(p.seq_lens), block_size=p.page_size,
                           cache_dtype="fp8_ds_mla"),
     doc="flash_mla_with_kvcache sparse decode on 656-byte fp8_ds_mla pages; indices are physical slots, -1 only invalid",

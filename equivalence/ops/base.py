@@ -38,6 +38,15 @@ class Check:
     dtype: torch.dtype | None = None  # the contract's dtype (None: the reference's, for exact tensors)
     contiguous: bool = False   # the contract asks for a dense tensor (a later kernel reads it so)
     row_kind: str | None = None  # its rows' kind (equivalence.rows) where not the policy kind's own
+    # reference tensor of derived per-element bounds (equivalence.bounds), "NAME@DEVIATION" for a
+    # deviation's own: held to elem_bound_ratio <= 1
+    bound: str | None = None
+
+    def bounds_in(self, ref: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The reference's bound tensors of this check by deviation ("" none), or None."""
+        if self.bound is None:
+            return None
+        return {name.partition("@")[2]: t for name, t in ref.items() if name.partition("@")[0] == self.bound}
 
 
 @dataclass
@@ -179,6 +188,6 @@ class OpSpec:
             scale = ref.get(check.scale) if check.scale else None
             numerics = params.numerics()
             v = judge(check.kind, out, want, numerics.replace(dcp_size=1) if check.single_rank else numerics,
-                      got.deviations, scale)
+                      got.deviations, scale, check.bounds_in(ref))
             rows.append(judged_row(base, check.tensor, check.row_kind or check.kind, v, **times))
         return rows
