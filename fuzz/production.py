@@ -44,11 +44,11 @@ PINNED: dict[str, dict[str, dict]] = {
                         "max_model_len": 4098},
     },
     "dcp_size_one": {
-        "dcp_convert_index": dict(tokens=256, requests=8, table_width=64, topk=TOPK, block_size=64, interleave=1,
-                                  compact=True, invalid=["scattered"]),
+        "dcp_convert_index": dict(tokens=256, requests=8, table_width=64, topk=TOPK, block_size=64, dcp_size=1,
+                                  dcp_rank=0, interleave=1, compact=True, invalid=["scattered"]),
         "forward_mqa": {**FORWARD, "heads": 16, "query_lens": [1] * 32 + [64], "context_lens": [4096] * 33,
                         "max_model_len": 4160},
-        "dcp_merge": dict(tokens=256, heads=HEADS, empty_frac=0.3),
+        "dcp_merge": dict(ranks=1, tokens=256, heads=HEADS, empty_frac=0.3),
     },
     # A bf16 HiSparse batch over two layers: 16 decodes swapped into a hot cache sized to fit, and
     # two staged prefills, against the same batch on the plain path.

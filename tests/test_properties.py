@@ -30,6 +30,16 @@ CPU_RUNS = {"torch-fp32": (get_profile("ci"), 6), "triton": (TINY, 2)}
 GPU_EXAMPLES = 3
 
 
+@pytest.mark.parametrize("name, target", TARGETS, ids=TARGET_IDS)
+def test_every_production_case_is_a_valid_case(name, target):
+    """The GPU lane's pinned production-shape cases are case files like any other: within their
+    property's params (a missing field fails here, not on the GPU)."""
+    from mla_verify.equivalence.catalog import validate_case
+
+    for case in production_cases(name, [target]):
+        validate_case(case.to_dict())
+
+
 def rows_of(case, subject, device: str) -> list:
     """Evaluate a property case; every row it gives belongs to one of the property's checks."""
     (note if currently_in_test_context() else print)(f"case: {case.dumps()}")
