@@ -60,7 +60,12 @@ to bf16 once (`attention_bounds`):
                          the output, each P entry, and one rescaled partial per key may flush
     sink underflow   where f < 2**-126 an fp32 kernel's sink factor itself underflows (exp(sink -
                      lse) overflows fp32 from sink - lse > 88.7): its output may be 0 however
-                     large |ref| = f |sum p_j V_j| <= A. The bound adds A there (`sink` given).
+                     large |ref| = f |sum p_j V_j| <= A. A kernel normalizing by the max logit m
+                     instead (FlashMLA: out = O / (L + e^(sink - m)), O and L relative to m)
+                     flushes where 1 / (1 + e^(sink - m)) < 2**-126, up to e^(lse - m) <= K times
+                     sooner (measured on the H200: every row with sink - m > 126 ln 2 came out 0).
+                     The bound adds A where that factor, which is <= f, is below 2**-126
+                     (`sink` given).
 Exact contracts are not bounds: a row with no valid entry has out exactly 0 (its bound is 0) and
 lse +inf, max_logits -inf (compared by position).
 
@@ -235,8 +240,8 @@ def attention_bounds(ref_out, ref_lse, ref_max, logit_l1, ab, topk, *, unit=U_TR
     else:
         floor = BF16_HALF_SUBNORMAL * (1 + b) + topk * FP32_SUBNORMAL
     out = BF16_U * ref_out.double().abs() + (1 + BF16_U) * c[..., None] * a + floor
-    if sink is not None:
-        f = 1 / (1 + torch.exp(sink.double() - torch.where(live, ref_lse, 0)))
+    if sink is not None:  # the sink factor against the max logit, <= the exact one (docstring)
+        f = 1 / (1 + torch.exp(sink.double() - torch.where(live, ref_max, 0)))
         out = out + torch.where((f < FP32_TINY)[..., None], a, 0)
     out = torch.where(live[..., None], out, 0)
     return AttentionBounds(out, lse, max_logits)

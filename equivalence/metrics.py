@@ -13,8 +13,9 @@ Three kinds of tensor, three ways of measuring:
                     the worst element in bf16 rounding steps of its own row's magnitude. The
                     floor is where fp32 arithmetic underflows: a weight below the smallest normal
                     float32 flushes to zero (FTZ), so a row whose weights all sit there (a sink
-                    ~90 nats above the LSE) may come out 0; value_max (the largest |V| the row
-                    averages, 1 when unknown) is what such a weight multiplies
+                    ~87 nats above the LSE or the max logit) may come out 0; value_max (the largest
+                    |V| the row averages, times e^(lse - max_logit) for a kernel normalizing by the
+                    max logit; 1 when unknown) is what such a weight multiplies
     mean_err        mean of (a - r) / r over the elements at least 2**-8 of their row's largest:
                     the signed relative bias, each element weighing the same (large outlier
                     channels do not dominate it). Rounding to nearest averages out

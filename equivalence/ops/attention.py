@@ -80,14 +80,18 @@ def _elem_bounds(res, ab, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, t
 
 def _prefill_reference(kw, p):
     res = reference.sparse_prefill(kw["q"], kw["kv"], kw["indices"], kw["sm_scale"], kw["topk_length"], kw["attn_sink"])
-    # With a sink ~90 nats above the LSE every fp32 weight underflows and the row may come out 0:
-    # the oracle tolerates that below 2**-126 of the largest |V| (any |V| averaged is <= the cache's).
+    # With a sink far above the logits an fp32 kernel's normalizer flushes to zero and the row may
+    # come out 0: 1 / (1 + e^(sink - lse)) < 2**-126, or, normalizing by the max logit as FlashMLA
+    # does (1 / (L + e^(sink - max_logit)), H200: rows with sink - max_logit > 126 ln 2 came out 0),
+    # up to e^(lse - max_logit) <= K times sooner. The oracle tolerates that below 2**-126 of the
+    # largest |V| (any |V| averaged is <= the cache's) times e^(lse - max_logit).
     kv = kw["kv"][:, :512].float()
     value_max = kv.nan_to_num(0.0).abs().amax() if kv.numel() else kv.new_zeros(())
+    spread = torch.where(torch.isfinite(res.lse), res.lse - res.max_logits, 0.0).exp()
     ab = bounds.prefill_weighted_abs_values(kw["q"], kw["kv"], kw["indices"], kw["sm_scale"], res.lse,
                                             kw["topk_length"], kw["attn_sink"])
     found = _elem_bounds(res, ab, kw["indices"].shape[-1], p, sink=kw["attn_sink"])
-    return {**res._asdict(), "value_max": value_max.expand(res.lse.shape), **found}
+    return {**res._asdict(), "value_max": value_max * spread, **found}
 
 
 SPARSE_PREFILL = register(OpSpec(
