@@ -10,6 +10,7 @@ import torch
 from hypothesis import strategies as st
 
 from mla_verify import reference
+from mla_verify.equivalence import bounds
 from mla_verify.equivalence.batch import make_batch
 from mla_verify.equivalence.contract import returned
 from mla_verify.equivalence.policy import LSE, OUT
@@ -58,7 +59,10 @@ def _merge_inputs(p: MergeParams, seed: int, device: str) -> dict:
 
 def _merge_reference(kw, p):
     out, lse = reference.dcp_merge(kw["outs"], kw["lses"])
-    return {"out": out, "lse": lse, "logit_l1": torch.zeros_like(lse)}
+    # The derived per-element bounds (equivalence.bounds section 3): a merge of bf16 per-rank terms
+    # (upstream's) and an fp32 one both sit within them.
+    out_bound, lse_bound = bounds.dcp_merge_bounds(kw["outs"], kw["lses"], out, lse)
+    return {"out": out, "lse": lse, "logit_l1": torch.zeros_like(lse), "out_bound": out_bound, "lse_bound": lse_bound}
 
 
 DCP_MERGE = register(OpSpec(
@@ -69,7 +73,8 @@ DCP_MERGE = register(OpSpec(
     inputs=_merge_inputs,
     reference=_merge_reference,
     call=lambda subject, kw, p: ImplOutput(returned(subject.fn(**kw), ("out", "lse")), deviations=subject.deviations),
-    checks=(Check("out", OUT, dtype=torch.bfloat16), Check("lse", LSE, "logit_l1", dtype=torch.float32)),
+    checks=(Check("out", OUT, dtype=torch.bfloat16, bound="out_bound"),
+            Check("lse", LSE, "logit_l1", dtype=torch.float32, bound="lse_bound")),
     knobs=lambda p: knobs(p, num_tokens=p.tokens, dcp_size=p.ranks),
     doc="cp_lse_ag_out_rs: sanitize NaN/+inf LSEs, merge by log-sum-exp, bf16 per-rank terms, sum",
 ), priority=0)
