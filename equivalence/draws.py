@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import functools
 import random
-from typing import Callable
 
 from hypothesis import assume, strategies as st
 
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
-from .params import COMBINES, DECODE_PATTERNS, WORLD_SIZES, ForwardParams
+from .params import DECODE_PATTERNS, ForwardParams
 from .patterns import FORWARD_PATTERNS, PATTERNS
 from .profiles import Profile
 from .schema import MAX_ELEMENTS

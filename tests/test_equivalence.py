@@ -2,7 +2,6 @@
 round trips, and crash isolation."""
 
 import json
-import math
 
 import pytest
 import torch

@@ -11,7 +11,6 @@ the reference's own bf16 rounding, ||out - ref|| / ||bf16(ref) - ref||.
 
 from __future__ import annotations
 
-import math
 import sys
 
 import pytest
