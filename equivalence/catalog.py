@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from . import ops, properties
 from .case import Case
@@ -70,6 +70,17 @@ def evaluate(case: Case, subject: Subject, device: str = "cpu", *, run_id: str =
     see the spec's own `evaluate`."""
     return get_spec(case.op).evaluate(case, subject, device, run_id=run_id, source=source, notes=notes,
                                       on_call=on_call)
+
+
+def inputs(op: str, params: Mapping[str, Any], seed: int, device: str = "cpu") -> dict[str, Any]:
+    """The keyword arguments an implementation of `op` is called with for the case (op, params,
+    seed), built on `device` as `evaluate` builds them: `params` (a case's JSON params) are
+    validated as a case file is first. For a kernel repo's own tests of one op."""
+    spec = get_spec(op)
+    if spec.family != "op":
+        raise ValueError(f"{op} has no inputs of its own: a property poses its targets' problems")
+    spec.validate(params)
+    return spec.inputs(spec.params_of(params), seed, device)
 
 
 def validate_case(data: Any) -> None:

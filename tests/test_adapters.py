@@ -23,6 +23,7 @@ from hypothesis import given, settings, strategies as st
 
 from mla_verify import adapters
 from mla_verify.cli import main
+from mla_verify.equivalence import catalog
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
 from mla_verify.equivalence.draws import SEEDS as seeds, decode_params
@@ -68,12 +69,9 @@ def test_adapted_upstream_signatures_pass_the_oracle(op, adapted):
 
 
 def _prefill_kwargs(heads: int, seed: int, topk_length: str = "random", sink: str = "finite") -> dict:
-    from mla_verify.equivalence.catalog import get_spec
-
     params = dict(tokens=3, heads=heads, kv_rows=300, topk=128, value_regime="normal", sm_scale=0.1352,
                   topk_length=topk_length, sink=sink)
-    spec = get_spec("sparse_prefill")
-    return spec.inputs(spec.params_of(params), seed, "cpu")
+    return catalog.inputs("sparse_prefill", params, seed)
 
 
 @pytest.mark.parametrize("heads", [64, 16])
@@ -104,17 +102,14 @@ def test_padded_sink_heads_have_no_effect():
 
 
 def test_decode_adapter_reuses_one_plan_per_shape():
-    from mla_verify.equivalence.catalog import get_spec
-
-    spec = get_spec("sparse_decode_fp8")
     params = dict(batch=2, s_q=1, heads=8, topk=64, seq_lens=[40, 70], page_size=16, value_regime="normal",
                   scale_rule="pow2", sm_scale=0.1)
     decode = adapters.flash_mla_with_kvcache(upstream.flash_mla_with_kvcache, upstream.get_mla_metadata)
     upstream.METADATA_CALLS.clear()
     for seed in (1, 2):  # same shapes: one plan, which the stand-in asserts is used consistently
-        decode(**spec.inputs(spec.params_of(params), seed, "cpu"))
+        decode(**catalog.inputs("sparse_decode_fp8", params, seed))
     assert len(upstream.METADATA_CALLS) == 1
-    out, lse = decode(**spec.inputs(spec.params_of({**params, "topk": 128}), 3, "cpu"))
+    out, lse = decode(**catalog.inputs("sparse_decode_fp8", {**params, "topk": 128}, 3))
     assert len(upstream.METADATA_CALLS) == 2 and out.shape == (2, 1, 8, 512) and lse.shape == (2, 8, 1)
 
 
@@ -165,7 +160,6 @@ def test_a_rank_that_raises_releases_the_others():
 
 def test_the_projects_flash_mla_implementation_calls_flash_mla_through_the_adapters(monkeypatch):
     """optimized/flashmla.py's launch path on CPU, with the stand-ins in place of the flash_mla module."""
-    from mla_verify.equivalence.catalog import get_spec
     from mla_verify.optimized import flashmla
 
     calls = []
@@ -188,7 +182,7 @@ def test_the_projects_flash_mla_implementation_calls_flash_mla_through_the_adapt
     torch.testing.assert_close(out, want_out, rtol=0, atol=2**-7 * want_out.abs().max().item())
     params = dict(batch=2, s_q=2, heads=8, topk=64, seq_lens=[40, 70], page_size=16, value_regime="normal",
                   scale_rule="pow2", sm_scale=0.1)
-    decode_kw = get_spec("sparse_decode_fp8").inputs(get_spec("sparse_decode_fp8").params_of(params), seed, "cpu")
+    decode_kw = catalog.inputs("sparse_decode_fp8", params, seed)
     out, lse = flashmla.launch_sparse_decode_fp8(**decode_kw)
     assert out.shape == (2, 2, 8, 512) and lse.shape == (2, 8, 2)
     torch.testing.assert_close(lse, eager.sparse_decode_fp8(**decode_kw)[1], rtol=1e-5, atol=1e-5)

@@ -5,6 +5,7 @@ chunk survived 100 gpu-profile examples)."""
 
 from hypothesis import HealthCheck, given, settings
 
+from mla_verify.equivalence import catalog
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
 from mla_verify.equivalence.profiles import get_profile
 from mla_verify.fuzz.campaign import fuzz
@@ -14,7 +15,7 @@ from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes
 def test_prefill_draws_n_and_n_minus_one_and_every_length_edge():
     p = dict(tokens=64, heads=1, kv_rows=300, topk=128, value_regime="normal", sm_scale=0.1,
              invalid=["boundaries"], topk_length="edges")
-    kw = get_spec("sparse_prefill").inputs(get_spec("sparse_prefill").params_of(p), 3, "cpu")
+    kw = catalog.inputs("sparse_prefill", p, 3)
     assert {300, 299} <= set(kw["indices"].flatten().tolist())
     assert {0, 1, 127, 128} == set(kw["topk_length"].tolist())
 
@@ -22,11 +23,11 @@ def test_prefill_draws_n_and_n_minus_one_and_every_length_edge():
 def test_decode_draws_the_last_slot_and_convert_the_table_width():
     p = dict(batch=8, s_q=1, heads=16, topk=64, seq_lens=[70] * 8, page_size=16, value_regime="normal",
              scale_rule="pow2", sm_scale=0.1, invalid=["boundaries"])
-    kw = get_spec("sparse_decode_fp8").inputs(get_spec("sparse_decode_fp8").params_of(p), 3, "cpu")
+    kw = catalog.inputs("sparse_decode_fp8", p, 3)
     cache = kw["kv_cache"]
     assert cache.shape[0] * cache.shape[1] - 1 in set(kw["indices"].flatten().tolist())
     p = dict(tokens=32, requests=3, table_width=4, topk=64, block_size=16, invalid=["boundaries"])
-    kw = get_spec("convert_index").inputs(get_spec("convert_index").params_of(p), 3, "cpu")
+    kw = catalog.inputs("convert_index", p, 3)
     assert {64, 63} <= set(kw["topk_indices"].flatten().tolist())  # first past the table, its last slot
 
 

@@ -18,9 +18,10 @@ import torch
 from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
+from mla_verify.equivalence import catalog
 from mla_verify.equivalence.bounds import DEQUANT_REL, weighted_abs_values
-from mla_verify.equivalence.patterns import PATTERNS
 from mla_verify.equivalence.params import DECODE_PATTERNS
+from mla_verify.equivalence.patterns import PATTERNS
 from mla_verify.equivalence.values import REGIMES as VALUE_REGIMES, kv_values, q_values
 from mla_verify.optimized import buffers, flashmla, registry
 from mla_verify.optimized.kernels import sparse_decode as triton_decode
@@ -28,7 +29,6 @@ from mla_verify.optimized.kernels import sparse_prefill as triton_prefill
 from mla_verify.optimized.kernels.attention_launch import VARIANTS, AttentionConfig
 from mla_verify.optimized.validation import InputError
 from tests.bound_checks import check_attention
-from tests.specs import spec_inputs
 
 SEEDS = st.integers(0, 2**31 - 1)
 HEADS = st.sampled_from([1, 8, 16, 64])
@@ -51,7 +51,7 @@ def prefill_inputs(seed, strided=False, device="cpu", **params):
     """The sparse_prefill spec's inputs (q, kv with unreferenced rows NaN, indices, topk_length,
     attn_sink) and the valid mask; `strided`: q's heads and kv's rows further apart than 576
     elements (copied into wider NaN-filled tensors and sliced)."""
-    kw = spec_inputs("sparse_prefill", seed, device, **params)
+    kw = catalog.inputs("sparse_prefill", params, seed, device)
     q, kv, idx, length = kw["q"], kw["kv"], kw["indices"], kw["topk_length"]
     if strided:
         wide_q = q.new_full((q.shape[0], q.shape[1] + 3, 576), float("nan"))
@@ -114,7 +114,7 @@ def test_triton_prefill_single_valid_index_returns_that_row_exactly():
 def decode_inputs(seed, device="cpu", **params):
     """The sparse_decode_fp8 spec's q, paged fp8_ds_mla cache (unselected slots and padding rows
     all 0xFF = NaN) and indices."""
-    kw = spec_inputs("sparse_decode_fp8", seed, device, **params)
+    kw = catalog.inputs("sparse_decode_fp8", params, seed, device)
     return kw["q"], kw["kv_cache"], kw["indices"]
 
 

@@ -113,9 +113,9 @@ class OpSpec:
     def examples(self, profile: Profile) -> int:
         return profile.examples
 
-    def identity(self, case: Case) -> dict[str, Any]:
-        """The op, path, case and knob columns of `case`'s rows."""
-        params = self.params_of(case.params)
+    def identity(self, case: Case, params: Params | None = None) -> dict[str, Any]:
+        """The op, path, case and knob columns of `case`'s rows (`params`: its params, typed already)."""
+        params = self.params_of(case.params) if params is None else params
         return dict(op=self.name, path=self.path_of(params), case=json.dumps(case.to_dict(), sort_keys=True),
                     **self.knobs(params))
 
@@ -154,7 +154,7 @@ class OpSpec:
         before the implementation."""
         params = self.params_of(case.params)
         base = dict(run_id=run_id, case_id=case.case_id, impl=subject.label, stages="", device=device,
-                    seed=case.seed, source=source, **self.identity(case))
+                    seed=case.seed, source=source, **self.identity(case, params))
         kwargs = self.inputs(params, case.seed, device)
         ref, t_ref = timed(lambda: self.reference(kwargs, params), device)
         inputs = Snapshot(kwargs)

@@ -137,9 +137,10 @@ class PropertySpec:
     def examples(self, profile: Profile) -> int:
         return profile.property_examples
 
-    def identity(self, case: Case) -> dict[str, Any]:
-        """The rows' columns: op "property", path NAME, the case, the target's knobs."""
-        params = self.params_of(case.params)
+    def identity(self, case: Case, params: Params | None = None) -> dict[str, Any]:
+        """The rows' columns: op "property", path NAME, the case, the target's knobs (`params`: the
+        case's params, typed already)."""
+        params = self.params_of(case.params) if params is None else params
         return dict(op="property", path=self.short, case=json.dumps(case.to_dict(), sort_keys=True),
                     **self.target(params).knobs(params))
 
@@ -192,7 +193,7 @@ class PropertySpec:
         stages = registry.resolve(target.stages(params), device.split(":")[0], subject.overrides)
         deviations = sorted({d for impl in stages.chosen.values() for d in impl.deviations})
         base = dict(run_id=run_id, case_id=case.case_id, impl=subject.label, stages=stages.describe(), device=device,
-                    seed=case.seed, source=source, **self.identity(case))
+                    seed=case.seed, source=source, **self.identity(case, params))
         inputs = target.inputs(params, case.seed, device)
         saved = Snapshot(inputs)
         try:

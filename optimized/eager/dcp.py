@@ -46,19 +46,29 @@ def dcp_lse_correct(out_r: torch.Tensor, lses: torch.Tensor, rank: int) -> tuple
     return partial, lse
 
 
+def _checked_weights(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge contract's input checks, then (L, the ranks' weights) of `_merge_weights`."""
+    check_tensor("lses", lses, dtype=torch.float32, ndim=3)
+    check_tensor("outs", outs, dtype=torch.bfloat16, shape=(*lses.shape, None))
+    check_same_device(outs=outs, lses=lses)
+    return _merge_weights(lses)
+
+
+def _merged(outs: torch.Tensor, total: torch.Tensor, merged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16(total), L) in fresh output buffers (poisoned under the harness)."""
+    out = buffers.empty(tuple(outs.shape[1:]), torch.bfloat16, outs.device)
+    lse = buffers.empty(tuple(merged.shape), torch.float32, outs.device)
+    out.copy_(total)
+    lse.copy_(merged)
+    return out, lse
+
+
 @stage("dcp_merge")
 def dcp_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's `dcp_lse_correct` share, summed (in float32) and rounded to bf16:
     outs [N, T, H, D] bf16, lses [N, T, H] f32 -> (out [T, H, D] bf16, L [T, H] f32)."""
-    check_tensor("lses", lses, dtype=torch.float32, ndim=3)
-    check_tensor("outs", outs, dtype=torch.bfloat16, shape=(*lses.shape, None))
-    check_same_device(outs=outs, lses=lses)
-    merged, f = _merge_weights(lses)
-    out = buffers.empty(tuple(outs.shape[1:]), torch.bfloat16, outs.device)
-    lse = buffers.empty(tuple(merged.shape), torch.float32, outs.device)
-    out.copy_(_scaled_terms(outs, f).float().sum(dim=0))
-    lse.copy_(merged)
-    return out, lse
+    merged, f = _checked_weights(outs, lses)
+    return _merged(outs, _scaled_terms(outs, f).float().sum(dim=0), merged)
 
 
 @stage("dcp_a2a_merge")
@@ -68,13 +78,6 @@ def dcp_a2a_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor,
     (bf16(sum_n w_n * out_n) [T, H, D], L [T, H] f32), w_n = exp(lse_n - L) as in `dcp_merge`
     (0 for -inf, +inf and NaN LSEs, and the partial dropped there), summed in float32 and rounded
     once: unlike the reduce-scatter, no term is stored in bf16 first."""
-    check_tensor("lses", lses, dtype=torch.float32, ndim=3)
-    check_tensor("outs", outs, dtype=torch.bfloat16, shape=(*lses.shape, None))
-    check_same_device(outs=outs, lses=lses)
-    merged, w = _merge_weights(lses)
-    out = buffers.empty(tuple(outs.shape[1:]), torch.bfloat16, outs.device)
-    lse = buffers.empty(tuple(merged.shape), torch.float32, outs.device)
+    merged, w = _checked_weights(outs, lses)
     terms = (outs.float() * w[..., None]).masked_fill_(w[..., None] == 0, 0.0)
-    out.copy_(terms.sum(dim=0))
-    lse.copy_(merged)
-    return out, lse
+    return _merged(outs, terms.sum(dim=0), merged)
