@@ -31,6 +31,7 @@ from mla_verify.equivalence.subject import Subject
 
 from .campaign import FuzzResult, fuzz
 from .regressions import corpus
+from .shard import Shard
 
 
 @dataclass
@@ -72,6 +73,33 @@ def odd_ones_out(rows: list[Row]) -> list[str]:
     return lines
 
 
+@dataclass(frozen=True)
+class Unit:
+    """What the gate deals to its shards: one op (or property) and implementation, with its
+    pinned corpus and every fuzz campaign of it."""
+
+    op: str
+    label: str
+    specs: tuple[str, ...]
+
+    @property
+    def multi_rank(self) -> bool:
+        return bool(catalog.get_spec(self.op).ranks)
+
+
+def units(ops: list[str] | None, device: str) -> list[Unit]:
+    """The gate's units for `ops` (None: every op and property) on `device`, in catalog order."""
+    device_type = device.split(":")[0]
+    return [Unit(op, label, tuple(specs)) for op in catalog.select(ops or ["op", "property"])
+            for label, specs in catalog.get_spec(op).subjects(device_type).items()]
+
+
+def shard_units(ops: list[str] | None, device: str, shard: Shard) -> list[Unit]:
+    """The units of shard `shard` (`fuzz.shard`: the multi-rank ones dealt first)."""
+    every = units(ops, device)
+    return shard.deal(every, [u.multi_rank for u in every])
+
+
 def run_gate(
     *,
     device: str,
@@ -83,59 +111,62 @@ def run_gate(
     isolate: bool,
     timeout_s: float,
     ops: list[str] | None = None,
+    shard: Shard = Shard(),
     log=None,
     journal: Callable[[list[Row]], None] | None = None,
     stop_reason: Callable[[], str] = lambda: "",
 ) -> GateResult:
     """`examples` per op (or property) and implementation; None: the profile's budgets. In `ops`,
-    "property" stands for every property. `journal` receives each case's rows as it finishes;
-    a `stop_reason` (Ctrl-C) ends the gate after the current case. `log`: default the stderr of
-    the moment (pytest's capture replaces it between tests)."""
+    "property" stands for every property; `shard` runs only its share of the units. `journal`
+    receives each case's rows as it finishes; a `stop_reason` (Ctrl-C) ends the gate after the
+    current case. `log`: default the stderr of the moment (pytest's capture replaces it between
+    tests)."""
     log = log or sys.stderr
     result = GateResult()
     worker = Worker(device, timeout_s) if isolate else None
     distributed.set_timeout(timeout_s)
+    device_type = device.split(":")[0]
     try:
-        for op in catalog.select(ops or ["op", "property"]):
+        for unit in shard_units(ops, device, shard):
+            op, label, specs = unit.op, unit.label, unit.specs
             spec = catalog.get_spec(op)
             budget = examples if examples is not None else spec.examples(profile)
             pinned = corpus(op)
             in_worker = None if spec.own_processes else worker
-            world_size = gate_world_size(spec, device.split(":")[0])
-            for label, specs in spec.subjects(device.split(":")[0]).items():
-                subject = catalog.resolve_subject(op, specs, device.split(":")[0])
-                subject = Subject(label, subject.fn, subject.overrides, subject.deviations, specs)
+            world_size = gate_world_size(spec, device_type)
+            subject = catalog.resolve_subject(op, specs, device_type)
+            subject = Subject(label, subject.fn, subject.overrides, subject.deviations, specs)
 
-                def run(case: Case, source: str, subject=subject, specs=specs, label=label, worker=in_worker) -> list[Row]:
-                    if worker is not None:
-                        rows = worker.run(case, specs, label, run_id, source, notes=result.notes)
-                        for r in rows:
-                            r.impl = label
-                        return rows
-                    return catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=result.notes)
+            def run(case: Case, source: str, subject=subject, specs=specs, label=label, worker=in_worker) -> list[Row]:
+                if worker is not None:
+                    rows = worker.run(case, specs, label, run_id, source, notes=result.notes)
+                    for r in rows:
+                        r.impl = label
+                    return rows
+                return catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=result.notes)
 
-                pinned_rows = []
-                for case, _why in pinned:
-                    if stop_reason():
-                        return result
-                    case_rows = run(case, "corpus")
-                    pinned_rows += case_rows
-                    if journal is not None:
-                        journal(case_rows)
-                result.rows.extend(pinned_rows)
-                for path in spec.campaigns(subject):
-                    if stop_reason():
-                        return result
-                    fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, impl_label=label,
-                              device=device, out_dir=out_dir, progress_label=f"{op} / {label}", path=path,
-                              world_size=world_size, journal=journal, stop_reason=stop_reason)
-                    result.fuzz.append(fz)
-                    result.rows.extend(fz.rows)
-                    where = f"{op} ({path})" if path else op
-                    bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
-                    log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases  "
-                              f"{'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
-                    log.flush()
+            pinned_rows = []
+            for case, _why in pinned:
+                if stop_reason():
+                    return result
+                case_rows = run(case, "corpus")
+                pinned_rows += case_rows
+                if journal is not None:
+                    journal(case_rows)
+            result.rows.extend(pinned_rows)
+            for path in spec.campaigns(subject):
+                if stop_reason():
+                    return result
+                fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, impl_label=label,
+                          device=device, out_dir=out_dir, progress_label=f"{op} / {label}", path=path,
+                          world_size=world_size, journal=journal, stop_reason=stop_reason)
+                result.fuzz.append(fz)
+                result.rows.extend(fz.rows)
+                where = f"{op} ({path})" if path else op
+                bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
+                log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases  "
+                          f"{'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
+                log.flush()
     finally:
         if worker is not None:
             worker.close()

@@ -173,6 +173,7 @@ def check(
     parallel: int | None = None,
     junit: str | Path | None = None,
     baseline: str | Path | None = None,
+    shard: str | Any | None = None,
     log: Callable[[str], None] | None = None,
 ) -> CheckResult:
     """Fuzz `impl` on `op` against the reference (or a property, "property:NAME"), shrink the first
@@ -200,6 +201,9 @@ def check(
             run's header line (the CLI prints it).
         baseline: a run directory of the same op: seed, profile, examples and path default to the
             ones it recorded, so the campaign draws its cases again (`drift` then pairs them).
+        shard: "I/N" (or a `fuzz.shard.Shard`): run only shard I of N, the campaigns of seeds
+            S + I * P ... of the run's N * P (P: `parallel`); `merge` joins the N shards' run
+            directories into the one run a machine with `parallel=N * P` would have written.
 
     Raises:
         UsageError: bad input (unknown op, unimportable callable, wrong signature, unwritable out,
@@ -209,6 +213,7 @@ def check(
     from mla_verify.equivalence.catalog import get_spec, resolve_subject
     from mla_verify.equivalence.profiles import get_profile
     from mla_verify.fuzz.campaign import new_seed
+    from mla_verify.fuzz.shard import Shard
 
     from .pytest_plugin import DEFAULTS
     from .rundir import RunDir
@@ -226,6 +231,10 @@ def check(
     _positive("examples", examples, int)
     _positive("timeout", timeout, float)
     _positive("parallel", parallel, int)
+    try:
+        shard = Shard.parse(shard)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     try:
         spec = get_spec(op)
     except KeyError as exc:
@@ -252,11 +261,18 @@ def check(
     isolate = ((device_type == "cuda" if isolate is None else isolate) and named) and not own_processes
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     parts = 1 if world_size or not named else (parallel or (_gpu_count() if device_type == "cuda" else 1))
+    if not shard.whole and (world_size or not named) and parallel not in (None, 1):
+        raise UsageError(f"--parallel {parallel}: {op} runs one campaign at a time")
+    campaigns = [c for c in (slot.campaign(seed, examples) for slot in shard.slots(parts)) if c[1]]
+    if not campaigns:
+        raise UsageError(f"shard {shard}: {examples} examples over {shard.count * parts} campaigns leave it none "
+                         f"(give at least {shard.count * parts} examples)")
     junit_path = _writable_file(junit, "--junit") if junit is not None else None
     run_dir = RunDir.open(out) if out is not None else None
     plan = _Plan(op=op, specs=specs, label=label, subject=subject, device=device, profile=prof, examples=examples,
                  seed=seed, isolate=isolate, timeout=timeout, deviations=deviations, path=path,
-                 world_size=world_size, shrink=shrink, run_dir=run_dir, named=named)
+                 world_size=world_size, shrink=shrink, run_dir=run_dir, named=named, shard=shard,
+                 campaigns=campaigns, slots=shard.count * parts)
     if log is not None:
         where = f", run {run_dir.path}" if run_dir else ""
         ranks = ""
@@ -266,12 +282,14 @@ def check(
             ranks = f", {world_size} ranks ({distributed.placement(world_size, device_type).describe()})"
         log(f"mla-verify fuzz: op {op}, implementation {label}, {examples} examples, profile {prof.name}, "
             f"device {device}, seed {seed}{ranks}{', isolated' if isolate else ''}{where}"
-            + (f"; the cases of baseline {baseline}" if baseline is not None else ""))
+            + (f"; the cases of baseline {baseline}" if baseline is not None else "")
+            + ("" if shard.whole else f"; shard {shard} of {shard.count * parts} campaigns: "
+               + ", ".join(f"seed {s} x {n}" for s, n in campaigns)))
     try:
         if parts > 1:
             from .parallel import check_in_parts
 
-            result = check_in_parts(plan, parts, log)
+            result = check_in_parts(plan, log)
         else:
             result = _campaign(plan)
     finally:
@@ -304,16 +322,30 @@ class _Plan:
     shrink: bool
     run_dir: Any
     named: bool
+    shard: Any                               # fuzz.shard.Shard
+    campaigns: list[tuple[int, int]]         # (seed, examples) of each campaign this run holds
+    slots: int                               # the whole run's campaigns (shards x parts)
     run_id: str = ""
 
     def meta(self) -> dict[str, Any]:
         from mla_verify import reports
 
         # what `check(baseline=...)` reads back to draw the same cases (reports.meta.rerun_settings)
-        extra = {"op": self.op, "examples": self.examples, "path": self.path}
-        return reports.collect_meta(self.profile.name, [self.seed], self.device,
+        seeds = [s for s, _ in self.campaigns]
+        extra = {"op": self.op, "examples": sum(n for _, n in self.campaigns), "path": self.path}
+        if not self.shard.whole:  # what `merge` checks its shards agree on
+            extra |= {"shard": str(self.shard), "run": self.options()}
+        return reports.collect_meta(self.profile.name, seeds, self.device,
                                     command=shlex.join(["mla-verify"] + sys.argv[1:]) if sys.argv[1:] else None,
                                     extra=extra)
+
+    def options(self) -> dict[str, Any]:
+        """The settings every shard of one run shares."""
+        return {"command": "fuzz", "op": self.op, "impl": list(self.specs), "examples": self.examples,
+                "seed": self.seed, "profile": self.profile.name, "device": self.device.split(":")[0],
+                "path": self.path, "world_size": self.world_size, "deviations": list(self.deviations),
+                "isolate": self.isolate, "timeout": self.timeout, "shrink": self.shrink,
+                "campaigns": self.slots}
 
 
 def _gpu_count() -> int:
@@ -425,6 +457,7 @@ def _campaign(plan: _Plan) -> CheckResult:
     from mla_verify.reports import rows_frame
 
     plan.run_id = f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}"
+    (seed, examples), = plan.campaigns
     meta = plan.meta()
     run_dir = plan.run_dir
     out_dir = run_dir.path if run_dir else Path(tempfile.gettempdir()) / "mla-verify"
@@ -457,7 +490,7 @@ def _campaign(plan: _Plan) -> CheckResult:
 
     try:
         with interrupt.installed():
-            fz = fuzz(plan.op, run, profile=plan.profile, examples=plan.examples, seed=plan.seed,
+            fz = fuzz(plan.op, run, profile=plan.profile, examples=examples, seed=seed,
                       impl_specs=plan.specs, impl_label=plan.label, deviations=plan.deviations, device=plan.device,
                       out_dir=out_dir, shrink=plan.shrink, path=plan.path, world_size=plan.world_size,
                       journal=journal, stop_reason=stop_reason)
@@ -480,12 +513,12 @@ def _campaign(plan: _Plan) -> CheckResult:
         failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
                                    replay_command(fz.case_file, plan.specs, plan.device, plan.deviations, plan.timeout,
                                                   plan.isolate),
-                                   found_at=fz.first_failure_at, seed=plan.seed, flaky=fz.flaky, minimized=fz.shrunk))
+                                   found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk))
     extra = sorted(notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
     if plan.world_size:
         extra += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]
     return CheckResult(plan.op, plan.label, not failures and fz.stopped != "interrupted" and bool(frame.passed.all()),
-                       frame, plan.seed, fz.examples, run_dir.path if run_dir else None, failures,
+                       frame, seed, fz.examples, run_dir.path if run_dir else None, failures,
                        interrupted=fz.stopped == "interrupted", notes=extra)
 
 

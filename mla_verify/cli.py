@@ -97,6 +97,21 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _shard(text: str):
+    from mla_verify.fuzz.shard import Shard
+
+    try:
+        return Shard.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_shard(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+                   help=f"run only shard I of N (0 <= I < N): {what}; `mla-verify merge` joins the N run "
+                        "directories into one run (e.g. --shard $SLURM_ARRAY_TASK_ID/8; default: the whole run)")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the cases run (default: cuda when present, else cpu)")
@@ -251,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="independent campaigns (seeds S, S+1, ...) sharing the examples, one GPU each "
                         "(default: every GPU on cuda, 1 on cpu; dcp: 1, its ranks take the GPUs)")
     p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel
+    _add_shard(p, "the campaigns of seeds S + I*P ... of N*P (P: --parallel), the same as one machine's "
+                  "--parallel N*P")
     p.add_argument("--baseline", type=Path, default=None,
                    help="an earlier run of this op: draw its cases again (its seed, profile, examples and path, unless "
                         "given) and report drift against it")
@@ -312,6 +329,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=_positive_int, default=None, metavar="N",
                    help="split the ops over this many processes, one GPU each (default: every GPU on cuda, 1 on cpu)")
     p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel: rows only
+    _add_shard(p, "every N-th op and implementation (with its corpus and campaigns), all with seed S")
+
+    p = _command(sub, "merge", "join the run directories of a run's shards into one run and one report",
+                 "Join the run directories that `fuzz --shard I/N` or `gate --shard I/N` wrote (one per "
+                 "CI job, array task or pod) into one run directory: every shard's rows, seeds and saved "
+                 "failing cases, then the report of `mla-verify report`. Refuses shards of different "
+                 "revisions or options, a shard given twice or unfinished, and names the missing shards.",
+                 _epilog([("0", "every shard present and no discrepancy"),
+                          ("1", "a discrepancy in some shard (its failing cases are copied), or shards missing "
+                                "(with --force)"),
+                          ("2", "an unreadable run, or shards that do not belong together or are missing "
+                                "(each reason named)"),
+                          ("3", "a shard ended with a harness error (copied as harness-error-SHARD.txt)")],
+                         [("mla-verify merge shards/* --out runs/nightly",
+                           "one run of the N shards the CI matrix wrote, with runs/nightly/report.html"),
+                          ("mla-verify merge shard-0 shard-2 --out runs/partial --force",
+                           "merge what finished although shard 1/3 is missing (exit 1: cases did not run)")]))
+    p.add_argument("runs", type=Path, nargs="+", metavar="RUN", help="the shards' run directories")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the merged run directory (must not hold a run)")
+    p.add_argument("--force", action="store_true",
+                   help="merge even shards of other revisions or options, given twice or unfinished, or with shards "
+                        "missing (each reason is printed)")
+    _add_drift(p)
 
     p = _command(sub, "report", "drift report of a run directory, optionally against a baseline run",
                  "Summarize a run directory's rows (error distributions per op, path and tensor, headroom, "
@@ -353,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return int(exc.code or 0)
-    device = getattr(args, "device", None) or (_default_device() if args.command != "report" else "cpu")
+    device = getattr(args, "device", None) or (_default_device() if args.command not in ("report", "merge") else "cpu")
     _prepare(device)
     if getattr(args, "reference_memory", None):
         from mla_verify.reference.attention import MEMORY_ENV
@@ -494,7 +534,7 @@ def cmd_fuzz(args, device: str) -> int:
                        profile=args.profile, out=out, isolate=args.isolate, timeout=args.timeout,
                        deviations=args.deviation, path=args.path, world_size=args.world_size,
                        shrink=not args.no_shrink, parallel=1 if args.part else args.parallel, junit=args.junit,
-                       baseline=args.baseline, log=lambda line: print(line, flush=True))
+                       baseline=args.baseline, shard=args.shard, log=lambda line: print(line, flush=True))
     print(result.report())
     if args.part and result.out is not None:  # the parent reads this part's outcome here
         write_atomic(result.out / RESULT_JSON, result_file(result))
@@ -532,7 +572,8 @@ def _gate_ops(ops: list[str] | None) -> None:
 
 def cmd_gate(args, device: str) -> int:
     from mla_verify.fuzz.campaign import new_seed
-    from mla_verify.fuzz.gate import odd_ones_out, run_gate
+    from mla_verify.fuzz.gate import odd_ones_out, run_gate, shard_units
+    from mla_verify.fuzz.shard import Shard
     from mla_verify.interrupt import Interrupt
     from mla_verify.rundir import FreshDir, RunDir
 
@@ -553,6 +594,12 @@ def cmd_gate(args, device: str) -> int:
               f"{', ops ' + ' '.join(args.op) if args.op else ''})", flush=True)
     profile = _profile(args.profile, device, "ci")
     seed = new_seed() if args.seed is None else args.seed
+    shard = args.shard or Shard()
+    parts = 1 if args.part else args.parallel or (_gpu_count() if device == "cuda" else 1)
+    if not shard_units(args.op, device, shard):
+        from mla_verify.equivalence.subject import UsageError
+
+        raise UsageError(f"--shard {shard}: the gate has fewer units (ops and implementations) than shards here")
     run_id = _run_id("gate")
     run_dir = RunDir.open(args.out or FreshDir.named("runs", "gate"))
     out = run_dir.path
@@ -560,19 +607,23 @@ def cmd_gate(args, device: str) -> int:
     budget = (f"{args.examples}" if args.examples is not None
               else f"{profile.examples} (properties: {profile.property_examples})")
     print(f"mla-verify gate: device {device}, profile {profile.name}, {budget} fuzz examples per op and "
-          f"implementation, seed {seed}, run {out}", flush=True)
+          f"implementation, seed {seed}{'' if shard.whole else f', shard {shard}'}, run {out}", flush=True)
     started = time.time()
-    meta = _start_meta(profile.name, seed, device, {"examples": args.examples, "ops": args.op})
+    extra = {"examples": args.examples, "ops": args.op}
+    if not shard.whole:  # what `merge` checks its shards agree on
+        extra |= {"shard": str(shard), "run": {"command": "gate", "ops": args.op, "examples": args.examples,
+                                               "seed": seed, "profile": profile.name, "device": device,
+                                               "isolate": isolate, "timeout": args.timeout}}
+    meta = _start_meta(profile.name, seed, device, extra)
     run_dir.start(meta)
-    parts = args.parallel or (_gpu_count() if device == "cuda" else 1)
     interrupt = Interrupt()
     try:
-        if parts > 1 and not args.part:
+        if parts > 1:
             with interrupt.installed():
-                return _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started)
+                return _gate_in_parts(args, device, profile, seed, run_dir, meta, shard.slots(parts), started)
         with interrupt.installed():
             result = run_gate(device=device, profile=profile, examples=args.examples, seed=seed, run_id=run_id,
-                              out_dir=out, isolate=isolate, timeout_s=args.timeout, ops=args.op,
+                              out_dir=out, isolate=isolate, timeout_s=args.timeout, ops=args.op, shard=shard,
                               journal=run_dir.append, stop_reason=lambda: "interrupted" if interrupt.requested else "")
     except BaseException:  # the journal keeps the rows so far; the next run may take the directory's lock
         run_dir.release()
@@ -612,20 +663,18 @@ def _finish_gate(args, out: Path, rows, failed: bool, started: float) -> int:
     return 1 if failed else code
 
 
-def _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started) -> int:
-    from mla_verify.equivalence import catalog
+def _gate_in_parts(args, device, profile, seed, run_dir, meta, slots, started) -> int:
     from mla_verify.equivalence.rows import Row
 
     from .parallel import run_parts
 
-    ops = catalog.select(args.op or ["op", "property"])
     child = ["--profile", profile.name, "--seed", str(seed), "--timeout", str(args.timeout)]
     if args.examples is not None:
         child += ["--examples", str(args.examples)]
     if args.isolate is not None:
         child += ["--isolate" if args.isolate else "--no-isolate"]
-    print(f"  {parts} parts, one per {'GPU' if device == 'cuda' else 'process'}", flush=True)
-    frame, worst = run_parts(ops, parts, device, run_dir.path, child)
+    print(f"  {len(slots)} parts, one per {'GPU' if device == 'cuda' else 'process'}", flush=True)
+    frame, worst = run_parts(args.op, slots, device, run_dir.path, child)
     run_dir.finish(frame, meta)
     rows = [Row.from_record(r) for r in frame.to_dict("records")]
     failed = worst != 0 or any(not r.passed for r in rows)
@@ -645,14 +694,25 @@ def cmd_report(args, device: str) -> int:
                               save_case=save_worst_case, **_drift_settings(args))
 
 
+def cmd_merge(args, device: str) -> int:
+    from mla_verify import reports
+    from mla_verify.api import save_worst_case
+    from mla_verify.merge import merge
+
+    merged = merge(args.runs, args.out, force=args.force)
+    print("\n".join(merged.lines()))
+    code = reports.run_report(merged.out, save_case=save_worst_case, **_drift_settings(args))
+    return 3 if merged.harness_errors else max(code, 1 if merged.missing else 0)
+
+
 def cmd_bench(args, device: str) -> int:
     from . import bench
 
     return bench.main(args, device)
 
 
-COMMANDS = {"list": cmd_list, "fuzz": cmd_fuzz, "replay": cmd_replay, "gate": cmd_gate, "report": cmd_report,
-            "bench": cmd_bench}
+COMMANDS = {"list": cmd_list, "fuzz": cmd_fuzz, "replay": cmd_replay, "gate": cmd_gate, "merge": cmd_merge,
+            "report": cmd_report, "bench": cmd_bench}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,9 +1,10 @@
 """Gate and fuzz campaigns over several GPUs: one child process per GPU, rows merged into one run.
 
-Gate: the ops (and properties) are dealt round-robin to N children; child i sees only GPU i
-(`CUDA_VISIBLE_DEVICES`), except the child that runs `dcp`, which keeps every GPU so its ranks can
-spread over them (nccl, one GPU per rank). Fuzz: N independent campaigns of one op, each with its
-own seed (the parent's seed + i) and its share of the examples. Each child writes its rows to
+The parts of a run are the shards of one host (`fuzz.shard`): part j of shard I of N, with P
+parts, is slot I * P + j of N * P. Gate: each child runs its slot's units; child i sees only GPU
+i (`CUDA_VISIBLE_DEVICES`), except the child that runs `dcp`, which keeps every GPU so its ranks
+can spread over them (nccl, one GPU per rank). Fuzz: each child runs its slot's campaign, its
+own seed and share of the examples. Each child writes its rows to
 `OUT/part-i` (a fuzz part also its outcome, `result.json`: its failure, case file and replay
 command); the parent concatenates the rows into `OUT` and reports once. On CPU the same split runs
 N CPU processes.
@@ -20,19 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-
-def deal(ops: list[str], parts: int) -> list[list[str]]:
-    """Round-robin, the specs of many ranks first into part 0 (the one that keeps every GPU)."""
-    from mla_verify.equivalence.catalog import get_spec
-
-    ordered = sorted(ops, key=lambda op: not get_spec(op).ranks)
-    return [ordered[i::parts] for i in range(parts) if ordered[i::parts]]
-
-
-def share(examples: int, parts: int) -> list[int]:
-    """`examples` split over at most `parts` campaigns, none empty, the first ones one larger."""
-    parts = max(1, min(parts, examples))
-    return [examples // parts + (i < examples % parts) for i in range(parts)]
+from mla_verify.fuzz.shard import share  # noqa: F401 - the examples' split, here since --parallel had it
 
 
 def _child(command: str, part: int, args: list[str], device: str, out: Path, pin: bool,
@@ -49,14 +38,14 @@ def _child(command: str, part: int, args: list[str], device: str, out: Path, pin
         return subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
-def _collect(procs: list[subprocess.Popen], out: Path) -> tuple[pd.DataFrame, list[int]]:
-    """Wait for every child; their rows together, and each one's exit code (1 for a child that
-    exited 0 without leaving rows)."""
+def _collect(procs: dict[int, subprocess.Popen], out: Path) -> tuple[pd.DataFrame, dict[int, int]]:
+    """Wait for every child (by part number); their rows together, and each one's exit code (1 for
+    a child that exited 0 without leaving rows)."""
     from mla_verify import reports
 
-    codes = [p.wait() for p in procs]
+    codes = {i: p.wait() for i, p in procs.items()}
     frames = []
-    for i, code in enumerate(codes):
+    for i, code in codes.items():
         try:  # a part killed early may have left its journal only, or nothing
             frames.append(reports.load_run(out / f"part-{i}")[0])
         except (OSError, ValueError):
@@ -64,34 +53,37 @@ def _collect(procs: list[subprocess.Popen], out: Path) -> tuple[pd.DataFrame, li
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), codes
 
 
-def run_parts(ops: list[str], parts: int, device: str, out: Path, child_args: list[str]) -> tuple[pd.DataFrame, int]:
-    """Run the child gates, wait for all, and return their rows together and the worst exit code."""
-    from mla_verify.equivalence.catalog import get_spec
+def run_parts(ops: list[str] | None, slots: list, device: str, out: Path,
+              child_args: list[str]) -> tuple[pd.DataFrame, int]:
+    """Run one child gate per slot (`fuzz.shard.Shard`) that holds units, wait for all, and return
+    their rows together and the worst exit code."""
+    from mla_verify.fuzz.gate import units
 
-    procs = [_child("gate", i, [*child_args, *(a for op in part_ops for a in ("--op", op))], device, out,
-                    pin=not any(get_spec(op).ranks for op in part_ops))
-             for i, part_ops in enumerate(deal(ops, parts))]
+    every = units(ops, device)
+    dealt = {i: slot.deal(every, [u.multi_rank for u in every]) for i, slot in enumerate(slots)}
+    procs = {i: _child("gate", i, [*child_args, "--shard", str(slots[i]), *(a for op in ops or [] for a in ("--op", op))],
+                       device, out, pin=not any(u.multi_rank for u in mine))
+             for i, mine in dealt.items() if mine}
     frame, codes = _collect(procs, out)
-    return frame, max(codes)
+    return frame, max(codes.values())
 
 
-def fuzz_parts(child_args: list[str], examples: int, seed: int, parts: int, device: str,
+def fuzz_parts(child_args: list[str], campaigns: list[tuple[int, int]], device: str,
                out: Path) -> tuple[pd.DataFrame, list[tuple[int, int, Path]]]:
-    """Run one fuzz campaign per part (output in OUT/part-i/fuzz.log); the rows together, and
-    (seed, exit code, log) per part."""
-    shares = share(examples, parts)
-    logs = [out / f"part-{i}" / "fuzz.log" for i in range(len(shares))]
-    procs = [_child("fuzz", i, [*child_args, "--examples", str(n), "--seed", str(seed + i)], device, out,
-                    pin=True, log=logs[i])
-             for i, n in enumerate(shares)]
+    """Run one fuzz campaign (seed, examples) per part (output in OUT/part-i/fuzz.log); the rows
+    together, and (seed, exit code, log) per part."""
+    logs = [out / f"part-{i}" / "fuzz.log" for i in range(len(campaigns))]
+    procs = {i: _child("fuzz", i, [*child_args, "--examples", str(n), "--seed", str(seed)], device, out,
+                       pin=True, log=logs[i])
+             for i, (seed, n) in enumerate(campaigns)}
     frame, codes = _collect(procs, out)
-    return frame, [(seed + i, code, log) for i, (code, log) in enumerate(zip(codes, logs))]
+    return frame, [(seed, codes[i], logs[i]) for i, (seed, _) in enumerate(campaigns)]
 
 
 RESULT_JSON = "result.json"  # a fuzz part's outcome (mla_verify.results.result_file)
 
 
-def check_in_parts(plan, parts: int, log):
+def check_in_parts(plan, log):
     """`mla_verify.check` as `parts` child campaigns (seeds S, S+1, ...) sharing the examples;
     their rows merged into the run directory, each part's failure read from its result.json."""
     from .interrupt import Interrupt
@@ -104,17 +96,16 @@ def check_in_parts(plan, parts: int, log):
              *(["--path", plan.path] if plan.path else []), *([] if plan.shrink else ["--no-shrink"]),
              "--isolate" if plan.isolate else "--no-isolate"]
     out = plan.run_dir.path if plan.run_dir else Path(tempfile.mkdtemp(prefix="mla-verify-parts-"))
-    shares = share(plan.examples, parts)
     if log is not None:
-        log(f"  {len(shares)} campaigns, one per {'GPU' if device == 'cuda' else 'process'}: "
-            + ", ".join(f"seed {plan.seed + i} x {n}" for i, n in enumerate(shares)) + f"; logs {out}/part-*/fuzz.log")
+        log(f"  {len(plan.campaigns)} campaigns, one per {'GPU' if device == 'cuda' else 'process'}: "
+            + ", ".join(f"seed {seed} x {n}" for seed, n in plan.campaigns) + f"; logs {out}/part-*/fuzz.log")
     meta = plan.meta()
     if plan.run_dir:
-        plan.run_dir.start({**meta, "seeds": [plan.seed + i for i in range(len(shares))]})
+        plan.run_dir.start(meta)
     with Interrupt().installed():  # Ctrl-C reaches every part: each finishes its case and writes its run
-        frame, results = fuzz_parts(child, plan.examples, plan.seed, parts, device, out)
+        frame, results = fuzz_parts(child, plan.campaigns, device, out)
     if plan.run_dir:
-        plan.run_dir.finish(frame, {**meta, "seeds": [plan.seed + i for i in range(len(shares))]})
+        plan.run_dir.finish(frame, meta)
     failures, notes, examples, interrupted, clean = [], [], 0, False, True
     for i, (seed, code, _log) in enumerate(results):
         path = out / f"part-{i}" / RESULT_JSON
@@ -133,6 +124,6 @@ def check_in_parts(plan, parts: int, log):
     from mla_verify.reports.store import conform, rows_frame
 
     rows = conform(frame) if len(frame) else rows_frame([])
-    return CheckResult(plan.op, plan.label, passed, rows, plan.seed, examples,
+    return CheckResult(plan.op, plan.label, passed, rows, plan.campaigns[0][0], examples,
                        plan.run_dir.path if plan.run_dir else None, failures, interrupted=interrupted, notes=notes,
                        campaigns=len(results))
