@@ -75,12 +75,17 @@ def odd_ones_out(rows: list[Row]) -> list[str]:
 
 @dataclass(frozen=True)
 class Unit:
-    """What the gate deals to its shards: one op (or property) and implementation, with its
-    pinned corpus and every fuzz campaign of it."""
+    """What a run judges in one go, and what the gate deals to its shards: one op (or property)
+    and implementation, its pinned corpus, and its fuzz campaigns (paths; None: the op's own
+    draw). A fuzz run is one unit of the implementation it was given, without the corpus."""
 
     op: str
     label: str
     specs: tuple[str, ...]
+    subject: Subject | None = field(default=None, compare=False, repr=False)  # None: resolved from specs
+    paths: tuple[str | None, ...] | None = None  # None: every campaign the spec runs for the subject
+    corpus: bool = True
+    deviations: tuple[str, ...] = ()
 
     @property
     def multi_rank(self) -> bool:
@@ -100,7 +105,46 @@ def shard_units(ops: list[str] | None, device: str, shard: Shard) -> list[Unit]:
     return shard.deal(every, [u.multi_rank for u in every])
 
 
-def run_gate(
+def _case_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker: Worker | None, notes: set[str],
+                 lost: list[str] | None) -> Callable[[Case, str], list[Row]]:
+    """(case, source) -> rows: in the isolation worker, or in this process. With `lost` (a fuzz
+    run), a CUDA context that saw a CUDA error of the implementation cannot run another case: the
+    campaign stops there, the case being the implementation's crash."""
+    from mla_verify.equivalence import device as dev
+    from mla_verify.equivalence.running import failure_row
+
+    cuda = device.startswith("cuda")
+
+    def run(case: Case, source: str) -> list[Row]:
+        if worker is not None:
+            rows = worker.run(case, unit.specs, unit.label, run_id, source, notes=notes, deviations=unit.deviations)
+            for r in rows:
+                r.impl = unit.label
+            return rows
+        if lost is None:
+            return catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=notes)
+        called: list[bool] = []
+        try:
+            rows = catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=notes,
+                                    on_call=lambda: called.append(True))
+        except Exception as exc:
+            if not (cuda and called and (dev.is_device_error(exc) or not dev.usable(device))):
+                raise
+            base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages="", device=device,
+                        seed=case.seed, source=source, **catalog.get_spec(case.op).identity(case))
+            rows = [failure_row(base, "*", "crashed", f"CUDA error after the implementation ran: {dev.first_line(exc)}")]
+        if cuda and not lost and (
+                any(r.gate_metric in ("raised", "crashed") and dev.is_device_error(r.reason) for r in rows)
+                or not dev.usable(device)):
+            lost.append("the CUDA context is unusable after a CUDA error of the implementation; "
+                        "run isolated (--isolate) to go on past crashes")
+        return rows
+
+    return run
+
+
+def run_units(
+    chosen: list[Unit],
     *,
     device: str,
     profile: Profile,
@@ -110,40 +154,38 @@ def run_gate(
     out_dir: Path,
     isolate: bool,
     timeout_s: float,
-    ops: list[str] | None = None,
-    shard: Shard = Shard(),
+    shrink: bool = True,
+    world_size: int | None = None,
     log=None,
+    progress: bool = True,
     journal: Callable[[list[Row]], None] | None = None,
     stop_reason: Callable[[], str] = lambda: "",
+    lost: list[str] | None = None,
 ) -> GateResult:
-    """`examples` per op (or property) and implementation; None: the profile's budgets. In `ops`,
-    "property" stands for every property; `shard` runs only its share of the units. `journal`
-    receives each case's rows as it finishes; a `stop_reason` (Ctrl-C) ends the gate after the
-    current case. `log`: default the stderr of the moment (pytest's capture replaces it between
-    tests)."""
+    """The one campaign driver: each unit's corpus, then its campaigns of `examples` cases (None:
+    the profile's budget for the op) with `seed`. `world_size`: a multi-rank op's ranks (default:
+    `gate_world_size`). `journal` receives each case's rows as it finishes; a `stop_reason`
+    (Ctrl-C, a lost CUDA context: `lost`, see `_case_runner`) ends the run after the current case.
+    `progress`: a line per campaign on `log` (default the stderr of the moment: pytest's capture
+    replaces it between tests)."""
     log = log or sys.stderr
     result = GateResult()
     worker = Worker(device, timeout_s) if isolate else None
     distributed.set_timeout(timeout_s)
     device_type = device.split(":")[0]
     try:
-        for unit in shard_units(ops, device, shard):
+        for unit in chosen:
             op, label, specs = unit.op, unit.label, unit.specs
             spec = catalog.get_spec(op)
             budget = examples if examples is not None else spec.examples(profile)
-            pinned = corpus(op)
+            pinned = corpus(op) if unit.corpus else []
             in_worker = None if spec.own_processes else worker
-            world_size = gate_world_size(spec, device_type)
-            subject = catalog.resolve_subject(op, specs, device_type)
-            subject = Subject(label, subject.fn, subject.overrides, subject.deviations, specs)
-
-            def run(case: Case, source: str, subject=subject, specs=specs, label=label, worker=in_worker) -> list[Row]:
-                if worker is not None:
-                    rows = worker.run(case, specs, label, run_id, source, notes=result.notes)
-                    for r in rows:
-                        r.impl = label
-                    return rows
-                return catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=result.notes)
+            ranks = world_size or gate_world_size(spec, device_type)
+            subject = unit.subject
+            if subject is None:
+                resolved = catalog.resolve_subject(op, specs, device_type)
+                subject = Subject(label, resolved.fn, resolved.overrides, resolved.deviations, specs)
+            run = _case_runner(unit, subject, device, run_id, in_worker, result.notes, lost)
 
             pinned_rows = []
             for case, _why in pinned:
@@ -154,21 +196,22 @@ def run_gate(
                 if journal is not None:
                     journal(case_rows)
             result.rows.extend(pinned_rows)
-            for path in spec.campaigns(subject):
+            for path in spec.campaigns(subject) if unit.paths is None else unit.paths:
                 if stop_reason():
                     return result
                 fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, impl_label=label,
-                          device=device, out_dir=out_dir, progress_label=f"{op} / {label}", path=path,
-                          world_size=world_size, journal=journal, stop_reason=stop_reason)
+                          deviations=unit.deviations, device=device, out_dir=out_dir, shrink=shrink,
+                          progress_label=f"{op} / {label}" if progress else None, path=path, world_size=ranks,
+                          journal=journal, stop_reason=stop_reason)
                 result.fuzz.append(fz)
                 result.rows.extend(fz.rows)
-                where = f"{op} ({path})" if path else op
-                bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
-                log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases  "
-                          f"{'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
-                log.flush()
+                if progress:
+                    where = f"{op} ({path})" if path else op
+                    bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
+                    log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases  "
+                              f"{'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
+                    log.flush()
     finally:
         if worker is not None:
             worker.close()
-        distributed.close_all()
     return result

@@ -22,23 +22,17 @@ import importlib
 import json
 import os
 import re
-import shlex
-import sys
-import tempfile
-import traceback
 import types
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from mla_verify.equivalence.isolation import HarnessError
 from mla_verify.equivalence.subject import UsageError
 
-from .interrupt import Interrupt
-from .results import CheckResult, Failure
+from .results import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
+from .run import FUZZ, GATE, Run, drive, resolve_device
 
 Impl = Union[None, str, Callable, Mapping[str, Union[str, Callable]], Sequence[str]]
-DEFAULT_TIMEOUT_S = 300.0
 # Callables that cannot be imported by name (lambdas, closures, partials) are reached through
 # here in this process: "mla_verify.api:local.NAME" resolves like any MODULE:CALLABLE.
 local = types.SimpleNamespace()
@@ -47,22 +41,6 @@ __all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "assert_equiv
            "property_check", "replay"]
 
 # ----------------------------------------------------------------------------- inputs
-
-
-def resolve_device(device: str | None) -> str:
-    """"cpu", "cuda" or "cuda:N" (None: cuda when present); on CPU the Triton kernels run under
-    their interpreter, which must be chosen before any kernel module is imported."""
-    import torch
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kind = device.split(":")[0]
-    if kind not in ("cpu", "cuda") or (kind == "cpu" and device != "cpu"):
-        raise UsageError(f"device {device!r}: expected cpu, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise UsageError("device cuda asked for, but no CUDA GPU is visible")
-    if kind == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    return device
 
 
 def _positive(name: str, value: float | None, kind: type) -> None:
@@ -118,23 +96,6 @@ def impl_specs(impl: Impl) -> tuple[tuple[str, ...], bool]:
 def _label(subject) -> str:
     """The rows' name for the implementation; a local callable by its own name."""
     return re.sub(rf"{re.escape(__name__)}:local\.fn\d+_", "", subject.label)
-
-
-def replay_command(case_file: Path | None, specs: Sequence[str], device: str, deviations: Sequence[str] = (),
-                   timeout: float | None = None, isolate: bool = False) -> str:
-    """The command that reproduces a saved failure (isolated where the failure was: a hang or a
-    crash replayed in-process would hang or kill the replay)."""
-    argv = ["mla-verify", "replay", str(case_file) if case_file else "CASE_FILE"]
-    for s in specs:
-        argv += ["--impl", "MODULE:CALLABLE" if ".api:local." in s else s]
-    for d in deviations:
-        argv += ["--deviation", d]
-    argv += ["--device", device.split(":")[0]]
-    if isolate and not device.startswith("cuda"):  # isolated by default on cuda
-        argv.append("--isolate")
-    if timeout is not None and timeout != DEFAULT_TIMEOUT_S:
-        argv += ["--timeout", f"{timeout:g}"]
-    return shlex.join(argv)
 
 
 def save_worst_case(worst, directory: Path) -> str | None:
@@ -261,37 +222,18 @@ def check(
     isolate = ((device_type == "cuda" if isolate is None else isolate) and named) and not own_processes
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     parts = 1 if world_size or not named else (parallel or (_gpu_count() if device_type == "cuda" else 1))
-    if not shard.whole and (world_size or not named) and parallel not in (None, 1):
-        raise UsageError(f"--parallel {parallel}: {op} runs one campaign at a time")
-    campaigns = [c for c in (slot.campaign(seed, examples) for slot in shard.slots(parts)) if c[1]]
-    if not campaigns:
+    if not any(slot.campaign(seed, examples)[1] for slot in shard.slots(parts)):
         raise UsageError(f"shard {shard}: {examples} examples over {shard.count * parts} campaigns leave it none "
                          f"(give at least {shard.count * parts} examples)")
     junit_path = _writable_file(junit, "--junit") if junit is not None else None
     run_dir = RunDir.open(out) if out is not None else None
-    plan = _Plan(op=op, specs=specs, label=label, subject=subject, device=device, profile=prof, examples=examples,
-                 seed=seed, isolate=isolate, timeout=timeout, deviations=deviations, path=path,
-                 world_size=world_size, shrink=shrink, run_dir=run_dir, named=named, shard=shard,
-                 campaigns=campaigns, slots=shard.count * parts)
+    run = Run(FUZZ, (op,), device, prof, examples, seed, isolate, timeout, out=run_dir, baseline=baseline,
+              shard=shard, parts=parts, specs=specs, subject=subject, label=label, deviations=deviations, path=path,
+              world_size=world_size, shrink=shrink, named=named)
     if log is not None:
-        where = f", run {run_dir.path}" if run_dir else ""
-        ranks = ""
-        if world_size:
-            from mla_verify.equivalence import distributed
-
-            ranks = f", {world_size} ranks ({distributed.placement(world_size, device_type).describe()})"
-        log(f"mla-verify fuzz: op {op}, implementation {label}, {examples} examples, profile {prof.name}, "
-            f"device {device}, seed {seed}{ranks}{', isolated' if isolate else ''}{where}"
-            + (f"; the cases of baseline {baseline}" if baseline is not None else "")
-            + ("" if shard.whole else f"; shard {shard} of {shard.count * parts} campaigns: "
-               + ", ".join(f"seed {s} x {n}" for s, n in campaigns)))
+        log(run.header())
     try:
-        if parts > 1:
-            from .parallel import check_in_parts
-
-            result = check_in_parts(plan, log)
-        else:
-            result = _campaign(plan)
+        result = drive(run, log)
     finally:
         if run_dir is not None:
             run_dir.release()
@@ -304,48 +246,88 @@ def check(
     return result
 
 
-@dataclass
-class _Plan:
-    op: str
-    specs: tuple[str, ...]
-    label: str
-    subject: Any
-    device: str
-    profile: Any
-    examples: int
-    seed: int
-    isolate: bool
-    timeout: float
-    deviations: tuple[str, ...]
-    path: str | None
-    world_size: int | None
-    shrink: bool
-    run_dir: Any
-    named: bool
-    shard: Any                               # fuzz.shard.Shard
-    campaigns: list[tuple[int, int]]         # (seed, examples) of each campaign this run holds
-    slots: int                               # the whole run's campaigns (shards x parts)
-    run_id: str = ""
+def gate(
+    *,
+    device: str | None = None,
+    profile: str | None = None,
+    examples: int | None = None,
+    seed: int | None = None,
+    ops: Sequence[str] | None = None,
+    out: str | Path | None = None,
+    isolate: bool | None = None,
+    timeout: float | None = None,
+    parallel: int | None = None,
+    shard: str | Any | None = None,
+    baseline: str | Path | None = None,
+    junit: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
+) -> GateOutcome:
+    """The gate (`mla-verify gate`): every op and forward_mqa path with every implementation
+    available on `device`, the pinned corpus, a fuzz budget and every property, into one run
+    directory; `GateOutcome` has the rows, `failed`, `out` and what the CLI prints.
 
-    def meta(self) -> dict[str, Any]:
-        from mla_verify import reports
+    Args:
+        ops: only these ops, "property:NAME", or "property" (every property) (default: all).
+        examples: fuzz cases per op (or property) and implementation (default: the profile's).
+        profile: default ci on cpu, gpu on cuda. seed: default random, or the baseline's.
+        out: the run directory (default: a new runs/gate-TIME). isolate, timeout: as in `check`.
+        parallel: processes, one GPU each (default: every GPU on cuda, 1 on cpu). shard: "I/N",
+            every N-th op and implementation from the I-th (`fuzz.shard`; `merge` joins the shards).
+        baseline: an earlier gate run: its seed, profile, examples and ops, unless given.
+        junit: also write JUnit XML there. log: receives the run's header lines.
 
-        # what `check(baseline=...)` reads back to draw the same cases (reports.meta.rerun_settings)
-        seeds = [s for s, _ in self.campaigns]
-        extra = {"op": self.op, "examples": sum(n for _, n in self.campaigns), "path": self.path}
-        if not self.shard.whole:  # what `merge` checks its shards agree on
-            extra |= {"shard": str(self.shard), "run": self.options()}
-        return reports.collect_meta(self.profile.name, seeds, self.device,
-                                    command=shlex.join(["mla-verify"] + sys.argv[1:]) if sys.argv[1:] else None,
-                                    extra=extra)
+    Raises UsageError for bad input, before any case runs."""
+    from mla_verify.equivalence import catalog
+    from mla_verify.equivalence.profiles import get_profile
+    from mla_verify.fuzz.campaign import new_seed
+    from mla_verify.fuzz.gate import shard_units
+    from mla_verify.fuzz.shard import Shard
 
-    def options(self) -> dict[str, Any]:
-        """The settings every shard of one run shares."""
-        return {"command": "fuzz", "op": self.op, "impl": list(self.specs), "examples": self.examples,
-                "seed": self.seed, "profile": self.profile.name, "device": self.device.split(":")[0],
-                "path": self.path, "world_size": self.world_size, "deviations": list(self.deviations),
-                "isolate": self.isolate, "timeout": self.timeout, "shrink": self.shrink,
-                "campaigns": self.slots}
+    from .rundir import FreshDir, RunDir
+
+    log = log or (lambda line: None)
+    device = resolve_device(device)
+    device_type = device.split(":")[0]
+    known = [*catalog.names(), "property"]
+    unknown = [op for op in ops or [] if op not in known]
+    if unknown:
+        raise UsageError(f"--op {unknown[0]!r}: unknown; known: {', '.join(known)}")
+    junit_path = _writable_file(junit, "--junit") if junit is not None else None
+    ops = list(ops) if ops else None
+    if baseline is not None:  # run the baseline's cases again, so that drift pairs them
+        from mla_verify.reports.meta import rerun_settings
+
+        again = rerun_settings(load_run(baseline, "baseline")[1])
+        seed = again["seed"] if seed is None else seed
+        profile, examples, ops = profile or again["profile"], examples or again["examples"], ops or again["ops"]
+        log(f"baseline {baseline}: its cases again (seed {seed}, profile {profile}"
+            f"{', ops ' + ' '.join(ops) if ops else ''})")
+    _positive("examples", examples, int)
+    _positive("timeout", timeout, float)
+    _positive("parallel", parallel, int)
+    try:
+        prof = get_profile(profile or ("ci" if device_type == "cpu" else "gpu"))
+        shard = Shard.parse(shard)
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not shard_units(ops, device, shard):
+        raise UsageError(f"--shard {shard}: the gate has fewer units (ops and implementations) than shards here")
+    seed = new_seed() if seed is None else seed
+    parts = parallel or (_gpu_count() if device_type == "cuda" else 1)
+    run_dir = RunDir.open(out if out is not None else FreshDir.named("runs", "gate"))
+    run = Run(GATE, tuple(ops or ()), device, prof, examples, seed,
+              device_type == "cuda" if isolate is None else isolate,
+              DEFAULT_TIMEOUT_S if timeout is None else float(timeout), out=run_dir, baseline=baseline, shard=shard,
+              parts=parts, ops_asked=ops)
+    log(run.header())
+    outcome = drive(run, log)
+    if junit_path is not None and not outcome.interrupted:
+        from .junit import write_junit
+
+        write_junit(junit_path, outcome.rows)
+    return outcome
 
 
 def _gpu_count() -> int:
@@ -417,109 +399,6 @@ def _writable_file(path: str | Path, what: str) -> Path:
     if not os.access(path.parent, os.W_OK):
         raise UsageError(f"{what} {path}: its directory is not writable")
     return path
-
-
-def _in_process_runner(plan: _Plan, notes: set[str], lost: list[str]):
-    """Evaluate in this process. On CUDA, a context that saw a CUDA error cannot run another case:
-    the campaign stops there (`lost`), the case being the implementation's crash."""
-    from mla_verify.equivalence import device as dev
-    from mla_verify.equivalence.catalog import evaluate, get_spec
-    from mla_verify.equivalence.running import failure_row
-
-    def run(case, source: str):
-        called: list[bool] = []
-        try:
-            rows = evaluate(case, plan.subject, plan.device, run_id=plan.run_id, source=source, notes=notes,
-                            on_call=lambda: called.append(True))
-        except Exception as exc:
-            if not (plan.device.startswith("cuda") and called and (dev.is_device_error(exc) or not dev.usable(plan.device))):
-                raise
-            base = dict(run_id=plan.run_id, case_id=case.case_id, impl=plan.label, stages="", device=plan.device,
-                        seed=case.seed, source=source, **get_spec(case.op).identity(case))
-            rows = [failure_row(base, "*", "crashed", f"CUDA error after the implementation ran: {dev.first_line(exc)}")]
-        if plan.device.startswith("cuda") and not lost and (
-                any(r.gate_metric in ("raised", "crashed") and dev.is_device_error(r.reason) for r in rows)
-                or not dev.usable(plan.device)):
-            lost.append("the CUDA context is unusable after a CUDA error of the implementation; "
-                        "run isolated (--isolate) to go on past crashes")
-        return rows
-
-    return run
-
-
-def _campaign(plan: _Plan) -> CheckResult:
-    """One campaign in this process (its cases isolated or not), written to the run directory."""
-    import time
-
-    from mla_verify.equivalence import distributed
-    from mla_verify.equivalence.isolation import HarnessError, Worker
-    from mla_verify.fuzz.campaign import fuzz
-    from mla_verify.reports import rows_frame
-
-    plan.run_id = f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}"
-    (seed, examples), = plan.campaigns
-    meta = plan.meta()
-    run_dir = plan.run_dir
-    out_dir = run_dir.path if run_dir else Path(tempfile.gettempdir()) / "mla-verify"
-    if run_dir:
-        run_dir.start(meta)
-    rows: list = []
-    notes: set[str] = set()
-    lost: list[str] = []
-    interrupt = Interrupt()
-    worker = Worker(plan.device, plan.timeout) if plan.isolate else None
-    distributed.set_timeout(plan.timeout)
-
-    def run(case, source):
-        if worker is None:
-            return runner(case, source)
-        rows = worker.run(case, plan.specs, plan.label, plan.run_id, source, notes=notes, deviations=plan.deviations)
-        for r in rows:
-            r.impl = plan.label
-        return rows
-
-    runner = _in_process_runner(plan, notes, lost)
-
-    def journal(case_rows):
-        rows.extend(case_rows)
-        if run_dir:
-            run_dir.append(case_rows)
-
-    def stop_reason() -> str:
-        return "interrupted" if interrupt.requested else lost[0] if lost else ""
-
-    try:
-        with interrupt.installed():
-            fz = fuzz(plan.op, run, profile=plan.profile, examples=examples, seed=seed,
-                      impl_specs=plan.specs, impl_label=plan.label, deviations=plan.deviations, device=plan.device,
-                      out_dir=out_dir, shrink=plan.shrink, path=plan.path, world_size=plan.world_size,
-                      journal=journal, stop_reason=stop_reason)
-    except Exception as exc:
-        if run_dir:
-            detail = exc.detail if isinstance(exc, HarnessError) else traceback.format_exc()
-            run_dir.write_file("harness-error.txt", detail or traceback.format_exc())
-            run_dir.finish(rows, meta)
-        if isinstance(exc, HarnessError):
-            raise
-        raise HarnessError(f"harness error: {type(exc).__name__}: {exc}", traceback.format_exc()) from exc
-    finally:
-        if worker is not None:
-            worker.close()
-    if run_dir:
-        run_dir.finish(rows, meta)
-    frame = rows_frame(rows)
-    failures = []
-    if fz.failure is not None:
-        failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
-                                   replay_command(fz.case_file, plan.specs, plan.device, plan.deviations, plan.timeout,
-                                                  plan.isolate),
-                                   found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk))
-    extra = sorted(notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
-    if plan.world_size:
-        extra += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]
-    return CheckResult(plan.op, plan.label, not failures and fz.stopped != "interrupted" and bool(frame.passed.all()),
-                       frame, seed, fz.examples, run_dir.path if run_dir else None, failures,
-                       interrupted=fz.stopped == "interrupted", notes=extra)
 
 
 def assert_equivalent(op: str, impl: Impl = None, **kwargs: Any) -> CheckResult:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import sys
 import textwrap
 import time
@@ -29,10 +28,6 @@ def _prepare(device: str) -> None:
     """Triton decides interpreter vs compiler when kernels are defined: set it before importing them."""
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def _run_id(kind: str) -> str:
-    return f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -265,7 +260,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=_positive_int, default=None, metavar="N",
                    help="independent campaigns (seeds S, S+1, ...) sharing the examples, one GPU each "
                         "(default: every GPU on cuda, 1 on cpu; dcp: 1, its ranks take the GPUs)")
-    p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel
     _add_shard(p, "the campaigns of seeds S + I*P ... of N*P (P: --parallel), the same as one machine's "
                   "--parallel N*P")
     p.add_argument("--baseline", type=Path, default=None,
@@ -328,7 +322,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "failed with its first failing row (default: none)")
     p.add_argument("--parallel", type=_positive_int, default=None, metavar="N",
                    help="split the ops over this many processes, one GPU each (default: every GPU on cuda, 1 on cpu)")
-    p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel: rows only
     _add_shard(p, "every N-th op and implementation (with its corpus and campaigns), all with seed S")
 
     p = _command(sub, "merge", "join the run directories of a run's shards into one run and one report",
@@ -503,41 +496,17 @@ def _print_implementations(registry, stage: str, device: str) -> None:
         print("\n".join(textwrap.wrap(f"  - {impl.name:12s} {status}{dev}", 100, subsequent_indent=" " * 17)))
 
 
-def _profile(name: str | None, device: str, default_cpu: str):
-    from mla_verify.equivalence.profiles import get_profile
-
-    try:
-        return get_profile(name or (default_cpu if device == "cpu" else "gpu"))
-    except KeyError as exc:
-        from mla_verify.equivalence.subject import UsageError
-
-        raise UsageError(str(exc.args[0])) from None
-
-
-def _start_meta(profile: str, seed: int, device: str, extra: dict) -> dict:
-    from mla_verify import reports
-
-    return reports.collect_meta(profile, [seed], device, command=shlex.join(["mla-verify"] + sys.argv[1:]),
-                                extra=extra)
-
-
 def cmd_fuzz(args, device: str) -> int:
     from mla_verify import api
-    from mla_verify.fuzz.casefile import write_atomic
-    from mla_verify.results import result_file
     from mla_verify.rundir import FreshDir
-
-    from .parallel import RESULT_JSON
 
     out = args.out or FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
     result = api.check(args.op, args.impl or None, examples=args.examples, seed=args.seed, device=device,
                        profile=args.profile, out=out, isolate=args.isolate, timeout=args.timeout,
                        deviations=args.deviation, path=args.path, world_size=args.world_size,
-                       shrink=not args.no_shrink, parallel=1 if args.part else args.parallel, junit=args.junit,
+                       shrink=not args.no_shrink, parallel=args.parallel, junit=args.junit,
                        baseline=args.baseline, shard=args.shard, log=lambda line: print(line, flush=True))
     print(result.report())
-    if args.part and result.out is not None:  # the parent reads this part's outcome here
-        write_atomic(result.out / RESULT_JSON, result_file(result))
     if args.baseline is None or result.interrupted:
         return result.exit_code
     drift = api.drift(result, args.baseline, **_drift_settings(args))
@@ -560,125 +529,24 @@ def cmd_replay(args, device: str) -> int:
     return result.exit_code
 
 
-def _gate_ops(ops: list[str] | None) -> None:
-    from mla_verify.equivalence import catalog
-    from mla_verify.equivalence.subject import UsageError
-
-    known = [*catalog.names(), "property"]
-    unknown = [op for op in ops or [] if op not in known]
-    if unknown:
-        raise UsageError(f"--op {unknown[0]!r}: unknown; known: {', '.join(known)}")
-
-
 def cmd_gate(args, device: str) -> int:
-    from mla_verify.fuzz.campaign import new_seed
-    from mla_verify.fuzz.gate import odd_ones_out, run_gate, shard_units
-    from mla_verify.fuzz.shard import Shard
-    from mla_verify.interrupt import Interrupt
-    from mla_verify.rundir import FreshDir, RunDir
-
-    _gate_ops(args.op)
-    if args.junit is not None:
-        from mla_verify.api import _writable_file
-
-        _writable_file(args.junit, "--junit")
-    if args.baseline is not None:  # run the baseline's cases again, so that drift pairs them
-        from mla_verify.api import load_run
-        from mla_verify.reports.meta import rerun_settings
-
-        again = rerun_settings(load_run(args.baseline, "baseline")[1])
-        args.seed = again["seed"] if args.seed is None else args.seed
-        args.profile, args.examples = args.profile or again["profile"], args.examples or again["examples"]
-        args.op = args.op or again["ops"]
-        print(f"baseline {args.baseline}: its cases again (seed {args.seed}, profile {args.profile}"
-              f"{', ops ' + ' '.join(args.op) if args.op else ''})", flush=True)
-    profile = _profile(args.profile, device, "ci")
-    seed = new_seed() if args.seed is None else args.seed
-    shard = args.shard or Shard()
-    parts = 1 if args.part else args.parallel or (_gpu_count() if device == "cuda" else 1)
-    if not shard_units(args.op, device, shard):
-        from mla_verify.equivalence.subject import UsageError
-
-        raise UsageError(f"--shard {shard}: the gate has fewer units (ops and implementations) than shards here")
-    run_id = _run_id("gate")
-    run_dir = RunDir.open(args.out or FreshDir.named("runs", "gate"))
-    out = run_dir.path
-    isolate = device == "cuda" if args.isolate is None else args.isolate
-    budget = (f"{args.examples}" if args.examples is not None
-              else f"{profile.examples} (properties: {profile.property_examples})")
-    print(f"mla-verify gate: device {device}, profile {profile.name}, {budget} fuzz examples per op and "
-          f"implementation, seed {seed}{'' if shard.whole else f', shard {shard}'}, run {out}", flush=True)
-    started = time.time()
-    extra = {"examples": args.examples, "ops": args.op}
-    if not shard.whole:  # what `merge` checks its shards agree on
-        extra |= {"shard": str(shard), "run": {"command": "gate", "ops": args.op, "examples": args.examples,
-                                               "seed": seed, "profile": profile.name, "device": device,
-                                               "isolate": isolate, "timeout": args.timeout}}
-    meta = _start_meta(profile.name, seed, device, extra)
-    run_dir.start(meta)
-    interrupt = Interrupt()
-    try:
-        if parts > 1:
-            with interrupt.installed():
-                return _gate_in_parts(args, device, profile, seed, run_dir, meta, shard.slots(parts), started)
-        with interrupt.installed():
-            result = run_gate(device=device, profile=profile, examples=args.examples, seed=seed, run_id=run_id,
-                              out_dir=out, isolate=isolate, timeout_s=args.timeout, ops=args.op, shard=shard,
-                              journal=run_dir.append, stop_reason=lambda: "interrupted" if interrupt.requested else "")
-    except BaseException:  # the journal keeps the rows so far; the next run may take the directory's lock
-        run_dir.release()
-        raise
-    for note in sorted(result.notes):
-        print(f"note: {note}")
-    for line in odd_ones_out(result.rows):
-        print(f"odd one out: {line}")
-    run_dir.finish(result.rows, meta)
-    for fz in result.fuzz:
-        if fz.case_file:
-            print(f"failing case saved: {fz.case_file}  (mla-verify replay {fz.case_file} --device {device})")
-    if interrupt.requested:
-        print(f"INTERRUPTED: {len(result.rows)} rows written to {out}")
-        return 130
-    if args.part:
-        return 1 if result.failed else 0
-    return _finish_gate(args, out, result.rows, result.failed, started)
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
-def _finish_gate(args, out: Path, rows, failed: bool, started: float) -> int:
     from mla_verify import api, reports
 
-    if args.junit:
-        from .junit import write_junit
-
-        write_junit(args.junit, rows)
-    code = reports.run_report(out, baseline=args.baseline, save_case=api.save_worst_case, **_drift_settings(args))
-    print(f"gate {'FAILED' if failed else 'passed'}: {len(rows)} rows in {time.time() - started:.0f} s; "
-          f"report {out / 'report.html'}")
-    return 1 if failed else code
-
-
-def _gate_in_parts(args, device, profile, seed, run_dir, meta, slots, started) -> int:
-    from mla_verify.equivalence.rows import Row
-
-    from .parallel import run_parts
-
-    child = ["--profile", profile.name, "--seed", str(seed), "--timeout", str(args.timeout)]
-    if args.examples is not None:
-        child += ["--examples", str(args.examples)]
-    if args.isolate is not None:
-        child += ["--isolate" if args.isolate else "--no-isolate"]
-    print(f"  {len(slots)} parts, one per {'GPU' if device == 'cuda' else 'process'}", flush=True)
-    frame, worst = run_parts(args.op, slots, device, run_dir.path, child)
-    run_dir.finish(frame, meta)
-    rows = [Row.from_record(r) for r in frame.to_dict("records")]
-    failed = worst != 0 or any(not r.passed for r in rows)
-    return _finish_gate(args, run_dir.path, rows, failed, started)
+    started = time.time()
+    outcome = api.gate(device=device, profile=args.profile, examples=args.examples, seed=args.seed, ops=args.op,
+                       out=args.out, isolate=args.isolate, timeout=args.timeout, parallel=args.parallel,
+                       shard=args.shard, baseline=args.baseline, junit=args.junit,
+                       log=lambda line: print(line, flush=True))
+    lines = outcome.lines(device)
+    if lines:
+        print("\n".join(lines))
+    if outcome.interrupted:
+        return 130
+    code = reports.run_report(outcome.out, baseline=args.baseline, save_case=api.save_worst_case,
+                              **_drift_settings(args))
+    print(f"gate {'FAILED' if outcome.failed else 'passed'}: {len(outcome.rows)} rows in "
+          f"{time.time() - started:.0f} s; report {outcome.out / 'report.html'}")
+    return 1 if outcome.failed else code
 
 
 def cmd_report(args, device: str) -> int:

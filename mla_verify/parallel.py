@@ -1,13 +1,14 @@
-"""Gate and fuzz campaigns over several GPUs: one child process per GPU, rows merged into one run.
+"""A run in parts: one child process per part of this host, rows merged into one run.
 
 The parts of a run are the shards of one host (`fuzz.shard`): part j of shard I of N, with P
-parts, is slot I * P + j of N * P. Gate: each child runs its slot's units; child i sees only GPU
-i (`CUDA_VISIBLE_DEVICES`), except the child that runs `dcp`, which keeps every GPU so its ranks
-can spread over them (nccl, one GPU per rank). Fuzz: each child runs its slot's campaign, its
-own seed and share of the examples. Each child writes its rows to
-`OUT/part-i` (a fuzz part also its outcome, `result.json`: its failure, case file and replay
-command); the parent concatenates the rows into `OUT` and reports once. On CPU the same split runs
-N CPU processes.
+parts, is slot I * P + j of N * P, and each child runs the `Run` of its slot
+(`python -m mla_verify.run RUN_JSON`, `Run.part`). Gate: child i sees only GPU i
+(`CUDA_VISIBLE_DEVICES`), except the child that runs `dcp`, which keeps every GPU so its ranks can
+spread over them (nccl, one GPU per rank). Fuzz: each child runs its slot's campaign, its own seed
+and share of the examples. Each child writes its rows to `OUT/part-i` (a fuzz part also its
+outcome, `result.json`: its failure, case file and replay command, and its output to
+`fuzz.log`); the parent concatenates the rows into `OUT` and reports once. On CPU the same split
+runs N CPU processes.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ import pandas as pd
 
 from mla_verify.fuzz.shard import share  # noqa: F401 - the examples' split, here since --parallel had it
 
+from .interrupt import Interrupt
+from .results import RESULT_JSON, GateOutcome
 
-def _child(command: str, part: int, args: list[str], device: str, out: Path, pin: bool,
-           log: Path | None = None) -> subprocess.Popen:
+
+def _child(run, part: int, pin: bool, log: Path | None = None) -> subprocess.Popen:
     env = dict(os.environ)
-    if device == "cuda" and pin:
+    if run.device_type == "cuda" and pin:
         env["CUDA_VISIBLE_DEVICES"] = str(part)
-    argv = [sys.executable, "-m", "mla_verify.cli", command, "--device", device, "--part",
-            "--out", str(out / f"part-{part}"), *args]
+    argv = [sys.executable, "-m", "mla_verify.run", run.to_json()]
     if log is None:
         return subprocess.Popen(argv, env=env)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -53,64 +55,57 @@ def _collect(procs: dict[int, subprocess.Popen], out: Path) -> tuple[pd.DataFram
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), codes
 
 
-def run_parts(ops: list[str] | None, slots: list, device: str, out: Path,
-              child_args: list[str]) -> tuple[pd.DataFrame, int]:
-    """Run one child gate per slot (`fuzz.shard.Shard`) that holds units, wait for all, and return
-    their rows together and the worst exit code."""
+def _root(run) -> Path:
+    return run.out.path if run.out else Path(tempfile.mkdtemp(prefix="mla-verify-parts-"))
+
+
+def gate_in_parts(run, log) -> GateOutcome:
+    """The gate as one child per slot that holds units; their rows into the run directory."""
+    from mla_verify.equivalence.rows import Row
     from mla_verify.fuzz.gate import units
 
-    every = units(ops, device)
-    dealt = {i: slot.deal(every, [u.multi_rank for u in every]) for i, slot in enumerate(slots)}
-    procs = {i: _child("gate", i, [*child_args, "--shard", str(slots[i]), *(a for op in ops or [] for a in ("--op", op))],
-                       device, out, pin=not any(u.multi_rank for u in mine))
-             for i, mine in dealt.items() if mine}
-    frame, codes = _collect(procs, out)
-    return frame, max(codes.values())
+    log = log or (lambda line: None)
+    every = units(list(run.ops) or None, run.device)
+    dealt = {i: slot.deal(every, [u.multi_rank for u in every]) for i, slot in enumerate(run.slots)}
+    log(f"  {len(run.slots)} parts, one per {'GPU' if run.device_type == 'cuda' else 'process'}")
+    meta, root = run.meta(), _root(run)
+    run.out.start(meta)
+    with Interrupt().installed():  # Ctrl-C reaches every part: each finishes its case and writes its run
+        procs = {i: _child(run.part(run.slots[i], i, root), i, pin=not any(u.multi_rank for u in mine))
+                 for i, mine in dealt.items() if mine}
+        frame, codes = _collect(procs, root)
+    run.out.finish(frame, meta)
+    rows = [Row.from_record(r) for r in frame.to_dict("records")]
+    return GateOutcome(rows, max(codes.values()) != 0 or any(not r.passed for r in rows), root, parts=len(procs))
 
 
-def fuzz_parts(child_args: list[str], campaigns: list[tuple[int, int]], device: str,
-               out: Path) -> tuple[pd.DataFrame, list[tuple[int, int, Path]]]:
-    """Run one fuzz campaign (seed, examples) per part (output in OUT/part-i/fuzz.log); the rows
-    together, and (seed, exit code, log) per part."""
-    logs = [out / f"part-{i}" / "fuzz.log" for i in range(len(campaigns))]
-    procs = {i: _child("fuzz", i, [*child_args, "--examples", str(n), "--seed", str(seed)], device, out,
-                       pin=True, log=logs[i])
-             for i, (seed, n) in enumerate(campaigns)}
-    frame, codes = _collect(procs, out)
-    return frame, [(seed, codes[i], logs[i]) for i, (seed, _) in enumerate(campaigns)]
+def check_in_parts(run, log):
+    """`mla_verify.check` as one child campaign per part (seeds S + k, each its share of the
+    examples); their rows merged into the run directory, each part's failure read from its
+    result.json."""
+    from mla_verify.reports.store import conform, rows_frame
 
-
-RESULT_JSON = "result.json"  # a fuzz part's outcome (mla_verify.results.result_file)
-
-
-def check_in_parts(plan, log):
-    """`mla_verify.check` as `parts` child campaigns (seeds S, S+1, ...) sharing the examples;
-    their rows merged into the run directory, each part's failure read from its result.json."""
-    from .interrupt import Interrupt
     from .results import CheckResult, Failure
 
-    device = plan.device.split(":")[0]
-    child = ["--op", plan.op, "--profile", plan.profile.name, "--timeout", f"{plan.timeout:g}",
-             *(a for spec in plan.specs for a in ("--impl", spec)),
-             *(a for name in plan.deviations for a in ("--deviation", name)),
-             *(["--path", plan.path] if plan.path else []), *([] if plan.shrink else ["--no-shrink"]),
-             "--isolate" if plan.isolate else "--no-isolate"]
-    out = plan.run_dir.path if plan.run_dir else Path(tempfile.mkdtemp(prefix="mla-verify-parts-"))
+    campaigns, root = run.campaigns, _root(run)
     if log is not None:
-        log(f"  {len(plan.campaigns)} campaigns, one per {'GPU' if device == 'cuda' else 'process'}: "
-            + ", ".join(f"seed {seed} x {n}" for seed, n in plan.campaigns) + f"; logs {out}/part-*/fuzz.log")
-    meta = plan.meta()
-    if plan.run_dir:
-        plan.run_dir.start(meta)
+        log(f"  {len(campaigns)} campaigns, one per {'GPU' if run.device_type == 'cuda' else 'process'}: "
+            + ", ".join(f"seed {seed} x {n}" for seed, n in campaigns) + f"; logs {root}/part-*/fuzz.log")
+    meta = run.meta()
+    if run.out:
+        run.out.start(meta)
+    logs = [root / f"part-{i}" / "fuzz.log" for i in range(len(campaigns))]
     with Interrupt().installed():  # Ctrl-C reaches every part: each finishes its case and writes its run
-        frame, results = fuzz_parts(child, plan.campaigns, device, out)
-    if plan.run_dir:
-        plan.run_dir.finish(frame, meta)
+        procs = {i: _child(run.part(slot, i, root), i, pin=True, log=logs[i])
+                 for i, slot in enumerate(s for s in run.slots if s.campaign(run.seed, run.examples)[1])}
+        frame, codes = _collect(procs, root)
+    if run.out:
+        run.out.finish(frame, meta)
     failures, notes, examples, interrupted, clean = [], [], 0, False, True
-    for i, (seed, code, _log) in enumerate(results):
-        path = out / f"part-{i}" / RESULT_JSON
+    for i, (seed, _) in enumerate(campaigns):
+        path, code = root / f"part-{i}" / RESULT_JSON, codes[i]
         if not path.exists():
-            notes.append(f"part {i} (seed {seed}) exited with code {code} and left no result; its log: {_log}")
+            notes.append(f"part {i} (seed {seed}) exited with code {code} and left no result; its log: {logs[i]}")
             clean = False
             continue
         part = json.loads(path.read_text())
@@ -121,9 +116,6 @@ def check_in_parts(plan, log):
         notes.append(f"part {i} (seed {seed}): exit {code}, {part['examples']} examples"
                      + "".join(f"; {n}" for n in part["notes"]))
     passed = clean and not failures and not interrupted and bool(frame.passed.all() if len(frame) else True)
-    from mla_verify.reports.store import conform, rows_frame
-
     rows = conform(frame) if len(frame) else rows_frame([])
-    return CheckResult(plan.op, plan.label, passed, rows, plan.campaigns[0][0], examples,
-                       plan.run_dir.path if plan.run_dir else None, failures, interrupted=interrupted, notes=notes,
-                       campaigns=len(results))
+    return CheckResult(run.op, run.label, passed, rows, campaigns[0][0], examples, run.out.path if run.out else None,
+                       failures, interrupted=interrupted, notes=notes, campaigns=len(campaigns))
