@@ -489,7 +489,7 @@ def _campaign(plan: _Plan) -> CheckResult:
         if worker is not None:
             worker.close()
     if run_dir:
-        run_dir.finish(rows, meta)
+        run_dir.finish(rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
     frame = rows_frame(rows)
     failures = []
     if fz.failure is not None:

@@ -589,7 +589,7 @@ def cmd_gate(args, device: str) -> int:
         print(f"note: {note}")
     for line in odd_ones_out(result.rows):
         print(f"odd one out: {line}")
-    run_dir.finish(result.rows, meta)
+    run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupt.requested else meta)
     for fz in result.fuzz:
         if fz.case_file:
             print(f"failing case saved: {fz.case_file}  (mla-verify replay {fz.case_file} --device {device})")
@@ -651,7 +651,8 @@ def cmd_report(args, device: str) -> int:
 
     _, meta = load_run(args.run_dir, "run")
     if meta.get("incomplete"):
-        print(f"note: {args.run_dir} did not finish (killed?): its rows come from its journal")
+        print(f"note: {args.run_dir} stopped early ({meta['stopped']}): its cases not reached have no verdict"
+              if meta.get("stopped") else f"note: {args.run_dir} did not finish (killed?): its rows come from its journal")
         for line in recover_crashed(args.run_dir, replay_command):
             print(line)
     if args.baseline is not None:

@@ -72,10 +72,11 @@ class RunDir:
     def open(cls, out: str | Path | FreshDir) -> "RunDir":
         """Create (or take an empty) run directory and lock it; UsageError if it cannot be
         written, is a file, holds a run, or another run is writing it."""
+        # Absolute from the start: a kernel that changes the working directory must not move the run.
         if isinstance(out, FreshDir):
-            path = cls._fresh(out.path)
+            path = cls._fresh(out.path.absolute())
         else:
-            path = Path(out)
+            path = Path(out).absolute()
             if path.exists() and not path.is_dir():
                 raise UsageError(f"--out {path}: a file, not a directory")
             try:

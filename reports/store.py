@@ -102,6 +102,7 @@ def _verdicts(column: pd.Series, name: str) -> pd.Series:
     if column.map(lambda v: isinstance(v, (bool, np.bool_))).all():
         return column.astype(bool)
     bad = column[~column.map(lambda v: isinstance(v, (bool, np.bool_)))].iloc[0]
+    bad = bad.item() if isinstance(bad, np.generic) else bad
     raise ValueError(f"rows' column {name!r} holds {bad!r} ({column.dtype}), not true/false")
 
 
@@ -220,7 +221,7 @@ def read_journal(path: Path) -> list[dict[str, Any]]:
 def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     """(rows, meta) of a run written by `write_run`: rows.parquet, or rows.csv where the parquet
     file is absent (a run copied around as text), or the journal of a run that never finished
-    (meta then says "incomplete": true). Only regular files of a bounded size are read
+    (meta then says "incomplete": true, as it does for a run that recorded it stopped early). Only regular files of a bounded size are read
     (`equivalence.files`); ValueError (or OSError) with the reason otherwise."""
     run_dir = Path(run_dir)
     parquet, csv, journal = run_dir / ROWS_PARQUET, run_dir / ROWS_CSV, run_dir / JOURNAL
@@ -239,4 +240,5 @@ def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     meta = read_json(meta_path, META_LIMIT) if meta_path.exists() else {}
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path} is a JSON {type(meta).__name__}, not an object")
-    return frame, {**meta, "incomplete": True} if incomplete else meta
+    # a run stopped before its budget (Ctrl-C, SIGTERM, a lost CUDA context) is incomplete too
+    return frame, {**meta, "incomplete": True} if incomplete or meta.get("stopped") else meta
