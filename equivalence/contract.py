@@ -136,17 +136,20 @@ class Snapshot:
     """Every tensor of `arguments`, copied byte for byte (whole storages: padding between the
     rows of a strided view counts) before an implementation runs. `what` names them in reasons:
     "input", or "the reference's" for the answer the implementation is judged against (a kernel
-    can reach it through `gc`)."""
+    can reach it through `gc`). Storages `apart_from` saves are left to it (a reference answer
+    that is a view of an input is the input's)."""
 
-    def __init__(self, arguments: Mapping[str, Any], what: str = "input"):
+    def __init__(self, arguments: Mapping[str, Any], what: str = "input", apart_from: "Snapshot | None" = None):
         self.what = what
         self._saved: dict[tuple[str, int], _Saved] = {}
         for name, value in arguments.items():
             for path, t in tensors_in(value, name):
-                if t.device.type == "meta" or t.untyped_storage().nbytes() == 0:
+                if t.device.type == "meta" or t.layout != torch.strided or t.untyped_storage().nbytes() == 0:
                     continue
                 storage = t.untyped_storage()
                 key = (t.device.type, storage.data_ptr())
+                if apart_from is not None and key in apart_from._saved:
+                    continue
                 if key not in self._saved:
                     words = _storage_words(storage, t.device)
                     self._saved[key] = _Saved(storage, words, words.clone(), [])

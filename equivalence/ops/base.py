@@ -157,7 +157,8 @@ class OpSpec:
                     seed=case.seed, source=source, **self.identity(case, params))
         kwargs = self.inputs(params, case.seed, device)
         ref, t_ref = timed(lambda: self.reference(kwargs, params), device)
-        inputs, answer = Snapshot(kwargs), Snapshot(ref, "the reference's answer")
+        inputs = Snapshot(kwargs)
+        answer = Snapshot(ref, "the reference's answer", apart_from=inputs)
         try:
             got, t_impl = call_implementation(lambda: self.call(subject, kwargs, params), case.seed, device, on_call)
         except Raised as raised:  # the implementation's failure is the case's result, not ours
