@@ -86,9 +86,12 @@ def run_gate(
     log=None,
     journal: Callable[[list[Row]], None] | None = None,
     stop_reason: Callable[[], str] = lambda: "",
+    started: Callable[..., Callable[[], None]] | None = None,
 ) -> GateResult:
     """`examples` per op (or property) and implementation; None: the profile's budgets. In `ops`,
-    "property" stands for every property. `journal` receives each case's rows as it finishes;
+    "property" stands for every property. `started(case, source, impl=, specs=)` is told of each
+    case before it runs and returns the call that says it finished (`mla_verify.rundir`
+    journals both); `journal` receives each case's rows as it finishes;
     a `stop_reason` (Ctrl-C) ends the gate after the current case. `log`: default the stderr of
     the moment (pytest's capture replaces it between tests)."""
     log = log or sys.stderr
@@ -114,11 +117,16 @@ def run_gate(
                         return rows
                     return catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=result.notes)
 
+                watch = None if started is None else (
+                    lambda case, source, label=label, specs=specs: started(case, source, impl=label, specs=specs))
                 pinned_rows = []
                 for case, _why in pinned:
                     if stop_reason():
                         return result
+                    finished = watch(case, "corpus") if watch is not None else None
                     case_rows = run(case, "corpus")
+                    if finished is not None:
+                        finished()
                     pinned_rows += case_rows
                     if journal is not None:
                         journal(case_rows)
@@ -128,7 +136,7 @@ def run_gate(
                         return result
                     fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, impl_label=label,
                               device=device, out_dir=out_dir, progress_label=f"{op} / {label}", path=path,
-                              world_size=world_size, journal=journal, stop_reason=stop_reason)
+                              world_size=world_size, journal=journal, stop_reason=stop_reason, started=watch)
                     result.fuzz.append(fz)
                     result.rows.extend(fz.rows)
                     where = f"{op} ({path})" if path else op

@@ -120,7 +120,7 @@ class PropertySpec:
 
     def validate(self, params: Mapping) -> None:
         target = params.get("target")
-        if target not in self.targets:
+        if not isinstance(target, str) or target not in self.targets:
             raise ValueError(f"{self.name}: target {target!r} is not one of {', '.join(self.targets)}")
         self.params_class(target).parse(self.name, params)
 
