@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +22,13 @@ from typing import Callable
 
 from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
 from hypothesis.errors import Flaky
+from hypothesis.strategies import SearchStrategy
 
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import get_spec
 from mla_verify.equivalence.profiles import Profile
 from mla_verify.equivalence.rows import Row
+from mla_verify.optimized import registry
 
 from . import casefile
 from .progress import Progress
@@ -80,6 +83,18 @@ def _frozen_heap():
         gc.unfreeze()  # collectable again: nothing is kept for good
 
 
+def strategy(op: str, profile: Profile, path: str | None, world_size: int | None, impl_specs: tuple[str, ...],
+             device: str) -> SearchStrategy[Case]:
+    """The cases of a campaign: the op's draws within `profile`, and for interpreted kernels
+    (Triton on CPU) only those the interpreter runs within the profile's budget a case."""
+    spec = get_spec(op)
+    if not registry.interpreted(impl_specs, device.split(":")[0]) or profile.interpreter_s is None:
+        return spec.strategy(profile, path, world_size)
+    budget = profile.interpreted()
+    return spec.strategy(budget, path, world_size).filter(
+        lambda case: spec.interpreted_s(spec.params_of(case.params)) <= budget.budget_s)
+
+
 def fuzz(
     op: str,
     run: Runner,
@@ -94,6 +109,7 @@ def fuzz(
     out_dir: Path | None = None,
     shrink: bool = True,
     progress_label: str | None = None,
+    show_progress: bool = True,
     path: str | None = None,
     world_size: int | None = None,
     reruns: int = RERUNS,
@@ -109,7 +125,7 @@ def fuzz(
     are raised after it; the rows so far have reached `journal` by then.
     """
     result = FuzzResult(op, seed, 0)
-    progress = Progress(progress_label or op, examples)
+    progress = Progress(progress_label or op, examples, every_s=5.0 if show_progress else math.inf)
     state: dict = {"shrinking": False, "last": None, "error": None}
     found_by = (f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "")
                 + (f" --world-size {world_size}" if world_size else "") + f" --seed {seed}"
@@ -157,7 +173,7 @@ def fuzz(
     @settings(max_examples=examples, deadline=None, database=None, phases=phases, print_blob=False,
               report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
     @hypothesis_seed(seed)
-    @given(case=get_spec(op).strategy(profile, path, world_size))
+    @given(case=strategy(op, profile, path, world_size, impl_specs, device))
     def search(case: Case) -> None:
         shrinking = state["shrinking"]
         rows = evaluate(case, "shrink" if shrinking else "fuzz")

@@ -365,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     from mla_verify.reports.pairing import PairingError
 
     try:
+        if args.command not in ("list", "report"):  # it runs cases: on a device that is there
+            from mla_verify.api import resolve_device
+
+            device = resolve_device(device)
         return COMMANDS[args.command](args, device)
     except (UsageError, PairingError) as exc:  # PairingError: a --pair naming nothing, or nothing comparable
         print(f"mla-verify: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from mla_verify.optimized import registry
 
+from .. import cost
 from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, output_problem
@@ -112,6 +113,10 @@ class OpSpec:
 
     def examples(self, profile: Profile) -> int:
         return profile.examples
+
+    def interpreted_s(self, params: Params) -> float:
+        """The Triton interpreter's seconds for a case (equivalence.cost)."""
+        return cost.interpreted_s(params)
 
     def identity(self, case: Case, params: Params | None = None) -> dict[str, Any]:
         """The op, path, case and knob columns of `case`'s rows (`params`: its params, typed already)."""
