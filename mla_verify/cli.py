@@ -508,13 +508,13 @@ def cmd_fuzz(args, device: str) -> int:
 
 def cmd_replay(args, device: str) -> int:
     from mla_verify import api
+    from mla_verify.equivalence.mismatch import line
 
     result = api.replay(args.file, args.impl, device=device, isolate=args.isolate, timeout=args.timeout,
                         deviations=args.deviation, log=print)
     for r in result.rows.itertuples():
-        verdict = "ok  " if r.passed else "FAIL"
-        detail = r.reason if not r.passed else f"{r.gate_metric} = {r.value:.4g} of {r.bound:.4g}"
-        print(f"  {verdict} {r.tensor:17s} {detail}")
+        print(f"  ok   {r.tensor:17s} {r.gate_metric} = {r.value:.4g} of {r.bound:.4g}" if r.passed
+              else f"  FAIL {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}")
     for note in result.notes:
         print(f"  {note}")
     return result.exit_code
