@@ -31,11 +31,12 @@ class CaseFile:
     note: str = ""
     deviations: tuple[str, ...] = ()       # declared for the implementation (--deviation)
     flaky: tuple[int, int] | None = None   # (failed k, of n re-runs) when the failure was flaky
+    conventions: tuple[str, ...] = ()      # declared for the implementation (--convention KEY=VALUE)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": CASE_FORMAT, "case": self.case.to_dict(), "impl": list(self.impl), "device": self.device,
                 "failure": self.failure, "note": self.note, "deviations": list(self.deviations),
-                "flaky": list(self.flaky) if self.flaky else None}
+                "flaky": list(self.flaky) if self.flaky else None, "conventions": list(self.conventions)}
 
 
 def slug(text: str, limit: int = 48) -> str:
@@ -123,6 +124,9 @@ def load(path: Path) -> CaseFile:
     deviations = data.get("deviations", [])
     if not isinstance(deviations, list) or not all(isinstance(s, str) for s in deviations):
         raise ValueError("its 'deviations' is not a list of strings")
+    conventions = data.get("conventions", [])
+    if not isinstance(conventions, list) or not all(isinstance(s, str) for s in conventions):
+        raise ValueError("its 'conventions' is not a list of strings")
     failure = data.get("failure", [])
     if not isinstance(failure, list) or not all(isinstance(f, dict) and {"tensor", "metric", "value", "bound"} <= set(f)
                                                 and isinstance(f["value"], (int, float)) for f in failure):
@@ -130,7 +134,7 @@ def load(path: Path) -> CaseFile:
     flaky = data.get("flaky")
     return CaseFile(Case.from_dict(case), tuple(impl), str(data.get("device", "cpu")), failure,
                     str(data.get("note", "")), tuple(deviations),
-                    tuple(flaky) if isinstance(flaky, list) and len(flaky) == 2 else None)
+                    tuple(flaky) if isinstance(flaky, list) and len(flaky) == 2 else None, tuple(conventions))
 
 
 def failure_summary(rows) -> list[dict[str, Any]]:
