@@ -81,7 +81,7 @@ def _read_past_length(kw: dict, tensor: str, got: torch.Tensor, want: torch.Tens
     j = int(suspect[t].nonzero()[0])
     return (f"token {t} has topk_length {int(length[t])} and its position {j}, past that length, holds kv row "
             f"{int(idx[t, j])}, which no valid entry selects (NaN): the kernel read past topk_length "
-            f"({int(tokens.sum())} of {len(tokens)} tokens so)")
+            f"({int(tokens.sum())} of {len(tokens)} tokens)")
 
 
 def _elem_bounds(res, ab, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, torch.Tensor]:
