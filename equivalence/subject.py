@@ -44,6 +44,7 @@ class Subject:
     deviations: tuple[str, ...] = ()
     specs: tuple[str, ...] = ()                  # the --impl strings, kept in replay files
     declared: tuple[str, ...] = ()               # --deviation names: they travel with the specs
+    conventions: tuple[str, ...] = ()            # --convention KEY=VALUE (equivalence.conventions), likewise
 
 
 def load_callable(spec: str) -> Callable:

@@ -105,6 +105,7 @@ def fuzz(
     impl_specs: tuple[str, ...] = (),
     impl_label: str = "",
     deviations: tuple[str, ...] = (),
+    conventions: tuple[str, ...] = (),
     device: str = "cpu",
     out_dir: Path | None = None,
     shrink: bool = True,
@@ -120,7 +121,7 @@ def fuzz(
     """Run up to `examples` cases of `op`; stop at the first failing case, re-run it, shrink it.
 
     Failing cases are saved under `out_dir`/failures (named by op, implementation and case), with
-    `impl_specs` and the `deviations` declared for them, for replay.
+    `impl_specs` and the `deviations` and `conventions` declared for them, for replay.
     Exceptions of `run` other than a failing case's rows (a harness error) end the campaign and
     are raised after it; the rows so far have reached `journal` by then.
     """
@@ -129,14 +130,15 @@ def fuzz(
     state: dict = {"shrinking": False, "last": None, "error": None}
     found_by = (f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "")
                 + (f" --world-size {world_size}" if world_size else "") + f" --seed {seed}"
-                + "".join(f" --deviation {name}" for name in deviations))
+                + "".join(f" --deviation {name}" for name in deviations)
+                + "".join(f" --convention {c}" for c in conventions))
 
     def save(case: Case, rows: list[Row], note: str, where: Path | None = None) -> Path | None:
         if out_dir is None:
             return None
         cf = casefile.CaseFile(case, impl_specs, device, casefile.failure_summary(rows),
                                note=f"{note}; found by `{found_by}` (profile {profile.name})",
-                               deviations=tuple(deviations), flaky=result.flaky)
+                               deviations=tuple(deviations), flaky=result.flaky, conventions=tuple(conventions))
         if where is not None:
             return casefile.save(where, cf)
         return casefile.save_new(Path(out_dir) / "failures", casefile.stem(op, impl_label or ",".join(impl_specs), case), cf)

@@ -70,6 +70,9 @@ class OpSpec:
     call: Callable[[Any, dict[str, Any], Any], ImplOutput]         # (Subject, kwargs, params)
     checks: tuple[Check, ...]
     knobs: Callable[[Any], dict[str, Any]] = field(default=lambda p: {})
+    # (kwargs, tensor, impl's, reference's) -> where a NaN the reference lacks came from, or "":
+    # the inputs' own account of a failure (which entry past a token's length a kernel read)
+    explain_nan: Callable[[dict, str, torch.Tensor, torch.Tensor], str] | None = None
     path: Callable[[Any], str] | None = None
     doc: str = ""
     # Runs its implementation in processes of its own, each isolated already: never inside an
@@ -198,6 +201,8 @@ class OpSpec:
             scale = ref.get(check.scale) if check.scale else None
             numerics = params.numerics()
             v = judge(check.kind, out, want, numerics.replace(dcp_size=1) if check.single_rank else numerics,
-                      got.deviations, scale, check.bounds_in(ref))
+                      got.deviations, scale, check.bounds_in(ref), name=check.tensor)
+            if v.metrics.nan_count and self.explain_nan is not None:
+                v.reason = "; ".join(filter(None, (v.reason, self.explain_nan(kwargs, check.tensor, out, want))))
             rows.append(judged_row(base, check.tensor, check.row_kind or check.kind, v, **times))
         return rows
