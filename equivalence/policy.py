@@ -437,3 +437,51 @@ DRIFT_DEFAULTS = (
 def drift_metrics(kind: str) -> tuple[DriftMetric, ...]:
     """The drift metrics that apply to tensors of `kind` (reports.kinds)."""
     return tuple(m for m in DRIFT_METRICS if kind in m.floors)
+
+
+# ----------------------------------------------------------------------------- bias
+#
+# Bias (reports.bias, and drift's signed metrics) asks whether a kernel errs the same way in case
+# after case: a gain, a truncated scale, a dropped rounding step, a biased exp. Rounding to nearest
+# errs both ways and averages out over a tensor; a bias does not, and it compounds across a model's
+# 61 layers. Each case's statistic (its row's `gain` or `bias_units`) is one sample: the elements of
+# a case share its softmax weights, its keys and its scales, so they are not independent samples,
+# but cases (seeds drawn apart) are. A group (op, path, tensor, implementation) is judged on the
+# mean over its cases, with a Student t interval at the drift confidence: paired on the per-case
+# differences new - baseline, unpaired by Welch's test, alone (no baseline) against 0. It flags
+# when the interval excludes 0 (significant) AND the estimate is larger than the floor: a
+# significant shift too small to matter (two correct kernels' systematic differences, which many
+# cases resolve) is not drift. Floors are fractions of the tensor's rounding unit.
+
+
+@dataclass(frozen=True)
+class BiasMetric:
+    """A signed per-case statistic, the kinds it applies to and, per kind, the floor: the least
+    |mean| (alone) or |mean shift| (against a baseline) that counts as bias, with its reason."""
+
+    name: str
+    unit: str
+    floors: Mapping[str, float]
+    reason: str
+
+
+BIAS_METRICS = (
+    BiasMetric("gain", "relative", {"out": 2.0**-12, "other": 2.0**-12},
+               "u / 16 with u = 2**-8 the bf16 unit roundoff: a gain that size moves every element by 1/16 of "
+               "its rounding, 1.5% (4 u) across 61 layers. A correct kernel's gain is noise around 0 (CPU: "
+               "torch-fp32 and Triton means over 60 sparse_prefill cases within 3e-6); a 2**-10 gain (u / 4) "
+               "measures 2**-10.7 (bf16-exact outputs, a peaked softmax's, round back and hide part of it), "
+               "2.5x the floor"),
+    BiasMetric("bias_units", "bf16 ulp (out), fp32 step of the logit scale (lse)",
+               {"out": 1 / 16, "other": 1 / 16, "lse": 2.0, "max_logits": 2.0},
+               "out: 1/16 of a bf16 step, the offset the gain floor makes at an element of mid-mantissa; "
+               "lse and max_logits: 2 fp32 steps of the logit scale, because a correct kernel is allowed "
+               "that much: sm_scale rounded to fp32 (2**-24 relative) and the fp32 product sm_scale * "
+               "log2(e) each scale every logit of a case the same way, by up to one step each. An LSE offset "
+               "of 4 steps is twice the floor"),
+)
+
+
+def bias_metrics(kind: str) -> tuple[BiasMetric, ...]:
+    """The bias metrics that apply to tensors of `kind` (reports.kinds)."""
+    return tuple(m for m in BIAS_METRICS if kind in m.floors)
