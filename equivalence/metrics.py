@@ -28,7 +28,9 @@ Three kinds of tensor, three ways of measuring:
                     bf16 steps at each element's magnitude (ulp = 2**(e - 8) for |r| in [2**(e-1), 2**e)).
                     It sees an offset; the gain below sees a scale (for which the signs of r cancel here)
 * every float kind:
-    gain            <a - r, r> / <r, r>: the least-squares gain of a = (1 + gain) r + noise
+    gain            <a - r, r> / <r, r>: the least-squares gain of a = (1 + gain) r + noise (out: over
+                    the sizable elements, as mean_err; a row flushed to zero below the FTZ floor has
+                    no gain to measure; NaN where no element qualifies)
     gain_se         its standard error, each row (out: vector along the last dim; lse: element) a
                     cluster: sqrt(G / (G - 1) * sum_rows <e_row, r_row>**2) / <r, r> with e = d - gain r.
                     The errors of one row share its softmax weights' roundings, so they are not
@@ -170,15 +172,17 @@ def _gain_terms(d: torch.Tensor, rf: torch.Tensor, rows_last: bool) -> dict[str,
     dr, rr = (torch.linalg.vecdot(d, rf), torch.linalg.vecdot(rf, rf)) if rows_last and d.dim() else (d * rf, rf * rf)
     gain = dr.sum() / rr.sum().clamp(min=torch.finfo(torch.float64).tiny)
     score = dr - gain * rr
-    return {"score_sq": torch.dot(score.reshape(-1), score.reshape(-1)), "clusters": (rr > 0).sum(dtype=torch.float64)}
+    return {"gain_dot": dr.sum(), "gain_sq": rr.sum(), "score_sq": torch.dot(score.reshape(-1), score.reshape(-1)),
+            "clusters": (rr > 0).sum(dtype=torch.float64)}
 
 
 def _set_gain(m: Metrics, v: dict[str, float]) -> None:
-    if not v["n"]:
+    """gain and gain_se from `_gain_terms`' scalars: NaN where no element took part."""
+    if not v["gain_sq"]:
         return
-    m.gain = v["dot"] / v["ref_sq"] if v["ref_sq"] else 0.0
+    m.gain = v["gain_dot"] / v["gain_sq"]
     g = v["clusters"]
-    m.gain_se = math.sqrt(g / (g - 1) * v["score_sq"]) / v["ref_sq"] if g >= 2 and v["ref_sq"] else math.nan
+    m.gain_se = math.sqrt(g / (g - 1) * v["score_sq"]) / v["gain_sq"] if g >= 2 else math.nan
 
 
 def _bound_ratio(abs_d: torch.Tensor, bound: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -218,7 +222,8 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch
             "beyond": (abs_d > elem_units * row_scale).sum(dtype=torch.float64),
             "rel_sum": torch.where(sizable, d / rf, 0.0).sum(), "rel_n": sizable.sum(dtype=torch.float64),
             "ulp_sum": torch.where(sizable, torch.ldexp(d, 8 - exponent), 0.0).sum(),
-            **_gain_terms(d, rf, rows_last=True), **_bound_ratio(abs_d, bound),
+            **_gain_terms(torch.where(sizable, d, 0.0), torch.where(sizable, rf, 0.0), rows_last=True),
+            **_bound_ratio(abs_d, bound),
         }
 
     m, v = _float_stats(a, r, extra)
@@ -267,6 +272,6 @@ def lse(a: torch.Tensor, r: torch.Tensor, logit_l1: torch.Tensor, bound: torch.T
     _set_bound_ratio(m, v, r.shape)
     _set_gain(m, v)
     if v["n"]:
-        m.mean_err = m.gain
+        m.mean_err = v["dot"] / v["ref_sq"] if v["ref_sq"] else 0.0
         m.bias_units = v["signed_units"] / v["n"]
     return m

@@ -7,8 +7,8 @@ noise around 0; a scale folded in wrongly, a truncation or a biased exp does not
 
 Per group (op, path, tensor, implementation, deviation) and bias metric, the cases are the
 samples (`equivalence.policy` "bias" says why): their mean with a t interval at the confidence
-(`reports.significance.mean_interval`). A group is biased when the interval excludes 0 and the
-mean is beyond the metric's floor. Alone that is a warning, never a failure: the exact answer is
+(`reports.significance.mean_interval`). A group is biased when the whole interval lies beyond
+the metric's floor: significant, and larger than the floor at that confidence. Alone that is a warning, never a failure: the exact answer is
 the reference, but a kernel may be known to lean (a declared deviation); against a baseline the
 shift of the mean is judged instead (`reports.drift`), and that fails the run.
 """
@@ -65,8 +65,10 @@ def describe(w: pd.Series, confidence: float) -> str:
 
 
 def judge(mean: float, ci: float, floor: float) -> bool:
-    """Significant (the interval excludes 0) and beyond the floor."""
-    return bool(np.isfinite(ci) and abs(mean) > ci and abs(mean) > floor)
+    """The whole t interval beyond the floor: significant, and larger than the floor at the
+    confidence (a one-sided test of |mean| > floor). A group of few noisy cases whose mean lands
+    past the floor by chance is not enough: its interval reaches back inside."""
+    return bool(np.isfinite(ci) and abs(mean) - ci > floor)
 
 
 def bias(rows: pd.DataFrame, confidence: float = DRIFT_CONFIDENCE) -> Bias:

@@ -74,8 +74,8 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             f"one-sided rank test of new > x{factor:g} old at confidence {confidence:g} (at least "
             f"{min_cases} cases a side, else too few cases to judge); values are raised to each metric's "
             "floor first, so rounding residue makes no ratio. Bias metrics (gain, bias_units) are judged on the "
-            f"shift of their mean over the cases instead: drift when its t interval at {confidence:g} excludes 0 "
-            "and the shift is beyond the metric's floor. A metric that was 0 (bitwise) and is not is "
+            f"shift of their mean over the cases instead: drift when its t interval at {confidence:g} lies wholly "
+            "beyond the metric's floor. A metric that was 0 (bitwise) and is not is "
             "'no longer bitwise'. ratio / worst ratio: of the metric named; max_abs p99 is shown, never "
             "judged. Improvements never fail the run.", drift.groups, limit=300))
         report.sections.append(Section(
@@ -97,7 +97,7 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
         "Per group and bias metric the mean over its cases, each case one sample: gain = <impl - ref, ref> / "
         "<ref, ref> (outputs), bias_units = the mean signed error in rounding units (bf16 ulps for outputs, fp32 "
         f"steps of the logit scale for LSEs); ci: the half-width of the t interval at {confidence:g}. Biased: the "
-        "interval excludes 0 and the mean is beyond the floor (equivalence.policy.BIAS_METRICS).",
+        "whole interval lies beyond the floor (equivalence.policy.BIAS_METRICS).",
         report.bias.table))
     report.sections.append(Section(
         "groups", "Error per path",
