@@ -149,7 +149,7 @@ def save_worst_case(worst, directory: Path) -> str | None:
         return None
     case = Case.from_dict(json.loads(worst.case))
     cf = casefile.CaseFile(case, worst.impl_specs, worst.device,
-                           note=f"drifted most against the baseline: {worst.label}, {worst.metric} x{worst.ratio:.3g}")
+                           note=f"drifted most against the baseline: {worst.label}, {worst.what()}")
     path = casefile.save(directory / f"{casefile.stem(case.op, ','.join(worst.impl_specs), case)}.json", cf)
     return replay_command(path, worst.impl_specs, worst.device)
 
