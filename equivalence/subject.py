@@ -122,7 +122,8 @@ def implementation(stage: str, spec: str, device: str, deviations: Sequence[str]
         return impl
     fn = load_callable(spec)
     check_signature(fn, stage_arguments(stage), f"--impl {spec}")
-    return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}),
+    # A user's kernel is captured as it is called: serving would capture it so.
+    return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}), graph=fn,
                                    deviations=declared_deviations(fn, deviations, f"--impl {spec}"))
 
 

@@ -2,7 +2,8 @@
 hang, give different answers run to run, write into their inputs, break the return contract,
 change the process for the cases after them, tamper with the judge, return static buffers),
 each with the outcome mla-verify must give it. `cpu.py` runs in CI (tests/test_hostile.py);
-`cuda.py` needs a GPU (tests/test_hostile_gpu.py and `scripts/gpu_lane.sh hostile`).
+`cuda.py` needs a GPU (tests/test_hostile_gpu.py and `scripts/gpu_lane.sh hostile`); `graph.py`
+breaks only inside a CUDA graph (tests/test_cuda_graph.py).
 
 Every finding must be a failing row with the reason below (never a traceback or a pass), a saved
 case that replays, and rows on disk.
@@ -75,4 +76,16 @@ CUDA = [
             isolate=True),
     Hostile("tests.hostile.cuda:returns_on_host", "sparse_prefill", "contract", "out: on device cpu, the contract says cuda",
             isolate=True),
+]
+
+# Right eagerly, unsafe in a CUDA graph: property:cuda_graph must fail each (GPU only).
+GRAPH = [
+    Hostile("sparse_prefill=tests.hostile.graph:syncs_on_host", "property:cuda_graph", "raised",
+            "does not capture in a CUDA graph", isolate=True),
+    Hostile("sparse_decode_fp8=tests.hostile.graph:allocates_from_host", "property:cuda_graph", "raised",
+            "does not capture in a CUDA graph", isolate=True),
+    Hostile("sparse_decode_fp8=tests.hostile.graph:reads_sizes_on_host", "property:cuda_graph", "raised",
+            "does not capture in a CUDA graph", isolate=True),
+    Hostile("sparse_decode_fp8=tests.hostile.graph:keeps_state", "property:cuda_graph", "mismatch_frac",
+            "mismatch_frac", isolate=True),
 ]
