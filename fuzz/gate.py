@@ -15,7 +15,9 @@ ranks are processes of their own, so it never runs inside the isolation worker.
 
 from __future__ import annotations
 
+import math
 import sys
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,7 @@ from mla_verify.equivalence.spec import Spec
 from mla_verify.equivalence.subject import Subject
 
 from .campaign import FuzzResult, fuzz
+from .progress import Progress
 from .regressions import corpus
 from .shard import Shard
 
@@ -86,10 +89,21 @@ class Unit:
     paths: tuple[str | None, ...] | None = None  # None: every campaign the spec runs for the subject
     corpus: bool = True
     deviations: tuple[str, ...] = ()
+    conventions: tuple[str, ...] = ()
 
     @property
     def multi_rank(self) -> bool:
         return bool(catalog.get_spec(self.op).ranks)
+
+    def resolved(self, device: str) -> Subject:
+        """The implementation under test, labelled as the rows name it."""
+        if self.subject is not None:
+            return self.subject
+        subject = catalog.resolve_subject(self.op, self.specs, device.split(":")[0])
+        return Subject(self.label, subject.fn, subject.overrides, subject.deviations, self.specs)
+
+    def campaigns(self, subject: Subject) -> tuple[str | None, ...]:
+        return tuple(catalog.get_spec(self.op).campaigns(subject)) if self.paths is None else self.paths
 
 
 def units(ops: list[str] | None, device: str) -> list[Unit]:
@@ -105,6 +119,10 @@ def shard_units(ops: list[str] | None, device: str, shard: Shard) -> list[Unit]:
     return shard.deal(every, [u.multi_rank for u in every])
 
 
+def _budget(op: str, examples: int | None, profile: Profile) -> int:
+    return examples if examples is not None else catalog.get_spec(op).examples(profile)
+
+
 def _case_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker: Worker | None, notes: set[str],
                  lost: list[str] | None) -> Callable[[Case, str], list[Row]]:
     """(case, source) -> rows: in the isolation worker, or in this process. With `lost` (a fuzz
@@ -117,7 +135,8 @@ def _case_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker:
 
     def run(case: Case, source: str) -> list[Row]:
         if worker is not None:
-            rows = worker.run(case, unit.specs, unit.label, run_id, source, notes=notes, deviations=unit.deviations)
+            rows = worker.run(case, unit.specs, unit.label, run_id, source, notes=notes, deviations=unit.deviations,
+                              conventions=unit.conventions)
             for r in rows:
                 r.impl = unit.label
             return rows
@@ -160,56 +179,71 @@ def run_units(
     progress: bool = True,
     journal: Callable[[list[Row]], None] | None = None,
     stop_reason: Callable[[], str] = lambda: "",
+    started: Callable[..., Callable[[], None]] | None = None,
     lost: list[str] | None = None,
 ) -> GateResult:
     """The one campaign driver: each unit's corpus, then its campaigns of `examples` cases (None:
     the profile's budget for the op) with `seed`. `world_size`: a multi-rank op's ranks (default:
-    `gate_world_size`). `journal` receives each case's rows as it finishes; a `stop_reason`
-    (Ctrl-C, a lost CUDA context: `lost`, see `_case_runner`) ends the run after the current case.
-    `progress`: a line per campaign on `log` (default the stderr of the moment: pytest's capture
-    replaces it between tests)."""
+    `gate_world_size`). `started(case, source, impl=, specs=)` is told of each case before it runs
+    and returns the call that says it finished (`mla_verify.rundir` journals both); `journal`
+    receives each case's rows as it finishes; a `stop_reason` (Ctrl-C, a lost CUDA context: `lost`,
+    see `_case_runner`) ends the run after the current case. `progress`: the gate's progress line
+    over every unit and a line per campaign on `log` (default the stderr of the moment: pytest's
+    capture replaces it between tests); without it each campaign shows its own."""
     log = log or sys.stderr
     result = GateResult()
+    kind = device.split(":")[0]
+    subjects = [(unit, unit.resolved(device)) for unit in chosen]
+    gate_progress = Progress("gate", sum((len(corpus(u.op)) if u.corpus else 0) + _budget(u.op, examples, profile)
+                                         * len(u.campaigns(s)) for u, s in subjects),
+                             every_s=10.0 if progress else math.inf, stream=log)
     worker = Worker(device, timeout_s) if isolate else None
     distributed.set_timeout(timeout_s)
-    device_type = device.split(":")[0]
     try:
-        for unit in chosen:
+        for unit, subject in subjects:
             op, label, specs = unit.op, unit.label, unit.specs
             spec = catalog.get_spec(op)
-            budget = examples if examples is not None else spec.examples(profile)
+            budget = _budget(op, examples, profile)
             pinned = corpus(op) if unit.corpus else []
-            in_worker = None if spec.own_processes else worker
-            ranks = world_size or gate_world_size(spec, device_type)
-            subject = unit.subject
-            if subject is None:
-                resolved = catalog.resolve_subject(op, specs, device_type)
-                subject = Subject(label, resolved.fn, resolved.overrides, resolved.deviations, specs)
-            run = _case_runner(unit, subject, device, run_id, in_worker, result.notes, lost)
+            judge = _case_runner(unit, subject, device, run_id, None if spec.own_processes else worker, result.notes,
+                                 lost)
 
+            def run(case: Case, source: str, judge=judge, where=f"{op} / {label}") -> list[Row]:
+                rows = judge(case, source)
+                if progress and source in ("corpus", "fuzz"):
+                    gate_progress.step(any(not r.passed for r in rows), now_at=where)
+                return rows
+
+            watch = None if started is None else (
+                lambda case, source, label=label, specs=specs: started(case, source, impl=label, specs=specs))
             pinned_rows = []
             for case, _why in pinned:
                 if stop_reason():
                     return result
+                finished = watch(case, "corpus") if watch is not None else None
                 case_rows = run(case, "corpus")
+                if finished is not None:
+                    finished()
                 pinned_rows += case_rows
                 if journal is not None:
                     journal(case_rows)
             result.rows.extend(pinned_rows)
-            for path in spec.campaigns(subject) if unit.paths is None else unit.paths:
+            for path in unit.campaigns(subject):
                 if stop_reason():
                     return result
+                t0 = time.monotonic()
                 fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, impl_label=label,
-                          deviations=unit.deviations, device=device, out_dir=out_dir, shrink=shrink,
-                          progress_label=f"{op} / {label}" if progress else None, path=path, world_size=ranks,
-                          journal=journal, stop_reason=stop_reason)
+                          deviations=unit.deviations, conventions=unit.conventions, device=device, out_dir=out_dir,
+                          shrink=shrink, show_progress=not progress, path=path,
+                          world_size=world_size or gate_world_size(spec, kind), journal=journal,
+                          stop_reason=stop_reason, started=watch)
                 result.fuzz.append(fz)
                 result.rows.extend(fz.rows)
                 if progress:
                     where = f"{op} ({path})" if path else op
                     bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
-                    log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases  "
-                              f"{'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
+                    log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases "
+                              f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
                     log.flush()
     finally:
         if worker is not None:

@@ -108,7 +108,7 @@ def save_worst_case(worst, directory: Path) -> str | None:
         return None
     case = Case.from_dict(json.loads(worst.case))
     cf = casefile.CaseFile(case, worst.impl_specs, worst.device,
-                           note=f"drifted most against the baseline: {worst.label}, {worst.metric} x{worst.ratio:.3g}")
+                           note=f"drifted most against the baseline: {worst.label}, {worst.what()}")
     path = casefile.save(directory / f"{casefile.stem(case.op, ','.join(worst.impl_specs), case)}.json", cf)
     return replay_command(path, worst.impl_specs, worst.device)
 
@@ -128,6 +128,7 @@ def check(
     isolate: bool | None = None,
     timeout: float | None = None,
     deviations: Sequence[str] | None = None,
+    conventions: Sequence[str] | Mapping[str, Any] | None = None,
     path: str | None = None,
     world_size: int | None = None,
     shrink: bool = True,
@@ -156,6 +157,9 @@ def check(
             on for cuda). timeout: seconds the implementation may take per case in the worker
             (default 300; start-up and the reference are not counted).
         deviations: documented deviations (equivalence.policy) the implementation declares.
+        conventions: the implementation's conventions where they are not the reference's
+            (equivalence.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}
+            or ["lse_base=2", ...]; its LSE and max_logits are converted once, as it returns them.
         path: forward_mqa's path, or a property's target. world_size: dcp's rank count (default 2).
         shrink: minimize the first failing case. parallel: independent campaigns, one per GPU
             (default: every GPU on cuda). junit: also write JUnit XML there. log: receives the
@@ -206,7 +210,7 @@ def check(
     world_size = (world_size or spec.ranks[0]) if spec.ranks else None
     specs, named = impl_specs(impl)
     deviations = tuple(deviations or ())
-    subject = resolve_subject(op, specs, device_type, deviations=deviations)
+    subject = resolve_subject(op, specs, device_type, deviations=deviations, conventions=conventions)
     path = spec.path_for(path, subject)
     label = _label(subject)
     try:
@@ -220,6 +224,7 @@ def check(
         raise UsageError("isolate=True needs an implementation importable by MODULE:CALLABLE (a module-level "
                          "function); a lambda, closure or partial runs in this process only")
     isolate = ((device_type == "cuda" if isolate is None else isolate) and named) and not own_processes
+    _timeout_needs_isolation(timeout, isolate or own_processes)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     parts = 1 if world_size or not named else (parallel or (_gpu_count() if device_type == "cuda" else 1))
     if not any(slot.campaign(seed, examples)[1] for slot in shard.slots(parts)):
@@ -228,7 +233,8 @@ def check(
     junit_path = _writable_file(junit, "--junit") if junit is not None else None
     run_dir = RunDir.open(out) if out is not None else None
     run = Run(FUZZ, (op,), device, prof, examples, seed, isolate, timeout, out=run_dir, baseline=baseline,
-              shard=shard, parts=parts, specs=specs, subject=subject, label=label, deviations=deviations, path=path,
+              shard=shard, parts=parts, specs=specs, subject=subject, label=label, deviations=deviations,
+              conventions=tuple(subject.conventions), path=path,
               world_size=world_size, shrink=shrink, named=named)
     if log is not None:
         log(run.header())
@@ -316,9 +322,11 @@ def gate(
         raise UsageError(f"--shard {shard}: the gate has fewer units (ops and implementations) than shards here")
     seed = new_seed() if seed is None else seed
     parts = parallel or (_gpu_count() if device_type == "cuda" else 1)
+    isolate = device_type == "cuda" if isolate is None else isolate
+    if timeout is not None and not isolate:
+        raise UsageError("--timeout needs --isolate (the default on cuda): an in-process call cannot be stopped")
     run_dir = RunDir.open(out if out is not None else FreshDir.named("runs", "gate"))
-    run = Run(GATE, tuple(ops or ()), device, prof, examples, seed,
-              device_type == "cuda" if isolate is None else isolate,
+    run = Run(GATE, tuple(ops or ()), device, prof, examples, seed, isolate,
               DEFAULT_TIMEOUT_S if timeout is None else float(timeout), out=run_dir, baseline=baseline, shard=shard,
               parts=parts, ops_asked=ops)
     log(run.header())
@@ -388,10 +396,21 @@ def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | 
         raise UsageError(str(exc)) from None
 
 
+def _timeout_needs_isolation(timeout: float | None, stoppable: bool) -> None:
+    """A timeout is kept only where the call can be stopped: an isolation worker, or rank processes."""
+    if timeout is not None and not stoppable:
+        raise UsageError("--timeout needs --isolate (the default on cuda; isolate=True): an in-process call cannot "
+                         "be stopped, and a timeout that is not kept would let a hang pass")
+
+
 def _writable_file(path: str | Path, what: str) -> Path:
+    from mla_verify.reports.store import run_file
+
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{what} {path}: a directory, not a file")
+    if run_file(path):
+        raise UsageError(f"{what} {run_file(path)}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -429,6 +448,7 @@ def replay(
     isolate: bool | None = None,
     timeout: float | None = None,
     deviations: Sequence[str] | None = None,
+    conventions: Sequence[str] | Mapping[str, Any] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> CheckResult:
     """Re-run a saved case exactly, and compare with the failure saved in it.
@@ -437,7 +457,7 @@ def replay(
     imported. `impl` defaults to the implementation saved with the case when that is a registered
     name; a saved MODULE:CALLABLE must be named again here (it is printed as a hint). `device`
     defaults as in `check` (`--mla-verify-device` inside pytest). `deviations`
-    default to the ones saved with the case. `CheckResult.reproduced` says whether the saved
+    and `conventions` default to the ones saved with the case. `CheckResult.reproduced` says whether the saved
     failure came back (same failing tensors and metrics, values within noise).
     """
     from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
@@ -466,10 +486,12 @@ def replay(
         if cf.impl and tuple(cf.impl) != specs:
             log(f"  (saved with --impl {' '.join(cf.impl)})")
     deviations = tuple(cf.deviations if deviations is None else deviations)
-    subject = resolve_subject(cf.case.op, specs, device_type, deviations=deviations)
+    subject = resolve_subject(cf.case.op, specs, device_type, deviations=deviations,
+                              conventions=cf.conventions if conventions is None else conventions)
     label = _label(subject)
     own_processes = get_spec(cf.case.op).own_processes
     isolate = ((device_type == "cuda" if isolate is None else isolate) and named) and not own_processes
+    _timeout_needs_isolation(timeout, isolate or own_processes)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     log(f"replay {cf.case.short()} on {device} with {label}{', isolated' if isolate else ''}")
     if cf.failure:
@@ -478,14 +500,15 @@ def replay(
     if isolate:
         worker = Worker(device, timeout)
         try:
-            rows = worker.run(cf.case, specs, label, source="replay", deviations=deviations)
+            rows = worker.run(cf.case, specs, label, source="replay", deviations=deviations,
+                              conventions=subject.conventions)
         finally:
             worker.close()
     else:
         rows = evaluate(cf.case, subject, device, source="replay")
     passed = all(r.passed for r in rows)
     reproduced, note = _reproduced(cf.failure, rows)
-    command = replay_command(Path(case_file), specs, device, deviations, timeout, isolate)
+    command = replay_command(Path(case_file), specs, device, deviations, timeout, isolate, subject.conventions)
     failures = [] if passed else [Failure.of(cf.case, rows, Path(case_file), command, flaky=cf.flaky,
                                              minimized=bool(cf.failure))]
     return CheckResult(cf.case.op, label, passed, rows_frame(rows), cf.case.seed, 1, None, failures,

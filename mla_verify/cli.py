@@ -115,9 +115,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _add_isolation(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="run cases in a worker process replaced after a crash, hang or CUDA error (default: on for cuda)")
-    p.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S",
+    p.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
                    help="seconds the implementation may take per case in the worker (start-up and the reference "
-                        "are not counted; default 300)")
+                        "are not counted; default 300); needs --isolate (the default on cuda): an in-process call "
+                        "cannot be stopped")
 
 
 def _add_deviation(p: argparse.ArgumentParser, default: list | None) -> None:
@@ -125,6 +126,13 @@ def _add_deviation(p: argparse.ArgumentParser, default: list | None) -> None:
                    help="a documented deviation the --impl callable has (repeatable; `mla-verify list --deviations`); "
                         "its bounds replace the exact ones where it applies"
                         + ("" if default is not None else " (default: the ones saved with the case)"))
+
+
+def _add_convention(p: argparse.ArgumentParser, default: list | None) -> None:
+    p.add_argument("--convention", action="append", default=default, metavar="KEY=VALUE",
+                   help="a convention of the --impl callable that is not the reference's (repeatable): lse_base=2, "
+                        "empty_lse=-inf, max_logits_base=2; its outputs are converted to the reference's as it "
+                        "returns them" + ("" if default is not None else " (default: the ones saved with the case)"))
 
 
 MIN_REFERENCE_MEMORY = 64 << 20
@@ -244,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "importable), a registered NAME (`mla-verify list`), or STAGE=... for one stage of "
                         "forward_mqa, dcp or a property; repeat for several stages (default: the project's)")
     _add_deviation(p, [])
+    _add_convention(p, [])
     p.add_argument("--examples", type=_positive_int, default=None, metavar="N",
                    help="cases to draw (default: the profile's budget)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="campaign seed (printed; default: random)")
@@ -289,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the implementation to replay (a case file's MODULE:CALLABLE is never imported unless "
                         "named here; default: the registered implementation saved with the case)")
     _add_deviation(p, None)
+    _add_convention(p, None)
 
     p = _command(sub, "gate", "CI gate: every op and path, corpus + fuzz + properties; drift report",
                  "Run every op and forward_mqa path with every implementation available on this device: "
@@ -376,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reference_memory(p)
     p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="the JSON file to write")
     p.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
-    p.add_argument("--only", action="append", choices=("kernels", "reference", "harness"), default=None,
+    p.add_argument("--only", action="append", choices=("kernels", "reference", "harness", "guards"), default=None,
                    help="run only these sections (repeat; default: all)")
     return parser
 
@@ -397,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     from mla_verify.reports.pairing import PairingError
 
     try:
+        if args.command not in ("list", "report", "merge"):  # it runs cases: on a device that is there
+            from mla_verify.api import resolve_device
+
+            device = resolve_device(device)
         return COMMANDS[args.command](args, device)
     except (UsageError, PairingError) as exc:  # PairingError: a --pair naming nothing, or nothing comparable
         print(f"mla-verify: {exc}", file=sys.stderr)
@@ -503,8 +517,8 @@ def cmd_fuzz(args, device: str) -> int:
     out = args.out or FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
     result = api.check(args.op, args.impl or None, examples=args.examples, seed=args.seed, device=device,
                        profile=args.profile, out=out, isolate=args.isolate, timeout=args.timeout,
-                       deviations=args.deviation, path=args.path, world_size=args.world_size,
-                       shrink=not args.no_shrink, parallel=args.parallel, junit=args.junit,
+                       deviations=args.deviation, conventions=args.convention, path=args.path,
+                       world_size=args.world_size, shrink=not args.no_shrink, parallel=args.parallel, junit=args.junit,
                        baseline=args.baseline, shard=args.shard, log=lambda line: print(line, flush=True))
     print(result.report())
     if args.baseline is None or result.interrupted:
@@ -517,13 +531,13 @@ def cmd_fuzz(args, device: str) -> int:
 
 def cmd_replay(args, device: str) -> int:
     from mla_verify import api
+    from mla_verify.equivalence.mismatch import line
 
     result = api.replay(args.file, args.impl, device=device, isolate=args.isolate, timeout=args.timeout,
-                        deviations=args.deviation, log=print)
+                        deviations=args.deviation, conventions=args.convention, log=print)
     for r in result.rows.itertuples():
-        verdict = "ok  " if r.passed else "FAIL"
-        detail = r.reason if not r.passed else f"{r.gate_metric} = {r.value:.4g} of {r.bound:.4g}"
-        print(f"  {verdict} {r.tensor:17s} {detail}")
+        print(f"  ok   {r.tensor:17s} {r.gate_metric} = {r.value:.4g} of {r.bound:.4g}" if r.passed
+              else f"  FAIL {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}")
     for note in result.notes:
         print(f"  {note}")
     return result.exit_code
@@ -553,9 +567,15 @@ def cmd_report(args, device: str) -> int:
     from mla_verify import reports
     from mla_verify.api import load_run, save_worst_case
 
+    from mla_verify.api import replay_command
+    from mla_verify.rundir import recover_crashed
+
     _, meta = load_run(args.run_dir, "run")
     if meta.get("incomplete"):
-        print(f"note: {args.run_dir} did not finish (killed?): its rows come from its journal")
+        print(f"note: {args.run_dir} stopped early ({meta['stopped']}): its cases not reached have no verdict"
+              if meta.get("stopped") else f"note: {args.run_dir} did not finish (killed?): its rows come from its journal")
+        for line in recover_crashed(args.run_dir, replay_command):
+            print(line)
     if args.baseline is not None:
         load_run(args.baseline, "baseline")
     return reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,

@@ -80,7 +80,9 @@ def _problems(runs: list[tuple[Path, Shard, dict]]) -> tuple[list[str], list[Sha
     problems += [f"shard {s} given {len(paths)} times: {', '.join(map(str, paths))}"
                  for s, paths in sorted(given.items()) if len(paths) > 1]
     problems += [f"{path} did not finish (its rows come from its journal)" for path, _, meta in runs
-                 if meta.get("incomplete")]
+                 if meta.get("incomplete") and not meta.get("stopped")]
+    problems += [f"{path} stopped early ({meta['stopped']}): its cases not reached have no verdict"
+                 for path, _, meta in runs if meta.get("stopped")]
     missing = [Shard(i, counts[-1]) for i in range(counts[-1]) if Shard(i, counts[-1]) not in given]
     return problems, missing
 

@@ -57,6 +57,7 @@ class Run:
     subject: Any = None                   # fuzz: the resolved implementation (equivalence.subject.Subject)
     label: str = ""                       # fuzz: the rows' name for it
     deviations: tuple[str, ...] = ()
+    conventions: tuple[str, ...] = ()     # fuzz: the implementation's declared conventions ("lse_base=2", ...)
     path: str | None = None
     world_size: int | None = None
     shrink: bool = True
@@ -89,7 +90,7 @@ class Run:
         if self.command == GATE:
             return {**common, "ops": self.ops_asked}
         return {**common, "op": self.op, "impl": list(self.specs), "path": self.path, "world_size": self.world_size,
-                "deviations": list(self.deviations), "shrink": self.shrink,
+                "deviations": list(self.deviations), "conventions": list(self.conventions), "shrink": self.shrink,
                 "campaigns": self.shard.count * self.parts}
 
     def meta(self) -> dict[str, Any]:
@@ -132,10 +133,11 @@ class Run:
 
         d = json.loads(text)
         d |= {"profile": get_profile(d["profile"]), "shard": Shard.parse(d["shard"]), "out": RunDir.open(d["out"]),
-              **{k: tuple(d[k]) for k in ("ops", "specs", "deviations")}}
+              **{k: tuple(d[k]) for k in ("ops", "specs", "deviations", "conventions")}}
         run = cls(**d)
         if run.command == FUZZ:
-            run = replace(run, subject=resolve_subject(run.op, run.specs, run.device_type, deviations=run.deviations))
+            run = replace(run, subject=resolve_subject(run.op, run.specs, run.device_type, deviations=run.deviations,
+                                                       conventions=run.conventions))
         return run
 
     def header(self) -> str:
@@ -209,14 +211,17 @@ def _fuzz(run: Run) -> CheckResult:
         if run_dir:
             run_dir.append(case_rows)
 
+    started = None if run_dir is None else (
+        lambda case, source, impl, specs: run_dir.case_started(case, source, run_id=run_id, impl=impl, specs=specs,
+                                                               device=run.device, deviations=run.deviations))
     unit = Unit(run.op, run.label, run.specs, subject=run.subject, paths=(run.path,), corpus=False,
-                deviations=run.deviations)
+                deviations=run.deviations, conventions=run.conventions)
     try:
         with interrupt.installed():
             result = run_units([unit], device=run.device, profile=run.profile, examples=examples, seed=seed,
                                run_id=run_id, out_dir=out_dir, isolate=run.isolate, timeout_s=run.timeout,
                                shrink=run.shrink, world_size=run.world_size, journal=journal,
-                               stop_reason=_stop(interrupt, lost), lost=lost, progress=False)
+                               stop_reason=_stop(interrupt, lost), started=started, lost=lost, progress=False)
     except Exception as exc:
         if run_dir:
             detail = exc.detail if isinstance(exc, HarnessError) else traceback.format_exc()
@@ -225,15 +230,15 @@ def _fuzz(run: Run) -> CheckResult:
         if isinstance(exc, HarnessError):
             raise
         raise HarnessError(f"harness error: {type(exc).__name__}: {exc}", traceback.format_exc()) from exc
-    if run_dir:
-        run_dir.finish(rows, meta)
     fz, = result.fuzz
+    if run_dir:
+        run_dir.finish(rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
     frame = rows_frame(rows)
     failures = []
     if fz.failure is not None:
         failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
                                    replay_command(fz.case_file, run.specs, run.device, run.deviations, run.timeout,
-                                                  run.isolate),
+                                                  run.isolate, run.conventions),
                                    found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk))
     extra = sorted(result.notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
     if run.world_size:
@@ -249,14 +254,16 @@ def _gate(run: Run) -> GateOutcome:
     from mla_verify.fuzz.gate import odd_ones_out, run_units, shard_units
 
     run_dir, meta, interrupt = run.out, run.meta(), Interrupt()
+    run_id = f"gate-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.start(meta)
     try:
         with interrupt.installed():
             result = run_units(shard_units(list(run.ops) or None, run.device, run.shard), device=run.device,
-                               profile=run.profile, examples=run.examples, seed=run.seed,
-                               run_id=f"gate-{time.strftime('%Y%m%d-%H%M%S')}", out_dir=run_dir.path,
-                               isolate=run.isolate, timeout_s=run.timeout, journal=run_dir.append,
-                               stop_reason=_stop(interrupt, []))
+                               profile=run.profile, examples=run.examples, seed=run.seed, run_id=run_id,
+                               out_dir=run_dir.path, isolate=run.isolate, timeout_s=run.timeout,
+                               journal=run_dir.append, stop_reason=_stop(interrupt, []),
+                               started=lambda case, source, impl, specs: run_dir.case_started(
+                                   case, source, run_id=run_id, impl=impl, specs=specs, device=run.device))
     except BaseException:  # the journal keeps the rows so far; the next run may take the directory's lock
         run_dir.release()
         raise
@@ -264,7 +271,7 @@ def _gate(run: Run) -> GateOutcome:
         distributed.close_all()
     outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupt.requested, sorted(result.notes),
                           odd_ones_out(result.rows))
-    run_dir.finish(result.rows, meta)
+    run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupt.requested else meta)
     outcome.case_files = [fz.case_file for fz in result.fuzz if fz.case_file]
     return outcome
 
