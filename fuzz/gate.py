@@ -11,6 +11,10 @@ implementation for every stage that has one), over the targets it covers.
 The multi-process DCP op runs with world size 2 on CPU (two gloo ranks) and on a GPU machine with
 the most ranks its GPUs hold one each (2, 4 or 8; a single GPU: 2 gloo ranks sharing it). Its
 ranks are processes of their own, so it never runs inside the isolation worker.
+
+`run_units` is the one campaign driver, of the gate and of `mla-verify fuzz` alike: a `Unit` is one
+op and implementation with its corpus and campaigns (a fuzz run: one unit, no corpus), and a shard
+of the gate is its share of the units (`fuzz.shard`).
 """
 
 from __future__ import annotations

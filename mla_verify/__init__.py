@@ -24,8 +24,8 @@ _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "reference" / "__init__.py").is_file():
     __path__.append(str(_checkout))
 
-__all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "assert_equivalent", "check", "property_check",
-           "replay", "strategies"]
+__all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "assert_equivalent", "check", "gate",
+           "property_check", "replay", "strategies"]
 
 
 def __getattr__(name: str):

@@ -1,11 +1,15 @@
-"""The Python API: what `mla-verify fuzz` and `mla-verify replay` do, as calls a kernel
-repository's own pytest suite can make (the CLI is a thin layer over these).
+"""The Python API: what `mla-verify fuzz`, `gate` and `replay` do, as calls a kernel
+repository's own pytest suite can make (the CLI parses arguments into these and prints).
 
     check(op, impl, ...) -> CheckResult          fuzz an op, pipeline or property against the reference
     assert_equivalent(op, impl, ...)             check(); AssertionError with the CLI's report on failure
     replay(case_file, impl, ...) -> CheckResult  re-run a saved case, and say whether it reproduced
     property_check(name, impl, ...)              check() of a property (needs no reference)
     drift(run, baseline, ...) -> Drift           did the run move away from the exact answer since the baseline?
+    gate(...) -> GateOutcome                     every op and implementation here: the CI gate
+
+check() and gate() validate their arguments into one `Run` (mla_verify.run), which `drive` runs:
+in this process, or in parts on this host's GPUs; a shard (shard="I/N") runs its share of it.
 
 `check(..., baseline=RUN)` re-draws the baseline run's cases (its seed, profile and budget), so that
 `drift` pairs them case for case: the way to ask "is my kernel v2 worse than v1?".
@@ -30,15 +34,15 @@ from mla_verify.equivalence.isolation import HarnessError
 from mla_verify.equivalence.subject import UsageError
 
 from .results import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
-from .run import FUZZ, GATE, Run, drive, resolve_device
+from .run import FUZZ, GATE, Run, drive, invocation, resolve_device
 
 Impl = Union[None, str, Callable, Mapping[str, Union[str, Callable]], Sequence[str]]
 # Callables that cannot be imported by name (lambdas, closures, partials) are reached through
 # here in this process: "mla_verify.api:local.NAME" resolves like any MODULE:CALLABLE.
 local = types.SimpleNamespace()
 
-__all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "assert_equivalent", "check", "drift",
-           "property_check", "replay"]
+__all__ = ["CheckResult", "Failure", "GateOutcome", "HarnessError", "UsageError", "assert_equivalent", "check",
+           "drift", "gate", "property_check", "replay"]
 
 # ----------------------------------------------------------------------------- inputs
 
@@ -235,7 +239,7 @@ def check(
     run = Run(FUZZ, (op,), device, prof, examples, seed, isolate, timeout, out=run_dir, baseline=baseline,
               shard=shard, parts=parts, specs=specs, subject=subject, label=label, deviations=deviations,
               conventions=tuple(subject.conventions), path=path,
-              world_size=world_size, shrink=shrink, named=named)
+              world_size=world_size, shrink=shrink, named=named, invocation=invocation())
     if log is not None:
         log(run.header())
     try:
@@ -328,7 +332,7 @@ def gate(
     run_dir = RunDir.open(out if out is not None else FreshDir.named("runs", "gate"))
     run = Run(GATE, tuple(ops or ()), device, prof, examples, seed, isolate,
               DEFAULT_TIMEOUT_S if timeout is None else float(timeout), out=run_dir, baseline=baseline, shard=shard,
-              parts=parts, ops_asked=ops)
+              parts=parts, invocation=invocation())
     log(run.header())
     outcome = drive(run, log)
     if junit_path is not None and not outcome.interrupted:

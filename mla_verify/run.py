@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -62,7 +62,7 @@ class Run:
     world_size: int | None = None
     shrink: bool = True
     named: bool = True                    # every implementation importable in another process
-    ops_asked: list[str] | None = field(default=None, compare=False)  # the gate's --op, as recorded
+    invocation: str | None = None         # the command line that started it (meta.json's command)
 
     @property
     def op(self) -> str:
@@ -88,7 +88,7 @@ class Run:
                   "profile": self.profile.name, "device": self.device_type, "isolate": self.isolate,
                   "timeout": self.timeout}
         if self.command == GATE:
-            return {**common, "ops": self.ops_asked}
+            return {**common, "ops": list(self.ops) or None}
         return {**common, "op": self.op, "impl": list(self.specs), "path": self.path, "world_size": self.world_size,
                 "deviations": list(self.deviations), "conventions": list(self.conventions), "shrink": self.shrink,
                 "campaigns": self.shard.count * self.parts}
@@ -99,15 +99,13 @@ class Run:
         from mla_verify import reports
 
         if self.command == GATE:
-            seeds, extra = [self.seed], {"examples": self.examples, "ops": self.ops_asked}
+            seeds, extra = [self.seed], {"examples": self.examples, "ops": list(self.ops) or None}
         else:
             seeds = [s for s, _ in self.campaigns]
             extra = {"op": self.op, "examples": sum(n for _, n in self.campaigns), "path": self.path}
         if not self.shard.whole:
             extra |= {"shard": str(self.shard), "run": self.options()}
-        return reports.collect_meta(self.profile.name, seeds, self.device,
-                                    command=shlex.join(["mla-verify"] + sys.argv[1:]) if sys.argv[1:] else None,
-                                    extra=extra)
+        return reports.collect_meta(self.profile.name, seeds, self.device, command=self.invocation, extra=extra)
 
     def part(self, slot: Shard, index: int, root: Path) -> "Run":
         """The Run of one part: its slot, in ROOT/part-INDEX. A fuzz part is the whole campaign of
@@ -159,6 +157,11 @@ class Run:
                 f"{where}" + (f"; the cases of baseline {self.baseline}" if self.baseline is not None else "")
                 + ("" if self.shard.whole else f"; shard {self.shard} of {self.shard.count * self.parts} campaigns: "
                    + ", ".join(f"seed {s} x {n}" for s, n in self.campaigns)))
+
+
+def invocation() -> str | None:
+    """This process's command line as meta.json records it (None inside a bare interpreter)."""
+    return shlex.join(["mla-verify"] + sys.argv[1:]) if sys.argv[1:] else None
 
 
 def resolve_device(device: str | None) -> str:
@@ -299,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     if run.command == FUZZ:
         print(outcome.report())
         write_atomic(outcome.out / RESULT_JSON, result_file(outcome))
-    else:
+    elif outcome.lines(run.device_type):
         print("\n".join(outcome.lines(run.device_type)))
     return outcome.exit_code
 
