@@ -27,11 +27,12 @@ from typing import Any, Callable
 
 from mla_verify.equivalence.isolation import HarnessError
 from mla_verify.equivalence.profiles import Profile
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.subject import Subject, UsageError
 from mla_verify.fuzz.shard import Shard
 
 from .interrupt import Interrupt
 from .results import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command
+from .rundir import RunDir
 
 FUZZ, GATE = "fuzz", "gate"
 
@@ -49,12 +50,12 @@ class Run:
     seed: int
     isolate: bool
     timeout: float
-    out: Any = None                       # the RunDir being written (rundir.RunDir), or None
+    out: RunDir | None = None             # the run directory being written
     baseline: Path | None = None          # the run whose cases these are again
     shard: Shard = Shard()
     parts: int = 1                        # this host's processes: the shard's slots (fuzz.shard)
     specs: tuple[str, ...] = ()           # fuzz: the implementation as --impl strings
-    subject: Any = None                   # fuzz: the resolved implementation (equivalence.subject.Subject)
+    subject: Subject | None = None        # fuzz: the resolved implementation
     label: str = ""                       # fuzz: the rows' name for it
     deviations: tuple[str, ...] = ()
     conventions: tuple[str, ...] = ()     # fuzz: the implementation's declared conventions ("lse_base=2", ...)
@@ -126,8 +127,6 @@ class Run:
     def from_json(cls, text: str) -> "Run":
         from mla_verify.equivalence.catalog import resolve_subject
         from mla_verify.equivalence.profiles import get_profile
-
-        from .rundir import RunDir
 
         d = json.loads(text)
         d |= {"profile": get_profile(d["profile"]), "shard": Shard.parse(d["shard"]), "out": RunDir.open(d["out"]),
