@@ -354,7 +354,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="merge even shards of other revisions or options, given twice or unfinished, or with shards "
                         "missing (each reason is printed)")
-    _add_drift(p)
 
     p = _command(sub, "report", "drift report of a run directory, optionally against a baseline run",
                  "Summarize a run directory's rows (error distributions per op, path and tensor, headroom, "
@@ -584,12 +583,11 @@ def cmd_report(args, device: str) -> int:
 
 def cmd_merge(args, device: str) -> int:
     from mla_verify import reports
-    from mla_verify.api import save_worst_case
     from mla_verify.merge import merge
 
     merged = merge(args.runs, args.out, force=args.force)
     print("\n".join(merged.lines()))
-    code = reports.run_report(merged.out, save_case=save_worst_case, **_drift_settings(args))
+    code = reports.run_report(merged.out)
     return 3 if merged.harness_errors else max(code, 1 if merged.missing else 0)
 
 

@@ -107,8 +107,11 @@ def _copy_findings(source: Path, out: Path) -> list[Path]:
     errors it left, as harness-error files named for it."""
     errors = []
     for case in sorted(source.glob("failures/*.json")) + sorted(source.glob("part-*/failures/*.json")):
-        target = out / "failures" / case.name
-        target.parent.mkdir(exist_ok=True)
+        (out / "failures").mkdir(exist_ok=True)
+        target, n = out / "failures" / case.name, 1
+        while target.exists() and target.read_bytes() != case.read_bytes():  # two shards shrank to one case
+            n += 1
+            target = target.with_name(f"{case.stem}-{n}{case.suffix}")
         if not target.exists():
             shutil.copy2(case, target)
     for n, error in enumerate(sorted(source.glob(HARNESS_ERROR)) + sorted(source.glob(f"part-*/{HARNESS_ERROR}"))):

@@ -107,3 +107,14 @@ def test_a_shard_with_nothing_to_run_is_a_usage_error(capsys, tmp_path):
                  "--out", str(tmp_path / "g")]) == 2
     assert "fewer units" in capsys.readouterr().err
     assert main(["gate", "--device", "cpu", "--shard", "3/3"]) == 2
+
+
+def test_a_failing_shard_fails_the_merge_and_its_saved_cases_come_along(capsys, tmp_path):
+    args = ["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.zoo.formats:divisor_224", "--examples", "20",
+            "--seed", "5", "--device", "cpu", "--profile", "ci"]
+    assert [main([*args, "--shard", f"{i}/2", "--out", str(tmp_path / f"s{i}")]) for i in range(2)] == [1, 1]
+    capsys.readouterr()
+    assert main(["merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "--out", str(tmp_path / "m")]) == 1
+    saved = sorted(p.read_text() for p in (tmp_path / "m" / "failures").glob("*.json"))
+    assert saved == sorted(p.read_text() for i in range(2) for p in (tmp_path / f"s{i}" / "failures").glob("*.json"))
+    assert saved and "FAIL" in capsys.readouterr().out
