@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from mla_verify.optimized import registry
 
 from ..case import Case
-from ..contract import ContractError, Snapshot, guarded, output_problem
+from ..contract import ContractError, Snapshot, guarded, output_problem, returned
 from ..device import first_line
 from ..draws import SEEDS, decode_params, prefill_params
 from ..oracle import judge, measure, verdict
@@ -64,8 +64,19 @@ def _same_layout(static: dict, problem: dict, seed: int) -> None:
             raise RuntimeError(f"the problem of replay seed {seed} does not fit the captured {name}")
 
 
-def capture_and_replay(eager: Callable, graph_fn: Callable, problems: Sequence[dict]) -> tuple[list, list]:
-    """(eager outputs, replayed outputs) of `problems[1:]`, `graph_fn` captured on `problems[0]`.
+def _outputs(result: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """An implementation's result by name (2 required: out, lse), every one a tensor."""
+    found = returned(result, names, 2)
+    for name, t in found.items():
+        if not isinstance(t, torch.Tensor):
+            raise ContractError(f"{name}: a {type(t).__name__}, the contract says a torch.Tensor")
+    return found
+
+
+def capture_and_replay(eager: Callable, graph_fn: Callable, problems: Sequence[dict],
+                       names: tuple[str, ...]) -> tuple[list[dict], list[dict]]:
+    """(eager outputs, replayed outputs) of `problems[1:]` by name (`names`: the op's results),
+    `graph_fn` captured on `problems[0]`.
 
     `eager` (the checked call) runs on every problem first, the capture's too; `graph_fn` warms
     up on a side stream, as torch's capture recipe asks (compilation, library handles, lazily made
@@ -73,7 +84,7 @@ def capture_and_replay(eager: Callable, graph_fn: Callable, problems: Sequence[d
     after it the outputs are cloned and the inputs compared with what was copied in."""
     static = problems[0]
     eager(**static)
-    eager_out = [tuple(eager(**kw)) for kw in problems[1:]]
+    eager_out = [_outputs(eager(**kw), names) for kw in problems[1:]]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -82,12 +93,13 @@ def capture_and_replay(eager: Callable, graph_fn: Callable, problems: Sequence[d
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
-            captured = tuple(graph_fn(**static))
+            result = graph_fn(**static)
     except Exception as exc:  # the implementation's: what it did inside the capture is not capturable
         # Ending a broken capture raises again ("a previous error during capture"): name the first error.
         first = exc.__context__ if exc.__context__ is not None else exc
         raise CaptureError(f"does not capture in a CUDA graph: {first_line(first)} (a host sync, a copy from "
                            "host memory or a size read on the host inside the call)") from exc
+    captured = _outputs(result, names)
     replayed = []
     for i, kw in enumerate(problems[1:], 1):
         for name, value in kw.items():
@@ -95,7 +107,7 @@ def capture_and_replay(eager: Callable, graph_fn: Callable, problems: Sequence[d
                 static[name].copy_(value)
         saved = Snapshot(static)
         graph.replay()
-        replayed.append(tuple(t.clone() for t in captured))  # own a copy: the next replay overwrites them
+        replayed.append({n: t.clone() for n, t in captured.items()})  # own a copy: the next replay overwrites them
         if changed := saved.changed():
             raise ContractError(f"replay {i} wrote its input {changed[0][1]}")
     return eager_out, replayed
@@ -155,17 +167,17 @@ class GraphSpec(PropertySpec):
         eager = guarded(stages).fn(target.name)
         try:
             (eager_out, replayed), t_impl = call_implementation(
-                lambda: capture_and_replay(eager, impl.graph, problems), case.seed, device, on_call)
+                lambda: capture_and_replay(eager, impl.graph, problems, NAMES[target.name]), case.seed, device, on_call)
         except Raised as raised:  # the implementation's failure is the case's result, not ours
             return [raised_row(base, raised, time_ref_s=t_ref)]
         if notes is not None:
             notes.update(f"{stage}: {why}" for stage, why in stages.fallbacks.items())
         times = dict(time_ref_s=t_ref, time_impl_s=t_impl)
-        got = {n: _stacked([r[i] for r in replayed]) for i, n in enumerate(NAMES[target.name][:len(replayed[0])])}
-        want = {n: _stacked([r[i] for r in eager_out]) for i, n in enumerate(NAMES[target.name][:len(eager_out[0])])}
+        got = {n: _stacked([r[n] for r in replayed]) for n in replayed[0]}
+        want = {n: _stacked([r[n] for r in eager_out]) for n in eager_out[0]}
         ref = {k: _stacked([r[k] for r in refs]) for k, v in refs[0].items() if isinstance(v, torch.Tensor)}
         rows = []
-        for name, t in got.items():
+        for name, t in ((n, t) for n, t in got.items() if n in want):
             kind, bounds, deviation = property_bounds(f"{self.short}.replay", EXACT, impl.deviations)
             rows.append(judged_row(base, f"replay.{name}", "exact",
                                    verdict(kind, measure(kind, t, want[name]), bounds, deviation), **times))
