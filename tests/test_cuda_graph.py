@@ -11,11 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
 
 from mla_verify.cli import main
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.profiles import Profile, get_profile
 from mla_verify.equivalence.subject import UsageError
 from mla_verify.fuzz.campaign import fuzz, new_seed
 from mla_verify.fuzz.production import production_cases
@@ -23,6 +25,8 @@ from tests.hostile import GRAPH
 
 REPO = Path(__file__).resolve().parent.parent
 OP = "property:cuda_graph"
+# Shapes the Triton interpreter runs in a second (tests/test_properties.py's TINY).
+TINY = Profile("tiny", 3, 2, (1, 8), (128,), (64,), 160, 2, 3, (64,), (8, 32), 3)
 SMALL = {
     "sparse_prefill": {"tokens": 4, "heads": 64, "kv_rows": 300, "topk": 128, "value_regime": "normal", "sm_scale": 0.1,
                        "invalid": ["scattered"], "topk_length": "random", "sink": "finite"},
@@ -131,3 +135,28 @@ def test_a_graph_finding_is_saved_with_its_replay_seeds_and_replays(h, tmp_path)
     assert len(case["params"]["replay_seeds"]) == 3 and case["params"]["target"] == h.impl.split("=")[0]
     code, text = cli("replay", saved, "--impl", h.impl, "--device", "cuda", "--isolate")
     assert code == 1 and "reproduced" in text and "did NOT" not in text, text
+
+
+@pytest.mark.parametrize("target", ["sparse_prefill", "sparse_decode_fp8", "forward_mqa"])
+def test_what_is_captured_computes_what_the_checked_call_does(target):
+    """On CPU, without a graph: each target's captured call (graph entries, the batch's req_id
+    built beforehand) gives bit for bit the checked call's answer, Triton interpreted."""
+    from mla_verify.equivalence.properties.cuda_graph import FORMS, _graph_stages
+    from mla_verify.equivalence.subject import stage_overrides
+    from mla_verify.optimized import registry
+
+    spec = get_spec(OP)
+    overrides, _ = stage_overrides(["triton"], "cpu")
+
+    @settings(max_examples=2, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=spec.strategy(TINY, target))
+    def same(case):
+        params = spec.params_of(case.params)
+        stages = registry.resolve(spec.target(params).stages(params), "cpu", overrides)
+        assert all(stages.chosen[s].graph is not None for s in spec.target(params).under_test)
+        form, kw = FORMS[target], spec.target(params).inputs(params, case.seed, "cpu")
+        for a, b in zip(form.eager(stages, kw), form.graph(_graph_stages(stages), kw)):
+            a, b = a.contiguous(), b.contiguous()  # decode's lse is a transposed view
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    same()
