@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
+import torch
+
 # Priorities, most preferred first: the real flash_mla kernels, our Triton kernels, plain eager
 # PyTorch (or Python). A stage with one implementation may leave it at the default, EAGER; a
 # second one left there too is refused as a tie, not ranked by when it was imported.
@@ -47,6 +49,8 @@ class Implementation:
     def why_not(self, device: str) -> str | None:
         if device not in self.devices:
             return f"runs on {'/'.join(sorted(self.devices))}, not {device}"
+        if device == "cuda" and not torch.cuda.is_available():
+            return "no CUDA GPU is visible"
         return self.unavailable()
 
 
@@ -103,6 +107,14 @@ def implementations(stage: str) -> list[Implementation]:
     if stage not in _REGISTRY:
         raise KeyError(f"unknown stage {stage!r}; known: {', '.join(stages())}")
     return list(_REGISTRY[stage])
+
+
+def interpreted(names: Iterable[str], device: str) -> bool:
+    """Whether an implementation called one of `names` (an --impl's NAME or STAGE=NAME) runs only
+    under an interpreter on `device`: a campaign of it is held to the interpreter's budget."""
+    wanted = {n.split("=")[-1] for n in names}
+    return any(impl.name in wanted and device in impl.interpreted_on
+               for impls in _REGISTRY.values() for impl in impls)
 
 
 def select(stage: str, device: str, name: str | None = None) -> Implementation:
