@@ -17,16 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from mla_verify.cli import main
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
-from mla_verify.equivalence.profiles import Profile, get_profile
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.profiles import get_profile
 from mla_verify.fuzz.campaign import fuzz, new_seed
 from mla_verify.fuzz.production import production_cases
 from tests.hostile import GRAPH
+from tests.test_properties import TINY  # shapes the Triton interpreter runs in a second
 
 REPO = Path(__file__).resolve().parent.parent
 OP = "property:cuda_graph"
-# Shapes the Triton interpreter runs in a second (tests/test_properties.py's TINY).
-TINY = Profile("tiny", 3, 2, (1, 8), (128,), (64,), 160, 2, 3, (64,), (8, 32), 3)
 SMALL = {
     "sparse_prefill": {"tokens": 4, "heads": 64, "kv_rows": 300, "topk": 128, "value_regime": "normal", "sm_scale": 0.1,
                        "invalid": ["scattered"], "topk_length": "random", "sink": "finite"},
@@ -56,9 +54,16 @@ def test_on_cpu_the_property_is_refused_with_its_reason(capsys, tmp_path):
 
 
 def test_the_eager_kernels_are_no_graph_kernels():
-    """torch-fp32 indexes with boolean masks (a host sync each): the property refuses it by name."""
-    with pytest.raises(UsageError, match="torch-fp32 is no graph kernel"):
-        get_spec(OP).subject(["torch-fp32"], "cuda")
+    """torch-fp32 indexes with boolean masks (a host sync each): no graph entry, so the property
+    never runs it; flash_mla's and Triton's entries are their launch paths."""
+    from mla_verify.optimized import registry
+
+    spec = get_spec(OP)
+    impls = [i for stage in ("sparse_prefill", "sparse_decode_fp8", "convert_index") for i in registry.implementations(stage)]
+    assert sorted(spec._no_graph(impls)) == ["convert_index torch-fp32", "sparse_decode_fp8 torch-fp32",
+                                             "sparse_prefill torch-fp32"]
+    assert {i.graph.__name__ for i in impls if i.graph} == {"launch_sparse_prefill", "launch_sparse_decode_fp8",
+                                                            "launch_convert_index"}
 
 
 def test_every_small_case_and_replay_seed_is_a_valid_case():

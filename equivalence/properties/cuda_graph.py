@@ -34,6 +34,7 @@ from mla_verify.equivalence.batch import make_batch
 from mla_verify.optimized import registry
 from mla_verify.optimized.metadata import req_id_per_token
 
+from .. import mismatch
 from ..case import Case
 from ..contract import ContractError, Snapshot, guarded, output_problem, returned
 from ..device import first_line
@@ -251,8 +252,9 @@ class GraphSpec(PropertySpec):
         rows = []
         for name, t in ((n, t) for n, t in got.items() if n in want):
             kind, bounds, deviation = property_bounds(f"{self.short}.replay", EXACT, deviations)
-            rows.append(judged_row(base, f"replay.{name}", "exact",
-                                   verdict(kind, measure(kind, t, want[name]), bounds, deviation), **times))
+            v = verdict(kind, measure(kind, t, want[name]), bounds, deviation,
+                        mismatch.Compared(f"replay.{name}", t, want[name]))
+            rows.append(judged_row(base, f"replay.{name}", "exact", v, **times))
         for check in op.checks:
             if check.tensor not in ref or check.tensor not in got:
                 continue  # the op's optional tensor this implementation does not return
@@ -263,7 +265,7 @@ class GraphSpec(PropertySpec):
                 rows.append(failure_row(base, f"reference.{check.tensor}", "contract", problem, **times))
                 continue
             v = judge(check.kind, out, ref[check.tensor], params.numerics(), deviations,
-                      ref.get(check.scale) if check.scale else None, check.bounds_in(ref))
+                      ref.get(check.scale) if check.scale else None, check.bounds_in(ref), name=check.tensor)
             rows.append(judged_row(base, f"reference.{check.tensor}", check.row_kind or check.kind, v, **times))
         return rows
 
