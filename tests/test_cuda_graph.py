@@ -143,10 +143,12 @@ def test_a_graph_finding_is_saved_with_its_replay_seeds_and_replays(h, tmp_path)
 
 
 @pytest.mark.parametrize("target", ["sparse_prefill", "sparse_decode_fp8", "forward_mqa"])
-def test_what_is_captured_computes_what_the_checked_call_does(target):
-    """On CPU, without a graph: each target's captured call (graph entries, the batch's req_id
-    built beforehand) gives bit for bit the checked call's answer, Triton interpreted."""
-    from mla_verify.equivalence.properties.cuda_graph import FORMS, _graph_stages
+def test_the_captured_call_on_the_static_buffers_computes_each_replayed_problem(target):
+    """On CPU, what a replay does without the graph: another seed's problem copied into the first
+    one's buffers (the same layout), then the captured call (graph entries, the batch's req_id built
+    beforehand) on them gives bit for bit the checked call's answer on that problem; Triton
+    interpreted. Nothing else of a problem (host lists, config) differs between seeds."""
+    from mla_verify.equivalence.properties.cuda_graph import FORMS, _graph_stages, _same_layout
     from mla_verify.equivalence.subject import stage_overrides
     from mla_verify.optimized import registry
 
@@ -159,8 +161,13 @@ def test_what_is_captured_computes_what_the_checked_call_does(target):
         params = spec.params_of(case.params)
         stages = registry.resolve(spec.target(params).stages(params), "cpu", overrides)
         assert all(stages.chosen[s].graph is not None for s in spec.target(params).under_test)
-        form, kw = FORMS[target], spec.target(params).inputs(params, case.seed, "cpu")
-        for a, b in zip(form.eager(stages, kw), form.graph(_graph_stages(stages), kw)):
+        form = FORMS[target]
+        static, other = (spec.target(params).inputs(params, s, "cpu") for s in (case.seed, params.replay_seeds[0]))
+        want = form.eager(stages, other)
+        _same_layout(form.buffers(static), form.buffers(other), params.replay_seeds[0])
+        for name, t in form.buffers(other).items():
+            form.buffers(static)[name].copy_(t)
+        for a, b in zip(want, form.graph(_graph_stages(stages), static)):
             a, b = a.contiguous(), b.contiguous()  # decode's lse is a transposed view
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
