@@ -57,7 +57,6 @@ from .common import (
 )
 
 REPLAYS = 3  # drawn problems replayed per capture
-NAMES = {"sparse_prefill": ("out", "lse", "max_logits"), "sparse_decode_fp8": ("out", "lse")}
 WHY_CUDA = "captures CUDA graphs: it runs on a CUDA device only"
 
 
