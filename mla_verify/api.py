@@ -34,7 +34,7 @@ from mla_verify.equivalence.isolation import HarnessError
 from mla_verify.equivalence.subject import UsageError
 
 from .results import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
-from .run import FUZZ, GATE, Run, drive, invocation, resolve_device
+from .run import FUZZ, GATE, Run, drive, invocation
 
 Impl = Union[None, str, Callable, Mapping[str, Union[str, Callable]], Sequence[str]]
 # Callables that cannot be imported by name (lambdas, closures, partials) are reached through
@@ -45,6 +45,22 @@ __all__ = ["CheckResult", "Failure", "GateOutcome", "HarnessError", "UsageError"
            "drift", "gate", "property_check", "replay"]
 
 # ----------------------------------------------------------------------------- inputs
+
+
+def resolve_device(device: str | None) -> str:
+    """"cpu", "cuda" or "cuda:N" (None: cuda when present); on CPU the Triton kernels run under
+    their interpreter, which must be chosen before any kernel module is imported."""
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda") or (kind == "cpu" and device != "cpu"):
+        raise UsageError(f"device {device!r}: expected cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError("device cuda asked for, but no CUDA GPU is visible")
+    if kind == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return device
 
 
 def _positive(name: str, value: float | None, kind: type) -> None:

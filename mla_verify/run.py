@@ -15,7 +15,6 @@ a Run through `check()` or `gate()` and prints; nothing here starts the CLI.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 import tempfile
@@ -163,22 +162,6 @@ def invocation() -> str | None:
     return shlex.join(["mla-verify"] + sys.argv[1:]) if sys.argv[1:] else None
 
 
-def resolve_device(device: str | None) -> str:
-    """"cpu", "cuda" or "cuda:N" (None: cuda when present); on CPU the Triton kernels run under
-    their interpreter, which must be chosen before any kernel module is imported."""
-    import torch
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kind = device.split(":")[0]
-    if kind not in ("cpu", "cuda") or (kind == "cpu" and device != "cpu"):
-        raise UsageError(f"device {device!r}: expected cpu, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise UsageError("device cuda asked for, but no CUDA GPU is visible")
-    if kind == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    return device
-
-
 def drive(run: Run, log: Callable[[str], None] | None = None):
     """Run `run`: a CheckResult for fuzz, a GateOutcome for the gate. `log` receives the lines of
     a run in parts (the parts' own go to their logs or this process's output)."""
@@ -284,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .results import result_file
 
-    text = (argv or sys.argv[1:])[0]
-    resolve_device(json.loads(text)["device"])  # the Triton interpreter on CPU, before any kernel import
+    text = (argv or sys.argv[1:])[0]  # the parent chose the Triton interpreter on CPU: the environment has it
     try:
         run = Run.from_json(text)
         print(run.header(), flush=True)
