@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 from . import ops, properties
 from .case import Case
 from .rows import Row
-from .running import Produced
+from .produced import Produced
 from .spec import SPECS, Spec
 from .subject import Subject, UsageError, check_declared
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import random
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -38,26 +37,6 @@ class Raised(Exception):
     def __init__(self, error: BaseException, device_error: str | None = None):
         super().__init__(dev.first_line(error))
         self.error, self.device_error = error, device_error
-
-
-@dataclass
-class Produced:
-    """What an implementation's process sends its judge (`OpSpec.produce`, `PropertySpec.produce`):
-    the rows it could make itself (as records) and, unless it `failed` outright, its outputs on
-    the host with the device each was returned on and the reasons some break the contract (an
-    op), or its comparisons (a property)."""
-
-    rows: list[dict]
-    failed: bool = False
-    tensors: dict = field(default_factory=dict)
-    devices: dict[str, str] = field(default_factory=dict)
-    problems: dict[str, str] = field(default_factory=dict)
-    stages: str = ""
-    deviations: tuple[str, ...] = ()
-    path: str | None = None
-    notes: tuple[str, ...] = ()
-    t_impl: float = float("nan")
-    compared: list = field(default_factory=list)  # a property's comparisons (tensors on the host)
 
 
 def _sync(device: str) -> None:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .case import Case
     from .profiles import Profile
     from .rows import Row
-    from .running import Produced
+    from .produced import Produced
     from .schema import Params
     from .subject import Subject
 

@@ -21,9 +21,10 @@ from ..draws import SEEDS
 from ..contract import Snapshot, output_problem
 from ..contracts import arguments as contract_arguments
 from ..oracle import judge
+from ..produced import Produced
 from ..profiles import Profile
 from ..rows import Row
-from ..running import Produced, Raised, call_implementation, failure_row, input_rows, judged_row, raised_row, timed
+from ..running import Raised, call_implementation, failure_row, input_rows, judged_row, raised_row, timed
 from ..schema import Params
 from ..subject import Subject, UsageError, implementation
 

@@ -31,8 +31,9 @@ from ..contract import Snapshot, guarded
 from ..oracle import measure, verdict
 from ..rows import Row
 from ..policy import EXACT, property_bounds
+from ..produced import Produced
 from ..profiles import Profile
-from ..running import Produced, Raised, call_implementation, input_rows, judged_row, raised_row
+from ..running import Raised, call_implementation, input_rows, judged_row, raised_row
 from ..schema import OneOf, Params, param
 from ..spec import SPECS
 from ..subject import Subject, UsageError, stage_overrides
