@@ -44,6 +44,7 @@ class Subject:
     deviations: tuple[str, ...] = ()
     specs: tuple[str, ...] = ()                  # the --impl strings, kept in replay files
     declared: tuple[str, ...] = ()               # --deviation names: they travel with the specs
+    conventions: tuple[str, ...] = ()            # --convention KEY=VALUE (equivalence.conventions), likewise
 
 
 def load_callable(spec: str) -> Callable:
@@ -121,7 +122,8 @@ def implementation(stage: str, spec: str, device: str, deviations: Sequence[str]
         return impl
     fn = load_callable(spec)
     check_signature(fn, stage_arguments(stage), f"--impl {spec}")
-    return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}),
+    # A user's kernel is captured as it is called: serving would capture it so.
+    return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}), graph=fn,
                                    deviations=declared_deviations(fn, deviations, f"--impl {spec}"))
 
 

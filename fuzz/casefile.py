@@ -34,11 +34,12 @@ class CaseFile:
     note: str = ""
     deviations: tuple[str, ...] = ()       # declared for the implementation (--deviation)
     flaky: tuple[int, int] | None = None   # (failed k, of n re-runs) when the failure was flaky
+    conventions: tuple[str, ...] = ()      # declared for the implementation (--convention KEY=VALUE)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": CASE_FORMAT, "case": self.case.to_dict(), "impl": list(self.impl), "device": self.device,
                 "failure": self.failure, "note": self.note, "deviations": list(self.deviations),
-                "flaky": list(self.flaky) if self.flaky else None}
+                "flaky": list(self.flaky) if self.flaky else None, "conventions": list(self.conventions)}
 
 
 def slug(text: str, limit: int = 48) -> str:
@@ -123,6 +124,9 @@ def load(path: Path) -> CaseFile:
     deviations = data.get("deviations", [])
     if not isinstance(deviations, list) or not all(isinstance(s, str) for s in deviations):
         raise ValueError("its 'deviations' is not a list of strings")
+    conventions = data.get("conventions", [])
+    if not isinstance(conventions, list) or not all(isinstance(s, str) for s in conventions):
+        raise ValueError("its 'conventions' is not a list of strings")
     failure = data.get("failure", [])
     if not isinstance(failure, list) or not all(_saved_row(f) for f in failure):
         raise ValueError("its 'failure' is not a list of saved rows (tensor and metric strings, value and bound numbers)")
@@ -134,7 +138,7 @@ def load(path: Path) -> CaseFile:
         if not isinstance(data.get(key, ""), str):
             raise ValueError(f"its {key!r} is not a string")
     return CaseFile(Case.from_dict(case), tuple(impl), data.get("device", "cpu"), failure, data.get("note", ""),
-                    tuple(deviations), tuple(flaky) if flaky else None)
+                    tuple(deviations), tuple(flaky) if flaky else None, tuple(conventions))
 
 
 def _saved_row(f: Any) -> bool:

@@ -118,6 +118,13 @@ def _add_deviation(p: argparse.ArgumentParser, default: list | None) -> None:
                         + ("" if default is not None else " (default: the ones saved with the case)"))
 
 
+def _add_convention(p: argparse.ArgumentParser, default: list | None) -> None:
+    p.add_argument("--convention", action="append", default=default, metavar="KEY=VALUE",
+                   help="a convention of the --impl callable that is not the reference's (repeatable): lse_base=2, "
+                        "empty_lse=-inf, max_logits_base=2; its outputs are converted to the reference's as it "
+                        "returns them" + ("" if default is not None else " (default: the ones saved with the case)"))
+
+
 MIN_REFERENCE_MEMORY = 64 << 20
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
 
@@ -235,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "importable), a registered NAME (`mla-verify list`), or STAGE=... for one stage of "
                         "forward_mqa, dcp or a property; repeat for several stages (default: the project's)")
     _add_deviation(p, [])
+    _add_convention(p, [])
     p.add_argument("--examples", type=_positive_int, default=None, metavar="N",
                    help="cases to draw (default: the profile's budget)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="campaign seed (printed; default: random)")
@@ -279,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the implementation to replay (a case file's MODULE:CALLABLE is never imported unless "
                         "named here; default: the registered implementation saved with the case)")
     _add_deviation(p, None)
+    _add_convention(p, None)
 
     p = _command(sub, "gate", "CI gate: every op and path, corpus + fuzz + properties; drift report",
                  "Run every op and forward_mqa path with every implementation available on this device: "
@@ -365,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     from mla_verify.reports.pairing import PairingError
 
     try:
+        if args.command not in ("list", "report"):  # it runs cases: on a device that is there
+            from mla_verify.api import resolve_device
+
+            device = resolve_device(device)
         return COMMANDS[args.command](args, device)
     except (UsageError, PairingError) as exc:  # PairingError: a --pair naming nothing, or nothing comparable
         print(f"mla-verify: {exc}", file=sys.stderr)
@@ -493,7 +506,7 @@ def cmd_fuzz(args, device: str) -> int:
     out = args.out or FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
     result = api.check(args.op, args.impl or None, examples=args.examples, seed=args.seed, device=device,
                        profile=args.profile, out=out, isolate=args.isolate, timeout=args.timeout,
-                       deviations=args.deviation, path=args.path, world_size=args.world_size,
+                       deviations=args.deviation, conventions=args.convention, path=args.path, world_size=args.world_size,
                        shrink=not args.no_shrink, parallel=1 if args.part else args.parallel, junit=args.junit,
                        baseline=args.baseline, log=lambda line: print(line, flush=True))
     print(result.report())
@@ -509,13 +522,13 @@ def cmd_fuzz(args, device: str) -> int:
 
 def cmd_replay(args, device: str) -> int:
     from mla_verify import api
+    from mla_verify.equivalence.mismatch import line
 
     result = api.replay(args.file, args.impl, device=device, isolate=args.isolate, timeout=args.timeout,
-                        deviations=args.deviation, log=print)
+                        deviations=args.deviation, conventions=args.convention, log=print)
     for r in result.rows.itertuples():
-        verdict = "ok  " if r.passed else "FAIL"
-        detail = r.reason if not r.passed else f"{r.gate_metric} = {r.value:.4g} of {r.bound:.4g}"
-        print(f"  {verdict} {r.tensor:17s} {detail}")
+        print(f"  ok   {r.tensor:17s} {r.gate_metric} = {r.value:.4g} of {r.bound:.4g}" if r.passed
+              else f"  FAIL {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}")
     for note in result.notes:
         print(f"  {note}")
     return result.exit_code

@@ -11,6 +11,7 @@ from typing import Any
 import pandas as pd
 
 from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
+from mla_verify.reports.bias import bias
 from mla_verify.reports.document import Report, Section
 from mla_verify.reports.drift import Worst, compare
 from mla_verify.reports.fmt import MISSING, header, number
@@ -73,7 +74,9 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             f"judged on the median per-case ratio new / old of each drift metric, unpaired ones by a "
             f"one-sided rank test of new > x{factor:g} old at confidence {confidence:g} (at least "
             f"{min_cases} cases a side, else too few cases to judge); values are raised to each metric's "
-            "floor first, so rounding residue makes no ratio. A metric that was 0 (bitwise) and is not is "
+            "floor first, so rounding residue makes no ratio. Bias metrics (gain, bias_units) are judged on the "
+            f"shift of their mean over the cases instead: drift when its t interval at {confidence:g} lies wholly "
+            "beyond the metric's floor. A metric that was 0 (bitwise) and is not is "
             "'no longer bitwise'. ratio / worst ratio: of the metric named; max_abs p99 is shown, never "
             "judged. Improvements never fail the run.", drift.groups, limit=300))
         report.sections.append(Section(
@@ -81,10 +84,22 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             "Every drift metric of every compared group (equivalence.policy.DRIFT_METRICS: bf16_units and "
             "elem_bf16_units for outputs, lse_fp32_units for LSEs, abs_bias = |mean_err|, bound_use = "
             "1 / headroom). Paired: ratio is the median per-case ratio; unpaired: the p99 ratio, with the "
-            "rank test's p-value.", drift.metrics[drift.metrics["mode"] != "too few cases to judge"], limit=600))
+            "rank test's p-value. Bias metrics (equivalence.policy.BIAS_METRICS): the means, their shift (paired: "
+            "the mean per-case difference; unpaired: Welch), the t interval's half-width shift_ci, its p-value "
+            "and the floor.", drift.metrics[drift.metrics["mode"] != "too few cases to judge"], limit=600))
         report.sections.append(Section(
             "side-by-side", "Runs side by side", "What ran, where, and how it ended.",
             _side_by_side(report, base_rows)))
+    report.bias = bias(rows, confidence)
+    warned = len(report.bias.warnings)
+    report.sections.append(Section(
+        "bias", "Bias per path",
+        f"{warned or 'No'} group{'s' * (warned != 1)} biased against the exact reference (a warning, not a failure). "
+        "Per group and bias metric the mean over its cases, each case one sample: gain = <impl - ref, ref> / "
+        "<ref, ref> (outputs), bias_units = the mean signed error in rounding units (bf16 ulps for outputs, fp32 "
+        f"steps of the logit scale for LSEs); ci: the half-width of the t interval at {confidence:g}. Biased: the "
+        "whole interval lies beyond the floor (equivalence.policy.BIAS_METRICS).",
+        report.bias.table))
     report.sections.append(Section(
         "groups", "Error per path",
         "Per op, path, tensor and implementation; rows held to a documented deviation are in "

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from mla_verify.optimized import registry
 
+from .. import cost
 from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, output_problem
@@ -71,6 +72,9 @@ class OpSpec:
     call: Callable[[Any, dict[str, Any], Any], ImplOutput]         # (Subject, kwargs, params)
     checks: tuple[Check, ...]
     knobs: Callable[[Any], dict[str, Any]] = field(default=lambda p: {})
+    # (kwargs, tensor, impl's, reference's) -> where a NaN the reference lacks came from, or "":
+    # the inputs' own account of a failure (which entry past a token's length a kernel read)
+    explain_nan: Callable[[dict, str, torch.Tensor, torch.Tensor], str] | None = None
     path: Callable[[Any], str] | None = None
     doc: str = ""
     # Runs its implementation in processes of its own, each isolated already: never inside an
@@ -114,6 +118,10 @@ class OpSpec:
 
     def examples(self, profile: Profile) -> int:
         return profile.examples
+
+    def interpreted_s(self, params: Params) -> float:
+        """The Triton interpreter's seconds for a case (equivalence.cost)."""
+        return cost.interpreted_s(params)
 
     def identity(self, case: Case, params: Params | None = None) -> dict[str, Any]:
         """The op, path, case and knob columns of `case`'s rows (`params`: its params, typed already)."""
@@ -181,7 +189,7 @@ class OpSpec:
                     or (None if self.views else inputs.aliased_by(name, out)) or answer.aliased_by(name, out))
 
         return input_rows(base, inputs, self.writes, **times) + self._verdicts(
-            base, params, ref, got.tensors, got.deviations, times, problem)
+            base, params, kwargs, ref, got.tensors, got.deviations, times, problem)
 
     def _output_problem(self, check: Check, out: Any, want: torch.Tensor, returned_on: str | None = None) -> str | None:
         return output_problem(check.tensor, out, dtype=check.dtype or want.dtype, shape=want.shape,
@@ -190,8 +198,8 @@ class OpSpec:
                               device=None if self.own_processes else str(want.device),
                               contiguous=check.contiguous, returned_on=returned_on)
 
-    def _verdicts(self, base: dict, params: Params, ref: Mapping[str, torch.Tensor], tensors: Mapping[str, Any],
-                  deviations: Sequence[str], times: dict, problem: Callable) -> list:
+    def _verdicts(self, base: dict, params: Params, kwargs: dict, ref: Mapping[str, torch.Tensor],
+                  tensors: Mapping[str, Any], deviations: Sequence[str], times: dict, problem: Callable) -> list:
         """A row per check: missing, a broken contract (`problem(name, out, want, check)`), or the
         oracle's verdict against the reference."""
         rows = []
@@ -211,7 +219,9 @@ class OpSpec:
             scale = ref.get(check.scale) if check.scale else None
             numerics = params.numerics()
             v = judge(check.kind, out, want, numerics.replace(dcp_size=1) if check.single_rank else numerics,
-                      deviations, scale, check.bounds_in(ref))
+                      deviations, scale, check.bounds_in(ref), name=check.tensor)
+            if v.metrics.nan_count and self.explain_nan is not None:
+                v.reason = "; ".join(filter(None, (v.reason, self.explain_nan(kwargs, check.tensor, out, want))))
             rows.append(judged_row(base, check.tensor, kind, v, **times))
         return rows
 
@@ -263,4 +273,4 @@ class OpSpec:
             return produced.problems.get(name) or self._output_problem(check, out, want, produced.devices.get(name))
 
         tensors = {**produced.tensors, **{name: None for name in produced.problems}}
-        return rows + self._verdicts(base, params, ref, tensors, produced.deviations, times, problem)
+        return rows + self._verdicts(base, params, kwargs, ref, tensors, produced.deviations, times, problem)
