@@ -58,7 +58,9 @@ def _fd_identity(fd: int) -> tuple[int, int] | None:
 # name -> (get, set): the settings a kernel (or the framework it brings) can change for everyone after it
 _TORCH: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
     "torch default dtype": (torch.get_default_dtype, torch.set_default_dtype),
-    "torch default device": (lambda: str(torch.get_default_device()), lambda d: torch.set_default_device(d)),
+    # back to none set rather than "cpu" set: a set default device is a mode every factory call goes through
+    "torch default device": (lambda: str(torch.get_default_device()),
+                             lambda d: torch.set_default_device(None if d == "cpu" else d)),
     "torch grad mode": (torch.is_grad_enabled, torch.set_grad_enabled),
     "torch anomaly detection": (torch.is_anomaly_enabled, torch.set_anomaly_enabled),
     "torch deterministic algorithms": (

@@ -49,6 +49,7 @@ CPU = [
     # The process and the judge (issue 24): put back, and the case's contract failure.
     Hostile("tests.hostile.cpu:sets_default_dtype", "quantize_fp8_ds_mla", "contract",
             "changed process-wide state: torch default dtype: torch.float32 -> torch.float64"),
+    Hostile("tests.hostile.cpu:sets_default_device", "quantize_fp8_ds_mla", "contract", "torch default device: cpu -> meta"),
     Hostile("tests.hostile.cpu:changes_directory", "quantize_fp8_ds_mla", "contract", "working directory:"),
     Hostile("tests.hostile.cpu:turns_off_grad", "quantize_fp8_ds_mla", "contract", "torch grad mode: True -> False"),
     Hostile("tests.hostile.cpu:sets_threads", "quantize_fp8_ds_mla", "contract", "torch threads:"),
