@@ -145,6 +145,9 @@ _LIBRARIES: tuple[tuple[str, Any], ...] = (
     ("builtins", builtins), ("operator", operator),
 )
 _MISSING = object()
+# What Python itself caches on classes and modules while running (pickling a class caches its
+# `__slotnames__`, a warning its module's registry): never a patch.
+_CACHES = frozenset({"__slotnames__", "__warningregistry__"})
 _namespaces: dict[int, list[tuple[str, Any, bool]]] = {}
 
 
@@ -185,11 +188,11 @@ class JudgeFunctions:
             if len(now) == len(before) and all(now.get(k, _MISSING) is v for k, v in before.items()):
                 continue
             for k, v in before.items():
-                if now.get(k, _MISSING) is not v:
+                if now.get(k, _MISSING) is not v and k not in _CACHES:
                     patched.append(f"{name}.{k}")
                     setattr(ns, k, v)
             if is_class:
-                for k in [k for k in now if k not in before]:
+                for k in [k for k in now if k not in before and k not in _CACHES]:
                     patched.append(f"{name}.{k}")
                     delattr(ns, k)
         return patched
