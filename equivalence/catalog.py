@@ -14,7 +14,7 @@ from . import ops, properties
 from .case import Case
 from .rows import Row
 from .spec import SPECS, Spec
-from .subject import Subject, UsageError, check_declared
+from .subject import Subject, UsageError, check_declared, did_you_mean
 
 
 def _load() -> None:
@@ -46,7 +46,7 @@ def select(requested: Sequence[str]) -> list[str]:
 
 def get_spec(name: str) -> Spec:
     if name not in SPECS:
-        raise KeyError(f"unknown op {name!r}; known: {', '.join(names())}")
+        raise KeyError(f"unknown op {name!r}; {did_you_mean(name, names())}known: {', '.join(names())}")
     return SPECS[name].spec
 
 

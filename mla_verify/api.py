@@ -282,7 +282,8 @@ def check(
 
         from .junit import write_junit
 
-        write_junit(junit_path, [Row.from_record(r) for r in result.rows.to_dict("records")])
+        replays = {result.failure.case.case_id: result.failure.replay_command} if result.failure else {}
+        write_junit(junit_path, [Row.from_record(r) for r in result.rows.to_dict("records")], replays=replays)
     return result
 
 

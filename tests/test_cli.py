@@ -40,9 +40,12 @@ def test_usage_errors_exit_2_with_one_line(capsys, tmp_path, argv, message):
 
 def test_a_discrepancy_exits_1_saves_the_case_and_replays_exactly(capsys, tmp_path):
     code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.zoo.formats:divisor_224",
-                     "--examples", "20", "--seed", "5", "--device", "cpu", "--out", str(tmp_path), "--profile", "ci")
+                     "--examples", "20", "--seed", "5", "--device", "cpu", "--out", str(tmp_path), "--profile", "ci",
+                     "--junit", str(tmp_path / "j.xml"))
     assert code == 1 and "DISCREPANCY" in text and "seed 5" in text
     saved = next(line.split("case saved: ")[1] for line in text.splitlines() if "case saved: " in line)
+    junit = (tmp_path / "j.xml").read_text()  # the CI's failure says how to replay it (issue 29)
+    assert 'failures="1"' in junit and f"replay: mla-verify replay {saved} --impl tests.zoo.formats:divisor_224" in junit
     assert "quantize_fp8_ds_mla-tests.zoo.formats_divisor_224-" in saved  # op and implementation in its name
     failure = json.loads(open(saved).read())["failure"]
     code, text = run(capsys, "replay", saved, "--device", "cpu")
