@@ -26,7 +26,7 @@ class Profile:
     max_tokens: int               # query tokens of a single-op case
     heads: tuple[int, ...]        # head counts drawn
     prefill_topk: tuple[int, ...]  # multiples of 128 (prefill kernel granularity)
-    decode_topk: tuple[int, ...]   # multiples of 64 (decode kernel granularity)
+    decode_topk: tuple[int, ...]   # multiples of 64 (decode kernel granularity), some odd (routing: decode_topk)
     max_context: int              # longest context a request may have
     max_requests: int
     max_query: int                # longest prefill query
@@ -49,7 +49,7 @@ PROFILES = {
                 (8, 16, 32, 64), 20, 60.0),
         Profile("nightly", 300, 64, (8, 16, 32, 64, 128), (128, 512, 1024, 2048), (64, 256, 1024, 2048), 9000, 8, 128,
                 (64, 128, 256), (8, 16, 24, 32, 64, 128), 150, 600.0),
-        Profile("gpu", 200, 256, (16, 32, 64, 128), (512, 1024, 2048), (512, 1024, 2048), 20000, 8, 512, (64, 128),
+        Profile("gpu", 200, 256, (16, 32, 64, 128), (512, 1024, 2048), (512, 576, 1024, 2048), 20000, 8, 512, (64, 128),
                 (8, 16, 32, 64, 128), 50, None),
     )
 }

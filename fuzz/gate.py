@@ -100,9 +100,12 @@ def run_gate(
     log=None,
     journal: Callable[[list[Row]], None] | None = None,
     stop_reason: Callable[[], str] = lambda: "",
+    started: Callable[..., Callable[[], None]] | None = None,
 ) -> GateResult:
     """`examples` per op (or property) and implementation; None: the profile's budgets. In `ops`,
-    "property" stands for every property. `journal` receives each case's rows as it finishes;
+    "property" stands for every property. `started(case, source, impl=, specs=)` is told of each
+    case before it runs and returns the call that says it finished (`mla_verify.rundir`
+    journals both); `journal` receives each case's rows as it finishes;
     a `stop_reason` (Ctrl-C) ends the gate after the current case. `log`: default the stderr of
     the moment (pytest's capture replaces it between tests)."""
     log = log or sys.stderr
@@ -131,11 +134,16 @@ def run_gate(
                     progress.step(any(not r.passed for r in rows), now_at=f"{op} / {label}")
                 return rows
 
+            watch = None if started is None else (
+                lambda case, source, label=label, specs=specs: started(case, source, impl=label, specs=specs))
             pinned_rows = []
             for case, _why in pinned:
                 if stop_reason():
                     return result
+                finished = watch(case, "corpus") if watch is not None else None
                 case_rows = run(case, "corpus")
+                if finished is not None:
+                    finished()
                 pinned_rows += case_rows
                 if journal is not None:
                     journal(case_rows)
@@ -143,16 +151,16 @@ def run_gate(
             for path in spec.campaigns(subject):
                 if stop_reason():
                     return result
-                started = time.monotonic()
+                t0 = time.monotonic()
                 fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, impl_label=label,
                           device=device, out_dir=out_dir, show_progress=False, path=path,
-                          world_size=world_size, journal=journal, stop_reason=stop_reason)
+                          world_size=world_size, journal=journal, stop_reason=stop_reason, started=watch)
                 result.fuzz.append(fz)
                 result.rows.extend(fz.rows)
                 where = f"{op} ({path})" if path else op
                 bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
                 log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases "
-                          f"{time.monotonic() - started:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
+                          f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
                 log.flush()
     finally:
         if worker is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Mapping
 from xml.sax.saxutils import quoteattr, escape
 
+from mla_verify.equivalence.mismatch import line
 from mla_verify.equivalence.rows import Row
 
 
@@ -25,7 +26,8 @@ def write_junit(path: Path, rows: list[Row], suite: str = "mla-verify", replays:
         bad = [r for r in rs if not r.passed]
         if bad:
             first = next((r for r in bad if r.case_id in replays), bad[0])
-            msg = f"{len(bad)} failing rows; first: case {first.case_id} seed {first.seed} {first.tensor}: {first.reason}"
+            msg = (f"{len(bad)} failing rows; first: case {first.case_id} seed {first.seed} "
+                   + line(first.tensor, first.gate_metric, first.value, first.bound, first.reason))
             if first.case_id in replays:
                 msg += f"; replay: {replays[first.case_id]}"
             lines.append(f"    <failure message={quoteattr(msg)}>{escape(msg)}</failure>")

@@ -5,8 +5,8 @@ one or more implementations, each registered with a priority: the lower, the mor
 (`FLASH_MLA` < `TRITON` < `EAGER`), and two implementations of one stage may not share one, so
 the preference order is the priorities' and never the order modules happen to be imported in.
 Each implementation also says which devices it runs on, whether it can run here (flash_mla needs
-its wheel and an SM90/SM100 GPU), and which documented deviations from the exact contract it has
-(their bounds live in `equivalence.policy`).
+its wheel and an SM90/SM100 GPU), which documented deviations from the exact contract it has
+(their bounds live in `equivalence.policy`), and what a CUDA graph captures of it (`graph`).
 
 The default on a device is the first implementation that runs there natively: one that runs only
 under an interpreter (our Triton kernels on CPU, `TRITON_INTERPRET=1`, 10-1000x slower than the
@@ -41,6 +41,10 @@ class Implementation:
     doc: str = ""
     interpreted_on: frozenset[str] = frozenset()  # devices where it runs only under an interpreter
     priority: int = EAGER  # lower is preferred; unique within a stage
+    # What serving captures in a CUDA graph: the kernel without its host-side input checks (they
+    # read the inputs on the host, so they run before capture); None: not a graph kernel (the
+    # eager torch-fp32 ones index with boolean masks, a host sync each).
+    graph: Callable | None = field(default=None, compare=False)
 
     def why_not(self, device: str) -> str | None:
         if device not in self.devices:
@@ -64,6 +68,7 @@ def register(
     deviations: Iterable[str] = (),
     doc: str = "",
     interpreted_on: Iterable[str] = (),
+    graph: Callable | None = None,
 ) -> Callable[[Callable], Callable]:
     """Decorator: add `fn` as implementation `name` of `stage`, ranked by `priority` (lower is
     preferred); a name or a priority the stage already has is refused."""
@@ -79,6 +84,7 @@ def register(
             doc=doc or (fn.__doc__ or "").strip().split("\n")[0],
             interpreted_on=frozenset(interpreted_on),
             priority=priority,
+            graph=graph,
         )
         impls = _REGISTRY.setdefault(stage, [])
         for other in impls:

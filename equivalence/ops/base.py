@@ -70,6 +70,9 @@ class OpSpec:
     call: Callable[[Any, dict[str, Any], Any], ImplOutput]         # (Subject, kwargs, params)
     checks: tuple[Check, ...]
     knobs: Callable[[Any], dict[str, Any]] = field(default=lambda p: {})
+    # (kwargs, tensor, impl's, reference's) -> where a NaN the reference lacks came from, or "":
+    # the inputs' own account of a failure (which entry past a token's length a kernel read)
+    explain_nan: Callable[[dict, str, torch.Tensor, torch.Tensor], str] | None = None
     path: Callable[[Any], str] | None = None
     doc: str = ""
     # Runs its implementation in processes of its own, each isolated already: never inside an
@@ -163,6 +166,7 @@ class OpSpec:
         kwargs = self.inputs(params, case.seed, device)
         ref, t_ref = timed(lambda: self.reference(kwargs, params), device)
         inputs = Snapshot(kwargs)
+        answer = Snapshot(ref, "the reference's answer", apart_from=inputs)
         try:
             got, t_impl = call_implementation(lambda: self.call(subject, kwargs, params), case.seed, device, on_call)
         except Raised as raised:  # the implementation's failure is the case's result, not ours
@@ -171,6 +175,9 @@ class OpSpec:
             notes.update(got.notes)
         base = {**base, "path": got.path or base["path"], "stages": got.stages}
         times = dict(time_ref_s=t_ref, time_impl_s=t_impl)
+        touched = answer.changed()
+        if touched:  # every verdict below would compare against what the implementation wrote
+            return [failure_row(base, "*", "contract", touched[0][1], **times)]
         rows = input_rows(base, inputs, self.writes, **times)
         for check in self.checks:
             if check.tensor not in ref or (check.optional and check.tensor not in got.tensors):
@@ -185,7 +192,8 @@ class OpSpec:
                                      # rank answers come back through the host
                                      device=None if self.own_processes else str(want.device),
                                      contiguous=check.contiguous)
-            problem = problem or (None if self.views else inputs.aliased_by(check.tensor, out))
+            problem = (problem or (None if self.views else inputs.aliased_by(check.tensor, out))
+                       or answer.aliased_by(check.tensor, out))
             if problem:
                 rows.append(failure_row(base, check.tensor, "contract", problem, kind=check.row_kind or check.kind,
                                         **times))
@@ -193,6 +201,8 @@ class OpSpec:
             scale = ref.get(check.scale) if check.scale else None
             numerics = params.numerics()
             v = judge(check.kind, out, want, numerics.replace(dcp_size=1) if check.single_rank else numerics,
-                      got.deviations, scale, check.bounds_in(ref))
+                      got.deviations, scale, check.bounds_in(ref), name=check.tensor)
+            if v.metrics.nan_count and self.explain_nan is not None:
+                v.reason = "; ".join(filter(None, (v.reason, self.explain_nan(kwargs, check.tensor, out, want))))
             rows.append(judged_row(base, check.tensor, check.row_kind or check.kind, v, **times))
         return rows

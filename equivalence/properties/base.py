@@ -28,6 +28,7 @@ from .. import cost, metrics as M
 from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, guarded
+from ..mismatch import Compared
 from ..oracle import measure, verdict
 from ..policy import EXACT, property_bounds
 from ..profiles import Profile
@@ -121,7 +122,7 @@ class PropertySpec:
 
     def validate(self, params: Mapping) -> None:
         target = params.get("target")
-        if target not in self.targets:
+        if not isinstance(target, str) or target not in self.targets:
             raise ValueError(f"{self.name}: target {target!r} is not one of {', '.join(self.targets)}")
         self.params_class(target).parse(self.name, params)
 
@@ -216,5 +217,6 @@ class PropertySpec:
             if kind != EXACT:
                 m.mismatch_frac = M.exact(got, want).mismatch_frac if got.dtype == want.dtype else math.nan
             rows.append(judged_row(base, f"{c.check}.{c.tensor}", "exact" if kind == EXACT else c.tensor,
-                                   verdict(kind, m, bounds, deviation), time_impl_s=t_impl))
+                                   verdict(kind, m, bounds, deviation, Compared(c.tensor, got, want, c.scale)),
+                                   time_impl_s=t_impl))
         return rows
