@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from mla_verify.equivalence.isolation import HarnessError
+from mla_verify.equivalence.running import Unsupported, unsupported
 from mla_verify.equivalence.subject import UsageError
 
 from .interrupt import Interrupt
@@ -43,8 +44,8 @@ DEFAULT_TIMEOUT_S = 300.0
 # here in this process: "mla_verify.api:local.NAME" resolves like any MODULE:CALLABLE.
 local = types.SimpleNamespace()
 
-__all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "assert_equivalent", "check", "drift",
-           "property_check", "replay"]
+__all__ = ["CheckResult", "Failure", "HarnessError", "Unsupported", "UsageError", "assert_equivalent", "check",
+           "drift", "property_check", "replay", "unsupported"]
 
 # ----------------------------------------------------------------------------- inputs
 
@@ -216,13 +217,15 @@ def check(
     from mla_verify.equivalence.profiles import get_profile
     from mla_verify.fuzz.campaign import new_seed
 
-    from .pytest_plugin import DEFAULTS
+    from .pytest_plugin import DEFAULTS, default_device
     from .rundir import RunDir
 
     # Inside pytest, --mla-verify-profile/-examples/-device fill what the test left unset.
+    __tracebackhide__ = True  # a pytest failure ends at the test's call
     examples = DEFAULTS.get("examples") if examples is None else examples
     profile = DEFAULTS.get("profile") if profile is None else profile
-    device = resolve_device(DEFAULTS.get("device") if device is None else device)
+    seed = DEFAULTS.get("seed") if seed is None else seed
+    device = resolve_device(default_device(device))
     device_type = device.split(":")[0]
     if baseline is not None:
         again = _rerun_settings(baseline, op)
@@ -445,10 +448,12 @@ def _campaign(plan: _Plan) -> CheckResult:
     from mla_verify.fuzz.campaign import fuzz
     from mla_verify.reports import rows_frame
 
+    from .pytest_plugin import DEFAULTS
+
     plan.run_id = f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}"
     meta = plan.meta()
     run_dir = plan.run_dir
-    out_dir = run_dir.path if run_dir else Path(tempfile.gettempdir()) / "mla-verify"
+    out_dir = run_dir.path if run_dir else Path(DEFAULTS.get("failures") or Path(tempfile.gettempdir()) / "mla-verify")
     if run_dir:
         run_dir.start(meta)
     rows: list = []
@@ -519,6 +524,7 @@ def _campaign(plan: _Plan) -> CheckResult:
 def assert_equivalent(op: str, impl: Impl = None, **kwargs: Any) -> CheckResult:
     """`check(op, impl, **kwargs)`; on a failure, AssertionError with what the CLI prints (the
     minimized case, failing metric and bound, case file, `mla-verify replay ...`)."""
+    __tracebackhide__ = True  # a pytest failure ends at the test's call, not here
     result = check(op, impl, **kwargs)
     if result.interrupted:
         raise KeyboardInterrupt(result.report())
@@ -530,6 +536,7 @@ def assert_equivalent(op: str, impl: Impl = None, **kwargs: Any) -> CheckResult:
 def property_check(name: str, impl: Impl = None, **kwargs: Any) -> CheckResult:
     """`check` of property `name` ("split_invariance" or "property:split_invariance"): the
     implementation held to itself, no reference (`mla-verify list` names each property)."""
+    __tracebackhide__ = True
     return check(name if name.startswith("property:") else f"property:{name}", impl, **kwargs)
 
 
@@ -561,9 +568,10 @@ def replay(
     from mla_verify.fuzz import casefile
     from mla_verify.reports import rows_frame
 
-    from .pytest_plugin import DEFAULTS
+    from .pytest_plugin import default_device
 
-    device = resolve_device(DEFAULTS.get("device") if device is None else device)
+    __tracebackhide__ = True
+    device = resolve_device(default_device(device))
     device_type = device.split(":")[0]
     _positive("timeout", timeout, float)
     try:
