@@ -213,3 +213,15 @@ def pipeline_subject(op: str, specs: Sequence[str], device: str, deviations: Seq
         return Subject(wholes[0], whole, {}, own, tuple(specs), tuple(deviations))
     label = f"pipeline[{','.join(specs)}]" if specs else "pipeline"
     return Subject(label, None, overrides, (), tuple(specs), tuple(deviations))
+
+
+def unexercised(specs: Sequence[str], called: dict[str, set[str]]) -> list[str]:
+    """For each stage an --impl STAGE=... replaced, the keywords of its contract no call passed
+    (`called`: stage -> keywords passed): what a pipeline or property pass of it does not cover."""
+    notes = []
+    for stage in dict.fromkeys(s.split("=", 1)[0] for s in specs if "=" in s):
+        if stage not in called:
+            notes.append(f"{stage}: never called by these cases")
+        elif missing := [a for a in stage_arguments(stage) if a not in called[stage]]:
+            notes.append(f"{stage}: no case passed it {', '.join(missing)} (check({stage!r}, ...) exercises them)")
+    return notes

@@ -443,8 +443,9 @@ def _campaign(plan: _Plan) -> CheckResult:
     """One campaign in this process (its cases isolated or not), written to the run directory."""
     import time
 
-    from mla_verify.equivalence import distributed
+    from mla_verify.equivalence import contract, distributed
     from mla_verify.equivalence.isolation import HarnessError, Worker
+    from mla_verify.equivalence.subject import unexercised
     from mla_verify.fuzz.campaign import fuzz
     from mla_verify.reports import rows_frame
 
@@ -486,6 +487,7 @@ def _campaign(plan: _Plan) -> CheckResult:
         lambda case, source: run_dir.case_started(case, source, run_id=plan.run_id, impl=plan.label, specs=plan.specs,
                                                   device=plan.device, deviations=plan.deviations))
 
+    contract.CALLED_WITH.clear()
     try:
         with interrupt.installed():
             fz = fuzz(plan.op, run, profile=plan.profile, examples=plan.examples, seed=plan.seed,
@@ -514,6 +516,8 @@ def _campaign(plan: _Plan) -> CheckResult:
                                                   plan.isolate, plan.conventions),
                                    found_at=fz.first_failure_at, seed=plan.seed, flaky=fz.flaky, minimized=fz.shrunk))
     extra = sorted(notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
+    if worker is None:  # the calls were made here: what the replaced stages were never handed
+        extra += unexercised(plan.specs, contract.CALLED_WITH)
     if plan.world_size:
         extra += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]
     return CheckResult(plan.op, plan.label, not failures and fz.stopped != "interrupted" and bool(frame.passed.all()),

@@ -77,3 +77,13 @@ def test_junit_replay_commands_come_from_the_saved_case_files(tmp_path):
     replays = saved_replays(tmp_path)
     assert replays[case.case_id] == f"mla-verify replay {mine} --impl tests.zoo.formats:divisor_224 --device cpu"
     assert replays[Case(case.op, case.params, 4).case_id] == f"mla-verify replay {ours} --device cpu"
+
+
+def test_a_pipeline_pass_says_which_keywords_of_a_replaced_stage_it_never_passed():
+    """forward_mqa never hands sparse_prefill an attention sink: a pass there says so (issue 29)."""
+    result = mla_verify.check("forward_mqa", {"sparse_prefill": "torch-fp32"}, path="bf16", examples=2, seed=1,
+                              device="cpu", profile="ci")
+    assert result.passed
+    assert "sparse_prefill: no case passed it attn_sink (check('sparse_prefill', ...) exercises them)" in result.notes
+    assert not [n for n in mla_verify.check("sparse_prefill", "torch-fp32", examples=2, seed=1, device="cpu",
+                                            profile="ci").notes if "no case passed it" in n]
