@@ -197,6 +197,26 @@ def test_list_op_prints_the_call_with_shapes_dtypes_returns_and_bounds(capsys):
     assert "torch-fp32" in text  # the implementations here
 
 
+@pytest.mark.parametrize("op", ["sparse_prefill", "sparse_decode_fp8", "forward_mqa", "dcp_merge"])
+def test_list_op_shows_one_case_whose_sizes_are_its_tensors(capsys, op):
+    """Issue 29: the header said tokens=3, heads=8 while topk_length was int32[tokens=4] and
+    attn_sink float32[heads=16] (borrowed from another pinned case)."""
+    code, text = run(capsys, "list", "--device", "cpu", "--op", op)
+    assert code == 0
+    header = text.split("shapes and dtypes of a pinned case (")[1].split("):")[0]
+    declared = dict(re.findall(r"(\w+)=(\d+)\b", header))
+    for name, size in re.findall(r"\[?(\w+)=(\d+)[,\]]", text.split("  call: impl(")[1]):
+        if name in declared:
+            assert declared[name] == size, (name, size, header)
+
+
+def test_list_op_labels_each_bound_with_its_tensor_and_says_when_one_scales(capsys):
+    code, text = run(capsys, "list", "--device", "cpu", "--op", "sparse_prefill")
+    assert "      max_logits (the lse bounds): lse_fp32_units <= 64" in text
+    assert "\n      lse: lse_fp32_units" in text and "\n      out: bf16_units" in text
+    assert re.search(r"abs_mean_err <= max\(0\.001, 5 \* 2\^-9 / sqrt\(rows\)\)\s+= [\d.]+ at its \d+ rows", text)
+
+
 def test_list_op_shows_every_keyword_each_op_receives(capsys):
     from mla_verify.equivalence.catalog import specs
 
