@@ -143,6 +143,9 @@ _LIBRARIES: tuple[tuple[str, Any], ...] = (
     ("builtins", builtins), ("operator", operator),
 )
 _MISSING = object()
+# What Python itself adds to a class on first use: pickling caches its slot names there (the
+# DCP op pickles its params for the rank processes), which is not an implementation's patch.
+_CACHES = frozenset({"__slotnames__"})
 _namespaces: dict[int, list[tuple[str, Any, bool]]] = {}
 
 
@@ -187,7 +190,7 @@ class JudgeFunctions:
                     patched.append(f"{name}.{k}")
                     setattr(ns, k, v)
             if is_class:
-                for k in [k for k in now if k not in before]:
+                for k in [k for k in now if k not in before and k not in _CACHES]:
                     patched.append(f"{name}.{k}")
                     delattr(ns, k)
         return patched

@@ -87,3 +87,20 @@ def test_a_pipeline_pass_says_which_keywords_of_a_replaced_stage_it_never_passed
     assert "sparse_prefill: no case passed it attn_sink (check('sparse_prefill', ...) exercises them)" in result.notes
     assert not [n for n in mla_verify.check("sparse_prefill", "torch-fp32", examples=2, seed=1, device="cpu",
                                             profile="ci").notes if "no case passed it" in n]
+
+
+def test_pickling_a_params_class_is_not_a_patch_of_the_judge():
+    """The gate's dcp op failed every run with "replaced ...DcpParams.__slotnames__": pickling the
+    params for the rank processes caches the class's slot names, which is Python, not the kernel."""
+    import copyreg
+
+    from mla_verify.equivalence.guards import JudgeFunctions
+    from mla_verify.equivalence.params import DcpParams
+
+    if "__slotnames__" in DcpParams.__dict__:
+        delattr(DcpParams, "__slotnames__")
+    saved = JudgeFunctions.now()
+    copyreg._slotnames(DcpParams)  # what pickle.dumps of an instance does first
+    assert saved.restore() == []
+    DcpParams.evil = 1
+    assert saved.restore() == ["mla_verify.equivalence.params.DcpParams.evil"] and not hasattr(DcpParams, "evil")
