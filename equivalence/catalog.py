@@ -15,7 +15,7 @@ from .case import Case
 from .rows import Row
 from .produced import Produced
 from .spec import SPECS, Spec
-from .subject import Subject, UsageError, check_declared
+from .subject import Subject, UsageError, check_declared, did_you_mean
 
 
 def _load() -> None:
@@ -47,7 +47,7 @@ def select(requested: Sequence[str]) -> list[str]:
 
 def get_spec(name: str) -> Spec:
     if name not in SPECS:
-        raise KeyError(f"unknown op {name!r}; known: {', '.join(names())}")
+        raise KeyError(f"unknown op {name!r}; {did_you_mean(name, names())}known: {', '.join(names())}")
     return SPECS[name].spec
 
 

@@ -12,6 +12,7 @@ one-line reason naming the tensor, never a traceback.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -205,6 +206,11 @@ def _outputs(result: Any) -> Iterator[tuple[str, torch.Tensor]]:
         yield "output", result
 
 
+# The keywords (passed, not None) each stage was called with in this process: what a pipeline or
+# property campaign exercised of a stage a user replaced (`subject.unexercised`).
+CALLED_WITH: dict[str, set[str]] = collections.defaultdict(set)
+
+
 def guard(stage: str, name: str, fn: Callable, writes: Collection[str] = (), views: bool = False) -> Callable:
     """`fn` (implementation `name` of `stage`) with its inputs snapshotted and compared after the
     call, its outputs checked for being plain dense tensors that alias no input, and handed on as
@@ -215,6 +221,7 @@ def guard(stage: str, name: str, fn: Callable, writes: Collection[str] = (), vie
     @functools.wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
         saved = Snapshot({**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs})
+        CALLED_WITH[stage].update(k for k, v in kwargs.items() if v is not None)
         result = fn(*args, **kwargs)
         problems = [reason for _, reason in saved.changed(writes)]
         problems += [p for out_name, t in _outputs(result) if (p := foreign(out_name, t))]

@@ -136,6 +136,7 @@ def run_gate(
 
             watch = None if started is None else (
                 lambda case, source, label=label, specs=specs: started(case, source, impl=label, specs=specs))
+            t0 = time.monotonic()  # a campaign's seconds include the corpus cases run before it
             pinned_rows = []
             for case, _why in pinned:
                 if stop_reason():
@@ -151,7 +152,6 @@ def run_gate(
             for path in spec.campaigns(subject):
                 if stop_reason():
                     return result
-                t0 = time.monotonic()
                 fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, impl_label=label,
                           device=device, out_dir=out_dir, show_progress=False, path=path,
                           world_size=world_size, journal=journal, stop_reason=stop_reason, started=watch)
@@ -162,6 +162,7 @@ def run_gate(
                 log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases "
                           f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
                 log.flush()
+                t0 = time.monotonic()
     finally:
         if worker is not None:
             worker.close()

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from mla_verify.equivalence.isolation import HarnessError
+from mla_verify.equivalence.running import Unsupported, unsupported
 from mla_verify.equivalence.subject import UsageError
 
 from .interrupt import Interrupt
@@ -43,8 +44,8 @@ DEFAULT_TIMEOUT_S = 300.0
 # here in this process: "mla_verify.api:local.NAME" resolves like any MODULE:CALLABLE.
 local = types.SimpleNamespace()
 
-__all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "assert_equivalent", "check", "drift",
-           "property_check", "replay"]
+__all__ = ["CheckResult", "Failure", "HarnessError", "Unsupported", "UsageError", "assert_equivalent", "check",
+           "drift", "property_check", "replay", "unsupported"]
 
 # ----------------------------------------------------------------------------- inputs
 
@@ -216,13 +217,15 @@ def check(
     from mla_verify.equivalence.profiles import get_profile
     from mla_verify.fuzz.campaign import new_seed
 
-    from .pytest_plugin import DEFAULTS
+    from .pytest_plugin import DEFAULTS, default_device
     from .rundir import RunDir
 
     # Inside pytest, --mla-verify-profile/-examples/-device fill what the test left unset.
+    __tracebackhide__ = True  # a pytest failure ends at the test's call
     examples = DEFAULTS.get("examples") if examples is None else examples
     profile = DEFAULTS.get("profile") if profile is None else profile
-    device = resolve_device(DEFAULTS.get("device") if device is None else device)
+    seed = DEFAULTS.get("seed") if seed is None else seed
+    device = resolve_device(default_device(device))
     device_type = device.split(":")[0]
     if baseline is not None:
         again = _rerun_settings(baseline, op)
@@ -290,7 +293,8 @@ def check(
 
         from .junit import write_junit
 
-        write_junit(junit_path, [Row.from_record(r) for r in result.rows.to_dict("records")])
+        replays = {result.failure.case.case_id: result.failure.replay_command} if result.failure else {}
+        write_junit(junit_path, [Row.from_record(r) for r in result.rows.to_dict("records")], replays=replays)
     return result
 
 
@@ -439,15 +443,18 @@ def _campaign(plan: _Plan) -> CheckResult:
     """One campaign in this process (its cases isolated or not), written to the run directory."""
     import time
 
-    from mla_verify.equivalence import distributed
+    from mla_verify.equivalence import contract, distributed
     from mla_verify.equivalence.isolation import HarnessError, Worker
+    from mla_verify.equivalence.subject import unexercised
     from mla_verify.fuzz.campaign import fuzz
     from mla_verify.reports import rows_frame
+
+    from .pytest_plugin import DEFAULTS
 
     plan.run_id = f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}"
     meta = plan.meta()
     run_dir = plan.run_dir
-    out_dir = run_dir.path if run_dir else Path(tempfile.gettempdir()) / "mla-verify"
+    out_dir = run_dir.path if run_dir else Path(DEFAULTS.get("failures") or Path(tempfile.gettempdir()) / "mla-verify")
     if run_dir:
         run_dir.start(meta)
     rows: list = []
@@ -480,6 +487,7 @@ def _campaign(plan: _Plan) -> CheckResult:
         lambda case, source: run_dir.case_started(case, source, run_id=plan.run_id, impl=plan.label, specs=plan.specs,
                                                   device=plan.device, deviations=plan.deviations))
 
+    contract.CALLED_WITH.clear()
     try:
         with interrupt.installed():
             fz = fuzz(plan.op, run, profile=plan.profile, examples=plan.examples, seed=plan.seed,
@@ -508,6 +516,8 @@ def _campaign(plan: _Plan) -> CheckResult:
                                                   plan.isolate, plan.conventions),
                                    found_at=fz.first_failure_at, seed=plan.seed, flaky=fz.flaky, minimized=fz.shrunk))
     extra = sorted(notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
+    if worker is None:  # the calls were made here: what the replaced stages were never handed
+        extra += unexercised(plan.specs, contract.CALLED_WITH)
     if plan.world_size:
         extra += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]
     return CheckResult(plan.op, plan.label, not failures and fz.stopped != "interrupted" and bool(frame.passed.all()),
@@ -518,6 +528,7 @@ def _campaign(plan: _Plan) -> CheckResult:
 def assert_equivalent(op: str, impl: Impl = None, **kwargs: Any) -> CheckResult:
     """`check(op, impl, **kwargs)`; on a failure, AssertionError with what the CLI prints (the
     minimized case, failing metric and bound, case file, `mla-verify replay ...`)."""
+    __tracebackhide__ = True  # a pytest failure ends at the test's call, not here
     result = check(op, impl, **kwargs)
     if result.interrupted:
         raise KeyboardInterrupt(result.report())
@@ -529,6 +540,7 @@ def assert_equivalent(op: str, impl: Impl = None, **kwargs: Any) -> CheckResult:
 def property_check(name: str, impl: Impl = None, **kwargs: Any) -> CheckResult:
     """`check` of property `name` ("split_invariance" or "property:split_invariance"): the
     implementation held to itself, no reference (`mla-verify list` names each property)."""
+    __tracebackhide__ = True
     return check(name if name.startswith("property:") else f"property:{name}", impl, **kwargs)
 
 
@@ -560,9 +572,10 @@ def replay(
     from mla_verify.fuzz import casefile
     from mla_verify.reports import rows_frame
 
-    from .pytest_plugin import DEFAULTS
+    from .pytest_plugin import default_device
 
-    device = resolve_device(DEFAULTS.get("device") if device is None else device)
+    __tracebackhide__ = True
+    device = resolve_device(default_device(device))
     device_type = device.split(":")[0]
     _positive("timeout", timeout, float)
     try:

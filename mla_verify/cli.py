@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
          ("mla-verify gate --device cpu", "the CI gate: every op and path, every implementation available here")])
         + "\n\n" + textwrap.fill("`mla-verify COMMAND --help` explains each command. From Python or pytest: "
                                  "`import mla_verify` (check, assert_equivalent, replay, property_check).", 98))
+    from mla_verify import _version
+
+    parser.add_argument("--version", action="version", version=f"mla-verify {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = _command(sub, "list", "ops, their keywords, implementations here, tolerances and deviations",
@@ -370,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ[MEMORY_ENV] = str(args.reference_memory)  # read by the reference here and in every child process
     from mla_verify.equivalence.isolation import HarnessError
-    from mla_verify.equivalence.subject import UsageError
+    from mla_verify.equivalence.subject import UsageError, did_you_mean
     from mla_verify.reports.pairing import PairingError
 
     try:
@@ -397,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_list(args, device: str) -> int:
     from mla_verify import describe
     from mla_verify.equivalence import catalog
-    from mla_verify.equivalence.subject import UsageError
+    from mla_verify.equivalence.subject import UsageError, did_you_mean
     from mla_verify.optimized import registry
 
     def wrapped(text: str, first: str = "  ", rest: str = "    ") -> str:
@@ -406,7 +409,7 @@ def cmd_list(args, device: str) -> int:
 
     known = catalog.names()
     if args.op is not None and args.op not in known:
-        raise UsageError(f"--op {args.op!r}: unknown; known: {', '.join(known)}")
+        raise UsageError(f"--op {args.op!r}: unknown; {did_you_mean(args.op, known)}known: {', '.join(known)}")
     print(f"device: {device}")
     if args.op is not None:
         spec = catalog.get_spec(args.op)
@@ -483,7 +486,7 @@ def _profile(name: str | None, device: str, default_cpu: str):
     try:
         return get_profile(name or (default_cpu if device == "cpu" else "gpu"))
     except KeyError as exc:
-        from mla_verify.equivalence.subject import UsageError
+        from mla_verify.equivalence.subject import UsageError, did_you_mean
 
         raise UsageError(str(exc.args[0])) from None
 
@@ -536,12 +539,12 @@ def cmd_replay(args, device: str) -> int:
 
 def _gate_ops(ops: list[str] | None) -> None:
     from mla_verify.equivalence import catalog
-    from mla_verify.equivalence.subject import UsageError
+    from mla_verify.equivalence.subject import UsageError, did_you_mean
 
     known = [*catalog.names(), "property"]
     unknown = [op for op in ops or [] if op not in known]
     if unknown:
-        raise UsageError(f"--op {unknown[0]!r}: unknown; known: {', '.join(known)}")
+        raise UsageError(f"--op {unknown[0]!r}: unknown; {did_you_mean(unknown[0], known)}known: {', '.join(known)}")
 
 
 def cmd_gate(args, device: str) -> int:
@@ -624,9 +627,9 @@ def _finish_gate(args, out: Path, rows, failed: bool, started: float) -> int:
     from mla_verify import api, reports
 
     if args.junit:
-        from .junit import write_junit
+        from .junit import saved_replays, write_junit
 
-        write_junit(args.junit, rows)
+        write_junit(args.junit, rows, replays=saved_replays(out / "failures"))
     code = reports.run_report(out, baseline=args.baseline, save_case=api.save_worst_case, **_drift_settings(args))
     print(f"gate {'FAILED' if failed else 'passed'}: {len(rows)} rows in {time.time() - started:.0f} s; "
           f"report {out / 'report.html'}")
