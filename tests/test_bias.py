@@ -158,3 +158,23 @@ def test_a_single_run_warns_of_bias_and_still_passes(twin, tmp_path, capsys):
     assert frame[["gain", "gain_se", "bias_units"]].notna().any().all()   # stored in the run's rows
     table = bias(frame).table
     assert set(table.loc[table["finding"] == BIASED, "metric"]) == {"gain"}
+
+
+def test_the_gpu_lanes_bias_table_runs_on_cpu(tmp_path, capsys):
+    """scripts/bias_gpu.py (`scripts/gpu_lane.sh bias`) on CPU: the implementations here, one table."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        import bias_gpu
+    finally:
+        sys.path.pop(0)
+    assert bias_gpu.main(["--device", "cpu", "--op", "sparse_prefill", "--impl", "torch-fp32", "--impl", "triton",
+                          "--examples", "6", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "bias.md").read_text()
+    assert table in capsys.readouterr().out                                   # printed, and written
+    lines = table.splitlines()
+    assert lines[2].startswith("| op | implementation | deviation | cases | out gain |")
+    assert sum(ln.startswith("| sparse_prefill | ") for ln in lines) == 2 + 3   # two kernels; triton's 3 paired metrics
+    assert "| sparse_prefill | triton | - | out | gain | 6 | " in table
