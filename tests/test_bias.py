@@ -176,5 +176,5 @@ def test_the_gpu_lanes_bias_table_runs_on_cpu(tmp_path, capsys):
     assert table in capsys.readouterr().out                                   # printed, and written
     lines = table.splitlines()
     assert lines[2].startswith("| op | implementation | deviation | cases | out gain |")
-    assert sum(ln.startswith("| sparse_prefill | ") for ln in lines) == 2 + 3   # two kernels; triton's 3 paired metrics
+    assert sum(ln.startswith("| sparse_prefill | ") for ln in lines) == 2 + 4   # two kernels; triton paired on out gain and bias_units, lse and max_logits bias_units
     assert "| sparse_prefill | triton | - | out | gain | 6 | " in table
