@@ -10,7 +10,7 @@ import importlib
 import pkgutil
 from typing import Any, Callable, Mapping, Sequence
 
-from . import ops, properties
+from . import conventions as conventions_, ops, properties
 from .case import Case
 from .rows import Row
 from .spec import SPECS, Spec
@@ -50,18 +50,29 @@ def get_spec(name: str) -> Spec:
     return SPECS[name].spec
 
 
-def resolve_subject(op: str, specs: Sequence[str], device: str, deviations: Sequence[str] = ()) -> Subject:
+def resolve_subject(op: str, specs: Sequence[str], device: str, deviations: Sequence[str] = (),
+                    conventions: Sequence[str] | Mapping[str, Any] | None = ()) -> Subject:
     """The --impl strings for `op` as a Subject; none: the project's implementation (for a property,
     the registry's preferred implementation of every stage, labelled "preferred").
 
     `deviations` (`--deviation`) are declared for the user's callables among `specs`, on top of
-    what each declares itself; naming one without a user's callable is a usage error."""
+    what each declares itself; naming one without a user's callable is a usage error.
+    `conventions` (`--convention KEY=VALUE`, equivalence.conventions) convert what the user's
+    callables that return an LSE return into the reference's conventions."""
     check_declared(specs, deviations)
     try:
         spec = get_spec(op)
     except KeyError as exc:
         raise UsageError(str(exc.args[0])) from None
-    return spec.subject(tuple(specs), device, tuple(deviations))
+    try:
+        declared = conventions_.parse(conventions)
+    except ValueError as exc:
+        raise UsageError(f"--convention: {exc}") from None
+    subject = spec.subject(tuple(specs), device, tuple(deviations))
+    try:
+        return conventions_.apply(subject, op, declared)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def evaluate(case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",

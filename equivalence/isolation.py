@@ -75,7 +75,7 @@ def _serve(conn, device: str) -> None:
         msg = conn.recv()
         if msg is None:
             return
-        case_dict, specs, deviations, run_id, source = msg
+        case_dict, specs, deviations, conventions, run_id, source = msg
         case = Case.from_dict(case_dict)
         called = []
 
@@ -85,9 +85,10 @@ def _serve(conn, device: str) -> None:
 
         notes: set[str] = set()
         try:
-            key = (case.op, tuple(specs), tuple(deviations))
+            key = (case.op, tuple(specs), tuple(deviations), tuple(conventions))
             if key not in subjects:
-                subjects[key] = resolve_subject(case.op, specs, device.split(":")[0], deviations=deviations)
+                subjects[key] = resolve_subject(case.op, specs, device.split(":")[0], deviations=deviations,
+                                                conventions=conventions)
             rows = evaluate(case, subjects[key], device, run_id=run_id, source=source, notes=notes, on_call=on_call)
         except Exception as exc:
             if called and (is_device_error(exc) or not usable(device)):
@@ -193,7 +194,7 @@ class Worker:
 
     def run(
         self, case: Case, specs: Sequence[str], label: str, run_id: str = "", source: str = "fuzz",
-        notes: set[str] | None = None, deviations: Sequence[str] = (),
+        notes: set[str] | None = None, deviations: Sequence[str] = (), conventions: Sequence[str] = (),
     ) -> list[Row]:
         """The case's rows, or a single failure row ("crashed" / "hung") when the worker died or
         did not answer in time. Raises HarnessError for a failure of the harness itself."""
@@ -203,7 +204,7 @@ class Worker:
         base = dict(run_id=run_id, case_id=case.case_id, impl=label, stages="", device=self.device,
                     seed=case.seed, source=source, **get_spec(case.op).identity(case))
         try:
-            p.conn.send((case.to_dict(), list(specs), list(deviations), run_id, source))
+            p.conn.send((case.to_dict(), list(specs), list(deviations), list(conventions), run_id, source))
         except (BrokenPipeError, OSError):
             self._retire()
             return [failure_row(base, "*", "crashed", "the worker process died between cases")]

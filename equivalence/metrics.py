@@ -208,11 +208,10 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch
     `value_max` (the rows' shape without the last dim) the largest |V| each row averages; `bound`
     (r's shape) the derived per-element bound, for elem_bound_ratio."""
     r = r.double()
-    floor = FP32_TINY if value_max is None else FP32_TINY * value_max.to(r.device).double().clamp(min=1.0)[..., None]
 
     def extra(d, rf, abs_d):
         abs_r = rf.abs()
-        row_scale = abs_r.amax(dim=-1, keepdim=True).mul_(BF16_UNIT).clamp_(min=floor)
+        row_scale = output_row_scale(abs_r, value_max)
         elem, elem_argmax = _row_first(abs_d, row_scale)
         sizable = abs_r >= row_scale  # row_scale > 0: never a zero or a non-finite position
         rounding = torch.sub(rf.to(torch.bfloat16), rf).reshape(-1)
@@ -247,6 +246,18 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch
     return m
 
 
+def output_row_scale(abs_r: torch.Tensor, value_max: torch.Tensor | None = None) -> torch.Tensor:
+    """elem_bf16_units' unit of each row (keepdim): 2**-8 * max |r| over the last dim, at least
+    2**-126 * value_max (`abs_r`: |r|, 0 where not finite)."""
+    floor = FP32_TINY if value_max is None else FP32_TINY * value_max.to(abs_r.device).double().clamp(min=1.0)[..., None]
+    return abs_r.amax(dim=-1, keepdim=True).mul_(BF16_UNIT).clamp_(min=floor)
+
+
+def lse_unit(rf: torch.Tensor, logit_l1: torch.Tensor) -> torch.Tensor:
+    """lse_fp32_units' unit of each element: 2**-24 * (logit_l1 + |r| + 1)."""
+    return FP32_UNIT * (logit_l1.double() + rf.abs() + 1.0)
+
+
 def _row_first(abs_d: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(max |d| / row_scale, its flat position) with one pass over |d|: the scale is per row."""
     if abs_d.numel() == 0:
@@ -263,7 +274,7 @@ def lse(a: torch.Tensor, r: torch.Tensor, logit_l1: torch.Tensor, bound: torch.T
     r = r.double()
 
     def extra(d, rf, abs_d):
-        scale = FP32_UNIT * (logit_l1.double() + rf.abs() + 1.0)
+        scale = lse_unit(rf, logit_l1)
         return {"units": (abs_d / scale).max() if d.numel() else d.sum(), "signed_units": (d / scale).sum(),
                 **_gain_terms(d, rf, rows_last=False), **_bound_ratio(abs_d, bound)}
 

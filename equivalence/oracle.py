@@ -14,6 +14,7 @@ from typing import Iterable, Mapping
 import torch
 
 from . import metrics as M
+from .mismatch import Compared, describe
 from .policy import EXACT, LSE, OUT, Bound, Numerics, bounds_for, limit_for
 
 ELEM_UNITS_FOR_MISMATCH = 4.0  # per-element count reported as mismatch_frac (not gated itself)
@@ -56,16 +57,15 @@ def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, scale: torch.Tenso
     raise ValueError(f"unknown tensor kind {kind!r}")
 
 
-def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str = "") -> Verdict:
-    """The gated metric of `m` with the least headroom under `bounds`, and whether it passes."""
+def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str, compared: Compared) -> Verdict:
+    """The gated metric of `m` with the least headroom under `bounds`, and whether it passes; a
+    failure's reason describes the mismatch (`equivalence.mismatch`) from `compared`, its tensors."""
     if "shape" in m.extra:
         return Verdict(m, False, "shape", 1.0, 0.0, 0.0, deviation, f"shape/dtype mismatch: {m.extra['shape']}")
     if kind != EXACT and (m.nan_count or m.inf_mismatch):
-        what = (f"{m.nan_count} NaN where the reference has none (what a kernel must not read is NaN in "
-                "the inputs: usually such a read)" if m.nan_count
-                else f"{m.inf_mismatch} positions with another +inf/-inf/NaN pattern")
-        return Verdict(m, False, "inf_mismatch" if m.inf_mismatch else "nan_count",
-                       float(m.inf_mismatch or m.nan_count), 0.0, 0.0, deviation, what)
+        metric = "inf_mismatch" if m.inf_mismatch else "nan_count"
+        return Verdict(m, False, metric, float(m.inf_mismatch or m.nan_count), 0.0, 0.0, deviation,
+                       describe(kind, compared, m, bounds, metric))
     worst: tuple[float, Bound, float, float] | None = None
     for b in bounds:
         v, limit = _value(m, b.metric), limit_for(b, m.rows)
@@ -74,12 +74,7 @@ def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str =
             worst = (room, b, v, limit)
     room, bound, value, limit = worst
     passed = value <= limit
-    reason = "" if passed else f"{bound.metric} = {value:.4g} > {limit:.4g} ({bound.reason})"
-    at = {"elem_bf16_units": m.elem_at, ELEM_BOUND: m.extra.get("bound_at", "")}.get(bound.metric, m.max_abs_at)
-    if not passed and at:
-        reason += f"; worst element at [{at}]"
-        if "first_mismatch" in m.extra:
-            reason += f": {m.extra['first_mismatch']}"
+    reason = "" if passed else describe(kind, compared, m, bounds, bound.metric)
     return Verdict(m, passed, bound.metric, value, limit, room, deviation, reason)
 
 
@@ -91,14 +86,17 @@ def judge(
     deviations: Iterable[str] = (),
     scale: torch.Tensor | None = None,
     bound: Mapping[str, torch.Tensor] | None = None,
+    name: str = "",
 ) -> Verdict:
     """`impl` against `ref` as a tensor of `kind`, under the bounds for `case`'s numerics.
 
     `bound`: the reference's derived per-element bounds of this tensor by the deviation they
     allow for ("" none: `equivalence.ops.base.Check.bound`). The elem_bound_ratio bound applies
-    only where the reference derived one for the deviation that set the bounds."""
+    only where the reference derived one for the deviation that set the bounds. `name`: the
+    tensor's (out, lse, max_logits), for the failure's description."""
     bounds, deviation = bounds_for(kind, case, deviations)
     tensor = None if bound is None else bound.get(deviation)
     if tensor is None:
         bounds = tuple(b for b in bounds if b.metric != ELEM_BOUND)
-    return verdict(kind, measure(kind, impl, ref, scale, tensor), bounds, deviation)
+    return verdict(kind, measure(kind, impl, ref, scale, tensor), bounds, deviation,
+                   Compared(name or kind, impl, ref, scale, tensor))

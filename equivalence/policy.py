@@ -328,6 +328,11 @@ PROPERTY_RULES: dict[str, PropertyRule] = {
         True, "every row a kernel reads is a byte copy of the logical row, in the same column order, through "
         "the same kernels with the same split (bf16: HiSparse splits the launch into decode and prefill "
         "tokens, which only a batch-dependent GEMM notices: gemm_batch)"),
+    "cuda_graph.replay": PropertyRule(
+        True, "a replay launches the kernels the eager call launches, on the same bytes copied into the captured "
+        "buffers; FlashMLA and our Triton kernels are deterministic (determinism.rerun)"),
+    "cuda_graph.reference": PropertyRule(
+        False, "each replay against the float64 reference under the op's own bounds (the default and its deviations')"),
     "determinism.rerun": PropertyRule(
         True, "no atomics, fixed reduction orders (FlashMLA prefill and decode measured bitwise on the H200)"),
 }

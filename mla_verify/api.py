@@ -121,7 +121,7 @@ def _label(subject) -> str:
 
 
 def replay_command(case_file: Path | None, specs: Sequence[str], device: str, deviations: Sequence[str] = (),
-                   timeout: float | None = None, isolate: bool = False) -> str:
+                   timeout: float | None = None, isolate: bool = False, conventions: Sequence[str] = ()) -> str:
     """The command that reproduces a saved failure (isolated where the failure was: a hang or a
     crash replayed in-process would hang or kill the replay)."""
     argv = ["mla-verify", "replay", str(case_file) if case_file else "CASE_FILE"]
@@ -129,6 +129,8 @@ def replay_command(case_file: Path | None, specs: Sequence[str], device: str, de
         argv += ["--impl", "MODULE:CALLABLE" if ".api:local." in s else s]
     for d in deviations:
         argv += ["--deviation", d]
+    for c in conventions:
+        argv += ["--convention", c]
     argv += ["--device", device.split(":")[0]]
     if isolate and not device.startswith("cuda"):  # isolated by default on cuda
         argv.append("--isolate")
@@ -167,6 +169,7 @@ def check(
     isolate: bool | None = None,
     timeout: float | None = None,
     deviations: Sequence[str] | None = None,
+    conventions: Sequence[str] | Mapping[str, Any] | None = None,
     path: str | None = None,
     world_size: int | None = None,
     shrink: bool = True,
@@ -194,6 +197,9 @@ def check(
             on for cuda). timeout: seconds the implementation may take per case in the worker
             (default 300; start-up and the reference are not counted).
         deviations: documented deviations (equivalence.policy) the implementation declares.
+        conventions: the implementation's conventions where they are not the reference's
+            (equivalence.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}
+            or ["lse_base=2", ...]; its LSE and max_logits are converted once, as it returns them.
         path: forward_mqa's path, or a property's target. world_size: dcp's rank count (default 2).
         shrink: minimize the first failing case. parallel: independent campaigns, one per GPU
             (default: every GPU on cuda). junit: also write JUnit XML there. log: receives the
@@ -236,7 +242,7 @@ def check(
     world_size = (world_size or spec.ranks[0]) if spec.ranks else None
     specs, named = impl_specs(impl)
     deviations = tuple(deviations or ())
-    subject = resolve_subject(op, specs, device_type, deviations=deviations)
+    subject = resolve_subject(op, specs, device_type, deviations=deviations, conventions=conventions)
     path = spec.path_for(path, subject)
     label = _label(subject)
     try:
@@ -250,12 +256,14 @@ def check(
         raise UsageError("isolate=True needs an implementation importable by MODULE:CALLABLE (a module-level "
                          "function); a lambda, closure or partial runs in this process only")
     isolate = ((device_type == "cuda" if isolate is None else isolate) and named) and not own_processes
+    _timeout_needs_isolation(timeout, isolate or own_processes)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     parts = 1 if world_size or not named else (parallel or (_gpu_count() if device_type == "cuda" else 1))
     junit_path = _writable_file(junit, "--junit") if junit is not None else None
     run_dir = RunDir.open(out) if out is not None else None
     plan = _Plan(op=op, specs=specs, label=label, subject=subject, device=device, profile=prof, examples=examples,
-                 seed=seed, isolate=isolate, timeout=timeout, deviations=deviations, path=path,
+                 seed=seed, isolate=isolate, timeout=timeout, deviations=deviations,
+                 conventions=subject.conventions, path=path,
                  world_size=world_size, shrink=shrink, run_dir=run_dir, named=named)
     if log is not None:
         where = f", run {run_dir.path}" if run_dir else ""
@@ -299,6 +307,7 @@ class _Plan:
     isolate: bool
     timeout: float
     deviations: tuple[str, ...]
+    conventions: tuple[str, ...]
     path: str | None
     world_size: int | None
     shrink: bool
@@ -374,10 +383,21 @@ def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | 
         raise UsageError(str(exc)) from None
 
 
+def _timeout_needs_isolation(timeout: float | None, stoppable: bool) -> None:
+    """A timeout is kept only where the call can be stopped: an isolation worker, or rank processes."""
+    if timeout is not None and not stoppable:
+        raise UsageError("--timeout needs --isolate (the default on cuda; isolate=True): an in-process call cannot "
+                         "be stopped, and a timeout that is not kept would let a hang pass")
+
+
 def _writable_file(path: str | Path, what: str) -> Path:
+    from mla_verify.reports.store import run_file
+
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{what} {path}: a directory, not a file")
+    if run_file(path):
+        raise UsageError(f"{what} {run_file(path)}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -440,7 +460,8 @@ def _campaign(plan: _Plan) -> CheckResult:
     def run(case, source):
         if worker is None:
             return runner(case, source)
-        rows = worker.run(case, plan.specs, plan.label, plan.run_id, source, notes=notes, deviations=plan.deviations)
+        rows = worker.run(case, plan.specs, plan.label, plan.run_id, source, notes=notes, deviations=plan.deviations,
+                          conventions=plan.conventions)
         for r in rows:
             r.impl = plan.label
         return rows
@@ -455,12 +476,17 @@ def _campaign(plan: _Plan) -> CheckResult:
     def stop_reason() -> str:
         return "interrupted" if interrupt.requested else lost[0] if lost else ""
 
+    started = None if run_dir is None else (
+        lambda case, source: run_dir.case_started(case, source, run_id=plan.run_id, impl=plan.label, specs=plan.specs,
+                                                  device=plan.device, deviations=plan.deviations))
+
     try:
         with interrupt.installed():
             fz = fuzz(plan.op, run, profile=plan.profile, examples=plan.examples, seed=plan.seed,
-                      impl_specs=plan.specs, impl_label=plan.label, deviations=plan.deviations, device=plan.device,
+                      impl_specs=plan.specs, impl_label=plan.label, deviations=plan.deviations,
+                      conventions=plan.conventions, device=plan.device,
                       out_dir=out_dir, shrink=plan.shrink, path=plan.path, world_size=plan.world_size,
-                      journal=journal, stop_reason=stop_reason)
+                      journal=journal, stop_reason=stop_reason, started=started)
     except Exception as exc:
         if run_dir:
             detail = exc.detail if isinstance(exc, HarnessError) else traceback.format_exc()
@@ -473,13 +499,13 @@ def _campaign(plan: _Plan) -> CheckResult:
         if worker is not None:
             worker.close()
     if run_dir:
-        run_dir.finish(rows, meta)
+        run_dir.finish(rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
     frame = rows_frame(rows)
     failures = []
     if fz.failure is not None:
         failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
                                    replay_command(fz.case_file, plan.specs, plan.device, plan.deviations, plan.timeout,
-                                                  plan.isolate),
+                                                  plan.isolate, plan.conventions),
                                    found_at=fz.first_failure_at, seed=plan.seed, flaky=fz.flaky, minimized=fz.shrunk))
     extra = sorted(notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
     if plan.world_size:
@@ -517,6 +543,7 @@ def replay(
     isolate: bool | None = None,
     timeout: float | None = None,
     deviations: Sequence[str] | None = None,
+    conventions: Sequence[str] | Mapping[str, Any] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> CheckResult:
     """Re-run a saved case exactly, and compare with the failure saved in it.
@@ -525,7 +552,7 @@ def replay(
     imported. `impl` defaults to the implementation saved with the case when that is a registered
     name; a saved MODULE:CALLABLE must be named again here (it is printed as a hint). `device`
     defaults as in `check` (`--mla-verify-device` inside pytest). `deviations`
-    default to the ones saved with the case. `CheckResult.reproduced` says whether the saved
+    and `conventions` default to the ones saved with the case. `CheckResult.reproduced` says whether the saved
     failure came back (same failing tensors and metrics, values within noise).
     """
     from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
@@ -554,10 +581,12 @@ def replay(
         if cf.impl and tuple(cf.impl) != specs:
             log(f"  (saved with --impl {' '.join(cf.impl)})")
     deviations = tuple(cf.deviations if deviations is None else deviations)
-    subject = resolve_subject(cf.case.op, specs, device_type, deviations=deviations)
+    subject = resolve_subject(cf.case.op, specs, device_type, deviations=deviations,
+                              conventions=cf.conventions if conventions is None else conventions)
     label = _label(subject)
     own_processes = get_spec(cf.case.op).own_processes
     isolate = ((device_type == "cuda" if isolate is None else isolate) and named) and not own_processes
+    _timeout_needs_isolation(timeout, isolate or own_processes)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     log(f"replay {cf.case.short()} on {device} with {label}{', isolated' if isolate else ''}")
     if cf.failure:
@@ -566,14 +595,15 @@ def replay(
     if isolate:
         worker = Worker(device, timeout)
         try:
-            rows = worker.run(cf.case, specs, label, source="replay", deviations=deviations)
+            rows = worker.run(cf.case, specs, label, source="replay", deviations=deviations,
+                              conventions=subject.conventions)
         finally:
             worker.close()
     else:
         rows = evaluate(cf.case, subject, device, source="replay")
     passed = all(r.passed for r in rows)
     reproduced, note = _reproduced(cf.failure, rows)
-    command = replay_command(Path(case_file), specs, device, deviations, timeout, isolate)
+    command = replay_command(Path(case_file), specs, device, deviations, timeout, isolate, subject.conventions)
     failures = [] if passed else [Failure.of(cf.case, rows, Path(case_file), command, flaky=cf.flaky,
                                              minimized=bool(cf.failure))]
     return CheckResult(cf.case.op, label, passed, rows_frame(rows), cf.case.seed, 1, None, failures,

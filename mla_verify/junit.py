@@ -6,6 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from xml.sax.saxutils import quoteattr, escape
 
+from mla_verify.equivalence.mismatch import line
 from mla_verify.equivalence.rows import Row
 
 
@@ -21,7 +22,8 @@ def write_junit(path: Path, rows: list[Row], suite: str = "mla-verify") -> None:
         bad = [r for r in rs if not r.passed]
         if bad:
             first = bad[0]
-            msg = f"{len(bad)} failing rows; first: case {first.case_id} seed {first.seed} {first.tensor}: {first.reason}"
+            msg = (f"{len(bad)} failing rows; first: case {first.case_id} seed {first.seed} "
+                   + line(first.tensor, first.gate_metric, first.value, first.bound, first.reason))
             lines.append(f"    <failure message={quoteattr(msg)}>{escape(msg)}</failure>")
         lines.append("  </testcase>")
     lines.append("</testsuite>")

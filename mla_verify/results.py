@@ -10,8 +10,7 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-# Failing rows with no measured value: their reason says it all.
-_QUIET_METRICS = {"raised", "crashed", "hung", "contract", "input_written", "missing"}
+from mla_verify.equivalence.mismatch import QUIET_METRICS, line
 
 
 @dataclass
@@ -43,11 +42,7 @@ class Failure:
         """The failure as the CLI prints it (after its first line)."""
         what = "minimized case" if self.minimized else "case (as found, not minimized)"
         out = [f"  {what}: {self.case.short()}"]
-        for r in self.rows:
-            if r["gate_metric"] in _QUIET_METRICS:
-                out.append(f"  {r['tensor']}: {r['gate_metric']} -- {r['reason']}")
-            else:
-                out.append(f"  {r['tensor']}: {r['gate_metric']} = {r['value']:.4g}, bound {r['bound']:.4g} -- {r['reason']}")
+        out += [f"  {line(r['tensor'], r['gate_metric'], r['value'], r['bound'], r['reason'])}" for r in self.rows]
         if self.case_file is not None:
             out.append(f"  case saved: {self.case_file}")
         out.append(f"  replay: {self.replay_command}")
@@ -105,6 +100,8 @@ class CheckResult:
             seed = f", seed {f.seed}" if f.seed is not None else ""
             lines.append(f"{kind} in {self.op} ({self.impl}){where}{seed}")
             lines += f.lines()
+        if any(r["gate_metric"] not in QUIET_METRICS for f in self.failures for r in f.rows):
+            lines.append("  (what each bound means and why it is set there: mla-verify list --tolerances --long)")
         if self.interrupted:
             lines.append(f"INTERRUPTED after {self.examples} examples (seed {self.seed}); rows so far in {self.out}"
                          if self.out else f"INTERRUPTED after {self.examples} examples (seed {self.seed})")

@@ -38,7 +38,7 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        """1 when a row failed or drift is flagged, else 0."""
+        """1 when a row failed, the run never finished, or drift is flagged, else 0."""
         return int(not self.counts.passed or (self.drift is not None and self.drift.drifted))
 
     @property

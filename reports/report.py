@@ -20,7 +20,8 @@ from mla_verify.reports.kinds import KEY_METRIC, annotate
 from mla_verify.reports.markdown import render_markdown
 from mla_verify.reports.meta import describe
 from mla_verify.reports.stats import Counts, by_group, by_knob, counts, deviation_groups, failures, run_ids
-from mla_verify.reports.store import load_run
+from mla_verify.equivalence.subject import UsageError
+from mla_verify.reports.store import load_run, run_file
 
 _KNOB_TITLES = {"topk": "topk", "heads": "query heads", "value_regime": "value regime",
                 "seq_bucket": "context length (seq_len bucket)", "dcp_size": "DCP world size"}
@@ -54,7 +55,7 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
     """The report of stored rows (as `load_run` returns them), optionally against a baseline run
     (`reports.drift.compare` with these settings; NothingComparable when nothing pairs)."""
     frame = annotate(rows)
-    report = Report(rows=frame, meta=dict(meta), counts=counts(frame))
+    report = Report(rows=frame, meta=dict(meta), counts=counts(frame, bool(meta.get("incomplete"))))
     fails = failures(frame)
     if not fails.empty:
         report.sections.append(Section(
@@ -128,7 +129,10 @@ def run_report(run_dir: str | Path, baseline: str | Path | None = None,
     directory)` saves the case that drifted most under run_dir/drift/ and returns the command that
     replays it, which the report prints (`mla_verify.api.save_worst_case`; None: nothing saved).
     Returns the exit code: 1 when the run has failures or drift is flagged, else 0
-    (NothingComparable is raised)."""
+    (NothingComparable is raised; UsageError when `html` or `markdown` names a file of a run)."""
+    for target in (html, markdown):
+        if target is not None and (why := run_file(target)):
+            raise UsageError(why)
     rows, meta = load_run(run_dir)
     report = build_report(rows, meta, load_run(baseline) if baseline is not None else None,
                           factor=factor, confidence=confidence, min_cases=min_cases, pairs=pairs)

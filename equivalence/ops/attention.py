@@ -62,6 +62,28 @@ def _prefill_inputs(p: PrefillParams, seed: int, device: str) -> dict:
             "topk_length": None if length is None else length.to(torch.int32), "attn_sink": sink}
 
 
+def _read_past_length(kw: dict, tensor: str, got: torch.Tensor, want: torch.Tensor) -> str:
+    """Where the kernel's NaN comes from when a token's entry past its topk_length points at a
+    poisoned kv row (no valid entry selects it): the token, its drawn length and the first such
+    position, the one a kernel reading past the length reads first."""
+    length, idx, kv = kw["topk_length"], kw["indices"], kw["kv"]
+    if length is None or not kv.shape[0]:
+        return ""
+    nan = (torch.isnan(got.to(want.device)) & ~torch.isnan(want)).reshape(want.shape[0], -1).any(-1)  # [T]
+    poisoned_rows = torch.isnan(kv).any(-1)
+    in_range = (idx >= 0) & (idx < kv.shape[0])
+    past = torch.arange(idx.shape[1], device=idx.device)[None, :] >= length[:, None]
+    suspect = in_range & poisoned_rows[idx.long().clamp(0, kv.shape[0] - 1)] & past  # [T, K]
+    tokens = nan & suspect.any(-1)
+    if not bool(tokens.any()):
+        return ""
+    t = int(tokens.nonzero()[0])
+    j = int(suspect[t].nonzero()[0])
+    return (f"token {t} has topk_length {int(length[t])} and its position {j}, past that length, holds kv row "
+            f"{int(idx[t, j])}, which no valid entry selects (NaN): the kernel read past topk_length "
+            f"({int(tokens.sum())} of {len(tokens)} tokens)")
+
+
 def _elem_bounds(res, ab, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, torch.Tensor]:
     """The derived per-element bounds (equivalence.bounds) of out, lse and max_logits: "NAME_bound",
     and "NAME_bound@DEVIATION" for each deviation whose kernels round the rows (DEQUANT_REL) and that
@@ -107,6 +129,7 @@ SPARSE_PREFILL = register(OpSpec(
             Check("max_logits", LSE, "logit_l1", optional=True, dtype=torch.float32, row_kind="max_logits",
                   bound="max_logits_bound")),
     knobs=lambda p: knobs(p, num_tokens=p.tokens, seq_len=p.kv_rows, cache_dtype="bfloat16"),
+    explain_nan=_read_past_length,
     doc="flash_mla_sparse_fwd: bf16 q/kv rows, top-k row indices (invalid: <0 or >=N), topk_length, sink",
 ), priority=0)
 
