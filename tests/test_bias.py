@@ -138,6 +138,11 @@ def test_a_significant_shift_below_the_floor_is_not_drift(twin):
     assert _metric(compare(gained(2 * GAIN_FLOOR), base), "out", "gain")["finding"] == DRIFT
     fixed = compare(base, gained(2 * GAIN_FLOOR))                      # the bias removed: an improvement
     assert _metric(fixed, "out", "gain")["finding"] == IMPROVED and fixed.exit_code == 0
+    # a group that only the gain flags: named by its shift, drawn in the bias figure
+    meta = {"profile": "ci", "seeds": [SEED], "device": "cpu"}
+    report = reports.build_report(gained(2 * GAIN_FLOOR), meta, (base, meta))
+    assert report.drift.worst.what().startswith("gain shift +2.4")
+    assert report.exit_code == 1 and 'id="plot-bias"' in reports.render_html(report)
 
 
 def test_a_single_run_warns_of_bias_and_still_passes(twin, tmp_path, capsys):
