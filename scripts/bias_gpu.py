@@ -47,9 +47,9 @@ def _pm(mean: float, ci: float) -> str:
 
 def bias_table(rows: pd.DataFrame) -> list[str]:
     """Markdown: one line per (op, implementation, deviation), the out and lse bias statistics."""
-    from mla_verify.reports.bias import BIASED, bias
+    from mla_verify.reports.bias import BIASED, bias_of
 
-    t = bias(rows).table
+    t = bias_of(rows).table
     lines = ["| op | implementation | deviation | cases | out gain | out bias (bf16 ulps) | lse offset (fp32 steps) | biased |",
              "|---|---|---|---|---|---|---|---|"]
     for (op, impl, dev), g in t.groupby(["op", "impl", "deviation"], sort=True):

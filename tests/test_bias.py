@@ -19,7 +19,7 @@ from mla_verify import api, reports
 from mla_verify.cli import main
 from mla_verify.equivalence import metrics
 from mla_verify.equivalence.policy import BIAS_METRICS
-from mla_verify.reports.bias import BIASED, bias
+from mla_verify.reports.bias import BIASED, bias_of
 from mla_verify.reports.drift import DRIFT, IMPROVED, PAIRED, UNPAIRED, compare
 from mla_verify.reports.significance import mean_interval, shift_interval, t_quantile, t_two_sided
 
@@ -108,7 +108,7 @@ def test_a_biased_kernel_is_flagged_against_its_correct_twin(twin, kernel, tenso
     others = drift.metrics[drift.metrics["metric"].isin(["gain", "bias_units"]) & (drift.metrics["tensor"] != tensor)]
     assert (others["finding"] == "").all() and (others["shift"] == 0).all()   # the rest untouched, bit for bit
     assert any(f"{metric} shift +" in line and "paired cases, floor" in line for line in drift.lines())
-    alone = bias(run.rows)
+    alone = bias_of(run.rows)
     assert list(alone.warnings[["tensor", "metric"]].itertuples(index=False, name=None)) == [(tensor, metric)]
 
 
@@ -123,7 +123,7 @@ def test_a_reseeded_rerun_of_the_same_code_is_clean(twin):
     assert not drift.drifted, drift.lines()
     signed = drift.metrics[drift.metrics["metric"].isin(["gain", "bias_units"])]
     assert len(signed) == 4 and (signed["mode"] == UNPAIRED).all() and signed["p_value"].notna().all()
-    assert bias(again.rows).warnings.empty and bias(base).warnings.empty
+    assert bias_of(again.rows).warnings.empty and bias_of(base).warnings.empty
 
 
 def test_a_significant_shift_below_the_floor_is_not_drift(twin):
@@ -161,7 +161,7 @@ def test_a_single_run_warns_of_bias_and_still_passes(twin, tmp_path, capsys):
     assert "warning: BIAS" not in capsys.readouterr().out
     frame, _ = reports.load_run(out)
     assert frame[["gain", "gain_se", "bias_units"]].notna().any().all()   # stored in the run's rows
-    table = bias(frame).table
+    table = bias_of(frame).table
     assert set(table.loc[table["finding"] == BIASED, "metric"]) == {"gain"}
 
 
