@@ -28,7 +28,7 @@ from .. import cost, metrics as M
 from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, guarded
-from ..mismatch import Compared
+from .. import mismatch
 from ..oracle import measure, verdict
 from ..policy import EXACT, property_bounds
 from ..profiles import Profile
@@ -216,7 +216,7 @@ class PropertySpec:
             m = measure(kind, got, want, c.scale)
             if kind != EXACT:
                 m.mismatch_frac = M.exact(got, want).mismatch_frac if got.dtype == want.dtype else math.nan
+            seen = mismatch.Compared(c.tensor, got, want, c.scale)
             rows.append(judged_row(base, f"{c.check}.{c.tensor}", "exact" if kind == EXACT else c.tensor,
-                                   verdict(kind, m, bounds, deviation, Compared(c.tensor, got, want, c.scale)),
-                                   time_impl_s=t_impl))
+                                   verdict(kind, m, bounds, deviation, seen), time_impl_s=t_impl))
         return rows
