@@ -163,7 +163,8 @@ def _add_drift(p: argparse.ArgumentParser) -> None:
     p.add_argument("--factor", type=_factor, default=policy.DRIFT_FACTOR,
                    help=f"drift: a metric grew beyond this many times the baseline's (default {policy.DRIFT_FACTOR:g})")
     p.add_argument("--confidence", type=_confidence, default=policy.DRIFT_CONFIDENCE,
-                   help=f"drift: confidence of the unpaired rank test (default {policy.DRIFT_CONFIDENCE:g})")
+                   help=f"drift: confidence of the unpaired rank test and of the bias t intervals "
+                        f"(default {policy.DRIFT_CONFIDENCE:g})")
     p.add_argument("--min-cases", type=_positive_int, default=policy.DRIFT_MIN_CASES,
                    help="drift: fewer cases a side and no case shared with the baseline is 'too few cases to "
                         f"judge' (default {policy.DRIFT_MIN_CASES})")
