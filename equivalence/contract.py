@@ -12,6 +12,7 @@ one-line reason naming the tensor, never a traceback.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -49,18 +50,21 @@ def returned(result: Any, names: Sequence[str], required: int | None = None) -> 
     return dict(zip(names, result))
 
 
-def output_problem(name: str, t: Any, *, dtype: torch.dtype, shape: Sequence[int], device: str | None,
-                   contiguous: bool = False) -> str | None:
-    """Why output `name` breaks its contract (one line), or None. `device` None: not checked."""
+def output_problem(name: str, t: Any, *, dtype: torch.dtype | None, shape: Sequence[int] | None, device: str | None,
+                   contiguous: bool = False, returned_on: str | None = None) -> str | None:
+    """Why output `name` breaks its contract (one line), or None. `device`, `dtype`, `shape` None:
+    not checked. `returned_on`: the device it was returned on, where `t` is a copy on the host."""
     if not isinstance(t, torch.Tensor):
         return f"{name}: {_describe(t)}, the contract says a torch.Tensor"
     odd = foreign(name, t)
     if odd:
         return odd
     if device is not None:
-        want = torch.device(device)
-        if t.device.type != want.type or (want.index is not None and t.device.index not in (None, want.index)):
-            return f"{name}: on device {t.device}, the contract says {want}"
+        want, got = torch.device(device), torch.device(returned_on) if returned_on else t.device
+        if got.type != want.type or (want.index is not None and got.index not in (None, want.index)):
+            return f"{name}: on device {got}, the contract says {want}"
+    if dtype is None:
+        return None
     if t.dtype != dtype:
         return f"{name}: dtype {str(t.dtype).removeprefix('torch.')}, the contract says {str(dtype).removeprefix('torch.')}"
     if tuple(t.shape) != tuple(shape):
@@ -202,6 +206,11 @@ def _outputs(result: Any) -> Iterator[tuple[str, torch.Tensor]]:
         yield "output", result
 
 
+# The keywords (passed, not None) each stage was called with in this process: what a pipeline or
+# property campaign exercised of a stage a user replaced (`subject.unexercised`).
+CALLED_WITH: dict[str, set[str]] = collections.defaultdict(set)
+
+
 def guard(stage: str, name: str, fn: Callable, writes: Collection[str] = (), views: bool = False) -> Callable:
     """`fn` (implementation `name` of `stage`) with its inputs snapshotted and compared after the
     call, its outputs checked for being plain dense tensors that alias no input, and handed on as
@@ -212,6 +221,7 @@ def guard(stage: str, name: str, fn: Callable, writes: Collection[str] = (), vie
     @functools.wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
         saved = Snapshot({**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs})
+        CALLED_WITH[stage].update(k for k, v in kwargs.items() if v is not None)
         result = fn(*args, **kwargs)
         problems = [reason for _, reason in saved.changed(writes)]
         problems += [p for out_name, t in _outputs(result) if (p := foreign(out_name, t))]

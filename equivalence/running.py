@@ -9,7 +9,8 @@ case (reason "raised"), and so does breaking the contract beyond values (`equiva
 writing an input, returning the wrong arity, type, layout, dtype, shape or device, or an input as
 output; changing the process for the cases after it, or the functions the judge relies on
 (`equivalence.guards`: both are put back first). Inputs the case generator builds are valid by
-contract, so a refusal (InputError) is a failure too.
+contract, so a refusal (InputError) is a failure too; only `unsupported(reason)` declines a case
+without failing it (counted and reported).
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ from . import guards
 from .contract import ContractError, Snapshot
 from .oracle import Verdict
 from .rows import Row
+
+
+class Unsupported(Exception):
+    """An input the implementation does not take (raised by `unsupported`)."""
+
+
+def unsupported(reason: str) -> None:
+    """Decline this case from inside an implementation, as Hypothesis's `assume` declines an
+    example: the case is counted and reported as unsupported (a row with gate_metric
+    "unsupported"), not failed. For what a kernel does not yet do (a head count, a top-k width),
+    never for a wrong answer."""
+    raise Unsupported(reason)
 
 
 class Raised(Exception):
@@ -62,6 +75,9 @@ def failure_row(base: dict, tensor: str, metric: str, reason: str, **fields) -> 
 def raised_row(base: dict, raised: Raised, **fields) -> Row:
     """The single failure row of a case whose implementation raised (or broke the contract)."""
     exc = raised.error
+    if isinstance(exc, Unsupported):
+        return Row(**{**base, **fields}, tensor="*", passed=True, gate_metric="unsupported", value=0.0, bound=0.0,
+                   headroom=float("inf"), reason=f"unsupported: {exc}")
     if isinstance(exc, ContractError):
         return failure_row(base, "*", "contract", str(exc), **fields)
     frames = traceback.extract_tb(exc.__traceback__)

@@ -16,6 +16,7 @@ its `__mla_verify_deviations__` attribute, plus those declared for it (`--deviat
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -34,6 +35,12 @@ from .policy import DEVIATIONS
 
 class UsageError(ValueError):
     """Bad command-line input: the CLI exits 2 with this one-line message."""
+
+
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """"did you mean 'X'? " for the choice closest to a misspelt `word`, else ""."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
 
 
 @dataclass(frozen=True)
@@ -115,10 +122,15 @@ def stage_arguments(stage: str) -> tuple[str, ...]:
 def implementation(stage: str, spec: str, device: str, deviations: Sequence[str] = ()) -> registry.Implementation:
     """A registered implementation by name, or a user's callable wrapped as one (with its deviations)."""
     if ":" not in spec:
+        names = [i.name for i in registry.implementations(stage)]
+        if spec not in names and "." in spec:  # MODULE.CALLABLE: the colon forgotten
+            module, _, attr = spec.rpartition(".")
+            raise UsageError(f"--impl {spec!r} for {stage}: no implementation is registered by that name and a "
+                             f"callable is named MODULE:CALLABLE; did you mean {f'{module}:{attr}'!r}?")
         try:
             impl = registry.select(stage, device, name=spec)
         except (KeyError, RuntimeError) as exc:
-            raise UsageError(f"--impl {spec!r} for {stage}: {exc}") from None
+            raise UsageError(f"--impl {spec!r} for {stage}: {did_you_mean(spec, names)}{exc.args[0]}") from None
         return impl
     fn = load_callable(spec)
     check_signature(fn, stage_arguments(stage), f"--impl {spec}")
@@ -201,3 +213,15 @@ def pipeline_subject(op: str, specs: Sequence[str], device: str, deviations: Seq
         return Subject(wholes[0], whole, {}, own, tuple(specs), tuple(deviations))
     label = f"pipeline[{','.join(specs)}]" if specs else "pipeline"
     return Subject(label, None, overrides, (), tuple(specs), tuple(deviations))
+
+
+def unexercised(specs: Sequence[str], called: dict[str, set[str]]) -> list[str]:
+    """For each stage an --impl STAGE=... replaced, the keywords of its contract no call passed
+    (`called`: stage -> keywords passed): what a pipeline or property pass of it does not cover."""
+    notes = []
+    for stage in dict.fromkeys(s.split("=", 1)[0] for s in specs if "=" in s):
+        if stage not in called:
+            notes.append(f"{stage}: never called by these cases")
+        elif missing := [a for a in stage_arguments(stage) if a not in called[stage]]:
+            notes.append(f"{stage}: no case passed it {', '.join(missing)} (check({stage!r}, ...) exercises them)")
+    return notes

@@ -123,7 +123,9 @@ def fuzz(
     Failing cases are saved under `out_dir`/failures (named by op, implementation and case), with
     `impl_specs` and the `deviations` and `conventions` declared for them, for replay.
     Exceptions of `run` other than a failing case's rows (a harness error) end the campaign and
-    are raised after it; the rows so far have reached `journal` by then.
+    are raised after it; the rows so far have reached `journal` by then. The cases are drawn
+    within the profile's interpreter budget when `impl_specs` name kernels interpreted on
+    `device` (`strategy`); `show_progress`: print progress lines (a gate prints its own).
     """
     result = FuzzResult(op, seed, 0)
     progress = Progress(progress_label or op, examples, every_s=5.0 if show_progress else math.inf)

@@ -220,6 +220,7 @@ def run_units(
 
             watch = None if started is None else (
                 lambda case, source, label=label, specs=specs: started(case, source, impl=label, specs=specs))
+            t0 = time.monotonic()  # a campaign's seconds include the corpus cases run before it
             pinned_rows = []
             for case, _why in pinned:
                 if stop_reason():
@@ -235,7 +236,6 @@ def run_units(
             for path in unit.campaigns(subject):
                 if stop_reason():
                     return result
-                t0 = time.monotonic()
                 fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, impl_label=label,
                           deviations=unit.deviations, conventions=unit.conventions, device=device, out_dir=out_dir,
                           shrink=shrink, show_progress=not progress, path=path,
@@ -249,6 +249,7 @@ def run_units(
                     log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases "
                               f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
                     log.flush()
+                t0 = time.monotonic()
     finally:
         if worker is not None:
             worker.close()

@@ -24,13 +24,31 @@ _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "reference" / "__init__.py").is_file():
     __path__.append(str(_checkout))
 
-__all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "assert_equivalent", "check", "gate",
-           "property_check", "replay", "strategies"]
+__all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "Unsupported", "__version__", "assert_equivalent",
+           "check", "drift", "gate", "property_check", "replay", "strategies", "unsupported"]
+
+
+def _version() -> str:
+    """The installed distribution's version; in a source checkout on PYTHONPATH, pyproject's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("mla-verify")
+    except metadata.PackageNotFoundError:
+        import tomllib
+
+        return tomllib.loads((_checkout / "pyproject.toml").read_text())["project"]["version"]
 
 
 def __getattr__(name: str):
     # Loaded on first use: `import mla_verify` (and `mla-verify --help`) stays light.
     if name not in __all__:
         raise AttributeError(f"module 'mla_verify' has no attribute {name!r}")
+    if name == "__version__":
+        return _version()
     module = _importlib.import_module(f"{__name__}.{'strategies' if name == 'strategies' else 'api'}")
     return module if name == "strategies" else getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from mla_verify.equivalence.isolation import HarnessError
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.running import Unsupported, unsupported
+from mla_verify.equivalence.subject import UsageError, did_you_mean
 
 from .results import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
 from .run import FUZZ, GATE, Run, drive, invocation
@@ -41,8 +42,8 @@ Impl = Union[None, str, Callable, Mapping[str, Union[str, Callable]], Sequence[s
 # here in this process: "mla_verify.api:local.NAME" resolves like any MODULE:CALLABLE.
 local = types.SimpleNamespace()
 
-__all__ = ["CheckResult", "Failure", "GateOutcome", "HarnessError", "UsageError", "assert_equivalent", "check",
-           "drift", "gate", "property_check", "replay"]
+__all__ = ["CheckResult", "Failure", "GateOutcome", "HarnessError", "Unsupported", "UsageError", "assert_equivalent",
+           "check", "drift", "gate", "property_check", "replay", "unsupported"]
 
 # ----------------------------------------------------------------------------- inputs
 
@@ -200,13 +201,15 @@ def check(
     from mla_verify.fuzz.campaign import new_seed
     from mla_verify.fuzz.shard import Shard
 
-    from .pytest_plugin import DEFAULTS
+    from .pytest_plugin import DEFAULTS, default_device
     from .rundir import RunDir
 
     # Inside pytest, --mla-verify-profile/-examples/-device fill what the test left unset.
+    __tracebackhide__ = True  # a pytest failure ends at the test's call
     examples = DEFAULTS.get("examples") if examples is None else examples
     profile = DEFAULTS.get("profile") if profile is None else profile
-    device = resolve_device(DEFAULTS.get("device") if device is None else device)
+    seed = DEFAULTS.get("seed") if seed is None else seed
+    device = resolve_device(default_device(device))
     device_type = device.split(":")[0]
     if baseline is not None:
         again = _rerun_settings(baseline, op)
@@ -268,7 +271,8 @@ def check(
 
         from .junit import write_junit
 
-        write_junit(junit_path, [Row.from_record(r) for r in result.rows.to_dict("records")])
+        replays = {result.failure.case.case_id: result.failure.replay_command} if result.failure else {}
+        write_junit(junit_path, [Row.from_record(r) for r in result.rows.to_dict("records")], replays=replays)
     return result
 
 
@@ -317,7 +321,7 @@ def gate(
     known = [*catalog.names(), "property"]
     unknown = [op for op in ops or [] if op not in known]
     if unknown:
-        raise UsageError(f"--op {unknown[0]!r}: unknown; known: {', '.join(known)}")
+        raise UsageError(f"--op {unknown[0]!r}: unknown; {did_you_mean(unknown[0], known)}known: {', '.join(known)}")
     junit_path = _writable_file(junit, "--junit") if junit is not None else None
     ops = list(ops) if ops else None
     if baseline is not None:  # run the baseline's cases again, so that drift pairs them
@@ -352,9 +356,9 @@ def gate(
     log(run.header())
     outcome = drive(run, log)
     if junit_path is not None and not outcome.interrupted:
-        from .junit import write_junit
+        from .junit import saved_replays, write_junit
 
-        write_junit(junit_path, outcome.rows)
+        write_junit(junit_path, outcome.rows, replays=saved_replays(outcome.out / "failures"))
     return outcome
 
 
@@ -443,6 +447,7 @@ def _writable_file(path: str | Path, what: str) -> Path:
 def assert_equivalent(op: str, impl: Impl = None, **kwargs: Any) -> CheckResult:
     """`check(op, impl, **kwargs)`; on a failure, AssertionError with what the CLI prints (the
     minimized case, failing metric and bound, case file, `mla-verify replay ...`)."""
+    __tracebackhide__ = True  # a pytest failure ends at the test's call, not here
     result = check(op, impl, **kwargs)
     if result.interrupted:
         raise KeyboardInterrupt(result.report())
@@ -454,6 +459,7 @@ def assert_equivalent(op: str, impl: Impl = None, **kwargs: Any) -> CheckResult:
 def property_check(name: str, impl: Impl = None, **kwargs: Any) -> CheckResult:
     """`check` of property `name` ("split_invariance" or "property:split_invariance"): the
     implementation held to itself, no reference (`mla-verify list` names each property)."""
+    __tracebackhide__ = True
     return check(name if name.startswith("property:") else f"property:{name}", impl, **kwargs)
 
 
@@ -485,9 +491,10 @@ def replay(
     from mla_verify.fuzz import casefile
     from mla_verify.reports import rows_frame
 
-    from .pytest_plugin import DEFAULTS
+    from .pytest_plugin import default_device
 
-    device = resolve_device(DEFAULTS.get("device") if device is None else device)
+    __tracebackhide__ = True
+    device = resolve_device(default_device(device))
     device_type = device.split(":")[0]
     _positive("timeout", timeout, float)
     try:

@@ -173,7 +173,8 @@ def _add_drift(p: argparse.ArgumentParser) -> None:
     p.add_argument("--factor", type=_factor, default=policy.DRIFT_FACTOR,
                    help=f"drift: a metric grew beyond this many times the baseline's (default {policy.DRIFT_FACTOR:g})")
     p.add_argument("--confidence", type=_confidence, default=policy.DRIFT_CONFIDENCE,
-                   help=f"drift: confidence of the unpaired rank test (default {policy.DRIFT_CONFIDENCE:g})")
+                   help=f"drift: confidence of the unpaired rank test and of the bias t intervals "
+                        f"(default {policy.DRIFT_CONFIDENCE:g})")
     p.add_argument("--min-cases", type=_positive_int, default=policy.DRIFT_MIN_CASES,
                    help="drift: fewer cases a side and no case shared with the baseline is 'too few cases to "
                         f"judge' (default {policy.DRIFT_MIN_CASES})")
@@ -204,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
          ("mla-verify gate --device cpu", "the CI gate: every op and path, every implementation available here")])
         + "\n\n" + textwrap.fill("`mla-verify COMMAND --help` explains each command. From Python or pytest: "
                                  "`import mla_verify` (check, assert_equivalent, replay, property_check).", 98))
+    from mla_verify import _version
+
+    parser.add_argument("--version", action="version", version=f"mla-verify {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = _command(sub, "list", "ops, their keywords, implementations here, tolerances and deviations",
@@ -402,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ[MEMORY_ENV] = str(args.reference_memory)  # read by the reference here and in every child process
     from mla_verify.equivalence.isolation import HarnessError
-    from mla_verify.equivalence.subject import UsageError
+    from mla_verify.equivalence.subject import UsageError, did_you_mean
     from mla_verify.reports.pairing import PairingError
 
     try:
@@ -429,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_list(args, device: str) -> int:
     from mla_verify import describe
     from mla_verify.equivalence import catalog
-    from mla_verify.equivalence.subject import UsageError
+    from mla_verify.equivalence.subject import UsageError, did_you_mean
     from mla_verify.optimized import registry
 
     def wrapped(text: str, first: str = "  ", rest: str = "    ") -> str:
@@ -438,7 +442,7 @@ def cmd_list(args, device: str) -> int:
 
     known = catalog.names()
     if args.op is not None and args.op not in known:
-        raise UsageError(f"--op {args.op!r}: unknown; known: {', '.join(known)}")
+        raise UsageError(f"--op {args.op!r}: unknown; {did_you_mean(args.op, known)}known: {', '.join(known)}")
     print(f"device: {device}")
     if args.op is not None:
         spec = catalog.get_spec(args.op)

@@ -48,6 +48,15 @@ def _pinned_cases(op: str) -> list:
     return sorted((case for case, _ in corpus(op)), key=lambda c: get_spec(op).params_of(c.params).elements())
 
 
+def _shown_case(spec, cases: list):
+    """The case `list --op` shows, whole: of the pinned cases passing the most optional tensors
+    (one case for every shape, so the header's sizes are the tensors'), the smallest."""
+    if spec.own_processes or not cases:
+        return cases[0] if cases else None
+    given = [sum(v is not None for v in (_received(spec, c) or {}).values()) for c in cases]
+    return cases[given.index(max(given))]
+
+
 def _dim_names(params: Mapping[str, Any]) -> dict[int, str]:
     """A size that equals exactly one integer parameter of the case is labelled with its name."""
     by_value: dict[int, list[str]] = {}
@@ -91,12 +100,21 @@ def _received(spec, case) -> dict[str, Any] | None:
     return seen
 
 
-def _bounds_text(kind: str, case: Any, derived: bool = False) -> str:
-    """The bounds of a tensor of `kind`; `derived`: its reference derives per-element bounds."""
-    from mla_verify.equivalence.policy import bounds_for
+def _bounds_text(kind: str, case: Any, rows: int, derived: bool = False) -> str:
+    """The bounds of a tensor of `kind` with `rows` rows (vectors along its last dim); `derived`:
+    its reference derives per-element bounds. A bound that scales with the case says how, and
+    what it comes to on this one."""
+    from mla_verify.equivalence.policy import bounds_for, limit_for
 
     bounds, _ = bounds_for(kind, case)
-    return ", ".join(f"{b.metric} <= {b.limit:.4g}" for b in bounds if derived or b.metric != "elem_bound_ratio")
+    parts = []
+    for b in bounds:
+        if b.metric == "elem_bound_ratio" and not derived:
+            continue
+        scaled = limit_for(b, rows) if b.metric == "abs_mean_err" else b.limit
+        parts.append(f"{b.metric} <= {b.limit:.4g}" if scaled == b.limit else
+                     f"{b.metric} <= max({b.limit:.4g}, 5 * 2^-9 / sqrt(rows)) = {scaled:.4g} at its {rows} rows")
+    return ", ".join(parts)
 
 
 def describe_op(op: str) -> list[str]:
@@ -106,7 +124,7 @@ def describe_op(op: str) -> list[str]:
 
     spec = get_spec(op)
     cases = _pinned_cases(op)
-    case = cases[0] if cases else None
+    case = _shown_case(spec, cases)
     from mla_verify.equivalence.contracts import declared, formula, returns
 
     lines = [*_wrap(f"{op}: {spec.doc}", "", "  ")]
@@ -119,19 +137,16 @@ def describe_op(op: str) -> list[str]:
         return lines + _wrap(f"call: impl({', '.join(spec.arguments)})", "  ", "      ")
     dims = _dim_names(case.params)
     shown = ", ".join(f"{k}={v}" for k, v in case.params.items() if not isinstance(v, (list, dict)) or len(v) <= 4)
-    lines += _wrap(f"shapes and dtypes of the smallest pinned case ({shown}):", "  ", "    ")
+    lines += _wrap(f"shapes and dtypes of a pinned case ({shown}):", "  ", "    ")
     received = _received(spec, case)
     if received is None:
         lines += _wrap(f"call (in each rank process): impl({', '.join(spec.arguments)})", "  ", "      ")
     else:
-        # An argument None here (an optional tensor) shows its tensor form from a larger pinned case.
-        others = [(_received(spec, c), _dim_names(c.params)) for c in cases[1:]]
+        optional = {name for name, text in zip(spec.arguments, declared(op)) if text.endswith("| None")}
         lines.append("  call: impl(")
         for name in (a for a in spec.arguments if a in received):
             form = _form(received[name], dims)
-            if received[name] is None:
-                form += next((f", or {_form(got[name], d)}" for got, d in others if got.get(name) is not None), "")
-            lines.append(f"      {name}={form},")
+            lines.append(f"      {name}={form}{' (or None)' if name in optional and received[name] is not None else ''},")
         lines.append("  )")
     if spec.writes:
         lines.append(f"  writes in place: {', '.join(spec.writes)} (nothing else may change); returns None")
@@ -151,7 +166,10 @@ def describe_op(op: str) -> list[str]:
         judged = params.numerics().replace(dcp_size=1) if c.single_rank else params.numerics()
         extra = " (optional)" if c.optional else ""
         lines.append(f"    {c.tensor:18s} {dtype}[{shape}]{extra}")
-        lines.append(f"      {c.kind}: {_bounds_text(c.kind, judged, c.bound is not None)}")
+        rows = t[..., 0].numel() if t.dim() else 1
+        held = f" (the {c.kind} bounds)" if c.kind != c.tensor else ""
+        lines += _wrap(f"{c.tensor}{held}: {_bounds_text(c.kind, judged, rows, c.bound is not None)}", "      ",
+                       "        ")
     if any(c.kind != "exact" for c in compared):
         lines.append("  every float tensor also: +inf/-inf/NaN exactly where the reference has them, no NaN added")
     return lines

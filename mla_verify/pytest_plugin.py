@@ -2,14 +2,18 @@
 defaults of `mla_verify.check` / `assert_equivalent` / `property_check` (and `replay`'s device)
 for one pytest run, so a CI can raise the budget or move to the GPU without editing tests:
 
-    pytest --mla-verify-profile nightly --mla-verify-examples 500 --mla-verify-device cuda
+    pytest --mla-verify-profile nightly --mla-verify-examples 500 --mla-verify-device cuda --mla-verify-seed 7
 
-An argument a test passes explicitly still wins. The plugin imports nothing heavy: it is loaded
-by every pytest run in an environment where mla-verify is installed.
+An argument a test passes explicitly still wins. A device the option names that is not there
+skips the tests that would run on it, with the reason. Failing cases a call saves outside a run
+directory go under this session's pytest temporary directory, not a path other runs share. The
+plugin imports nothing heavy: it is loaded by every pytest run in an environment where
+mla-verify is installed.
 """
 
 from __future__ import annotations
 
+import tempfile
 from typing import Any
 
 # Read by mla_verify.api for every argument left as None; empty outside a pytest run with the options.
@@ -18,16 +22,18 @@ DEFAULTS: dict[str, Any] = {}
 _OPTIONS = {
     "profile": "fuzz profile for calls that name none: ci | dev | nightly | gpu",
     "examples": "cases per check for calls that pass no examples= (default: the profile's budget)",
-    "device": "device for calls that pass no device=: cpu, cuda or cuda:N (default: cuda when present)",
+    "device": "device for calls that pass no device=: cpu, cuda or cuda:N (default: cuda when present); "
+              "one that is not there skips their tests",
+    "seed": "campaign seed for calls that pass no seed= (default: a fresh one, printed)",
 }
+METAVARS = {"profile": "NAME", "examples": "N", "device": "DEVICE", "seed": "S"}
 
 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("mla-verify", "mla-verify defaults (explicit arguments in a test win)")
     for name, help_text in _OPTIONS.items():
         group.addoption(f"--mla-verify-{name}", dest=f"mla_verify_{name}", default=None,
-                        type=int if name == "examples" else str, help=help_text,
-                        metavar={"profile": "NAME", "examples": "N", "device": "DEVICE"}[name])
+                        type=int if name in ("examples", "seed") else str, help=help_text, metavar=METAVARS[name])
 
 
 def pytest_configure(config) -> None:
@@ -44,11 +50,32 @@ def pytest_configure(config) -> None:
     DEFAULTS.update({name: value for name, value in chosen.items() if value is not None})
 
 
+def pytest_sessionstart(session) -> None:
+    # This session's directory under pytest's basetemp (where tmp_path lives), made when configured.
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    DEFAULTS["failures"] = factory.mktemp("mla-verify-failures") if factory else tempfile.mkdtemp(prefix="mla-verify-")
+
+
 def pytest_unconfigure(config) -> None:
     DEFAULTS.clear()
 
 
 def pytest_report_header(config) -> str | None:
-    if not DEFAULTS:
+    chosen = {name: value for name, value in DEFAULTS.items() if name in _OPTIONS}
+    if not chosen:
         return None
-    return "mla-verify defaults: " + ", ".join(f"{name} {value}" for name, value in DEFAULTS.items())
+    return "mla-verify defaults: " + ", ".join(f"{name} {value}" for name, value in chosen.items())
+
+
+def default_device(device: str | None) -> str | None:
+    """`device`, or the --mla-verify-device one; that one not there skips the test calling."""
+    if device is not None or "device" not in DEFAULTS:
+        return device
+    chosen = DEFAULTS["device"]
+    if chosen.startswith("cuda"):
+        import pytest
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip(f"--mla-verify-device {chosen}: no CUDA GPU is visible")
+    return chosen

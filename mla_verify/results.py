@@ -95,7 +95,7 @@ class CheckResult:
         """What the CLI prints at the end: PASS with the least headroom, or each failure with its
         minimized case, failing metric and bound, case file and replay command; then a warning per
         group biased against the reference (`reports.bias`: never a failure)."""
-        from mla_verify.reports.bias import bias
+        from mla_verify.reports.bias import bias_of
 
         lines = [f"note: {n}" for n in self.notes]
         for f in self.failures:
@@ -114,9 +114,20 @@ class CheckResult:
                      else f"seeds {self.seed}..{self.seed + self.campaigns - 1}")
             over = f" over {self.campaigns} campaigns" if self.campaigns > 1 else ""
             lines.append(f"PASS: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}")
+        if self.unsupported:
+            first = self.rows[self.rows.gate_metric == "unsupported"].reason.iloc[0]
+            lines.append(f"  {self.unsupported} of them declined by the implementation (mla_verify.unsupported), "
+                         f"not checked: {first.removeprefix('unsupported: ')}")
         if len(self.rows):
-            lines += bias(self.rows).lines()
+            lines += bias_of(self.rows).lines()
         return "\n".join(lines)
+
+    @property
+    def unsupported(self) -> int:
+        """Cases the implementation declined (`mla_verify.unsupported`): counted, not failed."""
+        if not len(self.rows):
+            return 0
+        return self.rows[self.rows.gate_metric == "unsupported"].case_id.nunique()
 
     @property
     def exit_code(self) -> int:
@@ -125,7 +136,7 @@ class CheckResult:
 
 
 def _headroom(rows: pd.DataFrame) -> str:
-    gated = rows[(rows.gate_metric != "") & rows.passed] if len(rows) else rows
+    gated = rows[(rows.gate_metric != "") & (rows.gate_metric != "unsupported") & rows.passed] if len(rows) else rows
     if not len(gated):
         return ""
     r = gated.loc[gated.headroom.idxmin()]

@@ -178,15 +178,18 @@ def _stop(interrupt: Interrupt, lost: list[str]) -> Callable[[], str]:
 
 def _fuzz(run: Run) -> CheckResult:
     """One campaign in this process (its cases isolated or not), written to the run directory."""
-    from mla_verify.equivalence import distributed
+    from mla_verify.equivalence import contract, distributed
+    from mla_verify.equivalence.subject import unexercised
     from mla_verify.fuzz.gate import Unit, run_units
     from mla_verify.reports import rows_frame
+
+    from .pytest_plugin import DEFAULTS
 
     run_id = f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}"
     (seed, examples), = run.campaigns
     meta = run.meta()
     run_dir = run.out
-    out_dir = run_dir.path if run_dir else Path(tempfile.gettempdir()) / "mla-verify"
+    out_dir = run_dir.path if run_dir else Path(DEFAULTS.get("failures") or Path(tempfile.gettempdir()) / "mla-verify")
     if run_dir:
         run_dir.start(meta)
     interrupt, lost, rows = Interrupt(), [], []
@@ -201,6 +204,7 @@ def _fuzz(run: Run) -> CheckResult:
                                                                device=run.device, deviations=run.deviations))
     unit = Unit(run.op, run.label, run.specs, subject=run.subject, paths=(run.path,), corpus=False,
                 deviations=run.deviations, conventions=run.conventions)
+    contract.CALLED_WITH.clear()
     try:
         with interrupt.installed():
             result = run_units([unit], device=run.device, profile=run.profile, examples=examples, seed=seed,
@@ -226,6 +230,8 @@ def _fuzz(run: Run) -> CheckResult:
                                                   run.isolate, run.conventions),
                                    found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk))
     extra = sorted(result.notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
+    if not run.isolate:  # the calls were made here: what the replaced stages were never handed
+        extra += unexercised(run.specs, contract.CALLED_WITH)
     if run.world_size:
         extra += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]
     return CheckResult(run.op, run.label, not failures and fz.stopped != "interrupted" and bool(frame.passed.all()),

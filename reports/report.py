@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 
 from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
-from mla_verify.reports.bias import bias
+from mla_verify.reports.bias import bias_of
 from mla_verify.reports.document import Report, Section
 from mla_verify.reports.drift import Worst, compare
 from mla_verify.reports.fmt import MISSING, header, number
@@ -90,7 +90,7 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
         report.sections.append(Section(
             "side-by-side", "Runs side by side", "What ran, where, and how it ended.",
             _side_by_side(report, base_rows)))
-    report.bias = bias(rows, confidence)
+    report.bias = bias_of(rows, confidence)
     warned = len(report.bias.warnings)
     report.sections.append(Section(
         "bias", "Bias per path",

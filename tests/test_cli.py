@@ -40,9 +40,12 @@ def test_usage_errors_exit_2_with_one_line(capsys, tmp_path, argv, message):
 
 def test_a_discrepancy_exits_1_saves_the_case_and_replays_exactly(capsys, tmp_path):
     code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.zoo.formats:divisor_224",
-                     "--examples", "20", "--seed", "5", "--device", "cpu", "--out", str(tmp_path), "--profile", "ci")
+                     "--examples", "20", "--seed", "5", "--device", "cpu", "--out", str(tmp_path), "--profile", "ci",
+                     "--junit", str(tmp_path / "j.xml"))
     assert code == 1 and "DISCREPANCY" in text and "seed 5" in text
     saved = next(line.split("case saved: ")[1] for line in text.splitlines() if "case saved: " in line)
+    junit = (tmp_path / "j.xml").read_text()  # the CI's failure says how to replay it (issue 29)
+    assert 'failures="1"' in junit and f"replay: mla-verify replay {saved} --impl tests.zoo.formats:divisor_224" in junit
     assert "quantize_fp8_ds_mla-tests.zoo.formats_divisor_224-" in saved  # op and implementation in its name
     failure = json.loads(open(saved).read())["failure"]
     code, text = run(capsys, "replay", saved, "--device", "cpu")
@@ -192,6 +195,26 @@ def test_list_op_prints_the_call_with_shapes_dtypes_returns_and_bounds(capsys):
                  "returns: (out, lse[, max_logits])", "lse_fp32_units <= 64", "bf16_units <= 6"):
         assert line in text, line
     assert "torch-fp32" in text  # the implementations here
+
+
+@pytest.mark.parametrize("op", ["sparse_prefill", "sparse_decode_fp8", "forward_mqa", "dcp_merge"])
+def test_list_op_shows_one_case_whose_sizes_are_its_tensors(capsys, op):
+    """Issue 29: the header said tokens=3, heads=8 while topk_length was int32[tokens=4] and
+    attn_sink float32[heads=16] (borrowed from another pinned case)."""
+    code, text = run(capsys, "list", "--device", "cpu", "--op", op)
+    assert code == 0
+    header = text.split("shapes and dtypes of a pinned case (")[1].split("):")[0]
+    declared = dict(re.findall(r"(\w+)=(\d+)\b", header))
+    for name, size in re.findall(r"\[?(\w+)=(\d+)[,\]]", text.split("  call: impl(")[1]):
+        if name in declared:
+            assert declared[name] == size, (name, size, header)
+
+
+def test_list_op_labels_each_bound_with_its_tensor_and_says_when_one_scales(capsys):
+    code, text = run(capsys, "list", "--device", "cpu", "--op", "sparse_prefill")
+    assert "      max_logits (the lse bounds): lse_fp32_units <= 64" in text
+    assert "\n      lse: lse_fp32_units" in text and "\n      out: bf16_units" in text
+    assert re.search(r"abs_mean_err <= max\(0\.001, 5 \* 2\^-9 / sqrt\(rows\)\)\s+= [\d.]+ at its \d+ rows", text)
 
 
 def test_list_op_shows_every_keyword_each_op_receives(capsys):

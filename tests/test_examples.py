@@ -44,3 +44,11 @@ def test_the_walkthrough_catches_the_draft_and_its_replay_command_reproduces_it(
     fixed = ["my_kernel:sparse_prefill" if a == "my_kernel:sparse_prefill_v0" else a for a in argv[1:]]
     passes = subprocess.run(mla_verify(*fixed), cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert passes.returncode == 0 and "did NOT reproduce" in passes.stdout, passes.stdout
+
+
+def test_the_readme_walkthrough_shows_what_its_commands_print():
+    """README's walkthrough blocks are a real run's output (scripts/walkthrough.py); issue 29 found
+    the minimized case, its id, the headroom lines and the replay metrics drifted from them."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "walkthrough.py"
+    done = subprocess.run([sys.executable, str(script), "--check"], env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -31,3 +31,19 @@ def test_a_users_own_packages_do_not_shadow_ours(tmp_path):
     done = subprocess.run([sys.executable, "-m", "mla_verify.cli", "report", str(tmp_path / "no-run")],
                           cwd=tmp_path, env=env, capture_output=True, text=True)
     assert "the user package was imported" not in done.stderr, done.stderr
+
+
+def test_every_folder_of_a_package_is_a_listed_package():
+    """setuptools warns "Package 'mla_verify.fuzz.corpus' is absent from the packages configuration"
+    on install for any importable folder (a directory under a package) the list leaves out (issue 29)."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages, dirs = set(config["packages"]), config["package-dir"]
+    for top, folder in dirs.items():
+        for sub in (root / folder).rglob("*"):
+            if sub.is_dir() and sub.name != "__pycache__" and any(sub.iterdir()):
+                name = ".".join([top, *sub.relative_to(root / folder).parts])
+                assert name in packages, f"{sub} installs as {name}, which pyproject.toml's packages leaves out"

@@ -49,3 +49,65 @@ def test_bad_option_values_stop_pytest_before_any_test(tmp_path):
                                    ("--mla-verify-profile", "huge", "unknown; known: ci")):
         done = pytest_in(tmp_path, option, value)
         assert done.returncode == 4 and message in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+NEWCOMER_TESTS = '''
+import pytest
+import torch
+
+import mla_verify
+
+
+def wrong_concat(ql_nope, q_pe):
+    return torch.cat([ql_nope, q_pe * 2], dim=-1)
+
+
+def declining_concat(ql_nope, q_pe):
+    if ql_nope.shape[1] > 1:
+        mla_verify.unsupported("one head only, for now")
+    return torch.cat([ql_nope, q_pe], dim=-1)
+
+
+def test_seed(tmp_path):
+    assert mla_verify.check("concat_mla_q", "torch-fp32", examples=2, device="cpu").seed == 7
+
+
+def test_failing_case_saved_under_this_sessions_basetemp():
+    result = mla_verify.check("concat_mla_q", wrong_concat, examples=3, device="cpu")
+    print("saved", result.failure.case_file)
+
+
+def test_traceback_ends_at_the_call():
+    mla_verify.assert_equivalent("concat_mla_q", wrong_concat, examples=2, device="cpu", shrink=False)
+
+
+def test_declined_cases_are_counted_not_failed():
+    result = mla_verify.check("concat_mla_q", declining_concat, examples=8, device="cpu")
+    assert result.passed and 0 < result.unsupported < 8, result.report()
+    print(result.report())
+
+
+def test_on_a_device_that_is_not_there():
+    mla_verify.check("concat_mla_q", "torch-fp32", examples=1)
+'''
+
+
+def test_seed_saved_cases_tracebacks_declined_cases_and_a_missing_device(tmp_path):
+    """Issue 29 item 6, as a kernel repository's pytest run meets it."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_newcomer.py").write_text(NEWCOMER_TESTS)
+    basetemp = tmp_path / "basetemp"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    device = [] if __import__("torch").cuda.is_available() else ["--mla-verify-device", "cuda"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-s", "-rs", "-p", "no:cacheprovider", "--basetemp", str(basetemp),
+                           "--mla-verify-seed", "7", "--mla-verify-profile", "ci", *device, "tests"],
+                          cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    out = done.stdout
+    saved = next(line.split("saved ")[1] for line in out.splitlines() if ".saved " in line)
+    assert saved.startswith(str(basetemp / "mla-verify-failures")), saved
+    failure = out.split("test_traceback_ends_at_the_call")[-1]
+    assert "DISCREPANCY in concat_mla_q" in failure and "mla_verify/api.py" not in failure, failure[-3000:]
+    assert "declined by the implementation (mla_verify.unsupported), not checked: one head only, for now" in out
+    if device:
+        assert "SKIPPED" in out and "--mla-verify-device cuda: no CUDA GPU is visible" in out, out[-3000:]
+    assert "1 failed" in out and "passed" in out, out[-3000:]

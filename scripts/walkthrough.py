@@ -1,0 +1,118 @@
+"""Rewrite the output blocks of README.md's walkthrough ("Verify your kernel in 5 minutes") from a
+real run of its commands.
+
+Each block sits between `<!-- walkthrough:NAME -->` and `<!-- /walkthrough:NAME -->` and holds
+what its commands print, run as a user runs them: in a fresh directory outside this checkout with
+examples/*.py copied in (paths under it printed relative to it), on CPU. What differs run to run (a run directory's timestamp, pytest's
+duration and its platform, rootdir and plugins lines) is masked when checking;
+tests/test_examples.py fails when the README drifts from what the commands print.
+
+    .venv/bin/python scripts/walkthrough.py           # from the repository root: rewrite README.md
+    .venv/bin/python scripts/walkthrough.py --check   # exit 1 (and the first difference) if out of date
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+COMMAND = ".venv/bin/python scripts/walkthrough.py"
+RUN_DIR = re.compile(r"runs/fuzz-[\w.-]+?-\d{8}-\d{6}")
+VARYING = [(re.compile(r"\d{8}-\d{6}"), "TIME"), (re.compile(r" in \d+\.\d+s "), " in Ns "),
+           (re.compile(r"^(platform|rootdir:|plugins:) .*$", re.M), r"\1 ...")]
+
+
+def _run(cwd: Path, argv: list[str]) -> tuple[int, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", COLUMNS="80")
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _tool(cwd: Path, command: str) -> tuple[int, str, str]:
+    """(exit code, "$ COMMAND" as the README shows it, what it printed) of a shown command line."""
+    argv = shlex.split(command)
+    prefix = [sys.executable, "-m", "mla_verify.cli"] if argv[0] == "mla-verify" else [sys.executable, "-m", "pytest",
+                                                                                      "-p", "no:cacheprovider"]
+    code, out = _run(cwd, prefix + argv[1:])
+    # Paths as the user's shell sees them: relative to the directory, which the README calls ~/mykernels.
+    out = out.replace(f"{cwd.resolve()}/", "").replace(f"{cwd}/", "").replace(str(cwd.resolve()), "~/mykernels")
+    return code, f"$ {RUN_DIR.sub('runs/fuzz-...', command)}\n", out
+
+
+def blocks() -> dict[str, str]:
+    """Each block's text, from running the walkthrough in a fresh directory."""
+    with tempfile.TemporaryDirectory(prefix="mla-verify-walkthrough-") as tmp:
+        cwd = Path(tmp) / "mykernels"
+        cwd.mkdir()
+        for name in ("my_kernel.py", "test_my_kernel.py"):
+            shutil.copy(ROOT / "examples" / name, cwd / name)
+        found = {}
+        _, _, listed = _tool(cwd, "mla-verify list --op sparse_prefill")
+        shown = listed.split("  implementations (--impl NAME):")[0]
+        found["list"] = shown + "...\n"
+
+        code, shown, out = _tool(cwd, "mla-verify fuzz --op sparse_prefill --impl my_kernel:sparse_prefill_v0 "
+                                      "--profile ci --seed 1")
+        found["fuzz"] = shown + out + f"$ echo $?\n{code}\n"
+        replay = next(line.split("replay: ", 1)[1] for line in out.splitlines() if line.startswith("  replay: "))
+        text = ""
+        for command in (replay, replay.replace("my_kernel:sparse_prefill_v0", "my_kernel:sparse_prefill"),
+                        "mla-verify fuzz --op sparse_prefill --impl my_kernel:sparse_prefill --profile ci --seed 1"):
+            _, shown, out = _tool(cwd, command)
+            text += shown + out
+        found["replay"] = text
+        _, shown, out = _tool(cwd, "pytest --mla-verify-profile ci")
+        found["pytest"] = shown + out
+    return {name: f"```\n{text}```\n" for name, text in found.items()}
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- walkthrough:{name} -->\n", f"<!-- /walkthrough:{name} -->\n"
+
+
+def region(text: str, name: str) -> tuple[int, int]:
+    """Where block `name`'s text lies in `text` (between its markers, each on a line of its own)."""
+    begin, end = _markers(name)
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
+        raise ValueError(f"README.md: no {begin.strip()} ... {end.strip()} region")
+    return start + len(begin), stop
+
+
+def masked(text: str) -> str:
+    for pattern, replacement in VARYING:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def main(argv: list[str]) -> int:
+    text = README.read_text()
+    new = text
+    for name, block in blocks().items():
+        start, stop = region(new, name)
+        if "--check" in argv and masked(new[start:stop]) != masked(block):
+            old_lines, new_lines = masked(new[start:stop]).splitlines(), masked(block).splitlines()
+            first = next((i for i, (a, b) in enumerate(zip(old_lines, new_lines)) if a != b),
+                         min(len(old_lines), len(new_lines)))
+            print(f"README.md's walkthrough block {name!r} is out of date at its line {first + 1}: run {COMMAND}\n"
+                  f"  README:  {old_lines[first] if first < len(old_lines) else '(ends)'}\n"
+                  f"  printed: {new_lines[first] if first < len(new_lines) else '(ends)'}", file=sys.stderr)
+            return 1
+        new = new[:start] + block + new[stop:]
+    if "--check" not in argv and new != text:
+        README.write_text(new)
+        print("README.md: walkthrough blocks rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
