@@ -28,7 +28,7 @@ from .. import metrics as M
 from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, guarded
-from ..mismatch import Compared
+from ..mismatch import Pair
 from ..oracle import measure, verdict
 from ..policy import EXACT, property_bounds
 from ..profiles import Profile
@@ -212,6 +212,6 @@ class PropertySpec:
             if kind != EXACT:
                 m.mismatch_frac = M.exact(got, want).mismatch_frac if got.dtype == want.dtype else math.nan
             rows.append(judged_row(base, f"{c.check}.{c.tensor}", "exact" if kind == EXACT else c.tensor,
-                                   verdict(kind, m, bounds, deviation, Compared(c.tensor, got, want, c.scale)),
+                                   verdict(kind, m, bounds, deviation, Pair(c.tensor, got, want, c.scale)),
                                    time_impl_s=t_impl))
         return rows
