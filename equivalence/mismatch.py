@@ -59,7 +59,8 @@ def describe(kind: str, c: Pair, m: Metrics, bounds: tuple[Bound, ...], metric: 
     if metric == "abs_mean_err":
         parts.append(f"mean {'gain' if kind == LSE else 'relative error'} {m.mean_err:+.3g}: a bias, not rounding")
     if allowed is not None and bool(both.any()):
-        parts.append(_lse_look(c.tensor, impl, ref, both, allowed) if kind == LSE else _gain(c.tensor, impl, ref, both, allowed))
+        look = _lse_look if kind == LSE else _gain
+        parts.append(look(c.tensor, impl, ref, both, allowed))
     return "; ".join(filter(None, parts))
 
 
@@ -127,7 +128,8 @@ def _lse_look(tensor: str, impl: torch.Tensor, ref: torch.Tensor, both: torch.Te
     offset = float((impl - ref)[both].median())
     if matches(impl - offset):
         named = " (ln 2)" if abs(abs(offset) - LN2) < 1e-4 else ""
-        return f"{what} is the reference {'+' if offset > 0 else '-'} {abs(offset):.6g}{named} everywhere: a constant offset"
+        sign = "+" if offset > 0 else "-"
+        return f"{what} is the reference {sign} {abs(offset):.6g}{named} everywhere: a constant offset"
     gain = _gain_of(impl, ref, both)
     if gain not in (0.0, 1.0) and matches(impl / gain):
         return f"{what} is the reference times {gain:.6g} everywhere"
