@@ -21,6 +21,7 @@ import torch
 
 from mla_verify.optimized.registry import Resolved
 
+from .guards import foreign, owned
 from .spec import SPECS
 
 
@@ -53,6 +54,9 @@ def output_problem(name: str, t: Any, *, dtype: torch.dtype, shape: Sequence[int
     """Why output `name` breaks its contract (one line), or None. `device` None: not checked."""
     if not isinstance(t, torch.Tensor):
         return f"{name}: {_describe(t)}, the contract says a torch.Tensor"
+    odd = foreign(name, t)
+    if odd:
+        return odd
     if device is not None:
         want = torch.device(device)
         if t.device.type != want.type or (want.index is not None and t.device.index not in (None, want.index)):
@@ -130,16 +134,22 @@ class _Saved:
 
 class Snapshot:
     """Every tensor of `arguments`, copied byte for byte (whole storages: padding between the
-    rows of a strided view counts) before an implementation runs."""
+    rows of a strided view counts) before an implementation runs. `what` names them in reasons:
+    "input", or "the reference's" for the answer the implementation is judged against (a kernel
+    can reach it through `gc`). Storages `apart_from` saves are left to it (a reference answer
+    that is a view of an input is the input's)."""
 
-    def __init__(self, arguments: Mapping[str, Any]):
+    def __init__(self, arguments: Mapping[str, Any], what: str = "input", apart_from: "Snapshot | None" = None):
+        self.what = what
         self._saved: dict[tuple[str, int], _Saved] = {}
         for name, value in arguments.items():
             for path, t in tensors_in(value, name):
-                if t.device.type == "meta" or t.untyped_storage().nbytes() == 0:
+                if t.device.type == "meta" or t.layout != torch.strided or t.untyped_storage().nbytes() == 0:
                     continue
                 storage = t.untyped_storage()
                 key = (t.device.type, storage.data_ptr())
+                if apart_from is not None and key in apart_from._saved:
+                    continue
                 if key not in self._saved:
                     words = _storage_words(storage, t.device)
                     self._saved[key] = _Saved(storage, words, words.clone(), [])
@@ -152,8 +162,8 @@ class Snapshot:
                    if not any(path.split(".")[0].split("[")[0] in allowed for path, _ in saved.views)]
         return [self._locate(saved) for saved, unchanged in zip(checked, _unchanged(checked)) if not unchanged]
 
-    @staticmethod
-    def _locate(saved: _Saved) -> tuple[str, str]:
+    def _locate(self, saved: _Saved) -> tuple[str, str]:
+        ro = "inputs are read-only" if self.what == "input" else "an implementation never touches the reference"
         for path, t in saved.views:
             before = torch.empty(0, dtype=t.dtype, device=t.device).set_(
                 saved.copy.untyped_storage(), t.storage_offset(), t.size(), t.stride())
@@ -161,25 +171,26 @@ class Snapshot:
             if len(diff):
                 at = tuple(int(i) for i in diff[0])
                 where = ", ".join(map(str, at))
-                return path, (f"{path}: input written by the implementation at [{where}] "
-                              f"({_value(before, at)} -> {_value(t, at)}; {len(diff)} elements changed); "
-                              "inputs are read-only")
+                return path, (f"{path}: {self.what} written by the implementation at [{where}] "
+                              f"({_value(before, at)} -> {_value(t, at)}; {len(diff)} elements changed); {ro}")
         now, before = _storage_as(saved.storage, saved.copy.device, 1), _storage_as(saved.copy.untyped_storage(), saved.copy.device, 1)
         common = min(len(now), len(before))  # a storage resized in place differs past the shorter one
         diff = (now[:common] != before[:common]).nonzero()
         byte = int(diff[0]) if len(diff) else common
         path = saved.views[0][0]
         return path, (f"{path}: bytes outside the tensor's view written (storage byte {byte}, e.g. the padding "
-                      "between cache blocks); inputs are read-only")
+                      f"between cache blocks); {ro}")
 
     def aliased_by(self, name: str, out: Any) -> str | None:
-        """A reason if output `name` shares memory with an input (writing it would write the input)."""
-        if not isinstance(out, torch.Tensor) or out.device.type == "meta" or out.untyped_storage().nbytes() == 0:
+        """A reason if output `name` shares memory with a saved tensor (writing it would write an
+        input; being it would judge the reference against itself)."""
+        if (not isinstance(out, torch.Tensor) or out.layout != torch.strided or out.device.type == "meta"
+                or out.untyped_storage().nbytes() == 0):
             return None
         saved = self._saved.get((out.device.type, out.untyped_storage().data_ptr()))
         if saved is None:
             return None
-        return f"{name}: shares memory with input {saved.views[0][0]} (an output must be a new tensor)"
+        return f"{name}: shares memory with {self.what} {saved.views[0][0]} (an output must be a new tensor)"
 
 
 def _outputs(result: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -193,18 +204,22 @@ def _outputs(result: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 def guard(stage: str, name: str, fn: Callable, writes: Collection[str] = (), views: bool = False) -> Callable:
     """`fn` (implementation `name` of `stage`) with its inputs snapshotted and compared after the
-    call, and its outputs checked for aliasing its inputs; a violation raises ContractError."""
+    call, its outputs checked for being plain dense tensors that alias no input, and handed on as
+    copies of their own (`guards.owned`): a stage returning its static buffer every call would
+    otherwise overwrite what a pipeline or a property holds from its previous call. A violation
+    raises ContractError."""
 
     @functools.wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
         saved = Snapshot({**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs})
         result = fn(*args, **kwargs)
         problems = [reason for _, reason in saved.changed(writes)]
+        problems += [p for out_name, t in _outputs(result) if (p := foreign(out_name, t))]
         if not views:
             problems += [p for out_name, t in _outputs(result) if (p := saved.aliased_by(out_name, t))]
         if problems:
             raise ContractError(f"stage {stage} ({name}): {problems[0]}")
-        return result
+        return result if views else owned(result)
 
     return checked
 

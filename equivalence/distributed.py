@@ -116,6 +116,7 @@ def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tupl
     from mla_verify.optimized.buffers import poisoned
     from mla_verify.optimized.dcp_runtime import forward_mqa_dcp_rank, rank_stages
 
+    from .contract import guarded
     from .subject import pipeline_subject
 
     device_type = device.split(":")[0]
@@ -132,10 +133,10 @@ def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tupl
             result = subject.fn(group=dist.group.WORLD, **kwargs)
             deviations = subject.deviations
         else:
-            resolved = registry.resolve(
+            resolved = guarded(registry.resolve(  # each stage's outputs owned before its next call
                 rank_stages(params.cache_dtype, heads, dist.get_world_size(), params.combine), device_type,
                 subject.overrides,
-            )
+            ))
             result = forward_mqa_dcp_rank(group=dist.group.WORLD, stages=resolved, **kwargs)
             stages = resolved.describe()
             deviations = tuple(sorted({d for impl in resolved.chosen.values() for d in impl.deviations}))

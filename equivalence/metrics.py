@@ -24,12 +24,25 @@ Three kinds of tensor, three ways of measuring:
     elem_bound_ratio max |a - r| / bound over the finite elements, where the op's reference derives a
                     per-element bound (equivalence.bounds): <= 1 for any correct kernel (0 / 0 is 0;
                     an error where the bound is 0, an empty row's output, is inf)
+    bias_units      mean of (a - r) / ulp_bf16(r) over the same sizable elements: the signed error in
+                    bf16 steps at each element's magnitude (ulp = 2**(e - 8) for |r| in [2**(e-1), 2**e)).
+                    It sees an offset; the gain below sees a scale (for which the signs of r cancel here)
+* every float kind:
+    gain            <a - r, r> / <r, r>: the least-squares gain of a = (1 + gain) r + noise (out: over
+                    the sizable elements, as mean_err; a row flushed to zero below the FTZ floor has
+                    no gain to measure; NaN where no element qualifies)
+    gain_se         its standard error, each row (out: vector along the last dim; lse: element) a
+                    cluster: sqrt(G / (G - 1) * sum_rows <e_row, r_row>**2) / <r, r> with e = d - gain r.
+                    The errors of one row share its softmax weights' roundings, so they are not
+                    independent; rows are nearly so. NaN below 2 rows
 * lse and max_logits (fp32 against float64):
     mean_err        (for these, the signed gain <a - r, r> / <r, r>)
     lse_fp32_units  max |a - r| / (2**-24 * (logit_l1 + |r| + 1)): the worst error in fp32 rounding
                     steps of the row's logit scale (logit_l1 = max_j sm_scale * sum_d |q_d K_jd|,
                     what an fp32 dot product's rounding error grows with)
     elem_bound_ratio as for out, against the derived LSE (max_logits) bound
+    bias_units      mean of (a - r) / (2**-24 * (logit_l1 + |r| + 1)): the signed error in the same
+                    fp32 steps, which the roundings of a correct kernel leave near 0
 Both float kinds compare NaN and infinities by position first: +inf, -inf and NaN must sit in
 exactly the reference's places (`inf_mismatch` counts the positions that differ) and NaN the
 reference does not have is counted in `nan_count`. The other metrics use the positions where
@@ -67,6 +80,9 @@ class Metrics:
     elem_bf16_units: float = math.nan  # worst element, in bf16 rounding steps of its row's magnitude
     lse_fp32_units: float = math.nan   # worst LSE error, in fp32 rounding steps of its row's logit scale
     elem_bound_ratio: float = math.nan  # worst element's error / its derived bound (NaN: no bound derived)
+    gain: float = math.nan        # least-squares gain <impl - ref, ref> / <ref, ref>: a scale error's size
+    gain_se: float = math.nan     # its standard error, rows as clusters (NaN below 2 rows)
+    bias_units: float = math.nan  # mean signed error in rounding units (out: bf16 ulps; lse: fp32 steps)
     nan_count: int = 0            # NaN in the implementation's output where the reference has none
     inf_mismatch: int = 0         # positions whose +inf / -inf / NaN pattern differs from the reference
     extra: dict = field(default_factory=dict)  # "shape" (a mismatch), "first_mismatch" (exact), "bound_at"
@@ -150,6 +166,25 @@ def _float_stats(a: torch.Tensor, r: torch.Tensor, extra) -> tuple[Metrics, dict
     return m, values
 
 
+def _gain_terms(d: torch.Tensor, rf: torch.Tensor, rows_last: bool) -> dict[str, torch.Tensor]:
+    """The gain's standard error terms as `extra` scalars: per cluster (a row along the last dim,
+    or each element) its <d, r> and <r, r>, reduced to sum_c <e_c, r_c>**2 with e = d - gain r."""
+    dr, rr = (torch.linalg.vecdot(d, rf), torch.linalg.vecdot(rf, rf)) if rows_last and d.dim() else (d * rf, rf * rf)
+    gain = dr.sum() / rr.sum().clamp(min=torch.finfo(torch.float64).tiny)
+    score = dr - gain * rr
+    return {"gain_dot": dr.sum(), "gain_sq": rr.sum(), "score_sq": torch.dot(score.reshape(-1), score.reshape(-1)),
+            "clusters": (rr > 0).sum(dtype=torch.float64)}
+
+
+def _set_gain(m: Metrics, v: dict[str, float]) -> None:
+    """gain and gain_se from `_gain_terms`' scalars: NaN where no element took part."""
+    if not v["gain_sq"]:
+        return
+    m.gain = v["gain_dot"] / v["gain_sq"]
+    g = v["clusters"]
+    m.gain_se = math.sqrt(g / (g - 1) * v["score_sq"]) / v["gain_sq"] if g >= 2 else math.nan
+
+
 def _bound_ratio(abs_d: torch.Tensor, bound: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """elem_bound_ratio's (value, flat position) as `extra` scalars: max |d| / bound, 0 where d is."""
     if bound is None:
@@ -180,10 +215,13 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch
         elem, elem_argmax = _row_first(abs_d, row_scale)
         sizable = abs_r >= row_scale  # row_scale > 0: never a zero or a non-finite position
         rounding = torch.sub(rf.to(torch.bfloat16), rf).reshape(-1)
+        _, exponent = torch.frexp(rf)   # |r| in [2**(e-1), 2**e): one bf16 step there is 2**(e - 8)
         return {
             "rounding_sq": torch.dot(rounding, rounding), "elem": elem, "elem_argmax": elem_argmax,
             "beyond": (abs_d > elem_units * row_scale).sum(dtype=torch.float64),
             "rel_sum": torch.where(sizable, d / rf, 0.0).sum(), "rel_n": sizable.sum(dtype=torch.float64),
+            "ulp_sum": torch.where(sizable, torch.ldexp(d, 8 - exponent), 0.0).sum(),
+            **_gain_terms(torch.where(sizable, d, 0.0), torch.where(sizable, rf, 0.0), rows_last=True),
             **_bound_ratio(abs_d, bound),
         }
 
@@ -200,6 +238,8 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch
     rounding = max(math.sqrt(v["rounding_sq"]), 2.0**-10 * v["ref_norm"])
     m.bf16_units = v["err_norm"] / rounding if rounding else (0.0 if v["err_norm"] == 0 else math.inf)
     m.mean_err = v["rel_sum"] / v["rel_n"] if v["rel_n"] else 0.0
+    m.bias_units = v["ulp_sum"] / v["rel_n"] if v["rel_n"] else 0.0
+    _set_gain(m, v)
     m.elem_bf16_units = v["elem"]
     m.elem_at = _position(int(v["elem_argmax"]), r.shape)
     m.mismatch_frac = v["beyond"] / r.numel()
@@ -235,11 +275,14 @@ def lse(a: torch.Tensor, r: torch.Tensor, logit_l1: torch.Tensor, bound: torch.T
 
     def extra(d, rf, abs_d):
         scale = lse_unit(rf, logit_l1)
-        return {"units": (abs_d / scale).max() if d.numel() else d.sum(), **_bound_ratio(abs_d, bound)}
+        return {"units": (abs_d / scale).max() if d.numel() else d.sum(), "signed_units": (d / scale).sum(),
+                **_gain_terms(d, rf, rows_last=False), **_bound_ratio(abs_d, bound)}
 
     m, v = _float_stats(a, r, extra)
     m.lse_fp32_units = v["units"] if v["n"] else 0.0
     _set_bound_ratio(m, v, r.shape)
+    _set_gain(m, v)
     if v["n"]:
         m.mean_err = v["dot"] / v["ref_sq"] if v["ref_sq"] else 0.0
+        m.bias_units = v["signed_units"] / v["n"]
     return m

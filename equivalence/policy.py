@@ -328,6 +328,11 @@ PROPERTY_RULES: dict[str, PropertyRule] = {
         True, "every row a kernel reads is a byte copy of the logical row, in the same column order, through "
         "the same kernels with the same split (bf16: HiSparse splits the launch into decode and prefill "
         "tokens, which only a batch-dependent GEMM notices: gemm_batch)"),
+    "cuda_graph.replay": PropertyRule(
+        True, "a replay launches the kernels the eager call launches, on the same bytes copied into the captured "
+        "buffers; FlashMLA and our Triton kernels are deterministic (determinism.rerun)"),
+    "cuda_graph.reference": PropertyRule(
+        False, "each replay against the float64 reference under the op's own bounds (the default and its deviations')"),
     "determinism.rerun": PropertyRule(
         True, "no atomics, fixed reduction orders (FlashMLA prefill and decode measured bitwise on the H200)"),
 }
@@ -437,3 +442,57 @@ DRIFT_DEFAULTS = (
 def drift_metrics(kind: str) -> tuple[DriftMetric, ...]:
     """The drift metrics that apply to tensors of `kind` (reports.kinds)."""
     return tuple(m for m in DRIFT_METRICS if kind in m.floors)
+
+
+# ----------------------------------------------------------------------------- bias
+#
+# Bias (reports.bias, and drift's signed metrics) asks whether a kernel errs the same way in case
+# after case: a gain, a truncated scale, a dropped rounding step, a biased exp. Rounding to nearest
+# errs both ways and averages out over a tensor; a bias does not, and it compounds across a model's
+# 61 layers. Each case's statistic (its row's `gain` or `bias_units`) is one sample: the elements of
+# a case share its softmax weights, its keys and its scales, so they are not independent samples,
+# but cases (seeds drawn apart) are. A group (op, path, tensor, implementation) is judged on the
+# mean over its cases, with a Student t interval at the drift confidence: paired on the per-case
+# differences new - baseline, unpaired by Welch's test, alone (no baseline) against 0. It flags
+# when the whole interval lies beyond the floor: significant at the confidence AND larger than the
+# floor there (a one-sided test of |shift| > floor). The floor is a fraction of the tensor's
+# rounding unit: below it, correct kernels differ systematically (their sm_scale and exp roundings),
+# which many cases resolve and no one should chase; and a group of a few noisy cases whose mean
+# lands past the floor by chance (a gate holds ~200 such tests) is not enough, its interval reaches
+# back inside.
+
+
+@dataclass(frozen=True)
+class BiasMetric:
+    """A signed per-case statistic, the kinds it applies to and, per kind, the floor: the least
+    |mean| (alone) or |mean shift| (against a baseline) that counts as bias, with its reason."""
+
+    name: str
+    unit: str
+    floors: Mapping[str, float]
+    reason: str
+
+
+BIAS_METRICS = (
+    BiasMetric("gain", "relative", {"out": 2.0**-13, "other": 2.0**-13},
+               "u / 32 with u = 2**-8 the bf16 unit roundoff: a gain that size moves every element by 1/32 of "
+               "its rounding and compounds to 0.7% (2 u) across 61 layers. Correct kernels lean less: torch-fp32 "
+               "sparse_prefill means +0.5e-5 to +7.4e-5 over 60 cases (ci profile, seeds 27-34; always positive, a "
+               "real lean of ~2**-14.4, a third of the floor), Triton +1.4e-5 (seed 5); decode +0.4e-5 and +4.2e-5. "
+               "A 2**-10 gain (u / 4) measures 2**-10.9 (bf16-exact outputs, a peaked softmax's, round back and hide "
+               "part of it): paired against its correct twin, shifts of 3.7e-4 to 5.9e-4, the 0.99 interval's lower "
+               "end at least 2.2e-4, 1.8x the floor (2**-11: 1.7e-4 to 3.1e-4, found in 4 of 8 seeds)"),
+    BiasMetric("bias_units", "bf16 ulp (out), fp32 step of the logit scale (lse)",
+               {"out": 1 / 16, "other": 1 / 16, "lse": 2.0, "max_logits": 2.0},
+               "out: 1/16 of a bf16 step at the element's magnitude (correct kernels: |mean| <= 0.005, intervals "
+               "<= 0.015 at 40-60 cases); lse and max_logits: 2 fp32 steps of the logit scale, because a correct "
+               "kernel is allowed that much: sm_scale rounded to fp32 (2**-24 relative) and the fp32 product "
+               "sm_scale * log2(e) each scale every logit of a case the same way, by up to one step each (CPU: "
+               "torch-fp32 and Triton means -0.01 to +0.06 steps). An LSE offset of 4 steps measures 3.99-4.00 "
+               "(intervals +-0.02 at 60 cases), twice the floor"),
+)
+
+
+def bias_metrics(kind: str) -> tuple[BiasMetric, ...]:
+    """The bias metrics that apply to tensors of `kind` (reports.kinds)."""
+    return tuple(m for m in BIAS_METRICS if kind in m.floors)

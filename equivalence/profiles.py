@@ -4,11 +4,19 @@
     dev      CPU or GPU, a broader sweep for a developer's loop
     nightly  long runs: larger shapes, more examples
     gpu      H200: production shapes (topk up to 2048, up to 128 heads, long contexts)
+
+A campaign of Triton kernels on CPU runs them under the interpreter, thousands of times slower
+than compiled: its cases are drawn within `interpreter_s` seconds each (the estimate of
+`equivalence.cost`, `interpreted()`), so a CPU run has a bounded cost. ci's 10 s admits the
+largest problem its properties must pose, HiSparse against the plain path at FP8 (one prefill past
+the plain path's 128-token decode threshold at 32 heads, both paths: 8-9 s), with room for a few
+decodes; every other ci draw estimates under 4 s. Compiled kernels (a GPU) and the eager ones are
+never held to it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -18,25 +26,31 @@ class Profile:
     max_tokens: int               # query tokens of a single-op case
     heads: tuple[int, ...]        # head counts drawn
     prefill_topk: tuple[int, ...]  # multiples of 128 (prefill kernel granularity)
-    decode_topk: tuple[int, ...]   # multiples of 64 (decode kernel granularity)
+    decode_topk: tuple[int, ...]   # multiples of 64 (decode kernel granularity), some odd (routing: decode_topk)
     max_context: int              # longest context a request may have
     max_requests: int
     max_query: int                # longest prefill query
     block_sizes: tuple[int, ...]
     mqa_heads: tuple[int, ...]    # forward_mqa heads: < 32 takes the mixed FP8 path, >= 32 the separate one
     property_examples: int        # fuzz examples per property in the gate (a case runs the implementation 2-6 times)
+    interpreter_s: float | None   # interpreted Triton: the seconds a case may take (None: unbounded)
+    budget_s: float | None = None  # the bound this campaign's draws hold to (`interpreted`); None: none
+
+    def interpreted(self) -> "Profile":
+        """This profile for a campaign of interpreted kernels: draws within `interpreter_s` a case."""
+        return replace(self, budget_s=self.interpreter_s)
 
 
 PROFILES = {
     p.name: p
     for p in (
-        Profile("ci", 6, 4, (1, 8, 16), (128, 256), (64, 128, 192), 320, 3, 6, (64, 128), (8, 16, 32), 3),
+        Profile("ci", 6, 4, (1, 8, 16), (128, 256), (64, 128, 192), 320, 3, 6, (64, 128), (8, 16, 32), 3, 10.0),
         Profile("dev", 40, 16, (8, 16, 32, 64), (128, 256, 512), (64, 128, 256, 512), 1200, 5, 24, (64, 128, 256),
-                (8, 16, 32, 64), 20),
+                (8, 16, 32, 64), 20, 60.0),
         Profile("nightly", 300, 64, (8, 16, 32, 64, 128), (128, 512, 1024, 2048), (64, 256, 1024, 2048), 9000, 8, 128,
-                (64, 128, 256), (8, 16, 24, 32, 64, 128), 150),
-        Profile("gpu", 200, 256, (16, 32, 64, 128), (512, 1024, 2048), (512, 1024, 2048), 20000, 8, 512, (64, 128),
-                (8, 16, 32, 64, 128), 50),
+                (64, 128, 256), (8, 16, 24, 32, 64, 128), 150, 600.0),
+        Profile("gpu", 200, 256, (16, 32, 64, 128), (512, 1024, 2048), (512, 576, 1024, 2048), 20000, 8, 512, (64, 128),
+                (8, 16, 32, 64, 128), 50, None),
     )
 }
 

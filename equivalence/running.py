@@ -4,10 +4,12 @@ spec's `evaluate` is made of.
 The implementation runs after the reference, on its own poisoned outputs
 (`optimized.buffers.poisoned`), with Python's, numpy's and torch's global generators seeded from
 the case (a replay sees what the fuzz run saw). Whatever it does is the case's result, never the
-harness's: raising anything short of KeyboardInterrupt (SystemExit too) fails the case (reason
-"raised"), and so does breaking the contract beyond values (`equivalence.contract`): writing an
-input, returning the wrong arity, type, dtype, shape or device, or an input as output. Inputs
-the case generator builds are valid by contract, so a refusal (InputError) is a failure too.
+harness's: raising anything (SystemExit too, and a KeyboardInterrupt no SIGINT caused) fails the
+case (reason "raised"), and so does breaking the contract beyond values (`equivalence.contract`):
+writing an input, returning the wrong arity, type, layout, dtype, shape or device, or an input as
+output; changing the process for the cases after it, or the functions the judge relies on
+(`equivalence.guards`: both are put back first). Inputs the case generator builds are valid by
+contract, so a refusal (InputError) is a failure too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from mla_verify.optimized.buffers import poisoned
 
 from . import device as dev
+from . import guards
 from .contract import ContractError, Snapshot
 from .oracle import Verdict
 from .rows import Row
@@ -84,19 +87,37 @@ def seed_globals(seed: int) -> None:
 
 def call_implementation(fn: Callable[[], Any], seed: int, device: str,
                         on_call: Callable[[], None] | None = None) -> tuple[Any, float]:
-    """(fn(), seconds) with poisoned outputs and seeded generators; anything it raises (short of
-    KeyboardInterrupt) becomes `Raised`, after the device was synchronized. `on_call` runs just
-    before: an isolation worker starts the case's clock there."""
+    """(fn(), seconds) with poisoned outputs and seeded generators; anything it raises becomes
+    `Raised`, after the device was synchronized, except a KeyboardInterrupt while a SIGINT arrived
+    (the user's Ctrl-C). The process-wide state and the judge's functions are put back after the
+    call; a change to either is `Raised` with a ContractError. `on_call` runs just before: an
+    isolation worker starts the case's clock there."""
     seed_globals(seed)
+    state, judge = guards.ProcessState.now(), guards.JudgeFunctions.now()
     if on_call is not None:
         on_call()
+    error: BaseException | None = None
     try:
-        with poisoned():
-            return timed(fn, device)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # SystemExit, GeneratorExit too: the case's failure, not the run's end
-        raise Raised(exc, dev.synchronize(device)) from None
+        with guards.sigint_watch() as sigints, poisoned():
+            try:
+                result = timed(fn, device)
+            except KeyboardInterrupt as exc:
+                if sigints:
+                    raise
+                error = exc
+            except BaseException as exc:  # SystemExit, GeneratorExit too: the case's failure, not the run's end
+                error = exc
+    finally:
+        changed, patched = state.restore(), judge.restore()
+    if error is not None:
+        raise Raised(error, dev.synchronize(device)) from None
+    if patched:
+        raise Raised(ContractError(f"replaced {', '.join(patched[:4])}{' ...' if len(patched) > 4 else ''}: the "
+                                   "functions the judge relies on are not the implementation's to change (put back)"))
+    if changed:
+        raise Raised(ContractError(f"changed process-wide state: {'; '.join(changed)} (put back: the cases after it "
+                                   "must not inherit it)"))
+    return result
 
 
 def input_rows(base: dict, inputs: Snapshot, writes: tuple[str, ...], **fields) -> list[Row]:

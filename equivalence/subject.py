@@ -27,6 +27,8 @@ from mla_verify import adapters
 from mla_verify.optimized import registry
 
 from .contracts import CONTRACTS, arguments as contract_arguments
+from .device import first_line
+from .guards import sigint_watch
 from .policy import DEVIATIONS
 
 
@@ -52,10 +54,15 @@ def load_callable(spec: str) -> Callable:
         raise UsageError(f"--impl {spec!r}: expected MODULE:CALLABLE or a registered implementation name")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as exc:  # any import failure is the user's input, reported in one line
-        raise UsageError(f"--impl {spec!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    with sigint_watch() as sigints:
+        try:
+            obj = importlib.import_module(module_name)
+        except BaseException as exc:  # SystemExit too (a script-style file): the user's input, in one line
+            if isinstance(exc, KeyboardInterrupt) and sigints:
+                raise  # the user's Ctrl-C
+            what = (f"exited (SystemExit({exc.code!r})): a module --impl names must not end the process"
+                    if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {first_line(exc)}")
+            raise UsageError(f"--impl {spec!r}: cannot import {module_name!r}: {what}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise UsageError(f"--impl {spec!r}: {module_name!r} has no attribute {attr!r}")
@@ -115,7 +122,8 @@ def implementation(stage: str, spec: str, device: str, deviations: Sequence[str]
         return impl
     fn = load_callable(spec)
     check_signature(fn, stage_arguments(stage), f"--impl {spec}")
-    return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}),
+    # A user's kernel is captured as it is called: serving would capture it so.
+    return registry.Implementation(stage=stage, name=spec, fn=fn, devices=frozenset({device}), graph=fn,
                                    deviations=declared_deviations(fn, deviations, f"--impl {spec}"))
 
 
@@ -142,18 +150,31 @@ def _named_everywhere(name: str, device: str) -> dict[str, registry.Implementati
 def stage_overrides(specs: Sequence[str], device: str,
                     deviations: Sequence[str] = ()) -> tuple[dict[str, registry.Implementation], list[str]]:
     """(stage -> implementation, the specs left over) for the --impl strings of something that calls
-    several stages: `STAGE=...` replaces that stage, a registered `NAME` every stage that has one;
-    what is left (MODULE:CALLABLE) is the caller's to take or refuse."""
+    several stages: `STAGE=...` replaces that stage, a registered `NAME` every stage that has one
+    (save those a STAGE= names); what is left (MODULE:CALLABLE) is the caller's to take or refuse.
+    Two --impl choosing for one stage are refused: the last would win silently."""
     overrides: dict[str, registry.Implementation] = {}
+    by: dict[str, str] = {}  # stage -> the --impl that chose it
     rest = []
+    for s in (s for s in specs if "=" in s):
+        stage, impl = _stage_override(s, device, deviations)
+        if stage in by:
+            raise UsageError(f"--impl {by[stage]!r} and --impl {s!r} both replace stage {stage}: name it once")
+        by[stage], overrides[stage] = s, impl
+    explicit = set(by)
     for s in specs:
         if "=" in s:
-            stage, impl = _stage_override(s, device, deviations)
-            overrides[stage] = impl
-        elif ":" not in s:
-            overrides.update(_named_everywhere(s, device))
-        else:
+            continue
+        if ":" in s:
             rest.append(s)
+            continue
+        for stage, impl in _named_everywhere(s, device).items():
+            if stage in explicit:
+                continue  # STAGE=... is the more specific choice
+            if stage in by:
+                raise UsageError(f"--impl {by[stage]!r} and --impl {s!r} both choose stage {stage}'s implementation: "
+                                 f"name one (STAGE=NAME for a single stage)")
+            by[stage], overrides[stage] = s, impl
     return overrides, rest
 
 

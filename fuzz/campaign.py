@@ -4,14 +4,17 @@ discrepancy is shrunk to the smallest case that still fails and saved as a repla
 Nothing found is lost. The first failing case is saved the moment it is seen, then re-run: if a
 re-run passes, the failure is reported as flaky (failed k of n re-runs) and the campaign ends
 there, never in a Hypothesis traceback. A hung case is not re-run or shrunk (each try costs the
-whole timeout). `journal` receives every case's rows as it finishes; `stop_reason` is asked after
-every case (Ctrl-C, a lost CUDA context) and ends the campaign with what it has.
+whole timeout). `started` is told of every case before it runs (a run directory journals it, so a
+case whose process dies in the call is still a finding: `mla_verify.rundir`) and returns the call
+that says it finished; `journal` receives every case's rows as it finishes; `stop_reason` is asked
+after every case (Ctrl-C, a lost CUDA context) and ends the campaign with what it has.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,16 +22,19 @@ from typing import Callable
 
 from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
 from hypothesis.errors import Flaky
+from hypothesis.strategies import SearchStrategy
 
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import get_spec
 from mla_verify.equivalence.profiles import Profile
 from mla_verify.equivalence.rows import Row
+from mla_verify.optimized import registry
 
 from . import casefile
 from .progress import Progress
 
 Runner = Callable[[Case, str], list[Row]]  # (case, source) -> rows
+Started = Callable[[Case, str], Callable[[], None]]  # (case, source) -> the call that says it finished
 RERUNS = 3  # re-runs of the first failing case: a pass among them makes it flaky
 
 
@@ -77,6 +83,18 @@ def _frozen_heap():
         gc.unfreeze()  # collectable again: nothing is kept for good
 
 
+def strategy(op: str, profile: Profile, path: str | None, world_size: int | None, impl_specs: tuple[str, ...],
+             device: str) -> SearchStrategy[Case]:
+    """The cases of a campaign: the op's draws within `profile`, and for interpreted kernels
+    (Triton on CPU) only those the interpreter runs within the profile's budget a case."""
+    spec = get_spec(op)
+    if not registry.interpreted(impl_specs, device.split(":")[0]) or profile.interpreter_s is None:
+        return spec.strategy(profile, path, world_size)
+    budget = profile.interpreted()
+    return spec.strategy(budget, path, world_size).filter(
+        lambda case: spec.interpreted_s(spec.params_of(case.params)) <= budget.budget_s)
+
+
 def fuzz(
     op: str,
     run: Runner,
@@ -92,11 +110,13 @@ def fuzz(
     out_dir: Path | None = None,
     shrink: bool = True,
     progress_label: str | None = None,
+    show_progress: bool = True,
     path: str | None = None,
     world_size: int | None = None,
     reruns: int = RERUNS,
     journal: Callable[[list[Row]], None] | None = None,
     stop_reason: Callable[[], str] = lambda: "",
+    started: Started | None = None,
 ) -> FuzzResult:
     """Run up to `examples` cases of `op`; stop at the first failing case, re-run it, shrink it.
 
@@ -106,7 +126,7 @@ def fuzz(
     are raised after it; the rows so far have reached `journal` by then.
     """
     result = FuzzResult(op, seed, 0)
-    progress = Progress(progress_label or op, examples)
+    progress = Progress(progress_label or op, examples, every_s=5.0 if show_progress else math.inf)
     state: dict = {"shrinking": False, "last": None, "error": None}
     found_by = (f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "")
                 + (f" --world-size {world_size}" if world_size else "") + f" --seed {seed}"
@@ -124,11 +144,15 @@ def fuzz(
         return casefile.save_new(Path(out_dir) / "failures", casefile.stem(op, impl_label or ",".join(impl_specs), case), cf)
 
     def evaluate(case: Case, source: str) -> list[Row]:
+        finished = started(case, source) if started is not None else None
         try:
-            return run(case, source)
+            rows = run(case, source)
         except Exception as exc:  # the harness's own failure: stop now, raise it after the campaign
             state["error"] = exc
             raise StopCampaign("harness error") from None
+        if finished is not None:
+            finished()
+        return rows
 
     def first_failure(case: Case, rows: list[Row]) -> None:
         result.first_failure_at = result.examples
@@ -151,7 +175,7 @@ def fuzz(
     @settings(max_examples=examples, deadline=None, database=None, phases=phases, print_blob=False,
               report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
     @hypothesis_seed(seed)
-    @given(case=get_spec(op).strategy(profile, path, world_size))
+    @given(case=strategy(op, profile, path, world_size, impl_specs, device))
     def search(case: Case) -> None:
         shrinking = state["shrinking"]
         rows = evaluate(case, "shrink" if shrinking else "fuzz")

@@ -20,6 +20,9 @@ from typing import Any
 
 from mla_verify.equivalence.case import CASE_FORMAT, Case
 from mla_verify.equivalence.catalog import validate_case
+from mla_verify.equivalence.files import read_json
+
+CASE_LIMIT = 2**20  # bytes a case file may have (one is under 4 KiB)
 
 
 @dataclass
@@ -106,10 +109,7 @@ def save_new(directory: Path, name: str, cf: CaseFile) -> Path:
 
 def load(path: Path) -> CaseFile:
     """Read and validate a case file; ValueError (or OSError) with the reason otherwise."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc})") from None
+    data = read_json(path, CASE_LIMIT)
     if not isinstance(data, dict):
         raise ValueError(f"a JSON {type(data).__name__}, not an mla-verify case file")
     if data.get("format") != CASE_FORMAT:
@@ -128,13 +128,23 @@ def load(path: Path) -> CaseFile:
     if not isinstance(conventions, list) or not all(isinstance(s, str) for s in conventions):
         raise ValueError("its 'conventions' is not a list of strings")
     failure = data.get("failure", [])
-    if not isinstance(failure, list) or not all(isinstance(f, dict) and {"tensor", "metric", "value", "bound"} <= set(f)
-                                                and isinstance(f["value"], (int, float)) for f in failure):
-        raise ValueError("its 'failure' is not a list of saved rows")
+    if not isinstance(failure, list) or not all(_saved_row(f) for f in failure):
+        raise ValueError("its 'failure' is not a list of saved rows (tensor and metric strings, value and bound numbers)")
     flaky = data.get("flaky")
-    return CaseFile(Case.from_dict(case), tuple(impl), str(data.get("device", "cpu")), failure,
-                    str(data.get("note", "")), tuple(deviations),
-                    tuple(flaky) if isinstance(flaky, list) and len(flaky) == 2 else None, tuple(conventions))
+    if flaky is not None and not (isinstance(flaky, list) and len(flaky) == 2
+                                  and all(isinstance(n, int) and not isinstance(n, bool) for n in flaky)):
+        raise ValueError("its 'flaky' is not [failed, of re-runs]")
+    for key in ("device", "note"):
+        if not isinstance(data.get(key, ""), str):
+            raise ValueError(f"its {key!r} is not a string")
+    return CaseFile(Case.from_dict(case), tuple(impl), data.get("device", "cpu"), failure, data.get("note", ""),
+                    tuple(deviations), tuple(flaky) if flaky else None, tuple(conventions))
+
+
+def _saved_row(f: Any) -> bool:
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    return (isinstance(f, dict) and isinstance(f.get("tensor"), str) and isinstance(f.get("metric"), str)
+            and number(f.get("value")) and number(f.get("bound")) and isinstance(f.get("reason", ""), str))
 
 
 def failure_summary(rows) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ ranks are processes of their own, so it never runs inside the isolation worker.
 from __future__ import annotations
 
 import sys
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from mla_verify.equivalence.spec import Spec
 from mla_verify.equivalence.subject import Subject
 
 from .campaign import FuzzResult, fuzz
+from .progress import Progress
 from .regressions import corpus
 
 
@@ -72,6 +74,18 @@ def odd_ones_out(rows: list[Row]) -> list[str]:
     return lines
 
 
+def _subjects(ops: list[str] | None, kind: str):
+    """(op, --impl strings, subject) of every implementation the gate runs of `ops` on device `kind`."""
+    for op in catalog.select(ops or ["op", "property"]):
+        for label, specs in catalog.get_spec(op).subjects(kind).items():
+            subject = catalog.resolve_subject(op, specs, kind)
+            yield op, specs, Subject(label, subject.fn, subject.overrides, subject.deviations, specs)
+
+
+def _budget(op: str, examples: int | None, profile: Profile) -> int:
+    return examples if examples is not None else catalog.get_spec(op).examples(profile)
+
+
 def run_gate(
     *,
     device: str,
@@ -86,56 +100,68 @@ def run_gate(
     log=None,
     journal: Callable[[list[Row]], None] | None = None,
     stop_reason: Callable[[], str] = lambda: "",
+    started: Callable[..., Callable[[], None]] | None = None,
 ) -> GateResult:
     """`examples` per op (or property) and implementation; None: the profile's budgets. In `ops`,
-    "property" stands for every property. `journal` receives each case's rows as it finishes;
+    "property" stands for every property. `started(case, source, impl=, specs=)` is told of each
+    case before it runs and returns the call that says it finished (`mla_verify.rundir`
+    journals both); `journal` receives each case's rows as it finishes;
     a `stop_reason` (Ctrl-C) ends the gate after the current case. `log`: default the stderr of
     the moment (pytest's capture replaces it between tests)."""
     log = log or sys.stderr
     result = GateResult()
+    kind = device.split(":")[0]
+    progress = Progress("gate", sum(len(corpus(op)) + _budget(op, examples, profile) * len(catalog.get_spec(op).campaigns(s))
+                                    for op, _, s in _subjects(ops, kind)), every_s=10.0, stream=log)
     worker = Worker(device, timeout_s) if isolate else None
     distributed.set_timeout(timeout_s)
     try:
-        for op in catalog.select(ops or ["op", "property"]):
-            spec = catalog.get_spec(op)
-            budget = examples if examples is not None else spec.examples(profile)
+        for op, specs, subject in _subjects(ops, kind):
+            spec, label = catalog.get_spec(op), subject.label
+            budget = _budget(op, examples, profile)
             pinned = corpus(op)
             in_worker = None if spec.own_processes else worker
-            world_size = gate_world_size(spec, device.split(":")[0])
-            for label, specs in spec.subjects(device.split(":")[0]).items():
-                subject = catalog.resolve_subject(op, specs, device.split(":")[0])
-                subject = Subject(label, subject.fn, subject.overrides, subject.deviations, specs)
+            world_size = gate_world_size(spec, kind)
 
-                def run(case: Case, source: str, subject=subject, specs=specs, label=label, worker=in_worker) -> list[Row]:
-                    if worker is not None:
-                        rows = worker.run(case, specs, label, run_id, source, notes=result.notes)
-                        for r in rows:
-                            r.impl = label
-                        return rows
-                    return catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=result.notes)
+            def run(case: Case, source: str, subject=subject, specs=specs, label=label, worker=in_worker) -> list[Row]:
+                if worker is not None:
+                    rows = worker.run(case, specs, label, run_id, source, notes=result.notes)
+                    for r in rows:
+                        r.impl = label
+                else:
+                    rows = catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=result.notes)
+                if source in ("corpus", "fuzz"):
+                    progress.step(any(not r.passed for r in rows), now_at=f"{op} / {label}")
+                return rows
 
-                pinned_rows = []
-                for case, _why in pinned:
-                    if stop_reason():
-                        return result
-                    case_rows = run(case, "corpus")
-                    pinned_rows += case_rows
-                    if journal is not None:
-                        journal(case_rows)
-                result.rows.extend(pinned_rows)
-                for path in spec.campaigns(subject):
-                    if stop_reason():
-                        return result
-                    fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, impl_label=label,
-                              device=device, out_dir=out_dir, progress_label=f"{op} / {label}", path=path,
-                              world_size=world_size, journal=journal, stop_reason=stop_reason)
-                    result.fuzz.append(fz)
-                    result.rows.extend(fz.rows)
-                    where = f"{op} ({path})" if path else op
-                    bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
-                    log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases  "
-                              f"{'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
-                    log.flush()
+            watch = None if started is None else (
+                lambda case, source, label=label, specs=specs: started(case, source, impl=label, specs=specs))
+            pinned_rows = []
+            for case, _why in pinned:
+                if stop_reason():
+                    return result
+                finished = watch(case, "corpus") if watch is not None else None
+                case_rows = run(case, "corpus")
+                if finished is not None:
+                    finished()
+                pinned_rows += case_rows
+                if journal is not None:
+                    journal(case_rows)
+            result.rows.extend(pinned_rows)
+            for path in spec.campaigns(subject):
+                if stop_reason():
+                    return result
+                t0 = time.monotonic()
+                fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, impl_label=label,
+                          device=device, out_dir=out_dir, show_progress=False, path=path,
+                          world_size=world_size, journal=journal, stop_reason=stop_reason, started=watch)
+                result.fuzz.append(fz)
+                result.rows.extend(fz.rows)
+                where = f"{op} ({path})" if path else op
+                bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
+                log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases "
+                          f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
+                log.flush()
     finally:
         if worker is not None:
             worker.close()

@@ -1,4 +1,5 @@
-"""Progress lines for long runs, on stderr, at most every few seconds."""
+"""Progress lines for long runs, on stderr, at most every few seconds: cases done of the total,
+the failing ones, the time so far and an estimate of the time left (at the rate so far)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,21 @@ class Progress:
         self.start = self.last = time.monotonic()
         self.done = self.failed = 0
 
-    def step(self, failed: bool = False) -> None:
+    def step(self, failed: bool = False, now_at: str = "") -> None:
+        """One case done (`failed`: it failed); `now_at` names what runs next."""
         self.done += 1
         self.failed += failed
         now = time.monotonic()
         if now - self.last >= self.every_s:
             self.last = now
-            self.stream.write(f"  [{self.label}] {self.done}/{self.total} cases, {self.failed} failing, "
-                              f"{self.done / (now - self.start):.1f} cases/s\n")
+            self.stream.write(self.line(now) + (f"; {now_at}" if now_at else "") + "\n")
             self.stream.flush()
+
+    def line(self, now: float) -> str:
+        elapsed = now - self.start
+        left = elapsed / self.done * max(self.total - self.done, 0) if self.done else float("nan")
+        return (f"  [{self.label}] {self.done}/{self.total} cases, {self.failed} failing, {elapsed:.0f} s elapsed, "
+                f"~{left:.0f} s left")
 
     @property
     def elapsed(self) -> float:

@@ -149,7 +149,7 @@ def save_worst_case(worst, directory: Path) -> str | None:
         return None
     case = Case.from_dict(json.loads(worst.case))
     cf = casefile.CaseFile(case, worst.impl_specs, worst.device,
-                           note=f"drifted most against the baseline: {worst.label}, {worst.metric} x{worst.ratio:.3g}")
+                           note=f"drifted most against the baseline: {worst.label}, {worst.what()}")
     path = casefile.save(directory / f"{casefile.stem(case.op, ','.join(worst.impl_specs), case)}.json", cf)
     return replay_command(path, worst.impl_specs, worst.device)
 
@@ -256,6 +256,7 @@ def check(
         raise UsageError("isolate=True needs an implementation importable by MODULE:CALLABLE (a module-level "
                          "function); a lambda, closure or partial runs in this process only")
     isolate = ((device_type == "cuda" if isolate is None else isolate) and named) and not own_processes
+    _timeout_needs_isolation(timeout, isolate or own_processes)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     parts = 1 if world_size or not named else (parallel or (_gpu_count() if device_type == "cuda" else 1))
     junit_path = _writable_file(junit, "--junit") if junit is not None else None
@@ -382,10 +383,21 @@ def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | 
         raise UsageError(str(exc)) from None
 
 
+def _timeout_needs_isolation(timeout: float | None, stoppable: bool) -> None:
+    """A timeout is kept only where the call can be stopped: an isolation worker, or rank processes."""
+    if timeout is not None and not stoppable:
+        raise UsageError("--timeout needs --isolate (the default on cuda; isolate=True): an in-process call cannot "
+                         "be stopped, and a timeout that is not kept would let a hang pass")
+
+
 def _writable_file(path: str | Path, what: str) -> Path:
+    from mla_verify.reports.store import run_file
+
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{what} {path}: a directory, not a file")
+    if run_file(path):
+        raise UsageError(f"{what} {run_file(path)}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -464,13 +476,17 @@ def _campaign(plan: _Plan) -> CheckResult:
     def stop_reason() -> str:
         return "interrupted" if interrupt.requested else lost[0] if lost else ""
 
+    started = None if run_dir is None else (
+        lambda case, source: run_dir.case_started(case, source, run_id=plan.run_id, impl=plan.label, specs=plan.specs,
+                                                  device=plan.device, deviations=plan.deviations))
+
     try:
         with interrupt.installed():
             fz = fuzz(plan.op, run, profile=plan.profile, examples=plan.examples, seed=plan.seed,
                       impl_specs=plan.specs, impl_label=plan.label, deviations=plan.deviations,
                       conventions=plan.conventions, device=plan.device,
                       out_dir=out_dir, shrink=plan.shrink, path=plan.path, world_size=plan.world_size,
-                      journal=journal, stop_reason=stop_reason)
+                      journal=journal, stop_reason=stop_reason, started=started)
     except Exception as exc:
         if run_dir:
             detail = exc.detail if isinstance(exc, HarnessError) else traceback.format_exc()
@@ -483,7 +499,7 @@ def _campaign(plan: _Plan) -> CheckResult:
         if worker is not None:
             worker.close()
     if run_dir:
-        run_dir.finish(rows, meta)
+        run_dir.finish(rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
     frame = rows_frame(rows)
     failures = []
     if fz.failure is not None:
@@ -570,6 +586,7 @@ def replay(
     label = _label(subject)
     own_processes = get_spec(cf.case.op).own_processes
     isolate = ((device_type == "cuda" if isolate is None else isolate) and named) and not own_processes
+    _timeout_needs_isolation(timeout, isolate or own_processes)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     log(f"replay {cf.case.short()} on {device} with {label}{', isolated' if isolate else ''}")
     if cf.failure:

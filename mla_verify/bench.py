@@ -13,6 +13,7 @@ per rank down to 16; decode batch 1-128 with s_q 1 and 2; prefill 1k-16k tokens)
              host, CUDA launches (profiler)
   fuzz       cases per second, decode-sized cases of the `gpu` profile, float64 reference on the
              device; per case: drawing it, the reference, the kernel, inputs and judging
+  guards     (CPU and GPU) each guard's cost per case in ms, and isolation's (`mla_verify.guard_bench`)
 On a CPU: the reference at a 128k-token context and a 1024-token prefill streamed under 256 MiB
 (time, peak RSS in fresh processes), harness overhead with its stages, and fuzz
 throughput of the `ci` profile. `--only` picks sections. Prints a table last; writes JSON.
@@ -270,22 +271,31 @@ def stage_profile(case, subject, device: str) -> dict[str, dict]:
     return out
 
 
+def harness_case(device: str):
+    """The production-sized case the harness and guards sections time: decode B=64 s_q=2 H=128
+    topk 2048 on a GPU, B=2 H=16 topk 256 on a CPU."""
+    from mla_verify.equivalence.case import Case
+
+    if device == "cuda":
+        heads, batch, seq = 128, 64, 8192
+    else:
+        heads, batch, seq = 16, 2, 2048
+    return Case("sparse_decode_fp8", {"batch": batch, "s_q": 2, "heads": heads, "topk": TOPK if device == "cuda" else 256,
+                                      "seq_lens": [seq] * batch, "page_size": PAGE, "stride_pad": 0,
+                                      "value_regime": "normal", "scale_rule": "pow2", "sm_scale": SM_SCALE,
+                                      "invalid": []}, 7)
+
+
 def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
     """Harness overhead per compared case and where its time goes, then fuzz throughput with the
     time per case split into drawing it, the reference, the kernel and the rest (inputs, judging)."""
-    from mla_verify.equivalence.case import Case
     from mla_verify.equivalence.catalog import evaluate, resolve_subject
     from mla_verify.equivalence.profiles import get_profile
     from mla_verify.fuzz.campaign import fuzz
 
     out = []
-    if device == "cuda":
-        heads, batch, seq = 128, 64, 8192
-    else:
-        heads, batch, seq = 16, 2, 2048
-    case = Case("sparse_decode_fp8", {"batch": batch, "s_q": 2, "heads": heads, "topk": TOPK if device == "cuda" else 256,
-                                      "seq_lens": [seq] * batch, "page_size": PAGE, "stride_pad": 0,
-                                      "value_regime": "normal", "scale_rule": "pow2", "sm_scale": SM_SCALE, "invalid": []}, 7)
+    case = harness_case(device)
+    heads, batch = case.params["heads"], case.params["batch"]
     subject = resolve_subject("sparse_decode_fp8", [], device)
     evaluate(case, subject, device)  # warm-up: compilation, plans, row pools
     totals, overheads = [], []
@@ -408,7 +418,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = ("kernels", "reference", "harness")
+SECTIONS = ("kernels", "reference", "harness", "guards")
 
 
 def main(args, device: str) -> int:
@@ -430,6 +440,10 @@ def main(args, device: str) -> int:
             rows += bench_reference_cpu(budget)
         if "harness" in sections:
             rows += bench_harness("cpu", "ci", 10 if args.quick else 40)
+    if "guards" in sections:
+        from .guard_bench import bench_guards
+
+        rows += bench_guards(device, harness_case(device), args.quick)
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "seconds": time.time() - started, "quick": args.quick, "sections": list(sections),
             "reference_memory_bytes": budget}

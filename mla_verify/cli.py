@@ -105,9 +105,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _add_isolation(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="run cases in a worker process replaced after a crash, hang or CUDA error (default: on for cuda)")
-    p.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S",
+    p.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
                    help="seconds the implementation may take per case in the worker (start-up and the reference "
-                        "are not counted; default 300)")
+                        "are not counted; default 300); needs --isolate (the default on cuda): an in-process call "
+                        "cannot be stopped")
 
 
 def _add_deviation(p: argparse.ArgumentParser, default: list | None) -> None:
@@ -352,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reference_memory(p)
     p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="the JSON file to write")
     p.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
-    p.add_argument("--only", action="append", choices=("kernels", "reference", "harness"), default=None,
+    p.add_argument("--only", action="append", choices=("kernels", "reference", "harness", "guards"), default=None,
                    help="run only these sections (repeat; default: all)")
     return parser
 
@@ -373,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     from mla_verify.reports.pairing import PairingError
 
     try:
+        if args.command not in ("list", "report"):  # it runs cases: on a device that is there
+            from mla_verify.api import resolve_device
+
+            device = resolve_device(device)
         return COMMANDS[args.command](args, device)
     except (UsageError, PairingError) as exc:  # PairingError: a --pair naming nothing, or nothing comparable
         print(f"mla-verify: {exc}", file=sys.stderr)
@@ -544,6 +549,8 @@ def cmd_gate(args, device: str) -> int:
     from mla_verify.fuzz.campaign import new_seed
     from mla_verify.fuzz.gate import odd_ones_out, run_gate
     from mla_verify.interrupt import Interrupt
+    from mla_verify.api import DEFAULT_TIMEOUT_S
+    from mla_verify.equivalence.subject import UsageError
     from mla_verify.rundir import FreshDir, RunDir
 
     _gate_ops(args.op)
@@ -567,6 +574,9 @@ def cmd_gate(args, device: str) -> int:
     run_dir = RunDir.open(args.out or FreshDir.named("runs", "gate"))
     out = run_dir.path
     isolate = device == "cuda" if args.isolate is None else args.isolate
+    if args.timeout is not None and not isolate:
+        raise UsageError("--timeout needs --isolate (the default on cuda): an in-process call cannot be stopped")
+    timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
     budget = (f"{args.examples}" if args.examples is not None
               else f"{profile.examples} (properties: {profile.property_examples})")
     print(f"mla-verify gate: device {device}, profile {profile.name}, {budget} fuzz examples per op and "
@@ -582,8 +592,10 @@ def cmd_gate(args, device: str) -> int:
                 return _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started)
         with interrupt.installed():
             result = run_gate(device=device, profile=profile, examples=args.examples, seed=seed, run_id=run_id,
-                              out_dir=out, isolate=isolate, timeout_s=args.timeout, ops=args.op,
-                              journal=run_dir.append, stop_reason=lambda: "interrupted" if interrupt.requested else "")
+                              out_dir=out, isolate=isolate, timeout_s=timeout, ops=args.op,
+                              journal=run_dir.append, stop_reason=lambda: "interrupted" if interrupt.requested else "",
+                              started=lambda case, source, impl, specs: run_dir.case_started(
+                                  case, source, run_id=run_id, impl=impl, specs=specs, device=device))
     except BaseException:  # the journal keeps the rows so far; the next run may take the directory's lock
         run_dir.release()
         raise
@@ -591,7 +603,7 @@ def cmd_gate(args, device: str) -> int:
         print(f"note: {note}")
     for line in odd_ones_out(result.rows):
         print(f"odd one out: {line}")
-    run_dir.finish(result.rows, meta)
+    run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupt.requested else meta)
     for fz in result.fuzz:
         if fz.case_file:
             print(f"failing case saved: {fz.case_file}  (mla-verify replay {fz.case_file} --device {device})")
@@ -632,7 +644,9 @@ def _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started) -
     from .parallel import run_parts
 
     ops = catalog.select(args.op or ["op", "property"])
-    child = ["--profile", profile.name, "--seed", str(seed), "--timeout", str(args.timeout)]
+    child = ["--profile", profile.name, "--seed", str(seed)]
+    if args.timeout is not None:
+        child += ["--timeout", str(args.timeout)]
     if args.examples is not None:
         child += ["--examples", str(args.examples)]
     if args.isolate is not None:
@@ -649,9 +663,15 @@ def cmd_report(args, device: str) -> int:
     from mla_verify import reports
     from mla_verify.api import load_run, save_worst_case
 
+    from mla_verify.api import replay_command
+    from mla_verify.rundir import recover_crashed
+
     _, meta = load_run(args.run_dir, "run")
     if meta.get("incomplete"):
-        print(f"note: {args.run_dir} did not finish (killed?): its rows come from its journal")
+        print(f"note: {args.run_dir} stopped early ({meta['stopped']}): its cases not reached have no verdict"
+              if meta.get("stopped") else f"note: {args.run_dir} did not finish (killed?): its rows come from its journal")
+        for line in recover_crashed(args.run_dir, replay_command):
+            print(line)
     if args.baseline is not None:
         load_run(args.baseline, "baseline")
     return reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,

@@ -199,7 +199,7 @@ def tolerance_lines(long: bool = False) -> list[str]:
 def drift_lines(long: bool = False) -> list[str]:
     """The drift comparison's metrics (with the floors they are raised to before any ratio) and
     its option defaults, each with its reason cut to the line (`long`: in full). At most WIDTH."""
-    from mla_verify.equivalence.policy import DRIFT_DEFAULTS, DRIFT_METRICS
+    from mla_verify.equivalence.policy import BIAS_METRICS, DRIFT_DEFAULTS, DRIFT_METRICS
 
     def entry(head: str, reason: str) -> list[str]:
         if long:
@@ -211,6 +211,10 @@ def drift_lines(long: bool = False) -> list[str]:
     for m in DRIFT_METRICS:
         floors = ", ".join(f"{kind} {floor:.3g}" for kind, floor in m.floors.items())
         lines += entry(f"  {m.name:16s} {floors:22s} ", m.reason)
+    lines.append("bias (alone: a warning; against a baseline: drift): the least |mean| or |shift| that counts")
+    for m in BIAS_METRICS:
+        floors = ", ".join(f"{kind} {floor:.3g}" for kind, floor in m.floors.items())
+        lines += entry(f"  {m.name:16s} {floors:22s} ", f"({m.unit}) {m.reason}")
     for option, value, reason in DRIFT_DEFAULTS:
         lines += entry(f"  {option:12s} {value:<8g} ", reason)
     return lines

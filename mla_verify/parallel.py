@@ -98,7 +98,8 @@ def check_in_parts(plan, parts: int, log):
     from .results import CheckResult, Failure
 
     device = plan.device.split(":")[0]
-    child = ["--op", plan.op, "--profile", plan.profile.name, "--timeout", f"{plan.timeout:g}",
+    child = ["--op", plan.op, "--profile", plan.profile.name,
+             *(["--timeout", f"{plan.timeout:g}"] if plan.isolate else []),  # kept only where a call can be stopped
              *(a for spec in plan.specs for a in ("--impl", spec)),
              *(a for name in plan.deviations for a in ("--deviation", name)),
              *(a for c in plan.conventions for a in ("--convention", c)),

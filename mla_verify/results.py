@@ -89,7 +89,10 @@ class CheckResult:
 
     def report(self) -> str:
         """What the CLI prints at the end: PASS with the least headroom, or each failure with its
-        minimized case, failing metric and bound, case file and replay command."""
+        minimized case, failing metric and bound, case file and replay command; then a warning per
+        group biased against the reference (`reports.bias`: never a failure)."""
+        from mla_verify.reports.bias import bias
+
         lines = [f"note: {n}" for n in self.notes]
         for f in self.failures:
             kind = f"FLAKY DISCREPANCY (failed {f.flaky[0]} of {f.flaky[1]} re-runs)" if f.flaky else "DISCREPANCY"
@@ -107,6 +110,8 @@ class CheckResult:
                      else f"seeds {self.seed}..{self.seed + self.campaigns - 1}")
             over = f" over {self.campaigns} campaigns" if self.campaigns > 1 else ""
             lines.append(f"PASS: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}")
+        if len(self.rows):
+            lines += bias(self.rows).lines()
         return "\n".join(lines)
 
     @property

@@ -4,8 +4,11 @@ nothing is ever overwritten:
 
     OUT/.lock           the writing process's pid: a second run into OUT is refused
     OUT/meta.json       what runs (written at the start, completed at the end)
-    OUT/journal.jsonl   one line per row, appended as each case finishes; after a SIGKILL
-                        `mla-verify report OUT` reads it (a torn last line is dropped)
+    OUT/journal.jsonl   a line as each case starts, before its implementation is called, and
+                        one per row as it finishes; after the process died (SIGKILL, SIGSEGV,
+                        os._exit) `mla-verify report OUT` reads it (a torn last line is dropped)
+                        and turns the case that started and never finished into a `crashed`
+                        finding, saved under failures/ (`recover_crashed`)
     OUT/failures/       case files, one per failing case (named by op, implementation, case)
     OUT/rows.parquet    at the end (with rows.csv; written aside, then renamed into place),
                         after which the journal goes
@@ -22,12 +25,14 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.rows import Row
 from mla_verify.equivalence.subject import UsageError
+from mla_verify.fuzz import casefile
 from mla_verify.fuzz.casefile import slug, write_atomic
-from mla_verify.reports.store import JOURNAL, META_JSON, ROWS_CSV, ROWS_PARQUET
+from mla_verify.reports.store import CRASHED, JOURNAL, META_JSON, ROWS_CSV, ROWS_PARQUET, unfinished_cases
 
 LOCK = ".lock"
 _RUN_FILES = (META_JSON, ROWS_PARQUET, ROWS_CSV, JOURNAL, "failures")
@@ -67,10 +72,11 @@ class RunDir:
     def open(cls, out: str | Path | FreshDir) -> "RunDir":
         """Create (or take an empty) run directory and lock it; UsageError if it cannot be
         written, is a file, holds a run, or another run is writing it."""
+        # Absolute from the start: a kernel that changes the working directory must not move the run.
         if isinstance(out, FreshDir):
-            path = cls._fresh(out.path)
+            path = cls._fresh(out.path.absolute())
         else:
-            path = Path(out)
+            path = Path(out).absolute()
             if path.exists() and not path.is_dir():
                 raise UsageError(f"--out {path}: a file, not a directory")
             try:
@@ -131,7 +137,24 @@ class RunDir:
     def append(self, rows: Iterable[Row]) -> None:
         """One case's rows onto the journal, in one write: a kill leaves whole lines and at most
         one torn last line."""
-        lines = "".join(json.dumps(r.to_record(), default=str) + "\n" for r in rows)
+        self._write("".join(json.dumps(r.to_record(), default=str) + "\n" for r in rows))
+
+    def case_started(self, case: Case, source: str, *, run_id: str, impl: str, specs: Sequence[str], device: str,
+                     deviations: Sequence[str] = ()) -> Callable[[], None]:
+        """Journal `case` as started, before its implementation is called: the row it gets if the
+        process never comes back (`reports.store.CRASHED`), and what replays it. Returns the call
+        that journals it finished."""
+        from mla_verify.equivalence.catalog import get_spec
+        from mla_verify.equivalence.running import failure_row
+
+        base = dict(run_id=run_id, case_id=case.case_id, impl=impl, stages="", device=device, seed=case.seed,
+                    source=source, **get_spec(case.op).identity(case))
+        row = failure_row(base, "*", "crashed", CRASHED)
+        self._write(json.dumps({"started": row.to_record(), "impl_specs": list(specs),
+                                "deviations": list(deviations)}, default=str) + "\n")
+        return lambda: self._write(json.dumps({"finished": case.case_id}) + "\n")
+
+    def _write(self, lines: str) -> None:
         if not lines:
             return
         if self._journal is None:
@@ -165,3 +188,22 @@ class RunDir:
     def release(self) -> None:
         self._close_journal()
         (self.path / LOCK).unlink(missing_ok=True)
+
+
+def recover_crashed(run_dir: str | Path, replay_command: Callable[..., str]) -> list[str]:
+    """Save every case a run journaled as started and never finished (its process died during the
+    call) under run_dir/failures as a `crashed` finding, once; a line per case, with the command
+    that replays it isolated (`replay_command`: `mla_verify.api.replay_command`)."""
+    path = Path(run_dir)
+    lines = []
+    for started in unfinished_cases(path / JOURNAL):
+        row, specs = started["started"], tuple(started["impl_specs"])
+        case = Case.from_dict(json.loads(row["case"]))
+        where = path / "failures" / f"{casefile.stem(case.op, ','.join(specs) or row['impl'], case)}-crashed.json"
+        if not where.exists():
+            cf = casefile.CaseFile(case, specs, row["device"], casefile.failure_summary([Row.from_record(row)]),
+                                   note=f"crashed: {CRASHED}", deviations=tuple(started["deviations"]))
+            casefile.save(where, cf)
+        lines.append(f"crashed: {case.short()} started and never finished ({row['impl']}); case saved: {where}\n"
+                     f"  replay: {replay_command(where, specs, row['device'], started['deviations'], isolate=True)}")
+    return lines

@@ -112,7 +112,20 @@ def check_prefill_inputs(
     return sm_scale
 
 
-@register("sparse_prefill", "flash_mla", priority=FLASH_MLA, devices=("cuda",), unavailable=flash_mla_unavailable)
+def launch_sparse_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sparse_prefill` without the checks (for timing): inputs must already pass them."""
+    return _native_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+
+
+@register("sparse_prefill", "flash_mla", priority=FLASH_MLA, devices=("cuda",), unavailable=flash_mla_unavailable,
+          graph=launch_sparse_prefill)
 def sparse_prefill(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -133,18 +146,6 @@ def sparse_prefill(
     return launch_sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
 
 
-def launch_sparse_prefill(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    topk_length: torch.Tensor | None = None,
-    attn_sink: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`sparse_prefill` without the checks (for timing): inputs must already pass them."""
-    return _native_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
-
-
 def check_decode_inputs(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float
 ) -> float:
@@ -160,6 +161,13 @@ def check_decode_inputs(
     return sm_scale
 
 
+def launch_sparse_decode_fp8(
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_decode_fp8` without the checks (for timing): inputs must already pass them."""
+    return _native_decode(q, kv_cache, indices, sm_scale)
+
+
 @register(
     "sparse_decode_fp8",
     "flash_mla",
@@ -167,6 +175,7 @@ def check_decode_inputs(
     devices=("cuda",),
     unavailable=flash_mla_unavailable,
     deviations=("bf16_cache_scale", "bf16_dequant", "split_kv"),
+    graph=launch_sparse_decode_fp8,
 )
 def sparse_decode_fp8(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float
@@ -183,10 +192,3 @@ def sparse_decode_fp8(
     sm_scale = check_decode_inputs(q, kv_cache, indices, sm_scale)
     _check_cuda(q=q, kv_cache=kv_cache, indices=indices)
     return launch_sparse_decode_fp8(q, kv_cache, indices, sm_scale)
-
-
-def launch_sparse_decode_fp8(
-    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sparse_decode_fp8` without the checks (for timing): inputs must already pass them."""
-    return _native_decode(q, kv_cache, indices, sm_scale)

@@ -5,8 +5,8 @@ one or more implementations, each registered with a priority: the lower, the mor
 (`FLASH_MLA` < `TRITON` < `EAGER`), and two implementations of one stage may not share one, so
 the preference order is the priorities' and never the order modules happen to be imported in.
 Each implementation also says which devices it runs on, whether it can run here (flash_mla needs
-its wheel and an SM90/SM100 GPU), and which documented deviations from the exact contract it has
-(their bounds live in `equivalence.policy`).
+its wheel and an SM90/SM100 GPU), which documented deviations from the exact contract it has
+(their bounds live in `equivalence.policy`), and what a CUDA graph captures of it (`graph`).
 
 The default on a device is the first implementation that runs there natively: one that runs only
 under an interpreter (our Triton kernels on CPU, `TRITON_INTERPRET=1`, 10-1000x slower than the
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
+
+import torch
 
 # Priorities, most preferred first: the real flash_mla kernels, our Triton kernels, plain eager
 # PyTorch (or Python). A stage with one implementation may leave it at the default, EAGER; a
@@ -39,10 +41,16 @@ class Implementation:
     doc: str = ""
     interpreted_on: frozenset[str] = frozenset()  # devices where it runs only under an interpreter
     priority: int = EAGER  # lower is preferred; unique within a stage
+    # What serving captures in a CUDA graph: the kernel without its host-side input checks (they
+    # read the inputs on the host, so they run before capture); None: not a graph kernel (the
+    # eager torch-fp32 ones index with boolean masks, a host sync each).
+    graph: Callable | None = field(default=None, compare=False)
 
     def why_not(self, device: str) -> str | None:
         if device not in self.devices:
             return f"runs on {'/'.join(sorted(self.devices))}, not {device}"
+        if device == "cuda" and not torch.cuda.is_available():
+            return "no CUDA GPU is visible"
         return self.unavailable()
 
 
@@ -60,6 +68,7 @@ def register(
     deviations: Iterable[str] = (),
     doc: str = "",
     interpreted_on: Iterable[str] = (),
+    graph: Callable | None = None,
 ) -> Callable[[Callable], Callable]:
     """Decorator: add `fn` as implementation `name` of `stage`, ranked by `priority` (lower is
     preferred); a name or a priority the stage already has is refused."""
@@ -75,6 +84,7 @@ def register(
             doc=doc or (fn.__doc__ or "").strip().split("\n")[0],
             interpreted_on=frozenset(interpreted_on),
             priority=priority,
+            graph=graph,
         )
         impls = _REGISTRY.setdefault(stage, [])
         for other in impls:
@@ -97,6 +107,14 @@ def implementations(stage: str) -> list[Implementation]:
     if stage not in _REGISTRY:
         raise KeyError(f"unknown stage {stage!r}; known: {', '.join(stages())}")
     return list(_REGISTRY[stage])
+
+
+def interpreted(names: Iterable[str], device: str) -> bool:
+    """Whether an implementation called one of `names` (an --impl's NAME or STAGE=NAME) runs only
+    under an interpreter on `device`: a campaign of it is held to the interpreter's budget."""
+    wanted = {n.split("=")[-1] for n in names}
+    return any(impl.name in wanted and device in impl.interpreted_on
+               for impls in _REGISTRY.values() for impl in impls)
 
 
 def select(stage: str, device: str, name: str | None = None) -> Implementation:

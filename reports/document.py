@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from mla_verify.reports.bias import Bias
 from mla_verify.reports.drift import Drift
 from mla_verify.reports.stats import Counts, run_ids
 from mla_verify.reports.terminal import terminal_summary
@@ -32,12 +33,13 @@ class Report:
     baseline_meta: dict[str, Any] | None = None
     baseline_counts: Counts | None = None
     drift: Drift | None = None
+    bias: Bias | None = None                # the run's own bias against the reference (warnings only)
     replay: str | None = None               # the command that replays the case that drifted most
     sections: list[Section] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
-        """1 when a row failed or drift is flagged, else 0."""
+        """1 when a row failed, the run never finished, or drift is flagged, else 0."""
         return int(not self.counts.passed or (self.drift is not None and self.drift.drifted))
 
     @property
@@ -46,4 +48,6 @@ class Report:
 
     def summary(self) -> str:
         text = terminal_summary(self.rows, self.meta)
-        return text + ("\n" + "\n".join(self.drift.lines(self.replay)) if self.drift is not None else "")
+        warnings = self.bias.lines() if self.bias is not None else []
+        drift = self.drift.lines(self.replay) if self.drift is not None else []
+        return "\n".join([text, *warnings, *drift])

@@ -28,13 +28,14 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from mla_verify.equivalence.policy import (DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, DriftMetric,
-                                           drift_metrics)
+from mla_verify.equivalence.policy import (DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, BiasMetric,
+                                           DriftMetric, bias_metrics, drift_metrics)
+from mla_verify.reports.bias import judge, signed
 from mla_verify.reports.fmt import number
 from mla_verify.reports.kinds import annotate
 from mla_verify.reports.pairing import (NothingComparable, pair_implementations, unpaired_implementations,
                                         with_partner)
-from mla_verify.reports.significance import exceeds, more_often_nonzero
+from mla_verify.reports.significance import exceeds, mean_interval, more_often_nonzero, shift_interval
 from mla_verify.reports.stats import grouped, quantile
 
 GROUP_KEYS: tuple[str, ...] = ("op", "path", "tensor", "impl", "base_impl", "deviation", "kind")
@@ -45,11 +46,11 @@ PAIRED, UNPAIRED, TOO_FEW, NEW, GONE = "paired", "unpaired", "too few cases to j
 METRIC_COLUMNS: tuple[str, ...] = (
     *GROUP_KEYS, "metric", "mode", "base_cases", "cur_cases", "paired_cases",
     "base_p50", "cur_p50", "base_p99", "cur_p99", "ratio", "worst_ratio", "worst_case", "p_value",
-    "bitwise_lost", "finding",
+    "bitwise_lost", "base_mean", "cur_mean", "shift", "shift_ci", "floor", "finding",
 )
 GROUP_COLUMNS: tuple[str, ...] = (
     *GROUP_KEYS, "mode", "base_cases", "cur_cases", "paired_cases", "base_failed", "cur_failed",
-    "finding", "metric", "ratio", "worst_ratio", "worst_case", "base_max_abs_p99", "cur_max_abs_p99",
+    "finding", "metric", "ratio", "worst_ratio", "worst_case", "shift", "base_max_abs_p99", "cur_max_abs_p99",
 )
 
 
@@ -83,6 +84,11 @@ class Worst:
     case: str               # the Case as JSON ("" for runs stored before rows carried it)
     impl_specs: tuple[str, ...]
     device: str
+    shift: float = np.nan   # a bias metric's: the group's shift of the mean (its ratio is NaN)
+
+    def what(self) -> str:
+        """"abs_bias x8.89", or for a bias metric "gain shift +5.3e-04"."""
+        return f"{self.metric} x{number(self.ratio)}" if np.isfinite(self.ratio) else f"{self.metric} shift {signed(self.shift)}"
 
 
 def _floored(values: pd.Series, floor: float) -> np.ndarray:
@@ -140,6 +146,31 @@ def _judge_unpaired(m: DriftMetric, floor: float, cur: pd.DataFrame, base: pd.Da
     return rec
 
 
+def _judge_signed(m: BiasMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame, mode: str,
+                  confidence: float) -> dict:
+    """A bias metric's shift of the mean (paired: of the per-case differences), its t interval
+    and p-value; drift when significant and beyond the floor."""
+    nan = np.nan
+    rec = {"base_p50": nan, "cur_p50": nan, "base_p99": nan, "cur_p99": nan, "ratio": nan, "worst_ratio": nan,
+           "worst_case": "", "p_value": nan, "bitwise_lost": 0, "floor": floor, "finding": ""}
+    if mode == PAIRED:
+        both = cur[["case_id", m.name]].merge(base[["case_id", m.name]], on="case_id", suffixes=("", "_base")).dropna()
+        new, old = both[m.name], both[f"{m.name}_base"]
+        shift, ci, p = mean_interval(new - old, confidence)
+        ahead, cases = (new - old), both["case_id"]
+    else:
+        new, old = cur[m.name].dropna(), base[m.name].dropna()
+        shift, ci, p = shift_interval(new, old, confidence)
+        ahead, cases = new, cur.loc[new.index, "case_id"]
+    rec.update(base_mean=float(old.mean()) if len(old) else nan, cur_mean=float(new.mean()) if len(new) else nan,
+               shift=shift, shift_ci=ci, p_value=p)
+    if len(ahead) and np.isfinite(shift):
+        rec["worst_case"] = cases.iloc[int(np.argmax(np.sign(shift or 1.0) * ahead.to_numpy()))]
+    if mode in (PAIRED, UNPAIRED) and judge(shift, ci, floor):
+        rec["finding"] = IMPROVED if abs(rec["cur_mean"]) + floor < abs(rec["base_mean"]) else DRIFT
+    return rec
+
+
 def _group_record(key: tuple, cur: pd.DataFrame | None, base: pd.DataFrame | None, metrics: list[dict]) -> dict:
     def failed(frame):
         return int((~frame["passed"]).sum()) if frame is not None else 0
@@ -161,8 +192,8 @@ def _group_record(key: tuple, cur: pd.DataFrame | None, base: pd.DataFrame | Non
     # the metric that speaks for the group: its worst flagged one, else its largest ratio
     flagged = [m for m in metrics if m["finding"] in FLAGS] or [m for m in metrics if m["finding"]] or metrics
     top = max(flagged, key=lambda m: -np.inf if np.isnan(m["worst_ratio"]) else m["worst_ratio"], default=None)
-    for col in ("metric", "ratio", "worst_ratio", "worst_case"):
-        rec[col] = top[col] if top else (np.nan if "ratio" in col else "")
+    for col in ("metric", "ratio", "worst_ratio", "worst_case", "shift"):
+        rec[col] = top.get(col, np.nan) if top else ("" if col in ("metric", "worst_case") else np.nan)
     return rec
 
 
@@ -241,7 +272,7 @@ class Drift:
 
     def worst_line(self, replay: str | None = None) -> str:
         w = self.worst
-        return (f"drifted most: case {w.case_id} of {w.label}, {w.metric} x{number(w.ratio)}"
+        return (f"drifted most: case {w.case_id} of {w.label}, {w.what()}"
                 + (f": {replay}" if replay else ""))
 
     def context_lines(self) -> list[str]:
@@ -269,7 +300,13 @@ class Drift:
         parts = [] if NEW_FAILURES not in g["finding"] else [
             f"{int(g['cur_failed'])} failed row{'s' * (g['cur_failed'] != 1)}, none in the baseline"]
         for _, m in mine[mine["finding"] != ""].iterrows():
-            if m["finding"] == NOT_BITWISE:
+            if np.isfinite(m["shift"]):
+                over = (f"{int(m['paired_cases'])} paired cases" if m["mode"] == PAIRED
+                        else f"{int(m['base_cases'])} vs {int(m['cur_cases'])} cases, Welch")
+                parts.append(f"{m['metric']} shift {signed(m['shift'])} ± {number(m['shift_ci'])} (t interval at "
+                             f"{self.confidence:g}) over {over}, floor {number(m['floor'])} (mean "
+                             f"{signed(m['base_mean'])} -> {signed(m['cur_mean'])})")
+            elif m["finding"] == NOT_BITWISE:
                 parts.append(f"{m['metric']} was 0 (bitwise) and is not in {int(m['bitwise_lost'])} of "
                              f"{int(m['paired_cases'] or m['cur_cases'])} cases")
             elif m["mode"] == PAIRED:
@@ -297,7 +334,7 @@ def _worst(groups: pd.DataFrame, cur: pd.DataFrame) -> Worst | None:
     row = cur[(cur["case_id"] == g["worst_case"]) & (cur["op"] == g["op"]) & (cur["impl"] == g["impl"])].iloc[0]
     case = row["case"] if "case" in row and isinstance(row["case"], str) else ""
     return Worst(group_label(*(g[k] for k in GROUP_KEYS)), g["metric"], float(g["worst_ratio"]), g["worst_case"],
-                 case, _replay_specs(row), str(row["device"]).split(":")[0])
+                 case, _replay_specs(row), str(row["device"]).split(":")[0], float(g["shift"]))
 
 
 def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DRIFT_FACTOR,
@@ -337,7 +374,13 @@ def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DR
                 rec = (_judge_paired(m, floor, c, b, factor) if mode == PAIRED
                        else _judge_unpaired(m, floor, c, b, factor, alpha, judged=mode == UNPAIRED))
                 records.append({**dict(zip(GROUP_KEYS, key, strict=True)), "metric": m.name, "mode": mode,
-                                "base_cases": len(b), "cur_cases": len(c), "paired_cases": shared, **rec})
+                                "base_cases": len(b), "cur_cases": len(c), "paired_cases": shared, "floor": floor,
+                                **rec})
+            for m in bias_metrics(kind):
+                if c[m.name].notna().any() and b[m.name].notna().any():   # rows stored before it existed lack it
+                    rec = _judge_signed(m, m.floors[kind], c, b, mode, confidence)
+                    records.append({**dict(zip(GROUP_KEYS, key, strict=True)), "metric": m.name, "mode": mode,
+                                    "base_cases": len(b), "cur_cases": len(c), "paired_cases": shared, **rec})
         metric_records += records
         group_records.append(_group_record(key, c, b, records))
     groups = pd.DataFrame.from_records(group_records, columns=list(GROUP_COLUMNS))

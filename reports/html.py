@@ -13,6 +13,7 @@ import pandas as pd
 
 from mla_verify.reports.document import Report, Section
 from mla_verify.reports.drift import FLAGS, GONE, IMPROVED, NEW, TOO_FEW
+from mla_verify.reports.bias_plots import bias_figure
 from mla_verify.reports.drift_plots import drift_figure
 from mla_verify.reports.fmt import cells
 from mla_verify.reports.meta import describe
@@ -43,6 +44,7 @@ tr.note td { background: #fff7e0; }
 .banner { padding: 0.6em 1em; margin: 0.6em 0; border-radius: 4px; font-weight: 600; }
 .banner.pass { background: #e6f5ea; border: 1px solid #2e8b57; }
 .banner.fail { background: #fde8e6; border: 1px solid #c0392b; }
+.banner.warn { background: #fff7e0; border: 1px solid #d98c1f; }
 .banner ul { font-weight: normal; margin: 0.3em 0 0; }
 table.meta td { border: none; padding: 1px 10px 1px 0; white-space: normal; }
 table.meta td:first-child { color: #555; }
@@ -113,6 +115,11 @@ def _banners(report: Report) -> str:
     c = report.counts
     dev = f"; {c.deviation_rows} rows under documented deviations" if c.deviation_rows else ""
     out = [f'<div class="banner {"pass" if c.passed else "fail"}">{escape(c.line() + dev)}</div>']
+    warnings = report.bias.lines() if report.bias is not None else []
+    if warnings:
+        items = "".join(f"<li>{escape(line.removeprefix('warning: '))}</li>" for line in warnings)
+        out.append(f'<div class="banner warn">Bias (a warning, not a failure): {len(warnings)} '
+                   f"group metric{'s' * (len(warnings) != 1)} lean beyond the floor<ul>{items}</ul></div>")
     if report.drift is not None:
         css = "fail" if report.drift.drifted else "pass"
         items = "".join(f"<li>{escape(line.strip())}</li>" for line in report.drift.lines(report.replay)[1:])
@@ -123,7 +130,7 @@ def _banners(report: Report) -> str:
 
 def render_html(report: Report) -> str:
     """The whole report as one HTML document."""
-    plots = figures(report.rows) + [p for p in (drift_figure(report.drift),) if p is not None]
+    plots = figures(report.rows) + [p for p in (drift_figure(report.drift), bias_figure(report)) if p is not None]
     by_section: dict[str, list[Plot]] = {}
     for p in plots:
         by_section.setdefault(p.section, []).append(p)

@@ -45,6 +45,8 @@ def render_markdown(report: Report) -> str:
     out.append(f"**{c.line()}**")
     if c.deviation_rows:
         out.append(f"({c.deviation_rows} rows under documented deviations)")
+    if report.bias is not None:
+        out += [f"- {_escape(line)}" for line in report.bias.lines()]
     for s in report.sections:
         limit = min(s.limit, _MARKDOWN_LIMIT) if s.limit else None
         out += ["", f"### {s.title}", "", s.intro, "", table_markdown(s.table, limit)]

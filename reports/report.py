@@ -11,6 +11,7 @@ from typing import Any
 import pandas as pd
 
 from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
+from mla_verify.reports.bias import bias
 from mla_verify.reports.document import Report, Section
 from mla_verify.reports.drift import Worst, compare
 from mla_verify.reports.fmt import MISSING, header, number
@@ -20,7 +21,8 @@ from mla_verify.reports.kinds import KEY_METRIC, annotate
 from mla_verify.reports.markdown import render_markdown
 from mla_verify.reports.meta import describe
 from mla_verify.reports.stats import Counts, by_group, by_knob, counts, deviation_groups, failures, run_ids
-from mla_verify.reports.store import load_run
+from mla_verify.equivalence.subject import UsageError
+from mla_verify.reports.store import load_run, run_file
 
 _KNOB_TITLES = {"topk": "topk", "heads": "query heads", "value_regime": "value regime",
                 "seq_bucket": "context length (seq_len bucket)", "dcp_size": "DCP world size"}
@@ -54,7 +56,7 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
     """The report of stored rows (as `load_run` returns them), optionally against a baseline run
     (`reports.drift.compare` with these settings; NothingComparable when nothing pairs)."""
     frame = annotate(rows)
-    report = Report(rows=frame, meta=dict(meta), counts=counts(frame))
+    report = Report(rows=frame, meta=dict(meta), counts=counts(frame, bool(meta.get("incomplete"))))
     later = []  # the baseline's sections: after the run's own tables
     if baseline is not None:
         base_rows, base_meta = baseline
@@ -68,7 +70,9 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             f"judged on the median per-case ratio new / old of each drift metric, unpaired ones by a "
             f"one-sided rank test of new > x{factor:g} old at confidence {confidence:g} (at least "
             f"{min_cases} cases a side, else too few cases to judge); values are raised to each metric's "
-            "floor first, so rounding residue makes no ratio. A metric that was 0 (bitwise) and is not is "
+            "floor first, so rounding residue makes no ratio. Bias metrics (gain, bias_units) are judged on the "
+            f"shift of their mean over the cases instead: drift when its t interval at {confidence:g} lies wholly "
+            "beyond the metric's floor. A metric that was 0 (bitwise) and is not is "
             "'no longer bitwise'. ratio / worst ratio: of the metric named; max_abs p99 is shown, never "
             "judged. Improvements never fail the run.", drift.groups, limit=300))
         later.append(Section(
@@ -76,7 +80,9 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             "Every drift metric of every compared group (equivalence.policy.DRIFT_METRICS: bf16_units and "
             "elem_bf16_units for outputs, lse_fp32_units for LSEs, abs_bias = |mean_err|, bound_use = "
             "1 / headroom). Paired: ratio is the median per-case ratio; unpaired: the p99 ratio, with the "
-            "rank test's p-value.", drift.metrics[drift.metrics["mode"] != "too few cases to judge"], limit=600))
+            "rank test's p-value. Bias metrics (equivalence.policy.BIAS_METRICS): the means, their shift (paired: "
+            "the mean per-case difference; unpaired: Welch), the t interval's half-width shift_ci, its p-value "
+            "and the floor.", drift.metrics[drift.metrics["mode"] != "too few cases to judge"], limit=600))
         later.append(Section(
             "side-by-side", "Runs side by side", "What ran, where, and how it ended.",
             _side_by_side(report, base_rows)))
@@ -102,6 +108,16 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             "deviations", "Documented deviations",
             "Rows held to the wider bound of an implementation's documented deviation: expected, "
             "not regressions (as long as they pass).", deviations))
+    report.bias = bias(rows, confidence)
+    warned = len(report.bias.warnings)
+    report.sections.append(Section(
+        "bias", "Bias per path",
+        f"{warned or 'No'} group{'s' * (warned != 1)} biased against the exact reference (a warning, not a failure). "
+        "Per group and bias metric the mean over its cases, each case one sample: gain = <impl - ref, ref> / "
+        "<ref, ref> (outputs), bias_units = the mean signed error in rounding units (bf16 ulps for outputs, fp32 "
+        f"steps of the logit scale for LSEs); ci: the half-width of the t interval at {confidence:g}. Biased: the "
+        "whole interval lies beyond the floor (equivalence.policy.BIAS_METRICS).",
+        report.bias.table))
     report.sections += later[:2]
     for knob, table in by_knob(frame).items():
         if not table.empty:
@@ -123,7 +139,10 @@ def run_report(run_dir: str | Path, baseline: str | Path | None = None,
     directory)` saves the case that drifted most under run_dir/drift/ and returns the command that
     replays it, which the report prints (`mla_verify.api.save_worst_case`; None: nothing saved).
     Returns the exit code: 1 when the run has failures or drift is flagged, else 0
-    (NothingComparable is raised)."""
+    (NothingComparable is raised; UsageError when `html` or `markdown` names a file of a run)."""
+    for target in (html, markdown):
+        if target is not None and (why := run_file(target)):
+            raise UsageError(why)
     rows, meta = load_run(run_dir)
     report = build_report(rows, meta, load_run(baseline) if baseline is not None else None,
                           factor=factor, confidence=confidence, min_cases=min_cases, pairs=pairs)

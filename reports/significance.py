@@ -9,6 +9,11 @@ take average ranks), larger ones the normal approximation with the tie correctio
 
 `more_often_nonzero` is Fisher's exact test of "bitwise in the baseline, not any more": do more of
 the new cases differ from the reference at all than the old ones did?
+
+`mean_interval` and `shift_interval` are Student t intervals for signed statistics (bias: one value
+per case, `equivalence.policy.BIAS_METRICS`): the mean of one sample (or of paired differences), and
+the difference of two means by Welch's test. Cases are the samples; their means are close to normal
+well before the 60 cases a bias is looked for at, and a t interval knows how few it has.
 """
 
 from __future__ import annotations
@@ -59,6 +64,75 @@ def exceeds(new: np.ndarray, old: np.ndarray, factor: float, floor: float) -> fl
         return 1.0
     ranks = pd.Series(np.concatenate([a, b])).rank(method="average").to_numpy()
     return _rank_sum_p(ranks, a.size)
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    if x > (a + 1) / (a + b + 2):                   # the fraction converges fast below the mean
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    front = math.exp(a * math.log(x) + b * math.log1p(-x) - math.lgamma(a) - math.lgamma(b) + math.lgamma(a + b)) / a
+    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        num = (1.0 if i == 0 else m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)) if i % 2 == 0
+               else -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)))
+        d = 1.0 + num * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + num / c if abs(1.0 + num / c) > tiny else tiny
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-15:
+            break
+    return front * (f - 1.0)
+
+
+def t_two_sided(t: float, df: float) -> float:
+    """P(|T| >= |t|) for Student's t with df degrees of freedom."""
+    return _betainc(df / 2, 0.5, df / (df + t * t)) if math.isfinite(t) else 0.0
+
+
+def t_quantile(confidence: float, df: float) -> float:
+    """The half-width, in standard errors, of a two-sided t interval at `confidence` (bisection)."""
+    lo, hi = 0.0, 1.0
+    while t_two_sided(hi, df) > 1 - confidence:
+        lo, hi = hi, 2 * hi
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_two_sided(mid, df) > 1 - confidence else (lo, mid)
+    return hi
+
+
+def _interval(estimate: float, se: float, df: float, confidence: float) -> tuple[float, float, float]:
+    if se == 0:
+        return estimate, 0.0, 1.0 if estimate == 0 else 0.0
+    return estimate, t_quantile(confidence, df) * se, t_two_sided(estimate / se, df)
+
+
+def _clean(values) -> np.ndarray:
+    v = np.asarray(values, dtype="float64")
+    return v[np.isfinite(v)]
+
+
+def mean_interval(values, confidence: float) -> tuple[float, float, float]:
+    """(mean, half-width of its t interval at `confidence`, two-sided p-value of mean 0) of one
+    sample (non-finite values left out); the half-width and p are NaN below 2 values."""
+    v = _clean(values)
+    if v.size < 2:
+        return (float(v.mean()) if v.size else math.nan), math.nan, math.nan
+    return _interval(float(v.mean()), float(v.std(ddof=1)) / math.sqrt(v.size), v.size - 1, confidence)
+
+
+def shift_interval(new, old, confidence: float) -> tuple[float, float, float]:
+    """(mean(new) - mean(old), half-width of Welch's t interval at `confidence`, two-sided p-value
+    of no shift); the half-width and p are NaN with fewer than 2 values a side."""
+    a, b = _clean(new), _clean(old)
+    if a.size < 2 or b.size < 2:
+        return (float(a.mean() - b.mean()) if a.size and b.size else math.nan), math.nan, math.nan
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)) if se else 1.0
+    return _interval(float(a.mean() - b.mean()), se, df, confidence)
 
 
 def more_often_nonzero(new_nonzero: int, n_new: int, old_nonzero: int, n_old: int) -> float:

@@ -142,19 +142,25 @@ class Counts:
     cases: int
     failed_cases: int
     deviation_rows: int
+    incomplete: bool = False   # the run never finished: what it did not reach has no verdict
 
     @property
     def passed(self) -> bool:
-        return self.failed_rows == 0
+        return self.failed_rows == 0 and not self.incomplete
 
     def line(self) -> str:
-        if self.passed:
-            return f"PASS: {self.rows} rows in {self.cases} cases, none failed"
-        return (f"FAIL: {self.failed_rows} of {self.rows} rows failed "
-                f"({self.failed_cases} of {self.cases} cases)")
+        unfinished = " (the run did not finish)" if self.incomplete else ""
+        if self.failed_rows:
+            return (f"FAIL: {self.failed_rows} of {self.rows} rows failed "
+                    f"({self.failed_cases} of {self.cases} cases){unfinished}")
+        if self.incomplete:
+            return (f"INCOMPLETE: the run did not finish: {self.rows} rows in {self.cases} cases, none failed, "
+                    "and the cases it never reached have no verdict")
+        return f"PASS: {self.rows} rows in {self.cases} cases, none failed"
 
 
-def counts(frame: pd.DataFrame) -> Counts:
+def counts(frame: pd.DataFrame, incomplete: bool = False) -> Counts:
+    """The verdict counts of `frame`; `incomplete`: rows of a run that never finished (never a pass)."""
     failed = frame[~frame["passed"]]
     return Counts(
         rows=len(frame),
@@ -162,4 +168,5 @@ def counts(frame: pd.DataFrame) -> Counts:
         cases=frame["case_id"].nunique(),
         failed_cases=failed["case_id"].nunique(),
         deviation_rows=int(expected(frame).sum()),
+        incomplete=bool(incomplete),
     )

@@ -17,8 +17,10 @@ from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
+from mla_verify.equivalence.files import read_json, read_text, regular_file
 from mla_verify.equivalence.rows import COLUMNS, STORED_FIELDS, Row, split_rank
 
 RUN_FORMAT = "mla-verify-run/1"
@@ -26,6 +28,11 @@ ROWS_PARQUET = "rows.parquet"
 ROWS_CSV = "rows.csv"
 META_JSON = "meta.json"
 JOURNAL = "journal.jsonl"  # rows appended as each case finishes (mla_verify.rundir); gone once the run is written
+META_LIMIT = 16 * 2**20   # bytes a meta.json may have
+ROWS_LIMIT = 16 * 2**30   # bytes rows.parquet, rows.csv or a journal may have
+# The reason of the row a case gets when its run's journal says it started and never finished.
+CRASHED = ("the run ended during this case, before its verdict: the process died in the implementation's call "
+           "(os._exit, a signal such as SIGSEGV or SIGKILL, the machine); replay it isolated")
 
 _DTYPE_OF_ANNOTATION = {
     "str": "string",
@@ -75,14 +82,28 @@ def conform(frame: pd.DataFrame) -> pd.DataFrame:
         out["kind"] = [_old_kind(t, e) for t, e in zip(out["tensor"], out["exact"].astype(bool), strict=True)]
     for name, (dtype, optional) in SCHEMA.items():
         if name not in out.columns:
-            if not optional and name not in _DEFAULTS:
+            if not optional and (name not in _DEFAULTS or name == "passed"):  # no verdict is no pass
                 raise ValueError(f"rows lack the required column {name!r}")
             out[name] = None if optional else _DEFAULTS[name]
+        if dtype == "bool":
+            out[name] = _verdicts(out[name], name)
         out[name] = out[name].astype(dtype)
         if optional and dtype == "string":   # an empty knob is an absent knob (as in rows.csv)
             out[name] = out[name].mask(out[name] == "")
     extra = [c for c in out.columns if c not in SCHEMA]
     return out[[*COLUMNS, *extra]].reset_index(drop=True)
+
+
+def _verdicts(column: pd.Series, name: str) -> pd.Series:
+    """A true/false column as stored: bool values only. Anything else (strings, numbers, missing)
+    is refused, never cast: "False" cast to bool is True, and a failing row would read as passed."""
+    if pd.api.types.is_bool_dtype(column.dtype) and not column.isna().any():
+        return column
+    if column.map(lambda v: isinstance(v, (bool, np.bool_))).all():
+        return column.astype(bool)
+    bad = column[~column.map(lambda v: isinstance(v, (bool, np.bool_)))].iloc[0]
+    bad = bad.item() if isinstance(bad, np.generic) else bad
+    raise ValueError(f"rows' column {name!r} holds {bad!r} ({column.dtype}), not true/false")
 
 
 def _parse_csv_column(raw: pd.Series, dtype: str, optional: bool) -> pd.Series:
@@ -128,38 +149,96 @@ def write_run(run_dir: str | Path, rows: Iterable[Row | Mapping[str, Any]] | pd.
     return run_dir
 
 
-def read_journal(path: Path) -> list[dict[str, Any]]:
-    """The row records of a journal; a torn last line (the writer was killed mid-write) is dropped."""
-    lines = Path(path).read_text().splitlines()
+def _journal_lines(path: Path) -> list[dict[str, Any]]:
+    """Every record of a journal; a torn last line (the writer was killed mid-write) is dropped."""
+    lines = read_text(path, ROWS_LIMIT).splitlines()
     records = []
     for i, line in enumerate(lines):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             if i != len(lines) - 1:
                 raise ValueError(f"{path}: line {i + 1} is not a row") from None
             continue
-        if "kind" not in record:  # written before rows had a kind
-            record["kind"] = _old_kind(record["tensor"], record["exact"])
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: line {i + 1} is not a row")
         records.append(record)
     return records
+
+
+def _unfinished(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The started records (mla_verify.rundir.RunDir.case_started) no later line finished."""
+    open_cases: dict[str, dict[str, Any]] = {}
+    for record in records:
+        if "started" in record:
+            open_cases[str(record["started"].get("case_id"))] = record
+        elif "finished" in record:
+            open_cases.pop(str(record["finished"]), None)
+    return list(open_cases.values())
+
+
+def unfinished_cases(path: Path) -> list[dict[str, Any]]:
+    """The cases a journal says started and never finished: {"started": the crashed row's record,
+    "impl_specs": [...], "deviations": [...]} each. None where there is no journal."""
+    return _unfinished(_journal_lines(path)) if Path(path).exists() else []
+
+
+# What a run directory holds that no report or JUnit file may replace: its rows, meta, journal,
+# lock, harness error, and the case files under failures/ and drift/.
+_RUN_OWN = (ROWS_PARQUET, ROWS_CSV, META_JSON, JOURNAL, ".lock", "harness-error.txt")
+_RUN_DIRS = ("failures", "drift")
+
+
+def _holds_run(directory: Path) -> bool:
+    return any((directory / name).exists() for name in (ROWS_PARQUET, ROWS_CSV, META_JSON, JOURNAL))
+
+
+def run_file(path: str | Path) -> str | None:
+    """Why writing `path` would overwrite a file of a run (one line), or None."""
+    path = Path(path).resolve()
+    for directory, parts in ((path.parent, (path.name,)), (path.parent.parent, (path.parent.name, path.name))):
+        if _holds_run(directory) and (parts == (parts[0],) and parts[0] in _RUN_OWN or parts[0] in _RUN_DIRS
+                                      and len(parts) == 2):
+            return (f"{path} is a file of the run in {directory}; runs are never overwritten: write the report "
+                    "elsewhere")
+    return None
+
+
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    """The row records of a journal, and a `crashed` row (reason CRASHED) for every case that
+    started and never finished."""
+    records = _journal_lines(path)
+    rows = [r for r in records if "started" not in r and "finished" not in r]
+    rows += [dict(u["started"]) for u in _unfinished(records)]
+    for record in rows:
+        if "tensor" not in record or "passed" not in record:
+            raise ValueError(f"{path}: a line is not a row (no tensor or verdict)")
+        if "kind" not in record:  # written before rows had a kind
+            record["kind"] = _old_kind(record["tensor"], record.get("exact", False))
+    return rows
 
 
 def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     """(rows, meta) of a run written by `write_run`: rows.parquet, or rows.csv where the parquet
     file is absent (a run copied around as text), or the journal of a run that never finished
-    (meta then says "incomplete": true)."""
+    (meta then says "incomplete": true, as it does for a run that recorded it stopped early). Only regular files of a bounded size are read
+    (`equivalence.files`); ValueError (or OSError) with the reason otherwise."""
     run_dir = Path(run_dir)
     parquet, csv, journal = run_dir / ROWS_PARQUET, run_dir / ROWS_CSV, run_dir / JOURNAL
     incomplete = False
     if parquet.exists():
+        regular_file(parquet, ROWS_LIMIT)
         frame = conform(pd.read_parquet(parquet))
     elif csv.exists():
+        regular_file(csv, ROWS_LIMIT)
         frame = read_csv_rows(csv)
     elif journal.exists():
         frame, incomplete = rows_frame(read_journal(journal)), True
     else:
         raise FileNotFoundError(f"{run_dir} holds no {ROWS_PARQUET}, {ROWS_CSV} or {JOURNAL}: not a run")
     meta_path = run_dir / META_JSON
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    return frame, {**meta, "incomplete": True} if incomplete else meta
+    meta = read_json(meta_path, META_LIMIT) if meta_path.exists() else {}
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path} is a JSON {type(meta).__name__}, not an object")
+    # a run stopped before its budget (Ctrl-C, SIGTERM, a lost CUDA context) is incomplete too
+    return frame, {**meta, "incomplete": True} if incomplete or meta.get("stopped") else meta

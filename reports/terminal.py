@@ -67,7 +67,7 @@ def terminal_summary(rows: pd.DataFrame, meta: Mapping[str, Any] | None = None) 
           number(r.max)] for r in by_kind.itertuples()],
         "lrrlrrr",
     )
-    c = counts(frame)
+    c = counts(frame, bool((meta or {}).get("incomplete")))
     if c.deviation_rows:
         dev = frame[expected(frame)]
         per_name = dev["deviation"].value_counts().sort_index()

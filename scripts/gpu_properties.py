@@ -1,7 +1,7 @@
 """Every property (equivalence.properties) for every implementation here, at production shapes: one table.
 
-    PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu_properties.py [--impl NAME ...] [--examples N] [--seed S]
-                                                                [--out DIR] [--no-pinned] [--device cuda|cpu]
+    PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu_properties.py [--impl NAME ...] [--property NAME ...]
+                                    [--examples N] [--seed S] [--out DIR] [--no-pinned] [--device cuda|cpu]
 
 For each property, each implementation of the stages it tests that runs here (on an H200:
 flash_mla, triton, torch-fp32) and each target it covers: one pinned case at production shapes
@@ -31,6 +31,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
     p.add_argument("--impl", action="append", default=None, metavar="NAME", help="default: every one that runs here")
+    p.add_argument("--property", action="append", default=None, metavar="NAME", help="default: every property")
     p.add_argument("--examples", type=int, default=0, help="drawn cases per property, implementation and target")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/properties"))
@@ -47,7 +48,7 @@ def summary(rows) -> list[str]:
              f"{'worst: metric value / bound (deviation)':48s} {'s':>6s}"]
     for (path, tensor, impl), group in sorted(groups.items()):
         worst = min(group, key=lambda r: (r.passed, r.headroom))
-        fractions = [r.mismatch_frac for r in group]
+        fractions = [r.metrics.mismatch_frac for r in group]
         bitwise = ("n/a" if all(f != f for f in fractions)  # float64 answers (a merge) have no bits to compare
                    else "yes" if all(f == 0 for f in fractions) else "no")
         detail = (f"{worst.gate_metric} {worst.value:.3g} / {worst.bound:.3g}" if worst.gate_metric != "raised"
@@ -76,10 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     run_id = f"properties-{time.strftime('%Y%m%d-%H%M%S')}"
     meta = reports.collect_meta(profile.name, [args.seed], device, command=shlex.join(["gpu_properties.py", *sys.argv[1:]]))
     started, rows, notes = time.monotonic(), [], set()
-    for prop in specs("property"):
+    for prop in [p for p in specs("property") if not args.property or p.short in args.property]:
         name = prop.short
-        for impl in [i for i in prop.implementations(device) if not args.impl or i in args.impl]:
-            subject = resolve_subject(prop.name, [impl], device)
+        for impl, impl_specs in prop.subjects(device).items():
+            if args.impl and impl not in args.impl:
+                continue
+            subject = resolve_subject(prop.name, impl_specs, device)
 
             def run(case: Case, source: str, subject=subject) -> list:
                 return evaluate(case, subject, device, run_id=run_id, source=source, notes=notes)

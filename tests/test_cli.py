@@ -217,3 +217,37 @@ def test_fuzz_help_names_every_forward_mqa_path(capsys):
     assert main(["fuzz", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
     assert all(path in text for path in FORWARD_PATHS), [p for p in FORWARD_PATHS if p not in text]
+
+
+# ----------------------------------------------------------------------------- a device that is not there
+
+NO_GPU = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a CUDA GPU")
+
+
+@NO_GPU
+@pytest.mark.parametrize("argv", [["gate"], ["fuzz", "--op", "sparse_prefill"], ["replay", "fuzz/corpus/concat_mla_q.json"],
+                                  ["bench", "--quick"]])
+def test_device_cuda_without_a_gpu_is_a_usage_error_in_one_line(capsys, tmp_path, argv):
+    """Issue 29: the gate printed a worker traceback, waited 300 s and exited 3 with a run directory."""
+    out = tmp_path / "run"
+    code, text = run(capsys, *argv, "--device", "cuda", *(["--out", str(out)] if argv[0] != "replay" else []))
+    assert code == 2
+    assert text.strip().splitlines() == ["mla-verify: device cuda asked for, but no CUDA GPU is visible"]
+    assert not out.exists()
+
+
+@NO_GPU
+def test_check_without_a_gpu_raises_a_usage_error():
+    import mla_verify
+
+    with pytest.raises(mla_verify.UsageError, match="no CUDA GPU is visible"):
+        mla_verify.check("sparse_prefill", device="cuda", examples=1)
+
+
+@NO_GPU
+def test_list_for_cuda_on_a_cpu_machine_calls_nothing_available(capsys):
+    code, text = run(capsys, "list", "--device", "cuda", "--op", "sparse_prefill")
+    assert code == 0
+    impls = text.split("implementations (--impl NAME):")[1]
+    assert "available" not in impls.replace("unavailable", "")
+    assert "triton       unavailable: no CUDA GPU is visible" in impls

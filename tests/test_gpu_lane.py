@@ -2,6 +2,8 @@
 passes for every implementation that runs there (flash_mla, compiled Triton, torch-fp32)."""
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch
 from mla_verify.equivalence.catalog import evaluate, get_spec, names, resolve_subject
 from mla_verify.fuzz.regressions import corpus
 
+REPO = Path(__file__).resolve().parent.parent
 CASES = [(op, case) for op in names("op") for case, _ in corpus(op)]
 
 
@@ -57,3 +60,23 @@ def test_corpus_passes_for_every_implementation_on_cuda(op, case):
         rows = evaluate(case, resolve_subject(op, specs, "cuda"), "cuda", source="corpus")
         failing = [f"{label} {r.tensor}: {r.reason}" for r in rows if not r.passed]
         assert not failing, failing
+
+
+def test_the_properties_script_runs_its_loop_on_cpu(tmp_path, capsys):
+    """scripts/gpu_properties.py (the lane's `properties` step) walks each property's subjects and
+    targets, writes its rows and prints its table; on CPU one drawn case per target, no pinned ones."""
+    import importlib.util
+
+    from mla_verify import reports
+
+    spec = importlib.util.spec_from_file_location("gpu_properties", REPO / "scripts" / "gpu_properties.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    code = script.main(["--device", "cpu", "--no-pinned", "--examples", "1", "--impl", "torch-fp32",
+                        "--property", "determinism", "--property", "cuda_graph", "--out", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    rows = reports.load_run(tmp_path)[0]
+    assert set(rows["path"]) == {"determinism"} and set(rows["impl"]) == {"torch-fp32"}
+    assert {json.loads(c)["params"]["target"] for c in rows["case"]} == set(get_spec("property:determinism").targets)
+    assert all(f"determinism            rerun.{t}" in text for t in ("out", "lse")), text

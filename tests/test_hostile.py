@@ -376,3 +376,187 @@ def test_a_kernel_repos_own_pytest_file_uses_the_api_from_outside_the_repo(tmp_p
                           cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "4 passed" in done.stdout
+
+
+# ----------------------------------------------------------------------------- a PASS means the kernel is right (issue 24)
+
+
+def test_a_racy_kernel_returning_its_static_buffer_fails_determinism_and_a_correct_one_passes(capsys, tmp_path):
+    racy = "sparse_prefill=tests.hostile.cpu:static_prefill_racy"
+    code, text = run(capsys, "fuzz", "--op", "property:determinism", "--impl", racy, "--path", "sparse_prefill",
+                     "--examples", 4, "--seed", 1, "--device", "cpu", "--profile", "ci", "--no-shrink",
+                     "--out", tmp_path / "racy")
+    assert code == 1 and "rerun.out" in text and Path(saved_case(text)).exists()
+    from mla_verify import check
+
+    for op in ("property:determinism", "property:padding_and_order"):
+        result = check(op, {"sparse_prefill": "tests.hostile.cpu:static_prefill"}, examples=4, seed=1, profile="ci",
+                       device="cpu", path="sparse_prefill")
+        assert result.passed, result.report()
+    result = check(op, {"sparse_prefill": "tests.hostile.cpu:static_prefill_racy"}, examples=4, seed=1,
+                   profile="ci", device="cpu", path="sparse_prefill", shrink=False)
+    assert not result.passed  # padding_and_order's permuted call no longer compares a buffer with itself
+    result = check("forward_mqa", {"sparse_prefill": "tests.hostile.cpu:static_prefill"}, examples=2, seed=1,
+                   profile="ci", device="cpu", path="fp8_mixed_dcp")
+    assert result.passed, result.report()  # every rank's prefill into the same buffer
+
+
+def test_a_kernel_changing_global_state_fails_its_case_and_nothing_after_it_inherits_the_change(tmp_path,
+                                                                                               monkeypatch):
+    import torch
+
+    from mla_verify import check
+
+    monkeypatch.chdir(tmp_path)
+    for impl in ("sets_default_dtype", "changes_directory", "turns_off_grad"):
+        result = check("quantize_fp8_ds_mla", f"tests.hostile.cpu:{impl}", examples=3, seed=1, profile="ci",
+                       device="cpu", out="run-" + impl, shrink=False)
+        assert not result.passed and result.failure.metric == "contract"
+        assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
+        assert Path.cwd() == tmp_path and (tmp_path / f"run-{impl}" / "rows.parquet").exists()  # --out did not move
+
+
+def test_a_module_that_exits_at_import_is_a_usage_error_in_one_line(capsys, tmp_path):
+    from mla_verify import UsageError, check
+    from mla_verify.fuzz import casefile
+
+    impl = "tests.hostile.exits_at_import:quantize"
+    path = casefile.save(tmp_path / "c.json", casefile.CaseFile(Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 1)))
+    for argv in (["fuzz", "--op", "quantize_fp8_ds_mla"], ["replay", path]):
+        code, text = run(capsys, *argv, "--impl", impl, "--device", "cpu")
+        assert code == 2 and len(text.strip().splitlines()) == 1
+        assert "cannot import 'tests.hostile.exits_at_import': exited (SystemExit(0))" in text
+    with pytest.raises(UsageError, match="SystemExit"):
+        check("quantize_fp8_ds_mla", impl, device="cpu")
+
+
+def test_a_keyboard_interrupt_the_kernel_raises_is_its_failure_not_the_users_ctrl_c(capsys, tmp_path):
+    from mla_verify import check
+
+    code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:raises_keyboard_interrupt",
+                     "--examples", 3, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run")
+    assert code == 1 and "INTERRUPTED" not in text and "raised KeyboardInterrupt" in text
+    result = check("quantize_fp8_ds_mla", "tests.hostile.cpu:raises_keyboard_interrupt", examples=2, device="cpu",
+                   profile="ci")  # in pytest: a failing result, not the end of the session
+    assert not result.passed and not result.interrupted and result.failure.metric == "raised"
+
+
+@pytest.mark.parametrize("impl, says", [("tests.hostile.cpu:exits_on_third_call", "exit code 0"),
+                                        ("tests.hostile.cpu:segfaults_on_third_call", "SIGSEGV")])
+def test_a_kernel_that_ends_the_process_mid_run_is_a_saved_crashed_finding_never_a_pass(capsys, tmp_path, impl, says):
+    proc = cli("fuzz", "--op", "quantize_fp8_ds_mla", "--impl", impl, "--examples", 10, "--seed", 1, "--device", "cpu",
+               "--profile", "ci", "--out", tmp_path / "run")
+    proc.communicate(timeout=600)
+    assert says in (f"exit code {proc.returncode}" if proc.returncode >= 0 else signal.Signals(-proc.returncode).name)
+    for _ in range(2):  # a second report finds the same finding, saved once
+        code, text = run(capsys, "report", tmp_path / "run")
+        assert code == 1 and "PASS" not in text and "crashed: quantize_fp8_ds_mla(" in text, text
+        assert "replay: mla-verify replay" in text and "--isolate" in text
+    saved = list((tmp_path / "run" / "failures").glob("*-crashed.json"))
+    assert len(saved) == 1 and json.loads(saved[0].read_text())["failure"][0]["metric"] == "crashed"
+    code, text = run(capsys, "replay", saved[0], "--device", "cpu", "--impl", impl)
+    assert "Traceback" not in text and code in (0, 1)  # the replayed call is its first: no crash, and no traceback
+
+
+def test_sigterm_is_handled_as_ctrl_c_and_report_never_says_pass_for_the_stopped_run(capsys, tmp_path):
+    proc = cli("fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:sigterm_on_third_call",
+               "--examples", 10, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run")
+    text, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 130 and "interrupted (SIGTERM)" in text and "INTERRUPTED" in text, text
+    assert (tmp_path / "run" / "rows.parquet").exists()
+    code, text = run(capsys, "report", tmp_path / "run")
+    assert code == 1 and "INCOMPLETE" in text and "PASS" not in text
+
+
+def test_an_odd_output_layout_is_a_contract_failure_with_a_saved_case_that_replays(capsys, tmp_path):
+    impl = "tests.hostile.cpu:sparse_out"
+    code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", impl, "--examples", 3, "--seed", 1,
+                     "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run")
+    assert code == 1 and "layout sparse_coo" in text and "Traceback" not in text
+    code, text = run(capsys, "replay", saved_case(text), "--device", "cpu", "--impl", impl)
+    assert code == 1 and "reproduced" in text and "Traceback" not in text
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:sleeps", "--timeout", "2"],
+     "--timeout needs --isolate"),
+    (["replay", "c.json", "--impl", "tests.hostile.cpu:sleeps", "--timeout", "2"], "--timeout needs --isolate"),
+    (["gate", "--timeout", "2", "--op", "convert_index"], "--timeout needs --isolate"),
+    (["fuzz", "--op", "forward_mqa", "--impl", "sparse_prefill=torch-fp32", "--impl", "sparse_prefill=triton"],
+     "both replace stage sparse_prefill"),
+    (["fuzz", "--op", "property:determinism", "--impl", "triton", "--impl", "torch-fp32"], "both choose stage"),
+])
+def test_an_option_that_would_be_ignored_is_refused(capsys, tmp_path, argv, says):
+    from mla_verify.fuzz import casefile
+
+    casefile.save(tmp_path / "c.json", casefile.CaseFile(Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 1)))
+    argv = [str(tmp_path / a) if a == "c.json" else a for a in argv]
+    code, text = run(capsys, *argv, "--device", "cpu")
+    assert code == 2 and says in text and len(text.strip().splitlines()) == 1
+
+
+def _finished_run(capsys, path: Path) -> Path:
+    assert run(capsys, "fuzz", "--op", "convert_index", "--impl", "torch-fp32", "--examples", 1, "--device", "cpu",
+               "--profile", "ci", "--out", path)[0] == 0
+    return path
+
+
+def test_report_and_junit_files_never_replace_a_runs_own(capsys, tmp_path):
+    done = _finished_run(capsys, tmp_path / "done")
+    before = {p.name: p.read_bytes() for p in done.iterdir() if p.is_file()}
+    for flag, name in (("--html", "rows.parquet"), ("--markdown", "meta.json"), ("--html", "rows.csv")):
+        code, text = run(capsys, "report", done, flag, done / name)
+        assert code == 2 and "is a file of the run in" in text and len(text.strip().splitlines()) == 1
+    code, text = run(capsys, "fuzz", "--op", "convert_index", "--examples", 1, "--device", "cpu", "--profile", "ci",
+                     "--junit", done / "rows.csv", "--out", tmp_path / "other")
+    assert code == 2 and "is a file of the run in" in text
+    assert all(before[p.name] == p.read_bytes() for p in done.iterdir() if p.name in before)
+
+
+@pytest.mark.parametrize("spoil, says", [
+    (lambda f: f.drop(columns=["passed"]), "lack the required column 'passed'"),
+    (lambda f: f.assign(passed=f.passed.map({True: "True", False: "False"})), "column 'passed' holds 'True'"),
+    (lambda f: f.assign(passed=1), "column 'passed' holds 1"),
+])
+def test_a_run_whose_verdict_column_is_missing_or_mistyped_exits_2(capsys, tmp_path, spoil, says):
+    import pandas as pd
+
+    done = _finished_run(capsys, tmp_path / "done")
+    spoil(pd.read_parquet(done / "rows.parquet")).to_parquet(done / "rows.parquet")
+    code, text = run(capsys, "report", done)
+    assert code == 2 and says in text and len(text.strip().splitlines()) == 1
+
+
+def _case(**changes) -> dict:
+    body = {"format": "mla-verify-case/1", "case": Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 1).to_dict()}
+    return {**body, **changes}
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda p: p.write_text("[" * 100000 + "]" * 100000), "nested too deeply"),
+    (lambda p: p.write_text(json.dumps(_case(failure=[{"tensor": "rows", "metric": "m", "value": 1, "bound": "0"}]))),
+     "its 'failure' is not a list of saved rows"),
+    (lambda p: p.write_text(json.dumps(_case(case={"op": "property:determinism", "seed": 1, "params": {"target": ["x"]}}))),
+     "target ['x'] is not one of"),
+    (lambda p: p.write_text(json.dumps(_case(flaky="yes"))), "its 'flaky' is not"),
+    (lambda p: p.symlink_to("/dev/zero"), "is a device, not a regular file"),
+    (lambda p: os.mkfifo(p), "is a FIFO, not a regular file"),
+    (lambda p: p.write_bytes(b" " * (2**20 + 1)), "over the 1048576"),
+])
+def test_a_hostile_case_file_exits_2_in_one_line_without_reading_it_whole(capsys, tmp_path, make, says):
+    make(tmp_path / "c.json")
+    code, text = run(capsys, "replay", tmp_path / "c.json", "--device", "cpu")
+    assert code == 2 and says in text and len(text.strip().splitlines()) == 1, text
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda d: (d / "meta.json").write_text("[1, 2]"), "a JSON list, not an object"),
+    (lambda d: ((d / "meta.json").unlink(), (d / "meta.json").symlink_to("/dev/zero")), "is a device"),
+    (lambda d: ((d / "rows.parquet").unlink(), os.mkfifo(d / "rows.parquet")), "is a FIFO"),
+    (lambda d: (d / "meta.json").write_text("[" * 100000 + "]" * 100000), "nested too deeply"),
+])
+def test_a_hostile_run_directory_exits_2_in_one_line(capsys, tmp_path, make, says):
+    done = _finished_run(capsys, tmp_path / "done")
+    make(done)
+    code, text = run(capsys, "report", done)
+    assert code == 2 and says in text and len(text.strip().splitlines()) == 1, text

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from mla_verify.optimized import registry
 
+from .. import cost
 from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, output_problem
@@ -116,6 +117,10 @@ class OpSpec:
     def examples(self, profile: Profile) -> int:
         return profile.examples
 
+    def interpreted_s(self, params: Params) -> float:
+        """The Triton interpreter's seconds for a case (equivalence.cost)."""
+        return cost.interpreted_s(params)
+
     def identity(self, case: Case, params: Params | None = None) -> dict[str, Any]:
         """The op, path, case and knob columns of `case`'s rows (`params`: its params, typed already)."""
         params = self.params_of(case.params) if params is None else params
@@ -161,6 +166,7 @@ class OpSpec:
         kwargs = self.inputs(params, case.seed, device)
         ref, t_ref = timed(lambda: self.reference(kwargs, params), device)
         inputs = Snapshot(kwargs)
+        answer = Snapshot(ref, "the reference's answer", apart_from=inputs)
         try:
             got, t_impl = call_implementation(lambda: self.call(subject, kwargs, params), case.seed, device, on_call)
         except Raised as raised:  # the implementation's failure is the case's result, not ours
@@ -169,6 +175,9 @@ class OpSpec:
             notes.update(got.notes)
         base = {**base, "path": got.path or base["path"], "stages": got.stages}
         times = dict(time_ref_s=t_ref, time_impl_s=t_impl)
+        touched = answer.changed()
+        if touched:  # every verdict below would compare against what the implementation wrote
+            return [failure_row(base, "*", "contract", touched[0][1], **times)]
         rows = input_rows(base, inputs, self.writes, **times)
         for check in self.checks:
             if check.tensor not in ref or (check.optional and check.tensor not in got.tensors):
@@ -183,7 +192,8 @@ class OpSpec:
                                      # rank answers come back through the host
                                      device=None if self.own_processes else str(want.device),
                                      contiguous=check.contiguous)
-            problem = problem or (None if self.views else inputs.aliased_by(check.tensor, out))
+            problem = (problem or (None if self.views else inputs.aliased_by(check.tensor, out))
+                       or answer.aliased_by(check.tensor, out))
             if problem:
                 rows.append(failure_row(base, check.tensor, "contract", problem, kind=check.row_kind or check.kind,
                                         **times))

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from mla_verify import reference
 from mla_verify.equivalence.batch import make_batch
 from mla_verify.equivalence.contract import guarded
+from mla_verify.equivalence.guards import owned
 from mla_verify.equivalence.hisparse_batch import make_hisparse_batch
 from mla_verify.equivalence.policy import LSE, OUT
 from mla_verify.optimized import registry
@@ -63,7 +64,8 @@ def _whole(fn, b, p: ForwardParams, deviations: tuple[str, ...]) -> ImplOutput:
         out, lse = fn(q=b.q, kv_cache=b.kv_cache, **b.forward_kwargs())[:2]
         return ImplOutput({"out": out, "lse": lse}, deviations=deviations)
     kwargs, size = b.dcp_kwargs(), p.dcp_size
-    parts = [fn(q=b.q, kv_cache=c, block_table=t, dcp_size=size, dcp_rank=r, **kwargs)[:2]
+    # each rank's answer owned before the next rank's call (a serving kernel returns its static buffer)
+    parts = [owned(fn(q=b.q, kv_cache=c, block_table=t, dcp_size=size, dcp_rank=r, **kwargs)[:2])
              for r, (c, t) in enumerate(zip(b.rank_caches, b.rank_block_tables))]
     merge = registry.select("dcp_merge", b.kv_cache.device.type)
     out, lse = merge.fn(outs=torch.stack([o for o, _ in parts]), lses=torch.stack([s for _, s in parts]))

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from mla_verify.optimized import registry
 
-from .. import metrics as M
+from .. import cost, metrics as M
 from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, guarded
@@ -65,6 +65,7 @@ class Target:
     check: Callable[[Inputs, Any, registry.Resolved], list[Compared]]
     knobs: Callable[[Any], dict[str, Any]]       # the rows' knob columns
     draw: Callable[[Profile], st.SearchStrategy[dict]]  # the base problem plus the property's knobs
+    runs: Callable[[Any], int] = lambda p: 2     # times the check runs the base problem's work (equivalence.cost)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class PropertySpec:
 
     def validate(self, params: Mapping) -> None:
         target = params.get("target")
-        if target not in self.targets:
+        if not isinstance(target, str) or target not in self.targets:
             raise ValueError(f"{self.name}: target {target!r} is not one of {', '.join(self.targets)}")
         self.params_class(target).parse(self.name, params)
 
@@ -137,6 +138,10 @@ class PropertySpec:
 
     def examples(self, profile: Profile) -> int:
         return profile.property_examples
+
+    def interpreted_s(self, params: Params) -> float:
+        """The Triton interpreter's seconds for a case (equivalence.cost): its check's runs of the base problem."""
+        return cost.interpreted_s(params, self.target(params).runs(params))
 
     def identity(self, case: Case, params: Params | None = None) -> dict[str, Any]:
         """The rows' columns: op "property", path NAME, the case, the target's knobs (`params`: the

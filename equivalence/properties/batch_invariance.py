@@ -113,7 +113,7 @@ register(PropertySpec(
     own_params=Alone,
     targets={
         "sparse_decode_fp8": Target("sparse_decode_fp8", lambda p: ["sparse_decode_fp8"], ("sparse_decode_fp8",),
-                                    _decode_inputs, _decode_check, decode_knobs, _alone),
+                                    _decode_inputs, _decode_check, decode_knobs, _alone, runs=lambda p: 1 + len(p.alone)),
         "forward_mqa": Target("forward_mqa", forward_stages, PIPELINE_STAGES, _forward_inputs, _forward_check,
                               forward_knobs, _chunked),
     },

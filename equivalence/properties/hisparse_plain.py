@@ -23,6 +23,7 @@ from mla_verify.equivalence.policy import LSE, OUT
 from mla_verify.optimized import hisparse, pipeline
 
 from mla_verify.reference.metadata import reorder_batch_threshold
+from .. import cost
 from ..draws import hisparse_params, within_budget
 from ..params import ForwardParams
 from ..profiles import Profile
@@ -63,11 +64,33 @@ def _like_plain(draw, p: Profile) -> dict:
     s = d["max_decode_query_len"]
     longer = reorder_batch_threshold(32, "sm90", max_decode_query_len=s) + draw(st.integers(0, 8))
     qlens = [n if n == s else longer + n for n in d["query_lens"]]
+    if p.budget_s is not None:  # the interpreter: the layers and long prefills the budget holds, at least one
+        d, qlens = _within_interpreter(d, qlens, p.budget_s)
     seq_max = max(c + n for c, n in zip(d["context_lens"], qlens))
     ws = d["workspace_size"]
     return within_budget({**d, "query_lens": qlens, "arch": "sm90", "invalid": [], "max_model_len": seq_max,
                           "buffer_rows": min(d["buffer_rows"], sum(qlens) + 2),
                           "workspace_size": None if ws is None else max(ws, seq_max)})
+
+
+def _within_interpreter(d: dict, qlens: list[int], budget_s: float) -> tuple[dict, list[int]]:
+    """`d` with fewer layers, then fewer prefills (the last first, one kept while there are no
+    decodes), then top-k 128, until its two runs (HiSparse and plain) estimate within `budget_s`
+    under the interpreter (equivalence.cost); a case still over it is drawn again (the
+    campaign's filter)."""
+    def estimate(d: dict, qlens: list[int]) -> float:
+        return cost.interpreted_s(ForwardParams.of({**d, "query_lens": qlens, "arch": "sm90"}), runs=2)
+
+    decodes = qlens.count(d["max_decode_query_len"])
+    while estimate(d, qlens) > budget_s and d["layers"] > 1:
+        d = {**d, "layers": d["layers"] - 1}
+    while estimate(d, qlens) > budget_s and len(qlens) > max(1, decodes + 1):
+        qlens, d = qlens[:-1], {**d, "context_lens": d["context_lens"][:-1]}
+    if estimate(d, qlens) > budget_s:
+        d = {**d, "topk": 128, "hot_slack": min(d["hot_slack"], 128)}
+    if estimate(d, qlens) > budget_s and decodes and len(qlens) > decodes:
+        qlens, d = qlens[:decodes], {**d, "context_lens": d["context_lens"][:decodes]}
+    return d, qlens
 
 
 register(PropertySpec(

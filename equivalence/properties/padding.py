@@ -203,11 +203,14 @@ register(PropertySpec(
     targets={
         "sparse_prefill": Target("sparse_prefill", lambda p: ["sparse_prefill"], ("sparse_prefill",),
                                  _prefill_inputs, _check, prefill_knobs,
-                                 lambda p: _padding(prefill_params(p), "sparse_prefill")),
+                                 lambda p: _padding(prefill_params(p), "sparse_prefill"),
+                                 # plain, wider_k (up to 3x the entries), permuted, padded tokens and heads, topk_length twice
+                                 runs=lambda p: 8),
         "sparse_decode_fp8": Target("sparse_decode_fp8", lambda p: ["sparse_decode_fp8"], ("sparse_decode_fp8",),
                                     _decode_inputs, _check, decode_knobs,
                                     lambda p: _padding(decode_params(p, batch=st.integers(2, max(2, p.max_tokens // 2 + 1))),
-                                                       "sparse_decode_fp8")),
+                                                       "sparse_decode_fp8"),
+                                    runs=lambda p: 6),  # plain, wider_k (up to 3x), permuted, padded tokens and heads
         "forward_mqa": Target("forward_mqa", forward_stages, PIPELINE_STAGES, _forward_inputs, _check, forward_knobs,
                               _block_table),
     },

@@ -116,9 +116,10 @@ register(PropertySpec(
     targets={
         "sparse_prefill": Target("sparse_prefill", lambda p: ["sparse_prefill"], ("sparse_prefill",),
                                  _prefill_inputs, _check, prefill_knobs,
-                                 lambda p: _parts(prefill_params(p, sink=st.just("none")))),
+                                 lambda p: _parts(prefill_params(p, sink=st.just("none"))), runs=lambda p: 1 + p.parts),
         "sparse_decode_fp8": Target("sparse_decode_fp8", lambda p: ["sparse_decode_fp8"], ("sparse_decode_fp8",),
-                                    _decode_inputs, _check, decode_knobs, lambda p: _parts(decode_params(p))),
+                                    _decode_inputs, _check, decode_knobs, lambda p: _parts(decode_params(p)),
+                                    runs=lambda p: 1 + p.parts),
     },
     doc="attention over a top-k set equals the exact LSE merge of attention over any partition of it (DCP's identity)",
 ), priority=101)

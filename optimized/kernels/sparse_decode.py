@@ -160,27 +160,6 @@ def check_decode_inputs(
     return sm_scale
 
 
-@register("sparse_decode_fp8", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",),
-          deviations=("bf16_dequant", "split_kv"))
-def sparse_decode_fp8(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    *,
-    config: AttentionConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse decode over the fp8_ds_mla cache: (out [B,S,H,512] bf16, lse [B,H,S] f32).
-
-    q [B,S,H,576] bf16, kv_cache [NB,BS,656] uint8 (stride(1) == 656, any stride(0)), indices
-    [B,S,K] int32 physical slots (-1 = invalid). out = softmax(s) @ K[:, :512] with
-    s_j = sm_scale <q, K_j> over the dequantized rows; lse = ln sum e^(s_j); all -1: out 0, lse +inf.
-    lse is a [B,H,S] view of a [B,S,H] buffer, as FlashMLA returns it.
-    """
-    sm_scale = check_decode_inputs(q, kv_cache, indices, sm_scale)
-    return launch_sparse_decode_fp8(q, kv_cache, indices, sm_scale, config)
-
-
 def launch_sparse_decode_fp8(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -221,3 +200,24 @@ def launch_sparse_decode_fp8(
             BLOCK_S=triton.next_power_of_2(splits), NATIVE=is_native, num_warps=4,
         )
     return out, lse.transpose(1, 2)
+
+
+@register("sparse_decode_fp8", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",),
+          deviations=("bf16_dequant", "split_kv"), graph=launch_sparse_decode_fp8)
+def sparse_decode_fp8(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    *,
+    config: AttentionConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse decode over the fp8_ds_mla cache: (out [B,S,H,512] bf16, lse [B,H,S] f32).
+
+    q [B,S,H,576] bf16, kv_cache [NB,BS,656] uint8 (stride(1) == 656, any stride(0)), indices
+    [B,S,K] int32 physical slots (-1 = invalid). out = softmax(s) @ K[:, :512] with
+    s_j = sm_scale <q, K_j> over the dequantized rows; lse = ln sum e^(s_j); all -1: out 0, lse +inf.
+    lse is a [B,H,S] view of a [B,S,H] buffer, as FlashMLA returns it.
+    """
+    sm_scale = check_decode_inputs(q, kv_cache, indices, sm_scale)
+    return launch_sparse_decode_fp8(q, kv_cache, indices, sm_scale, config)

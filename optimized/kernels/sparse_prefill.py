@@ -92,29 +92,6 @@ def _sparse_prefill_kernel(
     tl.store(max_logits_ptr + t * num_heads + heads, max_logit, mask=head_ok)
 
 
-@register("sparse_prefill", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",),
-          deviations=("loop_bound",))
-def sparse_prefill(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    topk_length: torch.Tensor | None = None,
-    attn_sink: torch.Tensor | None = None,
-    *,
-    config: AttentionConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sparse prefill attention: (out [T,H,512] bf16, lse [T,H] f32, max_logits [T,H] f32).
-
-    q [T,H,576] bf16, kv [N,576] bf16, indices [T,K] int32 (outside [0,N) = invalid),
-    topk_length [T] int32 (only the first topk_length[t] entries count), attn_sink [H] f32.
-    lse = ln sum_j e^(s_j), s_j = sm_scale <q, kv[idx_j]>; out = softmax(s) @ kv[idx, :512],
-    scaled by 1/(1+e^(sink-lse)); empty rows give out 0, lse +inf, max_logits -inf.
-    """
-    sm_scale = check_prefill_contract(q, kv, indices, sm_scale, topk_length, attn_sink)
-    return launch_sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink, config)
-
-
 def launch_sparse_prefill(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -146,3 +123,26 @@ def launch_sparse_prefill(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse, max_logits
+
+
+@register("sparse_prefill", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",),
+          deviations=("loop_bound",), graph=launch_sparse_prefill)
+def sparse_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    *,
+    config: AttentionConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse prefill attention: (out [T,H,512] bf16, lse [T,H] f32, max_logits [T,H] f32).
+
+    q [T,H,576] bf16, kv [N,576] bf16, indices [T,K] int32 (outside [0,N) = invalid),
+    topk_length [T] int32 (only the first topk_length[t] entries count), attn_sink [H] f32.
+    lse = ln sum_j e^(s_j), s_j = sm_scale <q, kv[idx_j]>; out = softmax(s) @ kv[idx, :512],
+    scaled by 1/(1+e^(sink-lse)); empty rows give out 0, lse +inf, max_logits -inf.
+    """
+    sm_scale = check_prefill_contract(q, kv, indices, sm_scale, topk_length, attn_sink)
+    return launch_sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink, config)

@@ -1,7 +1,9 @@
 """The second zoo: implementations that misbehave the way unfinished kernels do (raise, crash,
-hang, give different answers run to run, write into their inputs, break the return contract),
+hang, give different answers run to run, write into their inputs, break the return contract,
+change the process for the cases after them, tamper with the judge, return static buffers),
 each with the outcome mla-verify must give it. `cpu.py` runs in CI (tests/test_hostile.py);
-`cuda.py` needs a GPU (tests/test_hostile_gpu.py and `scripts/gpu_lane.sh hostile`).
+`cuda.py` needs a GPU (tests/test_hostile_gpu.py and `scripts/gpu_lane.sh hostile`); `graph.py`
+breaks only inside a CUDA graph (tests/test_cuda_graph.py).
 
 Every finding must be a failing row with the reason below (never a traceback or a pass), a saved
 case that replays, and rows on disk.
@@ -38,6 +40,25 @@ CPU = [
     Hostile("tests.hostile.cpu:strided_workspace", "gather_upconvert_fp8", "contract", "workspace: strides"),
     Hostile("tests.hostile.cpu:system_exit", "quantize_fp8_ds_mla", "raised", "raised SystemExit: 0"),
     Hostile("tests.hostile.cpu:generator_exit", "quantize_fp8_ds_mla", "raised", "raised GeneratorExit"),
+    # The process and the judge (issue 24): put back, and the case's contract failure.
+    Hostile("tests.hostile.cpu:sets_default_dtype", "quantize_fp8_ds_mla", "contract",
+            "changed process-wide state: torch default dtype: torch.float32 -> torch.float64"),
+    Hostile("tests.hostile.cpu:changes_directory", "quantize_fp8_ds_mla", "contract", "working directory:"),
+    Hostile("tests.hostile.cpu:turns_off_grad", "quantize_fp8_ds_mla", "contract", "torch grad mode: True -> False"),
+    Hostile("tests.hostile.cpu:sets_threads", "quantize_fp8_ds_mla", "contract", "torch threads:"),
+    Hostile("tests.hostile.cpu:replaces_stdout", "quantize_fp8_ds_mla", "contract", "sys.stdout replaced"),
+    Hostile("tests.hostile.cpu:patches_torch_sub", "quantize_fp8_ds_mla", "contract", "replaced torch.sub, torch.Tensor.__ne__"),
+    Hostile("tests.hostile.cpu:patches_the_oracle", "quantize_fp8_ds_mla", "contract",
+            "replaced mla_verify.equivalence.oracle.verdict"),
+    Hostile("tests.hostile.cpu:returns_a_lying_subclass", "quantize_fp8_ds_mla", "contract",
+            "rows: a _Agreeable, a torch.Tensor subclass"),
+    Hostile("tests.hostile.cpu:returns_the_reference", "quantize_fp8_ds_mla", "contract",
+            "rows: shares memory with the reference's answer rows"),
+    Hostile("tests.hostile.cpu:writes_the_reference", "quantize_fp8_ds_mla", "contract",
+            "rows: the reference's answer written by the implementation"),
+    Hostile("tests.hostile.cpu:raises_keyboard_interrupt", "quantize_fp8_ds_mla", "raised", "raised KeyboardInterrupt"),
+    Hostile("tests.hostile.cpu:sparse_out", "quantize_fp8_ds_mla", "contract", "rows: layout sparse_coo"),
+    Hostile("tests.hostile.cpu:mkldnn_out", "sparse_prefill", "contract", "lse: layout _mkldnn"),
     Hostile("tests.hostile.cpu:aborts", "quantize_fp8_ds_mla", "crashed", "killed by SIGABRT", isolate=True),
     Hostile("tests.impls.misbehaving:segfaults", "quantize_fp8_ds_mla", "crashed", "killed by SIGSEGV", isolate=True),
     Hostile("tests.impls.misbehaving:exits", "quantize_fp8_ds_mla", "crashed", "exit code 3", isolate=True),
@@ -55,4 +76,16 @@ CUDA = [
             isolate=True),
     Hostile("tests.hostile.cuda:returns_on_host", "sparse_prefill", "contract", "out: on device cpu, the contract says cuda",
             isolate=True),
+]
+
+# Right eagerly, unsafe in a CUDA graph: property:cuda_graph must fail each (GPU only).
+GRAPH = [
+    Hostile("sparse_prefill=tests.hostile.graph:syncs_on_host", "property:cuda_graph", "raised",
+            "does not capture in a CUDA graph", isolate=True),
+    Hostile("sparse_decode_fp8=tests.hostile.graph:allocates_from_host", "property:cuda_graph", "raised",
+            "does not capture in a CUDA graph", isolate=True),
+    Hostile("sparse_decode_fp8=tests.hostile.graph:reads_sizes_on_host", "property:cuda_graph", "raised",
+            "does not capture in a CUDA graph", isolate=True),
+    Hostile("sparse_decode_fp8=tests.hostile.graph:keeps_state", "property:cuda_graph", "mismatch_frac",
+            "mismatch_frac", isolate=True),
 ]

@@ -191,3 +191,178 @@ def killed_on_third_call(kv, scale_rule="pow2"):
     rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
     rows[:, 0] ^= 1
     return rows
+
+
+# ----------------------------------------------------------------------------- static output buffers
+
+_static: dict[str, torch.Tensor] = {}
+
+
+def _into_static(name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into this kernel's persistent buffer `name` (reallocated when the shape moves),
+    which every call returns: what CUDA-graph capture and workspace managers do."""
+    buf = _static.get(name)
+    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+        buf = _static[name] = torch.empty_like(t)
+    return buf.copy_(t)
+
+
+def static_prefill(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """Right answer, written into static buffers: a correct serving kernel (every check passes)."""
+    out, lse, max_logits = eager.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+    return _into_static("out", out), _into_static("lse", lse), max_logits
+
+
+def static_prefill_racy(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """Static buffers and a race that changes the output's last bits on every other call: run to
+    run nondeterministic, which `property:determinism` must see although both calls return the
+    same storage."""
+    out, lse, max_logits = eager.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+    if _count() % 2 == 0:
+        out = (out.float() * (1 + 2**-7)).to(out.dtype)
+    return _into_static("out", out), _into_static("lse", lse), max_logits
+
+
+# ----------------------------------------------------------------------------- the process and the judge
+
+
+def sets_default_dtype(kv, scale_rule="pow2"):
+    """Right answer, and float64 as the default dtype for everything after it."""
+    torch.set_default_dtype(torch.float64)
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def changes_directory(kv, scale_rule="pow2"):
+    os.chdir("/")
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def turns_off_grad(kv, scale_rule="pow2"):
+    torch.set_grad_enabled(False)
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def sets_threads(kv, scale_rule="pow2"):
+    torch.set_num_threads(torch.get_num_threads() + 1)
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def replaces_stdout(kv, scale_rule="pow2"):
+    import io
+    import sys
+
+    sys.stdout = io.StringIO()
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def _everything_equal(*args, **kwargs):
+    return torch.zeros(())
+
+
+def patches_torch_sub(kv, scale_rule="pow2"):
+    """Wrong bytes, and torch.sub (and torch.Tensor.__ne__) patched so that differences vanish."""
+    rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    rows[:, 0] ^= 1
+    torch.sub = _everything_equal
+    torch.Tensor.__ne__ = lambda a, b: torch.zeros(a.shape, dtype=torch.bool)
+    return rows
+
+
+def patches_the_oracle(kv, scale_rule="pow2"):
+    """Wrong bytes, and the oracle's own verdict replaced by one that always passes."""
+    from mla_verify.equivalence import oracle
+
+    rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    rows[:, 0] ^= 1
+    real = oracle.verdict
+    oracle.verdict = lambda kind, m, bounds, deviation="": real(kind, type(m)(numel=m.numel), bounds, deviation)
+    return rows
+
+
+class _Agreeable(torch.Tensor):
+    """A tensor whose every comparison says equal."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        if func in (torch.Tensor.__ne__, torch.ne, torch.Tensor.ne):
+            return torch.zeros_like(result, dtype=torch.bool).as_subclass(torch.Tensor)
+        return result
+
+
+def returns_a_lying_subclass(kv, scale_rule="pow2"):
+    rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    rows[:, 0] ^= 1
+    return rows.as_subclass(_Agreeable)
+
+
+def returns_the_reference(kv, scale_rule="pow2"):
+    """Hands back the reference's own answer, found through the garbage collector."""
+    import gc
+
+    want = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    for obj in gc.get_objects():
+        if (type(obj) is dict and isinstance(obj.get("rows"), torch.Tensor) and obj["rows"] is not want
+                and obj["rows"].shape == want.shape and obj["rows"].dtype == want.dtype):
+            return obj["rows"]
+    return want
+
+
+def writes_the_reference(kv, scale_rule="pow2"):
+    """Wrong bytes, copied over the reference's answer (found through the garbage collector) too."""
+    import gc
+
+    rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    rows[:, 0] ^= 1
+    for obj in gc.get_objects():
+        if type(obj) is dict and isinstance(obj.get("rows"), torch.Tensor) and obj["rows"] is not rows \
+                and obj["rows"].shape == rows.shape:
+            obj["rows"].copy_(rows)
+    return rows
+
+
+def raises_keyboard_interrupt(kv, scale_rule="pow2"):
+    """A KeyboardInterrupt of its own (no Ctrl-C): the kernel's failure, not the user's stop."""
+    raise KeyboardInterrupt
+
+
+# ----------------------------------------------------------------------------- odd outputs
+
+
+def sparse_out(kv, scale_rule="pow2"):
+    return eager.quantize_fp8_ds_mla(kv, scale_rule).to_sparse()
+
+
+def mkldnn_out(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    out, lse, max_logits = eager.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+    return out, lse.to_mkldnn(), max_logits
+
+
+def sleeps(kv, scale_rule="pow2"):
+    import time
+
+    time.sleep(6)
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+# ----------------------------------------------------------------------------- the process ends mid-run
+
+
+def exits_on_third_call(kv, scale_rule="pow2"):
+    """Correct, until the third call ends the process at once (os._exit(0): no handler, no flush)."""
+    if _count() == 3:
+        os._exit(0)
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def segfaults_on_third_call(kv, scale_rule="pow2"):
+    if _count() == 3:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def sigterm_on_third_call(kv, scale_rule="pow2"):
+    """Correct; the third call receives SIGTERM (as from a CI runner's cancel): handled as Ctrl-C."""
+    if _count() == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)

@@ -1,0 +1,251 @@
+"""What the harness guards around every implementation call, so that what a kernel does to the
+process cannot leak into the next case or into the verdict.
+
+    ProcessState    torch's process-wide settings (default dtype and device, grad and anomaly
+                    mode, deterministic-algorithm flags, TF32 and matmul precision, flush-denormal,
+                    threads), the working directory and the standard streams (sys.stdin/stdout/
+                    stderr and file descriptors 0-2): saved before the call, restored after it;
+                    what changed is the case's contract failure.
+    JudgeFunctions  the functions the oracle relies on (torch's, torch.Tensor's, numpy's, math's,
+                    the builtins, and every function and class of the harness's own judging
+                    modules): their identities before the call, checked and put back after it.
+    sigint_watch    whether a SIGINT arrived during the call: a KeyboardInterrupt without one is
+                    the kernel's own raise, not the user's Ctrl-C.
+    owned           a copy of a call's output tensors, taken before the next call: a serving
+                    kernel returns the same static buffer every call (CUDA-graph capture,
+                    workspace managers), which the next call overwrites.
+    foreign         why a returned tensor is not a plain dense torch.Tensor: a subclass (its
+                    __torch_function__ can answer any comparison) or a sparse or mkldnn layout.
+
+In-process, these stop a kernel that changes the process by accident or by design of its own
+framework; a kernel set on fooling the judge can still reach anything in its process, which is why
+an isolated run judges in the parent (`equivalence.isolation`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import math
+import operator
+import os
+import signal
+import sys
+import threading
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------- process-wide state
+
+
+def _flush_denormal() -> bool:
+    """Whether float32 subnormals flush to zero (torch has a setter and no getter)."""
+    return bool((torch.tensor(1e-40, dtype=torch.float32) * 1.0).item() == 0.0)
+
+
+def _fd_identity(fd: int) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+# name -> (get, set): the settings a kernel (or the framework it brings) can change for everyone after it
+_TORCH: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
+    "torch default dtype": (torch.get_default_dtype, torch.set_default_dtype),
+    "torch default device": (lambda: str(torch.get_default_device()), lambda d: torch.set_default_device(d)),
+    "torch grad mode": (torch.is_grad_enabled, torch.set_grad_enabled),
+    "torch anomaly detection": (torch.is_anomaly_enabled, torch.set_anomaly_enabled),
+    "torch deterministic algorithms": (
+        lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+        lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
+    "torch.backends.cudnn.deterministic": (lambda: torch.backends.cudnn.deterministic,
+                                           lambda v: setattr(torch.backends.cudnn, "deterministic", v)),
+    "torch.backends.cudnn.benchmark": (lambda: torch.backends.cudnn.benchmark,
+                                       lambda v: setattr(torch.backends.cudnn, "benchmark", v)),
+    "torch.backends.cudnn.allow_tf32": (lambda: torch.backends.cudnn.allow_tf32,
+                                        lambda v: setattr(torch.backends.cudnn, "allow_tf32", v)),
+    "torch.backends.cuda.matmul.allow_tf32": (lambda: torch.backends.cuda.matmul.allow_tf32,
+                                              lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", v)),
+    "torch float32 matmul precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    "torch flush-denormal": (_flush_denormal, torch.set_flush_denormal),
+    "torch threads": (torch.get_num_threads, torch.set_num_threads),
+}
+_STREAMS = ("stdin", "stdout", "stderr")
+
+
+@dataclass
+class ProcessState:
+    """The process-wide state an implementation call must leave as it found it."""
+
+    torch_settings: dict[str, Any]
+    cwd: str | None
+    streams: tuple[Any, ...]
+    fds: dict[int, tuple[tuple[int, int] | None, int | None]]  # fd -> (identity, a duplicate to restore it from)
+
+    @classmethod
+    def now(cls) -> "ProcessState":
+        try:
+            cwd = os.getcwd()
+        except OSError:  # a working directory removed under us: nothing to compare
+            cwd = None
+        fds = {}
+        for fd in (0, 1, 2):
+            ident = _fd_identity(fd)
+            fds[fd] = (ident, os.dup(fd) if ident is not None else None)
+        return cls({name: get() for name, (get, _) in _TORCH.items()}, cwd,
+                   tuple(getattr(sys, s) for s in _STREAMS), fds)
+
+    def restore(self) -> list[str]:
+        """Put everything back; one line per setting the call changed ("torch default dtype:
+        torch.float32 -> torch.float64")."""
+        changed = []
+        for name, (get, put) in _TORCH.items():
+            before, after = self.torch_settings[name], get()
+            if after != before:
+                changed.append(f"{name}: {before} -> {after}")
+                put(before)
+        try:
+            cwd = os.getcwd()
+        except OSError:
+            cwd = None
+        if self.cwd is not None and cwd != self.cwd:
+            changed.append(f"working directory: {self.cwd} -> {cwd}")
+            os.chdir(self.cwd)
+        for name, before in zip(_STREAMS, self.streams):
+            if getattr(sys, name) is not before:
+                changed.append(f"sys.{name} replaced")
+                setattr(sys, name, before)
+        for fd, (ident, dup) in self.fds.items():
+            if dup is None:
+                continue
+            if _fd_identity(fd) != ident:
+                changed.append(f"file descriptor {fd} replaced or closed")
+                os.dup2(dup, fd)
+            os.close(dup)
+        return changed
+
+
+# ----------------------------------------------------------------------------- the judge's functions
+
+# Packages whose modules (and the classes they define) make the verdict: rebinding any of their
+# names during a call could change it. The implementations (mla_verify.optimized) keep state of
+# their own and are not among them.
+JUDGE_PACKAGES = ("mla_verify.equivalence", "mla_verify.reference", "mla_verify.fuzz")
+_LIBRARIES: tuple[tuple[str, Any], ...] = (
+    ("torch", torch), ("torch.Tensor", torch.Tensor), ("torch.nn.functional", torch.nn.functional),
+    ("torch.linalg", torch.linalg), ("torch.special", torch.special), ("numpy", np), ("math", math),
+    ("builtins", builtins), ("operator", operator),
+)
+_MISSING = object()
+_namespaces: dict[int, list[tuple[str, Any, bool]]] = {}
+
+
+def _judge_namespaces() -> list[tuple[str, Any, bool]]:
+    """(name, namespace, is a class) of everything `JudgeFunctions` watches; recomputed when
+    modules were imported since."""
+    key = len(sys.modules)
+    if key not in _namespaces:
+        found = [(name, ns, isinstance(ns, type)) for name, ns in _LIBRARIES]
+        for name, module in list(sys.modules.items()):
+            if not isinstance(module, types.ModuleType) or not name.startswith(JUDGE_PACKAGES):
+                continue
+            found.append((name, module, False))
+            found += [(f"{name}.{k}", v, True) for k, v in vars(module).items()
+                      if isinstance(v, type) and v.__module__ == name]
+        _namespaces.clear()
+        _namespaces[key] = found
+    return _namespaces[key]
+
+
+@dataclass
+class JudgeFunctions:
+    """The identities of every name in the judge's namespaces, before a call."""
+
+    saved: list[tuple[str, Any, bool, dict[str, Any]]]
+
+    @classmethod
+    def now(cls) -> "JudgeFunctions":
+        return cls([(name, ns, is_class, dict(vars(ns))) for name, ns, is_class in _judge_namespaces()])
+
+    def restore(self) -> list[str]:
+        """Put back every name the call rebound or deleted (and, on a class, every attribute it
+        added: `Tensor.__ne__` set on torch.Tensor shadows the C one); the names, e.g.
+        ["torch.sub", "torch.Tensor.__ne__"]. A module gaining a name is an import, not a patch."""
+        patched = []
+        for name, ns, is_class, before in self.saved:
+            now = vars(ns)
+            if len(now) == len(before) and all(now.get(k, _MISSING) is v for k, v in before.items()):
+                continue
+            for k, v in before.items():
+                if now.get(k, _MISSING) is not v:
+                    patched.append(f"{name}.{k}")
+                    setattr(ns, k, v)
+            if is_class:
+                for k in [k for k in now if k not in before]:
+                    patched.append(f"{name}.{k}")
+                    delattr(ns, k)
+        return patched
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+
+@contextlib.contextmanager
+def sigint_watch() -> Iterator[list[int]]:
+    """A list that holds an entry for every SIGINT received inside the block; the handler in
+    place before (the run's `Interrupt`, Python's default) still runs for each."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        received.append(signum)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield received
+    finally:
+        if signal.getsignal(signal.SIGINT) is handler:  # an `Interrupt` that moved on keeps its choice
+            signal.signal(signal.SIGINT, previous)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def foreign(name: str, t: torch.Tensor) -> str | None:
+    """Why output `name` is not a plain dense torch.Tensor (one line), or None."""
+    if type(t) is not torch.Tensor:
+        return f"{name}: a {type(t).__name__}, a torch.Tensor subclass; the contract says a plain torch.Tensor"
+    if t.layout != torch.strided:
+        return f"{name}: layout {str(t.layout).removeprefix('torch.')}, the contract says a dense (strided) tensor"
+    return None
+
+
+def owned(result: Any) -> Any:
+    """`result` with every tensor in it (tuples, lists, dicts) replaced by a copy of its own, the
+    strides kept: what the caller holds survives the implementation's next call."""
+    if isinstance(result, torch.Tensor):
+        if result.layout != torch.strided or result.device.type == "meta":
+            return result
+        return result.clone(memory_format=torch.preserve_format)
+    if isinstance(result, tuple) and not hasattr(result, "_fields"):
+        return tuple(owned(x) for x in result)
+    if isinstance(result, tuple):  # a namedtuple
+        return type(result)(*(owned(x) for x in result))
+    if isinstance(result, list):
+        return [owned(x) for x in result]
+    if isinstance(result, dict):
+        return {k: owned(v) for k, v in result.items()}
+    return result

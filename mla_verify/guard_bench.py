@@ -1,0 +1,134 @@
+"""`mla-verify bench --only guards`: what each guard of a case costs (`equivalence.guards`, the
+reference's snapshot, the case journal) and what isolating a case costs, in ms per case.
+
+Each guard is timed alone on a production-sized case (the harness section's decode case: B=64
+s_q=2 H=128 on a GPU, B=2 H=16 on a CPU), median of `reps` runs:
+  process_state   torch's process-wide settings, the working directory and the standard streams,
+                  saved and compared back (`ProcessState`)
+  judge_functions the judge's functions saved and checked (`JudgeFunctions`)
+  sigint_watch    the SIGINT handler around the call
+  reference       the reference's answer copied and compared back, and the outputs checked for sharing
+                  its storage (`Snapshot(ref)`)
+  owned_outputs   a copy of the kernel's outputs (what a stage call hands on inside a pipeline or
+                  property)
+  journal         the case journaled as started and finished in a run directory
+and isolation: the same case (and a small quantize case) evaluated in this process and in an
+isolation worker (`equivalence.isolation.Worker`), ms per case each, plus the worker's start and
+a replacement after a crash.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+from mla_verify.equivalence.case import Case
+
+
+def aborts(kv, scale_rule="pow2"):
+    """A quantize_fp8_ds_mla that takes its process down: the crash whose replacement is timed."""
+    os.abort()
+
+
+def _median_ms(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _row(shape: str, guard: str, ms: float, note: str) -> dict:
+    return {"kind": "guard", "shape": shape, "impl": guard, "ms": ms, "ops_note": note}
+
+
+def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
+    """One row per guard of `case` (a production-sized op case) and per isolation measurement."""
+    import torch
+
+    from mla_verify.equivalence import guards
+    from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
+    from mla_verify.equivalence.contract import Snapshot
+    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.optimized.buffers import poisoned
+
+    from .rundir import RunDir
+
+    reps = 5 if quick else 20
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    spec = get_spec(case.op)
+    params = spec.params_of(case.params)
+    subject = resolve_subject(case.op, [], device)
+    kwargs = spec.inputs(params, case.seed, device)
+    ref = spec.reference(kwargs, params)
+    with poisoned():
+        got = spec.call(subject, kwargs, params)
+    shape = f"{case.short()[:44]}"
+    ref_mib = sum(t.numel() * t.element_size() for t in ref.values() if isinstance(t, torch.Tensor)) / 2**20
+    out_mib = sum(t.numel() * t.element_size() for t in got.tensors.values()) / 2**20
+
+    def process_state():
+        guards.ProcessState.now().restore()
+
+    def judge_functions():
+        guards.JudgeFunctions.now().restore()
+
+    def sigint_watch():
+        with guards.sigint_watch():
+            pass
+
+    def reference():
+        saved = Snapshot(ref, "the reference's answer")
+        saved.changed()
+        for name, t in got.tensors.items():
+            saved.aliased_by(name, t)
+
+    def owned_outputs():
+        guards.owned(got.tensors)
+
+    rows = [
+        _row(shape, "process_state", _median_ms(process_state, reps, sync), "torch settings, cwd, std streams"),
+        _row(shape, "judge_functions", _median_ms(judge_functions, reps, sync),
+             f"{sum(len(vars(ns)) for _, ns, _ in guards._judge_namespaces())} names watched"),
+        _row(shape, "sigint_watch", _median_ms(sigint_watch, reps, sync), "SIGINT handler around the call"),
+        _row(shape, "reference", _median_ms(reference, reps, sync), f"{ref_mib:.1f} MiB of reference copied, compared"),
+        _row(shape, "owned_outputs", _median_ms(owned_outputs, reps, sync), f"{out_mib:.1f} MiB of outputs copied"),
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = RunDir.open(f"{tmp}/run")
+        try:
+            journal = _median_ms(lambda: run_dir.case_started(case, "fuzz", run_id="bench", impl=subject.label,
+                                                              specs=(), device=device)(), reps, sync)
+        finally:
+            run_dir.release()
+    rows.append(_row(shape, "journal", journal, "case journaled as started and finished"))
+    small = Case("quantize_fp8_ds_mla", {"n": 64, "value_regime": "normal", "scale_rule": "pow2"}, 3)
+    for c in (small, case):
+        label = c.short()[:44]
+        in_process = _median_ms(lambda c=c: evaluate(c, resolve_subject(c.op, [], device), device), reps, sync)
+        worker = Worker(device, timeout_s=600)
+        try:
+            start = time.perf_counter()
+            worker.run(c, [], "default")
+            first = (time.perf_counter() - start) * 1e3
+            isolated = _median_ms(lambda c=c: worker.run(c, [], "default"), reps, sync)
+            crashed = 0.0
+            if c is small:
+                worker.run(c, [f"{__name__}:aborts"], "aborts")
+                start = time.perf_counter()
+                worker.run(c, [], "default")
+                crashed = (time.perf_counter() - start) * 1e3
+        finally:
+            worker.close()
+        note = (f"in-process {in_process:.2f} ms, isolated {isolated:.2f} ms; first case (worker start) {first:.0f} ms"
+                + (f"; the case after a crash {crashed:.0f} ms" if crashed else ""))
+        rows.append({**_row(label, "isolation", isolated - in_process, note), "in_process_ms": in_process,
+                     "isolated_ms": isolated, "first_case_ms": first, "after_crash_ms": crashed or None})
+    return rows

@@ -1,0 +1,133 @@
+"""property:cuda_graph: FlashMLA and our Triton kernels, captured in a CUDA graph on static buffers,
+replay bit for bit what they compute eagerly and stay within the reference's bounds, at production
+shapes and the gpu profile's; the graph-unsafe kernels of tests/hostile/graph.py fail it (in the
+isolation worker, the next case passing in a fresh one) and a saved case replays. On CPU the
+property is refused with its reason."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mla_verify.cli import main
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
+from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.subject import UsageError
+from mla_verify.fuzz.campaign import fuzz, new_seed
+from mla_verify.fuzz.production import production_cases
+from tests.hostile import GRAPH
+
+REPO = Path(__file__).resolve().parent.parent
+OP = "property:cuda_graph"
+SMALL = {
+    "sparse_prefill": {"tokens": 4, "heads": 64, "kv_rows": 300, "topk": 128, "value_regime": "normal", "sm_scale": 0.1,
+                       "invalid": ["scattered"], "topk_length": "random", "sink": "finite"},
+    "sparse_decode_fp8": {"batch": 3, "s_q": 2, "heads": 64, "topk": 128, "seq_lens": [100, 40, 300], "page_size": 64,
+                          "stride_pad": 1, "value_regime": "normal", "scale_rule": "raw", "sm_scale": 0.1,
+                          "invalid": ["scattered"]},
+}
+
+
+def small_case(target: str, seed: int = 5) -> Case:
+    return Case(OP, {"target": target, **SMALL[target], "replay_seeds": [21, 22, 23]}, seed)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_on_cpu_the_property_is_refused_with_its_reason(capsys, tmp_path):
+    spec = get_spec(OP)
+    assert spec.subjects("cpu") == {}
+    code, text = run_cli(capsys, "fuzz", "--op", OP, "--device", "cpu", "--out", str(tmp_path))
+    assert code == 2 and "captures CUDA graphs: it runs on a CUDA device only" in text
+    code, text = run_cli(capsys, "list", "--device", "cpu")
+    assert code == 0 and "skipped on cpu: captures CUDA graphs" in text
+
+
+def test_the_eager_kernels_are_no_graph_kernels():
+    """torch-fp32 indexes with boolean masks (a host sync each): the property refuses it by name."""
+    with pytest.raises(UsageError, match="torch-fp32 is no graph kernel"):
+        get_spec(OP).subject(["torch-fp32"], "cuda")
+
+
+def test_every_small_case_and_replay_seed_is_a_valid_case():
+    from mla_verify.equivalence.catalog import validate_case
+
+    for target in SMALL:
+        validate_case(small_case(target).to_dict())
+    with pytest.raises(ValueError, match="replay_seeds"):
+        validate_case({**small_case("sparse_prefill").to_dict(), "params": {**SMALL["sparse_prefill"],
+                                                                            "target": "sparse_prefill"}})
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+def assert_holds(rows) -> None:
+    bad = [f"{r.tensor}: {r.reason}" for r in rows if not r.passed]
+    assert rows and not bad, bad
+    assert {r.tensor for r in rows} >= {"replay.out", "replay.lse", "reference.out", "reference.lse"}
+    assert all(r.metrics.mismatch_frac == 0 for r in rows if r.tensor.startswith("replay."))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["flash_mla", "triton"])
+def test_flash_mla_and_triton_replay_bitwise_at_production_shapes_and_the_gpu_profile(impl):
+    subject = resolve_subject(OP, [impl], "cuda")
+    for case in production_cases("cuda_graph", list(get_spec(OP).targets)):
+        rows = evaluate(case, subject, "cuda", source="test")
+        print(f"{impl} {case.params['target']}: " + ", ".join(f"{r.tensor} {r.gate_metric} {r.value:.3g}/{r.bound:.3g}"
+                                                            for r in rows))
+        assert_holds(rows)
+    for target in get_spec(OP).targets:
+        seed = new_seed()
+        result = fuzz(OP, lambda case, source: evaluate(case, subject, "cuda", source=source),
+                      profile=get_profile("gpu"), examples=4, seed=seed, path=target)
+        print(f"{impl} {target}: {result.examples} drawn cases, seed {seed}")
+        assert result.failure is None, str(result.failure)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", GRAPH, ids=[h.impl.split(":")[1] for h in GRAPH])
+def test_a_graph_unsafe_kernel_fails_its_case_and_the_next_one_passes(h):
+    from mla_verify.equivalence.isolation import Worker
+
+    target = h.impl.split("=")[0]
+    worker = Worker("cuda", timeout_s=60.0)
+    try:
+        rows = worker.run(small_case(target), [h.impl], h.impl)
+        assert any(r.gate_metric == h.metric and h.says in r.reason for r in rows if not r.passed), \
+            [(r.tensor, r.gate_metric, r.reason) for r in rows]
+        print(f"{h.impl}: " + "; ".join(f"{r.tensor} {r.gate_metric}: {r.reason[:120]}" for r in rows if not r.passed))
+        after = worker.run(small_case(target, seed=6), ["triton"], "triton")
+        assert after and all(r.passed for r in after), [(r.tensor, r.reason) for r in after]
+    finally:
+        worker.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [GRAPH[0], GRAPH[-1]], ids=[h.impl.split(":")[1] for h in (GRAPH[0], GRAPH[-1])])
+def test_a_graph_finding_is_saved_with_its_replay_seeds_and_replays(h, tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+    def cli(*argv: str) -> tuple[int, str]:
+        done = subprocess.run([sys.executable, "-m", "mla_verify.cli", *argv], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
+        return done.returncode, done.stdout + done.stderr
+
+    code, text = cli("fuzz", "--op", OP, "--impl", h.impl, "--path", h.impl.split("=")[0], "--device", "cuda",
+                     "--isolate", "--examples", "3", "--no-shrink", "--seed", "1", "--out", str(tmp_path / "run"))
+    assert code == 1 and "Traceback" not in text, text
+    saved = next(line.split("case saved: ")[1] for line in text.splitlines() if "case saved: " in line)
+    case = json.loads(Path(saved).read_text())["case"]
+    assert len(case["params"]["replay_seeds"]) == 3 and case["params"]["target"] == h.impl.split("=")[0]
+    code, text = cli("replay", saved, "--impl", h.impl, "--device", "cuda", "--isolate")
+    assert code == 1 and "reproduced" in text and "did NOT" not in text, text
