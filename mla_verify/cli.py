@@ -549,6 +549,7 @@ def _gate_ops(ops: list[str] | None) -> None:
 
 
 def cmd_gate(args, device: str) -> int:
+    from mla_verify.equivalence.mismatch import line
     from mla_verify.fuzz.campaign import new_seed
     from mla_verify.fuzz.gate import odd_ones_out, run_gate
     from mla_verify.interrupt import Interrupt
@@ -610,6 +611,9 @@ def cmd_gate(args, device: str) -> int:
     for fz in result.fuzz:
         if fz.case_file:
             print(f"failing case saved: {fz.case_file}  (mla-verify replay {fz.case_file} --device {device})")
+            for r in fz.failure.rows if fz.failure else ():
+                if not r.passed:
+                    print(f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}")
     if interrupt.requested:
         print(f"INTERRUPTED: {len(result.rows)} rows written to {out}")
         return 130
