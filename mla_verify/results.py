@@ -160,13 +160,14 @@ class GateOutcome:
     interrupted: bool = False
     notes: list[str] = field(default_factory=list)
     odd_ones_out: list[str] = field(default_factory=list)
-    case_files: list[Path] = field(default_factory=list)
+    case_files: list[tuple[Path, list[str]]] = field(default_factory=list)  # each saved case, its failing rows
     parts: int = 1
 
     def lines(self, device: str) -> list[str]:
         """Notes, disagreeing implementations, saved failing cases (a run in parts: its parts said them)."""
         return ([f"note: {n}" for n in self.notes] + [f"odd one out: {line}" for line in self.odd_ones_out]
-                + [f"failing case saved: {f}  (mla-verify replay {f} --device {device})" for f in self.case_files]
+                + [text for f, rows in self.case_files
+                   for text in [f"failing case saved: {f}  (mla-verify replay {f} --device {device})", *rows]]
                 + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else []))
 
     @property

@@ -242,6 +242,7 @@ def _fuzz(run: Run) -> CheckResult:
 def _gate(run: Run) -> GateOutcome:
     """The gate's units of this slot in this process, written to the run directory."""
     from mla_verify.equivalence import distributed
+    from mla_verify.equivalence.mismatch import line
     from mla_verify.fuzz.gate import odd_ones_out, run_units, shard_units
 
     run_dir, meta, interrupt = run.out, run.meta(), Interrupt()
@@ -263,7 +264,9 @@ def _gate(run: Run) -> GateOutcome:
     outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupt.requested, sorted(result.notes),
                           odd_ones_out(result.rows))
     run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupt.requested else meta)
-    outcome.case_files = [fz.case_file for fz in result.fuzz if fz.case_file]
+    outcome.case_files = [(fz.case_file, [f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}"
+                                          for r in (fz.failure.rows if fz.failure else ()) if not r.passed])
+                          for fz in result.fuzz if fz.case_file]
     return outcome
 
 
