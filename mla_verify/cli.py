@@ -330,12 +330,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "report", "drift report of a run directory, optionally against a baseline run",
                  "Summarize a run directory's rows (error distributions per op, path and tensor, headroom, "
                  "failures) in the terminal and in a self-contained HTML file; with --baseline, the two "
-                 "runs side by side and a drift verdict. Reads a run that did not finish from its journal.",
-                 _epilog([("0", "the run has no failure and, with --baseline, no drift beyond --factor"),
-                          ("1", "the run has failures, or drift: a normalized error, its bias or its headroom "
-                                "grew beyond --factor case for case (or by the rank test, unpaired)"),
-                          ("2", "a missing, empty or truncated run directory, or a baseline with nothing "
-                                "comparable (no op, or no implementation pair, in common), or a bad --pair")],
+                 "runs side by side and a drift verdict. Reads a run that did not finish from its journal, "
+                 "and saves the case it died in as a crashed finding under RUN_DIR/failures.",
+                 _epilog([("0", "the run finished with no failure and, with --baseline, no drift beyond --factor"),
+                          ("1", "the run has failures, did not finish or stopped early, or drift: a normalized "
+                                "error, its bias or its headroom grew beyond --factor case for case (or by the "
+                                "rank test, unpaired)"),
+                          ("2", "a missing, empty, truncated or malformed run directory (a verdict column that is "
+                                "not true/false, a file that is not a regular file), --html/--markdown naming a "
+                                "file of a run, a baseline with nothing comparable (no op, or no implementation "
+                                "pair, in common), or a bad --pair")],
                          [("mla-verify report runs/cpu-gate", "summary, and runs/cpu-gate/report.html"),
                           ("mla-verify report runs/today --baseline runs/yesterday --markdown summary.md",
                            "drift against yesterday's run, with a markdown summary for the CI page")]))
