@@ -4,7 +4,7 @@ the gate, report and bench modules.
 Exit codes (for CI): 0 = no discrepancy; 1 = a discrepancy, crash, hang or broken contract of the
 implementation (or drift against a baseline); 2 = usage error or bad input (or a baseline with
 nothing comparable), with a one-line reason; 3 = mla-verify itself failed (the traceback is saved
-in the run directory); 130 = interrupted (Ctrl-C: the current case finished, the run written,
+in the run directory); 130 = interrupted (Ctrl-C or SIGTERM: the current case finished, the run written,
 failures' replay commands printed); 141 = the output pipe closed.
 """
 
@@ -62,7 +62,8 @@ DISCREPANCY = ("1", "a discrepancy, crash, hang, flaky result or broken contract
                     "the failing case is saved and its replay command printed")
 USAGE = ("2", "usage error or bad input, with a one-line reason, before any case runs")
 HARNESS = ("3", "mla-verify itself failed (the traceback is in the run directory's harness-error.txt)")
-INTERRUPTED = ("130", "Ctrl-C: the current case finishes, the run is written, failures' replay commands printed")
+INTERRUPTED = ("130", "Ctrl-C or SIGTERM: the current case finishes, the run is written, failures' replay "
+                      "commands printed")
 
 
 def _epilog(codes: list[tuple[str, str]], examples: list[tuple[str, str]]) -> str:
