@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 from . import conventions as conventions_, ops, properties
 from .case import Case
 from .rows import Row
+from .produced import Produced
 from .spec import SPECS, Spec
 from .subject import Subject, UsageError, check_declared, did_you_mean
 
@@ -81,6 +82,19 @@ def evaluate(case: Case, subject: Subject, device: str = "cpu", *, run_id: str =
     see the spec's own `evaluate`."""
     return get_spec(case.op).evaluate(case, subject, device, run_id=run_id, source=source, notes=notes,
                                       on_call=on_call)
+
+
+def produce(case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
+            on_call: Callable[[], None] | None = None) -> Produced:
+    """The implementation's side of `case` (its outputs, on the host), for `judge_produced` in
+    another process: an isolation worker produces, its parent judges."""
+    return get_spec(case.op).produce(case, subject, device, run_id=run_id, source=source, on_call=on_call)
+
+
+def judge_produced(case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",
+                   source: str = "fuzz") -> list[Row]:
+    """The rows of `case` from what `produce` sent, the reference and every verdict computed here."""
+    return get_spec(case.op).judge_produced(case, produced, label, device, run_id=run_id, source=source)
 
 
 def inputs(op: str, params: Mapping[str, Any], seed: int, device: str = "cpu") -> dict[str, Any]:

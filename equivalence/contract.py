@@ -50,18 +50,21 @@ def returned(result: Any, names: Sequence[str], required: int | None = None) -> 
     return dict(zip(names, result))
 
 
-def output_problem(name: str, t: Any, *, dtype: torch.dtype, shape: Sequence[int], device: str | None,
-                   contiguous: bool = False) -> str | None:
-    """Why output `name` breaks its contract (one line), or None. `device` None: not checked."""
+def output_problem(name: str, t: Any, *, dtype: torch.dtype | None, shape: Sequence[int] | None, device: str | None,
+                   contiguous: bool = False, returned_on: str | None = None) -> str | None:
+    """Why output `name` breaks its contract (one line), or None. `device`, `dtype`, `shape` None:
+    not checked. `returned_on`: the device it was returned on, where `t` is a copy on the host."""
     if not isinstance(t, torch.Tensor):
         return f"{name}: {_describe(t)}, the contract says a torch.Tensor"
     odd = foreign(name, t)
     if odd:
         return odd
     if device is not None:
-        want = torch.device(device)
-        if t.device.type != want.type or (want.index is not None and t.device.index not in (None, want.index)):
-            return f"{name}: on device {t.device}, the contract says {want}"
+        want, got = torch.device(device), torch.device(returned_on) if returned_on else t.device
+        if got.type != want.type or (want.index is not None and got.index not in (None, want.index)):
+            return f"{name}: on device {got}, the contract says {want}"
+    if dtype is None:
+        return None
     if t.dtype != dtype:
         return f"{name}: dtype {str(t.dtype).removeprefix('torch.')}, the contract says {str(dtype).removeprefix('torch.')}"
     if tuple(t.shape) != tuple(shape):

@@ -58,7 +58,9 @@ def _fd_identity(fd: int) -> tuple[int, int] | None:
 # name -> (get, set): the settings a kernel (or the framework it brings) can change for everyone after it
 _TORCH: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
     "torch default dtype": (torch.get_default_dtype, torch.set_default_dtype),
-    "torch default device": (lambda: str(torch.get_default_device()), lambda d: torch.set_default_device(d)),
+    # back to none set rather than "cpu" set: a set default device is a mode every factory call goes through
+    "torch default device": (lambda: str(torch.get_default_device()),
+                             lambda d: torch.set_default_device(None if d == "cpu" else d)),
     "torch grad mode": (torch.is_grad_enabled, torch.set_grad_enabled),
     "torch anomaly detection": (torch.is_anomaly_enabled, torch.set_anomaly_enabled),
     "torch deterministic algorithms": (
@@ -143,9 +145,9 @@ _LIBRARIES: tuple[tuple[str, Any], ...] = (
     ("builtins", builtins), ("operator", operator),
 )
 _MISSING = object()
-# What Python itself adds to a class on first use: pickling caches its slot names there (the
-# DCP op pickles its params for the rank processes), which is not an implementation's patch.
-_CACHES = frozenset({"__slotnames__"})
+# What Python itself caches on classes and modules while running (pickling a class caches its
+# `__slotnames__`, a warning its module's registry): never a patch.
+_CACHES = frozenset({"__slotnames__", "__warningregistry__"})
 _namespaces: dict[int, list[tuple[str, Any, bool]]] = {}
 
 
@@ -186,7 +188,7 @@ class JudgeFunctions:
             if len(now) == len(before) and all(now.get(k, _MISSING) is v for k, v in before.items()):
                 continue
             for k, v in before.items():
-                if now.get(k, _MISSING) is not v:
+                if now.get(k, _MISSING) is not v and k not in _CACHES:
                     patched.append(f"{name}.{k}")
                     setattr(ns, k, v)
             if is_class:

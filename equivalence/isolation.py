@@ -3,11 +3,14 @@ CUDA error.
 
 A CUDA illegal address or device-side assert poisons the whole context, and a kernel can spin
 forever; either way the campaign must record the case as failed and go on. The worker receives
-(case, --impl specs, declared deviations), evaluates it with `equivalence.catalog.evaluate`, and sends back
-plain row dicts.
+(case, --impl specs, declared deviations), runs the implementation's side of it
+(`equivalence.catalog.produce`: inputs, the call, the checks only that process can make) and sends
+back its outputs on the host. The parent judges them (`catalog.judge_produced`): it builds the
+inputs again, computes the reference and every verdict where the implementation cannot reach
+them, neither the reference's tensors nor the judge's functions.
 
 Clocks. A worker says "ready" once it has imported everything, created its CUDA context and
-warmed up; it says "calling" once a case's inputs and reference are built, just before the
+warmed up; it says "calling" once a case's inputs are built, just before the
 implementation runs. Only the implementation's part counts against `timeout_s`: a fresh worker's
 start-up never makes a correct case look hung.
 
@@ -38,7 +41,7 @@ STARTUP_TIMEOUT_S = 300.0   # imports, CUDA context, warm-up: never counted agai
 # Spares kept warming once a worker has been replaced. A CUDA worker takes seconds to start (CUDA
 # context, cuBLAS): shrinking a crash replaces one per failing step, so two start side by side.
 SPARES = {"cpu": 1, "cuda": 2}
-HARNESS_TIMEOUT_S = 1800.0  # a case's inputs and reference (ours, not the implementation's)
+HARNESS_TIMEOUT_S = 1800.0  # a case's inputs (ours, not the implementation's)
 
 
 class HarnessError(RuntimeError):
@@ -65,7 +68,7 @@ def _serve(conn, device: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it finishes the case
     if not device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from .catalog import evaluate, resolve_subject
+    from .catalog import produce, resolve_subject
     from .device import usable
 
     _warm_up(device)
@@ -89,7 +92,9 @@ def _serve(conn, device: str) -> None:
             if key not in subjects:
                 subjects[key] = resolve_subject(case.op, specs, device.split(":")[0], deviations=deviations,
                                                 conventions=conventions)
-            rows = evaluate(case, subjects[key], device, run_id=run_id, source=source, notes=notes, on_call=on_call)
+            produced = produce(case, subjects[key], device, run_id=run_id, source=source, on_call=on_call)
+            notes.update(produced.notes)
+            rows = [Row.from_record(r) for r in produced.rows]
         except Exception as exc:
             if called and (is_device_error(exc) or not usable(device)):
                 # The context died while (or right after) the implementation ran: its crash.
@@ -99,7 +104,7 @@ def _serve(conn, device: str) -> None:
             continue
         retire = device.startswith("cuda") and (
             any(r.gate_metric == "raised" and is_device_error(r.reason) for r in rows) or not usable(device))
-        conn.send(("rows", ([r.to_record() for r in rows], sorted(notes), retire)))
+        conn.send(("produced", (produced, sorted(notes), retire)))
         if retire:
             return  # never trust a context that saw a CUDA error with another case
 
@@ -198,7 +203,7 @@ class Worker:
     ) -> list[Row]:
         """The case's rows, or a single failure row ("crashed" / "hung") when the worker died or
         did not answer in time. Raises HarnessError for a failure of the harness itself."""
-        from .catalog import get_spec  # it imports the kernels: not before `_serve` set up Triton
+        from .catalog import get_spec, judge_produced  # it imports the kernels: not before `_serve` set up Triton
 
         p = self._ensure()
         base = dict(run_id=run_id, case_id=case.case_id, impl=label, stages="", device=self.device,
@@ -218,13 +223,13 @@ class Worker:
         elif kind == "timeout":
             self._kill_active()
             raise HarnessError(f"building the inputs and reference of {case.short()} took over {HARNESS_TIMEOUT_S:g} s")
-        if kind == "rows":
-            records, reported, retire = payload
+        if kind == "produced":
+            produced, reported, retire = payload
             if notes is not None:
                 notes.update(reported)
             if retire:
                 self._retire()
-            return [Row.from_record(d) for d in records]
+            return judge_produced(case, produced, label, self.device, run_id=run_id, source=source)
         if kind == "error":
             raise HarnessError(f"harness error in the worker on {case.short()}", payload)
         if kind == "crashed":

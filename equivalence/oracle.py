@@ -14,7 +14,7 @@ from typing import Iterable, Mapping
 import torch
 
 from . import metrics as M
-from .mismatch import Compared, describe
+from .mismatch import Pair, describe
 from .policy import EXACT, LSE, OUT, Bound, Numerics, bounds_for, limit_for
 
 ELEM_UNITS_FOR_MISMATCH = 4.0  # per-element count reported as mismatch_frac (not gated itself)
@@ -57,15 +57,15 @@ def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, scale: torch.Tenso
     raise ValueError(f"unknown tensor kind {kind!r}")
 
 
-def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str, compared: Compared) -> Verdict:
+def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str, pair: Pair) -> Verdict:
     """The gated metric of `m` with the least headroom under `bounds`, and whether it passes; a
-    failure's reason describes the mismatch (`equivalence.mismatch`) from `compared`, its tensors."""
+    failure's reason describes the mismatch (`equivalence.mismatch`) from `pair`, its tensors."""
     if "shape" in m.extra:
         return Verdict(m, False, "shape", 1.0, 0.0, 0.0, deviation, f"shape/dtype mismatch: {m.extra['shape']}")
     if kind != EXACT and (m.nan_count or m.inf_mismatch):
         metric = "inf_mismatch" if m.inf_mismatch else "nan_count"
         return Verdict(m, False, metric, float(m.inf_mismatch or m.nan_count), 0.0, 0.0, deviation,
-                       describe(kind, compared, m, bounds, metric))
+                       describe(kind, pair, m, bounds, metric))
     worst: tuple[float, Bound, float, float] | None = None
     for b in bounds:
         v, limit = _value(m, b.metric), limit_for(b, m.rows)
@@ -74,7 +74,7 @@ def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str, 
             worst = (room, b, v, limit)
     room, bound, value, limit = worst
     passed = value <= limit
-    reason = "" if passed else describe(kind, compared, m, bounds, bound.metric)
+    reason = "" if passed else describe(kind, pair, m, bounds, bound.metric)
     return Verdict(m, passed, bound.metric, value, limit, room, deviation, reason)
 
 
@@ -99,4 +99,4 @@ def judge(
     if tensor is None:
         bounds = tuple(b for b in bounds if b.metric != ELEM_BOUND)
     return verdict(kind, measure(kind, impl, ref, scale, tensor), bounds, deviation,
-                   Compared(name or kind, impl, ref, scale, tensor))
+                   Pair(name or kind, impl, ref, scale, tensor))

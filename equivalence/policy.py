@@ -478,17 +478,18 @@ BIAS_METRICS = (
                "u / 32 with u = 2**-8 the bf16 unit roundoff: a gain that size moves every element by 1/32 of "
                "its rounding and compounds to 0.7% (2 u) across 61 layers. Correct kernels lean less: torch-fp32 "
                "sparse_prefill means +0.5e-5 to +7.4e-5 over 60 cases (ci profile, seeds 27-34; always positive, a "
-               "real lean of ~2**-14.4, a third of the floor), Triton +1.4e-5 (seed 5); decode +0.4e-5 and +4.2e-5. "
+               "real lean of ~2**-14.4, a third of the floor), Triton +1.4e-5 (seed 5); decode (seed 5): torch-fp32 "
+               "-1.9e-5 +- 7.1e-5, Triton -3.0e-5 +- 1.2e-4. "
                "A 2**-10 gain (u / 4) measures 2**-10.9 (bf16-exact outputs, a peaked softmax's, round back and hide "
                "part of it): paired against its correct twin, shifts of 3.7e-4 to 5.9e-4, the 0.99 interval's lower "
                "end at least 2.2e-4, 1.8x the floor (2**-11: 1.7e-4 to 3.1e-4, found in 4 of 8 seeds)"),
     BiasMetric("bias_units", "bf16 ulp (out), fp32 step of the logit scale (lse)",
                {"out": 1 / 16, "other": 1 / 16, "lse": 2.0, "max_logits": 2.0},
                "out: 1/16 of a bf16 step at the element's magnitude (correct kernels: |mean| <= 0.005, intervals "
-               "<= 0.015 at 40-60 cases); lse and max_logits: 2 fp32 steps of the logit scale, because a correct "
+               "<= 0.035 at 25-60 cases); lse and max_logits: 2 fp32 steps of the logit scale, because a correct "
                "kernel is allowed that much: sm_scale rounded to fp32 (2**-24 relative) and the fp32 product "
                "sm_scale * log2(e) each scale every logit of a case the same way, by up to one step each (CPU: "
-               "torch-fp32 and Triton means -0.01 to +0.06 steps). An LSE offset of 4 steps measures 3.99-4.00 "
+               "torch-fp32 and Triton means -0.01 to +0.07 steps). An LSE offset of 4 steps measures 3.99-4.00 "
                "(intervals +-0.02 at 60 cases), twice the floor"),
 )
 

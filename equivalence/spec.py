@@ -18,7 +18,11 @@ never what kind of thing they hold (torch's `_comparison.Pair` idea: each handle
     subjects(device)            label -> --impl strings: every implementation the gate runs here
     campaigns(subject)          the paths a gate campaign covers (None: the unrestricted draw)
     path_for(path, subject)     a requested --path, checked (UsageError) and defaulted
-    evaluate(case, subject, device, ...)  the case's rows
+    evaluate(case, subject, device, ...)  the case's rows, judged in this process
+    produce(case, subject, device, ...)   the implementation's side of a case (`running.Produced`:
+                                its outputs on the host), made where the implementation runs
+    judge_produced(case, produced, label, device, ...)  the rows from it, the reference and every
+                                verdict computed here (an isolation worker's parent)
     checks, own_processes, ranks  what it compares; whether it starts processes of its own (never
                                 inside an isolation worker); the world sizes it runs (multi-process only)
 
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
     from .case import Case
     from .profiles import Profile
     from .rows import Row
+    from .produced import Produced
     from .schema import Params
     from .subject import Subject
 
@@ -64,6 +69,10 @@ class Spec(Protocol):
     def evaluate(self, case: "Case", subject: "Subject", device: str = "cpu", *, run_id: str = "",
                  source: str = "fuzz", notes: set[str] | None = None,
                  on_call: Callable[[], None] | None = None) -> list["Row"]: ...
+    def produce(self, case: "Case", subject: "Subject", device: str = "cpu", *, run_id: str = "",
+                source: str = "fuzz", on_call: Callable[[], None] | None = None) -> "Produced": ...
+    def judge_produced(self, case: "Case", produced: "Produced", label: str, device: str = "cpu", *,
+                       run_id: str = "", source: str = "fuzz") -> list["Row"]: ...
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,8 @@ PINNED: dict[str, dict[str, dict]] = {
     "cuda_graph": {
         "sparse_prefill": {**PREFILL, "replay_seeds": [11, 12, 13]},
         "sparse_decode_fp8": {**DECODE, "s_q": 2, "replay_seeds": [11, 12, 13]},
+        "forward_mqa": {**FORWARD, "query_lens": [2] * 32, "context_lens": [4096] * 32, "max_decode_query_len": 2,
+                        "max_model_len": 4098, "replay_seeds": [11, 12, 13]},
     },
     "determinism": {
         "sparse_prefill": PREFILL,

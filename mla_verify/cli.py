@@ -163,7 +163,8 @@ def _add_drift(p: argparse.ArgumentParser) -> None:
     p.add_argument("--factor", type=_factor, default=policy.DRIFT_FACTOR,
                    help=f"drift: a metric grew beyond this many times the baseline's (default {policy.DRIFT_FACTOR:g})")
     p.add_argument("--confidence", type=_confidence, default=policy.DRIFT_CONFIDENCE,
-                   help=f"drift: confidence of the unpaired rank test (default {policy.DRIFT_CONFIDENCE:g})")
+                   help=f"drift: confidence of the unpaired rank test and of the bias t intervals "
+                        f"(default {policy.DRIFT_CONFIDENCE:g})")
     p.add_argument("--min-cases", type=_positive_int, default=policy.DRIFT_MIN_CASES,
                    help="drift: fewer cases a side and no case shared with the baseline is 'too few cases to "
                         f"judge' (default {policy.DRIFT_MIN_CASES})")
@@ -548,6 +549,7 @@ def _gate_ops(ops: list[str] | None) -> None:
 
 
 def cmd_gate(args, device: str) -> int:
+    from mla_verify.equivalence.mismatch import line
     from mla_verify.fuzz.campaign import new_seed
     from mla_verify.fuzz.gate import odd_ones_out, run_gate
     from mla_verify.interrupt import Interrupt
@@ -609,6 +611,9 @@ def cmd_gate(args, device: str) -> int:
     for fz in result.fuzz:
         if fz.case_file:
             print(f"failing case saved: {fz.case_file}  (mla-verify replay {fz.case_file} --device {device})")
+            for r in fz.failure.rows if fz.failure else ():
+                if not r.passed:
+                    print(f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}")
     if interrupt.requested:
         print(f"INTERRUPTED: {len(result.rows)} rows written to {out}")
         return 130

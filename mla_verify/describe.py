@@ -182,7 +182,7 @@ def describe_property(op: str) -> list[str]:
 
     prop = get_spec(op)
     lines = [*_wrap(f"{prop.name}: {prop.doc}", "", "  "), f"  targets (--path): {', '.join(prop.targets)}",
-             "  checks (the implementation against itself, no reference):"]
+             f"  checks ({prop.tag.removeprefix('property: ')}):"]
     for check in prop.checks:
         rule = PROPERTY_RULES[f"{prop.short}.{check}"]
         lines += _wrap(f"{check}: " + ("bit for bit" if rule.bitwise else "; ".join(

@@ -112,7 +112,8 @@ def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
     small = Case("quantize_fp8_ds_mla", {"n": 64, "value_regime": "normal", "scale_rule": "pow2"}, 3)
     for c in (small, case):
         label = c.short()[:44]
-        in_process = _median_ms(lambda c=c: evaluate(c, resolve_subject(c.op, [], device), device), reps, sync)
+        resolved = resolve_subject(c.op, [], device)
+        in_process = _median_ms(lambda c=c, resolved=resolved: evaluate(c, resolved, device), reps, sync)
         worker = Worker(device, timeout_s=600)
         try:
             start = time.perf_counter()

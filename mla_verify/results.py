@@ -91,7 +91,7 @@ class CheckResult:
         """What the CLI prints at the end: PASS with the least headroom, or each failure with its
         minimized case, failing metric and bound, case file and replay command; then a warning per
         group biased against the reference (`reports.bias`: never a failure)."""
-        from mla_verify.reports.bias import bias
+        from mla_verify.reports.bias import bias_of
 
         lines = [f"note: {n}" for n in self.notes]
         for f in self.failures:
@@ -115,7 +115,7 @@ class CheckResult:
             lines.append(f"  {self.unsupported} of them declined by the implementation (mla_verify.unsupported), "
                          f"not checked: {first.removeprefix('unsupported: ')}")
         if len(self.rows):
-            lines += bias(self.rows).lines()
+            lines += bias_of(self.rows).lines()
         return "\n".join(lines)
 
     @property

@@ -131,11 +131,14 @@ def forward_mqa(
     dcp_rank: int = 0,
     interleave: int = 1,
     stages: Resolved | None = None,
+    req_id: torch.Tensor | None = None,
 ) -> PipelineResult:
     """One rank's forward_mqa (module docstring). q is [T, Hq, 576] or (ql_nope, q_pe); T may
     be the decode tokens only (dense MHA took the prefills). `stages` defaults to the registry's
     preferred implementations on the cache's device; `workspace_size` to the backend's
-    `prefill_workspace_size(max_model_len)`."""
+    `prefill_workspace_size(max_model_len)`. `req_id` [>= T] int32, the request of each token,
+    as the metadata builder keeps it in a persistent buffer (what a CUDA graph of the call
+    reads); None: built here from query_start_loc, a copy from the host."""
     q_is_tuple = isinstance(q, tuple)
     check_dcp_supported(num_heads, dcp_size, kv_cache_dtype)
     path = select_path(kv_cache_dtype, num_heads)
@@ -146,7 +149,9 @@ def forward_mqa(
     num_tokens = q.shape[0]
     # req_id covers the whole batch and any CUDA-graph padding rows past it (request 0's); slice it
     # to the MQA rows (vLLM bug #47327).
-    req_id = req_id_per_token(query_start_loc, max(int(query_start_loc[-1]), num_tokens), q.device)[:num_tokens]
+    if req_id is None:
+        req_id = req_id_per_token(query_start_loc, max(int(query_start_loc[-1]), num_tokens), q.device)
+    req_id = req_id[:num_tokens]
     step = _Step(q, kv_cache, block_table, req_id, topk_indices[:num_tokens], sm_scale, stages)
     if path == "bf16":
         out, lse = _bf16(step)

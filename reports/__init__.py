@@ -4,12 +4,14 @@ baseline run.
     write_run(run_dir, rows, meta) / load_run(run_dir)      store.py
     collect_meta(...) / finish_meta(meta)                    meta.py
     terminal_summary(rows, meta)                             terminal.py
+    bias_of(rows, confidence) -> Bias                        bias.py (significance.py)
     compare(current, baseline, *, factor, confidence,
             min_cases, pairs) -> Drift                        drift.py (pairing.py, significance.py)
     build_report(...) -> Report / run_report(run_dir, ...)  report.py (document.py)
     render_html(report) / render_markdown(report)            html.py, markdown.py (drift_plots.py)
 """
 
+from mla_verify.reports.bias import Bias, bias_of
 from mla_verify.reports.drift import Drift, compare
 from mla_verify.reports.pairing import NothingComparable
 from mla_verify.reports.html import render_html
@@ -21,6 +23,6 @@ from mla_verify.reports.store import load_run, rows_frame, write_run
 from mla_verify.reports.terminal import terminal_summary
 
 __all__ = [
-    "Drift", "NothingComparable", "Report", "build_report", "collect_meta", "compare", "finish_meta", "load_run",
-    "render_html", "render_markdown", "rows_frame", "run_report", "terminal_summary", "write_run",
+    "Bias", "Drift", "NothingComparable", "Report", "bias_of", "build_report", "collect_meta", "compare",
+    "finish_meta", "load_run", "render_html", "render_markdown", "rows_frame", "run_report", "terminal_summary", "write_run",
 ]

@@ -71,7 +71,7 @@ def judge(mean: float, ci: float, floor: float) -> bool:
     return bool(np.isfinite(ci) and abs(mean) - ci > floor)
 
 
-def bias(rows: pd.DataFrame, confidence: float = DRIFT_CONFIDENCE) -> Bias:
+def bias_of(rows: pd.DataFrame, confidence: float = DRIFT_CONFIDENCE) -> Bias:
     """The bias of every group of `rows` (stored rows, as `load_run` returns them) that has a bias metric."""
     frame = annotate(rows)
     records = []

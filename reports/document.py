@@ -22,6 +22,7 @@ class Section:
     intro: str
     table: pd.DataFrame
     limit: int | None = None   # rows shown at most (the rest are in rows.csv)
+    bars: tuple[str, ...] = ()  # columns holding a share of a bound, drawn as bars where a renderer can
 
 
 @dataclass

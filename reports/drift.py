@@ -149,7 +149,7 @@ def _judge_unpaired(m: DriftMetric, floor: float, cur: pd.DataFrame, base: pd.Da
 def _judge_signed(m: BiasMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame, mode: str,
                   confidence: float) -> dict:
     """A bias metric's shift of the mean (paired: of the per-case differences), its t interval
-    and p-value; drift when significant and beyond the floor."""
+    and p-value; drift when the whole interval lies beyond the floor."""
     nan = np.nan
     rec = {"base_p50": nan, "cur_p50": nan, "base_p99": nan, "cur_p99": nan, "ratio": nan, "worst_ratio": nan,
            "worst_case": "", "p_value": nan, "bitwise_lost": 0, "floor": floor, "finding": ""}

@@ -34,7 +34,10 @@ def _values(rows: pd.DataFrame, key: tuple, metric: str, floor: float) -> pd.Ser
 
 def _chosen(drift: Drift) -> pd.DataFrame:
     g = drift.groups
-    drawable = g["mode"].isin([PAIRED, UNPAIRED]) & (g["kind"] != "exact") & (g["metric"] != "")
+    # a group spoken for by a bias metric (a signed shift, no ratio) is drawn in the bias figure; one
+    # with no ratio at all (whole-case failures, tensor "*": no metric was measured) is not drawn
+    drawable = (g["mode"].isin([PAIRED, UNPAIRED]) & (g["kind"] != "exact") & g["metric"].isin(list(_FLOORS))
+                & g["ratio"].notna())
     flagged = g["finding"].map(lambda f: any(x in f.split(", ") for x in FLAGS))
     rest = g[drawable & ~flagged]             # groups come sorted: improved first, then by worst ratio
     # one group per op and path (its output, where it has one) before a second one of any: a

@@ -4,6 +4,7 @@ external references) that opens from disk or from a CI artifact alone."""
 from __future__ import annotations
 
 import base64
+import math
 from collections.abc import Mapping
 from html import escape
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from mla_verify.reports.document import Report, Section
-from mla_verify.reports.drift import FLAGS, GONE, NEW, TOO_FEW
+from mla_verify.reports.drift import FLAGS, GONE, IMPROVED, NEW, TOO_FEW
 from mla_verify.reports.bias_plots import bias_figure
 from mla_verify.reports.drift_plots import drift_figure
 from mla_verify.reports.fmt import cells
@@ -19,15 +20,22 @@ from mla_verify.reports.meta import describe
 from mla_verify.reports.plots import Plot, figures
 
 _CSS = """
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.5em 2em;
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1em 1.5em;
        color: #1d1d1f; }
 h1 { font-size: 1.5em; margin-bottom: 0.2em; }
 h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; padding-bottom: 0.2em; }
 p.intro, figcaption, .note { color: #555; max-width: 75em; }
 table { border-collapse: collapse; font-size: 12px; }
-th, td { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; white-space: nowrap; }
-th { background: #f4f4f6; position: sticky; top: 0; }
-td.num { text-align: right; font-variant-numeric: tabular-nums;
+th, td { padding: 2px 5px; border-bottom: 1px solid #eee; text-align: left; white-space: nowrap; }
+th { background: #f4f4f6; position: sticky; top: 0; white-space: normal; vertical-align: bottom;
+     min-width: 3.5em; }
+td.long { white-space: normal; min-width: 24em; max-width: 48em; }
+td.bar { min-width: 9em; }
+.bar span { display: inline-block; height: 0.7em; margin-right: 0.4em; background: #3b6ea8;
+            vertical-align: middle; }
+tr.bad .bar span { background: #c0392b; }
+p.run { color: #555; margin: 0 0 0.5em; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; font-size: 11px;
          font-family: ui-monospace, monospace; }
 tr.bad td { background: #fde8e6; }
 tr.good td { background: #e6f5ea; }
@@ -46,16 +54,32 @@ figure img { max-width: 100%; border: 1px solid #eee; }
 """
 
 
+_LONG = 60  # characters past which a cell's text wraps (reasons, commands) instead of widening the table
+
+
 def _row_class(record: Mapping[str, Any]) -> str:
-    finding = str(record.get("finding") or "")
-    if record.get("failed", 0) or any(flag in finding for flag in FLAGS):
+    finding = str(record.get("finding") or record.get("vs baseline") or "")
+    if (record.get("failed", 0) or str(record.get("status", "")).startswith("FAIL")
+            or any(flag in finding for flag in FLAGS)):
         return "bad"
-    if finding:
-        return "good"      # improved
+    if IMPROVED in finding:
+        return "good"
     return "note" if record.get("mode") in (NEW, GONE, TOO_FEW) else ""
 
 
-def table_html(frame: pd.DataFrame, limit: int | None = None) -> str:
+def _cell(text: str, numeric: bool, share: float | None) -> str:
+    """One td: numbers right-aligned, long text wrapped, a share of a bound (0..1) as a bar."""
+    if share is not None:
+        width = 0.0 if math.isnan(share) else min(max(share, 0.0), 1.0) * 6
+        shown = text if math.isnan(share) else f"{100 * share:.3g}%"
+        return f'<td class="num bar"><span style="width: {width:.2f}em"></span>{escape(shown)}</td>'
+    if numeric:
+        return f'<td class="num">{escape(text)}</td>'
+    return f'<td class="long">{escape(text)}</td>' if len(text) > _LONG else f"<td>{escape(text)}</td>"
+
+
+def table_html(frame: pd.DataFrame, limit: int | None = None, bars: tuple[str, ...] = ()) -> str:
+    """`bars`: columns holding a share of a bound (value / bound), drawn as a bar beside the number."""
     shown = frame if limit is None else frame.head(limit)
     headers, rows = cells(shown)
     numeric = [pd.api.types.is_numeric_dtype(frame[c]) and not pd.api.types.is_bool_dtype(frame[c])
@@ -63,8 +87,8 @@ def table_html(frame: pd.DataFrame, limit: int | None = None) -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = []
     for record, texts in zip(shown.to_dict("records"), rows, strict=True):
-        tds = "".join(f'<td class="num">{escape(t)}</td>' if num else f"<td>{escape(t)}</td>"
-                      for t, num in zip(texts, numeric, strict=True))
+        tds = "".join(_cell(t, num, float(record[c]) if c in bars else None)
+                      for t, num, c in zip(texts, numeric, frame.columns, strict=True))
         css = _row_class(record)
         body.append(f'<tr class="{css}">{tds}</tr>' if css else f"<tr>{tds}</tr>")
     more = (f'<p class="note">{len(frame) - len(shown)} more rows not shown (see rows.csv).</p>'
@@ -83,7 +107,7 @@ def _figure_html(plot: Plot) -> str:
 def _section_html(section: Section, plots: list[Plot]) -> str:
     return (f'<section id="{section.key}"><h2>{escape(section.title)}</h2>'
             f'<p class="intro">{escape(section.intro)}</p>'
-            f"{table_html(section.table, section.limit)}"
+            f"{table_html(section.table, section.limit, section.bars)}"
             f"{''.join(_figure_html(p) for p in plots)}</section>")
 
 
@@ -112,12 +136,15 @@ def render_html(report: Report) -> str:
         by_section.setdefault(p.section, []).append(p)
     facts = {"run": report.run_id, **describe(report.meta)}
     meta = "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in facts.items())
-    nav = "".join(f'<a href="#{s.key}">{escape(s.title)}</a>' for s in report.sections)
+    # What was run, in one line up top; every fact of the run at the end, below the tables.
+    run = " · ".join(escape(f"{k} {facts[k]}") for k in ("device", "profile", "seeds", "git", "finished") if k in facts)
+    nav = "".join(f'<a href="#{s.key}">{escape(s.title)}</a>' for s in report.sections) + '<a href="#run">Run</a>'
     sections = "".join(_section_html(s, by_section.get(s.key, [])) for s in report.sections)
     title = f"mla-verify report: {report.run_id}"
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>"
-        f"<header><h1>{escape(title)}</h1><table class=\"meta\">{meta}</table></header>"
-        f"{_banners(report)}<nav>{nav}</nav>{sections}</body></html>\n"
+        f'<header><h1>{escape(title)}</h1><p class="run">{run}</p></header>'
+        f"{_banners(report)}<nav>{nav}</nav>{sections}"
+        f'<section id="run"><h2>Run</h2><table class="meta">{meta}</table></section></body></html>\n'
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import json
 import os
 import platform
 import subprocess
@@ -143,8 +142,10 @@ def describe(meta: Mapping[str, Any]) -> dict[str, str]:
         "finished": f"{meta.get('finished_at') or MISSING} ({number(meta.get('duration_s'))} s)",
         "platform": str(meta.get("platform") or MISSING),
     }
-    if meta.get("extra"):
-        described["extra"] = json.dumps(meta["extra"], sort_keys=True, default=str)
+    # What the run recorded to draw its cases again (op, path, examples, ops), those it has.
+    for key, value in (meta.get("extra") or {}).items():
+        if value is not None and value != []:
+            described.setdefault(key, ", ".join(map(str, value)) if isinstance(value, list) else str(value))
     return described
 
 

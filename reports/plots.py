@@ -5,9 +5,10 @@ its boxes are the tables' numbers: the median line is the table's p50 and the up
 p99 (`reports.stats.quantile`, an observed value), dots above the whisker are the cases beyond
 p99, the highest being the table's max. The box spans p25..p75.
 
-Log axes cannot show zeros or infinities: zeros are drawn on a floor line one decade below the
-smallest positive value and +inf on a ceiling line a decade above the largest finite one (each
-figure's caption counts them); NaN is not drawn and is counted too.
+Log axes cannot show zeros or infinities: zeros (and values more than `DECADES` below the largest,
+so one exact zero or one 1e-20 never stretches an axis over 18 decades) are drawn on a floor line
+one decade below the smallest positive value shown, and +inf on a ceiling line a decade above the
+largest finite one (each figure's caption counts them); NaN is not drawn and is counted too.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ _FAILED = "#c0392b"
 # Horizontal boxes: matplotlib 3.10 renamed bxp's `vert=False` to `orientation` (and deprecates vert).
 _HORIZONTAL = ({"orientation": "horizontal"} if tuple(int(x) for x in matplotlib.__version__.split(".")[:2]) >= (3, 10)
                else {"vert": False})
+DECADES = 6    # a log axis spans at most this many decades below its largest value, plus the floor's
+HISTOGRAM_MIN = 30  # values a group needs for a histogram row; fewer are drawn one dot each
 _PALETTE = ("#3b6ea8", "#d98c1f", "#2e8b57", "#c0392b", "#7b5ea7", "#8c564b", "#d45fa0",
             "#7f7f7f", "#9aa629", "#17a2b8")
 
@@ -83,9 +86,10 @@ class LogAxis:
         v = np.concatenate([np.asarray(a, dtype="float64") for a in arrays] or [np.zeros(0)])
         finite = v[np.isfinite(v)]
         positive = finite[finite > 0]
-        low = math.floor(math.log10(positive.min())) - 1 if positive.size else -12
-        high = math.ceil(math.log10(positive.max())) + 1 if positive.size else low + 2
-        return cls(floor=10.0**low, ceiling=10.0**high, zeros=int((finite <= 0).sum()),
+        top = math.ceil(math.log10(positive.max())) if positive.size else -11
+        low = max(math.floor(math.log10(positive.min())), top - DECADES) - 1 if positive.size else -12
+        floor = 10.0**low
+        return cls(floor=floor, ceiling=10.0 ** (top + 1), zeros=int((finite <= floor).sum()),
                    infs=int(np.isinf(v).sum()), nans=int(np.isnan(v).sum()))
 
     def clip(self, values: np.ndarray) -> np.ndarray:
@@ -110,12 +114,13 @@ class LogAxis:
                             color="0.4", xytext=(2, -10), textcoords="offset points")
 
     def _lines(self) -> tuple[tuple[int, float, str], ...]:
-        return ((self.zeros, self.floor, "0 (clipped)"), (self.infs, self.ceiling, "inf (clipped)"))
+        return ((self.zeros, self.floor, f"<= {self.floor:.0e}, 0 included (clipped)"),
+                (self.infs, self.ceiling, "inf (clipped)"))
 
     def note(self, what: str) -> str:
         parts = []
         if self.zeros:
-            parts.append(f"{self.zeros} zero values drawn at the floor {self.floor:.0e}")
+            parts.append(f"{self.zeros} zero values (or below {self.floor:.0e}) drawn at the floor {self.floor:.0e}")
         if self.infs:
             parts.append(f"{self.infs} inf drawn at the ceiling {self.ceiling:.0e}")
         if self.nans:
@@ -322,6 +327,7 @@ def stat_histograms(frame: pd.DataFrame) -> Plot | None:
     cats = [_path_categories(rows) for _, _, rows in panels]
     fig, axes = _figure(len(panels), 6.5 * len(panels), 0.42 * max(map(len, cats)) + 1.4)
     notes = ""
+    rng = np.random.default_rng(0)
     for ax, group, (kind, label, _) in zip(axes, cats, panels, strict=True):
         scale = LogAxis.of([c.values for c in group])
         drawn = np.concatenate([c.drawable(scale)[0] for c in group])
@@ -331,12 +337,17 @@ def stat_histograms(frame: pd.DataFrame) -> Plot | None:
         for row, c in enumerate(group):
             y = len(group) - 1 - row          # first group on top, as in the tables
             v, failed = c.drawable(scale)
-            every, _ = np.histogram(v, bins)
-            bad, _ = np.histogram(v[failed], bins)
-            height = 0.85 / max(int(every.max(initial=0)), 1)
-            ax.stairs(y + every * height, bins, baseline=y, fill=True, color=c.color, alpha=0.85)
-            if bad.any():
-                ax.stairs(y + bad * height, bins, baseline=y, fill=True, color=_FAILED)
+            if v.size >= HISTOGRAM_MIN:
+                every, _ = np.histogram(v, bins)
+                bad, _ = np.histogram(v[failed], bins)
+                height = 0.85 / max(int(every.max(initial=0)), 1)
+                ax.stairs(y + every * height, bins, baseline=y, fill=True, color=c.color, alpha=0.85)
+                if bad.any():
+                    ax.stairs(y + bad * height, bins, baseline=y, fill=True, color=_FAILED)
+            else:  # a histogram of a few values is a few full-height bars: one dot each instead
+                jitter = y + 0.2 + rng.uniform(0, 0.5, v.size)
+                ax.scatter(v[~failed], jitter[~failed], s=14, color=c.color, alpha=0.8, linewidths=0)
+                ax.scatter(v[failed], jitter[failed], s=24, color=_FAILED, linewidths=0)
             if v.size:
                 ax.vlines(quantile(v, 0.99), y, y + 0.9, color="black", linestyle="--",
                           linewidth=1.0)
@@ -348,13 +359,13 @@ def stat_histograms(frame: pd.DataFrame) -> Plot | None:
         _plain_log(ax.xaxis)
         ax.set_xlabel(label)
         ax.grid(axis="x", alpha=0.3)
-        ax.set_title(f"{kind} error histogram")
+        ax.set_title(f"{kind} error per path · impl")
         scale.mark_x(ax)
         notes += scale.note(label)
     caption = ("Max |error| of the softmax statistics over finite positions, one histogram per "
                "path · impl (the groups of the path and deviation tables; orange †: a documented "
-               "deviation), each scaled to its own peak; dashed: the group's p99 as in the "
-               "tables; red: failed rows." + notes)
+               f"deviation), each scaled to its own peak; a group of fewer than {HISTOGRAM_MIN} rows, one dot "
+               "per row; dashed: the group's p99 as in the tables; red: failed rows." + notes)
     return Plot("plot-lse", "groups", "LSE error histograms", caption, _png(fig))
 
 

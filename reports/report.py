@@ -11,10 +11,11 @@ from typing import Any
 import pandas as pd
 
 from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
-from mla_verify.reports.bias import bias
+from mla_verify.reports.bias import bias_of
 from mla_verify.reports.document import Report, Section
 from mla_verify.reports.drift import Worst, compare
 from mla_verify.reports.fmt import MISSING, header, number
+from mla_verify.reports.glance import at_a_glance
 from mla_verify.reports.html import render_html
 from mla_verify.reports.kinds import KEY_METRIC, annotate
 from mla_verify.reports.markdown import render_markdown
@@ -56,19 +57,14 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
     (`reports.drift.compare` with these settings; NothingComparable when nothing pairs)."""
     frame = annotate(rows)
     report = Report(rows=frame, meta=dict(meta), counts=counts(frame, bool(meta.get("incomplete"))))
-    fails = failures(frame)
-    if not fails.empty:
-        report.sections.append(Section(
-            "failures", "Failures",
-            "Rows that failed their bound, least headroom first. Replay a case by its case_id "
-            "and seed.", fails, limit=200))
+    later = []  # the baseline's sections: after the run's own tables
     if baseline is not None:
         base_rows, base_meta = baseline
         report.baseline_meta = dict(base_meta)
         report.baseline_counts = counts(annotate(base_rows))
         drift = report.drift = compare(rows, base_rows, factor=factor, confidence=confidence,
                                        min_cases=min_cases, pairs=pairs)
-        report.sections.append(Section(
+        later.append(Section(
             "drift", "Drift against the baseline",
             f"{drift.verdict}. {drift.pairing_line()}. Paired groups (cases the baseline ran too) are "
             f"judged on the median per-case ratio new / old of each drift metric, unpaired ones by a "
@@ -79,7 +75,7 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             "beyond the metric's floor. A metric that was 0 (bitwise) and is not is "
             "'no longer bitwise'. ratio / worst ratio: of the metric named; max_abs p99 is shown, never "
             "judged. Improvements never fail the run.", drift.groups, limit=300))
-        report.sections.append(Section(
+        later.append(Section(
             "drift-metrics", "Drift per metric",
             "Every drift metric of every compared group (equivalence.policy.DRIFT_METRICS: bf16_units and "
             "elem_bf16_units for outputs, lse_fp32_units for LSEs, abs_bias = |mean_err|, bound_use = "
@@ -87,19 +83,21 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             "rank test's p-value. Bias metrics (equivalence.policy.BIAS_METRICS): the means, their shift (paired: "
             "the mean per-case difference; unpaired: Welch), the t interval's half-width shift_ci, its p-value "
             "and the floor.", drift.metrics[drift.metrics["mode"] != "too few cases to judge"], limit=600))
-        report.sections.append(Section(
+        later.append(Section(
             "side-by-side", "Runs side by side", "What ran, where, and how it ended.",
             _side_by_side(report, base_rows)))
-    report.bias = bias(rows, confidence)
-    warned = len(report.bias.warnings)
     report.sections.append(Section(
-        "bias", "Bias per path",
-        f"{warned or 'No'} group{'s' * (warned != 1)} biased against the exact reference (a warning, not a failure). "
-        "Per group and bias metric the mean over its cases, each case one sample: gain = <impl - ref, ref> / "
-        "<ref, ref> (outputs), bias_units = the mean signed error in rounding units (bf16 ulps for outputs, fp32 "
-        f"steps of the logit scale for LSEs); ci: the half-width of the t interval at {confidence:g}. Biased: the "
-        "whole interval lies beyond the floor (equivalence.policy.BIAS_METRICS).",
-        report.bias.table))
+        "glance", "At a glance",
+        "Each op (path), tensor and implementation: failing first, then"
+        + (" those that changed against the baseline, then" if baseline is not None else "")
+        + " by the share of its bound the worst row uses (bound use = value / bound of the gated metric closest "
+        "to its bound; 1 fails).", at_a_glance(frame, report.drift), bars=("bound use",)))
+    fails = failures(frame)
+    if not fails.empty:
+        report.sections.append(Section(
+            "failures", "Failures",
+            "Rows that failed their bound, least headroom first. Replay a case by its case_id "
+            "and seed.", fails, limit=200))
     report.sections.append(Section(
         "groups", "Error per path",
         "Per op, path, tensor and implementation; rows held to a documented deviation are in "
@@ -110,12 +108,24 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             "deviations", "Documented deviations",
             "Rows held to the wider bound of an implementation's documented deviation: expected, "
             "not regressions (as long as they pass).", deviations))
+    report.bias = bias_of(rows, confidence)
+    warned = len(report.bias.warnings)
+    report.sections.append(Section(
+        "bias", "Bias per path",
+        f"{warned or 'No'} group{'s' * (warned != 1)} biased against the exact reference (a warning, not a failure). "
+        "Per group and bias metric the mean over its cases, each case one sample: gain = <impl - ref, ref> / "
+        "<ref, ref> (outputs), bias_units = the mean signed error in rounding units (bf16 ulps for outputs, fp32 "
+        f"steps of the logit scale for LSEs); ci: the half-width of the t interval at {confidence:g}. Biased: the "
+        "whole interval lies beyond the floor (equivalence.policy.BIAS_METRICS).",
+        report.bias.table))
+    report.sections += later[:2]
     for knob, table in by_knob(frame).items():
         if not table.empty:
             report.sections.append(Section(
                 f"knob-{knob}", f"Error by {_KNOB_TITLES[knob]}",
                 f"Per {header(knob)} value and tensor kind, rows without a deviation (rows whose "
                 f"op has no {header(knob)} are left out).", table))
+    report.sections += later[2:]
     return report
 
 

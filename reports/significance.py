@@ -67,24 +67,28 @@ def exceeds(new: np.ndarray, old: np.ndarray, factor: float, floor: float) -> fl
 
 
 def _betainc(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified
+    Lentz, as Numerical Recipes' betacf), which converges fast for x below (a + 1) / (a + b + 2)."""
     if x <= 0.0 or x >= 1.0:
         return 0.0 if x <= 0.0 else 1.0
-    if x > (a + 1) / (a + b + 2):                   # the fraction converges fast below the mean
+    if x > (a + 1) / (a + b + 2):
         return 1.0 - _betainc(b, a, 1.0 - x)
-    front = math.exp(a * math.log(x) + b * math.log1p(-x) - math.lgamma(a) - math.lgamma(b) + math.lgamma(a + b)) / a
-    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
-    for i in range(400):
-        m = i // 2
-        num = (1.0 if i == 0 else m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)) if i % 2 == 0
-               else -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)))
-        d = 1.0 + num * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + num / c if abs(1.0 + num / c) > tiny else tiny
-        f *= c * d
-        if abs(1.0 - c * d) < 1e-15:
+    tiny = 1e-300
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 300):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),            # the even step
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):  # the odd step
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-15:
             break
-    return front * (f - 1.0)
+    return front * f
 
 
 def t_two_sided(t: float, df: float) -> float:

@@ -4,12 +4,14 @@
 # time limit, logging to $OUT/<step>.log; everything is packed into $OUT/results.tgz and a short
 # table of step exit codes is printed last.
 #   scripts/gpu_lane.sh [STEP ...]     steps: env pytest gate bench throughput properties dcp adapters hostile hisparse
-#                                      hostile_default (default: env pytest gate bench)
+#                                      hostile_default bias (default: env pytest gate bench)
 # throughput: the reference under its memory budget (T = 4k/16k/64k), harness overhead by stage and
 # fuzz cases/s (`mla-verify bench --only reference --only harness`), without the kernel sweep.
 # hostile: fuzz a kernel with a device-side assert on >= 3 tokens with --timeout 10 (exit 1, a case
 # minimized to tokens = 3 that replays to the same crash, no correct case reported hung), then the
 # other CUDA hostile kernels; hostile_default: the same campaign with the default timeout.
+# bias: flash_mla, Triton and torch-fp32 on sparse_prefill and sparse_decode_fp8, the measured bias
+# per path against the exact reference (scripts/bias_gpu.py; the table is the log's end).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-lane}
@@ -18,7 +20,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || 
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OUT GATE_EXAMPLES=${GATE_EXAMPLES:-20}
 # Seconds each step may take (override one with e.g. LIMIT_gate=120); the call has 600 in all.
 declare -A LIMIT=([env]=60 [pytest]=300 [gate]=200 [bench]=150 [throughput]=240 [properties]=180 [dcp]=150
-                  [adapters]=180 [hostile]=540 [hostile_default]=400 [hisparse]=560)
+                  [adapters]=180 [hostile]=540 [hostile_default]=400 [hisparse]=560 [bias]=300)
 summary=()
 
 declare -A CMD=(
@@ -33,6 +35,7 @@ declare -A CMD=(
   [hostile]='python3 scripts/hostile_gpu.py --out $OUT/hostile --timeouts 10 --others --seed ${SEED:-1}'
   [hostile_default]='python3 scripts/hostile_gpu.py --out $OUT/hostile-default --timeouts default --seed ${SEED:-1}'
   [hisparse]='OUT=$OUT/hisparse LIMIT=100 scripts/gpu_hisparse.sh ${HISPARSE_EXAMPLES:-100} ${SEED:-1}'
+  [bias]='python3 scripts/bias_gpu.py --out $OUT/bias --examples ${BIAS_EXAMPLES:-120} --seed ${SEED:-1}'
 )
 
 run_step() {

@@ -33,3 +33,16 @@ def test_stage_profile_covers_every_stage_of_a_case():
     rows = [{"kind": "stage", "shape": "decode", "impl": name, "ms": s["ms"], "ops_note": f"{s['ops']} ops"}
             for name, s in stages.items()]
     assert "judge" in table(rows) and f"{stages['judge']['ops']} ops" in table(rows)
+
+
+def test_the_guards_section_times_every_guard_and_isolation():
+    from mla_verify.guard_bench import bench_guards
+
+    rows = bench_guards("cpu", DECODE, quick=True)
+    guards = [r["impl"] for r in rows]
+    assert guards == ["process_state", "judge_functions", "sigint_watch", "reference", "owned_outputs", "journal",
+                      "isolation", "isolation"]
+    assert all(r["ms"] > 0 for r in rows if r["impl"] != "isolation")
+    small, decode = rows[-2:]
+    assert small["after_crash_ms"] > 0 and decode["after_crash_ms"] is None
+    assert all(r["in_process_ms"] > 0 and r["isolated_ms"] > 0 and r["first_case_ms"] > 0 for r in (small, decode))

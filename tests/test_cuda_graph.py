@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 from mla_verify.cli import main
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
 from mla_verify.equivalence.profiles import get_profile
-from mla_verify.equivalence.subject import UsageError
 from mla_verify.fuzz.campaign import fuzz, new_seed
 from mla_verify.fuzz.production import production_cases
 from tests.hostile import GRAPH
+from tests.test_properties import TINY  # shapes the Triton interpreter runs in a second
 
 REPO = Path(__file__).resolve().parent.parent
 OP = "property:cuda_graph"
@@ -53,11 +54,16 @@ def test_on_cpu_the_property_is_refused_with_its_reason(capsys, tmp_path):
 
 
 def test_the_eager_kernels_are_no_graph_kernels():
-    """torch-fp32 indexes with boolean masks (a host sync each): the property refuses it by name
-    (without a GPU, first for not running there: nothing is "available" on cuda then)."""
-    refused = "torch-fp32 is no graph kernel" if torch.cuda.is_available() else "does not run here: no CUDA GPU"
-    with pytest.raises(UsageError, match=refused):
-        get_spec(OP).subject(["torch-fp32"], "cuda")
+    """torch-fp32 indexes with boolean masks (a host sync each): no graph entry, so the property
+    never runs it; flash_mla's and Triton's entries are their launch paths."""
+    from mla_verify.optimized import registry
+
+    spec = get_spec(OP)
+    impls = [i for stage in ("sparse_prefill", "sparse_decode_fp8", "convert_index") for i in registry.implementations(stage)]
+    assert sorted(spec._no_graph(impls)) == ["convert_index torch-fp32", "sparse_decode_fp8 torch-fp32",
+                                             "sparse_prefill torch-fp32"]
+    assert {i.graph.__name__ for i in impls if i.graph} == {"launch_sparse_prefill", "launch_sparse_decode_fp8",
+                                                            "launch_convert_index"}
 
 
 def test_every_small_case_and_replay_seed_is_a_valid_case():
@@ -134,3 +140,35 @@ def test_a_graph_finding_is_saved_with_its_replay_seeds_and_replays(h, tmp_path)
     assert len(case["params"]["replay_seeds"]) == 3 and case["params"]["target"] == h.impl.split("=")[0]
     code, text = cli("replay", saved, "--impl", h.impl, "--device", "cuda", "--isolate")
     assert code == 1 and "reproduced" in text and "did NOT" not in text, text
+
+
+@pytest.mark.parametrize("target", ["sparse_prefill", "sparse_decode_fp8", "forward_mqa"])
+def test_the_captured_call_on_the_static_buffers_computes_each_replayed_problem(target):
+    """On CPU, what a replay does without the graph: another seed's problem copied into the first
+    one's buffers (the same layout), then the captured call (graph entries, the batch's req_id built
+    beforehand) on them gives bit for bit the checked call's answer on that problem; Triton
+    interpreted. Nothing else of a problem (host lists, config) differs between seeds."""
+    from mla_verify.equivalence.properties.cuda_graph import FORMS, _graph_stages, _same_layout
+    from mla_verify.equivalence.subject import stage_overrides
+    from mla_verify.optimized import registry
+
+    spec = get_spec(OP)
+    overrides, _ = stage_overrides(["triton"], "cpu")
+
+    @settings(max_examples=2, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=spec.strategy(TINY, target))
+    def same(case):
+        params = spec.params_of(case.params)
+        stages = registry.resolve(spec.target(params).stages(params), "cpu", overrides)
+        assert all(stages.chosen[s].graph is not None for s in spec.target(params).under_test)
+        form = FORMS[target]
+        static, other = (spec.target(params).inputs(params, s, "cpu") for s in (case.seed, params.replay_seeds[0]))
+        want = form.eager(stages, other)
+        _same_layout(form.buffers(static), form.buffers(other), params.replay_seeds[0])
+        for name, t in form.buffers(other).items():
+            form.buffers(static)[name].copy_(t)
+        for a, b in zip(want, form.graph(_graph_stages(stages), static)):
+            a, b = a.contiguous(), b.contiguous()  # decode's lse is a transposed view
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    same()

@@ -240,7 +240,7 @@ def test_reports_lead_with_the_drift_and_draw_it(baseline):
     figure = drift_figure(report.drift)
     assert figure.png.startswith(b"\x89PNG") and "Paired: one dot per case" in figure.caption
     page = render_html(report)
-    assert page.index('id="plot-drift"') < page.index('id="groups"')      # inside the drift section
+    assert page.index('id="drift"') < page.index('id="plot-drift"') < page.index('id="drift-metrics"')  # in its section
     assert drift_figure(compare(_frame(101), baseline)) is not None       # unpaired groups draw too
 
 

@@ -61,6 +61,25 @@ def test_each_hostile_kernel_fails_its_case_with_its_reason(h):
     assert any(metric == h.metric and h.says in reason for _, metric, reason in failing), failing
 
 
+@pytest.fixture(scope="module")
+def worker():
+    from mla_verify.equivalence.isolation import Worker
+
+    w = Worker("cpu", timeout_s=3.0)
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("h", CPU, ids=[h.impl.split(":")[1] for h in CPU])
+def test_each_hostile_kernel_fails_its_case_isolated_where_the_parent_judges(worker, h):
+    """Every hostile kernel, in an isolation worker: the worker runs the call, the parent builds the
+    reference and judges, out of reach of what the kernel did to its own process."""
+    rows = worker.run(Case(h.op, CASES[h.op], 3), [h.impl], h.impl)
+    failing = [(r.tensor, r.gate_metric, r.reason) for r in rows if not r.passed]
+    want, says = h.outcome(isolated=True)
+    assert any(metric == want and says in reason for _, metric, reason in failing), failing
+
+
 @pytest.mark.parametrize("impl", ["tests.hostile.cpu:zeroes_q", "tests.hostile.cpu:scribbles_kv_cache",
                                   "tests.hostile.cpu:lse_float64", "tests.hostile.cpu:system_exit"])
 def test_a_finding_exits_1_with_its_case_saved_its_rows_on_disk_and_no_traceback(capsys, tmp_path, impl):

@@ -72,6 +72,12 @@ def test_an_lse_off_by_a_recognisable_convention_says_which(transform, says):
     assert not v.passed and says in v.reason, v.reason
 
 
+def test_a_single_value_is_not_called_a_constant_offset():
+    ref = torch.tensor([3.0], dtype=torch.float64)
+    v = judge(LSE, torch.tensor([3.5]), ref, Numerics(), scale=torch.full_like(ref, 4.0), name="lse")
+    assert not v.passed and "offset" not in v.reason and "times" not in v.reason
+
+
 def test_an_exact_mismatch_counts_and_shows_the_first():
     ref = torch.arange(12, dtype=torch.int32).reshape(3, 4)
     impl = ref.clone()

@@ -1,6 +1,6 @@
 """The routing boundaries of the backend (equivalence.routing): each side named for batches built
 by hand from the spec's examples, and every side drawn by forward_mqa's draws at the gpu and
-nightly profiles (scripts/routing_table.py, the README's table)."""
+nightly profiles (scripts/routing_table.py: the README's table, the same 1000 draws)."""
 
 import importlib.util
 from pathlib import Path
@@ -48,7 +48,7 @@ def test_every_side_of_every_boundary_is_drawn_at_the_gpu_and_nightly_profiles(c
     spec = importlib.util.spec_from_file_location("routing_table", REPO / "scripts" / "routing_table.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    code = script.main(["--draws", "300", "--profile", "gpu", "--profile", "nightly"])
+    code = script.main(["--draws", "1000", "--profile", "gpu", "--profile", "nightly"])
     text = capsys.readouterr().out
     assert code == 0, text
     assert sum(line.count("| ") > 2 for line in text.splitlines()) == 2 + sum(len(s) for s in SIDES.values())

@@ -22,7 +22,9 @@ from ..draws import SEEDS
 from ..contract import Snapshot, output_problem
 from ..contracts import arguments as contract_arguments
 from ..oracle import judge
+from ..produced import Produced
 from ..profiles import Profile
+from ..rows import Row
 from ..running import Raised, call_implementation, failure_row, input_rows, judged_row, raised_row, timed
 from ..schema import Params
 from ..subject import Subject, UsageError, implementation
@@ -154,15 +156,18 @@ class OpSpec:
             raise UsageError(f"--path applies to a pipeline (forward_mqa) or a property, not {self.name}")
         return None
 
+    def _base(self, case: Case, params: Params, label: str, device: str, run_id: str, source: str) -> dict:
+        return dict(run_id=run_id, case_id=case.case_id, impl=label, stages="", device=device, seed=case.seed,
+                    source=source, **self.identity(case, params))
+
     def evaluate(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
                  notes: set[str] | None = None, on_call: Callable[[], None] | None = None) -> list:
         """Every checked tensor of `case` as a Row (a single failure row if the implementation
-        raised). `notes` collects what the implementation side reported (a stage that fell back
-        to a portable implementation); `on_call` runs once inputs and reference are ready, just
-        before the implementation."""
+        raised), judged in this process. `notes` collects what the implementation side reported
+        (a stage that fell back to a portable implementation); `on_call` runs once inputs and
+        reference are ready, just before the implementation."""
         params = self.params_of(case.params)
-        base = dict(run_id=run_id, case_id=case.case_id, impl=subject.label, stages="", device=device,
-                    seed=case.seed, source=source, **self.identity(case, params))
+        base = self._base(case, params, subject.label, device, run_id, source)
         kwargs = self.inputs(params, case.seed, device)
         ref, t_ref = timed(lambda: self.reference(kwargs, params), device)
         inputs = Snapshot(kwargs)
@@ -178,31 +183,94 @@ class OpSpec:
         touched = answer.changed()
         if touched:  # every verdict below would compare against what the implementation wrote
             return [failure_row(base, "*", "contract", touched[0][1], **times)]
-        rows = input_rows(base, inputs, self.writes, **times)
+
+        def problem(name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
+            return (self._output_problem(check, out, want)
+                    or (None if self.views else inputs.aliased_by(name, out)) or answer.aliased_by(name, out))
+
+        return input_rows(base, inputs, self.writes, **times) + self._verdicts(
+            base, params, kwargs, ref, got.tensors, got.deviations, times, problem)
+
+    def _output_problem(self, check: Check, out: Any, want: torch.Tensor, returned_on: str | None = None) -> str | None:
+        return output_problem(check.tensor, out, dtype=check.dtype or want.dtype, shape=want.shape,
+                              # where the exact answer lives (host-side ops answer on the host);
+                              # rank answers come back through the host
+                              device=None if self.own_processes else str(want.device),
+                              contiguous=check.contiguous, returned_on=returned_on)
+
+    def _verdicts(self, base: dict, params: Params, kwargs: dict, ref: Mapping[str, torch.Tensor],
+                  tensors: Mapping[str, Any], deviations: Sequence[str], times: dict, problem: Callable) -> list:
+        """A row per check: missing, a broken contract (`problem(name, out, want, check)`), or the
+        oracle's verdict against the reference."""
+        rows = []
         for check in self.checks:
-            if check.tensor not in ref or (check.optional and check.tensor not in got.tensors):
+            if check.tensor not in ref or (check.optional and check.tensor not in tensors):
                 continue  # not asked for by this case, or not produced by this implementation
-            if check.tensor not in got.tensors:
+            kind = check.row_kind or check.kind
+            if check.tensor not in tensors:
                 rows.append(failure_row(base, check.tensor, "missing", f"the implementation returned no {check.tensor!r}",
-                                        kind=check.row_kind or check.kind, **times))
+                                        kind=kind, **times))
                 continue
-            out, want = got.tensors[check.tensor], ref[check.tensor]
-            problem = output_problem(check.tensor, out, dtype=check.dtype or want.dtype, shape=want.shape,
-                                     # where the exact answer lives (host-side ops answer on the host);
-                                     # rank answers come back through the host
-                                     device=None if self.own_processes else str(want.device),
-                                     contiguous=check.contiguous)
-            problem = (problem or (None if self.views else inputs.aliased_by(check.tensor, out))
-                       or answer.aliased_by(check.tensor, out))
-            if problem:
-                rows.append(failure_row(base, check.tensor, "contract", problem, kind=check.row_kind or check.kind,
-                                        **times))
+            out, want = tensors[check.tensor], ref[check.tensor]
+            why = problem(check.tensor, out, want, check)
+            if why:
+                rows.append(failure_row(base, check.tensor, "contract", why, kind=kind, **times))
                 continue
             scale = ref.get(check.scale) if check.scale else None
             numerics = params.numerics()
             v = judge(check.kind, out, want, numerics.replace(dcp_size=1) if check.single_rank else numerics,
-                      got.deviations, scale, check.bounds_in(ref), name=check.tensor)
+                      deviations, scale, check.bounds_in(ref), name=check.tensor)
             if v.metrics.nan_count and self.explain_nan is not None:
                 v.reason = "; ".join(filter(None, (v.reason, self.explain_nan(kwargs, check.tensor, out, want))))
-            rows.append(judged_row(base, check.tensor, check.row_kind or check.kind, v, **times))
+            rows.append(judged_row(base, check.tensor, kind, v, **times))
         return rows
+
+    def produce(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
+                on_call: Callable[[], None] | None = None) -> Produced:
+        """The implementation's side of `case`, for a judge in another process (an isolation
+        worker's parent): its outputs on the host, and the rows this side alone can make (it
+        raised, wrote an input, returned something that is no plain tensor on its device, or an
+        input). No reference is computed here: the implementation never sees it."""
+        params = self.params_of(case.params)
+        base = self._base(case, params, subject.label, device, run_id, source)
+        kwargs = self.inputs(params, case.seed, device)
+        inputs = Snapshot(kwargs)
+        try:
+            got, t_impl = call_implementation(lambda: self.call(subject, kwargs, params), case.seed, device, on_call)
+        except Raised as raised:
+            return Produced([raised_row(base, raised).to_record()], failed=True)
+        base = {**base, "path": got.path or base["path"], "stages": got.stages}
+        rows = [r.to_record() for r in input_rows(base, inputs, self.writes, time_impl_s=t_impl)]
+        tensors, devices, problems = {}, {}, {}
+        for name, out in got.tensors.items():
+            why = output_problem(name, out, dtype=None, shape=None, device=None)
+            why = why or (None if self.views else inputs.aliased_by(name, out))
+            if why:
+                problems[name] = why
+                continue
+            devices[name] = str(out.device)
+            tensors[name] = out.detach().to("cpu", copy=True) if out.device.type != "meta" else out.detach()
+        return Produced(rows, tensors=tensors, devices=devices, problems=problems, stages=got.stages,
+                        deviations=tuple(got.deviations), path=got.path, notes=tuple(got.notes), t_impl=t_impl)
+
+    def judge_produced(self, case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",
+                       source: str = "fuzz") -> list:
+        """The rows of `case` from what `produce` sent: the reference computed here, on inputs
+        built here, and every value judged here."""
+        rows = [Row.from_record(r) for r in produced.rows]
+        if produced.failed:
+            return rows
+        params = self.params_of(case.params)
+        base = self._base(case, params, label, device, run_id, source)
+        base = {**base, "path": produced.path or base["path"], "stages": produced.stages}
+        kwargs = self.inputs(params, case.seed, device)
+        ref, t_ref = timed(lambda: self.reference(kwargs, params), device)
+        times = dict(time_ref_s=t_ref, time_impl_s=produced.t_impl)
+        for r in rows:
+            r.time_ref_s = t_ref
+
+        def problem(name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
+            return produced.problems.get(name) or self._output_problem(check, out, want, produced.devices.get(name))
+
+        tensors = {**produced.tensors, **{name: None for name in produced.problems}}
+        return rows + self._verdicts(base, params, kwargs, ref, tensors, produced.deviations, times, problem)

@@ -4,7 +4,8 @@ A property poses one problem two ways that agree in exact arithmetic (a top-k se
 merge of its parts, a decode batch and its requests one at a time, a run and its rerun, ...) and
 holds an implementation's two answers to each other. At production shapes the float64 reference
 is the bottleneck, and some bugs (batch dependence, nondeterminism, a wrong LSE that a single
-call never shows) appear only as inconsistency.
+call never shows) appear only as inconsistency. One, `cuda_graph`, holds a kernel's CUDA-graph
+replays to its eager calls and, since a replay is a serving call, also to the reference.
 
 A property case is a Case with op "property:NAME" and params {"target": TARGET, ...}: the target
 is what runs (a stage such as "sparse_decode_fp8", or "forward_mqa", the pipeline), the rest its

@@ -29,7 +29,9 @@ from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, guarded
 from ..oracle import measure, verdict
+from ..rows import Row
 from ..policy import EXACT, property_bounds
+from ..produced import Produced
 from ..profiles import Profile
 from ..running import Raised, call_implementation, input_rows, judged_row, raised_row
 from ..schema import OneOf, Params, param
@@ -193,29 +195,60 @@ class PropertySpec:
         """Every tensor the property compares, as a Row (a single failure row if the
         implementation raised); `notes` collects the stages that fell back from their preferred
         implementation; `on_call` runs just before the implementation is first called."""
+        produced = self.produce(case, subject, device, run_id=run_id, source=source, on_call=on_call, on_host=False)
+        if notes is not None:
+            notes.update(produced.notes)
+        return self.judge_produced(case, produced, subject.label, device, run_id=run_id, source=source)
+
+    def _base(self, case: Case, params: Params, label: str, stages: str, device: str, run_id: str, source: str) -> dict:
+        return dict(run_id=run_id, case_id=case.case_id, impl=label, stages=stages, device=device, seed=case.seed,
+                    source=source, **self.identity(case, params))
+
+    def produce(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
+                on_call: Callable[[], None] | None = None, on_host: bool = True) -> Produced:
+        """The implementation's side of `case`: the comparisons its calls make (copied to the host
+        for a judge in another process, `on_host`) and the rows only this side can make (it
+        raised, wrote an input)."""
         params = self.params_of(case.params)
         target = self.target(params)
         stages = registry.resolve(target.stages(params), device.split(":")[0], subject.overrides)
-        deviations = sorted({d for impl in stages.chosen.values() for d in impl.deviations})
-        base = dict(run_id=run_id, case_id=case.case_id, impl=subject.label, stages=stages.describe(), device=device,
-                    seed=case.seed, source=source, **self.identity(case, params))
+        deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
+        base = self._base(case, params, subject.label, stages.describe(), device, run_id, source)
         inputs = target.inputs(params, case.seed, device)
         saved = Snapshot(inputs)
         try:
             compared, t_impl = call_implementation(lambda: target.check(inputs, params, guarded(stages)), case.seed,
                                                    device, on_call)
         except Raised as raised:  # the implementation's failure is the case's result, not ours
-            return [raised_row(base, raised)]
-        if notes is not None:
-            notes.update(f"{stage}: {why}" for stage, why in stages.fallbacks.items())
-        rows = input_rows(base, saved, (), time_impl_s=t_impl)
-        for c in compared:
-            kind, bounds, deviation = property_bounds(f"{self.short}.{c.check}", c.kind, deviations)
+            return Produced([raised_row(base, raised).to_record()], failed=True)
+        notes = tuple(f"{stage}: {why}" for stage, why in stages.fallbacks.items())
+        rows = [r.to_record() for r in input_rows(base, saved, (), time_impl_s=t_impl)]
+        if on_host:
+            compared = [dataclasses.replace(c, got=_host(c.got), base=_host(c.base), scale=_host(c.scale))
+                        for c in compared]
+        return Produced(rows, stages=stages.describe(), deviations=deviations, notes=notes, t_impl=t_impl,
+                        compared=compared)
+
+    def judge_produced(self, case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",
+                       source: str = "fuzz") -> list:
+        """The rows of `case` from what `produce` made: every comparison judged here."""
+        rows = [Row.from_record(r) for r in produced.rows]
+        if produced.failed:
+            return rows
+        params = self.params_of(case.params)
+        base = self._base(case, params, label, produced.stages, device, run_id, source)
+        for c in produced.compared:
+            kind, bounds, deviation = property_bounds(f"{self.short}.{c.check}", c.kind, produced.deviations)
             got, want = _unsigned_zeros(c.got), _unsigned_zeros(c.base)
             m = measure(kind, got, want, c.scale)
             if kind != EXACT:
                 m.mismatch_frac = M.exact(got, want).mismatch_frac if got.dtype == want.dtype else math.nan
             rows.append(judged_row(base, f"{c.check}.{c.tensor}", "exact" if kind == EXACT else c.tensor,
-                                   verdict(kind, m, bounds, deviation, mismatch.Compared(c.tensor, got, want, c.scale)),
-                                   time_impl_s=t_impl))
+                                   verdict(kind, m, bounds, deviation,
+                                           mismatch.Pair(f"{c.check}.{c.tensor}", got, want, c.scale)),
+                                   time_impl_s=produced.t_impl))
         return rows
+
+
+def _host(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().to("cpu", copy=True)

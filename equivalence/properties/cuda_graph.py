@@ -5,31 +5,40 @@
                the captured buffers): every output bit for bit the eager call's on that problem.
     reference  the same replays against the float64 reference, within the op's own bounds.
 
+Targets: the two attention ops, and forward_mqa on decode batches (uniform spec decodes on the
+separate path, or the mixed path), the batch's metadata (req_id) built before capture as vLLM's
+builder keeps it in a persistent buffer, with the index conversion and the decode stage captured.
+
 Serving runs the decode this way (vLLM's FlashMLA sparse builder: `UNIFORM_BATCH` graphs over
 static buffers). A kernel that syncs with the host (`.item()`, a host-side check of the indices),
 copies host memory into a new device tensor, reads sizes on the host or keeps state between calls
 (a cache keyed by address) either refuses the capture (the case fails, reason "does not capture")
-or replays something other than what it computes eagerly. What is captured is the implementation's
-`graph` entry (`optimized.registry`): for the registered kernels the launch path, since their
-input checks read the inputs on the host; those checks run first, in the eager call on every
-problem. A user's kernel is captured as it is called. Each replay's outputs are copied out before
-the next (the graph owns its buffers). CUDA only: elsewhere a usage error with that reason.
+or replays something other than what it computes eagerly. What is captured of a stage under test
+is its implementation's `graph` entry (`optimized.registry`): for the registered kernels the
+launch path, since their input checks read the inputs on the host; those checks run first, in the
+eager call on every problem. A user's kernel is captured as it is called, and so is a stage not
+under test that has no graph entry (the reshapes). Each replay's outputs are copied out before the
+next (the graph owns its buffers). CUDA only: elsewhere a usage error with that reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from hypothesis import strategies as st
 
+from mla_verify.equivalence.batch import make_batch
 from mla_verify.optimized import registry
+from mla_verify.optimized.metadata import req_id_per_token
 
+from .. import mismatch
 from ..case import Case
-from ..contract import ContractError, Snapshot, guarded, output_problem
+from ..contract import ContractError, Snapshot, guarded, output_problem, returned
 from ..device import first_line
-from ..draws import SEEDS, decode_params, prefill_params
+from ..draws import SEEDS, decode_params, forward_params, prefill_params
 from ..oracle import judge, measure, verdict
 from ..policy import EXACT, property_bounds
 from ..running import Raised, call_implementation, failure_row, judged_row, raised_row, timed
@@ -37,10 +46,17 @@ from ..schema import Ints, param
 from ..spec import SPECS, register
 from ..subject import Subject, UsageError
 from .base import PropertySpec, Target
-from .common import decode_knobs, decode_problem, prefill_knobs, prefill_problem
+from .common import (
+    decode_knobs,
+    decode_problem,
+    forward,
+    forward_knobs,
+    forward_stages,
+    prefill_knobs,
+    prefill_problem,
+)
 
 REPLAYS = 3  # drawn problems replayed per capture
-NAMES = {"sparse_prefill": ("out", "lse", "max_logits"), "sparse_decode_fp8": ("out", "lse")}
 WHY_CUDA = "captures CUDA graphs: it runs on a CUDA device only"
 
 
@@ -64,38 +80,49 @@ def _same_layout(static: dict, problem: dict, seed: int) -> None:
             raise RuntimeError(f"the problem of replay seed {seed} does not fit the captured {name}")
 
 
-def capture_and_replay(eager: Callable, graph_fn: Callable, problems: Sequence[dict]) -> tuple[list, list]:
-    """(eager outputs, replayed outputs) of `problems[1:]`, `graph_fn` captured on `problems[0]`.
+def _outputs(result: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """An implementation's result by name (2 required: out, lse), every one a tensor."""
+    found = returned(result, names, 2)
+    for name, t in found.items():
+        if not isinstance(t, torch.Tensor):
+            raise ContractError(f"{name}: a {type(t).__name__}, the contract says a torch.Tensor")
+    return found
+
+
+def capture_and_replay(eager: Callable[[dict], Any], graph_fn: Callable[[dict], Any], problems: Sequence[dict],
+                       buffers: Sequence[dict[str, torch.Tensor]], names: tuple[str, ...]) -> tuple[list[dict], list[dict]]:
+    """(eager outputs, replayed outputs) of `problems[1:]` by name (`names`: the op's results),
+    `graph_fn` captured on `problems[0]`; `buffers[i]`: the tensors of problem i a replay copies in.
 
     `eager` (the checked call) runs on every problem first, the capture's too; `graph_fn` warms
     up on a side stream, as torch's capture recipe asks (compilation, library handles, lazily made
     state), then is captured. Before each replay the problem is copied into the captured inputs;
     after it the outputs are cloned and the inputs compared with what was copied in."""
-    static = problems[0]
-    eager(**static)
-    eager_out = [tuple(eager(**kw)) for kw in problems[1:]]
+    static, inputs = problems[0], buffers[0]
+    eager(static)
+    eager_out = [_outputs(eager(kw), names) for kw in problems[1:]]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        graph_fn(**static)
+        graph_fn(static)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
-            captured = tuple(graph_fn(**static))
+            result = graph_fn(static)
     except Exception as exc:  # the implementation's: what it did inside the capture is not capturable
         # Ending a broken capture raises again ("a previous error during capture"): name the first error.
         first = exc.__context__ if exc.__context__ is not None else exc
         raise CaptureError(f"does not capture in a CUDA graph: {first_line(first)} (a host sync, a copy from "
                            "host memory or a size read on the host inside the call)") from exc
+    captured = _outputs(result, names)
     replayed = []
-    for i, kw in enumerate(problems[1:], 1):
-        for name, value in kw.items():
-            if isinstance(value, torch.Tensor):
-                static[name].copy_(value)
-        saved = Snapshot(static)
+    for i, tensors in enumerate(buffers[1:], 1):
+        for name, t in tensors.items():
+            inputs[name].copy_(t)
+        saved = Snapshot(inputs)
         graph.replay()
-        replayed.append(tuple(t.clone() for t in captured))  # own a copy: the next replay overwrites them
+        replayed.append({n: t.clone() for n, t in captured.items()})  # own a copy: the next replay overwrites them
         if changed := saved.changed():
             raise ContractError(f"replay {i} wrote its input {changed[0][1]}")
     return eager_out, replayed
@@ -105,10 +132,61 @@ def _stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat(list(tensors)) if tensors[0].dim() else torch.stack(list(tensors))
 
 
-def _target(op: str, inputs: Callable, knobs: Callable, draw: Callable) -> Target:
-    # `check` is unused: the property's own `evaluate` captures, replays and judges.
-    return Target(op, lambda p: [op], (op,), inputs, lambda *_: [], knobs,
-                  lambda p: draw(p, replay_seeds=st.lists(SEEDS, min_size=REPLAYS, max_size=REPLAYS)))
+@dataclass(frozen=True)
+class Form:
+    """How a target is called, captured and judged: `op` gives the problem's reference and checks."""
+
+    op: str
+    names: tuple[str, ...]                                   # what a call returns
+    buffers: Callable[[dict], dict[str, torch.Tensor]]       # problem -> the tensors a replay copies in
+    eager: Callable[[registry.Resolved, dict], Any]          # the checked call
+    graph: Callable[[registry.Resolved, dict], Any]          # the captured call (graph stages)
+
+
+def _op_form(op: str, names: tuple[str, ...]) -> Form:
+    def call(stages: registry.Resolved, kw: dict) -> Any:
+        return stages.fn(op)(**kw)
+
+    return Form(op, names, lambda kw: {k: v for k, v in kw.items() if isinstance(v, torch.Tensor)}, call, call)
+
+
+def _batch_buffers(kw: dict) -> dict[str, torch.Tensor]:
+    b = kw["batch"]
+    q = dict(zip(("ql_nope", "q_pe"), b.q)) if isinstance(b.q, tuple) else {"q": b.q}
+    return {**q, "kv_cache": b.kv_cache, "block_table": b.block_table, "topk_indices": b.topk_indices}
+
+
+FORMS = {
+    "sparse_prefill": _op_form("sparse_prefill", ("out", "lse", "max_logits")),
+    "sparse_decode_fp8": _op_form("sparse_decode_fp8", ("out", "lse")),
+    "forward_mqa": Form("forward_mqa", ("out", "lse"), _batch_buffers,
+                        lambda stages, kw: forward(stages, kw["batch"]),
+                        lambda stages, kw: forward(stages, kw["batch"], req_id=kw["req_id"])),
+}
+
+
+def _forward_inputs(p, seed: int, device: str) -> dict:
+    batch = make_batch(p, seed, device)
+    return {"batch": batch, "req_id": req_id_per_token(batch.query_start_loc, batch.query_start_loc[-1], device)}
+
+
+def _graph_stages(stages: registry.Resolved) -> registry.Resolved:
+    """Every stage as a graph captures it: its graph entry, or its call where it has none."""
+    return registry.Resolved({s: dataclasses.replace(i, fn=i.graph or i.fn) for s, i in stages.chosen.items()},
+                             stages.fallbacks)
+
+
+def _unused(*_) -> list:
+    return []  # a Target's `check`: this property's own `evaluate` captures, replays and judges
+
+
+def _with_replays(draw: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
+    return st.builds(lambda d, seeds: {**d, "replay_seeds": seeds}, draw, st.lists(SEEDS, min_size=REPLAYS, max_size=REPLAYS))
+
+
+def _decode_batches(p) -> st.SearchStrategy[dict]:
+    """Uniform decode batches of 2-4 tokens each: on the separate path, or the mixed one."""
+    return st.one_of(forward_params(p, "fp8_separate", decodes_only=True), forward_params(p, "fp8_mixed", decodes_only=True))
 
 
 @dataclass(frozen=True)
@@ -116,22 +194,26 @@ class GraphSpec(PropertySpec):
     def facts(self, device: str) -> list[str]:
         return [*super().facts(device), *([] if device == "cuda" else [f"skipped on {device}: {WHY_CUDA}"])]
 
+    def _no_graph(self, impls) -> list[str]:
+        """The implementations among `impls` of a stage under test that have no graph entry."""
+        under_test = {stage for t in self.targets.values() for stage in t.under_test}
+        return [f"{i.stage} {i.name}" for i in impls if i.stage in under_test and i.graph is None]
+
     def subjects(self, device: str) -> dict[str, tuple[str, ...]]:
-        """The graph kernels (registry `graph`) of the stages under test, on CUDA; none elsewhere."""
+        """The implementation names whose every stage under test is a graph kernel, on CUDA; none elsewhere."""
         if device != "cuda":
             return {}
         return {name: specs for name, specs in super().subjects(device).items()
-                if all(i.graph is not None for t in self.targets for i in registry.implementations(t) if i.name == name)}
+                if not self._no_graph(i for stage in registry.stages() for i in registry.implementations(stage)
+                                      if i.name == name and i.why_not(device) is None)}
 
     def subject(self, specs: Sequence[str], device: str, deviations: Sequence[str] = ()) -> Subject:
         if device != "cuda":
             raise UsageError(f"{self.name} {WHY_CUDA}, not {device}")
         subject = super().subject(specs, device, deviations)
-        for stage in self.targets:
-            impl = subject.overrides.get(stage)
-            if impl is not None and impl.graph is None:
-                raise UsageError(f"--impl {', '.join(specs)}: {stage} {impl.name} is no graph kernel (it syncs with "
-                                 f"the host by design); {self.name} runs {', '.join(self.subjects(device)) or 'none'}")
+        if bad := self._no_graph(subject.overrides.values()):
+            raise UsageError(f"--impl {', '.join(specs)}: {bad[0]} is no graph kernel (it syncs with the host by "
+                             f"design); {self.name} runs {', '.join(self.subjects(device)) or 'none'}")
         return subject
 
     def evaluate(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
@@ -139,36 +221,39 @@ class GraphSpec(PropertySpec):
         """The replay and reference rows of `case` (a single failure row if the implementation
         raised, refused the capture or wrote an input)."""
         params = self.params_of(case.params)
-        target = self.target(params)
-        op = SPECS[target.name].spec
-        stages = registry.resolve([target.name], device.split(":")[0], subject.overrides)
-        impl = stages.chosen[target.name]
-        if impl.graph is None:
-            raise UsageError(f"{impl.name} is no graph kernel")
+        target, form = self.target(params), FORMS[params.target]
+        op = SPECS[form.op].spec
+        stages = registry.resolve(target.stages(params), device.split(":")[0], subject.overrides)
+        if bad := self._no_graph(stages.chosen.values()):
+            raise UsageError(f"{bad[0]} is no graph kernel")
+        deviations = sorted({d for impl in stages.chosen.values() for d in impl.deviations})
         base = dict(run_id=run_id, case_id=case.case_id, impl=subject.label, stages=stages.describe(), device=device,
                     seed=case.seed, source=source, **self.identity(case, params))
         seeds = (case.seed, *params.replay_seeds)
         problems = [target.inputs(params, s, device) for s in seeds]
-        for s, kw in zip(seeds[1:], problems[1:]):
-            _same_layout(problems[0], kw, s)
+        buffers = [form.buffers(kw) for kw in problems]
+        for s, kw in zip(seeds[1:], buffers[1:]):
+            _same_layout(buffers[0], kw, s)
         refs, t_ref = timed(lambda: [op.reference(kw, params) for kw in problems[1:]], device)
-        eager = guarded(stages).fn(target.name)
+        checked, captured = guarded(stages), _graph_stages(stages)
         try:
             (eager_out, replayed), t_impl = call_implementation(
-                lambda: capture_and_replay(eager, impl.graph, problems), case.seed, device, on_call)
+                lambda: capture_and_replay(lambda kw: form.eager(checked, kw), lambda kw: form.graph(captured, kw),
+                                           problems, buffers, form.names), case.seed, device, on_call)
         except Raised as raised:  # the implementation's failure is the case's result, not ours
             return [raised_row(base, raised, time_ref_s=t_ref)]
         if notes is not None:
             notes.update(f"{stage}: {why}" for stage, why in stages.fallbacks.items())
         times = dict(time_ref_s=t_ref, time_impl_s=t_impl)
-        got = {n: _stacked([r[i] for r in replayed]) for i, n in enumerate(NAMES[target.name][:len(replayed[0])])}
-        want = {n: _stacked([r[i] for r in eager_out]) for i, n in enumerate(NAMES[target.name][:len(eager_out[0])])}
+        got = {n: _stacked([r[n] for r in replayed]) for n in replayed[0]}
+        want = {n: _stacked([r[n] for r in eager_out]) for n in eager_out[0]}
         ref = {k: _stacked([r[k] for r in refs]) for k, v in refs[0].items() if isinstance(v, torch.Tensor)}
         rows = []
-        for name, t in got.items():
-            kind, bounds, deviation = property_bounds(f"{self.short}.replay", EXACT, impl.deviations)
-            rows.append(judged_row(base, f"replay.{name}", "exact",
-                                   verdict(kind, measure(kind, t, want[name]), bounds, deviation), **times))
+        for name, t in ((n, t) for n, t in got.items() if n in want):
+            kind, bounds, deviation = property_bounds(f"{self.short}.replay", EXACT, deviations)
+            v = verdict(kind, measure(kind, t, want[name]), bounds, deviation,
+                        mismatch.Pair(f"replay.{name}", t, want[name]))
+            rows.append(judged_row(base, f"replay.{name}", "exact", v, **times))
         for check in op.checks:
             if check.tensor not in ref or check.tensor not in got:
                 continue  # the op's optional tensor this implementation does not return
@@ -178,8 +263,8 @@ class GraphSpec(PropertySpec):
             if problem:
                 rows.append(failure_row(base, f"reference.{check.tensor}", "contract", problem, **times))
                 continue
-            v = judge(check.kind, out, ref[check.tensor], params.numerics(), impl.deviations,
-                      ref.get(check.scale) if check.scale else None, check.bounds_in(ref))
+            v = judge(check.kind, out, ref[check.tensor], params.numerics(), deviations,
+                      ref.get(check.scale) if check.scale else None, check.bounds_in(ref), name=check.tensor)
             rows.append(judged_row(base, f"reference.{check.tensor}", check.row_kind or check.kind, v, **times))
         return rows
 
@@ -189,8 +274,12 @@ register(GraphSpec(
     checks=("replay", "reference"),
     own_params=Replays,
     targets={
-        "sparse_prefill": _target("sparse_prefill", prefill_problem, prefill_knobs, prefill_params),
-        "sparse_decode_fp8": _target("sparse_decode_fp8", decode_problem, decode_knobs, decode_params),
+        "sparse_prefill": Target("sparse_prefill", lambda p: ["sparse_prefill"], ("sparse_prefill",), prefill_problem,
+                                 _unused, prefill_knobs, lambda p: _with_replays(prefill_params(p))),
+        "sparse_decode_fp8": Target("sparse_decode_fp8", lambda p: ["sparse_decode_fp8"], ("sparse_decode_fp8",),
+                                    decode_problem, _unused, decode_knobs, lambda p: _with_replays(decode_params(p))),
+        "forward_mqa": Target("forward_mqa", forward_stages, ("convert_index", "sparse_decode_fp8"), _forward_inputs,
+                              _unused, forward_knobs, lambda p: _with_replays(_decode_batches(p))),
     },
     tag="property: replays against the eager call and the reference",
     doc="a kernel captured in a CUDA graph on static buffers replays, on new inputs copied in, what it computes eagerly",

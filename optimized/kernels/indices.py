@@ -141,7 +141,33 @@ def _convert(
     return out, counts
 
 
-@register("convert_index", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))
+def launch_convert_index(
+    req_id: torch.Tensor,
+    block_table: torch.Tensor,
+    topk_indices: torch.Tensor,
+    block_size: int,
+    block_stride_rows: int | None = None,
+    prefill_request_ids: torch.Tensor | None = None,
+    prefill_workspace_starts: torch.Tensor | None = None,
+    return_valid_counts: bool = False,
+    idx_mapping: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`convert_index` without its checks (they read req_id and the block table on the host; what
+    a CUDA graph captures): inputs must already pass them."""
+    def dense(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.contiguous()
+
+    out, counts = _convert(
+        req_id.contiguous(), block_table.contiguous(), topk_indices.contiguous(),
+        block_size=block_size, stride_rows=block_stride_rows or block_size, dcp_size=1, dcp_rank=0, interleave=1,
+        compact=return_valid_counts, prefill_ids=dense(prefill_request_ids), prefill_starts=dense(prefill_workspace_starts),
+        idx_mapping=dense(idx_mapping),
+    )
+    return (out, counts) if return_valid_counts else out
+
+
+@register("convert_index", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",),
+          graph=launch_convert_index)
 def convert_index(
     req_id: torch.Tensor,
     block_table: torch.Tensor,
@@ -199,13 +225,8 @@ def convert_index(
         prefill_request_ids = prefill_request_ids.contiguous()
         prefill_workspace_starts = prefill_workspace_starts.contiguous()
     check_launchable(topk_indices.device)
-    out, counts = _convert(
-        req_id, block_table, topk_indices,
-        block_size=block_size, stride_rows=stride_rows, dcp_size=1, dcp_rank=0, interleave=1,
-        compact=return_valid_counts, prefill_ids=prefill_request_ids, prefill_starts=prefill_workspace_starts,
-        idx_mapping=idx_mapping,
-    )
-    return (out, counts) if return_valid_counts else out
+    return launch_convert_index(req_id, block_table, topk_indices, block_size, stride_rows, prefill_request_ids,
+                                prefill_workspace_starts, return_valid_counts, idx_mapping)
 
 
 @register("dcp_convert_index", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",))

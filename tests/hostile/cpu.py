@@ -297,15 +297,17 @@ def returns_a_lying_subclass(kv, scale_rule="pow2"):
 
 
 def returns_the_reference(kv, scale_rule="pow2"):
-    """Hands back the reference's own answer, found through the garbage collector."""
+    """Wrong, and hands back the reference's own answer instead where it finds one through the
+    garbage collector (in an isolation worker there is none: the parent computes it)."""
     import gc
 
-    want = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    rows[:, 0] ^= 1
     for obj in gc.get_objects():
-        if (type(obj) is dict and isinstance(obj.get("rows"), torch.Tensor) and obj["rows"] is not want
-                and obj["rows"].shape == want.shape and obj["rows"].dtype == want.dtype):
+        if (type(obj) is dict and isinstance(obj.get("rows"), torch.Tensor) and obj["rows"] is not rows
+                and obj["rows"].shape == rows.shape and obj["rows"].dtype == rows.dtype):
             return obj["rows"]
-    return want
+    return rows
 
 
 def writes_the_reference(kv, scale_rule="pow2"):
@@ -365,4 +367,20 @@ def sigterm_on_third_call(kv, scale_rule="pow2"):
     """Correct; the third call receives SIGTERM (as from a CI runner's cancel): handled as Ctrl-C."""
     if _count() == 3:
         os.kill(os.getpid(), signal.SIGTERM)
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def loosens_the_bounds(kv, scale_rule="pow2"):
+    """Wrong bytes, and the exact bound itself loosened in place (a mutation, not a rebinding: no
+    check of names sees it). Only a judge in another process is out of its reach."""
+    from mla_verify.equivalence import policy
+
+    rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    rows[:, 0] ^= 1
+    object.__setattr__(policy.EXACT_BOUNDS[0], "limit", 1.0)
+    return rows
+
+
+def sets_default_device(kv, scale_rule="pow2"):
+    torch.set_default_device("meta")
     return eager.quantize_fp8_ds_mla(kv, scale_rule)

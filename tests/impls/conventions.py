@@ -34,3 +34,22 @@ def decode_base2(q, kv_cache, indices, sm_scale):
 def prefill_base2_ignores_topk_length(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
     """prefill_base2 with vLLM #36616's bug (topk_length ignored): fails whatever is declared."""
     return prefill_base2(q, kv, indices, sm_scale, None, attn_sink)
+
+
+def flash_mla_prefill_base2(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """FlashMLA's sparse prefill (a GPU with sgl-flash-mla) returning base 2 and -inf: the H200 case."""
+    from mla_verify.optimized import flashmla
+
+    out, lse, *rest = flashmla.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+    return (out, _base2(lse), *((m.double() * LOG2E).float() for m in rest))
+
+
+def flash_mla_decode_base2(q, kv_cache, indices, sm_scale):
+    """FlashMLA's FP8 sparse decode returning base 2 and -inf, with the registered kernel's deviations."""
+    from mla_verify.optimized import flashmla
+
+    out, lse = flashmla.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
+    return out, _base2(lse)
+
+
+flash_mla_decode_base2.__mla_verify_deviations__ = ("bf16_cache_scale", "bf16_dequant", "split_kv")

@@ -52,3 +52,13 @@ def lse_offset(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
     out, lse, max_logits, logit_l1 = _attend(q, kv, indices, sm_scale, topk_length, attn_sink)
     step = 2.0**-24 * (logit_l1.double() + lse.double().abs() + 1.0)
     return out.to(torch.bfloat16), (lse.double() + LSE_STEPS * step).float(), max_logits
+
+
+def scale_bf16(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float):
+    """The float32 eager FP8 decode with each row's four fp32 tile scales (bytes 512..527) rounded
+    to bf16 first: the SM90 FlashMLA decode kernel's declared deviation bf16_cache_scale, emulated
+    on CPU (run it with deviations=("bf16_cache_scale",))."""
+    rounded = kv_cache.clone()
+    scales = rounded[..., 512:528].contiguous().view(torch.float32)
+    rounded[..., 512:528] = scales.to(torch.bfloat16).float().view(torch.uint8)
+    return eager.sparse_decode_fp8(q, rounded, indices, sm_scale)

@@ -1,0 +1,26 @@
+"""What an implementation's process hands its judge when the two are apart (an isolation worker
+and its parent): plain data, picklable, with every tensor on the host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Produced:
+    """What an implementation's process sends its judge (`OpSpec.produce`, `PropertySpec.produce`):
+    the rows it could make itself (as records) and, unless it `failed` outright, its outputs on
+    the host with the device each was returned on and the reasons some break the contract (an
+    op), or its comparisons (a property)."""
+
+    rows: list[dict]
+    failed: bool = False
+    tensors: dict = field(default_factory=dict)
+    devices: dict[str, str] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)
+    stages: str = ""
+    deviations: tuple[str, ...] = ()
+    path: str | None = None
+    notes: tuple[str, ...] = ()
+    t_impl: float = float("nan")
+    compared: list = field(default_factory=list)  # a property's comparisons (tensors on the host)
