@@ -194,7 +194,7 @@ def test_unsupported_dcp_raises_as_the_backend_does(heads, dcp, dtype):
         forward_mqa(batch.q, batch.kv_cache, **kwargs)
 
 
-def test_stage_defaults_never_run_an_interpreter_unless_named():
+def test_stage_defaults_never_run_an_interpreter_unless_named(monkeypatch):
     """On CPU our Triton kernels run interpreted (10-1000x slower than torch-fp32): every stage
     defaults to an implementation that runs natively; Triton stays available by name."""
     for stage in registry.stages():
@@ -204,7 +204,9 @@ def test_stage_defaults_never_run_an_interpreter_unless_named():
             assert "cpu" not in default.interpreted_on, stage
     assert registry.select("convert_index", "cpu").name == "torch-fp32"
     assert registry.select("convert_index", "cpu", "triton").name == "triton"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the preference on a GPU machine
     assert registry.select("convert_index", "cuda").name == "triton"  # compiled there: preferred
+    monkeypatch.undo()
     needed = needed_stages("fp8_ds_mla", 64)
     user = registry.Implementation("split_prefill_chunks", "mine", lambda **kw: None, frozenset({"cpu"}))
     resolved = registry.resolve(needed, "cpu", overrides={"split_prefill_chunks": user})
