@@ -250,7 +250,7 @@ def check(
     _timeout_needs_isolation(timeout, isolate or own_processes)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     parts = 1 if world_size or not named else (parallel or (_gpu_count() if device_type == "cuda" else 1))
-    if not any(slot.campaign(seed, examples)[1] for slot in shard.slots(parts)):
+    if shard.index * parts >= examples:  # its first campaign, slot I * P, has no share of the examples
         raise UsageError(f"shard {shard}: {examples} examples over {shard.count * parts} campaigns leave it none "
                          f"(give at least {shard.count * parts} examples)")
     junit_path = _writable_file(junit, "--junit") if junit is not None else None
