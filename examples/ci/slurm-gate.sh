@@ -20,7 +20,8 @@ export SHARDS SEED RUN
 if [ -z "${SLURM_ARRAY_TASK_ID:-}" ]; then
   mkdir -p runs
   array=$(sbatch --parsable --array="0-$((SHARDS - 1))" "$0")
-  sbatch --dependency="afterany:$array" --job-name=mla-verify-merge --gpus=0 --output=runs/slurm-%j.log \
+  array=${array%%;*}               # --parsable prints JOBID[;CLUSTER]
+  sbatch --dependency="afterany:$array" --job-name=mla-verify-merge --output=runs/slurm-%j.log \
     --wrap "mla-verify merge $RUN/shard-* --out $RUN/merged"
   echo "submitted shards $array and their merge: $RUN/merged/report.html"
   exit 0
