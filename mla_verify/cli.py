@@ -4,7 +4,7 @@ the gate, report and bench modules.
 Exit codes (for CI): 0 = no discrepancy; 1 = a discrepancy, crash, hang or broken contract of the
 implementation (or drift against a baseline); 2 = usage error or bad input (or a baseline with
 nothing comparable), with a one-line reason; 3 = mla-verify itself failed (the traceback is saved
-in the run directory); 130 = interrupted (Ctrl-C: the current case finished, the run written,
+in the run directory); 130 = interrupted (Ctrl-C or SIGTERM: the current case finished, the run written,
 failures' replay commands printed); 141 = the output pipe closed.
 """
 
@@ -62,7 +62,8 @@ DISCREPANCY = ("1", "a discrepancy, crash, hang, flaky result or broken contract
                     "the failing case is saved and its replay command printed")
 USAGE = ("2", "usage error or bad input, with a one-line reason, before any case runs")
 HARNESS = ("3", "mla-verify itself failed (the traceback is in the run directory's harness-error.txt)")
-INTERRUPTED = ("130", "Ctrl-C: the current case finishes, the run is written, failures' replay commands printed")
+INTERRUPTED = ("130", "Ctrl-C or SIGTERM: the current case finishes, the run is written, failures' replay "
+                      "commands printed")
 
 
 def _epilog(codes: list[tuple[str, str]], examples: list[tuple[str, str]]) -> str:
@@ -330,12 +331,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "report", "drift report of a run directory, optionally against a baseline run",
                  "Summarize a run directory's rows (error distributions per op, path and tensor, headroom, "
                  "failures) in the terminal and in a self-contained HTML file; with --baseline, the two "
-                 "runs side by side and a drift verdict. Reads a run that did not finish from its journal.",
-                 _epilog([("0", "the run has no failure and, with --baseline, no drift beyond --factor"),
-                          ("1", "the run has failures, or drift: a normalized error, its bias or its headroom "
-                                "grew beyond --factor case for case (or by the rank test, unpaired)"),
-                          ("2", "a missing, empty or truncated run directory, or a baseline with nothing "
-                                "comparable (no op, or no implementation pair, in common), or a bad --pair")],
+                 "runs side by side and a drift verdict. Reads a run that did not finish from its journal, "
+                 "and saves the case it died in as a crashed finding under RUN_DIR/failures.",
+                 _epilog([("0", "the run finished with no failure and, with --baseline, no drift beyond --factor"),
+                          ("1", "the run has failures, did not finish or stopped early, or drift: a normalized "
+                                "error, its bias or its headroom grew beyond --factor case for case (or by the "
+                                "rank test, unpaired)"),
+                          ("2", "a missing, empty, truncated or malformed run directory (a verdict column that is "
+                                "not true/false, a file that is not a regular file), --html/--markdown naming a "
+                                "file of a run, a baseline with nothing comparable (no op, or no implementation "
+                                "pair, in common), or a bad --pair")],
                          [("mla-verify report runs/cpu-gate", "summary, and runs/cpu-gate/report.html"),
                           ("mla-verify report runs/today --baseline runs/yesterday --markdown summary.md",
                            "drift against yesterday's run, with a markdown summary for the CI page")]))

@@ -51,3 +51,23 @@ def test_without_isolation_a_cuda_error_ends_the_campaign_with_the_case_saved(tm
     text = done.stdout + done.stderr
     assert done.returncode == 1 and "the CUDA context is unusable" in text and "Traceback" not in text, text
     assert list((tmp_path / "run" / "failures").glob("*.json")) and (tmp_path / "run" / "rows.parquet").exists()
+
+
+@pytest.mark.gpu
+def test_the_cpu_zoo_fails_isolated_on_the_gpu_where_the_parent_judges():
+    """Every kernel of tests/hostile/cpu.py on CUDA inputs in a CUDA worker: the worker calls it,
+    the parent builds the reference on the GPU and judges (mkldnn is a CPU layout: not here)."""
+    from mla_verify.equivalence.isolation import Worker
+    from tests.hostile import CPU
+    from tests.test_hostile import CASES
+
+    worker = Worker("cuda", timeout_s=10.0)
+    try:
+        for h in (h for h in CPU if "mkldnn" not in h.impl):
+            rows = worker.run(Case(h.op, CASES[h.op], 3), [h.impl], h.impl)
+            want, says = h.outcome(isolated=True)
+            says = says.replace("the contract says cpu", "the contract says cuda")  # meta_out
+            assert any(r.gate_metric == want and says in r.reason for r in rows if not r.passed), \
+                (h.impl, [(r.gate_metric, r.reason) for r in rows])
+    finally:
+        worker.close()

@@ -228,9 +228,10 @@ class OpSpec:
     def produce(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
                 on_call: Callable[[], None] | None = None) -> Produced:
         """The implementation's side of `case`, for a judge in another process (an isolation
-        worker's parent): its outputs on the host, and the rows this side alone can make (it
-        raised, wrote an input, returned something that is no plain tensor on its device, or an
-        input). No reference is computed here: the implementation never sees it."""
+        worker's parent): its outputs on the host with the device each came back on, and the
+        rows and reasons this side alone can give (it raised, wrote an input, returned something
+        that is not a plain dense tensor, or an input). No reference is computed here: the
+        implementation never sees it."""
         params = self.params_of(case.params)
         base = self._base(case, params, subject.label, device, run_id, source)
         kwargs = self.inputs(params, case.seed, device)

@@ -41,11 +41,13 @@ from ..device import first_line
 from ..draws import SEEDS, decode_params, forward_params, prefill_params
 from ..oracle import judge, measure, verdict
 from ..policy import EXACT, property_bounds
+from ..produced import Produced
+from ..rows import Row
 from ..running import Raised, call_implementation, failure_row, judged_row, raised_row, timed
 from ..schema import Ints, param
 from ..spec import SPECS, register
 from ..subject import Subject, UsageError
-from .base import PropertySpec, Target
+from .base import PropertySpec, Target, _host
 from .common import (
     decode_knobs,
     decode_problem,
@@ -216,41 +218,55 @@ class GraphSpec(PropertySpec):
                              f"design); {self.name} runs {', '.join(self.subjects(device)) or 'none'}")
         return subject
 
-    def evaluate(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
-                 notes: set[str] | None = None, on_call: Callable[[], None] | None = None) -> list:
-        """The replay and reference rows of `case` (a single failure row if the implementation
-        raised, refused the capture or wrote an input)."""
+    def produce(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
+                on_call: Callable[[], None] | None = None, on_host: bool = True) -> Produced:
+        """The implementation's side of `case`: its eager answers and graph replays on every
+        problem (on the host for a judge in another process, `on_host`), or the single row of
+        its failure (it raised, refused the capture or wrote an input)."""
         params = self.params_of(case.params)
         target, form = self.target(params), FORMS[params.target]
-        op = SPECS[form.op].spec
         stages = registry.resolve(target.stages(params), device.split(":")[0], subject.overrides)
         if bad := self._no_graph(stages.chosen.values()):
             raise UsageError(f"{bad[0]} is no graph kernel")
-        deviations = sorted({d for impl in stages.chosen.values() for d in impl.deviations})
-        base = dict(run_id=run_id, case_id=case.case_id, impl=subject.label, stages=stages.describe(), device=device,
-                    seed=case.seed, source=source, **self.identity(case, params))
+        deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
+        base = self._base(case, params, subject.label, stages.describe(), device, run_id, source)
         seeds = (case.seed, *params.replay_seeds)
         problems = [target.inputs(params, s, device) for s in seeds]
         buffers = [form.buffers(kw) for kw in problems]
         for s, kw in zip(seeds[1:], buffers[1:]):
             _same_layout(buffers[0], kw, s)
-        refs, t_ref = timed(lambda: [op.reference(kw, params) for kw in problems[1:]], device)
         checked, captured = guarded(stages), _graph_stages(stages)
         try:
             (eager_out, replayed), t_impl = call_implementation(
                 lambda: capture_and_replay(lambda kw: form.eager(checked, kw), lambda kw: form.graph(captured, kw),
                                            problems, buffers, form.names), case.seed, device, on_call)
         except Raised as raised:  # the implementation's failure is the case's result, not ours
-            return [raised_row(base, raised, time_ref_s=t_ref)]
-        if notes is not None:
-            notes.update(f"{stage}: {why}" for stage, why in stages.fallbacks.items())
-        times = dict(time_ref_s=t_ref, time_impl_s=t_impl)
-        got = {n: _stacked([r[n] for r in replayed]) for n in replayed[0]}
-        want = {n: _stacked([r[n] for r in eager_out]) for n in eager_out[0]}
+            return Produced([raised_row(base, raised).to_record()], failed=True)
+        move = _host if on_host else (lambda t: t)
+        tensors = {**{f"replay.{n}": move(_stacked([r[n] for r in replayed])) for n in replayed[0]},
+                   **{f"eager.{n}": move(_stacked([r[n] for r in eager_out])) for n in eager_out[0]}}
+        return Produced([], tensors=tensors, stages=stages.describe(), deviations=deviations, t_impl=t_impl,
+                        notes=tuple(f"{stage}: {why}" for stage, why in stages.fallbacks.items()))
+
+    def judge_produced(self, case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",
+                       source: str = "fuzz") -> list:
+        """The replay rows (each replay against the eager call, bitwise) and the reference rows
+        (each replay against the exact answer of its problem, built again here from its seed)."""
+        rows = [Row.from_record(r) for r in produced.rows]
+        if produced.failed:
+            return rows
+        params = self.params_of(case.params)
+        target, form = self.target(params), FORMS[params.target]
+        op = SPECS[form.op].spec
+        base = self._base(case, params, label, produced.stages, device, run_id, source)
+        problems = [target.inputs(params, s, device) for s in params.replay_seeds]
+        refs, t_ref = timed(lambda: [op.reference(kw, params) for kw in problems], device)
+        times = dict(time_ref_s=t_ref, time_impl_s=produced.t_impl)
+        got = {k[len("replay."):]: t.to(device) for k, t in produced.tensors.items() if k.startswith("replay.")}
+        want = {k[len("eager."):]: t.to(device) for k, t in produced.tensors.items() if k.startswith("eager.")}
         ref = {k: _stacked([r[k] for r in refs]) for k, v in refs[0].items() if isinstance(v, torch.Tensor)}
-        rows = []
         for name, t in ((n, t) for n, t in got.items() if n in want):
-            kind, bounds, deviation = property_bounds(f"{self.short}.replay", EXACT, deviations)
+            kind, bounds, deviation = property_bounds(f"{self.short}.replay", EXACT, produced.deviations)
             v = verdict(kind, measure(kind, t, want[name]), bounds, deviation,
                         mismatch.Pair(f"replay.{name}", t, want[name]))
             rows.append(judged_row(base, f"replay.{name}", "exact", v, **times))
@@ -263,11 +279,10 @@ class GraphSpec(PropertySpec):
             if problem:
                 rows.append(failure_row(base, f"reference.{check.tensor}", "contract", problem, **times))
                 continue
-            v = judge(check.kind, out, ref[check.tensor], params.numerics(), deviations,
+            v = judge(check.kind, out, ref[check.tensor], params.numerics(), produced.deviations,
                       ref.get(check.scale) if check.scale else None, check.bounds_in(ref), name=check.tensor)
             rows.append(judged_row(base, f"reference.{check.tensor}", check.row_kind or check.kind, v, **times))
         return rows
-
 
 register(GraphSpec(
     short="cuda_graph",
