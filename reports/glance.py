@@ -24,7 +24,9 @@ def at_a_glance(frame: pd.DataFrame, drift: Drift | None = None) -> pd.DataFrame
         failed = int((~g["passed"]).sum())
         gated = g[g["headroom"].notna()]
         worst = gated.loc[gated["headroom"].idxmin()] if len(gated) else None
-        use = 0.0 if worst is None or math.isinf(worst["headroom"]) else 1.0 / worst["headroom"]
+        # headroom = bound / value: inf for an exact pass, 0 for a crashed or raised row (no value)
+        h = math.inf if worst is None else float(worst["headroom"])
+        use = 0.0 if math.isinf(h) else math.inf if h == 0 else 1.0 / h
         closest = "" if worst is None else f"{worst['gate_metric']} = {worst['value']:.3g} of {worst['bound']:.3g}"
         records.append({
             "status": f"FAIL {failed} of {len(g)} rows" if failed else "ok",
