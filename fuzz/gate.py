@@ -14,7 +14,7 @@ ranks are processes of their own, so it never runs inside the isolation worker.
 
 `run_units` is the one campaign driver, of the gate and of `mla-verify fuzz` alike: a `Unit` is one
 op and implementation with its corpus and campaigns (a fuzz run: one unit, no corpus), and a shard
-of the gate is its share of the units (`fuzz.shard`).
+of the gate is its share of the units (`fuzz.shard`, `run_gate`).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def shard_units(ops: list[str] | None, device: str, shard: Shard) -> list[Unit]:
     return shard.deal(every, [u.multi_rank for u in every])
 
 
-def _budget(op: str, examples: int | None, profile: Profile) -> int:
+def _examples(op: str, examples: int | None, profile: Profile) -> int:
     return examples if examples is not None else catalog.get_spec(op).examples(profile)
 
 
@@ -198,16 +198,16 @@ def run_units(
     result = GateResult()
     kind = device.split(":")[0]
     subjects = [(unit, unit.resolved(device)) for unit in chosen]
-    gate_progress = Progress("gate", sum((len(corpus(u.op)) if u.corpus else 0) + _budget(u.op, examples, profile)
-                                         * len(u.campaigns(s)) for u, s in subjects),
-                             every_s=10.0 if progress else math.inf, stream=log)
+    cases = sum((len(corpus(u.op)) if u.corpus else 0) + _examples(u.op, examples, profile) * len(u.campaigns(s))
+                for u, s in subjects)
+    gate_progress = Progress("gate", cases, every_s=10.0 if progress else math.inf, stream=log)  # one line for all
     worker = Worker(device, timeout_s) if isolate else None
     distributed.set_timeout(timeout_s)
     try:
         for unit, subject in subjects:
             op, label, specs = unit.op, unit.label, unit.specs
             spec = catalog.get_spec(op)
-            budget = _budget(op, examples, profile)
+            budget = _examples(op, examples, profile)
             pinned = corpus(op) if unit.corpus else []
             judge = _case_runner(unit, subject, device, run_id, None if spec.own_processes else worker, result.notes,
                                  lost)
@@ -254,3 +254,9 @@ def run_units(
         if worker is not None:
             worker.close()
     return result
+
+
+def run_gate(*, ops: list[str] | None, shard: Shard, device: str, **settings) -> GateResult:
+    """The gate's units of `shard` (`Shard()`: all of them) through `run_units`, with its
+    `settings` (profile, examples, seed, run_id, out_dir, isolate, timeout_s, journal, ...)."""
+    return run_units(shard_units(ops, device, shard), device=device, **settings)

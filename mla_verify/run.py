@@ -243,19 +243,26 @@ def _gate(run: Run) -> GateOutcome:
     """The gate's units of this slot in this process, written to the run directory."""
     from mla_verify.equivalence import distributed
     from mla_verify.equivalence.mismatch import line
-    from mla_verify.fuzz.gate import odd_ones_out, run_units, shard_units
+    from mla_verify.fuzz.gate import odd_ones_out, run_gate
 
     run_dir, meta, interrupt = run.out, run.meta(), Interrupt()
     run_id = f"gate-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.start(meta)
     try:
         with interrupt.installed():
-            result = run_units(shard_units(list(run.ops) or None, run.device, run.shard), device=run.device,
-                               profile=run.profile, examples=run.examples, seed=run.seed, run_id=run_id,
-                               out_dir=run_dir.path, isolate=run.isolate, timeout_s=run.timeout,
-                               journal=run_dir.append, stop_reason=_stop(interrupt, []),
-                               started=lambda case, source, impl, specs: run_dir.case_started(
-                                   case, source, run_id=run_id, impl=impl, specs=specs, device=run.device))
+            result = run_gate(ops=list(run.ops) or None, shard=run.shard, device=run.device, profile=run.profile,
+                              examples=run.examples, seed=run.seed, run_id=run_id, out_dir=run_dir.path,
+                              isolate=run.isolate, timeout_s=run.timeout, journal=run_dir.append,
+                              stop_reason=_stop(interrupt, []),
+                              started=lambda case, source, impl, specs: run_dir.case_started(
+                                  case, source, run_id=run_id, impl=impl, specs=specs, device=run.device))
+    except Exception as exc:  # mla-verify's own failure: exit 3, its traceback where the message says
+        detail = (exc.detail if isinstance(exc, HarnessError) else None) or traceback.format_exc()
+        run_dir.write_file("harness-error.txt", detail)
+        run_dir.release()
+        if isinstance(exc, HarnessError):
+            raise
+        raise HarnessError(f"harness error in {run_dir.path}: {type(exc).__name__}: {exc}", detail) from exc
     except BaseException:  # the journal keeps the rows so far; the next run may take the directory's lock
         run_dir.release()
         raise
