@@ -70,7 +70,7 @@ def writes_cache_padding(kv, kv_cache, slot_mapping, scale_rule="pow2"):
     """Writes its slots right, and one byte of the padding between cache blocks (the storage past
     the view): only slot_mapping's slots may change."""
     eager.write_fp8_ds_mla_cache(kv, kv_cache, slot_mapping, scale_rule)
-    storage = torch.empty(0, dtype=torch.uint8).set_(kv_cache.untyped_storage())
+    storage = torch.empty(0, dtype=torch.uint8, device=kv_cache.device).set_(kv_cache.untyped_storage())
     storage[-1] = 0
 
 
