@@ -44,6 +44,22 @@ SPARES = {"cpu": 1, "cuda": 2}
 HARNESS_TIMEOUT_S = 1800.0  # a case's inputs (ours, not the implementation's)
 
 
+def default_isolation(isolate: bool | None, named: bool, own_processes: bool = False) -> bool:
+    """Whether a run's cases go to a worker (`Worker`), so that the judge runs where the kernel
+    cannot reach it: by default whenever the implementation can be imported there by name
+    ("MODULE:CALLABLE" or a registered name), on CPU as on CUDA (on CPU a case costs about 12%
+    more and a worker starts from a preloaded forkserver: README, "Never lose a finding"). A
+    callable object cannot cross processes and runs in this one. An op whose ranks are processes
+    of their own (dcp) already runs the kernel outside its judge. UsageError for isolate=True
+    with an implementation that is not named."""
+    if isolate and not named:
+        from .subject import UsageError
+
+        raise UsageError("isolate=True needs an implementation importable by MODULE:CALLABLE (a module-level "
+                         "function); a lambda, closure or partial runs in this process only")
+    return (named if isolate is None else isolate) and not own_processes
+
+
 class HarnessError(RuntimeError):
     """mla-verify itself failed (building inputs, the reference, a worker that cannot start);
     `detail` holds the traceback."""
