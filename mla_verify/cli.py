@@ -542,6 +542,10 @@ def cmd_replay(args, device: str) -> int:
               else f"  FAIL {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}")
     for note in result.notes:
         print(f"  {note}")
+    if result.in_process:
+        from mla_verify.reports.meta import IN_PROCESS
+
+        print(f"  {IN_PROCESS}")
     return result.exit_code
 
 
