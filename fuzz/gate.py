@@ -82,7 +82,7 @@ def _subjects(ops: list[str] | None, kind: str):
             yield op, specs, Subject(label, subject.fn, subject.overrides, subject.deviations, specs)
 
 
-def _budget(op: str, examples: int | None, profile: Profile) -> int:
+def _examples(op: str, examples: int | None, profile: Profile) -> int:
     return examples if examples is not None else catalog.get_spec(op).examples(profile)
 
 
@@ -111,14 +111,15 @@ def run_gate(
     log = log or sys.stderr
     result = GateResult()
     kind = device.split(":")[0]
-    progress = Progress("gate", sum(len(corpus(op)) + _budget(op, examples, profile) * len(catalog.get_spec(op).campaigns(s))
-                                    for op, _, s in _subjects(ops, kind)), every_s=10.0, stream=log)
+    cases = sum(len(corpus(op)) + _examples(op, examples, profile) * len(catalog.get_spec(op).campaigns(subject))
+                for op, _, subject in _subjects(ops, kind))
+    progress = Progress("gate", cases, every_s=10.0, stream=log)  # one line for the whole gate
     worker = Worker(device, timeout_s) if isolate else None
     distributed.set_timeout(timeout_s)
     try:
         for op, specs, subject in _subjects(ops, kind):
             spec, label = catalog.get_spec(op), subject.label
-            budget = _budget(op, examples, profile)
+            budget = _examples(op, examples, profile)
             pinned = corpus(op)
             in_worker = None if spec.own_processes else worker
             world_size = gate_world_size(spec, kind)

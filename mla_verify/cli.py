@@ -612,6 +612,17 @@ def cmd_gate(args, device: str) -> int:
                               journal=run_dir.append, stop_reason=lambda: "interrupted" if interrupt.requested else "",
                               started=lambda case, source, impl, specs: run_dir.case_started(
                                   case, source, run_id=run_id, impl=impl, specs=specs, device=device))
+    except Exception as exc:  # mla-verify's own failure: exit 3, its traceback where the message says
+        import traceback
+
+        from mla_verify.equivalence.isolation import HarnessError
+
+        detail = (exc.detail if isinstance(exc, HarnessError) else None) or traceback.format_exc()
+        run_dir.write_file("harness-error.txt", detail)
+        run_dir.release()
+        if isinstance(exc, HarnessError):
+            raise
+        raise HarnessError(f"harness error in {out}: {type(exc).__name__}: {exc}", detail) from exc
     except BaseException:  # the journal keeps the rows so far; the next run may take the directory's lock
         run_dir.release()
         raise

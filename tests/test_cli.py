@@ -274,3 +274,16 @@ def test_list_for_cuda_on_a_cpu_machine_calls_nothing_available(capsys):
     impls = text.split("implementations (--impl NAME):")[1]
     assert "available" not in impls.replace("unavailable", "")
     assert "triton       unavailable: no CUDA GPU is visible" in impls
+
+
+def test_a_gate_that_fails_itself_exits_3_and_its_traceback_is_where_the_message_says(capsys, tmp_path, monkeypatch):
+    """Issue 29: the message named a harness-error.txt that did not exist (and a bare TypeError exited 1)."""
+    import mla_verify.fuzz.gate
+
+    def broken(**kwargs):
+        raise TypeError("Compared.__init__() missing 1 required positional argument: 'base'")
+
+    monkeypatch.setattr(mla_verify.fuzz.gate, "run_gate", broken)
+    code, text = run(capsys, "gate", "--device", "cpu", "--out", str(tmp_path / "run"))
+    assert code == 3 and "harness-error.txt" in text and "TypeError" in text
+    assert "missing 1 required positional argument" in (tmp_path / "run" / "harness-error.txt").read_text()
