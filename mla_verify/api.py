@@ -12,8 +12,9 @@ repository's own pytest suite can make (the CLI is a thin layer over these).
 
 `impl` is a callable, "MODULE:CALLABLE", a registered implementation name (`mla-verify list`),
 for a pipeline op or a property a dict {stage: impl}, or None for the project's own. A callable
-that can be imported by its module and name runs like "MODULE:CALLABLE" (in an isolation worker
-where asked); any other callable (a lambda, a closure, a partial) runs in this process.
+that can be imported by its module and name runs like "MODULE:CALLABLE": in an isolation worker,
+judged in this process (the default, on CPU as on CUDA); any other callable (a lambda, a closure, a
+partial) runs in this process, and its result says so (`CheckResult.in_process`).
 """
 
 from __future__ import annotations
@@ -518,8 +519,7 @@ def _campaign(plan: _Plan) -> CheckResult:
                                                   plan.isolate, plan.conventions),
                                    found_at=fz.first_failure_at, seed=plan.seed, flaky=fz.flaky, minimized=fz.shrunk))
     extra = sorted(notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
-    if worker is None:  # the calls were made here: what the replaced stages were never handed
-        extra += unexercised(plan.specs, contract.CALLED_WITH)
+    extra += unexercised(plan.specs, contract.CALLED_WITH)  # what the replaced stages were never handed
     if plan.world_size:
         extra += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]
     return CheckResult(plan.op, plan.label, not failures and fz.stopped != "interrupted" and bool(frame.passed.all()),
