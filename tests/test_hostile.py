@@ -442,6 +442,12 @@ def test_isolation_is_the_default_on_cpu_and_an_in_process_pass_says_so(capsys, 
     assert code == 0 and f"PASS ({IN_PROCESS}): " in text and "PASS: " not in text
     code, text = run(capsys, "report", _finished_run(capsys, tmp_path / "named"))  # isolated by default
     assert code == 0 and "PASS: " in text and IN_PROCESS not in text
+    from mla_verify.fuzz import casefile
+
+    path = casefile.save(tmp_path / "c.json", casefile.CaseFile(Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 1)))
+    for flags in ([], ["--no-isolate"]):
+        code, text = run(capsys, "replay", path, "--device", "cpu", *flags)
+        assert code == 0 and (text.strip().splitlines()[-1].strip() == IN_PROCESS) is bool(flags), text
 
 
 def test_check_isolates_a_named_implementation_and_says_when_it_judged_a_callable_in_process():
