@@ -198,8 +198,9 @@ def check(
         isolate: run cases in a worker process replaced after a crash, hang or CUDA error, and
             judge them in this one, out of the kernel's reach (default: on whenever `impl` is
             named, "MODULE:CALLABLE" or a registered name, on CPU as on CUDA; a callable object
-            runs in this process, and `CheckResult.in_process` says so). timeout: seconds the implementation may take per case in the worker
-            (default 300; start-up and the reference are not counted).
+            runs in this process, and `CheckResult.in_process` says so). timeout: seconds the
+            implementation may take per case in the worker (default 300; start-up and the
+            reference are not counted).
         deviations: documented deviations (equivalence.policy) the implementation declares.
         conventions: the implementation's conventions where they are not the reference's
             (equivalence.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}
