@@ -123,9 +123,10 @@ def padded_workspace(kv_cache, block_table, workspace_starts, num_rows):
     """Right values, each row in a wider one (a view with gaps: its host copy is contiguous, so an
     isolated judge must be told the strides it was returned with)."""
     workspace = eager.gather_upconvert_fp8(kv_cache, block_table, workspace_starts, num_rows)
-    wide = torch.zeros(workspace.shape[0], workspace.shape[1] + 64, dtype=workspace.dtype)
-    wide[:, :workspace.shape[1]] = workspace
-    return wide[:, :workspace.shape[1]]
+    rows, width = workspace.shape
+    wide = torch.zeros(rows, width + 64, dtype=workspace.dtype, device=workspace.device)
+    wide[:, :width] = workspace
+    return wide[:, :width]
 
 
 # ----------------------------------------------------------------------------- run to run
