@@ -12,8 +12,9 @@ repository's own pytest suite can make (the CLI is a thin layer over these).
 
 `impl` is a callable, "MODULE:CALLABLE", a registered implementation name (`mla-verify list`),
 for a pipeline op or a property a dict {stage: impl}, or None for the project's own. A callable
-that can be imported by its module and name runs like "MODULE:CALLABLE" (in an isolation worker
-where asked); any other callable (a lambda, a closure, a partial) runs in this process.
+that can be imported by its module and name runs like "MODULE:CALLABLE": in an isolation worker,
+judged in this process (the default, on CPU as on CUDA); any other callable (a lambda, a closure, a
+partial) runs in this process, and its result says so (`CheckResult.in_process`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
-from mla_verify.equivalence.isolation import HarnessError
+from mla_verify.equivalence.isolation import HarnessError, default_isolation
 from mla_verify.equivalence.running import Unsupported, unsupported
 from mla_verify.equivalence.subject import UsageError
 
@@ -194,9 +195,12 @@ def check(
             `mla_verify.pytest_plugin`); a value passed here wins.
         out: a run directory to write (rows, meta, failing case files; must not hold a run). None:
             rows stay in memory and a failing case is saved under the temporary directory.
-        isolate: run cases in a worker process replaced after a crash, hang or CUDA error (default:
-            on for cuda). timeout: seconds the implementation may take per case in the worker
-            (default 300; start-up and the reference are not counted).
+        isolate: run cases in a worker process replaced after a crash, hang or CUDA error, and
+            judge them in this one, out of the kernel's reach (default: on whenever `impl` is
+            named, "MODULE:CALLABLE" or a registered name, on CPU as on CUDA; a callable object
+            runs in this process, and `CheckResult.in_process` says so). timeout: seconds the
+            implementation may take per case in the worker (default 300; start-up and the
+            reference are not counted).
         deviations: documented deviations (equivalence.policy) the implementation declares.
         conventions: the implementation's conventions where they are not the reference's
             (equivalence.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}
@@ -255,10 +259,7 @@ def check(
     examples = examples or spec.examples(prof)
     seed = new_seed() if seed is None else seed
     own_processes = spec.own_processes
-    if isolate and not named:
-        raise UsageError("isolate=True needs an implementation importable by MODULE:CALLABLE (a module-level "
-                         "function); a lambda, closure or partial runs in this process only")
-    isolate = ((device_type == "cuda" if isolate is None else isolate) and named) and not own_processes
+    isolate = default_isolation(isolate, named, own_processes)
     _timeout_needs_isolation(timeout, isolate or own_processes)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     parts = 1 if world_size or not named else (parallel or (_gpu_count() if device_type == "cuda" else 1))
@@ -267,7 +268,8 @@ def check(
     plan = _Plan(op=op, specs=specs, label=label, subject=subject, device=device, profile=prof, examples=examples,
                  seed=seed, isolate=isolate, timeout=timeout, deviations=deviations,
                  conventions=subject.conventions, path=path,
-                 world_size=world_size, shrink=shrink, run_dir=run_dir, named=named)
+                 world_size=world_size, shrink=shrink, run_dir=run_dir, named=named,
+                 in_process=not (isolate or own_processes))
     if log is not None:
         where = f", run {run_dir.path}" if run_dir else ""
         ranks = ""
@@ -317,13 +319,14 @@ class _Plan:
     shrink: bool
     run_dir: Any
     named: bool
+    in_process: bool = False  # judged in the implementation's own process (dcp's ranks are processes of their own)
     run_id: str = ""
 
     def meta(self) -> dict[str, Any]:
         from mla_verify import reports
 
         # what `check(baseline=...)` reads back to draw the same cases (reports.meta.rerun_settings)
-        extra = {"op": self.op, "examples": self.examples, "path": self.path}
+        extra = {"op": self.op, "examples": self.examples, "path": self.path, "isolated": not self.in_process}
         return reports.collect_meta(self.profile.name, [self.seed], self.device,
                                     command=shlex.join(["mla-verify"] + sys.argv[1:]) if sys.argv[1:] else None,
                                     extra=extra)
@@ -390,8 +393,9 @@ def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | 
 def _timeout_needs_isolation(timeout: float | None, stoppable: bool) -> None:
     """A timeout is kept only where the call can be stopped: an isolation worker, or rank processes."""
     if timeout is not None and not stoppable:
-        raise UsageError("--timeout needs --isolate (the default on cuda; isolate=True): an in-process call cannot "
-                         "be stopped, and a timeout that is not kept would let a hang pass")
+        raise UsageError("--timeout needs isolation (the default; not --no-isolate, isolate=False or a callable "
+                         "object): an in-process call cannot be stopped, and a timeout that is not kept would let a "
+                         "hang pass")
 
 
 def _writable_file(path: str | Path, what: str) -> Path:
@@ -516,13 +520,12 @@ def _campaign(plan: _Plan) -> CheckResult:
                                                   plan.isolate, plan.conventions),
                                    found_at=fz.first_failure_at, seed=plan.seed, flaky=fz.flaky, minimized=fz.shrunk))
     extra = sorted(notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
-    if worker is None:  # the calls were made here: what the replaced stages were never handed
-        extra += unexercised(plan.specs, contract.CALLED_WITH)
+    extra += unexercised(plan.specs, contract.CALLED_WITH)  # what the replaced stages were never handed
     if plan.world_size:
         extra += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]
     return CheckResult(plan.op, plan.label, not failures and fz.stopped != "interrupted" and bool(frame.passed.all()),
                        frame, plan.seed, fz.examples, run_dir.path if run_dir else None, failures,
-                       interrupted=fz.stopped == "interrupted", notes=extra)
+                       interrupted=fz.stopped == "interrupted", notes=extra, in_process=plan.in_process)
 
 
 def assert_equivalent(op: str, impl: Impl = None, **kwargs: Any) -> CheckResult:
@@ -598,7 +601,7 @@ def replay(
                               conventions=cf.conventions if conventions is None else conventions)
     label = _label(subject)
     own_processes = get_spec(cf.case.op).own_processes
-    isolate = ((device_type == "cuda" if isolate is None else isolate) and named) and not own_processes
+    isolate = default_isolation(isolate, named, own_processes)
     _timeout_needs_isolation(timeout, isolate or own_processes)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     log(f"replay {cf.case.short()} on {device} with {label}{', isolated' if isolate else ''}")
@@ -620,7 +623,7 @@ def replay(
     failures = [] if passed else [Failure.of(cf.case, rows, Path(case_file), command, flaky=cf.flaky,
                                              minimized=bool(cf.failure))]
     return CheckResult(cf.case.op, label, passed, rows_frame(rows), cf.case.seed, 1, None, failures,
-                       reproduced=reproduced, notes=[note] if note else [])
+                       reproduced=reproduced, notes=[note] if note else [], in_process=not (isolate or own_processes))
 
 
 def _reproduced(saved: list[dict[str, Any]], rows) -> tuple[bool | None, str]:

@@ -105,10 +105,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def _add_isolation(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                   help="run cases in a worker process replaced after a crash, hang or CUDA error (default: on for cuda)")
+                   help="run cases in a worker process replaced after a crash, hang or CUDA error, judged in this one "
+                        "out of the kernel's reach (default: on, on cpu as on cuda; --no-isolate judges in the "
+                        "kernel's own process and its PASS says so)")
     p.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
                    help="seconds the implementation may take per case in the worker (start-up and the reference "
-                        "are not counted; default 300); needs --isolate (the default on cuda): an in-process call "
+                        "are not counted; default 300); not with --no-isolate: an in-process call "
                         "cannot be stopped")
 
 
@@ -540,6 +542,10 @@ def cmd_replay(args, device: str) -> int:
               else f"  FAIL {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}")
     for note in result.notes:
         print(f"  {note}")
+    if result.in_process:
+        from mla_verify.reports.meta import IN_PROCESS
+
+        print(f"  {IN_PROCESS}")
     return result.exit_code
 
 
@@ -559,6 +565,7 @@ def cmd_gate(args, device: str) -> int:
     from mla_verify.fuzz.gate import odd_ones_out, run_gate
     from mla_verify.interrupt import Interrupt
     from mla_verify.api import DEFAULT_TIMEOUT_S
+    from mla_verify.equivalence.isolation import default_isolation
     from mla_verify.equivalence.subject import UsageError
     from mla_verify.rundir import FreshDir, RunDir
 
@@ -582,23 +589,23 @@ def cmd_gate(args, device: str) -> int:
     run_id = _run_id("gate")
     run_dir = RunDir.open(args.out or FreshDir.named("runs", "gate"))
     out = run_dir.path
-    isolate = device == "cuda" if args.isolate is None else args.isolate
+    isolate = default_isolation(args.isolate, named=True)  # the gate runs registered implementations
     if args.timeout is not None and not isolate:
-        raise UsageError("--timeout needs --isolate (the default on cuda): an in-process call cannot be stopped")
+        raise UsageError("--timeout needs isolation (the default; not --no-isolate): an in-process call cannot be stopped")
     timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
     budget = (f"{args.examples}" if args.examples is not None
               else f"{profile.examples} (properties: {profile.property_examples})")
     print(f"mla-verify gate: device {device}, profile {profile.name}, {budget} fuzz examples per op and "
           f"implementation, seed {seed}, run {out}", flush=True)
     started = time.time()
-    meta = _start_meta(profile.name, seed, device, {"examples": args.examples, "ops": args.op})
+    meta = _start_meta(profile.name, seed, device, {"examples": args.examples, "ops": args.op, "isolated": isolate})
     run_dir.start(meta)
     parts = args.parallel or (_gpu_count() if device == "cuda" else 1)
     interrupt = Interrupt()
     try:
         if parts > 1 and not args.part:
             with interrupt.installed():
-                return _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started)
+                return _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started, isolate)
         with interrupt.installed():
             result = run_gate(device=device, profile=profile, examples=args.examples, seed=seed, run_id=run_id,
                               out_dir=out, isolate=isolate, timeout_s=timeout, ops=args.op,
@@ -635,7 +642,7 @@ def cmd_gate(args, device: str) -> int:
         return 130
     if args.part:
         return 1 if result.failed else 0
-    return _finish_gate(args, out, result.rows, result.failed, started)
+    return _finish_gate(args, out, result.rows, result.failed, started, isolate)
 
 
 def _gpu_count() -> int:
@@ -644,7 +651,7 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def _finish_gate(args, out: Path, rows, failed: bool, started: float) -> int:
+def _finish_gate(args, out: Path, rows, failed: bool, started: float, isolate: bool) -> int:
     from mla_verify import api, reports
 
     if args.junit:
@@ -652,12 +659,15 @@ def _finish_gate(args, out: Path, rows, failed: bool, started: float) -> int:
 
         write_junit(args.junit, rows, replays=saved_replays(out / "failures"))
     code = reports.run_report(out, baseline=args.baseline, save_case=api.save_worst_case, **_drift_settings(args))
-    print(f"gate {'FAILED' if failed else 'passed'}: {len(rows)} rows in {time.time() - started:.0f} s; "
+    from mla_verify.reports.meta import IN_PROCESS
+
+    verdict = "FAILED" if failed else "passed" if isolate else f"passed ({IN_PROCESS})"
+    print(f"gate {verdict}: {len(rows)} rows in {time.time() - started:.0f} s; "
           f"report {out / 'report.html'}")
     return 1 if failed else code
 
 
-def _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started) -> int:
+def _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started, isolate) -> int:
     from mla_verify.equivalence import catalog
     from mla_verify.equivalence.rows import Row
 
@@ -669,14 +679,13 @@ def _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started) -
         child += ["--timeout", str(args.timeout)]
     if args.examples is not None:
         child += ["--examples", str(args.examples)]
-    if args.isolate is not None:
-        child += ["--isolate" if args.isolate else "--no-isolate"]
+    child += ["--isolate" if isolate else "--no-isolate"]
     print(f"  {parts} parts, one per {'GPU' if device == 'cuda' else 'process'}", flush=True)
     frame, worst = run_parts(ops, parts, device, run_dir.path, child)
     run_dir.finish(frame, meta)
     rows = [Row.from_record(r) for r in frame.to_dict("records")]
     failed = worst != 0 or any(not r.passed for r in rows)
-    return _finish_gate(args, run_dir.path, rows, failed, started)
+    return _finish_gate(args, run_dir.path, rows, failed, started, isolate)
 
 
 def cmd_report(args, device: str) -> int:

@@ -137,4 +137,4 @@ def check_in_parts(plan, parts: int, log):
     rows = conform(frame) if len(frame) else rows_frame([])
     return CheckResult(plan.op, plan.label, passed, rows, plan.seed, examples,
                        plan.run_dir.path if plan.run_dir else None, failures, interrupted=interrupted, notes=notes,
-                       campaigns=len(results))
+                       campaigns=len(results), in_process=plan.in_process)

@@ -119,6 +119,16 @@ def strided_workspace(kv_cache, block_table, workspace_starts, num_rows):
     return workspace.t().contiguous().t()
 
 
+def padded_workspace(kv_cache, block_table, workspace_starts, num_rows):
+    """Right values, each row in a wider one (a view with gaps: its host copy is contiguous, so an
+    isolated judge must be told the strides it was returned with)."""
+    workspace = eager.gather_upconvert_fp8(kv_cache, block_table, workspace_starts, num_rows)
+    rows, width = workspace.shape
+    wide = torch.zeros(rows, width + 64, dtype=workspace.dtype, device=workspace.device)
+    wide[:, :width] = workspace
+    return wide[:, :width]
+
+
 # ----------------------------------------------------------------------------- run to run
 
 
