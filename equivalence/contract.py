@@ -51,9 +51,11 @@ def returned(result: Any, names: Sequence[str], required: int | None = None) -> 
 
 
 def output_problem(name: str, t: Any, *, dtype: torch.dtype | None, shape: Sequence[int] | None, device: str | None,
-                   contiguous: bool = False, returned_on: str | None = None) -> str | None:
+                   contiguous: bool = False, returned_on: str | None = None,
+                   returned_strides: Sequence[int] | None = None) -> str | None:
     """Why output `name` breaks its contract (one line), or None. `device`, `dtype`, `shape` None:
-    not checked. `returned_on`: the device it was returned on, where `t` is a copy on the host."""
+    not checked. `returned_on`, `returned_strides`: the device it was returned on and, where they
+    were not contiguous, its strides, where `t` is a copy on the host (a copy is contiguous)."""
     if not isinstance(t, torch.Tensor):
         return f"{name}: {_describe(t)}, the contract says a torch.Tensor"
     odd = foreign(name, t)
@@ -69,8 +71,8 @@ def output_problem(name: str, t: Any, *, dtype: torch.dtype | None, shape: Seque
         return f"{name}: dtype {str(t.dtype).removeprefix('torch.')}, the contract says {str(dtype).removeprefix('torch.')}"
     if tuple(t.shape) != tuple(shape):
         return f"{name}: shape {tuple(t.shape)}, the contract says {tuple(shape)}"
-    if contiguous and not t.is_contiguous():
-        return f"{name}: strides {t.stride()} are not contiguous, the contract says contiguous"
+    if contiguous and (returned_strides is not None or not t.is_contiguous()):
+        return f"{name}: strides {tuple(returned_strides or t.stride())} are not contiguous, the contract says contiguous"
     return None
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .case import Case
+from .contract import CALLED_WITH
 from .device import first_line, is_device_error
 from .rows import Row
 from .running import failure_row
@@ -42,6 +43,22 @@ STARTUP_TIMEOUT_S = 300.0   # imports, CUDA context, warm-up: never counted agai
 # context, cuBLAS): shrinking a crash replaces one per failing step, so two start side by side.
 SPARES = {"cpu": 1, "cuda": 2}
 HARNESS_TIMEOUT_S = 1800.0  # a case's inputs (ours, not the implementation's)
+
+
+def default_isolation(isolate: bool | None, named: bool, own_processes: bool = False) -> bool:
+    """Whether a run's cases go to a worker (`Worker`), so that the judge runs where the kernel
+    cannot reach it: by default whenever the implementation can be imported there by name
+    ("MODULE:CALLABLE" or a registered name), on CPU as on CUDA (on CPU a case costs about 12%
+    more and a worker starts from a preloaded forkserver: README, "Never lose a finding"). A
+    callable object cannot cross processes and runs in this one. An op whose ranks are processes
+    of their own (dcp) already runs the kernel outside its judge. UsageError for isolate=True
+    with an implementation that is not named."""
+    if isolate and not named:
+        from .subject import UsageError
+
+        raise UsageError("isolate=True needs an implementation importable by MODULE:CALLABLE (a module-level "
+                         "function); a lambda, closure or partial runs in this process only")
+    return (named if isolate is None else isolate) and not own_processes
 
 
 class HarnessError(RuntimeError):
@@ -92,6 +109,7 @@ def _serve(conn, device: str) -> None:
             if key not in subjects:
                 subjects[key] = resolve_subject(case.op, specs, device.split(":")[0], deviations=deviations,
                                                 conventions=conventions)
+            CALLED_WITH.clear()
             produced = produce(case, subjects[key], device, run_id=run_id, source=source, on_call=on_call)
             notes.update(produced.notes)
             rows = [Row.from_record(r) for r in produced.rows]
@@ -104,7 +122,8 @@ def _serve(conn, device: str) -> None:
             continue
         retire = device.startswith("cuda") and (
             any(r.gate_metric == "raised" and is_device_error(r.reason) for r in rows) or not usable(device))
-        conn.send(("produced", (produced, sorted(notes), retire)))
+        called = {stage: sorted(keywords) for stage, keywords in CALLED_WITH.items()}  # for the parent's notes
+        conn.send(("produced", (produced, sorted(notes), retire, called)))
         if retire:
             return  # never trust a context that saw a CUDA error with another case
 
@@ -229,9 +248,11 @@ class Worker:
             self._kill_active()
             raise HarnessError(f"building the inputs and reference of {case.short()} took over {HARNESS_TIMEOUT_S:g} s")
         if kind == "produced":
-            produced, reported, retire = payload
+            produced, reported, retire, called = payload
             if notes is not None:
                 notes.update(reported)
+            for stage, keywords in called.items():  # what the stages were handed, as if called here
+                CALLED_WITH[stage].update(keywords)
             if retire:
                 self._retire()
             return judge_produced(case, produced, label, self.device, run_id=run_id, source=source)

@@ -17,6 +17,7 @@ class Produced:
     failed: bool = False
     tensors: dict = field(default_factory=dict)
     devices: dict[str, str] = field(default_factory=dict)
+    strides: dict[str, tuple[int, ...]] = field(default_factory=dict)  # outputs returned not contiguous (the copy is)
     problems: dict[str, str] = field(default_factory=dict)
     stages: str = ""
     deviations: tuple[str, ...] = ()

@@ -16,8 +16,9 @@ in this process, or in parts on this host's GPUs; a shard (shard="I/N") runs its
 
 `impl` is a callable, "MODULE:CALLABLE", a registered implementation name (`mla-verify list`),
 for a pipeline op or a property a dict {stage: impl}, or None for the project's own. A callable
-that can be imported by its module and name runs like "MODULE:CALLABLE" (in an isolation worker
-where asked); any other callable (a lambda, a closure, a partial) runs in this process.
+that can be imported by its module and name runs like "MODULE:CALLABLE": in an isolation worker,
+judged in this process (the default, on CPU as on CUDA); any other callable (a lambda, a closure, a
+partial) runs in this process, and its result says so (`CheckResult.in_process`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import types
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
-from mla_verify.equivalence.isolation import HarnessError
+from mla_verify.equivalence.isolation import HarnessError, default_isolation
 from mla_verify.equivalence.running import Unsupported, unsupported
 from mla_verify.equivalence.subject import UsageError, did_you_mean
 
@@ -174,9 +175,12 @@ def check(
             `mla_verify.pytest_plugin`); a value passed here wins.
         out: a run directory to write (rows, meta, failing case files; must not hold a run). None:
             rows stay in memory and a failing case is saved under the temporary directory.
-        isolate: run cases in a worker process replaced after a crash, hang or CUDA error (default:
-            on for cuda). timeout: seconds the implementation may take per case in the worker
-            (default 300; start-up and the reference are not counted).
+        isolate: run cases in a worker process replaced after a crash, hang or CUDA error, and
+            judge them in this one, out of the kernel's reach (default: on whenever `impl` is
+            named, "MODULE:CALLABLE" or a registered name, on CPU as on CUDA; a callable object
+            runs in this process, and `CheckResult.in_process` says so). timeout: seconds the
+            implementation may take per case in the worker (default 300; start-up and the
+            reference are not counted).
         deviations: documented deviations (equivalence.policy) the implementation declares.
         conventions: the implementation's conventions where they are not the reference's
             (equivalence.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}
@@ -243,10 +247,7 @@ def check(
     examples = examples or spec.examples(prof)
     seed = new_seed() if seed is None else seed
     own_processes = spec.own_processes
-    if isolate and not named:
-        raise UsageError("isolate=True needs an implementation importable by MODULE:CALLABLE (a module-level "
-                         "function); a lambda, closure or partial runs in this process only")
-    isolate = ((device_type == "cuda" if isolate is None else isolate) and named) and not own_processes
+    isolate = default_isolation(isolate, named, own_processes)
     _timeout_needs_isolation(timeout, isolate or own_processes)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     parts = 1 if world_size or not named else (parallel or (_gpu_count() if device_type == "cuda" else 1))
@@ -258,7 +259,8 @@ def check(
     run = Run(FUZZ, (op,), device, prof, examples, seed, isolate, timeout, out=run_dir, baseline=baseline,
               shard=shard, parts=parts, specs=specs, subject=subject, label=label, deviations=deviations,
               conventions=tuple(subject.conventions), path=path,
-              world_size=world_size, shrink=shrink, named=named, invocation=invocation())
+              world_size=world_size, shrink=shrink, named=named, in_process=not (isolate or own_processes),
+              invocation=invocation())
     if log is not None:
         log(run.header())
     try:
@@ -346,9 +348,9 @@ def gate(
         raise UsageError(f"--shard {shard}: the gate has fewer units (ops and implementations) than shards here")
     seed = new_seed() if seed is None else seed
     parts = parallel or (_gpu_count() if device_type == "cuda" else 1)
-    isolate = device_type == "cuda" if isolate is None else isolate
+    isolate = default_isolation(isolate, named=True)  # the gate runs registered implementations
     if timeout is not None and not isolate:
-        raise UsageError("--timeout needs --isolate (the default on cuda): an in-process call cannot be stopped")
+        raise UsageError("--timeout needs isolation (the default; not --no-isolate): an in-process call cannot be stopped")
     run_dir = RunDir.open(out if out is not None else FreshDir.named("runs", "gate"))
     run = Run(GATE, tuple(ops or ()), device, prof, examples, seed, isolate,
               DEFAULT_TIMEOUT_S if timeout is None else float(timeout), out=run_dir, baseline=baseline, shard=shard,
@@ -423,8 +425,9 @@ def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | 
 def _timeout_needs_isolation(timeout: float | None, stoppable: bool) -> None:
     """A timeout is kept only where the call can be stopped: an isolation worker, or rank processes."""
     if timeout is not None and not stoppable:
-        raise UsageError("--timeout needs --isolate (the default on cuda; isolate=True): an in-process call cannot "
-                         "be stopped, and a timeout that is not kept would let a hang pass")
+        raise UsageError("--timeout needs isolation (the default; not --no-isolate, isolate=False or a callable "
+                         "object): an in-process call cannot be stopped, and a timeout that is not kept would let a "
+                         "hang pass")
 
 
 def _writable_file(path: str | Path, what: str) -> Path:
@@ -517,7 +520,7 @@ def replay(
                               conventions=cf.conventions if conventions is None else conventions)
     label = _label(subject)
     own_processes = get_spec(cf.case.op).own_processes
-    isolate = ((device_type == "cuda" if isolate is None else isolate) and named) and not own_processes
+    isolate = default_isolation(isolate, named, own_processes)
     _timeout_needs_isolation(timeout, isolate or own_processes)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     log(f"replay {cf.case.short()} on {device} with {label}{', isolated' if isolate else ''}")
@@ -539,7 +542,7 @@ def replay(
     failures = [] if passed else [Failure.of(cf.case, rows, Path(case_file), command, flaky=cf.flaky,
                                              minimized=bool(cf.failure))]
     return CheckResult(cf.case.op, label, passed, rows_frame(rows), cf.case.seed, 1, None, failures,
-                       reproduced=reproduced, notes=[note] if note else [])
+                       reproduced=reproduced, notes=[note] if note else [], in_process=not (isolate or own_processes))
 
 
 def _reproduced(saved: list[dict[str, Any]], rows) -> tuple[bool | None, str]:

@@ -115,10 +115,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def _add_isolation(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                   help="run cases in a worker process replaced after a crash, hang or CUDA error (default: on for cuda)")
+                   help="run cases in a worker process replaced after a crash, hang or CUDA error, judged in this one "
+                        "out of the kernel's reach (default: on, on cpu as on cuda; --no-isolate judges in the "
+                        "kernel's own process and its PASS says so)")
     p.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
                    help="seconds the implementation may take per case in the worker (start-up and the reference "
-                        "are not counted; default 300); needs --isolate (the default on cuda): an in-process call "
+                        "are not counted; default 300); not with --no-isolate: an in-process call "
                         "cannot be stopped")
 
 
@@ -548,6 +550,10 @@ def cmd_replay(args, device: str) -> int:
               else f"  FAIL {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}")
     for note in result.notes:
         print(f"  {note}")
+    if result.in_process:
+        from mla_verify.reports.meta import IN_PROCESS
+
+        print(f"  {IN_PROCESS}")
     return result.exit_code
 
 
@@ -566,8 +572,11 @@ def cmd_gate(args, device: str) -> int:
         return 130
     code = reports.run_report(outcome.out, baseline=args.baseline, save_case=api.save_worst_case,
                               **_drift_settings(args))
-    print(f"gate {'FAILED' if outcome.failed else 'passed'}: {len(outcome.rows)} rows in "
-          f"{time.time() - started:.0f} s; report {outcome.out / 'report.html'}")
+    from mla_verify.reports.meta import IN_PROCESS
+
+    verdict = "FAILED" if outcome.failed else "passed" if outcome.isolated else f"passed ({IN_PROCESS})"
+    print(f"gate {verdict}: {len(outcome.rows)} rows in {time.time() - started:.0f} s; "
+          f"report {outcome.out / 'report.html'}")
     return 1 if outcome.failed else code
 
 

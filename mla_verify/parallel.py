@@ -76,7 +76,8 @@ def gate_in_parts(run, log) -> GateOutcome:
         frame, codes = _collect(procs, root)
     run.out.finish(frame, meta)
     rows = [Row.from_record(r) for r in frame.to_dict("records")]
-    return GateOutcome(rows, max(codes.values()) != 0 or any(not r.passed for r in rows), root, parts=len(procs))
+    return GateOutcome(rows, max(codes.values()) != 0 or any(not r.passed for r in rows), root, parts=len(procs),
+                       isolated=run.isolate)
 
 
 def check_in_parts(run, log):
@@ -118,4 +119,5 @@ def check_in_parts(run, log):
     passed = clean and not failures and not interrupted and bool(frame.passed.all() if len(frame) else True)
     rows = conform(frame) if len(frame) else rows_frame([])
     return CheckResult(run.op, run.label, passed, rows, campaigns[0][0], examples, run.out.path if run.out else None,
-                       failures, interrupted=interrupted, notes=notes, campaigns=len(campaigns))
+                       failures, interrupted=interrupted, notes=notes, campaigns=len(campaigns),
+                       in_process=run.in_process)

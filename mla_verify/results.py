@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
+from mla_verify.reports.meta import IN_PROCESS
 from mla_verify.equivalence.mismatch import QUIET_METRICS, line
 
 DEFAULT_TIMEOUT_S = 300.0  # what an implementation may take per case in the isolation worker
@@ -85,6 +86,7 @@ class CheckResult:
     reproduced: bool | None = None  # replay: whether the saved failure came back
     notes: list[str] = field(default_factory=list)
     campaigns: int = 1              # independent campaigns (parallel parts: seeds seed, seed + 1, ...)
+    in_process: bool = False        # judged in the implementation's own process (--no-isolate, a callable object)
 
     @property
     def failure(self) -> Failure | None:
@@ -92,7 +94,8 @@ class CheckResult:
         return self.failures[0] if self.failures else None
 
     def report(self) -> str:
-        """What the CLI prints at the end: PASS with the least headroom, or each failure with its
+        """What the CLI prints at the end: PASS with the least headroom (qualified when judged in
+        the implementation's own process: it could reach the judge), or each failure with its
         minimized case, failing metric and bound, case file and replay command; then a warning per
         group biased against the reference (`reports.bias`: never a failure)."""
         from mla_verify.reports.bias import bias_of
@@ -113,7 +116,8 @@ class CheckResult:
             seeds = (f"seed {self.seed}" if self.campaigns == 1
                      else f"seeds {self.seed}..{self.seed + self.campaigns - 1}")
             over = f" over {self.campaigns} campaigns" if self.campaigns > 1 else ""
-            lines.append(f"PASS: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}")
+            judged = f" ({IN_PROCESS})" if self.in_process else ""
+            lines.append(f"PASS{judged}: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}")
         if self.unsupported:
             first = self.rows[self.rows.gate_metric == "unsupported"].reason.iloc[0]
             lines.append(f"  {self.unsupported} of them declined by the implementation (mla_verify.unsupported), "
@@ -162,6 +166,7 @@ class GateOutcome:
     odd_ones_out: list[str] = field(default_factory=list)
     case_files: list[tuple[Path, list[str]]] = field(default_factory=list)  # each saved case, its failing rows
     parts: int = 1
+    isolated: bool = True           # judged out of the kernels' reach (reports.meta.IN_PROCESS otherwise)
 
     def lines(self, device: str) -> list[str]:
         """Notes, disagreeing implementations, saved failing cases (a run in parts: its parts said them)."""

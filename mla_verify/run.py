@@ -62,6 +62,7 @@ class Run:
     world_size: int | None = None
     shrink: bool = True
     named: bool = True                    # every implementation importable in another process
+    in_process: bool = False              # judged in the implementation's own process (not isolated, no ranks)
     invocation: str | None = None         # the command line that started it (meta.json's command)
 
     @property
@@ -99,10 +100,12 @@ class Run:
         from mla_verify import reports
 
         if self.command == GATE:
-            seeds, extra = [self.seed], {"examples": self.examples, "ops": list(self.ops) or None}
+            seeds, extra = [self.seed], {"examples": self.examples, "ops": list(self.ops) or None,
+                                         "isolated": self.isolate}
         else:
             seeds = [s for s, _ in self.campaigns]
-            extra = {"op": self.op, "examples": sum(n for _, n in self.campaigns), "path": self.path}
+            extra = {"op": self.op, "examples": sum(n for _, n in self.campaigns), "path": self.path,
+                     "isolated": not self.in_process}
         if not self.shard.whole:
             extra |= {"shard": str(self.shard), "run": self.options()}
         return reports.collect_meta(self.profile.name, seeds, self.device, command=self.invocation, extra=extra)
@@ -230,13 +233,12 @@ def _fuzz(run: Run) -> CheckResult:
                                                   run.isolate, run.conventions),
                                    found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk))
     extra = sorted(result.notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
-    if not run.isolate:  # the calls were made here: what the replaced stages were never handed
-        extra += unexercised(run.specs, contract.CALLED_WITH)
+    extra += unexercised(run.specs, contract.CALLED_WITH)  # what the replaced stages were never handed
     if run.world_size:
         extra += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]
     return CheckResult(run.op, run.label, not failures and fz.stopped != "interrupted" and bool(frame.passed.all()),
                        frame, seed, fz.examples, run_dir.path if run_dir else None, failures,
-                       interrupted=fz.stopped == "interrupted", notes=extra)
+                       interrupted=fz.stopped == "interrupted", notes=extra, in_process=run.in_process)
 
 
 def _gate(run: Run) -> GateOutcome:
@@ -269,7 +271,7 @@ def _gate(run: Run) -> GateOutcome:
     finally:
         distributed.close_all()
     outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupt.requested, sorted(result.notes),
-                          odd_ones_out(result.rows))
+                          odd_ones_out(result.rows), isolated=run.isolate)
     run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupt.requested else meta)
     outcome.case_files = [(fz.case_file, [f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}"
                                           for r in (fz.failure.rows if fz.failure else ()) if not r.passed])

@@ -149,6 +149,20 @@ def describe(meta: Mapping[str, Any]) -> dict[str, str]:
     return described
 
 
+# What a PASS judged in the implementation's own process says (--no-isolate, a callable object).
+IN_PROCESS = "in-process: judged in the kernel's own process; run isolated for a verdict it cannot reach"
+
+
+def judged_where(meta: Mapping[str, Any]) -> str:
+    """Why a run's PASS is qualified: '' where every case was judged out of the kernel's reach
+    (recorded "isolated": true), else that it was not, or may not have been (a run that did not
+    record it)."""
+    isolated = (meta.get("extra") or {}).get("isolated")
+    if isolated is True:
+        return ""
+    return IN_PROCESS if isolated is False else "isolation not recorded: maybe judged in the kernel's own process"
+
+
 def rerun_settings(meta: Mapping[str, Any]) -> dict[str, Any]:
     """What re-draws a run's cases: its first seed, profile, campaign count (parallel parts run
     seeds S, S+1, ...) and what it recorded in "extra" (examples, ops or op and path). Missing

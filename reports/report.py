@@ -19,7 +19,7 @@ from mla_verify.reports.glance import at_a_glance
 from mla_verify.reports.html import render_html
 from mla_verify.reports.kinds import KEY_METRIC, annotate
 from mla_verify.reports.markdown import render_markdown
-from mla_verify.reports.meta import describe
+from mla_verify.reports.meta import describe, judged_where
 from mla_verify.reports.stats import Counts, by_group, by_knob, counts, deviation_groups, failures, run_ids
 from mla_verify.equivalence.subject import UsageError
 from mla_verify.reports.store import load_run, run_file
@@ -56,7 +56,7 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
     """The report of stored rows (as `load_run` returns them), optionally against a baseline run
     (`reports.drift.compare` with these settings; NothingComparable when nothing pairs)."""
     frame = annotate(rows)
-    report = Report(rows=frame, meta=dict(meta), counts=counts(frame, bool(meta.get("incomplete"))))
+    report = Report(rows=frame, meta=dict(meta), counts=counts(frame, bool(meta.get("incomplete")), judged_where(meta)))
     later = []  # the baseline's sections: after the run's own tables
     if baseline is not None:
         base_rows, base_meta = baseline

@@ -143,6 +143,7 @@ class Counts:
     failed_cases: int
     deviation_rows: int
     incomplete: bool = False   # the run never finished: what it did not reach has no verdict
+    judged: str = ""           # why a PASS is qualified (reports.meta.judged_where): '' judged out of the kernel's reach
 
     @property
     def passed(self) -> bool:
@@ -156,11 +157,12 @@ class Counts:
         if self.incomplete:
             return (f"INCOMPLETE: the run did not finish: {self.rows} rows in {self.cases} cases, none failed, "
                     "and the cases it never reached have no verdict")
-        return f"PASS: {self.rows} rows in {self.cases} cases, none failed"
+        return f"PASS{f' ({self.judged})' if self.judged else ''}: {self.rows} rows in {self.cases} cases, none failed"
 
 
-def counts(frame: pd.DataFrame, incomplete: bool = False) -> Counts:
-    """The verdict counts of `frame`; `incomplete`: rows of a run that never finished (never a pass)."""
+def counts(frame: pd.DataFrame, incomplete: bool = False, judged: str = "") -> Counts:
+    """The verdict counts of `frame`; `incomplete`: rows of a run that never finished (never a pass);
+    `judged`: why a pass is qualified (`Counts.judged`)."""
     failed = frame[~frame["passed"]]
     return Counts(
         rows=len(frame),
@@ -169,4 +171,5 @@ def counts(frame: pd.DataFrame, incomplete: bool = False) -> Counts:
         failed_cases=failed["case_id"].nunique(),
         deviation_rows=int(expected(frame).sum()),
         incomplete=bool(incomplete),
+        judged=judged,
     )

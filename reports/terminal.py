@@ -11,7 +11,7 @@ import pandas as pd
 
 from mla_verify.reports.fmt import MISSING, number
 from mla_verify.reports.kinds import annotate
-from mla_verify.reports.meta import describe
+from mla_verify.reports.meta import describe, judged_where
 from mla_verify.reports.stats import counts, expected, grouped, run_ids, summarize
 
 _KIND_HEADER = {"out": "out", "lse": "lse", "max_logits": "mxlog", "exact": "exact",
@@ -67,7 +67,7 @@ def terminal_summary(rows: pd.DataFrame, meta: Mapping[str, Any] | None = None) 
           number(r.max)] for r in by_kind.itertuples()],
         "lrrlrrr",
     )
-    c = counts(frame, bool((meta or {}).get("incomplete")))
+    c = counts(frame, bool((meta or {}).get("incomplete")), judged_where(meta or {}))
     if c.deviation_rows:
         dev = frame[expected(frame)]
         per_name = dev["deviation"].value_counts().sort_index()

@@ -196,8 +196,10 @@ def test_replay_is_isolated_too_a_hang_or_an_abort_returns(capsys, tmp_path, imp
 
 
 def test_ctrl_c_finishes_the_case_writes_the_run_prints_the_replay_and_exits_130(tmp_path):
+    # --no-isolate: the kernel stands in for a Ctrl-C reaching the harness's own process mid-case
     proc = cli("fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:interrupted_on_third_call",
-               "--examples", 10, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run")
+               "--examples", 10, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run",
+               "--no-isolate")
     text, _ = proc.communicate(timeout=600)
     assert proc.returncode == 130, text
     assert "Traceback" not in text and "INTERRUPTED" in text and "replay: mla-verify replay" in text
@@ -205,8 +207,10 @@ def test_ctrl_c_finishes_the_case_writes_the_run_prints_the_replay_and_exits_130
 
 
 def test_after_sigkill_the_journal_keeps_the_rows_and_report_reads_them(capsys, tmp_path):
+    # --no-isolate: the harness's own process is the one killed (isolated, only a worker dies)
     proc = cli("fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:killed_on_third_call",
-               "--examples", 10, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run")
+               "--examples", 10, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run",
+               "--no-isolate")
     proc.communicate(timeout=600)
     assert proc.returncode == -signal.SIGKILL
     assert (tmp_path / "run" / "journal.jsonl").exists() and list((tmp_path / "run" / "failures").glob("*.json"))
@@ -420,6 +424,45 @@ def test_a_racy_kernel_returning_its_static_buffer_fails_determinism_and_a_corre
     assert result.passed, result.report()  # every rank's prefill into the same buffer
 
 
+def test_isolation_is_the_default_on_cpu_and_an_in_process_pass_says_so(capsys, tmp_path):
+    """A kernel that loosens the exact bound in place fools any judge in its own process: by
+    default (isolated, on CPU too) it fails; with --no-isolate its PASS, and `report`'s, say
+    in-process. Subprocesses: in this one the mutation would reach later tests."""
+    from mla_verify.reports.meta import IN_PROCESS
+
+    fuzz = ["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:loosens_the_bounds", "--examples", 3,
+            "--seed", 1, "--device", "cpu", "--profile", "ci", "--no-shrink"]
+    for flags, out, code in (([], "isolated", 1), (["--no-isolate"], "in-process", 0)):
+        text, _ = (proc := cli(*fuzz, *flags, "--out", tmp_path / out)).communicate(timeout=600)
+        assert proc.returncode == code, text
+        assert json.loads((tmp_path / out / "meta.json").read_text())["extra"]["isolated"] is (not flags)
+    assert "differ bit for bit" in (tmp_path / "isolated" / "rows.csv").read_text()
+    assert f"PASS ({IN_PROCESS}): 3 examples" in text
+    code, text = run(capsys, "report", tmp_path / "in-process")
+    assert code == 0 and f"PASS ({IN_PROCESS}): " in text and "PASS: " not in text
+    code, text = run(capsys, "report", _finished_run(capsys, tmp_path / "named"))  # isolated by default
+    assert code == 0 and "PASS: " in text and IN_PROCESS not in text
+    from mla_verify.fuzz import casefile
+
+    path = casefile.save(tmp_path / "c.json", casefile.CaseFile(Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 1)))
+    for flags in ([], ["--no-isolate"]):
+        code, text = run(capsys, "replay", path, "--device", "cpu", *flags)
+        assert code == 0 and (text.strip().splitlines()[-1].strip() == IN_PROCESS) is bool(flags), text
+
+
+def test_check_isolates_a_named_implementation_and_says_when_it_judged_a_callable_in_process():
+    from mla_verify import check
+    from mla_verify.reports.meta import IN_PROCESS
+    from tests.hostile import cpu
+
+    named = check("quantize_fp8_ds_mla", "tests.hostile.cpu:loosens_the_bounds", examples=2, seed=1, profile="ci",
+                  device="cpu", shrink=False)
+    assert not named.passed and not named.in_process  # judged in this process, the kernel in a worker
+    local = check("quantize_fp8_ds_mla", lambda kv, scale_rule="pow2": cpu.eager.quantize_fp8_ds_mla(kv, scale_rule),
+                  examples=2, seed=1, profile="ci", device="cpu")
+    assert local.passed and local.in_process and f"PASS ({IN_PROCESS}): 2 examples" in local.report()
+
+
 def test_a_kernel_changing_global_state_fails_its_case_and_nothing_after_it_inherits_the_change(tmp_path,
                                                                                                monkeypatch):
     import torch
@@ -463,8 +506,12 @@ def test_a_keyboard_interrupt_the_kernel_raises_is_its_failure_not_the_users_ctr
 @pytest.mark.parametrize("impl, says", [("tests.hostile.cpu:exits_on_third_call", "exit code 0"),
                                         ("tests.hostile.cpu:segfaults_on_third_call", "SIGSEGV")])
 def test_a_kernel_that_ends_the_process_mid_run_is_a_saved_crashed_finding_never_a_pass(capsys, tmp_path, impl, says):
-    proc = cli("fuzz", "--op", "quantize_fp8_ds_mla", "--impl", impl, "--examples", 10, "--seed", 1, "--device", "cpu",
-               "--profile", "ci", "--out", tmp_path / "run")
+    fuzz = ["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", impl, "--examples", 10, "--seed", 1, "--device", "cpu",
+            "--profile", "ci"]
+    code, text = run(capsys, *fuzz, "--out", tmp_path / "isolated")  # the default: only a worker dies
+    assert code == 1 and "crashed" in text and "PASS" not in text, text
+    # --no-isolate: the kernel ends the harness's own process; the journal and `report` keep the finding
+    proc = cli(*fuzz, "--out", tmp_path / "run", "--no-isolate")
     proc.communicate(timeout=600)
     assert says in (f"exit code {proc.returncode}" if proc.returncode >= 0 else signal.Signals(-proc.returncode).name)
     for _ in range(2):  # a second report finds the same finding, saved once
@@ -478,8 +525,10 @@ def test_a_kernel_that_ends_the_process_mid_run_is_a_saved_crashed_finding_never
 
 
 def test_sigterm_is_handled_as_ctrl_c_and_report_never_says_pass_for_the_stopped_run(capsys, tmp_path):
+    # --no-isolate: the kernel stands in for a CI runner's SIGTERM reaching the harness's own process
     proc = cli("fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:sigterm_on_third_call",
-               "--examples", 10, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run")
+               "--examples", 10, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run",
+               "--no-isolate")
     text, _ = proc.communicate(timeout=600)
     assert proc.returncode == 130 and "interrupted (SIGTERM)" in text and "INTERRUPTED" in text, text
     assert (tmp_path / "run" / "rows.parquet").exists()
@@ -496,11 +545,13 @@ def test_an_odd_output_layout_is_a_contract_failure_with_a_saved_case_that_repla
     assert code == 1 and "reproduced" in text and "Traceback" not in text
 
 
+# --no-isolate on purpose: a timeout is refused only where the call cannot be stopped (in process).
 @pytest.mark.parametrize("argv, says", [
-    (["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:sleeps", "--timeout", "2"],
-     "--timeout needs --isolate"),
-    (["replay", "c.json", "--impl", "tests.hostile.cpu:sleeps", "--timeout", "2"], "--timeout needs --isolate"),
-    (["gate", "--timeout", "2", "--op", "convert_index"], "--timeout needs --isolate"),
+    (["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:sleeps", "--timeout", "2", "--no-isolate"],
+     "--timeout needs isolation"),
+    (["replay", "c.json", "--impl", "tests.hostile.cpu:sleeps", "--timeout", "2", "--no-isolate"],
+     "--timeout needs isolation"),
+    (["gate", "--timeout", "2", "--op", "convert_index", "--no-isolate"], "--timeout needs isolation"),
     (["fuzz", "--op", "forward_mqa", "--impl", "sparse_prefill=torch-fp32", "--impl", "sparse_prefill=triton"],
      "both replace stage sparse_prefill"),
     (["fuzz", "--op", "property:determinism", "--impl", "triton", "--impl", "torch-fp32"], "both choose stage"),

@@ -136,7 +136,8 @@ def with_failure(rows: list[Row]) -> tuple[list[Row], Row]:
 
 
 def _meta(seed: int) -> dict:
-    return finish_meta(collect_meta("ci", [seed], "cpu", command="mla-verify gate --device cpu"))
+    return finish_meta(collect_meta("ci", [seed], "cpu", command="mla-verify gate --device cpu",
+                                    extra={"isolated": True}))  # as the gate records it
 
 
 @pytest.fixture(scope="module")
@@ -404,4 +405,6 @@ def test_tables_handle_nan_inf_and_empty_runs(meta):
                      caption)
     empty = build_report(rows_frame([]), meta)
     assert empty.exit_code == 0 and "PASS: 0 rows" in render_html(empty)
+    unrecorded = build_report(rows_frame([]), {k: v for k, v in meta.items() if k != "extra"})
+    assert unrecorded.counts.line().startswith("PASS (isolation not recorded: maybe judged in the kernel's own process): 0 rows")
     assert figures(empty.rows) == []

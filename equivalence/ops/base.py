@@ -191,12 +191,13 @@ class OpSpec:
         return input_rows(base, inputs, self.writes, **times) + self._verdicts(
             base, params, kwargs, ref, got.tensors, got.deviations, times, problem)
 
-    def _output_problem(self, check: Check, out: Any, want: torch.Tensor, returned_on: str | None = None) -> str | None:
+    def _output_problem(self, check: Check, out: Any, want: torch.Tensor, returned_on: str | None = None,
+                        returned_strides: Sequence[int] | None = None) -> str | None:
         return output_problem(check.tensor, out, dtype=check.dtype or want.dtype, shape=want.shape,
                               # where the exact answer lives (host-side ops answer on the host);
                               # rank answers come back through the host
                               device=None if self.own_processes else str(want.device),
-                              contiguous=check.contiguous, returned_on=returned_on)
+                              contiguous=check.contiguous, returned_on=returned_on, returned_strides=returned_strides)
 
     def _verdicts(self, base: dict, params: Params, kwargs: dict, ref: Mapping[str, torch.Tensor],
                   tensors: Mapping[str, Any], deviations: Sequence[str], times: dict, problem: Callable) -> list:
@@ -242,7 +243,7 @@ class OpSpec:
             return Produced([raised_row(base, raised).to_record()], failed=True)
         base = {**base, "path": got.path or base["path"], "stages": got.stages}
         rows = [r.to_record() for r in input_rows(base, inputs, self.writes, time_impl_s=t_impl)]
-        tensors, devices, problems = {}, {}, {}
+        tensors, devices, strides, problems = {}, {}, {}, {}
         for name, out in got.tensors.items():
             why = output_problem(name, out, dtype=None, shape=None, device=None)
             why = why or (None if self.views else inputs.aliased_by(name, out))
@@ -250,8 +251,10 @@ class OpSpec:
                 problems[name] = why
                 continue
             devices[name] = str(out.device)
+            if not out.is_contiguous():  # the host copy is contiguous: the judge needs the strides returned
+                strides[name] = tuple(out.stride())
             tensors[name] = out.detach().to("cpu", copy=True) if out.device.type != "meta" else out.detach()
-        return Produced(rows, tensors=tensors, devices=devices, problems=problems, stages=got.stages,
+        return Produced(rows, tensors=tensors, devices=devices, strides=strides, problems=problems, stages=got.stages,
                         deviations=tuple(got.deviations), path=got.path, notes=tuple(got.notes), t_impl=t_impl)
 
     def judge_produced(self, case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",
@@ -271,7 +274,8 @@ class OpSpec:
             r.time_ref_s = t_ref
 
         def problem(name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
-            return produced.problems.get(name) or self._output_problem(check, out, want, produced.devices.get(name))
+            return produced.problems.get(name) or self._output_problem(check, out, want, produced.devices.get(name),
+                                                                       produced.strides.get(name))
 
         tensors = {**produced.tensors, **{name: None for name in produced.problems}}
         return rows + self._verdicts(base, params, kwargs, ref, tensors, produced.deviations, times, problem)

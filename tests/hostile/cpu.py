@@ -70,7 +70,7 @@ def writes_cache_padding(kv, kv_cache, slot_mapping, scale_rule="pow2"):
     """Writes its slots right, and one byte of the padding between cache blocks (the storage past
     the view): only slot_mapping's slots may change."""
     eager.write_fp8_ds_mla_cache(kv, kv_cache, slot_mapping, scale_rule)
-    storage = torch.empty(0, dtype=torch.uint8).set_(kv_cache.untyped_storage())
+    storage = torch.empty(0, dtype=torch.uint8, device=kv_cache.device).set_(kv_cache.untyped_storage())
     storage[-1] = 0
 
 
@@ -117,6 +117,16 @@ def strided_workspace(kv_cache, block_table, workspace_starts, num_rows):
     """Right values in a column-major buffer: the prefill kernel reading it row by row gets garbage."""
     workspace = eager.gather_upconvert_fp8(kv_cache, block_table, workspace_starts, num_rows)
     return workspace.t().contiguous().t()
+
+
+def padded_workspace(kv_cache, block_table, workspace_starts, num_rows):
+    """Right values, each row in a wider one (a view with gaps: its host copy is contiguous, so an
+    isolated judge must be told the strides it was returned with)."""
+    workspace = eager.gather_upconvert_fp8(kv_cache, block_table, workspace_starts, num_rows)
+    rows, width = workspace.shape
+    wide = torch.zeros(rows, width + 64, dtype=workspace.dtype, device=workspace.device)
+    wide[:, :width] = workspace
+    return wide[:, :width]
 
 
 # ----------------------------------------------------------------------------- run to run
