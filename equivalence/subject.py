@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from mla_verify import adapters
+from mla_verify.optimized import adapters
 from mla_verify.optimized import registry
 
 from .contracts import CONTRACTS, arguments as contract_arguments

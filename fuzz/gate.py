@@ -11,10 +11,15 @@ implementation for every stage that has one), over the targets it covers.
 The multi-process DCP op runs with world size 2 on CPU (two gloo ranks) and on a GPU machine with
 the most ranks its GPUs hold one each (2, 4 or 8; a single GPU: 2 gloo ranks sharing it). Its
 ranks are processes of their own, so it never runs inside the isolation worker.
+
+`run_units` is the one campaign driver, of the gate and of `mla-verify fuzz` alike: a `Unit` is one
+op and implementation with its corpus and campaigns (a fuzz run: one unit, no corpus), and a shard
+of the gate is its share of the units (`fuzz.shard`, `run_gate`).
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import defaultdict
@@ -33,6 +38,7 @@ from mla_verify.equivalence.subject import Subject
 from .campaign import FuzzResult, fuzz
 from .progress import Progress
 from .regressions import corpus
+from .shard import Shard
 
 
 @dataclass
@@ -74,19 +80,94 @@ def odd_ones_out(rows: list[Row]) -> list[str]:
     return lines
 
 
-def _subjects(ops: list[str] | None, kind: str):
-    """(op, --impl strings, subject) of every implementation the gate runs of `ops` on device `kind`."""
-    for op in catalog.select(ops or ["op", "property"]):
-        for label, specs in catalog.get_spec(op).subjects(kind).items():
-            subject = catalog.resolve_subject(op, specs, kind)
-            yield op, specs, Subject(label, subject.fn, subject.overrides, subject.deviations, specs)
+@dataclass(frozen=True)
+class Unit:
+    """What a run judges in one go, and what the gate deals to its shards: one op (or property)
+    and implementation, its pinned corpus, and its fuzz campaigns (paths; None: the op's own
+    draw). A fuzz run is one unit of the implementation it was given, without the corpus."""
+
+    op: str
+    label: str
+    specs: tuple[str, ...]
+    subject: Subject | None = field(default=None, compare=False, repr=False)  # None: resolved from specs
+    paths: tuple[str | None, ...] | None = None  # None: every campaign the spec runs for the subject
+    corpus: bool = True
+    deviations: tuple[str, ...] = ()
+    conventions: tuple[str, ...] = ()
+
+    @property
+    def multi_rank(self) -> bool:
+        return bool(catalog.get_spec(self.op).ranks)
+
+    def resolved(self, device: str) -> Subject:
+        """The implementation under test, labelled as the rows name it."""
+        if self.subject is not None:
+            return self.subject
+        subject = catalog.resolve_subject(self.op, self.specs, device.split(":")[0])
+        return Subject(self.label, subject.fn, subject.overrides, subject.deviations, self.specs)
+
+    def campaigns(self, subject: Subject) -> tuple[str | None, ...]:
+        return tuple(catalog.get_spec(self.op).campaigns(subject)) if self.paths is None else self.paths
+
+
+def units(ops: list[str] | None, device: str) -> list[Unit]:
+    """The gate's units for `ops` (None: every op and property) on `device`, in catalog order."""
+    device_type = device.split(":")[0]
+    return [Unit(op, label, tuple(specs)) for op in catalog.select(ops or ["op", "property"])
+            for label, specs in catalog.get_spec(op).subjects(device_type).items()]
+
+
+def shard_units(ops: list[str] | None, device: str, shard: Shard) -> list[Unit]:
+    """The units of shard `shard` (`fuzz.shard`: the multi-rank ones dealt first)."""
+    every = units(ops, device)
+    return shard.deal(every, [u.multi_rank for u in every])
 
 
 def _examples(op: str, examples: int | None, profile: Profile) -> int:
     return examples if examples is not None else catalog.get_spec(op).examples(profile)
 
 
-def run_gate(
+def _case_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker: Worker | None, notes: set[str],
+                 lost: list[str] | None) -> Callable[[Case, str], list[Row]]:
+    """(case, source) -> rows: in the isolation worker, or in this process. With `lost` (a fuzz
+    run), a CUDA context that saw a CUDA error of the implementation cannot run another case: the
+    campaign stops there, the case being the implementation's crash."""
+    from mla_verify.equivalence import device as dev
+    from mla_verify.equivalence.running import failure_row
+
+    cuda = device.startswith("cuda")
+
+    def run(case: Case, source: str) -> list[Row]:
+        if worker is not None:
+            rows = worker.run(case, unit.specs, unit.label, run_id, source, notes=notes, deviations=unit.deviations,
+                              conventions=unit.conventions)
+            for r in rows:
+                r.impl = unit.label
+            return rows
+        if lost is None:
+            return catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=notes)
+        called: list[bool] = []
+        try:
+            rows = catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=notes,
+                                    on_call=lambda: called.append(True))
+        except Exception as exc:
+            if not (cuda and called and (dev.is_device_error(exc) or not dev.usable(device))):
+                raise
+            base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages="", device=device,
+                        seed=case.seed, source=source, **catalog.get_spec(case.op).identity(case))
+            rows = [failure_row(base, "*", "crashed", f"CUDA error after the implementation ran: {dev.first_line(exc)}")]
+        if cuda and not lost and (
+                any(r.gate_metric in ("raised", "crashed") and dev.is_device_error(r.reason) for r in rows)
+                or not dev.usable(device)):
+            lost.append("the CUDA context is unusable after a CUDA error of the implementation; "
+                        "run isolated (--isolate) to go on past crashes")
+        return rows
+
+    return run
+
+
+def run_units(
+    chosen: list[Unit],
     *,
     device: str,
     profile: Profile,
@@ -96,43 +177,45 @@ def run_gate(
     out_dir: Path,
     isolate: bool,
     timeout_s: float,
-    ops: list[str] | None = None,
+    shrink: bool = True,
+    world_size: int | None = None,
     log=None,
+    progress: bool = True,
     journal: Callable[[list[Row]], None] | None = None,
     stop_reason: Callable[[], str] = lambda: "",
     started: Callable[..., Callable[[], None]] | None = None,
+    lost: list[str] | None = None,
 ) -> GateResult:
-    """`examples` per op (or property) and implementation; None: the profile's budgets. In `ops`,
-    "property" stands for every property. `started(case, source, impl=, specs=)` is told of each
-    case before it runs and returns the call that says it finished (`mla_verify.rundir`
-    journals both); `journal` receives each case's rows as it finishes;
-    a `stop_reason` (Ctrl-C) ends the gate after the current case. `log`: default the stderr of
-    the moment (pytest's capture replaces it between tests)."""
+    """The one campaign driver: each unit's corpus, then its campaigns of `examples` cases (None:
+    the profile's budget for the op) with `seed`. `world_size`: a multi-rank op's ranks (default:
+    `gate_world_size`). `started(case, source, impl=, specs=)` is told of each case before it runs
+    and returns the call that says it finished (`mla_verify.rundir` journals both); `journal`
+    receives each case's rows as it finishes; a `stop_reason` (Ctrl-C, a lost CUDA context: `lost`,
+    see `_case_runner`) ends the run after the current case. `progress`: the gate's progress line
+    over every unit and a line per campaign on `log` (default the stderr of the moment: pytest's
+    capture replaces it between tests); without it each campaign shows its own."""
     log = log or sys.stderr
     result = GateResult()
     kind = device.split(":")[0]
-    cases = sum(len(corpus(op)) + _examples(op, examples, profile) * len(catalog.get_spec(op).campaigns(subject))
-                for op, _, subject in _subjects(ops, kind))
-    progress = Progress("gate", cases, every_s=10.0, stream=log)  # one line for the whole gate
+    subjects = [(unit, unit.resolved(device)) for unit in chosen]
+    cases = sum((len(corpus(u.op)) if u.corpus else 0) + _examples(u.op, examples, profile) * len(u.campaigns(s))
+                for u, s in subjects)
+    gate_progress = Progress("gate", cases, every_s=10.0 if progress else math.inf, stream=log)  # one line for all
     worker = Worker(device, timeout_s) if isolate else None
     distributed.set_timeout(timeout_s)
     try:
-        for op, specs, subject in _subjects(ops, kind):
-            spec, label = catalog.get_spec(op), subject.label
+        for unit, subject in subjects:
+            op, label, specs = unit.op, unit.label, unit.specs
+            spec = catalog.get_spec(op)
             budget = _examples(op, examples, profile)
-            pinned = corpus(op)
-            in_worker = None if spec.own_processes else worker
-            world_size = gate_world_size(spec, kind)
+            pinned = corpus(op) if unit.corpus else []
+            judge = _case_runner(unit, subject, device, run_id, None if spec.own_processes else worker, result.notes,
+                                 lost)
 
-            def run(case: Case, source: str, subject=subject, specs=specs, label=label, worker=in_worker) -> list[Row]:
-                if worker is not None:
-                    rows = worker.run(case, specs, label, run_id, source, notes=result.notes)
-                    for r in rows:
-                        r.impl = label
-                else:
-                    rows = catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=result.notes)
-                if source in ("corpus", "fuzz"):
-                    progress.step(any(not r.passed for r in rows), now_at=f"{op} / {label}")
+            def run(case: Case, source: str, judge=judge, where=f"{op} / {label}") -> list[Row]:
+                rows = judge(case, source)
+                if progress and source in ("corpus", "fuzz"):
+                    gate_progress.step(any(not r.passed for r in rows), now_at=where)
                 return rows
 
             watch = None if started is None else (
@@ -150,22 +233,30 @@ def run_gate(
                 if journal is not None:
                     journal(case_rows)
             result.rows.extend(pinned_rows)
-            for path in spec.campaigns(subject):
+            for path in unit.campaigns(subject):
                 if stop_reason():
                     return result
                 fz = fuzz(op, run, profile=profile, examples=budget, seed=seed, impl_specs=specs, impl_label=label,
-                          device=device, out_dir=out_dir, show_progress=False, path=path,
-                          world_size=world_size, journal=journal, stop_reason=stop_reason, started=watch)
+                          deviations=unit.deviations, conventions=unit.conventions, device=device, out_dir=out_dir,
+                          shrink=shrink, show_progress=not progress, path=path,
+                          world_size=world_size or gate_world_size(spec, kind), journal=journal,
+                          stop_reason=stop_reason, started=watch)
                 result.fuzz.append(fz)
                 result.rows.extend(fz.rows)
-                where = f"{op} ({path})" if path else op
-                bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
-                log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases "
-                          f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
-                log.flush()
+                if progress:
+                    where = f"{op} ({path})" if path else op
+                    bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
+                    log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases "
+                              f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
+                    log.flush()
                 t0 = time.monotonic()
     finally:
         if worker is not None:
             worker.close()
-        distributed.close_all()
     return result
+
+
+def run_gate(*, ops: list[str] | None, shard: Shard, device: str, **settings) -> GateResult:
+    """The gate's units of `shard` (`Shard()`: all of them) through `run_units`, with its
+    `settings` (profile, examples, seed, run_id, out_dir, isolate, timeout_s, journal, ...)."""
+    return run_units(shard_units(ops, device, shard), device=device, **settings)

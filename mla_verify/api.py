@@ -1,11 +1,15 @@
-"""The Python API: what `mla-verify fuzz` and `mla-verify replay` do, as calls a kernel
-repository's own pytest suite can make (the CLI is a thin layer over these).
+"""The Python API: what `mla-verify fuzz`, `gate` and `replay` do, as calls a kernel
+repository's own pytest suite can make (the CLI parses arguments into these and prints).
 
     check(op, impl, ...) -> CheckResult          fuzz an op, pipeline or property against the reference
     assert_equivalent(op, impl, ...)             check(); AssertionError with the CLI's report on failure
     replay(case_file, impl, ...) -> CheckResult  re-run a saved case, and say whether it reproduced
     property_check(name, impl, ...)              check() of a property (needs no reference)
     drift(run, baseline, ...) -> Drift           did the run move away from the exact answer since the baseline?
+    gate(...) -> GateOutcome                     every op and implementation here: the CI gate
+
+check() and gate() validate their arguments into one `Run` (mla_verify.run), which `drive` runs:
+in this process, or in parts on this host's GPUs; a shard (shard="I/N") runs its share of it.
 
 `check(..., baseline=RUN)` re-draws the baseline run's cases (its seed, profile and budget), so that
 `drift` pairs them case for case: the way to ask "is my kernel v2 worse than v1?".
@@ -23,30 +27,24 @@ import importlib
 import json
 import os
 import re
-import shlex
-import sys
-import tempfile
-import traceback
 import types
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from mla_verify.equivalence.isolation import HarnessError, default_isolation
 from mla_verify.equivalence.running import Unsupported, unsupported
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.subject import UsageError, did_you_mean
 
-from .interrupt import Interrupt
-from .results import CheckResult, Failure
+from .results import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
+from .run import FUZZ, GATE, Run, drive, invocation
 
 Impl = Union[None, str, Callable, Mapping[str, Union[str, Callable]], Sequence[str]]
-DEFAULT_TIMEOUT_S = 300.0
 # Callables that cannot be imported by name (lambdas, closures, partials) are reached through
 # here in this process: "mla_verify.api:local.NAME" resolves like any MODULE:CALLABLE.
 local = types.SimpleNamespace()
 
-__all__ = ["CheckResult", "Failure", "HarnessError", "Unsupported", "UsageError", "assert_equivalent", "check",
-           "drift", "property_check", "replay", "unsupported"]
+__all__ = ["CheckResult", "Failure", "GateOutcome", "HarnessError", "Unsupported", "UsageError", "assert_equivalent",
+           "check", "drift", "gate", "property_check", "replay", "unsupported"]
 
 # ----------------------------------------------------------------------------- inputs
 
@@ -122,25 +120,6 @@ def _label(subject) -> str:
     return re.sub(rf"{re.escape(__name__)}:local\.fn\d+_", "", subject.label)
 
 
-def replay_command(case_file: Path | None, specs: Sequence[str], device: str, deviations: Sequence[str] = (),
-                   timeout: float | None = None, isolate: bool = False, conventions: Sequence[str] = ()) -> str:
-    """The command that reproduces a saved failure (isolated where the failure was: a hang or a
-    crash replayed in-process would hang or kill the replay)."""
-    argv = ["mla-verify", "replay", str(case_file) if case_file else "CASE_FILE"]
-    for s in specs:
-        argv += ["--impl", "MODULE:CALLABLE" if ".api:local." in s else s]
-    for d in deviations:
-        argv += ["--deviation", d]
-    for c in conventions:
-        argv += ["--convention", c]
-    argv += ["--device", device.split(":")[0]]
-    if isolate and not device.startswith("cuda"):  # isolated by default on cuda
-        argv.append("--isolate")
-    if timeout is not None and timeout != DEFAULT_TIMEOUT_S:
-        argv += ["--timeout", f"{timeout:g}"]
-    return shlex.join(argv)
-
-
 def save_worst_case(worst, directory: Path) -> str | None:
     """Write the case that drifted most (a `reports.drift.Worst`) as a case file under `directory`;
     the command that replays it (None for runs whose rows predate the stored case)."""
@@ -178,6 +157,7 @@ def check(
     parallel: int | None = None,
     junit: str | Path | None = None,
     baseline: str | Path | None = None,
+    shard: str | Any | None = None,
     log: Callable[[str], None] | None = None,
 ) -> CheckResult:
     """Fuzz `impl` on `op` against the reference (or a property, "property:NAME"), shrink the first
@@ -211,6 +191,9 @@ def check(
             run's header line (the CLI prints it).
         baseline: a run directory of the same op: seed, profile, examples and path default to the
             ones it recorded, so the campaign draws its cases again (`drift` then pairs them).
+        shard: "I/N" (or a `fuzz.shard.Shard`): run only shard I of N, the campaigns of seeds
+            S + I * P ... of the run's N * P (P: `parallel`); `merge` joins the N shards' run
+            directories into the one run a machine with `parallel=N * P` would have written.
 
     Raises:
         UsageError: bad input (unknown op, unimportable callable, wrong signature, unwritable out,
@@ -220,6 +203,7 @@ def check(
     from mla_verify.equivalence.catalog import get_spec, resolve_subject
     from mla_verify.equivalence.profiles import get_profile
     from mla_verify.fuzz.campaign import new_seed
+    from mla_verify.fuzz.shard import Shard
 
     from .pytest_plugin import DEFAULTS, default_device
     from .rundir import RunDir
@@ -239,6 +223,10 @@ def check(
     _positive("examples", examples, int)
     _positive("timeout", timeout, float)
     _positive("parallel", parallel, int)
+    try:
+        shard = Shard.parse(shard)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     try:
         spec = get_spec(op)
     except KeyError as exc:
@@ -263,30 +251,20 @@ def check(
     _timeout_needs_isolation(timeout, isolate or own_processes)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     parts = 1 if world_size or not named else (parallel or (_gpu_count() if device_type == "cuda" else 1))
+    if shard.index * parts >= examples:  # its first campaign, slot I * P, has no share of the examples
+        raise UsageError(f"shard {shard}: {examples} examples over {shard.count * parts} campaigns leave it none "
+                         f"(give at least {shard.count * parts} examples)")
     junit_path = _writable_file(junit, "--junit") if junit is not None else None
     run_dir = RunDir.open(out) if out is not None else None
-    plan = _Plan(op=op, specs=specs, label=label, subject=subject, device=device, profile=prof, examples=examples,
-                 seed=seed, isolate=isolate, timeout=timeout, deviations=deviations,
-                 conventions=subject.conventions, path=path,
-                 world_size=world_size, shrink=shrink, run_dir=run_dir, named=named,
-                 in_process=not (isolate or own_processes))
+    run = Run(FUZZ, (op,), device, prof, examples, seed, isolate, timeout, out=run_dir, baseline=baseline,
+              shard=shard, parts=parts, specs=specs, subject=subject, label=label, deviations=deviations,
+              conventions=tuple(subject.conventions), path=path,
+              world_size=world_size, shrink=shrink, named=named, in_process=not (isolate or own_processes),
+              invocation=invocation())
     if log is not None:
-        where = f", run {run_dir.path}" if run_dir else ""
-        ranks = ""
-        if world_size:
-            from mla_verify.equivalence import distributed
-
-            ranks = f", {world_size} ranks ({distributed.placement(world_size, device_type).describe()})"
-        log(f"mla-verify fuzz: op {op}, implementation {label}, {examples} examples, profile {prof.name}, "
-            f"device {device}, seed {seed}{ranks}{', isolated' if isolate else ''}{where}"
-            + (f"; the cases of baseline {baseline}" if baseline is not None else ""))
+        log(run.header())
     try:
-        if parts > 1:
-            from .parallel import check_in_parts
-
-            result = check_in_parts(plan, parts, log)
-        else:
-            result = _campaign(plan)
+        result = drive(run, log)
     finally:
         if run_dir is not None:
             run_dir.release()
@@ -300,36 +278,90 @@ def check(
     return result
 
 
-@dataclass
-class _Plan:
-    op: str
-    specs: tuple[str, ...]
-    label: str
-    subject: Any
-    device: str
-    profile: Any
-    examples: int
-    seed: int
-    isolate: bool
-    timeout: float
-    deviations: tuple[str, ...]
-    conventions: tuple[str, ...]
-    path: str | None
-    world_size: int | None
-    shrink: bool
-    run_dir: Any
-    named: bool
-    in_process: bool = False  # judged in the implementation's own process (dcp's ranks are processes of their own)
-    run_id: str = ""
+def gate(
+    *,
+    device: str | None = None,
+    profile: str | None = None,
+    examples: int | None = None,
+    seed: int | None = None,
+    ops: Sequence[str] | None = None,
+    out: str | Path | None = None,
+    isolate: bool | None = None,
+    timeout: float | None = None,
+    parallel: int | None = None,
+    shard: str | Any | None = None,
+    baseline: str | Path | None = None,
+    junit: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
+) -> GateOutcome:
+    """The gate (`mla-verify gate`): every op and forward_mqa path with every implementation
+    available on `device`, the pinned corpus, a fuzz budget and every property, into one run
+    directory; `GateOutcome` has the rows, `failed`, `out` and what the CLI prints.
 
-    def meta(self) -> dict[str, Any]:
-        from mla_verify import reports
+    Args:
+        ops: only these ops, "property:NAME", or "property" (every property) (default: all).
+        examples: fuzz cases per op (or property) and implementation (default: the profile's).
+        profile: default ci on cpu, gpu on cuda. seed: default random, or the baseline's.
+        out: the run directory (default: a new runs/gate-TIME). isolate, timeout: as in `check`.
+        parallel: processes, one GPU each (default: every GPU on cuda, 1 on cpu). shard: "I/N",
+            every N-th op and implementation from the I-th (`fuzz.shard`; `merge` joins the shards).
+        baseline: an earlier gate run: its seed, profile, examples and ops, unless given.
+        junit: also write JUnit XML there. log: receives the run's header lines.
 
-        # what `check(baseline=...)` reads back to draw the same cases (reports.meta.rerun_settings)
-        extra = {"op": self.op, "examples": self.examples, "path": self.path, "isolated": not self.in_process}
-        return reports.collect_meta(self.profile.name, [self.seed], self.device,
-                                    command=shlex.join(["mla-verify"] + sys.argv[1:]) if sys.argv[1:] else None,
-                                    extra=extra)
+    Raises UsageError for bad input, before any case runs."""
+    from mla_verify.equivalence import catalog
+    from mla_verify.equivalence.profiles import get_profile
+    from mla_verify.fuzz.campaign import new_seed
+    from mla_verify.fuzz.gate import shard_units
+    from mla_verify.fuzz.shard import Shard
+
+    from .rundir import FreshDir, RunDir
+
+    log = log or (lambda line: None)
+    device = resolve_device(device)
+    device_type = device.split(":")[0]
+    known = [*catalog.names(), "property"]
+    unknown = [op for op in ops or [] if op not in known]
+    if unknown:
+        raise UsageError(f"--op {unknown[0]!r}: unknown; {did_you_mean(unknown[0], known)}known: {', '.join(known)}")
+    junit_path = _writable_file(junit, "--junit") if junit is not None else None
+    ops = list(ops) if ops else None
+    if baseline is not None:  # run the baseline's cases again, so that drift pairs them
+        from mla_verify.reports.meta import rerun_settings
+
+        again = rerun_settings(load_run(baseline, "baseline")[1])
+        seed = again["seed"] if seed is None else seed
+        profile, examples, ops = profile or again["profile"], examples or again["examples"], ops or again["ops"]
+        log(f"baseline {baseline}: its cases again (seed {seed}, profile {profile}"
+            f"{', ops ' + ' '.join(ops) if ops else ''})")
+    _positive("examples", examples, int)
+    _positive("timeout", timeout, float)
+    _positive("parallel", parallel, int)
+    try:
+        prof = get_profile(profile or ("ci" if device_type == "cpu" else "gpu"))
+        shard = Shard.parse(shard)
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not shard_units(ops, device, shard):
+        raise UsageError(f"--shard {shard}: the gate has fewer units (ops and implementations) than shards here")
+    seed = new_seed() if seed is None else seed
+    parts = parallel or (_gpu_count() if device_type == "cuda" else 1)
+    isolate = default_isolation(isolate, named=True)  # the gate runs registered implementations
+    if timeout is not None and not isolate:
+        raise UsageError("--timeout needs isolation (the default; not --no-isolate): an in-process call cannot be stopped")
+    run_dir = RunDir.open(out if out is not None else FreshDir.named("runs", "gate"))
+    run = Run(GATE, tuple(ops or ()), device, prof, examples, seed, isolate,
+              DEFAULT_TIMEOUT_S if timeout is None else float(timeout), out=run_dir, baseline=baseline, shard=shard,
+              parts=parts, invocation=invocation())
+    log(run.header())
+    outcome = drive(run, log)
+    if junit_path is not None and not outcome.interrupted:
+        from .junit import saved_replays, write_junit
+
+        write_junit(junit_path, outcome.rows, replays=saved_replays(outcome.out / "failures"))
+    return outcome
 
 
 def _gpu_count() -> int:
@@ -413,119 +445,6 @@ def _writable_file(path: str | Path, what: str) -> Path:
     if not os.access(path.parent, os.W_OK):
         raise UsageError(f"{what} {path}: its directory is not writable")
     return path
-
-
-def _in_process_runner(plan: _Plan, notes: set[str], lost: list[str]):
-    """Evaluate in this process. On CUDA, a context that saw a CUDA error cannot run another case:
-    the campaign stops there (`lost`), the case being the implementation's crash."""
-    from mla_verify.equivalence import device as dev
-    from mla_verify.equivalence.catalog import evaluate, get_spec
-    from mla_verify.equivalence.running import failure_row
-
-    def run(case, source: str):
-        called: list[bool] = []
-        try:
-            rows = evaluate(case, plan.subject, plan.device, run_id=plan.run_id, source=source, notes=notes,
-                            on_call=lambda: called.append(True))
-        except Exception as exc:
-            if not (plan.device.startswith("cuda") and called and (dev.is_device_error(exc) or not dev.usable(plan.device))):
-                raise
-            base = dict(run_id=plan.run_id, case_id=case.case_id, impl=plan.label, stages="", device=plan.device,
-                        seed=case.seed, source=source, **get_spec(case.op).identity(case))
-            rows = [failure_row(base, "*", "crashed", f"CUDA error after the implementation ran: {dev.first_line(exc)}")]
-        if plan.device.startswith("cuda") and not lost and (
-                any(r.gate_metric in ("raised", "crashed") and dev.is_device_error(r.reason) for r in rows)
-                or not dev.usable(plan.device)):
-            lost.append("the CUDA context is unusable after a CUDA error of the implementation; "
-                        "run isolated (--isolate) to go on past crashes")
-        return rows
-
-    return run
-
-
-def _campaign(plan: _Plan) -> CheckResult:
-    """One campaign in this process (its cases isolated or not), written to the run directory."""
-    import time
-
-    from mla_verify.equivalence import contract, distributed
-    from mla_verify.equivalence.isolation import HarnessError, Worker
-    from mla_verify.equivalence.subject import unexercised
-    from mla_verify.fuzz.campaign import fuzz
-    from mla_verify.reports import rows_frame
-
-    from .pytest_plugin import DEFAULTS
-
-    plan.run_id = f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}"
-    meta = plan.meta()
-    run_dir = plan.run_dir
-    out_dir = run_dir.path if run_dir else Path(DEFAULTS.get("failures") or Path(tempfile.gettempdir()) / "mla-verify")
-    if run_dir:
-        run_dir.start(meta)
-    rows: list = []
-    notes: set[str] = set()
-    lost: list[str] = []
-    interrupt = Interrupt()
-    worker = Worker(plan.device, plan.timeout) if plan.isolate else None
-    distributed.set_timeout(plan.timeout)
-
-    def run(case, source):
-        if worker is None:
-            return runner(case, source)
-        rows = worker.run(case, plan.specs, plan.label, plan.run_id, source, notes=notes, deviations=plan.deviations,
-                          conventions=plan.conventions)
-        for r in rows:
-            r.impl = plan.label
-        return rows
-
-    runner = _in_process_runner(plan, notes, lost)
-
-    def journal(case_rows):
-        rows.extend(case_rows)
-        if run_dir:
-            run_dir.append(case_rows)
-
-    def stop_reason() -> str:
-        return "interrupted" if interrupt.requested else lost[0] if lost else ""
-
-    started = None if run_dir is None else (
-        lambda case, source: run_dir.case_started(case, source, run_id=plan.run_id, impl=plan.label, specs=plan.specs,
-                                                  device=plan.device, deviations=plan.deviations))
-
-    contract.CALLED_WITH.clear()
-    try:
-        with interrupt.installed():
-            fz = fuzz(plan.op, run, profile=plan.profile, examples=plan.examples, seed=plan.seed,
-                      impl_specs=plan.specs, impl_label=plan.label, deviations=plan.deviations,
-                      conventions=plan.conventions, device=plan.device,
-                      out_dir=out_dir, shrink=plan.shrink, path=plan.path, world_size=plan.world_size,
-                      journal=journal, stop_reason=stop_reason, started=started)
-    except Exception as exc:
-        if run_dir:
-            detail = exc.detail if isinstance(exc, HarnessError) else traceback.format_exc()
-            run_dir.write_file("harness-error.txt", detail or traceback.format_exc())
-            run_dir.finish(rows, meta)
-        if isinstance(exc, HarnessError):
-            raise
-        raise HarnessError(f"harness error: {type(exc).__name__}: {exc}", traceback.format_exc()) from exc
-    finally:
-        if worker is not None:
-            worker.close()
-    if run_dir:
-        run_dir.finish(rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
-    frame = rows_frame(rows)
-    failures = []
-    if fz.failure is not None:
-        failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
-                                   replay_command(fz.case_file, plan.specs, plan.device, plan.deviations, plan.timeout,
-                                                  plan.isolate, plan.conventions),
-                                   found_at=fz.first_failure_at, seed=plan.seed, flaky=fz.flaky, minimized=fz.shrunk))
-    extra = sorted(notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
-    extra += unexercised(plan.specs, contract.CALLED_WITH)  # what the replaced stages were never handed
-    if plan.world_size:
-        extra += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]
-    return CheckResult(plan.op, plan.label, not failures and fz.stopped != "interrupted" and bool(frame.passed.all()),
-                       frame, plan.seed, fz.examples, run_dir.path if run_dir else None, failures,
-                       interrupted=fz.stopped == "interrupted", notes=extra, in_process=plan.in_process)
 
 
 def assert_equivalent(op: str, impl: Impl = None, **kwargs: Any) -> CheckResult:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import sys
 import textwrap
 import time
@@ -29,10 +28,6 @@ def _prepare(device: str) -> None:
     """Triton decides interpreter vs compiler when kernels are defined: set it before importing them."""
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def _run_id(kind: str) -> str:
-    return f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,6 +91,21 @@ def _positive_float(text: str) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
+
+
+def _shard(text: str):
+    from mla_verify.fuzz.shard import Shard
+
+    try:
+        return Shard.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_shard(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+                   help=f"run only shard I of N (0 <= I < N): {what}; `mla-verify merge` joins the N run "
+                        "directories into one run (e.g. --shard $SLURM_ARRAY_TASK_ID/8; default: the whole run)")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -266,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=_positive_int, default=None, metavar="N",
                    help="independent campaigns (seeds S, S+1, ...) sharing the examples, one GPU each "
                         "(default: every GPU on cuda, 1 on cpu; dcp: 1, its ranks take the GPUs)")
-    p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel
+    _add_shard(p, "the campaigns of seeds S + I*P ... of N*P (P: --parallel), the same as one machine's "
+                  "--parallel N*P")
     p.add_argument("--baseline", type=Path, default=None,
                    help="an earlier run of this op: draw its cases again (its seed, profile, examples and path, unless "
                         "given) and report drift against it")
@@ -328,7 +339,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "failed with its first failing row (default: none)")
     p.add_argument("--parallel", type=_positive_int, default=None, metavar="N",
                    help="split the ops over this many processes, one GPU each (default: every GPU on cuda, 1 on cpu)")
-    p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of --parallel: rows only
+    _add_shard(p, "every N-th op and implementation (with its corpus and campaigns), all with seed S")
+
+    p = _command(sub, "merge", "join the run directories of a run's shards into one run and one report",
+                 "Join the run directories that `fuzz --shard I/N` or `gate --shard I/N` wrote (one per "
+                 "CI job, array task or pod) into one run directory: every shard's rows, seeds and saved "
+                 "failing cases, then the report of `mla-verify report`. Refuses shards of different "
+                 "revisions or options, a shard given twice or unfinished, and names the missing shards.",
+                 _epilog([("0", "every shard present and no discrepancy"),
+                          ("1", "a discrepancy in some shard (its failing cases are copied), or shards missing "
+                                "(with --force)"),
+                          ("2", "an unreadable run, or shards that do not belong together or are missing "
+                                "(each reason named)"),
+                          ("3", "a shard ended with a harness error (copied as harness-error-SHARD.txt)")],
+                         [("mla-verify merge shards/* --out runs/nightly",
+                           "one run of the N shards the CI matrix wrote, with runs/nightly/report.html"),
+                          ("mla-verify merge shard-0 shard-2 --out runs/partial --force",
+                           "merge what finished although shard 1/3 is missing (exit 1: cases did not run)")]))
+    p.add_argument("runs", type=Path, nargs="+", metavar="RUN", help="the shards' run directories")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the merged run directory (must not hold a run)")
+    p.add_argument("--force", action="store_true",
+                   help="merge even shards of other revisions or options, given twice or unfinished, or with shards "
+                        "missing (each reason is printed)")
 
     p = _command(sub, "report", "drift report of a run directory, optionally against a baseline run",
                  "Summarize a run directory's rows (error distributions per op, path and tensor, headroom, "
@@ -374,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return int(exc.code or 0)
-    device = getattr(args, "device", None) or (_default_device() if args.command != "report" else "cpu")
+    device = getattr(args, "device", None) or (_default_device() if args.command not in ("report", "merge") else "cpu")
     _prepare(device)
     if getattr(args, "reference_memory", None):
         from mla_verify.reference.attention import MEMORY_ENV
@@ -385,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     from mla_verify.reports.pairing import PairingError
 
     try:
-        if args.command not in ("list", "report"):  # it runs cases: on a device that is there
+        if args.command not in ("list", "report", "merge"):  # it runs cases: on a device that is there
             from mla_verify.api import resolve_device
 
             device = resolve_device(device)
@@ -488,41 +520,17 @@ def _print_implementations(registry, stage: str, device: str) -> None:
         print("\n".join(textwrap.wrap(f"  - {impl.name:12s} {status}{dev}", 100, subsequent_indent=" " * 17)))
 
 
-def _profile(name: str | None, device: str, default_cpu: str):
-    from mla_verify.equivalence.profiles import get_profile
-
-    try:
-        return get_profile(name or (default_cpu if device == "cpu" else "gpu"))
-    except KeyError as exc:
-        from mla_verify.equivalence.subject import UsageError, did_you_mean
-
-        raise UsageError(str(exc.args[0])) from None
-
-
-def _start_meta(profile: str, seed: int, device: str, extra: dict) -> dict:
-    from mla_verify import reports
-
-    return reports.collect_meta(profile, [seed], device, command=shlex.join(["mla-verify"] + sys.argv[1:]),
-                                extra=extra)
-
-
 def cmd_fuzz(args, device: str) -> int:
     from mla_verify import api
-    from mla_verify.fuzz.casefile import write_atomic
-    from mla_verify.results import result_file
     from mla_verify.rundir import FreshDir
-
-    from .parallel import RESULT_JSON
 
     out = args.out or FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
     result = api.check(args.op, args.impl or None, examples=args.examples, seed=args.seed, device=device,
                        profile=args.profile, out=out, isolate=args.isolate, timeout=args.timeout,
-                       deviations=args.deviation, conventions=args.convention, path=args.path, world_size=args.world_size,
-                       shrink=not args.no_shrink, parallel=1 if args.part else args.parallel, junit=args.junit,
-                       baseline=args.baseline, log=lambda line: print(line, flush=True))
+                       deviations=args.deviation, conventions=args.convention, path=args.path,
+                       world_size=args.world_size, shrink=not args.no_shrink, parallel=args.parallel, junit=args.junit,
+                       baseline=args.baseline, shard=args.shard, log=lambda line: print(line, flush=True))
     print(result.report())
-    if args.part and result.out is not None:  # the parent reads this part's outcome here
-        write_atomic(result.out / RESULT_JSON, result_file(result))
     if args.baseline is None or result.interrupted:
         return result.exit_code
     drift = api.drift(result, args.baseline, **_drift_settings(args))
@@ -549,143 +557,27 @@ def cmd_replay(args, device: str) -> int:
     return result.exit_code
 
 
-def _gate_ops(ops: list[str] | None) -> None:
-    from mla_verify.equivalence import catalog
-    from mla_verify.equivalence.subject import UsageError, did_you_mean
-
-    known = [*catalog.names(), "property"]
-    unknown = [op for op in ops or [] if op not in known]
-    if unknown:
-        raise UsageError(f"--op {unknown[0]!r}: unknown; {did_you_mean(unknown[0], known)}known: {', '.join(known)}")
-
-
 def cmd_gate(args, device: str) -> int:
-    from mla_verify.equivalence.mismatch import line
-    from mla_verify.fuzz.campaign import new_seed
-    from mla_verify.fuzz.gate import odd_ones_out, run_gate
-    from mla_verify.interrupt import Interrupt
-    from mla_verify.api import DEFAULT_TIMEOUT_S
-    from mla_verify.equivalence.isolation import default_isolation
-    from mla_verify.equivalence.subject import UsageError
-    from mla_verify.rundir import FreshDir, RunDir
-
-    _gate_ops(args.op)
-    if args.junit is not None:
-        from mla_verify.api import _writable_file
-
-        _writable_file(args.junit, "--junit")
-    if args.baseline is not None:  # run the baseline's cases again, so that drift pairs them
-        from mla_verify.api import load_run
-        from mla_verify.reports.meta import rerun_settings
-
-        again = rerun_settings(load_run(args.baseline, "baseline")[1])
-        args.seed = again["seed"] if args.seed is None else args.seed
-        args.profile, args.examples = args.profile or again["profile"], args.examples or again["examples"]
-        args.op = args.op or again["ops"]
-        print(f"baseline {args.baseline}: its cases again (seed {args.seed}, profile {args.profile}"
-              f"{', ops ' + ' '.join(args.op) if args.op else ''})", flush=True)
-    profile = _profile(args.profile, device, "ci")
-    seed = new_seed() if args.seed is None else args.seed
-    run_id = _run_id("gate")
-    run_dir = RunDir.open(args.out or FreshDir.named("runs", "gate"))
-    out = run_dir.path
-    isolate = default_isolation(args.isolate, named=True)  # the gate runs registered implementations
-    if args.timeout is not None and not isolate:
-        raise UsageError("--timeout needs isolation (the default; not --no-isolate): an in-process call cannot be stopped")
-    timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
-    budget = (f"{args.examples}" if args.examples is not None
-              else f"{profile.examples} (properties: {profile.property_examples})")
-    print(f"mla-verify gate: device {device}, profile {profile.name}, {budget} fuzz examples per op and "
-          f"implementation, seed {seed}, run {out}", flush=True)
-    started = time.time()
-    meta = _start_meta(profile.name, seed, device, {"examples": args.examples, "ops": args.op, "isolated": isolate})
-    run_dir.start(meta)
-    parts = args.parallel or (_gpu_count() if device == "cuda" else 1)
-    interrupt = Interrupt()
-    try:
-        if parts > 1 and not args.part:
-            with interrupt.installed():
-                return _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started, isolate)
-        with interrupt.installed():
-            result = run_gate(device=device, profile=profile, examples=args.examples, seed=seed, run_id=run_id,
-                              out_dir=out, isolate=isolate, timeout_s=timeout, ops=args.op,
-                              journal=run_dir.append, stop_reason=lambda: "interrupted" if interrupt.requested else "",
-                              started=lambda case, source, impl, specs: run_dir.case_started(
-                                  case, source, run_id=run_id, impl=impl, specs=specs, device=device))
-    except Exception as exc:  # mla-verify's own failure: exit 3, its traceback where the message says
-        import traceback
-
-        from mla_verify.equivalence.isolation import HarnessError
-
-        detail = (exc.detail if isinstance(exc, HarnessError) else None) or traceback.format_exc()
-        run_dir.write_file("harness-error.txt", detail)
-        run_dir.release()
-        if isinstance(exc, HarnessError):
-            raise
-        raise HarnessError(f"harness error in {out}: {type(exc).__name__}: {exc}", detail) from exc
-    except BaseException:  # the journal keeps the rows so far; the next run may take the directory's lock
-        run_dir.release()
-        raise
-    for note in sorted(result.notes):
-        print(f"note: {note}")
-    for line in odd_ones_out(result.rows):
-        print(f"odd one out: {line}")
-    run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupt.requested else meta)
-    for fz in result.fuzz:
-        if fz.case_file:
-            print(f"failing case saved: {fz.case_file}  (mla-verify replay {fz.case_file} --device {device})")
-            for r in fz.failure.rows if fz.failure else ():
-                if not r.passed:
-                    print(f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}")
-    if interrupt.requested:
-        print(f"INTERRUPTED: {len(result.rows)} rows written to {out}")
-        return 130
-    if args.part:
-        return 1 if result.failed else 0
-    return _finish_gate(args, out, result.rows, result.failed, started, isolate)
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
-def _finish_gate(args, out: Path, rows, failed: bool, started: float, isolate: bool) -> int:
     from mla_verify import api, reports
 
-    if args.junit:
-        from .junit import saved_replays, write_junit
-
-        write_junit(args.junit, rows, replays=saved_replays(out / "failures"))
-    code = reports.run_report(out, baseline=args.baseline, save_case=api.save_worst_case, **_drift_settings(args))
+    started = time.time()
+    outcome = api.gate(device=device, profile=args.profile, examples=args.examples, seed=args.seed, ops=args.op,
+                       out=args.out, isolate=args.isolate, timeout=args.timeout, parallel=args.parallel,
+                       shard=args.shard, baseline=args.baseline, junit=args.junit,
+                       log=lambda line: print(line, flush=True))
+    lines = outcome.lines(device)
+    if lines:
+        print("\n".join(lines))
+    if outcome.interrupted:
+        return 130
+    code = reports.run_report(outcome.out, baseline=args.baseline, save_case=api.save_worst_case,
+                              **_drift_settings(args))
     from mla_verify.reports.meta import IN_PROCESS
 
-    verdict = "FAILED" if failed else "passed" if isolate else f"passed ({IN_PROCESS})"
-    print(f"gate {verdict}: {len(rows)} rows in {time.time() - started:.0f} s; "
-          f"report {out / 'report.html'}")
-    return 1 if failed else code
-
-
-def _gate_in_parts(args, device, profile, seed, run_dir, meta, parts, started, isolate) -> int:
-    from mla_verify.equivalence import catalog
-    from mla_verify.equivalence.rows import Row
-
-    from .parallel import run_parts
-
-    ops = catalog.select(args.op or ["op", "property"])
-    child = ["--profile", profile.name, "--seed", str(seed)]
-    if args.timeout is not None:
-        child += ["--timeout", str(args.timeout)]
-    if args.examples is not None:
-        child += ["--examples", str(args.examples)]
-    child += ["--isolate" if isolate else "--no-isolate"]
-    print(f"  {parts} parts, one per {'GPU' if device == 'cuda' else 'process'}", flush=True)
-    frame, worst = run_parts(ops, parts, device, run_dir.path, child)
-    run_dir.finish(frame, meta)
-    rows = [Row.from_record(r) for r in frame.to_dict("records")]
-    failed = worst != 0 or any(not r.passed for r in rows)
-    return _finish_gate(args, run_dir.path, rows, failed, started, isolate)
+    verdict = "FAILED" if outcome.failed else "passed" if outcome.isolated else f"passed ({IN_PROCESS})"
+    print(f"gate {verdict}: {len(outcome.rows)} rows in {time.time() - started:.0f} s; "
+          f"report {outcome.out / 'report.html'}")
+    return 1 if outcome.failed else code
 
 
 def cmd_report(args, device: str) -> int:
@@ -707,14 +599,24 @@ def cmd_report(args, device: str) -> int:
                               save_case=save_worst_case, **_drift_settings(args))
 
 
+def cmd_merge(args, device: str) -> int:
+    from mla_verify import reports
+    from mla_verify.merge import merge
+
+    merged = merge(args.runs, args.out, force=args.force)
+    print("\n".join(merged.lines()))
+    code = reports.run_report(merged.out)
+    return 3 if merged.harness_errors else max(code, 1 if merged.missing else 0)
+
+
 def cmd_bench(args, device: str) -> int:
     from . import bench
 
     return bench.main(args, device)
 
 
-COMMANDS = {"list": cmd_list, "fuzz": cmd_fuzz, "replay": cmd_replay, "gate": cmd_gate, "report": cmd_report,
-            "bench": cmd_bench}
+COMMANDS = {"list": cmd_list, "fuzz": cmd_fuzz, "replay": cmd_replay, "gate": cmd_gate, "merge": cmd_merge,
+            "report": cmd_report, "bench": cmd_bench}
 
 if __name__ == "__main__":
     sys.exit(main())

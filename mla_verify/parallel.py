@@ -1,12 +1,14 @@
-"""Gate and fuzz campaigns over several GPUs: one child process per GPU, rows merged into one run.
+"""A run in parts: one child process per part of this host, rows merged into one run.
 
-Gate: the ops (and properties) are dealt round-robin to N children; child i sees only GPU i
+The parts of a run are the shards of one host (`fuzz.shard`): part j of shard I of N, with P
+parts, is slot I * P + j of N * P, and each child runs the `Run` of its slot
+(`python -m mla_verify.run RUN_JSON`, `Run.part`). Gate: child i sees only GPU i
 (`CUDA_VISIBLE_DEVICES`), except the child that runs `dcp`, which keeps every GPU so its ranks can
-spread over them (nccl, one GPU per rank). Fuzz: N independent campaigns of one op, each with its
-own seed (the parent's seed + i) and its share of the examples. Each child writes its rows to
-`OUT/part-i` (a fuzz part also its outcome, `result.json`: its failure, case file and replay
-command); the parent concatenates the rows into `OUT` and reports once. On CPU the same split runs
-N CPU processes.
+spread over them (nccl, one GPU per rank). Fuzz: each child runs its slot's campaign, its own seed
+and share of the examples. Each child writes its rows to `OUT/part-i` (a fuzz part also its
+outcome, `result.json`: its failure, case file and replay command, and its output to
+`fuzz.log`); the parent concatenates the rows into `OUT` and reports once. On CPU the same split
+runs N CPU processes.
 """
 
 from __future__ import annotations
@@ -20,28 +22,17 @@ from pathlib import Path
 
 import pandas as pd
 
+from mla_verify.fuzz.shard import share  # noqa: F401 - the examples' split, here since --parallel had it
 
-def deal(ops: list[str], parts: int) -> list[list[str]]:
-    """Round-robin, the specs of many ranks first into part 0 (the one that keeps every GPU)."""
-    from mla_verify.equivalence.catalog import get_spec
-
-    ordered = sorted(ops, key=lambda op: not get_spec(op).ranks)
-    return [ordered[i::parts] for i in range(parts) if ordered[i::parts]]
+from .interrupt import Interrupt
+from .results import RESULT_JSON, GateOutcome
 
 
-def share(examples: int, parts: int) -> list[int]:
-    """`examples` split over at most `parts` campaigns, none empty, the first ones one larger."""
-    parts = max(1, min(parts, examples))
-    return [examples // parts + (i < examples % parts) for i in range(parts)]
-
-
-def _child(command: str, part: int, args: list[str], device: str, out: Path, pin: bool,
-           log: Path | None = None) -> subprocess.Popen:
+def _child(run, part: int, pin: bool, log: Path | None = None) -> subprocess.Popen:
     env = dict(os.environ)
-    if device == "cuda" and pin:
+    if run.device_type == "cuda" and pin:
         env["CUDA_VISIBLE_DEVICES"] = str(part)
-    argv = [sys.executable, "-m", "mla_verify.cli", command, "--device", device, "--part",
-            "--out", str(out / f"part-{part}"), *args]
+    argv = [sys.executable, "-m", "mla_verify.run", run.to_json()]
     if log is None:
         return subprocess.Popen(argv, env=env)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -49,14 +40,14 @@ def _child(command: str, part: int, args: list[str], device: str, out: Path, pin
         return subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
-def _collect(procs: list[subprocess.Popen], out: Path) -> tuple[pd.DataFrame, list[int]]:
-    """Wait for every child; their rows together, and each one's exit code (1 for a child that
-    exited 0 without leaving rows)."""
+def _collect(procs: dict[int, subprocess.Popen], out: Path) -> tuple[pd.DataFrame, dict[int, int]]:
+    """Wait for every child (by part number); their rows together, and each one's exit code (1 for
+    a child that exited 0 without leaving rows)."""
     from mla_verify import reports
 
-    codes = [p.wait() for p in procs]
+    codes = {i: p.wait() for i, p in procs.items()}
     frames = []
-    for i, code in enumerate(codes):
+    for i, code in codes.items():
         try:  # a part killed early may have left its journal only, or nothing
             frames.append(reports.load_run(out / f"part-{i}")[0])
         except (OSError, ValueError):
@@ -64,64 +55,58 @@ def _collect(procs: list[subprocess.Popen], out: Path) -> tuple[pd.DataFrame, li
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), codes
 
 
-def run_parts(ops: list[str], parts: int, device: str, out: Path, child_args: list[str]) -> tuple[pd.DataFrame, int]:
-    """Run the child gates, wait for all, and return their rows together and the worst exit code."""
-    from mla_verify.equivalence.catalog import get_spec
-
-    procs = [_child("gate", i, [*child_args, *(a for op in part_ops for a in ("--op", op))], device, out,
-                    pin=not any(get_spec(op).ranks for op in part_ops))
-             for i, part_ops in enumerate(deal(ops, parts))]
-    frame, codes = _collect(procs, out)
-    return frame, max(codes)
+def _root(run) -> Path:
+    return run.out.path if run.out else Path(tempfile.mkdtemp(prefix="mla-verify-parts-"))
 
 
-def fuzz_parts(child_args: list[str], examples: int, seed: int, parts: int, device: str,
-               out: Path) -> tuple[pd.DataFrame, list[tuple[int, int, Path]]]:
-    """Run one fuzz campaign per part (output in OUT/part-i/fuzz.log); the rows together, and
-    (seed, exit code, log) per part."""
-    shares = share(examples, parts)
-    logs = [out / f"part-{i}" / "fuzz.log" for i in range(len(shares))]
-    procs = [_child("fuzz", i, [*child_args, "--examples", str(n), "--seed", str(seed + i)], device, out,
-                    pin=True, log=logs[i])
-             for i, n in enumerate(shares)]
-    frame, codes = _collect(procs, out)
-    return frame, [(seed + i, code, log) for i, (code, log) in enumerate(zip(codes, logs))]
+def gate_in_parts(run, log) -> GateOutcome:
+    """The gate as one child per slot that holds units; their rows into the run directory."""
+    from mla_verify.equivalence.rows import Row
+    from mla_verify.fuzz.gate import units
+
+    log = log or (lambda line: None)
+    every = units(list(run.ops) or None, run.device)
+    dealt = {i: slot.deal(every, [u.multi_rank for u in every]) for i, slot in enumerate(run.slots)}
+    log(f"  {len(run.slots)} parts, one per {'GPU' if run.device_type == 'cuda' else 'process'}")
+    meta, root = run.meta(), _root(run)
+    run.out.start(meta)
+    with Interrupt().installed():  # Ctrl-C reaches every part: each finishes its case and writes its run
+        procs = {i: _child(run.part(run.slots[i], i, root), i, pin=not any(u.multi_rank for u in mine))
+                 for i, mine in dealt.items() if mine}
+        frame, codes = _collect(procs, root)
+    run.out.finish(frame, meta)
+    rows = [Row.from_record(r) for r in frame.to_dict("records")]
+    return GateOutcome(rows, max(codes.values()) != 0 or any(not r.passed for r in rows), root, parts=len(procs),
+                       isolated=run.isolate)
 
 
-RESULT_JSON = "result.json"  # a fuzz part's outcome (mla_verify.results.result_file)
+def check_in_parts(run, log):
+    """`mla_verify.check` as one child campaign per part (seeds S + k, each its share of the
+    examples); their rows merged into the run directory, each part's failure read from its
+    result.json."""
+    from mla_verify.reports.store import conform, rows_frame
 
-
-def check_in_parts(plan, parts: int, log):
-    """`mla_verify.check` as `parts` child campaigns (seeds S, S+1, ...) sharing the examples;
-    their rows merged into the run directory, each part's failure read from its result.json."""
-    from .interrupt import Interrupt
     from .results import CheckResult, Failure
 
-    device = plan.device.split(":")[0]
-    child = ["--op", plan.op, "--profile", plan.profile.name,
-             *(["--timeout", f"{plan.timeout:g}"] if plan.isolate else []),  # kept only where a call can be stopped
-             *(a for spec in plan.specs for a in ("--impl", spec)),
-             *(a for name in plan.deviations for a in ("--deviation", name)),
-             *(a for c in plan.conventions for a in ("--convention", c)),
-             *(["--path", plan.path] if plan.path else []), *([] if plan.shrink else ["--no-shrink"]),
-             "--isolate" if plan.isolate else "--no-isolate"]
-    out = plan.run_dir.path if plan.run_dir else Path(tempfile.mkdtemp(prefix="mla-verify-parts-"))
-    shares = share(plan.examples, parts)
+    campaigns, root = run.campaigns, _root(run)
     if log is not None:
-        log(f"  {len(shares)} campaigns, one per {'GPU' if device == 'cuda' else 'process'}: "
-            + ", ".join(f"seed {plan.seed + i} x {n}" for i, n in enumerate(shares)) + f"; logs {out}/part-*/fuzz.log")
-    meta = plan.meta()
-    if plan.run_dir:
-        plan.run_dir.start({**meta, "seeds": [plan.seed + i for i in range(len(shares))]})
+        log(f"  {len(campaigns)} campaigns, one per {'GPU' if run.device_type == 'cuda' else 'process'}: "
+            + ", ".join(f"seed {seed} x {n}" for seed, n in campaigns) + f"; logs {root}/part-*/fuzz.log")
+    meta = run.meta()
+    if run.out:
+        run.out.start(meta)
+    logs = [root / f"part-{i}" / "fuzz.log" for i in range(len(campaigns))]
     with Interrupt().installed():  # Ctrl-C reaches every part: each finishes its case and writes its run
-        frame, results = fuzz_parts(child, plan.examples, plan.seed, parts, device, out)
-    if plan.run_dir:
-        plan.run_dir.finish(frame, {**meta, "seeds": [plan.seed + i for i in range(len(shares))]})
+        procs = {i: _child(run.part(slot, i, root), i, pin=True, log=logs[i])
+                 for i, slot in enumerate(s for s in run.slots if s.campaign(run.seed, run.examples)[1])}
+        frame, codes = _collect(procs, root)
+    if run.out:
+        run.out.finish(frame, meta)
     failures, notes, examples, interrupted, clean = [], [], 0, False, True
-    for i, (seed, code, _log) in enumerate(results):
-        path = out / f"part-{i}" / RESULT_JSON
+    for i, (seed, _) in enumerate(campaigns):
+        path, code = root / f"part-{i}" / RESULT_JSON, codes[i]
         if not path.exists():
-            notes.append(f"part {i} (seed {seed}) exited with code {code} and left no result; its log: {_log}")
+            notes.append(f"part {i} (seed {seed}) exited with code {code} and left no result; its log: {logs[i]}")
             clean = False
             continue
         part = json.loads(path.read_text())
@@ -132,9 +117,7 @@ def check_in_parts(plan, parts: int, log):
         notes.append(f"part {i} (seed {seed}): exit {code}, {part['examples']} examples"
                      + "".join(f"; {n}" for n in part["notes"]))
     passed = clean and not failures and not interrupted and bool(frame.passed.all() if len(frame) else True)
-    from mla_verify.reports.store import conform, rows_frame
-
     rows = conform(frame) if len(frame) else rows_frame([])
-    return CheckResult(plan.op, plan.label, passed, rows, plan.seed, examples,
-                       plan.run_dir.path if plan.run_dir else None, failures, interrupted=interrupted, notes=notes,
-                       campaigns=len(results), in_process=plan.in_process)
+    return CheckResult(run.op, run.label, passed, rows, campaigns[0][0], examples, run.out.path if run.out else None,
+                       failures, interrupted=interrupted, notes=notes, campaigns=len(campaigns),
+                       in_process=run.in_process)

@@ -4,14 +4,18 @@ failure, the minimized case with everything needed to replay it; `report()` is w
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
 from mla_verify.reports.meta import IN_PROCESS
 from mla_verify.equivalence.mismatch import QUIET_METRICS, line
+
+DEFAULT_TIMEOUT_S = 300.0  # what an implementation may take per case in the isolation worker
+RESULT_JSON = "result.json"  # a fuzz part's outcome (result_file)
 
 
 @dataclass
@@ -148,3 +152,48 @@ def result_file(result: CheckResult) -> str:
     return json.dumps({"examples": result.examples, "seed": result.seed, "passed": result.passed,
                        "interrupted": result.interrupted, "notes": result.notes,
                        "failures": [f.to_dict() for f in result.failures]}, indent=2) + "\n"
+
+
+@dataclass
+class GateOutcome:
+    """What a gate run leaves: its rows and verdict, and what the CLI prints of it."""
+
+    rows: list
+    failed: bool
+    out: Path
+    interrupted: bool = False
+    notes: list[str] = field(default_factory=list)
+    odd_ones_out: list[str] = field(default_factory=list)
+    case_files: list[tuple[Path, list[str]]] = field(default_factory=list)  # each saved case, its failing rows
+    parts: int = 1
+    isolated: bool = True           # judged out of the kernels' reach (reports.meta.IN_PROCESS otherwise)
+
+    def lines(self, device: str) -> list[str]:
+        """Notes, disagreeing implementations, saved failing cases (a run in parts: its parts said them)."""
+        return ([f"note: {n}" for n in self.notes] + [f"odd one out: {line}" for line in self.odd_ones_out]
+                + [text for f, rows in self.case_files
+                   for text in [f"failing case saved: {f}  (mla-verify replay {f} --device {device})", *rows]]
+                + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else []))
+
+    @property
+    def exit_code(self) -> int:
+        return 130 if self.interrupted else 1 if self.failed else 0
+
+
+def replay_command(case_file: Path | None, specs: Sequence[str], device: str, deviations: Sequence[str] = (),
+                   timeout: float | None = None, isolate: bool = False, conventions: Sequence[str] = ()) -> str:
+    """The command that reproduces a saved failure (isolated where the failure was: a hang or a
+    crash replayed in-process would hang or kill the replay)."""
+    argv = ["mla-verify", "replay", str(case_file) if case_file else "CASE_FILE"]
+    for s in specs:
+        argv += ["--impl", "MODULE:CALLABLE" if ".api:local." in s else s]
+    for d in deviations:
+        argv += ["--deviation", d]
+    for c in conventions:
+        argv += ["--convention", c]
+    argv += ["--device", device.split(":")[0]]
+    if isolate and not device.startswith("cuda"):  # isolated by default on cuda
+        argv.append("--isolate")
+    if timeout is not None and timeout != DEFAULT_TIMEOUT_S:
+        argv += ["--timeout", f"{timeout:g}"]
+    return shlex.join(argv)

@@ -1,6 +1,7 @@
 """The FlashMLA kernels the backend calls (`sgl-flash-mla` 1.0.0, import `flash_mla`), wrapped with
-the checks the kernels leave out; `mla_verify.adapters` maps their native signatures (3-D kv and
-indices, 4-D cache, result order) to the contract and pads the heads as the backend does.
+the checks the kernels leave out; `optimized.adapters` (public as `mla_verify.adapters`) maps their
+native signatures (3-D kv and indices, 4-D cache, result order) to the contract and pads the heads
+as the backend does.
 
 Every call goes to the legacy op namespace (`use_legacy=True`): the wheel's current namespace
 (`torch.ops.flash_mla`) holds only the 2026.09.30 kernels, which are SM100-only and read only the
@@ -21,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from mla_verify import adapters
+from mla_verify.optimized import adapters
 from mla_verify.optimized.attention_checks import check_decode_contract, check_prefill_contract
 from mla_verify.optimized.registry import FLASH_MLA, register
 from mla_verify.optimized.validation import InputError, check_index_range, check_multiple, check_same_device

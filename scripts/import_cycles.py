@@ -24,16 +24,12 @@ FOLDERS = {"mla_verify": "mla_verify", "reference": "mla_verify.reference", "opt
 # folder -> the folders its modules may import (its own always)
 MAY_IMPORT = {
     "reference": set(),
-    "adapters": set(),
-    "optimized": {"adapters"},
-    "equivalence": {"adapters", "reference", "optimized"},
+    "optimized": set(),
+    "equivalence": {"reference", "optimized"},
     "fuzz": {"reference", "optimized", "equivalence"},
     "reports": {"equivalence"},
-    "mla_verify": {"adapters", "reference", "optimized", "equivalence", "fuzz", "reports"},
+    "mla_verify": {"reference", "optimized", "equivalence", "fuzz", "reports"},
 }
-# Modules of a layer of their own below every folder: adapters imports nothing of the project, and
-# the optimized side wraps the wheel's kernels with it as a user's kernel would.
-OWN_LAYER = {"mla_verify.adapters": "adapters"}
 
 
 def modules() -> dict[str, tuple[Path, str]]:
@@ -45,7 +41,7 @@ def modules() -> dict[str, tuple[Path, str]]:
             if folder == "mla_verify" and parts and parts[0] in FOLDERS:
                 continue
             name = ".".join([package, *parts])
-            found[name] = (path, OWN_LAYER.get(name, folder))
+            found[name] = (path, folder)
     return found
 
 
