@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ[MEMORY_ENV] = str(args.reference_memory)  # read by the reference here and in every child process
     from mla_verify.equivalence.isolation import HarnessError
-    from mla_verify.equivalence.subject import UsageError, did_you_mean
+    from mla_verify.equivalence.subject import UsageError
     from mla_verify.reports.pairing import PairingError
 
     try:
