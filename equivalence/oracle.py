@@ -100,3 +100,8 @@ def judge(
         bounds = tuple(b for b in bounds if b.metric != ELEM_BOUND)
     return verdict(kind, measure(kind, impl, ref, scale, tensor), bounds, deviation,
                    Pair(name or kind, impl, ref, scale, tensor))
+
+
+def judge_many(kind, impls, ref, case, deviations=(), scale=None, bound=None, name=""):  # placeholder: batched version coming
+    return [judge(kind, impl, ref[i], case, deviations, None if scale is None else scale[i],
+                  None if bound is None else {k: v[i] for k, v in bound.items()}, name) for i, impl in enumerate(impls)]
