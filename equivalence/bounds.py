@@ -154,16 +154,16 @@ def weighted_abs_values(q, rows, valid, sm_scale, lse, sink=None) -> tuple[torch
     """(A, B) per (token, head, dim) in float64: A = f * sum_j p_j |V_j|, B = f * sum_j |V_j|,
     f the sink factor 1 / (1 + e^(sink - lse)).
 
-    q [n, H, 576], rows [n, K, 576] (exact values; invalid rows are never read), valid [n, K],
-    lse [n, H] (the reference's), sink [H] or None.
+    q [n, H, 576], rows [n, K, 576] float64 (exact values, zero where not valid; consumed: its
+    values are overwritten), valid [n, K], lse [n, H] (the reference's), sink [H] or None. Worked
+    in place: the [n, H, K] weights and the rows are the largest tensors of a reference pass.
     """
-    rows = torch.where(valid[..., None], rows.double(), 0)
-    s = sm_scale * torch.einsum("nhd,nkd->nhk", q.double(), rows)
+    s = torch.einsum("nhd,nkd->nhk", q.double(), rows).mul_(sm_scale)
     live = torch.isfinite(lse)
     lse = torch.where(live, lse.double(), 0)
-    # where, not a product: an invalid key's logit is 0, whose exp(0 - lse) overflows when lse < -709
-    p = torch.where(valid[:, None, :] & live[..., None], torch.exp(s - lse[..., None]), 0)
-    values = rows[..., :512].abs()
+    # masked, not multiplied: an invalid key's logit is 0, whose exp(0 - lse) overflows when lse < -709
+    p = s.sub_(lse[..., None]).exp_().masked_fill_(~(valid[:, None, :] & live[..., None]), 0)
+    values = rows[..., :512].abs_()
     a = torch.einsum("nhk,nkd->nhd", p, values)
     b = values.sum(1)[:, None, :] * live[..., None]
     if sink is not None:
@@ -192,7 +192,8 @@ def prefill_weighted_abs_values(q, kv, indices, sm_scale, lse, topk_length=None,
         valid = (idx >= 0) & (idx < kv.shape[0])
         if topk_length is not None:
             valid &= positions[None, :] < topk_length[rows].long()[:, None]
-        a[rows], b[rows] = weighted_abs_values(q[rows], kv[torch.where(valid, idx, 0)], valid, sm_scale, lse[rows], sink)
+        keys = kv[torch.where(valid, idx, 0)].double().masked_fill_(~valid[..., None], 0)
+        a[rows], b[rows] = weighted_abs_values(q[rows], keys, valid, sm_scale, lse[rows], sink)
     return a, b
 
 
@@ -208,7 +209,7 @@ def decode_weighted_abs_values(q, kv_cache, indices, sm_scale, lse, budget_bytes
     for rows in _chunked(n, heads, flat_idx.shape[1], budget_bytes):
         slots = flat_idx[rows].long()
         valid = slots != -1
-        values = cache_row_values(kv_cache, torch.where(valid, slots, -1), torch.float64)
+        values = cache_row_values(kv_cache, slots, torch.float64)  # -1, the one invalid slot, reads as a zero row
         a[rows], b[rows] = weighted_abs_values(flat_q[rows], values, valid, sm_scale, flat_lse[rows])
     return a.view(batch, s_q, heads, 512), b.view(batch, s_q, heads, 512)
 

@@ -91,7 +91,7 @@ def test_triton_prefill_matches_reference(
     with buffers.poisoned():
         got = triton_prefill.sparse_prefill(q, kv, idx, sm_scale, length, sink, config=config)
     ref = R.sparse_prefill(q, kv, idx, sm_scale, topk_length=length, attn_sink=sink)
-    ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()], valid, sm_scale, ref.lse, sink)
+    ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()].double().masked_fill_(~valid[..., None], 0), valid, sm_scale, ref.lse, sink)
     check_attention("triton prefill", got, ref, ab, topk)
 
 
@@ -123,7 +123,7 @@ def decode_check_inputs(q, cache, idx, sm_scale, got, ref):
     batch, s_q, heads, _ = q.shape
     valid = (idx != -1).reshape(batch * s_q, -1)
     slots = torch.where(valid, idx.reshape(batch * s_q, -1), 0).long()
-    rows = R.fp8_ds_mla_values(cache[slots // cache.shape[1], slots % cache.shape[1]])
+    rows = R.fp8_ds_mla_values(cache[slots // cache.shape[1], slots % cache.shape[1]]).masked_fill_(~valid[..., None], 0)
     flat = lambda x: x.transpose(1, 2).reshape(batch * s_q, heads)  # noqa: E731  [B,H,S] -> [B*S,H]
     lse = flat(ref.lse)
     ab = weighted_abs_values(q.reshape(batch * s_q, heads, 576), rows, valid, sm_scale, lse, None)
@@ -284,7 +284,7 @@ def test_gpu_prefill_matches_reference(name, heads):
     )
     got = fn(q, kv, idx, sm_scale, length, sink)
     ref = R.sparse_prefill(q, kv, idx, sm_scale, topk_length=length, attn_sink=sink)
-    ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()], valid, sm_scale, ref.lse, sink)
+    ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()].double().masked_fill_(~valid[..., None], 0), valid, sm_scale, ref.lse, sink)
     check_attention(f"{name} prefill H={heads}", got, ref, ab, topk)
 
 
@@ -318,7 +318,7 @@ def test_gpu_triton_prefill_variants_agree_with_reference(name):
     )
     got = triton_prefill.sparse_prefill(q, kv, idx, 0.1, config=VARIANTS["prefill"][name])
     ref = R.sparse_prefill(q, kv, idx, 0.1)
-    ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()], valid, 0.1, ref.lse, None)
+    ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()].double().masked_fill_(~valid[..., None], 0), valid, 0.1, ref.lse, None)
     check_attention(f"triton prefill [{name}]", got, ref, ab, 2048)
 
 
