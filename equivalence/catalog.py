@@ -84,6 +84,16 @@ def evaluate(case: Case, subject: Subject, device: str = "cpu", *, run_id: str =
                                       on_call=on_call)
 
 
+def evaluate_block(cases: Sequence[Case], subject: Subject, device: str = "cpu", *, run_id: str = "",
+                   source: str = "fuzz", notes: set[str] | None = None,
+                   on_call: Callable[[], None] | None = None) -> list[list[Row]]:
+    """The rows of each of `cases` (one op and params, their seeds differ: a fuzz block), judged
+    together where the spec can (its reference in one pass, its checks at once); `on_call` runs
+    before each case's implementation call."""
+    return get_spec(cases[0].op).evaluate_block(cases, subject, device, run_id=run_id, source=source, notes=notes,
+                                                on_call=on_call)
+
+
 def produce(case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
             on_call: Callable[[], None] | None = None) -> Produced:
     """The implementation's side of `case` (its outputs, on the host), for `judge_produced` in
@@ -95,6 +105,12 @@ def judge_produced(case: Case, produced: Produced, label: str, device: str = "cp
                    source: str = "fuzz") -> list[Row]:
     """The rows of `case` from what `produce` sent, the reference and every verdict computed here."""
     return get_spec(case.op).judge_produced(case, produced, label, device, run_id=run_id, source=source)
+
+
+def judge_produced_block(cases: Sequence[Case], produced: Sequence[Produced], label: str, device: str = "cpu", *,
+                         run_id: str = "", source: str = "fuzz") -> list[list[Row]]:
+    """`judge_produced` of each case of a block (`evaluate_block`'s), judged together."""
+    return get_spec(cases[0].op).judge_produced_block(cases, produced, label, device, run_id=run_id, source=source)
 
 
 def inputs(op: str, params: Mapping[str, Any], seed: int, device: str = "cpu") -> dict[str, Any]:

@@ -142,19 +142,22 @@ class Snapshot:
     """Every tensor of `arguments`, copied byte for byte (whole storages: padding between the
     rows of a strided view counts) before an implementation runs. `what` names them in reasons:
     "input", or "the reference's" for the answer the implementation is judged against (a kernel
-    can reach it through `gc`). Storages `apart_from` saves are left to it (a reference answer
-    that is a view of an input is the input's)."""
+    can reach it through `gc`). Storages the tensors of `apart_from` (other arguments) live in are
+    left to their own snapshots (a reference answer that is a view of an input is the input's)."""
 
-    def __init__(self, arguments: Mapping[str, Any], what: str = "input", apart_from: "Snapshot | None" = None):
+    def __init__(self, arguments: Mapping[str, Any], what: str = "input", apart_from: Sequence[Mapping[str, Any]] = ()):
         self.what = what
         self._saved: dict[tuple[str, int], _Saved] = {}
+        elsewhere = {(t.device.type, t.untyped_storage().data_ptr())
+                     for args in apart_from for name, value in args.items() for _, t in tensors_in(value, name)
+                     if t.layout == torch.strided and t.device.type != "meta"}
         for name, value in arguments.items():
             for path, t in tensors_in(value, name):
                 if t.device.type == "meta" or t.layout != torch.strided or t.untyped_storage().nbytes() == 0:
                     continue
                 storage = t.untyped_storage()
                 key = (t.device.type, storage.data_ptr())
-                if apart_from is not None and key in apart_from._saved:
+                if key in elsewhere:
                     continue
                 if key not in self._saved:
                     words = _storage_words(storage, t.device)

@@ -185,7 +185,10 @@ class JudgeFunctions:
         patched = []
         for name, ns, is_class, before in self.saved:
             now = vars(ns)
-            if len(now) == len(before) and all(now.get(k, _MISSING) is v for k, v in before.items()):
+            # Unchanged: the same keys and values, object for object, in the same order (map in C:
+            # a per-name Python loop cost 0.65 ms a case over 6332 names on the H200 host).
+            if (len(now) == len(before) and all(map(operator.is_, now, before))
+                    and all(map(operator.is_, now.values(), before.values()))):
                 continue
             for k, v in before.items():
                 if now.get(k, _MISSING) is not v and k not in _CACHES:

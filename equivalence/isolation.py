@@ -30,11 +30,12 @@ import os
 import signal
 import traceback
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .case import Case
 from .contract import CALLED_WITH
 from .device import first_line, is_device_error
+from .produced import Produced
 from .rows import Row
 from .running import failure_row
 
@@ -227,7 +228,35 @@ class Worker:
     ) -> list[Row]:
         """The case's rows, or a single failure row ("crashed" / "hung") when the worker died or
         did not answer in time. Raises HarnessError for a failure of the harness itself."""
-        from .catalog import get_spec, judge_produced  # it imports the kernels: not before `_serve` set up Triton
+        return self.run_block([case], specs, label, run_id, source, notes, deviations, conventions)[0]
+
+    def run_block(
+        self, cases: Sequence[Case], specs: Sequence[str], label: str, run_id: str = "", source: str = "fuzz",
+        notes: set[str] | None = None, deviations: Sequence[str] = (), conventions: Sequence[str] = (),
+        on_call: Callable[[], None] | None = None,
+    ) -> list[list[Row]]:
+        """`run` of each of `cases` (one params: a fuzz block), the worker producing one case at a
+        time and this process judging them together (`judge_produced_block`); `on_call` runs as
+        each case is sent."""
+        from .catalog import judge_produced_block  # it imports the kernels: not before `_serve` set up Triton
+
+        found: list = []
+        for case in cases:
+            if on_call is not None:
+                on_call()
+            found.append(self._produce(case, specs, label, run_id, source, notes, deviations, conventions))
+        produced = [i for i, f in enumerate(found) if isinstance(f, Produced)]
+        if produced:
+            judged = judge_produced_block([cases[i] for i in produced], [found[i] for i in produced], label,
+                                          self.device, run_id=run_id, source=source)
+            for i, rows in zip(produced, judged):
+                found[i] = rows
+        return found
+
+    def _produce(self, case: Case, specs: Sequence[str], label: str, run_id: str, source: str,
+                 notes: set[str] | None, deviations: Sequence[str], conventions: Sequence[str]) -> Produced | list[Row]:
+        """What the worker produced for `case`, or its single failure row when it died or hung."""
+        from .catalog import get_spec
 
         p = self._ensure()
         base = dict(run_id=run_id, case_id=case.case_id, impl=label, stages="", device=self.device,
@@ -255,7 +284,7 @@ class Worker:
                 CALLED_WITH[stage].update(keywords)
             if retire:
                 self._retire()
-            return judge_produced(case, produced, label, self.device, run_id=run_id, source=source)
+            return produced
         if kind == "error":
             raise HarnessError(f"harness error in the worker on {case.short()}", payload)
         if kind == "crashed":

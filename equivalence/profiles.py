@@ -12,6 +12,11 @@ largest problem its properties must pose, HiSparse against the plain path at FP8
 the plain path's 128-token decode threshold at 32 heads, both paths: 8-9 s), with room for a few
 decodes; every other ci draw estimates under 4 s. Compiled kernels (a GPU) and the eager ones are
 never held to it.
+
+gpu draws in blocks of 8 cases (`block`): one Hypothesis draw, then its params at 8 seeds, whose
+reference runs as one batch and whose checks are judged at once (`fuzz.campaign`). On the H200 a
+drawn case costs milliseconds of Hypothesis and each reference and judging call as many of
+launches; the CPU profiles run one case a draw (their Triton is interpreted: the kernel is the cost).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class Profile:
     property_examples: int        # fuzz examples per property in the gate (a case runs the implementation 2-6 times)
     interpreter_s: float | None   # interpreted Triton: the seconds a case may take (None: unbounded)
     budget_s: float | None = None  # the bound this campaign's draws hold to (`interpreted`); None: none
+    block: int = 1                # cases per drawn example (its params at successive seeds: `fuzz.campaign`)
 
     def interpreted(self) -> "Profile":
         """This profile for a campaign of interpreted kernels: draws within `interpreter_s` a case."""
@@ -50,7 +56,7 @@ PROFILES = {
         Profile("nightly", 300, 64, (8, 16, 32, 64, 128), (128, 512, 1024, 2048), (64, 256, 1024, 2048), 9000, 8, 128,
                 (64, 128, 256), (8, 16, 24, 32, 64, 128), 150, 600.0),
         Profile("gpu", 200, 256, (16, 32, 64, 128), (512, 1024, 2048), (512, 576, 1024, 2048), 20000, 8, 512, (64, 128),
-                (8, 16, 32, 64, 128), 50, None),
+                (8, 16, 32, 64, 128), 50, None, block=8),
     )
 }
 

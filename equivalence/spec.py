@@ -23,6 +23,9 @@ never what kind of thing they hold (torch's `_comparison.Pair` idea: each handle
                                 its outputs on the host), made where the implementation runs
     judge_produced(case, produced, label, device, ...)  the rows from it, the reference and every
                                 verdict computed here (an isolation worker's parent)
+    evaluate_block(cases, ...), judge_produced_block(cases, produced, ...)  the same for cases of
+                                one params whose seeds differ (a fuzz block): judged together where
+                                the spec can (one reference pass, each check at once)
     checks, own_processes, ranks  what it compares; whether it starts processes of its own (never
                                 inside an isolation worker); the world sizes it runs (multi-process only)
 
@@ -73,6 +76,11 @@ class Spec(Protocol):
                 source: str = "fuzz", on_call: Callable[[], None] | None = None) -> "Produced": ...
     def judge_produced(self, case: "Case", produced: "Produced", label: str, device: str = "cpu", *,
                        run_id: str = "", source: str = "fuzz") -> list["Row"]: ...
+    def evaluate_block(self, cases: Sequence["Case"], subject: "Subject", device: str = "cpu", *, run_id: str = "",
+                       source: str = "fuzz", notes: set[str] | None = None,
+                       on_call: Callable[[], None] | None = None) -> list[list["Row"]]: ...
+    def judge_produced_block(self, cases: Sequence["Case"], produced: Sequence["Produced"], label: str,
+                             device: str = "cpu", *, run_id: str = "", source: str = "fuzz") -> list[list["Row"]]: ...
 
 
 @dataclass(frozen=True)

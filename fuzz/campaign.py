@@ -8,6 +8,12 @@ whole timeout). `started` is told of every case before it runs (a run directory 
 case whose process dies in the call is still a finding: `mla_verify.rundir`) and returns the call
 that says it finished; `journal` receives every case's rows as it finishes; `stop_reason` is asked
 after every case (Ctrl-C, a lost CUDA context) and ends the campaign with what it has.
+
+A Hypothesis example may stand for a block of cases (`block`): the drawn case and the cases of the
+same params at the next seeds, run through `run_block` (the reference answers them in one pass and
+the oracle judges them at once: `OpSpec.evaluate_block`), for the cost of one draw. Each is an
+ordinary case: counted, journaled and saved on its own, replayed alone. Shrinking keeps the failing
+case's place in its block and shrinks that one case, as a campaign without blocks does.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from . import casefile
 from .progress import Progress
 
 Runner = Callable[[Case, str], list[Row]]  # (case, source) -> rows
+# (cases of one params, source, on_call) -> each case's rows; on_call() runs before each case's
+# implementation is called, in order
+BlockRunner = Callable[[list[Case], str, Callable[[], None]], list[list[Row]]]
 Started = Callable[[Case, str], Callable[[], None]]  # (case, source) -> the call that says it finished
 RERUNS = 3  # re-runs of the first failing case: a pass among them makes it flaky
 
@@ -117,6 +126,8 @@ def fuzz(
     journal: Callable[[list[Row]], None] | None = None,
     stop_reason: Callable[[], str] = lambda: "",
     started: Started | None = None,
+    block: int = 1,
+    run_block: BlockRunner | None = None,
 ) -> FuzzResult:
     """Run up to `examples` cases of `op`; stop at the first failing case, re-run it, shrink it.
 
@@ -125,11 +136,13 @@ def fuzz(
     Exceptions of `run` other than a failing case's rows (a harness error) end the campaign and
     are raised after it; the rows so far have reached `journal` by then. The cases are drawn
     within the profile's interpreter budget when `impl_specs` name kernels interpreted on
-    `device` (`strategy`); `show_progress`: print progress lines (a gate prints its own).
+    `device` (`strategy`); `show_progress`: print progress lines (a gate prints its own). With
+    `block` > 1 and a `run_block`, each example is a block of up to `block` cases (module doc);
+    `examples` still counts cases.
     """
     result = FuzzResult(op, seed, 0)
     progress = Progress(progress_label or op, examples, every_s=5.0 if show_progress else math.inf)
-    state: dict = {"shrinking": False, "last": None, "error": None}
+    state: dict = {"shrinking": False, "last": None, "error": None, "offset": 0}
     found_by = (f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "")
                 + (f" --world-size {world_size}" if world_size else "") + f" --seed {seed}"
                 + "".join(f" --deviation {name}" for name in deviations)
@@ -156,6 +169,29 @@ def fuzz(
             finished()
         return rows
 
+    def evaluate_block(cases: list[Case], source: str) -> list[list[Row]]:
+        if len(cases) == 1 or run_block is None:
+            return [evaluate(case, source) for case in cases]
+        waiting, calling = list(cases), []
+
+        def on_call() -> None:
+            # Journaled as each case's call starts; the case before it returned by then, so a
+            # process that dies in a call leaves that case alone unfinished.
+            if calling:
+                calling.pop()()
+            case = waiting.pop(0)
+            if started is not None:
+                calling.append(started(case, source))
+
+        try:
+            found = run_block(cases, source, on_call)
+        except Exception as exc:
+            state["error"] = exc
+            raise StopCampaign("harness error") from None
+        for finished in calling:
+            finished()
+        return found
+
     def first_failure(case: Case, rows: list[Row]) -> None:
         result.first_failure_at = result.examples
         result.found_file = save(case, rows, f"found at example {result.examples}")
@@ -174,26 +210,34 @@ def fuzz(
 
     phases = (Phase.explicit, Phase.reuse, Phase.generate) + ((Phase.shrink,) if shrink else ())
 
-    @settings(max_examples=examples, deadline=None, database=None, phases=phases, print_blob=False,
-              report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=-(-examples // max(block, 1)), deadline=None, database=None, phases=phases,
+              print_blob=False, report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
     @hypothesis_seed(seed)
     @given(case=strategy(op, profile, path, world_size, impl_specs, device))
     def search(case: Case) -> None:
         shrinking = state["shrinking"]
-        rows = evaluate(case, "shrink" if shrinking else "fuzz")
-        if not shrinking:
-            result.examples += 1
-            result.rows.extend(rows)
-            if journal is not None:
-                journal(rows)
-            progress.step(_failing(rows))
-        if _failing(rows):
-            state["last"] = (case, rows)
+        if shrinking:  # the failing case's place in its block, at the shrunk draw
+            case = Case(case.op, case.params, case.seed + state["offset"])
+            found = [(case, evaluate(case, "shrink"))]
+        else:
+            count = max(1, min(block, examples - result.examples))
+            cases = [case] + [Case(case.op, case.params, case.seed + i) for i in range(1, count)]
+            found = list(zip(cases, evaluate_block(cases, "fuzz")))
+            for c, rows in found:
+                result.examples += 1
+                result.rows.extend(rows)
+                if journal is not None:
+                    journal(rows)
+                progress.step(_failing(rows))
+        failing = next((i for i, (_, rows) in enumerate(found) if _failing(rows)), None)
+        if failing is not None:
+            state["last"] = found[failing]
             if not shrinking:
-                first_failure(case, rows)
+                state["offset"] = failing
+                first_failure(*found[failing])
             elif stop_reason():
                 raise StopCampaign(stop_reason())
-            raise Discrepancy(case, rows)
+            raise Discrepancy(*found[failing])  # one place: Hypothesis tells failures apart by where they rose
         if stop_reason():
             raise StopCampaign(stop_reason())
 

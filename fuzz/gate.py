@@ -40,6 +40,8 @@ from .progress import Progress
 from .regressions import corpus
 from .shard import Shard
 
+MIN_DRAWS = 25  # params a campaign draws at the least where its budget allows (`block_size`)
+
 
 @dataclass
 class GateResult:
@@ -166,6 +168,34 @@ def _case_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker:
     return run
 
 
+def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker: Worker | None, notes: set[str],
+                  lost: list[str] | None):
+    """(cases, source, on_call) -> each case's rows, for a campaign's blocks (`fuzz.campaign`), or
+    None where a campaign runs case by case: in this process on a GPU, where a CUDA error of one
+    call must end the campaign at that case (`_case_runner`)."""
+    if worker is not None:
+        def isolated(cases, source, on_call):
+            found = worker.run_block(cases, unit.specs, unit.label, run_id, source, notes=notes,
+                                     deviations=unit.deviations, conventions=unit.conventions, on_call=on_call)
+            for rows in found:
+                for r in rows:
+                    r.impl = unit.label
+            return found
+
+        return isolated
+    if lost is not None and device.startswith("cuda"):
+        return None
+    return lambda cases, source, on_call: catalog.evaluate_block(cases, subject, device, run_id=run_id, source=source,
+                                                                 notes=notes, on_call=on_call)
+
+
+def block_size(profile: Profile, examples: int) -> int:
+    """Cases a campaign of `examples` runs per drawn example: the profile's block, fewer where the
+    campaign would draw under MIN_DRAWS params (blocks share their params: they trade breadth for
+    speed)."""
+    return max(1, min(profile.block, examples // MIN_DRAWS))
+
+
 def run_units(
     chosen: list[Unit],
     *,
@@ -218,6 +248,17 @@ def run_units(
                     gate_progress.step(any(not r.passed for r in rows), now_at=where)
                 return rows
 
+            judge_block = _block_runner(unit, subject, device, run_id, None if spec.own_processes else worker,
+                                        result.notes, lost)
+
+            def run_block(cases: list[Case], source: str, on_call, judge_block=judge_block,
+                          where=f"{op} / {label}") -> list[list[Row]]:
+                found = judge_block(cases, source, on_call)
+                if progress and source == "fuzz":
+                    for rows in found:
+                        gate_progress.step(any(not r.passed for r in rows), now_at=where)
+                return found
+
             watch = None if started is None else (
                 lambda case, source, label=label, specs=specs: started(case, source, impl=label, specs=specs))
             t0 = time.monotonic()  # a campaign's seconds include the corpus cases run before it
@@ -240,7 +281,8 @@ def run_units(
                           deviations=unit.deviations, conventions=unit.conventions, device=device, out_dir=out_dir,
                           shrink=shrink, show_progress=not progress, path=path,
                           world_size=world_size or gate_world_size(spec, kind), journal=journal,
-                          stop_reason=stop_reason, started=watch)
+                          stop_reason=stop_reason, started=watch, block=block_size(profile, budget),
+                          run_block=run_block if judge_block is not None else None)
                 result.fuzz.append(fz)
                 result.rows.extend(fz.rows)
                 if progress:

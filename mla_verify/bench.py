@@ -7,12 +7,14 @@ per rank down to 16; decode batch 1-128 with s_q 1 and 2; prefill 1k-16k tokens)
              through our wrapper side by side (their ratio must stay within 5%), our Triton kernels
   reference  float64 prefill H=128 topk 2048 at T = 4k, 16k, 64k streamed under the reference
              memory budget (`--reference-memory`), and at 16k collected whole: time, peak memory
-  harness    per compared case (decode B=64 s_q=2 H=128): total time minus the reference's and
-             the kernel's, over their sum; then stage by stage (inputs, reference, snapshot of the
-             inputs taken and compared back, kernel, judge): time, aten ops, reads back to the
-             host, CUDA launches (profiler)
+  harness    per compared case (decode B=64 s_q=2 H=128), evaluated alone (block 1, as before
+             blocks) and in a block of 8 cases of its params: total time minus the reference's and
+             the kernel's, over their sum, and the float64 reference's TFLOP/s; then stage by stage
+             (inputs, reference, snapshot of the inputs taken and compared back, kernel, judge):
+             time, aten ops, reads back to the host, CUDA launches (profiler), per case
   fuzz       cases per second, decode-sized cases of the `gpu` profile, float64 reference on the
-             device; per case: drawing it, the reference, the kernel, inputs and judging
+             device, drawn one case an example and 8 (blocks); per case: drawing it, the reference,
+             the kernel, inputs and judging
   guards     (CPU and GPU) each guard's cost per case in ms, and isolation's (`mla_verify.guard_bench`)
 On a CPU: the reference at a 128k-token context and a 1024-token prefill streamed under 256 MiB
 (time, peak RSS in fresh processes), harness overhead with its stages, and fuzz
@@ -38,6 +40,7 @@ TOPK, SM_SCALE, PAGE = 2048, 0.1352, 64
 BF16_CEILING_TFLOPS = 790.0   # 8192^3 bf16 matmul on this workplace's H200 (device/KINDS.md)
 HBM_CEILING_GBS = 4300.0      # device-to-device copy, bytes read + written (device/KINDS.md)
 ROTATIONS = 3                 # input sets cycled so no call finds the last one's rows in L2
+BLOCK = 8                     # cases a block holds in the harness section's "after" (the gpu profile's)
 
 
 def flops(rows: int, heads: int, topk: int = TOPK) -> float:
@@ -222,39 +225,44 @@ def _launches(fn) -> int:
     return sum(1 for e in prof.events() if "LaunchKernel" in e.name or e.name.startswith(("cudaMemcpy", "cudaMemset")))
 
 
-def stage_profile(case, subject, device: str) -> dict[str, dict]:
+def stage_profile(case, subject, device: str, count: int = 1) -> dict[str, dict]:
     """Where one evaluated case's time goes, stage by stage (inputs, reference, snapshot, kernel,
-    judge): median ms of 3 runs, aten ops dispatched, reads back to the host, and on a GPU
-    launches. The snapshot stage copies the inputs and compares them back, as `evaluate` does
-    around the kernel."""
+    judge), in a block of `count` cases of its params as `OpSpec.evaluate_block` runs them (the
+    reference once for the block, each check judged at once): median ms per case of 3 runs, aten
+    ops dispatched, reads back to the host, and on a GPU launches, per case. The snapshot stage
+    copies the inputs and compares them back, as `evaluate` does around the kernel."""
+    from mla_verify.equivalence.case import Case
     from mla_verify.equivalence.catalog import get_spec
     from mla_verify.equivalence.contract import Snapshot
-    from mla_verify.equivalence.oracle import judge
+    from mla_verify.equivalence.oracle import judge_many
     from mla_verify.equivalence.running import timed
     from mla_verify.optimized.buffers import poisoned
 
     spec = get_spec(case.op)
     params = spec.params_of(case.params)
+    seeds = [case.seed + i for i in range(count)]
     state: dict = {}
 
     def inputs():
-        state["kw"] = spec.inputs(params, case.seed, device)
+        state["kw"] = [spec.inputs(params, seed, device) for seed in seeds]
 
     def ref():
-        state["ref"] = spec.reference(state["kw"], params)
+        state["ref"] = spec._answer(state["kw"], params)
 
     def snapshot():
-        Snapshot(state["kw"]).changed(spec.writes)
+        for kw in state["kw"]:
+            Snapshot(kw).changed(spec.writes)
 
     def kernel():
         with poisoned():
-            state["got"] = spec.call(subject, state["kw"], params)
+            state["got"] = [spec.call(subject, kw, params) for kw in state["kw"]]
 
     def judged():
+        answer, everyone = state["ref"], range(count)
         for check in spec.checks:
-            scale = state["ref"].get(check.scale) if check.scale else None
-            judge(check.kind, state["got"].tensors[check.tensor], state["ref"][check.tensor], params.numerics(),
-                  state["got"].deviations, scale, check.bounds_in(state["ref"]))
+            bounds = {dev: answer.of(name, everyone) for dev, name in (check.bounds_in(answer.names()) or {}).items()}
+            judge_many(check.kind, [got.tensors[check.tensor] for got in state["got"]], answer.of(check.tensor, everyone),
+                       params.numerics(), state["got"][0].deviations, answer.of(check.scale, everyone), bounds or None)
 
     stages = {"inputs": inputs, "reference": ref, "snapshot": snapshot, "kernel": kernel, "judge": judged}
     times: dict[str, list[float]] = {name: [] for name in stages}
@@ -266,8 +274,9 @@ def stage_profile(case, subject, device: str) -> dict[str, dict]:
         counter = OpCounter()
         with counter:
             fn()
-        out[name] = {"ms": statistics.median(times[name]) * 1e3, "ops": counter.ops, "reads_back": counter.reads_back,
-                     "launches": _launches(fn) if device == "cuda" else None}
+        out[name] = {"ms": statistics.median(times[name]) * 1e3 / count, "ops": counter.ops / count,
+                     "reads_back": counter.reads_back / count,
+                     "launches": _launches(fn) / count if device == "cuda" else None}
     return out
 
 
@@ -286,62 +295,98 @@ def harness_case(device: str):
                                       "invalid": []}, 7)
 
 
-def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
-    """Harness overhead per compared case and where its time goes, then fuzz throughput with the
-    time per case split into drawing it, the reference, the kernel and the rest (inputs, judging)."""
-    from mla_verify.equivalence.catalog import evaluate, resolve_subject
-    from mla_verify.equivalence.profiles import get_profile
-    from mla_verify.fuzz.campaign import fuzz
+def _evaluated(case, subject, device: str, count: int) -> dict[str, float]:
+    """One block of `count` cases of `case`'s params (successive seeds) through `evaluate_block`,
+    median of 3 after a warm-up: per case, its total, reference and kernel seconds."""
+    from mla_verify.equivalence.case import Case
+    from mla_verify.equivalence.catalog import evaluate_block
 
-    out = []
-    case = harness_case(device)
-    heads, batch = case.params["heads"], case.params["batch"]
-    subject = resolve_subject("sparse_decode_fp8", [], device)
-    evaluate(case, subject, device)  # warm-up: compilation, plans, row pools
-    totals, overheads = [], []
+    cases = [Case(case.op, case.params, case.seed + i) for i in range(count)]
+    evaluate_block(cases, subject, device)  # compilation, plans, row pools
+    runs = []
     for _ in range(3):
         start = time.perf_counter()
-        rows = evaluate(case, subject, device)
+        found = evaluate_block(cases, subject, device)
         total = time.perf_counter() - start
-        inner = rows[0].time_ref_s + rows[0].time_impl_s
-        totals.append(total)
-        overheads.append((total - inner) / inner)
-    shape = f"decode B={batch} s_q=2 H={heads}"
-    try:
-        stages = stage_profile(case, subject, device)
-    except Exception as exc:  # a profiler that cannot run here costs the breakdown, not the bench
-        print(f"stage profile failed: {type(exc).__name__}: {exc}", flush=True)
-        stages = {}
-    out.append({"kind": "harness", "shape": shape, "impl": subject.label,
-                "ms": statistics.median(totals) * 1e3, "overhead_pct": 100 * statistics.median(overheads),
-                "inputs_ms": stages.get("inputs", {}).get("ms"), "snapshot_ms": stages.get("snapshot", {}).get("ms"),
-                "judge_ms": stages.get("judge", {}).get("ms"),
-                "ref_ms": rows[0].time_ref_s * 1e3, "impl_ms": rows[0].time_impl_s * 1e3})
-    for name, st in stages.items():
-        launches = "" if st["launches"] is None else f", {st['launches']} launches"
-        out.append({"kind": "stage", "shape": shape, "impl": name, "ms": st["ms"], "ops": st["ops"],
-                    "reads_back": st["reads_back"], "launches": st["launches"],
-                    "ops_note": f"{st['ops']} ops, {st['reads_back']} reads back{launches}"})
+        runs.append((total, sum(rows[0].time_ref_s for rows in found), sum(rows[0].time_impl_s for rows in found)))
+    total, ref, kernel = (statistics.median(x) / count for x in zip(*runs))
+    return {"total": total, "reference": ref, "kernel": kernel}
+
+
+def _throughput(subject, device: str, profile, examples: int, block: int) -> dict:
+    """A fuzz campaign of sparse_decode_fp8 cases (seed 3, no shrinking) in blocks of `block`: cases/s
+    and the time per case split into drawing it, the reference, the kernel and the rest (inputs,
+    snapshots, judging)."""
+    from mla_verify.equivalence.catalog import evaluate, evaluate_block
+    from mla_verify.fuzz.campaign import fuzz
+
     spent = {"evaluate": 0.0, "reference": 0.0, "kernel": 0.0}
+
+    def account(found, seconds):
+        spent["evaluate"] += seconds
+        for rows in found:
+            spent["reference"] += rows[0].time_ref_s
+            spent["kernel"] += rows[0].time_impl_s if rows[0].time_impl_s == rows[0].time_impl_s else 0.0  # NaN: it raised
+        return found
 
     def run(c, source):
         start = time.perf_counter()
         rows = evaluate(c, subject, device, source=source)
-        spent["evaluate"] += time.perf_counter() - start
-        spent["reference"] += rows[0].time_ref_s
-        spent["kernel"] += rows[0].time_impl_s if rows[0].time_impl_s == rows[0].time_impl_s else 0.0  # NaN: it raised
-        return rows
+        return account([rows], time.perf_counter() - start)[0]
+
+    def run_block(cases, source, on_call):
+        start = time.perf_counter()
+        found = evaluate_block(cases, subject, device, source=source, on_call=on_call)
+        return account(found, time.perf_counter() - start)
 
     start = time.perf_counter()
-    result = fuzz("sparse_decode_fp8", run, profile=get_profile(profile_name), examples=examples, seed=3, shrink=False)
+    result = fuzz("sparse_decode_fp8", run, profile=profile, examples=examples, seed=3, shrink=False, block=block,
+                  run_block=run_block, show_progress=False)
     elapsed = time.perf_counter() - start
     n = max(result.examples, 1)
     per_case = {"draw": elapsed - spent["evaluate"], "reference": spent["reference"], "kernel": spent["kernel"],
                 "inputs_judge": spent["evaluate"] - spent["reference"] - spent["kernel"]}
-    out.append({"kind": "fuzz", "shape": f"sparse_decode_fp8, profile {profile_name}", "impl": subject.label,
-                "cases_per_s": result.examples / elapsed, "cases": result.examples,
-                "per_case_ms": {k: v / n * 1e3 for k, v in per_case.items()},
-                "ops_note": "per case: " + ", ".join(f"{k} {v / n * 1e3:.1f} ms" for k, v in per_case.items())})
+    return {"kind": "fuzz", "shape": f"sparse_decode_fp8, profile {profile.name}", "impl": f"{subject.label}, block {block}",
+            "cases_per_s": result.examples / elapsed, "cases": result.examples,
+            "per_case_ms": {k: v / n * 1e3 for k, v in per_case.items()},
+            "ops_note": "per case: " + ", ".join(f"{k} {v / n * 1e3:.1f} ms" for k, v in per_case.items())}
+
+
+def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
+    """Before and after blocks, in one process: harness overhead per compared case and where its
+    time goes, evaluated alone (block 1: as before blocks) and in a block of BLOCK cases of its
+    params, with the float64 reference's TFLOP/s; then fuzz throughput of the profile drawn one
+    case an example and BLOCK cases an example."""
+    from mla_verify.equivalence.catalog import resolve_subject
+    from mla_verify.equivalence.profiles import get_profile
+
+    out = []
+    case = harness_case(device)
+    p = case.params
+    subject = resolve_subject("sparse_decode_fp8", [], device)
+    shape = f"decode B={p['batch']} s_q={p['s_q']} H={p['heads']}"
+    fl = flops(p["batch"] * p["s_q"], p["heads"], p["topk"])
+    for count in (1, BLOCK):
+        t = _evaluated(case, subject, device, count)
+        try:
+            stages = stage_profile(case, subject, device, count)
+        except Exception as exc:  # a profiler that cannot run here costs the breakdown, not the bench
+            print(f"stage profile failed: {type(exc).__name__}: {exc}", flush=True)
+            stages = {}
+        inner = t["reference"] + t["kernel"]
+        out.append({"kind": "harness", "shape": shape, "impl": f"{subject.label}, block {count}",
+                    "ms": t["total"] * 1e3, "overhead_pct": 100 * (t["total"] - inner) / inner,
+                    "inputs_ms": stages.get("inputs", {}).get("ms"), "snapshot_ms": stages.get("snapshot", {}).get("ms"),
+                    "judge_ms": stages.get("judge", {}).get("ms"), "ref_ms": t["reference"] * 1e3,
+                    "impl_ms": t["kernel"] * 1e3, "ref_tflops": fl / t["reference"] / 1e12})
+        for name, st in stages.items():
+            launches = "" if st["launches"] is None else f", {st['launches']:.0f} launches"
+            out.append({"kind": "stage", "shape": shape, "impl": f"{name}, block {count}", "ms": st["ms"],
+                        "ops": st["ops"], "reads_back": st["reads_back"], "launches": st["launches"],
+                        "ops_note": f"{st['ops']:.0f} ops, {st['reads_back']:.2g} reads back{launches} per case"})
+    profile = get_profile(profile_name)
+    for block in (1, BLOCK):
+        out.append(_throughput(subject, device, profile, examples, block))
     return out
 
 
@@ -403,7 +448,8 @@ def bench_reference_cpu(budget: int) -> list[dict]:
 
 NOTES = (("vs_standalone", "{:.3f}x standalone"), ("vs_flash_mla", "{:.0%} of flash_mla"), ("peak_gib", "peak {:.2f} GiB"),
          ("budget_gib", "(budget {:g} GiB)"), ("overhead_pct", "overhead {:.1f}%"), ("inputs_ms", "inputs {:.2f} ms"), ("snapshot_ms", "snapshot {:.2f} ms"),
-         ("ref_ms", "reference {:.2f} ms"), ("impl_ms", "kernel {:.2f} ms"), ("judge_ms", "judge {:.2f} ms"),
+         ("ref_ms", "reference {:.2f} ms"), ("ref_tflops", "({:.3g} TFLOP/s fp64)"), ("impl_ms", "kernel {:.2f} ms"),
+         ("judge_ms", "judge {:.2f} ms"),
          ("cases_per_s", "{:.1f} cases/s"), ("ops_note", "{}"))
 
 
@@ -434,7 +480,7 @@ def main(args, device: str) -> int:
         if "reference" in sections:
             rows += bench_reference_gpu(args.quick, budget)
         if "harness" in sections:
-            rows += bench_harness("cuda", "gpu", 30 if args.quick else 200)
+            rows += bench_harness("cuda", "gpu", 40 if args.quick else 400)
     else:
         if "reference" in sections:
             rows += bench_reference_cpu(budget)

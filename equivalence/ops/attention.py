@@ -167,6 +167,16 @@ def _decode_reference(kw, p):
     return {**res._asdict(), **found}
 
 
+def _decode_stack(kwargs: list[dict]) -> dict:
+    """The decode cases of a block as one batch: their requests one after another, each case's
+    cache blocks after the previous case's and its slots moved with them (-1 stays -1)."""
+    caches = [kw["kv_cache"] for kw in kwargs]
+    slots = caches[0].shape[0] * caches[0].shape[1]
+    indices = [torch.where(kw["indices"] >= 0, kw["indices"].long() + i * slots, -1) for i, kw in enumerate(kwargs)]
+    return {"q": torch.cat([kw["q"] for kw in kwargs]), "kv_cache": torch.cat(caches), "indices": torch.cat(indices),
+            "sm_scale": kwargs[0]["sm_scale"]}
+
+
 SPARSE_DECODE_FP8 = register(OpSpec(
     name="sparse_decode_fp8",
     stage="sparse_decode_fp8",
@@ -174,6 +184,7 @@ SPARSE_DECODE_FP8 = register(OpSpec(
     draw=decode_params,
     inputs=_decode_inputs,
     reference=_decode_reference,
+    stack=_decode_stack,
     call=_call(("out", "lse"), 2),
     checks=(Check("out", OUT, dtype=torch.bfloat16, bound="out_bound"),
             Check("lse", LSE, "logit_l1", dtype=torch.float32, bound="lse_bound")),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from hypothesis import strategies as st
@@ -19,9 +19,9 @@ from mla_verify.optimized import registry
 from .. import cost
 from ..case import Case
 from ..draws import SEEDS
-from ..contract import Snapshot, output_problem
+from ..contract import Snapshot, output_problem, tensors_in
 from ..contracts import arguments as contract_arguments
-from ..oracle import judge
+from ..oracle import judge_many
 from ..produced import Produced
 from ..profiles import Profile
 from ..rows import Row
@@ -29,6 +29,8 @@ from ..running import Raised, call_implementation, failure_row, input_rows, judg
 from ..schema import Params
 from ..subject import Subject, UsageError, implementation
 
+
+BLOCK_BYTES = 4 << 30  # the inputs of a block's cases held at once (a stacked reference holds as much again)
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,9 @@ class Check:
     # deviation's own: held to elem_bound_ratio <= 1
     bound: str | None = None
 
-    def bounds_in(self, ref: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """The reference's bound tensors of this check by deviation ("" none), or None."""
+    def bounds_in(self, ref: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The reference's bound tensors (the values of `ref` by name) of this check by deviation
+        ("" none), or None."""
         if self.bound is None:
             return None
         return {name.partition("@")[2]: t for name, t in ref.items() if name.partition("@")[0] == self.bound}
@@ -81,6 +84,9 @@ class OpSpec:
     # isolation worker (a daemonic worker process cannot start children).
     own_processes: bool = False
     writes: tuple[str, ...] = ()      # arguments written in place (their bytes are the op's checks)
+    # The inputs of a block's cases (one params) as one problem the reference answers at once:
+    # every tensor of its answer is then the cases' answers concatenated along dim 0.
+    stack: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
     views: bool = False               # the result may be a view of an input (the reshapes)
     family: str = "op"
     ranks: tuple[int, ...] = ()
@@ -163,33 +169,88 @@ class OpSpec:
     def evaluate(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
                  notes: set[str] | None = None, on_call: Callable[[], None] | None = None) -> list:
         """Every checked tensor of `case` as a Row (a single failure row if the implementation
-        raised), judged in this process. `notes` collects what the implementation side reported
-        (a stage that fell back to a portable implementation); `on_call` runs once inputs and
-        reference are ready, just before the implementation."""
-        params = self.params_of(case.params)
-        base = self._base(case, params, subject.label, device, run_id, source)
-        kwargs = self.inputs(params, case.seed, device)
-        ref, t_ref = timed(lambda: self.reference(kwargs, params), device)
-        inputs = Snapshot(kwargs)
-        answer = Snapshot(ref, "the reference's answer", apart_from=inputs)
-        try:
-            got, t_impl = call_implementation(lambda: self.call(subject, kwargs, params), case.seed, device, on_call)
-        except Raised as raised:  # the implementation's failure is the case's result, not ours
-            return [raised_row(base, raised, time_ref_s=t_ref)]
-        if notes is not None:
-            notes.update(got.notes)
-        base = {**base, "path": got.path or base["path"], "stages": got.stages}
-        times = dict(time_ref_s=t_ref, time_impl_s=t_impl)
-        touched = answer.changed()
-        if touched:  # every verdict below would compare against what the implementation wrote
-            return [failure_row(base, "*", "contract", touched[0][1], **times)]
+        raised), judged in this process: `evaluate_block` of one case."""
+        return self.evaluate_block([case], subject, device, run_id=run_id, source=source, notes=notes,
+                                   on_call=on_call)[0]
 
-        def problem(name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
-            return (self._output_problem(check, out, want)
-                    or (None if self.views else inputs.aliased_by(name, out)) or answer.aliased_by(name, out))
+    def evaluate_block(self, cases: Sequence[Case], subject: Subject, device: str = "cpu", *, run_id: str = "",
+                       source: str = "fuzz", notes: set[str] | None = None,
+                       on_call: Callable[[], None] | None = None) -> list[list]:
+        """The rows of each of `cases`, cases of one params whose seeds differ (a fuzz block),
+        judged in this process. Each case's inputs are built from its seed, as its replay builds
+        them; the reference answers the block in one call where the op stacks its cases (`stack`);
+        the implementation runs once per case, on its own inputs; each check is judged over the
+        block at once (`oracle.judge_many`). `notes` collects what the implementation side reported
+        (a stage that fell back to a portable implementation); `on_call` runs before each call of
+        the implementation, once inputs and reference are ready."""
+        params = self.params_of(cases[0].params)
+        found: list[list] = []
+        for part, kwargs in self._in_parts(cases, params, device):
+            answer, t_ref = timed(lambda: self._answer(kwargs, params), device)
+            t_ref /= len(part)
+            # Taken once for the block: the answer is judged after the last call, so a write during
+            # any call of the block reaches every verdict.
+            guard = Snapshot(answer.stacked or {f"{i}.{k}": t for i, a in enumerate(answer.cases) for k, t in a.items()},
+                             "the reference's answer", apart_from=kwargs)
+            bases, outcomes = [], []
+            for case, kw in zip(part, kwargs):
+                base = self._base(case, params, subject.label, device, run_id, source)
+                inputs = Snapshot(kw)
+                try:
+                    got, t_impl = call_implementation(lambda: self.call(subject, kw, params), case.seed, device, on_call)
+                except Raised as raised:  # the implementation's failure is the case's result, not ours
+                    bases.append(base)
+                    outcomes.append([raised_row(base, raised, time_ref_s=t_ref)])
+                    continue
+                if notes is not None:
+                    notes.update(got.notes)
+                base = {**base, "path": got.path or base["path"], "stages": got.stages}
+                times = dict(time_ref_s=t_ref, time_impl_s=t_impl)
+                bases.append(base)
+                outcomes.append((got, times, input_rows(base, inputs, self.writes, **times),
+                                 # an output sharing an input's storage: checked while the inputs are at hand
+                                 {} if self.views else {n: why for n, out in got.tensors.items()
+                                                        if (why := inputs.aliased_by(n, out))}))
+            touched = guard.changed()
+            judged = [i for i, o in enumerate(outcomes) if isinstance(o, tuple) and not touched]
 
-        return input_rows(base, inputs, self.writes, **times) + self._verdicts(
-            base, params, kwargs, ref, got.tensors, got.deviations, times, problem)
+            def problem(i: int, name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
+                return (self._output_problem(check, out, want) or outcomes[i][3].get(name)
+                        or guard.aliased_by(name, out))
+
+            verdict_of = self._verdicts(judged, bases, params, kwargs, answer,
+                                        [o[0].tensors if isinstance(o, tuple) else None for o in outcomes],
+                                        [o[0].deviations if isinstance(o, tuple) else () for o in outcomes],
+                                        [o[1] if isinstance(o, tuple) else {} for o in outcomes], problem)
+            for i, o in enumerate(outcomes):
+                if not isinstance(o, tuple):
+                    found.append(o)
+                elif touched:  # every verdict would compare against what the implementation wrote
+                    found.append([failure_row(bases[i], "*", "contract", touched[0][1], **o[1])])
+                else:
+                    found.append(o[2] + verdict_of[i])
+        return found
+
+    def _in_parts(self, cases: Sequence[Case], params: Params, device: str) -> Iterator[tuple[list[Case], list[dict]]]:
+        """The cases of a block with their inputs, in parts whose inputs stay within BLOCK_BYTES
+        together (the stacked reference holds as much again)."""
+        first: dict | None = self.inputs(params, cases[0].seed, device)
+        per = max(1, BLOCK_BYTES // max(1, _nbytes(first)))
+        for start in range(0, len(cases), per):
+            part = list(cases[start:start + per])
+            kwargs = [first if start == i == 0 else self.inputs(params, c.seed, device) for i, c in enumerate(part, start)]
+            first = None
+            yield part, kwargs
+
+    def _answer(self, kwargs: list[dict], params: Params) -> "Answer":
+        """The reference's answer for each case of a block: one call on the cases stacked where the
+        op stacks them, else a call per case."""
+        if self.stack is not None and len(kwargs) > 1:
+            whole = self.reference(self.stack(kwargs), params)
+            stacked = {name: t.unflatten(0, (len(kwargs), -1)) for name, t in whole.items()}
+            return Answer([{name: t[i] for name, t in stacked.items()} for i in range(len(kwargs))], stacked)
+        refs = [self.reference(kw, params) for kw in kwargs]
+        return Answer(refs, {name: t[None] for name, t in refs[0].items()} if len(refs) == 1 else {})
 
     def _output_problem(self, check: Check, out: Any, want: torch.Tensor, returned_on: str | None = None,
                         returned_strides: Sequence[int] | None = None) -> str | None:
@@ -199,31 +260,40 @@ class OpSpec:
                               device=None if self.own_processes else str(want.device),
                               contiguous=check.contiguous, returned_on=returned_on, returned_strides=returned_strides)
 
-    def _verdicts(self, base: dict, params: Params, kwargs: dict, ref: Mapping[str, torch.Tensor],
-                  tensors: Mapping[str, Any], deviations: Sequence[str], times: dict, problem: Callable) -> list:
-        """A row per check: missing, a broken contract (`problem(name, out, want, check)`), or the
-        oracle's verdict against the reference."""
-        rows = []
+    def _verdicts(self, at: Sequence[int], bases: list[dict], params: Params, kwargs: list[dict], answer: "Answer",
+                  tensors: list, deviations: list, times: list[dict], problem: Callable) -> dict[int, list]:
+        """The rows of the cases `at` (positions in the block's lists), a row per check: missing, a
+        broken contract (`problem(i, name, out, want, check)`), or the oracle's verdict against the
+        reference. The cases of a check that declare the same deviations are judged at once."""
+        rows: dict[int, list] = {i: [] for i in at}
+        numerics = params.numerics()
         for check in self.checks:
-            if check.tensor not in ref or (check.optional and check.tensor not in tensors):
-                continue  # not asked for by this case, or not produced by this implementation
+            groups: dict[tuple, list[int]] = {}
             kind = check.row_kind or check.kind
-            if check.tensor not in tensors:
-                rows.append(failure_row(base, check.tensor, "missing", f"the implementation returned no {check.tensor!r}",
-                                        kind=kind, **times))
-                continue
-            out, want = tensors[check.tensor], ref[check.tensor]
-            why = problem(check.tensor, out, want, check)
-            if why:
-                rows.append(failure_row(base, check.tensor, "contract", why, kind=kind, **times))
-                continue
-            scale = ref.get(check.scale) if check.scale else None
-            numerics = params.numerics()
-            v = judge(check.kind, out, want, numerics.replace(dcp_size=1) if check.single_rank else numerics,
-                      deviations, scale, check.bounds_in(ref), name=check.tensor)
-            if v.metrics.nan_count and self.explain_nan is not None:
-                v.reason = "; ".join(filter(None, (v.reason, self.explain_nan(kwargs, check.tensor, out, want))))
-            rows.append(judged_row(base, check.tensor, kind, v, **times))
+            for i in at:
+                want, got = answer.cases[i].get(check.tensor), tensors[i]
+                if want is None or (check.optional and check.tensor not in got):
+                    continue  # not asked for by this case, or not produced by this implementation
+                if check.tensor not in got:
+                    rows[i].append(failure_row(bases[i], check.tensor, "missing",
+                                               f"the implementation returned no {check.tensor!r}", kind=kind, **times[i]))
+                    continue
+                why = problem(i, check.tensor, got[check.tensor], want, check)
+                if why:
+                    rows[i].append(failure_row(bases[i], check.tensor, "contract", why, kind=kind, **times[i]))
+                    continue
+                groups.setdefault((tuple(deviations[i]), tuple(want.shape)), []).append(i)
+            for (declared, _), group in groups.items():
+                outs = [tensors[i][check.tensor] for i in group]
+                bounds = {dev: answer.of(name, group) for dev, name in (check.bounds_in(answer.names()) or {}).items()}
+                verdicts = judge_many(check.kind, outs, answer.of(check.tensor, group),
+                                      numerics.replace(dcp_size=1) if check.single_rank else numerics, declared,
+                                      answer.of(check.scale, group), bounds if check.bound else None, name=check.tensor)
+                for i, out, v in zip(group, outs, verdicts):
+                    if v.metrics.nan_count and self.explain_nan is not None:
+                        why = self.explain_nan(kwargs[i], check.tensor, out, answer.cases[i][check.tensor])
+                        v.reason = "; ".join(filter(None, (v.reason, why)))
+                    rows[i].append(judged_row(bases[i], check.tensor, kind, v, **times[i]))
         return rows
 
     def produce(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
@@ -260,22 +330,69 @@ class OpSpec:
     def judge_produced(self, case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",
                        source: str = "fuzz") -> list:
         """The rows of `case` from what `produce` sent: the reference computed here, on inputs
-        built here, and every value judged here."""
-        rows = [Row.from_record(r) for r in produced.rows]
-        if produced.failed:
-            return rows
-        params = self.params_of(case.params)
-        base = self._base(case, params, label, device, run_id, source)
-        base = {**base, "path": produced.path or base["path"], "stages": produced.stages}
-        kwargs = self.inputs(params, case.seed, device)
-        ref, t_ref = timed(lambda: self.reference(kwargs, params), device)
-        times = dict(time_ref_s=t_ref, time_impl_s=produced.t_impl)
-        for r in rows:
-            r.time_ref_s = t_ref
+        built here, and every value judged here (`judge_produced_block` of one case)."""
+        return self.judge_produced_block([case], [produced], label, device, run_id=run_id, source=source)[0]
 
-        def problem(name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
-            return produced.problems.get(name) or self._output_problem(check, out, want, produced.devices.get(name),
-                                                                       produced.strides.get(name))
+    def judge_produced_block(self, cases: Sequence[Case], produced: Sequence[Produced], label: str, device: str = "cpu",
+                             *, run_id: str = "", source: str = "fuzz") -> list[list]:
+        """The rows of each of `cases` (one params, as `evaluate_block`'s) from what `produce` sent
+        for it: the reference of the block and every verdict computed here."""
+        found = [[Row.from_record(r) for r in p.rows] for p in produced]
+        live = [i for i, p in enumerate(produced) if not p.failed]
+        if not live:
+            return found
+        params = self.params_of(cases[0].params)
+        done = 0
+        for part, kwargs in self._in_parts([cases[i] for i in live], params, device):
+            index, done = live[done:done + len(part)], done + len(part)
+            answer, t_ref = timed(lambda: self._answer(kwargs, params), device)
+            t_ref /= len(part)
+            got = [produced[i] for i in index]
+            bases = []
+            for case, p in zip(part, got):
+                base = self._base(case, params, label, device, run_id, source)
+                bases.append({**base, "path": p.path or base["path"], "stages": p.stages})
+            for i in index:
+                for r in found[i]:
+                    r.time_ref_s = t_ref
 
-        tensors = {**produced.tensors, **{name: None for name in produced.problems}}
-        return rows + self._verdicts(base, params, kwargs, ref, tensors, produced.deviations, times, problem)
+            def problem(j: int, name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
+                return got[j].problems.get(name) or self._output_problem(check, out, want, got[j].devices.get(name),
+                                                                         got[j].strides.get(name))
+
+            verdicts = self._verdicts(range(len(part)), bases, params, kwargs, answer,
+                                      [{**p.tensors, **{name: None for name in p.problems}} for p in got],
+                                      [p.deviations for p in got],
+                                      [dict(time_ref_s=t_ref, time_impl_s=p.t_impl) for p in got], problem)
+            for j, i in enumerate(index):
+                found[i] += verdicts[j]
+        return found
+
+
+@dataclass
+class Answer:
+    """The reference's answer for the cases of a block: each case's tensors by name and, where
+    they were computed in one call (or there is one case), the same tensors with a leading case
+    axis, views of what the call returned."""
+
+    cases: list[dict[str, torch.Tensor]]
+    stacked: dict[str, torch.Tensor]
+
+    def names(self) -> dict[str, str]:
+        return {name: name for name in self.cases[0]}
+
+    def of(self, name: str | None, at: Sequence[int]) -> torch.Tensor | None:
+        """Tensor `name` of the cases `at`, stacked (None where the reference has no `name`)."""
+        if name is None or name not in self.cases[0]:
+            return None
+        if name in self.stacked:
+            whole = self.stacked[name]
+            return whole if list(at) == list(range(len(self.cases))) else whole[list(at)]
+        return torch.stack([self.cases[i][name] for i in at])
+
+
+def _nbytes(kwargs: Mapping[str, Any]) -> int:
+    """Bytes of the storages the tensors of `kwargs` live in (each once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for name, value in kwargs.items() for _, t in tensors_in(value, name) if t.device.type != "meta"}
+    return sum(storages.values())

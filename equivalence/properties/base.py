@@ -200,6 +200,18 @@ class PropertySpec:
             notes.update(produced.notes)
         return self.judge_produced(case, produced, subject.label, device, run_id=run_id, source=source)
 
+    def evaluate_block(self, cases: Sequence[Case], subject: Subject, device: str = "cpu", *, run_id: str = "",
+                       source: str = "fuzz", notes: set[str] | None = None,
+                       on_call: Callable[[], None] | None = None) -> list[list]:
+        """`evaluate` of each case: a property's cases pose problems of their own, judged one by one."""
+        return [self.evaluate(case, subject, device, run_id=run_id, source=source, notes=notes, on_call=on_call)
+                for case in cases]
+
+    def judge_produced_block(self, cases: Sequence[Case], produced: Sequence[Produced], label: str,
+                             device: str = "cpu", *, run_id: str = "", source: str = "fuzz") -> list[list]:
+        return [self.judge_produced(case, p, label, device, run_id=run_id, source=source)
+                for case, p in zip(cases, produced)]
+
     def _base(self, case: Case, params: Params, label: str, stages: str, device: str, run_id: str, source: str) -> dict:
         return dict(run_id=run_id, case_id=case.case_id, impl=label, stages=stages, device=device, seed=case.seed,
                     source=source, **self.identity(case, params))

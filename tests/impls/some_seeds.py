@@ -1,0 +1,16 @@
+"""A sparse FP8 decode kernel wrong on some inputs only (issue 28's block tests): the float32 eager
+kernel, its output scaled by 1.05 where the first query element is positive. Which cases fail
+depends on the seed alone, so in a fuzz block some members fail and others pass."""
+
+from __future__ import annotations
+
+import torch
+
+from mla_verify.optimized import eager
+
+
+def decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float):
+    out, lse = eager.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
+    if q.flatten()[0] > 0:
+        out = (out.float() * 1.05).to(out.dtype)
+    return out, lse

@@ -1,0 +1,107 @@
+"""Fuzz blocks (issue 28): cases of one params at successive seeds, their reference computed as one
+batch and their checks judged at once, are each judged as the case alone is; a block campaign
+saves the single failing case, shrinks it as one, and its file replays."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.catalog import evaluate, evaluate_block, get_spec, resolve_subject
+from mla_verify.equivalence.profiles import get_profile
+from mla_verify.fuzz.campaign import fuzz
+
+DECODE = {"batch": 3, "s_q": 2, "heads": 16, "topk": 128, "seq_lens": [300, 1, 70], "page_size": 16, "stride_pad": 1,
+          "value_regime": "normal", "scale_rule": "raw", "sm_scale": 0.1, "invalid": ["scattered", "whole_row"]}
+PREFILL = {"tokens": 5, "heads": 16, "kv_rows": 300, "topk": 128, "value_regime": "outliers", "sm_scale": 0.1,
+           "invalid": ["negatives", "out_of_range", "whole_row"], "topk_length": "random", "sink": "inf"}
+KERNEL = "tests.impls.some_seeds:decode"
+
+
+def _same(alone, together):
+    """The rows of a case judged alone and in a block: the same checks, verdicts and reasons, and
+    the same values to fp64 rounding (a batched reduction may add in another order)."""
+    assert [(r.tensor, r.passed, r.gate_metric, r.deviation, r.reason) for r in alone] == \
+           [(r.tensor, r.passed, r.gate_metric, r.deviation, r.reason) for r in together]
+    for a, b in zip(alone, together):
+        assert math.isclose(a.value, b.value, rel_tol=1e-9, abs_tol=1e-300), (a.tensor, a.value, b.value)
+        assert a.case == b.case and a.seed == b.seed
+
+
+@pytest.mark.parametrize("op, params, impl", [("sparse_decode_fp8", DECODE, "torch-fp32"),
+                                              ("sparse_decode_fp8", DECODE, KERNEL),
+                                              ("sparse_prefill", PREFILL, "torch-fp32")],
+                         ids=["decode-stacked", "decode-failing-members", "prefill-case-by-case"])
+def test_a_block_judges_each_case_as_it_is_judged_alone(op, params, impl):
+    subject = resolve_subject(op, [impl], "cpu")
+    cases = [Case(op, params, seed) for seed in range(11, 16)]
+    block = evaluate_block(cases, subject, "cpu")
+    assert len(block) == len(cases)
+    for case, rows in zip(cases, block):
+        _same(evaluate(case, subject, "cpu"), rows)
+    if impl == KERNEL:  # the block holds both outcomes, each where the case alone has it
+        assert {all(r.passed for r in rows) for rows in block} == {True, False}
+
+
+def test_the_decode_reference_answers_a_block_in_one_call():
+    spec = get_spec("sparse_decode_fp8")
+    params = spec.params_of(DECODE)
+    kwargs = [spec.inputs(params, seed, "cpu") for seed in (1, 2, 3)]
+    answer = spec._answer(kwargs, params)
+    assert answer.stacked["out"].shape[0] == 3  # one stacked call, viewed per case
+    for kw, mine in zip(kwargs, answer.cases):
+        alone = spec.reference(kw, params)
+        assert set(alone) == set(mine)
+        for name, t in alone.items():
+            assert t.shape == mine[name].shape and t.allclose(mine[name], rtol=1e-12, atol=0, equal_nan=True), name
+
+
+def test_a_block_campaign_saves_and_shrinks_the_one_failing_case(tmp_path):
+    subject = resolve_subject("sparse_decode_fp8", [KERNEL], "cpu")
+    result = fuzz("sparse_decode_fp8", lambda c, s: evaluate(c, subject, "cpu", source=s), profile=get_profile("ci"),
+                  examples=40, seed=2, impl_specs=(KERNEL,), out_dir=tmp_path, show_progress=False, block=4,
+                  run_block=lambda cs, s, on_call: evaluate_block(cs, subject, "cpu", source=s, on_call=on_call))
+    assert result.failure is not None and result.shrunk and result.flaky is None
+    assert result.examples % 4 == 0 or result.examples == 40  # whole blocks counted case by case
+    assert len({r.case_id for r in result.rows if r.source == "fuzz"}) == result.examples
+    found = json.loads(result.found_file.read_text())
+    minimized = json.loads(result.case_file.read_text())
+    assert found["case"]["op"] == minimized["case"]["op"] == "sparse_decode_fp8"
+    assert minimized["case"]["params"]["batch"] <= found["case"]["params"]["batch"]
+    replayed = evaluate(Case.from_dict(minimized["case"]), subject, "cpu")
+    assert not all(r.passed for r in replayed)  # the saved case fails alone, as it failed in its block
+
+
+def test_blocks_count_cases_and_call_on_call_once_a_case():
+    subject = resolve_subject("sparse_decode_fp8", ["torch-fp32"], "cpu")
+    calls, blocks = [], []
+
+    def run_block(cases, source, on_call):
+        blocks.append(len(cases))
+        return evaluate_block(cases, subject, "cpu", source=source, on_call=lambda: (calls.append(1), on_call()))
+
+    started = []
+    result = fuzz("sparse_decode_fp8", lambda c, s: evaluate(c, subject, "cpu", source=s), profile=get_profile("ci"),
+                  examples=10, seed=1, show_progress=False, block=4, run_block=run_block,
+                  started=lambda case, source: started.append(case.case_id) or (lambda: None))
+    assert blocks == [4, 4, 2] and result.examples == 10 and len(calls) == 10
+    assert started == [c for c in dict.fromkeys(r.case_id for r in result.rows)]  # journaled in call order
+
+
+def test_an_isolated_block_is_judged_in_the_parent_as_in_process():
+    from mla_verify.equivalence.isolation import Worker
+
+    subject = resolve_subject("sparse_decode_fp8", [KERNEL], "cpu")
+    cases = [Case("sparse_decode_fp8", DECODE, seed) for seed in range(11, 15)]
+    sent = []
+    worker = Worker("cpu")
+    try:
+        isolated = worker.run_block(cases, [KERNEL], subject.label, on_call=lambda: sent.append(1))
+    finally:
+        worker.close()
+    assert len(sent) == len(cases)
+    for alone, rows in zip(evaluate_block(cases, subject, "cpu"), isolated):
+        _same(alone, rows)
