@@ -47,6 +47,10 @@ Both float kinds compare NaN and infinities by position first: +inf, -inf and Na
 exactly the reference's places (`inf_mismatch` counts the positions that differ) and NaN the
 reference does not have is counted in `nan_count`. The other metrics use the positions where
 both are finite.
+
+The float kinds measure a block of C tensors of one shape at once (`outputs`, `lses`: the cases of
+a fuzz block, which differ only in their seed), each case on its own, with one read back to the
+host for the block; `output` and `lse` are the block of one.
 """
 
 from __future__ import annotations
@@ -120,6 +124,21 @@ def exact(a: torch.Tensor, r: torch.Tensor) -> Metrics:
     return m
 
 
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """A block [C, ...] as [C, n]: one case a row (reshape(C, -1) cannot size an empty case)."""
+    return x.reshape(x.shape[0], math.prod(x.shape[1:]))
+
+
+def _sum(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Each case's sum, [C]."""
+    return _flat(x).sum(dim=1, dtype=dtype)
+
+
+def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each case's <x, y>, [C]."""
+    return torch.linalg.vecdot(_flat(x), _flat(y))
+
+
 def _finite(x: torch.Tensor) -> torch.Tensor:
     """isfinite in two passes instead of four: x - x is 0 exactly where x is finite, NaN elsewhere."""
     return torch.sub(x, x).eq(0)
@@ -131,49 +150,55 @@ def _classes(x: torch.Tensor) -> torch.Tensor:
 
 
 def _first(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(largest element, its flat position: the first on ties) of x, in one reduction."""
+    """(largest element, its flat position in the case: the first on ties) of each case of x, in
+    one reduction."""
     if x.numel() == 0:
-        return x.new_zeros(()), torch.zeros((), dtype=torch.long, device=x.device)
-    return x.reshape(-1).max(dim=0)
+        return x.new_zeros(x.shape[0]), torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+    return _flat(x).max(dim=1)
 
 
-def _float_stats(a: torch.Tensor, r: torch.Tensor, extra) -> tuple[Metrics, dict[str, float]]:
-    """The metrics every float kind shares, plus the kind's own scalars (`extra(d, rf, abs_d)` ->
-    name: 0-d tensor), reduced on the device and read back in one transfer. d = a - r and
+def _float_stats(a: torch.Tensor, r: torch.Tensor, extra, shape: torch.Size) -> list[tuple[Metrics, dict[str, float]]]:
+    """The metrics every float kind shares, per case of the block a, r [C, ...], plus the kind's
+    own scalars (`extra(d, rf, abs_d)` -> name: [C] tensor), reduced on the device and read back
+    in one transfer for all cases; positions index within `shape`, the case's. d = a - r and
     rf = r where both are finite, 0 elsewhere; the +inf/-inf/NaN classes are compared in a
-    second pass only when some element is not finite."""
+    second pass, once for the block, only when some element of some case is not finite."""
     d = torch.sub(a if a.is_floating_point() else a.double(), r)  # a promoted as read: no float64 copy
     finite = _finite(d)
     d.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # zero exactly where d is not finite
     rf = torch.where(finite, r, 0.0)
     abs_d = d.abs()
     max_abs, argmax = _first(abs_d)
-    flat_d, flat_r = d.reshape(-1), rf.reshape(-1)
     # Counts summed in float64 (exact below 2**53): only the positions need converting to be stacked.
-    stats = {"n": finite.sum(dtype=torch.float64), "ref_sq": torch.dot(flat_r, flat_r), "err_sq": torch.dot(flat_d, flat_d),
-             "dot": torch.dot(flat_d, flat_r), "max_abs": max_abs, "argmax": argmax, **extra(d, rf, abs_d)}
-    values = dict(zip(stats, torch.stack([v.double() for v in stats.values()]).tolist()))
-    m = Metrics(numel=r.numel())
-    if values["n"] < r.numel():
+    stats = {"n": _sum(finite, torch.float64), "ref_sq": _dot(rf, rf), "err_sq": _dot(d, d), "dot": _dot(d, rf),
+             "max_abs": max_abs, "argmax": argmax, **extra(d, rf, abs_d)}
+    cases = [dict(zip(stats, row)) for row in torch.stack([v.double() for v in stats.values()], dim=1).tolist()]
+    numel = math.prod(shape)
+    classes = [(0, 0)] * len(cases)
+    if any(v["n"] < numel for v in cases):
         ca, cr = _classes(a), _classes(r)
-        m.inf_mismatch, m.nan_count = map(int, torch.stack([(ca != cr).sum(), ((ca == 2) & (cr != 2)).sum()]).tolist())
-    values["ref_norm"], values["err_norm"] = math.sqrt(values["ref_sq"]), math.sqrt(values["err_sq"])
-    if values["n"]:
-        m.ref_rms = values["ref_norm"] / math.sqrt(values["n"])
-        m.max_abs = values["max_abs"]
-        m.max_abs_at = _position(int(values["argmax"]), r.shape)
-        m.rel_l2 = values["err_norm"] / values["ref_norm"] if values["ref_norm"] else (math.inf if values["err_norm"] else 0.0)
-    return m, values
+        classes = torch.stack([_sum(ca != cr), _sum((ca == 2) & (cr != 2))], dim=1).tolist()
+    out = []
+    for v, (inf_mismatch, nan_count) in zip(cases, classes):
+        m = Metrics(numel=numel, inf_mismatch=inf_mismatch, nan_count=nan_count)
+        v["ref_norm"], v["err_norm"] = math.sqrt(v["ref_sq"]), math.sqrt(v["err_sq"])
+        if v["n"]:
+            m.ref_rms = v["ref_norm"] / math.sqrt(v["n"])
+            m.max_abs = v["max_abs"]
+            m.max_abs_at = _position(int(v["argmax"]), shape)
+            m.rel_l2 = v["err_norm"] / v["ref_norm"] if v["ref_norm"] else (math.inf if v["err_norm"] else 0.0)
+        out.append((m, v))
+    return out
 
 
 def _gain_terms(d: torch.Tensor, rf: torch.Tensor, rows_last: bool) -> dict[str, torch.Tensor]:
     """The gain's standard error terms as `extra` scalars: per cluster (a row along the last dim,
     or each element) its <d, r> and <r, r>, reduced to sum_c <e_c, r_c>**2 with e = d - gain r."""
-    dr, rr = (torch.linalg.vecdot(d, rf), torch.linalg.vecdot(rf, rf)) if rows_last and d.dim() else (d * rf, rf * rf)
-    gain = dr.sum() / rr.sum().clamp(min=torch.finfo(torch.float64).tiny)
-    score = dr - gain * rr
-    return {"gain_dot": dr.sum(), "gain_sq": rr.sum(), "score_sq": torch.dot(score.reshape(-1), score.reshape(-1)),
-            "clusters": (rr > 0).sum(dtype=torch.float64)}
+    dr, rr = (torch.linalg.vecdot(d, rf), torch.linalg.vecdot(rf, rf)) if rows_last else (d * rf, rf * rf)
+    dot, sq = _sum(dr), _sum(rr)
+    gain = dot / sq.clamp(min=torch.finfo(torch.float64).tiny)
+    score = dr - gain.reshape(-1, *[1] * (dr.dim() - 1)) * rr
+    return {"gain_dot": dot, "gain_sq": sq, "score_sq": _dot(score, score), "clusters": _sum(rr > 0, torch.float64)}
 
 
 def _set_gain(m: Metrics, v: dict[str, float]) -> None:
@@ -201,12 +226,21 @@ def _set_bound_ratio(m: Metrics, v: dict[str, float], shape: torch.Size) -> None
             m.extra["bound_at"] = _position(int(v["bound_at"]), shape)
 
 
-def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch.Tensor | None = None,
-           bound: torch.Tensor | None = None) -> Metrics:
-    """An attention output (bf16 or wider) against the float64 reference; `elem_units` is the
-    per-element bound (in bf16 steps of the row's magnitude) that `mismatch_frac` counts against;
-    `value_max` (the rows' shape without the last dim) the largest |V| each row averages; `bound`
-    (r's shape) the derived per-element bound, for elem_bound_ratio."""
+def _one(x: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor as a block of one case."""
+    return None if x is None else x[None]
+
+
+def outputs(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch.Tensor | None = None,
+            bound: torch.Tensor | None = None) -> list[Metrics]:
+    """Attention outputs (bf16 or wider) against the float64 reference, a block of C >= 1 cases
+    of one shape: `a`, `r` [C, ...]; `elem_units` is the per-element bound (in bf16 steps of the
+    row's magnitude) that `mismatch_frac` counts against; `value_max` ([C, ...] without r's last
+    dim) the largest |V| each row averages; `bound` (r's shape) the derived per-element bound,
+    for elem_bound_ratio. Every metric is its case's own; positions index within the case."""
+    shape = r.shape[1:]
+    if not shape:  # a 0-d case is one row of one element
+        a, r, bound = a[:, None], r[:, None], None if bound is None else bound[:, None]
     r = r.double()
 
     def extra(d, rf, abs_d):
@@ -214,20 +248,25 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch
         row_scale = output_row_scale(abs_r, value_max)
         elem, elem_argmax = _row_first(abs_d, row_scale)
         sizable = abs_r >= row_scale  # row_scale > 0: never a zero or a non-finite position
-        rounding = torch.sub(rf.to(torch.bfloat16), rf).reshape(-1)
+        rounding = torch.sub(rf.to(torch.bfloat16), rf)
         _, exponent = torch.frexp(rf)   # |r| in [2**(e-1), 2**e): one bf16 step there is 2**(e - 8)
         return {
-            "rounding_sq": torch.dot(rounding, rounding), "elem": elem, "elem_argmax": elem_argmax,
-            "beyond": (abs_d > elem_units * row_scale).sum(dtype=torch.float64),
-            "rel_sum": torch.where(sizable, d / rf, 0.0).sum(), "rel_n": sizable.sum(dtype=torch.float64),
-            "ulp_sum": torch.where(sizable, torch.ldexp(d, 8 - exponent), 0.0).sum(),
+            "rounding_sq": _dot(rounding, rounding), "elem": elem, "elem_argmax": elem_argmax,
+            "beyond": _sum(abs_d > elem_units * row_scale, torch.float64),
+            "rel_sum": _sum(torch.where(sizable, d / rf, 0.0)), "rel_n": _sum(sizable, torch.float64),
+            "ulp_sum": _sum(torch.where(sizable, torch.ldexp(d, 8 - exponent), 0.0)),
             **_gain_terms(torch.where(sizable, d, 0.0), torch.where(sizable, rf, 0.0), rows_last=True),
             **_bound_ratio(abs_d, bound),
         }
 
-    m, v = _float_stats(a, r, extra)
-    m.rows = r.numel() // max(r.shape[-1], 1) if r.dim() else 1
-    _set_bound_ratio(m, v, r.shape)
+    rows = math.prod(shape) // max(shape[-1], 1) if shape else 1
+    return [_output(m, v, rows, shape) for m, v in _float_stats(a, r, extra, shape)]
+
+
+def _output(m: Metrics, v: dict[str, float], rows: int, shape: torch.Size) -> Metrics:
+    """One case's output metrics from its scalars."""
+    m.rows = rows
+    _set_bound_ratio(m, v, shape)
     if not v["n"]:
         return m
     # 1 - cos(a, r) from d = a - r without cancellation: |a|^2 |r|^2 - <a, r>^2 = |d|^2 |r|^2 - <d, r>^2.
@@ -241,9 +280,15 @@ def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch
     m.bias_units = v["ulp_sum"] / v["rel_n"] if v["rel_n"] else 0.0
     _set_gain(m, v)
     m.elem_bf16_units = v["elem"]
-    m.elem_at = _position(int(v["elem_argmax"]), r.shape)
-    m.mismatch_frac = v["beyond"] / r.numel()
+    m.elem_at = _position(int(v["elem_argmax"]), shape)
+    m.mismatch_frac = v["beyond"] / m.numel
     return m
+
+
+def output(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch.Tensor | None = None,
+           bound: torch.Tensor | None = None) -> Metrics:
+    """One attention output's `outputs`: `value_max` r's shape without its last dim, `bound` r's."""
+    return outputs(a[None], r[None], elem_units, _one(value_max), _one(bound))[0]
 
 
 def output_row_scale(abs_r: torch.Tensor, value_max: torch.Tensor | None = None) -> torch.Tensor:
@@ -259,30 +304,42 @@ def lse_unit(rf: torch.Tensor, logit_l1: torch.Tensor) -> torch.Tensor:
 
 
 def _row_first(abs_d: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max |d| / row_scale, its flat position) with one pass over |d|: the scale is per row."""
+    """(max |d| / row_scale, its flat position in the case) of each case [C, ..., width], with one
+    pass over |d|: the scale is per row."""
     if abs_d.numel() == 0:
         return _first(abs_d)
-    width = abs_d.shape[-1] if abs_d.dim() else 1
-    best, col = abs_d.reshape(-1, width).max(dim=-1)
-    ratio, row = (best / row_scale.reshape(-1)).max(dim=0)  # the first row on ties, as argmax
-    return ratio, row * width + col.take(row)  # take(): a 0-d index stays on the device
+    cases, width = abs_d.shape[0], abs_d.shape[-1]
+    best, col = abs_d.reshape(cases, -1, width).max(dim=-1)
+    ratio, row = (best / row_scale.reshape(cases, -1)).max(dim=1)  # the first row on ties, as argmax
+    return ratio, row * width + col.gather(1, row[:, None]).squeeze(1)
 
 
-def lse(a: torch.Tensor, r: torch.Tensor, logit_l1: torch.Tensor, bound: torch.Tensor | None = None) -> Metrics:
-    """An LSE (or max_logits) against the float64 reference, scaled by each row's logit scale;
-    `bound` (r's shape) the derived per-element bound, for elem_bound_ratio."""
+def lses(a: torch.Tensor, r: torch.Tensor, logit_l1: torch.Tensor, bound: torch.Tensor | None = None) -> list[Metrics]:
+    """LSEs (or max_logits) against the float64 reference, a block of C >= 1 cases of one shape
+    (`a`, `r`, `logit_l1` [C, ...]), each element scaled by its row's logit scale; `bound` (r's
+    shape) the derived per-element bound, for elem_bound_ratio. Every metric is its case's own;
+    positions index within the case."""
     r = r.double()
 
     def extra(d, rf, abs_d):
         scale = lse_unit(rf, logit_l1)
-        return {"units": (abs_d / scale).max() if d.numel() else d.sum(), "signed_units": (d / scale).sum(),
+        return {"units": _flat(abs_d / scale).amax(dim=1) if d.numel() else _sum(d), "signed_units": _sum(d / scale),
                 **_gain_terms(d, rf, rows_last=False), **_bound_ratio(abs_d, bound)}
 
-    m, v = _float_stats(a, r, extra)
+    return [_lse(m, v, r.shape[1:]) for m, v in _float_stats(a, r, extra, r.shape[1:])]
+
+
+def _lse(m: Metrics, v: dict[str, float], shape: torch.Size) -> Metrics:
+    """One case's LSE metrics from its scalars."""
     m.lse_fp32_units = v["units"] if v["n"] else 0.0
-    _set_bound_ratio(m, v, r.shape)
+    _set_bound_ratio(m, v, shape)
     _set_gain(m, v)
     if v["n"]:
         m.mean_err = v["dot"] / v["ref_sq"] if v["ref_sq"] else 0.0
         m.bias_units = v["signed_units"] / v["n"]
     return m
+
+
+def lse(a: torch.Tensor, r: torch.Tensor, logit_l1: torch.Tensor, bound: torch.Tensor | None = None) -> Metrics:
+    """One LSE's (or max_logits') `lses`."""
+    return lses(a[None], r[None], logit_l1[None], _one(bound))[0]

@@ -1,7 +1,8 @@
 """The oracle: compare one implementation tensor with the reference's and give the verdict.
 
 `judge` measures (equivalence.metrics), looks up the bounds (equivalence.policy) and returns the
-metrics plus the gated metric with the least headroom. NaN never passes, and infinities must sit
+metrics plus the gated metric with the least headroom; `judge_many` does so for a block of cases
+of one shape at once. NaN never passes, and infinities must sit
 exactly where the reference has them, whatever the tolerances.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -45,27 +46,52 @@ def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, scale: torch.Tenso
     """`scale` (per row): an LSE's logit_l1; an output's value_max (the largest |V| its row
     averages), which sets the size below which an fp32 kernel's weights flush to zero. `bound`
     (ref's shape): the derived per-element bound (equivalence.bounds), for elem_bound_ratio."""
-    impl = impl.to(ref.device)  # an implementation may hand back its result on another device
-    if impl.shape != ref.shape:
-        return M.Metrics(numel=ref.numel(), mismatch_frac=1.0, extra={"shape": f"{tuple(impl.shape)} vs {tuple(ref.shape)}"})
+    return measure_many(kind, [impl], ref[None], None if scale is None else scale[None],
+                        None if bound is None else bound[None])[0]
+
+
+def measure_many(kind: str, impls: Sequence[torch.Tensor], ref: torch.Tensor, scale: torch.Tensor | None = None,
+                 bound: torch.Tensor | None = None) -> list[M.Metrics]:
+    """`measure` of each impls[i] against ref[i] (`scale`, `bound`: [C, ...] or None), the cases
+    of one shape (a fuzz block's) measured together: one set of ops and one read back for all."""
+    impls = [impl.to(ref.device) for impl in impls]  # an implementation may hand back its result on another device
+    shape = ref.shape[1:]
+    out = [M.Metrics(numel=math.prod(shape), mismatch_frac=1.0, extra={"shape": f"{tuple(impl.shape)} vs {tuple(shape)}"})
+           for impl in impls]
+    fit = [i for i, impl in enumerate(impls) if impl.shape == shape]
+    if not fit:
+        return out
     if kind == EXACT:
-        return M.exact(impl, ref)
+        for i in fit:
+            out[i] = M.exact(impls[i], ref[i])
+        return out
+    if kind not in (OUT, LSE):
+        raise ValueError(f"unknown tensor kind {kind!r}")
+    if len(fit) < len(impls):
+        at = torch.tensor(fit, device=ref.device)
+        ref, scale, bound = (None if t is None else t.index_select(0, at.to(t.device)) for t in (ref, scale, bound))
+    # stack promotes mixed dtypes to the widest, which may round an integer: mixed, each is read as float64
+    fitting = [impls[i] for i in fit]
+    a = torch.stack(fitting if len({t.dtype for t in fitting}) == 1 else [t.double() for t in fitting])
     if kind == OUT:
-        return M.output(impl, ref, ELEM_UNITS_FOR_MISMATCH, scale, bound)
-    if kind == LSE:
-        return M.lse(impl, ref, scale if scale is not None else torch.zeros_like(ref), bound)
-    raise ValueError(f"unknown tensor kind {kind!r}")
+        measured = M.outputs(a, ref, ELEM_UNITS_FOR_MISMATCH, scale, bound)
+    else:
+        measured = M.lses(a, ref, scale if scale is not None else torch.zeros_like(ref), bound)
+    for i, m in zip(fit, measured):
+        out[i] = m
+    return out
 
 
-def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str, pair: Pair) -> Verdict:
+def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str, pair: Callable[[], Pair]) -> Verdict:
     """The gated metric of `m` with the least headroom under `bounds`, and whether it passes; a
-    failure's reason describes the mismatch (`equivalence.mismatch`) from `pair`, its tensors."""
+    failure's reason describes the mismatch (`equivalence.mismatch`) from `pair()`, its tensors
+    (called only for a failure)."""
     if "shape" in m.extra:
         return Verdict(m, False, "shape", 1.0, 0.0, 0.0, deviation, f"shape/dtype mismatch: {m.extra['shape']}")
     if kind != EXACT and (m.nan_count or m.inf_mismatch):
         metric = "inf_mismatch" if m.inf_mismatch else "nan_count"
         return Verdict(m, False, metric, float(m.inf_mismatch or m.nan_count), 0.0, 0.0, deviation,
-                       describe(kind, pair, m, bounds, metric))
+                       describe(kind, pair(), m, bounds, metric))
     worst: tuple[float, Bound, float, float] | None = None
     for b in bounds:
         v, limit = _value(m, b.metric), limit_for(b, m.rows)
@@ -74,7 +100,7 @@ def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str, 
             worst = (room, b, v, limit)
     room, bound, value, limit = worst
     passed = value <= limit
-    reason = "" if passed else describe(kind, pair, m, bounds, bound.metric)
+    reason = "" if passed else describe(kind, pair(), m, bounds, bound.metric)
     return Verdict(m, passed, bound.metric, value, limit, room, deviation, reason)
 
 
@@ -94,14 +120,28 @@ def judge(
     allow for ("" none: `equivalence.ops.base.Check.bound`). The elem_bound_ratio bound applies
     only where the reference derived one for the deviation that set the bounds. `name`: the
     tensor's (out, lse, max_logits), for the failure's description."""
+    return judge_many(kind, [impl], ref[None], case, deviations, None if scale is None else scale[None],
+                      None if bound is None else {k: v[None] for k, v in bound.items()}, name)[0]
+
+
+def judge_many(
+    kind: str,
+    impls: Sequence[torch.Tensor],
+    ref: torch.Tensor,
+    case: Numerics,
+    deviations: Iterable[str] = (),
+    scale: torch.Tensor | None = None,
+    bound: Mapping[str, torch.Tensor] | None = None,
+    name: str = "",
+) -> list[Verdict]:
+    """`judge` of each impls[i] against ref[i] (`ref`, `scale` and each `bound` [C, ...]: the
+    cases of a fuzz block, which share their params), measured together (`measure_many`)."""
     bounds, deviation = bounds_for(kind, case, deviations)
     tensor = None if bound is None else bound.get(deviation)
     if tensor is None:
         bounds = tuple(b for b in bounds if b.metric != ELEM_BOUND)
-    return verdict(kind, measure(kind, impl, ref, scale, tensor), bounds, deviation,
-                   Pair(name or kind, impl, ref, scale, tensor))
-
-
-def judge_many(kind, impls, ref, case, deviations=(), scale=None, bound=None, name=""):  # placeholder: batched version coming
-    return [judge(kind, impl, ref[i], case, deviations, None if scale is None else scale[i],
-                  None if bound is None else {k: v[i] for k, v in bound.items()}, name) for i, impl in enumerate(impls)]
+    # A case's Pair (views of the block) is built only for a failure's description.
+    return [verdict(kind, m, bounds, deviation,
+                    lambda i=i: Pair(name or kind, impls[i], ref[i], None if scale is None else scale[i],
+                                     None if tensor is None else tensor[i]))
+            for i, m in enumerate(measure_many(kind, impls, ref, scale, tensor))]

@@ -257,7 +257,7 @@ class PropertySpec:
                 m.mismatch_frac = M.exact(got, want).mismatch_frac if got.dtype == want.dtype else math.nan
             rows.append(judged_row(base, f"{c.check}.{c.tensor}", "exact" if kind == EXACT else c.tensor,
                                    verdict(kind, m, bounds, deviation,
-                                           mismatch.Pair(f"{c.check}.{c.tensor}", got, want, c.scale)),
+                                           lambda: mismatch.Pair(f"{c.check}.{c.tensor}", got, want, c.scale)),
                                    time_impl_s=produced.t_impl))
         return rows
 

@@ -268,7 +268,7 @@ class GraphSpec(PropertySpec):
         for name, t in ((n, t) for n, t in got.items() if n in want):
             kind, bounds, deviation = property_bounds(f"{self.short}.replay", EXACT, produced.deviations)
             v = verdict(kind, measure(kind, t, want[name]), bounds, deviation,
-                        mismatch.Pair(f"replay.{name}", t, want[name]))
+                        lambda: mismatch.Pair(f"replay.{name}", t, want[name]))
             rows.append(judged_row(base, f"replay.{name}", "exact", v, **times))
         for check in op.checks:
             if check.tensor not in ref or check.tensor not in got:
