@@ -21,7 +21,8 @@ s_j         sm_scale * <q, K_j>, the logits; l1 = sm_scale * sum_d |q_d| |K_jd| 
 p_j         exp(s_j - lse), the exact softmax weights; f = 1 / (1 + exp(sink - lse)) the sink
             factor (1 without a sink).
 A, B        per (token, head, dim): A = f sum_j p_j |V_jd|, B = f sum_j |V_jd|
-            (`weighted_abs_values`; V is the NoPE part of K, 512 dims).
+            (the reference's magnitudes out_abs and value_abs, computed in its own pass;
+            V is the NoPE part of K, 512 dims).
 
 1. Sparse attention kernels (bf16 tensor-core kernels: FlashMLA, our Triton; and torch-fp32)
 -------------------------------------------------------------------------------------------
@@ -119,7 +120,6 @@ from typing import NamedTuple
 import torch
 
 from mla_verify import reference as R
-from mla_verify.reference.attention import cache_row_values, chunk_tokens, memory_budget
 
 U_NEAREST = 2.0**-24     # IEEE fp32, round to nearest (CPU torch, the Triton interpreter)
 U_TRUNCATING = 2.0**-23  # GPU tensor cores: fp32 accumulation may truncate
@@ -148,70 +148,6 @@ def gamma(n: int, unit: float = U_TRUNCATING) -> float:
 
 # ---------------------------------------------------------------------------------------------
 # 1. Sparse attention
-
-
-def weighted_abs_values(q, rows, valid, sm_scale, lse, sink=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A, B) per (token, head, dim) in float64: A = f * sum_j p_j |V_j|, B = f * sum_j |V_j|,
-    f the sink factor 1 / (1 + e^(sink - lse)).
-
-    q [n, H, 576], rows [n, K, 576] float64 (exact values, zero where not valid; consumed: its
-    values are overwritten), valid [n, K], lse [n, H] (the reference's), sink [H] or None. Worked
-    in place: the [n, H, K] weights and the rows are the largest tensors of a reference pass.
-    """
-    s = torch.einsum("nhd,nkd->nhk", q.double(), rows).mul_(sm_scale)
-    live = torch.isfinite(lse)
-    lse = torch.where(live, lse.double(), 0)
-    # masked, not multiplied: an invalid key's logit is 0, whose exp(0 - lse) overflows when lse < -709
-    p = s.sub_(lse[..., None]).exp_().masked_fill_(~(valid[:, None, :] & live[..., None]), 0)
-    values = rows[..., :512].abs_()
-    a = torch.einsum("nhk,nkd->nhd", p, values)
-    b = values.sum(1)[:, None, :] * live[..., None]
-    if sink is not None:
-        f = 1 / (1 + torch.exp(sink.double()[None, :] - lse))[..., None]
-        a, b = a * f, b * f
-    return a, b
-
-
-def _chunked(n: int, heads: int, topk: int, budget_bytes: int | None):
-    """Token slices for `weighted_abs_values`: it holds about twice what a reference chunk does
-    (float64 rows and their |V|, logits and weights)."""
-    per = chunk_tokens(heads, topk, 8, budget_bytes or memory_budget()) // 2
-    step = max(1, per)
-    return (slice(i, min(i + step, n)) for i in range(0, n, step))
-
-
-def prefill_weighted_abs_values(q, kv, indices, sm_scale, lse, topk_length=None, sink=None, budget_bytes=None):
-    """`weighted_abs_values` of a `sparse_prefill` call (lse its reference [T, H]), chunk by chunk
-    within the reference's memory budget: (A, B) [T, H, 512]."""
-    tokens, heads, _ = q.shape
-    a = torch.empty(tokens, heads, 512, dtype=torch.float64, device=q.device)
-    b = torch.empty_like(a)
-    positions = torch.arange(indices.shape[1], device=indices.device)
-    for rows in _chunked(tokens, heads, indices.shape[1], budget_bytes):
-        idx = indices[rows].long()
-        valid = (idx >= 0) & (idx < kv.shape[0])
-        if topk_length is not None:
-            valid &= positions[None, :] < topk_length[rows].long()[:, None]
-        keys = kv[torch.where(valid, idx, 0)].double().masked_fill_(~valid[..., None], 0)
-        a[rows], b[rows] = weighted_abs_values(q[rows], keys, valid, sm_scale, lse[rows], sink)
-    return a, b
-
-
-def decode_weighted_abs_values(q, kv_cache, indices, sm_scale, lse, budget_bytes=None):
-    """`weighted_abs_values` of a `sparse_decode_fp8` call: q [B, S, H, 576], indices [B, S, K],
-    lse its reference [B, H, S]; (A, B) [B, S, H, 512], the output's layout."""
-    batch, s_q, heads, _ = q.shape
-    n = batch * s_q
-    flat_q, flat_idx = q.reshape(n, heads, -1), indices.reshape(n, -1)
-    flat_lse = lse.transpose(1, 2).reshape(n, heads)
-    a = torch.empty(n, heads, 512, dtype=torch.float64, device=q.device)
-    b = torch.empty_like(a)
-    for rows in _chunked(n, heads, flat_idx.shape[1], budget_bytes):
-        slots = flat_idx[rows].long()
-        valid = slots != -1
-        values = cache_row_values(kv_cache, slots, torch.float64)  # -1, the one invalid slot, reads as a zero row
-        a[rows], b[rows] = weighted_abs_values(flat_q[rows], values, valid, sm_scale, flat_lse[rows])
-    return a.view(batch, s_q, heads, 512), b.view(batch, s_q, heads, 512)
 
 
 class AttentionBounds(NamedTuple):

@@ -9,6 +9,11 @@ For query token t, head h, with the valid entries V_t of the token's index row:
 A row with no valid entry gives out = 0, lse = +inf, max_logits = -inf. Duplicate entries count
 once each. Every head reads the same K rows (MQA, one latent KV head).
 
+With `magnitudes`, the same pass also gives the sizes an output's fp32 rounding errors grow with
+(what a tolerance is derived from, as logit_l1 is for the LSE), f the sink factor (1 without one):
+    out_abs    = f * sum_j p_j |K_j[:512]|        the output with every value taken by its magnitude
+    value_abs  = f * sum_j |K_j[:512]|            0 on empty rows, as out
+
 Two index forms:
   * prefill (`flash_mla_sparse_fwd`): indices are rows of a flat bf16 array `kv [N, 576]`;
     invalid = negative or >= N, and positions j >= topk_length[t] are ignored.
@@ -46,6 +51,8 @@ class AttentionResult(NamedTuple):
     lse: torch.Tensor          # natural log; +inf on empty rows
     max_logits: torch.Tensor   # -inf on empty rows
     logit_l1: torch.Tensor     # max_j sm_scale * sum_d |q_d| |K_jd|: the size fp32 errors scale with
+    out_abs: torch.Tensor | None = None    # [..., H, 512], with `magnitudes` (module docstring)
+    value_abs: torch.Tensor | None = None  # [..., H, 512], with `magnitudes`
 
 
 def memory_budget() -> int:
@@ -74,10 +81,10 @@ def token_bytes(num_heads: int, topk: int, itemsize: int, build_bytes: int = 2 *
     [topk, 576] in the compute dtype; while they are built, `build_bytes` per row (the gathered
     source row, its index, a format's decoding temporaries: `row_build_bytes`); then either |K|
     and its logit sizes [H, topk] in float32, or the logits [H, topk] in the compute dtype; its
-    query (compute dtype and |q| in float32) and two outputs [H, 512] (the one being handed on
-    and the next)."""
+    query (compute dtype and |q| in float32) and two results [H, 512] of three tensors each (the
+    one being handed on and the next: out and the magnitudes, whether asked for or not)."""
     per_row = HEAD_DIM * itemsize + max(build_bytes, 4 * (HEAD_DIM + num_heads), itemsize * num_heads) + 16
-    per_head = HEAD_DIM * (itemsize + 4) + 2 * NOPE_DIM * itemsize + 64
+    per_head = HEAD_DIM * (itemsize + 4) + 6 * NOPE_DIM * itemsize + 64
     return topk * per_row + num_heads * per_head
 
 
@@ -97,10 +104,12 @@ def attend(
     valid: torch.Tensor,
     sm_scale: float,
     attn_sink: torch.Tensor | None = None,
+    magnitudes: bool = False,
 ) -> AttentionResult:
     """The formula above for a chunk: q [c, H, 576], keys [c, k, 576] whose invalid rows are zero
-    (never read: no NaN leaks), valid [c, k]. Batched GEMMs over the gathered rows; the one
-    [c, H, k] logit matrix is worked on in place:
+    (never read: no NaN leaks; with `magnitudes` the keys are spent: overwritten by their
+    magnitudes), valid [c, k]. Batched GEMMs over the gathered rows; the one [c, H, k] logit
+    matrix is worked on in place:
         m = max_j s_j,   p_j = exp(s_j - m) / sum_j exp(s_j - m) = exp(s_j - lse),   lse = m + ln sum."""
     # The tolerance's logit scale first (float32 is plenty for a scale); a zero row adds 0.
     abs_keys = torch.empty(keys.shape, dtype=torch.float32, device=keys.device).copy_(keys).abs_()
@@ -117,11 +126,16 @@ def attend(
     total = probs.sum(dim=-1)
     lse = shift + torch.log(total)
     out = torch.einsum("thk,tkd->thd", probs.div_(total[..., None]), keys[..., :NOPE_DIM])
-    if attn_sink is not None:
-        out.div_((1 + torch.exp(attn_sink.to(out.dtype)[None, :] - lse))[..., None])
-    out.masked_fill_(empty[..., None], 0)
+    found = [out]
+    if magnitudes:
+        values = keys[..., :NOPE_DIM].abs_()  # the keys are spent: the same memory holds |V|
+        found += [torch.einsum("thk,tkd->thd", probs, values), values.sum(dim=1)[:, None, :].expand_as(out).clone()]
+    for t in found:
+        if attn_sink is not None:
+            t.div_((1 + torch.exp(attn_sink.to(t.dtype)[None, :] - lse))[..., None])
+        t.masked_fill_(empty[..., None], 0)
     lse.masked_fill_(empty, float("inf"))
-    return AttentionResult(out, lse, max_logits, logit_l1)
+    return AttentionResult(out, lse, max_logits, logit_l1, *found[1:])
 
 
 def attend_chunks(
@@ -133,6 +147,7 @@ def attend_chunks(
     attn_sink: torch.Tensor | None,
     dtype: torch.dtype,
     budget_bytes: int | None,
+    magnitudes: bool = False,
 ) -> Iterator[tuple[slice, AttentionResult]]:
     """(rows, `attend` over q [n, H, 576][rows]) chunk by chunk; `chunk_keys(rows)` returns the
     chunk's keys in `dtype`, invalid entries zero, and their validity, with `build_bytes` of
@@ -146,19 +161,25 @@ def attend_chunks(
     def results() -> Iterator[tuple[slice, AttentionResult]]:
         for rows in (slice(start, min(start + chunk, n)) for start in range(0, n, chunk)):
             # No local holds a chunk's keys past its `attend`: the next chunk's are built in their place.
-            yield rows, attend(q[rows].to(dtype), *chunk_keys(rows), sm_scale, attn_sink)
+            yield rows, attend(q[rows].to(dtype), *chunk_keys(rows), sm_scale, attn_sink, magnitudes)
 
     return results()  # a plain function: bad arguments raise at the call, not at the first chunk
 
 
 def collect(chunks: Iterator[tuple[slice, AttentionResult]], q: torch.Tensor, dtype: torch.dtype) -> AttentionResult:
-    """The whole result of `chunks` over q [n, H, 576]: out [n, H, 512], the rest [n, H]."""
+    """The whole result of `chunks` over q [n, H, 576]: out (and the magnitudes) [n, H, 512], the
+    rest [n, H]."""
     n, num_heads, _ = q.shape
-    result = AttentionResult(q.new_empty((n, num_heads, NOPE_DIM), dtype=dtype),
-                             *(q.new_empty((n, num_heads), dtype=dtype) for _ in range(3)))
+    result = None
     for rows, part in chunks:
+        if result is None:
+            result = AttentionResult(*(None if t is None else t.new_empty((n, *t.shape[1:])) for t in part))
         for whole, piece in zip(result, part):
-            whole[rows] = piece
+            if piece is not None:
+                whole[rows] = piece
+    if result is None:  # no query token
+        result = AttentionResult(q.new_empty((n, num_heads, NOPE_DIM), dtype=dtype),
+                                 *(q.new_empty((n, num_heads), dtype=dtype) for _ in range(3)))
     return result
 
 
@@ -172,6 +193,7 @@ def sparse_prefill_chunks(
     *,
     dtype: torch.dtype = torch.float64,
     budget_bytes: int | None = None,
+    magnitudes: bool = False,
 ) -> Iterator[tuple[slice, AttentionResult]]:
     """`sparse_prefill` one chunk of tokens at a time: (token slice, its AttentionResult)."""
     if q.dim() != 3 or q.shape[2] != HEAD_DIM or kv.dim() != 2 or kv.shape[1] != HEAD_DIM:
@@ -188,7 +210,8 @@ def sparse_prefill_chunks(
         keys = kv[torch.where(valid, idx, 0)]
         return keys.masked_fill_(~valid[..., None], 0).to(dtype), valid
 
-    return attend_chunks(q, indices.shape[1], chunk_keys, 2 * HEAD_DIM + 64, sm_scale, attn_sink, dtype, budget_bytes)
+    return attend_chunks(q, indices.shape[1], chunk_keys, 2 * HEAD_DIM + 64, sm_scale, attn_sink, dtype, budget_bytes,
+                         magnitudes)
 
 
 def sparse_prefill(
@@ -201,13 +224,16 @@ def sparse_prefill(
     *,
     dtype: torch.dtype = torch.float64,
     budget_bytes: int | None = None,
+    magnitudes: bool = False,
 ) -> AttentionResult:
     """`flash_mla_sparse_fwd`: q [T, H, 576], kv [N, 576], indices [T, K], topk_length [T].
 
     Valid entry: 0 <= indices[t, j] < N and j < topk_length[t]. Returns out [T, H, 512],
-    lse / max_logits / logit_l1 [T, H], all in `dtype`.
+    lse / max_logits / logit_l1 [T, H] (and with `magnitudes` out_abs, value_abs [T, H, 512]),
+    all in `dtype`.
     """
-    chunks = sparse_prefill_chunks(q, kv, indices, sm_scale, topk_length, attn_sink, dtype=dtype, budget_bytes=budget_bytes)
+    chunks = sparse_prefill_chunks(q, kv, indices, sm_scale, topk_length, attn_sink, dtype=dtype, budget_bytes=budget_bytes,
+                                   magnitudes=magnitudes)
     return collect(chunks, q, dtype)
 
 
@@ -220,12 +246,21 @@ def row_build_bytes(kv_cache: torch.Tensor, itemsize: int) -> int:
     return width + 64
 
 
+def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """kv_cache[blocks, offsets]; byte rows moved as 4-byte words where those tile them (a
+    quarter of the elements to index: byte-wise, the gather was a GPU reference's costliest op)."""
+    if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] % 4 == 0 and kv_cache.stride(-1) == 1 and all(
+            s % 4 == 0 for s in (*kv_cache.stride()[:-1], kv_cache.storage_offset())):
+        return kv_cache.view(torch.int32)[blocks, offsets].view(torch.uint8)
+    return kv_cache[blocks, offsets]
+
+
 def cache_row_values(kv_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The exact values of the cache rows at physical `slots` (block * page_size + offset); a
     negative slot reads as a zero row."""
     block_size = kv_cache.shape[1]
     safe = slots.clamp(min=0)
-    rows = kv_cache[safe // block_size, safe % block_size]
+    rows = _gather(kv_cache, safe // block_size, safe % block_size)
     rows.masked_fill_((slots < 0)[..., None], 0)  # zero bytes are a zero row in every format
     width = kv_cache.shape[-1]
     if kv_cache.dtype == torch.uint8 and width == ROW_BYTES:
@@ -266,6 +301,7 @@ def sparse_decode_chunks(
     *,
     dtype: torch.dtype = torch.float64,
     budget_bytes: int | None = None,
+    magnitudes: bool = False,
 ) -> Iterator[tuple[slice, AttentionResult]]:
     """`sparse_decode` one chunk at a time: (slice of the B*S query rows, b-major, their
     AttentionResult with out [c, H, 512] and the rest [c, H])."""
@@ -276,7 +312,7 @@ def sparse_decode_chunks(
         return cache_row_values(kv_cache, slots, dtype), slots != -1
 
     return attend_chunks(rows_q, idx.shape[1], chunk_keys, row_build_bytes(kv_cache, dtype.itemsize), sm_scale,
-                         attn_sink, dtype, budget_bytes)
+                         attn_sink, dtype, budget_bytes, magnitudes)
 
 
 def sparse_decode(
@@ -288,22 +324,28 @@ def sparse_decode(
     *,
     dtype: torch.dtype = torch.float64,
     budget_bytes: int | None = None,
+    magnitudes: bool = False,
 ) -> AttentionResult:
     """`flash_mla_with_kvcache` sparse decode: q [B, S, H, 576], indices [B, S, K] physical slots.
 
-    Reads any cache format by its exact meaning. Returns out [B, S, H, 512] and lse / max_logits /
-    logit_l1 laid out [B, H, S], as the kernel lays out its lse.
+    Reads any cache format by its exact meaning. Returns out [B, S, H, 512] (and with `magnitudes`
+    out_abs, value_abs so laid out) and lse / max_logits / logit_l1 laid out [B, H, S], as the
+    kernel lays out its lse.
     """
-    chunks = sparse_decode_chunks(q, kv_cache, indices, sm_scale, attn_sink, dtype=dtype, budget_bytes=budget_bytes)
+    chunks = sparse_decode_chunks(q, kv_cache, indices, sm_scale, attn_sink, dtype=dtype, budget_bytes=budget_bytes,
+                                  magnitudes=magnitudes)
     batch, s_q, num_heads, _ = q.shape
     flat = collect(chunks, q.reshape(batch * s_q, num_heads, HEAD_DIM), dtype)
 
     def heads_major(x: torch.Tensor) -> torch.Tensor:
         return x.view(batch, s_q, num_heads).transpose(1, 2)
 
+    def like_out(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.view(batch, s_q, num_heads, NOPE_DIM)
+
     return AttentionResult(
-        flat.out.view(batch, s_q, num_heads, NOPE_DIM),
-        heads_major(flat.lse), heads_major(flat.max_logits), heads_major(flat.logit_l1),
+        like_out(flat.out), heads_major(flat.lse), heads_major(flat.max_logits), heads_major(flat.logit_l1),
+        like_out(flat.out_abs), like_out(flat.value_abs),
     )
 
 
@@ -316,8 +358,10 @@ def sparse_decode_fp8(
     *,
     dtype: torch.dtype = torch.float64,
     budget_bytes: int | None = None,
+    magnitudes: bool = False,
 ) -> AttentionResult:
     """The public-contract decode op: `sparse_decode` on a [NB, BS, 656] uint8 fp8_ds_mla cache."""
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3 or kv_cache.shape[2] != ROW_BYTES:
         raise ValueError(f"kv_cache must be [NB, BS, {ROW_BYTES}] uint8, got {tuple(kv_cache.shape)} {kv_cache.dtype}")
-    return sparse_decode(q, kv_cache, indices, sm_scale, attn_sink, dtype=dtype, budget_bytes=budget_bytes)
+    return sparse_decode(q, kv_cache, indices, sm_scale, attn_sink, dtype=dtype, budget_bytes=budget_bytes,
+                         magnitudes=magnitudes)

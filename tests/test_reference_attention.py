@@ -15,12 +15,14 @@ from mla_verify.reference.attention import MEMORY_ENV, chunk_tokens, row_build_b
 seeds = st.integers(0, 2**31 - 1)
 
 
-def dense_attention(q, kv, weights, sm_scale, sink=None):
-    """Masked softmax over ALL kv rows, each row weighted by how often the index row selects it."""
+def dense_attention(q, kv, weights, sm_scale, sink=None, values=None):
+    """Masked softmax over ALL kv rows, each row weighted by how often the index row selects it;
+    averaging `values` (default the rows' NoPE part)."""
     s = sm_scale * torch.einsum("thd,nd->thn", q.double(), kv.double())
     w = weights.double()[:, None, :]
     lse = torch.log((w * torch.exp(s - s.amax(-1, keepdim=True))).sum(-1)) + s.amax(-1)
-    out = torch.einsum("thn,nd->thd", w * torch.exp(s - lse[..., None]), kv.double()[:, :512])
+    values = kv.double()[:, :512] if values is None else values
+    out = torch.einsum("thn,nd->thd", w * torch.exp(s - lse[..., None]), values)
     if sink is not None:
         out = out * torch.sigmoid(lse - sink.double())[..., None]
     return out, lse
@@ -47,7 +49,8 @@ def test_prefill_matches_dense_masked_softmax(seed, tokens, heads, rows, topk, u
     if sink is not None:
         attn_sink = {"finite": torch.randn(heads, generator=g), "-inf": torch.full((heads,), -math.inf),
                      "+inf": torch.full((heads,), math.inf)}[sink]
-    res = R.sparse_prefill(q, kv_poisoned[: rows + 3], idx, 0.07, topk_length=length, attn_sink=attn_sink)
+    res = R.sparse_prefill(q, kv_poisoned[: rows + 3], idx, 0.07, topk_length=length, attn_sink=attn_sink,
+                           magnitudes=True)
     weights = torch.zeros(tokens, rows)
     for t in range(tokens):
         for j in range(topk if length is None else int(length[t])):
@@ -60,6 +63,14 @@ def test_prefill_matches_dense_masked_softmax(seed, tokens, heads, rows, topk, u
     assert bool((res.lse[~live] == math.inf).all()) and bool((res.out[~live] == 0).all())
     assert bool((res.max_logits[~live] == -math.inf).all())
     assert not bool(torch.isnan(res.out).any())
+    # The magnitudes: the same softmax averaging |V|, and f * sum_j |V_j| (each selection counted)
+    magnitude = kv.double()[:, :512].abs()
+    out_abs, _ = dense_attention(q, kv, weights, 0.07, attn_sink, magnitude)
+    factor = torch.ones(tokens, heads, dtype=torch.float64) if attn_sink is None else torch.sigmoid(lse - attn_sink.double())
+    value_abs = (weights.double() @ magnitude)[:, None, :] * factor[..., None]
+    assert torch.allclose(res.out_abs[live], out_abs[live], rtol=1e-12, atol=1e-12)
+    assert torch.allclose(res.value_abs[live], value_abs[live], rtol=1e-12, atol=0)
+    assert bool((res.out_abs[~live] == 0).all()) and bool((res.value_abs[~live] == 0).all())
 
 
 def test_single_valid_index_returns_that_row():
@@ -127,13 +138,13 @@ def test_chunking_over_tokens_does_not_change_results(tokens_per_chunk, one_thre
     idx = torch.randint(-1, 300, (37, 64), generator=g, dtype=torch.int32)
     length = torch.randint(0, 65, (37,), generator=g, dtype=torch.int32)
     sink = torch.randn(8, generator=g)
-    whole = R.sparse_prefill(q, kv, idx, 0.1, length, sink)
+    whole = R.sparse_prefill(q, kv, idx, 0.1, length, sink, magnitudes=True)
     budget = budget_for(tokens_per_chunk, 8, 64)
     assert chunk_tokens(8, 64, 8, budget) == tokens_per_chunk
-    chunked = R.sparse_prefill(q, kv, idx, 0.1, length, sink, budget_bytes=budget)
+    chunked = R.sparse_prefill(q, kv, idx, 0.1, length, sink, budget_bytes=budget, magnitudes=True)
     for a, b in zip(whole, chunked):
         assert torch.equal(a, b)
-    streamed = list(R.sparse_prefill_chunks(q, kv, idx, 0.1, length, sink, budget_bytes=budget))
+    streamed = list(R.sparse_prefill_chunks(q, kv, idx, 0.1, length, sink, budget_bytes=budget, magnitudes=True))
     assert [rows.start for rows, _ in streamed] == list(range(0, 37, tokens_per_chunk))
     for rows, part in streamed:
         for a, b in zip(whole, part):
@@ -147,10 +158,10 @@ def test_decode_chunking_does_not_change_results(one_thread):
     R.write_fp8_ds_mla_cache(kv, cache, torch.arange(3 * 64), "raw")
     q = torch.randn(3, 2, 16, 576, generator=g).bfloat16()
     idx = torch.randint(-1, 3 * 64, (3, 2, 128), generator=g, dtype=torch.int32)
-    whole = R.sparse_decode_fp8(q, cache, idx, 0.1)
+    whole = R.sparse_decode_fp8(q, cache, idx, 0.1, magnitudes=True)
     budget = budget_for(1, 16, 128, row_build_bytes(cache, 8))
     assert chunk_tokens(16, 128, 8, budget, row_build_bytes(cache, 8)) == 1
-    chunked = R.sparse_decode_fp8(q, cache, idx, 0.1, budget_bytes=budget)
+    chunked = R.sparse_decode_fp8(q, cache, idx, 0.1, budget_bytes=budget, magnitudes=True)
     for a, b in zip(whole, chunked):
         assert torch.equal(a, b)
     assert not bool(whole.out.isnan().any())

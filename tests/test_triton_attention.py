@@ -19,7 +19,7 @@ from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
 from mla_verify.equivalence import catalog
-from mla_verify.equivalence.bounds import DEQUANT_REL, weighted_abs_values
+from mla_verify.equivalence.bounds import DEQUANT_REL
 from mla_verify.equivalence.params import DECODE_PATTERNS
 from mla_verify.equivalence.patterns import PATTERNS
 from mla_verify.equivalence.values import REGIMES as VALUE_REGIMES, kv_values, q_values
@@ -90,8 +90,8 @@ def test_triton_prefill_matches_reference(
     config = AttentionConfig(lean_addressing=lean, l2_prefetch=prefetch)
     with buffers.poisoned():
         got = triton_prefill.sparse_prefill(q, kv, idx, sm_scale, length, sink, config=config)
-    ref = R.sparse_prefill(q, kv, idx, sm_scale, topk_length=length, attn_sink=sink)
-    ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()].double().masked_fill_(~valid[..., None], 0), valid, sm_scale, ref.lse, sink)
+    ref = R.sparse_prefill(q, kv, idx, sm_scale, topk_length=length, attn_sink=sink, magnitudes=True)
+    ab = (ref.out_abs, ref.value_abs)
     check_attention("triton prefill", got, ref, ab, topk)
 
 
@@ -118,15 +118,13 @@ def decode_inputs(seed, device="cpu", **params):
     return kw["q"], kw["kv_cache"], kw["indices"]
 
 
-def decode_check_inputs(q, cache, idx, sm_scale, got, ref):
-    """A decode case flattened to [B*S, H(, 512)] for `check_attention`: (got, ref, ab)."""
+def decode_check_inputs(q, got, ref):
+    """A decode case flattened to [B*S, H(, 512)] for `check_attention`: (got, ref, ab); `ref`
+    with its magnitudes."""
     batch, s_q, heads, _ = q.shape
-    valid = (idx != -1).reshape(batch * s_q, -1)
-    slots = torch.where(valid, idx.reshape(batch * s_q, -1), 0).long()
-    rows = R.fp8_ds_mla_values(cache[slots // cache.shape[1], slots % cache.shape[1]]).masked_fill_(~valid[..., None], 0)
     flat = lambda x: x.transpose(1, 2).reshape(batch * s_q, heads)  # noqa: E731  [B,H,S] -> [B*S,H]
     lse = flat(ref.lse)
-    ab = weighted_abs_values(q.reshape(batch * s_q, heads, 576), rows, valid, sm_scale, lse, None)
+    ab = tuple(t.reshape(batch * s_q, heads, 512) for t in (ref.out_abs, ref.value_abs))
     out, got_lse = got
     assert out.shape == ref.out.shape and got_lse.shape == ref.lse.shape
     got = (out.reshape(batch * s_q, heads, 512), flat(got_lse), None)
@@ -161,9 +159,9 @@ def test_triton_decode_matches_reference(
     config = AttentionConfig(num_splits=splits, lean_addressing=lean, l2_prefetch=prefetch)
     with buffers.poisoned():
         got = triton_decode.sparse_decode_fp8(q, cache, idx, sm_scale, config=config)
-    ref = R.sparse_decode_fp8(q, cache, idx, sm_scale)
+    ref = R.sparse_decode_fp8(q, cache, idx, sm_scale, magnitudes=True)
     dequant_rel = DEQUANT_REL["bf16_dequant"] if rule == "raw" else 0.0  # the Triton decode's deviation
-    check_attention(f"triton decode ({rule} scales)", *decode_check_inputs(q, cache, idx, sm_scale, got, ref),
+    check_attention(f"triton decode ({rule} scales)", *decode_check_inputs(q, got, ref),
                     topk, dequant_rel)
 
 
@@ -283,8 +281,8 @@ def test_gpu_prefill_matches_reference(name, heads):
         sm_scale=sm_scale, invalid=["scattered", "negatives", "out_of_range"], topk_length="edges", sink="finite",
     )
     got = fn(q, kv, idx, sm_scale, length, sink)
-    ref = R.sparse_prefill(q, kv, idx, sm_scale, topk_length=length, attn_sink=sink)
-    ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()].double().masked_fill_(~valid[..., None], 0), valid, sm_scale, ref.lse, sink)
+    ref = R.sparse_prefill(q, kv, idx, sm_scale, topk_length=length, attn_sink=sink, magnitudes=True)
+    ab = (ref.out_abs, ref.value_abs)
     check_attention(f"{name} prefill H={heads}", got, ref, ab, topk)
 
 
@@ -301,9 +299,9 @@ def test_gpu_decode_matches_reference(name, batch, s_q, heads):
     fn = _implementation("sparse_decode_fp8", name)
     q, cache, idx = decode_inputs(batch * 100 + heads, "cuda", **_gpu_decode_params(batch, s_q, heads, 1))
     got = fn(q, cache, idx, 0.1352)
-    ref = R.sparse_decode_fp8(q, cache, idx, 0.1352)
+    ref = R.sparse_decode_fp8(q, cache, idx, 0.1352, magnitudes=True)
     check_attention(f"{name} decode B={batch} S={s_q} H={heads}",
-                    *decode_check_inputs(q, cache, idx, 0.1352, got, ref), 2048)
+                    *decode_check_inputs(q, got, ref), 2048)
 
 
 @pytest.mark.gpu
@@ -317,8 +315,8 @@ def test_gpu_triton_prefill_variants_agree_with_reference(name):
         invalid=["scattered", "negatives", "out_of_range"],
     )
     got = triton_prefill.sparse_prefill(q, kv, idx, 0.1, config=VARIANTS["prefill"][name])
-    ref = R.sparse_prefill(q, kv, idx, 0.1)
-    ab = weighted_abs_values(q, kv[torch.where(valid, idx, 0).long()].double().masked_fill_(~valid[..., None], 0), valid, 0.1, ref.lse, None)
+    ref = R.sparse_prefill(q, kv, idx, 0.1, magnitudes=True)
+    ab = (ref.out_abs, ref.value_abs)
     check_attention(f"triton prefill [{name}]", got, ref, ab, 2048)
 
 
@@ -330,5 +328,5 @@ def test_gpu_triton_decode_variants_agree_with_reference(name, pad):
     addressing specializes) and a padded one."""
     q, cache, idx = decode_inputs(7, "cuda", **_gpu_decode_params(3, 2, 128, pad))
     got = triton_decode.sparse_decode_fp8(q, cache, idx, 0.1352, config=VARIANTS["decode"][name])
-    ref = R.sparse_decode_fp8(q, cache, idx, 0.1352)
-    check_attention(f"triton decode [{name}]", *decode_check_inputs(q, cache, idx, 0.1352, got, ref), 2048)
+    ref = R.sparse_decode_fp8(q, cache, idx, 0.1352, magnitudes=True)
+    check_attention(f"triton decode [{name}]", *decode_check_inputs(q, got, ref), 2048)

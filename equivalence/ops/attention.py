@@ -84,11 +84,12 @@ def _read_past_length(kw: dict, tensor: str, got: torch.Tensor, want: torch.Tens
             f"({int(tokens.sum())} of {len(tokens)} tokens)")
 
 
-def _elem_bounds(res, ab, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, torch.Tensor]:
-    """The derived per-element bounds (equivalence.bounds) of out, lse and max_logits: "NAME_bound",
-    and "NAME_bound@DEVIATION" for each deviation whose kernels round the rows (DEQUANT_REL) and that
-    applies to the case. `lse_of` lays an [.., H, ..] result out as the output's [..., H]; its
-    inverse is a transpose as well."""
+def _elem_bounds(res, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, torch.Tensor]:
+    """The derived per-element bounds (equivalence.bounds) of out, lse and max_logits from a
+    reference result with its magnitudes: "NAME_bound", and "NAME_bound@DEVIATION" for each
+    deviation whose kernels round the rows (DEQUANT_REL) and that applies to the case. `lse_of`
+    lays an [.., H, ..] result out as the output's [..., H]; its inverse is a transpose as well."""
+    ab = (res.out_abs, res.value_abs)
     found = {}
     rels = {"": 0.0, **{name: rel for name, rel in bounds.DEQUANT_REL.items() if DEVIATIONS[name].applies(p.numerics())}}
     for deviation, rel in rels.items():
@@ -100,8 +101,14 @@ def _elem_bounds(res, ab, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, t
     return found
 
 
+def _answer(res) -> dict[str, torch.Tensor]:
+    """A reference result's compared tensors and scales (its magnitudes become the bounds)."""
+    return {"out": res.out, "lse": res.lse, "max_logits": res.max_logits, "logit_l1": res.logit_l1}
+
+
 def _prefill_reference(kw, p):
-    res = reference.sparse_prefill(kw["q"], kw["kv"], kw["indices"], kw["sm_scale"], kw["topk_length"], kw["attn_sink"])
+    res = reference.sparse_prefill(kw["q"], kw["kv"], kw["indices"], kw["sm_scale"], kw["topk_length"], kw["attn_sink"],
+                                   magnitudes=True)
     # With a sink far above the logits an fp32 kernel's normalizer flushes to zero and the row may
     # come out 0: 1 / (1 + e^(sink - lse)) < 2**-126, or, normalizing by the max logit as FlashMLA
     # does (1 / (L + e^(sink - max_logit)), H200: rows with sink - max_logit > 126 ln 2 came out 0),
@@ -110,10 +117,8 @@ def _prefill_reference(kw, p):
     kv = kw["kv"][:, :512].float()
     value_max = kv.nan_to_num(0.0).abs().amax() if kv.numel() else kv.new_zeros(())
     spread = torch.where(torch.isfinite(res.lse), res.lse - res.max_logits, 0.0).exp()
-    ab = bounds.prefill_weighted_abs_values(kw["q"], kw["kv"], kw["indices"], kw["sm_scale"], res.lse,
-                                            kw["topk_length"], kw["attn_sink"])
-    found = _elem_bounds(res, ab, kw["indices"].shape[-1], p, sink=kw["attn_sink"])
-    return {**res._asdict(), "value_max": value_max * spread, **found}
+    found = _elem_bounds(res, kw["indices"].shape[-1], p, sink=kw["attn_sink"])
+    return {**_answer(res), "value_max": value_max * spread, **found}
 
 
 SPARSE_PREFILL = register(OpSpec(
@@ -160,11 +165,10 @@ def _decode_inputs(p: DecodeParams, seed: int, device: str) -> dict:
 
 
 def _decode_reference(kw, p):
-    res = reference.sparse_decode_fp8(kw["q"], kw["kv_cache"], kw["indices"], kw["sm_scale"])
-    ab = bounds.decode_weighted_abs_values(kw["q"], kw["kv_cache"], kw["indices"], kw["sm_scale"], res.lse)
-    found = _elem_bounds(res, ab, kw["indices"].shape[-1], p, lse_of=lambda x: x.transpose(1, 2))  # [B, H, S] <-> [B, S, H]
+    res = reference.sparse_decode_fp8(kw["q"], kw["kv_cache"], kw["indices"], kw["sm_scale"], magnitudes=True)
+    found = _elem_bounds(res, kw["indices"].shape[-1], p, lse_of=lambda x: x.transpose(1, 2))  # [B, H, S] <-> [B, S, H]
     found = {name: t for name, t in found.items() if not name.startswith("max_logits")}  # not compared: the op returns none
-    return {**res._asdict(), **found}
+    return {**_answer(res), **found}
 
 
 def _decode_stack(kwargs: list[dict]) -> dict:
