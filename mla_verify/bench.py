@@ -13,8 +13,9 @@ per rank down to 16; decode batch 1-128 with s_q 1 and 2; prefill 1k-16k tokens)
              (inputs, reference, snapshot of the inputs taken and compared back, kernel, judge):
              time, aten ops, reads back to the host, CUDA launches (profiler), per case
   fuzz       cases per second, decode-sized cases of the `gpu` profile, float64 reference on the
-             device, drawn one case an example and 8 (blocks); per case: drawing it, the reference,
-             the kernel, inputs and judging
+             device, drawn one case an example and 8 (blocks), judged in-process and isolated (the
+             worker started off the clock); per case: drawing it, the reference, the kernel, inputs
+             and judging
   guards     (CPU and GPU) each guard's cost per case in ms, and isolation's (`mla_verify.guard_bench`)
 On a CPU: the reference at a 128k-token context and a 1024-token prefill streamed under 256 MiB
 (time, peak RSS in fresh processes), harness overhead with its stages, and fuzz
@@ -313,14 +314,21 @@ def _evaluated(case, subject, device: str, count: int) -> dict[str, float]:
     return {"total": total, "reference": ref, "kernel": kernel}
 
 
-def _throughput(subject, device: str, profile, examples: int, block: int) -> dict:
-    """A fuzz campaign of sparse_decode_fp8 cases (seed 3, no shrinking) in blocks of `block`: cases/s
-    and the time per case split into drawing it, the reference, the kernel and the rest (inputs,
-    snapshots, judging)."""
+def _throughput(subject, device: str, profile, examples: int, block: int, isolated: bool = False) -> dict:
+    """A fuzz campaign of sparse_decode_fp8 cases (seed 3, no shrinking) in blocks of `block`,
+    judged in this process or (`isolated`) produced in an isolation worker, started and warmed up
+    before the clock starts, and judged here: cases/s and the time per case split into drawing
+    it, the reference, the kernel and the rest (inputs, snapshots, judging; isolated: the worker's
+    side too)."""
+    from mla_verify.equivalence.case import Case
     from mla_verify.equivalence.catalog import evaluate, evaluate_block
+    from mla_verify.equivalence.isolation import Worker
     from mla_verify.fuzz.campaign import fuzz
 
     spent = {"evaluate": 0.0, "reference": 0.0, "kernel": 0.0}
+    worker = Worker(device) if isolated else None
+    if worker is not None:
+        worker.run(harness_case(device), [], subject.label)  # its start-up and warm-up, off the clock
 
     def account(found, seconds):
         spent["evaluate"] += seconds
@@ -329,24 +337,30 @@ def _throughput(subject, device: str, profile, examples: int, block: int) -> dic
             spent["kernel"] += rows[0].time_impl_s if rows[0].time_impl_s == rows[0].time_impl_s else 0.0  # NaN: it raised
         return found
 
-    def run(c, source):
+    def run(c: Case, source):
         start = time.perf_counter()
-        rows = evaluate(c, subject, device, source=source)
+        rows = worker.run(c, [], subject.label) if worker else evaluate(c, subject, device, source=source)
         return account([rows], time.perf_counter() - start)[0]
 
     def run_block(cases, source, on_call):
         start = time.perf_counter()
-        found = evaluate_block(cases, subject, device, source=source, on_call=on_call)
+        found = (worker.run_block(cases, [], subject.label, on_call=on_call) if worker
+                 else evaluate_block(cases, subject, device, source=source, on_call=on_call))
         return account(found, time.perf_counter() - start)
 
-    start = time.perf_counter()
-    result = fuzz("sparse_decode_fp8", run, profile=profile, examples=examples, seed=3, shrink=False, block=block,
-                  run_block=run_block, show_progress=False)
-    elapsed = time.perf_counter() - start
+    try:
+        start = time.perf_counter()
+        result = fuzz("sparse_decode_fp8", run, profile=profile, examples=examples, seed=3, shrink=False, block=block,
+                      run_block=run_block, show_progress=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        if worker is not None:
+            worker.close()
     n = max(result.examples, 1)
     per_case = {"draw": elapsed - spent["evaluate"], "reference": spent["reference"], "kernel": spent["kernel"],
                 "inputs_judge": spent["evaluate"] - spent["reference"] - spent["kernel"]}
-    return {"kind": "fuzz", "shape": f"sparse_decode_fp8, profile {profile.name}", "impl": f"{subject.label}, block {block}",
+    how = "isolated" if isolated else "in-process"
+    return {"kind": "fuzz", "shape": f"sparse_decode_fp8, profile {profile.name}", "impl": f"{subject.label}, {how}, block {block}",
             "cases_per_s": result.examples / elapsed, "cases": result.examples,
             "per_case_ms": {k: v / n * 1e3 for k, v in per_case.items()},
             "ops_note": "per case: " + ", ".join(f"{k} {v / n * 1e3:.1f} ms" for k, v in per_case.items())}
@@ -356,7 +370,8 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
     """Before and after blocks, in one process: harness overhead per compared case and where its
     time goes, evaluated alone (block 1: as before blocks) and in a block of BLOCK cases of its
     params, with the float64 reference's TFLOP/s; then fuzz throughput of the profile drawn one
-    case an example and BLOCK cases an example."""
+    case an example and BLOCK cases an example, judged in this process and isolated (the default
+    of a named implementation: `mla-verify fuzz` as users run it)."""
     from mla_verify.equivalence.catalog import resolve_subject
     from mla_verify.equivalence.profiles import get_profile
 
@@ -385,8 +400,9 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
                         "ops": st["ops"], "reads_back": st["reads_back"], "launches": st["launches"],
                         "ops_note": f"{st['ops']:.0f} ops, {st['reads_back']:.2g} reads back{launches} per case"})
     profile = get_profile(profile_name)
-    for block in (1, BLOCK):
-        out.append(_throughput(subject, device, profile, examples, block))
+    for isolated in (False, True):
+        for block in (1, BLOCK):
+            out.append(_throughput(subject, device, profile, examples, block, isolated))
     return out
 
 
