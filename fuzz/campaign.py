@@ -40,8 +40,8 @@ from . import casefile
 from .progress import Progress
 
 Runner = Callable[[Case, str], list[Row]]  # (case, source) -> rows
-# (cases of one params, source, on_call) -> each case's rows; on_call() runs before each case's
-# implementation is called, in order
+# (cases of one params, source, on_call) -> each case's rows, None for a case not judged (a lost
+# CUDA context ended its block); on_call() runs before each case's implementation is called, in order
 BlockRunner = Callable[[list[Case], str, Callable[[], None]], list[list[Row]]]
 Started = Callable[[Case, str], Callable[[], None]]  # (case, source) -> the call that says it finished
 RERUNS = 3  # re-runs of the first failing case: a pass among them makes it flaky
@@ -222,7 +222,7 @@ def fuzz(
         else:
             count = max(1, min(block, examples - result.examples))
             cases = [case] + [Case(case.op, case.params, case.seed + i) for i in range(1, count)]
-            found = list(zip(cases, evaluate_block(cases, "fuzz")))
+            found = [(c, rows) for c, rows in zip(cases, evaluate_block(cases, "fuzz")) if rows is not None]
             for c, rows in found:
                 result.examples += 1
                 result.rows.extend(rows)

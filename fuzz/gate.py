@@ -170,9 +170,13 @@ def _case_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker:
 
 def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker: Worker | None, notes: set[str],
                   lost: list[str] | None):
-    """(cases, source, on_call) -> each case's rows, for a campaign's blocks (`fuzz.campaign`), or
-    None where a campaign runs case by case: in this process on a GPU, where a CUDA error of one
-    call must end the campaign at that case (`_case_runner`)."""
+    """(cases, source, on_call) -> each case's rows (None: not judged), for a campaign's blocks
+    (`fuzz.campaign`): in the isolation worker, or in this process. In this process on a GPU a
+    CUDA error of one call ends its block there (`OpSpec.evaluate_block`) and, with `lost`, the
+    campaign, as `_case_runner` does for a case."""
+    from mla_verify.equivalence import device as dev
+    from mla_verify.equivalence.running import failure_row
+
     if worker is not None:
         def isolated(cases, source, on_call):
             found = worker.run_block(cases, unit.specs, unit.label, run_id, source, notes=notes,
@@ -183,10 +187,30 @@ def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker
             return found
 
         return isolated
-    if lost is not None and device.startswith("cuda"):
-        return None
-    return lambda cases, source, on_call: catalog.evaluate_block(cases, subject, device, run_id=run_id, source=source,
-                                                                 notes=notes, on_call=on_call)
+    cuda = device.startswith("cuda")
+
+    def in_process(cases, source, on_call):
+        called: list[bool] = []
+        try:
+            found = catalog.evaluate_block(cases, subject, device, run_id=run_id, source=source, notes=notes,
+                                           on_call=lambda: (called.append(True), on_call()))
+        except Exception as exc:  # a CUDA error the harness met after the implementation ran: that case's crash
+            if not (cuda and called and (dev.is_device_error(exc) or not dev.usable(device))):
+                raise
+            case = cases[len(called) - 1]
+            base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages="", device=device,
+                        seed=case.seed, source=source, **catalog.get_spec(case.op).identity(case))
+            found = [None] * len(cases)
+            found[len(called) - 1] = [failure_row(base, "*", "crashed",
+                                                  f"CUDA error after the implementation ran: {dev.first_line(exc)}")]
+        if cuda and lost is not None and not lost and (
+                any(r.gate_metric in ("raised", "crashed") and dev.is_device_error(r.reason)
+                    for rows in found if rows for r in rows) or not dev.usable(device)):
+            lost.append("the CUDA context is unusable after a CUDA error of the implementation; "
+                        "run isolated (--isolate) to go on past crashes")
+        return found
+
+    return in_process
 
 
 def block_size(profile: Profile, examples: int) -> int:
@@ -255,7 +279,7 @@ def run_units(
                           where=f"{op} / {label}") -> list[list[Row]]:
                 found = judge_block(cases, source, on_call)
                 if progress and source == "fuzz":
-                    for rows in found:
+                    for rows in filter(None, found):
                         gate_progress.step(any(not r.passed for r in rows), now_at=where)
                 return found
 
@@ -282,7 +306,7 @@ def run_units(
                           shrink=shrink, show_progress=not progress, path=path,
                           world_size=world_size or gate_world_size(spec, kind), journal=journal,
                           stop_reason=stop_reason, started=watch, block=block_size(profile, budget),
-                          run_block=run_block if judge_block is not None else None)
+                          run_block=run_block)
                 result.fuzz.append(fz)
                 result.rows.extend(fz.rows)
                 if progress:

@@ -232,7 +232,6 @@ def stage_profile(case, subject, device: str, count: int = 1) -> dict[str, dict]
     reference once for the block, each check judged at once): median ms per case of 3 runs, aten
     ops dispatched, reads back to the host, and on a GPU launches, per case. The snapshot stage
     copies the inputs and compares them back, as `evaluate` does around the kernel."""
-    from mla_verify.equivalence.case import Case
     from mla_verify.equivalence.catalog import get_spec
     from mla_verify.equivalence.contract import Snapshot
     from mla_verify.equivalence.oracle import judge_many
@@ -332,7 +331,7 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
 
     def account(found, seconds):
         spent["evaluate"] += seconds
-        for rows in found:
+        for rows in filter(None, found):
             spent["reference"] += rows[0].time_ref_s
             spent["kernel"] += rows[0].time_impl_s if rows[0].time_impl_s == rows[0].time_impl_s else 0.0  # NaN: it raised
         return found

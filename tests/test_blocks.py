@@ -105,3 +105,26 @@ def test_an_isolated_block_is_judged_in_the_parent_as_in_process():
     assert len(sent) == len(cases)
     for alone, rows in zip(evaluate_block(cases, subject, "cpu"), isolated):
         _same(alone, rows)
+
+
+def test_a_call_that_loses_the_device_ends_its_block_there(monkeypatch):
+    """In this process a CUDA error leaves the context unusable: the block stops at that case (its
+    rows are its last), the cases after it are not run and those before it not judged (None)."""
+    from mla_verify.equivalence import device as dev
+
+    subject = resolve_subject("sparse_decode_fp8", [KERNEL], "cpu")
+    cases = [Case("sparse_decode_fp8", DECODE, seed) for seed in range(11, 16)]
+    calls = []
+
+    def dies_on_the_third(**kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return subject.fn(**kwargs)
+
+    # The context dies with the third call (patched here: the call itself may not rebind the judge's names).
+    monkeypatch.setattr(dev, "usable", lambda device: len(calls) < 3)
+    found = evaluate_block(cases, type(subject)(subject.label, dies_on_the_third), "cpu")
+    assert len(calls) == 3 and found[0] is None and found[1] is None and found[3] is None and found[4] is None
+    rows, = found[2]
+    assert rows.gate_metric == "raised" and "illegal memory access" in rows.reason

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from mla_verify.optimized import registry
 
-from .. import cost
+from .. import cost, device as dev
 from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, output_problem, tensors_in
@@ -182,9 +182,11 @@ class OpSpec:
         the implementation runs once per case, on its own inputs; each check is judged over the
         block at once (`oracle.judge_many`). `notes` collects what the implementation side reported
         (a stage that fell back to a portable implementation); `on_call` runs before each call of
-        the implementation, once inputs and reference are ready."""
+        the implementation, once inputs and reference are ready. A call that leaves the CUDA
+        context unusable ends the block: its case's rows are its last, and every other case of it
+        is None (not judged: what it returned lived on that context)."""
         params = self.params_of(cases[0].params)
-        found: list[list] = []
+        found: list[list | None] = []
         for part, kwargs in self._in_parts(cases, params, device):
             answer, t_ref = timed(lambda: self._answer(kwargs, params), device)
             t_ref /= len(part)
@@ -201,6 +203,9 @@ class OpSpec:
                 except Raised as raised:  # the implementation's failure is the case's result, not ours
                     bases.append(base)
                     outcomes.append([raised_row(base, raised, time_ref_s=t_ref)])
+                    if not dev.usable(device):  # nothing more runs on that context: this case is the block's end
+                        return (found + [o if isinstance(o, list) else None for o in outcomes]
+                                + [None] * (len(cases) - len(found) - len(outcomes)))
                     continue
                 if notes is not None:
                     notes.update(got.notes)
