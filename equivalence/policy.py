@@ -116,10 +116,14 @@ DEVIATIONS = {
             "dequantizes fp8_ds_mla rows to bf16 before the tensor-core dot: exact with power-of-two "
             "scales, a rounding of each key element (<= 2**-8 relative) with raw amax/448 scales",
             _raw_scales,
+            # No abs_mean_err: the rounded logits reweight a row's softmax coherently, so a correct
+            # kernel's row is off by more than rounding noise (tests.impls.bf16_dequant, peaked values,
+            # 1 head, raw scales: 0.038, four times the 2**-9-a-row floor of `limit_for`; the 4e-3 it had
+            # failed 3 of 480 such CPU cases). Its elements are held to the derived bound, which carries
+            # that reweighting, and a bias across cases is the bias report's (`reports.bias`).
             {
                 OUT: (Bound("bf16_units", 64.0, "each logit moves by <= 2**-8 of its logit scale"),
                       Bound("elem_bf16_units", 256.0, "as bf16_units, per element"),
-                      Bound("abs_mean_err", 4e-3, "key rounding is unbiased; the softmax reweighting is not quite"),
                       Bound("elem_bound_ratio", 1.0, _DEQUANT_BOUND + "2**-8 (one bf16 rounding)")),
                 LSE: (Bound("lse_fp32_units", 2.0**16 + 32, "|dLSE| <= max_j |ds_j| <= 2**-8 * logit scale = 2**16 fp32 units"),
                       Bound("elem_bound_ratio", 1.0, _DEQUANT_BOUND + "2**-8 (one bf16 rounding)")),
