@@ -33,8 +33,9 @@ def _same(alone, together):
 
 @pytest.mark.parametrize("op, params, impl", [("sparse_decode_fp8", DECODE, "torch-fp32"),
                                               ("sparse_decode_fp8", DECODE, KERNEL),
+                                              ("sparse_prefill", {**PREFILL, "sink": "none"}, "torch-fp32"),
                                               ("sparse_prefill", PREFILL, "torch-fp32")],
-                         ids=["decode-stacked", "decode-failing-members", "prefill-case-by-case"])
+                         ids=["decode-stacked", "decode-failing-members", "prefill-stacked", "prefill-sinks-case-by-case"])
 def test_a_block_judges_each_case_as_it_is_judged_alone(op, params, impl):
     subject = resolve_subject(op, [impl], "cpu")
     cases = [Case(op, params, seed) for seed in range(11, 16)]
@@ -46,9 +47,11 @@ def test_a_block_judges_each_case_as_it_is_judged_alone(op, params, impl):
         assert {all(r.passed for r in rows) for rows in block} == {True, False}
 
 
-def test_the_decode_reference_answers_a_block_in_one_call():
-    spec = get_spec("sparse_decode_fp8")
-    params = spec.params_of(DECODE)
+@pytest.mark.parametrize("op, params", [("sparse_decode_fp8", DECODE), ("sparse_prefill", {**PREFILL, "sink": "none"})],
+                         ids=["decode", "prefill"])
+def test_the_reference_answers_a_block_in_one_call(op, params):
+    spec = get_spec(op)
+    params = spec.params_of(params)
     kwargs = [spec.inputs(params, seed, "cpu") for seed in (1, 2, 3)]
     answer = spec._answer(kwargs, params)
     assert answer.stacked["out"].shape[0] == 3  # one stacked call, viewed per case

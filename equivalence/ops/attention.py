@@ -114,11 +114,27 @@ def _prefill_reference(kw, p):
     # does (1 / (L + e^(sink - max_logit)), H200: rows with sink - max_logit > 126 ln 2 came out 0),
     # up to e^(lse - max_logit) <= K times sooner. The oracle tolerates that below 2**-126 of the
     # largest |V| (any |V| averaged is <= the cache's) times e^(lse - max_logit).
-    kv = kw["kv"][:, :512].float()
-    value_max = kv.nan_to_num(0.0).abs().amax() if kv.numel() else kv.new_zeros(())
+    # Per case: a stacked block's kv holds its cases' kv one after another, its tokens likewise.
+    cases = kw["q"].shape[0] // p.tokens
+    kv = kw["kv"][:, :512].float().nan_to_num(0.0).abs().reshape(cases, -1)
+    value_max = (kv.amax(dim=1) if kv.shape[1] else kv.new_zeros(cases)).repeat_interleave(p.tokens)[:, None]
     spread = torch.where(torch.isfinite(res.lse), res.lse - res.max_logits, 0.0).exp()
     found = _elem_bounds(res, kw["indices"].shape[-1], p, sink=kw["attn_sink"])
     return {**_answer(res), "value_max": value_max * spread, **found}
+
+
+def _prefill_stack(kwargs: list[dict]) -> dict | None:
+    """The prefill cases of a block as one: their tokens one after another, each case's kv rows
+    after the previous case's and its valid entries moved with them (every invalid one -1). None
+    with attention sinks: each case draws its own, and the reference takes one."""
+    if kwargs[0]["attn_sink"] is not None:
+        return None
+    rows = kwargs[0]["kv"].shape[0]
+    indices = [torch.where((kw["indices"] >= 0) & (kw["indices"] < rows), kw["indices"].long() + i * rows, -1)
+               for i, kw in enumerate(kwargs)]
+    lengths = None if kwargs[0]["topk_length"] is None else torch.cat([kw["topk_length"] for kw in kwargs])
+    return {"q": torch.cat([kw["q"] for kw in kwargs]), "kv": torch.cat([kw["kv"] for kw in kwargs]),
+            "indices": torch.cat(indices), "sm_scale": kwargs[0]["sm_scale"], "topk_length": lengths, "attn_sink": None}
 
 
 SPARSE_PREFILL = register(OpSpec(
@@ -128,6 +144,7 @@ SPARSE_PREFILL = register(OpSpec(
     draw=prefill_params,
     inputs=_prefill_inputs,
     reference=_prefill_reference,
+    stack=_prefill_stack,
     call=_call(("out", "lse", "max_logits"), 2),
     checks=(Check("out", OUT, "value_max", dtype=torch.bfloat16, bound="out_bound"),
             Check("lse", LSE, "logit_l1", dtype=torch.float32, bound="lse_bound"),

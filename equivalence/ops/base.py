@@ -84,9 +84,10 @@ class OpSpec:
     # isolation worker (a daemonic worker process cannot start children).
     own_processes: bool = False
     writes: tuple[str, ...] = ()      # arguments written in place (their bytes are the op's checks)
-    # The inputs of a block's cases (one params) as one problem the reference answers at once:
-    # every tensor of its answer is then the cases' answers concatenated along dim 0.
-    stack: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
+    # The inputs of a block's cases (one params) as one problem the reference answers at once (None
+    # where these cases cannot be): every tensor of its answer is then the cases' answers
+    # concatenated along dim 0.
+    stack: Callable[[list[dict[str, Any]]], dict[str, Any] | None] | None = None
     views: bool = False               # the result may be a view of an input (the reshapes)
     family: str = "op"
     ranks: tuple[int, ...] = ()
@@ -250,9 +251,9 @@ class OpSpec:
     def _answer(self, kwargs: list[dict], params: Params) -> "Answer":
         """The reference's answer for each case of a block: one call on the cases stacked where the
         op stacks them, else a call per case."""
-        if self.stack is not None and len(kwargs) > 1:
-            whole = self.reference(self.stack(kwargs), params)
-            stacked = {name: t.unflatten(0, (len(kwargs), -1)) for name, t in whole.items()}
+        together = self.stack(kwargs) if self.stack is not None and len(kwargs) > 1 else None
+        if together is not None:
+            stacked = {name: t.unflatten(0, (len(kwargs), -1)) for name, t in self.reference(together, params).items()}
             return Answer([{name: t[i] for name, t in stacked.items()} for i in range(len(kwargs))], stacked)
         refs = [self.reference(kw, params) for kw in kwargs]
         return Answer(refs, {name: t[None] for name, t in refs[0].items()} if len(refs) == 1 else {})
