@@ -120,8 +120,9 @@ def _label(subject) -> str:
     return re.sub(rf"{re.escape(__name__)}:local\.fn\d+_", "", subject.label)
 
 
-def save_worst_case(worst, directory: Path) -> str | None:
-    """Write the case that drifted most (a `reports.drift.Worst`) as a case file under `directory`;
+def save_worst_case(worst, directory: Path, deviations: Sequence[str] = (), conventions: Sequence[str] = ()) -> str | None:
+    """Write the case that drifted most (a `reports.drift.Worst`) as a case file under `directory`,
+    with the `deviations` and `conventions` its run declared (meta.json records a fuzz run's);
     the command that replays it (None for runs whose rows predate the stored case)."""
     from mla_verify.equivalence.case import Case
     from mla_verify.fuzz import casefile
@@ -130,9 +131,10 @@ def save_worst_case(worst, directory: Path) -> str | None:
         return None
     case = Case.from_dict(json.loads(worst.case))
     cf = casefile.CaseFile(case, worst.impl_specs, worst.device,
-                           note=f"drifted most against the baseline: {worst.label}, {worst.what()}")
+                           note=f"drifted most against the baseline: {worst.label}, {worst.what()}",
+                           deviations=tuple(deviations), conventions=tuple(conventions))
     path = casefile.save(directory / f"{casefile.stem(case.op, ','.join(worst.impl_specs), case)}.json", cf)
-    return replay_command(path, worst.impl_specs, worst.device)
+    return replay_command(path, worst.impl_specs, worst.device, tuple(deviations), conventions=tuple(conventions))
 
 
 # ----------------------------------------------------------------------------- check

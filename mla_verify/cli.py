@@ -535,7 +535,8 @@ def cmd_fuzz(args, device: str) -> int:
     if args.baseline is None or result.interrupted:
         return result.exit_code
     drift = api.drift(result, args.baseline, **_drift_settings(args))
-    replay = api.save_worst_case(drift.worst, result.out / "drift") if drift.worst and result.out else None
+    replay = (api.save_worst_case(drift.worst, result.out / "drift", args.deviation, args.convention)
+              if drift.worst and result.out else None)
     print("\n".join(drift.lines(replay)))
     return result.exit_code or drift.exit_code
 

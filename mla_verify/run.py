@@ -105,7 +105,8 @@ class Run:
         else:
             seeds = [s for s, _ in self.campaigns]
             extra = {"op": self.op, "examples": sum(n for _, n in self.campaigns), "path": self.path,
-                     "isolated": not self.in_process}
+                     "isolated": not self.in_process, "deviations": list(self.deviations),
+                     "conventions": list(self.conventions)}
         if not self.shard.whole:
             extra |= {"shard": str(self.shard), "run": self.options()}
         return reports.collect_meta(self.profile.name, seeds, self.device, command=self.invocation, extra=extra)

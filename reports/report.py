@@ -4,7 +4,7 @@ entry point behind `mla-verify report`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,10 +133,11 @@ def run_report(run_dir: str | Path, baseline: str | Path | None = None,
                html: str | Path | None = None, markdown: str | Path | None = None, *,
                factor: float = DRIFT_FACTOR, confidence: float = DRIFT_CONFIDENCE,
                min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None,
-               save_case: Callable[[Worst, Path], str | None] | None = None) -> int:
+               save_case: Callable[[Worst, Path, Sequence[str], Sequence[str]], str | None] | None = None) -> int:
     """Load a run (and a baseline run), print the terminal summary and drift verdict, write the
     HTML report (default run_dir/report.html) and, if asked, a markdown one. `save_case(worst,
-    directory)` saves the case that drifted most under run_dir/drift/ and returns the command that
+    directory, deviations, conventions)` saves the case that drifted most under run_dir/drift/, with
+    what the run declared (its meta.json), and returns the command that
     replays it, which the report prints (`mla_verify.api.save_worst_case`; None: nothing saved).
     Returns the exit code: 1 when the run has failures or drift is flagged, else 0
     (NothingComparable is raised; UsageError when `html` or `markdown` names a file of a run)."""
@@ -147,7 +148,8 @@ def run_report(run_dir: str | Path, baseline: str | Path | None = None,
     report = build_report(rows, meta, load_run(baseline) if baseline is not None else None,
                           factor=factor, confidence=confidence, min_cases=min_cases, pairs=pairs)
     if save_case is not None and report.drift is not None and report.drift.worst is not None:
-        report.replay = save_case(report.drift.worst, Path(run_dir) / "drift")
+        report.replay = save_case(report.drift.worst, Path(run_dir) / "drift", meta.get("deviations") or (),
+                                  meta.get("conventions") or ())
     print(report.summary())
     html_path = Path(html) if html is not None else Path(run_dir) / "report.html"
     html_path.write_text(render_html(report), encoding="utf-8")

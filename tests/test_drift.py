@@ -293,3 +293,23 @@ def test_gate_baseline_reruns_its_cases_and_reports_paired(tmp_path, capsys):
     assert meta_b["seeds"] == meta_a["seeds"] and meta_b["extra"] == {"examples": 3, "ops": ["convert_index"], "isolated": True}
     assert set(b["case_id"]) == set(a["case_id"])
     assert "no drift in 4 groups compared (4 paired, 0 unpaired" in out
+
+
+def test_the_worst_drifted_case_keeps_what_its_run_declared(tmp_path):
+    """A fuzz run records its declared deviations and conventions (meta.json); the case that
+    drifted most is saved with them, and its replay command names them."""
+    from mla_verify.equivalence.case import Case
+    from mla_verify.fuzz import casefile
+    from mla_verify.reports.drift import Worst
+
+    run = api.check("sparse_prefill", "tests.impls.drifted:v1", device="cpu", examples=2, seed=1,
+                    deviations=["bf16_dequant"], out=tmp_path / "run")
+    extra = api.load_run(run.out)[1]["extra"]
+    assert extra["deviations"] == ["bf16_dequant"] and extra["conventions"] == []
+    case = Case("sparse_prefill", {"tokens": 2, "heads": 8, "kv_rows": 40, "topk": 128, "value_regime": "normal",
+                                   "sm_scale": 0.1, "invalid": [], "topk_length": "none", "sink": "none"}, 4)
+    worst = Worst("sparse_prefill out", "abs_bias", 3.0, case.case_id, case.dumps(), ("tests.impls.conventions:prefill_base2",), "cpu")
+    command = api.save_worst_case(worst, tmp_path / "drift", ["bf16_dequant"], ["lse_base=2"])
+    saved = casefile.load(next((tmp_path / "drift").glob("*.json")))
+    assert saved.deviations == ("bf16_dequant",) and saved.conventions == ("lse_base=2",)
+    assert "--deviation bf16_dequant" in command and "--convention lse_base=2" in command

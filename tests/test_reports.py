@@ -310,7 +310,7 @@ def test_run_report_exit_codes(tmp_path, meta, capsys):
     md, html = tmp_path / "bad.md", tmp_path / "bad.html"
     saved = []   # the caller saves the case that drifted most (mla_verify.api.save_worst_case)
     assert run_report(bad_dir, baseline=base_dir, html=html, markdown=md,
-                      save_case=lambda worst, directory: saved.append((worst, directory)) or "REPLAY IT") == 1
+                      save_case=lambda worst, directory, *declared: saved.append((worst, directory)) or "REPLAY IT") == 1
     out = capsys.readouterr().out
     assert [d for _, d in saved] == [bad_dir / "drift"] and f"drifted most: case {saved[0][0].case_id}" in out
     assert "REPLAY IT" in out and "REPLAY IT" in md.read_text()
