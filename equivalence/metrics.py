@@ -68,7 +68,7 @@ FP32_TINY = 2.0**-126  # smallest normal float32: GPU fp32 math flushes below it
 @dataclass
 class Metrics:
     """One tensor's distance from the reference's. Each field is a column of the tensor's row
-    (equivalence.rows), but those only the oracle's verdict reads (rows, elem_at, extra)."""
+    (equivalence.rows), but those only the oracle's verdict reads (rows, extra)."""
 
     numel: int = 0                # elements compared
     rows: int = 0                 # vectors along the last dim (independent softmax rows of an output)
@@ -77,7 +77,6 @@ class Metrics:
     cos_dist: float = math.nan    # 1 - cos(impl, ref)
     max_abs: float = math.nan     # max |impl - ref| over finite positions (exact: at the first mismatch)
     max_abs_at: str = ""          # index of that element, as "i,j,k"
-    elem_at: str = ""             # index of the worst element in elem_bf16_units
     mismatch_frac: float = math.nan  # fraction failing the per-element abs-or-rel check (exact: not bit-equal)
     mean_err: float = math.nan    # signed relative bias (lse: gain): a bug biases, rounding does not
     bf16_units: float = math.nan  # ||impl - ref|| / ||bf16(ref) - ref||: error in units of bf16 rounding
@@ -89,7 +88,7 @@ class Metrics:
     bias_units: float = math.nan  # mean signed error in rounding units (out: bf16 ulps; lse: fp32 steps)
     nan_count: int = 0            # NaN in the implementation's output where the reference has none
     inf_mismatch: int = 0         # positions whose +inf / -inf / NaN pattern differs from the reference
-    extra: dict = field(default_factory=dict)  # "shape" (a mismatch), "first_mismatch" (exact), "bound_at"
+    extra: dict = field(default_factory=dict)  # "shape" (a mismatch), "first_mismatch" (exact)
 
 
 def _position(flat_index: int, shape: torch.Size) -> str:
@@ -211,19 +210,16 @@ def _set_gain(m: Metrics, v: dict[str, float]) -> None:
 
 
 def _bound_ratio(abs_d: torch.Tensor, bound: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """elem_bound_ratio's (value, flat position) as `extra` scalars: max |d| / bound, 0 where d is."""
+    """elem_bound_ratio as an `extra` scalar: max |d| / bound, 0 where d is."""
     if bound is None:
         return {}
     ratio = torch.where(abs_d > 0, abs_d / bound.to(abs_d.device, torch.float64), 0.0)
-    value, at = _first(ratio)
-    return {"bound_ratio": value, "bound_at": at}
+    return {"bound_ratio": _first(ratio)[0]}
 
 
-def _set_bound_ratio(m: Metrics, v: dict[str, float], shape: torch.Size) -> None:
+def _set_bound_ratio(m: Metrics, v: dict[str, float]) -> None:
     if "bound_ratio" in v:
         m.elem_bound_ratio = v["bound_ratio"] if v["n"] else 0.0
-        if v["bound_ratio"] > 0:
-            m.extra["bound_at"] = _position(int(v["bound_at"]), shape)
 
 
 def _one(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -246,12 +242,12 @@ def outputs(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torc
     def extra(d, rf, abs_d):
         abs_r = rf.abs()
         row_scale = output_row_scale(abs_r, value_max)
-        elem, elem_argmax = _row_first(abs_d, row_scale)
+        elem = _row_worst(abs_d, row_scale)
         sizable = abs_r >= row_scale  # row_scale > 0: never a zero or a non-finite position
         rounding = torch.sub(rf.to(torch.bfloat16), rf)
         _, exponent = torch.frexp(rf)   # |r| in [2**(e-1), 2**e): one bf16 step there is 2**(e - 8)
         return {
-            "rounding_sq": _dot(rounding, rounding), "elem": elem, "elem_argmax": elem_argmax,
+            "rounding_sq": _dot(rounding, rounding), "elem": elem,
             "beyond": _sum(abs_d > elem_units * row_scale, torch.float64),
             "rel_sum": _sum(torch.where(sizable, d / rf, 0.0)), "rel_n": _sum(sizable, torch.float64),
             "ulp_sum": _sum(torch.where(sizable, torch.ldexp(d, 8 - exponent), 0.0)),
@@ -266,7 +262,7 @@ def outputs(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torc
 def _output(m: Metrics, v: dict[str, float], rows: int, shape: torch.Size) -> Metrics:
     """One case's output metrics from its scalars."""
     m.rows = rows
-    _set_bound_ratio(m, v, shape)
+    _set_bound_ratio(m, v)
     if not v["n"]:
         return m
     # 1 - cos(a, r) from d = a - r without cancellation: |a|^2 |r|^2 - <a, r>^2 = |d|^2 |r|^2 - <d, r>^2.
@@ -280,7 +276,6 @@ def _output(m: Metrics, v: dict[str, float], rows: int, shape: torch.Size) -> Me
     m.bias_units = v["ulp_sum"] / v["rel_n"] if v["rel_n"] else 0.0
     _set_gain(m, v)
     m.elem_bf16_units = v["elem"]
-    m.elem_at = _position(int(v["elem_argmax"]), shape)
     m.mismatch_frac = v["beyond"] / m.numel
     return m
 
@@ -303,15 +298,12 @@ def lse_unit(rf: torch.Tensor, logit_l1: torch.Tensor) -> torch.Tensor:
     return FP32_UNIT * (logit_l1.double() + rf.abs() + 1.0)
 
 
-def _row_first(abs_d: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max |d| / row_scale, its flat position in the case) of each case [C, ..., width], with one
-    pass over |d|: the scale is per row."""
+def _row_worst(abs_d: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """max |d| / row_scale of each case [C, ..., width], with one pass over |d|: the scale is per row."""
     if abs_d.numel() == 0:
-        return _first(abs_d)
+        return _first(abs_d)[0]
     cases, width = abs_d.shape[0], abs_d.shape[-1]
-    best, col = abs_d.reshape(cases, -1, width).max(dim=-1)
-    ratio, row = (best / row_scale.reshape(cases, -1)).max(dim=1)  # the first row on ties, as argmax
-    return ratio, row * width + col.gather(1, row[:, None]).squeeze(1)
+    return (abs_d.reshape(cases, -1, width).amax(dim=-1) / row_scale.reshape(cases, -1)).amax(dim=1)
 
 
 def lses(a: torch.Tensor, r: torch.Tensor, logit_l1: torch.Tensor, bound: torch.Tensor | None = None) -> list[Metrics]:
@@ -332,7 +324,7 @@ def lses(a: torch.Tensor, r: torch.Tensor, logit_l1: torch.Tensor, bound: torch.
 def _lse(m: Metrics, v: dict[str, float], shape: torch.Size) -> Metrics:
     """One case's LSE metrics from its scalars."""
     m.lse_fp32_units = v["units"] if v["n"] else 0.0
-    _set_bound_ratio(m, v, shape)
+    _set_bound_ratio(m, v)
     _set_gain(m, v)
     if v["n"]:
         m.mean_err = v["dot"] / v["ref_sq"] if v["ref_sq"] else 0.0

@@ -32,8 +32,8 @@ from .metrics import Metrics
 KINDS = ("out", "lse", "max_logits", "exact", "other")
 
 # Metrics' fields that serve the oracle's verdict and are not stored: the rows an output's bound
-# grows with, the worst element's position (named in the reason), the shape and first mismatch.
-_UNSTORED_METRICS = frozenset({"rows", "elem_at", "extra"})
+# grows with, the shape and first mismatch.
+_UNSTORED_METRICS = frozenset({"rows", "extra"})
 _METRIC_FIELDS: tuple[Field, ...] = tuple(f for f in fields(Metrics) if f.name not in _UNSTORED_METRICS)
 _METRIC_NAMES = frozenset(f.name for f in _METRIC_FIELDS)
 

@@ -247,10 +247,10 @@ def test_rows_that_fail_before_a_comparison_take_their_checks_kind():
 
 
 def test_a_row_is_its_record_and_knows_its_kinds():
-    row = changed(synthetic_rows(seed=5, run_id="r", cases_per_group=1)[0], mean_err=1e-3, elem_at="1,2")
+    row = changed(synthetic_rows(seed=5, run_id="r", cases_per_group=1)[0], mean_err=1e-3, rows=7)
     record = row.to_record()
-    assert tuple(record) == COLUMNS and "elem_at" not in record and record["mean_err"] == 1e-3
-    assert Row.from_record(record) == changed(row, elem_at="")   # the oracle's own fields are not stored
+    assert tuple(record) == COLUMNS and "rows" not in record and record["mean_err"] == 1e-3
+    assert Row.from_record(record) == changed(row, rows=0)   # the oracle's own fields are not stored
     assert replace(row, kind="exact").exact and not replace(row, kind="out").exact
     with pytest.raises(ValueError, match="row kind 'partial_out' is none of"):
         replace(row, kind="partial_out")
