@@ -129,51 +129,13 @@ def _examples(op: str, examples: int | None, profile: Profile) -> int:
     return examples if examples is not None else catalog.get_spec(op).examples(profile)
 
 
-def _case_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker: Worker | None, notes: set[str],
-                 lost: list[str] | None) -> Callable[[Case, str], list[Row]]:
-    """(case, source) -> rows: in the isolation worker, or in this process. With `lost` (a fuzz
-    run), a CUDA context that saw a CUDA error of the implementation cannot run another case: the
-    campaign stops there, the case being the implementation's crash."""
-    from mla_verify.equivalence import device as dev
-    from mla_verify.equivalence.running import failure_row
-
-    cuda = device.startswith("cuda")
-
-    def run(case: Case, source: str) -> list[Row]:
-        if worker is not None:
-            rows = worker.run(case, unit.specs, unit.label, run_id, source, notes=notes, deviations=unit.deviations,
-                              conventions=unit.conventions)
-            for r in rows:
-                r.impl = unit.label
-            return rows
-        if lost is None:
-            return catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=notes)
-        called: list[bool] = []
-        try:
-            rows = catalog.evaluate(case, subject, device, run_id=run_id, source=source, notes=notes,
-                                    on_call=lambda: called.append(True))
-        except Exception as exc:
-            if not (cuda and called and (dev.is_device_error(exc) or not dev.usable(device))):
-                raise
-            base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages="", device=device,
-                        seed=case.seed, source=source, **catalog.get_spec(case.op).identity(case))
-            rows = [failure_row(base, "*", "crashed", f"CUDA error after the implementation ran: {dev.first_line(exc)}")]
-        if cuda and not lost and (
-                any(r.gate_metric in ("raised", "crashed") and dev.is_device_error(r.reason) for r in rows)
-                or not dev.usable(device)):
-            lost.append("the CUDA context is unusable after a CUDA error of the implementation; "
-                        "run isolated (--isolate) to go on past crashes")
-        return rows
-
-    return run
-
-
 def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker: Worker | None, notes: set[str],
                   lost: list[str] | None):
     """(cases, source, on_call) -> each case's rows (None: not judged), for a campaign's blocks
-    (`fuzz.campaign`): in the isolation worker, or in this process. In this process on a GPU a
-    CUDA error of one call ends its block there (`OpSpec.evaluate_block`) and, with `lost`, the
-    campaign, as `_case_runner` does for a case."""
+    (`fuzz.campaign`): in the isolation worker, or in this process. With `lost` (a fuzz run), a
+    CUDA context that saw a CUDA error of the implementation cannot run another case: its block
+    ends there (`OpSpec.evaluate_block`) and so does the campaign, the case being the
+    implementation's crash."""
     from mla_verify.equivalence import device as dev
     from mla_verify.equivalence.running import failure_row
 
@@ -190,6 +152,9 @@ def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker
     cuda = device.startswith("cuda")
 
     def in_process(cases, source, on_call):
+        if lost is None:
+            return catalog.evaluate_block(cases, subject, device, run_id=run_id, source=source, notes=notes,
+                                          on_call=on_call)
         called: list[bool] = []
         try:
             found = catalog.evaluate_block(cases, subject, device, run_id=run_id, source=source, notes=notes,
@@ -203,7 +168,7 @@ def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker
             found = [None] * len(cases)
             found[len(called) - 1] = [failure_row(base, "*", "crashed",
                                                   f"CUDA error after the implementation ran: {dev.first_line(exc)}")]
-        if cuda and lost is not None and not lost and (
+        if cuda and not lost and (
                 any(r.gate_metric in ("raised", "crashed") and dev.is_device_error(r.reason)
                     for rows in found if rows for r in rows) or not dev.usable(device)):
             lost.append("the CUDA context is unusable after a CUDA error of the implementation; "
@@ -245,7 +210,7 @@ def run_units(
     `gate_world_size`). `started(case, source, impl=, specs=)` is told of each case before it runs
     and returns the call that says it finished (`mla_verify.rundir` journals both); `journal`
     receives each case's rows as it finishes; a `stop_reason` (Ctrl-C, a lost CUDA context: `lost`,
-    see `_case_runner`) ends the run after the current case. `progress`: the gate's progress line
+    see `_block_runner`) ends the run after the current case. `progress`: the gate's progress line
     over every unit and a line per campaign on `log` (default the stderr of the moment: pytest's
     capture replaces it between tests); without it each campaign shows its own."""
     log = log or sys.stderr
@@ -263,17 +228,14 @@ def run_units(
             spec = catalog.get_spec(op)
             budget = _examples(op, examples, profile)
             pinned = corpus(op) if unit.corpus else []
-            judge = _case_runner(unit, subject, device, run_id, None if spec.own_processes else worker, result.notes,
-                                 lost)
+            judge_block = _block_runner(unit, subject, device, run_id, None if spec.own_processes else worker,
+                                        result.notes, lost)
 
-            def run(case: Case, source: str, judge=judge, where=f"{op} / {label}") -> list[Row]:
-                rows = judge(case, source)
+            def run(case: Case, source: str, judge_block=judge_block, where=f"{op} / {label}") -> list[Row]:
+                rows, = judge_block([case], source, lambda: None)
                 if progress and source in ("corpus", "fuzz"):
                     gate_progress.step(any(not r.passed for r in rows), now_at=where)
                 return rows
-
-            judge_block = _block_runner(unit, subject, device, run_id, None if spec.own_processes else worker,
-                                        result.notes, lost)
 
             def run_block(cases: list[Case], source: str, on_call, judge_block=judge_block,
                           where=f"{op} / {label}") -> list[list[Row]]:

@@ -47,6 +47,16 @@ def test_a_block_judges_each_case_as_it_is_judged_alone(op, params, impl):
         assert {all(r.passed for r in rows) for rows in block} == {True, False}
 
 
+def test_a_kernel_returning_its_static_buffer_is_judged_on_each_call_s_own_answer():
+    """A block holds every case's outputs until it judges them: each is a copy of its own, taken
+    before the next call overwrites the kernel's buffer."""
+    subject = resolve_subject("sparse_decode_fp8", ["tests.impls.some_seeds:static_buffer"], "cpu")
+    cases = [Case("sparse_decode_fp8", DECODE, seed) for seed in range(11, 15)]
+    for case, rows in zip(cases, evaluate_block(cases, subject, "cpu")):
+        assert all(r.passed for r in rows), [r.reason for r in rows if not r.passed]
+        _same(evaluate(case, subject, "cpu"), rows)
+
+
 @pytest.mark.parametrize("op, params", [("sparse_decode_fp8", DECODE), ("sparse_prefill", {**PREFILL, "sink": "none"})],
                          ids=["decode", "prefill"])
 def test_the_reference_answers_a_block_in_one_call(op, params):

@@ -21,6 +21,7 @@ from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, output_problem, tensors_in
 from ..contracts import arguments as contract_arguments
+from ..guards import owned
 from ..oracle import judge_many
 from ..produced import Produced
 from ..profiles import Profile
@@ -213,28 +214,29 @@ class OpSpec:
                 base = {**base, "path": got.path or base["path"], "stages": got.stages}
                 times = dict(time_ref_s=t_ref, time_impl_s=t_impl)
                 bases.append(base)
-                outcomes.append((got, times, input_rows(base, inputs, self.writes, **times),
-                                 # an output sharing an input's storage: checked while the inputs are at hand
-                                 {} if self.views else {n: why for n, out in got.tensors.items()
-                                                        if (why := inputs.aliased_by(n, out))}))
+                # Memory an output shares (an input's, the answer's) is told on what was returned; what
+                # is judged after the block's later calls is a copy of its own (a kernel returning its
+                # static buffer overwrites it with the next call).
+                shared = {n: why for n, out in got.tensors.items()
+                          if (why := (None if self.views else inputs.aliased_by(n, out)) or guard.aliased_by(n, out))}
+                outcomes.append(_Called(owned(got.tensors) if len(part) > 1 else got.tensors, got.deviations, times,
+                                        input_rows(base, inputs, self.writes, **times), shared))
             touched = guard.changed()
-            judged = [i for i, o in enumerate(outcomes) if isinstance(o, tuple) and not touched]
+            judged = [i for i, o in enumerate(outcomes) if isinstance(o, _Called) and not touched]
 
             def problem(i: int, name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
-                return (self._output_problem(check, out, want) or outcomes[i][3].get(name)
-                        or guard.aliased_by(name, out))
+                return self._output_problem(check, out, want) or outcomes[i].shared.get(name)
 
-            verdict_of = self._verdicts(judged, bases, params, kwargs, answer,
-                                        [o[0].tensors if isinstance(o, tuple) else None for o in outcomes],
-                                        [o[0].deviations if isinstance(o, tuple) else () for o in outcomes],
-                                        [o[1] if isinstance(o, tuple) else {} for o in outcomes], problem)
+            called = [o if isinstance(o, _Called) else _Called.none() for o in outcomes]
+            verdict_of = self._verdicts(judged, bases, params, kwargs, answer, [o.tensors for o in called],
+                                        [o.deviations for o in called], [o.times for o in called], problem)
             for i, o in enumerate(outcomes):
-                if not isinstance(o, tuple):
+                if not isinstance(o, _Called):
                     found.append(o)
                 elif touched:  # every verdict would compare against what the implementation wrote
-                    found.append([failure_row(bases[i], "*", "contract", touched[0][1], **o[1])])
+                    found.append([failure_row(bases[i], "*", "contract", touched[0][1], **o.times)])
                 else:
-                    found.append(o[2] + verdict_of[i])
+                    found.append(o.rows + verdict_of[i])
         return found
 
     def _in_parts(self, cases: Sequence[Case], params: Params, device: str) -> Iterator[tuple[list[Case], list[dict]]]:
@@ -373,6 +375,22 @@ class OpSpec:
             for j, i in enumerate(index):
                 found[i] += verdicts[j]
         return found
+
+
+@dataclass
+class _Called:
+    """A case of a block whose implementation returned: its outputs, their deviations and times,
+    its input rows, and why an output shares memory it must not."""
+
+    tensors: dict[str, Any] | None
+    deviations: tuple[str, ...]
+    times: dict
+    rows: list
+    shared: dict[str, str]
+
+    @classmethod
+    def none(cls) -> "_Called":
+        return cls(None, (), {}, [], {})
 
 
 @dataclass

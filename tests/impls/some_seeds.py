@@ -14,3 +14,17 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_sc
     if q.flatten()[0] > 0:
         out = (out.float() * 1.05).to(out.dtype)
     return out, lse
+
+
+_STATIC: dict = {}
+
+
+def static_buffer(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float):
+    """The eager kernel writing into one output buffer it returns every call, as a serving kernel
+    under CUDA graphs does: correct each call, overwritten by the next."""
+    out, lse = eager.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
+    if _STATIC.get("out") is None or _STATIC["out"].shape != out.shape:
+        _STATIC["out"], _STATIC["lse"] = torch.empty_like(out), torch.empty_like(lse)
+    _STATIC["out"].copy_(out)
+    _STATIC["lse"].copy_(lse)
+    return _STATIC["out"], _STATIC["lse"]
