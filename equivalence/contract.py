@@ -140,25 +140,17 @@ class _Saved:
 
 class Snapshot:
     """Every tensor of `arguments`, copied byte for byte (whole storages: padding between the
-    rows of a strided view counts) before an implementation runs. `what` names them in reasons:
-    "input", or "the reference's" for the answer the implementation is judged against (a kernel
-    can reach it through `gc`). Storages the tensors of `apart_from` (other arguments) live in are
-    left to their own snapshots (a reference answer that is a view of an input is the input's)."""
+    rows of a strided view counts) before an implementation runs."""
 
-    def __init__(self, arguments: Mapping[str, Any], what: str = "input", apart_from: Sequence[Mapping[str, Any]] = ()):
-        self.what = what
+    def __init__(self, arguments: Mapping[str, Any]):
         self._saved: dict[tuple[str, int], _Saved] = {}
-        elsewhere = {(t.device.type, t.untyped_storage().data_ptr())
-                     for args in apart_from for name, value in args.items() for _, t in tensors_in(value, name)
-                     if t.layout == torch.strided and t.device.type != "meta"}
+        self._written: list[_Saved] = []
         for name, value in arguments.items():
             for path, t in tensors_in(value, name):
                 if t.device.type == "meta" or t.layout != torch.strided or t.untyped_storage().nbytes() == 0:
                     continue
                 storage = t.untyped_storage()
                 key = (t.device.type, storage.data_ptr())
-                if key in elsewhere:
-                    continue
                 if key not in self._saved:
                     words = _storage_words(storage, t.device)
                     self._saved[key] = _Saved(storage, words, words.clone(), [])
@@ -169,10 +161,21 @@ class Snapshot:
         named in `allowed` (and anything sharing their storage) may change."""
         checked = [saved for saved in self._saved.values()
                    if not any(path.split(".")[0].split("[")[0] in allowed for path, _ in saved.views)]
-        return [self._locate(saved) for saved, unchanged in zip(checked, _unchanged(checked)) if not unchanged]
+        self._written = [saved for saved, unchanged in zip(checked, _unchanged(checked)) if not unchanged]
+        return [self._locate(saved) for saved in self._written]
+
+    def put_back(self) -> None:
+        """Copy the saved bytes back into every storage the last `changed` found written (resized
+        back first where a call resized it): what a reference computed next reads is what the
+        call was given."""
+        for saved in self._written:
+            if saved.storage.nbytes() != saved.copy.nbytes:
+                saved.storage.resize_(saved.copy.nbytes)
+            _storage_as(saved.storage, saved.copy.device, saved.copy.element_size()).copy_(saved.copy)
+        self._written = []
 
     def _locate(self, saved: _Saved) -> tuple[str, str]:
-        ro = "inputs are read-only" if self.what == "input" else "an implementation never touches the reference"
+        ro = "inputs are read-only"
         for path, t in saved.views:
             before = torch.empty(0, dtype=t.dtype, device=t.device).set_(
                 saved.copy.untyped_storage(), t.storage_offset(), t.size(), t.stride())
@@ -180,7 +183,7 @@ class Snapshot:
             if len(diff):
                 at = tuple(int(i) for i in diff[0])
                 where = ", ".join(map(str, at))
-                return path, (f"{path}: {self.what} written by the implementation at [{where}] "
+                return path, (f"{path}: input written by the implementation at [{where}] "
                               f"({_value(before, at)} -> {_value(t, at)}; {len(diff)} elements changed); {ro}")
         now, before = _storage_as(saved.storage, saved.copy.device, 1), _storage_as(saved.copy.untyped_storage(), saved.copy.device, 1)
         common = min(len(now), len(before))  # a storage resized in place differs past the shorter one
@@ -199,7 +202,7 @@ class Snapshot:
         saved = self._saved.get((out.device.type, out.untyped_storage().data_ptr()))
         if saved is None:
             return None
-        return f"{name}: shares memory with {self.what} {saved.views[0][0]} (an output must be a new tensor)"
+        return f"{name}: shares memory with input {saved.views[0][0]} (an output must be a new tensor)"
 
 
 def _outputs(result: Any) -> Iterator[tuple[str, torch.Tensor]]:

@@ -15,6 +15,7 @@ without failing it (counted and reported).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 import traceback
@@ -102,29 +103,32 @@ def seed_globals(seed: int) -> None:
 
 
 def call_implementation(fn: Callable[[], Any], seed: int, device: str,
-                        on_call: Callable[[], None] | None = None) -> tuple[Any, float]:
+                        on_call: Callable[[], None] | None = None,
+                        watch: guards.Watch | None = None) -> tuple[Any, float]:
     """(fn(), seconds) with poisoned outputs and seeded generators; anything it raises becomes
     `Raised`, after the device was synchronized, except a KeyboardInterrupt while a SIGINT arrived
     (the user's Ctrl-C). The process-wide state and the judge's functions are put back after the
-    call; a change to either is `Raised` with a ContractError. `on_call` runs just before: an
-    isolation worker starts the case's clock there."""
+    call (to `watch`'s, taken once for a block of calls; else taken now); a change to either is
+    `Raised` with a ContractError. `on_call` runs just before: an isolation worker starts the
+    case's clock there."""
     seed_globals(seed)
-    state, judge = guards.ProcessState.now(), guards.JudgeFunctions.now()
-    if on_call is not None:
-        on_call()
-    error: BaseException | None = None
-    try:
-        with guards.sigint_watch() as sigints, poisoned():
-            try:
-                result = timed(fn, device)
-            except KeyboardInterrupt as exc:
-                if sigints:
-                    raise
-                error = exc
-            except BaseException as exc:  # SystemExit, GeneratorExit too: the case's failure, not the run's end
-                error = exc
-    finally:
-        changed, patched = state.restore(), judge.restore()
+    with contextlib.ExitStack() as stack:
+        watch = watch or stack.enter_context(guards.Watch())
+        if on_call is not None:
+            on_call()
+        error: BaseException | None = None
+        try:
+            with guards.sigint_watch() as sigints, poisoned():
+                try:
+                    result = timed(fn, device)
+                except KeyboardInterrupt as exc:
+                    if sigints:
+                        raise
+                    error = exc
+                except BaseException as exc:  # SystemExit, GeneratorExit too: the case's failure, not the run's end
+                    error = exc
+        finally:
+            changed, patched = watch.restore()
     if error is not None:
         raise Raised(error, dev.synchronize(device)) from None
     if patched:

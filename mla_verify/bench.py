@@ -227,9 +227,9 @@ def _launches(fn) -> int:
 
 
 def stage_profile(case, subject, device: str, count: int = 1) -> dict[str, dict]:
-    """Where one evaluated case's time goes, stage by stage (inputs, reference, snapshot, kernel,
+    """Where one evaluated case's time goes, stage by stage (inputs, snapshot, kernel, reference,
     judge), in a block of `count` cases of its params as `OpSpec.evaluate_block` runs them (the
-    reference once for the block, each check judged at once): median ms per case of 3 runs, aten
+    reference once for the block, after its calls; each check judged at once): median ms per case of 3 runs, aten
     ops dispatched, reads back to the host, and on a GPU launches, per case. The snapshot stage
     copies the inputs and compares them back, as `evaluate` does around the kernel."""
     from mla_verify.equivalence.catalog import get_spec
@@ -264,7 +264,7 @@ def stage_profile(case, subject, device: str, count: int = 1) -> dict[str, dict]
             judge_many(check.kind, [got.tensors[check.tensor] for got in state["got"]], answer.of(check.tensor, everyone),
                        params.numerics(), state["got"][0].deviations, answer.of(check.scale, everyone), bounds or None)
 
-    stages = {"inputs": inputs, "reference": ref, "snapshot": snapshot, "kernel": kernel, "judge": judged}
+    stages = {"inputs": inputs, "snapshot": snapshot, "kernel": kernel, "reference": ref, "judge": judged}
     times: dict[str, list[float]] = {name: [] for name in stages}
     for _ in range(3):
         for name, fn in stages.items():

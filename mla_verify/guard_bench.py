@@ -5,10 +5,11 @@ Each guard is timed alone on a production-sized case (the harness section's deco
 s_q=2 H=128 on a GPU, B=2 H=16 on a CPU), median of `reps` runs:
   process_state   torch's process-wide settings, the working directory and the standard streams,
                   saved and compared back (`ProcessState`)
-  judge_functions the judge's functions saved and checked (`JudgeFunctions`)
+  judge_functions the judge's functions saved and checked (`JudgeFunctions`): a case alone, and each
+                  later call of a block (saved once a block, checked after each call: `Watch`)
   sigint_watch    the SIGINT handler around the call
-  reference       the reference's answer copied and compared back, and the outputs checked for sharing
-                  its storage (`Snapshot(ref)`)
+  inputs          the inputs copied and compared back, and the outputs checked for sharing their
+                  storage (`Snapshot(inputs)`)
   owned_outputs   a copy of the kernel's outputs (what a stage call hands on inside a pipeline or
                   property)
   journal         the case journaled as started and finished in a run directory
@@ -67,25 +68,28 @@ def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
     params = spec.params_of(case.params)
     subject = resolve_subject(case.op, [], device)
     kwargs = spec.inputs(params, case.seed, device)
-    ref = spec.reference(kwargs, params)
     with poisoned():
         got = spec.call(subject, kwargs, params)
     shape = f"{case.short()[:44]}"
-    ref_mib = sum(t.numel() * t.element_size() for t in ref.values() if isinstance(t, torch.Tensor)) / 2**20
+    in_mib = sum(t.untyped_storage().nbytes() for t in kwargs.values() if isinstance(t, torch.Tensor)) / 2**20
     out_mib = sum(t.numel() * t.element_size() for t in got.tensors.values()) / 2**20
 
     def process_state():
-        guards.ProcessState.now().restore()
+        state = guards.ProcessState.now()
+        state.restore()
+        state.close()
 
     def judge_functions():
         guards.JudgeFunctions.now().restore()
+
+    watched = guards.JudgeFunctions.now()
 
     def sigint_watch():
         with guards.sigint_watch():
             pass
 
-    def reference():
-        saved = Snapshot(ref, "the reference's answer")
+    def inputs():
+        saved = Snapshot(kwargs)
         saved.changed()
         for name, t in got.tensors.items():
             saved.aliased_by(name, t)
@@ -97,8 +101,10 @@ def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
         _row(shape, "process_state", _median_ms(process_state, reps, sync), "torch settings, cwd, std streams"),
         _row(shape, "judge_functions", _median_ms(judge_functions, reps, sync),
              f"{sum(len(vars(ns)) for _, ns, _ in guards._judge_namespaces())} names watched"),
+        _row(shape, "judge_functions, block", _median_ms(watched.restore, reps, sync),
+             "checked after a later call of a block (saved once a block)"),
         _row(shape, "sigint_watch", _median_ms(sigint_watch, reps, sync), "SIGINT handler around the call"),
-        _row(shape, "reference", _median_ms(reference, reps, sync), f"{ref_mib:.1f} MiB of reference copied, compared"),
+        _row(shape, "inputs", _median_ms(inputs, reps, sync), f"{in_mib:.1f} MiB of inputs copied, compared"),
         _row(shape, "owned_outputs", _median_ms(owned_outputs, reps, sync), f"{out_mib:.1f} MiB of outputs copied"),
     ]
     with tempfile.TemporaryDirectory() as tmp:

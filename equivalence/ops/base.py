@@ -8,6 +8,7 @@ implementation of that stage. The pipelines (`ops.forward`, `ops.dcp`) extend it
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -16,12 +17,11 @@ from hypothesis import strategies as st
 
 from mla_verify.optimized import registry
 
-from .. import cost, device as dev
+from .. import cost, device as dev, guards
 from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, output_problem, tensors_in
 from ..contracts import arguments as contract_arguments
-from ..guards import owned
 from ..oracle import judge_many
 from ..produced import Produced
 from ..profiles import Profile
@@ -180,63 +180,65 @@ class OpSpec:
                        on_call: Callable[[], None] | None = None) -> list[list]:
         """The rows of each of `cases`, cases of one params whose seeds differ (a fuzz block),
         judged in this process. Each case's inputs are built from its seed, as its replay builds
-        them; the reference answers the block in one call where the op stacks its cases (`stack`);
-        the implementation runs once per case, on its own inputs; each check is judged over the
-        block at once (`oracle.judge_many`). `notes` collects what the implementation side reported
-        (a stage that fell back to a portable implementation); `on_call` runs before each call of
-        the implementation, once inputs and reference are ready. A call that leaves the CUDA
-        context unusable ends the block: its case's rows are its last, and every other case of it
-        is None (not judged: what it returned lived on that context)."""
+        them, and snapshotted before any call of the block; the implementation runs once per case,
+        on its own inputs; then the reference answers the block, in one call where the op stacks
+        its cases (`stack`), on the inputs as built (bytes a call wrote where it must not are put
+        back first): no call can reach an answer that does not exist yet. Each check is judged over
+        the block at once (`oracle.judge_many`). `notes` collects what the implementation side
+        reported (a stage that fell back to a portable implementation); `on_call` runs before each
+        call of the implementation, once its inputs are ready. A call that leaves the CUDA context
+        unusable ends the block: its case's rows are its last, and every other case of it is None
+        (not judged: what it returned lived on that context)."""
         params = self.params_of(cases[0].params)
         found: list[list | None] = []
         for part, kwargs in self._in_parts(cases, params, device):
-            answer, t_ref = timed(lambda: self._answer(kwargs, params), device)
-            t_ref /= len(part)
-            # Taken once for the block: the answer is judged after the last call, so a write during
-            # any call of the block reaches every verdict.
-            guard = Snapshot(answer.stacked or {f"{i}.{k}": t for i, a in enumerate(answer.cases) for k, t in a.items()},
-                             "the reference's answer", apart_from=kwargs)
+            # Taken before the block's first call: a call writing another case's inputs shows too.
+            snapshots = [Snapshot(kw) for kw in kwargs]
             bases, outcomes = [], []
-            for case, kw in zip(part, kwargs):
-                base = self._base(case, params, subject.label, device, run_id, source)
-                inputs = Snapshot(kw)
-                try:
-                    got, t_impl = call_implementation(lambda: self.call(subject, kw, params), case.seed, device, on_call)
-                except Raised as raised:  # the implementation's failure is the case's result, not ours
+            with guards.Watch() as watch:
+                for case, kw, inputs in zip(part, kwargs, snapshots):
+                    base = self._base(case, params, subject.label, device, run_id, source)
+                    try:
+                        got, t_impl = call_implementation(lambda: self.call(subject, kw, params), case.seed, device,
+                                                          on_call, watch)
+                    except Raised as raised:  # the implementation's failure is the case's result, not ours
+                        bases.append(base)
+                        outcomes.append([raised_row(base, raised)])
+                        if not dev.usable(device):  # nothing more runs on that context: this case is the block's end
+                            return (found + [o if isinstance(o, list) else None for o in outcomes]
+                                    + [None] * (len(cases) - len(found) - len(outcomes)))
+                        continue
+                    if notes is not None:
+                        notes.update(got.notes)
+                    base = {**base, "path": got.path or base["path"], "stages": got.stages}
                     bases.append(base)
-                    outcomes.append([raised_row(base, raised, time_ref_s=t_ref)])
-                    if not dev.usable(device):  # nothing more runs on that context: this case is the block's end
-                        return (found + [o if isinstance(o, list) else None for o in outcomes]
-                                + [None] * (len(cases) - len(found) - len(outcomes)))
-                    continue
-                if notes is not None:
-                    notes.update(got.notes)
-                base = {**base, "path": got.path or base["path"], "stages": got.stages}
-                times = dict(time_ref_s=t_ref, time_impl_s=t_impl)
-                bases.append(base)
-                # Memory an output shares (an input's, the answer's) is told on what was returned; what
-                # is judged after the block's later calls is a copy of its own (a kernel returning its
-                # static buffer overwrites it with the next call).
-                shared = {n: why for n, out in got.tensors.items()
-                          if (why := (None if self.views else inputs.aliased_by(n, out)) or guard.aliased_by(n, out))}
-                outcomes.append(_Called(owned(got.tensors) if len(part) > 1 else got.tensors, got.deviations, times,
-                                        input_rows(base, inputs, self.writes, **times), shared))
-            touched = guard.changed()
-            judged = [i for i, o in enumerate(outcomes) if isinstance(o, _Called) and not touched]
+                    # Memory an output shares with an input is told on what was returned; what is judged
+                    # after the block's later calls is a copy of its own (a kernel returning its static
+                    # buffer overwrites it with the next call).
+                    shared = {} if self.views else {n: why for n, out in got.tensors.items()
+                                                    if (why := inputs.aliased_by(n, out))}
+                    outcomes.append(_Called(guards.owned(got.tensors) if len(part) > 1 else got.tensors, got.deviations,
+                                            dict(time_impl_s=t_impl), input_rows(base, inputs, self.writes,
+                                                                                 time_impl_s=t_impl), shared))
+            called = [i for i, o in enumerate(outcomes) if isinstance(o, _Called)]
+            t_ref, verdict_of = math.nan, {}
+            if called:
+                for inputs in snapshots:
+                    inputs.put_back()
+                answer, t_ref = timed(lambda: self._answer(kwargs, params), device)
+                t_ref /= len(part)
 
-            def problem(i: int, name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
-                return self._output_problem(check, out, want) or outcomes[i].shared.get(name)
+                def problem(i: int, name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
+                    return self._output_problem(check, out, want) or outcomes[i].shared.get(name)
 
-            called = [o if isinstance(o, _Called) else _Called.none() for o in outcomes]
-            verdict_of = self._verdicts(judged, bases, params, kwargs, answer, [o.tensors for o in called],
-                                        [o.deviations for o in called], [o.times for o in called], problem)
+                everyone = [o if isinstance(o, _Called) else _Called.none() for o in outcomes]
+                verdict_of = self._verdicts(called, bases, params, kwargs, answer, [o.tensors for o in everyone],
+                                            [o.deviations for o in everyone], [o.times for o in everyone], problem)
             for i, o in enumerate(outcomes):
-                if not isinstance(o, _Called):
-                    found.append(o)
-                elif touched:  # every verdict would compare against what the implementation wrote
-                    found.append([failure_row(bases[i], "*", "contract", touched[0][1], **o.times)])
-                else:
-                    found.append(o.rows + verdict_of[i])
+                rows = o.rows + verdict_of[i] if isinstance(o, _Called) else o
+                for r in rows:
+                    r.time_ref_s = t_ref
+                found.append(rows)
         return found
 
     def _in_parts(self, cases: Sequence[Case], params: Params, device: str) -> Iterator[tuple[list[Case], list[dict]]]:

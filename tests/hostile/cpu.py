@@ -308,7 +308,8 @@ def returns_a_lying_subclass(kv, scale_rule="pow2"):
 
 def returns_the_reference(kv, scale_rule="pow2"):
     """Wrong, and hands back the reference's own answer instead where it finds one through the
-    garbage collector (in an isolation worker there is none: the parent computes it)."""
+    garbage collector (there is none: the reference answers after the block's calls, or in an
+    isolated run's parent)."""
     import gc
 
     rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
@@ -321,7 +322,8 @@ def returns_the_reference(kv, scale_rule="pow2"):
 
 
 def writes_the_reference(kv, scale_rule="pow2"):
-    """Wrong bytes, copied over the reference's answer (found through the garbage collector) too."""
+    """Wrong bytes, copied over the reference's answer where it finds one through the garbage
+    collector (none: as `returns_the_reference`)."""
     import gc
 
     rows = eager.quantize_fp8_ds_mla(kv, scale_rule)

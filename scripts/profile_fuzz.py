@@ -1,0 +1,149 @@
+"""Where an in-process fuzz campaign's time goes, for issue 28's throughput work: the campaign that
+`mla-verify bench --only harness` times (sparse_decode_fp8, profile gpu, blocks of 8), run under
+cProfile (Python functions by own and cumulative time) and under torch.profiler (device busy time
+against wall time, the costliest kernels, the host's waits on the device), with the mix of case
+sizes drawn. Writes the tables under --out; prints a summary last.
+
+    python3 scripts/profile_fuzz.py --device cuda --examples 400 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def campaign(device: str, examples: int, block: int, sizes: list | None = None) -> tuple[int, float]:
+    """The bench's in-process campaign: (cases, seconds)."""
+    from mla_verify.equivalence.catalog import evaluate_block, resolve_subject
+    from mla_verify.equivalence.profiles import get_profile
+    from mla_verify.fuzz.campaign import fuzz
+
+    subject = resolve_subject("sparse_decode_fp8", [], device)
+
+    def run_block(cases, source, on_call=None):
+        if sizes is not None:
+            p = cases[0].params
+            sizes.extend([p["batch"] * p["s_q"] * p["heads"] * p["topk"]] * len(cases))
+        return evaluate_block(cases, subject, device, source=source, on_call=on_call)
+
+    start = time.perf_counter()
+    result = fuzz("sparse_decode_fp8", lambda c, s: run_block([c], s)[0],
+                  profile=get_profile("gpu" if device == "cuda" else "ci"), examples=examples, seed=3, shrink=False,
+                  block=block, run_block=run_block, show_progress=False)
+    return result.examples, time.perf_counter() - start
+
+
+def _timers() -> dict[str, list[float]]:
+    """Wrap the functions a case goes through with host-clock accumulators (no device syncs of
+    their own: a function that waits on the device counts its wait): name -> [seconds, calls]."""
+    from mla_verify.equivalence import contract, guards, running
+    from mla_verify.equivalence.catalog import get_spec
+    from mla_verify.equivalence.ops import attention, base
+    from mla_verify.reference import attention as ref_attention
+
+    spent: dict[str, list[float]] = {}
+
+    def wrap(owner, attr: str, label: str, setter=setattr) -> None:
+        fn = getattr(owner, attr)
+        spent[label] = [0.0, 0]
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label][0] += time.perf_counter() - start
+                spent[label][1] += 1
+
+        setter(owner, attr, timed)
+
+    spec = get_spec("sparse_decode_fp8")
+    frozen = object.__setattr__
+    wrap(spec, "inputs", "inputs", frozen)
+    wrap(attention, "fill_selected_slots", "  fill_selected_slots")
+    wrap(spec, "_answer", "reference (block)", frozen)
+    wrap(ref_attention, "_decode_rows", "  reference index check")
+    wrap(attention, "_elem_bounds", "  derived bounds")
+    wrap(base, "call_implementation", "call_implementation")
+    wrap(spec, "call", "  the implementation (timed)", frozen)
+    wrap(guards.JudgeFunctions, "now", "  JudgeFunctions.now", lambda o, a, f: setattr(o, a, staticmethod(f)))
+    wrap(guards.JudgeFunctions, "restore", "  JudgeFunctions.restore")
+    wrap(guards.ProcessState, "now", "  ProcessState.now", lambda o, a, f: setattr(o, a, staticmethod(f)))
+    wrap(guards.ProcessState, "restore", "  ProcessState.restore")
+    wrap(running, "timed", "  timed (syncs)")
+    wrap(contract.Snapshot, "__init__", "Snapshot taken")
+    wrap(contract.Snapshot, "changed", "Snapshot compared")
+    wrap(base, "owned", "owned copies")
+    wrap(spec, "_verdicts", "verdicts (block)", frozen)
+    wrap(base, "judge_many", "  judge_many")
+    wrap(base, "input_rows", "input_rows")
+    wrap(torch.cuda, "synchronize", "torch.cuda.synchronize")
+    return spent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--examples", type=int, default=400)
+    ap.add_argument("--block", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=Path("runs/profile"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = []
+
+    campaign(args.device, 16, args.block)  # compilation, plans, allocator pools
+    sizes: list[int] = []
+    n, s = campaign(args.device, args.examples, args.block, sizes)
+    summary.append(f"plain: {n} cases in {s:.2f} s = {n / s:.1f} cases/s")
+    flops = [2.0 * x * 1088 for x in sizes]
+    summary.append(f"case FLOPs: mean {statistics.mean(flops) / 1e9:.2f} G, median {statistics.median(flops) / 1e9:.2f} G, "
+                   f"max {max(flops) / 1e9:.2f} G; total {sum(flops) / 1e12:.3f} TFLOP -> {sum(flops) / s / 1e12:.2f} "
+                   "TFLOP/s of reference work over the campaign's wall time")
+
+    prof = cProfile.Profile()
+    prof.enable()
+    n, s = campaign(args.device, args.examples, args.block)
+    prof.disable()
+    summary.append(f"cProfile: {n} cases in {s:.2f} s = {n / s:.1f} cases/s")
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(60)
+        (args.out / f"cprofile_{key}.txt").write_text(buf.getvalue())
+
+    if args.device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+            n, s = campaign(args.device, args.examples // 2, args.block)
+            torch.cuda.synchronize()
+        events = tp.key_averages()
+        device_us = sum(e.self_device_time_total for e in events)
+        waits = [e for e in events if "Synchronize" in e.key or "synchronize" in e.key]
+        wait_us = sum(e.cpu_time_total for e in waits)
+        summary.append(f"torch.profiler: {n} cases in {s:.2f} s (profiled); device busy {device_us / 1e6:.2f} s "
+                       f"({100 * device_us / 1e6 / s:.0f}% of wall); host waits on syncs {wait_us / 1e6:.2f} s in "
+                       f"{sum(e.count for e in waits)} calls")
+        (args.out / "cuda_kernels.txt").write_text(events.table(sort_by="self_device_time_total", row_limit=40))
+        (args.out / "cpu_ops.txt").write_text(events.table(sort_by="self_cpu_time_total", row_limit=60))
+    spent = _timers()
+    n, s = campaign(args.device, args.examples, args.block)
+    lines = [f"timers: {n} cases in {s:.2f} s = {n / s:.1f} cases/s; per case (host clock, nested entries indented):"]
+    lines += [f"  {name:34s} {t / n * 1e3:7.3f} ms  {calls / n:6.2f} calls" for name, (t, calls) in spent.items()]
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    print(buf.getvalue()[-5000:])
+    summary += lines
+    print("\n".join(summary))
+    (args.out / "summary.txt").write_text("\n".join(summary) + "\n")
+
+
+if __name__ == "__main__":
+    main()
