@@ -4,9 +4,10 @@ the contract says (arity, type, dtype, shape, device), and never hands back an i
 Inputs are snapshotted before the call (a byte copy of every storage they live in, on their own
 device) and compared after it, every byte: copied and compared as the widest integers that tile
 the storage (an 8-byte word is one element: an eighth of the elements, and of the comparison's
-mask, of a byte-wise compare), with one read back per device for all of a call's inputs. An op that writes in place names the arguments it may write
-(`OpSpec.writes`); its own checks compare every byte of them. A stage inside a pipeline or a
-property gets the same checks through `guarded`. Every violation is a `ContractError` or a
+mask, of a byte-wise compare), with one read back per device for all of a call's inputs (a
+fuzz block's: for all of its cases, `changed_together`). An op that writes in place names the
+arguments it may write (`OpSpec.writes`); its own checks compare every byte of them. A stage
+inside a pipeline or a property gets the same checks through `guarded`. Every violation is a `ContractError` or a
 one-line reason naming the tensor, never a traceback.
 """
 
@@ -159,10 +160,11 @@ class Snapshot:
     def changed(self, allowed: Collection[str] = ()) -> list[tuple[str, str]]:
         """(argument, one-line reason) for every argument written since the snapshot; arguments
         named in `allowed` (and anything sharing their storage) may change."""
-        checked = [saved for saved in self._saved.values()
-                   if not any(path.split(".")[0].split("[")[0] in allowed for path, _ in saved.views)]
-        self._written = [saved for saved, unchanged in zip(checked, _unchanged(checked)) if not unchanged]
-        return [self._locate(saved) for saved in self._written]
+        return changed_together([self], allowed)[0]
+
+    def _checked(self, allowed: Collection[str]) -> list[_Saved]:
+        return [saved for saved in self._saved.values()
+                if not any(path.split(".")[0].split("[")[0] in allowed for path, _ in saved.views)]
 
     def put_back(self) -> None:
         """Copy the saved bytes back into every storage the last `changed` found written (resized
@@ -203,6 +205,18 @@ class Snapshot:
         if saved is None:
             return None
         return f"{name}: shares memory with input {saved.views[0][0]} (an output must be a new tensor)"
+
+
+def changed_together(snapshots: Sequence[Snapshot], allowed: Collection[str] = ()) -> list[list[tuple[str, str]]]:
+    """`Snapshot.changed` of each of `snapshots` (a block's cases), compared with one read back
+    per device for all of them."""
+    checked = [snapshot._checked(allowed) for snapshot in snapshots]
+    flags = iter(_unchanged([saved for each in checked for saved in each]))
+    found = []
+    for snapshot, each in zip(snapshots, checked):
+        snapshot._written = [saved for saved in each if not next(flags)]
+        found.append([snapshot._locate(saved) for saved in snapshot._written])
+    return found
 
 
 def _outputs(result: Any) -> Iterator[tuple[str, torch.Tensor]]:

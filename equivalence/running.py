@@ -28,7 +28,7 @@ from mla_verify.optimized.buffers import poisoned
 
 from . import device as dev
 from . import guards
-from .contract import ContractError, Snapshot
+from .contract import ContractError
 from .oracle import Verdict
 from .rows import Row
 
@@ -140,10 +140,9 @@ def call_implementation(fn: Callable[[], Any], seed: int, device: str,
     return result
 
 
-def input_rows(base: dict, inputs: Snapshot, writes: tuple[str, ...], **fields) -> list[Row]:
-    """One failing row per input the implementation wrote (tensor "input:NAME")."""
-    return [failure_row(base, f"input:{name}", "input_written", reason, **fields)
-            for name, reason in inputs.changed(writes)]
+def input_rows(base: dict, written: list[tuple[str, str]], **fields) -> list[Row]:
+    """One failing row per input the implementation wrote (`Snapshot.changed`: tensor "input:NAME")."""
+    return [failure_row(base, f"input:{name}", "input_written", reason, **fields) for name, reason in written]
 
 
 def judged_row(base: dict, tensor: str, kind: str, v: Verdict, **fields) -> Row:

@@ -188,8 +188,9 @@ def check(
             (equivalence.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}
             or ["lse_base=2", ...]; its LSE and max_logits are converted once, as it returns them.
         path: forward_mqa's path, or a property's target. world_size: dcp's rank count (default 2).
-        shrink: minimize the first failing case. parallel: independent campaigns, one per GPU
-            (default: every GPU on cuda). junit: also write JUnit XML there. log: receives the
+        shrink: minimize the first failing case. parallel: independent campaigns, one per GPU,
+            dealt round-robin past the GPU count, each with its share of the cores (default: every
+            GPU on cuda). junit: also write JUnit XML there. log: receives the
             run's header line (the CLI prints it).
         baseline: a run directory of the same op: seed, profile, examples and path default to the
             ones it recorded, so the campaign draws its cases again (`drift` then pairs them).
@@ -305,7 +306,8 @@ def gate(
         examples: fuzz cases per op (or property) and implementation (default: the profile's).
         profile: default ci on cpu, gpu on cuda. seed: default random, or the baseline's.
         out: the run directory (default: a new runs/gate-TIME). isolate, timeout: as in `check`.
-        parallel: processes, one GPU each (default: every GPU on cuda, 1 on cpu). shard: "I/N",
+        parallel: processes, one GPU each, dealt round-robin past the GPU count (default: every
+            GPU on cuda, 1 on cpu). shard: "I/N",
             every N-th op and implementation from the I-th (`fuzz.shard`; `merge` joins the shards).
         baseline: an earlier gate run: its seed, profile, examples and ops, unless given.
         junit: also write JUnit XML there. log: receives the run's header lines.

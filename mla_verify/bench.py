@@ -10,12 +10,13 @@ per rank down to 16; decode batch 1-128 with s_q 1 and 2; prefill 1k-16k tokens)
   harness    per compared case (decode B=64 s_q=2 H=128), evaluated alone (block 1, as before
              blocks) and in a block of 8 cases of its params: total time minus the reference's and
              the kernel's, over their sum, and the float64 reference's TFLOP/s; then stage by stage
-             (inputs, reference, snapshot of the inputs taken and compared back, kernel, judge):
+             (inputs, snapshot of the inputs taken and compared back, kernel, reference, judge):
              time, aten ops, reads back to the host, CUDA launches (profiler), per case
   fuzz       cases per second, decode-sized cases of the `gpu` profile, float64 reference on the
              device, drawn one case an example and 8 (blocks), judged in-process and isolated (the
              worker started off the clock); per case: drawing it, the reference, the kernel, inputs
-             and judging
+             and judging; then 4 campaigns at once sharing the GPU (`--parallel 4` on one GPU),
+             each process started and warmed up off the clock
   guards     (CPU and GPU) each guard's cost per case in ms, and isolation's (`mla_verify.guard_bench`)
 On a CPU: the reference at a 128k-token context and a 1024-token prefill streamed under 256 MiB
 (time, peak RSS in fresh processes), harness overhead with its stages, and fuzz
@@ -42,6 +43,7 @@ BF16_CEILING_TFLOPS = 790.0   # 8192^3 bf16 matmul on this workplace's H200 (dev
 HBM_CEILING_GBS = 4300.0      # device-to-device copy, bytes read + written (device/KINDS.md)
 ROTATIONS = 3                 # input sets cycled so no call finds the last one's rows in L2
 BLOCK = 8                     # cases a block holds in the harness section's "after" (the gpu profile's)
+PARTS = 4                     # campaigns sharing the GPU in the harness section's last rows (--parallel 4)
 
 
 def flops(rows: int, heads: int, topk: int = TOPK) -> float:
@@ -313,12 +315,13 @@ def _evaluated(case, subject, device: str, count: int) -> dict[str, float]:
     return {"total": total, "reference": ref, "kernel": kernel}
 
 
-def _throughput(subject, device: str, profile, examples: int, block: int, isolated: bool = False) -> dict:
-    """A fuzz campaign of sparse_decode_fp8 cases (seed 3, no shrinking) in blocks of `block`,
-    judged in this process or (`isolated`) produced in an isolation worker, started and warmed up
-    before the clock starts, and judged here: cases/s and the time per case split into drawing
-    it, the reference, the kernel and the rest (inputs, snapshots, judging; isolated: the worker's
-    side too)."""
+def _throughput(subject, device: str, profile, examples: int, block: int, isolated: bool = False, seed: int = 3,
+                ready=lambda: None) -> dict:
+    """A fuzz campaign of sparse_decode_fp8 cases (no shrinking) in blocks of `block`, judged in
+    this process or (`isolated`) produced in an isolation worker, started and warmed up before
+    the clock starts (`ready()` just before), and judged here: cases/s and the time per case
+    split into drawing it, the reference, the kernel and the rest (inputs, snapshots, judging;
+    isolated: the worker's side too)."""
     from mla_verify.equivalence.case import Case
     from mla_verify.equivalence.catalog import evaluate, evaluate_block
     from mla_verify.equivalence.isolation import Worker
@@ -348,8 +351,9 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
         return account(found, time.perf_counter() - start)
 
     try:
+        ready()
         start = time.perf_counter()
-        result = fuzz("sparse_decode_fp8", run, profile=profile, examples=examples, seed=3, shrink=False, block=block,
+        result = fuzz("sparse_decode_fp8", run, profile=profile, examples=examples, seed=seed, shrink=False, block=block,
                       run_block=run_block, show_progress=False)
         elapsed = time.perf_counter() - start
     finally:
@@ -360,9 +364,50 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
                 "inputs_judge": spent["evaluate"] - spent["reference"] - spent["kernel"]}
     how = "isolated" if isolated else "in-process"
     return {"kind": "fuzz", "shape": f"sparse_decode_fp8, profile {profile.name}", "impl": f"{subject.label}, {how}, block {block}",
-            "cases_per_s": result.examples / elapsed, "cases": result.examples,
+            "cases_per_s": result.examples / elapsed, "cases": result.examples, "seconds": elapsed,
             "per_case_ms": {k: v / n * 1e3 for k, v in per_case.items()},
             "ops_note": "per case: " + ", ".join(f"{k} {v / n * 1e3:.1f} ms" for k, v in per_case.items())}
+
+
+def _part(device: str, profile_name: str, examples: int, block: int, isolated: bool, seed: int, threads: int,
+          barrier, results) -> None:
+    """One of `parallel_throughput`'s processes: warmed up, then its campaign from the barrier on."""
+    from mla_verify.equivalence.catalog import resolve_subject
+    from mla_verify.equivalence.profiles import get_profile
+
+    torch.set_num_threads(threads)
+    subject, profile = resolve_subject("sparse_decode_fp8", [], device), get_profile(profile_name)
+    _throughput(subject, device, profile, 2 * block, block, False, seed)  # compilation, plans, row pools
+    results.put(_throughput(subject, device, profile, examples, block, isolated, seed, ready=barrier.wait))
+
+
+def parallel_throughput(device: str, profile_name: str, examples: int, block: int, parts: int,
+                        isolated: bool) -> dict:
+    """`parts` campaigns at once on this host's GPU (as `--parallel` runs them past the GPU count:
+    seeds 3, 4, ..., each with its share of the cores and of the examples), every process
+    started and warmed up off the clock: cases/s of them together, from the barrier they leave
+    together to the last one's end."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # this process holds a CUDA context: no fork
+    barrier, results = ctx.Barrier(parts + 1), ctx.Queue()
+    threads = max(1, (os.cpu_count() or 1) // parts)
+    procs = [ctx.Process(target=_part, args=(device, profile_name, examples // parts, block, isolated, 3 + i, threads,
+                                            barrier, results)) for i in range(parts)]
+    for p in procs:
+        p.start()
+    barrier.wait()
+    start = time.perf_counter()
+    found = [results.get() for _ in procs]
+    elapsed = time.perf_counter() - start
+    for p in procs:
+        p.join()
+    cases = sum(r["cases"] for r in found)
+    how = "isolated" if isolated else "in-process"
+    return {"kind": "fuzz", "shape": f"sparse_decode_fp8, profile {profile_name}",
+            "impl": f"{found[0]['impl'].split(',')[0]}, {parts} parts {how}, block {block}", "cases_per_s": cases / elapsed,
+            "cases": cases, "seconds": elapsed,
+            "ops_note": f"{parts} processes{' on one GPU' if device == 'cuda' else ''}, {threads} threads each; slowest part {max(r['seconds'] for r in found):.2f} s"}
 
 
 def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
@@ -370,7 +415,8 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
     time goes, evaluated alone (block 1: as before blocks) and in a block of BLOCK cases of its
     params, with the float64 reference's TFLOP/s; then fuzz throughput of the profile drawn one
     case an example and BLOCK cases an example, judged in this process and isolated (the default
-    of a named implementation: `mla-verify fuzz` as users run it)."""
+    of a named implementation: `mla-verify fuzz` as users run it), and PARTS such campaigns at
+    once on the one GPU."""
     from mla_verify.equivalence.catalog import resolve_subject
     from mla_verify.equivalence.profiles import get_profile
 
@@ -402,6 +448,8 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
     for isolated in (False, True):
         for block in (1, BLOCK):
             out.append(_throughput(subject, device, profile, examples, block, isolated))
+    for isolated in (False, True):
+        out.append(parallel_throughput(device, profile_name, 4 * examples, BLOCK if device == "cuda" else 1, PARTS, isolated))
     return out
 
 

@@ -275,8 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write a JUnit XML report there for CI: one test case per op and implementation, "
                         "failed with its first failing row (default: none)")
     p.add_argument("--parallel", type=_positive_int, default=None, metavar="N",
-                   help="independent campaigns (seeds S, S+1, ...) sharing the examples, one GPU each "
-                        "(default: every GPU on cuda, 1 on cpu; dcp: 1, its ranks take the GPUs)")
+                   help="independent campaigns (seeds S, S+1, ...) sharing the examples, one GPU each, dealt "
+                        "round-robin when N exceeds the GPUs (a campaign leaves its GPU idle much of the time), "
+                        "each with its share of the cores (default: every GPU on cuda, 1 on cpu; dcp: 1, its ranks "
+                        "take the GPUs)")
     _add_shard(p, "the campaigns of seeds S + I*P ... of N*P (P: --parallel), the same as one machine's "
                   "--parallel N*P")
     p.add_argument("--baseline", type=Path, default=None,
@@ -339,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write a JUnit XML report there for CI: one test case per op and implementation, "
                         "failed with its first failing row (default: none)")
     p.add_argument("--parallel", type=_positive_int, default=None, metavar="N",
-                   help="split the ops over this many processes, one GPU each (default: every GPU on cuda, 1 on cpu)")
+                   help="split the ops over this many processes, one GPU each, dealt round-robin when N exceeds "
+                        "the GPUs, each with its share of the cores (default: every GPU on cuda, 1 on cpu)")
     _add_shard(p, "every N-th op and implementation (with its corpus and campaigns), all with seed S")
 
     p = _command(sub, "merge", "join the run directories of a run's shards into one run and one report",

@@ -2,9 +2,10 @@
 
 The parts of a run are the shards of one host (`fuzz.shard`): part j of shard I of N, with P
 parts, is slot I * P + j of N * P, and each child runs the `Run` of its slot
-(`python -m mla_verify.run RUN_JSON`, `Run.part`). Gate: child i sees only GPU i
-(`CUDA_VISIBLE_DEVICES`), except the child that runs `dcp`, which keeps every GPU so its ranks can
-spread over them (nccl, one GPU per rank). Fuzz: each child runs its slot's campaign, its own seed
+(`python -m mla_verify.run RUN_JSON`, `Run.part`). Child i sees only GPU i mod the GPU count
+(`CUDA_VISIBLE_DEVICES`): more parts than GPUs share them. A gate's child that runs `dcp` keeps
+every GPU so its ranks can spread over them (nccl, one GPU per rank). Each child runs with its
+share of the host's cores as torch threads. Fuzz: each child runs its slot's campaign, its own seed
 and share of the examples. Each child writes its rows to `OUT/part-i` (a fuzz part also its
 outcome, `result.json`: its failure, case file and replay command, and its output to
 `fuzz.log`); the parent concatenates the rows into `OUT` and reports once. On CPU the same split
@@ -28,10 +29,39 @@ from .interrupt import Interrupt
 from .results import RESULT_JSON, GateOutcome
 
 
-def _child(run, part: int, pin: bool, log: Path | None = None) -> subprocess.Popen:
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them to a child."""
+    import torch
+
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = torch.cuda.device_count()
+    return named.split(",")[:count] if named else [str(i) for i in range(count)]
+
+
+def child_env(run, part: int, parts: int, pin: bool) -> dict[str, str]:
+    """A part's environment: on CUDA, pinned to one GPU, dealt round-robin (more parts than GPUs
+    share them: a campaign keeps its GPU busy a fraction of the time, measured in the README);
+    its share of this host's cores as torch threads (OMP_NUM_THREADS, unless the user set it):
+    parts with every core each ran several times slower than with their share."""
     env = dict(os.environ)
     if run.device_type == "cuda" and pin:
-        env["CUDA_VISIBLE_DEVICES"] = str(part)
+        gpus = visible_gpus()
+        env["CUDA_VISIBLE_DEVICES"] = gpus[part % len(gpus)] if gpus else str(part)
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // parts))
+    return env
+
+
+def _placed(run, parts: int) -> str:
+    """Where `parts` processes run: "one per process", "one per GPU", "4 on 1 GPU"."""
+    if run.device_type != "cuda":
+        return "one per process"
+    gpus = len(visible_gpus())
+    return "one per GPU" if parts <= gpus else f"{parts} on {gpus} GPU{'s' if gpus != 1 else ''}"
+
+
+def _child(run, part: int, parts: int, pin: bool, log: Path | None = None) -> subprocess.Popen:
+    env = child_env(run, part, parts, pin)
     argv = [sys.executable, "-m", "mla_verify.run", run.to_json()]
     if log is None:
         return subprocess.Popen(argv, env=env)
@@ -67,12 +97,13 @@ def gate_in_parts(run, log) -> GateOutcome:
     log = log or (lambda line: None)
     every = units(list(run.ops) or None, run.device)
     dealt = {i: slot.deal(every, [u.multi_rank for u in every]) for i, slot in enumerate(run.slots)}
-    log(f"  {len(run.slots)} parts, one per {'GPU' if run.device_type == 'cuda' else 'process'}")
+    log(f"  {len(run.slots)} parts, {_placed(run, len(run.slots))}")
     meta, root = run.meta(), _root(run)
     run.out.start(meta)
     with Interrupt().installed():  # Ctrl-C reaches every part: each finishes its case and writes its run
-        procs = {i: _child(run.part(run.slots[i], i, root), i, pin=not any(u.multi_rank for u in mine))
-                 for i, mine in dealt.items() if mine}
+        busy = {i: mine for i, mine in dealt.items() if mine}
+        procs = {i: _child(run.part(run.slots[i], i, root), i, len(busy), pin=not any(u.multi_rank for u in mine))
+                 for i, mine in busy.items()}
         frame, codes = _collect(procs, root)
     run.out.finish(frame, meta)
     rows = [Row.from_record(r) for r in frame.to_dict("records")]
@@ -90,14 +121,14 @@ def check_in_parts(run, log):
 
     campaigns, root = run.campaigns, _root(run)
     if log is not None:
-        log(f"  {len(campaigns)} campaigns, one per {'GPU' if run.device_type == 'cuda' else 'process'}: "
+        log(f"  {len(campaigns)} campaigns, {_placed(run, len(campaigns))}: "
             + ", ".join(f"seed {seed} x {n}" for seed, n in campaigns) + f"; logs {root}/part-*/fuzz.log")
     meta = run.meta()
     if run.out:
         run.out.start(meta)
     logs = [root / f"part-{i}" / "fuzz.log" for i in range(len(campaigns))]
     with Interrupt().installed():  # Ctrl-C reaches every part: each finishes its case and writes its run
-        procs = {i: _child(run.part(slot, i, root), i, pin=True, log=logs[i])
+        procs = {i: _child(run.part(slot, i, root), i, len(campaigns), pin=True, log=logs[i])
                  for i, slot in enumerate(s for s in run.slots if s.campaign(run.seed, run.examples)[1])}
         frame, codes = _collect(procs, root)
     if run.out:

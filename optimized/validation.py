@@ -78,6 +78,11 @@ def check_index_range(
     """
     if idx.numel() == 0:
         return
+    floor = lower - 1 if lower - 1 in sentinels else lower
+    if all(s == floor or lower <= s < upper for s in sentinels):  # one range: its ends decide (one op)
+        least, most = torch.stack(idx.aminmax()).tolist()
+        if floor <= least and most < upper:
+            return
     ok = (idx >= lower) & (idx < upper)
     for s in sentinels:
         ok |= idx == s

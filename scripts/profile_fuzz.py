@@ -74,19 +74,49 @@ def _timers() -> dict[str, list[float]]:
     wrap(attention, "_elem_bounds", "  derived bounds")
     wrap(base, "call_implementation", "call_implementation")
     wrap(spec, "call", "  the implementation (timed)", frozen)
-    wrap(guards.JudgeFunctions, "now", "  JudgeFunctions.now", lambda o, a, f: setattr(o, a, staticmethod(f)))
-    wrap(guards.JudgeFunctions, "restore", "  JudgeFunctions.restore")
-    wrap(guards.ProcessState, "now", "  ProcessState.now", lambda o, a, f: setattr(o, a, staticmethod(f)))
-    wrap(guards.ProcessState, "restore", "  ProcessState.restore")
+    wrap(guards.Watch, "__init__", "Watch taken (a block)")
+    wrap(guards.Watch, "restore", "  Watch.restore")
     wrap(running, "timed", "  timed (syncs)")
     wrap(contract.Snapshot, "__init__", "Snapshot taken")
     wrap(contract.Snapshot, "changed", "Snapshot compared")
-    wrap(base, "owned", "owned copies")
+    wrap(guards, "owned", "owned copies")
     wrap(spec, "_verdicts", "verdicts (block)", frozen)
     wrap(base, "judge_many", "  judge_many")
     wrap(base, "input_rows", "input_rows")
     wrap(torch.cuda, "synchronize", "torch.cuda.synchronize")
+    # Namespaces re-taken after a call changed them (each costs the per-name slow path).
+    taken = guards._Namespace.of.__func__
+
+    def of(cls, name, ns, is_class):
+        RETAKEN[name] = RETAKEN.get(name, 0) + 1
+        return taken(cls, name, ns, is_class)
+
+    guards._Namespace.of = classmethod(of)
     return spent
+
+
+RETAKEN: dict[str, int] = {}
+
+
+def dispatch_us(device: str) -> str:
+    """The host's cost of one small aten op and of one Python call here: the unit the campaign's
+    per-case op counts multiply."""
+    x = torch.ones(64, device=device)
+    for _ in range(200):
+        x.add_(1)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(2000):
+        x.add_(1)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    op = (time.perf_counter() - start) / 2000 * 1e6
+    start = time.perf_counter()
+    for _ in range(20000):
+        statistics.fmean((1.0,))
+    call = (time.perf_counter() - start) / 20000 * 1e6
+    return f"host: one small aten op {op:.1f} us, one small Python call {call:.2f} us"
 
 
 def main() -> None:
@@ -100,6 +130,7 @@ def main() -> None:
     summary = []
 
     campaign(args.device, 16, args.block)  # compilation, plans, allocator pools
+    summary.append(dispatch_us(args.device))
     sizes: list[int] = []
     n, s = campaign(args.device, args.examples, args.block, sizes)
     summary.append(f"plain: {n} cases in {s:.2f} s = {n / s:.1f} cases/s")
@@ -137,6 +168,9 @@ def main() -> None:
     n, s = campaign(args.device, args.examples, args.block)
     lines = [f"timers: {n} cases in {s:.2f} s = {n / s:.1f} cases/s; per case (host clock, nested entries indented):"]
     lines += [f"  {name:34s} {t / n * 1e3:7.3f} ms  {calls / n:6.2f} calls" for name, (t, calls) in spent.items()]
+    blocks = max(RETAKEN.values(), default=0) and min(RETAKEN.values())
+    lines.append("namespaces taken more often than once a block: " + (", ".join(
+        f"{name} x{count}" for name, count in RETAKEN.items() if count > blocks) or "none"))
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
     print(buf.getvalue()[-5000:])

@@ -23,7 +23,7 @@ from ..draws import decode_params, prefill_params
 from ..params import DecodeParams, PrefillParams
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
-from .common import generator, knobs, rand, randint
+from .common import generator, host_values, knobs, rand, randint
 
 
 def _call(names: tuple[str, ...], required: int):
@@ -44,7 +44,7 @@ def _prefill_inputs(p: PrefillParams, seed: int, device: str) -> dict:
     if p.topk_length == "random":
         length = randint(g, 0, topk + 1, tokens)
     elif p.topk_length == "edges":  # 0, 1, K - 1 and K
-        length = torch.tensor([0, 1, max(topk - 1, 0), topk], device=device)[randint(g, 0, 4, tokens)]
+        length = host_values([0, 1, max(topk - 1, 0), topk], device)[randint(g, 0, 4, tokens)]
     sink = None
     if p.sink != "none":
         sink = torch.randn(heads, generator=g, device=device)
@@ -166,12 +166,12 @@ def _decode_inputs(p: DecodeParams, seed: int, device: str) -> dict:
     # sequence whose run starts at block f is physical slot slot[f * page + p].
     order = torch.randperm(num_blocks, generator=g, device=device)
     slot = (order[:, None] * page + torch.arange(page, device=device)).reshape(-1)
-    start, length = torch.tensor([[f * page for f in itertools.accumulate([0, *blocks[:-1]])], list(p.seq_lens)],
-                                 device=device)  # one copy to the device
+    start, length = host_values([[f * page for f in itertools.accumulate([0, *blocks[:-1]])], list(p.seq_lens)],
+                                device)
     pos = torch.arange(max(p.seq_lens), device=device)
     at = (start[:, None] + pos).clamp_(max=slot.numel() - 1)  # past a sequence's end: any slot, masked next
     slots_of = torch.where(pos < length[:, None], slot[at], -1)
-    idx = distinct_rows(g, slots_of.repeat_interleave(s_q, dim=0), topk)
+    idx = distinct_rows(g, slots_of.repeat_interleave(s_q, dim=0) if s_q > 1 else slots_of, topk)
     idx = apply_patterns(g, idx, p.invalid, last_valid=num_blocks * page - 1)
     storage = torch.full((num_blocks + 1, page + p.stride_pad, 656), 0xFF, dtype=torch.uint8, device=device)
     cache = storage[:-1, :page]  # the padded stride stays; the last block is fill_selected_slots' scratch
@@ -189,13 +189,24 @@ def _decode_reference(kw, p):
 
 
 def _decode_stack(kwargs: list[dict]) -> dict:
-    """The decode cases of a block as one batch: their requests one after another, each case's
-    cache blocks after the previous case's and its slots moved with them (-1 stays -1)."""
-    caches = [kw["kv_cache"] for kw in kwargs]
-    slots = caches[0].shape[0] * caches[0].shape[1]
-    indices = [torch.where(kw["indices"] >= 0, kw["indices"].long() + i * slots, -1) for i, kw in enumerate(kwargs)]
-    return {"q": torch.cat([kw["q"] for kw in kwargs]), "kv_cache": torch.cat(caches), "indices": torch.cat(indices),
-            "sm_scale": kwargs[0]["sm_scale"]}
+    """The decode cases of a block as one batch: their requests one after another, over one cache
+    of the rows their entries select, in entry order (page size 1: entry j of the stacked indices
+    reads row j, and stays -1 where the case's is -1). The same problems, byte for byte; only the
+    selected rows move, not each case's whole, mostly poisoned cache."""
+    rows, indices, start = [], [], 0
+    for kw in kwargs:
+        cache, idx = kw["kv_cache"], kw["indices"].long()
+        blocks, page, width = cache.shape
+        stride = cache.stride(0) // cache.stride(1)  # rows from one block to the next, padding included
+        words = cache.view(torch.int64).as_strided((blocks * stride, width // 8), (width // 8, 1))
+        slot = idx.reshape(-1).clamp(min=0)
+        rows.append(words[slot + slot.div(page, rounding_mode="floor") * (stride - page)])
+        entries = torch.arange(start, start + idx.numel(), device=idx.device).view(idx.shape)
+        indices.append(torch.where(idx >= 0, entries, -1))
+        start += idx.numel()
+    stacked = torch.cat(rows).view(torch.uint8)
+    return {"q": torch.cat([kw["q"] for kw in kwargs]), "kv_cache": stacked.view(-1, 1, stacked.shape[-1]),
+            "indices": torch.cat(indices), "sm_scale": kwargs[0]["sm_scale"]}
 
 
 SPARSE_DECODE_FP8 = register(OpSpec(

@@ -20,7 +20,7 @@ from mla_verify.optimized import registry
 from .. import cost, device as dev, guards
 from ..case import Case
 from ..draws import SEEDS
-from ..contract import Snapshot, output_problem, tensors_in
+from ..contract import Snapshot, changed_together, output_problem, tensors_in
 from ..contracts import arguments as contract_arguments
 from ..oracle import judge_many
 from ..produced import Produced
@@ -218,11 +218,13 @@ class OpSpec:
                     shared = {} if self.views else {n: why for n, out in got.tensors.items()
                                                     if (why := inputs.aliased_by(n, out))}
                     outcomes.append(_Called(guards.owned(got.tensors) if len(part) > 1 else got.tensors, got.deviations,
-                                            dict(time_impl_s=t_impl), input_rows(base, inputs, self.writes,
-                                                                                 time_impl_s=t_impl), shared))
+                                            dict(time_impl_s=t_impl), [], shared))
             called = [i for i, o in enumerate(outcomes) if isinstance(o, _Called)]
             t_ref, verdict_of = math.nan, {}
             if called:
+                # After the block's last call, read back at once: a write shows on the inputs it hit.
+                for i, written in zip(called, changed_together([snapshots[i] for i in called], self.writes)):
+                    outcomes[i].rows = input_rows(bases[i], written, **outcomes[i].times)
                 for inputs in snapshots:
                     inputs.put_back()
                 answer, t_ref = timed(lambda: self._answer(kwargs, params), device)
@@ -322,7 +324,7 @@ class OpSpec:
         except Raised as raised:
             return Produced([raised_row(base, raised).to_record()], failed=True)
         base = {**base, "path": got.path or base["path"], "stages": got.stages}
-        rows = [r.to_record() for r in input_rows(base, inputs, self.writes, time_impl_s=t_impl)]
+        rows = [r.to_record() for r in input_rows(base, inputs.changed(self.writes), time_impl_s=t_impl)]
         tensors, devices, strides, problems = {}, {}, {}, {}
         for name, out in got.tensors.items():
             why = output_problem(name, out, dtype=None, shape=None, device=None)

@@ -16,6 +16,15 @@ def generator(seed: int, device: str) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def host_values(values: list, device: str) -> torch.Tensor:
+    """A few numbers from the host as a tensor on `device`, without waiting: a copy from pageable
+    memory waits for everything queued on the device, so a case's inputs would wait for the
+    previous case's; from pinned memory the copy is queued like any other op."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, device=device)
+    return torch.tensor(values, pin_memory=True).to(device, non_blocking=True)
+
+
 def rand(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.rand(shape, generator=gen, device=gen.device)
 

@@ -234,7 +234,7 @@ class PropertySpec:
         except Raised as raised:  # the implementation's failure is the case's result, not ours
             return Produced([raised_row(base, raised).to_record()], failed=True)
         notes = tuple(f"{stage}: {why}" for stage, why in stages.fallbacks.items())
-        rows = [r.to_record() for r in input_rows(base, saved, (), time_impl_s=t_impl)]
+        rows = [r.to_record() for r in input_rows(base, saved.changed(), time_impl_s=t_impl)]
         if on_host:
             compared = [dataclasses.replace(c, got=_host(c.got), base=_host(c.base), scale=_host(c.scale))
                         for c in compared]

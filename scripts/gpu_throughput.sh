@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 28 on the GPU in one call: `mla-verify bench --only harness` (overhead at decode B=64 s_q=2
+# H=128 before/after blocks, the reference's TFLOP/s, fuzz throughput in-process, isolated and
+# 4 campaigns sharing the GPU), where a campaign's time goes (scripts/profile_fuzz.py), and the
+# CLI as users run it: `fuzz --parallel 4` on the one GPU, isolated and in-process, 4000 cases,
+# timed whole (process start-up included). Logs in $OUT; a short table last.
+#   scripts/gpu_throughput.sh [bench] [profile] [cli]     (default: all three)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu-throughput}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+want() { [ $# -eq 0 ] || [[ " $* " == *" $STEP "* ]]; }
+summary=()
+STEP=bench; if want "$@"; then
+  timeout -k 5 400 python3 -m mla_verify.cli bench --device cuda --only harness --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  summary+=("bench exit $?")
+fi
+STEP=profile; if want "$@"; then
+  timeout -k 5 200 python3 scripts/profile_fuzz.py --device cuda --examples 400 --out /tmp/profile > "$OUT/profile.log" 2>&1
+  summary+=("profile exit $?")
+fi
+STEP=cli; if want "$@"; then
+  for how in isolated --no-isolate; do
+    start=$SECONDS
+    timeout -k 5 200 python3 -m mla_verify.cli fuzz --op sparse_decode_fp8 --device cuda --profile gpu --examples 4000 \
+      --parallel 4 --seed 1 $([ "$how" = isolated ] || echo "$how") --out "/tmp/cli-$how" > "$OUT/cli-$how.log" 2>&1
+    code=$?
+    summary+=("fuzz --parallel 4 ($how): exit $code, 4000 cases in $((SECONDS - start)) s with start-up: $(grep -E '^(PASS|FAIL)' "$OUT/cli-$how.log" | head -n 1 | cut -c1-90)")
+  done
+fi
+grep -E "^(harness|fuzz) " "$OUT/bench.log" 2>/dev/null | cut -c1-230
+grep -E "^(host|timers|  )" "$OUT/profile.log" 2>/dev/null
+printf '%s\n' "${summary[@]}"
