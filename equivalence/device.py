@@ -6,9 +6,15 @@ trusted with another case."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
+
+# The fraction of its GPU a process may hold, where several campaigns share one (`--parallel` past
+# the GPU count sets it for each part): torch's caching allocator gives back what it caches before
+# it takes more, so a part's peak, not the sum of the others' caches, is what must fit.
+GPU_SHARE_ENV = "MLA_VERIFY_GPU_SHARE"
 
 # Messages of the errors the CUDA runtime, driver and libraries raise through torch and Triton.
 _DEVICE_ERROR = re.compile(r"CUDA error|CUDA driver error|\[CUDA\]|cudaError|device-side assert|illegal memory access"
@@ -43,6 +49,14 @@ def usable(device: str) -> bool:
         return torch.ones(1, device=device).add_(1).item() == 2.0
     except Exception:  # a poisoned context raises on anything
         return False
+
+
+def take_gpu_share(part: float = 1.0) -> None:
+    """Hold this process to `part` of its campaign's GPU share (MLA_VERIFY_GPU_SHARE), if one is
+    set: an isolated campaign's judge and its worker take half each."""
+    share = os.environ.get(GPU_SHARE_ENV)
+    if share and torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(float(share) * part)
 
 
 def first_line(error: BaseException | str, limit: int = 300) -> str:

@@ -87,8 +87,9 @@ def _serve(conn, device: str) -> None:
     if not device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from .catalog import produce, resolve_subject
-    from .device import usable
+    from .device import take_gpu_share, usable
 
+    take_gpu_share(0.5)  # the other half is its judge's
     _warm_up(device)
     conn.send(("ready", os.getpid()))
     subjects = {}

@@ -370,38 +370,68 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
 
 
 def _part(device: str, profile_name: str, examples: int, block: int, isolated: bool, seed: int, threads: int,
-          barrier, results) -> None:
-    """One of `parallel_throughput`'s processes: warmed up, then its campaign from the barrier on."""
+          share: float, go, results) -> None:
+    """One of `parallel_throughput`'s processes: warmed up, it says so and waits for `go`, then
+    runs its campaign."""
     from mla_verify.equivalence.catalog import resolve_subject
+    from mla_verify.equivalence.device import GPU_SHARE_ENV, take_gpu_share
     from mla_verify.equivalence.profiles import get_profile
 
     torch.set_num_threads(threads)
+    os.environ[GPU_SHARE_ENV] = f"{share:.6f}"  # as `--parallel` deals a part: its worker reads it too
+    take_gpu_share(0.5 if isolated else 1.0)
     subject, profile = resolve_subject("sparse_decode_fp8", [], device), get_profile(profile_name)
     _throughput(subject, device, profile, 2 * block, block, False, seed)  # compilation, plans, row pools
-    results.put(_throughput(subject, device, profile, examples, block, isolated, seed, ready=barrier.wait))
+
+    def ready() -> None:
+        results.put(None)
+        go.wait()
+
+    results.put(_throughput(subject, device, profile, examples, block, isolated, seed, ready=ready))
+
+
+def _gather(results, procs, count: int) -> list:
+    """`count` messages from the parts, or RuntimeError as soon as one of them died."""
+    import queue
+
+    found: list = []
+    while len(found) < count:
+        try:
+            found.append(results.get(timeout=1))
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError(f"a part died: exit codes {[p.exitcode for p in procs]}") from None
+    return found
 
 
 def parallel_throughput(device: str, profile_name: str, examples: int, block: int, parts: int,
                         isolated: bool) -> dict:
     """`parts` campaigns at once on this host's GPU (as `--parallel` runs them past the GPU count:
-    seeds 3, 4, ..., each with its share of the cores and of the examples), every process
-    started and warmed up off the clock: cases/s of them together, from the barrier they leave
-    together to the last one's end."""
+    seeds 3, 4, ..., each with its share of the cores, of the GPU's memory and of the examples),
+    every process started and warmed up off the clock: cases/s of them together, from the moment
+    they all start to the last one's end."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # this process holds a CUDA context: no fork
-    barrier, results = ctx.Barrier(parts + 1), ctx.Queue()
+    go, results = ctx.Event(), ctx.Queue()
     threads = max(1, (os.cpu_count() or 1) // parts)
+    if device == "cuda":
+        torch.cuda.empty_cache()  # what the sections before cached is the parts' to take
     procs = [ctx.Process(target=_part, args=(device, profile_name, examples // parts, block, isolated, 3 + i, threads,
-                                            barrier, results)) for i in range(parts)]
+                                            1 / parts, go, results)) for i in range(parts)]
     for p in procs:
         p.start()
-    barrier.wait()
-    start = time.perf_counter()
-    found = [results.get() for _ in procs]
-    elapsed = time.perf_counter() - start
-    for p in procs:
-        p.join()
+    try:
+        _gather(results, procs, parts)
+        start = time.perf_counter()
+        go.set()
+        found = _gather(results, procs, parts)
+        elapsed = time.perf_counter() - start
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     cases = sum(r["cases"] for r in found)
     how = "isolated" if isolated else "in-process"
     return {"kind": "fuzz", "shape": f"sparse_decode_fp8, profile {profile_name}",
@@ -420,7 +450,12 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
     from mla_verify.equivalence.catalog import resolve_subject
     from mla_verify.equivalence.profiles import get_profile
 
-    out = []
+    out: list[dict] = []
+
+    def emit(row: dict) -> None:
+        out.append(row)
+        print(json.dumps(row), flush=True)  # progress, and what survives if a later step dies
+
     case = harness_case(device)
     p = case.params
     subject = resolve_subject("sparse_decode_fp8", [], device)
@@ -434,22 +469,26 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
             print(f"stage profile failed: {type(exc).__name__}: {exc}", flush=True)
             stages = {}
         inner = t["reference"] + t["kernel"]
-        out.append({"kind": "harness", "shape": shape, "impl": f"{subject.label}, block {count}",
-                    "ms": t["total"] * 1e3, "overhead_pct": 100 * (t["total"] - inner) / inner,
-                    "inputs_ms": stages.get("inputs", {}).get("ms"), "snapshot_ms": stages.get("snapshot", {}).get("ms"),
-                    "judge_ms": stages.get("judge", {}).get("ms"), "ref_ms": t["reference"] * 1e3,
-                    "impl_ms": t["kernel"] * 1e3, "ref_tflops": fl / t["reference"] / 1e12})
+        emit({"kind": "harness", "shape": shape, "impl": f"{subject.label}, block {count}",
+              "ms": t["total"] * 1e3, "overhead_pct": 100 * (t["total"] - inner) / inner,
+              "inputs_ms": stages.get("inputs", {}).get("ms"), "snapshot_ms": stages.get("snapshot", {}).get("ms"),
+              "judge_ms": stages.get("judge", {}).get("ms"), "ref_ms": t["reference"] * 1e3,
+              "impl_ms": t["kernel"] * 1e3, "ref_tflops": fl / t["reference"] / 1e12})
         for name, st in stages.items():
             launches = "" if st["launches"] is None else f", {st['launches']:.0f} launches"
-            out.append({"kind": "stage", "shape": shape, "impl": f"{name}, block {count}", "ms": st["ms"],
-                        "ops": st["ops"], "reads_back": st["reads_back"], "launches": st["launches"],
-                        "ops_note": f"{st['ops']:.0f} ops, {st['reads_back']:.2g} reads back{launches} per case"})
+            emit({"kind": "stage", "shape": shape, "impl": f"{name}, block {count}", "ms": st["ms"],
+                  "ops": st["ops"], "reads_back": st["reads_back"], "launches": st["launches"],
+                  "ops_note": f"{st['ops']:.0f} ops, {st['reads_back']:.2g} reads back{launches} per case"})
     profile = get_profile(profile_name)
     for isolated in (False, True):
         for block in (1, BLOCK):
-            out.append(_throughput(subject, device, profile, examples, block, isolated))
+            emit(_throughput(subject, device, profile, examples, block, isolated))
     for isolated in (False, True):
-        out.append(parallel_throughput(device, profile_name, 4 * examples, BLOCK if device == "cuda" else 1, PARTS, isolated))
+        try:
+            emit(parallel_throughput(device, profile_name, 4 * examples, BLOCK if device == "cuda" else 1, PARTS,
+                                     isolated))
+        except RuntimeError as exc:  # the rows before it are the bench's still
+            print(f"parallel throughput failed: {exc}", flush=True)
     return out
 
 

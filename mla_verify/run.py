@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from mla_verify.equivalence.device import take_gpu_share
 from mla_verify.equivalence.isolation import HarnessError
 from mla_verify.equivalence.profiles import Profile
 from mla_verify.equivalence.subject import Subject, UsageError
@@ -289,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     text = (argv or sys.argv[1:])[0]  # the parent chose the Triton interpreter on CPU: the environment has it
     try:
         run = Run.from_json(text)
+        take_gpu_share(0.5 if run.isolate else 1.0)  # an isolated part's worker takes the other half
         print(run.header(), flush=True)
         outcome = drive(run)
     except KeyboardInterrupt:

@@ -167,6 +167,9 @@ def main() -> None:
     spent = _timers()
     n, s = campaign(args.device, args.examples, args.block)
     lines = [f"timers: {n} cases in {s:.2f} s = {n / s:.1f} cases/s; per case (host clock, nested entries indented):"]
+    if args.device == "cuda":
+        lines.insert(0, f"GPU memory: peak allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB, "
+                        f"peak reserved {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB")
     lines += [f"  {name:34s} {t / n * 1e3:7.3f} ms  {calls / n:6.2f} calls" for name, (t, calls) in spent.items()]
     blocks = max(RETAKEN.values(), default=0) and min(RETAKEN.values())
     lines.append("namespaces taken more often than once a block: " + (", ".join(

@@ -46,3 +46,12 @@ def test_the_guards_section_times_every_guard_and_isolation():
     small, decode = rows[-2:]
     assert small["after_crash_ms"] > 0 and decode["after_crash_ms"] is None
     assert all(r["in_process_ms"] > 0 and r["isolated_ms"] > 0 and r["first_case_ms"] > 0 for r in (small, decode))
+
+
+def test_parallel_throughput_runs_its_parts_together():
+    """The harness section's last rows: campaigns at once, each warmed up off the clock (on CPU
+    here; on the H200 they share the GPU)."""
+    from mla_verify.bench import parallel_throughput
+
+    row = parallel_throughput("cpu", "ci", 4, 1, 2, isolated=False)
+    assert row["cases"] == 4 and row["cases_per_s"] > 0 and "2 parts in-process" in row["impl"]

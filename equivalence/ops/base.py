@@ -31,7 +31,7 @@ from ..schema import Params
 from ..subject import Subject, UsageError, implementation
 
 
-BLOCK_BYTES = 4 << 30  # the inputs of a block's cases held at once (a stacked reference holds as much again)
+BLOCK_BYTES = 4 << 30  # the inputs of a block's cases held at once (their snapshots as much again)
 
 
 @dataclass(frozen=True)
