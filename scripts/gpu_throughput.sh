@@ -4,7 +4,7 @@
 # 4 campaigns sharing the GPU), where a campaign's time goes (scripts/profile_fuzz.py), and the
 # CLI as users run it: `fuzz --parallel 4` on the one GPU, isolated and in-process, 4000 cases,
 # timed whole (process start-up included). Logs in $OUT; a short table last.
-#   scripts/gpu_throughput.sh [bench] [profile] [cli]     (default: all three)
+#   [PREV=DIR] scripts/gpu_throughput.sh [bench] [profile] [cli] [compare]     (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-throughput}
@@ -28,8 +28,24 @@ STEP=cli; if want "$@"; then
       --parallel 4 --seed 1 $([ "$how" = isolated ] || echo "$how") --out "/tmp/cli-$how" > "$OUT/cli-$how.log" 2>&1
     code=$?
     summary+=("fuzz --parallel 4 ($how): exit $code, 4000 cases in $((SECONDS - start)) s with start-up: $(grep -E '^(PASS|FAIL)' "$OUT/cli-$how.log" | head -n 1 | cut -c1-90)")
+    [ $code = 0 ] || tail -n 4 /tmp/cli-$how/part-*/fuzz.log >> "$OUT/cli-$how.log" 2>&1
+  done
+fi
+# The same in-process campaign on the tree in $PREV (a checkout of an earlier commit, carried as
+# an ignored folder), alternating with this one, each in a fresh process: before and after on one machine.
+STEP=compare; if [ -n "${PREV:-}" ] && want "$@"; then
+  for tree in "$PREV" . "$PREV" .; do
+    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout -k 5 120 python3 -c "
+from mla_verify.bench import _throughput
+from mla_verify.equivalence.catalog import resolve_subject
+from mla_verify.equivalence.profiles import get_profile
+subject, profile = resolve_subject('sparse_decode_fp8', [], 'cuda'), get_profile('gpu')
+_throughput(subject, 'cuda', profile, 16, 8)
+r = _throughput(subject, 'cuda', profile, 400, 8)
+print(f'{\"$tree\":8s} in-process block 8: {r[\"cases_per_s\"]:.1f} cases/s; {r[\"ops_note\"]}')" 2>&1 | tail -n 1) >> "$OUT/compare.log"
   done
 fi
 grep -E "^(harness|fuzz) " "$OUT/bench.log" 2>/dev/null | cut -c1-230
 grep -E "^(host|timers|  )" "$OUT/profile.log" 2>/dev/null
+cat "$OUT/compare.log" 2>/dev/null
 printf '%s\n' "${summary[@]}"

@@ -72,6 +72,25 @@ def test_the_reference_answers_a_block_in_one_call(op, params):
             assert t.shape == mine[name].shape and t.allclose(mine[name], rtol=1e-12, atol=0, equal_nan=True), name
 
 
+@pytest.mark.parametrize("op, params", [("sparse_decode_fp8", DECODE), ("sparse_prefill", {**PREFILL, "sink": "none"})],
+                         ids=["decode", "prefill"])
+def test_a_large_block_is_answered_case_by_case_and_judged_in_chunks(op, params, monkeypatch):
+    """Past STACK_BYTES the reference answers each case alone, past JUDGE_BYTES a check is judged
+    a chunk of cases at a time: the memory a block holds stays bounded, its rows do not change."""
+    from mla_verify.equivalence.ops import attention, base
+
+    subject = resolve_subject(op, ["torch-fp32"], "cpu")
+    cases = [Case(op, params, seed) for seed in range(11, 14)]
+    together = evaluate_block(cases, subject, "cpu")
+    spec = get_spec(op)
+    kwargs = [spec.inputs(spec.params_of(params), c.seed, "cpu") for c in cases]
+    monkeypatch.setattr(attention, "STACK_BYTES", 0)
+    monkeypatch.setattr(base, "JUDGE_BYTES", 1)  # a case a chunk
+    assert spec.stack(kwargs) is None and not spec._answer(kwargs, spec.params_of(params)).stacked
+    for rows, apart in zip(together, evaluate_block(cases, subject, "cpu")):
+        _same(apart, rows)
+
+
 def test_a_block_campaign_saves_and_shrinks_the_one_failing_case(tmp_path):
     subject = resolve_subject("sparse_decode_fp8", [KERNEL], "cpu")
     result = fuzz("sparse_decode_fp8", lambda c, s: evaluate(c, subject, "cpu", source=s), profile=get_profile("ci"),

@@ -123,11 +123,21 @@ def _prefill_reference(kw, p):
     return {**_answer(res), "value_max": value_max * spread, **found}
 
 
+# Stacking saves launches, which small cases spend most on: a block whose float64 outputs would
+# pass this is answered case by case (the stacked answer and its bounds are a few times as large).
+STACK_BYTES = 512 << 20
+
+
+def _worth_stacking(kwargs: list[dict]) -> bool:
+    return sum(kw["q"].numel() for kw in kwargs) // 576 * 512 * 8 <= STACK_BYTES  # out [.., 512] per q row [.., 576]
+
+
 def _prefill_stack(kwargs: list[dict]) -> dict | None:
     """The prefill cases of a block as one: their tokens one after another, each case's kv rows
     after the previous case's and its valid entries moved with them (every invalid one -1). None
-    with attention sinks: each case draws its own, and the reference takes one."""
-    if kwargs[0]["attn_sink"] is not None:
+    with attention sinks (each case draws its own, and the reference takes one) or past
+    STACK_BYTES."""
+    if kwargs[0]["attn_sink"] is not None or not _worth_stacking(kwargs):
         return None
     rows = kwargs[0]["kv"].shape[0]
     indices = [torch.where((kw["indices"] >= 0) & (kw["indices"] < rows), kw["indices"].long() + i * rows, -1)
@@ -188,11 +198,13 @@ def _decode_reference(kw, p):
     return {**_answer(res), **found}
 
 
-def _decode_stack(kwargs: list[dict]) -> dict:
+def _decode_stack(kwargs: list[dict]) -> dict | None:
     """The decode cases of a block as one batch: their requests one after another, over one cache
     of the rows their entries select, in entry order (page size 1: entry j of the stacked indices
     reads row j, and stays -1 where the case's is -1). The same problems, byte for byte; only the
-    selected rows move, not each case's whole, mostly poisoned cache."""
+    selected rows move, not each case's whole, mostly poisoned cache. None past STACK_BYTES."""
+    if not _worth_stacking(kwargs):
+        return None
     rows, indices, start = [], [], 0
     for kw in kwargs:
         cache, idx = kw["kv_cache"], kw["indices"].long()

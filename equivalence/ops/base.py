@@ -32,6 +32,9 @@ from ..subject import Subject, UsageError, implementation
 
 
 BLOCK_BYTES = 4 << 30  # the inputs of a block's cases held at once (their snapshots as much again)
+# What judging a check holds at once: its cases' float64 passes (`metrics.outputs` keeps about a
+# dozen tensors of the compared one's size alive), in chunks of cases within the budget.
+JUDGE_BYTES, JUDGE_BYTES_PER_ELEMENT = 2 << 30, 96
 
 
 @dataclass(frozen=True)
@@ -276,7 +279,8 @@ class OpSpec:
                   tensors: list, deviations: list, times: list[dict], problem: Callable) -> dict[int, list]:
         """The rows of the cases `at` (positions in the block's lists), a row per check: missing, a
         broken contract (`problem(i, name, out, want, check)`), or the oracle's verdict against the
-        reference. The cases of a check that declare the same deviations are judged at once."""
+        reference. The cases of a check that declare the same deviations are judged at once, in
+        chunks within JUDGE_BYTES."""
         rows: dict[int, list] = {i: [] for i in at}
         numerics = params.numerics()
         for check in self.checks:
@@ -295,17 +299,21 @@ class OpSpec:
                     rows[i].append(failure_row(bases[i], check.tensor, "contract", why, kind=kind, **times[i]))
                     continue
                 groups.setdefault((tuple(deviations[i]), tuple(want.shape)), []).append(i)
-            for (declared, _), group in groups.items():
-                outs = [tensors[i][check.tensor] for i in group]
-                bounds = {dev: answer.of(name, group) for dev, name in (check.bounds_in(answer.names()) or {}).items()}
-                verdicts = judge_many(check.kind, outs, answer.of(check.tensor, group),
-                                      numerics.replace(dcp_size=1) if check.single_rank else numerics, declared,
-                                      answer.of(check.scale, group), bounds if check.bound else None, name=check.tensor)
-                for i, out, v in zip(group, outs, verdicts):
-                    if v.metrics.nan_count and self.explain_nan is not None:
-                        why = self.explain_nan(kwargs[i], check.tensor, out, answer.cases[i][check.tensor])
-                        v.reason = "; ".join(filter(None, (v.reason, why)))
-                    rows[i].append(judged_row(bases[i], check.tensor, kind, v, **times[i]))
+            judged = []
+            for (declared, shape), group in groups.items():
+                per = max(1, JUDGE_BYTES // (JUDGE_BYTES_PER_ELEMENT * max(1, math.prod(shape))))
+                for chunk in (group[start:start + per] for start in range(0, len(group), per)):
+                    outs = [tensors[i][check.tensor] for i in chunk]
+                    bounds = {dev: answer.of(name, chunk) for dev, name in (check.bounds_in(answer.names()) or {}).items()}
+                    judged += zip(chunk, outs, judge_many(
+                        check.kind, outs, answer.of(check.tensor, chunk),
+                        numerics.replace(dcp_size=1) if check.single_rank else numerics, declared,
+                        answer.of(check.scale, chunk), bounds if check.bound else None, name=check.tensor))
+            for i, out, v in judged:
+                if v.metrics.nan_count and self.explain_nan is not None:
+                    why = self.explain_nan(kwargs[i], check.tensor, out, answer.cases[i][check.tensor])
+                    v.reason = "; ".join(filter(None, (v.reason, why)))
+                rows[i].append(judged_row(bases[i], check.tensor, kind, v, **times[i]))
         return rows
 
     def produce(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
