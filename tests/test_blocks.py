@@ -91,6 +91,23 @@ def test_a_large_block_is_answered_case_by_case_and_judged_in_chunks(op, params,
         _same(apart, rows)
 
 
+def test_a_call_writing_a_later_case_s_inputs_fails_that_case_and_the_reference_reads_them_as_built():
+    """A block's inputs are built and snapshotted before its first call: the first call writing
+    the queries of the cases after it shows on theirs, and the reference answers every case from
+    the bytes as built (their kernels ran on what was written: their values fail too)."""
+    from tests.impls import some_seeds
+
+    some_seeds._SCRIBBLED.clear()
+    subject = resolve_subject("sparse_decode_fp8", ["tests.impls.some_seeds:scribbles_later_queries"], "cpu")
+    cases = [Case("sparse_decode_fp8", DECODE, seed) for seed in range(11, 14)]
+    first, *later = evaluate_block(cases, subject, "cpu")
+    assert some_seeds._SCRIBBLED and all(r.passed for r in first)
+    for rows in later:
+        written = [r for r in rows if r.tensor == "input:q"]
+        assert written and "input written by the implementation" in written[0].reason
+        assert not next(r for r in rows if r.tensor == "out").passed  # judged against the query as built
+
+
 def test_a_block_campaign_saves_and_shrinks_the_one_failing_case(tmp_path):
     subject = resolve_subject("sparse_decode_fp8", [KERNEL], "cpu")
     result = fuzz("sparse_decode_fp8", lambda c, s: evaluate(c, subject, "cpu", source=s), profile=get_profile("ci"),

@@ -28,3 +28,20 @@ def static_buffer(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
     _STATIC["out"].copy_(out)
     _STATIC["lse"].copy_(lse)
     return _STATIC["out"], _STATIC["lse"]
+
+
+_SCRIBBLED: list = []
+
+
+def scribbles_later_queries(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float):
+    """Right on its own inputs, but its first call writes the query of every other case it finds
+    through the garbage collector (a block's later cases, built before the first call)."""
+    if not _SCRIBBLED:
+        import gc
+
+        for obj in gc.get_objects():
+            if type(obj) is dict and isinstance(obj.get("q"), torch.Tensor) and obj["q"] is not q \
+                    and obj["q"].shape == q.shape and "kv_cache" in obj:
+                obj["q"].fill_(0.5)
+                _SCRIBBLED.append(obj["q"].data_ptr())
+    return eager.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
