@@ -7,8 +7,8 @@ the storage (an 8-byte word is one element: an eighth of the elements, and of th
 mask, of a byte-wise compare), with one read back per device for all of a call's inputs (a
 fuzz block's: for all of its cases, `changed_together`). An op that writes in place names the
 arguments it may write (`OpSpec.writes`); its own checks compare every byte of them. A stage
-inside a pipeline or a property gets the same checks through `guarded`. Every violation is a `ContractError` or a
-one-line reason naming the tensor, never a traceback.
+inside a pipeline or a property gets the same checks through `guarded`. Every violation is a
+`ContractError` or a one-line reason naming the tensor, never a traceback.
 """
 
 from __future__ import annotations

@@ -231,11 +231,11 @@ def _launches(fn) -> int:
 def stage_profile(case, subject, device: str, count: int = 1) -> dict[str, dict]:
     """Where one evaluated case's time goes, stage by stage (inputs, snapshot, kernel, reference,
     judge), in a block of `count` cases of its params as `OpSpec.evaluate_block` runs them (the
-    reference once for the block, after its calls; each check judged at once): median ms per case of 3 runs, aten
-    ops dispatched, reads back to the host, and on a GPU launches, per case. The snapshot stage
-    copies the inputs and compares them back, as `evaluate` does around the kernel."""
+    reference once for the block, after its calls; each check judged at once): median ms per case
+    of 3 runs, aten ops dispatched, reads back to the host, and on a GPU launches, per case. The snapshot stage
+    copies the inputs and compares them back, as a block does (one read back for all its cases)."""
     from mla_verify.equivalence.catalog import get_spec
-    from mla_verify.equivalence.contract import Snapshot
+    from mla_verify.equivalence.contract import Snapshot, changed_together
     from mla_verify.equivalence.oracle import judge_many
     from mla_verify.equivalence.running import timed
     from mla_verify.optimized.buffers import poisoned
@@ -252,8 +252,7 @@ def stage_profile(case, subject, device: str, count: int = 1) -> dict[str, dict]
         state["ref"] = spec._answer(state["kw"], params)
 
     def snapshot():
-        for kw in state["kw"]:
-            Snapshot(kw).changed(spec.writes)
+        changed_together([Snapshot(kw) for kw in state["kw"]], spec.writes)
 
     def kernel():
         with poisoned():
@@ -434,10 +433,12 @@ def parallel_throughput(device: str, profile_name: str, examples: int, block: in
                 p.kill()
     cases = sum(r["cases"] for r in found)
     how = "isolated" if isolated else "in-process"
+    where = " on one GPU" if device == "cuda" else ""
     return {"kind": "fuzz", "shape": f"sparse_decode_fp8, profile {profile_name}",
-            "impl": f"{found[0]['impl'].split(',')[0]}, {parts} parts {how}, block {block}", "cases_per_s": cases / elapsed,
-            "cases": cases, "seconds": elapsed,
-            "ops_note": f"{parts} processes{' on one GPU' if device == 'cuda' else ''}, {threads} threads each; slowest part {max(r['seconds'] for r in found):.2f} s"}
+            "impl": f"{found[0]['impl'].split(',')[0]}, {parts} parts {how}, block {block}",
+            "cases_per_s": cases / elapsed, "cases": cases, "seconds": elapsed,
+            "ops_note": f"{parts} processes{where}, {threads} threads each; "
+                        f"slowest part {max(r['seconds'] for r in found):.2f} s"}
 
 
 def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:

@@ -43,13 +43,14 @@ def visible_gpus() -> list[str]:
 def child_env(run, part: int, parts: int, pin: bool) -> dict[str, str]:
     """A part's environment: on CUDA, pinned to one GPU, dealt round-robin (more parts than GPUs
     share them: a campaign keeps its GPU busy a fraction of the time, measured in the README),
-    each held to its share of the GPU's memory (MLA_VERIFY_GPU_SHARE); its share of this host's cores as torch threads (OMP_NUM_THREADS, unless the user set it):
-    parts with every core each ran several times slower than with their share."""
+    each held to its share of the GPU's memory (MLA_VERIFY_GPU_SHARE); its share of this host's
+    cores as torch threads (OMP_NUM_THREADS, unless the user set it): parts with every core each
+    ran several times slower than with their share."""
     env = dict(os.environ)
     if run.device_type == "cuda" and pin:
-        gpus = visible_gpus()
-        env["CUDA_VISIBLE_DEVICES"] = gpus[part % len(gpus)] if gpus else str(part)
-        sharing = len(range(part % max(len(gpus), 1), parts, max(len(gpus), 1)))  # parts dealt this GPU
+        gpus = visible_gpus() or [str(part)]
+        env["CUDA_VISIBLE_DEVICES"] = gpus[part % len(gpus)]
+        sharing = len(range(part % len(gpus), parts, len(gpus)))  # the parts dealt this GPU
         if sharing > 1:
             env[GPU_SHARE_ENV] = f"{1 / sharing:.6f}"
     if "OMP_NUM_THREADS" not in os.environ:

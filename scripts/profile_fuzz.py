@@ -78,11 +78,10 @@ def _timers() -> dict[str, list[float]]:
     wrap(guards.Watch, "restore", "  Watch.restore")
     wrap(running, "timed", "  timed (syncs)")
     wrap(contract.Snapshot, "__init__", "Snapshot taken")
-    wrap(contract.Snapshot, "changed", "Snapshot compared")
+    wrap(base, "changed_together", "Snapshots compared (a block)")
     wrap(guards, "owned", "owned copies")
     wrap(spec, "_verdicts", "verdicts (block)", frozen)
     wrap(base, "judge_many", "  judge_many")
-    wrap(base, "input_rows", "input_rows")
     wrap(torch.cuda, "synchronize", "torch.cuda.synchronize")
     # Namespaces re-taken after a call changed them (each costs the per-name slow path).
     taken = guards._Namespace.of.__func__
@@ -171,7 +170,7 @@ def main() -> None:
         lines.insert(0, f"GPU memory: peak allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB, "
                         f"peak reserved {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB")
     lines += [f"  {name:34s} {t / n * 1e3:7.3f} ms  {calls / n:6.2f} calls" for name, (t, calls) in spent.items()]
-    blocks = max(RETAKEN.values(), default=0) and min(RETAKEN.values())
+    blocks = min(RETAKEN.values(), default=0)  # every namespace is taken once a block
     lines.append("namespaces taken more often than once a block: " + (", ".join(
         f"{name} x{count}" for name, count in RETAKEN.items() if count > blocks) or "none"))
     buf = io.StringIO()

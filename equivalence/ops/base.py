@@ -87,7 +87,9 @@ class OpSpec:
     # Runs its implementation in processes of its own, each isolated already: never inside an
     # isolation worker (a daemonic worker process cannot start children).
     own_processes: bool = False
-    writes: tuple[str, ...] = ()      # arguments written in place (their bytes are the op's checks)
+    # Arguments written in place (their bytes are the op's checks). The reference answers after
+    # the calls, so it reads none of what these hold (only their geometry).
+    writes: tuple[str, ...] = ()
     # The inputs of a block's cases (one params) as one problem the reference answers at once (None
     # where these cases cannot be): every tensor of its answer is then the cases' answers
     # concatenated along dim 0.
