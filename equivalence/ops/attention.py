@@ -129,7 +129,8 @@ STACK_BYTES = 512 << 20
 
 
 def _worth_stacking(kwargs: list[dict]) -> bool:
-    return sum(kw["q"].numel() for kw in kwargs) // 576 * 512 * 8 <= STACK_BYTES  # out [.., 512] per q row [.., 576]
+    """Whether the cases' float64 outputs (512 values a query row of 576) fit STACK_BYTES."""
+    return sum(kw["q"].numel() for kw in kwargs) // 576 * 512 * 8 <= STACK_BYTES
 
 
 def _prefill_stack(kwargs: list[dict]) -> dict | None:
