@@ -83,7 +83,10 @@ def _warm_up(device: str) -> None:
 
 
 def _serve(conn, device: str) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it finishes the case
+    # Ctrl-C, and the SIGTERM that `timeout` or a scheduler sends the whole process group, are the
+    # parent's to handle: it finishes the case; the worker dying of one would read as a crash.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     if not device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from .catalog import produce, resolve_subject

@@ -5,6 +5,9 @@ against wall time, the costliest kernels, the host's waits on the device), with 
 sizes drawn. Writes the tables under --out; prints a summary last.
 
     python3 scripts/profile_fuzz.py --device cuda --examples 400 --out $OUT
+
+With --harness, the same tables for the bench's harness case instead (decode B=64 s_q=2 H=128 on
+a GPU), `--examples` cases of it evaluated in blocks of `--block`: where its overhead goes.
 """
 
 from __future__ import annotations
@@ -39,6 +42,23 @@ def campaign(device: str, examples: int, block: int, sizes: list | None = None) 
                   profile=get_profile("gpu" if device == "cuda" else "ci"), examples=examples, seed=3, shrink=False,
                   block=block, run_block=run_block, show_progress=False)
     return result.examples, time.perf_counter() - start
+
+
+def harness(device: str, examples: int, block: int, sizes: list | None = None) -> tuple[int, float]:
+    """The bench's harness case, `examples` cases in blocks of `block` (successive seeds): (cases, seconds)."""
+    from mla_verify.bench import harness_case
+    from mla_verify.equivalence.case import Case
+    from mla_verify.equivalence.catalog import evaluate_block, resolve_subject
+
+    case, subject = harness_case(device), resolve_subject("sparse_decode_fp8", [], device)
+    p = case.params
+    start = time.perf_counter()
+    for first in range(0, examples, block):
+        cases = [Case(case.op, p, case.seed + first + i) for i in range(min(block, examples - first))]
+        if sizes is not None:
+            sizes.extend([p["batch"] * p["s_q"] * p["heads"] * p["topk"]] * len(cases))
+        evaluate_block(cases, subject, device)
+    return examples, time.perf_counter() - start
 
 
 def _timers() -> dict[str, list[float]]:
@@ -124,14 +144,16 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=400)
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("runs/profile"))
+    ap.add_argument("--harness", action="store_true", help="profile the bench's harness case, not the fuzz campaign")
     args = ap.parse_args()
+    run = harness if args.harness else campaign
     args.out.mkdir(parents=True, exist_ok=True)
     summary = []
 
-    campaign(args.device, 16, args.block)  # compilation, plans, allocator pools
+    run(args.device, 16, args.block)  # compilation, plans, allocator pools
     summary.append(dispatch_us(args.device))
     sizes: list[int] = []
-    n, s = campaign(args.device, args.examples, args.block, sizes)
+    n, s = run(args.device, args.examples, args.block, sizes)
     summary.append(f"plain: {n} cases in {s:.2f} s = {n / s:.1f} cases/s")
     flops = [2.0 * x * 1088 for x in sizes]
     summary.append(f"case FLOPs: mean {statistics.mean(flops) / 1e9:.2f} G, median {statistics.median(flops) / 1e9:.2f} G, "
@@ -140,7 +162,7 @@ def main() -> None:
 
     prof = cProfile.Profile()
     prof.enable()
-    n, s = campaign(args.device, args.examples, args.block)
+    n, s = run(args.device, args.examples, args.block)
     prof.disable()
     summary.append(f"cProfile: {n} cases in {s:.2f} s = {n / s:.1f} cases/s")
     for key in ("tottime", "cumulative"):
@@ -152,7 +174,7 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
-            n, s = campaign(args.device, args.examples // 2, args.block)
+            n, s = run(args.device, args.examples // 2, args.block)
             torch.cuda.synchronize()
         events = tp.key_averages()
         device_us = sum(e.self_device_time_total for e in events)
@@ -164,7 +186,7 @@ def main() -> None:
         (args.out / "cuda_kernels.txt").write_text(events.table(sort_by="self_device_time_total", row_limit=40))
         (args.out / "cpu_ops.txt").write_text(events.table(sort_by="self_cpu_time_total", row_limit=60))
     spent = _timers()
-    n, s = campaign(args.device, args.examples, args.block)
+    n, s = run(args.device, args.examples, args.block)
     lines = [f"timers: {n} cases in {s:.2f} s = {n / s:.1f} cases/s; per case (host clock, nested entries indented):"]
     if args.device == "cuda":
         lines.insert(0, f"GPU memory: peak allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB, "

@@ -536,6 +536,17 @@ def test_sigterm_is_handled_as_ctrl_c_and_report_never_says_pass_for_the_stopped
     assert code == 1 and "INCOMPLETE" in text and "PASS" not in text
 
 
+def test_a_sigterm_to_the_whole_process_group_stops_the_run_without_blaming_the_kernel(capsys, tmp_path):
+    # Isolated (the default): the worker receives the signal too; it is the parent's to handle, as
+    # Ctrl-C is, and never a `crashed` finding of a correct kernel.
+    proc = cli("fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:sigterm_to_its_group_on_third_call",
+               "--examples", 10, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run",
+               start_new_session=True)  # its own group: the signal reaches the harness and its worker, not pytest
+    text, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 130 and "interrupted (SIGTERM)" in text and "INTERRUPTED" in text, text
+    assert "crashed" not in text and not list((tmp_path / "run").glob("failures/*.json")), text
+
+
 def test_an_odd_output_layout_is_a_contract_failure_with_a_saved_case_that_replays(capsys, tmp_path):
     impl = "tests.hostile.cpu:sparse_out"
     code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", impl, "--examples", 3, "--seed", 1,
