@@ -108,9 +108,17 @@ def judge_produced(case: Case, produced: Produced, label: str, device: str = "cp
 
 
 def judge_produced_block(cases: Sequence[Case], produced: Sequence[Produced], label: str, device: str = "cpu", *,
-                         run_id: str = "", source: str = "fuzz") -> list[list[Row]]:
-    """`judge_produced` of each case of a block (`evaluate_block`'s), judged together."""
-    return get_spec(cases[0].op).judge_produced_block(cases, produced, label, device, run_id=run_id, source=source)
+                         run_id: str = "", source: str = "fuzz", prepared: Any = None) -> list[list[Row]]:
+    """`judge_produced` of each case of a block (`evaluate_block`'s), judged together; `prepared`:
+    `prepare_block(cases, device)`, computed while the block was produced."""
+    return get_spec(cases[0].op).judge_produced_block(cases, produced, label, device, run_id=run_id, source=source,
+                                                      prepared=prepared)
+
+
+def prepare_block(cases: Sequence[Case], device: str = "cpu") -> Any:
+    """What judging the block of `cases` needs before any output exists (an op: its inputs and the
+    reference's answer), for `judge_produced_block`: a judge computes it while the block is produced."""
+    return get_spec(cases[0].op).prepare_block(cases, device)
 
 
 def inputs(op: str, params: Mapping[str, Any], seed: int, device: str = "cpu") -> dict[str, Any]:

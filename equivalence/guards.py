@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import contextvars
 import math
 import operator
 import os
@@ -202,10 +203,11 @@ class JudgeFunctions:
     """The identities of every name in the judge's namespaces, before a call."""
 
     saved: list[_Namespace]
+    modules: int = 0  # len(sys.modules) when the namespaces were listed
 
     @classmethod
     def now(cls) -> "JudgeFunctions":
-        return cls([_Namespace.of(name, ns, is_class) for name, ns, is_class in _judge_namespaces()])
+        return cls([_Namespace.of(name, ns, is_class) for name, ns, is_class in _judge_namespaces()], len(sys.modules))
 
     def restore(self) -> list[str]:
         """Put back every name the call rebound or deleted (and, on a class, every attribute it
@@ -226,14 +228,19 @@ class JudgeFunctions:
                     patched.append(f"{saved.name}.{k}")
                     delattr(ns, k)
             self.saved[i] = _Namespace.of(saved.name, ns, saved.is_class)
+        if len(sys.modules) != self.modules:  # a judge module imported since joins the names watched
+            known = {saved.name for saved in self.saved}
+            self.saved += [_Namespace.of(name, ns, is_class) for name, ns, is_class in _judge_namespaces()
+                           if name not in known]
+            self.modules = len(sys.modules)
         return patched
 
 
 class Watch:
     """The process state and the judge's functions before a run of implementation calls (a fuzz
-    block's), taken once: `restore` after each call puts back what the call changed, so what was
-    taken holds again for the next call. A context manager: leaving it releases the saved file
-    descriptors."""
+    block's, an isolation worker's), taken once: `restore` after each call puts back what the call
+    changed, so what was taken holds again for the next call. A context manager: leaving it
+    releases the saved file descriptors."""
 
     def __init__(self) -> None:
         self.state, self.judge = ProcessState.now(), JudgeFunctions.now()
@@ -247,6 +254,27 @@ class Watch:
 
     def __exit__(self, *exc: object) -> None:
         self.state.close()
+
+
+_kept: contextvars.ContextVar[Watch | None] = contextvars.ContextVar("kept_watch", default=None)
+
+
+@contextlib.contextmanager
+def kept_watch() -> Iterator[Watch]:
+    """One `Watch` for every implementation call made inside that is given none of its own (an
+    isolation worker's cases: the process does nothing else between them that could change what
+    it holds)."""
+    with Watch() as watch:
+        token = _kept.set(watch)
+        try:
+            yield watch
+        finally:
+            _kept.reset(token)
+
+
+def kept() -> Watch | None:
+    """The innermost `kept_watch`'s Watch, or None."""
+    return _kept.get()
 
 
 # ----------------------------------------------------------------------------- Ctrl-C

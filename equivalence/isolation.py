@@ -25,13 +25,16 @@ CUDA workers are spawned fresh (nothing CUDA ever runs in a process that forks).
 
 from __future__ import annotations
 
+import contextvars
 import multiprocessing as mp
 import os
 import signal
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from . import guards
 from .case import Case
 from .contract import CALLED_WITH
 from .device import first_line, is_device_error
@@ -89,12 +92,20 @@ def _serve(conn, device: str) -> None:
         signal.signal(sig, signal.SIG_IGN)
     if not device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from .catalog import produce, resolve_subject
-    from .device import take_gpu_share, usable
+    from .device import take_gpu_share
 
     take_gpu_share(0.5)  # the other half is its judge's
     _warm_up(device)
     conn.send(("ready", os.getpid()))
+    with guards.kept_watch():  # taken once: each call puts back what it changed, for the next
+        _answer_cases(conn, device)
+
+
+def _answer_cases(conn, device: str) -> None:
+    """Produce each case the parent sends, until it sends None or a context cannot be trusted."""
+    from .catalog import produce, resolve_subject
+    from .device import usable
+
     subjects = {}
     while True:
         msg = conn.recv()
@@ -241,21 +252,25 @@ class Worker:
     ) -> list[list[Row]]:
         """`run` of each of `cases` (one params: a fuzz block), the worker producing one case at a
         time and this process judging them together (`judge_produced_block`); `on_call` runs as
-        each case is sent."""
-        from .catalog import judge_produced_block  # it imports the kernels: not before `_serve` set up Triton
+        each case is sent. What the judge can compute before the outputs exist (the cases' inputs
+        and the reference's answer: `prepare_block`) it computes meanwhile, on a thread of its own:
+        the clocks of the calls stay this thread's. On a GPU the two processes share, a case's
+        kernel time can include some of the judge's work that ran on the GPU meanwhile."""
+        from .catalog import judge_produced_block, prepare_block  # they import the kernels: not before `_serve` set up Triton
 
-        found: list = []
-        for case in cases:
-            if on_call is not None:
-                on_call()
-            found.append(self._produce(case, specs, label, run_id, source, notes, deviations, conventions))
-        produced = [i for i, f in enumerate(found) if isinstance(f, Produced)]
-        if produced:
-            judged = judge_produced_block([cases[i] for i in produced], [found[i] for i in produced], label,
-                                          self.device, run_id=run_id, source=source)
-            for i, rows in zip(produced, judged):
-                found[i] = rows
-        return found
+        with ThreadPoolExecutor(1, thread_name_prefix="judge-ahead") as ahead:
+            # A thread starts with an empty context: the reference's memory_limit goes with it.
+            prepared = ahead.submit(contextvars.copy_context().run, prepare_block, cases, self.device)
+            found: list = []
+            for case in cases:
+                if on_call is not None:
+                    on_call()
+                found.append(self._produce(case, specs, label, run_id, source, notes, deviations, conventions))
+            if not any(isinstance(f, Produced) for f in found):
+                return found
+            produced = [f if isinstance(f, Produced) else Produced([r.to_record() for r in f], failed=True) for f in found]
+            return judge_produced_block(cases, produced, label, self.device, run_id=run_id, source=source,
+                                        prepared=prepared.result())
 
     def _produce(self, case: Case, specs: Sequence[str], label: str, run_id: str, source: str,
                  notes: set[str] | None, deviations: Sequence[str], conventions: Sequence[str]) -> Produced | list[Row]:

@@ -26,6 +26,9 @@ never what kind of thing they hold (torch's `_comparison.Pair` idea: each handle
     evaluate_block(cases, ...), judge_produced_block(cases, produced, ...)  the same for cases of
                                 one params whose seeds differ (a fuzz block): judged together where
                                 the spec can (one reference pass, each check at once)
+    prepare_block(cases, device)  what judge_produced_block can compute before any output exists
+                                (an op: inputs and the reference's answer), passed to it as
+                                `prepared`; an isolation worker's parent computes it meanwhile
     checks, own_processes, ranks  what it compares; whether it starts processes of its own (never
                                 inside an isolation worker); the world sizes it runs (multi-process only)
 
@@ -79,8 +82,10 @@ class Spec(Protocol):
     def evaluate_block(self, cases: Sequence["Case"], subject: "Subject", device: str = "cpu", *, run_id: str = "",
                        source: str = "fuzz", notes: set[str] | None = None,
                        on_call: Callable[[], None] | None = None) -> list[list["Row"]]: ...
+    def prepare_block(self, cases: Sequence["Case"], device: str = "cpu") -> Any: ...
     def judge_produced_block(self, cases: Sequence["Case"], produced: Sequence["Produced"], label: str,
-                             device: str = "cpu", *, run_id: str = "", source: str = "fuzz") -> list[list["Row"]]: ...
+                             device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
+                             prepared: Any = None) -> list[list["Row"]]: ...
 
 
 @dataclass(frozen=True)

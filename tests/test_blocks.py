@@ -156,6 +156,42 @@ def test_an_isolated_block_is_judged_in_the_parent_as_in_process():
         _same(alone, rows)
 
 
+def test_an_isolated_block_with_crashed_cases_judges_the_others_against_the_answer_computed_meanwhile():
+    """The parent answers the block while the worker produces it: the cases that crashed keep their
+    row, and each of the others is judged against its own answer, as alone."""
+    from mla_verify.equivalence.isolation import Worker
+
+    impl = "tests.impls.some_seeds:dies_every_second_call"
+    subject = resolve_subject("sparse_decode_fp8", [impl], "cpu")
+    cases = [Case("sparse_decode_fp8", DECODE, seed) for seed in range(11, 15)]
+    worker = Worker("cpu")
+    try:
+        found = worker.run_block(cases, [impl], subject.label)
+    finally:
+        worker.close()
+    for i in (1, 3):
+        rows, = found[i]
+        assert rows.gate_metric == "crashed" and "SIGKILL" in rows.reason
+    correct = resolve_subject("sparse_decode_fp8", ["torch-fp32"], "cpu")
+    for i in (0, 2):
+        _same(evaluate(cases[i], correct, "cpu"), found[i])
+
+
+def test_the_judge_answering_meanwhile_keeps_the_callers_reference_memory_limit():
+    """The answer computed on the parent's other thread holds to the caller's `memory_limit` (a
+    thread starts with an empty context): too small a budget fails there as in this thread."""
+    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.reference import memory_limit
+
+    subject = resolve_subject("sparse_decode_fp8", ["torch-fp32"], "cpu")
+    worker = Worker("cpu")
+    try:
+        with memory_limit(1 << 16), pytest.raises(ValueError, match="holds no query token"):
+            worker.run_block([Case("sparse_decode_fp8", DECODE, 11)], ["torch-fp32"], subject.label)
+    finally:
+        worker.close()
+
+
 def test_a_call_that_loses_the_device_ends_its_block_there(monkeypatch):
     """In this process a CUDA error leaves the context unusable: the block stops at that case (its
     rows are its last), the cases after it are not run and those before it not judged (None)."""

@@ -104,3 +104,40 @@ def test_pickling_a_params_class_is_not_a_patch_of_the_judge():
     assert saved.restore() == []
     DcpParams.evil = 1
     assert saved.restore() == ["mla_verify.equivalence.params.DcpParams.evil"] and not hasattr(DcpParams, "evil")
+
+
+def test_a_kept_watch_puts_back_each_calls_change_and_watches_judge_modules_imported_later(monkeypatch):
+    """An isolation worker takes one Watch for all its cases: a call that patches the judge or the
+    process fails, what it changed is put back for the next call, and a judge module imported
+    after the watch was taken is watched from then on."""
+    import sys
+    import types
+
+    import torch
+
+    from mla_verify.equivalence import guards
+    from mla_verify.equivalence.running import Raised, call_implementation
+
+    def patches():
+        torch.sub = lambda *a, **k: None
+
+    original = torch.sub
+    with guards.kept_watch() as watch:
+        with pytest.raises(Raised, match="replaced torch.sub"):
+            call_implementation(patches, 1, "cpu")
+        assert torch.sub is original and call_implementation(lambda: 7, 1, "cpu")[0] == 7
+        with pytest.raises(Raised, match="changed process-wide state: torch default dtype"):
+            call_implementation(lambda: torch.set_default_dtype(torch.float64), 1, "cpu")
+        assert torch.get_default_dtype() == torch.float32
+        late = types.ModuleType("mla_verify.equivalence.imported_late")
+        late.judge = len
+        monkeypatch.setitem(sys.modules, late.__name__, late)
+        call_implementation(lambda: None, 1, "cpu")  # the import shows at the next put-back
+
+        def patches_late():
+            late.judge = max
+
+        with pytest.raises(Raised, match="replaced mla_verify.equivalence.imported_late.judge"):
+            call_implementation(patches_late, 1, "cpu")
+        assert late.judge is len and guards.kept() is watch
+    assert guards.kept() is None

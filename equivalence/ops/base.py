@@ -355,40 +355,68 @@ class OpSpec:
         built here, and every value judged here (`judge_produced_block` of one case)."""
         return self.judge_produced_block([case], [produced], label, device, run_id=run_id, source=source)[0]
 
+    def prepare_block(self, cases: Sequence[Case], device: str = "cpu") -> "Prepared":
+        """What judging a block needs before any output of it exists: the inputs of its first part
+        (`_in_parts`) and the reference's answer to them. An isolation worker's parent computes
+        it while the worker produces the block (`Worker.run_block`)."""
+        params = self.params_of(cases[0].params)
+        parts = self._in_parts(cases, params, device)
+        part, kwargs = next(parts)
+        answer, t_ref = timed(lambda: self._answer(kwargs, params), device)
+        return Prepared(parts, kwargs, answer, t_ref / len(part))
+
     def judge_produced_block(self, cases: Sequence[Case], produced: Sequence[Produced], label: str, device: str = "cpu",
-                             *, run_id: str = "", source: str = "fuzz") -> list[list]:
+                             *, run_id: str = "", source: str = "fuzz", prepared: "Prepared | None" = None) -> list[list]:
         """The rows of each of `cases` (one params, as `evaluate_block`'s) from what `produce` sent
-        for it: the reference of the block and every verdict computed here."""
+        for it: the reference of the block and every verdict computed here (`prepared`: its first
+        part's, from `prepare_block` on these cases)."""
         found = [[Row.from_record(r) for r in p.rows] for p in produced]
-        live = [i for i, p in enumerate(produced) if not p.failed]
-        if not live:
+        if all(p.failed for p in produced):
             return found
         params = self.params_of(cases[0].params)
-        done = 0
-        for part, kwargs in self._in_parts([cases[i] for i in live], params, device):
-            index, done = live[done:done + len(part)], done + len(part)
-            answer, t_ref = timed(lambda: self._answer(kwargs, params), device)
-            t_ref /= len(part)
-            got = [produced[i] for i in index]
+        prepared = prepared or self.prepare_block(cases, device)
+        start = 0
+        for kwargs, answer, t_ref in prepared.answers(lambda kw: self._answer(kw, params), device):
+            got = produced[start:start + len(kwargs)]
+            at = [j for j, p in enumerate(got) if not p.failed]
             bases = []
-            for case, p in zip(part, got):
+            for case, p in zip(cases[start:start + len(kwargs)], got):
                 base = self._base(case, params, label, device, run_id, source)
                 bases.append({**base, "path": p.path or base["path"], "stages": p.stages})
-            for i in index:
-                for r in found[i]:
-                    r.time_ref_s = t_ref
 
             def problem(j: int, name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
                 return got[j].problems.get(name) or self._output_problem(check, out, want, got[j].devices.get(name),
                                                                          got[j].strides.get(name))
 
-            verdicts = self._verdicts(range(len(part)), bases, params, kwargs, answer,
+            verdicts = self._verdicts(at, bases, params, kwargs, answer,
                                       [{**p.tensors, **{name: None for name in p.problems}} for p in got],
                                       [p.deviations for p in got],
                                       [dict(time_ref_s=t_ref, time_impl_s=p.t_impl) for p in got], problem)
-            for j, i in enumerate(index):
-                found[i] += verdicts[j]
+            for j in at:
+                rows = found[start + j]
+                for r in rows:
+                    r.time_ref_s = t_ref
+                rows += verdicts[j]
+            start += len(kwargs)
         return found
+
+
+@dataclass
+class Prepared:
+    """A block's first part prepared for judging (`OpSpec.prepare_block`): its inputs, the
+    reference's answer and its seconds per case, and the block's later parts still to build."""
+
+    rest: Iterator[tuple[list[Case], list[dict]]]
+    kwargs: list[dict]
+    answer: "Answer"
+    t_ref: float
+
+    def answers(self, answer: Callable[[list[dict]], "Answer"], device: str) -> Iterator[tuple[list[dict], "Answer", float]]:
+        """(inputs, answer, reference seconds per case) of each part of the block, in order."""
+        yield self.kwargs, self.answer, self.t_ref
+        for part, kwargs in self.rest:
+            found, t_ref = timed(lambda: answer(kwargs), device)
+            yield kwargs, found, t_ref / len(part)
 
 
 @dataclass

@@ -207,8 +207,12 @@ class PropertySpec:
         return [self.evaluate(case, subject, device, run_id=run_id, source=source, notes=notes, on_call=on_call)
                 for case in cases]
 
+    def prepare_block(self, cases: Sequence[Case], device: str = "cpu") -> None:
+        """Nothing: a property's problems are posed by what its calls return."""
+
     def judge_produced_block(self, cases: Sequence[Case], produced: Sequence[Produced], label: str,
-                             device: str = "cpu", *, run_id: str = "", source: str = "fuzz") -> list[list]:
+                             device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
+                             prepared: None = None) -> list[list]:
         return [self.judge_produced(case, p, label, device, run_id=run_id, source=source)
                 for case, p in zip(cases, produced)]
 

@@ -45,3 +45,18 @@ def scribbles_later_queries(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
                 obj["q"].fill_(0.5)
                 _SCRIBBLED.append(obj["q"].data_ptr())
     return eager.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
+
+
+_CALLS: list = []
+
+
+def dies_every_second_call(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float):
+    """Right, but every second call in a process ends it (SIGKILL, as the OOM killer would): in an
+    isolated block, a case answered, a case crashed, and again in the fresh worker."""
+    _CALLS.append(1)
+    if len(_CALLS) % 2 == 0:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+    return eager.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
