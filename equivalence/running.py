@@ -133,12 +133,18 @@ def call_implementation(fn: Callable[[], Any], seed: int, device: str,
     if error is not None:
         raise Raised(error, dev.synchronize(device)) from None
     if patched:
-        raise Raised(ContractError(f"replaced {', '.join(patched[:4])}{' ...' if len(patched) > 4 else ''}: the "
-                                   "functions the judge relies on are not the implementation's to change (put back)"))
+        raise Raised(patched_error(patched))
     if changed:
         raise Raised(ContractError(f"changed process-wide state: {'; '.join(changed)} (put back: the cases after it "
                                    "must not inherit it)"))
     return result
+
+
+def patched_error(patched: list[str], where: str = "") -> ContractError:
+    """The failure of a call (`where`: of which calls) that replaced the judge's names `patched`
+    (`guards.JudgeFunctions.restore`)."""
+    return ContractError(f"replaced {', '.join(patched[:4])}{' ...' if len(patched) > 4 else ''}{where}: the functions "
+                         "the judge relies on are not the implementation's to change (put back)")
 
 
 def input_rows(base: dict, written: list[tuple[str, str]], **fields) -> list[Row]:

@@ -5,8 +5,9 @@ Each guard is timed alone on a production-sized case (the harness section's deco
 s_q=2 H=128 on a GPU, B=2 H=16 on a CPU), median of `reps` runs:
   process_state   torch's process-wide settings, the working directory and the standard streams,
                   saved and compared back (`ProcessState`)
-  judge_functions the judge's functions saved and checked (`JudgeFunctions`): a case alone, and each
-                  later call of a block (saved once a block, checked after each call: `Watch`)
+  judge_functions the judge's functions saved and checked (`JudgeFunctions`): a case alone, and one
+                  check of saved ones (a block checks once, after its last call; an isolation
+                  worker saves them once and checks after each call: `Watch`)
   sigint_watch    the SIGINT handler around the call
   inputs          the inputs copied and compared back, and the outputs checked for sharing their
                   storage (`Snapshot(inputs)`)
@@ -102,7 +103,7 @@ def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
         _row(shape, "judge_functions", _median_ms(judge_functions, reps, sync),
              f"{sum(len(vars(ns)) for _, ns, _ in guards._judge_namespaces())} names watched"),
         _row(shape, "judge_functions, block", _median_ms(watched.restore, reps, sync),
-             "checked after a later call of a block (saved once a block)"),
+             "one check of names saved before (a block's, a worker's call's)"),
         _row(shape, "sigint_watch", _median_ms(sigint_watch, reps, sync), "SIGINT handler around the call"),
         _row(shape, "inputs", _median_ms(inputs, reps, sync), f"{in_mib:.1f} MiB of inputs copied, compared"),
         _row(shape, "owned_outputs", _median_ms(owned_outputs, reps, sync), f"{out_mib:.1f} MiB of outputs copied"),

@@ -31,18 +31,20 @@ STEP=cli; if want "$@"; then
     [ $code = 0 ] || tail -n 4 /tmp/cli-$how/part-*/fuzz.log >> "$OUT/cli-$how.log" 2>&1
   done
 fi
-# The same in-process campaign on the tree in $PREV (a checkout of an earlier commit, carried as
-# an ignored folder), alternating with this one, each in a fresh process: before and after on one machine.
+# The same campaigns, in process and isolated, on the tree in $PREV (a checkout of an earlier commit,
+# carried as an ignored folder), alternating with this one, each in a fresh process: before and
+# after on one machine.
 STEP=compare; if [ -n "${PREV:-}" ] && want "$@"; then
   for tree in "$PREV" . "$PREV" .; do
-    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout -k 5 120 python3 -c "
+    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout -k 5 150 python3 -c "
 from mla_verify.bench import _throughput
 from mla_verify.equivalence.catalog import resolve_subject
 from mla_verify.equivalence.profiles import get_profile
 subject, profile = resolve_subject('sparse_decode_fp8', [], 'cuda'), get_profile('gpu')
 _throughput(subject, 'cuda', profile, 16, 8)
-r = _throughput(subject, 'cuda', profile, 400, 8)
-print(f'{\"$tree\":8s} in-process block 8: {r[\"cases_per_s\"]:.1f} cases/s; {r[\"ops_note\"]}')" 2>&1 | tail -n 1) >> "$OUT/compare.log"
+for isolated in (False, True):
+    r = _throughput(subject, 'cuda', profile, 400, 8, isolated)
+    print(f'{\"$tree\":8s} {r[\"impl\"]}: {r[\"cases_per_s\"]:.1f} cases/s; {r[\"ops_note\"]}')" 2>&1 | tail -n 2) >> "$OUT/compare.log"
   done
 fi
 grep -E "^(harness|fuzz) " "$OUT/bench.log" 2>/dev/null | cut -c1-230

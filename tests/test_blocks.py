@@ -192,6 +192,29 @@ def test_the_judge_answering_meanwhile_keeps_the_callers_reference_memory_limit(
         worker.close()
 
 
+def test_a_judge_name_patched_in_a_block_fails_every_case_called_and_is_put_back(monkeypatch):
+    """In process a block checks the judge's names once, after its last call: the patch of one call
+    fails each case of the block (they share the implementation), and nothing judges with it."""
+    import torch
+
+    from tests.impls import some_seeds
+
+    monkeypatch.setattr(some_seeds, "_CALLS", [])
+    subject = resolve_subject("sparse_decode_fp8", ["tests.impls.some_seeds:patches_the_judge_on_its_second_call"],
+                              "cpu")
+    cases = [Case("sparse_decode_fp8", DECODE, seed) for seed in range(11, 15)]
+    sub = torch.sub
+    found = evaluate_block(cases, subject, "cpu")
+    assert torch.sub is sub
+    for rows in found:
+        row, = rows
+        assert row.gate_metric == "contract" and "replaced torch.sub in a call of a block of 4 cases" in row.reason
+    assert all(r.passed for r in evaluate(cases[0], subject, "cpu"))  # its third call patches nothing
+    monkeypatch.setattr(some_seeds, "_CALLS", [1])
+    row, = evaluate(cases[0], subject, "cpu")  # a case alone is checked after its call, as ever
+    assert row.gate_metric == "contract" and "replaced torch.sub: the functions" in row.reason and torch.sub is sub
+
+
 def test_a_call_that_loses_the_device_ends_its_block_there(monkeypatch):
     """In this process a CUDA error leaves the context unusable: the block stops at that case (its
     rows are its last), the cases after it are not run and those before it not judged (None)."""

@@ -26,7 +26,8 @@ from ..oracle import judge_many
 from ..produced import Produced
 from ..profiles import Profile
 from ..rows import Row
-from ..running import Raised, call_implementation, failure_row, input_rows, judged_row, raised_row, timed
+from ..running import (Raised, call_implementation, failure_row, input_rows, judged_row, patched_error, raised_row,
+                       timed)
 from ..schema import Params
 from ..subject import Subject, UsageError, implementation
 
@@ -199,31 +200,11 @@ class OpSpec:
         for part, kwargs in self._in_parts(cases, params, device):
             # Taken before the block's first call: a call writing another case's inputs shows too.
             snapshots = [Snapshot(kw) for kw in kwargs]
-            bases, outcomes = [], []
-            with guards.Watch() as watch:
-                for case, kw, inputs in zip(part, kwargs, snapshots):
-                    base = self._base(case, params, subject.label, device, run_id, source)
-                    try:
-                        got, t_impl = call_implementation(lambda: self.call(subject, kw, params), case.seed, device,
-                                                          on_call, watch)
-                    except Raised as raised:  # the implementation's failure is the case's result, not ours
-                        bases.append(base)
-                        outcomes.append([raised_row(base, raised)])
-                        if not dev.usable(device):  # nothing more runs on that context: this case is the block's end
-                            return (found + [o if isinstance(o, list) else None for o in outcomes]
-                                    + [None] * (len(cases) - len(found) - len(outcomes)))
-                        continue
-                    if notes is not None:
-                        notes.update(got.notes)
-                    base = {**base, "path": got.path or base["path"], "stages": got.stages}
-                    bases.append(base)
-                    # Memory an output shares with an input is told on what was returned; what is judged
-                    # after the block's later calls is a copy of its own (a kernel returning its static
-                    # buffer overwrites it with the next call).
-                    shared = {} if self.views else {n: why for n, out in got.tensors.items()
-                                                    if (why := inputs.aliased_by(n, out))}
-                    outcomes.append(_Called(guards.owned(got.tensors) if len(part) > 1 else got.tensors, got.deviations,
-                                            dict(time_impl_s=t_impl), [], shared))
+            bases, outcomes, lost = self._calls(part, kwargs, snapshots, subject, params, device, run_id, source, notes,
+                                                on_call)
+            if lost:  # nothing after the case that lost the context runs, and nothing is judged
+                return (found + [o if isinstance(o, list) else None for o in outcomes]
+                        + [None] * (len(cases) - len(found) - len(outcomes)))
             called = [i for i, o in enumerate(outcomes) if isinstance(o, _Called)]
             t_ref, verdict_of = math.nan, {}
             if called:
@@ -247,6 +228,46 @@ class OpSpec:
                     r.time_ref_s = t_ref
                 found.append(rows)
         return found
+
+    def _calls(self, part: list[Case], kwargs: list[dict], snapshots: list[Snapshot], subject: Subject, params: Params,
+               device: str, run_id: str, source: str, notes: set[str] | None,
+               on_call: Callable[[], None] | None) -> tuple[list[dict], list, bool]:
+        """Each case of a part called once, in order: (its rows' bases, its outcome: `_Called` or
+        its failure rows, whether a call left the CUDA context unusable: it is then the last). The
+        judge's names are checked once, after the part's last call (nothing of ours judges before
+        it); a patch there fails every case called, as they share the implementation and params."""
+        bases, outcomes, lost = [], [], False
+        with guards.Watch(judge_each_call=len(part) == 1) as watch:
+            try:
+                for case, kw, inputs in zip(part, kwargs, snapshots):
+                    base = self._base(case, params, subject.label, device, run_id, source)
+                    try:
+                        got, t_impl = call_implementation(lambda: self.call(subject, kw, params), case.seed, device,
+                                                          on_call, watch)
+                    except Raised as raised:  # the implementation's failure is the case's result, not ours
+                        bases.append(base)
+                        outcomes.append([raised_row(base, raised)])
+                        lost = not dev.usable(device)
+                        if lost:
+                            break
+                        continue
+                    if notes is not None:
+                        notes.update(got.notes)
+                    base = {**base, "path": got.path or base["path"], "stages": got.stages}
+                    bases.append(base)
+                    # Memory an output shares with an input is told on what was returned; what is judged
+                    # after the block's later calls is a copy of its own (a kernel returning its static
+                    # buffer overwrites it with the next call).
+                    shared = {} if self.views else {n: why for n, out in got.tensors.items()
+                                                    if (why := inputs.aliased_by(n, out))}
+                    outcomes.append(_Called(guards.owned(got.tensors) if len(part) > 1 else got.tensors, got.deviations,
+                                            dict(time_impl_s=t_impl), [], shared))
+            finally:  # put back whatever ended the calls
+                patched = [] if watch.judge_each_call else watch.judge.restore()
+        if patched:
+            error = Raised(patched_error(patched, f" in a call of a block of {len(part)} cases"))
+            outcomes = [[raised_row(base, error)] if isinstance(o, _Called) else o for base, o in zip(bases, outcomes)]
+        return bases, outcomes, lost
 
     def _in_parts(self, cases: Sequence[Case], params: Params, device: str) -> Iterator[tuple[list[Case], list[dict]]]:
         """The cases of a block with their inputs, in parts whose inputs stay within BLOCK_BYTES

@@ -60,3 +60,12 @@ def dies_every_second_call(q: torch.Tensor, kv_cache: torch.Tensor, indices: tor
 
         os.kill(os.getpid(), signal.SIGKILL)
     return eager.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
+
+
+def patches_the_judge_on_its_second_call(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+                                         sm_scale: float):
+    """Right, but its second call in a process rebinds torch.sub (the judge's) to a function of its own."""
+    _CALLS.append(1)
+    if len(_CALLS) == 2:
+        torch.sub = lambda a, b, **kw: torch.zeros_like(a)
+    return eager.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
