@@ -55,7 +55,7 @@ class Raised(Exception):
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)  # that device's, whichever is current on this thread
 
 
 def timed(fn, device):
