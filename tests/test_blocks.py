@@ -177,6 +177,40 @@ def test_an_isolated_block_with_crashed_cases_judges_the_others_against_the_answ
         _same(evaluate(cases[i], correct, "cpu"), found[i])
 
 
+def test_a_block_of_many_parts_is_judged_part_by_part_holding_no_earlier_part(monkeypatch):
+    """Inputs past BLOCK_BYTES split a block into parts: judged from what was produced, each part's
+    cases are judged as alone, and the prepared first part is handed over, not held to the end."""
+    import gc
+    import weakref
+
+    from mla_verify.equivalence.catalog import produce
+    from mla_verify.equivalence.ops import base
+
+    monkeypatch.setattr(base, "BLOCK_BYTES", 1)  # a part a case
+    subject = resolve_subject("sparse_decode_fp8", ["torch-fp32"], "cpu")
+    spec = get_spec("sparse_decode_fp8")
+    cases = [Case("sparse_decode_fp8", DECODE, seed) for seed in range(11, 14)]
+    prepared = spec.prepare_block(cases, "cpu")
+    first = weakref.ref(prepared.answer.cases[0]["out"])
+    seen = []
+    original = spec._answer
+
+    def answer(kwargs, params):
+        gc.collect()
+        seen.append(first() is None)
+        return original(kwargs, params)
+
+    object.__setattr__(spec, "_answer", answer)  # a frozen spec: shadowed on this instance, then removed
+    try:
+        found = spec.judge_produced_block(cases, [produce(c, subject, "cpu") for c in cases], subject.label, "cpu",
+                                          prepared=prepared)
+    finally:
+        object.__delattr__(spec, "_answer")
+    assert seen == [False, True]  # the second part computed beside the first; the third without it
+    for case, rows in zip(cases, found):
+        _same(evaluate(case, subject, "cpu"), rows)
+
+
 def test_the_judge_answering_meanwhile_keeps_the_callers_reference_memory_limit():
     """The answer computed on the parent's other thread holds to the caller's `memory_limit` (a
     thread starts with an empty context): too small a budget fails there as in this thread."""
