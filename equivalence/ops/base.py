@@ -279,6 +279,7 @@ class OpSpec:
             kwargs = [first if start == i == 0 else self.inputs(params, c.seed, device) for i, c in enumerate(part, start)]
             first = None
             yield part, kwargs
+            del kwargs  # the next part is built without this one held here
 
     def _answer(self, kwargs: list[dict], params: Params) -> "Answer":
         """The reference's answer for each case of a block: one call on the cases stacked where the
@@ -419,6 +420,7 @@ class OpSpec:
                     r.time_ref_s = t_ref
                 rows += verdicts[j]
             start += len(kwargs)
+            del kwargs, answer  # not held while the next part is built and answered
         return found
 
 
@@ -433,15 +435,17 @@ class Prepared:
     t_ref: float
 
     def answers(self, answer: Callable[[list[dict]], "Answer"], device: str) -> Iterator[tuple[list[dict], "Answer", float]]:
-        """(inputs, answer, reference seconds per case) of each part of the block, in order. The
-        first part is handed over, not kept: no more than two parts are held at once (an isolated
-        4-part campaign on one H200 ran out of its GPU share holding the first to the end)."""
+        """(inputs, answer, reference seconds per case) of each part of the block, in order. A part
+        is handed over, not kept: while the next is built and answered, neither its inputs nor
+        its answer are held here (an isolated 4-part campaign on one H200 ran out of its GPU share
+        holding them; the consumer drops its own)."""
         first, self.kwargs, self.answer = (self.kwargs, self.answer, self.t_ref), [], None
         yield first
         del first
         for part, kwargs in self.rest:
             found, t_ref = timed(lambda: answer(kwargs), device)
             yield kwargs, found, t_ref / len(part)
+            del kwargs, found
 
 
 @dataclass
