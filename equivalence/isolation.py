@@ -255,7 +255,8 @@ class Worker:
         each case is sent. What the judge can compute before the outputs exist (the cases' inputs
         and the reference's answer: `prepare_block`) it computes meanwhile, on a thread of its own:
         the clocks of the calls stay this thread's. On a GPU the two processes share, a case's
-        kernel time can include some of the judge's work that ran on the GPU meanwhile."""
+        kernel time can include some of the judge's work that ran meanwhile, and its reference
+        time some of the worker's."""
         from .catalog import judge_produced_block, prepare_block  # they import the kernels: not before `_serve` set up Triton
 
         with ThreadPoolExecutor(1, thread_name_prefix="judge-ahead") as ahead:
