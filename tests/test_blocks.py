@@ -212,6 +212,38 @@ def test_a_block_of_many_parts_is_judged_part_by_part_holding_no_earlier_part(mo
         _same(evaluate(case, subject, "cpu"), rows)
 
 
+def test_a_block_of_many_parts_evaluated_in_process_holds_no_earlier_part(monkeypatch):
+    """In process too, a part's inputs, their snapshots and its answer are let go before the next
+    part is built and answered; each case is judged as alone."""
+    import gc
+    import weakref
+
+    from mla_verify.equivalence.ops import base
+
+    monkeypatch.setattr(base, "BLOCK_BYTES", 1)  # a part a case
+    subject = resolve_subject("sparse_decode_fp8", ["torch-fp32"], "cpu")
+    spec = get_spec("sparse_decode_fp8")
+    cases = [Case("sparse_decode_fp8", DECODE, seed) for seed in range(11, 14)]
+    held, seen = [], []
+    original = spec._answer
+
+    def answer(kwargs, params):
+        gc.collect()
+        seen.append([ref() is not None for ref in held])
+        found = original(kwargs, params)
+        held[:] = [weakref.ref(found.cases[0]["out"]), weakref.ref(kwargs[0]["kv_cache"])]
+        return found
+
+    object.__setattr__(spec, "_answer", answer)  # a frozen spec: shadowed on this instance, then removed
+    try:
+        found = spec.evaluate_block(cases, subject, "cpu")
+    finally:
+        object.__delattr__(spec, "_answer")
+    assert seen == [[], [False, False], [False, False]]
+    for case, rows in zip(cases, found):
+        _same(evaluate(case, subject, "cpu"), rows)
+
+
 def test_the_judge_answering_meanwhile_keeps_the_callers_reference_memory_limit():
     """The answer computed on the parent's other thread holds to the caller's `memory_limit` (a
     thread starts with an empty context): too small a budget fails there as in this thread."""

@@ -198,36 +198,48 @@ class OpSpec:
         params = self.params_of(cases[0].params)
         found: list[list | None] = []
         for part, kwargs in self._in_parts(cases, params, device):
-            # Taken before the block's first call: a call writing another case's inputs shows too.
-            snapshots = [Snapshot(kw) for kw in kwargs]
-            bases, outcomes, lost = self._calls(part, kwargs, snapshots, subject, params, device, run_id, source, notes,
-                                                on_call)
-            if lost:  # nothing after the case that lost the context runs, and nothing is judged
-                return (found + [o if isinstance(o, list) else None for o in outcomes]
-                        + [None] * (len(cases) - len(found) - len(outcomes)))
-            called = [i for i, o in enumerate(outcomes) if isinstance(o, _Called)]
-            t_ref, verdict_of = math.nan, {}
-            if called:
-                # After the block's last call, read back at once: a write shows on the inputs it hit.
-                for i, written in zip(called, changed_together([snapshots[i] for i in called], self.writes)):
-                    outcomes[i].rows = input_rows(bases[i], written, **outcomes[i].times)
-                for inputs in snapshots:
-                    inputs.put_back()
-                answer, t_ref = timed(lambda: self._answer(kwargs, params), device)
-                t_ref /= len(part)
-
-                def problem(i: int, name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
-                    return self._output_problem(check, out, want) or outcomes[i].shared.get(name)
-
-                everyone = [o if isinstance(o, _Called) else _Called.none() for o in outcomes]
-                verdict_of = self._verdicts(called, bases, params, kwargs, answer, [o.tensors for o in everyone],
-                                            [o.deviations for o in everyone], [o.times for o in everyone], problem)
-            for i, o in enumerate(outcomes):
-                rows = o.rows + verdict_of[i] if isinstance(o, _Called) else o
-                for r in rows:
-                    r.time_ref_s = t_ref
-                found.append(rows)
+            rows, lost = self._evaluate_part(part, kwargs, subject, params, device, run_id, source, notes, on_call)
+            del kwargs  # not held while the next part is built
+            found += rows
+            if lost:
+                return found + [None] * (len(cases) - len(found))
         return found
+
+    def _evaluate_part(self, part: list[Case], kwargs: list[dict], subject: Subject, params: Params, device: str,
+                       run_id: str, source: str, notes: set[str] | None,
+                       on_call: Callable[[], None] | None) -> tuple[list[list | None], bool]:
+        """`evaluate_block` of a part of a block, its inputs built: (each case's rows, whether a call
+        lost the CUDA context: then only the cases called so far have an entry, None where not judged)."""
+        # Taken before the block's first call: a call writing another case's inputs shows too.
+        snapshots = [Snapshot(kw) for kw in kwargs]
+        bases, outcomes, lost = self._calls(part, kwargs, snapshots, subject, params, device, run_id, source, notes,
+                                            on_call)
+        if lost:  # nothing after the case that lost the context runs, and nothing is judged
+            return [o if isinstance(o, list) else None for o in outcomes], True
+        called = [i for i, o in enumerate(outcomes) if isinstance(o, _Called)]
+        t_ref, verdict_of = math.nan, {}
+        if called:
+            # After the block's last call, read back at once: a write shows on the inputs it hit.
+            for i, written in zip(called, changed_together([snapshots[i] for i in called], self.writes)):
+                outcomes[i].rows = input_rows(bases[i], written, **outcomes[i].times)
+            for inputs in snapshots:
+                inputs.put_back()
+            answer, t_ref = timed(lambda: self._answer(kwargs, params), device)
+            t_ref /= len(part)
+
+            def problem(i: int, name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
+                return self._output_problem(check, out, want) or outcomes[i].shared.get(name)
+
+            everyone = [o if isinstance(o, _Called) else _Called.none() for o in outcomes]
+            verdict_of = self._verdicts(called, bases, params, kwargs, answer, [o.tensors for o in everyone],
+                                        [o.deviations for o in everyone], [o.times for o in everyone], problem)
+        found = []
+        for i, o in enumerate(outcomes):
+            rows = o.rows + verdict_of[i] if isinstance(o, _Called) else o
+            for r in rows:
+                r.time_ref_s = t_ref
+            found.append(rows)
+        return found, False
 
     def _calls(self, part: list[Case], kwargs: list[dict], snapshots: list[Snapshot], subject: Subject, params: Params,
                device: str, run_id: str, source: str, notes: set[str] | None,
