@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 from . import guards
 from .case import Case
 from .contract import CALLED_WITH
-from .device import first_line, is_device_error
+from .device import first_line, is_device_error, take_gpu_share, usable
 from .produced import Produced
 from .rows import Row
 from .running import failure_row
@@ -92,8 +92,6 @@ def _serve(conn, device: str) -> None:
         signal.signal(sig, signal.SIG_IGN)
     if not device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from .device import take_gpu_share
-
     take_gpu_share(0.5)  # the other half is its judge's
     _warm_up(device)
     conn.send(("ready", os.getpid()))
@@ -103,8 +101,7 @@ def _serve(conn, device: str) -> None:
 
 def _answer_cases(conn, device: str) -> None:
     """Produce each case the parent sends, until it sends None or a context cannot be trusted."""
-    from .catalog import produce, resolve_subject
-    from .device import usable
+    from .catalog import produce, resolve_subject  # it imports the kernels: not before `_serve` set up Triton
 
     subjects = {}
     while True:

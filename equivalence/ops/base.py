@@ -443,7 +443,7 @@ class Prepared:
 
     rest: Iterator[tuple[list[Case], list[dict]]]
     kwargs: list[dict]
-    answer: "Answer"
+    answer: "Answer | None"  # None once handed over (`answers`)
     t_ref: float
 
     def answers(self, answer: Callable[[list[dict]], "Answer"], device: str) -> Iterator[tuple[list[dict], "Answer", float]]:
