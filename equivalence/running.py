@@ -109,9 +109,8 @@ def call_implementation(fn: Callable[[], Any], seed: int, device: str,
     `Raised`, after the device was synchronized, except a KeyboardInterrupt while a SIGINT arrived
     (the user's Ctrl-C). The process-wide state and the judge's functions are put back after the
     call (to `watch`'s, taken once for a block of calls; else `guards.kept_watch`'s; else taken
-    now); a change to either is
-    `Raised` with a ContractError. `on_call` runs just before: an isolation worker starts the
-    case's clock there."""
+    now); a change to either is `Raised` with a ContractError. `on_call` runs just before: an
+    isolation worker starts the case's clock there."""
     seed_globals(seed)
     with contextlib.ExitStack() as stack:
         watch = watch or guards.kept() or stack.enter_context(guards.Watch())

@@ -4,18 +4,13 @@
 # users run it (isolated, blocks of 8) and the same with --no-isolate, then the gate. Logs in $OUT.
 #   scripts/gpu_blocks.sh [pytest] [fuzz] [gate]     (default: all three; a device call has 600 s)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-runs/gpu-blocks}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_env.sh" runs/gpu-blocks
 summary=()
 step() {
   local name=$1 limit=$2 start=$SECONDS; shift 2
   timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
   summary+=("$(printf '%-10s exit %-3s %4ss  %s' "$name" "$?" "$((SECONDS - start))" "$(grep -E 'cases/s|passed|failed|PASS|FAIL' "$OUT/$name.log" | tail -n 1 | cut -c1-100)")")
 }
-want() { [ $# -eq 0 ] || [[ " $* " == *" $STEP "* ]]; }
 STEP=pytest; if want "$@"; then
 step pytest 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_triton_attention.py tests/test_hostile_gpu.py tests/test_reference_attention.py
 fi

@@ -4,16 +4,9 @@
 # each run logging to $OUT/<name>.log; a table of exit codes and verdicts is printed last.
 #   scripts/gpu_hisparse.sh [EXAMPLES] [SEED]          (or: scripts/gpu_lane.sh hisparse)
 set -uo pipefail
-cd "$(dirname "$0")/.."
 EXAMPLES=${1:-100}
 SEED=${2:-1}
-OUT=${OUT:-runs/gpu-hisparse}
-mkdir -p "$OUT"
-if ! python3 -c "import flash_mla" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_env.sh" runs/gpu-hisparse
 summary=()
 run() {
   local name=$1 start=$SECONDS code; shift

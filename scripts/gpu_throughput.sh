@@ -6,12 +6,7 @@
 # timed whole (process start-up included). Logs in $OUT; a short table last.
 #   [PREV=DIR] scripts/gpu_throughput.sh [bench] [profile] [cli] [compare]     (default: all)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-runs/gpu-throughput}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-want() { [ $# -eq 0 ] || [[ " $* " == *" $STEP "* ]]; }
+. "$(dirname "$0")/device_env.sh" runs/gpu-throughput
 summary=()
 STEP=bench; if want "$@"; then
   timeout -k 5 400 python3 -m mla_verify.cli bench --device cuda --only harness --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
