@@ -5,7 +5,7 @@ Nothing found is lost. The first failing case is saved the moment it is seen, th
 re-run passes, the failure is reported as flaky (failed k of n re-runs) and the campaign ends
 there, never in a Hypothesis traceback. A hung case is not re-run or shrunk (each try costs the
 whole timeout). `started` is told of every case before it runs (a run directory journals it, so a
-case whose process dies in the call is still a finding: `mla_verify.rundir`) and returns the call
+case whose process dies in the call is still a finding: `mla_verify.runs.rundir`) and returns the call
 that says it finished; `journal` receives every case's rows as it finishes; `stop_reason` is asked
 after every case (Ctrl-C, a lost CUDA context) and ends the campaign with what it has.
 

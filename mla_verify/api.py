@@ -8,7 +8,7 @@ repository's own pytest suite can make (the CLI parses arguments into these and 
     drift(run, baseline, ...) -> Drift           did the run move away from the exact answer since the baseline?
     gate(...) -> GateOutcome                     every op and implementation here: the CI gate
 
-check() and gate() validate their arguments into one `Run` (mla_verify.run), which `drive` runs:
+check() and gate() validate their arguments into one `Run` (mla_verify.runs.plan), which `runs.driver.drive` runs:
 in this process, or in parts on this host's GPUs; a shard (shard="I/N") runs its share of it.
 
 `check(..., baseline=RUN)` re-draws the baseline run's cases (its seed, profile and budget), so that
@@ -35,8 +35,12 @@ from mla_verify.equivalence.isolation import HarnessError, default_isolation
 from mla_verify.equivalence.running import Unsupported, unsupported
 from mla_verify.equivalence.subject import UsageError, did_you_mean
 
-from .results import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
-from .run import FUZZ, GATE, Run, drive, invocation
+from .runs.driver import drive
+from .runs.outcome import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
+from .runs.parts import Shard
+from .runs.plan import FUZZ, GATE, Run, invocation
+from .runs.rundir import FreshDir, RunDir, load_run
+from .runs.units import shard_units
 
 Impl = Union[None, str, Callable, Mapping[str, Union[str, Callable]], Sequence[str]]
 # Callables that cannot be imported by name (lambdas, closures, partials) are reached through
@@ -194,7 +198,7 @@ def check(
             run's header line (the CLI prints it).
         baseline: a run directory of the same op: seed, profile, examples and path default to the
             ones it recorded, so the campaign draws its cases again (`drift` then pairs them).
-        shard: "I/N" (or a `fuzz.shard.Shard`): run only shard I of N, the campaigns of seeds
+        shard: "I/N" (or a `runs.parts.Shard`): run only shard I of N, the campaigns of seeds
             S + I * P ... of the run's N * P (P: `parallel`); `merge` joins the N shards' run
             directories into the one run a machine with `parallel=N * P` would have written.
 
@@ -206,10 +210,8 @@ def check(
     from mla_verify.equivalence.catalog import get_spec, resolve_subject
     from mla_verify.equivalence.profiles import get_profile
     from mla_verify.fuzz.campaign import new_seed
-    from mla_verify.fuzz.shard import Shard
 
     from .pytest_plugin import DEFAULTS, default_device
-    from .rundir import RunDir
 
     # Inside pytest, --mla-verify-profile/-examples/-device fill what the test left unset.
     __tracebackhide__ = True  # a pytest failure ends at the test's call
@@ -308,7 +310,7 @@ def gate(
         out: the run directory (default: a new runs/gate-TIME). isolate, timeout: as in `check`.
         parallel: processes, one GPU each, dealt round-robin past the GPU count (default: every
             GPU on cuda, 1 on cpu). shard: "I/N",
-            every N-th op and implementation from the I-th (`fuzz.shard`; `merge` joins the shards).
+            every N-th op and implementation from the I-th (`runs.parts`; `merge` joins the shards).
         baseline: an earlier gate run: its seed, profile, examples and ops, unless given.
         junit: also write JUnit XML there. log: receives the run's header lines.
 
@@ -316,10 +318,6 @@ def gate(
     from mla_verify.equivalence import catalog
     from mla_verify.equivalence.profiles import get_profile
     from mla_verify.fuzz.campaign import new_seed
-    from mla_verify.fuzz.gate import shard_units
-    from mla_verify.fuzz.shard import Shard
-
-    from .rundir import FreshDir, RunDir
 
     log = log or (lambda line: None)
     device = resolve_device(device)
@@ -372,19 +370,6 @@ def _gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count()
-
-
-def load_run(path: str | Path, what: str = "run"):
-    """(rows, meta) of a run directory; UsageError where it is missing, unreadable or empty."""
-    from mla_verify import reports
-
-    try:
-        rows, meta = reports.load_run(path)
-    except (OSError, ValueError) as exc:  # missing, empty, truncated or corrupt (pyarrow's errors are ValueErrors)
-        raise UsageError(f"{what} {path}: not a readable run ({exc})") from None
-    if rows.empty:
-        raise UsageError(f"{what} {path}: the run holds no rows")
-    return rows, meta
 
 
 def _rerun_settings(baseline: str | Path, op: str) -> dict[str, Any]:

@@ -94,7 +94,7 @@ def _positive_float(text: str) -> float:
 
 
 def _shard(text: str):
-    from mla_verify.fuzz.shard import Shard
+    from mla_verify.runs.parts import Shard
 
     try:
         return Shard.parse(text)
@@ -526,7 +526,7 @@ def _print_implementations(registry, stage: str, device: str) -> None:
 
 def cmd_fuzz(args, device: str) -> int:
     from mla_verify import api
-    from mla_verify.rundir import FreshDir
+    from mla_verify.runs.rundir import FreshDir
 
     out = args.out or FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
     result = api.check(args.op, args.impl or None, examples=args.examples, seed=args.seed, device=device,
@@ -590,7 +590,7 @@ def cmd_report(args, device: str) -> int:
     from mla_verify.api import load_run, save_worst_case
 
     from mla_verify.api import replay_command
-    from mla_verify.rundir import recover_crashed
+    from mla_verify.runs.rundir import recover_crashed
 
     _, meta = load_run(args.run_dir, "run")
     if meta.get("incomplete"):
@@ -606,7 +606,7 @@ def cmd_report(args, device: str) -> int:
 
 def cmd_merge(args, device: str) -> int:
     from mla_verify import reports
-    from mla_verify.merge import merge
+    from mla_verify.runs.merge import merge
 
     merged = merge(args.runs, args.out, force=args.force)
     print("\n".join(merged.lines()))
@@ -615,7 +615,7 @@ def cmd_merge(args, device: str) -> int:
 
 
 def cmd_bench(args, device: str) -> int:
-    from . import bench
+    from .bench import bench
 
     return bench.main(args, device)
 

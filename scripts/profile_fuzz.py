@@ -46,7 +46,7 @@ def campaign(device: str, examples: int, block: int, sizes: list | None = None) 
 
 def harness(device: str, examples: int, block: int, sizes: list | None = None) -> tuple[int, float]:
     """The bench's harness case, `examples` cases in blocks of `block` (successive seeds): (cases, seconds)."""
-    from mla_verify.bench import harness_case
+    from mla_verify.bench.bench import harness_case
     from mla_verify.equivalence.case import Case
     from mla_verify.equivalence.catalog import evaluate_block, resolve_subject
 

@@ -1,44 +1,50 @@
-"""The gate: every op and forward_mqa path, every implementation that runs on the device, the
-regression corpus plus a fuzz budget; then every property (equivalence.properties) for every
-implementation of the stages it tests; rows into one run directory; a verdict a CI can use.
+"""The one execution of a run (`runs.plan.Run`), fuzz or gate: `drive` runs it
 
-Implementations checked per op: every registered one that runs here (on a GPU: flash_mla, our
-Triton kernels and the float32 eager ones; on CPU the Triton kernels under the interpreter and
-the eager ones), so when one disagrees with the reference and the others do not, the gate names
-the odd one out. A property runs once per implementation name (`--impl NAME`: that
-implementation for every stage that has one), over the targets it covers.
+    parts == 1   this process runs its slot (`runs.parts`): the fuzz campaign of seed S + k and
+                 its share of the examples, or the gate's units of slot k
+    parts > 1    one child process per part, each the Run of one slot of this host
+                 (`python -m mla_verify.runs.driver RUN_JSON`, `runs.parts`), their rows joined
+                 into the run directory
 
-The multi-process DCP op runs with world size 2 on CPU (two gloo ranks) and on a GPU machine with
-the most ranks its GPUs hold one each (2, 4 or 8; a single GPU: 2 gloo ranks sharing it). Its
-ranks are processes of their own, so it never runs inside the isolation worker.
-
-`run_units` is the one campaign driver, of the gate and of `mla-verify fuzz` alike: a `Unit` is one
-op and implementation with its corpus and campaigns (a fuzz run: one unit, no corpus), and a shard
-of the gate is its share of the units (`fuzz.shard`, `run_gate`).
+Both kinds judge each case through `run_units`, the one campaign driver: a `Unit`
+(`runs.units`) is one op and implementation with its corpus and campaigns (a fuzz run: one unit,
+no corpus); each campaign is a Hypothesis search (`fuzz.campaign`) whose blocks of cases the block
+runner judges, in the isolation worker or in this process.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import tempfile
 import time
-from collections import defaultdict
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from mla_verify.equivalence import catalog, distributed
+from mla_verify.equivalence import catalog, contract, distributed
+from mla_verify.equivalence import device as dev
 from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.isolation import Worker
+from mla_verify.equivalence.device import take_gpu_share
+from mla_verify.equivalence.isolation import HarnessError, Worker
 from mla_verify.equivalence.profiles import Profile
+from mla_verify.equivalence.mismatch import line
 from mla_verify.equivalence.rows import Row
-from mla_verify.equivalence.spec import Spec
-from mla_verify.equivalence.subject import Subject
+from mla_verify.equivalence.running import failure_row
+from mla_verify.equivalence.subject import Subject, UsageError, unexercised
+from mla_verify.fuzz.campaign import FuzzResult, fuzz
+from mla_verify.fuzz.casefile import write_atomic
+from mla_verify.fuzz.progress import Progress
+from mla_verify.fuzz.regressions import corpus
+from mla_verify.pytest_plugin import DEFAULTS
+from mla_verify.reports.store import rows_frame
 
-from .campaign import FuzzResult, fuzz
-from .progress import Progress
-from .regressions import corpus
-from .shard import Shard
+from .interrupt import Interrupt
+from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, result_file
+from .parts import Shard, check_in_parts, gate_in_parts
+from .plan import FUZZ, Run
+from .units import Unit, gate_world_size, odd_ones_out, shard_units, units
 
 MIN_DRAWS = 25  # params a campaign draws at the least where its budget allows (`block_size`)
 
@@ -54,76 +60,6 @@ class GateResult:
         return any(not r.passed for r in self.rows)
 
 
-def gate_world_size(spec: Spec, device: str) -> int | None:
-    """The ranks a multi-process spec runs in the gate: the most its GPUs hold one each, else
-    its default (None: a spec of one process)."""
-    if not spec.ranks:
-        return None
-    gpus = 0
-    if device == "cuda":
-        import torch
-
-        gpus = torch.cuda.device_count()
-    return max([n for n in spec.ranks if n <= gpus], default=spec.ranks[0])
-
-
-def odd_ones_out(rows: list[Row]) -> list[str]:
-    """Cases where some implementations fail and others pass: name the ones that disagree."""
-    by_case: dict[tuple[str, str], dict[str, bool]] = defaultdict(dict)
-    for r in rows:
-        verdict = by_case[(r.op, r.case_id)]
-        verdict[r.impl] = verdict.get(r.impl, True) and r.passed
-    lines = []
-    for (op, case_id), verdict in sorted(by_case.items()):
-        bad = sorted(i for i, ok in verdict.items() if not ok)
-        if bad and len(bad) < len(verdict):
-            lines.append(f"{op} case {case_id}: {', '.join(bad)} disagree(s) with the reference; "
-                         f"{', '.join(sorted(i for i, ok in verdict.items() if ok))} agree")
-    return lines
-
-
-@dataclass(frozen=True)
-class Unit:
-    """What a run judges in one go, and what the gate deals to its shards: one op (or property)
-    and implementation, its pinned corpus, and its fuzz campaigns (paths; None: the op's own
-    draw). A fuzz run is one unit of the implementation it was given, without the corpus."""
-
-    op: str
-    label: str
-    specs: tuple[str, ...]
-    subject: Subject | None = field(default=None, compare=False, repr=False)  # None: resolved from specs
-    paths: tuple[str | None, ...] | None = None  # None: every campaign the spec runs for the subject
-    corpus: bool = True
-    deviations: tuple[str, ...] = ()
-    conventions: tuple[str, ...] = ()
-
-    @property
-    def multi_rank(self) -> bool:
-        return bool(catalog.get_spec(self.op).ranks)
-
-    def resolved(self, device: str) -> Subject:
-        """The implementation under test, labelled as the rows name it."""
-        if self.subject is not None:
-            return self.subject
-        subject = catalog.resolve_subject(self.op, self.specs, device.split(":")[0])
-        return Subject(self.label, subject.fn, subject.overrides, subject.deviations, self.specs)
-
-    def campaigns(self, subject: Subject) -> tuple[str | None, ...]:
-        return tuple(catalog.get_spec(self.op).campaigns(subject)) if self.paths is None else self.paths
-
-
-def units(ops: list[str] | None, device: str) -> list[Unit]:
-    """The gate's units for `ops` (None: every op and property) on `device`, in catalog order."""
-    device_type = device.split(":")[0]
-    return [Unit(op, label, tuple(specs)) for op in catalog.select(ops or ["op", "property"])
-            for label, specs in catalog.get_spec(op).subjects(device_type).items()]
-
-
-def shard_units(ops: list[str] | None, device: str, shard: Shard) -> list[Unit]:
-    """The units of shard `shard` (`fuzz.shard`: the multi-rank ones dealt first)."""
-    every = units(ops, device)
-    return shard.deal(every, [u.multi_rank for u in every])
-
 
 def _examples(op: str, examples: int | None, profile: Profile) -> int:
     return examples if examples is not None else catalog.get_spec(op).examples(profile)
@@ -136,9 +72,6 @@ def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker
     CUDA context that saw a CUDA error of the implementation cannot run another case: its block
     ends there (`OpSpec.evaluate_block`) and so does the campaign, the case being the
     implementation's crash."""
-    from mla_verify.equivalence import device as dev
-    from mla_verify.equivalence.running import failure_row
-
     if worker is not None:
         def isolated(cases, source, on_call):
             found = worker.run_block(cases, unit.specs, unit.label, run_id, source, notes=notes,
@@ -208,7 +141,7 @@ def run_units(
     """The one campaign driver: each unit's corpus, then its campaigns of `examples` cases (None:
     the profile's budget for the op) with `seed`. `world_size`: a multi-rank op's ranks (default:
     `gate_world_size`). `started(case, source, impl=, specs=)` is told of each case before it runs
-    and returns the call that says it finished (`mla_verify.rundir` journals both); `journal`
+    and returns the call that says it finished (`mla_verify.runs.rundir` journals both); `journal`
     receives each case's rows as it finishes; a `stop_reason` (Ctrl-C, a lost CUDA context: `lost`,
     see `_block_runner`) ends the run after the current case. `progress`: the gate's progress line
     over every unit and a line per campaign on `log` (default the stderr of the moment: pytest's
@@ -288,3 +221,134 @@ def run_gate(*, ops: list[str] | None, shard: Shard, device: str, **settings) ->
     """The gate's units of `shard` (`Shard()`: all of them) through `run_units`, with its
     `settings` (profile, examples, seed, run_id, out_dir, isolate, timeout_s, journal, ...)."""
     return run_units(shard_units(ops, device, shard), device=device, **settings)
+
+
+def drive(run: Run, log: Callable[[str], None] | None = None):
+    """Run `run`: a CheckResult for fuzz, a GateOutcome for the gate. `log` receives the lines of
+    a run in parts (the parts' own go to their logs or this process's output)."""
+    if run.parts > 1:
+        if run.command == FUZZ:
+            return check_in_parts(run, log)
+        return gate_in_parts(run, units(list(run.ops) or None, run.device), log)
+    return _fuzz(run) if run.command == FUZZ else _gate(run)
+
+
+def _stop(interrupt: Interrupt, lost: list[str]) -> Callable[[], str]:
+    return lambda: "interrupted" if interrupt.requested else lost[0] if lost else ""
+
+
+def _fuzz(run: Run) -> CheckResult:
+    """One campaign in this process (its cases isolated or not), written to the run directory."""
+    run_id = f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}"
+    (seed, examples), = run.campaigns
+    meta = run.meta()
+    run_dir = run.out
+    out_dir = run_dir.path if run_dir else Path(DEFAULTS.get("failures") or Path(tempfile.gettempdir()) / "mla-verify")
+    if run_dir:
+        run_dir.start(meta)
+    interrupt, lost, rows = Interrupt(), [], []
+
+    def journal(case_rows):
+        rows.extend(case_rows)
+        if run_dir:
+            run_dir.append(case_rows)
+
+    started = None if run_dir is None else (
+        lambda case, source, impl, specs: run_dir.case_started(case, source, run_id=run_id, impl=impl, specs=specs,
+                                                               device=run.device, deviations=run.deviations))
+    unit = Unit(run.op, run.label, run.specs, subject=run.subject, paths=(run.path,), corpus=False,
+                deviations=run.deviations, conventions=run.conventions)
+    contract.CALLED_WITH.clear()
+    try:
+        with interrupt.installed():
+            result = run_units([unit], device=run.device, profile=run.profile, examples=examples, seed=seed,
+                               run_id=run_id, out_dir=out_dir, isolate=run.isolate, timeout_s=run.timeout,
+                               shrink=run.shrink, world_size=run.world_size, journal=journal,
+                               stop_reason=_stop(interrupt, lost), started=started, lost=lost, progress=False)
+    except Exception as exc:
+        if run_dir:
+            detail = exc.detail if isinstance(exc, HarnessError) else traceback.format_exc()
+            run_dir.write_file("harness-error.txt", detail or traceback.format_exc())
+            run_dir.finish(rows, meta)
+        if isinstance(exc, HarnessError):
+            raise
+        raise HarnessError(f"harness error: {type(exc).__name__}: {exc}", traceback.format_exc()) from exc
+    fz, = result.fuzz
+    if run_dir:
+        run_dir.finish(rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
+    frame = rows_frame(rows)
+    failures = []
+    if fz.failure is not None:
+        failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
+                                   replay_command(fz.case_file, run.specs, run.device, run.deviations, run.timeout,
+                                                  run.isolate, run.conventions),
+                                   found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk))
+    extra = sorted(result.notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
+    extra += unexercised(run.specs, contract.CALLED_WITH)  # what the replaced stages were never handed
+    if run.world_size:
+        extra += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]
+    return CheckResult(run.op, run.label, not failures and fz.stopped != "interrupted" and bool(frame.passed.all()),
+                       frame, seed, fz.examples, run_dir.path if run_dir else None, failures,
+                       interrupted=fz.stopped == "interrupted", notes=extra, in_process=run.in_process)
+
+
+def _gate(run: Run) -> GateOutcome:
+    """The gate's units of this slot in this process, written to the run directory."""
+    run_dir, meta, interrupt = run.out, run.meta(), Interrupt()
+    run_id = f"gate-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.start(meta)
+    try:
+        with interrupt.installed():
+            result = run_gate(ops=list(run.ops) or None, shard=run.shard, device=run.device, profile=run.profile,
+                              examples=run.examples, seed=run.seed, run_id=run_id, out_dir=run_dir.path,
+                              isolate=run.isolate, timeout_s=run.timeout, journal=run_dir.append,
+                              stop_reason=_stop(interrupt, []),
+                              started=lambda case, source, impl, specs: run_dir.case_started(
+                                  case, source, run_id=run_id, impl=impl, specs=specs, device=run.device))
+    except Exception as exc:  # mla-verify's own failure: exit 3, its traceback where the message says
+        detail = (exc.detail if isinstance(exc, HarnessError) else None) or traceback.format_exc()
+        run_dir.write_file("harness-error.txt", detail)
+        run_dir.release()
+        if isinstance(exc, HarnessError):
+            raise
+        raise HarnessError(f"harness error in {run_dir.path}: {type(exc).__name__}: {exc}", detail) from exc
+    except BaseException:  # the journal keeps the rows so far; the next run may take the directory's lock
+        run_dir.release()
+        raise
+    finally:
+        distributed.close_all()
+    outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupt.requested, sorted(result.notes),
+                          odd_ones_out(result.rows), isolated=run.isolate)
+    run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupt.requested else meta)
+    outcome.case_files = [(fz.case_file, [f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}"
+                                          for r in (fz.failure.rows if fz.failure else ()) if not r.passed])
+                          for fz in result.fuzz if fz.case_file]
+    return outcome
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A part's process: `python -m mla_verify.runs.driver RUN_JSON` (`Run.to_json`; `runs.parts` starts it)."""
+    text = (argv or sys.argv[1:])[0]  # the parent chose the Triton interpreter on CPU: the environment has it
+    try:
+        run = Run.from_json(text)
+        take_gpu_share(0.5 if run.isolate else 1.0)  # an isolated part's worker takes the other half
+        print(run.header(), flush=True)
+        outcome = drive(run)
+    except KeyboardInterrupt:
+        return 130
+    except UsageError as exc:
+        print(f"mla-verify: {exc}", file=sys.stderr)
+        return 2
+    except HarnessError as exc:
+        print(f"mla-verify: {exc}", file=sys.stderr)
+        return 3
+    if run.command == FUZZ:
+        print(outcome.report())
+        write_atomic(outcome.out / RESULT_JSON, result_file(outcome))
+    elif outcome.lines(run.device_type):
+        print("\n".join(outcome.lines(run.device_type)))
+    return outcome.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

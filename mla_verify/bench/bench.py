@@ -17,7 +17,7 @@ per rank down to 16; decode batch 1-128 with s_q 1 and 2; prefill 1k-16k tokens)
              worker started off the clock); per case: drawing it, the reference, the kernel, inputs
              and judging; then 4 campaigns at once sharing the GPU (`--parallel 4` on one GPU),
              each process started and warmed up off the clock
-  guards     (CPU and GPU) each guard's cost per case in ms, and isolation's (`mla_verify.guard_bench`)
+  guards     (CPU and GPU) each guard's cost per case in ms, and isolation's (`mla_verify.bench.guard_bench`)
 On a CPU: the reference at a 128k-token context and a 1024-token prefill streamed under 256 MiB
 (time, peak RSS in fresh processes), harness overhead with its stages, and fuzz
 throughput of the `ci` profile. `--only` picks sections. Prints a table last; writes JSON.
