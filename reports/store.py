@@ -27,7 +27,7 @@ RUN_FORMAT = "mla-verify-run/1"
 ROWS_PARQUET = "rows.parquet"
 ROWS_CSV = "rows.csv"
 META_JSON = "meta.json"
-JOURNAL = "journal.jsonl"  # rows appended as each case finishes (mla_verify.rundir); gone once the run is written
+JOURNAL = "journal.jsonl"  # rows appended as each case finishes (mla_verify.runs.rundir); gone once the run is written
 META_LIMIT = 16 * 2**20   # bytes a meta.json may have
 ROWS_LIMIT = 16 * 2**30   # bytes rows.parquet, rows.csv or a journal may have
 # The reason of the row a case gets when its run's journal says it started and never finished.
@@ -167,7 +167,7 @@ def _journal_lines(path: Path) -> list[dict[str, Any]]:
 
 
 def _unfinished(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The started records (mla_verify.rundir.RunDir.case_started) no later line finished."""
+    """The started records (mla_verify.runs.rundir.RunDir.case_started) no later line finished."""
     open_cases: dict[str, dict[str, Any]] = {}
     for record in records:
         if "started" in record:
