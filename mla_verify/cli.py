@@ -16,6 +16,7 @@ import os
 import sys
 import textwrap
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 def _default_device() -> str:
@@ -186,11 +187,20 @@ def _add_drift(p: argparse.ArgumentParser) -> None:
                         "default: same names, or the one implementation per op of each run)")
 
 
-def _drift_settings(args) -> dict:
-    from mla_verify.reports.pairing import parse_pairs
+@dataclass(frozen=True)
+class _DriftSettings:
+    """--factor, --confidence, --min-cases and --pair, as fuzz, gate and report share them."""
 
-    return dict(factor=args.factor, confidence=args.confidence, min_cases=args.min_cases,
-                pairs=parse_pairs(args.pair))
+    factor: float
+    confidence: float
+    min_cases: int
+    pairs: tuple[str, ...]
+
+    def settings(self) -> dict:
+        from mla_verify.reports.pairing import parse_pairs
+
+        return dict(factor=self.factor, confidence=self.confidence, min_cases=self.min_cases,
+                    pairs=parse_pairs(list(self.pairs)))
 
 
 def _add_reference_memory(p: argparse.ArgumentParser) -> None:
@@ -524,21 +534,33 @@ def _print_implementations(registry, stage: str, device: str) -> None:
         print("\n".join(textwrap.wrap(f"  - {impl.name:12s} {status}{dev}", 100, subsequent_indent=" " * 17)))
 
 
-def cmd_fuzz(args, device: str) -> int:
-    from mla_verify import api
+def _run_options(args, device: str) -> dict:
+    """The run options fuzz and gate share, by the names `runs.plan.Options` gives them (a fuzz
+    run's default directory named for its op and implementation)."""
+    from mla_verify.runs.plan import Options
     from mla_verify.runs.rundir import FreshDir
 
-    out = args.out or FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
-    result = api.check(args.op, args.impl or None, examples=args.examples, seed=args.seed, device=device,
-                       profile=args.profile, out=out, isolate=args.isolate, timeout=args.timeout,
-                       deviations=args.deviation, conventions=args.convention, path=args.path,
-                       world_size=args.world_size, shrink=not args.no_shrink, parallel=args.parallel, junit=args.junit,
-                       baseline=args.baseline, shard=args.shard, log=lambda line: print(line, flush=True))
+    fuzzing = args.command == "fuzz"
+    given = {**vars(args), "device": device, "ops": (args.op,) if fuzzing else tuple(args.op or ()),
+             "specs": tuple(getattr(args, "impl", ())), "deviations": tuple(getattr(args, "deviation", ())),
+             "conventions": tuple(getattr(args, "convention", ())), "shrink": not getattr(args, "no_shrink", False)}
+    if fuzzing and args.out is None:
+        given["out"] = FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
+    return {f.name: given[f.name] for f in fields(Options) if f.name in given}
+
+
+def cmd_fuzz(args, device: str) -> int:
+    from mla_verify import api
+    from mla_verify.runs.plan import Options
+
+    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair))
+    options = Options(**_run_options(args, device))
+    result = api.run(options, log=lambda line: print(line, flush=True))
     print(result.report())
-    if args.baseline is None or result.interrupted:
+    if options.baseline is None or result.interrupted:
         return result.exit_code
-    drift = api.drift(result, args.baseline, **_drift_settings(args))
-    replay = (api.save_worst_case(drift.worst, result.out / "drift", args.deviation, args.convention)
+    drift = api.drift(result, options.baseline, **drift_settings.settings())
+    replay = (api.save_worst_case(drift.worst, result.out / "drift", options.deviations, options.conventions)
               if drift.worst and result.out else None)
     print("\n".join(drift.lines(replay)))
     return result.exit_code or drift.exit_code
@@ -564,21 +586,20 @@ def cmd_replay(args, device: str) -> int:
 
 def cmd_gate(args, device: str) -> int:
     from mla_verify import api, reports
+    from mla_verify.reports.meta import IN_PROCESS
+    from mla_verify.runs.plan import Options
 
     started = time.time()
-    outcome = api.gate(device=device, profile=args.profile, examples=args.examples, seed=args.seed, ops=args.op,
-                       out=args.out, isolate=args.isolate, timeout=args.timeout, parallel=args.parallel,
-                       shard=args.shard, baseline=args.baseline, junit=args.junit,
-                       log=lambda line: print(line, flush=True))
+    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair))
+    options = Options(**_run_options(args, device))
+    outcome = api.run(options, log=lambda line: print(line, flush=True))
     lines = outcome.lines(device)
     if lines:
         print("\n".join(lines))
     if outcome.interrupted:
         return 130
-    code = reports.run_report(outcome.out, baseline=args.baseline, save_case=api.save_worst_case,
-                              **_drift_settings(args))
-    from mla_verify.reports.meta import IN_PROCESS
-
+    code = reports.run_report(outcome.out, baseline=options.baseline, save_case=api.save_worst_case,
+                              **drift_settings.settings())
     verdict = "FAILED" if outcome.failed else "passed" if outcome.isolated else f"passed ({IN_PROCESS})"
     print(f"gate {verdict}: {len(outcome.rows)} rows in {time.time() - started:.0f} s; "
           f"report {outcome.out / 'report.html'}")
@@ -601,7 +622,8 @@ def cmd_report(args, device: str) -> int:
     if args.baseline is not None:
         load_run(args.baseline, "baseline")
     return reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
-                              save_case=save_worst_case, **_drift_settings(args))
+                              save_case=save_worst_case,
+                              **_DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair)).settings())
 
 
 def cmd_merge(args, device: str) -> int:

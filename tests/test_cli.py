@@ -280,7 +280,7 @@ def test_a_gate_that_fails_itself_exits_3_and_its_traceback_is_where_the_message
     """Issue 29: the message named a harness-error.txt that did not exist (and a bare TypeError exited 1)."""
     import mla_verify.runs.driver
 
-    def broken(**kwargs):
+    def broken(*args, **kwargs):
         raise TypeError("Compared.__init__() missing 1 required positional argument: 'base'")
 
     monkeypatch.setattr(mla_verify.runs.driver, "run_gate", broken)

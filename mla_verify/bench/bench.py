@@ -321,10 +321,9 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
     the clock starts (`ready()` just before), and judged here: cases/s and the time per case
     split into drawing it, the reference, the kernel and the rest (inputs, snapshots, judging;
     isolated: the worker's side too)."""
-    from mla_verify.equivalence.case import Case
-    from mla_verify.equivalence.catalog import evaluate, evaluate_block
+    from mla_verify.equivalence.catalog import evaluate_block
     from mla_verify.equivalence.isolation import Worker
-    from mla_verify.fuzz.campaign import fuzz
+    from mla_verify.fuzz.campaign import Campaign, fuzz
 
     spent = {"evaluate": 0.0, "reference": 0.0, "kernel": 0.0}
     worker = Worker(device) if isolated else None
@@ -338,11 +337,6 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
             spent["kernel"] += rows[0].time_impl_s if rows[0].time_impl_s == rows[0].time_impl_s else 0.0  # NaN: it raised
         return found
 
-    def run(c: Case, source):
-        start = time.perf_counter()
-        rows = worker.run(c, [], subject.label) if worker else evaluate(c, subject, device, source=source)
-        return account([rows], time.perf_counter() - start)[0]
-
     def run_block(cases, source, on_call):
         start = time.perf_counter()
         found = (worker.run_block(cases, [], subject.label, on_call=on_call) if worker
@@ -352,8 +346,7 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
     try:
         ready()
         start = time.perf_counter()
-        result = fuzz("sparse_decode_fp8", run, profile=profile, examples=examples, seed=seed, shrink=False, block=block,
-                      run_block=run_block, show_progress=False)
+        result = fuzz(Campaign("sparse_decode_fp8", profile, examples, seed, block=block, shrink=False), run_block)
         elapsed = time.perf_counter() - start
     finally:
         if worker is not None:
