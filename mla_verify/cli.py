@@ -223,6 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mla-verify {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_list_command(sub)
+    _add_fuzz_command(sub)
+    _add_replay_command(sub)
+    _add_gate_command(sub)
+    _add_merge_command(sub)
+    _add_report_command(sub)
+    _add_bench_command(sub)
+    return parser
+
+
+def _add_list_command(sub) -> None:
+    """`mla-verify list` and its options."""
     p = _command(sub, "list", "ops, their keywords, implementations here, tolerances and deviations",
                  "List every op of the contract (the keyword arguments an implementation receives, its "
                  "reference), every pipeline stage and property, and which implementations run on this "
@@ -240,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deviations", action="store_true",
                    help="also print each documented deviation a kernel may declare (--deviation): meaning and bounds")
 
+
+def _add_fuzz_command(sub) -> None:
+    """`mla-verify fuzz` and its options."""
     p = _command(sub, "fuzz", "fuzz one op, pipeline or property against the reference",
                  "Draw cases of one op with Hypothesis, run the implementation and the float64 reference on "
                  "each, and compare every returned tensor within its bound (`mla-verify list --op OP`). The "
@@ -296,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "given) and report drift against it")
     _add_drift(p)
 
+
+def _add_replay_command(sub) -> None:
+    """`mla-verify replay` and its options."""
     p = _command(sub, "replay", "re-run a saved failing case exactly; exit 1 if it still fails",
                  "Re-run one case file (saved by fuzz or gate) on the same inputs and say whether the saved "
                  "failure came back: the same failing tensors and metrics with the same values, or what "
@@ -320,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_deviation(p, None)
     _add_convention(p, None)
 
+
+def _add_gate_command(sub) -> None:
+    """`mla-verify gate` and its options."""
     p = _command(sub, "gate", "CI gate: every op and path, corpus + fuzz + properties; drift report",
                  "Run every op and forward_mqa path with every implementation available on this device: "
                  "the pinned regression corpus first, then a fuzz budget, then every property. Writes one "
@@ -355,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the GPUs, each with its share of the cores (default: every GPU on cuda, 1 on cpu)")
     _add_shard(p, "every N-th op and implementation (with its corpus and campaigns), all with seed S")
 
+
+def _add_merge_command(sub) -> None:
+    """`mla-verify merge` and its options."""
     p = _command(sub, "merge", "join the run directories of a run's shards into one run and one report",
                  "Join the run directories that `fuzz --shard I/N` or `gate --shard I/N` wrote (one per "
                  "CI job, array task or pod) into one run directory: every shard's rows, seeds and saved "
@@ -376,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge even shards of other revisions or options, given twice or unfinished, or with shards "
                         "missing (each reason is printed)")
 
+
+def _add_report_command(sub) -> None:
+    """`mla-verify report` and its options."""
     p = _command(sub, "report", "drift report of a run directory, optionally against a baseline run",
                  "Summarize a run directory's rows (error distributions per op, path and tensor, headroom, "
                  "failures) in the terminal and in a self-contained HTML file; with --baseline, the two "
@@ -399,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", type=Path, default=None, help="also write a markdown summary there")
     _add_drift(p)
 
+
+def _add_bench_command(sub) -> None:
+    """`mla-verify bench` and its options."""
     p = _command(sub, "bench", "kernel, reference and harness speed at production shapes; table + JSON",
                  "Time the kernels (GPU only), the float64 reference and the harness's own cost per case at "
                  "production shapes, print a table and write it as JSON.",
@@ -412,7 +442,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
     p.add_argument("--only", action="append", choices=("kernels", "reference", "harness", "guards"), default=None,
                    help="run only these sections (repeat; default: all)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from mla_verify.equivalence.files import read_json, read_text, regular_file
-from mla_verify.equivalence.rows import COLUMNS, STORED_FIELDS, Row, split_rank
+from mla_verify.equivalence.rows import COLUMNS, STORED_FIELDS, Row
 
 RUN_FORMAT = "mla-verify-run/1"
 ROWS_PARQUET = "rows.parquet"
@@ -60,8 +60,8 @@ def _old_kind(tensor: str, exact: bool) -> str:
     if tensor == "*" or tensor.startswith("input:"):
         return ""
     name = tensor.rsplit(".", 1)[-1]      # a property's "CHECK.TENSOR"
-    base, rank = split_rank(name)         # a DCP rank's "out_rank3", "partial_lse_rank1"
-    if rank is not None:
+    base, sep, rank = name.rpartition("_rank")  # a DCP rank's "out_rank3", "partial_lse_rank1"
+    if sep and rank.isdigit():
         name = base.removeprefix("partial_")
     return name if name in ("out", "lse", "max_logits") else "other"
 

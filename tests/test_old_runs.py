@@ -65,3 +65,25 @@ def test_a_new_run_takes_an_old_run_as_its_baseline(old, tmp_path, capsys):
     assert code == 0, out
     assert "seed 1" in out and "profile ci" in out
     assert "baseline drift: no drift in 2 groups compared (2 paired, 0 unpaired" in out
+
+
+def test_rows_carry_their_rank_check_and_written_input_as_fields(old):
+    """What the names "out_rank1", "merged.out" and "input:kv" said is a field of the row now (nothing
+    parses the names back); the old rows load with the fields' defaults."""
+    from mla_verify.equivalence.catalog import evaluate, resolve_subject
+    from mla_verify.equivalence.profiles import get_profile
+    from mla_verify.fuzz.campaign import Campaign, each, fuzz
+
+    def rows_of(op, specs, examples=1):
+        subject = resolve_subject(op, specs, "cpu")
+        campaign = Campaign(op, get_profile("ci"), examples, 1, shrink=False)
+        return fuzz(campaign, each(lambda case, source: evaluate(case, subject, "cpu", source=source))).rows
+
+    written = [r for r in rows_of("sparse_prefill", ["tests.hostile.cpu:zeroes_kv"]) if r.gate_metric == "input_written"]
+    assert [(r.tensor, r.written) for r in written] == [("input:kv", "kv")]
+    merged = rows_of("property:split_invariance", ["torch-fp32"])
+    assert {(r.tensor, r.check) for r in merged} == {("merged.out", "merged"), ("merged.lse", "merged")}
+    ranks = {(r.tensor, r.rank) for r in rows_of("dcp", [])}
+    assert {("out_rank0", 0), ("out_rank1", 1), ("partial_lse_rank1", 1)} <= ranks
+    rows, _ = load_run(old / "gate")
+    assert rows["rank"].isna().all() and (rows["check"] == "").all() and (rows["written"] == "").all()

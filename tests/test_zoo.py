@@ -10,7 +10,7 @@ import pytest
 
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
 from mla_verify.equivalence.profiles import get_profile
-from mla_verify.fuzz.campaign import fuzz, new_seed
+from mla_verify.fuzz.campaign import Campaign, each, fuzz, new_seed
 from tests.zoo import ZOO
 
 BUDGET = 200  # examples per bug; the slowest measured (multi-chunk prefill bugs) need ~25 on median
@@ -21,8 +21,8 @@ FOUND: dict[str, int | None] = {}
 def test_zoo_bug_is_caught(bug):
     seed = new_seed()
     subject = resolve_subject(bug.op, [bug.impl], "cpu")
-    result = fuzz(bug.op, lambda case, source: evaluate(case, subject, "cpu", source=source),
-                  profile=get_profile("ci"), examples=BUDGET, seed=seed, path=bug.path, shrink=False)
+    result = fuzz(Campaign(bug.op, get_profile("ci"), BUDGET, seed, path=bug.path, shrink=False),
+                  each(lambda case, source: evaluate(case, subject, "cpu", source=source)))
     FOUND[bug.name] = result.first_failure_at
     print(f"{bug.name}: seed {seed}, first failure at example {result.first_failure_at}")
     assert result.failure is not None, f"{bug.name} ({bug.bug_class}) escaped {BUDGET} examples (seed {seed})"

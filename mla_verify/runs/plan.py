@@ -299,7 +299,7 @@ def _again(o: Options, log: Callable[[str], None]) -> Options:
         return replace(o, seed=seed, profile=profile, examples=examples, ops=ops)
     op = o.ops[0]
     name = op.removeprefix("property:")
-    ran = set(rows["op"]) | {f"property:{p}" for p in rows.loc[rows["op"] == "property", "path"]}
+    ran = {json.loads(case)["op"] for case in rows["case"].unique() if case}  # each row's Case names its op
     if op not in ran and f"property:{name}" not in ran:
         raise UsageError(f"baseline {o.baseline} holds no rows of {op} (it ran {', '.join(sorted(ran))}): "
                          "nothing comparable")
