@@ -198,6 +198,26 @@ class _Namespace:
                 and all(map(operator.is_, now.values(), self.values)))
 
 
+def put_back(saved: list[_Namespace]) -> list[str]:
+    """Put back every name of `saved` rebound or deleted since (and every attribute added to a
+    class, or to an object watched as one); the names, each namespace saved again."""
+    patched = []
+    for i, space in enumerate(saved):
+        if space.unchanged():
+            continue
+        ns, now = space.ns, vars(space.ns)
+        for k, v in space.before.items():
+            if now.get(k, _MISSING) is not v and k not in _CACHES:
+                patched.append(f"{space.name}.{k}")
+                setattr(ns, k, v)
+        if space.is_class:
+            for k in [k for k in now if k not in space.before and k not in _CACHES]:
+                patched.append(f"{space.name}.{k}")
+                delattr(ns, k)
+        saved[i] = _Namespace.of(space.name, ns, space.is_class)
+    return patched
+
+
 @dataclass
 class JudgeFunctions:
     """The identities of every name in the judge's namespaces, before a call."""
@@ -214,20 +234,7 @@ class JudgeFunctions:
         added: `Tensor.__ne__` set on torch.Tensor shadows the C one); the names, e.g.
         ["torch.sub", "torch.Tensor.__ne__"]. A module gaining a name is an import, not a patch:
         it joins the names watched, so the saved identities hold for the next call of a block."""
-        patched = []
-        for i, saved in enumerate(self.saved):
-            if saved.unchanged():
-                continue
-            ns, now = saved.ns, vars(saved.ns)
-            for k, v in saved.before.items():
-                if now.get(k, _MISSING) is not v and k not in _CACHES:
-                    patched.append(f"{saved.name}.{k}")
-                    setattr(ns, k, v)
-            if saved.is_class:
-                for k in [k for k in now if k not in saved.before and k not in _CACHES]:
-                    patched.append(f"{saved.name}.{k}")
-                    delattr(ns, k)
-            self.saved[i] = _Namespace.of(saved.name, ns, saved.is_class)
+        patched = put_back(self.saved)
         if len(sys.modules) != self.modules:  # a judge module imported since joins the names watched
             known = {saved.name for saved in self.saved}
             self.saved += [_Namespace.of(name, ns, is_class) for name, ns, is_class in _judge_namespaces()

@@ -73,12 +73,17 @@ def failure_row(base: dict, tensor: str, metric: str, reason: str, **fields) -> 
                headroom=0.0, reason=reason)
 
 
+def unsupported_row(base: dict, reason: str, **fields) -> Row:
+    """The single row of a case the implementation declined (`unsupported`): counted, not failed."""
+    return Row(**{**base, **fields}, tensor="*", passed=True, gate_metric="unsupported", value=0.0, bound=0.0,
+               headroom=float("inf"), reason=reason)
+
+
 def raised_row(base: dict, raised: Raised, **fields) -> Row:
     """The single failure row of a case whose implementation raised (or broke the contract)."""
     exc = raised.error
     if isinstance(exc, Unsupported):
-        return Row(**{**base, **fields}, tensor="*", passed=True, gate_metric="unsupported", value=0.0, bound=0.0,
-                   headroom=float("inf"), reason=f"unsupported: {exc}")
+        return unsupported_row(base, f"unsupported: {exc}", **fields)
     if isinstance(exc, ContractError):
         return failure_row(base, "*", "contract", str(exc), **fields)
     frames = traceback.extract_tb(exc.__traceback__)
