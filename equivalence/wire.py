@@ -156,7 +156,7 @@ def _tensor_spec(d: Any) -> tuple[torch.dtype, list[int], str, int]:
         raise Unreadable(f"a tensor's dtype {str(d.get('dtype'))[:40]!r} is not one of {', '.join(DTYPES)}")
     shape = _list(d.get("shape"), "shape", MAX_DIMS)
     if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= TENSOR_LIMIT for n in shape):
-        raise Unreadable(f"a tensor's shape {shape} is not a list of sizes")
+        raise Unreadable(f"a tensor's shape {shape} is not a list of sizes up to {TENSOR_LIMIT}")
     device, nbytes = d.get("device"), d.get("nbytes")
     if device not in DEVICES:
         raise Unreadable(f"a tensor's device {str(device)[:40]!r} is not one of {', '.join(DEVICES)}")

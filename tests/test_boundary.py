@@ -1,0 +1,110 @@
+"""The worker is untrusted (issue 35): data, not code, crosses to the judge; the parent owns every
+verdict and the record. Each kernel of tests/hostile/boundary.py gets its outcome isolated (and in
+process where the attack applies there), a saved case, and never a pass, exit 3 or lost rows."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_verify.cli import main
+from mla_verify.equivalence import wire
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.catalog import evaluate, resolve_subject
+from mla_verify.equivalence.isolation import Worker
+from tests.hostile import BOUNDARY
+from tests.test_hostile import CASES, run, saved_case
+
+QUANTIZE = Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 3)
+
+
+@pytest.mark.parametrize("h", BOUNDARY, ids=[h.impl.split(":")[1] for h in BOUNDARY])
+def test_each_boundary_kernel_fails_its_case_isolated(h):
+    w = Worker("cpu", timeout_s=20.0)  # a worker of its own: a forged answer leaves the real one queued
+    try:
+        w.run(QUANTIZE, ["torch-fp32"], "torch-fp32")  # started and warm: the clock is the case's
+        start = time.monotonic()
+        rows = w.run(Case(h.op, CASES[h.op], 3), [h.impl], h.impl)
+        took = time.monotonic() - start
+    finally:
+        w.close()
+    failing = [(r.gate_metric, r.reason) for r in rows if not r.passed]
+    assert rows and not all(r.passed for r in rows)
+    assert any(metric == h.metric and h.says in reason for metric, reason in failing), failing
+    assert took < 15.0, f"{took:.1f} s: the parent waited for the timeout instead of the worker's process"
+    assert not Path("/tmp/mla-verify-pwned").exists()
+
+
+@pytest.mark.parametrize("h", [h for h in BOUNDARY if not h.isolate], ids=lambda h: h.impl.split(":")[1])
+def test_each_boundary_kernel_that_applies_in_process_fails_there_too(h):
+    rows = evaluate(Case(h.op, CASES[h.op], 3), resolve_subject(h.op, [h.impl], "cpu"), "cpu")
+    assert any(r.gate_metric == h.metric and h.says in r.reason for r in rows if not r.passed)
+
+
+def test_a_forged_error_is_a_saved_crashed_finding_that_replays_never_exit_3(capsys, tmp_path):
+    impl = "tests.hostile.boundary:forges_an_error"
+    code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", impl, "--examples", 2, "--seed", 1,
+                     "--device", "cpu", "--profile", "ci", "--no-shrink", "--timeout", 20, "--out", tmp_path / "run")
+    assert code == 1 and "Traceback" not in text and "after the implementation was called" in text
+    case = saved_case(text)
+    code, text = run(capsys, "replay", case, "--impl", impl, "--device", "cpu", "--timeout", 20)
+    assert code == 1 and "after the implementation was called" in text
+
+
+def test_a_pass_rests_on_a_message_the_parent_parsed_as_data():
+    """The isolated pass of a correct kernel: the parent judged the output it decoded itself."""
+    w = Worker("cpu", timeout_s=20.0)
+    try:
+        rows = w.run(QUANTIZE, ["torch-fp32"], "torch-fp32")
+    finally:
+        w.close()
+    assert rows and all(r.passed for r in rows) and {r.tensor for r in rows} == {"rows"}
+    assert all(r.gate_metric not in ("crashed", "unsupported") for r in rows)
+
+
+def _reader_of(data: bytes) -> wire.Reader:
+    r, w = os.pipe()
+    os.write(w, data)
+    os.close(w)
+    never_r, _ = os.pipe()  # a worker that is alive
+    return wire.Reader(r, never_r)
+
+
+@pytest.mark.parametrize("frames, says", [
+    ([b"\x80\x04\x95garbage"], "does not start as a message does"),
+    ([wire._FRAME.pack(wire.MAGIC, 2**31)], "over the"),
+    ([wire._FRAME.pack(wire.MAGIC, 5) + b"[1,2]"], "not a JSON object"),
+    ([wire._FRAME.pack(wire.MAGIC, 9) + b"\xff\xfe{}xxxxx"], "not JSON"),
+    (wire.encode({"kind": "produced"}, [torch.ones(3)])[:1], "closed mid-message"),
+])
+def test_the_parser_refuses_what_is_not_a_message(frames, says):
+    with pytest.raises(wire.Unreadable, match=says):
+        _reader_of(b"".join(bytes(f) for f in frames)).read(time.monotonic() + 5)
+
+
+@pytest.mark.parametrize("spec, says", [
+    ({"dtype": "object", "shape": [1], "device": "cpu", "nbytes": 8}, "dtype 'object' is not one of"),
+    ({"dtype": "float32", "shape": [-1], "device": "cpu", "nbytes": 4}, "not a list of sizes"),
+    ({"dtype": "float32", "shape": [2], "device": "cpu", "nbytes": 4}, "claims 4 bytes"),
+    ({"dtype": "float32", "shape": [2], "device": "gpu0", "nbytes": 8}, "device 'gpu0'"),
+    ({"dtype": "float32", "shape": [1] * 9, "device": "cpu", "nbytes": 4}, "not a list of at most 8"),
+])
+def test_a_tensor_description_is_checked_before_anything_is_allocated(spec, says):
+    body = json.dumps({"kind": "produced", "tensors": [spec]}).encode()
+    with pytest.raises(wire.Unreadable, match=says):
+        _reader_of(wire._FRAME.pack(wire.MAGIC, len(body)) + body).read(time.monotonic() + 5)
+
+
+def test_tensors_cross_bit_for_bit_in_every_dtype_and_as_meta():
+    sent = [torch.randn(3, 5).to(d) for d in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float64)]
+    sent += [torch.randint(0, 255, (7,), dtype=torch.uint8), torch.zeros(0, 4), torch.empty(2, 3, device="meta"),
+             torch.randn(4, 6).t()]
+    header, got = _reader_of(b"".join(bytes(f) for f in wire.encode({"kind": "x"}, sent))).read(time.monotonic() + 5)
+    assert header["kind"] == "x" and len(got) == len(sent)
+    for a, b in zip(sent, got):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+        if a.device.type != "meta":
+            assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
