@@ -33,6 +33,7 @@ import os
 import signal
 import time
 import traceback
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -213,6 +214,17 @@ class _Process:
     ready: bool = False
 
 
+_LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+
+
+def reap_all() -> int:
+    """Kill every process a worker of this process left running (`reaper.kill_strays`), the live
+    workers and multiprocessing's own helpers kept; how many there were. A run calls it before
+    its final record (`mla_verify.record.seal`)."""
+    keep = set().union(*(w._pids() for w in list(_LIVE)))
+    return reaper.kill_strays(keep | _servers())
+
+
 def _servers() -> set[int]:
     """The pids of multiprocessing's own helpers (the fork server, the resource tracker): started
     with a worker, so marked, and never strays."""
@@ -250,6 +262,7 @@ class Worker:
         self._spares: list[_Process] = []
         self.restarts, self._seq = 0, 0
         reaper.become_subreaper()  # what a worker leaves when it dies comes here to be ended (`reap`)
+        _LIVE.add(self)
 
     def _spawn(self) -> _Process:
         if self.device.startswith("cuda"):
@@ -310,8 +323,10 @@ class Worker:
     def reap(self) -> int:
         """Kill what a worker of this process left running once it is gone (it came here, this
         process being their subreaper); how many there were."""
-        keep = {p.proc.pid for p in (self._active, *self._spares) if p is not None}
-        return reaper.kill_strays(keep | _servers())
+        return reap_all()
+
+    def _pids(self) -> set[int]:
+        return {p.proc.pid for p in (self._active, *self._spares) if p is not None}
 
     def _receive(self, p: _Process, seq: int | None, timeout_s: float) -> tuple[str, Any]:
         """(kind, header) of the worker's next message, answering request `seq`; ("timeout", None),

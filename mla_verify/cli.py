@@ -586,13 +586,11 @@ def cmd_gate(args, device: str) -> int:
 
 
 def cmd_report(args, device: str) -> int:
-    from mla_verify import reports
-    from mla_verify.api import load_run, save_worst_case
-
-    from mla_verify.api import replay_command
+    from mla_verify import record, reports
+    from mla_verify.api import load_run, replay_command, save_worst_case
     from mla_verify.rundir import recover_crashed
 
-    _, meta = load_run(args.run_dir, "run")
+    rows, meta = load_run(args.run_dir, "run")
     if meta.get("incomplete"):
         print(f"note: {args.run_dir} stopped early ({meta['stopped']}): its cases not reached have no verdict"
               if meta.get("stopped") else f"note: {args.run_dir} did not finish (killed?): its rows come from its journal")
@@ -600,8 +598,12 @@ def cmd_report(args, device: str) -> int:
             print(line)
     if args.baseline is not None:
         load_run(args.baseline, "baseline")
-    return reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
+    said, tampered = record.report_lines(args.run_dir, meta, len(rows))
+    for line in said:
+        print(line)
+    code = reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
                               save_case=save_worst_case, **_drift_settings(args))
+    return max(code, 1) if tampered else code
 
 
 def cmd_merge(args, device: str) -> int:

@@ -4,6 +4,8 @@ process where the attack applies there), a saved case, and never a pass, exit 3 
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
 from mla_verify.equivalence.isolation import Worker
 from tests.hostile import BOUNDARY
-from tests.test_hostile import CASES, run, saved_case
+from tests.test_hostile import CASES, REPO, run, saved_case
 
 QUANTIZE = Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 3)
 
@@ -108,3 +110,72 @@ def test_tensors_cross_bit_for_bit_in_every_dtype_and_as_meta():
         assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
         if a.device.type != "meta":
             assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------- nothing outlives its case
+
+
+def cli(*argv, env_extra: dict) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env_extra}
+    return subprocess.Popen([sys.executable, "-m", "mla_verify.cli", *map(str, argv)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="child subreapers are Linux's")
+def test_a_daemon_a_kernel_leaves_is_killed_when_its_case_ends(tmp_path):
+    pidfile = tmp_path / "daemon.pid"
+    proc = cli("fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.boundary:leaves_a_daemon",
+               "--examples", 2, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run",
+               env_extra={"MLA_VERIFY_TEST_PIDFILE": str(pidfile)})
+    text, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, text
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid), f"the daemon {pid} outlived the run"
+
+
+def test_report_says_tampered_naming_what_changed_after_the_run(capsys, tmp_path):
+    import pandas as pd
+
+    done = tmp_path / "run"
+    code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:system_exit",
+                     "--examples", 2, "--seed", 1, "--device", "cpu", "--profile", "ci", "--no-shrink", "--out", done)
+    assert code == 1 and (done / "failures").is_dir()
+    assert run(capsys, "report", done)[0] == 1 and "TAMPERED" not in run(capsys, "report", done)[1]
+    frame = pd.read_parquet(done / "rows.parquet")
+    frame.assign(passed=True).to_parquet(done / "rows.parquet")  # what the daemon of the issue did
+    for f in (done / "failures").glob("*.json"):
+        f.unlink()
+    code, text = run(capsys, "report", done)
+    assert code == 1 and "TAMPERED" in text and "rows.parquet changed" in text and "failures/" in text, text
+    meta = json.loads((done / "meta.json").read_text())
+    del meta["record"]  # a run written before records existed
+    (done / "meta.json").write_text(json.dumps(meta))
+    code, text = run(capsys, "report", done)
+    assert "no digest recorded" in text and "TAMPERED" not in text
+
+
+@pytest.mark.parametrize("out", ["/", "home"])
+def test_out_is_ours_alone(capsys, tmp_path, out):
+    where = Path("/") if out == "/" else tmp_path
+    if out == "home":
+        (tmp_path / "notes.txt").write_text("mine")
+    fuzz = ["fuzz", "--op", "convert_index", "--examples", 1, "--device", "cpu", "--profile", "ci", "--out", where]
+    code, text = run(capsys, *fuzz)
+    assert code == 2 and "which no run writes" in text and len(text.strip().splitlines()) == 1
+    assert not (where / "rows.csv").exists() and not (where / "meta.json").exists()
+    from mla_verify import check
+    from mla_verify.equivalence.subject import UsageError
+
+    with pytest.raises(UsageError, match="which no run writes"):
+        check("convert_index", examples=1, device="cpu", out=where)
