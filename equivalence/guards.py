@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -254,6 +255,7 @@ class Watch:
     def __init__(self, judge_each_call: bool = True) -> None:
         self.state, self.judge = ProcessState.now(), JudgeFunctions.now()
         self.judge_each_call = judge_each_call
+        self.threads_left: list[threading.Thread] = []  # of the last call (`running.call_implementation`)
 
     def restore(self) -> tuple[list[str], list[str]]:
         """(the process-wide state a call changed, the judge's names it patched), each put back."""
@@ -343,3 +345,47 @@ def owned(result: Any) -> Any:
     if isinstance(result, dict):
         return {k: owned(v) for k, v in result.items()}
     return result
+
+
+THREAD_GRACE_S = 0.2  # what a call's left threads get to finish before its outputs are compared with the copies
+AFTER_RETURN = ("the output changed after the call returned: a write after return, from a thread or an "
+                "unsynchronized stream")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class Returned:
+    """A call's outputs as it returned them and the copy of each taken at return (what is judged):
+    every real caller reads the returned storage, so a write to it after the return (a thread the
+    call left running, work on another stream) must show. `changed` compares the two, the devices
+    synchronized: after the judge, or before the next call (which may write a static buffer again)."""
+
+    tensors: dict[str, torch.Tensor]
+    copies: dict[str, Any]
+
+    @classmethod
+    def of(cls, tensors: dict[str, Any], copies: dict[str, Any] | None = None) -> "Returned":
+        """`tensors` as returned, with `copies` taken at return (None: `owned` copies them now)."""
+        plain = {n: t for n, t in tensors.items()
+                 if type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta"}
+        return cls(plain, owned(tensors) if copies is None else copies)
+
+    def changed(self, threads: list[threading.Thread] = ()) -> list[str]:
+        """The outputs whose bytes differ from their copy at return; the `threads` the call left
+        running are given up to THREAD_GRACE_S together to finish first."""
+        deadline = time.monotonic() + THREAD_GRACE_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for device in {t.device for t in self.tensors.values() if t.device.type == "cuda"}:
+            torch.cuda.synchronize(device)
+        return [name for name, t in self.tensors.items()
+                if isinstance(c := self.copies.get(name), torch.Tensor) and c.shape == t.shape and c.dtype == t.dtype
+                and not torch.equal(_bytes(t).to(c.device), _bytes(c))]
+
+
+def threads_left(before: list[threading.Thread]) -> list[threading.Thread]:
+    """The threads running now that did not before (a call left them)."""
+    return [t for t in threading.enumerate() if t not in before and t.is_alive()]

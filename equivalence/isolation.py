@@ -45,7 +45,7 @@ from .device import first_line, is_device_error, take_gpu_share, usable
 from .produced import Produced
 from .policy import DEVIATIONS
 from .rows import Row
-from .running import failure_row, unsupported_row
+from .running import after_return_rows, failure_row, noted, unsupported_row
 
 STARTUP_TIMEOUT_S = 300.0   # imports, CUDA context, warm-up: never counted against a case
 # Spares kept warming once a worker has been replaced. A CUDA worker takes seconds to start (CUDA
@@ -161,18 +161,26 @@ def _answer_cases(channel: _Channel, device: str) -> None:
     """Produce each case the parent sends, until it sends None or a context cannot be trusted."""
     from .catalog import produce, resolve_subject  # it imports the kernels: not before `_serve` set up Triton
 
-    subjects = {}
+    subjects, last = {}, None
     while True:
         request = channel.receive()
+        # The last case's outputs as returned against the copies sent: before this request's call,
+        # which may write a static buffer again (after the block's judge, for its last case).
+        after = last and {"case_id": last[0], "changed": last[1].changed(last[2])}
+        last = None
         if request is None:
             return
-        seq, case = request["seq"], Case.from_dict(request["case"])
+        seq = request["seq"]
+        if request.get("after"):
+            channel.send({"kind": "after", "seq": seq, "after": after})
+            continue
+        case = Case.from_dict(request["case"])
         specs, deviations, conventions = request["specs"], request["deviations"], request["conventions"]
         called = []
 
         def on_call() -> None:
             called.append(True)
-            channel.send({"kind": "calling", "seq": seq})
+            channel.send({"kind": "calling", "seq": seq, "after": after})
 
         try:
             key = (case.op, tuple(specs), tuple(deviations), tuple(conventions))
@@ -196,9 +204,12 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             any(r["gate_metric"] == "raised" and is_device_error(r["reason"]) for r in produced.rows)
             or not usable(device))
         called_with = {stage: sorted(keywords) for stage, keywords in CALLED_WITH.items()}  # for the parent's notes
-        channel.send_frames(wire.produced_frames(seq, case.case_id, produced, retire, called_with, _children_left()))
+        channel.send_frames(wire.produced_frames(seq, case.case_id, produced, retire, called_with, _children_left(),
+                                                 after))
         if retire:
             return  # never trust a context that saw a CUDA error with another case
+        if produced.returned is not None:
+            last = (case.case_id, produced.returned, produced.threads)
 
 
 def _tampering(changed: list[str]) -> str:
@@ -261,6 +272,7 @@ class Worker:
         self._active: _Process | None = None
         self._spares: list[_Process] = []
         self.restarts, self._seq = 0, 0
+        self._after: dict[str, list[str]] = {}  # case id -> its outputs written after the call returned
         reaper.become_subreaper()  # what a worker leaves when it dies comes here to be ended (`reap`)
         _LIVE.add(self)
 
@@ -343,7 +355,27 @@ class Worker:
             return "unreadable", str(exc)
         if header.get("seq") != seq:
             return "unreadable", f"it answers request {str(header.get('seq'))[:20]}, not {seq}"
+        try:
+            if (after := wire.after_of(header)) is not None:
+                self._after[after[0]] = after[1]
+        except wire.Unreadable as exc:
+            return "unreadable", str(exc)
         return str(header.get("kind")), header
+
+    def _ask_after(self) -> None:
+        """The active worker's check of its last case for a write after return (`guards.Returned`),
+        asked once the block was judged; nothing when the worker is gone."""
+        p = self._active
+        if p is None or not p.ready or not p.proc.is_alive():
+            return
+        self._seq += 1
+        try:
+            p.conn.send_bytes(json.dumps({"seq": self._seq, "after": True}).encode())
+        except (BrokenPipeError, OSError):
+            return
+        kind, _ = self._receive(p, self._seq, HARNESS_TIMEOUT_S)
+        if kind != "after":
+            self._kill_active()
 
     def run(
         self, case: Case, specs: Sequence[str], label: str, run_id: str = "", source: str = "fuzz",
@@ -380,6 +412,11 @@ class Worker:
             produced = [f if isinstance(f, Produced) else Produced([r.to_record() for r in f], failed=True) for f in found]
             judged = judge_produced_block(cases, produced, label, self.device, run_id=run_id, source=source,
                                           prepared=prepared.result())
+        self._ask_after()
+        for case, rows, p in zip(cases, judged, produced):
+            if changed := self._after.pop(case.case_id, []):
+                rows += after_return_rows(self._base(case, label, run_id, source), changed, time_impl_s=p.t_impl)
+            noted(rows, p.threads)
         return [rows or [self._nothing_judged(case, label, run_id, source)] for case, rows in zip(cases, judged)]
 
     def _base(self, case: Case, label: str, run_id: str, source: str) -> dict:
@@ -462,7 +499,7 @@ class Worker:
         return Produced([r.to_record() for r in rows], failed=failed, tensors=answer.tensors, devices=answer.devices,
                         strides=answer.strides, problems=answer.problems, stages=answer.stages,
                         deviations=answer.deviations, path=answer.path, notes=answer.notes, t_impl=answer.t_impl,
-                        compared=compared)
+                        compared=compared, threads=answer.threads)
 
     def _kill_active(self) -> None:
         if self._active is not None:

@@ -206,7 +206,7 @@ COMPARED_KINDS = ("exact", "out", "lse")
 
 
 def produced_frames(seq: int, case_id: str, produced: Any, retire: bool, called: dict[str, list[str]],
-                    children: bool) -> list:
+                    children: bool, after: dict | None) -> list:
     """The worker's answer to request `seq`: `produced` (`equivalence.produced.Produced`) as a
     header of data and its tensors; its rows go as findings, never as verdicts."""
     tensors: list[torch.Tensor] = []
@@ -218,12 +218,12 @@ def produced_frames(seq: int, case_id: str, produced: Any, retire: bool, called:
         return len(tensors) - 1
 
     header = dict(
-        kind="produced", seq=seq, case_id=case_id, retire=retire, called=called, children=children,
+        kind="produced", seq=seq, case_id=case_id, retire=retire, called=called, children=children, after=after,
         findings=[dict(tensor=r["tensor"], metric=r["gate_metric"], reason=r["reason"]) for r in produced.rows],
         outputs={name: index(t) for name, t in produced.tensors.items()},
         devices=produced.devices, strides={k: list(v) for k, v in produced.strides.items()},
         problems=produced.problems, stages=produced.stages, deviations=list(produced.deviations), path=produced.path,
-        notes=list(produced.notes), t_impl=produced.t_impl,
+        notes=list(produced.notes), t_impl=produced.t_impl, threads=[t.name for t in produced.threads],
         compared=[dict(check=c.check, tensor=c.tensor, kind=c.kind, got=index(c.got), base=index(c.base),
                        scale=index(c.scale)) for c in produced.compared])
     return encode(header, tensors)
@@ -246,6 +246,7 @@ class Answer:
     compared: list[tuple[str, str, str, torch.Tensor, torch.Tensor, torch.Tensor | None]]
     retire: bool
     called: dict[str, list[str]]
+    threads: list[str]
 
 
 def answer_of(header: dict[str, Any], known_deviations: Any) -> Answer:
@@ -282,7 +283,19 @@ def answer_of(header: dict[str, Any], known_deviations: Any) -> Answer:
                   _strings(header.get("problems")), text(header, "stages"), tuple(deviations),
                   text(header, "path", None), tuple(texts(header.get("notes"), "notes")),
                   number(header.get("t_impl", math.nan), "t_impl"), compared, header.get("retire") is True,
-                  {_name(k): texts(v, "keywords") for k, v in _mapping(header.get("called")).items()})
+                  {_name(k): texts(v, "keywords") for k, v in _mapping(header.get("called")).items()},
+                  texts(header.get("threads"), "threads"))
+
+
+def after_of(header: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """(case id, the outputs it wrote after returning) of the worker's check of its last case, or
+    None; Unreadable when malformed."""
+    after = header.get("after")
+    if after is None:
+        return None
+    if not isinstance(after, dict):
+        raise Unreadable("its 'after' is not an object")
+    return text(after, "case_id"), [_name(n) for n in texts(after.get("changed"), "changed")]
 
 
 def _name(k: str) -> str:

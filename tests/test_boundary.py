@@ -67,6 +67,20 @@ def test_a_pass_rests_on_a_message_the_parent_parsed_as_data():
     assert all(r.gate_metric not in ("crashed", "unsupported") for r in rows)
 
 
+@pytest.mark.parametrize("isolated", [False, True])
+def test_a_call_that_leaves_a_thread_running_is_noted_on_its_rows(isolated):
+    impl = "tests.hostile.boundary:leaves_a_thread"
+    if isolated:
+        w = Worker("cpu", timeout_s=20.0)
+        try:
+            rows = w.run(QUANTIZE, [impl], impl)
+        finally:
+            w.close()
+    else:
+        rows = evaluate(QUANTIZE, resolve_subject(QUANTIZE.op, [impl], "cpu"), "cpu")
+    assert rows and all(r.passed and "the call left 1 thread(s) running" in r.reason for r in rows)
+
+
 def _reader_of(data: bytes) -> wire.Reader:
     r, w = os.pipe()
     os.write(w, data)

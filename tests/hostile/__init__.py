@@ -118,6 +118,8 @@ BOUNDARY = [
             "the worker sent an unreadable message: a tensor's shape [1125899906842624]", isolate=True),
     Hostile(B + "swaps_the_channels_send", "quantize_fp8_ds_mla", "contract",
             "tampered with the worker's channel to its judge: the worker's channel.send_frames", isolate=True),
+    Hostile(B + "writes_after_return", "quantize_fp8_ds_mla", "contract",
+            "rows: the output changed after the call returned: a write after return"),
     Hostile(B + "dies_leaving_a_child_on_the_pipe", "quantize_fp8_ds_mla", "crashed", "the worker process died (exit code 0)",
             isolate=True),
 ]
