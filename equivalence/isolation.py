@@ -246,8 +246,16 @@ def _servers() -> set[int]:
     return {p for p in pids if p}
 
 
+def _said(header: dict, key: str) -> str:
+    """header[key], the worker's own words, where it is a bounded string."""
+    try:
+        return wire.text(header, key) or "(nothing said)"
+    except wire.Unreadable:
+        return f"{UNREADABLE}: its {key!r} is not a string"
+
+
 def _last_line(header: dict) -> str:
-    detail = (wire.text(header, "detail") or "").strip().splitlines()
+    detail = _said(header, "detail").strip().splitlines()
     return detail[-1][:300] if detail else "(no detail)"
 
 
@@ -273,7 +281,6 @@ class Worker:
         self._spares: list[_Process] = []
         self.restarts, self._seq = 0, 0
         self._after: dict[str, list[str]] = {}  # case id -> its outputs written after the call returned
-        reaper.become_subreaper()  # what a worker leaves when it dies comes here to be ended (`reap`)
         _LIVE.add(self)
 
     def _spawn(self) -> _Process:
@@ -333,8 +340,8 @@ class Worker:
         self._top_up()
 
     def reap(self) -> int:
-        """Kill what a worker of this process left running once it is gone (it came here, this
-        process being their subreaper); how many there were."""
+        """Kill what a worker of this process left running once it is gone (`reaper.kill_strays`);
+        how many there were."""
         return reap_all()
 
     def _pids(self) -> set[int]:
@@ -459,7 +466,7 @@ class Worker:
             except wire.Unreadable as exc:
                 kind, header = "unreadable", str(exc)
         if kind == "error" and not called:  # the harness's side, before any of the implementation's code ran
-            raise HarnessError(f"harness error in the worker on {case.short()}", wire.text(header, "detail"))
+            raise HarnessError(f"harness error in the worker on {case.short()}", _said(header, "detail"))
         if kind == "died":
             p.proc.join(5)
             self._retire()
@@ -467,7 +474,7 @@ class Worker:
             return [failure_row(base, "*", "crashed", f"the worker process died{when} ({_exit_reason(p.proc.exitcode)})")]
         self._kill_active()
         if kind == "crashed" and called:
-            reason = wire.text(header, "reason")
+            reason = _said(header, "reason")
         elif kind == "error":
             reason = f"the worker reported an error after the implementation was called: {_last_line(header)}"
         else:

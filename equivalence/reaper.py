@@ -3,11 +3,14 @@
 
 Linux keeps an orphan with its nearest "child subreaper" ancestor (prctl PR_SET_CHILD_SUBREAPER)
 instead of handing it to init. A worker is one before any user code runs, so while it lives every
-process its code started stays below it; its parent is one too, so when a worker dies what it left
-comes to the parent. Every worker process, and so every process forked from it, carries MARK in
-the environment it started with (/proc/PID/environ, fixed at exec: code that execs with another
-environment escapes, as anything does that leaves the process tree; the limit is an OS boundary,
-README "Never lose a finding"). Elsewhere than Linux nothing of this applies and nothing is done.
+process its code started stays below it, and its parent kills them when the case ends. Every worker
+process, and so every process forked from it, also carries MARK (the parent's pid) in the
+environment it started with (/proc/PID/environ, fixed at exec), which is how the parent finds what
+a dead worker left wherever it went. The parent is no subreaper itself: it would inherit, and
+never wait for, the orphans of every other process below it (a pytest session's, a CI runner's).
+Code that execs itself with another environment escapes, as anything that leaves the process tree
+does; the limit is an OS boundary (docs/concepts/isolation.md). Elsewhere than Linux nothing of
+this applies and nothing is done.
 """
 
 from __future__ import annotations
@@ -88,9 +91,10 @@ def descendants(pid: int, parents: dict[int, int] | None = None) -> list[int]:
 
 
 def _marked(pid: int) -> bool:
+    """Whether process `pid` started with this process's MARK (another user's cannot be read)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            return any(entry.startswith(MARK.encode() + b"=") for entry in f.read().split(b"\0"))
+            return f"{MARK}={os.getpid()}".encode() in f.read().split(b"\0")
     except OSError:
         return False
 
@@ -105,22 +109,16 @@ def kill_below(pid: int) -> int:
 
 
 def kill_strays(keep: set[int]) -> int:
-    """SIGKILL every process below this one that came from a worker (MARK) and is not in `keep`
-    (the workers and the server they fork from), and reap those that were its own children; how
-    many there were."""
+    """SIGKILL every process that came from a worker of this one (MARK, with this process's pid)
+    and is neither in `keep` (the live workers and the server they fork from) nor below one of
+    them (a live worker's processes are its case's to end); how many there were."""
     if not _LINUX:
         return 0
-    me = os.getpid()
     parents = _parents()
-    stray = [p for p in descendants(me, parents) if p not in keep and not _kept_above(p, keep, parents)
-             and _marked(p)]
+    stray = [p for p in parents if p not in keep and not _kept_above(p, keep, parents) and _marked(p)]
     for p in stray:
         with contextlib.suppress(OSError):
             os.kill(p, signal.SIGKILL)
-    for p in stray:
-        if parents.get(p) == me:  # a zombie child of ours is waited for; nobody else knows of it
-            with contextlib.suppress(OSError):
-                os.waitpid(p, 0)
     return len(stray)
 
 
