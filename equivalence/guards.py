@@ -49,7 +49,7 @@ def _flush_denormal() -> bool:
     return bool((torch.tensor(1e-40, dtype=torch.float32) * 1.0).item() == 0.0)
 
 
-def _fd_identity(fd: int) -> tuple[int, int] | None:
+def fd_identity(fd: int) -> tuple[int, int] | None:
     try:
         st = os.fstat(fd)
     except OSError:
@@ -100,7 +100,7 @@ class ProcessState:
             cwd = None
         fds = {}
         for fd in (0, 1, 2):
-            ident = _fd_identity(fd)
+            ident = fd_identity(fd)
             fds[fd] = (ident, os.dup(fd) if ident is not None else None)
         return cls({name: get() for name, (get, _) in _TORCH.items()}, cwd,
                    tuple(getattr(sys, s) for s in _STREAMS), fds)
@@ -127,7 +127,7 @@ class ProcessState:
                 changed.append(f"sys.{name} replaced")
                 setattr(sys, name, before)
         for fd, (ident, dup) in self.fds.items():
-            if dup is not None and _fd_identity(fd) != ident:
+            if dup is not None and fd_identity(fd) != ident:
                 changed.append(f"file descriptor {fd} replaced or closed")
                 os.dup2(dup, fd)
         return changed
@@ -197,6 +197,12 @@ class _Namespace:
         now = vars(self.ns)
         return (len(now) == len(self.before) and next(reversed(now), None) is self.last
                 and all(map(operator.is_, now.values(), self.values)))
+
+
+def namespaces(spaces: list[tuple[str, Any, bool]]) -> list[_Namespace]:
+    """(name, namespace, watched as a class: attributes added are put back too) of each of
+    `spaces`, saved now for `put_back`."""
+    return [_Namespace.of(name, ns, is_class) for name, ns, is_class in spaces]
 
 
 def put_back(saved: list[_Namespace]) -> list[str]:

@@ -9,6 +9,15 @@ back its outputs on the host. The parent judges them (`catalog.judge_produced`):
 inputs again, computes the reference and every verdict where the implementation cannot reach
 them, neither the reference's tensors nor the judge's functions.
 
+The worker is untrusted: it runs the user's code. What it sends is data (`equivalence.wire`: a
+JSON header and raw tensor bytes, parsed with size bounds, never unpickled), outputs and clock
+readings and findings that can only fail its case, never a row or a verdict; a message that does
+not parse or comes out of turn is the case's `crashed` finding. The parent waits on the worker's
+process beside its pipe (a dead worker is a crash at once, whoever holds the pipe), the worker
+watches its own channel after every call (`_Channel`), and what a call forked is killed when its
+case ends (`equivalence.reaper`). The returned storage is compared with the copy sent, before the
+next call and after the block's judge (`guards.Returned`: a write after return).
+
 Clocks. A worker says "ready" once it has imported everything, created its CUDA context and
 warmed up; it says "calling" once a case's inputs are built, just before the
 implementation runs. Only the implementation's part counts against `timeout_s`: a fresh worker's
@@ -116,13 +125,13 @@ class _Channel:
 
     def __init__(self, conn) -> None:
         self.conn, self.fd = conn, conn.fileno()
-        self.ident, self.dup = guards._fd_identity(self.fd), os.dup(self.fd)
+        self.ident, self.dup = guards.fd_identity(self.fd), os.dup(self.fd)
         self.subreaper, self.names = reaper.is_subreaper(), []
         spaces = [("the worker's connection", conn, True), ("the worker's channel", self, True),
                   *((f"{c.__module__}.{c.__qualname__}", c, True) for c in type(conn).__mro__ if c is not object),
                   ("multiprocessing.connection", mpc, False), ("os", os, False), ("json", json, False),
                   ("json.encoder", json.encoder, False), ("mla_verify.equivalence.wire", wire, False)]
-        self.names.extend(guards._Namespace.of(*space) for space in spaces)
+        self.names.extend(guards.namespaces(spaces))
 
     def send(self, header: dict, tensors: list | None = None) -> None:
         wire.write(self.fd, wire.encode(header, tensors or []))
@@ -136,7 +145,7 @@ class _Channel:
     def tampered(self) -> list[str]:
         """What a call changed of the channel, each put back."""
         changed = guards.put_back(self.names)
-        if guards._fd_identity(self.fd) != self.ident:
+        if guards.fd_identity(self.fd) != self.ident:
             changed.append(f"file descriptor {self.fd} (the pipe to the judge)")
             os.dup2(self.dup, self.fd)
         if self.subreaper and not reaper.is_subreaper():

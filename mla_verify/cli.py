@@ -374,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
                  _epilog([("0", "the run finished with no failure and, with --baseline, no drift beyond --factor"),
                           ("1", "the run has failures, did not finish or stopped early, or drift: a normalized "
                                 "error, its bias or its headroom grew beyond --factor case for case (or by the "
-                                "rank test, unpaired)"),
+                                "rank test, unpaired); or TAMPERED: its rows or failure files are not what the run "
+                                "recorded in meta.json"),
                           ("2", "a missing, empty, truncated or malformed run directory (a verdict column that is "
                                 "not true/false, a file that is not a regular file), --html/--markdown naming a "
                                 "file of a run, a baseline with nothing comparable (no op, or no implementation "
