@@ -281,7 +281,9 @@ class OpSpec:
                     # buffer overwrites it with the next call).
                     shared = {} if self.views else {n: why for n, out in got.tensors.items()
                                                     if (why := inputs.aliased_by(n, out))}
-                    returned = guards.Returned.of(got.tensors)
+                    # one that is an input's memory changes when the inputs are put back: told as shared
+                    returned = guards.Returned.of({n: t for n, t in got.tensors.items() if n not in shared},
+                                                  guards.owned(got.tensors))
                     outcomes.append(_Called(returned.copies, got.deviations, dict(time_impl_s=t_impl), [], shared,
                                             threads=watch.threads_left))
                     last = (len(outcomes) - 1, returned)
