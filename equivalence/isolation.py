@@ -443,7 +443,8 @@ class Worker:
 
     def _nothing_judged(self, case: Case, label: str, run_id: str, source: str) -> Row:
         """A case the parent judged no tensor of: never a pass (what the worker sent names none)."""
-        return failure_row(self._base(case, label, run_id, source), "*", "crashed", f"{UNREADABLE}: it holds nothing to judge (no output, no finding)")
+        return failure_row(self._base(case, label, run_id, source), "*", "crashed",
+                           f"{UNREADABLE}: it holds nothing to judge (no output, no finding)")
 
     def _produce(self, case: Case, specs: Sequence[str], label: str, run_id: str, source: str,
                  notes: set[str] | None, deviations: Sequence[str], conventions: Sequence[str]) -> Produced | list[Row]:
@@ -487,7 +488,8 @@ class Worker:
         elif kind == "error":
             reason = f"the worker reported an error after the implementation was called: {_last_line(header)}"
         else:
-            reason = f"{UNREADABLE}: {header if kind == 'unreadable' else f'a message of kind {kind[:40]!r} out of turn'}"
+            why = header if kind == "unreadable" else f"a message of kind {kind[:40]!r} out of turn"
+            reason = f"{UNREADABLE}: {why}"
         return [failure_row(base, "*", "crashed", reason)]
 
     def _answered(self, p: _Process, case: Case, header: dict, base: dict, notes: set[str] | None) -> Produced:
@@ -505,8 +507,9 @@ class Worker:
         if answer.retire:
             self._retire()
         base = {**base, "path": answer.path or base["path"], "stages": answer.stages}
+        timed = {"time_impl_s": answer.t_impl}  # an input's row, as `running.input_rows` makes it
         rows = [unsupported_row(base, reason) if metric == "unsupported" else
-                failure_row(base, tensor, metric, reason, **({"time_impl_s": answer.t_impl} if metric == "input_written" else {}))
+                failure_row(base, tensor, metric, reason, **(timed if metric == "input_written" else {}))
                 for tensor, metric, reason in answer.findings]
         failed = any(tensor == "*" or metric == "unsupported" for tensor, metric, _ in answer.findings)
         from .properties.base import Compared  # it imports the kernels: not before `_serve` set up Triton

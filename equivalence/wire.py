@@ -120,8 +120,9 @@ class Reader:
         first = os.read(self.fd, _FRAME.size)
         if not first:
             raise EOFError
-        frame = bytes(first) + bytes(self._exact(_FRAME.size - len(first), deadline)) if len(first) < _FRAME.size else first
-        magic, length = _FRAME.unpack(frame)
+        if len(first) < _FRAME.size:
+            first += bytes(self._exact(_FRAME.size - len(first), deadline))
+        magic, length = _FRAME.unpack(first)
         if magic != MAGIC:
             raise Unreadable(f"it does not start as a message does ({magic!r})")
         if length > HEADER_LIMIT:

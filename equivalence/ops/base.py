@@ -253,8 +253,8 @@ class OpSpec:
         the last call's (position, `guards.Returned`) still to check for a write after return). The
         judge's names are checked once, after the part's last call (nothing of ours judges before
         it); a patch there fails every case called, as they share the implementation and params.
-        What is judged is a copy taken at return; the storage returned is compared with it before
-        the next call."""
+        A copy of the outputs is taken at return (what a block judges); the storage returned is
+        compared with it before the next call."""
         bases, outcomes, lost, last = [], [], False, None
         with guards.Watch(judge_each_call=len(part) == 1) as watch:
             try:
@@ -284,8 +284,8 @@ class OpSpec:
                     # one that is an input's memory changes when the inputs are put back: told as shared
                     returned = guards.Returned.of({n: t for n, t in got.tensors.items() if n not in shared},
                                                   guards.owned(got.tensors))
-                    outcomes.append(_Called(returned.copies, got.deviations, dict(time_impl_s=t_impl), [], shared,
-                                            threads=watch.threads_left))
+                    outcomes.append(_Called(returned.copies if len(part) > 1 else got.tensors, got.deviations,
+                                            dict(time_impl_s=t_impl), [], shared, threads=watch.threads_left))
                     last = (len(outcomes) - 1, returned)
             finally:  # put back whatever ended the calls
                 patched = [] if watch.judge_each_call else watch.judge.restore()
