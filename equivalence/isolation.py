@@ -378,20 +378,26 @@ class Worker:
             return "unreadable", str(exc)
         return str(header.get("kind")), header
 
-    def _ask_after(self) -> None:
+    def _ask_after(self) -> tuple[str, str] | None:
         """The active worker's check of its last case for a write after return (`guards.Returned`),
-        asked once the block was judged; nothing when the worker is gone."""
+        asked once the block was judged; None when it answered or is gone, else the (metric, reason)
+        of the last case's failure (a worker still busy after its answer was sent is one whose
+        answer was not its harness's)."""
         p = self._active
         if p is None or not p.ready or not p.proc.is_alive():
-            return
+            return None
         self._seq += 1
         try:
             p.conn.send_bytes(json.dumps({"seq": self._seq, "after": True}).encode())
         except (BrokenPipeError, OSError):
-            return
-        kind, _ = self._receive(p, self._seq, HARNESS_TIMEOUT_S)
-        if kind != "after":
-            self._kill_active()
+            return None
+        kind, header = self._receive(p, self._seq, self.timeout_s)
+        if kind == "after":
+            return None
+        self._kill_active()
+        if kind == "timeout":
+            return "hung", f"hung: the worker was still busy {self.timeout_s:g} s after it answered"
+        return ("crashed", f"{UNREADABLE}: {header}") if kind == "unreadable" else None
 
     def run(
         self, case: Case, specs: Sequence[str], label: str, run_id: str = "", source: str = "fuzz",
@@ -428,7 +434,9 @@ class Worker:
             produced = [f if isinstance(f, Produced) else Produced([r.to_record() for r in f], failed=True) for f in found]
             judged = judge_produced_block(cases, produced, label, self.device, run_id=run_id, source=source,
                                           prepared=prepared.result())
-        self._ask_after()
+        if (failed := self._ask_after()) is not None:
+            last = max(i for i, f in enumerate(found) if isinstance(f, Produced))
+            judged[last].append(failure_row(self._base(cases[last], label, run_id, source), "*", *failed))
         for case, rows, p in zip(cases, judged, produced):
             if changed := self._after.pop(case.case_id, []):
                 rows += after_return_rows(self._base(case, label, run_id, source), changed, time_impl_s=p.t_impl)

@@ -25,7 +25,7 @@ QUANTIZE = Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 3)
 
 @pytest.mark.parametrize("h", BOUNDARY, ids=[h.impl.split(":")[1] for h in BOUNDARY])
 def test_each_boundary_kernel_fails_its_case_isolated(h):
-    w = Worker("cpu", timeout_s=20.0)  # a worker of its own: a forged answer leaves the real one queued
+    w = Worker("cpu", timeout_s=5.0)  # a worker of its own: a forged answer leaves the real one queued
     try:
         w.run(QUANTIZE, ["torch-fp32"], "torch-fp32")  # started and warm: the clock is the case's
         start = time.monotonic()
