@@ -56,15 +56,30 @@ def test_a_forged_error_is_a_saved_crashed_finding_that_replays_never_exit_3(cap
     assert code == 1 and "after the implementation was called" in text
 
 
-def test_a_pass_rests_on_a_message_the_parent_parsed_as_data():
-    """The isolated pass of a correct kernel: the parent judged the output it decoded itself."""
+def test_a_pass_rests_on_a_message_the_parent_parsed_as_data(monkeypatch):
+    """The isolated pass of a correct kernel: nothing is unpickled in the parent, every message
+    went through the parser, and the row is the parent's verdict on the output it decoded."""
+    import multiprocessing.connection
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the parent unpickled something")
+
+    parsed = []
+    read = wire.Reader.read
+    monkeypatch.setattr(wire.Reader, "read", lambda self, deadline: parsed.append(1) or read(self, deadline))
+    for owner, name in ((pickle, "loads"), (pickle, "load"), (ForkingPickler, "loads"),
+                        (multiprocessing.connection.Connection, "recv")):
+        monkeypatch.setattr(owner, name, refused)
     w = Worker("cpu", timeout_s=20.0)
     try:
         rows = w.run(QUANTIZE, ["torch-fp32"], "torch-fp32")
     finally:
         w.close()
     assert rows and all(r.passed for r in rows) and {r.tensor for r in rows} == {"rows"}
-    assert all(r.gate_metric not in ("crashed", "unsupported") for r in rows)
+    assert rows[0].gate_metric == "mismatch_frac" and rows[0].metrics.numel > 0  # judged here, values compared
+    assert len(parsed) >= 3  # ready, calling, produced (and the after-return check)
 
 
 @pytest.mark.parametrize("isolated", [False, True])
