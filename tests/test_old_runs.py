@@ -81,6 +81,9 @@ def test_rows_carry_their_rank_check_and_written_input_as_fields(old):
 
     written = [r for r in rows_of("sparse_prefill", ["tests.hostile.cpu:zeroes_kv"]) if r.gate_metric == "input_written"]
     assert [(r.tensor, r.written) for r in written] == [("input:kv", "kv")]
+    isolated = api.check("sparse_prefill", "tests.hostile.cpu:zeroes_kv", examples=1, seed=1, profile="ci",
+                         device="cpu", shrink=False).rows  # the worker's finding, made a row by the parent
+    assert isolated.loc[isolated.gate_metric == "input_written", "written"].tolist() == ["kv"]
     merged = rows_of("property:split_invariance", ["torch-fp32"])
     assert {(r.tensor, r.check) for r in merged} == {("merged.out", "merged"), ("merged.lse", "merged")}
     ranks = {(r.tensor, r.rank) for r in rows_of("dcp", [])}
