@@ -584,7 +584,7 @@ def cmd_gate(args, device: str) -> int:
                        out=args.out, isolate=args.isolate, timeout=args.timeout, parallel=args.parallel,
                        shard=args.shard, baseline=args.baseline, junit=args.junit, impl=args.impl,
                        corpus=args.corpus, log=lambda line: print(line, flush=True))
-    lines = outcome.lines(device)
+    lines = outcome.lines()
     if lines:
         print("\n".join(lines))
     if outcome.interrupted:

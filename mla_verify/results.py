@@ -171,7 +171,7 @@ class GateOutcome:
     parts: int = 1
     isolated: bool = True           # judged out of the kernels' reach (reports.meta.IN_PROCESS otherwise)
 
-    def lines(self, device: str) -> list[str]:
+    def lines(self) -> list[str]:
         """Notes, disagreeing implementations, saved failing cases (a run in parts: its parts said them)."""
         return ([f"note: {n}" for n in self.notes] + [f"odd one out: {line}" for line in self.odd_ones_out]
                 + [text for f, rows in self.case_files

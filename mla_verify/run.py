@@ -330,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     if run.command == FUZZ:
         print(outcome.report())
         write_atomic(outcome.out / RESULT_JSON, result_file(outcome))
-    elif outcome.lines(run.device_type):
-        print("\n".join(outcome.lines(run.device_type)))
+    elif outcome.lines():
+        print("\n".join(outcome.lines()))
     return outcome.exit_code
 
 

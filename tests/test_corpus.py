@@ -108,13 +108,13 @@ def test_gate_impl_with_a_corpus_fails_keeps_replays_first_and_passes_once_fixed
     assert first.failed and len(list((tmp_path / "C").iterdir())) == 1
     assert {r.impl for r in first.rows} == {buggy}  # only the named implementation ran
     second = mla_verify.gate(impl=[f"concat_mla_q={buggy}"], seed=2, out=tmp_path / "g2", **settings)
-    lines = second.lines("cpu")
+    lines = second.lines()
     assert second.failed and "note: from the corpus: 1 still fails, 0 now pass" in lines
     assert lines[lines.index("  from the corpus: still fails") - 1].startswith(f"failing case saved: {tmp_path / 'C'}")
     assert any(line.startswith("  replay: mla-verify replay ") and buggy in line for line in lines)
     fixed = mla_verify.gate(impl=[f"concat_mla_q={kernel(tmp_path, monkeypatch, 1)}"], seed=3, out=tmp_path / "g3",
                             **settings)
-    assert not fixed.failed and "note: from the corpus: 0 still fail, 1 now passes" in fixed.lines("cpu")
+    assert not fixed.failed and "note: from the corpus: 0 still fail, 1 now passes" in fixed.lines()
 
 
 USER_TESTS = '''
