@@ -3,8 +3,9 @@
 The file holds the Case itself (op, params, seed), the implementation spec that failed and the
 deviations declared for it, the device, and the failure as it was seen, so a reader knows what to
 expect before replaying. One file is one finding: a minimized case carries the case it was shrunk
-from (`unshrunk`), which `replay` does not run. A case file is data: loading it validates every parameter against the op's schema
-(`equivalence.catalog.validate_case`) and imports nothing; the implementation it names is a hint for the reader.
+from (`unshrunk`), which `replay` does not run. A case file is data: loading it validates every
+parameter against the op's schema (`equivalence.catalog.validate_case`) and imports nothing; the
+implementation it names is a hint for the reader.
 Files are written whole or not at all (temporary file + rename), and a new file never replaces
 another (its name carries op, implementation and case, plus a counter where needed).
 """

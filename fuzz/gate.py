@@ -219,7 +219,8 @@ def run_units(
     result = GateResult()
     kind = device.split(":")[0]
     subjects = [(unit, unit.resolved(device)) for unit in chosen]
-    cases = sum(len(u.kept) + (len(corpus(u.op)) if u.corpus else 0) + _examples(u.op, examples, profile) * len(u.campaigns(s))
+    cases = sum(len(u.kept) + (len(corpus(u.op)) if u.corpus else 0)
+                + _examples(u.op, examples, profile) * len(u.campaigns(s))
                 for u, s in subjects)
     gate_progress = Progress("gate", cases, every_s=10.0 if progress else math.inf, stream=log)  # one line for all
     worker = Worker(device, timeout_s) if isolate else None

@@ -86,7 +86,8 @@ def pytest_unconfigure(config) -> None:
 
 
 def pytest_report_header(config) -> str | None:
-    chosen = {name: value for name, value in DEFAULTS.items() if name in _OPTIONS and config.getoption(f"mla_verify_{name}")}
+    chosen = {name: value for name, value in DEFAULTS.items()
+              if name in _OPTIONS and config.getoption(f"mla_verify_{name}")}  # not the session's default folder
     if not chosen:
         return None
     return "mla-verify defaults: " + ", ".join(f"{name} {value}" for name, value in chosen.items())

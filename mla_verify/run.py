@@ -246,7 +246,8 @@ def _fuzz(run: Run) -> CheckResult:
                                    replay_command(fz.case_file, run.specs, run.device, run.deviations, run.timeout,
                                                   run.isolate, run.conventions),
                                    found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk))
-    extra = keep(kept, result.fuzz, rows) + sorted(result.notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
+    extra = keep(kept, result.fuzz, rows) + sorted(result.notes)
+    extra += [fz.stopped] * (fz.stopped not in ("", "interrupted"))
     extra += unexercised(run.specs, contract.CALLED_WITH)  # what the replaced stages were never handed
     if run.world_size:
         extra += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]

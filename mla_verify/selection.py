@@ -69,7 +69,8 @@ def impl_units(impls: Sequence[str], device: str, ops: Sequence[str] | None = No
                 continue
             found.append(Unit(spec.name, ",".join(stage_specs), stage_specs))
     if not found:
-        raise UsageError(f"gate --impl {' '.join(impls)}: nothing to run{' among --op ' + ' '.join(ops) if ops else ''}")
+        among = f" among --op {' '.join(ops)}" if ops else ""
+        raise UsageError(f"gate --impl {' '.join(impls)}: nothing to run{among}")
     for unit in found:
         unit.resolved(kind)  # UsageError now for an unimportable callable or a wrong signature
     return found
