@@ -138,8 +138,8 @@ class FuzzResult:
     rows: list[Row] = field(default_factory=list)
     failure: Discrepancy | None = None    # the minimized failing case (as found, if not shrunk)
     first_failure_at: int | None = None   # 1-based example number of the first failing case
-    case_file: Path | None = None         # the saved failure (the minimized case where there is one)
-    found_file: Path | None = None        # the first failing case as found, saved at once
+    case_file: Path | None = None         # the finding's one case file (the minimized case where there is one)
+    found_file: Path | None = None        # the first failing case as found, saved at once (until minimized)
     flaky: tuple[int, int] | None = None  # (failed k, of n re-runs) when a re-run passed
     stopped: str = ""                     # why the campaign ended before its budget ("interrupted", ...)
     shrunk: bool = False                  # the failure is Hypothesis's minimized case
@@ -210,14 +210,17 @@ class _Search:
         self.last: tuple[Case, list[Row]] | None = None
         self.error: Exception | None = None
         self.offset = 0   # the failing case's place in its block
+        self.found: Case | None = None  # the first failing case, as found
 
-    def save(self, case: Case, rows: list[Row], note: str, where: Path | None = None) -> Path | None:
+    def save(self, case: Case, rows: list[Row], note: str, where: Path | None = None,
+             unshrunk: Case | None = None) -> Path | None:
         c, tested = self.campaign, self.campaign.under_test
         if c.failures is None:
             return None
         cf = casefile.CaseFile(case, tested.specs, tested.device, casefile.failure_summary(rows),
                                note=f"{note}; found by `{c.found_by()}` (profile {c.profile.name})",
-                               deviations=tested.deviations, flaky=self.result.flaky, conventions=tested.conventions)
+                               deviations=tested.deviations, flaky=self.result.flaky, conventions=tested.conventions,
+                               unshrunk=unshrunk)
         if where is not None:
             return casefile.save(where, cf)
         return casefile.save_new(Path(c.failures) / "failures",
@@ -252,7 +255,7 @@ class _Search:
 
     def first_failure(self, case: Case, rows: list[Row]) -> None:
         result, reruns = self.result, self.campaign.reruns
-        result.first_failure_at = result.examples
+        result.first_failure_at, self.found = result.examples, case
         result.found_file = self.save(case, rows, f"found at example {result.examples}")
         if any(r.gate_metric == "hung" for r in rows):
             raise StopCampaign("")  # a hang is not re-run or shrunk: every try costs the timeout
@@ -329,5 +332,11 @@ class _Search:
         if all(r.case_id != case.case_id for r in result.rows):
             result.rows.extend(rows)
             self.sink.judged(rows, "shrink")
+            # One file a finding: the minimized case holds the one it was shrunk from, whose file,
+            # saved at once in case the run died while shrinking, goes once this one is written.
             result.case_file = self.save(case, rows,
-                                         f"minimized from the case found at example {result.first_failure_at}")
+                                         f"minimized from the case found at example {result.first_failure_at}",
+                                         unshrunk=self.found)
+            if result.found_file is not None and result.case_file is not None:
+                result.found_file.unlink(missing_ok=True)
+                result.found_file = None

@@ -44,7 +44,7 @@ from mla_verify.reports.pairing import parse_pairs
 from mla_verify.reports.store import rows_frame
 
 from .junit import saved_replays, write_junit
-from .pytest_plugin import DEFAULTS, default_device
+from .pytest_plugin import DEFAULTS, default_device, saved
 from .runs.driver import drive
 from .runs.outcome import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
 from .runs.plan import FUZZ, GATE, LOCAL, Options, plan, positive, resolve_device, timeout_needs_isolation
@@ -147,6 +147,7 @@ def check(
     junit: str | Path | None = None,
     baseline: str | Path | None = None,
     shard: str | Any | None = None,
+    corpus: str | Path | None = None,
     log: Callable[[str], None] | None = None,
 ) -> CheckResult:
     """Fuzz `impl` on `op` against the reference (or a property, "property:NAME"), shrink the first
@@ -184,6 +185,9 @@ def check(
         shard: "I/N" (or a `runs.parts.Shard`): run only shard I of N, the campaigns of seeds
             S + I * P ... of the run's N * P (P: `parallel`); `merge` joins the N shards' run
             directories into the one run a machine with `parallel=N * P` would have written.
+        corpus: a kept corpus directory (`mla_verify.runs.corpus`): its cases of this op and
+            implementation run first, whatever the seed, and the finding is added to it
+            (default: `--mla-verify-corpus` inside pytest, else none).
 
     Raises:
         UsageError: bad input (unknown op, unimportable callable, wrong signature, unwritable out,
@@ -193,9 +197,11 @@ def check(
     # Inside pytest, --mla-verify-profile/-examples/-device fill what the test left unset.
     __tracebackhide__ = True  # a pytest failure ends at the test's call
     given = {**locals(), "ops": (op,), "device": resolve_device(default_device(device))}
-    given.update((name, DEFAULTS.get(name)) for name in ("examples", "profile", "seed") if given[name] is None)
+    given.update((name, DEFAULTS.get(name)) for name in ("examples", "profile", "seed", "corpus") if given[name] is None)
     given["specs"], given["named"] = impl_specs(impl)
-    return run(Options.asked(FUZZ, given), log)
+    result = run(Options.asked(FUZZ, given), log)
+    saved(result.failures)  # listed in a pytest session's summary
+    return result
 
 
 def gate(
@@ -212,6 +218,8 @@ def gate(
     shard: str | Any | None = None,
     baseline: str | Path | None = None,
     junit: str | Path | None = None,
+    impl: Sequence[str] | None = None,
+    corpus: str | Path | None = None,
     log: Callable[[str], None] | None = None,
 ) -> GateOutcome:
     """The gate (`mla-verify gate`): every op and forward_mqa path with every implementation
@@ -228,9 +236,14 @@ def gate(
             every N-th op and implementation from the I-th (`runs.parts`; `merge` joins the shards).
         baseline: an earlier gate run: its seed, profile, examples and ops, unless given.
         junit: also write JUnit XML there. log: receives the run's header lines.
+        impl: "OP=MODULE:CALLABLE" / "STAGE=MODULE:CALLABLE" strings: only what these take part in
+            (`mla_verify.runs.selection`: their ops, forward_mqa with the stages swapped in, the
+            properties that test them) (default: every registered implementation here).
+        corpus: a kept corpus directory (`mla_verify.runs.corpus`): the cases of the units that apply
+            run first, whatever the seed; every finding is added to it.
 
     Raises UsageError for bad input, before any case runs."""
-    return run(Options.asked(GATE, {**locals(), "ops": tuple(ops or ())}), log)
+    return run(Options.asked(GATE, {**locals(), "ops": tuple(ops or ()), "impls": tuple(impl or ())}), log)
 
 
 def run(options: Options, log: Callable[[str], None] | None = None) -> CheckResult | GateOutcome:

@@ -203,6 +203,13 @@ class _DriftSettings:
                     pairs=parse_pairs(list(self.pairs)))
 
 
+def _add_corpus(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", type=Path, default=None, metavar="DIR",
+                   help="a kept corpus (plain JSON files a CI cache or a repository keeps): its cases of these "
+                        "implementations run first, whatever the seed; every finding is added, minimized and named "
+                        "by its content (a rerun adds no duplicate) (default: none)")
+
+
 def _add_reference_memory(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-memory", type=memory_size, default=None, metavar="SIZE",
                    help="working memory each reference call may hold, e.g. 2GiB (default 4GiB); "
@@ -306,6 +313,7 @@ def _add_fuzz_command(sub) -> None:
                         "take the GPUs)")
     _add_shard(p, "the campaigns of seeds S + I*P ... of N*P (P: --parallel), the same as one machine's "
                   "--parallel N*P")
+    _add_corpus(p)
     p.add_argument("--baseline", type=Path, default=None,
                    help="an earlier run of this op: draw its cases again (its seed, profile, examples and path, unless "
                         "given) and report drift against it")
@@ -375,6 +383,11 @@ def _add_gate_command(sub) -> None:
                    help="split the ops over this many processes, one GPU each, dealt round-robin when N exceeds "
                         "the GPUs, each with its share of the cores (default: every GPU on cuda, 1 on cpu)")
     _add_shard(p, "every N-th op and implementation (with its corpus and campaigns), all with seed S")
+    p.add_argument("--impl", action="append", default=None, metavar="OP=MODULE:CALLABLE",
+                   help="gate only what these implementations take part in (repeatable): OP=SPEC the op, "
+                        "STAGE=SPEC a forward_mqa stage (every forward_mqa path with it swapped in), and every "
+                        "property that tests them (default: every registered implementation here)")
+    _add_corpus(p)
 
 
 def _add_merge_command(sub) -> None:
@@ -572,7 +585,8 @@ def _run_options(args, device: str) -> dict:
 
     fuzzing = args.command == "fuzz"
     given = {**vars(args), "device": device, "ops": (args.op,) if fuzzing else tuple(args.op or ()),
-             "specs": tuple(getattr(args, "impl", ())), "deviations": tuple(getattr(args, "deviation", ())),
+             "specs": tuple(args.impl) if fuzzing else (), "impls": () if fuzzing else tuple(args.impl or ()),
+             "deviations": tuple(getattr(args, "deviation", ())),
              "conventions": tuple(getattr(args, "convention", ())), "shrink": not getattr(args, "no_shrink", False)}
     if fuzzing and args.out is None:
         given["out"] = FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
@@ -623,7 +637,7 @@ def cmd_gate(args, device: str) -> int:
     drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair))
     options = Options(**_run_options(args, device))
     outcome = api.run(options, log=lambda line: print(line, flush=True))
-    lines = outcome.lines(device)
+    lines = outcome.lines()
     if lines:
         print("\n".join(lines))
     if outcome.interrupted:

@@ -32,16 +32,18 @@ from mla_verify.equivalence.rows import Row
 from mla_verify.equivalence.running import failure_row
 from mla_verify.equivalence.subject import Subject, UsageError, unexercised
 from mla_verify.fuzz.campaign import Campaign, FuzzResult, Judge, UnderTest, fuzz
-from mla_verify.fuzz.casefile import write_atomic
+from mla_verify.fuzz.casefile import load, write_atomic
 from mla_verify.fuzz.progress import Progress
 from mla_verify.fuzz.regressions import corpus
 from mla_verify.pytest_plugin import DEFAULTS
 from mla_verify.reports.store import rows_frame
 
+from .corpus import Corpus, keep, still_failing, with_kept
 from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, result_file
 from .parts import Shard, check_in_parts, gate_in_parts
 from .plan import FUZZ, Run
 from .sink import Sink
+from .selection import impl_units
 from .units import Unit, gate_world_size, odd_ones_out, shard_units, units
 
 MIN_DRAWS = 25  # params a campaign draws at the least where its budget allows (`block_size`)
@@ -133,7 +135,7 @@ def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: 
     result = GateResult()
     subjects = [(unit, unit.resolved(run.device)) for unit in chosen]
     if log is not None:
-        cases = sum((len(corpus(u.op)) if u.corpus else 0) + _examples(u.op, examples, run.profile)
+        cases = sum(len(u.kept) + (len(corpus(u.op)) if u.corpus else 0) + _examples(u.op, examples, run.profile)
                     * len(u.campaigns(s)) for u, s in subjects)
         sink.counting(Progress("gate", cases, every_s=10.0, stream=log), name_units=True)
     worker = Worker(run.device, run.timeout) if run.isolate else None
@@ -150,7 +152,7 @@ def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: 
 
 def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateResult, worker: Worker | None, *,
               seed: int, examples: int | None, log) -> bool:
-    """One unit's corpus and campaigns into `result`; False where the sink stopped the run."""
+    """One unit's kept cases, corpus and campaigns into `result`; False where the sink stopped the run."""
     spec, budget = catalog.get_spec(unit.op), _examples(unit.op, examples, run.profile)
     judge = _block_runner(unit, subject, run.device, sink.run_id, None if spec.own_processes else worker,
                           result.notes, sink if run.command == FUZZ else None)
@@ -159,13 +161,13 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
     t0 = time.monotonic()  # a campaign's seconds include the corpus cases run before it
     pinned = corpus(unit.op) if unit.corpus else []
     pinned_rows = []
-    for case, _why in pinned:
+    for case, source in [(c, "kept") for c in unit.kept] + [(c, "corpus") for c, _why in pinned]:
         if sink.stop_reason():
             return False
-        sink.started(case, "corpus")
-        case_rows, = judge([case], "corpus", lambda: None)
+        sink.started(case, source)
+        case_rows, = judge([case], source, lambda: None)
         sink.finished(case)
-        sink.judged(case_rows, "corpus")
+        sink.judged(case_rows, source)
         pinned_rows += case_rows
     result.rows.extend(pinned_rows)
     for path in unit.campaigns(subject):
@@ -180,16 +182,24 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
         if log is not None:
             where = f"{unit.op} ({path})" if path else unit.op
             bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
-            log.write(f"{where:38s} {unit.label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases "
+            kept = f"{len(unit.kept)} kept + " if unit.kept else ""
+            log.write(f"{where:38s} {unit.label:28s} {kept}{len(pinned):3d} corpus + {fz.examples:4d} fuzz cases "
                       f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
             log.flush()
         t0 = time.monotonic()
     return True
 
 
-def run_gate(run: Run, sink: Sink, log) -> GateResult:
-    """The gate's units of the run's shard (`Shard()`: all of them) through `run_units`."""
-    return run_units(shard_units(list(run.ops) or None, run.device, run.shard), run, sink, seed=run.seed,
+def gate_units(run: Run, kept: Corpus | None = None) -> list[Unit]:
+    """The gate's units: those of its --impl strings (`runs.selection`), else every op and
+    implementation here; each with the kept corpus's cases that apply to it."""
+    chosen = impl_units(run.impls, run.device, run.ops) if run.impls else units(list(run.ops) or None, run.device)
+    return with_kept(chosen, kept)
+
+
+def run_gate(run: Run, sink: Sink, log, chosen: list[Unit]) -> GateResult:
+    """The units of the run's shard (`Shard()`: all of them) among `chosen` through `run_units`."""
+    return run_units(shard_units(list(run.ops) or None, run.device, run.shard, chosen), run, sink, seed=run.seed,
                      examples=run.examples, log=log)
 
 
@@ -199,7 +209,7 @@ def drive(run: Run, log: Callable[[str], None] | None = None):
     if run.parts > 1:
         if run.command == FUZZ:
             return check_in_parts(run, log)
-        return gate_in_parts(run, units(list(run.ops) or None, run.device), log)
+        return gate_in_parts(run, gate_units(run), log)
     return _fuzz(run) if run.command == FUZZ else _gate(run)
 
 
@@ -211,8 +221,10 @@ def _fuzz(run: Run) -> CheckResult:
         run_dir.start(meta)
     sink = Sink(run_dir, f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
     sink.counting(Progress(run.op, examples, every_s=5.0))
+    kept = Corpus(run.corpus) if run.corpus else None
     unit = Unit(run.op, run.label, run.specs, subject=run.subject, paths=(run.path,), corpus=False,
-                deviations=run.deviations, conventions=run.conventions)
+                deviations=run.deviations, conventions=run.conventions,
+                kept=kept.applying(run.op, run.specs) if kept and run.corpus_replay else ())
     contract.CALLED_WITH.clear()
     try:
         with sink.interrupt.installed():
@@ -228,11 +240,15 @@ def _fuzz(run: Run) -> CheckResult:
     fz, = result.fuzz
     if run_dir:
         run_dir.finish(sink.rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
-    return _check_result(run, fz, rows_frame(sink.rows), sorted(result.notes), seed)
+    notes = keep(kept, result.fuzz, sink.rows) + sorted(result.notes)
+    failures = [] if kept is None else [
+        Failure.of(case, case_rows, path, replay_command(path, run.specs, run.device, run.deviations, run.timeout,
+                                                         run.isolate, run.conventions), seed=seed, from_corpus=True)
+        for case, case_rows, path in still_failing(kept, unit, sink.rows)]
+    return _check_result(run, fz, rows_frame(sink.rows), notes, seed, failures)
 
 
-def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int) -> CheckResult:
-    failures = []
+def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, failures: list) -> CheckResult:
     if fz.failure is not None:
         failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
                                    replay_command(fz.case_file, run.specs, run.device, run.deviations, run.timeout,
@@ -250,11 +266,13 @@ def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int) 
 def _gate(run: Run) -> GateOutcome:
     """The gate's units of this slot in this process, written to the run directory."""
     run_dir, meta = run.out, run.meta()
+    kept = Corpus(run.corpus) if run.corpus else None
+    chosen = gate_units(run, kept)
     sink = Sink(run_dir, f"gate-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
     run_dir.start(meta)
     try:
         with sink.interrupt.installed():
-            result = run_gate(run, sink, sys.stderr)  # the stderr of the moment: pytest's capture replaces it
+            result = run_gate(run, sink, sys.stderr, chosen)  # the stderr of the moment: pytest's capture replaces it
     except Exception as exc:  # mla-verify's own failure: exit 3, its traceback where the message says
         detail = (exc.detail if isinstance(exc, HarnessError) else None) or traceback.format_exc()
         run_dir.write_file("harness-error.txt", detail)
@@ -268,12 +286,20 @@ def _gate(run: Run) -> GateOutcome:
     finally:
         distributed.close_all()
     interrupted = sink.interrupt.requested
-    outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupted, sorted(result.notes),
-                          odd_ones_out(result.rows), isolated=run.isolate)
+    outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupted,
+                          keep(kept, result.fuzz, result.rows) + sorted(result.notes), odd_ones_out(result.rows),
+                          isolated=run.isolate)
     run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupted else meta)
-    outcome.case_files = [(fz.case_file, [f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}"
-                                          for r in (fz.failure.rows if fz.failure else ()) if not r.passed])
-                          for fz in result.fuzz if fz.case_file]
+
+    def said(path: Path, rows) -> list[str]:  # the replay command (with the implementation saved), the failing rows
+        command = replay_command(path, load(path).impl, run.device, timeout=run.timeout, isolate=run.isolate)
+        return [f"  replay: {command}", *(f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}"
+                                          for r in rows if not r.passed)]
+
+    outcome.case_files = [(path, ["  from the corpus: still fails", *said(path, rows)])
+                          for _, rows, path in still_failing(kept, chosen, result.rows)]
+    outcome.case_files += [(fz.case_file, said(fz.case_file, fz.failure.rows if fz.failure else ()))
+                           for fz in result.fuzz if fz.case_file]
     return outcome
 
 
@@ -296,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     if run.command == FUZZ:
         print(outcome.report())
         write_atomic(outcome.out / RESULT_JSON, result_file(outcome))
-    elif outcome.lines(run.device_type):
-        print("\n".join(outcome.lines(run.device_type)))
+    elif outcome.lines():
+        print("\n".join(outcome.lines()))
     return outcome.exit_code
 
 

@@ -26,9 +26,11 @@ from mla_verify.fuzz.campaign import new_seed
 from mla_verify.reports.meta import collect_meta, rerun_settings
 from mla_verify.reports.store import run_file
 
+from .corpus import Corpus
 from .outcome import DEFAULT_TIMEOUT_S
 from .parts import Shard
 from .rundir import FreshDir, RunDir, load_run
+from .selection import impl_units
 from .units import shard_units
 
 # Callables that cannot be imported by name (lambdas, closures, partials) are reached in this
@@ -57,19 +59,30 @@ class Run:
     parts: int = 1                        # this host's processes: the shard's slots (runs.parts)
     specs: tuple[str, ...] = ()           # fuzz: the implementation as --impl strings
     subject: Subject | None = None        # fuzz: the resolved implementation
-    label: str = ""                       # fuzz: the rows' name for it
     deviations: tuple[str, ...] = ()
     conventions: tuple[str, ...] = ()     # fuzz: the implementation's declared conventions ("lse_base=2", ...)
     path: str | None = None
     world_size: int | None = None
     shrink: bool = True
     named: bool = True                    # every implementation importable in another process
-    in_process: bool = False              # judged in the implementation's own process (not isolated, no ranks)
     invocation: str | None = field(default_factory=lambda: invocation())  # meta.json's command
+    impls: tuple[str, ...] = ()           # gate: OP=SPEC / STAGE=SPEC it is restricted to (runs.selection)
+    corpus: str | None = None             # the kept corpus (runs.corpus): replayed first, findings added
+    corpus_replay: bool = True            # this part replays the corpus (a fuzz run's first part only)
 
     @property
     def op(self) -> str:
         return self.ops[0]
+
+    @property
+    def label(self) -> str:
+        """fuzz: the rows' name for the implementation; a local callable by its own name."""
+        return re.sub(rf"{re.escape(LOCAL)}fn\d+_", "", self.subject.label) if self.subject is not None else ""
+
+    @property
+    def in_process(self) -> bool:
+        """fuzz: judged in the implementation's own process (not isolated, no rank processes)."""
+        return self.command == FUZZ and not (self.isolate or self.world_size)
 
     @property
     def device_type(self) -> str:
@@ -91,7 +104,7 @@ class Run:
                   "profile": self.profile.name, "device": self.device_type, "isolate": self.isolate,
                   "timeout": self.timeout}
         if self.command == GATE:
-            return {**common, "ops": list(self.ops) or None}
+            return {**common, "ops": list(self.ops) or None, "impls": list(self.impls) or None}
         return {**common, "op": self.op, "impl": list(self.specs), "path": self.path, "world_size": self.world_size,
                 "deviations": list(self.deviations), "conventions": list(self.conventions), "shrink": self.shrink,
                 "campaigns": self.shard.count * self.parts}
@@ -117,7 +130,8 @@ class Run:
         here = dict(device=self.device_type, parts=1, out=root / f"part-{index}", baseline=None)
         if self.command == FUZZ:
             seed, examples = slot.campaign(self.seed, self.examples)
-            return replace(self, seed=seed, examples=examples, shard=Shard(), **here)
+            return replace(self, seed=seed, examples=examples, shard=Shard(), **here,
+                           corpus_replay=self.corpus_replay and index == 0)
         return replace(self, shard=slot, **here)
 
     def to_json(self) -> str:
@@ -130,7 +144,7 @@ class Run:
     def from_json(cls, text: str) -> "Run":
         d = json.loads(text)
         d |= {"profile": get_profile(d["profile"]), "shard": Shard.parse(d["shard"]), "out": RunDir.open(d["out"]),
-              **{k: tuple(d[k]) for k in ("ops", "specs", "deviations", "conventions")}}
+              **{k: tuple(d[k]) for k in ("ops", "specs", "deviations", "conventions", "impls")}}
         run = cls(**d)
         if run.command == FUZZ:
             run = replace(run, subject=resolve_subject(run.op, run.specs, run.device_type, deviations=run.deviations,
@@ -145,6 +159,8 @@ class Run:
                       else f"{self.profile.examples} (properties: {self.profile.property_examples})")
             return (f"mla-verify gate: device {self.device}, profile {self.profile.name}, {budget} fuzz examples per "
                     f"op and implementation, seed {self.seed}{'' if self.shard.whole else f', shard {self.shard}'}"
+                    f"{', only ' + ' '.join(self.impls) if self.impls else ''}"
+                    f"{f', corpus {self.corpus}' if self.corpus else ''}"
                     f"{where}")
         ranks = ""
         if self.world_size:
@@ -189,6 +205,8 @@ class Options:
     shard: Any = None                             # "I/N" or a Shard
     baseline: Path | None = None
     junit: Path | None = None
+    impls: tuple[str, ...] = ()                   # gate: OP=SPEC / STAGE=SPEC strings (runs.selection)
+    corpus: str | Path | None = None              # a kept corpus directory (runs.corpus)
 
     @classmethod
     def asked(cls, command: str, given: Mapping[str, Any]) -> "Options":
@@ -263,11 +281,11 @@ def _fuzz_run(o: Options, device: str, shard: Shard) -> Run:
                          f"(give at least {shard.count * parts} examples)")
     if o.junit is not None:
         _writable_file(o.junit, "--junit")
+    corpus = open_corpus(o.corpus)
     return Run(FUZZ, (op,), device, profile, examples, o.seed, isolate, _timeout(o), out=_opened(o.out),
-               baseline=o.baseline, shard=shard, parts=parts, specs=o.specs, subject=subject,
-               label=re.sub(rf"{re.escape(LOCAL)}fn\d+_", "", subject.label), deviations=deviations,
-               conventions=tuple(subject.conventions), path=path, world_size=world_size,
-               shrink=o.shrink, named=o.named, in_process=not (isolate or spec.own_processes))
+               baseline=o.baseline, shard=shard, parts=parts, specs=o.specs, subject=subject, deviations=deviations,
+               conventions=tuple(subject.conventions), path=path, world_size=world_size, shrink=o.shrink,
+               named=o.named, corpus=corpus, corpus_replay=shard.index == 0)
 
 
 def _gate_run(o: Options, device: str, shard: Shard) -> Run:
@@ -275,14 +293,16 @@ def _gate_run(o: Options, device: str, shard: Shard) -> Run:
     if o.junit is not None:
         _writable_file(o.junit, "--junit")
     profile = _profile(o, device)
-    if not shard_units(list(o.ops) or None, device, shard):
+    chosen = impl_units(o.impls, device, list(o.ops) or None) if o.impls else None
+    corpus = open_corpus(o.corpus)
+    if not shard_units(list(o.ops) or None, device, shard, chosen):
         raise UsageError(f"--shard {shard}: the gate has fewer units (ops and implementations) than shards here")
     isolate = default_isolation(o.isolate, named=True)
     if o.timeout is not None and not isolate:
         raise UsageError("--timeout needs isolation (the default; not --no-isolate): an in-process call cannot be stopped")
     return Run(GATE, o.ops, device, profile, o.examples, o.seed, isolate, _timeout(o),
                out=_opened(o.out if o.out is not None else FreshDir.named("runs", "gate")), baseline=o.baseline,
-               shard=shard, parts=o.parallel or _gpu_count(device.split(":")[0]))
+               shard=shard, parts=o.parallel or _gpu_count(device.split(":")[0]), impls=o.impls, corpus=corpus)
 
 
 def _again(o: Options, log: Callable[[str], None]) -> Options:
@@ -305,6 +325,16 @@ def _again(o: Options, log: Callable[[str], None]) -> Options:
                          "nothing comparable")
     return replace(o, seed=seed, profile=profile, examples=examples, path=o.path or again["path"],
                    parallel=o.parallel or again["campaigns"])
+
+
+def open_corpus(directory: str | Path | None) -> str | None:
+    """The kept corpus's absolute path as a Run holds it, its files read and checked now (a
+    usage error names a bad one before any case runs); None for none."""
+    if directory is None:
+        return None
+    corpus = Corpus(directory)
+    corpus.cases()
+    return str(corpus.directory)
 
 
 def positive(name: str, value: float | None, kind: type) -> None:

@@ -18,7 +18,7 @@ from .interrupt import Interrupt
 from .rundir import RunDir
 from .units import Unit
 
-COUNTED = ("corpus", "fuzz")  # the sources the progress line counts (not re-runs or shrink steps)
+COUNTED = ("kept", "corpus", "fuzz")  # the sources the progress line counts (not re-runs or shrink steps)
 
 
 class Sink:

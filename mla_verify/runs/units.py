@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mla_verify.equivalence import catalog
+from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.rows import Row
 from mla_verify.equivalence.spec import Spec
 from mla_verify.equivalence.subject import Subject
@@ -69,6 +70,7 @@ class Unit:
     corpus: bool = True
     deviations: tuple[str, ...] = ()
     conventions: tuple[str, ...] = ()
+    kept: tuple[Case, ...] = ()  # a kept corpus's cases of this op and implementation (runs.corpus), run first
 
     @property
     def multi_rank(self) -> bool:
@@ -92,9 +94,10 @@ def units(ops: list[str] | None, device: str) -> list[Unit]:
             for label, specs in catalog.get_spec(op).subjects(device_type).items()]
 
 
-def shard_units(ops: list[str] | None, device: str, shard: Shard) -> list[Unit]:
-    """The units of shard `shard` (`runs.parts`: the multi-rank ones dealt first)."""
-    every = units(ops, device)
+def shard_units(ops: list[str] | None, device: str, shard: Shard, chosen: list[Unit] | None = None) -> list[Unit]:
+    """The units of shard `shard` (`runs.parts`: the multi-rank ones dealt first) among `chosen`
+    (None: the gate's `units`)."""
+    every = units(ops, device) if chosen is None else chosen
     return shard.deal(every, [u.multi_rank for u in every])
 
 
