@@ -125,12 +125,12 @@ def test_the_parts_of_a_shard_are_its_slots_and_travel_to_their_process_whole(tm
     from mla_verify.runs.plan import FUZZ, GATE, Run
 
     fuzz = Run(FUZZ, ("convert_index",), "cpu", get_profile("ci"), 7, 11, False, 300.0, shard=Shard(1, 2), parts=2,
-               label="torch-fp32", invocation="mla-verify fuzz ...")
+               invocation="mla-verify fuzz ...")
     assert fuzz.slots == [Shard(2, 4), Shard(3, 4)] and fuzz.campaigns == [(13, 2), (14, 1)]  # share(7, 4) = 2, 2, 2, 1
     part = fuzz.part(Shard(3, 4), 1, tmp_path)
     assert (part.seed, part.examples, part.shard, part.parts, part.out) == (14, 1, Shard(), 1, tmp_path / "part-1")
     again = Run.from_json(part.to_json())
-    assert again.campaigns == [(14, 1)] and again.out.path == tmp_path / "part-1" and again.subject is not None
+    assert again.campaigns == [(14, 1)] and again.out.path == tmp_path / "part-1" and again.label == "torch-fp32"
     assert again.invocation == "mla-verify fuzz ..." and again.options() == part.options()
     again.out.release()
     gate = Run(GATE, ("convert_index",), "cpu", get_profile("ci"), 2, 4, False, 300.0, shard=Shard(0, 3), parts=2)
