@@ -29,8 +29,8 @@ from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes
 from mla_verify.reference.paged_cache import scatter_rows
 
 from .params import ForwardParams
-from .builders import distinct, permutation
-from .patterns import apply_patterns, prefix_candidates
+from .builders import permutation
+from .patterns import apply_patterns, distinct_rows, prefix_candidates
 from .values import pooled_rows, q_values
 
 ROW_WIDTH = {"bfloat16": 576, "fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
@@ -78,15 +78,14 @@ def _poisoned_storage(num_blocks: int, block_size: int, pad: int, dtype: str, de
     return storage
 
 
-def _topk_rows(gen: torch.Generator, positions: list[int], topk: int, patterns: list[str], table_tokens: int,
-               version: int) -> torch.Tensor:
+def _topk_rows(gen: torch.Generator, positions: list[int], topk: int, patterns: list[str], table_tokens: int) -> torch.Tensor:
     """Causal top-k rows for tokens at `positions`, then the invalid-index patterns.
 
     `beyond_seq` (logical positions past the token's own, still inside the block table: the
     backend reads whatever those slots hold) is this module's; the rest are `patterns`'.
     """
     pos = torch.tensor(positions, dtype=torch.int64, device=gen.device)
-    rows = distinct(gen, prefix_candidates(pos + 1), topk, version)
+    rows = distinct_rows(gen, prefix_candidates(pos + 1), topk)
     if "beyond_seq" in patterns and len(positions):
         hit = torch.rand(rows.shape, generator=gen, device=gen.device) < 0.15
         past = pos[:, None] + 1 + torch.randint(0, 64, rows.shape, generator=gen, device=gen.device)
@@ -151,7 +150,7 @@ def make_batch(p: ForwardParams, seed: int, device: str = "cpu") -> Batch:
         stale = torch.randint(0, max(seq_lens[0], 1), (pad_rows,), generator=gen, device=gen.device)
         positions += stale.tolist()
     table_tokens = width_blocks * bs * dcp  # logical positions past this are outside every table
-    topk_indices = _topk_rows(gen, positions, topk, list(p.invalid), table_tokens, p.inputs)
+    topk_indices = _topk_rows(gen, positions, topk, list(p.invalid), table_tokens)
 
     num_tokens = qsl[-1] + pad_rows
     if p.mqa == "decodes":

@@ -7,9 +7,11 @@ by version 1) and each version stays as it was: a saved case replays with its bu
 New draws take CURRENT.
 
     1  the first builders
-    2  the same structure drawn with fewer device ops: a permutation is the argsort of uniform keys
-       (torch.randperm on CUDA costs a few hundred microseconds of host time a call) and top-k
-       distinct entries are the k smallest uniform keys (topk, not a whole-row argsort)
+    2  a permutation is the argsort of uniform keys: torch.randperm on CUDA costs a few hundred
+       microseconds of host time a call (decode's block order, forward_mqa's block shuffle,
+       HiSparse's slots and states, the outlier channels). Picking top-k entries by topk instead
+       of a whole-row argsort measured slower on the H200 (decode B=64 s_q=2, 2048 of 8192), so
+       version 2 keeps the argsort.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from .patterns import distinct_rows
 
 VERSIONS = (1, 2)
 CURRENT = 2
@@ -34,16 +34,3 @@ def permutation(gen: torch.Generator, n: int, version: int) -> torch.Tensor:
     if version == 1:
         return torch.randperm(n, generator=gen, device=gen.device)
     return torch.rand(n, generator=gen, device=gen.device).argsort()
-
-
-def distinct(gen: torch.Generator, candidates: torch.Tensor, topk: int, version: int) -> torch.Tensor:
-    """Row i: up to `topk` distinct entries of candidates[i] (int64, -1 = padding) in random order,
-    then -1 padding (`patterns.distinct_rows` in version 1)."""
-    if version == 1:
-        return distinct_rows(gen, candidates, topk)
-    keys = torch.rand(candidates.shape, generator=gen, device=gen.device).masked_fill_(candidates < 0, 2.0)
-    take = min(topk, candidates.shape[1])
-    chosen = candidates.gather(1, keys.topk(take, dim=1, largest=False).indices)
-    if take < topk:
-        chosen = torch.nn.functional.pad(chosen, (0, topk - take), value=-1)
-    return chosen

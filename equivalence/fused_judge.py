@@ -29,6 +29,7 @@ import triton.language as tl  # noqa: E402
 
 MAX_WIDTH = 1024   # longest last dim fused (an output row: 512)
 TILE = 2048        # elements a program holds: TILE // BLOCK_W rows of BLOCK_W
+WARPS = 8
 # Columns of a row's partials, in order.
 FIELDS = ("n", "ref_sq", "err_sq", "dot", "max_abs", "arg", "rounding_sq", "elem", "beyond", "rel_sum", "rel_n",
           "ulp_sum", "dr", "rr", "bound_ratio")
@@ -113,7 +114,7 @@ def output_stats(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max:
     _row_partials[(triton.cdiv(rows, block_r),)](
         a.contiguous(), r.contiguous(), vmax if vmax is not None else part, bnd if bnd is not None else part, part,
         rows, width, float(elem_units), HAS_VMAX=vmax is not None, HAS_BOUND=bnd is not None,
-        BLOCK_R=block_r, BLOCK_W=block_w, NF=len(FIELDS), num_warps=8)
+        BLOCK_R=block_r, BLOCK_W=block_w, NF=len(FIELDS), num_warps=WARPS)
     part = part.view(cases, rows // cases, len(FIELDS))
     col = {name: part[..., i] for i, name in enumerate(FIELDS)}
     sums = part[..., [FIELDS.index(name) for name in SUMMED]].sum(dim=1)

@@ -14,12 +14,12 @@ import torch
 
 from mla_verify import reference
 from mla_verify.equivalence.contract import returned
-from mla_verify.equivalence.patterns import apply_patterns
+from mla_verify.equivalence.patterns import apply_patterns, distinct_rows
 from mla_verify.equivalence import bounds
 from mla_verify.equivalence.policy import DEVIATIONS, LSE, OUT
 from mla_verify.equivalence.values import fill_selected_slots, kv_values, q_values
 
-from ..builders import distinct, permutation
+from ..builders import permutation
 from ..draws import decode_params, prefill_params
 from ..params import DecodeParams, PrefillParams
 from ..spec import register
@@ -39,7 +39,7 @@ def _prefill_inputs(p: PrefillParams, seed: int, device: str) -> dict:
     tokens, heads, rows, topk = p.tokens, p.heads, p.kv_rows, p.topk
     q = q_values(g, (tokens, heads, 576), p.value_regime, p.inputs)
     kv = kv_values(g, rows, p.value_regime, p.inputs)
-    idx = distinct(g, torch.arange(rows, device=device).expand(tokens, rows), topk, p.inputs)  # every row a candidate
+    idx = distinct_rows(g, torch.arange(rows, device=device).expand(tokens, rows), topk)  # every row a candidate
     idx = apply_patterns(g, idx, p.invalid, out_of_range=(rows, 2**31 - 1))
     length = None
     if p.topk_length == "random":
@@ -183,7 +183,7 @@ def _decode_inputs(p: DecodeParams, seed: int, device: str) -> dict:
     pos = torch.arange(max(p.seq_lens), device=device)
     at = (start[:, None] + pos).clamp_(max=slot.numel() - 1)  # past a sequence's end: any slot, masked next
     slots_of = torch.where(pos < length[:, None], slot[at], -1)
-    idx = distinct(g, slots_of.repeat_interleave(s_q, dim=0) if s_q > 1 else slots_of, topk, p.inputs)
+    idx = distinct_rows(g, slots_of.repeat_interleave(s_q, dim=0) if s_q > 1 else slots_of, topk)
     idx = apply_patterns(g, idx, p.invalid, last_valid=num_blocks * page - 1)
     storage = torch.full((num_blocks + 1, page + p.stride_pad, 656), 0xFF, dtype=torch.uint8, device=device)
     cache = storage[:-1, :page]  # the padded stride stays; the last block is fill_selected_slots' scratch
