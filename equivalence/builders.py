@@ -7,11 +7,11 @@ by version 1) and each version stays as it was: a saved case replays with its bu
 New draws take CURRENT.
 
     1  the first builders
-    2  a permutation is the argsort of uniform keys: torch.randperm on CUDA costs a few hundred
-       microseconds of host time a call (decode's block order, forward_mqa's block shuffle,
-       HiSparse's slots and states, the outlier channels). Picking top-k entries by topk instead
-       of a whole-row argsort measured slower on the H200 (decode B=64 s_q=2, 2048 of 8192), so
-       version 2 keeps the argsort.
+    2  a permutation is the argsort of uniform keys, not torch.randperm (decode's block order,
+       forward_mqa's block shuffle, HiSparse's slots and states, the outlier channels): on the
+       H200, n = 8193, 0.078 ms against 0.084 (CUDA events around the call, host time included).
+       Top-k entries stay the first k of a whole-row argsort: topk measured slower there (128 rows,
+       2048 of 8192: 0.145 ms against 0.123).
 """
 
 from __future__ import annotations
