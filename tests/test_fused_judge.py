@@ -1,8 +1,9 @@
 """The fused judge (equivalence.fused_judge) against the eager one, its reference: the same rows
 and verdicts over the bug zoo, the hostile set and the gate's corpus, on the CPU with Triton
-interpreted (and on a GPU compiled: `pytest -m gpu`). Same means: every verdict, gated metric,
-deviation, reason, count and position equal; every float metric equal to float64 rounding (the
-fused sums run in another order: a relative 1e-12, where they measure ~1e-15)."""
+interpreted (and on a GPU compiled: `pytest -m gpu`). Each case is evaluated once and each of its
+checks judged by both judges: the same verdict, gated metric, deviation, reason, counts and
+positions, and every float metric, value, bound and headroom equal to float64 rounding (the fused
+sums run in another order: a relative 1e-12, where they measure ~1e-15)."""
 
 import math
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from mla_verify.equivalence import catalog, metrics, oracle
+from mla_verify.equivalence import catalog, fused_judge, metrics, oracle
+from mla_verify.equivalence.ops import base
 from mla_verify.equivalence.policy import OUT, Numerics
 from mla_verify.equivalence.profiles import get_profile
 from mla_verify.fuzz.regressions import corpus
@@ -34,34 +36,44 @@ def _drawn(op: str, path: str | None, count: int, seed: int) -> list:
     return found
 
 
-def _same_rows(eager: list, fused: list) -> None:
-    assert len(eager) == len(fused)
-    for e, f in zip(eager, fused):
-        assert (e.tensor, e.passed, e.gate_metric, e.deviation, e.reason) == (f.tensor, f.passed, f.gate_metric, f.deviation, f.reason)
-        for name, want in [*vars(e.metrics).items(), ("value", e.value), ("bound", e.bound), ("headroom", e.headroom)]:
-            got = getattr(f.metrics, name) if name in vars(e.metrics) else getattr(f, name)
-            if isinstance(want, float) and not (math.isnan(want) or math.isinf(want)):
-                assert got == pytest.approx(want, rel=CLOSE, abs=1e-300), (e.tensor, name)
+def _same(want: list, got: list) -> None:
+    """Two judges' verdicts of one check of a block: equal, floats to float64 rounding."""
+    assert len(want) == len(got)
+    for e, f in zip(want, got):
+        assert (e.passed, e.gate_metric, e.deviation, e.reason) == (f.passed, f.gate_metric, f.deviation, f.reason)
+        for name, value in [*vars(e.metrics).items(), ("value", e.value), ("bound", e.bound), ("headroom", e.headroom)]:
+            other = getattr(f.metrics, name) if name in vars(e.metrics) else getattr(f, name)
+            if isinstance(value, float) and math.isfinite(value):
+                assert other == pytest.approx(value, rel=CLOSE, abs=1e-300), name
             else:
-                assert got == want or (got != got and want != want), (e.tensor, name, got, want)
+                assert other == value or (other != other and value != value), (name, other, value)
 
 
-def _both(monkeypatch, cases, impl, device):
+def _both(monkeypatch, cases, impl, device) -> int:
+    """Evaluate `cases` once, each check judged by both judges (the fused one's verdicts kept):
+    how many outputs were compared."""
     subject = catalog.resolve_subject(cases[0].op, [impl] if impl else [], device)
-    rows = {}
-    for judge in ("eager", "fused"):
-        monkeypatch.setenv(oracle.JUDGE_ENV, judge)
-        rows[judge] = [catalog.evaluate(c, subject, device, source="fuzz") for c in cases]
-    for eager, fused in zip(rows["eager"], rows["fused"]):
-        _same_rows(eager, fused)
-    return rows["eager"]
+    outputs = []
+
+    def both(kind, *args, **kwargs):
+        monkeypatch.setenv(oracle.JUDGE_ENV, "eager")
+        want = oracle.judge_many(kind, *args, **kwargs)
+        monkeypatch.setenv(oracle.JUDGE_ENV, "fused")
+        got = oracle.judge_many(kind, *args, **kwargs)
+        _same(want, got)
+        outputs.extend([kind] * len(got) if kind == OUT else [])
+        return got
+
+    monkeypatch.setattr(base, "judge_many", both)
+    for case in cases:
+        catalog.evaluate(case, subject, device, source="fuzz")
+    return len(outputs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", OPS)
 def test_gate_corpus_rows_are_the_eager_judges(monkeypatch, op, device):
-    rows = _both(monkeypatch, [case for case, _ in corpus(op)], None, device)
-    assert any(r.kind == "out" for case in rows for r in case)  # the fused judge had outputs to measure
+    assert _both(monkeypatch, [case for case, _ in corpus(op)], None, device)  # outputs were measured
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -90,6 +102,24 @@ def test_a_failure_is_measured_and_described_by_the_eager_judge(monkeypatch):
     want = oracle.judge_many(OUT, list(a), r, case, name="out")
     assert [v.passed for v in fused] == [True, False] == [v.passed for v in want]
     assert fused[1].reason == want[1].reason and vars(fused[1].metrics) == vars(want[1].metrics)
+
+
+@pytest.mark.parametrize("tile", [512, 8192])  # one row a program (the GPU's launch), many (the interpreter's)
+def test_the_fused_scalars_are_the_eager_ones_whatever_the_launch(monkeypatch, tile):
+    torch.manual_seed(tile)
+    r = torch.randn(3, 5, 7, 512, dtype=torch.float64) * torch.rand(3, 5, 7, 1, dtype=torch.float64).pow(4)
+    a = (r + 1e-3 * torch.randn_like(r) * r.abs()).to(torch.bfloat16)
+    a.view(-1)[5], r.view(-1)[9], a.view(-1)[9] = math.nan, math.inf, math.inf
+    value_max, bound = torch.rand(3, 5, 7) * 3, r.abs() * 0.01 + 1e-3
+    monkeypatch.setattr(fused_judge, "TILE", tile)
+    for args in [(None, None), (value_max, bound)]:
+        for want, got in zip(metrics.outputs(a, r, 4.0, *args), metrics.outputs(a, r, 4.0, *args, fused=True)):
+            for name, value in vars(want).items():
+                other = getattr(got, name)
+                if isinstance(value, float) and math.isfinite(value):
+                    assert other == pytest.approx(value, rel=CLOSE, abs=1e-300), name
+                else:
+                    assert other == value or (other != other and value != value), name
 
 
 def test_an_unknown_judge_is_refused(monkeypatch):
