@@ -18,6 +18,7 @@ from functools import reduce
 
 import torch
 
+from .localize import Axes, where
 from .metrics import Metrics, lse_unit, output_row_scale
 from .policy import EXACT, LSE, OUT, Bound
 
@@ -37,6 +38,7 @@ class Pair:
     ref: torch.Tensor
     scale: torch.Tensor | None = None  # an output's value_max or an LSE's logit scale (oracle.measure)
     bound: torch.Tensor | None = None  # the derived per-element bound, where one holds
+    axes: Axes | None = None           # its dimensions' names, for where the error sits (`localize`)
 
 
 def line(tensor: str, metric: str, value: float, bound: float, reason: str) -> str:
@@ -49,13 +51,16 @@ def line(tensor: str, metric: str, value: float, bound: float, reason: str) -> s
 def describe(kind: str, c: Pair, m: Metrics, bounds: tuple[Bound, ...], metric: str) -> str:
     """The failing tensor `c` (measured as `kind`, metrics `m`, failing `metric` under `bounds`)."""
     if metric in ("inf_mismatch", "nan_count"):
-        return _patterns(c)
+        impl = c.impl.to(c.ref.device)
+        return _with_where(_patterns(c), c, _classes(impl) != _classes(c.ref), exact=False)
     if kind == EXACT:
-        return _exact(c, m)
+        return _with_where(_exact(c, m), c, _bits(c.impl.to(c.ref.device)) != _bits(c.ref), exact=True)
     impl, ref = c.impl.to(c.ref.device).double(), c.ref.double()
     both = torch.isfinite(impl) & torch.isfinite(ref)
     allowed = _allowed(kind, ref, both, bounds, c)
     parts = [_elements(impl, ref, both, allowed)]
+    if allowed is not None:
+        parts.append(where(c.axes, outside(impl, ref, both, allowed), exact=False))
     if metric == "abs_mean_err":
         parts.append(f"mean {'gain' if kind == LSE else 'relative error'} {m.mean_err:+.3g}: a bias, not rounding")
     if allowed is not None and bool(both.any()):
@@ -77,6 +82,22 @@ def _allowed(kind: str, ref: torch.Tensor, both: torch.Tensor, bounds: tuple[Bou
         elif b.metric == "elem_bound_ratio" and c.bound is not None:
             limits.append(b.limit * c.bound.to(ref.device).double())
     return reduce(torch.minimum, limits) if limits else None
+
+
+def outside(impl: torch.Tensor, ref: torch.Tensor, both: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The elements (finite on both sides) further from the reference than they are allowed."""
+    return torch.where(both, impl - ref, 0.0).abs() > allowed
+
+
+def _with_where(text: str, c: Pair, differ: torch.Tensor, exact: bool) -> str:
+    return "; ".join(filter(None, (text, where(c.axes, differ, exact))))
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """Floats as integers of their width (compared bit for bit, as `metrics.exact` does)."""
+    if not x.is_floating_point():
+        return x
+    return x.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
 
 
 def _elements(impl: torch.Tensor, ref: torch.Tensor, both: torch.Tensor, allowed: torch.Tensor | None) -> str:

@@ -1,0 +1,232 @@
+"""Where a failing tensor's error sits: its differing elements summarized along the op's named
+axes, in one line, only where a pattern holds.
+
+A tensor's dimensions are named by its op's contract (`equivalence.contracts`: T tokens, H heads,
+B batch entries, S query positions, N kv rows, a number or D: columns). A token axis is also read
+through the request each token belongs to (with its kind, decode or prefill, where the path splits
+them) and, where the op has one, each token's topk_length; a column axis through the four
+128-column scale tiles of the latent part and its 64 RoPE columns. A claim names the part of an
+axis every differing element lies in: "all 48 differing rows belong to prefill requests 1-2 of 3;
+request 0 matches", "errors in columns 384-511 only (scale tile 3)", "only batch entries >= 1".
+
+Noise must not read as a pattern. A tensor compared bit for bit differs only where it is wrong,
+so where it differs is a fact. A float tensor's elements outside their allowed difference could be
+rounding that happens to cross its bound: a claim there holds only when differing rows (columns,
+for the column axis) spread at random would all land in the named part with a chance below
+CHANCE (n of them in a part holding a share f: f**n, times the number of parts of that size).
+tests/test_localize.py counts the pattern lines of the correct implementations over the gate's
+cases, reseeded, with their elements past a quarter of their allowed difference as the differing
+ones: none.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from mla_verify.reference.forward import select_path
+from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
+
+from . import contracts
+
+CHANCE = 1e-3
+TILE, LATENT = 128, 512  # an fp8_ds_mla row's scale tiles; past the latent part, the RoPE columns
+AXES = {"T": "token", "H": "head", "B": "batch entry", "S": "query position", "s": "query position",
+        "N": "kv row", "K": "top-k position", "P": "prefill request", "R": "request", "num_rows": "workspace row"}
+RANK_OPS = ("dcp_merge",)  # ops whose N is the ranks (the contracts' docstring), not kv rows
+SHOWN = frozenset({"token", "head", "batch entry", "query position", "rank"})  # the row axes a claim may name
+
+
+def dims_of(op: str, tensor: str, names: Sequence[str] = ()) -> tuple[str, ...] | None:
+    """The dimension names `op`'s contract gives its returned `tensor` ("out[T,H,512]"); a return
+    the contract does not name takes the bracketed shapes in the order of `names` (the op's
+    checked tensors). None where the contract says nothing of it."""
+    if op not in contracts.CONTRACTS:
+        return None
+    text = contracts.returns(op)
+    named = dict(re.findall(r"([A-Za-z_]\w*)\[([\w,]+)\]", text))
+    if tensor in named:
+        return tuple(named[tensor].split(","))
+    bare = list(dict.fromkeys(re.findall(r"(?<![\w\]])\[([\w,]+)\]", text)))
+    if tensor in names and names.index(tensor) < len(bare):
+        return tuple(bare[names.index(tensor)].split(","))
+    return None
+
+
+@dataclass(frozen=True)
+class Axes:
+    """What names the dimensions of one compared tensor: its contract's letters, the request of
+    each token and each request's kind, each token's topk_length."""
+
+    dims: tuple[str, ...]
+    requests: torch.Tensor | None = None   # [T] the request of each token
+    kinds: tuple[str, ...] = ()            # per request: "decode" | "prefill" ("" unknown)
+    lengths: torch.Tensor | None = None    # [T] topk_length
+    ranks: bool = False                    # N names the ranks (dcp_merge's partials)
+
+    def label(self, i: int) -> str:
+        d = self.dims[i]
+        if d == "N" and self.ranks:
+            return "rank"
+        return AXES.get(d, "column" if d.isdigit() or d == "D" else d)
+
+
+def axes_for(op: str, tensor: str, names: Sequence[str], kwargs: Mapping[str, Any]) -> Axes | None:
+    """The axes of `op`'s returned `tensor` for a call with `kwargs`: a forward_mqa batch's or a
+    stage's own (req_id, prefill_request_ids, topk_length)."""
+    dims = dims_of(op, tensor, names)
+    if dims is None:
+        return None
+    lengths = kwargs.get("topk_length")
+    requests, kinds = _batch_requests(kwargs["batch"]) if "batch" in kwargs else _stage_requests(kwargs)
+    return Axes(dims, requests, kinds, lengths if isinstance(lengths, torch.Tensor) else None, op in RANK_OPS)
+
+
+def _batch_requests(batch: Any) -> tuple[torch.Tensor | None, tuple[str, ...]]:
+    """A forward_mqa batch's request of each token, and each request's kind on the fp8_separate
+    path (elsewhere every token takes the same kernel: no kind)."""
+    qsl, config = getattr(batch, "query_start_loc", None), getattr(batch, "config", {})
+    if qsl is None or "num_heads" not in config:
+        return None, ()
+    lens = torch.tensor([b - a for a, b in zip(qsl, qsl[1:])])
+    requests = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    if select_path(config["kv_cache_dtype"], config["num_heads"]) != "fp8_separate":
+        return requests, ()
+    threshold = reorder_batch_threshold(config["num_heads"], config.get("arch", "sm90"),
+                                        max_decode_query_len=config.get("max_decode_query_len", 1))
+    decodes = split_decodes_and_prefills(qsl, threshold).num_decodes
+    return requests, ("decode",) * decodes + ("prefill",) * (len(lens) - decodes)
+
+
+def _stage_requests(kwargs: Mapping[str, Any]) -> tuple[torch.Tensor | None, tuple[str, ...]]:
+    """An index stage's request of each token (req_id) and, with prefill_request_ids, which
+    requests are prefills."""
+    req_id = kwargs.get("req_id")
+    if not isinstance(req_id, torch.Tensor):
+        return None, ()
+    requests = req_id.long().cpu()
+    pids = kwargs.get("prefill_request_ids")
+    if not isinstance(pids, torch.Tensor) or not requests.numel():
+        return requests, ()
+    prefill = torch.zeros(int(requests.max()) + 1, dtype=torch.bool)
+    prefill[requests[pids[: len(requests)].cpu() >= 0]] = True
+    return requests, tuple("prefill" if p else "decode" for p in prefill.tolist())
+
+
+def where(axes: Axes | None, differ: torch.Tensor, exact: bool) -> str:
+    """The one line that says where the True elements of `differ` (the tensor's shape) lie, or ""
+    where no pattern holds; `exact`: a bit-for-bit comparison (no noise to rule out)."""
+    if axes is None or differ.dim() != len(axes.dims) or differ.dim() == 0 or not bool(differ.any()):
+        return ""
+    differ = differ.cpu()
+    columns = axes.label(differ.dim() - 1) == "column"
+    rows = differ.any(-1) if columns else differ
+    claims = [_rows_claim(axes, rows, i, exact, "rows" if columns else "elements") for i in range(rows.dim())]
+    if columns:
+        claims.append(_columns_claim(differ.reshape(-1, differ.shape[-1]).any(0), exact))
+    return "; ".join(filter(None, claims))
+
+
+def _holds(exact: bool, n: int, share: float, parts: int, hit: int) -> bool:
+    """Whether n differing units all in parts holding `share` of them is a pattern: always for an
+    exact comparison (a strict part), else when chance would put them there below CHANCE."""
+    if hit >= parts or share >= 1.0:
+        return False
+    return exact or math.comb(parts, hit) * share**n < CHANCE
+
+
+def _rows_claim(axes: Axes, rows: torch.Tensor, i: int, exact: bool, unit: str) -> str:
+    label = axes.label(i)
+    hit = rows.movedim(i, 0).reshape(rows.shape[i], -1).any(-1)  # [size]: indices with a differing unit
+    n, size = int(rows.sum()), rows.shape[i]
+    if label == "token" and axes.requests is not None and len(axes.requests) >= size:
+        return _requests_claim(axes, hit, rows, i, n, exact, unit) or _lengths_claim(axes, hit, n, exact)
+    if label == "token":
+        return _lengths_claim(axes, hit, n, exact) or _range_claim("tokens", hit, n, exact)
+    if label in SHOWN:
+        return _range_claim(f"{label}s" if not label.endswith("y") else label[:-1] + "ies", hit, n, exact)
+    return ""
+
+
+def _requests_claim(axes: Axes, hit: torch.Tensor, rows: torch.Tensor, i: int, n: int, exact: bool, unit: str) -> str:
+    requests = axes.requests[: len(hit)].cpu()
+    count = int(requests.max()) + 1 if requests.numel() else 0
+    present = torch.bincount(requests, minlength=count) > 0
+    hit_requests = torch.zeros(count, dtype=torch.bool)
+    hit_requests[requests[hit]] = True
+    share = float(hit_requests[requests].float().mean())
+    if not _holds(exact, n, share, int(present.sum()), int(hit_requests.sum())):
+        return ""
+    kinds = {axes.kinds[r] for r in hit_requests.nonzero().flatten().tolist() if r < len(axes.kinds)}
+    kind = f"{kinds.pop()} " if len(kinds) == 1 and len(axes.kinds) == count else ""
+    matching = (present & ~hit_requests).nonzero().flatten().tolist()
+    matches = f"request {matching[0]} matches" if len(matching) == 1 else f"requests {_ranges(matching)} match"
+    return (f"all {n} differing {unit} belong to {kind}requests {_ranges(hit_requests.nonzero().flatten().tolist())} "
+            f"of {count}; {matches}")
+
+
+def _lengths_claim(axes: Axes, hit: torch.Tensor, n: int, exact: bool) -> str:
+    """Every differing token has one topk_length, which other tokens do not have."""
+    if axes.lengths is None or len(axes.lengths) != len(hit) or int(hit.sum()) < 2:
+        return ""
+    lengths = axes.lengths.cpu()
+    values = lengths[hit].unique()
+    if len(values) != 1:
+        return ""
+    share = float((lengths == values[0]).float().mean())
+    if not _holds(exact, n, share, len(lengths.unique()), 1):
+        return ""
+    return f"only tokens with topk_length {int(values[0])}"
+
+
+def _range_claim(what: str, hit: torch.Tensor, n: int, exact: bool) -> str:
+    size, at = len(hit), hit.nonzero().flatten().tolist()
+    if not _holds(exact, n, len(at) / size, size, len(at)):
+        return ""
+    if at == list(range(at[0], size)) and at[0] > 0:
+        return f"only {what} >= {at[0]}"
+    return f"only {what} {_ranges(at)} of {size}"
+
+
+def _columns_claim(hit: torch.Tensor, exact: bool) -> str:
+    """The scale tiles (and RoPE columns) the differing columns lie in, where that is a strict part."""
+    width = len(hit)
+    if width < LATENT:
+        return ""
+    parts = [(f"scale tile {t}", t * TILE, (t + 1) * TILE) for t in range(LATENT // TILE)]
+    if width > LATENT:
+        parts.append(("the RoPE columns", LATENT, width))
+    touched = [p for p in parts if bool(hit[p[1]:p[2]].any())]
+    share = sum(p[2] - p[1] for p in touched) / width
+    if not _holds(exact, int(hit.sum()), share, len(parts), len(touched)):
+        return ""
+    spans = ", ".join(f"{a}-{b - 1}" for _, a, b in _merged(touched))
+    tiles = [name.removeprefix("scale tile ") for name, _, _ in touched if name.startswith("scale tile")]
+    named = [f"scale tile{'s' if len(tiles) > 1 else ''} {', '.join(tiles)}"] if tiles else []
+    named += [name for name, _, _ in touched if not name.startswith("scale tile")]
+    return f"errors in columns {spans} only ({'; '.join(named)})"
+
+
+def _merged(parts: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    out: list[tuple[str, int, int]] = []
+    for name, a, b in parts:
+        if out and out[-1][2] == a:
+            out[-1] = (out[-1][0], out[-1][1], b)
+        else:
+            out.append((name, a, b))
+    return out
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    spans: list[list[int]] = []
+    for v in values:
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
