@@ -117,18 +117,44 @@ def _stage_requests(kwargs: Mapping[str, Any]) -> tuple[torch.Tensor | None, tup
     return requests, tuple("prefill" if p else "decode" for p in prefill.tolist())
 
 
-def where(axes: Axes | None, differ: torch.Tensor, exact: bool) -> str:
+def where(axes: Axes | None, differ: torch.Tensor, exact: bool, live: torch.Tensor | None = None) -> str:
     """The one line that says where the True elements of `differ` (the tensor's shape) lie, or ""
-    where no pattern holds; `exact`: a bit-for-bit comparison (no noise to rule out)."""
+    where no pattern holds; `exact`: a bit-for-bit comparison (no noise to rule out). `live`: the
+    elements that could differ at all (a float tensor's: those not equal to the reference; an
+    empty row's exact zeros say nothing of where an error goes); None: every element."""
     if axes is None or differ.dim() != len(axes.dims) or differ.dim() == 0 or not bool(differ.any()):
         return ""
     differ = differ.cpu()
+    live = (differ | live.cpu()) if live is not None else torch.ones_like(differ)
     columns = axes.label(differ.dim() - 1) == "column"
-    rows = differ.any(-1) if columns else differ
-    claims = [_rows_claim(axes, rows, i, exact, "rows" if columns else "elements") for i in range(rows.dim())]
+    rows, live_rows = (differ.any(-1), live.any(-1)) if columns else (differ, live)
+    unit = "rows" if columns else "elements"
+    claims = [_rows_claim(axes, _Split.along(rows, live_rows, i), exact, unit, i) for i in range(rows.dim())]
     if columns:
-        claims.append(_columns_claim(differ.reshape(-1, differ.shape[-1]).any(0), exact))
+        claims.append(_columns_claim(differ.reshape(-1, differ.shape[-1]).any(0),
+                                     live.reshape(-1, live.shape[-1]).any(0), exact))
     return "; ".join(filter(None, claims))
+
+
+@dataclass(frozen=True)
+class _Split:
+    """Units (rows, or elements) along one axis: which indices hold a differing one, and how many
+    live ones each index holds."""
+
+    hit: torch.Tensor     # [size] bool
+    live: torch.Tensor    # [size] live units at each index
+    n: int                # differing units
+
+    @classmethod
+    def along(cls, rows: torch.Tensor, live_rows: torch.Tensor, i: int) -> "_Split":
+        size = rows.shape[i]
+        return cls(rows.movedim(i, 0).reshape(size, -1).any(-1), live_rows.movedim(i, 0).reshape(size, -1).sum(-1),
+                   int(rows.sum()))
+
+    def share(self, part: torch.Tensor) -> float:
+        """The share of the live units that indices `part` (bool [size]) hold."""
+        total = int(self.live.sum())
+        return int(self.live[part].sum()) / total if total else 1.0
 
 
 def _holds(exact: bool, n: int, share: float, parts: int, hit: int) -> bool:
@@ -139,60 +165,58 @@ def _holds(exact: bool, n: int, share: float, parts: int, hit: int) -> bool:
     return exact or math.comb(parts, hit) * share**n < CHANCE
 
 
-def _rows_claim(axes: Axes, rows: torch.Tensor, i: int, exact: bool, unit: str) -> str:
+def _rows_claim(axes: Axes, split: _Split, exact: bool, unit: str, i: int) -> str:
     label = axes.label(i)
-    hit = rows.movedim(i, 0).reshape(rows.shape[i], -1).any(-1)  # [size]: indices with a differing unit
-    n, size = int(rows.sum()), rows.shape[i]
-    if label == "token" and axes.requests is not None and len(axes.requests) >= size:
-        return _requests_claim(axes, hit, rows, i, n, exact, unit) or _lengths_claim(axes, hit, n, exact)
+    if label == "token" and axes.requests is not None and len(axes.requests) >= len(split.hit):
+        return _requests_claim(axes, split, exact, unit) or _lengths_claim(axes, split, exact)
     if label == "token":
-        return _lengths_claim(axes, hit, n, exact) or _range_claim("tokens", hit, n, exact)
+        return _lengths_claim(axes, split, exact) or _range_claim("tokens", split, exact)
     if label in SHOWN:
-        return _range_claim(f"{label}s" if not label.endswith("y") else label[:-1] + "ies", hit, n, exact)
+        return _range_claim(f"{label}s" if not label.endswith("y") else label[:-1] + "ies", split, exact)
     return ""
 
 
-def _requests_claim(axes: Axes, hit: torch.Tensor, rows: torch.Tensor, i: int, n: int, exact: bool, unit: str) -> str:
-    requests = axes.requests[: len(hit)].cpu()
+def _requests_claim(axes: Axes, split: _Split, exact: bool, unit: str) -> str:
+    requests = axes.requests[: len(split.hit)].cpu().long()
     count = int(requests.max()) + 1 if requests.numel() else 0
-    present = torch.bincount(requests, minlength=count) > 0
+    live = torch.bincount(requests, weights=split.live.double(), minlength=count) > 0
     hit_requests = torch.zeros(count, dtype=torch.bool)
-    hit_requests[requests[hit]] = True
-    share = float(hit_requests[requests].float().mean())
-    if not _holds(exact, n, share, int(present.sum()), int(hit_requests.sum())):
+    hit_requests[requests[split.hit]] = True
+    if not _holds(exact, split.n, split.share(hit_requests[requests]), int(live.sum()), int(hit_requests.sum())):
         return ""
     kinds = {axes.kinds[r] for r in hit_requests.nonzero().flatten().tolist() if r < len(axes.kinds)}
     kind = f"{kinds.pop()} " if len(kinds) == 1 and len(axes.kinds) == count else ""
-    matching = (present & ~hit_requests).nonzero().flatten().tolist()
+    matching = (live & ~hit_requests).nonzero().flatten().tolist()
     matches = f"request {matching[0]} matches" if len(matching) == 1 else f"requests {_ranges(matching)} match"
-    return (f"all {n} differing {unit} belong to {kind}requests {_ranges(hit_requests.nonzero().flatten().tolist())} "
-            f"of {count}; {matches}")
+    named = hit_requests.nonzero().flatten().tolist()
+    which = f"{kind}request{'s' if len(named) > 1 else ''} {_ranges(named)} of {count}"
+    who = f"the one differing {unit[:-1]} belongs" if split.n == 1 else f"all {split.n} differing {unit} belong"
+    return f"{who} to {which}; {matches}"
 
 
-def _lengths_claim(axes: Axes, hit: torch.Tensor, n: int, exact: bool) -> str:
-    """Every differing token has one topk_length, which other tokens do not have."""
-    if axes.lengths is None or len(axes.lengths) != len(hit) or int(hit.sum()) < 2:
+def _lengths_claim(axes: Axes, split: _Split, exact: bool) -> str:
+    """Every differing token has one topk_length, which other live tokens do not have."""
+    if axes.lengths is None or len(axes.lengths) != len(split.hit) or int(split.hit.sum()) < 2:
         return ""
     lengths = axes.lengths.cpu()
-    values = lengths[hit].unique()
+    values = lengths[split.hit].unique()
     if len(values) != 1:
         return ""
-    share = float((lengths == values[0]).float().mean())
-    if not _holds(exact, n, share, len(lengths.unique()), 1):
+    if not _holds(exact, split.n, split.share(lengths == values[0]), len(lengths[split.live > 0].unique()), 1):
         return ""
     return f"only tokens with topk_length {int(values[0])}"
 
 
-def _range_claim(what: str, hit: torch.Tensor, n: int, exact: bool) -> str:
-    size, at = len(hit), hit.nonzero().flatten().tolist()
-    if not _holds(exact, n, len(at) / size, size, len(at)):
+def _range_claim(what: str, split: _Split, exact: bool) -> str:
+    size, at = len(split.hit), split.hit.nonzero().flatten().tolist()
+    if not _holds(exact, split.n, split.share(split.hit), int((split.live > 0).sum()), len(at)):
         return ""
     if at == list(range(at[0], size)) and at[0] > 0:
         return f"only {what} >= {at[0]}"
     return f"only {what} {_ranges(at)} of {size}"
 
 
-def _columns_claim(hit: torch.Tensor, exact: bool) -> str:
+def _columns_claim(hit: torch.Tensor, live: torch.Tensor, exact: bool) -> str:
     """The scale tiles (and RoPE columns) the differing columns lie in, where that is a strict part."""
     width = len(hit)
     if width < LATENT:
@@ -200,9 +224,13 @@ def _columns_claim(hit: torch.Tensor, exact: bool) -> str:
     parts = [(f"scale tile {t}", t * TILE, (t + 1) * TILE) for t in range(LATENT // TILE)]
     if width > LATENT:
         parts.append(("the RoPE columns", LATENT, width))
+    parts = [p for p in parts if bool(live[p[1]:p[2]].any())]
     touched = [p for p in parts if bool(hit[p[1]:p[2]].any())]
-    share = sum(p[2] - p[1] for p in touched) / width
-    if not _holds(exact, int(hit.sum()), share, len(parts), len(touched)):
+    held = sum(int(live[a:b].sum()) for _, a, b in touched)
+    # Rounding's largest errors gather in a row's largest tiles: a float claim also needs most of
+    # the named tiles' columns to differ (a wrong scale spoils every column of its tile).
+    dense = exact or int(hit.sum()) >= held / 2
+    if not dense or not _holds(exact, int(hit.sum()), held / max(1, int(live.sum())), len(parts), len(touched)):
         return ""
     spans = ", ".join(f"{a}-{b - 1}" for _, a, b in _merged(touched))
     tiles = [name.removeprefix("scale tile ") for name, _, _ in touched if name.startswith("scale tile")]

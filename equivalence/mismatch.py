@@ -50,17 +50,17 @@ def line(tensor: str, metric: str, value: float, bound: float, reason: str) -> s
 
 def describe(kind: str, c: Pair, m: Metrics, bounds: tuple[Bound, ...], metric: str) -> str:
     """The failing tensor `c` (measured as `kind`, metrics `m`, failing `metric` under `bounds`)."""
-    if metric in ("inf_mismatch", "nan_count"):
+    if metric in ("inf_mismatch", "nan_count"):  # never rounding: placed as a bit-for-bit difference is
         impl = c.impl.to(c.ref.device)
-        return _with_where(_patterns(c), c, _classes(impl) != _classes(c.ref), exact=False)
+        return _with_where(_patterns(c), c, _classes(impl) != _classes(c.ref))
     if kind == EXACT:
-        return _with_where(_exact(c, m), c, _bits(c.impl.to(c.ref.device)) != _bits(c.ref), exact=True)
+        return _with_where(_exact(c, m), c, _bits(c.impl.to(c.ref.device)) != _bits(c.ref))
     impl, ref = c.impl.to(c.ref.device).double(), c.ref.double()
     both = torch.isfinite(impl) & torch.isfinite(ref)
-    allowed = _allowed(kind, ref, both, bounds, c)
+    allowed = allowed_of(kind, ref, both, bounds, c)
     parts = [_elements(impl, ref, both, allowed)]
     if allowed is not None:
-        parts.append(where(c.axes, outside(impl, ref, both, allowed), exact=False))
+        parts.append(where(c.axes, outside(impl, ref, both, allowed), exact=False, live=impl != ref))
     if metric == "abs_mean_err":
         parts.append(f"mean {'gain' if kind == LSE else 'relative error'} {m.mean_err:+.3g}: a bias, not rounding")
     if allowed is not None and bool(both.any()):
@@ -69,7 +69,7 @@ def describe(kind: str, c: Pair, m: Metrics, bounds: tuple[Bound, ...], metric: 
     return "; ".join(filter(None, parts))
 
 
-def _allowed(kind: str, ref: torch.Tensor, both: torch.Tensor, bounds: tuple[Bound, ...],
+def allowed_of(kind: str, ref: torch.Tensor, both: torch.Tensor, bounds: tuple[Bound, ...],
              c: Pair) -> torch.Tensor | None:
     """Each element's allowed |impl - ref|: the tightest of the element-wise bounds among `bounds`."""
     rf = torch.where(both, ref, 0.0)
@@ -89,8 +89,8 @@ def outside(impl: torch.Tensor, ref: torch.Tensor, both: torch.Tensor, allowed: 
     return torch.where(both, impl - ref, 0.0).abs() > allowed
 
 
-def _with_where(text: str, c: Pair, differ: torch.Tensor, exact: bool) -> str:
-    return "; ".join(filter(None, (text, where(c.axes, differ, exact))))
+def _with_where(text: str, c: Pair, differ: torch.Tensor) -> str:
+    return "; ".join(filter(None, (text, where(c.axes, differ, exact=True))))
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

@@ -121,3 +121,16 @@ def decode_scale_tiles_swapped(q, kv_cache, indices, sm_scale):
     weights = torch.where(torch.isfinite(lse)[..., None], (logits - lse[..., None]).exp(), 0.0)
     out = torch.einsum("bshk,bskd->bshd", weights, values)
     return out.float().to(torch.bfloat16), lse.masked_fill(~torch.isfinite(lse), math.inf).transpose(1, 2).float()
+
+
+def minus_one_reads_row_0(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """Invalid entries clamped into range and counted (a load with a clamped address and no mask):
+    -1 and the other negatives read row 0, entries past the end the last row."""
+    clamped = indices.clamp(0, kv.shape[0] - 1)
+    return _as_kernel(reference.sparse_prefill(q, kv, clamped, sm_scale, topk_length, attn_sink))
+
+
+def decode_minus_one_reads_slot_0(q, kv_cache, indices, sm_scale):
+    """-1 entries read as slot 0 (a clamped address, no mask)."""
+    res = reference.sparse_decode_fp8(q, kv_cache, indices.clamp(min=0), sm_scale)
+    return res.out.float().to(torch.bfloat16), res.lse.float()
