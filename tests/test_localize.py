@@ -181,3 +181,14 @@ def test_a_decode_nan_read_names_the_minus_one_entry_read_as_slot_0():
     out = _rows(case, "tests.zoo.attention:decode_minus_one_reads_slot_0")["out"]
     assert not out.passed and re.search(r"batch entry \d's position \d+ holds -1, read as slot 0, which no valid entry "
                                         r"selects \(NaN\): the kernel reads invalid entries", out.reason), out.reason
+
+
+def test_list_op_forward_mqa_lists_its_stages_with_their_contracts():
+    from mla_verify.describe import describe
+
+    text = "\n".join(describe("forward_mqa"))
+    assert "q=bfloat16[T=" in text and "topk_indices=int32[T=" in text and "block_table=int32[R=" in text
+    assert "    bf16: convert_index -> sparse_prefill" in text
+    assert "    fp8_mixed_dcp: dcp_convert_index -> sparse_decode_fp8 -> dcp_merge" in text
+    assert "    convert_index(req_id[T] int32, block_table[R,M] int32, topk_indices[T,K] int32" in text
+    assert "-> (out[B,S,H,512] bf16, lse[B,H,S] f32)" in text
