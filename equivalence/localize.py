@@ -34,6 +34,7 @@ from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes
 from . import contracts
 
 CHANCE = 1e-3
+ROUNDED = 2.0**-6  # relative error of a float element within 4 bf16 rounding steps (2**-8) of its own size
 TILE, LATENT = 128, 512  # an fp8_ds_mla row's scale tiles; past the latent part, the RoPE columns
 AXES = {"T": "token", "H": "head", "B": "batch entry", "S": "query position", "s": "query position",
         "N": "kv row", "K": "top-k position", "P": "prefill request", "R": "request", "num_rows": "workspace row"}
@@ -117,15 +118,26 @@ def _stage_requests(kwargs: Mapping[str, Any]) -> tuple[torch.Tensor | None, tup
     return requests, tuple("prefill" if p else "decode" for p in prefill.tolist())
 
 
-def where(axes: Axes | None, differ: torch.Tensor, exact: bool, live: torch.Tensor | None = None) -> str:
+def where(axes: Axes | None, differ: torch.Tensor, exact: bool, live: torch.Tensor | None = None,
+          magnitude: torch.Tensor | None = None, error: torch.Tensor | None = None) -> str:
     """The one line that says where the True elements of `differ` (the tensor's shape) lie, or ""
     where no pattern holds; `exact`: a bit-for-bit comparison (no noise to rule out). `live`: the
     elements that could differ at all (a float tensor's: those not equal to the reference; an
-    empty row's exact zeros say nothing of where an error goes); None: every element."""
+    empty row's exact zeros say nothing of where an error goes); None: every element.
+    `magnitude`: a float tensor's |reference|: a part matches only by holding elements as large
+    as the differing ones (the median of theirs), since rounding's largest errors sit on the
+    largest values (a saturated tile), and a part of small values could not have shown them.
+    `error`: with `magnitude`, |impl - reference|: differing elements off by less than
+    ROUNDED of their own size (in the median) are rounding, wherever they sit: no claim."""
     if axes is None or differ.dim() != len(axes.dims) or differ.dim() == 0 or not bool(differ.any()):
         return ""
     differ = differ.cpu()
     live = (differ | live.cpu()) if live is not None else torch.ones_like(differ)
+    if magnitude is not None:
+        magnitude = magnitude.cpu()
+        if error is not None and float((error.cpu() / magnitude)[differ].median()) < ROUNDED:
+            return ""
+        live = differ | (live & (magnitude >= magnitude[differ].median()))
     columns = axes.label(differ.dim() - 1) == "column"
     rows, live_rows = (differ.any(-1), live.any(-1)) if columns else (differ, live)
     unit = "rows" if columns else "elements"
