@@ -169,6 +169,24 @@ class _Split:
         return int(self.live[part].sum()) / total if total else 1.0
 
 
+def named_at(axes: Axes | None, at: str) -> str:
+    """A position "4,0" as its axes name it, " (token 4 of request 2, top-k position 0)"; "" where
+    the axes are unknown."""
+    coords = [int(c) for c in at.split(",")] if at else []
+    if axes is None or len(coords) != len(axes.dims):
+        return ""
+    parts = []
+    for i, c in enumerate(coords):
+        label = axes.label(i)
+        if label == "column":
+            parts.append(f"column {c} in {f'scale tile {c // TILE}' if c < LATENT else 'the RoPE columns'}")
+        elif label == "token" and axes.requests is not None and c < len(axes.requests):
+            parts.append(f"token {c} of request {int(axes.requests[c])}")
+        else:
+            parts.append(f"{label} {c}")
+    return f" ({', '.join(parts)})"
+
+
 def _holds(exact: bool, n: int, share: float, parts: int, hit: int) -> bool:
     """Whether n differing units all in parts holding `share` of them is a pattern: always for an
     exact comparison (a strict part), else when chance would put them there below CHANCE."""

@@ -18,7 +18,7 @@ from functools import reduce
 
 import torch
 
-from .localize import Axes, where
+from .localize import Axes, named_at, where
 from .metrics import Metrics, lse_unit, output_row_scale
 from .policy import EXACT, LSE, OUT, Bound
 
@@ -58,7 +58,7 @@ def describe(kind: str, c: Pair, m: Metrics, bounds: tuple[Bound, ...], metric: 
     impl, ref = c.impl.to(c.ref.device).double(), c.ref.double()
     both = torch.isfinite(impl) & torch.isfinite(ref)
     allowed = allowed_of(kind, ref, both, bounds, c)
-    parts = [_elements(impl, ref, both, allowed)]
+    parts = [_elements(impl, ref, both, allowed, c.axes)]
     if allowed is not None:
         parts.append(where(c.axes, outside(impl, ref, both, allowed), exact=False, live=impl != ref,
                            magnitude=torch.where(both, ref, 0.0).abs(), error=torch.where(both, impl - ref, 0.0).abs()))
@@ -101,18 +101,22 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
 
 
-def _elements(impl: torch.Tensor, ref: torch.Tensor, both: torch.Tensor, allowed: torch.Tensor | None) -> str:
+def _elements(impl: torch.Tensor, ref: torch.Tensor, both: torch.Tensor, allowed: torch.Tensor | None,
+              axes: Axes | None = None) -> str:
     d = torch.where(both, impl - ref, 0.0).abs()
     n = ref.numel()
     if allowed is None:  # no element-wise bound: the largest difference
         at = int(d.reshape(-1).argmax()) if n else 0
-        return f"largest difference at [{_at(at, ref.shape)}]: kernel {_v(impl, at)}, reference {_v(ref, at)}"
+        where_at = _at(at, ref.shape)
+        return (f"largest difference at [{where_at}]{named_at(axes, where_at)}: kernel {_v(impl, at)}, "
+                f"reference {_v(ref, at)}")
     over = int((d > allowed).sum())
     ratio = torch.where(d > 0, d / allowed, 0.0)  # an element allowed 0 and off at all: inf
     at = int(ratio.reshape(-1).argmax()) if n else 0
     head = (f"{over} / {n} elements ({_percent(over, n)}) outside their allowed difference; worst" if over
             else "every element within its allowed difference (the error is spread); closest to its bound")
-    return (f"{head} at [{_at(at, ref.shape)}]: kernel {_v(impl, at)}, reference {_v(ref, at)}, "
+    where_at = _at(at, ref.shape)
+    return (f"{head} at [{where_at}]{named_at(axes, where_at)}: kernel {_v(impl, at)}, reference {_v(ref, at)}, "
             f"off by {float(d.reshape(-1)[at]):.3g}, allowed {float(allowed.reshape(-1)[at]):.3g}")
 
 
@@ -199,8 +203,8 @@ def _exact(c: Pair, m: Metrics) -> str:
     """An exact tensor's differing elements, and the first of them."""
     n = c.ref.numel()
     differ = round(m.mismatch_frac * n) if not math.isnan(m.mismatch_frac) else n
-    first = f"; first at [{m.max_abs_at}]: kernel {m.extra['first_mismatch'].replace(' vs ', ', reference ')}" \
-        if "first_mismatch" in m.extra else ""
+    first = (f"; first at [{m.max_abs_at}]{named_at(c.axes, m.max_abs_at)}: kernel "
+             f"{m.extra['first_mismatch'].replace(' vs ', ', reference ')}") if "first_mismatch" in m.extra else ""
     return f"{differ} / {n} elements ({_percent(differ, n)}) differ bit for bit{first}"
 
 

@@ -25,4 +25,4 @@ class Produced:
     notes: tuple[str, ...] = ()
     t_impl: float = float("nan")
     compared: list = field(default_factory=list)  # a property's comparisons (tensors on the host)
-    stage_calls: tuple[list, list] = ([], [])     # a pipeline's stage calls, plain and fed (`stages.traced`)
+    stage_calls: tuple[list, list] = field(default_factory=lambda: ([], []))  # a pipeline's, plain and fed (`stages.traced`)
