@@ -4,6 +4,9 @@ reference's and the allowed difference; for an LSE the ratio or offset a convent
 -inf for an empty row, a constant shift); for +inf/-inf/NaN every pattern that differs, counted,
 with its first position.
 
+Positions are named along the tensor's axes where its check knows them (`Pair.axes`), and one
+clause says where the differing elements are confined (`localize.where`).
+
 `describe` runs only for a failing tensor, with its tensors at hand (a passing case pays nothing),
 and its text is the row's reason. `line` is how every front end (the CLI's fuzz and replay,
 `check()`'s report, JUnit) prints a failing row. The bound's own reason is `mla-verify list

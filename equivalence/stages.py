@@ -91,7 +91,11 @@ class StageOracle:
 
 
 _ATTENTION = (Compared("out", OUT), Compared("lse", LSE, "logit_l1"))
-_PAIR = lambda kw: ("out", "lse")  # noqa: E731
+
+
+def _pair(kw: dict) -> tuple[str, ...]:
+    return ("out", "lse")
+
 
 ORACLES: dict[str, StageOracle] = {
     "concat_mla_q": StageOracle(_one("q", reference.concat_mla_q), (Compared("q", EXACT),), lambda kw: ("q",)),
@@ -113,9 +117,9 @@ ORACLES: dict[str, StageOracle] = {
                                           (Compared("workspace", EXACT),), lambda kw: ("workspace",)),
     "sparse_prefill": StageOracle(lambda kw: _attention(reference.sparse_prefill(**kw)), _ATTENTION,
                                   lambda kw: ("out", "lse", "max_logits"), required=2),
-    "sparse_decode_fp8": StageOracle(lambda kw: _attention(reference.sparse_decode(**kw)), _ATTENTION, _PAIR),
-    "sparse_decode_nvfp4": StageOracle(lambda kw: _attention(reference.sparse_decode(**kw)), _ATTENTION, _PAIR),
-    "dcp_merge": StageOracle(_merge, _ATTENTION, _PAIR),
+    "sparse_decode_fp8": StageOracle(lambda kw: _attention(reference.sparse_decode(**kw)), _ATTENTION, _pair),
+    "sparse_decode_nvfp4": StageOracle(lambda kw: _attention(reference.sparse_decode(**kw)), _ATTENTION, _pair),
+    "dcp_merge": StageOracle(_merge, _ATTENTION, _pair),
 }
 # Whose contract names a stage's dimensions (`localize.dims_of`): the nvfp4 decode shares fp8's.
 CONTRACT_OF = {"sparse_decode_nvfp4": "sparse_decode_fp8"}
@@ -261,10 +265,13 @@ def first_difference(plain: Sequence[Call], fed: Sequence[Call], numerics: Numer
     differs."""
     found = judge_calls(plain, numerics)
     if not found:
-        return ""
+        return ("every stage's output matches the reference's stage on its own inputs: what differs is how the "
+                "stages were put together, or a run that does not repeat") if plain else ""
     first = found[0]
+    ranks = sorted({d.call.rank for d in found if d.call.stage == first.call.stage and d.call.rank is not None})
+    also = f"; ranks {', '.join(map(str, ranks))} differ there" if len(ranks) > 1 else ""
     text = (f"{first.where()} is the first whose output differs from the reference's on the same inputs "
-            f"({first.call.impl}): {first.text()}")
+            f"({first.call.impl}): {first.text()}{also}")
     others = [d for d in judge_calls(fed, numerics) if d.call.stage != first.call.stage]
     if others:
         named = ", ".join(dict.fromkeys(d.where() for d in others))

@@ -55,8 +55,9 @@ def test_a_dcp_converter_is_named_with_its_rank():
     case = Case("forward_mqa", {**BASE, **PATHS["fp8_mixed"], "dcp_size": 2, "interleave": 2}, 3)
     rows = _rows(case, "dcp_convert_index=tests.zoo.indices:dcp_interleave_ignored")
     assert rows["out"].path == "fp8_mixed_dcp"
-    assert re.search(r"stage dcp_convert_index \(rank \d\) is the first whose output differs", rows["out"].reason), \
-        rows["out"].reason
+    reason = rows["out"].reason
+    assert "stage dcp_convert_index (rank 0) is the first whose output differs" in reason, reason
+    assert "ranks 0, 1 differ there" in reason
 
 
 def test_fed_the_reference_outputs_a_second_fault_is_named_too():
@@ -194,3 +195,23 @@ def test_list_op_forward_mqa_lists_its_stages_with_their_contracts():
     assert "    fp8_mixed_dcp: dcp_convert_index -> sparse_decode_fp8 -> dcp_merge" in text
     assert "    convert_index(req_id[T] int32, block_table[R,M] int32, topk_indices[T,K] int32" in text
     assert "-> (out[B,S,H,512] bf16, lse[B,H,S] f32)" in text
+
+
+CALLS = {"convert": 0}
+
+
+def wrong_once(**kwargs):
+    """A converter wrong on its first call only (module state): the traced runs see it right."""
+    from mla_verify import reference
+
+    CALLS["convert"] += 1
+    if CALLS["convert"] == 1:
+        kwargs["req_id"] = torch.zeros_like(kwargs["req_id"])
+    return reference.convert_index(**kwargs)
+
+
+def test_a_failure_no_stage_repeats_says_every_stage_matches():
+    CALLS["convert"] = 0
+    rows = _rows(Case("forward_mqa", {**BASE, **PATHS["bf16"]}, 1), "convert_index=tests.test_localize:wrong_once")
+    assert not rows["out"].passed and CALLS["convert"] == 3  # the case, then the plain and the fed run
+    assert "every stage's output matches the reference's stage on its own inputs" in rows["out"].reason
