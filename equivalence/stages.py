@@ -187,7 +187,7 @@ def _like(ref: Any, got: Any) -> Any:
     """The reference's stage result in the form and dtypes the implementation returned its own."""
     if isinstance(ref, torch.Tensor) and isinstance(got, torch.Tensor):
         return ref.to(got.device, got.dtype)
-    if isinstance(ref, (tuple, list)) and isinstance(got, (tuple, list)) and not isinstance(ref[0], (tuple, list)):
+    if isinstance(ref, tuple) and isinstance(got, (tuple, list)):  # (out, lse), (indices, counts)
         return tuple(_like(r, g) for r, g in zip(ref, got))
     return ref
 

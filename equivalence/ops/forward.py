@@ -124,5 +124,6 @@ FORWARD_MQA = register(PipelineSpec(
     paths=FORWARD_PATHS,
     own_campaigns=HISPARSE_PATHS,
     draw_path=_path_params,
+    traced=lambda p: not p.hisparse,  # the HiSparse pipeline's stages have no stage oracle here
     doc="FlashMLASparseImpl.forward_mqa: bf16 / fp8_mixed / fp8_separate paths, with DCP over ranks, and the HiSparse paths",
 ), priority=0)

@@ -41,6 +41,7 @@ class PipelineSpec(OpSpec):
     own_campaigns: tuple[str, ...] = ()    # paths the gate fuzzes apart: the unrestricted draw never takes them
     draw_path: Callable[[Profile, str], st.SearchStrategy[dict]] | None = None
     draw_ranks: Callable[[Profile, int], st.SearchStrategy[dict]] | None = None
+    traced: Callable[[Any], bool] = lambda params: True  # whether its stages are recorded (`equivalence.stages`)
 
     def strategy(self, profile: Profile, path: str | None = None, world_size: int | None = None) -> st.SearchStrategy[Case]:
         if path is not None:
@@ -77,7 +78,8 @@ class PipelineSpec(OpSpec):
         """`OpSpec.evaluate_block`, each failing case then told the first stage whose output
         differs (`equivalence.stages`)."""
         found = super().evaluate_block(cases, subject, device, source=source, **kwargs)
-        if source in UNTRACED or self.own_processes or subject.fn is not None:
+        if source in UNTRACED or self.own_processes or subject.fn is not None or not self.traced(
+                self.params_of(cases[0].params)):
             return found
         for case, rows in zip(cases, found):
             if rows is not None and stages.failing(rows):
@@ -102,7 +104,8 @@ class PipelineSpec(OpSpec):
         """`OpSpec.produce`, with the stage calls of the cases a run reports (TRACED_IN_WORKER),
         on the host, for the judge to judge."""
         produced = super().produce(case, subject, device, source=source, **kwargs)
-        if source not in TRACED_IN_WORKER or produced.failed or self.own_processes or subject.fn is not None:
+        if (source not in TRACED_IN_WORKER or produced.failed or self.own_processes or subject.fn is not None
+                or not self.traced(self.params_of(case.params))):
             return produced
         plain, fed = self._traced(case, subject, device)
         return replace(produced, stage_calls=(stages.host(plain), stages.host(fed)))
