@@ -193,17 +193,23 @@ def _like(ref: Any, got: Any) -> Any:
 
 
 def host(calls: Sequence[Call]) -> list[Call]:
-    """The calls with every tensor moved to the host: data an isolation worker sends its judge."""
-    return [dataclasses.replace(c, kwargs={k: _host(v) for k, v in c.kwargs.items()}, result=_host(c.result))
+    """The calls with every tensor moved to the host: data an isolation worker sends its judge. A
+    tensor several calls were handed (the cache) is copied, and sent, once."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def moved(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if id(x) not in copies:
+                copies[id(x)] = x.detach().to("cpu", copy=True)
+            return copies[id(x)]
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(*(moved(v) for v in x))
+        if isinstance(x, (tuple, list)):
+            return type(x)(moved(v) for v in x)
+        return x
+
+    return [dataclasses.replace(c, kwargs={k: moved(v) for k, v in c.kwargs.items()}, result=moved(c.result))
             for c in calls]
-
-
-def _host(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu", copy=True)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_host(v) for v in x) if not hasattr(x, "_fields") else type(x)(*(_host(v) for v in x))
-    return x
 
 
 @dataclass(frozen=True)

@@ -215,3 +215,17 @@ def test_a_failure_no_stage_repeats_says_every_stage_matches():
     rows = _rows(Case("forward_mqa", {**BASE, **PATHS["bf16"]}, 1), "convert_index=tests.test_localize:wrong_once")
     assert not rows["out"].passed and CALLS["convert"] == 3  # the case, then the plain and the fed run
     assert "every stage's output matches the reference's stage on its own inputs" in rows["out"].reason
+
+
+def test_isolated_the_worker_sends_the_stage_calls_and_the_parent_judges_them():
+    from mla_verify.equivalence.isolation import Worker
+
+    case = Case("forward_mqa", {**BASE, **PATHS["fp8_separate"]}, 1)
+    worker = Worker("cpu", timeout_s=120)
+    try:
+        found = {r.tensor: r for r in worker.run(case, [FIRST_BASE], "pipeline", source="replay")}
+        unreported = {r.tensor: r for r in worker.run(case, [FIRST_BASE], "pipeline", source="rerun")}
+    finally:
+        worker.close()
+    assert FIRST in found["out"].reason and "prefill request 2 of 3" in found["out"].reason, found["out"].reason
+    assert not unreported["out"].passed and "stage" not in unreported["out"].reason  # a re-run is not traced
