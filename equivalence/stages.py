@@ -26,7 +26,7 @@ import contextlib
 import contextvars
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -135,7 +135,6 @@ class Call:
     rank: int | None
     kwargs: dict[str, Any]
     result: Any
-    fed: bool = False  # made in the run fed the reference's stage outputs
 
 
 @dataclass
@@ -152,7 +151,7 @@ class Recorder:
                 self.rank = kwargs["dcp_rank"]
             result = impl.fn(**kwargs)
             rank = None if stage == "dcp_merge" else self.rank
-            self.calls.append(Call(stage, impl.name, tuple(impl.deviations), rank, kwargs, result, self.feed))
+            self.calls.append(Call(stage, impl.name, tuple(impl.deviations), rank, kwargs, result))
             if self.feed and stage in ORACLES:
                 return _like(ORACLES[stage].answer(kwargs)[0], result)
             return result

@@ -7,7 +7,7 @@ answer to that case, and the bounds from the tolerance policy."""
 from __future__ import annotations
 
 import textwrap
-from typing import Any, Mapping
+from typing import Any
 
 WIDTH = 100
 
