@@ -192,8 +192,9 @@ def _patterns(c: Pair) -> str:
         got, want = _CLASS_NAMES[code // 4], _CLASS_NAMES[code % 4]
         ref_at = f", reference {_v(c.ref, first)}" if want == "finite" else ""
         kernel_at = f", kernel {_v(impl, first)}" if got == "finite" else ""
+        at = _at(first, c.ref.shape)
         parts.append(f"{int(where.sum())} {got} where the reference is {want} (first at "
-                     f"[{_at(first, c.ref.shape)}]{kernel_at}{ref_at})")
+                     f"[{at}]{named_at(c.axes, at)}{kernel_at}{ref_at})")
         if got == "-inf" and want == "+inf" and "lse" in c.tensor:
             parts[-1] += (": an empty row's LSE is +inf here; declare --convention empty_lse=-inf if that is your "
                           "kernel's convention")

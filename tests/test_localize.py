@@ -229,3 +229,11 @@ def test_isolated_the_worker_sends_the_stage_calls_and_the_parent_judges_them():
         worker.close()
     assert FIRST in found["out"].reason and "prefill request 2 of 3" in found["out"].reason, found["out"].reason
     assert not unreported["out"].passed and "stage" not in unreported["out"].reason  # a re-run is not traced
+
+
+def test_an_error_only_on_tokens_of_one_topk_length_says_so():
+    case = Case("sparse_prefill", {"tokens": 16, "heads": 4, "kv_rows": 300, "topk": 64, "value_regime": "normal",
+                                   "sm_scale": 0.1, "invalid": [], "topk_length": "edges", "sink": "none"}, 4)
+    lse = _rows(case, "tests.zoo.attention:empty_row_lse_minus_inf")["lse"]
+    assert not lse.passed and lse.reason.endswith("; only tokens with topk_length 0"), lse.reason
+    assert "(first at [5,0] (token 5, head 0))" in lse.reason
