@@ -33,6 +33,9 @@ VARIANTS = {"pipeline": (), "pipeline[triton attention]": ("sparse_prefill=trito
 # know which of its cases fail, and recording every case would run each three times.
 UNTRACED = frozenset({"rerun", "bench"})
 TRACED_IN_WORKER = frozenset({"shrink", "replay"})
+# The worker's traced runs count against the case's timeout (its parent waits for one answer): a
+# case whose call took longer than this is not traced there (the runs take about twice as long).
+TRACE_CALL_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -78,14 +81,20 @@ class PipelineSpec(OpSpec):
         """`OpSpec.evaluate_block`, each failing case then told the first stage whose output
         differs (`equivalence.stages`)."""
         found = super().evaluate_block(cases, subject, device, source=source, **kwargs)
-        if source in UNTRACED or self.own_processes or subject.fn is not None or not self.traced(
-                self.params_of(cases[0].params)):
+        if source in UNTRACED or not self._traces(subject, cases[0]):
             return found
         for case, rows in zip(cases, found):
             if rows is not None and stages.failing(rows):
-                plain, fed = self._traced(case, subject, device)
-                stages.told(rows, stages.first_difference(plain, fed, self.params_of(case.params).numerics()))
+                self._tell(case, rows, self._traced(case, subject, device))
         return found
+
+    def _traces(self, subject: Subject, case: Case) -> bool:
+        """Whether the case's stages are recorded: the project's pipeline, one process, a path whose
+        stages have oracles (`traced`)."""
+        return not self.own_processes and subject.fn is None and self.traced(self.params_of(case.params))
+
+    def _tell(self, case: Case, rows: list, calls: tuple[list, list]) -> None:
+        stages.told(rows, stages.first_difference(*calls, self.params_of(case.params).numerics()))
 
     def _traced(self, case: Case, subject: Subject, device: str) -> tuple[list, list]:
         """The case's stage calls, plain and fed, on inputs built again from its seed."""
@@ -104,8 +113,8 @@ class PipelineSpec(OpSpec):
         """`OpSpec.produce`, with the stage calls of the cases a run reports (TRACED_IN_WORKER),
         on the host, for the judge to judge."""
         produced = super().produce(case, subject, device, source=source, **kwargs)
-        if (source not in TRACED_IN_WORKER or produced.failed or self.own_processes or subject.fn is not None
-                or not self.traced(self.params_of(case.params))):
+        if (source not in TRACED_IN_WORKER or produced.failed or not self._traces(subject, case)
+                or not produced.t_impl <= TRACE_CALL_S):
             return produced
         plain, fed = self._traced(case, subject, device)
         moved = stages.host(plain + fed)  # the cache both runs were handed goes once
@@ -118,6 +127,5 @@ class PipelineSpec(OpSpec):
         found = super().judge_produced_block(cases, produced, label, device, **kwargs)
         for case, p, rows in zip(cases, produced, found):
             if p.stage_calls[0] and stages.failing(rows):
-                plain, fed = p.stage_calls
-                stages.told(rows, stages.first_difference(plain, fed, self.params_of(case.params).numerics()))
+                self._tell(case, rows, p.stage_calls)
         return found
