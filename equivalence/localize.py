@@ -135,20 +135,21 @@ def where(axes: Axes | None, differ: torch.Tensor, exact: bool, live: torch.Tens
     ROUNDED of their own size (in the median) are rounding, wherever they sit: no claim."""
     if axes is None or differ.dim() != len(axes.dims) or differ.dim() == 0 or not bool(differ.any()):
         return ""
-    differ = differ.cpu()
-    live = (differ | live.cpu()) if live is not None else torch.ones_like(differ)
+    # Reduced where the tensors live; only rows and columns come to the host (a failing GPU
+    # tensor's float64 magnitudes would be gigabytes).
+    live = (differ | live.to(differ.device)) if live is not None else torch.ones_like(differ)
     if magnitude is not None:
-        magnitude = magnitude.cpu()
-        if error is not None and float((error.cpu() / magnitude)[differ].median()) < ROUNDED:
+        magnitude = magnitude.to(differ.device)
+        if error is not None and float((error.to(differ.device) / magnitude)[differ].median()) < ROUNDED:
             return ""
         live = differ | (live & (magnitude >= magnitude[differ].median()))
     columns = axes.label(differ.dim() - 1) == "column"
-    rows, live_rows = (differ.any(-1), live.any(-1)) if columns else (differ, live)
+    rows, live_rows = (differ.any(-1).cpu(), live.any(-1).cpu()) if columns else (differ.cpu(), live.cpu())
     unit = "rows" if columns else "elements"
     claims = [_rows_claim(axes, _Split.along(rows, live_rows, i), exact, unit, i) for i in range(rows.dim())]
     if columns:
-        claims.append(_columns_claim(differ.reshape(-1, differ.shape[-1]).any(0),
-                                     live.reshape(-1, live.shape[-1]).any(0), exact))
+        claims.append(_columns_claim(differ.reshape(-1, differ.shape[-1]).any(0).cpu(),
+                                     live.reshape(-1, live.shape[-1]).any(0).cpu(), exact))
     return "; ".join(filter(None, claims))
 
 

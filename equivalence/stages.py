@@ -16,7 +16,7 @@ output hides (every entry it reads -1) shows there, and where nothing else diffe
 stage is the only fault. The fed run hands the implementation reference values: it is a
 diagnosis, never a verdict (the case's rows are judged before it).
 
-In an isolation worker, the calls travel to the parent as data (`host`): the parent computes
+In an isolation worker, the calls travel to the parent as data (`moved` to the host): the parent computes
 every reference and every judgment (`judge_calls`).
 """
 
@@ -191,23 +191,24 @@ def _like(ref: Any, got: Any) -> Any:
     return ref
 
 
-def host(calls: Sequence[Call]) -> list[Call]:
-    """The calls with every tensor moved to the host: data an isolation worker sends its judge. A
-    tensor several calls were handed (the cache) is copied, and sent, once."""
+def moved(calls: Sequence[Call], device: str = "cpu") -> list[Call]:
+    """The calls with every tensor copied to `device`: to the host, the data an isolation worker
+    sends its judge; from it, to where the judge computes. A tensor several calls were handed (the
+    cache) is copied, and sent, once."""
     copies: dict[int, torch.Tensor] = {}
 
-    def moved(x: Any) -> Any:
+    def one(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             if id(x) not in copies:
-                copies[id(x)] = x.detach().to("cpu", copy=True)
+                copies[id(x)] = x.detach().to(device, copy=True)
             return copies[id(x)]
         if isinstance(x, tuple) and hasattr(x, "_fields"):
-            return type(x)(*(moved(v) for v in x))
+            return type(x)(*(one(v) for v in x))
         if isinstance(x, (tuple, list)):
-            return type(x)(moved(v) for v in x)
+            return type(x)(one(v) for v in x)
         return x
 
-    return [dataclasses.replace(c, kwargs={k: moved(v) for k, v in c.kwargs.items()}, result=moved(c.result))
+    return [dataclasses.replace(c, kwargs={k: one(v) for k, v in c.kwargs.items()}, result=one(c.result))
             for c in calls]
 
 
