@@ -12,15 +12,15 @@ request 0 matches", "errors in columns 384-511 only (scale tile 3)", "only batch
 Noise must not read as a pattern. A tensor compared bit for bit differs only where it is wrong,
 so where it differs is a fact. A float tensor's differing elements (outside their allowed
 difference) make a claim only when they are past rounding (their median error at least ROUNDED of
-their own size), among the live elements (those not equal to the reference, as large as the
-differing ones: rounding's largest errors sit on the largest values), when elements spread at
+their own size), among the live elements (of a nonzero reference, as large as the differing ones:
+rounding's largest errors sit on the largest values), when elements spread at
 random would land all in the named part with a chance below CHANCE (n differing rows, or columns
 for the column axis, in a part holding a share f of the live ones: f**n, times the number of parts
 of that size), and, for tiles, when most of the named tiles' columns differ. Measured with the
 correct implementations over the gate's cases (corpus and `ci` draws, reseeded: 350 cases, 780
-float tensors, their 1% of elements nearest their bounds taken as differing): no pattern line, 6
-tile claims from saturation-regime rounding without the rounding and magnitude rules;
-tests/test_localize.py repeats a smaller run.
+float tensors, their 1% of elements nearest their bounds taken as differing): no pattern line;
+11 (tiles, batch entries, tokens, requests) with ROUNDED at 0; tests/test_localize.py repeats a
+smaller run.
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ def where(axes: Axes | None, differ: torch.Tensor, exact: bool, live: torch.Tens
           magnitude: torch.Tensor | None = None, error: torch.Tensor | None = None) -> str:
     """The one line that says where the True elements of `differ` (the tensor's shape) lie, or ""
     where no pattern holds; `exact`: a bit-for-bit comparison (no noise to rule out). `live`: the
-    elements that could differ at all (a float tensor's: those not equal to the reference; an
-    empty row's exact zeros say nothing of where an error goes); None: every element.
+    elements that could differ at all (a float tensor's: those of a nonzero reference or not equal
+    to it; an empty row's exact zeros say nothing of where an error goes); None: every element.
     `magnitude`: a float tensor's |reference|: a part matches only by holding elements as large
     as the differing ones (the median of theirs), since rounding's largest errors sit on the
     largest values (a saturated tile), and a part of small values could not have shown them.

@@ -63,7 +63,7 @@ def describe(kind: str, c: Pair, m: Metrics, bounds: tuple[Bound, ...], metric: 
     allowed = allowed_of(kind, ref, both, bounds, c)
     parts = [_elements(impl, ref, both, allowed, c.axes)]
     if allowed is not None:
-        parts.append(where(c.axes, outside(impl, ref, both, allowed), exact=False, live=impl != ref,
+        parts.append(where(c.axes, outside(impl, ref, both, allowed), exact=False, live=(impl != ref) | (ref != 0),
                            magnitude=torch.where(both, ref, 0.0).abs(), error=torch.where(both, impl - ref, 0.0).abs()))
     if metric == "abs_mean_err":
         parts.append(f"mean {'gain' if kind == LSE else 'relative error'} {m.mean_err:+.3g}: a bias, not rounding")

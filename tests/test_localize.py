@@ -133,7 +133,7 @@ def _noise_lines(case: Case, counts: dict) -> list:
         differ = (ratio > 0) & (ratio >= ratio.flatten().quantile(0.99)) if ratio.numel() else ratio > 0
         counts["tensors"] += 1
         counts["with_differences"] += bool(differ.any())
-        line = localize.where(spec.axes(check.tensor, kwargs), differ, exact=False, live=impl != ref,
+        line = localize.where(spec.axes(check.tensor, kwargs), differ, exact=False, live=(impl != ref) | (ref != 0),
                               magnitude=torch.where(both, ref, 0.0).abs(),
                               error=torch.where(both, impl - ref, 0.0).abs())
         if line:
