@@ -237,3 +237,13 @@ def test_an_error_only_on_tokens_of_one_topk_length_says_so():
     lse = _rows(case, "tests.zoo.attention:empty_row_lse_minus_inf")["lse"]
     assert not lse.passed and lse.reason.endswith("; only tokens with topk_length 0"), lse.reason
     assert "(first at [5,0] (token 5, head 0))" in lse.reason
+
+
+def test_the_minimized_tile_case_still_names_the_tiles():
+    """`check('sparse_decode_fp8', ...:decode_scale_tiles_swapped, seed=1)`'s minimized case: one key a
+    row, so every other element equals the reference exactly (an exact match counts as matching)."""
+    case = Case("sparse_decode_fp8", {"batch": 2, "heads": 1, "invalid": [], "page_size": 1, "s_q": 1,
+                                      "scale_rule": "pow2", "seq_lens": [1, 1], "sm_scale": 0.0417, "stride_pad": 0,
+                                      "topk": 64, "value_regime": "normal"}, 0)
+    out = _rows(case, "tests.zoo.attention:decode_scale_tiles_swapped")["out"]
+    assert out.reason.endswith("; errors in columns 256-511 only (scale tiles 2, 3)"), out.reason
