@@ -191,6 +191,11 @@ def _like(ref: Any, got: Any) -> Any:
     return ref
 
 
+def fields_of(call: Call) -> dict[str, Any]:
+    """A call as plain data (its fields by name, the values themselves), as `equivalence.wire` sends it."""
+    return {f.name: getattr(call, f.name) for f in dataclasses.fields(call)}
+
+
 def moved(calls: Sequence[Call], device: str = "cpu") -> list[Call]:
     """The calls with every tensor copied to `device`: to the host, the data an isolation worker
     sends its judge; from it, to where the judge computes. A tensor several calls were handed (the

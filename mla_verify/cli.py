@@ -374,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
                  _epilog([("0", "the run finished with no failure and, with --baseline, no drift beyond --factor"),
                           ("1", "the run has failures, did not finish or stopped early, or drift: a normalized "
                                 "error, its bias or its headroom grew beyond --factor case for case (or by the "
-                                "rank test, unpaired)"),
+                                "rank test, unpaired); or TAMPERED: its rows or failure files are not what the run "
+                                "recorded in meta.json"),
                           ("2", "a missing, empty, truncated or malformed run directory (a verdict column that is "
                                 "not true/false, a file that is not a regular file), --html/--markdown naming a "
                                 "file of a run, a baseline with nothing comparable (no op, or no implementation "
@@ -586,13 +587,11 @@ def cmd_gate(args, device: str) -> int:
 
 
 def cmd_report(args, device: str) -> int:
-    from mla_verify import reports
-    from mla_verify.api import load_run, save_worst_case
-
-    from mla_verify.api import replay_command
+    from mla_verify import record, reports
+    from mla_verify.api import load_run, replay_command, save_worst_case
     from mla_verify.rundir import recover_crashed
 
-    _, meta = load_run(args.run_dir, "run")
+    rows, meta = load_run(args.run_dir, "run")
     if meta.get("incomplete"):
         print(f"note: {args.run_dir} stopped early ({meta['stopped']}): its cases not reached have no verdict"
               if meta.get("stopped") else f"note: {args.run_dir} did not finish (killed?): its rows come from its journal")
@@ -600,8 +599,12 @@ def cmd_report(args, device: str) -> int:
             print(line)
     if args.baseline is not None:
         load_run(args.baseline, "baseline")
-    return reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
+    said, tampered = record.report_lines(args.run_dir, meta, len(rows))
+    for line in said:
+        print(line)
+    code = reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
                               save_case=save_worst_case, **_drift_settings(args))
+    return max(code, 1) if tampered else code
 
 
 def cmd_merge(args, device: str) -> int:

@@ -117,7 +117,7 @@ class PipelineSpec(OpSpec):
                 or not produced.t_impl <= TRACE_CALL_S):
             return produced
         plain, fed = self._traced(case, subject, device)
-        host = stages.moved(plain + fed)  # the cache both runs were handed goes once
+        host = [stages.fields_of(c) for c in stages.moved(plain + fed)]  # the cache both runs were handed goes once
         return replace(produced, stage_calls=(host[:len(plain)], host[len(plain):]))
 
     def judge_produced_block(self, cases: Sequence[Case], produced: Sequence[Produced], label: str,
@@ -127,7 +127,7 @@ class PipelineSpec(OpSpec):
         found = super().judge_produced_block(cases, produced, label, device, **kwargs)
         for case, p, rows in zip(cases, produced, found):
             if p.stage_calls[0] and stages.failing(rows):
-                plain, fed = p.stage_calls
+                plain, fed = ([stages.Call(**c) for c in run] for run in p.stage_calls)
                 calls = stages.moved(plain + fed, device)  # judged where the reference runs
                 self._tell(case, rows, (calls[:len(plain)], calls[len(plain):]))
         return found
