@@ -247,3 +247,23 @@ def test_the_minimized_tile_case_still_names_the_tiles():
                                       "topk": 64, "value_regime": "normal"}, 0)
     out = _rows(case, "tests.zoo.attention:decode_scale_tiles_swapped")["out"]
     assert out.reason.endswith("; errors in columns 256-511 only (scale tiles 2, 3)"), out.reason
+
+
+def test_stage_calls_cross_the_wire_as_data_only():
+    from mla_verify.equivalence import wire
+    from mla_verify.equivalence.policy import DEVIATIONS
+
+    t = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    call = dict(stage="convert_index", impl="mine", deviations=(), rank=None,
+                kwargs={"req_id": t, "block_size": 64, "prefill_request_ids": None, "lens": [1, 2]}, result=(t, t))
+    tensors: list = []
+    data = wire._calls_out(([call], []), tensors)
+    assert len(tensors) == 1  # one tensor, however many times a call was handed it
+    (got,), fed = wire._calls_in(data, lambda i: tensors[i], DEVIATIONS)
+    assert fed == [] and got["kwargs"]["lens"] == [1, 2] and got["result"] == (tensors[0], tensors[0])
+    for bad in ({"x": {"__class__": "os.system"}}, {"x": {"items": [], "tuple": True, "call": 1}}):
+        with pytest.raises(wire.Unreadable):
+            wire._calls_in([[{**data[0][0], "kwargs": bad}], []], lambda i: tensors[i], DEVIATIONS)
+    with pytest.raises(wire.Unreadable):
+        wire._calls_in([[{**data[0][0], "deviations": ["made_up"]}], []], lambda i: tensors[i], DEVIATIONS)
+    assert wire._calls_out(([{**call, "result": object()}], []), []) == []  # not data: nothing is sent
