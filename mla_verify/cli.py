@@ -196,6 +196,13 @@ def _drift_settings(args) -> dict:
                 pairs=parse_pairs(args.pair))
 
 
+def _add_corpus(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", type=Path, default=None, metavar="DIR",
+                   help="a kept corpus (plain JSON files a CI cache or a repository keeps): its cases of these "
+                        "implementations run first, whatever the seed; every finding is added, minimized and named "
+                        "by its content (a rerun adds no duplicate) (default: none)")
+
+
 def _add_reference_memory(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-memory", type=memory_size, default=None, metavar="SIZE",
                    help="working memory each reference call may hold, e.g. 2GiB (default 4GiB); "
@@ -284,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "take the GPUs)")
     _add_shard(p, "the campaigns of seeds S + I*P ... of N*P (P: --parallel), the same as one machine's "
                   "--parallel N*P")
+    _add_corpus(p)
     p.add_argument("--baseline", type=Path, default=None,
                    help="an earlier run of this op: draw its cases again (its seed, profile, examples and path, unless "
                         "given) and report drift against it")
@@ -347,6 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the ops over this many processes, one GPU each, dealt round-robin when N exceeds "
                         "the GPUs, each with its share of the cores (default: every GPU on cuda, 1 on cpu)")
     _add_shard(p, "every N-th op and implementation (with its corpus and campaigns), all with seed S")
+    p.add_argument("--impl", action="append", default=None, metavar="OP=MODULE:CALLABLE",
+                   help="gate only what these implementations take part in (repeatable): OP=SPEC the op, "
+                        "STAGE=SPEC a forward_mqa stage (every forward_mqa path with it swapped in), and every "
+                        "property that tests them (default: every registered implementation here)")
+    _add_corpus(p)
 
     p = _command(sub, "merge", "join the run directories of a run's shards into one run and one report",
                  "Join the run directories that `fuzz --shard I/N` or `gate --shard I/N` wrote (one per "
@@ -538,6 +551,7 @@ def cmd_fuzz(args, device: str) -> int:
 
     out = args.out or FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
     result = api.check(args.op, args.impl or None, examples=args.examples, seed=args.seed, device=device,
+                       corpus=args.corpus,
                        profile=args.profile, out=out, isolate=args.isolate, timeout=args.timeout,
                        deviations=args.deviation, conventions=args.convention, path=args.path,
                        world_size=args.world_size, shrink=not args.no_shrink, parallel=args.parallel, junit=args.junit,
@@ -576,9 +590,9 @@ def cmd_gate(args, device: str) -> int:
     started = time.time()
     outcome = api.gate(device=device, profile=args.profile, examples=args.examples, seed=args.seed, ops=args.op,
                        out=args.out, isolate=args.isolate, timeout=args.timeout, parallel=args.parallel,
-                       shard=args.shard, baseline=args.baseline, junit=args.junit,
-                       log=lambda line: print(line, flush=True))
-    lines = outcome.lines(device)
+                       shard=args.shard, baseline=args.baseline, junit=args.junit, impl=args.impl,
+                       corpus=args.corpus, log=lambda line: print(line, flush=True))
+    lines = outcome.lines()
     if lines:
         print("\n".join(lines))
     if outcome.interrupted:
