@@ -401,10 +401,12 @@ def _rerun_settings(baseline: str | Path, op: str) -> dict[str, Any]:
 
 def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | None = None,
           confidence: float | None = None, min_cases: int | None = None,
-          pairs: Mapping[str, str] | Sequence[str] | None = None):
+          pairs: Mapping[str, str] | Sequence[str] | None = None, fail_on: str = "drifted"):
     """`reports.drift.compare` of two runs, each a run directory, a rows DataFrame or a
     CheckResult; settings default to `equivalence.policy` (DRIFT_FACTOR, DRIFT_CONFIDENCE,
     DRIFT_MIN_CASES). `pairs`: {NEW: OLD} or ["NEW=OLD", ...] implementation names to compare across.
+    Each group reads drifted, worse, unchanged or better (`Drift.groups["word"]`); exit_code is 1 for
+    drifted, and with fail_on="worse" for worse too.
 
     Raises UsageError for bad settings or when nothing pairs ("nothing comparable")."""
     from mla_verify.equivalence import policy
@@ -421,7 +423,7 @@ def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | 
                     min_cases=policy.DRIFT_MIN_CASES if min_cases is None else min_cases)
     try:
         mapping = parse_pairs(list(pairs)) if isinstance(pairs, (list, tuple)) else pairs
-        return compare(rows_of(run, "run"), rows_of(baseline, "baseline"), pairs=mapping, **settings)
+        return compare(rows_of(run, "run"), rows_of(baseline, "baseline"), pairs=mapping, fail_on=fail_on, **settings)
     except ValueError as exc:  # PairingError (nothing comparable, a --pair naming no implementation) or a setting
         raise UsageError(str(exc)) from None
 

@@ -184,13 +184,16 @@ def _add_drift(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", action="append", default=[], metavar="NEW=OLD",
                    help="drift: compare implementation NEW of this run with OLD of the baseline (repeatable; "
                         "default: same names, or the one implementation per op of each run)")
+    p.add_argument("--fail-on", choices=("drifted", "worse"), default="drifted",
+                   help="drift: the word that fails the run (exit 1): drifted (beyond --factor, the default) or "
+                        "worse (significantly worse within the factor, or drifted)")
 
 
 def _drift_settings(args) -> dict:
     from mla_verify.reports.pairing import parse_pairs
 
     return dict(factor=args.factor, confidence=args.confidence, min_cases=args.min_cases,
-                pairs=parse_pairs(args.pair))
+                pairs=parse_pairs(args.pair), fail_on=args.fail_on)
 
 
 def _add_reference_memory(p: argparse.ArgumentParser) -> None:
@@ -374,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
                  _epilog([("0", "the run finished with no failure and, with --baseline, no drift beyond --factor"),
                           ("1", "the run has failures, did not finish or stopped early, or drift: a normalized "
                                 "error, its bias or its headroom grew beyond --factor case for case (or by the "
-                                "rank test, unpaired)"),
+                                "rank test, unpaired); with --fail-on worse also a group significantly worse within "
+                                "the factor (worse is reported, exit 0, by default)"),
                           ("2", "a missing, empty, truncated or malformed run directory (a verdict column that is "
                                 "not true/false, a file that is not a regular file), --html/--markdown naming a "
                                 "file of a run, a baseline with nothing comparable (no op, or no implementation "

@@ -39,8 +39,9 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        """1 when a row failed, the run never finished, or drift is flagged, else 0."""
-        return int(not self.counts.passed or (self.drift is not None and self.drift.drifted))
+        """1 when a row failed, the run never finished, or drift is flagged (or, with fail_on="worse", a
+        group is worse), else 0."""
+        return int(not self.counts.passed or (self.drift is not None and self.drift.failed))
 
     @property
     def run_id(self) -> str:

@@ -14,6 +14,10 @@ every value first raised to the metric's floor so that rounding residue never ma
              p99 ratio is shown.
   too few cases to judge   unpaired with fewer cases on a side: not judged, counted.
 
+Within the factor, each metric is judged worse or better too (`reports.words`: the median and
+the upper tail of the ratios, each by a test at the confidence), and each group gets one word:
+drifted, worse, unchanged or better. Only drifted fails the run, unless asked (fail_on="worse").
+
 A value that was 0 in the baseline (bitwise equal) and is not any more is its own finding, "no
 longer bitwise" (paired: any such case; unpaired: Fisher's exact test). A group that fails now
 and did not is "new failures". The reverse tests report improvements, which never fail the run.
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from mla_verify.equivalence.policy import (DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, BiasMetric,
+from mla_verify.equivalence.policy import (DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, WORSE_TAIL, BiasMetric,
                                            DriftMetric, bias_metrics, drift_metrics)
 from mla_verify.reports.bias import judge, signed
 from mla_verify.reports.fmt import number
@@ -37,6 +41,8 @@ from mla_verify.reports.pairing import (NothingComparable, pair_implementations,
                                         with_partner)
 from mla_verify.reports.significance import exceeds, mean_interval, more_often_nonzero, shift_interval
 from mla_verify.reports.stats import grouped, quantile
+from mla_verify.reports.words import (BETTER, DRIFTED, UNCHANGED, WORSE, bias_word, group_word, paired_moves,
+                                      unpaired_moves)
 
 GROUP_KEYS: tuple[str, ...] = ("op", "path", "tensor", "impl", "base_impl", "deviation", "kind")
 DRIFT, NOT_BITWISE, NEW_FAILURES, IMPROVED = "drift", "no longer bitwise", "new failures", "improved"
@@ -47,9 +53,10 @@ METRIC_COLUMNS: tuple[str, ...] = (
     *GROUP_KEYS, "metric", "mode", "base_cases", "cur_cases", "paired_cases",
     "base_p50", "cur_p50", "base_p99", "cur_p99", "ratio", "worst_ratio", "worst_case", "p_value",
     "bitwise_lost", "base_mean", "cur_mean", "shift", "shift_ci", "floor", "finding",
+    "p90_ratio", "moved_up", "moved_down", "p_moved",
 )
 GROUP_COLUMNS: tuple[str, ...] = (
-    *GROUP_KEYS, "mode", "base_cases", "cur_cases", "paired_cases", "base_failed", "cur_failed",
+    *GROUP_KEYS, "word", "mode", "base_cases", "cur_cases", "paired_cases", "base_failed", "cur_failed",
     "finding", "metric", "ratio", "worst_ratio", "worst_case", "shift", "base_max_abs_p99", "cur_max_abs_p99",
 )
 
@@ -96,7 +103,7 @@ def _floored(values: pd.Series, floor: float) -> np.ndarray:
 
 
 def _judge_paired(m: DriftMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame,
-                  factor: float) -> dict:
+                  factor: float, alpha: float) -> dict:
     both = cur[["case_id", m.name]].merge(base[["case_id", m.name]], on="case_id", suffixes=("", "_base"))
     both = both[both[m.name].notna() & both[f"{m.name}_base"].notna()]
     new, old = both[m.name], both[f"{m.name}_base"]
@@ -114,8 +121,11 @@ def _judge_paired(m: DriftMetric, floor: float, cur: pd.DataFrame, base: pd.Data
           else int(np.nanargmax(ratio)) if finite.any() else None)
     rec.update(ratio=med, worst_ratio=float(ratio[at]) if at is not None else np.nan,
                worst_case=both["case_id"].iloc[at] if at is not None else "")
+    moves = paired_moves(ratio, alpha)
+    word = moves.pop("word")
+    rec.update(moves)
     rec["finding"] = (NOT_BITWISE if lost.any() else DRIFT if med > factor
-                      else IMPROVED if med < 1 / factor else "")
+                      else IMPROVED if med < 1 / factor else word)
     return rec
 
 
@@ -139,10 +149,15 @@ def _judge_unpaired(m: DriftMetric, floor: float, cur: pd.DataFrame, base: pd.Da
         rec["finding"] = NOT_BITWISE if rec["p_value"] < alpha else ""
         return rec
     rec["p_value"] = exceeds(new, old, factor, floor)
+    moves = unpaired_moves(new, old, floor, alpha)
+    word = moves.pop("word")
+    rec.update(moves)
     if rec["p_value"] < alpha:
         rec["finding"] = DRIFT
     elif exceeds(old, new, factor, floor) < alpha:
         rec["finding"] = IMPROVED
+    else:
+        rec["finding"] = word
     return rec
 
 
@@ -168,6 +183,8 @@ def _judge_signed(m: BiasMetric, floor: float, cur: pd.DataFrame, base: pd.DataF
         rec["worst_case"] = cases.iloc[int(np.argmax(np.sign(shift or 1.0) * ahead.to_numpy()))]
     if mode in (PAIRED, UNPAIRED) and judge(shift, ci, floor):
         rec["finding"] = IMPROVED if abs(rec["cur_mean"]) + floor < abs(rec["base_mean"]) else DRIFT
+    elif mode in (PAIRED, UNPAIRED):
+        rec["finding"] = bias_word(shift, ci, floor, rec["base_mean"], rec["cur_mean"])
     return rec
 
 
@@ -189,8 +206,11 @@ def _group_record(key: tuple, cur: pd.DataFrame | None, base: pd.DataFrame | Non
     if rec["cur_failed"] and not rec["base_failed"] and cur is not None:
         findings.insert(0, NEW_FAILURES)
     rec["finding"] = ", ".join(findings)
-    # the metric that speaks for the group: its worst flagged one, else its largest ratio
-    flagged = [m for m in metrics if m["finding"] in FLAGS] or [m for m in metrics if m["finding"]] or metrics
+    within = [f for f in (WORSE, BETTER) if any(m["finding"] == f for m in metrics)]
+    rec["word"] = group_word(findings + within, FLAGS, IMPROVED, rec["mode"] in (PAIRED, UNPAIRED)) or rec["mode"]
+    # the metric that speaks for the group: its worst flagged one, else its worst worse one, else its largest ratio
+    flagged = ([m for m in metrics if m["finding"] in FLAGS] or [m for m in metrics if m["finding"] == WORSE]
+               or [m for m in metrics if m["finding"]] or metrics)
     top = max(flagged, key=lambda m: -np.inf if np.isnan(m["worst_ratio"]) else m["worst_ratio"], default=None)
     for col in ("metric", "ratio", "worst_ratio", "worst_case", "shift"):
         rec[col] = top.get(col, np.nan) if top else ("" if col in ("metric", "worst_case") else np.nan)
@@ -212,6 +232,7 @@ class Drift:
     worst: Worst | None
     cur_rows: pd.DataFrame                # both runs' rows of paired implementations (`measured`,
     base_rows: pd.DataFrame               # with base_impl): what the drift figure draws
+    fail_on: str = DRIFTED                # the word that fails the run: drifted, or worse (and drifted)
 
     def _with(self, findings: tuple[str, ...]) -> pd.DataFrame:
         hit = self.groups["finding"].map(lambda f: any(x in f.split(", ") for x in findings))
@@ -228,14 +249,22 @@ class Drift:
     def mode(self, mode: str) -> pd.DataFrame:
         return self.groups[self.groups["mode"] == mode]
 
+    def word(self, word: str) -> pd.DataFrame:
+        return self.groups[self.groups["word"] == word]
+
     @property
     def drifted(self) -> bool:
         return not self.flagged.empty
 
     @property
+    def failed(self) -> bool:
+        """Drifted, or (fail_on="worse") worse."""
+        return self.drifted or (self.fail_on == WORSE and not self.word(WORSE).empty)
+
+    @property
     def exit_code(self) -> int:
-        """0: no drift, 1: drift."""
-        return int(self.drifted)
+        """0: nothing that fails (worse is reported, and fails only with fail_on="worse"), 1: drift."""
+        return int(self.failed)
 
     @property
     def settings(self) -> str:
@@ -248,10 +277,12 @@ class Drift:
         skipped = [f"{n} {what}" for what, n in ((TOO_FEW, len(self.mode(TOO_FEW))), ("new", len(self.mode(NEW))),
                                                   ("gone", len(self.mode(GONE)))) if n]
         counts = f"{paired} paired, {unpaired} unpaired" + (f"; not compared: {', '.join(skipped)}" if skipped else "")
-        n = len(self.flagged)
+        words = ", ".join(f"{len(self.word(w))} {w}" for w in (DRIFTED, WORSE, UNCHANGED, BETTER) if len(self.word(w)))
+        n, worse = len(self.flagged), len(self.word(WORSE))
         head = (f"DRIFT in {n} group{'s' * (n != 1)}, {compared} compared" if self.drifted
-                else f"no drift in {compared} groups compared")
-        return f"{head} ({counts}; {self.settings})"
+                else f"WORSE in {worse} group{'s' * (worse != 1)} within the factor, {compared} compared"
+                if worse else f"no drift in {compared} groups compared")
+        return f"{head} ({counts}; {words or 'no group compared'}; {self.settings})"
 
     def pairing_line(self) -> str:
         across = self.pairs[self.pairs["how"] != "same name"]
@@ -266,13 +297,16 @@ class Drift:
         out = [f"baseline drift: {self.verdict}"]
         out += [f"  {g['finding'].upper()} {group_label(*(g[k] for k in GROUP_KEYS))}: {self.explain(g)}"
                 for _, g in self.flagged.iterrows()]
+        out += [f"  {g['word']}: {self.headline(g)} ({group_label(*(g[k] for k in GROUP_KEYS))}"
+                + (f"; {self.explain(g)})" if g["word"] == WORSE else ")")
+                for _, g in self.groups.iterrows() if g["word"] in (DRIFTED, WORSE)]
         if self.worst is not None:
             out.append(f"  {self.worst_line(replay)}")
         return out + [f"  {line}" for line in self.context_lines()]
 
     def worst_line(self, replay: str | None = None) -> str:
         w = self.worst
-        return (f"drifted most: case {w.case_id} of {w.label}, {w.what()}"
+        return (f"{'drifted most' if self.drifted else 'worst case'}: case {w.case_id} of {w.label}, {w.what()}"
                 + (f": {replay}" if replay else ""))
 
     def context_lines(self) -> list[str]:
@@ -280,6 +314,8 @@ class Drift:
         out = [self.pairing_line()]
         out += [f"improved {group_label(*(g[k] for k in GROUP_KEYS))}: {self.explain(g)}"
                 for _, g in self.improvements.iterrows()]
+        out += [f"better: {self.headline(g)} ({group_label(*(g[k] for k in GROUP_KEYS))}; {self.explain(g)})"
+                for i, g in self.word(BETTER).iterrows() if i not in self.improvements.index]
         too_few = self.mode(TOO_FEW)
         if not too_few.empty:
             out.append(f"{TOO_FEW}: {len(too_few)} groups share no case with the baseline and hold fewer than "
@@ -293,10 +329,25 @@ class Drift:
                 out.append(f"compared with nothing ({side}; pair them with --pair NEW=OLD): {', '.join(names)}")
         return out
 
+    def _metrics_of(self, g: pd.Series) -> pd.DataFrame:
+        key = tuple(g[k] for k in GROUP_KEYS)
+        return self.metrics[self.metrics[list(GROUP_KEYS)].apply(tuple, axis=1) == key]
+
+    def headline(self, g: pd.Series) -> str:
+        """The numbers behind a group's word: "out bf16_units p99 1 -> 1.94 (x1.94), median x1.07,
+        abs_bias x9.79": the first metric that moved it in full, the others' p99 ratios."""
+        mine = self._metrics_of(g)
+        against = (IMPROVED, BETTER) if g["word"] in (DRIFTED, WORSE) else (DRIFT, NOT_BITWISE, WORSE)
+        moved = mine[(mine["finding"] != "") & ~mine["finding"].isin(against)]
+        moved = moved if len(moved) else mine[mine["metric"] == g["metric"]]
+        if moved.empty:
+            return str(g["tensor"])
+        return ", ".join([f"{g['tensor']} {_numbers(moved.iloc[0])}",
+                          *(_numbers(m, short=True) for _, m in moved.iloc[1:].iterrows())])
+
     def explain(self, g: pd.Series) -> str:
         """What a group's findings rest on, metric by metric."""
-        key = tuple(g[k] for k in GROUP_KEYS)
-        mine = self.metrics[self.metrics[list(GROUP_KEYS)].apply(tuple, axis=1) == key]
+        mine = self._metrics_of(g)
         parts = [] if NEW_FAILURES not in g["finding"] else [
             f"{int(g['cur_failed'])} failed row{'s' * (g['cur_failed'] != 1)}, none in the baseline"]
         for _, m in mine[mine["finding"] != ""].iterrows():
@@ -309,6 +360,15 @@ class Drift:
             elif m["finding"] == NOT_BITWISE:
                 parts.append(f"{m['metric']} was 0 (bitwise) and is not in {int(m['bitwise_lost'])} of "
                              f"{int(m['paired_cases'] or m['cur_cases'])} cases")
+            elif m["finding"] in (WORSE, BETTER) and m["mode"] == PAIRED:
+                parts.append(f"{m['metric']} median x{number(m['ratio'])}, p90 x{number(m['p90_ratio'])} over "
+                             f"{int(m['paired_cases'])} paired cases, {int(m['moved_up'])} up by x{WORSE_TAIL:g} or "
+                             f"more and {int(m['moved_down'])} down (sign test p = {number(m['p_moved'])})")
+            elif m["finding"] in (WORSE, BETTER):
+                parts.append(f"{m['metric']} p99 {number(m['base_p99'])} -> {number(m['cur_p99'])}, "
+                             f"{int(m['moved_up'])} new and {int(m['moved_down'])} baseline cases beyond x{WORSE_TAIL:g} "
+                             f"the baseline's p90 (rank and Fisher tests p = {number(m['p_moved'])}, "
+                             f"{int(m['base_cases'])} vs {int(m['cur_cases'])} cases)")
             elif m["mode"] == PAIRED:
                 parts.append(f"{m['metric']} median x{number(m['ratio'])} over {int(m['paired_cases'])} paired cases "
                              f"(worst x{number(m['worst_ratio'])}, case {m['worst_case']})")
@@ -317,6 +377,21 @@ class Drift:
                              f"(x{number(m['ratio'])}, rank test p = {number(m['p_value'])}, "
                              f"{int(m['base_cases'])} vs {int(m['cur_cases'])} cases)")
         return "; ".join(parts)
+
+
+def _numbers(m: pd.Series, short: bool = False) -> str:
+    """A metric's move: "bf16_units p99 1 -> 1.94 (x1.94), median x1.07" (short: "bf16_units x1.94",
+    the ratio of its p99s raised to the floor); a bias metric's: its shift."""
+    if np.isfinite(m["shift"]):
+        return f"{m['metric']} shift {signed(m['shift'])}" + (
+            "" if short else f" (mean {signed(m['base_mean'])} -> {signed(m['cur_mean'])})")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p99 = np.float64(max(m["cur_p99"], m["floor"])) / np.float64(max(m["base_p99"], m["floor"]))
+    if short:
+        return f"{m['metric']} x{number(p99)}"
+    median = (f"median x{number(m['ratio'])}" if m["mode"] == PAIRED
+              else f"median {number(m['base_p50'])} -> {number(m['cur_p50'])}")
+    return f"{m['metric']} p99 {number(m['base_p99'])} -> {number(m['cur_p99'])} (x{number(p99)}), {median}"
 
 
 def _replay_specs(row: pd.Series) -> tuple[str, ...]:
@@ -328,6 +403,8 @@ def _replay_specs(row: pd.Series) -> tuple[str, ...]:
 
 def _worst(groups: pd.DataFrame, cur: pd.DataFrame) -> Worst | None:
     flagged = groups[groups["finding"].map(lambda f: any(x in f.split(", ") for x in FLAGS)) & (groups["worst_case"] != "")]
+    if flagged.empty:   # nothing drifted: the case of a group that got worse
+        flagged = groups[(groups["word"] == WORSE) & (groups["worst_case"] != "")]
     if flagged.empty:
         return None
     g = flagged.loc[flagged["worst_ratio"].fillna(-np.inf).idxmax()]
@@ -339,10 +416,13 @@ def _worst(groups: pd.DataFrame, cur: pd.DataFrame) -> Worst | None:
 
 def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DRIFT_FACTOR,
             confidence: float = DRIFT_CONFIDENCE, min_cases: int = DRIFT_MIN_CASES,
-            pairs: Mapping[str, str] | None = None) -> Drift:
+            pairs: Mapping[str, str] | None = None, fail_on: str = DRIFTED) -> Drift:
     """Drift of `current` against `baseline` (stored rows, as `load_run` returns them). `pairs`
-    maps current implementation names to baseline ones (`--pair NEW=OLD`). Raises
-    NothingComparable when no implementation of any op pairs, ValueError for bad settings."""
+    maps current implementation names to baseline ones (`--pair NEW=OLD`); `fail_on` "worse" makes a
+    worse group fail the run too (exit_code 1). Raises NothingComparable when no implementation of any
+    op pairs, ValueError for bad settings."""
+    if fail_on not in (DRIFTED, WORSE):
+        raise ValueError(f"fail on {fail_on!r}: expected {DRIFTED} or {WORSE}")
     if not factor > 1.0:
         raise ValueError(f"drift factor must be > 1, got {factor}")
     if not 0.0 < confidence < 1.0:
@@ -371,7 +451,7 @@ def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DR
             kind = key[GROUP_KEYS.index("kind")]
             for m in drift_metrics(kind):
                 floor = m.floors[kind]
-                rec = (_judge_paired(m, floor, c, b, factor) if mode == PAIRED
+                rec = (_judge_paired(m, floor, c, b, factor, alpha) if mode == PAIRED
                        else _judge_unpaired(m, floor, c, b, factor, alpha, judged=mode == UNPAIRED))
                 records.append({**dict(zip(GROUP_KEYS, key, strict=True)), "metric": m.name, "mode": mode,
                                 "base_cases": len(b), "cur_cases": len(c), "paired_cases": shared, "floor": floor,
@@ -387,12 +467,13 @@ def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DR
     metrics = pd.DataFrame.from_records(metric_records, columns=list(METRIC_COLUMNS))
     # what needs a look first: flagged, improved, compared, then what was not compared
     flagged = groups["finding"].map(lambda f: any(x in f.split(", ") for x in FLAGS))
-    rank = np.select([flagged.to_numpy(dtype=bool), (groups["finding"] != "").to_numpy(dtype=bool),
-                      groups["mode"].isin([PAIRED, UNPAIRED]).to_numpy(dtype=bool)], [0, 1, 2], default=3)
+    rank = np.select([flagged.to_numpy(dtype=bool), (groups["word"] == WORSE).to_numpy(dtype=bool),
+                      (groups["finding"] != "").to_numpy(dtype=bool),
+                      groups["mode"].isin([PAIRED, UNPAIRED]).to_numpy(dtype=bool)], [0, 1, 2, 3], default=4)
     groups = (groups.assign(_rank=rank, _r=-groups["worst_ratio"].fillna(0))
               .sort_values(["_rank", "_r"], kind="stable").drop(columns=["_rank", "_r"]).reset_index(drop=True))
     return Drift(groups=groups, metrics=metrics, pairs=impl_pairs,
                  unpaired=unpaired_implementations(cur_all, base_all, impl_pairs),
                  factor=factor, confidence=confidence, min_cases=min_cases, worst=_worst(groups, cur),
-                 cur_rows=cur, base_rows=base)
+                 cur_rows=cur, base_rows=base, fail_on=fail_on)
 

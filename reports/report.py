@@ -16,6 +16,7 @@ from mla_verify.reports.document import Report, Section
 from mla_verify.reports.drift import Worst, compare
 from mla_verify.reports.fmt import MISSING, header, number
 from mla_verify.reports.glance import at_a_glance
+from mla_verify.reports.words import DRIFTED
 from mla_verify.reports.html import render_html
 from mla_verify.reports.kinds import KEY_METRIC, annotate
 from mla_verify.reports.markdown import render_markdown
@@ -52,7 +53,8 @@ def _side_by_side(report: Report, baseline_rows: pd.DataFrame) -> pd.DataFrame:
 def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
                  baseline: tuple[pd.DataFrame, Mapping[str, Any]] | None = None, *,
                  factor: float = DRIFT_FACTOR, confidence: float = DRIFT_CONFIDENCE,
-                 min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None) -> Report:
+                 min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None,
+                 fail_on: str = DRIFTED) -> Report:
     """The report of stored rows (as `load_run` returns them), optionally against a baseline run
     (`reports.drift.compare` with these settings; NothingComparable when nothing pairs)."""
     frame = annotate(rows)
@@ -63,7 +65,7 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
         report.baseline_meta = dict(base_meta)
         report.baseline_counts = counts(annotate(base_rows))
         drift = report.drift = compare(rows, base_rows, factor=factor, confidence=confidence,
-                                       min_cases=min_cases, pairs=pairs)
+                                       min_cases=min_cases, pairs=pairs, fail_on=fail_on)
         later.append(Section(
             "drift", "Drift against the baseline",
             f"{drift.verdict}. {drift.pairing_line()}. Paired groups (cases the baseline ran too) are "
@@ -132,7 +134,7 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
 def run_report(run_dir: str | Path, baseline: str | Path | None = None,
                html: str | Path | None = None, markdown: str | Path | None = None, *,
                factor: float = DRIFT_FACTOR, confidence: float = DRIFT_CONFIDENCE,
-               min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None,
+               min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None, fail_on: str = DRIFTED,
                save_case: Callable[[Worst, Path, Sequence[str], Sequence[str]], str | None] | None = None) -> int:
     """Load a run (and a baseline run), print the terminal summary and drift verdict, write the
     HTML report (default run_dir/report.html) and, if asked, a markdown one. `save_case(worst,
@@ -146,7 +148,7 @@ def run_report(run_dir: str | Path, baseline: str | Path | None = None,
             raise UsageError(why)
     rows, meta = load_run(run_dir)
     report = build_report(rows, meta, load_run(baseline) if baseline is not None else None,
-                          factor=factor, confidence=confidence, min_cases=min_cases, pairs=pairs)
+                          factor=factor, confidence=confidence, min_cases=min_cases, pairs=pairs, fail_on=fail_on)
     if save_case is not None and report.drift is not None and report.drift.worst is not None:
         report.replay = save_case(report.drift.worst, Path(run_dir) / "drift", meta.get("deviations") or (),
                                   meta.get("conventions") or ())
