@@ -23,6 +23,7 @@ class Section:
     table: pd.DataFrame
     limit: int | None = None   # rows shown at most (the rest are in rows.csv)
     bars: tuple[str, ...] = ()  # columns holding a share of a bound, drawn as bars where a renderer can
+    shown: pd.DataFrame | None = None  # a narrower view shown first; the whole table behind it (HTML: <details>)
 
 
 @dataclass

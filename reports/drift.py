@@ -339,6 +339,7 @@ class Drift:
         mine = self._metrics_of(g)
         against = (IMPROVED, BETTER) if g["word"] in (DRIFTED, WORSE) else (DRIFT, NOT_BITWISE, WORSE)
         moved = mine[(mine["finding"] != "") & ~mine["finding"].isin(against)]
+        moved = moved.iloc[np.argsort(~moved["finding"].isin(FLAGS).to_numpy(), kind="stable")]  # drift speaks first
         moved = moved if len(moved) else mine[mine["metric"] == g["metric"]]
         if moved.empty:
             return str(g["tensor"])
@@ -363,7 +364,7 @@ class Drift:
             elif m["finding"] in (WORSE, BETTER) and m["mode"] == PAIRED:
                 parts.append(f"{m['metric']} median x{number(m['ratio'])}, p90 x{number(m['p90_ratio'])} over "
                              f"{int(m['paired_cases'])} paired cases, {int(m['moved_up'])} up by x{WORSE_TAIL:g} or "
-                             f"more and {int(m['moved_down'])} down (sign test p = {number(m['p_moved'])})")
+                             f"more and {int(m['moved_down'])} down (p = {number(m['p_moved'])}, the median's or the tail's sign test)")
             elif m["finding"] in (WORSE, BETTER):
                 parts.append(f"{m['metric']} p99 {number(m['base_p99'])} -> {number(m['cur_p99'])}, "
                              f"{int(m['moved_up'])} new and {int(m['moved_down'])} baseline cases beyond x{WORSE_TAIL:g} "

@@ -110,9 +110,12 @@ def _figure_html(plot: Plot) -> str:
 
 
 def _section_html(section: Section, plots: list[Plot]) -> str:
+    table = table_html(section.table, section.limit, section.bars)
+    if section.shown is not None:   # narrow by default, every column one click away
+        table = (f"{table_html(section.shown, section.limit, section.bars)}<details><summary>All "
+                 f"{len(section.table.columns)} columns</summary>{table}</details>")
     return (f'<section id="{section.key}"><h2>{escape(section.title)}</h2>'
-            f'<p class="intro">{escape(section.intro)}</p>'
-            f"{table_html(section.table, section.limit, section.bars)}"
+            f'<p class="intro">{escape(section.intro)}</p>{table}'
             f"{''.join(_figure_html(p) for p in plots)}</section>")
 
 

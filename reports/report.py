@@ -10,10 +10,11 @@ from typing import Any
 
 import pandas as pd
 
-from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
+from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, WORSE_TAIL
 from mla_verify.reports.bias import bias_of
 from mla_verify.reports.document import Report, Section
 from mla_verify.reports.drift import Worst, compare
+from mla_verify.reports.drift_tables import group_view, metric_view
 from mla_verify.reports.fmt import MISSING, header, number
 from mla_verify.reports.glance import at_a_glance
 from mla_verify.reports.words import DRIFTED
@@ -76,7 +77,11 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             f"shift of their mean over the cases instead: drift when its t interval at {confidence:g} lies wholly "
             "beyond the metric's floor. A metric that was 0 (bitwise) and is not is "
             "'no longer bitwise'. ratio / worst ratio: of the metric named; max_abs p99 is shown, never "
-            "judged. Improvements never fail the run.", drift.groups, limit=300))
+            "judged. Improvements never fail the run. Within the factor a group reads worse (or better) when the "
+            f"median or the upper-tail test of a metric is significant at {confidence:g} (reports.words): the word "
+            "column says drifted, worse, unchanged or better. Every column is one click below the table.",
+            drift.groups, limit=300, shown=group_view(drift)))
+        judged = drift.metrics[drift.metrics["mode"] != "too few cases to judge"]
         later.append(Section(
             "drift-metrics", "Drift per metric",
             "Every drift metric of every compared group (equivalence.policy.DRIFT_METRICS: bf16_units and "
@@ -84,7 +89,9 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             "1 / headroom). Paired: ratio is the median per-case ratio; unpaired: the p99 ratio, with the "
             "rank test's p-value. Bias metrics (equivalence.policy.BIAS_METRICS): the means, their shift (paired: "
             "the mean per-case difference; unpaired: Welch), the t interval's half-width shift_ci, its p-value "
-            "and the floor.", drift.metrics[drift.metrics["mode"] != "too few cases to judge"], limit=600))
+            "and the floor. p90 ×: the p90 of the per-case ratios (unpaired: the ratio of the p90s); up / down: the "
+            f"cases that moved by {WORSE_TAIL:g}x or more each way (unpaired: the new and the baseline cases beyond "
+            f"{WORSE_TAIL:g} x the baseline's p90); p: the test behind the finding.", judged, limit=600, shown=metric_view(judged)))
         later.append(Section(
             "side-by-side", "Runs side by side", "What ran, where, and how it ended.",
             _side_by_side(report, base_rows)))
