@@ -34,18 +34,18 @@ import pandas as pd
 
 from mla_verify.equivalence.policy import (DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, WORSE_TAIL, BiasMetric,
                                            DriftMetric, bias_metrics, drift_metrics)
-from mla_verify.reports.bias import judge, signed
+from mla_verify.reports import judge
+from mla_verify.reports.bias import signed
 from mla_verify.reports.fmt import number
 from mla_verify.reports.kinds import annotate
 from mla_verify.reports.pairing import (NothingComparable, pair_implementations, unpaired_implementations,
                                         with_partner)
-from mla_verify.reports.significance import exceeds, mean_interval, more_often_nonzero, shift_interval
 from mla_verify.reports.stats import grouped, quantile
-from mla_verify.reports.words import (BETTER, DRIFTED, UNCHANGED, WORSE, bias_word, group_word, paired_moves,
-                                      unpaired_moves)
+from mla_verify.reports.judge import DRIFT, IMPROVED, NOT_BITWISE
+from mla_verify.reports.words import BETTER, DRIFTED, UNCHANGED, WORSE, group_word
 
 GROUP_KEYS: tuple[str, ...] = ("op", "path", "tensor", "impl", "base_impl", "deviation", "kind")
-DRIFT, NOT_BITWISE, NEW_FAILURES, IMPROVED = "drift", "no longer bitwise", "new failures", "improved"
+NEW_FAILURES = "new failures"
 FLAGS = (DRIFT, NOT_BITWISE, NEW_FAILURES)        # findings that fail the run
 PAIRED, UNPAIRED, TOO_FEW, NEW, GONE = "paired", "unpaired", "too few cases to judge", "new", "gone"
 
@@ -98,93 +98,30 @@ class Worst:
         return f"{self.metric} x{number(self.ratio)}" if np.isfinite(self.ratio) else f"{self.metric} shift {signed(self.shift)}"
 
 
-def _floored(values: pd.Series, floor: float) -> np.ndarray:
-    return np.maximum(values.to_numpy(dtype="float64"), floor)
+def _aligned(cur: pd.DataFrame, base: pd.DataFrame, name: str) -> tuple[np.ndarray, np.ndarray, pd.Series]:
+    """(new, old, case_id) of the cases both runs measured `name` on."""
+    both = cur[["case_id", name]].merge(base[["case_id", name]], on="case_id", suffixes=("", "_base")).dropna()
+    return (both[name].to_numpy(dtype="float64"), both[f"{name}_base"].to_numpy(dtype="float64"),
+            both["case_id"])
 
 
-def _judge_paired(m: DriftMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame,
-                  factor: float, alpha: float) -> dict:
-    both = cur[["case_id", m.name]].merge(base[["case_id", m.name]], on="case_id", suffixes=("", "_base"))
-    both = both[both[m.name].notna() & both[f"{m.name}_base"].notna()]
-    new, old = both[m.name], both[f"{m.name}_base"]
-    lost = (old == 0) & (new > 0)
-    if floor > 0:
-        ratio = _floored(new, floor) / _floored(old, floor)
-    else:                        # exact contracts: a ratio only where the baseline mismatched
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(old.to_numpy() > 0, new.to_numpy() / old.to_numpy(), np.nan)
-    rec = {"base_p50": quantile(old, 0.5), "cur_p50": quantile(new, 0.5), "base_p99": quantile(old, 0.99),
-           "cur_p99": quantile(new, 0.99), "bitwise_lost": int(lost.sum()), "p_value": np.nan}
-    finite = ~np.isnan(ratio)
-    med = float(np.median(ratio[finite])) if finite.any() else np.nan
-    at = (int(np.flatnonzero(lost.to_numpy())[0]) if lost.any()
-          else int(np.nanargmax(ratio)) if finite.any() else None)
-    rec.update(ratio=med, worst_ratio=float(ratio[at]) if at is not None else np.nan,
-               worst_case=both["case_id"].iloc[at] if at is not None else "")
-    moves = paired_moves(ratio, alpha)
-    word = moves.pop("word")
-    rec.update(moves)
-    rec["finding"] = (NOT_BITWISE if lost.any() else DRIFT if med > factor
-                      else IMPROVED if med < 1 / factor else word)
-    return rec
-
-
-def _judge_unpaired(m: DriftMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame, factor: float,
-                    alpha: float, judged: bool) -> dict:
-    new, old = cur[m.name].dropna(), base[m.name].dropna()
-    p99_old = np.float64(quantile(_floored(old, floor), 0.99))   # numpy division: x / 0 is inf or NaN
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = float(quantile(_floored(new, floor), 0.99) / p99_old)
-        worst = float(_floored(new, floor).max() / p99_old) if new.size else np.nan
-    rec = {"base_p50": quantile(old, 0.5), "cur_p50": quantile(new, 0.5), "base_p99": quantile(old, 0.99),
-           "cur_p99": quantile(new, 0.99), "ratio": ratio, "worst_ratio": worst,
-           "worst_case": cur.loc[new.idxmax(), "case_id"] if new.size else "", "p_value": np.nan,
-           "bitwise_lost": 0, "finding": ""}
-    if not judged or not new.size or not old.size:
-        return rec
-    nonzero = int((new > 0).sum())
-    if (old == 0).all() and nonzero:
-        rec["bitwise_lost"] = nonzero
-        rec["p_value"] = more_often_nonzero(nonzero, new.size, 0, old.size)
-        rec["finding"] = NOT_BITWISE if rec["p_value"] < alpha else ""
-        return rec
-    rec["p_value"] = exceeds(new, old, factor, floor)
-    moves = unpaired_moves(new, old, floor, alpha)
-    word = moves.pop("word")
-    rec.update(moves)
-    if rec["p_value"] < alpha:
-        rec["finding"] = DRIFT
-    elif exceeds(old, new, factor, floor) < alpha:
-        rec["finding"] = IMPROVED
-    else:
-        rec["finding"] = word
-    return rec
-
-
-def _judge_signed(m: BiasMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame, mode: str,
-                  confidence: float) -> dict:
-    """A bias metric's shift of the mean (paired: of the per-case differences), its t interval
-    and p-value; drift when the whole interval lies beyond the floor."""
-    nan = np.nan
-    rec = {"base_p50": nan, "cur_p50": nan, "base_p99": nan, "cur_p99": nan, "ratio": nan, "worst_ratio": nan,
-           "worst_case": "", "p_value": nan, "bitwise_lost": 0, "floor": floor, "finding": ""}
+def _judge(m: DriftMetric | BiasMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame, mode: str,
+           factor: float, confidence: float) -> dict:
+    """`reports.judge` of one metric of a group's two sides; the case that moved most by its id."""
     if mode == PAIRED:
-        both = cur[["case_id", m.name]].merge(base[["case_id", m.name]], on="case_id", suffixes=("", "_base")).dropna()
-        new, old = both[m.name], both[f"{m.name}_base"]
-        shift, ci, p = mean_interval(new - old, confidence)
-        ahead, cases = (new - old), both["case_id"]
+        new, old, cases = _aligned(cur, base, m.name)
     else:
-        new, old = cur[m.name].dropna(), base[m.name].dropna()
-        shift, ci, p = shift_interval(new, old, confidence)
-        ahead, cases = new, cur.loc[new.index, "case_id"]
-    rec.update(base_mean=float(old.mean()) if len(old) else nan, cur_mean=float(new.mean()) if len(new) else nan,
-               shift=shift, shift_ci=ci, p_value=p)
-    if len(ahead) and np.isfinite(shift):
-        rec["worst_case"] = cases.iloc[int(np.argmax(np.sign(shift or 1.0) * ahead.to_numpy()))]
-    if mode in (PAIRED, UNPAIRED) and judge(shift, ci, floor):
-        rec["finding"] = IMPROVED if abs(rec["cur_mean"]) + floor < abs(rec["base_mean"]) else DRIFT
-    elif mode in (PAIRED, UNPAIRED):
-        rec["finding"] = bias_word(shift, ci, floor, rec["base_mean"], rec["cur_mean"])
+        kept = cur[m.name].notna()
+        new, old = cur.loc[kept, m.name].to_numpy(dtype="float64"), base[m.name].dropna().to_numpy(dtype="float64")
+        cases = cur.loc[kept, "case_id"]
+    if isinstance(m, BiasMetric):
+        rec = judge.signed(new, old, floor, mode == PAIRED, mode in (PAIRED, UNPAIRED), confidence)
+    elif mode == PAIRED:
+        rec = judge.paired(new, old, floor, factor, 1.0 - confidence)
+    else:
+        rec = judge.unpaired(new, old, floor, factor, 1.0 - confidence, judged=mode == UNPAIRED)
+    at = rec.pop("worst_at")
+    rec["worst_case"] = cases.iloc[at] if at is not None else ""
     return rec
 
 
@@ -202,13 +139,20 @@ def _group_record(key: tuple, cur: pd.DataFrame | None, base: pd.DataFrame | Non
                base_max_abs_p99=max_abs_p99(base), cur_max_abs_p99=max_abs_p99(cur))
     rec["mode"] = metrics[0]["mode"] if metrics else (NEW if base is None else GONE)
     rec["paired_cases"] = metrics[0]["paired_cases"] if metrics else 0
+    new_failures = bool(rec["cur_failed"] and not rec["base_failed"] and cur is not None)
+    return {**rec, **group_verdict(metrics, rec["mode"], new_failures)}
+
+
+def group_verdict(metrics: list[dict], mode: str, new_failures: bool) -> dict:
+    """A group's finding (the flags and "improved", joined), its word, and the metric that speaks for
+    it (its worst flagged one, else its worst worse one, else its largest ratio), from its metrics'
+    records (METRIC_COLUMNS)."""
     findings = [f for f in (NOT_BITWISE, DRIFT, IMPROVED) if any(m["finding"] == f for m in metrics)]
-    if rec["cur_failed"] and not rec["base_failed"] and cur is not None:
+    if new_failures:
         findings.insert(0, NEW_FAILURES)
-    rec["finding"] = ", ".join(findings)
     within = [f for f in (WORSE, BETTER) if any(m["finding"] == f for m in metrics)]
-    rec["word"] = group_word(findings + within, FLAGS, IMPROVED, rec["mode"] in (PAIRED, UNPAIRED)) or rec["mode"]
-    # the metric that speaks for the group: its worst flagged one, else its worst worse one, else its largest ratio
+    rec = {"finding": ", ".join(findings),
+           "word": group_word(findings + within, FLAGS, IMPROVED, mode in (PAIRED, UNPAIRED)) or mode}
     flagged = ([m for m in metrics if m["finding"] in FLAGS] or [m for m in metrics if m["finding"] == WORSE]
                or [m for m in metrics if m["finding"]] or metrics)
     top = max(flagged, key=lambda m: -np.inf if np.isnan(m["worst_ratio"]) else m["worst_ratio"], default=None)
@@ -334,17 +278,8 @@ class Drift:
         return self.metrics[self.metrics[list(GROUP_KEYS)].apply(tuple, axis=1) == key]
 
     def headline(self, g: pd.Series) -> str:
-        """The numbers behind a group's word: "out bf16_units p99 1 -> 1.94 (x1.94), median x1.07,
-        abs_bias x9.79": the first metric that moved it in full, the others' p99 ratios."""
-        mine = self._metrics_of(g)
-        against = (IMPROVED, BETTER) if g["word"] in (DRIFTED, WORSE) else (DRIFT, NOT_BITWISE, WORSE)
-        moved = mine[(mine["finding"] != "") & ~mine["finding"].isin(against)]
-        moved = moved.iloc[np.argsort(~moved["finding"].isin(FLAGS).to_numpy(), kind="stable")]  # drift speaks first
-        moved = moved if len(moved) else mine[mine["metric"] == g["metric"]]
-        if moved.empty:
-            return str(g["tensor"])
-        return ", ".join([f"{g['tensor']} {_numbers(moved.iloc[0])}",
-                          *(_numbers(m, short=True) for _, m in moved.iloc[1:].iterrows())])
+        """The numbers behind a group's word (`headline`)."""
+        return headline(g, self._metrics_of(g))
 
     def explain(self, g: pd.Series) -> str:
         """What a group's findings rest on, metric by metric."""
@@ -380,6 +315,20 @@ class Drift:
         return "; ".join(parts)
 
 
+def headline(g: pd.Series, mine: pd.DataFrame) -> str:
+    """The numbers behind a group's word (`g`: its GROUP_COLUMNS; `mine`: its METRIC_COLUMNS rows):
+    "out bf16_units p99 1 -> 1.94 (x1.94), median x1.07, abs_bias x4.26": the first metric that
+    moved it (one beyond the factor first) in full, the others' p99 ratios."""
+    against = (IMPROVED, BETTER) if g["word"] in (DRIFTED, WORSE) else (DRIFT, NOT_BITWISE, WORSE)
+    moved = mine[(mine["finding"] != "") & ~mine["finding"].isin(against)]
+    moved = moved.iloc[np.argsort(~moved["finding"].isin(FLAGS).to_numpy(), kind="stable")]
+    moved = moved if len(moved) else mine[mine["metric"] == g["metric"]]
+    if moved.empty:
+        return str(g["tensor"])
+    return ", ".join([f"{g['tensor']} {_numbers(moved.iloc[0])}",
+                      *(_numbers(m, short=True) for _, m in moved.iloc[1:].iterrows())])
+
+
 def _numbers(m: pd.Series, short: bool = False) -> str:
     """A metric's move: "bf16_units p99 1 -> 1.94 (x1.94), median x1.07" (short: "bf16_units x1.94",
     the ratio of its p99s raised to the floor); a bias metric's: its shift."""
@@ -395,7 +344,7 @@ def _numbers(m: pd.Series, short: bool = False) -> str:
     return f"{m['metric']} p99 {number(m['base_p99'])} -> {number(m['cur_p99'])} (x{number(p99)}), {median}"
 
 
-def _replay_specs(row: pd.Series) -> tuple[str, ...]:
+def replay_specs(row: pd.Series) -> tuple[str, ...]:
     """The --impl specs that rerun a row's implementation: a pipeline's stages, else its name."""
     if row["op"] != "property" and row["stages"]:
         return tuple(row["stages"].split(","))
@@ -412,7 +361,7 @@ def _worst(groups: pd.DataFrame, cur: pd.DataFrame) -> Worst | None:
     row = cur[(cur["case_id"] == g["worst_case"]) & (cur["op"] == g["op"]) & (cur["impl"] == g["impl"])].iloc[0]
     case = row["case"] if "case" in row and isinstance(row["case"], str) else ""
     return Worst(group_label(*(g[k] for k in GROUP_KEYS)), g["metric"], float(g["worst_ratio"]), g["worst_case"],
-                 case, _replay_specs(row), str(row["device"]).split(":")[0], float(g["shift"]))
+                 case, replay_specs(row), str(row["device"]).split(":")[0], float(g["shift"]))
 
 
 def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DRIFT_FACTOR,
@@ -441,7 +390,6 @@ def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DR
     cur, base = with_partner(cur_all, base_all, impl_pairs)
     cur_groups = {k: g.drop_duplicates("case_id") for k, g in grouped(cur, GROUP_KEYS)}
     base_groups = {k: g.drop_duplicates("case_id") for k, g in grouped(base, GROUP_KEYS)}
-    alpha = 1.0 - confidence
     metric_records, group_records = [], []
     for key in sorted(set(cur_groups) | set(base_groups), key=lambda k: tuple(map(str, k))):
         c, b = cur_groups.get(key), base_groups.get(key)
@@ -452,14 +400,13 @@ def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DR
             kind = key[GROUP_KEYS.index("kind")]
             for m in drift_metrics(kind):
                 floor = m.floors[kind]
-                rec = (_judge_paired(m, floor, c, b, factor, alpha) if mode == PAIRED
-                       else _judge_unpaired(m, floor, c, b, factor, alpha, judged=mode == UNPAIRED))
+                rec = _judge(m, floor, c, b, mode, factor, confidence)
                 records.append({**dict(zip(GROUP_KEYS, key, strict=True)), "metric": m.name, "mode": mode,
                                 "base_cases": len(b), "cur_cases": len(c), "paired_cases": shared, "floor": floor,
                                 **rec})
             for m in bias_metrics(kind):
                 if c[m.name].notna().any() and b[m.name].notna().any():   # rows stored before it existed lack it
-                    rec = _judge_signed(m, m.floors[kind], c, b, mode, confidence)
+                    rec = _judge(m, m.floors[kind], c, b, mode, factor, confidence)
                     records.append({**dict(zip(GROUP_KEYS, key, strict=True)), "metric": m.name, "mode": mode,
                                     "base_cases": len(b), "cur_cases": len(c), "paired_cases": shared, **rec})
         metric_records += records
