@@ -317,8 +317,8 @@ class Drift:
 
 def headline(g: pd.Series, mine: pd.DataFrame) -> str:
     """The numbers behind a group's word (`g`: its GROUP_COLUMNS; `mine`: its METRIC_COLUMNS rows):
-    "out bf16_units p99 1 -> 1.94 (x1.94), median x1.07, abs_bias x4.26": the first metric that
-    moved it (one beyond the factor first) in full, the others' p99 ratios."""
+    "out bf16_units p99 1 -> 1.94 (x1.94), median x1.07, abs_bias p90 x10.7": the first metric that
+    moved it (one beyond the factor first) in full, then the others (`_numbers`)."""
     against = (IMPROVED, BETTER) if g["word"] in (DRIFTED, WORSE) else (DRIFT, NOT_BITWISE, WORSE)
     moved = mine[(mine["finding"] != "") & ~mine["finding"].isin(against)]
     moved = moved.iloc[np.argsort(~moved["finding"].isin(FLAGS).to_numpy(), kind="stable")]
@@ -330,15 +330,19 @@ def headline(g: pd.Series, mine: pd.DataFrame) -> str:
 
 
 def _numbers(m: pd.Series, short: bool = False) -> str:
-    """A metric's move: "bf16_units p99 1 -> 1.94 (x1.94), median x1.07" (short: "bf16_units x1.94",
-    the ratio of its p99s raised to the floor); a bias metric's: its shift."""
+    """A metric's move: "bf16_units p99 1 -> 1.94 (x1.94), median x1.07" (p99s raised to the floor;
+    short: "abs_bias p90 x10.7", the per-case ratios' p90, or their median where it drifted); a bias
+    metric's: its shift."""
     if np.isfinite(m["shift"]):
         return f"{m['metric']} shift {signed(m['shift'])}" + (
             "" if short else f" (mean {signed(m['base_mean'])} -> {signed(m['cur_mean'])})")
     with np.errstate(divide="ignore", invalid="ignore"):
         p99 = np.float64(max(m["cur_p99"], m["floor"])) / np.float64(max(m["base_p99"], m["floor"]))
-    if short:
-        return f"{m['metric']} x{number(p99)}"
+    if short:   # the statistic its finding rests on: paired, the median beyond the factor, else the tail's p90
+        if m["mode"] != PAIRED:
+            return f"{m['metric']} p99 x{number(p99)}"
+        return (f"{m['metric']} median x{number(m['ratio'])}" if m["finding"] in FLAGS
+                else f"{m['metric']} p90 x{number(m['p90_ratio'])}")
     median = (f"median x{number(m['ratio'])}" if m["mode"] == PAIRED
               else f"median {number(m['base_p50'])} -> {number(m['cur_p50'])}")
     return f"{m['metric']} p99 {number(m['base_p99'])} -> {number(m['cur_p99'])} (x{number(p99)}), {median}"

@@ -29,7 +29,7 @@ from mla_verify.equivalence.files import read_json
 from mla_verify.equivalence.policy import (DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, bias_metrics,
                                            drift_metrics)
 from mla_verify.reports import judge
-from mla_verify.reports.drift import PAIRED, TOO_FEW, UNPAIRED, group_verdict, headline
+from mla_verify.reports.drift import PAIRED, TOO_FEW, UNPAIRED, Worst, group_verdict, headline, replay_specs
 from mla_verify.reports.significance import t_quantile
 from mla_verify.reports.store import META_JSON, META_LIMIT, ROWS_PARQUET, load_run
 from mla_verify.reports.words import DRIFTED, WORSE
@@ -41,7 +41,7 @@ VALUES = ("bf16_units", "elem_bf16_units", "lse_fp32_units", "mismatch_frac", "a
           "bias_units")
 RUN_COLUMNS = ("run", "label", "dir", "run_id", "when", "revision", "rows")
 STEP_COLUMNS = (*LINE_KEYS, "run", "before", "mode", "cases", "word", "finding", "metric", "ratio", "worst_ratio",
-                "worst_case", "impl", "headline")
+                "worst_case", "shift", "impl", "headline")
 
 
 @dataclass(frozen=True)
@@ -263,3 +263,20 @@ def history(run_dirs: Sequence[str | Path], *, order: str | Sequence[str] = "tim
                           "rows": frame.groupby("run")["case_id"].size().reindex(range(len(runs)), fill_value=0)})
     return History(table, trend(frame, confidence), steps(frame, factor=factor, confidence=confidence,
                                                           min_cases=min_cases), factor, confidence, min_cases, fail_on)
+
+
+def worst_case(h: History, step: pd.Series) -> tuple[Worst, dict] | None:
+    """The case that moved most in a step (`History.steps` row), as the two-run report saves it, with
+    its run's meta.json (the deviations and conventions the run declared); None where it has none."""
+    if not step["worst_case"]:
+        return None
+    rows, meta = load_run(h.runs["dir"].iloc[int(step["run"])])
+    hit = rows[(rows["case_id"] == step["worst_case"]) & (rows["op"] == step["op"]) & (rows["impl"] == step["impl"])]
+    if hit.empty:
+        return None
+    row = hit.iloc[0]
+    where = step["op"] if step["op"] == step["path"] else f"{step['op']}/{step['path']}"
+    case = row["case"] if "case" in row and isinstance(row["case"], str) else ""
+    return Worst(f"{where} {step['tensor']} [{step['line']}]", step["metric"], float(step["worst_ratio"]),
+                 step["worst_case"], case, replay_specs(row), str(row["device"]).split(":")[0],
+                 float(step.get("shift", np.nan))), meta
