@@ -445,8 +445,7 @@ WORSE_MEDIAN_REASON = (
 WORSE_TAIL = 1.25
 WORSE_TAIL_REASON = (
     "a case moved by this factor (or 1 / it) counts toward the tail test (paired: more cases up than down, sign "
-    "test; unpaired: the rank test of new > 1.25 x old and Fisher's test of cases beyond 1.25 x the baseline's "
-    "p90). Unpaired runs of one kernel on other cases flagged nothing at factor 1.25 (DRIFT_CONFIDENCE's "
+    "test; unpaired: the rank test of new > 1.25 x old). Unpaired runs of one kernel on other cases flagged nothing at factor 1.25 (DRIFT_CONFIDENCE's "
     "measurement); the decode kernel that rounds its softmax weights to bf16 (tests.impls.decode_versions:v2) "
     "moves 15 of 39 cases' out bf16_units up by 1.25x or more and none down (p = 3e-5), while its median ratio, "
     "1.07, stays inside WORSE_MEDIAN")

@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reference_memory(p)
     p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="the JSON file to write")
     p.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
-    p.add_argument("--only", action="append", choices=("kernels", "reference", "harness", "guards"), default=None,
+    p.add_argument("--only", action="append", choices=("kernels", "reference", "harness", "guards", "history"), default=None,
                    help="run only these sections (repeat; default: all)")
     return parser
 

@@ -301,9 +301,8 @@ class Drift:
                              f"{int(m['paired_cases'])} paired cases, {int(m['moved_up'])} up by x{WORSE_TAIL:g} or "
                              f"more and {int(m['moved_down'])} down (p = {number(m['p_moved'])}, the median's or the tail's sign test)")
             elif m["finding"] in (WORSE, BETTER):
-                parts.append(f"{m['metric']} p99 {number(m['base_p99'])} -> {number(m['cur_p99'])}, "
-                             f"{int(m['moved_up'])} new and {int(m['moved_down'])} baseline cases beyond x{WORSE_TAIL:g} "
-                             f"the baseline's p90 (rank and Fisher tests p = {number(m['p_moved'])}, "
+                parts.append(f"{m['metric']} p99 {number(m['base_p99'])} -> {number(m['cur_p99'])}, p90 "
+                             f"x{number(m['p90_ratio'])} (rank test of x{WORSE_TAIL:g} p = {number(m['p_moved'])}, "
                              f"{int(m['base_cases'])} vs {int(m['cur_cases'])} cases)")
             elif m["mode"] == PAIRED:
                 parts.append(f"{m['metric']} median x{number(m['ratio'])} over {int(m['paired_cases'])} paired cases "

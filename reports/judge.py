@@ -10,15 +10,15 @@ import numpy as np
 
 from mla_verify.reports.bias import judge
 from mla_verify.reports.significance import exceeds, mean_interval, more_often_nonzero, shift_interval
-from mla_verify.reports.stats import quantile
+from mla_verify.reports.stats import quantile, quantiles
 from mla_verify.reports.words import bias_word, paired_moves, unpaired_moves
 
 DRIFT, NOT_BITWISE, IMPROVED = "drift", "no longer bitwise", "improved"
 
 
 def _spread(new: np.ndarray, old: np.ndarray) -> dict:
-    return {"base_p50": quantile(old, 0.5), "cur_p50": quantile(new, 0.5), "base_p99": quantile(old, 0.99),
-            "cur_p99": quantile(new, 0.99)}
+    (base_p50, base_p99), (cur_p50, cur_p99) = quantiles(old, (0.5, 0.99)), quantiles(new, (0.5, 0.99))
+    return {"base_p50": base_p50, "cur_p50": cur_p50, "base_p99": base_p99, "cur_p99": cur_p99}
 
 
 def paired(new: np.ndarray, old: np.ndarray, floor: float, factor: float, alpha: float) -> dict:
@@ -32,10 +32,10 @@ def paired(new: np.ndarray, old: np.ndarray, floor: float, factor: float, alpha:
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(old > 0, new / old, np.nan)
     finite = ~np.isnan(ratio)
-    med = float(np.median(ratio[finite])) if finite.any() else np.nan
-    at = int(np.flatnonzero(lost)[0]) if lost.any() else int(np.nanargmax(ratio)) if finite.any() else None
+    at = (int(np.flatnonzero(lost)[0]) if lost.any() else None if not finite.any()
+          else int(np.argmax(ratio)) if finite.all() else int(np.nanargmax(ratio)))
     moves = paired_moves(ratio, alpha)
-    word = moves.pop("word")
+    word, med = moves.pop("word"), moves.pop("median")
     return {**_spread(new, old), "bitwise_lost": int(lost.sum()), "p_value": np.nan, "ratio": med,
             "worst_ratio": float(ratio[at]) if at is not None else np.nan, "worst_at": at, **moves,
             "finding": (NOT_BITWISE if lost.any() else DRIFT if med > factor

@@ -90,8 +90,7 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             "rank test's p-value. Bias metrics (equivalence.policy.BIAS_METRICS): the means, their shift (paired: "
             "the mean per-case difference; unpaired: Welch), the t interval's half-width shift_ci, its p-value "
             "and the floor. p90 ×: the p90 of the per-case ratios (unpaired: the ratio of the p90s); up / down: the "
-            f"cases that moved by {WORSE_TAIL:g}x or more each way (unpaired: the new and the baseline cases beyond "
-            f"{WORSE_TAIL:g} x the baseline's p90); p: the test behind the finding.", judged, limit=600, shown=metric_view(judged)))
+            f"cases that moved by {WORSE_TAIL:g}x or more each way (paired only); p: the test behind the finding.", judged, limit=600, shown=metric_view(judged)))
         later.append(Section(
             "side-by-side", "Runs side by side", "What ran, where, and how it ended.",
             _side_by_side(report, base_rows)))
