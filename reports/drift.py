@@ -114,12 +114,8 @@ def _judge(m: DriftMetric | BiasMetric, floor: float, cur: pd.DataFrame, base: p
         kept = cur[m.name].notna()
         new, old = cur.loc[kept, m.name].to_numpy(dtype="float64"), base[m.name].dropna().to_numpy(dtype="float64")
         cases = cur.loc[kept, "case_id"]
-    if isinstance(m, BiasMetric):
-        rec = judge.signed(new, old, floor, mode == PAIRED, mode in (PAIRED, UNPAIRED), confidence)
-    elif mode == PAIRED:
-        rec = judge.paired(new, old, floor, factor, 1.0 - confidence)
-    else:
-        rec = judge.unpaired(new, old, floor, factor, 1.0 - confidence, judged=mode == UNPAIRED)
+    rec = judge.metric(new, old, floor, is_signed=isinstance(m, BiasMetric), is_paired=mode == PAIRED,
+                       judged=mode in (PAIRED, UNPAIRED), factor=factor, confidence=confidence)
     at = rec.pop("worst_at")
     rec["worst_case"] = cases.iloc[at] if at is not None else ""
     return rec
@@ -250,7 +246,7 @@ class Drift:
 
     def worst_line(self, replay: str | None = None) -> str:
         w = self.worst
-        return (f"{'drifted most' if self.drifted else 'worst case'}: case {w.case_id} of {w.label}, {w.what()}"
+        return (f"{'drifted most' if self.drifted else 'moved most'}: case {w.case_id} of {w.label}, {w.what()}"
                 + (f": {replay}" if replay else ""))
 
     def context_lines(self) -> list[str]:

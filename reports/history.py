@@ -165,12 +165,8 @@ def _metric(cells: _Cells, name: str, floor: float, c: np.ndarray, b: np.ndarray
     signed = name in ("gain", "bias_units")
     if signed and (not new.size or not old.size):     # rows stored before the metric existed
         return None
-    if signed:
-        rec = judge.signed(new, old, floor, mode == PAIRED, mode in (PAIRED, UNPAIRED), confidence)
-    elif mode == PAIRED:
-        rec = judge.paired(new, old, floor, factor, 1.0 - confidence)
-    else:
-        rec = judge.unpaired(new, old, floor, factor, 1.0 - confidence, judged=mode == UNPAIRED)
+    rec = judge.metric(new, old, floor, is_signed=signed, is_paired=mode == PAIRED, judged=mode in (PAIRED, UNPAIRED),
+                       factor=factor, confidence=confidence)
     at = rec.pop("worst_at")
     return {**rec, "metric": name, "mode": mode, "floor": floor, "worst_case": ids[at] if at is not None else ""}
 

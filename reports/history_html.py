@@ -14,7 +14,7 @@ import pandas as pd
 from mla_verify.reports.history import LINE_KEYS, History, worst_case
 from mla_verify.reports.history_plots import key_metric, line_figure
 from mla_verify.reports.html import _CSS, _figure_html, table_html
-from mla_verify.reports.words import DRIFTED, WORSE
+from mla_verify.reports.words import DRIFTED
 
 SaveCase = Callable[..., "str | None"]   # api.save_worst_case(worst, directory, deviations, conventions)
 

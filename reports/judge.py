@@ -89,3 +89,13 @@ def signed(new: np.ndarray, old: np.ndarray, floor: float, is_paired: bool, judg
     elif judged:
         rec["finding"] = bias_word(shift, ci, floor, rec["base_mean"], rec["cur_mean"])
     return rec
+
+
+def metric(new: np.ndarray, old: np.ndarray, floor: float, *, is_signed: bool, is_paired: bool, judged: bool,
+           factor: float, confidence: float) -> dict:
+    """One metric of a group's two sides: `signed` for a bias metric, else `paired` or `unpaired`."""
+    if is_signed:
+        return signed(new, old, floor, is_paired, judged, confidence)
+    if is_paired:
+        return paired(new, old, floor, factor, 1.0 - confidence)
+    return unpaired(new, old, floor, factor, 1.0 - confidence, judged)
