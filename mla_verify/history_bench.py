@@ -23,19 +23,20 @@ _LINES = [(op, path, tensor, kind) for op, path in (("forward_mqa", "bf16"), ("f
                                ("out_rank0", "out"), ("lse_rank0", "lse"))]
 
 
-def _run_rows(run: int, runs: int, cases: int, rng: np.random.Generator, base: np.ndarray) -> pd.DataFrame:
-    """One run's rows: every line's cases with their stable errors, jittered; line 0's out is worse
-    (a tenth of its cases up 1.6x) from run `runs // 2` and 3x from `3 * runs // 4`."""
+def _run_rows(run: int, runs: int, cases: int, rng: np.random.Generator, base: np.ndarray,
+              spread: float) -> pd.DataFrame:
+    """One run's rows: every line's cases with their stable errors, jittered by `spread`; line 0's out
+    is worse (a tenth of its cases up 1.6x) from run `runs // 2` and 3x from `3 * runs // 4`."""
     n = len(_LINES) * cases
     line = np.repeat(np.arange(len(_LINES)), cases)
-    units = base * rng.lognormal(0.0, 0.02, n)
+    units = base * rng.lognormal(0.0, spread, n)
     hit = line == 0
     if run >= runs // 2:
         units[hit & (np.arange(n) % 10 == 0)] *= 1.6
     if run >= 3 * runs // 4:
         units[hit] *= 3.0
     out_like = np.array([_LINES[i][3] == "out" for i in line])
-    jitter = rng.lognormal(0.0, 0.02, n)        # each case's statistics as stable as its error
+    jitter = rng.lognormal(0.0, spread, n)      # each case's statistics as stable as its error
     return pd.DataFrame({
         "run_id": f"r{run:03d}", "case_id": [f"c{i % cases:04d}" for i in range(n)],
         "op": [_LINES[i][0] for i in line], "path": [_LINES[i][1] for i in line],
@@ -48,8 +49,9 @@ def _run_rows(run: int, runs: int, cases: int, rng: np.random.Generator, base: n
         "headroom": 1.0 / (0.2 * units), "value": 0.2 * units, "bound": 1.0})
 
 
-def write_runs(root: Path, runs: int = RUNS, rows: int = ROWS) -> list[Path]:
-    """`runs` run directories of about `rows` rows each under `root`, one a minute apart."""
+def write_runs(root: Path, runs: int = RUNS, rows: int = ROWS, spread: float = 0.02) -> list[Path]:
+    """`runs` run directories of about `rows` rows each under `root`, one a minute apart; each case's
+    values vary from run to run by a lognormal `spread` (0: a rerun writes the same values)."""
     from mla_verify.reports.store import META_JSON, ROWS_PARQUET, conform
 
     cases = rows // len(_LINES)
@@ -59,38 +61,42 @@ def write_runs(root: Path, runs: int = RUNS, rows: int = ROWS) -> list[Path]:
     for run in range(runs):   # what write_run writes but rows.csv, which history never reads
         directory = root / f"r{run:03d}"
         directory.mkdir(parents=True)
-        conform(_run_rows(run, runs, cases, rng, base)).to_parquet(directory / ROWS_PARQUET, index=False)
+        conform(_run_rows(run, runs, cases, rng, base, spread)).to_parquet(directory / ROWS_PARQUET, index=False)
         meta = {"profile": "ci", "seeds": [1], "device": "cpu", "finished_at": f"2026-01-01T{run // 60:02d}:{run % 60:02d}:00"}
         (directory / META_JSON).write_text(json.dumps(meta))
         out.append(directory)
     return out
 
 
-def bench_history(quick: bool) -> list[dict]:
+def _timed(dirs: list[Path], page: bool) -> tuple[dict, object]:
+    """Seconds of `history` whole, then of its pieces again (the files now in the page cache), and of the page."""
     from mla_verify.reports.history import history, load, ordered, steps, trend
     from mla_verify.reports.history_html import render_history
 
+    clock = time.perf_counter()
+    h = history(dirs)
+    times = {"history": time.perf_counter() - clock}
+    clock = time.perf_counter()
+    frame = load(ordered(dirs))
+    times["load"] = time.perf_counter() - clock
+    for name, piece in (("trend", trend), ("steps", steps), ("page", lambda _: render_history(h))):
+        if name != "page" or page:
+            clock = time.perf_counter()
+            piece(frame)
+            times[name] = time.perf_counter() - clock
+    return times, h
+
+
+def bench_history(quick: bool) -> list[dict]:
     runs, rows = (20, 5000) if quick else (RUNS, ROWS)
-    with tempfile.TemporaryDirectory() as tmp:
-        dirs = write_runs(Path(tmp), runs, rows)
-        start = time.perf_counter()
-        h = history(dirs)
-        total = time.perf_counter() - start
-        clock = time.perf_counter()   # again, piece by piece (the files now in the page cache)
-        frame = load(ordered(dirs))
-        times = {"load": time.perf_counter() - clock}
-        clock = time.perf_counter()
-        trend(frame)
-        times["trend"] = time.perf_counter() - clock
-        clock = time.perf_counter()
-        steps(frame)
-        times["steps"] = time.perf_counter() - clock
-        clock = time.perf_counter()
-        html = render_history(h)
-        times["page"] = time.perf_counter() - clock
-    row = {"kind": "history", "shape": f"{runs} runs x {len(frame) // runs} rows", "impl": "mla-verify history",
-           "ms": total * 1e3, "ops_note": (f"of which load {times['load']:.2f} s, trend {times['trend']:.2f} s, steps "
-                                           f"{times['steps']:.2f} s ({len(h.steps)} judged, {len(h.marked)} marked); "
-                                           f"then the page {times['page']:.2f} s ({len(html) / 2**20:.1f} MiB)")}
-    print(json.dumps(row), flush=True)
-    return [row]
+    out = []
+    for spread, what in ((0.02, "every case moves 2% a run"), (0.0, "reruns write the same values")):
+        with tempfile.TemporaryDirectory() as tmp:
+            times, h = _timed(write_runs(Path(tmp), runs, rows, spread), page=not out)
+        page = f"; then the page {times['page']:.1f} s" if "page" in times else ""
+        out.append({"kind": "history", "shape": f"{runs} runs x {rows} rows, {what}", "impl": "mla-verify history",
+                    "ms": times["history"] * 1e3,
+                    "ops_note": (f"of which load {times['load']:.2f} s, trend {times['trend']:.2f} s, steps "
+                                 f"{times['steps']:.2f} s ({len(h.steps)} judged, {len(h.marked)} marked){page}")})
+        print(json.dumps(out[-1]), flush=True)
+    return out

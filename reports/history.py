@@ -177,8 +177,10 @@ def _step(cells: _Cells, key: tuple, c: np.ndarray, b: np.ndarray, min_cases: in
     kind = key[LINE_KEYS.index("kind")]
     _, ic, ib = np.intersect1d(cells.cases[c], cells.cases[b], assume_unique=True, return_indices=True)
     mode = PAIRED if ic.size else UNPAIRED if min(c.size, b.size) >= min_cases else TOO_FEW
-    metrics = [_metric(cells, m.name, m.floors[kind], c, b, mode, (ic, ib), settings)
-               for m in (*drift_metrics(kind), *bias_metrics(kind))]
+    same = ic.size == c.size == b.size and np.array_equal(cells.values[c[ic]], cells.values[b[ib]], equal_nan=True)
+    metrics = [] if same else [   # a rerun that wrote the same values: every ratio 1, every shift 0, unchanged
+        _metric(cells, m.name, m.floors[kind], c, b, mode, (ic, ib), settings)
+        for m in (*drift_metrics(kind), *bias_metrics(kind))]
     metrics = [m for m in metrics if m is not None]
     new_failures = bool(cells.failed[c].any() and not cells.failed[b].any())
     rec = {**dict(zip(LINE_KEYS, key, strict=True)), "mode": mode, "cases": int(ic.size) if ic.size else int(c.size),
