@@ -170,7 +170,7 @@ def _confidence(text: str) -> float:
     return value
 
 
-def _add_drift(p: argparse.ArgumentParser) -> None:
+def _add_drift(p: argparse.ArgumentParser, pair: bool = True) -> None:
     from mla_verify.equivalence import policy
 
     p.add_argument("--factor", type=_factor, default=policy.DRIFT_FACTOR,
@@ -181,9 +181,10 @@ def _add_drift(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-cases", type=_positive_int, default=policy.DRIFT_MIN_CASES,
                    help="drift: fewer cases a side and no case shared with the baseline is 'too few cases to "
                         f"judge' (default {policy.DRIFT_MIN_CASES})")
-    p.add_argument("--pair", action="append", default=[], metavar="NEW=OLD",
-                   help="drift: compare implementation NEW of this run with OLD of the baseline (repeatable; "
-                        "default: same names, or the one implementation per op of each run)")
+    if pair:   # history pairs by name, or one implementation per op and run
+        p.add_argument("--pair", action="append", default=[], metavar="NEW=OLD",
+                       help="drift: compare implementation NEW of this run with OLD of the baseline (repeatable; "
+                            "default: same names, or the one implementation per op of each run)")
     p.add_argument("--fail-on", choices=("drifted", "worse"), default="drifted",
                    help="drift: the word that fails the run (exit 1): drifted (beyond --factor, the default) or "
                         "worse (significantly worse within the factor, or drifted)")
@@ -193,7 +194,7 @@ def _drift_settings(args) -> dict:
     from mla_verify.reports.pairing import parse_pairs
 
     return dict(factor=args.factor, confidence=args.confidence, min_cases=args.min_cases,
-                pairs=parse_pairs(args.pair), fail_on=args.fail_on)
+                pairs=parse_pairs(getattr(args, "pair", [])), fail_on=args.fail_on)
 
 
 def _add_reference_memory(p: argparse.ArgumentParser) -> None:
@@ -411,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run order: when each run finished (default), or as given")
     p.add_argument("--revisions", default=None, metavar="REV,REV,...",
                    help="order the runs by these git revisions (prefixes of their meta.json revision) instead")
-    _add_drift(p)
+    _add_drift(p, pair=False)
 
     p = _command(sub, "bench", "kernel, reference and harness speed at production shapes; table + JSON",
                  "Time the kernels (GPU only), the float64 reference and the harness's own cost per case at "
@@ -640,10 +641,7 @@ def cmd_merge(args, device: str) -> int:
 
 def cmd_history(args, device: str) -> int:
     from mla_verify import api
-    from mla_verify.equivalence.subject import UsageError
 
-    if args.pair:
-        raise UsageError("history pairs implementations by name, or one per op and run: --pair is for report")
     order = [r for r in args.revisions.split(",") if r] if args.revisions else args.order
     h = api.history(args.runs, html=args.html, order=order, factor=args.factor, confidence=args.confidence,
                     min_cases=args.min_cases, fail_on=args.fail_on)

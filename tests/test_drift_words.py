@@ -214,3 +214,18 @@ def test_the_history_benchmark_plants_a_worse_and_a_drifted_step(tmp_path):
     marked = {(h.label(s["run"]), s["word"]) for _, s in h.marked.iterrows()}
     assert marked == {("r003", "worse"), ("r004", "drifted")}
     assert np.isin(h.steps["word"], ["unchanged", "worse", "drifted"]).all()
+
+
+def test_history_orders_by_revision_and_refuses_what_it_cannot_order(runs, tmp_path, capsys):
+    dirs = []
+    for name, revision in (("a", "aaa111"), ("b", "bbb222"), ("c", "ccc333")):
+        shutil.copytree(runs["v1"], tmp_path / name, ignore=shutil.ignore_patterns("drift", "report.html"))
+        meta = json.loads((tmp_path / name / "meta.json").read_text())
+        meta["git"] = {"revision": revision, "dirty": False}
+        (tmp_path / name / "meta.json").write_text(json.dumps(meta))
+        dirs.append(str(tmp_path / name))
+    assert list(api.history(dirs, order=["ccc", "aaa", "bbb"]).runs["label"]) == ["c", "a", "b"]
+    assert main(["history", *dirs, "--revisions", "ccc,aaa"]) == 2
+    assert "its revision bbb222 is in no revision of the order given" in capsys.readouterr().err
+    assert main(["history", dirs[0]]) == 2
+    assert "a history needs 2 runs or more" in capsys.readouterr().err
