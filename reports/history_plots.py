@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-from matplotlib.ticker import NullFormatter
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from mla_verify.equivalence.policy import BIAS_METRICS
 from mla_verify.reports.plots import _DEVIATION, _FAILED, _NORMAL, Plot, _figure, _plain_log, _png
@@ -41,7 +41,8 @@ def line_figure(key: str, title: str, trend: pd.DataFrame, steps: pd.DataFrame, 
     err.plot(x, trend[f"{metric} p99"], "s--", color="black", markersize=3, label="p99")
     err.set_yscale("log")
     _plain_log(err.yaxis)
-    err.yaxis.set_minor_formatter(NullFormatter())   # labels on the decades only: text extents dominate drawing
+    low, high = err.get_ylim()   # over a decade: decade labels only (text extents dominate drawing); within one: two digits
+    err.yaxis.set_minor_formatter(NullFormatter() if high > 12 * low else FuncFormatter(lambda v, _: f"{v:.2g}"))
     err.set_title(f"{metric} per run", fontsize=8)
     err.legend(fontsize=6, loc="upper left")
     if bias in trend and trend[bias].notna().any():
