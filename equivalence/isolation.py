@@ -526,7 +526,7 @@ class Worker:
         return Produced([r.to_record() for r in rows], failed=failed, tensors=answer.tensors, devices=answer.devices,
                         strides=answer.strides, problems=answer.problems, stages=answer.stages,
                         deviations=answer.deviations, path=answer.path, notes=answer.notes, t_impl=answer.t_impl,
-                        compared=compared, threads=answer.threads)
+                        compared=compared, threads=answer.threads, stage_calls=answer.stage_calls)
 
     def _kill_active(self) -> None:
         if self._active is not None:

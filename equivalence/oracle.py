@@ -4,22 +4,48 @@
 metrics plus the gated metric with the least headroom; `judge_many` does so for a block of cases
 of one shape at once. NaN never passes, and infinities must sit
 exactly where the reference has them, whatever the tolerances.
+
+Two judges measure attention outputs: the eager one (torch ops, the reference of the judge) and
+the fused one (`equivalence.fused_judge`: one Triton pass). `use_judge` picks: "auto" (the
+default) fuses on a GPU and stays eager on a CPU, where Triton runs interpreted. A case the fused
+judge fails, or puts within a millionth of a limit, is measured again by the eager judge, whose
+row and message it gets: a failure always reads as the eager judge says it.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import metrics as M
+from . import fused_judge, metrics as M
+from .localize import Axes
 from .mismatch import Pair, describe
 from .policy import EXACT, LSE, OUT, Bound, Numerics, bounds_for, limit_for
 
 ELEM_UNITS_FOR_MISMATCH = 4.0  # per-element count reported as mismatch_frac (not gated itself)
 ELEM_BOUND = "elem_bound_ratio"  # the metric of the derived per-element bound (equivalence.bounds)
+JUDGES = ("auto", "fused", "eager")
+JUDGE_ENV = "MLA_VERIFY_JUDGE"  # the choice, read by this process and the ones it starts (--parallel parts)
+
+
+def use_judge(name: str) -> None:
+    """Judge attention outputs with `name`, one of JUDGES, from now on, here and in the processes
+    started from here."""
+    if name not in JUDGES:
+        raise ValueError(f"unknown judge {name!r}; known: {', '.join(JUDGES)}")
+    os.environ[JUDGE_ENV] = name
+
+
+def fused_on(device: torch.device) -> bool:
+    """Whether the fused judge measures outputs on `device` under the judge in use."""
+    name = os.environ.get(JUDGE_ENV, "auto")
+    if name not in JUDGES:
+        raise ValueError(f"{JUDGE_ENV}={name!r}: not one of {', '.join(JUDGES)}")
+    return name == "fused" or (name == "auto" and device.type == "cuda")
 
 
 @dataclass
@@ -51,9 +77,10 @@ def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, scale: torch.Tenso
 
 
 def measure_many(kind: str, impls: Sequence[torch.Tensor], ref: torch.Tensor, scale: torch.Tensor | None = None,
-                 bound: torch.Tensor | None = None) -> list[M.Metrics]:
+                 bound: torch.Tensor | None = None, fused: bool = False) -> list[M.Metrics]:
     """`measure` of each impls[i] against ref[i] (`scale`, `bound`: [C, ...] or None), the cases
-    of one shape (a fuzz block's) measured together: one set of ops and one read back for all."""
+    of one shape (a fuzz block's) measured together: one set of ops and one read back for all.
+    `fused`: outputs by the fused judge (equivalence.fused_judge)."""
     impls = [impl.to(ref.device) for impl in impls]  # an implementation may hand back its result on another device
     shape = ref.shape[1:]
     out = [M.Metrics(numel=math.prod(shape), mismatch_frac=1.0, extra={"shape": f"{tuple(impl.shape)} vs {tuple(shape)}"})
@@ -74,7 +101,7 @@ def measure_many(kind: str, impls: Sequence[torch.Tensor], ref: torch.Tensor, sc
     fitting = [impls[i] for i in fit]
     a = torch.stack(fitting if len({t.dtype for t in fitting}) == 1 else [t.double() for t in fitting])
     if kind == OUT:
-        measured = M.outputs(a, ref, ELEM_UNITS_FOR_MISMATCH, scale, bound)
+        measured = M.outputs(a, ref, ELEM_UNITS_FOR_MISMATCH, scale, bound, fused=fused)
     else:
         measured = M.lses(a, ref, scale if scale is not None else torch.zeros_like(ref), bound)
     for i, m in zip(fit, measured):
@@ -113,15 +140,16 @@ def judge(
     scale: torch.Tensor | None = None,
     bound: Mapping[str, torch.Tensor] | None = None,
     name: str = "",
+    axes: Axes | None = None,
 ) -> Verdict:
     """`impl` against `ref` as a tensor of `kind`, under the bounds for `case`'s numerics.
 
     `bound`: the reference's derived per-element bounds of this tensor by the deviation they
     allow for ("" none: `equivalence.ops.base.Check.bound`). The elem_bound_ratio bound applies
     only where the reference derived one for the deviation that set the bounds. `name`: the
-    tensor's (out, lse, max_logits), for the failure's description."""
+    tensor's (out, lse, max_logits), `axes` its dimensions' names, for the failure's description."""
     return judge_many(kind, [impl], ref[None], case, deviations, None if scale is None else scale[None],
-                      None if bound is None else {k: v[None] for k, v in bound.items()}, name)[0]
+                      None if bound is None else {k: v[None] for k, v in bound.items()}, name, lambda i: axes)[0]
 
 
 def judge_many(
@@ -133,15 +161,26 @@ def judge_many(
     scale: torch.Tensor | None = None,
     bound: Mapping[str, torch.Tensor] | None = None,
     name: str = "",
+    axes: Callable[[int], Axes | None] | None = None,
 ) -> list[Verdict]:
     """`judge` of each impls[i] against ref[i] (`ref`, `scale` and each `bound` [C, ...]: the
-    cases of a fuzz block, which share their params), measured together (`measure_many`)."""
+    cases of a fuzz block, which share their params), measured together (`measure_many`);
+    `axes(i)`: the names of case i's dimensions (`localize`), asked for a failure only."""
     bounds, deviation = bounds_for(kind, case, deviations)
     tensor = None if bound is None else bound.get(deviation)
     if tensor is None:
         bounds = tuple(b for b in bounds if b.metric != ELEM_BOUND)
-    # A case's Pair (views of the block) is built only for a failure's description.
-    return [verdict(kind, m, bounds, deviation,
-                    lambda i=i: Pair(name or kind, impls[i], ref[i], None if scale is None else scale[i],
-                                     None if tensor is None else tensor[i]))
-            for i, m in enumerate(measure_many(kind, impls, ref, scale, tensor))]
+    fused = kind == OUT and fused_on(ref.device)
+
+    def judged(i: int, m: M.Metrics) -> Verdict:
+        # A case's Pair (views of the block) is built only for a failure's description.
+        return verdict(kind, m, bounds, deviation,
+                       lambda: Pair(name or kind, impls[i], ref[i], None if scale is None else scale[i],
+                                    None if tensor is None else tensor[i], None if axes is None else axes(i)))
+
+    verdicts = [judged(i, m) for i, m in enumerate(measure_many(kind, impls, ref, scale, tensor, fused))]
+    for i, v in enumerate(verdicts):
+        if fused and (not v.passed or fused_judge.near(v.value, v.bound)):  # the eager judge decides
+            m = measure_many(kind, [impls[i]], ref[i:i + 1], *(None if t is None else t[i:i + 1] for t in (scale, tensor)))
+            verdicts[i] = judged(i, m[0])
+    return verdicts

@@ -26,6 +26,8 @@ class Produced:
     notes: tuple[str, ...] = ()
     t_impl: float = float("nan")
     compared: list = field(default_factory=list)  # a property's comparisons (tensors on the host)
+    # A pipeline's stage calls, plain and fed (`stages.traced`), each `stages.Call`'s fields as a dict
+    stage_calls: tuple[list[dict], list[dict]] = field(default_factory=lambda: ([], []))
     # Stay with the implementation's process: the outputs as returned against the copies above
     # (`guards.Returned`, checked there later for a write after return) and the threads the call
     # left running (their names cross).

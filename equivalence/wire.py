@@ -227,7 +227,79 @@ def produced_frames(seq: int, case_id: str, produced: Any, retire: bool, called:
         notes=list(produced.notes), t_impl=produced.t_impl, threads=[t.name for t in produced.threads],
         compared=[dict(check=c.check, tensor=c.tensor, kind=c.kind, got=index(c.got), base=index(c.base),
                        scale=index(c.scale)) for c in produced.compared])
+    header["stage_calls"] = _calls_out(produced.stage_calls, tensors)
     return encode(header, tensors)
+
+
+CALL_FIELDS = ("stage", "impl", "deviations", "rank", "kwargs", "result")  # `equivalence.stages.Call`'s
+MAX_DEPTH, MAX_ITEMS = 4, 4096
+
+
+def _calls_out(runs: tuple[list[dict], list[dict]], tensors: list[torch.Tensor]) -> list:
+    """A pipeline's stage calls (`Produced.stage_calls`: two runs of calls as dicts) as data, their
+    tensors appended to `tensors` (one a tensor, however many calls were handed it); [] where
+    they do not fit a message (MAX_TENSORS) or hold a value that is not data."""
+    at: dict[int, int] = {}
+    added: list[torch.Tensor] = []
+
+    def value(v: Any, depth: int = 0) -> Any:
+        if isinstance(v, torch.Tensor):
+            if id(v) not in at:
+                at[id(v)] = len(tensors) + len(added)
+                added.append(v)
+            return {"tensor": at[id(v)]}
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, (list, tuple)) and depth < MAX_DEPTH:
+            return {"items": [value(x, depth + 1) for x in v], "tuple": isinstance(v, tuple)}
+        raise ValueError(type(v).__name__)
+
+    try:
+        runs_out = [[{**{k: c[k] for k in ("stage", "impl", "rank")}, "deviations": list(c["deviations"]),
+                      "kwargs": {k: value(v) for k, v in c["kwargs"].items()}, "result": value(c["result"])}
+                     for c in run] for run in runs]
+    except ValueError:
+        return []
+    if len(tensors) + len(added) > MAX_TENSORS or any(sendable(t) for t in added):
+        return []
+    tensors.extend(added)
+    return runs_out
+
+
+def _calls_in(v: Any, tensor, known_deviations: Any) -> tuple[list[dict], list[dict]]:
+    """`_calls_out`'s data read back strictly: two runs of calls as dicts; Unreadable otherwise."""
+    def value(x: Any, depth: int = 0) -> Any:
+        if isinstance(x, dict) and set(x) == {"tensor"}:
+            return tensor(x["tensor"])
+        if isinstance(x, dict) and set(x) == {"items", "tuple"} and depth < MAX_DEPTH:
+            items = [value(y, depth + 1) for y in _list(x["items"], "a stage value", MAX_ITEMS)]
+            return tuple(items) if x["tuple"] is True else items
+        if x is None or isinstance(x, (bool, int, float)) or (isinstance(x, str) and len(x) <= TEXT_LIMIT):
+            return x
+        raise Unreadable("a stage call holds a value that is not data")
+
+    def call(c: Any) -> dict:
+        if not isinstance(c, dict) or set(c) != set(CALL_FIELDS):
+            raise Unreadable(f"a stage call is not an object of {', '.join(CALL_FIELDS)}")
+        rank = c["rank"]
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise Unreadable("a stage call's rank is not an integer")
+        deviations = texts(c["deviations"], "a stage call's deviations")
+        if unknown := [d for d in deviations if d not in known_deviations]:
+            raise Unreadable(f"a stage call declares deviations {unknown[:3]} that mla-verify does not know")
+        kwargs = c["kwargs"]
+        if not isinstance(kwargs, dict) or len(kwargs) > 64:
+            raise Unreadable("a stage call's keywords are not an object")
+        return dict(stage=text(c, "stage"), impl=text(c, "impl"), deviations=tuple(deviations), rank=rank,
+                    kwargs={_name(k): value(x) for k, x in kwargs.items()}, result=value(c["result"]))
+
+    runs = _list(v, "stage_calls", 2)
+    if not runs:
+        return [], []
+    if len(runs) != 2:
+        raise Unreadable("its stage calls are not two runs")
+    plain, fed = ([call(c) for c in _list(run, "a run's stage calls", MAX_ITEMS)] for run in runs)
+    return plain, fed
 
 
 @dataclass
@@ -248,6 +320,7 @@ class Answer:
     retire: bool
     called: dict[str, list[str]]
     threads: list[str]
+    stage_calls: tuple[list[dict], list[dict]]  # a pipeline's, plain and fed (`equivalence.stages`)
 
 
 def answer_of(header: dict[str, Any], known_deviations: Any) -> Answer:
@@ -285,7 +358,8 @@ def answer_of(header: dict[str, Any], known_deviations: Any) -> Answer:
                   text(header, "path", None), tuple(texts(header.get("notes"), "notes")),
                   number(header.get("t_impl", math.nan), "t_impl"), compared, header.get("retire") is True,
                   {_name(k): texts(v, "keywords") for k, v in _mapping(header.get("called")).items()},
-                  texts(header.get("threads"), "threads"))
+                  texts(header.get("threads"), "threads"),
+                  _calls_in(header.get("stage_calls", []), tensor, known_deviations))
 
 
 def after_of(header: dict[str, Any]) -> tuple[str, list[str]] | None:

@@ -284,7 +284,8 @@ def stage_profile(case, subject, device: str, count: int = 1) -> dict[str, dict]
 
 def harness_case(device: str):
     """The production-sized case the harness and guards sections time: decode B=64 s_q=2 H=128
-    topk 2048 on a GPU, B=2 H=16 topk 256 on a CPU."""
+    topk 2048 on a GPU, B=2 H=16 topk 256 on a CPU, built by the current input builder."""
+    from mla_verify.equivalence.builders import CURRENT
     from mla_verify.equivalence.case import Case
 
     if device == "cuda":
@@ -294,7 +295,7 @@ def harness_case(device: str):
     return Case("sparse_decode_fp8", {"batch": batch, "s_q": 2, "heads": heads, "topk": TOPK if device == "cuda" else 256,
                                       "seq_lens": [seq] * batch, "page_size": PAGE, "stride_pad": 0,
                                       "value_regime": "normal", "scale_rule": "pow2", "sm_scale": SM_SCALE,
-                                      "invalid": []}, 7)
+                                      "invalid": [], "inputs": CURRENT}, 7)
 
 
 def _evaluated(case, subject, device: str, count: int) -> dict[str, float]:

@@ -111,6 +111,9 @@ def _add_shard(p: argparse.ArgumentParser, what: str) -> None:
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the cases run (default: cuda when present, else cpu)")
+    p.add_argument("--judge", choices=("auto", "fused", "eager"), default=None,
+                   help="what measures attention outputs: the fused judge (one Triton pass), or the eager one, its "
+                        "reference, which always measures and describes a failure (default auto: fused on cuda)")
 
 
 def _add_isolation(p: argparse.ArgumentParser) -> None:
@@ -455,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         from mla_verify.reference.attention import MEMORY_ENV
 
         os.environ[MEMORY_ENV] = str(args.reference_memory)  # read by the reference here and in every child process
+    if getattr(args, "judge", None):
+        from mla_verify.equivalence.oracle import use_judge
+
+        use_judge(args.judge)  # read here and in every child process
     from mla_verify.equivalence.isolation import HarnessError
     from mla_verify.equivalence.subject import UsageError
     from mla_verify.reports.pairing import PairingError

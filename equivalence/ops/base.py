@@ -18,10 +18,12 @@ from hypothesis import strategies as st
 from mla_verify.optimized import registry
 
 from .. import cost, device as dev, guards
+from ..builders import stamped
 from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, changed_together, output_problem, tensors_in
 from ..contracts import arguments as contract_arguments
+from ..localize import Axes, axes_for
 from ..oracle import judge_many
 from ..produced import Produced
 from ..profiles import Profile
@@ -113,6 +115,10 @@ class OpSpec:
         """The lines `mla-verify list` shows under the doc."""
         return [f"keywords: {', '.join(self.arguments)}", f"reference: mla_verify.reference.{self.name}"]
 
+    def axes(self, tensor: str, kwargs: Mapping[str, Any]) -> Axes | None:
+        """The names of returned `tensor`'s dimensions for a call with `kwargs` (`localize`)."""
+        return axes_for(self.name, tensor, [c.tensor for c in self.checks], kwargs)
+
     def params_of(self, data: Mapping) -> Params:
         """A case's params (its JSON) as the op's dataclass."""
         return self.params.of(data)
@@ -128,7 +134,7 @@ class OpSpec:
             raise KeyError(f"{self.name} has no paths; --path applies to a pipeline or a property")
         if world_size is not None:
             raise KeyError(f"{self.name} runs in one process; --world-size applies to an op of ranks")
-        return st.builds(lambda p, seed: Case(self.name, p, seed), self.draw(profile), SEEDS)
+        return st.builds(lambda p, seed: Case(self.name, stamped(self.params, p), seed), self.draw(profile), SEEDS)
 
     def examples(self, profile: Profile) -> int:
         return profile.examples
@@ -358,7 +364,8 @@ class OpSpec:
                     judged += zip(chunk, outs, judge_many(
                         check.kind, outs, answer.of(check.tensor, chunk),
                         numerics.replace(dcp_size=1) if check.single_rank else numerics, declared,
-                        answer.of(check.scale, chunk), bounds if check.bound else None, name=check.tensor))
+                        answer.of(check.scale, chunk), bounds if check.bound else None, name=check.tensor,
+                        axes=lambda j, chunk=chunk, name=check.tensor: self.axes(name, kwargs[chunk[j]])))
             for i, out, v in judged:
                 if v.metrics.nan_count and self.explain_nan is not None:
                     why = self.explain_nan(kwargs[i], check.tensor, out, answer.cases[i][check.tensor])

@@ -79,3 +79,15 @@ def dcp_interleave_ignored(req_id, block_table, topk_indices, block_size, dcp_si
     """Ownership computed as if the interleave were 1."""
     return reference.dcp_convert_index(req_id, block_table, topk_indices, block_size, dcp_size, dcp_rank, 1,
                                        compact_valid_to_front)
+
+
+def first_request_base(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
+                       prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False,
+                       idx_mapping=None):
+    """Every token converted from the first request's base (its block-table row and, for a prefill
+    token, the first prefill request's workspace start): a per-request load hoisted out of the
+    token loop. Right for request 0, wrong for every later one."""
+    first = torch.zeros_like(req_id)
+    prefill = None if prefill_request_ids is None else torch.where(prefill_request_ids >= 0, 0, prefill_request_ids)
+    return reference.convert_index(first, block_table, topk_indices, block_size, block_stride_rows, prefill,
+                                   prefill_workspace_starts, return_valid_counts, idx_mapping=idx_mapping)
