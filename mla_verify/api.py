@@ -8,6 +8,7 @@ repository's own pytest suite can make (the CLI parses arguments into these and 
     drift(run, baseline, ...) -> Drift           did the run move away from the exact answer since the baseline?
     gate(...) -> GateOutcome                     every op and implementation here: the CI gate
     run(options) -> CheckResult | GateOutcome    either, from one `runs.plan.Options` (what the CLI parses)
+    history(runs, html=...) -> History           many runs of one kernel line: trend and marked steps
 
 check() and gate() validate their arguments into one `Run` (mla_verify.runs.plan), which `runs.driver.drive` runs:
 in this process, or in parts on this host's GPUs; a shard (shard="I/N") runs its share of it.
@@ -40,6 +41,8 @@ from mla_verify.equivalence.running import Unsupported, unsupported
 from mla_verify.equivalence.subject import UsageError
 from mla_verify.fuzz import casefile
 from mla_verify.reports.drift import compare
+from mla_verify.reports.history import history as read_history
+from mla_verify.reports.history_html import write_history
 from mla_verify.reports.pairing import parse_pairs
 from mla_verify.reports.store import rows_frame
 
@@ -47,7 +50,8 @@ from .junit import saved_replays, write_junit
 from .pytest_plugin import DEFAULTS, default_device, saved
 from .runs.driver import drive
 from .runs.outcome import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
-from .runs.plan import FUZZ, GATE, LOCAL, Options, plan, positive, resolve_device, timeout_needs_isolation
+from .runs.plan import (FUZZ, GATE, LOCAL, Options, plan, positive, resolve_device, timeout_needs_isolation,
+                         writable_file)
 from .runs.rundir import load_run
 
 Impl = Union[None, str, Callable, Mapping[str, Union[str, Callable]], Sequence[str]]
@@ -56,7 +60,7 @@ Impl = Union[None, str, Callable, Mapping[str, Union[str, Callable]], Sequence[s
 local = types.SimpleNamespace()
 
 __all__ = ["CheckResult", "Failure", "GateOutcome", "HarnessError", "Unsupported", "UsageError", "assert_equivalent",
-           "check", "drift", "gate", "property_check", "replay", "unsupported"]
+           "check", "drift", "gate", "history", "property_check", "replay", "unsupported"]
 
 # ----------------------------------------------------------------------------- inputs
 
@@ -271,10 +275,12 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> CheckResu
 
 def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | None = None,
           confidence: float | None = None, min_cases: int | None = None,
-          pairs: Mapping[str, str] | Sequence[str] | None = None):
+          pairs: Mapping[str, str] | Sequence[str] | None = None, fail_on: str = "drifted"):
     """`reports.drift.compare` of two runs, each a run directory, a rows DataFrame or a
     CheckResult; settings default to `equivalence.policy` (DRIFT_FACTOR, DRIFT_CONFIDENCE,
     DRIFT_MIN_CASES). `pairs`: {NEW: OLD} or ["NEW=OLD", ...] implementation names to compare across.
+    Each group reads drifted, worse, unchanged or better (`Drift.groups["word"]`); exit_code is 1 for
+    drifted, and with fail_on="worse" for worse too.
 
     Raises UsageError for bad settings or when nothing pairs ("nothing comparable")."""
     def rows_of(x, what):
@@ -287,9 +293,28 @@ def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | 
                     min_cases=DRIFT_MIN_CASES if min_cases is None else min_cases)
     try:
         mapping = parse_pairs(list(pairs)) if isinstance(pairs, (list, tuple)) else pairs
-        return compare(rows_of(run, "run"), rows_of(baseline, "baseline"), pairs=mapping, **settings)
+        return compare(rows_of(run, "run"), rows_of(baseline, "baseline"), pairs=mapping, fail_on=fail_on, **settings)
     except ValueError as exc:  # PairingError (nothing comparable, a --pair naming no implementation) or a setting
         raise UsageError(str(exc)) from None
+
+
+def history(runs: Sequence[str | Path], *, html: str | Path | None = None, order: str | Sequence[str] = "time",
+            factor: float | None = None, confidence: float | None = None, min_cases: int | None = None,
+            fail_on: str = "drifted"):
+    """`reports.history.history` of run directories of one kernel line: ordered by "time", as "given",
+    or by a list of git revisions; every step between neighbours judged as `drift` judges two runs.
+    With `html`, the page (`reports.history_html`), each marked step's worst case saved beside it.
+    Raises UsageError for fewer than 2 runs, a run that is not one, or a revision order that misses one."""
+    html = writable_file(html, "--html") if html is not None else None
+    try:
+        h = read_history(runs, order=order, factor=DRIFT_FACTOR if factor is None else factor,
+                         confidence=DRIFT_CONFIDENCE if confidence is None else confidence,
+                         min_cases=DRIFT_MIN_CASES if min_cases is None else min_cases, fail_on=fail_on)
+    except (ValueError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    if html is not None:
+        write_history(h, html, save_worst_case)
+    return h
 
 
 def assert_equivalent(op: str, impl: Impl = None, **kwargs: Any) -> CheckResult:

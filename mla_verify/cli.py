@@ -174,7 +174,7 @@ def _confidence(text: str) -> float:
     return value
 
 
-def _add_drift(p: argparse.ArgumentParser) -> None:
+def _add_drift(p: argparse.ArgumentParser, pair: bool = True) -> None:
     from mla_verify.equivalence import policy
 
     p.add_argument("--factor", type=_factor, default=policy.DRIFT_FACTOR,
@@ -185,25 +185,30 @@ def _add_drift(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-cases", type=_positive_int, default=policy.DRIFT_MIN_CASES,
                    help="drift: fewer cases a side and no case shared with the baseline is 'too few cases to "
                         f"judge' (default {policy.DRIFT_MIN_CASES})")
-    p.add_argument("--pair", action="append", default=[], metavar="NEW=OLD",
-                   help="drift: compare implementation NEW of this run with OLD of the baseline (repeatable; "
-                        "default: same names, or the one implementation per op of each run)")
+    if pair:   # history pairs by name, or one implementation per op and run
+        p.add_argument("--pair", action="append", default=[], metavar="NEW=OLD",
+                       help="drift: compare implementation NEW of this run with OLD of the baseline (repeatable; "
+                            "default: same names, or the one implementation per op of each run)")
+    p.add_argument("--fail-on", choices=("drifted", "worse"), default="drifted",
+                   help="drift: the word that fails the run (exit 1): drifted (beyond --factor, the default) or "
+                        "worse (significantly worse within the factor, or drifted)")
 
 
 @dataclass(frozen=True)
 class _DriftSettings:
-    """--factor, --confidence, --min-cases and --pair, as fuzz, gate and report share them."""
+    """--factor, --confidence, --min-cases, --pair and --fail-on, as fuzz, gate and report share them."""
 
     factor: float
     confidence: float
     min_cases: int
     pairs: tuple[str, ...]
+    fail_on: str
 
     def settings(self) -> dict:
         from mla_verify.reports.pairing import parse_pairs
 
         return dict(factor=self.factor, confidence=self.confidence, min_cases=self.min_cases,
-                    pairs=parse_pairs(list(self.pairs)))
+                    pairs=parse_pairs(list(self.pairs)), fail_on=self.fail_on)
 
 
 def _add_corpus(p: argparse.ArgumentParser) -> None:
@@ -239,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gate_command(sub)
     _add_merge_command(sub)
     _add_report_command(sub)
+    _add_history_command(sub)
     _add_bench_command(sub)
     return parser
 
@@ -427,8 +433,9 @@ def _add_report_command(sub) -> None:
                  _epilog([("0", "the run finished with no failure and, with --baseline, no drift beyond --factor"),
                           ("1", "the run has failures, did not finish or stopped early, or drift: a normalized "
                                 "error, its bias or its headroom grew beyond --factor case for case (or by the "
-                                "rank test, unpaired); or TAMPERED: its rows or failure files are not what the run "
-                                "recorded in meta.json"),
+                                "rank test, unpaired); with --fail-on worse also a group significantly worse within "
+                                "the factor (worse is reported, exit 0, by default); or TAMPERED: its rows or failure "
+                                "files are not what the run recorded in meta.json"),
                           ("2", "a missing, empty, truncated or malformed run directory (a verdict column that is "
                                 "not true/false, a file that is not a regular file), --html/--markdown naming a "
                                 "file of a run, a baseline with nothing comparable (no op, or no implementation "
@@ -444,6 +451,29 @@ def _add_report_command(sub) -> None:
     _add_drift(p)
 
 
+def _add_history_command(sub) -> None:
+    """`mla-verify history` and its options."""
+    p = _command(sub, "history", "drift over many runs of one kernel line: trend, and the steps that got worse",
+                 "Read many run directories of one kernel line (commits, versions, nightly runs) in order: per op, "
+                 "path, tensor and implementation the trend of the drift metrics (median, p99), the bias with its "
+                 "interval and the bound use, and every step between neighbouring runs judged as `report NEW "
+                 "--baseline OLD` judges it; the steps that read drifted or worse are printed and marked.",
+                 _epilog([("0", "the newest step of every line is not drifted (with --fail-on worse: nor worse)"),
+                          ("1", "a line's newest step drifted (or, with --fail-on worse, got worse)"),
+                          ("2", "fewer than 2 runs, a directory that is not a run, a revision order that misses a run")],
+                         [("mla-verify history runs/nightly-* --html history.html",
+                           "the nightly runs in time order, with the page"),
+                          ("mla-verify history runs/v1 runs/v2 runs/v3 --order given", "three versions, in that order")]))
+    p.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="run directories written by fuzz or gate")
+    p.add_argument("--html", type=Path, default=None,
+                   help="write the history page there (and each marked step's worst case beside it)")
+    p.add_argument("--order", choices=("time", "given"), default="time",
+                   help="run order: when each run finished (default), or as given")
+    p.add_argument("--revisions", default=None, metavar="REV,REV,...",
+                   help="order the runs by these git revisions (prefixes of their meta.json revision) instead")
+    _add_drift(p, pair=False)
+
+
 def _add_bench_command(sub) -> None:
     """`mla-verify bench` and its options."""
     p = _command(sub, "bench", "kernel, reference and harness speed at production shapes; table + JSON",
@@ -457,7 +487,7 @@ def _add_bench_command(sub) -> None:
     _add_reference_memory(p)
     p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="the JSON file to write")
     p.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
-    p.add_argument("--only", action="append", choices=("kernels", "reference", "harness", "guards"), default=None,
+    p.add_argument("--only", action="append", choices=("kernels", "reference", "harness", "guards", "history"), default=None,
                    help="run only these sections (repeat; default: all)")
 
 
@@ -466,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return int(exc.code or 0)
-    device = getattr(args, "device", None) or (_default_device() if args.command not in ("report", "merge") else "cpu")
+    device = getattr(args, "device", None) or (_default_device() if args.command not in ("report", "merge", "history") else "cpu")
     _prepare(device)
     if getattr(args, "reference_memory", None):
         from mla_verify.reference.attention import MEMORY_ENV
@@ -481,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     from mla_verify.reports.pairing import PairingError
 
     try:
-        if args.command not in ("list", "report", "merge"):  # it runs cases: on a device that is there
+        if args.command not in ("list", "report", "merge", "history"):  # it runs cases: on a device that is there
             from mla_verify.api import resolve_device
 
             device = resolve_device(device)
@@ -604,7 +634,7 @@ def cmd_fuzz(args, device: str) -> int:
     from mla_verify import api
     from mla_verify.runs.plan import Options
 
-    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair))
+    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on)
     options = Options(**_run_options(args, device))
     result = api.run(options, log=lambda line: print(line, flush=True))
     print(result.report())
@@ -641,7 +671,7 @@ def cmd_gate(args, device: str) -> int:
     from mla_verify.runs.plan import Options
 
     started = time.time()
-    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair))
+    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on)
     options = Options(**_run_options(args, device))
     outcome = api.run(options, log=lambda line: print(line, flush=True))
     lines = outcome.lines()
@@ -676,7 +706,7 @@ def cmd_report(args, device: str) -> int:
         print(line)
     code = reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
                               save_case=save_worst_case,
-                              **_DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair)).settings())
+                              **_DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on).settings())
     return max(code, 1) if tampered else code
 
 
@@ -690,6 +720,18 @@ def cmd_merge(args, device: str) -> int:
     return 3 if merged.harness_errors else max(code, 1 if merged.missing else 0)
 
 
+def cmd_history(args, device: str) -> int:
+    from mla_verify import api
+
+    order = [r for r in args.revisions.split(",") if r] if args.revisions else args.order
+    h = api.history(args.runs, html=args.html, order=order, factor=args.factor, confidence=args.confidence,
+                    min_cases=args.min_cases, fail_on=args.fail_on)
+    print("\n".join(h.lines()))
+    if args.html is not None:
+        print(f"html history: {args.html}")
+    return h.exit_code
+
+
 def cmd_bench(args, device: str) -> int:
     from .bench import bench
 
@@ -697,7 +739,7 @@ def cmd_bench(args, device: str) -> int:
 
 
 COMMANDS = {"list": cmd_list, "fuzz": cmd_fuzz, "replay": cmd_replay, "gate": cmd_gate, "merge": cmd_merge,
-            "report": cmd_report, "bench": cmd_bench}
+            "report": cmd_report, "history": cmd_history, "bench": cmd_bench}
 
 if __name__ == "__main__":
     sys.exit(main())

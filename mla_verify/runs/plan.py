@@ -280,7 +280,7 @@ def _fuzz_run(o: Options, device: str, shard: Shard) -> Run:
         raise UsageError(f"shard {shard}: {examples} examples over {shard.count * parts} campaigns leave it none "
                          f"(give at least {shard.count * parts} examples)")
     if o.junit is not None:
-        _writable_file(o.junit, "--junit")
+        writable_file(o.junit, "--junit")
     corpus = open_corpus(o.corpus)
     return Run(FUZZ, (op,), device, profile, examples, o.seed, isolate, _timeout(o), out=_opened(o.out),
                baseline=o.baseline, shard=shard, parts=parts, specs=o.specs, subject=subject, deviations=deviations,
@@ -291,7 +291,7 @@ def _fuzz_run(o: Options, device: str, shard: Shard) -> Run:
 def _gate_run(o: Options, device: str, shard: Shard) -> Run:
     """gate(): every op and implementation here (the registered ones: named)."""
     if o.junit is not None:
-        _writable_file(o.junit, "--junit")
+        writable_file(o.junit, "--junit")
     profile = _profile(o, device)
     chosen = impl_units(o.impls, device, list(o.ops) or None) if o.impls else None
     corpus = open_corpus(o.corpus)
@@ -363,7 +363,7 @@ def _opened(out: str | Path | FreshDir | None) -> RunDir | None:
     return RunDir.open(out) if out is not None else None
 
 
-def _writable_file(path: str | Path, what: str) -> Path:
+def writable_file(path: str | Path, what: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{what} {path}: a directory, not a file")
