@@ -27,6 +27,8 @@ ZOO = [
     Bug("no_block_range_check", "convert_index", "tests.zoo.indices:no_block_range_check", "invalid index rule"),
     Bug("only_minus_one_invalid", "convert_index", "tests.zoo.indices:only_minus_one_invalid", "invalid index rule", "FlashMLA PR #109"),
     Bug("prefill_rows_through_block_table", "convert_index", "tests.zoo.indices:prefill_rows_through_block_table", "metadata assumes full batch"),
+    Bug("first_request_workspace", "convert_index", "tests.zoo.indices:first_request_workspace",
+        "workspace start of the first prefill request", "issue 37"),
     Bug("dcp_no_ownership_filter", "dcp_convert_index", "tests.zoo.indices:dcp_no_ownership_filter", "DCP index ownership", "vLLM #46514"),
     Bug("dcp_interleave_ignored", "dcp_convert_index", "tests.zoo.indices:dcp_interleave_ignored", "DCP index ownership"),
     Bug("drops_last_valid", "sparse_prefill", "tests.zoo.attention:drops_last_valid", "lanes beyond topk_length", "FlashInfer #5095"),
