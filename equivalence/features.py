@@ -14,9 +14,11 @@ import random
 import torch
 
 from mla_verify import reference
+from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
 from .coverage import Coverage, register
 from .profiles import Profile
+from .routing import SIDES, sides
 
 VARIANTS = 4  # seeded variants of each template: the greedy pick takes one whose tensors hit
 
@@ -181,7 +183,7 @@ def _decode_candidates(rng: random.Random, p: Profile) -> list[dict]:
 
 def _scales(cache: torch.Tensor) -> torch.Tensor:
     """The fp32 tile scales of every written slot of an fp8_ds_mla cache (poisoned slots: NaN)."""
-    rows = cache.reshape(-1, cache.shape[-1])[:, 512:528].contiguous().view(torch.float32)
+    rows = cache[..., 512:528].contiguous().view(torch.float32)
     return rows[rows.isfinite()]
 
 
@@ -206,3 +208,103 @@ def _decode_hits(p, kw: dict) -> set[str]:
 
 
 register("sparse_decode_fp8", None, Coverage(DECODE, _decode_candidates, _decode_hits))
+
+
+# --- forward_mqa ---------------------------------------------------------------------------------
+
+SPLIT = tuple(f"split: {side}" for side in SIDES["split"])
+BATCH = ("batch > 1", "> 64 tokens", "two or more prefill requests", "spec decodes (s_q > 1) of several requests",
+         "row with no valid index")
+DECODE_TOPK = tuple(f"decode_topk: {side}" for side in SIDES["decode_topk"])
+PATH_FEATURES = {
+    "bf16": SPLIT + BATCH,
+    "fp8_mixed": SPLIT + BATCH + DECODE_TOPK + ("raw (non-power-of-two) scales",),
+    "fp8_separate": SPLIT + BATCH + DECODE_TOPK + tuple(f"chunks: {side}" for side in SIDES["chunks"])
+    + ("raw (non-power-of-two) scales",),
+    "fp8_mixed_dcp": ("split: all decodes", "split: all prefills", "split: decodes + prefills") + BATCH + DECODE_TOPK
+    + tuple(f"dcp_empty: {side}" for side in SIDES["dcp_empty"]) + ("raw (non-power-of-two) scales",),
+}
+
+
+FORWARD_VARIANTS = 2  # a batch takes longer to build than a single op's inputs
+
+
+def _batch(rng: random.Random, p: Profile, dtype: str, heads: int, qlens: list[int], topk: int, **extra) -> dict:
+    """forward_mqa params of one batch: contexts drawn within the profile, sm100's thresholds
+    (128 tokens at 8-32 heads), every other field at its default unless `extra` sets it."""
+    ctx = [rng.randint(1, min(p.max_context, 200)) for _ in qlens]
+    return {"cache_dtype": dtype, "heads": heads, "query_lens": qlens, "context_lens": ctx,
+            "block_size": rng.choice(p.block_sizes), "topk": topk, "sm_scale": 0.1352,
+            "value_regime": rng.choice(("normal", "peaked", "outliers")), "arch": "sm100", **extra}
+
+
+def _forward_templates(rng: random.Random, p: Profile, path: str) -> list[dict]:
+    """A path's templates: decodes with padding requests, decodes with a merged and a short
+    prefill past 64 tokens, all prefills (the first past the threshold), and on the separate path
+    prefills in one, two and three or more workspace chunks."""
+    dtype = "bfloat16" if path == "bf16" else "fp8_ds_mla"
+    low = [h for h in p.mqa_heads if h in (8, 16)] or [16]
+    heads = 32 if path == "fp8_separate" else rng.choice(low)
+    odd = 64 if path != "bf16" else 128
+    s = rng.choice((1, 2))  # the merged prefill's decodes; the padded decodes are spec decodes
+    dcp = {"dcp_size": rng.choice((2, 4)), "interleave": 1} if path == "fp8_mixed_dcp" else {}
+    quant = {"scale_rule": "raw", "invalid": ["whole_row", "scattered"]}
+    found = [
+        _batch(rng, p, dtype, heads, [2] * 3 + [0, 0], odd, max_decode_query_len=2, **quant, **dcp),
+        _batch(rng, p, dtype, heads, [s, s, 0, s, s + 2, 66], 128, max_decode_query_len=s, **quant, **dcp),
+        _batch(rng, p, dtype, heads, [129, 3], 128, **dcp),
+    ]
+    if path == "fp8_mixed_dcp":  # contexts of a few tokens leave some ranks' shards empty
+        found.append({**found[0], "context_lens": [0, 1, 2, 0, 0], "query_lens": [1, 1, 1, 0, 0],
+                      "max_decode_query_len": 1})
+    if path == "fp8_separate":
+        for chunks in (1, 2, 3):
+            seqs = [rng.randint(20, 40) for _ in range(chunks + 1)]
+            qlens = [n // 2 + 2 for n in seqs]
+            found.append(_batch(rng, p, dtype, heads, [1] + qlens, 128, context_lens=[5] + [n - q for n, q in zip(seqs, qlens)],
+                                workspace_size=None if chunks == 1 else max(seqs) + (40 if chunks == 2 else 0)))
+    return found
+
+
+def _forward_candidates(path: str | None):
+    def candidates(rng: random.Random, p: Profile) -> list[dict]:
+        paths = [path] if path else list(PATH_FEATURES)
+        return [c for _ in range(FORWARD_VARIANTS) for one in paths for c in _forward_templates(rng, p, one)]
+
+    return candidates
+
+
+def _forward_hits(p, kw: dict) -> set[str]:
+    b = kw["batch"]
+    if getattr(b, "plain", None) is not None:  # HiSparse: layer 0 as the plain path sees it
+        b = b.plain
+    qsl, seqs, idx = list(b.query_start_loc), list(b.seq_lens), b.topk_indices
+    lens = [y - x for x, y in zip(qsl, qsl[1:])]
+    cfg = b.config
+    routed = sides({"heads": cfg["num_heads"], "query_lens": lens, "context_lens": [s - n for s, n in zip(seqs, lens)],
+                    "cache_dtype": cfg["kv_cache_dtype"], "dcp_size": len(b.rank_caches),
+                    "interleave": cfg.get("interleave", 1), "arch": cfg["arch"], "topk": idx.shape[-1],
+                    "max_decode_query_len": cfg["max_decode_query_len"], "workspace_size": cfg["workspace_size"],
+                    "max_model_len": cfg["max_model_len"], "mqa": p.mqa})
+    hit = {f"{boundary}: {side}" for boundary, found in routed.items() for side in found}
+    threshold = reorder_batch_threshold(cfg["num_heads"], cfg["arch"], max_decode_query_len=cfg["max_decode_query_len"],
+                                        dcp_size=len(b.rank_caches), interleave=cfg.get("interleave", 1))
+    num_decodes = split_decodes_and_prefills(qsl, threshold).num_decodes
+    hit |= {name for name, yes in (
+        ("batch > 1", sum(n > 0 for n in lens) > 1), ("> 64 tokens", qsl[-1] > 64),
+        ("two or more prefill requests", len(lens) - num_decodes >= 2),
+        ("spec decodes (s_q > 1) of several requests", sum(1 < n for n in lens[:num_decodes]) > 1),
+        ("row with no valid index", bool((idx[:qsl[-1]] < 0).all(-1).any())),
+    ) if yes}
+    if cfg["kv_cache_dtype"] == "fp8_ds_mla":
+        scales = _scales(b.rank_caches[0])
+        if bool(((scales > 0) & (torch.frexp(scales).mantissa != 0.5)).any()):
+            hit.add("raw (non-power-of-two) scales")
+    return hit
+
+
+for _path, _features in PATH_FEATURES.items():
+    register("forward_mqa", _path, Coverage(_features, _forward_candidates(_path), _forward_hits))
+register("forward_mqa", None, Coverage(
+    tuple(dict.fromkeys(f for features in PATH_FEATURES.values() for f in features))
+    + tuple(f"fp8_path: {side}" for side in SIDES["fp8_path"]), _forward_candidates(None), _forward_hits))
