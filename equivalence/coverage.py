@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from .case import Case
 from .profiles import Profile
@@ -98,20 +98,42 @@ def covering_set(op: str, profile: Profile, seed: int, path: str | None = None,
     return chosen
 
 
-def random_hits(op: str, strategy: Any, draws: int, seed: int, path: str | None = None) -> Mapping[str, int]:
-    """How many of `draws` cases of `strategy` (the op's random draws) hit each feature."""
+def random_hits(op: str, profile: Profile, draws: int, seed: int = 0, path: str | None = None) -> tuple[dict[str, int], int]:
+    """(feature -> how many of the op's random draws within `profile` hit it, draws made): the
+    campaign's draws without the covering set (Hypothesis's generate phase, seeded)."""
     from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
 
+    from .catalog import get_spec
+
     cov = coverage_of(op, path)
-    counts = {name: 0 for name in (cov.features if cov else ())}
+    counts, made = {name: 0 for name in (cov.features if cov else ())}, [0]
 
     @settings(max_examples=draws, database=None, deadline=None, phases=(Phase.generate,),
               suppress_health_check=list(HealthCheck))
     @hypothesis_seed(seed)
-    @given(case=strategy)
+    @given(case=get_spec(op).strategy(profile, path))
     def count(case: Case) -> None:
+        made[0] += 1
         for name in features_of(case, path=path):
             counts[name] += 1
 
     count()
-    return counts
+    return counts, made[0]
+
+
+def table(op: str, profiles: list[Profile], draws: int, seed: int = 0, path: str | None = None) -> list[str]:
+    """`mla-verify list --op OP --coverage`: per profile, which features the covering set of `seed`
+    hits (its size in the header) and the share of `draws` random draws hitting each, Markdown."""
+    cov = coverage_of(op, path)
+    if cov is None:
+        return [f"{op}{f' --path {path}' if path else ''} lists no features: its campaigns start with random draws"]
+    head, cells = ["feature"], {name: [name] for name in cov.features}
+    for p in profiles:
+        first = covering_set(op, p, seed, path)
+        hit = set().union(*(features_of(case, path=path) for case in first))
+        counts, made = random_hits(op, p, draws, seed, path)
+        head += [f"{p.name}: first {len(first)}", f"{p.name}: {made} draws"]
+        for name in cov.features:
+            cells[name] += ["hit" if name in hit else "MISSED", f"{100 * counts[name] / max(made, 1):.1f}%"]
+    return (["| " + " | ".join(head) + " |", "|" + " --- |" + " :-: | ---: |" * len(profiles)]
+            + ["| " + " | ".join(row) + " |" for row in cells.values()])

@@ -170,11 +170,12 @@ def _decode_candidates(rng: random.Random, p: Profile) -> list[dict]:
         found += [
             # Past 64 query rows of two tokens each, raw scales, whole -1 rows, padded pages.
             {"batch": batch, "s_q": 2, "heads": min(p.heads), "topk": rng.choice(odd),
-             "seq_lens": [rng.randint(1, p.max_context) for _ in range(batch)], "page_size": rng.choice(p.block_sizes),
+             "seq_lens": [rng.randint(1, min(p.max_context, 300)) for _ in range(batch)],
+             "page_size": rng.choice(p.block_sizes),
              "sm_scale": 0.1352, "value_regime": "normal", "scale_rule": "raw",
              "invalid": ["whole_row", "duplicates"], "stride_pad": 1},
             {"batch": 2, "s_q": 1, "heads": max(p.heads), "topk": rng.choice(even),
-             "seq_lens": [rng.randint(1, 40), rng.randint(1, p.max_context)], "page_size": 1,
+             "seq_lens": [rng.randint(1, 40), rng.randint(1, min(p.max_context, 2000))], "page_size": 1,
              "sm_scale": 0.0417, "value_regime": rng.choice(("saturation", "zero_tiles")), "scale_rule": "pow2",
              "invalid": ["scattered"], "stride_pad": 0},
         ]
