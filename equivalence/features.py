@@ -178,6 +178,10 @@ def _decode_candidates(rng: random.Random, p: Profile) -> list[dict]:
              "seq_lens": [rng.randint(1, 40), rng.randint(1, min(p.max_context, 2000))], "page_size": 1,
              "sm_scale": 0.0417, "value_regime": rng.choice(("saturation", "zero_tiles")), "scale_rule": "pow2",
              "invalid": ["scattered"], "stride_pad": 0},
+            # One long sequence: most slots, slot 0 among them likely, left unselected (NaN).
+            {"batch": 1, "s_q": 1, "heads": min(p.heads), "topk": rng.choice(even), "seq_lens": [rng.randint(1000, 2000)],
+             "page_size": rng.choice(p.block_sizes), "sm_scale": 0.1, "value_regime": "normal", "scale_rule": "pow2",
+             "invalid": ["scattered"], "stride_pad": 0},
         ]
     return found
 

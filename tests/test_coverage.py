@@ -34,7 +34,7 @@ def test_covering_set_hits_every_feature(op, profile):
 @pytest.mark.parametrize("profile", ["ci", "gpu"])
 def test_forward_covering_set_hits_every_feature(path, profile):
     cases = _hits_all("forward_mqa", profile, 7, path)
-    assert len(cases) <= 6
+    assert len(cases) <= 8
 
 
 def test_covering_set_is_the_seeds():
