@@ -53,10 +53,16 @@ def coverage_of(op: str, path: str | None = None) -> Coverage | None:
     return FEATURES.get((op, path))
 
 
+def covered() -> list[tuple[str, str | None]]:
+    """Every (op, path) that lists features."""
+    _load()
+    return list(FEATURES)
+
+
 def _load() -> None:
     """The op modules' coverage lives in `equivalence.features`, imported on first use (it
     builds inputs through the catalog, which imports this module's users)."""
-    from . import features  # noqa: F401  (registers on import)
+    from . import features, features_bytes  # noqa: F401  (they register on import)
 
 
 def features_of(case: Case, device: str = "cpu", path: str | None = None) -> set[str]:

@@ -103,7 +103,7 @@ register("convert_index", None, Coverage(CONVERT, _convert_candidates, _convert_
 
 PREFILL = ("several tokens", "> 64 tokens", "several heads", "row with no valid index", "topk_length 0",
            "topk_length 1", "topk_length K", "no topk_length", "no sink", "finite sink", "+inf sink", "-inf sink",
-           "top-k of one 128 unit", "top-k of several 128 units", "negatives other than -1", "index >= N",
+           "top-k of one 128 unit", "top-k of several 128 units", "negatives other than -1", "index past N", "index N",
            "duplicate indices", "NaN kv row 0 beside an invalid entry", "fewer kv rows than top-k")
 
 
@@ -116,7 +116,7 @@ def _prefill_candidates(rng: random.Random, p: Profile) -> list[dict]:
             # Past 64 tokens, every topk_length edge, the sinks of every kind, invalid entries.
             {"tokens": rng.randint(65, 70), "heads": rng.choice(multi), "kv_rows": rng.randint(small, 2 * small),
              "topk": small, "value_regime": rng.choice(("normal", "peaked")), "sm_scale": 0.1352,
-             "invalid": ["out_of_range", "whole_row", "duplicates", "negatives"], "topk_length": "edges",
+             "invalid": ["out_of_range", "boundaries", "whole_row", "duplicates", "negatives"], "topk_length": "edges",
              "sink": "inf"},
             # Fewer kv rows than top-k over several 128 units; row 0 left unselected (NaN) often.
             {"tokens": rng.randint(2, 4), "heads": rng.choice(multi), "kv_rows": rng.randint(8, 40),
@@ -139,7 +139,7 @@ def _prefill_hits(p, kw: dict) -> set[str]:
         ("several tokens", tokens > 1), ("> 64 tokens", tokens > 64), ("several heads", heads > 1),
         ("row with no valid index", bool((~live).all(1).any())), ("no topk_length", length is None),
         ("no sink", sink is None), ("top-k of one 128 unit", k == 128), ("top-k of several 128 units", k > 128),
-        ("negatives other than -1", bool((idx < -1).any())), ("index >= N", bool((idx >= n).any())),
+        ("negatives other than -1", bool((idx < -1).any())), ("index past N", bool((idx > n).any())), ("index N", bool((idx == n).any())),
         ("duplicate indices", _duplicates(idx)), ("fewer kv rows than top-k", n < k),
         ("NaN kv row 0 beside an invalid entry", n > 0 and bool(kv[0].isnan().any()) and bool((~live).any())),
     ) if yes}
@@ -157,7 +157,7 @@ register("sparse_prefill", None, Coverage(PREFILL, _prefill_candidates, _prefill
 
 # --- sparse_decode_fp8 ---------------------------------------------------------------------------
 
-DECODE = ("batch > 1", "s_q > 1 with several requests", "> 64 query rows", "top-k % 128 == 64", "top-k % 128 == 0",
+DECODE = ("batch > 1", "s_q > 1 with several requests", "s_q > 1 with several heads", "> 64 query rows", "top-k % 128 == 64", "top-k % 128 == 0",
           "raw (non-power-of-two) scales", "power-of-two scales", "row with no valid index",
           "NaN slot 0 beside a -1 entry", "padded page stride", "duplicate indices", "a row partly -1")
 
@@ -169,7 +169,7 @@ def _decode_candidates(rng: random.Random, p: Profile) -> list[dict]:
         batch = rng.randint(33, 36)
         found += [
             # Past 64 query rows of two tokens each, raw scales, whole -1 rows, padded pages.
-            {"batch": batch, "s_q": 2, "heads": min(p.heads), "topk": rng.choice(odd),
+            {"batch": batch, "s_q": 2, "heads": min(h for h in p.heads if h > 1), "topk": rng.choice(odd),
              "seq_lens": [rng.randint(1, min(p.max_context, 300)) for _ in range(batch)],
              "page_size": rng.choice(p.block_sizes),
              "sm_scale": 0.1352, "value_regime": "normal", "scale_rule": "raw",
@@ -201,6 +201,7 @@ def _decode_hits(p, kw: dict) -> set[str]:
     rows = idx.reshape(-1, k)
     return {name for name, yes in (
         ("batch > 1", batch > 1), ("s_q > 1 with several requests", s_q > 1 and batch > 1),
+        ("s_q > 1 with several heads", s_q > 1 and q.shape[2] > 1),
         ("> 64 query rows", batch * s_q > 64), ("top-k % 128 == 64", k % 128 == 64), ("top-k % 128 == 0", k % 128 == 0),
         ("raw (non-power-of-two) scales", bool(((scales > 0) & ~pow2).any())),
         ("power-of-two scales", bool(pow2.any()) and bool((pow2 | (scales == 0)).all())),
@@ -219,7 +220,7 @@ register("sparse_decode_fp8", None, Coverage(DECODE, _decode_candidates, _decode
 
 SPLIT = tuple(f"split: {side}" for side in SIDES["split"])
 BATCH = ("batch > 1", "> 64 tokens", "two or more prefill requests", "spec decodes (s_q > 1) of several requests",
-         "row with no valid index")
+         "row with no valid index", "only the decodes of a mixed batch through forward_mqa")
 DECODE_TOPK = tuple(f"decode_topk: {side}" for side in SIDES["decode_topk"])
 PATH_FEATURES = {
     "bf16": SPLIT + BATCH,
@@ -258,6 +259,8 @@ def _forward_templates(rng: random.Random, p: Profile, path: str) -> list[dict]:
         _batch(rng, p, dtype, heads, [2] * 3 + [0, 0], odd, max_decode_query_len=2, **quant, **dcp),
         _batch(rng, p, dtype, heads, [s, s, 0, s, s + 2, 66], 128, max_decode_query_len=s, **quant, **dcp),
         _batch(rng, p, dtype, heads, [129, 3], 128, **dcp),
+        # Dense MHA takes the prefills: q holds the decodes alone.
+        _batch(rng, p, dtype, heads, [1, 1, 3, 2], 128, mqa="decodes", **dcp),
     ]
     if path == "fp8_mixed_dcp":  # contexts of a few tokens leave some ranks' shards empty
         found.append({**found[0], "context_lens": [0, 1, 2, 0, 0], "query_lens": [1, 1, 1, 0, 0],
@@ -277,6 +280,11 @@ def _forward_candidates(path: str | None):
         return [c for _ in range(FORWARD_VARIANTS) for one in paths for c in _forward_templates(rng, p, one)]
 
     return candidates
+
+
+def _rows(q) -> int:
+    """Query rows handed to forward_mqa (q whole, or as (ql_nope, q_pe))."""
+    return (q[0] if isinstance(q, tuple) else q).shape[0]
 
 
 def _forward_hits(p, kw: dict) -> set[str]:
@@ -300,6 +308,7 @@ def _forward_hits(p, kw: dict) -> set[str]:
         ("two or more prefill requests", len(lens) - num_decodes >= 2),
         ("spec decodes (s_q > 1) of several requests", sum(1 < n for n in lens[:num_decodes]) > 1),
         ("row with no valid index", bool((idx[:qsl[-1]] < 0).all(-1).any())),
+        ("only the decodes of a mixed batch through forward_mqa", _rows(b.q) < qsl[-1] and num_decodes < len(lens)),
     ) if yes}
     if cfg["kv_cache_dtype"] == "fp8_ds_mla":
         scales = _scales(b.rank_caches[0])
@@ -313,3 +322,64 @@ for _path, _features in PATH_FEATURES.items():
 register("forward_mqa", None, Coverage(
     tuple(dict.fromkeys(f for features in PATH_FEATURES.values() for f in features))
     + tuple(f"fp8_path: {side}" for side in SIDES["fp8_path"]), _forward_candidates(None), _forward_hits))
+
+
+# --- forward_mqa's HiSparse paths ---------------------------------------------------------------
+
+HISPARSE = ("split: all decodes", "split: decodes + prefills", "batch > 1", "two or more prefill requests",
+            "row with no valid index", "several layers", "pages missing from the hot cache",
+            "a swap budget below the decodes (the resident route)", "a persistent buffer below the batch")
+HISPARSE_FEATURES = {"bf16_hisparse": HISPARSE,
+                     "fp8_separate_hisparse": HISPARSE + ("chunks: 2 chunks", "chunks: >= 3 chunks",
+                                                          "raw (non-power-of-two) scales")}
+
+
+def _hisparse_candidates(path: str):
+    dtype = "bfloat16" if path == "bf16_hisparse" else "fp8_ds_mla"
+
+    def batch(rng: random.Random, p: Profile, qlens: list[int], s: int, **extra) -> dict:
+        # Pages before the resident tail: contexts of several of the smallest blocks.
+        bs = min(p.block_sizes)
+        ctx = [rng.randint(2 * bs, 4 * bs) for _ in qlens]
+        return {"cache_dtype": dtype, "heads": rng.choice(p.mqa_heads), "query_lens": qlens, "context_lens": ctx,
+                "block_size": bs, "topk": 128, "sm_scale": 0.1352,
+                "value_regime": rng.choice(("normal", "peaked")), "scale_rule": "raw", "invalid": ["whole_row"],
+                "max_decode_query_len": s, "max_model_len": max(c + n for c, n in zip(ctx, qlens)),
+                "hisparse": True, "layers": 1, "resident_frac": 0.3, "slot_perm": True, **extra}
+
+    def candidates(rng: random.Random, p: Profile) -> list[dict]:
+        found = []
+        for _ in range(FORWARD_VARIANTS):
+            found += [
+                batch(rng, p, [1, 1, 3, 5], 1, layers=2, buffer_rows=3),
+                batch(rng, p, [2, 2, 2], 2, resident_frac=1.0, swap_rows="below"),
+            ]
+            if dtype == "fp8_ds_mla":
+                for chunks in (2, 3):  # prefills of one length, a workspace as long: one chunk each
+                    n = rng.randint(10, 20)
+                    b = batch(rng, p, [1] + [n] * chunks, 1, heads=32)  # routing's chunks: the separate heads
+                    b["context_lens"] = b["context_lens"][:1] + [b["context_lens"][1]] * chunks
+                    b["max_model_len"] = b["workspace_size"] = max(c + q for c, q in zip(b["context_lens"], b["query_lens"]))
+                    found.append(b)
+        return found
+
+    return candidates
+
+
+def _hisparse_hits(p, kw: dict) -> set[str]:
+    hb = kw["batch"]
+    b, tables = hb.plain, hb.tables
+    hit = _forward_hits(p, kw)
+    qsl, seqs, bs = b.query_start_loc, b.seq_lens, b.config.get("block_size", p.block_size)
+    states = tables["request_state_indices"].long()
+    missing = any(bool((tables["residency"][int(states[r]), : -(-n // bs)] == 0).any()) for r, n in enumerate(seqs))
+    num_decode_tokens = split_decodes_and_prefills(qsl, b.config["max_decode_query_len"]).num_decode_tokens
+    return hit | {name for name, yes in (
+        ("several layers", len(hb.q_layers) > 1), ("pages missing from the hot cache", missing),
+        ("a swap budget below the decodes (the resident route)", hb.config["max_swap_rows"] < num_decode_tokens),
+        ("a persistent buffer below the batch", hb.group_buffer[0].shape[0] < qsl[-1]),
+    ) if yes}
+
+
+for _path, _features in HISPARSE_FEATURES.items():
+    register("forward_mqa", _path, Coverage(_features, _hisparse_candidates(_path), _hisparse_hits))
