@@ -49,6 +49,7 @@ ZOO = [
     Bug("merge_no_sanitize", "dcp_merge", "tests.zoo.dcp:no_sanitize", "NaN propagation", "vLLM #46514"),
     Bug("merge_ignores_weights", "dcp_merge", "tests.zoo.dcp:ignores_weights", "LSE merge"),
     Bug("concat_contiguous_read", "concat_mla_q", "tests.zoo.layout:contiguous_read", "stride assumption"),
+    Bug("concat_writes_past_the_end", "concat_mla_q", "tests.zoo.layout:writes_past_the_end", "out-of-bounds write"),
     Bug("chunks_strictly_below", "split_prefill_chunks", "tests.zoo.layout:chunks_strictly_below", "chunk bounds (<= vs <)"),
     Bug("sequence_major_reshape", "reshape_query_for_spec_decode", "tests.zoo.layout:sequence_major_reshape", "spec-decode shapes", "vLLM #34552"),
     Bug("req_id_not_sliced", "forward_mqa", "tests.zoo.forward:req_id_not_sliced", "row-count mismatch", "vLLM #47327"),
