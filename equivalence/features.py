@@ -327,8 +327,10 @@ register("forward_mqa", None, Coverage(
 # --- forward_mqa's HiSparse paths ---------------------------------------------------------------
 
 HISPARSE = ("split: all decodes", "split: decodes + prefills", "batch > 1", "two or more prefill requests",
-            "row with no valid index", "several layers", "pages missing from the hot cache",
-            "a swap budget below the decodes (the resident route)", "a persistent buffer below the batch")
+            "row with no valid index", "pages missing from the hot cache",
+            "a swap budget below the decodes (the resident route)",
+            "several layers on the resident route, the persistent buffer holding its rows",
+            "several layers on the resident route, the persistent buffer below its rows (the fallback)")
 HISPARSE_FEATURES = {"bf16_hisparse": HISPARSE,
                      "fp8_separate_hisparse": HISPARSE + ("chunks: 2 chunks", "chunks: >= 3 chunks",
                                                           "raw (non-power-of-two) scales")}
@@ -351,8 +353,12 @@ def _hisparse_candidates(path: str):
         found = []
         for _ in range(FORWARD_VARIANTS):
             found += [
-                batch(rng, p, [1, 1, 3, 5], 1, layers=2, buffer_rows=3),
-                batch(rng, p, [2, 2, 2], 2, resident_frac=1.0, swap_rows="below"),
+                batch(rng, p, [1, 1, 3, 5], 1),
+                # The resident route (the persistent group buffer's): every page resident, the swap
+                # budget below the decodes; the buffer as large as the batch, or below it.
+                batch(rng, p, [2, 2, 2], 2, resident_frac=1.0, swap_rows="below", layers=2),
+                batch(rng, p, [2, 2, 2], 2, resident_frac=1.0, swap_rows="below", layers=2,
+                      buffer_rows=rng.randint(1, 5)),
             ]
             if dtype == "fp8_ds_mla":
                 for chunks in (2, 3):  # prefills of one length, a workspace as long: one chunk each
@@ -374,10 +380,18 @@ def _hisparse_hits(p, kw: dict) -> set[str]:
     states = tables["request_state_indices"].long()
     missing = any(bool((tables["residency"][int(states[r]), : -(-n // bs)] == 0).any()) for r, n in enumerate(seqs))
     num_decode_tokens = split_decodes_and_prefills(qsl, b.config["max_decode_query_len"]).num_decode_tokens
+    # The resident route converts through the group's buffer: every token (BF16 with prefills) or the decodes.
+    prefills = num_decode_tokens < qsl[-1]
+    resident = not missing and (hb.config["max_swap_rows"] < num_decode_tokens or prefills)
+    rows = qsl[-1] if prefills and b.config["kv_cache_dtype"] == "bfloat16" else num_decode_tokens
+    layers, buffer = len(hb.q_layers), hb.group_buffer[0].shape[0]
     return hit | {name for name, yes in (
-        ("several layers", len(hb.q_layers) > 1), ("pages missing from the hot cache", missing),
+        ("pages missing from the hot cache", missing),
         ("a swap budget below the decodes (the resident route)", hb.config["max_swap_rows"] < num_decode_tokens),
-        ("a persistent buffer below the batch", hb.group_buffer[0].shape[0] < qsl[-1]),
+        ("several layers on the resident route, the persistent buffer holding its rows",
+         resident and layers > 1 and 0 < rows <= buffer),
+        ("several layers on the resident route, the persistent buffer below its rows (the fallback)",
+         resident and layers > 1 and buffer < rows),
     ) if yes}
 
 
