@@ -17,6 +17,7 @@ from mla_verify import reference
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
 from .coverage import Coverage, register
+from .hisparse_batch import ACTIVE_TAIL_PAGES
 from .profiles import Profile
 from .routing import SIDES, sides
 
@@ -327,7 +328,8 @@ register("forward_mqa", None, Coverage(
 # --- forward_mqa's HiSparse paths ---------------------------------------------------------------
 
 HISPARSE = ("split: all decodes", "split: decodes + prefills", "batch > 1", "two or more prefill requests",
-            "row with no valid index", "pages missing from the hot cache",
+            "row with no valid index", "pages missing from the hot cache", "a decode's page missing from the hot cache",
+            "decodes alone, every context page but the tail swapped in",
             "a swap budget below the decodes (the resident route)",
             "several layers on the resident route, the persistent buffer holding its rows",
             "several layers on the resident route, the persistent buffer below its rows (the fallback)")
@@ -354,6 +356,7 @@ def _hisparse_candidates(path: str):
         for _ in range(FORWARD_VARIANTS):
             found += [
                 batch(rng, p, [1, 1, 3, 5], 1),
+                batch(rng, p, [1, 1, 1], 1, resident_frac=0.0),  # decodes alone, every page swapped in
                 # The resident route (the persistent group buffer's): every page resident, the swap
                 # budget below the decodes; the buffer as large as the batch, or below it.
                 batch(rng, p, [2, 2, 2], 2, resident_frac=1.0, swap_rows="below", layers=2),
@@ -378,8 +381,10 @@ def _hisparse_hits(p, kw: dict) -> set[str]:
     hit = _forward_hits(p, kw)
     qsl, seqs, bs = b.query_start_loc, b.seq_lens, b.config.get("block_size", p.block_size)
     states = tables["request_state_indices"].long()
-    missing = any(bool((tables["residency"][int(states[r]), : -(-n // bs)] == 0).any()) for r, n in enumerate(seqs))
-    num_decode_tokens = split_decodes_and_prefills(qsl, b.config["max_decode_query_len"]).num_decode_tokens
+    absent = [bool((tables["residency"][int(states[r]), : -(-n // bs)] == 0).any()) for r, n in enumerate(seqs)]
+    missing = any(absent)
+    split = split_decodes_and_prefills(qsl, b.config["max_decode_query_len"])
+    num_decode_tokens = split.num_decode_tokens
     # The resident route converts through the group's buffer: every token (BF16 with prefills) or the decodes.
     prefills = num_decode_tokens < qsl[-1]
     resident = not missing and (hb.config["max_swap_rows"] < num_decode_tokens or prefills)
@@ -387,6 +392,10 @@ def _hisparse_hits(p, kw: dict) -> set[str]:
     layers, buffer = len(hb.q_layers), hb.group_buffer[0].shape[0]
     return hit | {name for name, yes in (
         ("pages missing from the hot cache", missing),
+        ("a decode's page missing from the hot cache", any(absent[:split.num_decodes])),
+        ("decodes alone, every context page but the tail swapped in",
+         split.num_prefills == 0 and all(bool((tables["residency"][int(states[r]), : max(0, -(-n // bs) - ACTIVE_TAIL_PAGES)] == 0).all())
+                                         for r, n in enumerate(seqs))),
         ("a swap budget below the decodes (the resident route)", hb.config["max_swap_rows"] < num_decode_tokens),
         ("several layers on the resident route, the persistent buffer holding its rows",
          resident and layers > 1 and 0 < rows <= buffer),

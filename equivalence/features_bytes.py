@@ -37,7 +37,8 @@ CODEC = ("raw (non-power-of-two) scales", "power-of-two scales", "a power-of-two
 
 def _codec_candidates(rng: random.Random, p: Profile) -> list[dict]:
     return [c for _ in range(VARIANTS) for c in (
-        {"n": rng.randint(65, 70), "value_regime": "zero_tiles", "scale_rule": "raw"},
+        {"n": rng.randint(65, 70), "value_regime": "normal", "scale_rule": "raw"},  # raw scales round x / s
+        {"n": rng.randint(2, 8), "value_regime": "zero_tiles", "scale_rule": "raw"},
         {"n": rng.randint(2, 8), "value_regime": rng.choice(("tiny", "zero_tiles")), "scale_rule": "pow2"},
         {"n": rng.randint(2, 8), "value_regime": "saturation", "scale_rule": rng.choice(("pow2", "raw"))},
     )]

@@ -68,6 +68,7 @@ PINNED: dict[str, dict[str, dict]] = {
         "forward_mqa": {**FORWARD, "query_lens": [2] * 32, "context_lens": [4096] * 32, "max_decode_query_len": 2,
                         "max_model_len": 4098, "replay_seeds": [11, 12, 13]},
     },
+    "singleton": {"sparse_prefill": PREFILL},
     "determinism": {
         "sparse_prefill": PREFILL,
         "sparse_decode_fp8": DECODE,

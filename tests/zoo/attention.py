@@ -102,3 +102,12 @@ def index_n_is_valid(q, kv, indices, sm_scale, topk_length=None, attn_sink=None)
     at_n = indices == kv.shape[0]
     return _as_kernel(reference.sparse_prefill(q, kv, torch.where(at_n, kv.shape[0] - 1, indices), sm_scale,
                                                topk_length, attn_sink))
+
+
+def sink_in_lse(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """The sink folded into the LSE as well as the output (lse + ln(1 + e^(sink - lse))): the
+    contract's LSE never includes it (a convention mix-up between attention-sink kernels)."""
+    out, lse, max_logits = _as_kernel(reference.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink))
+    if attn_sink is not None:
+        lse = lse + torch.log1p(torch.exp(attn_sink.float()[None, :] - lse))
+    return out, lse, max_logits
