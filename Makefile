@@ -1,6 +1,7 @@
 # Two commands set up and run everything on a fresh CPU machine:
 #   make gate   -- install into .venv, then run the correctness gate on CPU (`mla-verify gate`)
 #   make test   -- install into .venv, then run the test suite
+# `make docs` builds the documentation site (docs/, mkdocs.yml) into site/, warnings as errors.
 # TORCH picks the torch build: torch==2.13.0 is the CPU build these machines keep on local disk.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -8,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: gate test install clean
+.PHONY: gate test docs install clean
 
 install: $(STAMP)
 
@@ -25,5 +26,13 @@ gate: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# The site's CLI and API pages are generated from the code as it builds (scripts/docs_reference.py).
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
+$(VENV)/.docs-installed: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[docs]'
+	touch $@
+
 clean:
-	rm -rf $(VENV) runs .hypothesis .pytest_cache
+	rm -rf $(VENV) runs site .hypothesis .pytest_cache

@@ -3,7 +3,7 @@ every implementation is called with and its docstring the formula (`reference/` 
 
 The op specs (`equivalence.ops`) take their keywords from here (`arguments`), the subject check
 holds a user's callable to them (`equivalence.subject`), `mla-verify list` prints them, and the
-README's contract table is rendered from them (`contract_table`; `scripts/contract_table.py`
+contract table of docs/reference/contracts.md is rendered from them (`contract_table`; `scripts/contract_table.py`
 rewrites it). Shapes: T tokens, H heads, K top-k width, N kv rows (for dcp_merge and dcp: ranks),
 NB blocks of BS slots, B requests of s (S) tokens each, R block-table rows of M blocks,
 D = 576 (512 latent + 64 rope).
@@ -217,7 +217,7 @@ def declared(op: str) -> tuple[str, ...]:
 
 
 def call(op: str) -> str:
-    """`op`'s call as the README's table shows it: its `declared` keywords."""
+    """`op`'s call as the docs' contract table shows it: its `declared` keywords."""
     return ", ".join(declared(op))
 
 
@@ -230,7 +230,7 @@ def returns(op: str) -> str:
 
 
 def contract_table() -> str:
-    """The README's contract table (between its `<!-- contracts:begin -->` and `end` markers):
+    """The docs' contract table (between its `<!-- contracts:begin -->` and `end` markers):
     one row per op, its call and what it returns. `python scripts/contract_table.py` writes it."""
     def code(text: str) -> str:
         return "`" + text.replace("|", "\\|") + "`"

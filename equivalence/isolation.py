@@ -53,7 +53,7 @@ def default_isolation(isolate: bool | None, named: bool, own_processes: bool = F
     """Whether a run's cases go to a worker (`Worker`), so that the judge runs where the kernel
     cannot reach it: by default whenever the implementation can be imported there by name
     ("MODULE:CALLABLE" or a registered name), on CPU as on CUDA (on CPU a case costs about 12%
-    more and a worker starts from a preloaded forkserver: README, "Never lose a finding"). A
+    more and a worker starts from a preloaded forkserver: docs/concepts/isolation.md). A
     callable object cannot cross processes and runs in this one. An op whose ranks are processes
     of their own (dcp) already runs the kernel outside its judge. UsageError for isolate=True
     with an implementation that is not named."""

@@ -7,7 +7,7 @@ Exact contracts (bytes, indices, chunk bounds, reshapes) allow no difference at 
 
 Calibration (the numbers in each reason): worst values seen over the `dev` fuzz profile of every
 op on CPU (torch-fp32 and the Triton kernels under the interpreter) and the `gpu` profile on the
-H200 (flash_mla and compiled Triton), see README "Tolerances". Each bound keeps a few times
+H200 (flash_mla and compiled Triton), see docs/concepts/bounds.md. Each bound keeps a few times
 headroom over the worst correct value and stays far below what the bug zoo produces.
 
 An implementation's documented deviation from the exact contract (e.g. the SM90 decode kernel
@@ -366,7 +366,7 @@ def property_bounds(check: str, kind: str, deviations: Iterable[str] = ()) -> tu
 
 
 def all_bounds() -> list[tuple[str, str, Bound]]:
-    """Every bound with where it applies, for `mla-verify list --tolerances` and the README."""
+    """Every bound with where it applies, for `mla-verify list --tolerances` and the docs."""
     rows = [(EXACT, "", b) for b in EXACT_BOUNDS]
     rows += [(OUT, "", b) for b in OUT_BOUNDS] + [(LSE, "", b) for b in LSE_BOUNDS]
     rows += [(OUT, f"dcp {combine} (2 ranks)", b) for combine in ("merge", "ag_rs", "a2a") for b in dcp_out_bounds(2, combine)]

@@ -17,7 +17,7 @@ The seed backend routes a batch by thresholds a fuzz draw must cross, each both 
                  dcp_size * interleave tokens): its rows are neutralized to the merge's identity
 
 `sides(params)` names the side of each boundary a batch's params (forward_mqa's, as drawn) fall
-on; `scripts/routing_table.py` counts them over drawn batches (the README's table).
+on; `scripts/routing_table.py` counts them over drawn batches (the table of docs/scope.md).
 """
 
 from __future__ import annotations

@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, metavar="S", help="campaign seed (printed; default: random)")
     p.add_argument("--profile", default=None, metavar="NAME",
                    help="case sizes and budget: ci (small, seconds on CPU) | dev | nightly | gpu (production "
-                        "shapes, drawn in blocks of 8 cases of one params: README 'Command line') "
+                        "shapes, drawn in blocks of 8 cases of one params: docs/gate.md) "
                         "(default: dev on cpu, gpu on cuda)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="run directory: rows, meta, failing case files; must not hold a run "

@@ -42,7 +42,7 @@ def visible_gpus() -> list[str]:
 
 def child_env(run, part: int, parts: int, pin: bool) -> dict[str, str]:
     """A part's environment: on CUDA, pinned to one GPU, dealt round-robin (more parts than GPUs
-    share them: a campaign keeps its GPU busy a fraction of the time, measured in the README),
+    share them: a campaign keeps its GPU busy a fraction of the time, measured in docs/measured.md),
     each held to its share of the GPU's memory (MLA_VERIFY_GPU_SHARE); its share of this host's
     cores as torch threads (OMP_NUM_THREADS, unless the user set it): parts with every core each
     ran several times slower than with their share."""

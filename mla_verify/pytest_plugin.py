@@ -77,7 +77,7 @@ def default_device(device: str | None) -> str | None:
         import torch
 
         # A suite asked to check on a GPU, on a machine without one, skips with the reason printed
-        # (README "In pytest": a CPU CI runs the same suite); it never passes on another device.
+        # (docs/fuzz.md, "In pytest": a CPU CI runs the same suite); it never passes on another device.
         if not torch.cuda.is_available():
             pytest.skip(f"--mla-verify-device {chosen}: no CUDA GPU is visible")
     return chosen

@@ -339,7 +339,7 @@ class NativeSignature:
         extra = ", get_mla_metadata" if self.adapter == "flash_mla_with_kvcache" else ""
         return (f"{getattr(fn, '__qualname__', fn)} has the native signature of {self.upstream} ({self.differs}), "
                 f"not the {self.op} contract: wrap it with mla_verify.adapters.{self.adapter}(fn{extra}) "
-                f"(README 'Adapters')")
+                f"(docs/reference/contracts.md, 'Adapters')")
 
 
 NATIVE_SIGNATURES = (

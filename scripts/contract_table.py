@@ -1,10 +1,10 @@
-"""Rewrite the README's contract table from the declared contracts (equivalence/contracts.py).
+"""Rewrite the contract table of docs/reference/contracts.md from the declared contracts (equivalence/contracts.py).
 
-The table sits between `<!-- contracts:begin -->` and `<!-- contracts:end -->` in README.md and
+The table sits between `<!-- contracts:begin -->` and `<!-- contracts:end -->` in that page and
 holds exactly `contract_table()`'s output; tests/test_contracts.py fails when the two drift.
 
-    .venv/bin/python scripts/contract_table.py           # from the repository root: rewrite README.md
-    .venv/bin/python scripts/contract_table.py --check   # exit 1 if README.md is out of date
+    .venv/bin/python scripts/contract_table.py           # from the repository root: rewrite the page
+    .venv/bin/python scripts/contract_table.py --check   # exit 1 if the page is out of date
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "reference" / "contracts.md"
 BEGIN, END = "<!-- contracts:begin -->\n", "<!-- contracts:end -->\n"
 COMMAND = ".venv/bin/python scripts/contract_table.py"
 
 
 def region(text: str) -> str:
-    """What the README holds between the markers (each on a line of its own)."""
+    """What the page holds between the markers (each on a line of its own)."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"README.md: no {BEGIN.strip()} ... {END.strip()} region")
+        raise ValueError(f"{PAGE.relative_to(ROOT)}: no {BEGIN.strip()} ... {END.strip()} region")
     return text[start + len(BEGIN): end]
 
 
@@ -36,14 +36,14 @@ def rewritten(text: str, table: str) -> str:
 def main(argv: list[str]) -> int:
     from mla_verify.equivalence.contracts import contract_table
 
-    text, table = README.read_text(), contract_table()
+    text, table = PAGE.read_text(), contract_table()
     if region(text) == table:
         return 0
     if "--check" in argv:
-        print(f"README.md's contract table is out of date: run {COMMAND}", file=sys.stderr)
+        print(f"{PAGE.relative_to(ROOT)}'s contract table is out of date: run {COMMAND}", file=sys.stderr)
         return 1
-    README.write_text(rewritten(text, table))
-    print("README.md: contract table rewritten")
+    PAGE.write_text(rewritten(text, table))
+    print(f"{PAGE.relative_to(ROOT)}: contract table rewritten")
     return 0
 
 

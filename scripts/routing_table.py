@@ -4,7 +4,7 @@
 
 Draws forward_mqa batches as a fuzz campaign does (the unrestricted draw, Hypothesis's generate
 phase, seeded) and prints, per boundary and side, the share of draws on that side in each profile,
-as a Markdown table (the README's). Exit 1 when a side of a boundary was never drawn.
+as a Markdown table (docs/scope.md's). Exit 1 when a side of a boundary was never drawn.
 """
 
 from __future__ import annotations

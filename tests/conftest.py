@@ -26,7 +26,7 @@ def pytest_report_header(config):
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: none present (run the GPU lane, README 'GPU')")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: none present (run the GPU lane, docs/gpu.md)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

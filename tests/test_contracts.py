@@ -33,8 +33,8 @@ def test_list_op_prints_the_formula(capsys):
     assert "lse = ln sum_r e^(lse_r), out = sum_r bf16(e^(lse_r - lse) out_r)" in text
 
 
-def test_the_readme_contract_table_is_the_rendered_one():
-    """README.md's table between the contracts markers is `contract_table()`'s output, exactly."""
+def test_the_docs_contract_table_is_the_rendered_one():
+    """docs/reference/contracts.md's table between the contracts markers is `contract_table()`'s output, exactly."""
     import sys
     from pathlib import Path
 
@@ -44,9 +44,9 @@ def test_the_readme_contract_table_is_the_rendered_one():
         import contract_table
     finally:
         sys.path.pop(0)
-    held = contract_table.region((root / "README.md").read_text())
+    held = contract_table.region(contract_table.PAGE.read_text())
     assert held == contracts.contract_table(), (
-        f"README.md's contract table drifted from equivalence/contracts.py: run {contract_table.COMMAND}")
+        f"{contract_table.PAGE.name}'s contract table drifted from equivalence/contracts.py: run {contract_table.COMMAND}")
 
 
 def test_the_table_has_a_row_per_contract_showing_each_keyword_in_order_with_its_shape():

@@ -1,6 +1,6 @@
 """The routing boundaries of the backend (equivalence.routing): each side named for batches built
 by hand from the spec's examples, and every side drawn by forward_mqa's draws at the gpu and
-nightly profiles (scripts/routing_table.py: the README's table, the same 1000 draws)."""
+nightly profiles (scripts/routing_table.py: docs/scope.md's table, the same 1000 draws)."""
 
 import importlib.util
 from pathlib import Path
