@@ -18,10 +18,22 @@ from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes
 
 from .coverage import Coverage, register
 from .hisparse_batch import ACTIVE_TAIL_PAGES
+from .layouts import LAYOUTS
 from .profiles import Profile
 from .routing import SIDES, sides
 
 VARIANTS = 4  # seeded variants of each template: the greedy pick takes one whose tensors hit
+LAYOUT = ("q and indices in padded rows", "q permuted (leading dims reversed)", "inputs at a storage offset")
+
+
+def _layout_hits(kw: dict) -> set[str]:
+    """The non-contiguous layouts (equivalence.layouts) q and the indices show."""
+    q, idx = kw["q"], kw["indices"]
+    return {name for name, yes in (
+        ("q and indices in padded rows", q.stride(-2) > q.shape[-1] and idx.stride(-2) > idx.shape[-1]),
+        ("q permuted (leading dims reversed)", q.stride(0) < q.stride(1)),
+        ("inputs at a storage offset", q.storage_offset() > 0 and idx.storage_offset() > 0),
+    ) if yes}
 
 
 def _units(topks: tuple[int, ...], odd: bool) -> list[int]:
@@ -105,27 +117,28 @@ register("convert_index", None, Coverage(CONVERT, _convert_candidates, _convert_
 PREFILL = ("several tokens", "> 64 tokens", "several heads", "row with no valid index", "topk_length 0",
            "topk_length 1", "topk_length K", "no topk_length", "no sink", "finite sink", "+inf sink", "-inf sink",
            "top-k of one 128 unit", "top-k of several 128 units", "negatives other than -1", "index past N", "index N",
-           "duplicate indices", "NaN kv row 0 beside an invalid entry", "fewer kv rows than top-k")
+           "duplicate indices", "NaN kv row 0 beside an invalid entry", "fewer kv rows than top-k") + LAYOUT
 
 
 def _prefill_candidates(rng: random.Random, p: Profile) -> list[dict]:
     small, large = 128, max(p.prefill_topk)  # 128: one unit, at every profile
     multi = [h for h in p.heads if h > 1] or [8]
     found = []
-    for _ in range(VARIANTS):
+    for variant in range(VARIANTS):
+        layout = {"layout": LAYOUTS[variant % len(LAYOUTS)]}
         found += [
             # Past 64 tokens, every topk_length edge, the sinks of every kind, invalid entries.
             {"tokens": rng.randint(65, 70), "heads": rng.choice(multi), "kv_rows": rng.randint(small, 2 * small),
              "topk": small, "value_regime": rng.choice(("normal", "peaked")), "sm_scale": 0.1352,
              "invalid": ["out_of_range", "boundaries", "whole_row", "duplicates", "negatives"], "topk_length": "edges",
-             "sink": "inf"},
+             "sink": "inf", **layout},
             # Fewer kv rows than top-k over several 128 units; row 0 left unselected (NaN) often.
             {"tokens": rng.randint(2, 4), "heads": rng.choice(multi), "kv_rows": rng.randint(8, 40),
              "topk": large if large > 128 else 256, "value_regime": rng.choice(("saturation", "outliers")),
-             "sm_scale": 0.0417, "invalid": ["scattered"], "topk_length": "none", "sink": "finite"},
+             "sm_scale": 0.0417, "invalid": ["scattered"], "topk_length": "none", "sink": "finite", **layout},
             {"tokens": rng.randint(2, 4), "heads": min(p.heads), "kv_rows": rng.randint(4 * small, 8 * small),
              "topk": small, "value_regime": rng.choice(("normal", "tiny")), "sm_scale": 0.3,
-             "invalid": ["scattered", "negatives"], "topk_length": "random", "sink": "none"},
+             "invalid": ["scattered", "negatives"], "topk_length": "random", "sink": "none", **layout},
         ]
     return found
 
@@ -136,7 +149,7 @@ def _prefill_hits(p, kw: dict) -> set[str]:
     live = (idx >= 0) & (idx < n)
     if length is not None:
         live &= torch.arange(k)[None, :] < length[:, None]
-    hit = {name for name, yes in (
+    hit = _layout_hits(kw) | {name for name, yes in (
         ("several tokens", tokens > 1), ("> 64 tokens", tokens > 64), ("several heads", heads > 1),
         ("row with no valid index", bool((~live).all(1).any())), ("no topk_length", length is None),
         ("no sink", sink is None), ("top-k of one 128 unit", k == 128), ("top-k of several 128 units", k > 128),
@@ -160,25 +173,26 @@ register("sparse_prefill", None, Coverage(PREFILL, _prefill_candidates, _prefill
 
 DECODE = ("batch > 1", "s_q > 1 with several requests", "s_q > 1 with several heads", "> 64 query rows", "top-k % 128 == 64", "top-k % 128 == 0",
           "raw (non-power-of-two) scales", "power-of-two scales", "row with no valid index",
-          "NaN slot 0 beside a -1 entry", "padded page stride", "duplicate indices", "a row partly -1")
+          "NaN slot 0 beside a -1 entry", "padded page stride", "duplicate indices", "a row partly -1") + LAYOUT
 
 
 def _decode_candidates(rng: random.Random, p: Profile) -> list[dict]:
     odd, even = _units(p.decode_topk, True) or [64], _units(p.decode_topk, False) or [128]
     found = []
-    for _ in range(VARIANTS):
+    for variant in range(VARIANTS):
         batch = rng.randint(33, 36)
+        layout = LAYOUTS[variant % len(LAYOUTS)]
         found += [
             # Past 64 query rows of two tokens each, raw scales, whole -1 rows, padded pages.
             {"batch": batch, "s_q": 2, "heads": min(h for h in p.heads if h > 1), "topk": rng.choice(odd),
              "seq_lens": [rng.randint(1, min(p.max_context, 300)) for _ in range(batch)],
              "page_size": rng.choice(p.block_sizes),
              "sm_scale": 0.1352, "value_regime": "normal", "scale_rule": "raw",
-             "invalid": ["whole_row", "duplicates"], "stride_pad": 1},
+             "invalid": ["whole_row", "duplicates"], "stride_pad": 1, "layout": layout},
             {"batch": 2, "s_q": 1, "heads": max(p.heads), "topk": rng.choice(even),
              "seq_lens": [rng.randint(1, 40), rng.randint(1, min(p.max_context, 2000))], "page_size": 1,
              "sm_scale": 0.0417, "value_regime": rng.choice(("saturation", "zero_tiles")), "scale_rule": "pow2",
-             "invalid": ["scattered"], "stride_pad": 0},
+             "invalid": ["scattered"], "stride_pad": 0, "layout": LAYOUTS[(variant + 1) % len(LAYOUTS)]},
             # One long sequence: most slots, slot 0 among them likely, left unselected (NaN).
             {"batch": 1, "s_q": 1, "heads": min(p.heads), "topk": rng.choice(even), "seq_lens": [rng.randint(1000, 2000)],
              "page_size": rng.choice(p.block_sizes), "sm_scale": 0.1, "value_regime": "normal", "scale_rule": "pow2",
@@ -200,7 +214,7 @@ def _decode_hits(p, kw: dict) -> set[str]:
     pow2 = scales > 0
     pow2 &= torch.frexp(scales).mantissa == 0.5
     rows = idx.reshape(-1, k)
-    return {name for name, yes in (
+    return _layout_hits(kw) | {name for name, yes in (
         ("batch > 1", batch > 1), ("s_q > 1 with several requests", s_q > 1 and batch > 1),
         ("s_q > 1 with several heads", s_q > 1 and q.shape[2] > 1),
         ("> 64 query rows", batch * s_q > 64), ("top-k % 128 == 64", k % 128 == 64), ("top-k % 128 == 0", k % 128 == 0),

@@ -38,6 +38,8 @@ ZOO = [
     Bug("deduplicates", "sparse_prefill", "tests.zoo.attention:deduplicates", "duplicate indices"),
     Bug("ignores_sink", "sparse_prefill", "tests.zoo.attention:ignores_sink", "attention sink"),
     Bug("sink_in_lse", "sparse_prefill", "tests.zoo.attention:sink_in_lse", "attention sink in the LSE", "issue 37"),
+    Bug("assumes_dense_q", "sparse_prefill", "tests.zoo.attention:assumes_dense_q", "contiguity and storage offset",
+        "issue 37"),
     Bug("default_softmax_scale", "sparse_prefill", "tests.zoo.attention:default_softmax_scale", "softmax scale", "spec §12 #14"),
     Bug("reads_past_the_end", "sparse_prefill", "tests.zoo.attention:reads_past_the_end", "invalid index rule", "FlashMLA PR #109"),
     Bug("index_n_is_valid", "sparse_prefill", "tests.zoo.attention:index_n_is_valid", "invalid index boundary", "issue 15 mutant"),

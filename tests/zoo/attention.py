@@ -111,3 +111,10 @@ def sink_in_lse(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
     if attn_sink is not None:
         lse = lse + torch.log1p(torch.exp(attn_sink.float()[None, :] - lse))
     return out, lse, max_logits
+
+
+def assumes_dense_q(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """Reads q as if dense from the start of its storage (a kernel taking q.data_ptr() of the base
+    allocation and computing its own strides): right for a contiguous q, wrong for a view."""
+    dense = torch.as_strided(q, q.shape, q.contiguous().stride(), 0)
+    return _as_kernel(reference.sparse_prefill(dense, kv, indices, sm_scale, topk_length, attn_sink))
