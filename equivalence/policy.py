@@ -332,6 +332,11 @@ PROPERTY_RULES: dict[str, PropertyRule] = {
                Bound("elem_bf16_units", 2.0, "the same per element: one rounding step of the row's magnitude")),
          LSE: (Bound("lse_fp32_units", LSE_BOUNDS[0].limit, "the oracle's: one 576-term fp32 dot product, plus the fp32 "
                      "rounding of ln(k valid); ln 2 (a deduplicated or halved count) is millions of units"),)}),
+    "layer_view.read": PropertyRule(
+        True, "the kernels address a block through the cache's stride(0) and data pointer: the same bytes read the "
+        "same way wherever the allocation puts them"),
+    "layer_view.write": PropertyRule(True, "a writer stores each row through the cache's strides: the same bytes in "
+                                     "the layer, none in its neighbours"),
     "dcp_size_one.convert_index": PropertyRule(True, "one rank owns every position: the same conversion"),
     "dcp_size_one.forward_mqa": PropertyRule(
         True, "one rank's merge weight is exp(0) = 1 and its log-sum-exp is its own LSE, exactly"),
