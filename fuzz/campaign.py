@@ -156,9 +156,10 @@ def fuzz(
     """
     result = FuzzResult(op, seed, 0)
     progress = Progress(progress_label or op, examples, every_s=5.0 if show_progress else math.inf)
-    state: dict = {"shrinking": False, "last": None, "error": None, "offset": 0}
-    # The covering set runs first, as Hypothesis's explicit examples: a failure among them is
-    # small by construction and saved as found, not shrunk (Hypothesis shrinks only its draws).
+    state: dict = {"shrinking": False, "last": None, "error": None, "offset": 0, "found": None}
+    # The covering set runs first, as Hypothesis's explicit examples. Hypothesis shrinks only its
+    # draws: a failing covering case is saved and re-run as any first failure, then the draws go
+    # on to the first failure they make, which is shrunk; none: the covering case is the result.
     cover = first_cases(op, profile, path, world_size, impl_specs, device, seed)
     covering = {case.case_id for case in cover}
     found_by = (f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "")
@@ -254,8 +255,13 @@ def fuzz(
             state["last"] = found[failing]
             if not shrinking:
                 state["offset"] = failing
-                state["covering"] = case.case_id in covering
-                first_failure(*found[failing])
+                if state["found"] is None:
+                    state["found"] = found[failing]
+                    first_failure(*found[failing])
+                if case.case_id in covering:  # not Hypothesis's to shrink: draw on for a failure it can shrink
+                    state["shrinking"] = False
+                    return
+                state["shrinking"] = True
             elif stop_reason():
                 raise StopCampaign(stop_reason())
             raise Discrepancy(*found[failing])  # one place: Hypothesis tells failures apart by where they rose
@@ -268,8 +274,9 @@ def fuzz(
     try:
         with _frozen_heap():
             search()
+        final = state["found"]
     except Discrepancy as d:
-        final, result.shrunk = (d.case, d.rows), shrink and not state.get("covering")
+        final, result.shrunk = (d.case, d.rows), shrink
     except StopCampaign as stop:
         final, result.stopped = state["last"], str(stop.args[0]) if stop.args else ""
     except Flaky:  # the minimized case passed on Hypothesis's last replay: keep the last failure seen

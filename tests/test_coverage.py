@@ -97,3 +97,19 @@ def test_coverage_table_lists_every_feature():
     assert len(lines) == 2 + len(coverage.coverage_of("sparse_decode_fp8").features)
     assert all("MISSED" not in line for line in lines) and "ci: first" in lines[0]
     assert "lists no features" in coverage.table("dcp", [get_profile("ci")], draws=1)[0]
+
+
+def _campaign(op, impl, seed, shrink=True):
+    ci = get_profile("ci")
+    subject = resolve_subject(op, [impl], "cpu")
+    return fuzz(op, lambda case, source: evaluate(case, subject, "cpu", source=source), profile=ci,
+                examples=ci.examples, seed=seed, shrink=shrink, show_progress=False)
+
+
+def test_a_failing_covering_case_is_shrunk_through_the_draws_when_they_fail_too():
+    """Hypothesis shrinks only its draws: after a covering case fails, the draws go on to a failure
+    it shrinks; where none fails (ci draws one prefill request at most), the covering case stands."""
+    result = _campaign("quantize_fp8_ds_mla", "tests.zoo.formats:divisor_224", 1)
+    assert result.first_failure_at == 1 and result.shrunk and result.failure.case.params["n"] == 1
+    result = _campaign("convert_index", "tests.zoo.indices:first_request_workspace", 1)
+    assert result.first_failure_at == 1 and not result.shrunk and result.failure.case.params["requests"] >= 4
