@@ -332,6 +332,9 @@ PROPERTY_RULES: dict[str, PropertyRule] = {
                Bound("elem_bf16_units", 2.0, "the same per element: one rounding step of the row's magnitude")),
          LSE: (Bound("lse_fp32_units", LSE_BOUNDS[0].limit, "the oracle's: one 576-term fp32 dot product, plus the fp32 "
                      "rounding of ln(k valid); ln 2 (a deduplicated or halved count) is millions of units"),)}),
+    "stress.rerun": PropertyRule(
+        True, "FlashMLA's prefill and decode were measured bitwise deterministic on the H200 and ours use fixed "
+        "reduction orders: other work on the GPU changes when a kernel runs, not what it computes"),
     "layer_view.read": PropertyRule(
         True, "the kernels address a block through the cache's stride(0) and data pointer: the same bytes read the "
         "same way wherever the allocation puts them"),
