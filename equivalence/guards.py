@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -48,7 +49,7 @@ def _flush_denormal() -> bool:
     return bool((torch.tensor(1e-40, dtype=torch.float32) * 1.0).item() == 0.0)
 
 
-def _fd_identity(fd: int) -> tuple[int, int] | None:
+def fd_identity(fd: int) -> tuple[int, int] | None:
     try:
         st = os.fstat(fd)
     except OSError:
@@ -99,7 +100,7 @@ class ProcessState:
             cwd = None
         fds = {}
         for fd in (0, 1, 2):
-            ident = _fd_identity(fd)
+            ident = fd_identity(fd)
             fds[fd] = (ident, os.dup(fd) if ident is not None else None)
         return cls({name: get() for name, (get, _) in _TORCH.items()}, cwd,
                    tuple(getattr(sys, s) for s in _STREAMS), fds)
@@ -126,7 +127,7 @@ class ProcessState:
                 changed.append(f"sys.{name} replaced")
                 setattr(sys, name, before)
         for fd, (ident, dup) in self.fds.items():
-            if dup is not None and _fd_identity(fd) != ident:
+            if dup is not None and fd_identity(fd) != ident:
                 changed.append(f"file descriptor {fd} replaced or closed")
                 os.dup2(dup, fd)
         return changed
@@ -198,6 +199,32 @@ class _Namespace:
                 and all(map(operator.is_, now.values(), self.values)))
 
 
+def namespaces(spaces: list[tuple[str, Any, bool]]) -> list[_Namespace]:
+    """(name, namespace, watched as a class: attributes added are put back too) of each of
+    `spaces`, saved now for `put_back`."""
+    return [_Namespace.of(name, ns, is_class) for name, ns, is_class in spaces]
+
+
+def put_back(saved: list[_Namespace]) -> list[str]:
+    """Put back every name of `saved` rebound or deleted since (and every attribute added to a
+    class, or to an object watched as one); the names, each namespace saved again."""
+    patched = []
+    for i, space in enumerate(saved):
+        if space.unchanged():
+            continue
+        ns, now = space.ns, vars(space.ns)
+        for k, v in space.before.items():
+            if now.get(k, _MISSING) is not v and k not in _CACHES:
+                patched.append(f"{space.name}.{k}")
+                setattr(ns, k, v)
+        if space.is_class:
+            for k in [k for k in now if k not in space.before and k not in _CACHES]:
+                patched.append(f"{space.name}.{k}")
+                delattr(ns, k)
+        saved[i] = _Namespace.of(space.name, ns, space.is_class)
+    return patched
+
+
 @dataclass
 class JudgeFunctions:
     """The identities of every name in the judge's namespaces, before a call."""
@@ -214,20 +241,7 @@ class JudgeFunctions:
         added: `Tensor.__ne__` set on torch.Tensor shadows the C one); the names, e.g.
         ["torch.sub", "torch.Tensor.__ne__"]. A module gaining a name is an import, not a patch:
         it joins the names watched, so the saved identities hold for the next call of a block."""
-        patched = []
-        for i, saved in enumerate(self.saved):
-            if saved.unchanged():
-                continue
-            ns, now = saved.ns, vars(saved.ns)
-            for k, v in saved.before.items():
-                if now.get(k, _MISSING) is not v and k not in _CACHES:
-                    patched.append(f"{saved.name}.{k}")
-                    setattr(ns, k, v)
-            if saved.is_class:
-                for k in [k for k in now if k not in saved.before and k not in _CACHES]:
-                    patched.append(f"{saved.name}.{k}")
-                    delattr(ns, k)
-            self.saved[i] = _Namespace.of(saved.name, ns, saved.is_class)
+        patched = put_back(self.saved)
         if len(sys.modules) != self.modules:  # a judge module imported since joins the names watched
             known = {saved.name for saved in self.saved}
             self.saved += [_Namespace.of(name, ns, is_class) for name, ns, is_class in _judge_namespaces()
@@ -247,6 +261,7 @@ class Watch:
     def __init__(self, judge_each_call: bool = True) -> None:
         self.state, self.judge = ProcessState.now(), JudgeFunctions.now()
         self.judge_each_call = judge_each_call
+        self.threads_left: list[threading.Thread] = []  # of the last call (`running.call_implementation`)
 
     def restore(self) -> tuple[list[str], list[str]]:
         """(the process-wide state a call changed, the judge's names it patched), each put back."""
@@ -336,3 +351,47 @@ def owned(result: Any) -> Any:
     if isinstance(result, dict):
         return {k: owned(v) for k, v in result.items()}
     return result
+
+
+THREAD_GRACE_S = 0.2  # what a call's left threads get to finish before its outputs are compared with the copies
+AFTER_RETURN = ("the output changed after the call returned: a write after return, from a thread or an "
+                "unsynchronized stream")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class Returned:
+    """A call's outputs as it returned them and the copy of each taken at return (what is judged):
+    every real caller reads the returned storage, so a write to it after the return (a thread the
+    call left running, work on another stream) must show. `changed` compares the two, the devices
+    synchronized: after the judge, or before the next call (which may write a static buffer again)."""
+
+    tensors: dict[str, torch.Tensor]
+    copies: dict[str, Any]
+
+    @classmethod
+    def of(cls, tensors: dict[str, Any], copies: dict[str, Any] | None = None) -> "Returned":
+        """`tensors` as returned, with `copies` taken at return (None: `owned` copies them now)."""
+        plain = {n: t for n, t in tensors.items()
+                 if type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta"}
+        return cls(plain, owned(tensors) if copies is None else copies)
+
+    def changed(self, threads: list[threading.Thread] = ()) -> list[str]:
+        """The outputs whose bytes differ from their copy at return; the `threads` the call left
+        running are given up to THREAD_GRACE_S together to finish first."""
+        deadline = time.monotonic() + THREAD_GRACE_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for device in {t.device for t in self.tensors.values() if t.device.type == "cuda"}:
+            torch.cuda.synchronize(device)
+        return [name for name, t in self.tensors.items()
+                if isinstance(c := self.copies.get(name), torch.Tensor) and c.shape == t.shape and c.dtype == t.dtype
+                and not torch.equal(_bytes(t).to(c.device), _bytes(c))]
+
+
+def threads_left(before: list[threading.Thread]) -> list[threading.Thread]:
+    """The threads running now that did not before (a call left them)."""
+    return [t for t in threading.enumerate() if t not in before and t.is_alive()]

@@ -9,6 +9,15 @@ back its outputs on the host. The parent judges them (`catalog.judge_produced`):
 inputs again, computes the reference and every verdict where the implementation cannot reach
 them, neither the reference's tensors nor the judge's functions.
 
+The worker is untrusted: it runs the user's code. What it sends is data (`equivalence.wire`: a
+JSON header and raw tensor bytes, parsed with size bounds, never unpickled), outputs and clock
+readings and findings that can only fail its case, never a row or a verdict; a message that does
+not parse or comes out of turn is the case's `crashed` finding. The parent waits on the worker's
+process beside its pipe (a dead worker is a crash at once, whoever holds the pipe), the worker
+watches its own channel after every call (`_Channel`), and what a call forked is killed when its
+case ends (`equivalence.reaper`). The returned storage is compared with the copy sent, before the
+next call and after the block's judge (`guards.Returned`: a write after return).
+
 Clocks. A worker says "ready" once it has imported everything, created its CUDA context and
 warmed up; it says "calling" once a case's inputs are built, just before the
 implementation runs. Only the implementation's part counts against `timeout_s`: a fresh worker's
@@ -26,27 +35,34 @@ CUDA workers are spawned fresh (nothing CUDA ever runs in a process that forks).
 from __future__ import annotations
 
 import contextvars
+import json
 import multiprocessing as mp
+import multiprocessing.connection as mpc
 import os
 import signal
+import time
 import traceback
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from . import guards
+from . import guards, reaper, wire
 from .case import Case
 from .contract import CALLED_WITH
 from .device import first_line, is_device_error, take_gpu_share, usable
 from .produced import Produced
+from .policy import DEVIATIONS
 from .rows import Row
-from .running import failure_row
+from .running import after_return_rows, failure_row, noted, unsupported_row
 
 STARTUP_TIMEOUT_S = 300.0   # imports, CUDA context, warm-up: never counted against a case
 # Spares kept warming once a worker has been replaced. A CUDA worker takes seconds to start (CUDA
 # context, cuBLAS): shrinking a crash replaces one per failing step, so two start side by side.
 SPARES = {"cpu": 1, "cuda": 2}
 HARNESS_TIMEOUT_S = 1800.0  # a case's inputs (ours, not the implementation's)
+READ_GRACE_S = 60.0         # a message's bytes once its first arrived (outputs of gigabytes on a slow host)
+UNREADABLE = "the worker sent an unreadable message"
 
 
 def default_isolation(isolate: bool | None, named: bool, own_processes: bool = False) -> bool:
@@ -90,62 +106,166 @@ def _serve(conn, device: str) -> None:
     # parent's to handle: it finishes the case; the worker dying of one would read as a crash.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    reaper.become_subreaper()  # what a kernel forks stays below this process (`reaper`)
     if not device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     take_gpu_share(0.5)  # the other half is its judge's
     _warm_up(device)
-    conn.send(("ready", os.getpid()))
+    channel = _Channel(conn)
+    channel.send({"kind": "ready", "pid": os.getpid()})
     with guards.kept_watch():  # taken once: each call puts back what it changed, for the next
-        _answer_cases(conn, device)
+        _answer_cases(channel, device)
 
 
-def _answer_cases(conn, device: str) -> None:
+class _Channel:
+    """The worker's end of its pipe to the parent, watched like the judge's names: after every
+    call, the connection's attributes, its class's methods, the functions a message is written
+    with, its file descriptor and the worker's subreaper flag must be the ones the harness set up
+    (what changed is put back, and fails the case)."""
+
+    def __init__(self, conn) -> None:
+        self.conn, self.fd = conn, conn.fileno()
+        self.ident, self.dup = guards.fd_identity(self.fd), os.dup(self.fd)
+        self.subreaper, self.names = reaper.is_subreaper(), []
+        spaces = [("the worker's connection", conn, True), ("the worker's channel", self, True),
+                  *((f"{c.__module__}.{c.__qualname__}", c, True) for c in type(conn).__mro__ if c is not object),
+                  ("multiprocessing.connection", mpc, False), ("os", os, False), ("json", json, False),
+                  ("json.encoder", json.encoder, False), ("mla_verify.equivalence.wire", wire, False)]
+        self.names.extend(guards.namespaces(spaces))
+
+    def send(self, header: dict, tensors: list | None = None) -> None:
+        wire.write(self.fd, wire.encode(header, tensors or []))
+
+    def send_frames(self, frames: list) -> None:
+        wire.write(self.fd, frames)
+
+    def receive(self) -> dict | None:
+        return json.loads(self.conn.recv_bytes())
+
+    def tampered(self) -> list[str]:
+        """What a call changed of the channel, each put back."""
+        changed = guards.put_back(self.names)
+        if guards.fd_identity(self.fd) != self.ident:
+            changed.append(f"file descriptor {self.fd} (the pipe to the judge)")
+            os.dup2(self.dup, self.fd)
+        if self.subreaper and not reaper.is_subreaper():
+            changed.append("the worker's child-subreaper flag")
+            reaper.become_subreaper()
+        return changed
+
+
+def _children_left() -> bool:
+    """Whether this process has a child (zombies reaped): the worker is the subreaper of whatever
+    a call forked, so anything still running is one."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == 0:
+            return True
+
+
+def _answer_cases(channel: _Channel, device: str) -> None:
     """Produce each case the parent sends, until it sends None or a context cannot be trusted."""
     from .catalog import produce, resolve_subject  # it imports the kernels: not before `_serve` set up Triton
 
-    subjects = {}
+    subjects, last = {}, None
     while True:
-        msg = conn.recv()
-        if msg is None:
+        request = channel.receive()
+        # The last case's outputs as returned against the copies sent: before this request's call,
+        # which may write a static buffer again (after the block's judge, for its last case).
+        after = last and {"case_id": last[0], "changed": last[1].changed(last[2])}
+        last = None
+        if request is None:
             return
-        case_dict, specs, deviations, conventions, run_id, source = msg
-        case = Case.from_dict(case_dict)
+        seq = request["seq"]
+        if request.get("after"):
+            channel.send({"kind": "after", "seq": seq, "after": after})
+            continue
+        case = Case.from_dict(request["case"])
+        specs, deviations, conventions = request["specs"], request["deviations"], request["conventions"]
         called = []
 
         def on_call() -> None:
             called.append(True)
-            conn.send(("calling", None))
+            channel.send({"kind": "calling", "seq": seq, "after": after})
 
-        notes: set[str] = set()
         try:
             key = (case.op, tuple(specs), tuple(deviations), tuple(conventions))
             if key not in subjects:
                 subjects[key] = resolve_subject(case.op, specs, device.split(":")[0], deviations=deviations,
                                                 conventions=conventions)
             CALLED_WITH.clear()
-            produced = produce(case, subjects[key], device, run_id=run_id, source=source, on_call=on_call)
-            notes.update(produced.notes)
-            rows = [Row.from_record(r) for r in produced.rows]
+            produced = produce(case, subjects[key], device, run_id=request["run_id"], source=request["source"],
+                               on_call=on_call)
         except Exception as exc:
             if called and (is_device_error(exc) or not usable(device)):
                 # The context died while (or right after) the implementation ran: its crash.
-                conn.send(("crashed", f"CUDA error after the implementation ran: {first_line(exc)}"))
+                channel.send({"kind": "crashed", "seq": seq,
+                              "reason": f"CUDA error after the implementation ran: {first_line(exc)}"})
                 return
-            conn.send(("error", traceback.format_exc()))
+            channel.send({"kind": "error", "seq": seq, "detail": traceback.format_exc()})
             continue
+        if tampered := channel.tampered():
+            produced = Produced([dict(tensor="*", gate_metric="contract", reason=_tampering(tampered))], failed=True)
         retire = device.startswith("cuda") and (
-            any(r.gate_metric == "raised" and is_device_error(r.reason) for r in rows) or not usable(device))
-        called = {stage: sorted(keywords) for stage, keywords in CALLED_WITH.items()}  # for the parent's notes
-        conn.send(("produced", (produced, sorted(notes), retire, called)))
+            any(r["gate_metric"] == "raised" and is_device_error(r["reason"]) for r in produced.rows)
+            or not usable(device))
+        called_with = {stage: sorted(keywords) for stage, keywords in CALLED_WITH.items()}  # for the parent's notes
+        channel.send_frames(wire.produced_frames(seq, case.case_id, produced, retire, called_with, _children_left(),
+                                                 after))
         if retire:
             return  # never trust a context that saw a CUDA error with another case
+        if produced.returned is not None:
+            last = (case.case_id, produced.returned, produced.threads)
+
+
+def _tampering(changed: list[str]) -> str:
+    return (f"tampered with the worker's channel to its judge: {', '.join(changed[:4])}{' ...' if changed[4:] else ''} "
+            "(put back)")
 
 
 @dataclass
 class _Process:
     proc: Any
     conn: Any
+    reader: wire.Reader
     ready: bool = False
+
+
+_LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+
+
+def reap_all() -> int:
+    """Kill every process a worker of this process left running (`reaper.kill_strays`), the live
+    workers and multiprocessing's own helpers kept; how many there were. A run calls it before
+    its final record (`mla_verify.record.seal`)."""
+    keep = set().union(*(w._pids() for w in list(_LIVE)))
+    return reaper.kill_strays(keep | _servers())
+
+
+def _servers() -> set[int]:
+    """The pids of multiprocessing's own helpers (the fork server, the resource tracker): started
+    with a worker, so marked, and never strays."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {getattr(forkserver._forkserver, "_forkserver_pid", None),
+            getattr(resource_tracker._resource_tracker, "_pid", None)}
+    return {p for p in pids if p}
+
+
+def _said(header: dict, key: str) -> str:
+    """header[key], the worker's own words, where it is a bounded string."""
+    try:
+        return wire.text(header, key) or "(nothing said)"
+    except wire.Unreadable:
+        return f"{UNREADABLE}: its {key!r} is not a string"
+
+
+def _last_line(header: dict) -> str:
+    detail = _said(header, "detail").strip().splitlines()
+    return detail[-1][:300] if detail else "(no detail)"
 
 
 def _exit_reason(code: int | None) -> str:
@@ -168,7 +288,9 @@ class Worker:
         self.device, self.timeout_s = device, timeout_s
         self._active: _Process | None = None
         self._spares: list[_Process] = []
-        self.restarts = 0
+        self.restarts, self._seq = 0, 0
+        self._after: dict[str, list[str]] = {}  # case id -> its outputs written after the call returned
+        _LIVE.add(self)
 
     def _spawn(self) -> _Process:
         if self.device.startswith("cuda"):
@@ -183,21 +305,18 @@ class Worker:
                                         "mla_verify.equivalence.catalog"])
         conn, child = ctx.Pipe()
         proc = ctx.Process(target=_serve, args=(child, self.device), daemon=True)
-        proc.start()
+        with reaper.marked():  # the worker (and the server it forks from) carries the mark of its tree
+            proc.start()
         child.close()
-        return _Process(proc, conn)
+        return _Process(proc, conn, wire.Reader(conn.fileno(), proc.sentinel))
 
     def _await_ready(self, p: _Process) -> None:
         if p.ready:
             return
-        if p.conn.poll(STARTUP_TIMEOUT_S):
-            try:
-                kind, _ = p.conn.recv()
-            except (EOFError, ConnectionResetError):
-                kind = "died"
-            if kind == "ready":
-                p.ready = True
-                return
+        kind, _ = self._receive(p, None, STARTUP_TIMEOUT_S)
+        if kind == "ready":
+            p.ready = True
+            return
         p.proc.kill()
         p.proc.join(5)
         raise HarnessError(f"an isolation worker for {self.device} did not start within {STARTUP_TIMEOUT_S:g} s "
@@ -221,18 +340,64 @@ class Worker:
             if p.proc.is_alive():
                 p.proc.join(2)
             if p.proc.is_alive():
+                reaper.kill_below(p.proc.pid)
                 p.proc.kill()
             p.proc.join(5)
+            p.conn.close()
+        self.reap()
         self.restarts += 1
         self._top_up()
 
-    def _receive(self, p: _Process, timeout_s: float) -> tuple[str, Any]:
-        if not p.conn.poll(timeout_s):
-            return "timeout", None
+    def reap(self) -> int:
+        """Kill what a worker of this process left running once it is gone (`reaper.kill_strays`);
+        how many there were."""
+        return reap_all()
+
+    def _pids(self) -> set[int]:
+        return {p.proc.pid for p in (self._active, *self._spares) if p is not None}
+
+    def _receive(self, p: _Process, seq: int | None, timeout_s: float) -> tuple[str, Any]:
+        """(kind, header) of the worker's next message, answering request `seq`; ("timeout", None),
+        ("died", None) when the worker process ended with nothing more to read (whoever else holds
+        its pipe), or ("unreadable", why)."""
+        state = p.reader.wait(timeout_s)
+        if state != "data":
+            return state, None
         try:
-            return p.conn.recv()
-        except (EOFError, ConnectionResetError, OSError):
+            header, _ = p.reader.read(time.monotonic() + timeout_s + READ_GRACE_S)
+        except (EOFError, ConnectionResetError):
             return "died", None
+        except wire.Unreadable as exc:
+            return "unreadable", str(exc)
+        if header.get("seq") != seq:
+            return "unreadable", f"it answers request {str(header.get('seq'))[:20]}, not {seq}"
+        try:
+            if (after := wire.after_of(header)) is not None:
+                self._after[after[0]] = after[1]
+        except wire.Unreadable as exc:
+            return "unreadable", str(exc)
+        return str(header.get("kind")), header
+
+    def _ask_after(self) -> tuple[str, str] | None:
+        """The active worker's check of its last case for a write after return (`guards.Returned`),
+        asked once the block was judged; None when it answered or is gone, else the (metric, reason)
+        of the last case's failure (a worker still busy after its answer was sent is one whose
+        answer was not its harness's)."""
+        p = self._active
+        if p is None or not p.ready or not p.proc.is_alive():
+            return None
+        self._seq += 1
+        try:
+            p.conn.send_bytes(json.dumps({"seq": self._seq, "after": True}).encode())
+        except (BrokenPipeError, OSError):
+            return None
+        kind, header = self._receive(p, self._seq, self.timeout_s)
+        if kind == "after":
+            return None
+        self._kill_active()
+        if kind == "timeout":
+            return "hung", f"hung: the worker was still busy {self.timeout_s:g} s after it answered"
+        return ("crashed", f"{UNREADABLE}: {header}") if kind == "unreadable" else None
 
     def run(
         self, case: Case, specs: Sequence[str], label: str, run_id: str = "", source: str = "fuzz",
@@ -267,26 +432,46 @@ class Worker:
             if not any(isinstance(f, Produced) for f in found):
                 return found
             produced = [f if isinstance(f, Produced) else Produced([r.to_record() for r in f], failed=True) for f in found]
-            return judge_produced_block(cases, produced, label, self.device, run_id=run_id, source=source,
-                                        prepared=prepared.result())
+            judged = judge_produced_block(cases, produced, label, self.device, run_id=run_id, source=source,
+                                          prepared=prepared.result())
+        if (failed := self._ask_after()) is not None:
+            last = max(i for i, f in enumerate(found) if isinstance(f, Produced))
+            judged[last].append(failure_row(self._base(cases[last], label, run_id, source), "*", *failed))
+        for case, rows, p in zip(cases, judged, produced):
+            if changed := self._after.pop(case.case_id, []):
+                rows += after_return_rows(self._base(case, label, run_id, source), changed, time_impl_s=p.t_impl)
+            noted(rows, p.threads)
+        return [rows or [self._nothing_judged(case, label, run_id, source)] for case, rows in zip(cases, judged)]
+
+    def _base(self, case: Case, label: str, run_id: str, source: str) -> dict:
+        from .catalog import get_spec
+
+        return dict(run_id=run_id, case_id=case.case_id, impl=label, stages="", device=self.device, seed=case.seed,
+                    source=source, **get_spec(case.op).identity(case))
+
+    def _nothing_judged(self, case: Case, label: str, run_id: str, source: str) -> Row:
+        """A case the parent judged no tensor of: never a pass (what the worker sent names none)."""
+        return failure_row(self._base(case, label, run_id, source), "*", "crashed",
+                           f"{UNREADABLE}: it holds nothing to judge (no output, no finding)")
 
     def _produce(self, case: Case, specs: Sequence[str], label: str, run_id: str, source: str,
                  notes: set[str] | None, deviations: Sequence[str], conventions: Sequence[str]) -> Produced | list[Row]:
-        """What the worker produced for `case`, or its single failure row when it died or hung."""
-        from .catalog import get_spec
-
+        """What the worker produced for `case`, or its single failure row when it died, hung or
+        sent something that is not an answer."""
         p = self._ensure()
-        base = dict(run_id=run_id, case_id=case.case_id, impl=label, stages="", device=self.device,
-                    seed=case.seed, source=source, **get_spec(case.op).identity(case))
+        base = self._base(case, label, run_id, source)
+        self._seq += 1
+        request = dict(seq=self._seq, case=case.to_dict(), specs=list(specs), deviations=list(deviations),
+                       conventions=list(conventions), run_id=run_id, source=source)
         try:
-            p.conn.send((case.to_dict(), list(specs), list(deviations), list(conventions), run_id, source))
+            p.conn.send_bytes(json.dumps(request).encode())
         except (BrokenPipeError, OSError):
             self._retire()
             return [failure_row(base, "*", "crashed", "the worker process died between cases")]
-        kind, payload = self._receive(p, HARNESS_TIMEOUT_S)
+        kind, header = self._receive(p, self._seq, HARNESS_TIMEOUT_S)
         called = kind == "calling"
         if called:
-            kind, payload = self._receive(p, self.timeout_s)
+            kind, header = self._receive(p, self._seq, self.timeout_s)
             if kind == "timeout":
                 self._kill_active()
                 return [failure_row(base, "*", "hung", f"hung: no answer within {self.timeout_s:g} s")]
@@ -294,23 +479,54 @@ class Worker:
             self._kill_active()
             raise HarnessError(f"building the inputs and reference of {case.short()} took over {HARNESS_TIMEOUT_S:g} s")
         if kind == "produced":
-            produced, reported, retire, called = payload
-            if notes is not None:
-                notes.update(reported)
-            for stage, keywords in called.items():  # what the stages were handed, as if called here
-                CALLED_WITH[stage].update(keywords)
-            if retire:
-                self._retire()
-            return produced
-        if kind == "error":
-            raise HarnessError(f"harness error in the worker on {case.short()}", payload)
-        if kind == "crashed":
+            try:
+                return self._answered(p, case, header, base, notes)
+            except wire.Unreadable as exc:
+                kind, header = "unreadable", str(exc)
+        if kind == "error" and not called:  # the harness's side, before any of the implementation's code ran
+            raise HarnessError(f"harness error in the worker on {case.short()}", _said(header, "detail"))
+        if kind == "died":
+            p.proc.join(5)
             self._retire()
-            return [failure_row(base, "*", "crashed", payload)]
-        p.proc.join(5)
-        self._retire()
-        when = "" if called else " before the implementation was called"
-        return [failure_row(base, "*", "crashed", f"the worker process died{when} ({_exit_reason(p.proc.exitcode)})")]
+            when = "" if called else " before the implementation was called"
+            return [failure_row(base, "*", "crashed", f"the worker process died{when} ({_exit_reason(p.proc.exitcode)})")]
+        self._kill_active()
+        if kind == "crashed" and called:
+            reason = _said(header, "reason")
+        elif kind == "error":
+            reason = f"the worker reported an error after the implementation was called: {_last_line(header)}"
+        else:
+            why = header if kind == "unreadable" else f"a message of kind {kind[:40]!r} out of turn"
+            reason = f"{UNREADABLE}: {why}"
+        return [failure_row(base, "*", "crashed", reason)]
+
+    def _answered(self, p: _Process, case: Case, header: dict, base: dict, notes: set[str] | None) -> Produced:
+        """The Produced of a "produced" message: its outputs and clock as sent, every row made here
+        from what the worker found (each can only fail the case); Unreadable when it does not parse."""
+        if header.get("case_id") != case.case_id:
+            raise wire.Unreadable(f"it answers case {str(header.get('case_id'))[:40]!r}, not {case.case_id!r}")
+        answer = wire.answer_of(header, DEVIATIONS)
+        if notes is not None:
+            notes.update(answer.notes)
+        for stage, keywords in answer.called.items():  # what the stages were handed, as if called here
+            CALLED_WITH[stage].update(keywords)
+        if header.get("children") is True and p.proc.is_alive():
+            reaper.kill_below(p.proc.pid)  # what the call left running ends with its case
+        if answer.retire:
+            self._retire()
+        base = {**base, "path": answer.path or base["path"], "stages": answer.stages}
+        timed = {"time_impl_s": answer.t_impl}  # an input's row, as `running.input_rows` makes it
+        rows = [unsupported_row(base, reason) if metric == "unsupported" else
+                failure_row(base, tensor, metric, reason, **(timed if metric == "input_written" else {}))
+                for tensor, metric, reason in answer.findings]
+        failed = any(tensor == "*" or metric == "unsupported" for tensor, metric, _ in answer.findings)
+        from .properties.base import Compared  # it imports the kernels: not before `_serve` set up Triton
+
+        compared = [Compared(*c) for c in answer.compared]
+        return Produced([r.to_record() for r in rows], failed=failed, tensors=answer.tensors, devices=answer.devices,
+                        strides=answer.strides, problems=answer.problems, stages=answer.stages,
+                        deviations=answer.deviations, path=answer.path, notes=answer.notes, t_impl=answer.t_impl,
+                        compared=compared, threads=answer.threads, stage_calls=answer.stage_calls)
 
     def _kill_active(self) -> None:
         if self._active is not None:
@@ -323,11 +539,13 @@ class Worker:
                 continue
             try:
                 if p.ready and p.proc.is_alive():
-                    p.conn.send(None)
+                    p.conn.send_bytes(b"null")
                     p.proc.join(10)
             except (BrokenPipeError, OSError):
                 pass
             if p.proc.is_alive():
+                reaper.kill_below(p.proc.pid)
                 p.proc.kill()
             p.proc.join(5)
         self._active, self._spares = None, []
+        self.reap()

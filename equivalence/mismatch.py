@@ -4,6 +4,9 @@ reference's and the allowed difference; for an LSE the ratio or offset a convent
 -inf for an empty row, a constant shift); for +inf/-inf/NaN every pattern that differs, counted,
 with its first position.
 
+Positions are named along the tensor's axes where its check knows them (`Pair.axes`), and one
+clause says where the differing elements are confined (`localize.where`).
+
 `describe` runs only for a failing tensor, with its tensors at hand (a passing case pays nothing),
 and its text is the row's reason. `line` is how every front end (the CLI's fuzz and replay,
 `check()`'s report, JUnit) prints a failing row. The bound's own reason is `mla-verify list
@@ -18,6 +21,7 @@ from functools import reduce
 
 import torch
 
+from .localize import Axes, named_at, where
 from .metrics import Metrics, lse_unit, output_row_scale
 from .policy import EXACT, LSE, OUT, Bound
 
@@ -37,6 +41,7 @@ class Pair:
     ref: torch.Tensor
     scale: torch.Tensor | None = None  # an output's value_max or an LSE's logit scale (oracle.measure)
     bound: torch.Tensor | None = None  # the derived per-element bound, where one holds
+    axes: Axes | None = None           # its dimensions' names, for where the error sits (`localize`)
 
 
 def line(tensor: str, metric: str, value: float, bound: float, reason: str) -> str:
@@ -48,14 +53,18 @@ def line(tensor: str, metric: str, value: float, bound: float, reason: str) -> s
 
 def describe(kind: str, c: Pair, m: Metrics, bounds: tuple[Bound, ...], metric: str) -> str:
     """The failing tensor `c` (measured as `kind`, metrics `m`, failing `metric` under `bounds`)."""
-    if metric in ("inf_mismatch", "nan_count"):
-        return _patterns(c)
+    if metric in ("inf_mismatch", "nan_count"):  # never rounding: placed as a bit-for-bit difference is
+        impl = c.impl.to(c.ref.device)
+        return _with_where(_patterns(c), c, _classes(impl) != _classes(c.ref))
     if kind == EXACT:
-        return _exact(c, m)
+        return _with_where(_exact(c, m), c, _bits(c.impl.to(c.ref.device)) != _bits(c.ref))
     impl, ref = c.impl.to(c.ref.device).double(), c.ref.double()
     both = torch.isfinite(impl) & torch.isfinite(ref)
-    allowed = _allowed(kind, ref, both, bounds, c)
-    parts = [_elements(impl, ref, both, allowed)]
+    allowed = allowed_of(kind, ref, both, bounds, c)
+    parts = [_elements(impl, ref, both, allowed, c.axes)]
+    if allowed is not None:
+        parts.append(where(c.axes, outside(impl, ref, both, allowed), exact=False, live=(impl != ref) | (ref != 0),
+                           magnitude=torch.where(both, ref, 0.0).abs(), error=torch.where(both, impl - ref, 0.0).abs()))
     if metric == "abs_mean_err":
         parts.append(f"mean {'gain' if kind == LSE else 'relative error'} {m.mean_err:+.3g}: a bias, not rounding")
     if allowed is not None and bool(both.any()):
@@ -64,7 +73,7 @@ def describe(kind: str, c: Pair, m: Metrics, bounds: tuple[Bound, ...], metric: 
     return "; ".join(filter(None, parts))
 
 
-def _allowed(kind: str, ref: torch.Tensor, both: torch.Tensor, bounds: tuple[Bound, ...],
+def allowed_of(kind: str, ref: torch.Tensor, both: torch.Tensor, bounds: tuple[Bound, ...],
              c: Pair) -> torch.Tensor | None:
     """Each element's allowed |impl - ref|: the tightest of the element-wise bounds among `bounds`."""
     rf = torch.where(both, ref, 0.0)
@@ -79,18 +88,38 @@ def _allowed(kind: str, ref: torch.Tensor, both: torch.Tensor, bounds: tuple[Bou
     return reduce(torch.minimum, limits) if limits else None
 
 
-def _elements(impl: torch.Tensor, ref: torch.Tensor, both: torch.Tensor, allowed: torch.Tensor | None) -> str:
+def outside(impl: torch.Tensor, ref: torch.Tensor, both: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The elements (finite on both sides) further from the reference than they are allowed."""
+    return torch.where(both, impl - ref, 0.0).abs() > allowed
+
+
+def _with_where(text: str, c: Pair, differ: torch.Tensor) -> str:
+    return "; ".join(filter(None, (text, where(c.axes, differ, exact=True))))
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """Floats as integers of their width (compared bit for bit, as `metrics.exact` does)."""
+    if not x.is_floating_point():
+        return x
+    return x.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def _elements(impl: torch.Tensor, ref: torch.Tensor, both: torch.Tensor, allowed: torch.Tensor | None,
+              axes: Axes | None = None) -> str:
     d = torch.where(both, impl - ref, 0.0).abs()
     n = ref.numel()
     if allowed is None:  # no element-wise bound: the largest difference
         at = int(d.reshape(-1).argmax()) if n else 0
-        return f"largest difference at [{_at(at, ref.shape)}]: kernel {_v(impl, at)}, reference {_v(ref, at)}"
+        where_at = _at(at, ref.shape)
+        return (f"largest difference at [{where_at}]{named_at(axes, where_at)}: kernel {_v(impl, at)}, "
+                f"reference {_v(ref, at)}")
     over = int((d > allowed).sum())
     ratio = torch.where(d > 0, d / allowed, 0.0)  # an element allowed 0 and off at all: inf
     at = int(ratio.reshape(-1).argmax()) if n else 0
     head = (f"{over} / {n} elements ({_percent(over, n)}) outside their allowed difference; worst" if over
             else "every element within its allowed difference (the error is spread); closest to its bound")
-    return (f"{head} at [{_at(at, ref.shape)}]: kernel {_v(impl, at)}, reference {_v(ref, at)}, "
+    where_at = _at(at, ref.shape)
+    return (f"{head} at [{where_at}]{named_at(axes, where_at)}: kernel {_v(impl, at)}, reference {_v(ref, at)}, "
             f"off by {float(d.reshape(-1)[at]):.3g}, allowed {float(allowed.reshape(-1)[at]):.3g}")
 
 
@@ -163,8 +192,9 @@ def _patterns(c: Pair) -> str:
         got, want = _CLASS_NAMES[code // 4], _CLASS_NAMES[code % 4]
         ref_at = f", reference {_v(c.ref, first)}" if want == "finite" else ""
         kernel_at = f", kernel {_v(impl, first)}" if got == "finite" else ""
+        at = _at(first, c.ref.shape)
         parts.append(f"{int(where.sum())} {got} where the reference is {want} (first at "
-                     f"[{_at(first, c.ref.shape)}]{kernel_at}{ref_at})")
+                     f"[{at}]{named_at(c.axes, at)}{kernel_at}{ref_at})")
         if got == "-inf" and want == "+inf" and "lse" in c.tensor:
             parts[-1] += (": an empty row's LSE is +inf here; declare --convention empty_lse=-inf if that is your "
                           "kernel's convention")
@@ -177,8 +207,8 @@ def _exact(c: Pair, m: Metrics) -> str:
     """An exact tensor's differing elements, and the first of them."""
     n = c.ref.numel()
     differ = round(m.mismatch_frac * n) if not math.isnan(m.mismatch_frac) else n
-    first = f"; first at [{m.max_abs_at}]: kernel {m.extra['first_mismatch'].replace(' vs ', ', reference ')}" \
-        if "first_mismatch" in m.extra else ""
+    first = (f"; first at [{m.max_abs_at}]{named_at(c.axes, m.max_abs_at)}: kernel "
+             f"{m.extra['first_mismatch'].replace(' vs ', ', reference ')}") if "first_mismatch" in m.extra else ""
     return f"{differ} / {n} elements ({_percent(differ, n)}) differ bit for bit{first}"
 
 

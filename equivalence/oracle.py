@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from . import metrics as M
+from .localize import Axes
 from .mismatch import Pair, describe
 from .policy import EXACT, LSE, OUT, Bound, Numerics, bounds_for, limit_for
 
@@ -113,15 +114,16 @@ def judge(
     scale: torch.Tensor | None = None,
     bound: Mapping[str, torch.Tensor] | None = None,
     name: str = "",
+    axes: Axes | None = None,
 ) -> Verdict:
     """`impl` against `ref` as a tensor of `kind`, under the bounds for `case`'s numerics.
 
     `bound`: the reference's derived per-element bounds of this tensor by the deviation they
     allow for ("" none: `equivalence.ops.base.Check.bound`). The elem_bound_ratio bound applies
     only where the reference derived one for the deviation that set the bounds. `name`: the
-    tensor's (out, lse, max_logits), for the failure's description."""
+    tensor's (out, lse, max_logits), `axes` its dimensions' names, for the failure's description."""
     return judge_many(kind, [impl], ref[None], case, deviations, None if scale is None else scale[None],
-                      None if bound is None else {k: v[None] for k, v in bound.items()}, name)[0]
+                      None if bound is None else {k: v[None] for k, v in bound.items()}, name, lambda i: axes)[0]
 
 
 def judge_many(
@@ -133,9 +135,11 @@ def judge_many(
     scale: torch.Tensor | None = None,
     bound: Mapping[str, torch.Tensor] | None = None,
     name: str = "",
+    axes: Callable[[int], Axes | None] | None = None,
 ) -> list[Verdict]:
     """`judge` of each impls[i] against ref[i] (`ref`, `scale` and each `bound` [C, ...]: the
-    cases of a fuzz block, which share their params), measured together (`measure_many`)."""
+    cases of a fuzz block, which share their params), measured together (`measure_many`);
+    `axes(i)`: the names of case i's dimensions (`localize`), asked for a failure only."""
     bounds, deviation = bounds_for(kind, case, deviations)
     tensor = None if bound is None else bound.get(deviation)
     if tensor is None:
@@ -143,5 +147,5 @@ def judge_many(
     # A case's Pair (views of the block) is built only for a failure's description.
     return [verdict(kind, m, bounds, deviation,
                     lambda i=i: Pair(name or kind, impls[i], ref[i], None if scale is None else scale[i],
-                                     None if tensor is None else tensor[i]))
+                                     None if tensor is None else tensor[i], None if axes is None else axes(i)))
             for i, m in enumerate(measure_many(kind, impls, ref, scale, tensor))]

@@ -1,9 +1,10 @@
 """What an implementation's process hands its judge when the two are apart (an isolation worker
-and its parent): plain data, picklable, with every tensor on the host."""
+and its parent): plain data, with every tensor on the host (`equivalence.wire` sends it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -25,3 +26,10 @@ class Produced:
     notes: tuple[str, ...] = ()
     t_impl: float = float("nan")
     compared: list = field(default_factory=list)  # a property's comparisons (tensors on the host)
+    # A pipeline's stage calls, plain and fed (`stages.traced`), each `stages.Call`'s fields as a dict
+    stage_calls: tuple[list[dict], list[dict]] = field(default_factory=lambda: ([], []))
+    # Stay with the implementation's process: the outputs as returned against the copies above
+    # (`guards.Returned`, checked there later for a write after return) and the threads the call
+    # left running (their names cross).
+    returned: Any = None
+    threads: list = field(default_factory=list)

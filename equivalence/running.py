@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -73,12 +74,17 @@ def failure_row(base: dict, tensor: str, metric: str, reason: str, **fields) -> 
                headroom=0.0, reason=reason)
 
 
+def unsupported_row(base: dict, reason: str, **fields) -> Row:
+    """The single row of a case the implementation declined (`unsupported`): counted, not failed."""
+    return Row(**{**base, **fields}, tensor="*", passed=True, gate_metric="unsupported", value=0.0, bound=0.0,
+               headroom=float("inf"), reason=reason)
+
+
 def raised_row(base: dict, raised: Raised, **fields) -> Row:
     """The single failure row of a case whose implementation raised (or broke the contract)."""
     exc = raised.error
     if isinstance(exc, Unsupported):
-        return Row(**{**base, **fields}, tensor="*", passed=True, gate_metric="unsupported", value=0.0, bound=0.0,
-                   headroom=float("inf"), reason=f"unsupported: {exc}")
+        return unsupported_row(base, f"unsupported: {exc}", **fields)
     if isinstance(exc, ContractError):
         return failure_row(base, "*", "contract", str(exc), **fields)
     frames = traceback.extract_tb(exc.__traceback__)
@@ -111,13 +117,15 @@ def call_implementation(fn: Callable[[], Any], seed: int, device: str,
     (the user's Ctrl-C). The process-wide state and the judge's functions are put back after the
     call (to `watch`'s, taken once for a block of calls; else `guards.kept_watch`'s; else taken
     now); a change to either is `Raised` with a ContractError. `on_call` runs just before: an
-    isolation worker starts the case's clock there."""
+    isolation worker starts the case's clock there. The threads the call left running are named
+    in `watch.threads_left` (a note on the case's rows)."""
     seed_globals(seed)
     with contextlib.ExitStack() as stack:
         watch = watch or guards.kept() or stack.enter_context(guards.Watch())
         if on_call is not None:
             on_call()
         error: BaseException | None = None
+        threads = threading.enumerate()
         try:
             with guards.sigint_watch() as sigints, poisoned(), red_zones() as zones:
                 try:
@@ -132,6 +140,7 @@ def call_implementation(fn: Callable[[], Any], seed: int, device: str,
                     error = exc
         finally:
             changed, patched = watch.restore()
+            watch.threads_left = guards.threads_left(threads)
     if error is not None:
         raise Raised(error, dev.synchronize(device)) from None
     if patched:
@@ -147,6 +156,20 @@ def patched_error(patched: list[str], where: str = "") -> ContractError:
     (`guards.JudgeFunctions.restore`)."""
     return ContractError(f"replaced {', '.join(patched[:4])}{' ...' if len(patched) > 4 else ''}{where}: the functions "
                          "the judge relies on are not the implementation's to change (put back)")
+
+
+def after_return_rows(base: dict, changed: list[str], **fields) -> list[Row]:
+    """One failing row per output written after its call returned (`guards.Returned.changed`)."""
+    return [failure_row(base, name, "contract", f"{name}: {guards.AFTER_RETURN}", **fields) for name in changed]
+
+
+def noted(rows: list[Row], threads: list[str]) -> list[Row]:
+    """`rows` of a case whose call left the threads named `threads` running, each with a note saying so."""
+    if threads:
+        note = f"note: the call left {len(threads)} thread(s) running ({', '.join(threads[:3])})"
+        for r in rows:
+            r.reason = f"{r.reason}; {note}" if r.reason else note
+    return rows
 
 
 def input_rows(base: dict, written: list[tuple[str, str]], **fields) -> list[Row]:

@@ -66,8 +66,8 @@ class FuzzResult:
     rows: list[Row] = field(default_factory=list)
     failure: Discrepancy | None = None    # the minimized failing case (as found, if not shrunk)
     first_failure_at: int | None = None   # 1-based example number of the first failing case
-    case_file: Path | None = None         # the saved failure (the minimized case where there is one)
-    found_file: Path | None = None        # the first failing case as found, saved at once
+    case_file: Path | None = None         # the finding's one case file (the minimized case where there is one)
+    found_file: Path | None = None        # the first failing case as found, saved at once (until minimized)
     flaky: tuple[int, int] | None = None  # (failed k, of n re-runs) when a re-run passed
     stopped: str = ""                     # why the campaign ended before its budget ("interrupted", ...)
     shrunk: bool = False                  # the failure is Hypothesis's minimized case
@@ -167,12 +167,14 @@ def fuzz(
                 + "".join(f" --deviation {name}" for name in deviations)
                 + "".join(f" --convention {c}" for c in conventions))
 
-    def save(case: Case, rows: list[Row], note: str, where: Path | None = None) -> Path | None:
+    def save(case: Case, rows: list[Row], note: str, where: Path | None = None, unshrunk: Case | None = None
+             ) -> Path | None:
         if out_dir is None:
             return None
         cf = casefile.CaseFile(case, impl_specs, device, casefile.failure_summary(rows),
                                note=f"{note}; found by `{found_by}` (profile {profile.name})",
-                               deviations=tuple(deviations), flaky=result.flaky, conventions=tuple(conventions))
+                               deviations=tuple(deviations), flaky=result.flaky, conventions=tuple(conventions),
+                               unshrunk=unshrunk)
         if where is not None:
             return casefile.save(where, cf)
         return casefile.save_new(Path(out_dir) / "failures", casefile.stem(op, impl_label or ",".join(impl_specs), case), cf)
@@ -212,7 +214,7 @@ def fuzz(
         return found
 
     def first_failure(case: Case, rows: list[Row]) -> None:
-        result.first_failure_at = result.examples
+        result.first_failure_at, state["found"] = result.examples, case
         result.found_file = save(case, rows, f"found at example {result.examples}")
         if any(r.gate_metric == "hung" for r in rows):
             raise StopCampaign("")  # a hang is not re-run or shrunk: every try costs the timeout
@@ -293,5 +295,11 @@ def fuzz(
             result.rows.extend(rows)
             if journal is not None:
                 journal(rows)
-            result.case_file = save(case, rows, f"minimized from the case found at example {result.first_failure_at}")
+            # One file a finding: the minimized case holds the one it was shrunk from, whose file,
+            # saved at once in case the run died while shrinking, goes once this one is written.
+            result.case_file = save(case, rows, f"minimized from the case found at example {result.first_failure_at}",
+                                    unshrunk=state.get("found"))
+            if result.found_file is not None and result.case_file is not None:
+                result.found_file.unlink(missing_ok=True)
+                result.found_file = None
     return result

@@ -2,8 +2,10 @@
 
 The file holds the Case itself (op, params, seed), the implementation spec that failed and the
 deviations declared for it, the device, and the failure as it was seen, so a reader knows what to
-expect before replaying. A case file is data: loading it validates every parameter against the op's schema
-(`equivalence.catalog.validate_case`) and imports nothing; the implementation it names is a hint for the reader.
+expect before replaying. One file is one finding: a minimized case carries the case it was shrunk
+from (`unshrunk`), which `replay` does not run. A case file is data: loading it validates every
+parameter against the op's schema (`equivalence.catalog.validate_case`) and imports nothing; the
+implementation it names is a hint for the reader.
 Files are written whole or not at all (temporary file + rename), and a new file never replaces
 another (its name carries op, implementation and case, plus a counter where needed).
 """
@@ -35,11 +37,13 @@ class CaseFile:
     deviations: tuple[str, ...] = ()       # declared for the implementation (--deviation)
     flaky: tuple[int, int] | None = None   # (failed k, of n re-runs) when the failure was flaky
     conventions: tuple[str, ...] = ()      # declared for the implementation (--convention KEY=VALUE)
+    unshrunk: Case | None = None           # the failing case as found, where `case` was shrunk from it
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": CASE_FORMAT, "case": self.case.to_dict(), "impl": list(self.impl), "device": self.device,
                 "failure": self.failure, "note": self.note, "deviations": list(self.deviations),
-                "flaky": list(self.flaky) if self.flaky else None, "conventions": list(self.conventions)}
+                "flaky": list(self.flaky) if self.flaky else None, "conventions": list(self.conventions),
+                "unshrunk": self.unshrunk.to_dict() if self.unshrunk else None}
 
 
 def slug(text: str, limit: int = 48) -> str:
@@ -137,8 +141,14 @@ def load(path: Path) -> CaseFile:
     for key in ("device", "note"):
         if not isinstance(data.get(key, ""), str):
             raise ValueError(f"its {key!r} is not a string")
+    unshrunk = data.get("unshrunk")
+    if unshrunk is not None:
+        if not isinstance(unshrunk, dict):
+            raise ValueError("its 'unshrunk' is not a case object")
+        validate_case(unshrunk)
     return CaseFile(Case.from_dict(case), tuple(impl), data.get("device", "cpu"), failure, data.get("note", ""),
-                    tuple(deviations), tuple(flaky) if flaky else None, tuple(conventions))
+                    tuple(deviations), tuple(flaky) if flaky else None, tuple(conventions),
+                    Case.from_dict(unshrunk) if unshrunk is not None else None)
 
 
 def _saved_row(f: Any) -> bool:

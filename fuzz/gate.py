@@ -96,6 +96,7 @@ class Unit:
     corpus: bool = True
     deviations: tuple[str, ...] = ()
     conventions: tuple[str, ...] = ()
+    kept: tuple[Case, ...] = ()  # a kept corpus's cases of this op and implementation (mla_verify.corpus), run first
 
     @property
     def multi_rank(self) -> bool:
@@ -119,9 +120,10 @@ def units(ops: list[str] | None, device: str) -> list[Unit]:
             for label, specs in catalog.get_spec(op).subjects(device_type).items()]
 
 
-def shard_units(ops: list[str] | None, device: str, shard: Shard) -> list[Unit]:
-    """The units of shard `shard` (`fuzz.shard`: the multi-rank ones dealt first)."""
-    every = units(ops, device)
+def shard_units(ops: list[str] | None, device: str, shard: Shard, chosen: list[Unit] | None = None) -> list[Unit]:
+    """The units of shard `shard` (`fuzz.shard`: the multi-rank ones dealt first) among `chosen`
+    (None: the gate's `units`)."""
+    every = units(ops, device) if chosen is None else chosen
     return shard.deal(every, [u.multi_rank for u in every])
 
 
@@ -205,7 +207,7 @@ def run_units(
     started: Callable[..., Callable[[], None]] | None = None,
     lost: list[str] | None = None,
 ) -> GateResult:
-    """The one campaign driver: each unit's corpus, then its campaigns of `examples` cases (None:
+    """The one campaign driver: each unit's kept cases and corpus, then its campaigns of `examples` cases (None:
     the profile's budget for the op) with `seed`. `world_size`: a multi-rank op's ranks (default:
     `gate_world_size`). `started(case, source, impl=, specs=)` is told of each case before it runs
     and returns the call that says it finished (`mla_verify.rundir` journals both); `journal`
@@ -217,7 +219,8 @@ def run_units(
     result = GateResult()
     kind = device.split(":")[0]
     subjects = [(unit, unit.resolved(device)) for unit in chosen]
-    cases = sum((len(corpus(u.op)) if u.corpus else 0) + _examples(u.op, examples, profile) * len(u.campaigns(s))
+    cases = sum(len(u.kept) + (len(corpus(u.op)) if u.corpus else 0)
+                + _examples(u.op, examples, profile) * len(u.campaigns(s))
                 for u, s in subjects)
     gate_progress = Progress("gate", cases, every_s=10.0 if progress else math.inf, stream=log)  # one line for all
     worker = Worker(device, timeout_s) if isolate else None
@@ -233,7 +236,7 @@ def run_units(
 
             def run(case: Case, source: str, judge_block=judge_block, where=f"{op} / {label}") -> list[Row]:
                 rows, = judge_block([case], source, lambda: None)
-                if progress and source in ("corpus", "fuzz"):
+                if progress and source in ("kept", "corpus", "fuzz"):
                     gate_progress.step(any(not r.passed for r in rows), now_at=where)
                 return rows
 
@@ -249,11 +252,11 @@ def run_units(
                 lambda case, source, label=label, specs=specs: started(case, source, impl=label, specs=specs))
             t0 = time.monotonic()  # a campaign's seconds include the corpus cases run before it
             pinned_rows = []
-            for case, _why in pinned:
+            for case, source in [(c, "kept") for c in unit.kept] + [(c, "corpus") for c, _why in pinned]:
                 if stop_reason():
                     return result
-                finished = watch(case, "corpus") if watch is not None else None
-                case_rows = run(case, "corpus")
+                finished = watch(case, source) if watch is not None else None
+                case_rows = run(case, source)
                 if finished is not None:
                     finished()
                 pinned_rows += case_rows
@@ -274,7 +277,8 @@ def run_units(
                 if progress:
                     where = f"{op} ({path})" if path else op
                     bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
-                    log.write(f"{where:38s} {label:28s} {len(pinned):3d} corpus + {fz.examples:4d} fuzz cases "
+                    kept = f"{len(unit.kept)} kept + " if unit.kept else ""
+                    log.write(f"{where:38s} {label:28s} {kept}{len(pinned):3d} corpus + {fz.examples:4d} fuzz cases "
                               f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
                     log.flush()
                 t0 = time.monotonic()
@@ -284,7 +288,8 @@ def run_units(
     return result
 
 
-def run_gate(*, ops: list[str] | None, shard: Shard, device: str, **settings) -> GateResult:
-    """The gate's units of `shard` (`Shard()`: all of them) through `run_units`, with its
-    `settings` (profile, examples, seed, run_id, out_dir, isolate, timeout_s, journal, ...)."""
-    return run_units(shard_units(ops, device, shard), device=device, **settings)
+def run_gate(*, ops: list[str] | None, shard: Shard, device: str, chosen: list[Unit] | None = None,
+             **settings) -> GateResult:
+    """The gate's units of `shard` (`Shard()`: all of them; `chosen`: among those) through
+    `run_units`, with its `settings` (profile, examples, seed, run_id, out_dir, isolate, timeout_s, ...)."""
+    return run_units(shard_units(ops, device, shard, chosen), device=device, **settings)

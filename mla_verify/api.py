@@ -160,6 +160,7 @@ def check(
     junit: str | Path | None = None,
     baseline: str | Path | None = None,
     shard: str | Any | None = None,
+    corpus: str | Path | None = None,
     log: Callable[[str], None] | None = None,
 ) -> CheckResult:
     """Fuzz `impl` on `op` against the reference (or a property, "property:NAME"), shrink the first
@@ -197,6 +198,9 @@ def check(
         shard: "I/N" (or a `fuzz.shard.Shard`): run only shard I of N, the campaigns of seeds
             S + I * P ... of the run's N * P (P: `parallel`); `merge` joins the N shards' run
             directories into the one run a machine with `parallel=N * P` would have written.
+        corpus: a kept corpus directory (`mla_verify.corpus`): its cases of this op and
+            implementation run first, whatever the seed, and the finding is added to it
+            (default: `--mla-verify-corpus` inside pytest, else none).
 
     Raises:
         UsageError: bad input (unknown op, unimportable callable, wrong signature, unwritable out,
@@ -208,13 +212,14 @@ def check(
     from mla_verify.fuzz.campaign import new_seed
     from mla_verify.fuzz.shard import Shard
 
-    from .pytest_plugin import DEFAULTS, default_device
+    from .pytest_plugin import DEFAULTS, default_device, saved
     from .rundir import RunDir
 
     # Inside pytest, --mla-verify-profile/-examples/-device fill what the test left unset.
     __tracebackhide__ = True  # a pytest failure ends at the test's call
     examples = DEFAULTS.get("examples") if examples is None else examples
     profile = DEFAULTS.get("profile") if profile is None else profile
+    kept = open_corpus(DEFAULTS.get("corpus") if corpus is None else corpus)
     seed = DEFAULTS.get("seed") if seed is None else seed
     device = resolve_device(default_device(device))
     device_type = device.split(":")[0]
@@ -263,7 +268,7 @@ def check(
               shard=shard, parts=parts, specs=specs, subject=subject, label=label, deviations=deviations,
               conventions=tuple(subject.conventions), path=path,
               world_size=world_size, shrink=shrink, named=named, in_process=not (isolate or own_processes),
-              invocation=invocation())
+              invocation=invocation(), corpus=kept, corpus_replay=shard.index == 0)
     if log is not None:
         log(run.header())
     try:
@@ -271,6 +276,7 @@ def check(
     finally:
         if run_dir is not None:
             run_dir.release()
+    saved(result.failures)  # listed in a pytest session's summary
     if junit_path is not None:
         from mla_verify.equivalence.rows import Row
 
@@ -295,6 +301,8 @@ def gate(
     shard: str | Any | None = None,
     baseline: str | Path | None = None,
     junit: str | Path | None = None,
+    impl: Sequence[str] | None = None,
+    corpus: str | Path | None = None,
     log: Callable[[str], None] | None = None,
 ) -> GateOutcome:
     """The gate (`mla-verify gate`): every op and forward_mqa path with every implementation
@@ -311,6 +319,11 @@ def gate(
             every N-th op and implementation from the I-th (`fuzz.shard`; `merge` joins the shards).
         baseline: an earlier gate run: its seed, profile, examples and ops, unless given.
         junit: also write JUnit XML there. log: receives the run's header lines.
+        impl: "OP=MODULE:CALLABLE" / "STAGE=MODULE:CALLABLE" strings: only what these take part in
+            (`mla_verify.selection`: their ops, forward_mqa with the stages swapped in, the
+            properties that test them) (default: every registered implementation here).
+        corpus: a kept corpus directory (`mla_verify.corpus`): the cases of the units that apply
+            run first, whatever the seed; every finding is added to it.
 
     Raises UsageError for bad input, before any case runs."""
     from mla_verify.equivalence import catalog
@@ -320,6 +333,7 @@ def gate(
     from mla_verify.fuzz.shard import Shard
 
     from .rundir import FreshDir, RunDir
+    from .selection import impl_units
 
     log = log or (lambda line: None)
     device = resolve_device(device)
@@ -348,7 +362,10 @@ def gate(
         raise UsageError(str(exc.args[0])) from None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if not shard_units(ops, device, shard):
+    impls = tuple(impl or ())
+    chosen = impl_units(impls, device, ops) if impls else None
+    kept = open_corpus(corpus)
+    if not shard_units(ops, device, shard, chosen):
         raise UsageError(f"--shard {shard}: the gate has fewer units (ops and implementations) than shards here")
     seed = new_seed() if seed is None else seed
     parts = parallel or (_gpu_count() if device_type == "cuda" else 1)
@@ -358,7 +375,7 @@ def gate(
     run_dir = RunDir.open(out if out is not None else FreshDir.named("runs", "gate"))
     run = Run(GATE, tuple(ops or ()), device, prof, examples, seed, isolate,
               DEFAULT_TIMEOUT_S if timeout is None else float(timeout), out=run_dir, baseline=baseline, shard=shard,
-              parts=parts, invocation=invocation())
+              parts=parts, invocation=invocation(), impls=impls, corpus=kept)
     log(run.header())
     outcome = drive(run, log)
     if junit_path is not None and not outcome.interrupted:
@@ -366,6 +383,18 @@ def gate(
 
         write_junit(junit_path, outcome.rows, replays=saved_replays(outcome.out / "failures"))
     return outcome
+
+
+def open_corpus(directory: str | Path | None) -> str | None:
+    """The kept corpus's absolute path as a Run holds it, its files read and checked now (a
+    usage error names a bad one before any case runs); None for none."""
+    if directory is None:
+        return None
+    from .corpus import Corpus
+
+    corpus = Corpus(directory)
+    corpus.cases()
+    return str(corpus.directory)
 
 
 def _gpu_count() -> int:

@@ -193,6 +193,13 @@ def _drift_settings(args) -> dict:
                 pairs=parse_pairs(args.pair))
 
 
+def _add_corpus(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", type=Path, default=None, metavar="DIR",
+                   help="a kept corpus (plain JSON files a CI cache or a repository keeps): its cases of these "
+                        "implementations run first, whatever the seed; every finding is added, minimized and named "
+                        "by its content (a rerun adds no duplicate) (default: none)")
+
+
 def _add_reference_memory(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-memory", type=memory_size, default=None, metavar="SIZE",
                    help="working memory each reference call may hold, e.g. 2GiB (default 4GiB); "
@@ -285,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "take the GPUs)")
     _add_shard(p, "the campaigns of seeds S + I*P ... of N*P (P: --parallel), the same as one machine's "
                   "--parallel N*P")
+    _add_corpus(p)
     p.add_argument("--baseline", type=Path, default=None,
                    help="an earlier run of this op: draw its cases again (its seed, profile, examples and path, unless "
                         "given) and report drift against it")
@@ -348,6 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the ops over this many processes, one GPU each, dealt round-robin when N exceeds "
                         "the GPUs, each with its share of the cores (default: every GPU on cuda, 1 on cpu)")
     _add_shard(p, "every N-th op and implementation (with its corpus and campaigns), all with seed S")
+    p.add_argument("--impl", action="append", default=None, metavar="OP=MODULE:CALLABLE",
+                   help="gate only what these implementations take part in (repeatable): OP=SPEC the op, "
+                        "STAGE=SPEC a forward_mqa stage (every forward_mqa path with it swapped in), and every "
+                        "property that tests them (default: every registered implementation here)")
+    _add_corpus(p)
 
     p = _command(sub, "merge", "join the run directories of a run's shards into one run and one report",
                  "Join the run directories that `fuzz --shard I/N` or `gate --shard I/N` wrote (one per "
@@ -378,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
                  _epilog([("0", "the run finished with no failure and, with --baseline, no drift beyond --factor"),
                           ("1", "the run has failures, did not finish or stopped early, or drift: a normalized "
                                 "error, its bias or its headroom grew beyond --factor case for case (or by the "
-                                "rank test, unpaired)"),
+                                "rank test, unpaired); or TAMPERED: its rows or failure files are not what the run "
+                                "recorded in meta.json"),
                           ("2", "a missing, empty, truncated or malformed run directory (a verdict column that is "
                                 "not true/false, a file that is not a regular file), --html/--markdown naming a "
                                 "file of a run, a baseline with nothing comparable (no op, or no implementation "
@@ -548,6 +562,7 @@ def cmd_fuzz(args, device: str) -> int:
 
     out = args.out or FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
     result = api.check(args.op, args.impl or None, examples=args.examples, seed=args.seed, device=device,
+                       corpus=args.corpus,
                        profile=args.profile, out=out, isolate=args.isolate, timeout=args.timeout,
                        deviations=args.deviation, conventions=args.convention, path=args.path,
                        world_size=args.world_size, shrink=not args.no_shrink, parallel=args.parallel, junit=args.junit,
@@ -586,9 +601,9 @@ def cmd_gate(args, device: str) -> int:
     started = time.time()
     outcome = api.gate(device=device, profile=args.profile, examples=args.examples, seed=args.seed, ops=args.op,
                        out=args.out, isolate=args.isolate, timeout=args.timeout, parallel=args.parallel,
-                       shard=args.shard, baseline=args.baseline, junit=args.junit,
-                       log=lambda line: print(line, flush=True))
-    lines = outcome.lines(device)
+                       shard=args.shard, baseline=args.baseline, junit=args.junit, impl=args.impl,
+                       corpus=args.corpus, log=lambda line: print(line, flush=True))
+    lines = outcome.lines()
     if lines:
         print("\n".join(lines))
     if outcome.interrupted:
@@ -604,13 +619,11 @@ def cmd_gate(args, device: str) -> int:
 
 
 def cmd_report(args, device: str) -> int:
-    from mla_verify import reports
-    from mla_verify.api import load_run, save_worst_case
-
-    from mla_verify.api import replay_command
+    from mla_verify import record, reports
+    from mla_verify.api import load_run, replay_command, save_worst_case
     from mla_verify.rundir import recover_crashed
 
-    _, meta = load_run(args.run_dir, "run")
+    rows, meta = load_run(args.run_dir, "run")
     if meta.get("incomplete"):
         print(f"note: {args.run_dir} stopped early ({meta['stopped']}): its cases not reached have no verdict"
               if meta.get("stopped") else f"note: {args.run_dir} did not finish (killed?): its rows come from its journal")
@@ -618,8 +631,12 @@ def cmd_report(args, device: str) -> int:
             print(line)
     if args.baseline is not None:
         load_run(args.baseline, "baseline")
-    return reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
+    said, tampered = record.report_lines(args.run_dir, meta, len(rows))
+    for line in said:
+        print(line)
+    code = reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
                               save_case=save_worst_case, **_drift_settings(args))
+    return max(code, 1) if tampered else code
 
 
 def cmd_merge(args, device: str) -> int:

@@ -7,7 +7,7 @@ answer to that case, and the bounds from the tolerance policy."""
 from __future__ import annotations
 
 import textwrap
-from typing import Any, Mapping
+from typing import Any
 
 WIDTH = 100
 
@@ -57,26 +57,63 @@ def _shown_case(spec, cases: list):
     return cases[given.index(max(given))]
 
 
-def _dim_names(params: Mapping[str, Any]) -> dict[int, str]:
-    """A size that equals exactly one integer parameter of the case is labelled with its name."""
-    by_value: dict[int, list[str]] = {}
-    for name, value in params.items():
-        if isinstance(value, int) and not isinstance(value, bool):
-            by_value.setdefault(value, []).append(name)
-    return {value: names[0] for value, names in by_value.items() if len(names) == 1}
+# A configuration of each forward_mqa path, for the stages it calls (`optimized.pipeline.needed_stages`).
+PATH_CONFIGS = {"bf16": ("bfloat16", 16, 1), "fp8_mixed": ("fp8_ds_mla", 16, 1),
+                "fp8_separate": ("fp8_ds_mla", 32, 1), "fp8_mixed_dcp": ("fp8_ds_mla", 16, 2)}
 
 
-def _form(value: Any, dims: Mapping[int, str]) -> str:
+def _stages_by_path() -> dict[str, list[str]]:
+    from mla_verify.optimized.pipeline import needed_stages
+
+    return {path: needed_stages(*config) for path, config in PATH_CONFIGS.items()}
+
+
+def _declared_dims(ops: list[str]) -> dict[str, list[tuple[str, ...]]]:
+    """Each keyword's dimension names as the contracts of `ops` declare them ("q[T,H,576] bf16" ->
+    ("T", "H", "576")), every declaration of the name in order."""
+    import re
+
+    from mla_verify.equivalence.contracts import CONTRACTS, declared
+
+    found: dict[str, list[tuple[str, ...]]] = {}
+    for op in ops:
+        for text in declared(op) if op in CONTRACTS else ():
+            if m := re.match(r"(\w+)\[([\w,]+)\]", text):
+                found.setdefault(m.group(1), []).append(tuple(m.group(2).split(",")))
+    return found
+
+
+def _form(value: Any, names: list[tuple[str, ...]]) -> str:
+    """A value as the call receives it, a tensor's dimensions labelled with the first of `names`
+    (its contract's) of its rank: `bfloat16[T=6, H=64, 576]`."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        shape = ", ".join(f"{dims[d]}={d}" if d in dims else str(d) for d in value.shape)
+        dims = next((n for n in names if len(n) == value.dim()), ())
+        shape = ", ".join(f"{n}={d}" if n and not n.isdigit() else str(d)
+                          for n, d in zip(dims or ("",) * value.dim(), value.shape))
         return f"{str(value.dtype).removeprefix('torch.')}[{shape}]"
     if isinstance(value, (tuple, list)):
-        return "(" + ", ".join(_form(v, dims) for v in value) + ")"
+        return "(" + ", ".join(_form(v, names) for v in value) + ")"
     if value is None:
         return "None"
     return f"{type(value).__name__} {value!r}"
+
+
+def _stage_lines(op: str) -> list[str]:
+    """A pipeline's stages by path, each with its contract (the call and what it returns)."""
+    from mla_verify.equivalence.contracts import CONTRACTS, declared, returns
+
+    by_path = _stages_by_path()
+    lines = ["  stages, in the order a call runs them (each judged on its own inputs when a case fails):"]
+    for path, stages in by_path.items():
+        lines += _packed([f"{s} ->" for s in stages[:-1]] + stages[-1:], f"    {path}: ", "        ")
+    for stage in dict.fromkeys(s for stages in by_path.values() for s in stages):
+        contract = stage if stage in CONTRACTS else "sparse_decode_fp8"  # the nvfp4 decode takes fp8's form
+        lines += _packed([f"{text}," for text in declared(contract)], f"    {stage}(", "      ")
+        lines[-1] = lines[-1].removesuffix(",") + ")"
+        lines += _wrap(f"-> {returns(contract)}", "      ", "        ")
+    return lines
 
 
 def _received(spec, case) -> dict[str, Any] | None:
@@ -126,6 +163,7 @@ def describe_op(op: str) -> list[str]:
     cases = _pinned_cases(op)
     case = _shown_case(spec, cases)
     from mla_verify.equivalence.contracts import declared, formula, returns
+    from mla_verify.equivalence.localize import dims_of
 
     lines = [*_wrap(f"{op}: {spec.doc}", "", "  ")]
     lines += _packed([f"{text}," for text in declared(op)], "  | impl(", "  |      ")
@@ -135,7 +173,8 @@ def describe_op(op: str) -> list[str]:
         lines += _wrap(" ".join(paragraph.split()), "  | ", "  | ")
     if case is None:
         return lines + _wrap(f"call: impl({', '.join(spec.arguments)})", "  ", "      ")
-    dims = _dim_names(case.params)
+    declared_dims = _declared_dims([op] + ([s for st in _stages_by_path().values() for s in st]
+                                          if op == "forward_mqa" else []))
     shown = ", ".join(f"{k}={v}" for k, v in case.params.items() if not isinstance(v, (list, dict)) or len(v) <= 4)
     lines += _wrap(f"shapes and dtypes of a pinned case ({shown}):", "  ", "    ")
     received = _received(spec, case)
@@ -145,7 +184,7 @@ def describe_op(op: str) -> list[str]:
         optional = {name for name, text in zip(spec.arguments, declared(op)) if text.endswith("| None")}
         lines.append("  call: impl(")
         for name in (a for a in spec.arguments if a in received):
-            form = _form(received[name], dims)
+            form = _form(received[name], declared_dims.get(name, []))
             lines.append(f"      {name}={form}{' (or None)' if name in optional and received[name] is not None else ''},")
         lines.append("  )")
     if spec.writes:
@@ -166,7 +205,7 @@ def describe_op(op: str) -> list[str]:
     for c in compared:
         t = ref[c.tensor]
         dtype = str(c.dtype or t.dtype).removeprefix("torch.")
-        shape = ", ".join(f"{dims[d]}={d}" if d in dims else str(d) for d in t.shape)
+        shape = _form(t, [dims_of(op, c.tensor, [k.tensor for k in spec.checks]) or ()]).partition("[")[2][:-1]
         judged = params.numerics().replace(dcp_size=1) if c.single_rank else params.numerics()
         extra = " (optional)" if c.optional else ""
         lines.append(f"    {c.tensor:18s} {dtype}[{shape}]{extra}")
@@ -176,7 +215,7 @@ def describe_op(op: str) -> list[str]:
                        "        ")
     if any(c.kind != "exact" for c in compared):
         lines.append("  every float tensor also: +inf/-inf/NaN exactly where the reference has them, no NaN added")
-    return lines
+    return lines + (_stage_lines(op) if op == "forward_mqa" else [])
 
 
 def describe_property(op: str) -> list[str]:

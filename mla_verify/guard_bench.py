@@ -13,6 +13,10 @@ s_q=2 H=128 on a GPU, B=2 H=16 on a CPU), median of `reps` runs:
                   storage (`Snapshot(inputs)`)
   owned_outputs   a copy of the kernel's outputs (what a stage call hands on inside a pipeline or
                   property)
+  after_return    the outputs copied at return and compared back after the judge (a write after
+                  return: `guards.Returned`)
+  message         the outputs as an isolation worker sends them: encoded, through a pipe, parsed
+                  (`equivalence.wire`)
   journal         the case journaled as started and finished in a run directory
 and isolation: the same case (and a small quantize case) evaluated in this process and in an
 isolation worker (`equivalence.isolation.Worker`), ms per case each, plus the worker's start and
@@ -24,6 +28,7 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
+import threading
 import time
 from typing import Callable
 
@@ -55,7 +60,7 @@ def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
     """One row per guard of `case` (a production-sized op case) and per isolation measurement."""
     import torch
 
-    from mla_verify.equivalence import guards
+    from mla_verify.equivalence import guards, wire
     from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
     from mla_verify.equivalence.contract import Snapshot
     from mla_verify.equivalence.isolation import Worker
@@ -98,6 +103,21 @@ def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
     def owned_outputs():
         guards.owned(got.tensors)
 
+    def after_return():
+        guards.Returned.of(got.tensors).changed()
+
+    def message():  # the outputs through a pipe as the worker sends them and the parent reads them
+        r, w = os.pipe()
+        try:
+            frames = wire.encode({"kind": "produced"}, [t.to("cpu") for t in got.tensors.values()])
+            writer = threading.Thread(target=wire.write, args=(w, frames))
+            writer.start()
+            wire.Reader(r, w).read(time.monotonic() + 60)
+            writer.join()
+        finally:
+            os.close(r)
+            os.close(w)
+
     rows = [
         _row(shape, "process_state", _median_ms(process_state, reps, sync), "torch settings, cwd, std streams"),
         _row(shape, "judge_functions", _median_ms(judge_functions, reps, sync),
@@ -107,6 +127,10 @@ def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
         _row(shape, "sigint_watch", _median_ms(sigint_watch, reps, sync), "SIGINT handler around the call"),
         _row(shape, "inputs", _median_ms(inputs, reps, sync), f"{in_mib:.1f} MiB of inputs copied, compared"),
         _row(shape, "owned_outputs", _median_ms(owned_outputs, reps, sync), f"{out_mib:.1f} MiB of outputs copied"),
+        _row(shape, "after_return", _median_ms(after_return, reps, sync),
+             f"{out_mib:.1f} MiB of outputs copied at return and compared back"),
+        _row(shape, "message", _median_ms(message, reps, sync),
+             f"{out_mib:.1f} MiB of outputs encoded, through a pipe, parsed (isolated)"),
     ]
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = RunDir.open(f"{tmp}/run")

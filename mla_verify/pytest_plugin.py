@@ -6,7 +6,9 @@ for one pytest run, so a CI can raise the budget or move to the GPU without edit
 
 An argument a test passes explicitly still wins. A device the option names that is not there
 skips the tests that would run on it, with the reason. Failing cases a call saves outside a run
-directory go under this session's pytest temporary directory, not a path other runs share. The
+directory go under `--mla-verify-failures DIR`, by default this session's pytest temporary
+directory (not a path other runs share); the session's summary lists every one with its replay
+command. `--mla-verify-corpus DIR` keeps findings and replays them first (`mla_verify.corpus`). The
 plugin imports nothing heavy: it is loaded by every pytest run in an environment where
 mla-verify is installed.
 """
@@ -14,6 +16,7 @@ mla-verify is installed.
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 from typing import Any
 
 # Read by mla_verify.api for every argument left as None; empty outside a pytest run with the options.
@@ -25,8 +28,12 @@ _OPTIONS = {
     "device": "device for calls that pass no device=: cpu, cuda or cuda:N (default: cuda when present); "
               "one that is not there skips their tests",
     "seed": "campaign seed for calls that pass no seed= (default: a fresh one, printed)",
+    "failures": "directory where calls without out= save failing cases (default: this session's pytest "
+                "temporary directory); the summary lists each saved case",
+    "corpus": "kept corpus for calls that pass no corpus=: every finding added, its cases replayed first",
 }
-METAVARS = {"profile": "NAME", "examples": "N", "device": "DEVICE", "seed": "S"}
+METAVARS = {"profile": "NAME", "examples": "N", "device": "DEVICE", "seed": "S", "failures": "DIR", "corpus": "DIR"}
+SAVED: list[tuple[str, str]] = []  # (case file, replay command) of each failure a call saved this session
 
 
 def pytest_addoption(parser) -> None:
@@ -51,9 +58,27 @@ def pytest_configure(config) -> None:
 
 
 def pytest_sessionstart(session) -> None:
+    SAVED.clear()
+    if "failures" in DEFAULTS:  # --mla-verify-failures, relative to where pytest started
+        DEFAULTS["failures"] = Path(DEFAULTS["failures"]).absolute()
+        return
     # This session's directory under pytest's basetemp (where tmp_path lives), made when configured.
     factory = getattr(session.config, "_tmp_path_factory", None)
     DEFAULTS["failures"] = factory.mktemp("mla-verify-failures") if factory else tempfile.mkdtemp(prefix="mla-verify-")
+
+
+def saved(failures) -> None:
+    """Note the case files a call saved (`results.Failure`s), for the session's summary (in a
+    pytest session only)."""
+    if "failures" in DEFAULTS:
+        SAVED.extend((str(f.case_file), f.replay_command) for f in failures if f.case_file is not None)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if SAVED:
+        terminalreporter.section("mla-verify: failing cases saved")
+        for case_file, command in SAVED:
+            terminalreporter.write_line(f"{case_file}\n  replay: {command}")
 
 
 def pytest_unconfigure(config) -> None:
@@ -61,7 +86,8 @@ def pytest_unconfigure(config) -> None:
 
 
 def pytest_report_header(config) -> str | None:
-    chosen = {name: value for name, value in DEFAULTS.items() if name in _OPTIONS}
+    chosen = {name: value for name, value in DEFAULTS.items()
+              if name in _OPTIONS and config.getoption(f"mla_verify_{name}")}  # not the session's default folder
     if not chosen:
         return None
     return "mla-verify defaults: " + ", ".join(f"{name} {value}" for name, value in chosen.items())

@@ -35,6 +35,7 @@ class Failure:
     seed: int | None = None         # the campaign's seed
     flaky: tuple[int, int] | None = None  # (failed k, of n re-runs) when a re-run passed
     minimized: bool = False
+    from_corpus: bool = False       # a kept corpus's case (mla_verify.corpus) that still fails
 
     @classmethod
     def of(cls, case, rows, case_file: Path | None, replay_command: str, **fields: Any) -> "Failure":
@@ -45,7 +46,8 @@ class Failure:
 
     def lines(self) -> list[str]:
         """The failure as the CLI prints it (after its first line)."""
-        what = "minimized case" if self.minimized else "case (as found, not minimized)"
+        what = ("case from the corpus" if self.from_corpus else "minimized case" if self.minimized
+                else "case (as found, not minimized)")
         out = [f"  {what}: {self.case.short()}"]
         out += [f"  {line(r['tensor'], r['gate_metric'], r['value'], r['bound'], r['reason'])}" for r in self.rows]
         if self.case_file is not None:
@@ -58,7 +60,8 @@ class Failure:
                 "bound": self.bound, "reason": self.reason, "rows": self.rows,
                 "case_file": None if self.case_file is None else str(self.case_file),
                 "replay_command": self.replay_command, "found_at": self.found_at, "seed": self.seed,
-                "flaky": list(self.flaky) if self.flaky else None, "minimized": self.minimized}
+                "flaky": list(self.flaky) if self.flaky else None, "minimized": self.minimized,
+                "from_corpus": self.from_corpus}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Failure":
@@ -67,7 +70,7 @@ class Failure:
         return cls(Case.from_dict(d["case"]), d["tensor"], d["metric"], d["value"], d["bound"], d["reason"],
                    list(d["rows"]), None if d["case_file"] is None else Path(d["case_file"]), d["replay_command"],
                    d.get("found_at"), d.get("seed"), tuple(d["flaky"]) if d.get("flaky") else None,
-                   bool(d.get("minimized")))
+                   bool(d.get("minimized")), bool(d.get("from_corpus")))
 
 
 @dataclass
@@ -103,7 +106,7 @@ class CheckResult:
         lines = [f"note: {n}" for n in self.notes]
         for f in self.failures:
             kind = f"FLAKY DISCREPANCY (failed {f.flaky[0]} of {f.flaky[1]} re-runs)" if f.flaky else "DISCREPANCY"
-            where = f" at example {f.found_at}" if f.found_at else ""
+            where = " from the corpus" if f.from_corpus else f" at example {f.found_at}" if f.found_at else ""
             seed = f", seed {f.seed}" if f.seed is not None else ""
             lines.append(f"{kind} in {self.op} ({self.impl}){where}{seed}")
             lines += f.lines()
@@ -164,15 +167,15 @@ class GateOutcome:
     interrupted: bool = False
     notes: list[str] = field(default_factory=list)
     odd_ones_out: list[str] = field(default_factory=list)
-    case_files: list[tuple[Path, list[str]]] = field(default_factory=list)  # each saved case, its failing rows
+    case_files: list[tuple[Path, list[str]]] = field(default_factory=list)  # each saved case, its lines (replay first)
     parts: int = 1
     isolated: bool = True           # judged out of the kernels' reach (reports.meta.IN_PROCESS otherwise)
 
-    def lines(self, device: str) -> list[str]:
+    def lines(self) -> list[str]:
         """Notes, disagreeing implementations, saved failing cases (a run in parts: its parts said them)."""
         return ([f"note: {n}" for n in self.notes] + [f"odd one out: {line}" for line in self.odd_ones_out]
                 + [text for f, rows in self.case_files
-                   for text in [f"failing case saved: {f}  (mla-verify replay {f} --device {device})", *rows]]
+                   for text in [f"failing case saved: {f}", *rows]]
                 + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else []))
 
     @property

@@ -30,6 +30,7 @@ from mla_verify.equivalence.profiles import Profile
 from mla_verify.equivalence.subject import Subject, UsageError
 from mla_verify.fuzz.shard import Shard
 
+from .corpus import Corpus, keep, still_failing, with_kept
 from .interrupt import Interrupt
 from .results import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command
 from .rundir import RunDir
@@ -65,6 +66,9 @@ class Run:
     named: bool = True                    # every implementation importable in another process
     in_process: bool = False              # judged in the implementation's own process (not isolated, no ranks)
     invocation: str | None = None         # the command line that started it (meta.json's command)
+    impls: tuple[str, ...] = ()           # gate: OP=SPEC / STAGE=SPEC it is restricted to (mla_verify.selection)
+    corpus: str | None = None             # the kept corpus (mla_verify.corpus): replayed first, findings added
+    corpus_replay: bool = True            # this part replays the corpus (a fuzz run's first part only)
 
     @property
     def op(self) -> str:
@@ -90,7 +94,7 @@ class Run:
                   "profile": self.profile.name, "device": self.device_type, "isolate": self.isolate,
                   "timeout": self.timeout}
         if self.command == GATE:
-            return {**common, "ops": list(self.ops) or None}
+            return {**common, "ops": list(self.ops) or None, "impls": list(self.impls) or None}
         return {**common, "op": self.op, "impl": list(self.specs), "path": self.path, "world_size": self.world_size,
                 "deviations": list(self.deviations), "conventions": list(self.conventions), "shrink": self.shrink,
                 "campaigns": self.shard.count * self.parts}
@@ -118,7 +122,8 @@ class Run:
         here = dict(device=self.device_type, parts=1, out=root / f"part-{index}", baseline=None)
         if self.command == FUZZ:
             seed, examples = slot.campaign(self.seed, self.examples)
-            return replace(self, seed=seed, examples=examples, shard=Shard(), **here)
+            return replace(self, seed=seed, examples=examples, shard=Shard(), **here,
+                           corpus_replay=self.corpus_replay and index == 0)
         return replace(self, shard=slot, **here)
 
     def to_json(self) -> str:
@@ -134,7 +139,7 @@ class Run:
 
         d = json.loads(text)
         d |= {"profile": get_profile(d["profile"]), "shard": Shard.parse(d["shard"]), "out": RunDir.open(d["out"]),
-              **{k: tuple(d[k]) for k in ("ops", "specs", "deviations", "conventions")}}
+              **{k: tuple(d[k]) for k in ("ops", "specs", "deviations", "conventions", "impls")}}
         run = cls(**d)
         if run.command == FUZZ:
             run = replace(run, subject=resolve_subject(run.op, run.specs, run.device_type, deviations=run.deviations,
@@ -149,6 +154,8 @@ class Run:
                       else f"{self.profile.examples} (properties: {self.profile.property_examples})")
             return (f"mla-verify gate: device {self.device}, profile {self.profile.name}, {budget} fuzz examples per "
                     f"op and implementation, seed {self.seed}{'' if self.shard.whole else f', shard {self.shard}'}"
+                    f"{', only ' + ' '.join(self.impls) if self.impls else ''}"
+                    f"{f', corpus {self.corpus}' if self.corpus else ''}"
                     f"{where}")
         ranks = ""
         if self.world_size:
@@ -207,8 +214,10 @@ def _fuzz(run: Run) -> CheckResult:
     started = None if run_dir is None else (
         lambda case, source, impl, specs: run_dir.case_started(case, source, run_id=run_id, impl=impl, specs=specs,
                                                                device=run.device, deviations=run.deviations))
+    kept = Corpus(run.corpus) if run.corpus else None
     unit = Unit(run.op, run.label, run.specs, subject=run.subject, paths=(run.path,), corpus=False,
-                deviations=run.deviations, conventions=run.conventions)
+                deviations=run.deviations, conventions=run.conventions,
+                kept=kept.applying(run.op, run.specs) if kept and run.corpus_replay else ())
     contract.CALLED_WITH.clear()
     try:
         with interrupt.installed():
@@ -228,13 +237,17 @@ def _fuzz(run: Run) -> CheckResult:
     if run_dir:
         run_dir.finish(rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
     frame = rows_frame(rows)
-    failures = []
+    failures = [] if kept is None else [
+        Failure.of(case, case_rows, path, replay_command(path, run.specs, run.device, run.deviations, run.timeout,
+                                                         run.isolate, run.conventions), seed=seed, from_corpus=True)
+        for case, case_rows, path in still_failing(kept, unit, rows)]
     if fz.failure is not None:
         failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
                                    replay_command(fz.case_file, run.specs, run.device, run.deviations, run.timeout,
                                                   run.isolate, run.conventions),
                                    found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk))
-    extra = sorted(result.notes) + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
+    extra = keep(kept, result.fuzz, rows) + sorted(result.notes)
+    extra += [fz.stopped] * (fz.stopped not in ("", "interrupted"))
     extra += unexercised(run.specs, contract.CALLED_WITH)  # what the replaced stages were never handed
     if run.world_size:
         extra += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]
@@ -247,14 +260,21 @@ def _gate(run: Run) -> GateOutcome:
     """The gate's units of this slot in this process, written to the run directory."""
     from mla_verify.equivalence import distributed
     from mla_verify.equivalence.mismatch import line
-    from mla_verify.fuzz.gate import odd_ones_out, run_gate
+    from mla_verify.fuzz.casefile import load
+    from mla_verify.fuzz.gate import odd_ones_out, run_gate, units
+
+    from .selection import impl_units
 
     run_dir, meta, interrupt = run.out, run.meta(), Interrupt()
+    kept = Corpus(run.corpus) if run.corpus else None
+    chosen = with_kept(impl_units(run.impls, run.device, run.ops) if run.impls
+                       else units(list(run.ops) or None, run.device), kept)
     run_id = f"gate-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.start(meta)
     try:
         with interrupt.installed():
-            result = run_gate(ops=list(run.ops) or None, shard=run.shard, device=run.device, profile=run.profile,
+            result = run_gate(ops=list(run.ops) or None, shard=run.shard, device=run.device, chosen=chosen,
+                              profile=run.profile,
                               examples=run.examples, seed=run.seed, run_id=run_id, out_dir=run_dir.path,
                               isolate=run.isolate, timeout_s=run.timeout, journal=run_dir.append,
                               stop_reason=_stop(interrupt, []),
@@ -272,12 +292,19 @@ def _gate(run: Run) -> GateOutcome:
         raise
     finally:
         distributed.close_all()
-    outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupt.requested, sorted(result.notes),
-                          odd_ones_out(result.rows), isolated=run.isolate)
+    outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupt.requested,
+                          keep(kept, result.fuzz, result.rows) + sorted(result.notes), odd_ones_out(result.rows),
+                          isolated=run.isolate)
     run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupt.requested else meta)
-    outcome.case_files = [(fz.case_file, [f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}"
-                                          for r in (fz.failure.rows if fz.failure else ()) if not r.passed])
-                          for fz in result.fuzz if fz.case_file]
+    def said(path: Path, rows) -> list[str]:  # the replay command (with the implementation saved), the failing rows
+        command = replay_command(path, load(path).impl, run.device, timeout=run.timeout, isolate=run.isolate)
+        return [f"  replay: {command}", *(f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}"
+                                          for r in rows if not r.passed)]
+
+    outcome.case_files = [(path, ["  from the corpus: still fails", *said(path, rows)])
+                          for _, rows, path in still_failing(kept, chosen, result.rows)]
+    outcome.case_files += [(fz.case_file, said(fz.case_file, fz.failure.rows if fz.failure else ()))
+                           for fz in result.fuzz if fz.case_file]
     return outcome
 
 
@@ -304,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     if run.command == FUZZ:
         print(outcome.report())
         write_atomic(outcome.out / RESULT_JSON, result_file(outcome))
-    elif outcome.lines(run.device_type):
-        print("\n".join(outcome.lines(run.device_type)))
+    elif outcome.lines():
+        print("\n".join(outcome.lines()))
     return outcome.exit_code
 
 

@@ -11,7 +11,7 @@ nothing is ever overwritten:
                         finding, saved under failures/ (`recover_crashed`)
     OUT/failures/       case files, one per failing case (named by op, implementation, case)
     OUT/rows.parquet    at the end (with rows.csv; written aside, then renamed into place),
-                        after which the journal goes
+                        after which the journal goes and meta.json gets its record (`record`)
 
 A directory that already holds a run is refused, and a fresh default directory is named for the
 command, op, implementation and time (`FreshDir`), with a counter when two runs start together.
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from mla_verify import record
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.rows import Row
 from mla_verify.equivalence.subject import UsageError
@@ -79,6 +80,9 @@ class RunDir:
             path = Path(out).absolute()
             if path.exists() and not path.is_dir():
                 raise UsageError(f"--out {path}: a file, not a directory")
+            if path.is_dir() and (theirs := record.foreign(path)):
+                raise UsageError(f"--out {path} holds {', '.join(theirs)}, which no run writes: a run writes only "
+                                 "into a new or empty directory, or a run's own")
             try:
                 path.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -176,6 +180,7 @@ class RunDir:
         for item in staging.iterdir():
             os.replace(item, self.path / item.name)
         staging.rmdir()
+        record.seal(self.path, len(rows))  # meta.json last, with the digests `report` checks
         self._close_journal()
         (self.path / JOURNAL).unlink(missing_ok=True)
         self.release()

@@ -144,6 +144,12 @@ class Counts:
     deviation_rows: int
     incomplete: bool = False   # the run never finished: what it did not reach has no verdict
     judged: str = ""           # why a PASS is qualified (reports.meta.judged_where): '' judged out of the kernel's reach
+    minimized_cases: int = 0   # failing cases that are a finding's minimized case (rows of source "shrink")
+
+    @property
+    def findings(self) -> int:
+        """Failing cases less the minimized ones: a finding is its case as found (and as minimized)."""
+        return self.failed_cases - self.minimized_cases
 
     @property
     def passed(self) -> bool:
@@ -152,8 +158,9 @@ class Counts:
     def line(self) -> str:
         unfinished = " (the run did not finish)" if self.incomplete else ""
         if self.failed_rows:
-            return (f"FAIL: {self.failed_rows} of {self.rows} rows failed "
-                    f"({self.failed_cases} of {self.cases} cases){unfinished}")
+            shrunk = f", {self.minimized_cases} of them a finding's minimized case" if self.minimized_cases else ""
+            return (f"FAIL: {self.findings} finding{'s' if self.findings != 1 else ''}: {self.failed_rows} of "
+                    f"{self.rows} rows failed ({self.failed_cases} of {self.cases} cases{shrunk}){unfinished}")
         if self.incomplete:
             return (f"INCOMPLETE: the run did not finish: {self.rows} rows in {self.cases} cases, none failed, "
                     "and the cases it never reached have no verdict")
@@ -169,6 +176,7 @@ def counts(frame: pd.DataFrame, incomplete: bool = False, judged: str = "") -> C
         failed_rows=len(failed),
         cases=frame["case_id"].nunique(),
         failed_cases=failed["case_id"].nunique(),
+        minimized_cases=failed.loc[failed["source"] == "shrink", "case_id"].nunique() if "source" in failed else 0,
         deviation_rows=int(expected(frame).sum()),
         incomplete=bool(incomplete),
         judged=judged,

@@ -116,10 +116,11 @@ def test_a_block_campaign_saves_and_shrinks_the_one_failing_case(tmp_path):
     assert result.failure is not None and result.shrunk and result.flaky is None
     assert result.examples % 4 == 0 or result.examples == 40  # whole blocks counted case by case
     assert len({r.case_id for r in result.rows if r.source == "fuzz"}) == result.examples
-    found = json.loads(result.found_file.read_text())
+    assert list((tmp_path / "failures").iterdir()) == [result.case_file]  # one finding, one file
     minimized = json.loads(result.case_file.read_text())
-    assert found["case"]["op"] == minimized["case"]["op"] == "sparse_decode_fp8"
-    assert minimized["case"]["params"]["batch"] <= found["case"]["params"]["batch"]
+    found = minimized["unshrunk"] or minimized["case"]  # None: the case as found was the smallest
+    assert found["op"] == minimized["case"]["op"] == "sparse_decode_fp8"
+    assert minimized["case"]["params"]["batch"] <= found["params"]["batch"]
     replayed = evaluate(Case.from_dict(minimized["case"]), subject, "cpu")
     assert not all(r.passed for r in replayed)  # the saved case fails alone, as it failed in its block
 

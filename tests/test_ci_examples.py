@@ -1,7 +1,9 @@
-"""examples/ci/: the GitHub Actions workflow is a valid workflow (checked against the subset of
-GitHub's workflow syntax it uses: actionlint cannot be installed here) and its own commands, run
-as its jobs run them, shard and merge the gate into the unsharded gate case for case; the Slurm
-script runs its array task's shard and submits the array and the merge."""
+"""examples/ci/: the GitHub Actions workflows are valid workflows (checked against the subset of
+GitHub's workflow syntax they use: actionlint cannot be installed here) and their own commands, run
+as their jobs run them, shard and merge the gate into the unsharded gate case for case; the kernel
+repository's workflow gates a kernel of the examples with --impl, keeps its finding in the corpus
+its jobs pass on and replays it first in the next run; the Slurm script runs its array task's shard
+and submits the array and the merge."""
 
 import os
 import re
@@ -18,6 +20,8 @@ yaml = pytest.importorskip("yaml", reason="pyyaml is a test extra (pip install -
 
 CI = Path(__file__).resolve().parent.parent / "examples" / "ci"
 WORKFLOW = CI / "github-actions.yml"
+KERNEL_WORKFLOW = CI / "kernel-repo.yml"
+EXAMPLES = CI.parent
 # A few cheap ops keep the three shards, the merge and the unsharded gate within seconds on CPU.
 GATE_ARGS = "--op concat_mla_q --op split_prefill_chunks --op convert_index --examples 2"
 
@@ -33,8 +37,8 @@ CONTEXTS = {"github", "env", "matrix", "needs", "steps", "runner", "secrets", "i
 EXPRESSION = re.compile(r"\$\{\{\s*(.*?)\s*\}\}")
 
 
-def workflow() -> dict:
-    data = yaml.safe_load(WORKFLOW.read_text())
+def workflow(path: Path = WORKFLOW) -> dict:
+    data = yaml.safe_load(path.read_text())
     data["on"] = data.pop(True, data.get("on"))  # YAML 1.1 reads the key `on` as true
     return data
 
@@ -158,3 +162,54 @@ def test_the_slurm_script_runs_its_tasks_shard_or_submits_the_array_and_the_merg
             "--wrap mla-verify merge runs/gate-9/shard-* --out runs/gate-9/merged")
     else:
         assert calls == ["mla-verify gate --seed 9 --shard 2/4 --out runs/gate-9/shard-2"]
+
+
+def test_the_kernel_workflow_is_valid_with_a_shard_matrix_a_kept_corpus_and_a_gpu_job():
+    data = workflow(KERNEL_WORKFLOW)
+    assert problems(data) == []
+    jobs = data["jobs"]
+    assert jobs["shard"]["strategy"]["matrix"]["shard"] == list(range(int(data["env"]["SHARDS"])))
+    assert jobs["merge"]["needs"] == "shard" and jobs["merge"]["if"] == "always()"
+    uses = {name: [s.get("uses", "").split("@")[0] for s in job["steps"]] for name, job in jobs.items()}
+    assert "actions/cache/restore" in uses["shard"] and "actions/cache/save" in uses["merge"]
+    assert "actions/cache/restore" in uses["gpu"] and "actions/cache/save" in uses["gpu"]
+    gpu = step(jobs["gpu"], "gate")["run"]
+    assert "--device cuda" in gpu and '--corpus "$CORPUS"' in gpu and '"${impls[@]}"' in gpu
+    assert "GITHUB_STEP_SUMMARY" in step(jobs["merge"], "merge")["run"]
+
+
+def test_the_kernel_workflows_steps_gate_a_kernel_keep_its_finding_and_replay_it_first(tmp_path):
+    data = workflow(KERNEL_WORKFLOW)
+    env = {**os.environ, **{k: str(v) for k, v in data["env"].items()}, "SEED": "1", "OMP_NUM_THREADS": "1",
+           "KERNELS": "sparse_prefill=my_kernel:sparse_prefill_v0",  # the walkthrough's draft: topk_length ignored
+           "GATE_ARGS": "--profile ci --op sparse_prefill --op property:determinism --examples 2",
+           "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PYTHONPATH", None)
+    corpus = tmp_path / "merge" / data["env"]["CORPUS"]
+    codes = []
+    for shard in data["jobs"]["shard"]["strategy"]["matrix"]["shard"]:
+        job_dir = tmp_path / f"job-{shard}"
+        job_dir.mkdir()
+        shutil.copy(EXAMPLES / "my_kernel.py", job_dir)
+        done = run_step(data["jobs"]["shard"], "gate", job_dir, env, shard=shard)
+        codes.append(done.returncode)
+        assert done.returncode in (0, 1), done.stdout + done.stderr
+        # upload-artifact shard-N and corpus-N, then download-artifact into the merge job
+        shutil.copytree(job_dir / f"shard-{shard}", tmp_path / "merge" / "shards" / f"shard-{shard}")
+        if (job_dir / data["env"]["CORPUS"]).exists():
+            shutil.copytree(job_dir / data["env"]["CORPUS"], corpus, dirs_exist_ok=True)
+    assert sorted(codes) == [0, 1]  # the shard of sparse_prefill fails, the property's passes
+    kept = sorted(corpus.iterdir())
+    assert kept and all(p.name.startswith("sparse_prefill-") for p in kept)
+    done = run_step(data["jobs"]["merge"], "merge", tmp_path / "merge", env)
+    assert done.returncode == 1 and "sparse_prefill" in (tmp_path / "summary.md").read_text()
+    assert (tmp_path / "merge" / "merged" / "report.html").exists()
+    # the next run restores the corpus the merge job saved: another seed, the kept case first
+    failing = codes.index(1)
+    job_dir = tmp_path / "next"
+    job_dir.mkdir()
+    shutil.copy(EXAMPLES / "my_kernel.py", job_dir)
+    shutil.copytree(corpus, job_dir / data["env"]["CORPUS"])
+    done = run_step(data["jobs"]["shard"], "gate", job_dir, {**env, "SEED": "2"}, shard=failing)
+    assert done.returncode == 1 and f"from the corpus: {len(kept)} still fail" in done.stdout, done.stdout[-3000:]

@@ -35,7 +35,8 @@ def test_every_page_is_in_the_navigation_and_every_entry_is_a_page():
             yield from (pages(value) if isinstance(value, list) else [value])
 
     listed = set(pages(config["nav"]))
-    held = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")}
+    held = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")
+            if p.parent.name != "_incoming"}  # notes waiting to be placed in a page (mkdocs.yml exclude_docs)
     assert listed == held
 
 

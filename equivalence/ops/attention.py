@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Callable
 
 import torch
 from hypothesis import strategies as st
@@ -85,6 +86,56 @@ def _read_past_length(kw: dict, tensor: str, got: torch.Tensor, want: torch.Tens
     return (f"token {t} has topk_length {int(length[t])} and its position {j}, past that length, holds kv row "
             f"{int(idx[t, j])}, which no valid entry selects (NaN): the kernel read past topk_length "
             f"({int(tokens.sum())} of {len(tokens)} tokens)")
+
+
+def _read_invalid(kw: dict, tensor: str, got: torch.Tensor, want: torch.Tensor) -> str:
+    """Where the kernel's NaN comes from when an invalid entry, read as the row a clamp makes of it
+    (a negative one: row 0; one past the end: the last row), points at a poisoned row (no valid
+    entry selects it): the token, the position and the value it holds."""
+    idx, kv = kw["indices"].long(), kw["kv"]
+    rows = kv.shape[0]
+    if not rows:
+        return ""
+    valid = (idx >= 0) & (idx < rows)
+    if kw["topk_length"] is not None:  # past a token's length is `_read_past_length`'s account
+        valid |= torch.arange(idx.shape[1], device=idx.device)[None, :] >= kw["topk_length"][:, None]
+    read = idx.clamp(0, rows - 1)
+    return _nan_reads(got, want, ~valid & torch.isnan(kv).any(-1)[read], idx, read, "kv row", lambda t: f"token {t}", "tokens")
+
+
+def _read_invalid_slot(kw: dict, tensor: str, got: torch.Tensor, want: torch.Tensor) -> str:
+    """The decode form of `_read_invalid`: a -1 entry read as slot 0 (a clamp), a poisoned slot."""
+    cache, idx = kw["kv_cache"], kw["indices"].long()
+    batch, s_q, topk = idx.shape
+    if not cache.numel():
+        return ""
+    poisoned = (cache == 0xFF).all(-1).reshape(-1)  # never-written slots: every byte 0xFF (NaN)
+    flat, read = idx.reshape(-1, topk), idx.reshape(-1, topk).clamp(min=0)
+    out = got.reshape(batch * s_q, -1) if tensor == "out" else got.transpose(1, 2).reshape(batch * s_q, -1)
+    ref = want.reshape(batch * s_q, -1) if tensor == "out" else want.transpose(1, 2).reshape(batch * s_q, -1)
+    return _nan_reads(out, ref, (flat == -1) & poisoned[read], flat, read, "slot",
+                      lambda t: f"batch entry {t // s_q}" + (f", query position {t % s_q}," if s_q > 1 else ""),
+                      "query rows")
+
+
+def _nan_reads(got: torch.Tensor, want: torch.Tensor, suspect: torch.Tensor, idx: torch.Tensor, read: torch.Tensor,
+               row: str, name_of: Callable[[int], str], rows_are: str) -> str:
+    """The first row of `got` [R, ...] with NaN the reference lacks and an entry of `suspect` [R, K]
+    (`idx` its value, `read` what the kernel read for it, both [R, K])."""
+    nan = (torch.isnan(got.to(want.device)) & ~torch.isnan(want)).reshape(want.shape[0], -1).any(-1)
+    rows = nan & suspect.any(-1)
+    if not bool(rows.any()):
+        return ""
+    t = int(rows.nonzero()[0])
+    j = int(suspect[t].nonzero()[0])
+    return (f"{name_of(t)}'s position {j} holds {int(idx[t, j])}, read as {row} {int(read[t, j])}, which no valid entry "
+            f"selects (NaN): the kernel reads invalid entries ({int(rows.sum())} of {len(rows)} {rows_are} read one)")
+
+
+def _nan_sources(*explainers):
+    def explain(kw: dict, tensor: str, got: torch.Tensor, want: torch.Tensor) -> str:
+        return "; ".join(filter(None, (e(kw, tensor, got, want) for e in explainers)))
+    return explain
 
 
 def _elem_bounds(res, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, torch.Tensor]:
@@ -165,7 +216,7 @@ SPARSE_PREFILL = register(OpSpec(
             Check("max_logits", LSE, "logit_l1", optional=True, dtype=torch.float32, row_kind="max_logits",
                   bound="max_logits_bound")),
     knobs=lambda p: knobs(p, num_tokens=p.tokens, seq_len=p.kv_rows, cache_dtype="bfloat16"),
-    explain_nan=_read_past_length,
+    explain_nan=_nan_sources(_read_past_length, _read_invalid),
     doc="flash_mla_sparse_fwd: bf16 q/kv rows, top-k row indices (invalid: <0 or >=N), topk_length, sink",
 ), priority=0)
 
@@ -239,5 +290,6 @@ SPARSE_DECODE_FP8 = register(OpSpec(
             Check("lse", LSE, "logit_l1", dtype=torch.float32, bound="lse_bound")),
     knobs=lambda p: knobs(p, num_tokens=p.batch * p.s_q, seq_len=max(p.seq_lens), block_size=p.page_size,
                           cache_dtype="fp8_ds_mla"),
+    explain_nan=_read_invalid_slot,
     doc="flash_mla_with_kvcache sparse decode on 656-byte fp8_ds_mla pages; indices are physical slots, -1 only invalid",
 ), priority=0)

@@ -22,12 +22,13 @@ from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, changed_together, output_problem, tensors_in
 from ..contracts import arguments as contract_arguments
+from ..localize import Axes, axes_for
 from ..oracle import judge_many
 from ..produced import Produced
 from ..profiles import Profile
 from ..rows import Row
-from ..running import (Raised, call_implementation, failure_row, input_rows, judged_row, patched_error, raised_row,
-                       timed)
+from ..running import (Raised, after_return_rows, call_implementation, failure_row, input_rows, judged_row, noted,
+                       patched_error, raised_row, timed)
 from ..schema import Params
 from ..subject import Subject, UsageError, implementation
 
@@ -112,6 +113,10 @@ class OpSpec:
     def facts(self, device: str) -> list[str]:
         """The lines `mla-verify list` shows under the doc."""
         return [f"keywords: {', '.join(self.arguments)}", f"reference: mla_verify.reference.{self.name}"]
+
+    def axes(self, tensor: str, kwargs: Mapping[str, Any]) -> Axes | None:
+        """The names of returned `tensor`'s dimensions for a call with `kwargs` (`localize`)."""
+        return axes_for(self.name, tensor, [c.tensor for c in self.checks], kwargs)
 
     def params_of(self, data: Mapping) -> Params:
         """A case's params (its JSON) as the op's dataclass."""
@@ -212,8 +217,8 @@ class OpSpec:
         lost the CUDA context: then only the cases called so far have an entry, None where not judged)."""
         # Taken before the block's first call: a call writing another case's inputs shows too.
         snapshots = [Snapshot(kw) for kw in kwargs]
-        bases, outcomes, lost = self._calls(part, kwargs, snapshots, subject, params, device, run_id, source, notes,
-                                            on_call)
+        bases, outcomes, lost, last = self._calls(part, kwargs, snapshots, subject, params, device, run_id, source,
+                                                  notes, on_call)
         if lost:  # nothing after the case that lost the context runs, and nothing is judged
             return [o if isinstance(o, list) else None for o in outcomes], True
         called = [i for i, o in enumerate(outcomes) if isinstance(o, _Called)]
@@ -233,9 +238,13 @@ class OpSpec:
             everyone = [o if isinstance(o, _Called) else _Called.none() for o in outcomes]
             verdict_of = self._verdicts(called, bases, params, kwargs, answer, [o.tensors for o in everyone],
                                         [o.deviations for o in everyone], [o.times for o in everyone], problem)
+        if last is not None:  # the block's last call, checked once its outputs were judged
+            outcomes[last[0]].after = last[1].changed(outcomes[last[0]].threads)
         found = []
         for i, o in enumerate(outcomes):
             rows = o.rows + verdict_of[i] if isinstance(o, _Called) else o
+            if isinstance(o, _Called):
+                rows = noted(rows + after_return_rows(bases[i], o.after, **o.times), [t.name for t in o.threads])
             for r in rows:
                 r.time_ref_s = t_ref
             found.append(rows)
@@ -243,15 +252,20 @@ class OpSpec:
 
     def _calls(self, part: list[Case], kwargs: list[dict], snapshots: list[Snapshot], subject: Subject, params: Params,
                device: str, run_id: str, source: str, notes: set[str] | None,
-               on_call: Callable[[], None] | None) -> tuple[list[dict], list, bool]:
+               on_call: Callable[[], None] | None) -> tuple[list[dict], list, bool, tuple | None]:
         """Each case of a part called once, in order: (its rows' bases, its outcome: `_Called` or
-        its failure rows, whether a call left the CUDA context unusable: it is then the last). The
+        its failure rows, whether a call left the CUDA context unusable: it is then the last, and
+        the last call's (position, `guards.Returned`) still to check for a write after return). The
         judge's names are checked once, after the part's last call (nothing of ours judges before
-        it); a patch there fails every case called, as they share the implementation and params."""
-        bases, outcomes, lost = [], [], False
+        it); a patch there fails every case called, as they share the implementation and params.
+        A copy of the outputs is taken at return (what a block judges); the storage returned is
+        compared with it before the next call."""
+        bases, outcomes, lost, last = [], [], False, None
         with guards.Watch(judge_each_call=len(part) == 1) as watch:
             try:
                 for case, kw, inputs in zip(part, kwargs, snapshots):
+                    if last is not None:
+                        outcomes[last[0]].after, last = last[1].changed(outcomes[last[0]].threads), None
                     base = self._base(case, params, subject.label, device, run_id, source)
                     try:
                         got, t_impl = call_implementation(lambda: self.call(subject, kw, params), case.seed, device,
@@ -272,14 +286,19 @@ class OpSpec:
                     # buffer overwrites it with the next call).
                     shared = {} if self.views else {n: why for n, out in got.tensors.items()
                                                     if (why := inputs.aliased_by(n, out))}
-                    outcomes.append(_Called(guards.owned(got.tensors) if len(part) > 1 else got.tensors, got.deviations,
-                                            dict(time_impl_s=t_impl), [], shared))
+                    # one that is an input's memory changes when the inputs are put back: told as shared
+                    returned = guards.Returned.of({n: t for n, t in got.tensors.items() if n not in shared},
+                                                  guards.owned(got.tensors))
+                    outcomes.append(_Called(returned.copies if len(part) > 1 else got.tensors, got.deviations,
+                                            dict(time_impl_s=t_impl), [], shared, threads=watch.threads_left))
+                    last = (len(outcomes) - 1, returned)
             finally:  # put back whatever ended the calls
                 patched = [] if watch.judge_each_call else watch.judge.restore()
         if patched:
             error = Raised(patched_error(patched, f" in a call of a block of {len(part)} cases"))
             outcomes = [[raised_row(base, error)] if isinstance(o, _Called) else o for base, o in zip(bases, outcomes)]
-        return bases, outcomes, lost
+            last = None
+        return bases, outcomes, lost, last
 
     def _in_parts(self, cases: Sequence[Case], params: Params, device: str) -> Iterator[tuple[list[Case], list[dict]]]:
         """The cases of a block with their inputs, in parts whose inputs stay within BLOCK_BYTES
@@ -344,7 +363,8 @@ class OpSpec:
                     judged += zip(chunk, outs, judge_many(
                         check.kind, outs, answer.of(check.tensor, chunk),
                         numerics.replace(dcp_size=1) if check.single_rank else numerics, declared,
-                        answer.of(check.scale, chunk), bounds if check.bound else None, name=check.tensor))
+                        answer.of(check.scale, chunk), bounds if check.bound else None, name=check.tensor,
+                        axes=lambda j, chunk=chunk, name=check.tensor: self.axes(name, kwargs[chunk[j]])))
             for i, out, v in judged:
                 if v.metrics.nan_count and self.explain_nan is not None:
                     why = self.explain_nan(kwargs[i], check.tensor, out, answer.cases[i][check.tensor])
@@ -380,8 +400,11 @@ class OpSpec:
             if not out.is_contiguous():  # the host copy is contiguous: the judge needs the strides returned
                 strides[name] = tuple(out.stride())
             tensors[name] = out.detach().to("cpu", copy=True) if out.device.type != "meta" else out.detach()
+        watch = guards.kept()
         return Produced(rows, tensors=tensors, devices=devices, strides=strides, problems=problems, stages=got.stages,
-                        deviations=tuple(got.deviations), path=got.path, notes=tuple(got.notes), t_impl=t_impl)
+                        deviations=tuple(got.deviations), path=got.path, notes=tuple(got.notes), t_impl=t_impl,
+                        returned=guards.Returned.of({n: got.tensors[n] for n in tensors}, tensors),
+                        threads=watch.threads_left if watch is not None else [])
 
     def judge_produced(self, case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",
                        source: str = "fuzz") -> list:
@@ -470,6 +493,8 @@ class _Called:
     times: dict
     rows: list
     shared: dict[str, str]
+    threads: list = field(default_factory=list)       # left running by the call (threading.Thread)
+    after: list[str] = field(default_factory=list)    # outputs written after the call returned
 
     @classmethod
     def none(cls) -> "_Called":

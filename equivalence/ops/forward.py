@@ -20,6 +20,7 @@ from ..draws import FORWARD_PATHS, HISPARSE_PATHS, forward_params, hisparse_para
 from ..profiles import Profile
 from ..params import ForwardParams
 from ..spec import register
+from ..stages import recorded
 from .base import Check, ImplOutput
 from .common import knobs
 from .pipeline import PipelineSpec
@@ -82,7 +83,7 @@ def _call(subject, kw, p: ForwardParams) -> ImplOutput:
     from mla_verify.optimized import pipeline  # imports every kernel module: only when the pipeline runs
     dcp = p.dcp_size
     needed = pipeline.needed_stages(p.cache_dtype, p.heads, dcp, isinstance(b.q, tuple))
-    stages = guarded(registry.resolve(needed, b.kv_cache.device.type, subject.overrides))
+    stages = recorded(guarded(registry.resolve(needed, b.kv_cache.device.type, subject.overrides)))
     if dcp > 1:
         res = pipeline.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, stages=stages, **b.dcp_kwargs())
     else:
@@ -123,5 +124,6 @@ FORWARD_MQA = register(PipelineSpec(
     paths=FORWARD_PATHS,
     own_campaigns=HISPARSE_PATHS,
     draw_path=_path_params,
+    traced=lambda p: not p.hisparse,  # the HiSparse pipeline's stages have no stage oracle here
     doc="FlashMLASparseImpl.forward_mqa: bf16 / fp8_mixed / fp8_separate paths, with DCP over ranks, and the HiSparse paths",
 ), priority=0)

@@ -99,7 +99,7 @@ def _convert_inputs(p: ConvertParams, seed: int, device: str) -> dict:
     return kwargs
 
 
-def _named_indices(result, counts: bool) -> dict[str, torch.Tensor]:
+def named_indices(result, counts: bool) -> dict[str, torch.Tensor]:
     named = returned(result, ("indices", "valid_counts") if counts else ("indices",))
     idx = named["indices"]
     if counts and isinstance(idx, torch.Tensor) and idx.ndim == 2 and multi_tile(idx.shape[1]):
@@ -118,8 +118,8 @@ register(OpSpec(
     params=ConvertParams,
     draw=_convert_params,
     inputs=_convert_inputs,
-    reference=lambda kw, p: _named_indices(reference.convert_index(**kw), kw["return_valid_counts"]),
-    call=lambda subject, kw, p: ImplOutput(_named_indices(subject.fn(**kw), kw["return_valid_counts"]),
+    reference=lambda kw, p: named_indices(reference.convert_index(**kw), kw["return_valid_counts"]),
+    call=lambda subject, kw, p: ImplOutput(named_indices(subject.fn(**kw), kw["return_valid_counts"]),
                                            deviations=subject.deviations),
     checks=(Check("indices", EXACT), Check("valid_counts", EXACT)),
     knobs=lambda p: knobs(p, num_tokens=p.tokens, seq_len=p.table_width * p.block_size),

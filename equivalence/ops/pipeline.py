@@ -8,22 +8,34 @@ fuzzer can be held to, and world sizes it runs over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 from hypothesis import strategies as st
 
 from mla_verify.optimized import registry
 
+from .. import stages
 from ..case import Case
 from ..draws import SEEDS
+from ..produced import Produced
 from ..profiles import Profile
+from ..running import Raised, call_implementation
 from ..subject import Subject, UsageError, pipeline_subject
 from .base import OpSpec
 
 # On a GPU a pipeline is checked twice: with the preferred stages (flash_mla attention) and with
 # our Triton attention kernels in their place.
 VARIANTS = {"pipeline": (), "pipeline[triton attention]": ("sparse_prefill=triton", "sparse_decode_fp8=triton")}
+# A failing case is run again stage by stage (`equivalence.stages`) in process, except for a re-run
+# (it only asks whether the failure repeats); an isolation worker records the stages only of the
+# cases a run reports (a shrink step's, whose last is the minimized case, or a replay's): it cannot
+# know which of its cases fail, and recording every case would run each three times.
+UNTRACED = frozenset({"rerun", "bench"})
+TRACED_IN_WORKER = frozenset({"shrink", "replay"})
+# The worker's traced runs count against the case's timeout (its parent waits for one answer): a
+# case whose call took longer than this is not traced there (the runs take about twice as long).
+TRACE_CALL_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,7 @@ class PipelineSpec(OpSpec):
     own_campaigns: tuple[str, ...] = ()    # paths the gate fuzzes apart: the unrestricted draw never takes them
     draw_path: Callable[[Profile, str], st.SearchStrategy[dict]] | None = None
     draw_ranks: Callable[[Profile, int], st.SearchStrategy[dict]] | None = None
+    traced: Callable[[Any], bool] = lambda params: True  # whether its stages are recorded (`equivalence.stages`)
 
     def strategy(self, profile: Profile, path: str | None = None, world_size: int | None = None) -> st.SearchStrategy[Case]:
         if path is not None:
@@ -62,3 +75,59 @@ class PipelineSpec(OpSpec):
             raise UsageError(f"--path applies to --op {self.name} with one of {', '.join(self.paths)}"
                              if self.paths else f"--path: {self.name} has no paths")
         return path
+
+    def evaluate_block(self, cases: Sequence[Case], subject: Subject, device: str = "cpu", *, source: str = "fuzz",
+                       **kwargs: Any) -> list[list]:
+        """`OpSpec.evaluate_block`, each failing case then told the first stage whose output
+        differs (`equivalence.stages`)."""
+        found = super().evaluate_block(cases, subject, device, source=source, **kwargs)
+        if source in UNTRACED or not self._traces(subject, cases[0]):
+            return found
+        for case, rows in zip(cases, found):
+            if rows is not None and stages.failing(rows):
+                self._tell(case, rows, self._traced(case, subject, device))
+        return found
+
+    def _traces(self, subject: Subject, case: Case) -> bool:
+        """Whether the case's stages are recorded: the project's pipeline, one process, a path whose
+        stages have oracles (`traced`)."""
+        return not self.own_processes and subject.fn is None and self.traced(self.params_of(case.params))
+
+    def _tell(self, case: Case, rows: list, calls: tuple[list, list]) -> None:
+        stages.told(rows, stages.first_difference(*calls, self.params_of(case.params).numerics()))
+
+    def _traced(self, case: Case, subject: Subject, device: str) -> tuple[list, list]:
+        """The case's stage calls, plain and fed, on inputs built again from its seed."""
+        params = self.params_of(case.params)
+
+        def run() -> None:
+            kwargs = self.inputs(params, case.seed, device)
+            try:
+                call_implementation(lambda: self.call(subject, kwargs, params), case.seed, device)
+            except Raised:
+                pass  # the calls before the raise are kept
+        return stages.traced(run)
+
+    def produce(self, case: Case, subject: Subject, device: str = "cpu", *, source: str = "fuzz",
+                **kwargs: Any) -> Produced:
+        """`OpSpec.produce`, with the stage calls of the cases a run reports (TRACED_IN_WORKER),
+        on the host, for the judge to judge."""
+        produced = super().produce(case, subject, device, source=source, **kwargs)
+        if (source not in TRACED_IN_WORKER or produced.failed or not self._traces(subject, case)
+                or not produced.t_impl <= TRACE_CALL_S):
+            return produced
+        plain, fed = self._traced(case, subject, device)
+        host = [stages.fields_of(c) for c in stages.moved(plain + fed)]  # the cache both runs were handed goes once
+        return replace(produced, stage_calls=(host[:len(plain)], host[len(plain):]))
+
+    def judge_produced_block(self, cases: Sequence[Case], produced: Sequence[Produced], label: str,
+                             device: str = "cpu", **kwargs: Any) -> list[list]:
+        """`OpSpec.judge_produced_block`, each failing case told the first stage that differs
+        from the stage calls the worker sent."""
+        found = super().judge_produced_block(cases, produced, label, device, **kwargs)
+        for case, p, rows in zip(cases, produced, found):
+            if p.stage_calls[0] and stages.failing(rows):
+                plain, fed = ([stages.Call(**c) for c in run] for run in p.stage_calls)
+                calls = stages.moved(plain + fed, device)  # judged where the reference runs
+                self._tell(case, rows, (calls[:len(plain)], calls[len(plain):]))
+        return found

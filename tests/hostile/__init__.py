@@ -99,3 +99,27 @@ GRAPH = [
     Hostile("sparse_decode_fp8=tests.hostile.graph:keeps_state", "property:cuda_graph", "mismatch_frac",
             "differ bit for bit", isolate=True),
 ]
+
+# The line between an isolation worker and its judge (issue 35): what the worker sends is data the
+# parent parses, and anything else is the case's crash; isolated only (`in_process`: the outcome
+# in process where the attack applies there too).
+B = "tests.hostile.boundary:"
+BOUNDARY = [
+    Hostile(B + "returns_a_pickle_bomb", "quantize_fp8_ds_mla", "contract", "rows: a _Reduces, the contract says"),
+    Hostile(B + "writes_garbage_to_its_pipe", "quantize_fp8_ds_mla", "crashed",
+            "the worker sent an unreadable message: it does not start as a message does", isolate=True),
+    Hostile(B + "forges_an_error", "quantize_fp8_ds_mla", "crashed",
+            "the worker reported an error after the implementation was called: forged by the kernel", isolate=True),
+    Hostile(B + "forges_a_failure_without_rows", "quantize_fp8_ds_mla", "missing", "the implementation returned no 'rows'",
+            isolate=True),
+    Hostile(B + "answers_out_of_sequence", "quantize_fp8_ds_mla", "crashed",
+            "the worker sent an unreadable message: it answers request", isolate=True),
+    Hostile(B + "claims_a_huge_tensor", "quantize_fp8_ds_mla", "crashed",
+            "the worker sent an unreadable message: a tensor's shape [1125899906842624]", isolate=True),
+    Hostile(B + "swaps_the_channels_send", "quantize_fp8_ds_mla", "contract",
+            "tampered with the worker's channel to its judge: the worker's channel.send_frames", isolate=True),
+    Hostile(B + "writes_after_return", "quantize_fp8_ds_mla", "contract",
+            "rows: the output changed after the call returned: a write after return"),
+    Hostile(B + "dies_leaving_a_child_on_the_pipe", "quantize_fp8_ds_mla", "crashed", "the worker process died (exit code 0)",
+            isolate=True),
+]

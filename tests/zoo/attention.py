@@ -7,6 +7,7 @@ import torch
 
 from mla_verify import reference
 from mla_verify.reference import fp8_ds_mla as F8
+from mla_verify.reference.attention import cache_row_values
 
 
 def _as_kernel(res):
@@ -118,3 +119,34 @@ def assumes_dense_q(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
     allocation and computing its own strides): right for a contiguous q, wrong for a view."""
     dense = torch.as_strided(q, q.shape, q.contiguous().stride(), 0)
     return _as_kernel(reference.sparse_prefill(dense, kv, indices, sm_scale, topk_length, attn_sink))
+
+
+def decode_scale_tiles_swapped(q, kv_cache, indices, sm_scale):
+    """The output's four scale tiles applied in the wrong order (0, 1, 3, 2): the values a row
+    contributes to the output take tile 3's scale for tile 2 and tile 2's for tile 3; the logits
+    read the row right (the V operand's own dequantization is the one gone wrong)."""
+    swapped = kv_cache.clone()
+    scales = swapped[..., F8.SCALE_OFFSET:F8.ROPE_OFFSET].unflatten(-1, (4, 4))
+    swapped[..., F8.SCALE_OFFSET:F8.ROPE_OFFSET] = scales[..., [0, 1, 3, 2], :].flatten(-2)
+    valid = indices >= 0
+    keys = cache_row_values(kv_cache, indices, torch.float64)                          # [B, S, K, 576]
+    values = cache_row_values(swapped, indices, torch.float64)[..., :512]
+    logits = sm_scale * torch.einsum("bshd,bskd->bshk", q.double(), keys)
+    logits = logits.masked_fill(~valid[:, :, None, :], -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)                                              # [B, S, H]
+    weights = torch.where(torch.isfinite(lse)[..., None], (logits - lse[..., None]).exp(), 0.0)
+    out = torch.einsum("bshk,bskd->bshd", weights, values)
+    return out.float().to(torch.bfloat16), lse.masked_fill(~torch.isfinite(lse), math.inf).transpose(1, 2).float()
+
+
+def minus_one_reads_row_0(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """Invalid entries clamped into range and counted (a load with a clamped address and no mask):
+    -1 and the other negatives read row 0, entries past the end the last row."""
+    clamped = indices.clamp(0, kv.shape[0] - 1)
+    return _as_kernel(reference.sparse_prefill(q, kv, clamped, sm_scale, topk_length, attn_sink))
+
+
+def decode_minus_one_reads_slot_0(q, kv_cache, indices, sm_scale):
+    """-1 entries read as slot 0 (a clamped address, no mask)."""
+    res = reference.sparse_decode_fp8(q, kv_cache, indices.clamp(min=0), sm_scale)
+    return res.out.float().to(torch.bfloat16), res.lse.float()

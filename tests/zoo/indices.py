@@ -91,3 +91,15 @@ def first_request_workspace(req_id, block_table, topk_indices, block_size, block
         first = torch.where(prefill_request_ids >= 0, 0, prefill_request_ids).to(prefill_request_ids.dtype)
     return reference.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows, first,
                                    prefill_workspace_starts, return_valid_counts, idx_mapping=idx_mapping)
+
+
+def first_request_base(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
+                       prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False,
+                       idx_mapping=None):
+    """Every token converted from the first request's base (its block-table row and, for a prefill
+    token, the first prefill request's workspace start): a per-request load hoisted out of the
+    token loop. Right for request 0, wrong for every later one."""
+    first = torch.zeros_like(req_id)
+    prefill = None if prefill_request_ids is None else torch.where(prefill_request_ids >= 0, 0, prefill_request_ids)
+    return reference.convert_index(first, block_table, topk_indices, block_size, block_stride_rows, prefill,
+                                   prefill_workspace_starts, return_valid_counts, idx_mapping=idx_mapping)

@@ -1,0 +1,147 @@
+"""A kept corpus: the findings of earlier runs, kept in a directory a CI cache or a repository holds,
+and replayed first by every run that names it (`--corpus DIR`, `corpus=`, `--mla-verify-corpus`).
+
+Each finding is added as the case file `failures/` holds (plain JSON that `mla-verify replay`
+reads), named by a hash of what makes it the same finding: op, params, seed, implementation,
+declared deviations and conventions. A rerun that finds it again adds nothing; a case that passes
+now stays, a regression test of the fix. Files are written aside and linked into place, never
+replacing one, so shards and parallel parts may add to one directory at once.
+
+A kept case applies to a run's unit (op and implementation, `fuzz.gate.Unit`) when it was found
+on that op with the same `--impl` strings; it is replayed before the unit's pinned corpus and
+campaigns, whatever the run's seed, and its rows have source "kept".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable
+
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.subject import UsageError
+from mla_verify.fuzz import casefile
+
+SOURCE = "kept"  # the rows' source of a kept case's replay
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A case of the corpus: its file and what it holds."""
+
+    path: Path
+    saved: casefile.CaseFile
+
+    @property
+    def case(self) -> Case:
+        return self.saved.case
+
+
+def name(cf: casefile.CaseFile) -> str:
+    """The file name of a finding: its op and a hash of what makes it the same finding."""
+    what = {"case": cf.case.to_dict(), "impl": list(cf.impl), "deviations": sorted(cf.deviations),
+            "conventions": sorted(cf.conventions)}
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{casefile.slug(cf.case.op.replace(':', '-'))}-{digest}.json"
+
+
+class Corpus:
+    """The kept corpus in `directory` (made when the first finding is added)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise UsageError(f"--corpus {directory}: not a directory")
+        self._cases: list[Kept] | None = None
+
+    def cases(self) -> list[Kept]:
+        """Every kept case, by file name; a file that is no case file is a usage error naming it."""
+        if self._cases is None:
+            found = []
+            for path in sorted(self.directory.glob("*.json")) if self.directory.is_dir() else []:
+                try:
+                    found.append(Kept(path, casefile.load(path)))
+                except (OSError, ValueError) as exc:
+                    raise UsageError(f"--corpus {self.directory}: {path.name}: {exc}") from None
+            self._cases = found
+        return self._cases
+
+    def applying(self, op: str, specs: Iterable[str]) -> tuple[Case, ...]:
+        """The kept cases of `op` found with these --impl strings."""
+        specs = tuple(specs)
+        return tuple(k.case for k in self.cases() if k.case.op == op and k.saved.impl == specs)
+
+    def path_of(self, case: Case, specs: Iterable[str]) -> Path | None:
+        specs = tuple(specs)
+        return next((k.path for k in self.cases() if k.case == case and k.saved.impl == specs), None)
+
+    def add(self, case_file: Path) -> Path | None:
+        """Keep the finding saved in `case_file`: its path in the corpus, None if it was kept already."""
+        cf = casefile.load(case_file)
+        target = self.directory / name(cf)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{target.name}.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(cf.to_dict(), indent=2, sort_keys=True) + "\n")
+            os.chmod(tmp, 0o644)
+            try:
+                os.link(tmp, target)  # never replaces: a finding kept already (by this or a concurrent run) stays
+            except FileExistsError:
+                return None
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        self._cases = None
+        return target
+
+
+def with_kept(units: list, corpus: Corpus | None) -> list:
+    """`units` (`fuzz.gate.Unit`s) each with the corpus's cases that apply to it."""
+    if corpus is None:
+        return units
+    return [replace(u, kept=corpus.applying(u.op, u.specs)) for u in units]
+
+
+def still_failing(corpus: Corpus | None, units, rows) -> list[tuple[Case, list, Path]]:
+    """(case, its failing rows, its file in the corpus) of each kept case that failed again."""
+    if corpus is None:
+        return []
+    found = []
+    for unit in units if isinstance(units, (list, tuple)) else [units]:
+        for case in unit.kept:
+            mine = [r for r in rows if r.source == SOURCE and r.case_id == case.case_id and r.impl == unit.label]
+            if any(not r.passed for r in mine):
+                found.append((case, mine, corpus.path_of(case, unit.specs)))
+    return found
+
+
+def keep(corpus: Corpus | None, campaigns, rows) -> list[str]:
+    """Add each campaign's finding (`fuzz.campaign.FuzzResult.case_file`) to the corpus; the
+    lines that say what the corpus did this run."""
+    if corpus is None:
+        return []
+    added = [corpus.add(fz.case_file) for fz in campaigns if fz.case_file is not None]
+    return ([line] if (line := summary(rows)) else []) + [f"kept in the corpus: {p}" for p in added if p]
+
+
+def outcome(rows) -> tuple[list[str], list[str]]:
+    """(case ids that still fail, case ids that pass now) among the kept cases' rows."""
+    verdict: dict[str, bool] = {}
+    for r in rows:
+        if r.source == SOURCE:
+            verdict[r.case_id] = verdict.get(r.case_id, True) and bool(r.passed)
+    return [c for c, ok in verdict.items() if not ok], [c for c, ok in verdict.items() if ok]
+
+
+def summary(rows) -> str | None:
+    """'from the corpus: 2 still fail, 1 now passes' (None: no kept case ran)."""
+    failing, passing = outcome(rows)
+    if not failing and not passing:
+        return None
+    fail = f"{len(failing)} still fail{'s' if len(failing) == 1 else ''}"
+    now = f"{len(passing)} now pass{'es' if len(passing) == 1 else ''}"
+    return f"from the corpus: {fail}, {now}"

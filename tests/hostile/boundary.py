@@ -1,0 +1,131 @@
+"""Kernels that attack the line between an isolation worker and its judge (issue 35) instead of the
+values: each computes the right quantize_fp8_ds_mla answer and then goes for the worker's pipe, its
+process or the run directory. The outcome each must get is in `tests.hostile.BOUNDARY`."""
+
+import json
+import os
+import sys
+import threading
+import time
+
+from mla_verify.optimized import eager
+
+
+def _caller_local(name: str):
+    """A local variable of the nearest caller frame that has one (the worker's request, channel)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if name in frame.f_locals:
+            return frame.f_locals[name]
+        frame = frame.f_back
+    raise LookupError(name)
+
+
+def _write_message(header: dict) -> None:
+    from mla_verify.equivalence import wire
+
+    body = json.dumps(header).encode()
+    os.write(_caller_local("channel").fd, wire._FRAME.pack(wire.MAGIC, len(body)) + body)
+
+
+class _Reduces:
+    """An object whose unpickling runs code: what a pickled message could carry into the judge."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/mla-verify-pwned",))
+
+
+def returns_a_pickle_bomb(kv, scale_rule="pow2"):
+    """Returns an object whose `__reduce__` runs code where it is unpickled."""
+    return _Reduces()
+
+
+def writes_garbage_to_its_pipe(kv, scale_rule="pow2"):
+    """Right answer, and bytes no message starts with written into the worker's pipe."""
+    os.write(_caller_local("channel").fd, b"\x80\x04\x95garbage")
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def forges_an_error(kv, scale_rule="pow2"):
+    """Sends an "error" message for its own case: a harness error would exit 3 and save nothing."""
+    _write_message({"kind": "error", "seq": _caller_local("request")["seq"], "detail": "forged by the kernel"})
+    time.sleep(30)
+
+
+def forges_a_failure_without_rows(kv, scale_rule="pow2"):
+    """Sends an answer for its own case that holds no output and no finding (the "failed, no rows"
+    message that used to pass), then waits to be judged on it."""
+    request = _caller_local("request")
+    _write_message({"kind": "produced", "seq": request["seq"], "case_id": _case_id(request), "findings": [],
+                    "outputs": {}})
+    time.sleep(30)
+
+
+def answers_out_of_sequence(kv, scale_rule="pow2"):
+    """Sends an answer to a request the parent has not made."""
+    request = _caller_local("request")
+    _write_message({"kind": "produced", "seq": request["seq"] + 7, "case_id": _case_id(request)})
+    time.sleep(30)
+
+
+def claims_a_huge_tensor(kv, scale_rule="pow2"):
+    """Sends a header that claims a tensor of 2**50 bytes: refused before anything is allocated."""
+    request = _caller_local("request")
+    _write_message({"kind": "produced", "seq": request["seq"], "case_id": _case_id(request), "outputs": {"rows": 0},
+                    "tensors": [{"dtype": "uint8", "shape": [2**50], "device": "cpu", "nbytes": 2**50}]})
+    time.sleep(30)
+
+
+def _case_id(request: dict) -> str:
+    from mla_verify.equivalence.case import Case
+
+    return Case.from_dict(request["case"]).case_id
+
+
+def swaps_the_channels_send(kv, scale_rule="pow2"):
+    """Replaces the worker's sending function with one that would send the right answer for any."""
+    channel = _caller_local("channel")
+    channel.send_frames = lambda frames: None
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def dies_leaving_a_child_on_the_pipe(kv, scale_rule="pow2"):
+    """Forks a child that keeps every descriptor (the pipe) open, then exits: the worker is dead
+    though its pipe is not closed."""
+    if os.fork() == 0:
+        time.sleep(120)
+        os._exit(0)
+    os._exit(0)
+
+
+def leaves_a_daemon(kv, scale_rule="pow2"):
+    """Right answer, and a double-forked, setsid'd grandchild that outlives the call (it writes its
+    pid where MLA_VERIFY_TEST_PIDFILE says, and would rewrite the run's rows later)."""
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            with open(os.environ["MLA_VERIFY_TEST_PIDFILE"], "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(120)
+        os._exit(0)
+    os.wait()
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def writes_after_return(kv, scale_rule="pow2"):
+    """Right answer at return, and a thread it leaves running changes it 20 ms later (on a GPU:
+    work left on another stream)."""
+    result = eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+    def later():
+        time.sleep(0.02)
+        result.view(-1)[0] ^= 1
+
+    threading.Thread(target=later, daemon=True).start()
+    return result
+
+
+def leaves_a_thread(kv, scale_rule="pow2"):
+    """Right answer, and a thread left running that never touches it."""
+    threading.Thread(target=time.sleep, args=(0.5,), daemon=True).start()
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)

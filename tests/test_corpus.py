@@ -1,0 +1,145 @@
+"""A kept corpus (mla_verify.corpus) and `gate --impl` (mla_verify.selection), as a kernel
+repository's CI uses them: a finding is kept once, named by its content; the next run replays it
+first whatever its seed and says it came from the corpus; once fixed it passes and stays kept.
+The pytest plugin's --mla-verify-failures and --mla-verify-corpus, and its summary of saved cases."""
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import mla_verify
+from mla_verify.corpus import Corpus, summary
+from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.subject import UsageError
+from mla_verify.fuzz import casefile
+from mla_verify.selection import impl_units
+
+# A concat_mla_q of a kernel repository: the RoPE half doubled (a bug in every case), or fixed.
+KERNEL = '''import torch
+
+
+def concat(ql_nope, q_pe):
+    return torch.cat([ql_nope, q_pe * {factor}], dim=-1)
+'''
+
+
+def kernel(tmp_path: Path, monkeypatch, factor: int) -> str:
+    """`concat` written to a module of its own (rewritten and imported afresh for the fixed one)."""
+    (tmp_path / "repo_kernels.py").write_text(KERNEL.format(factor=factor))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("repo_kernels", None)
+    return "repo_kernels:concat"
+
+
+def saved_case(tmp_path: Path, seed: int = 0, impl: tuple[str, ...] = ("k:f",)) -> Path:
+    cf = casefile.CaseFile(Case("concat_mla_q", {"tokens": 2, "heads": 1}, seed), impl, note=f"run {seed}")
+    return casefile.save(tmp_path / f"case-{seed}-{len(impl)}.json", cf)
+
+
+def test_a_finding_is_kept_once_named_by_its_content_and_applies_to_its_op_and_implementation(tmp_path):
+    corpus = Corpus(tmp_path / "C")
+    first = corpus.add(saved_case(tmp_path))
+    assert first is not None and first.parent == corpus.directory and first.name.startswith("concat_mla_q-")
+    assert corpus.add(saved_case(tmp_path)) is None  # found again: nothing added
+    threads = [threading.Thread(target=corpus.add, args=(saved_case(tmp_path, seed=1),)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    third = corpus.add(saved_case(tmp_path, seed=2))
+    assert third is not None and len(list(corpus.directory.iterdir())) == 3  # seeds 0, 1 (four writers), 2; no temporary
+    assert {c.seed for c in corpus.applying("concat_mla_q", ("k:f",))} == {0, 1, 2}
+    assert corpus.applying("concat_mla_q", ("other:f",)) == () and corpus.applying("sparse_prefill", ("k:f",)) == ()
+
+
+def test_a_corpus_file_that_is_no_case_file_is_a_usage_error_naming_it(tmp_path):
+    (tmp_path / "C").mkdir()
+    (tmp_path / "C" / "junk.json").write_text("[1, 2]")
+    with pytest.raises(UsageError, match="junk.json"):
+        mla_verify.check("concat_mla_q", "torch-fp32", examples=1, device="cpu", corpus=tmp_path / "C")
+    (tmp_path / "F").write_text("")
+    with pytest.raises(UsageError, match="not a directory"):
+        mla_verify.gate(device="cpu", ops=["concat_mla_q"], corpus=tmp_path / "F", out=tmp_path / "run")
+
+
+def test_check_keeps_the_finding_replays_it_first_under_another_seed_and_keeps_it_once_fixed(tmp_path, monkeypatch):
+    buggy = kernel(tmp_path, monkeypatch, 2)
+    corpus = tmp_path / "C"
+    first = mla_verify.check("concat_mla_q", buggy, examples=3, seed=1, device="cpu", isolate=False, corpus=corpus)
+    kept = list(corpus.iterdir())
+    assert not first.passed and len(kept) == 1 and f"kept in the corpus: {kept[0]}" in first.report()
+    again = mla_verify.check("concat_mla_q", buggy, examples=1, seed=99, device="cpu", isolate=False, corpus=corpus)
+    assert again.failures[0].from_corpus and again.failures[0].case_file == kept[0]
+    report = again.report()
+    assert report.index("from the corpus: 1 still fails, 0 now pass") < report.index(
+        "DISCREPANCY in concat_mla_q (repo_kernels:concat) from the corpus")
+    assert (again.rows.source == "kept").any() and list(corpus.iterdir()) == kept  # the same finding: not added
+    fixed = mla_verify.check("concat_mla_q", kernel(tmp_path, monkeypatch, 1), examples=1, seed=7, device="cpu",
+                             isolate=False, corpus=corpus)
+    assert fixed.passed and "from the corpus: 0 still fail, 1 now passes" in fixed.report()
+    assert list(corpus.iterdir()) == kept and summary(fixed.rows.itertuples()) is not None
+
+
+def test_gate_impl_runs_what_the_named_implementations_take_part_in():
+    units = impl_units(["sparse_prefill=torch-fp32"], "cpu")
+    by_op = {u.op: u for u in units}
+    assert by_op["sparse_prefill"].specs == ("torch-fp32",)
+    assert by_op["forward_mqa"].specs == ("sparse_prefill=torch-fp32",)
+    assert by_op["forward_mqa"].label == "pipeline[sparse_prefill=torch-fp32]"
+    assert "property:split_invariance" in by_op and "property:cuda_graph" not in by_op  # no CUDA here
+    assert not {"sparse_decode_fp8", "convert_index", "dcp"} & set(by_op)
+    assert [u.op for u in impl_units(["sparse_prefill=torch-fp32"], "cpu", ["sparse_prefill"])] == ["sparse_prefill"]
+    assert {u.op for u in impl_units(["concat_mla_q=torch-fp32"], "cpu")} >= {"concat_mla_q", "forward_mqa"}
+    for bad, says in ((["sparse_prefill"], "expected OP=MODULE:CALLABLE"), (["nope=x:y"], "neither an op nor"),
+                      (["sparse_prefill=a:b", "sparse_prefill=c:d"], "given twice"),
+                      (["sparse_prefill=no_such_module:fn"], "no_such_module")):
+        with pytest.raises(UsageError, match=says):
+            impl_units(bad, "cpu")
+
+
+def test_gate_impl_with_a_corpus_fails_keeps_replays_first_and_passes_once_fixed(tmp_path, monkeypatch):
+    buggy = kernel(tmp_path, monkeypatch, 2)
+    settings = dict(device="cpu", examples=2, isolate=False, ops=["concat_mla_q"], corpus=tmp_path / "C")
+    first = mla_verify.gate(impl=[f"concat_mla_q={buggy}"], seed=1, out=tmp_path / "g1", **settings)
+    assert first.failed and len(list((tmp_path / "C").iterdir())) == 1
+    assert {r.impl for r in first.rows} == {buggy}  # only the named implementation ran
+    second = mla_verify.gate(impl=[f"concat_mla_q={buggy}"], seed=2, out=tmp_path / "g2", **settings)
+    lines = second.lines()
+    assert second.failed and "note: from the corpus: 1 still fails, 0 now pass" in lines
+    assert lines[lines.index("  from the corpus: still fails") - 1].startswith(f"failing case saved: {tmp_path / 'C'}")
+    assert any(line.startswith("  replay: mla-verify replay ") and buggy in line for line in lines)
+    fixed = mla_verify.gate(impl=[f"concat_mla_q={kernel(tmp_path, monkeypatch, 1)}"], seed=3, out=tmp_path / "g3",
+                            **settings)
+    assert not fixed.failed and "note: from the corpus: 0 still fail, 1 now passes" in fixed.lines()
+
+
+USER_TESTS = '''
+import torch
+
+import mla_verify
+
+
+def wrong_concat(ql_nope, q_pe):
+    return torch.cat([ql_nope, q_pe * 2], dim=-1)
+
+
+def test_concat():
+    mla_verify.assert_equivalent("concat_mla_q", wrong_concat, examples=2, device="cpu", isolate=False)
+'''
+
+
+def test_the_plugin_saves_failing_cases_where_told_keeps_them_and_lists_them_in_the_summary(tmp_path):
+    (tmp_path / "test_user.py").write_text(USER_TESTS)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--mla-verify-seed", "3",
+                           "--mla-verify-failures", "saved", "--mla-verify-corpus", "C"], cwd=tmp_path,
+                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    saved = list((tmp_path / "saved").iterdir())
+    summary_text = done.stdout.split("mla-verify: failing cases saved")[1]
+    assert len(saved) == 1 and str(saved[0]) in summary_text and "replay: mla-verify replay" in summary_text
+    assert len(list((tmp_path / "C").iterdir())) == 1
