@@ -370,7 +370,8 @@ def _hisparse_candidates(path: str):
         for _ in range(FORWARD_VARIANTS):
             found += [
                 batch(rng, p, [1, 1, 3, 5], 1),
-                batch(rng, p, [1, 1, 1], 1, resident_frac=0.0),  # decodes alone, every page swapped in
+                # Decodes alone, every page swapped in; broad softmaxes: one stale key of K shows.
+                batch(rng, p, [1, 1, 1], 1, resident_frac=0.0, value_regime="normal"),
                 # The resident route (the persistent group buffer's): every page resident, the swap
                 # budget below the decodes; the buffer as large as the batch, or below it.
                 batch(rng, p, [2, 2, 2], 2, resident_frac=1.0, swap_rows="below", layers=2),
