@@ -153,7 +153,8 @@ def _prefill_hits(p, kw: dict) -> set[str]:
         ("several tokens", tokens > 1), ("> 64 tokens", tokens > 64), ("several heads", heads > 1),
         ("row with no valid index", bool((~live).all(1).any())), ("no topk_length", length is None),
         ("no sink", sink is None), ("top-k of one 128 unit", k == 128), ("top-k of several 128 units", k > 128),
-        ("negatives other than -1", bool((idx < -1).any())), ("index past N", bool((idx > n).any())), ("index N", bool((idx == n).any())),
+        ("negatives other than -1", bool((idx < -1).any())), ("index past N", bool((idx > n).any())),
+        ("index N", bool((idx == n).any())),
         ("duplicate indices", _duplicates(idx)), ("fewer kv rows than top-k", n < k),
         ("NaN kv row 0 beside an invalid entry", n > 0 and bool(kv[0].isnan().any()) and bool((~live).any())),
     ) if yes}
@@ -171,7 +172,8 @@ register("sparse_prefill", None, Coverage(PREFILL, _prefill_candidates, _prefill
 
 # --- sparse_decode_fp8 ---------------------------------------------------------------------------
 
-DECODE = ("batch > 1", "s_q > 1 with several requests", "s_q > 1 with several heads", "> 64 query rows", "top-k % 128 == 64", "top-k % 128 == 0",
+DECODE = ("batch > 1", "s_q > 1 with several requests", "s_q > 1 with several heads", "> 64 query rows",
+          "top-k % 128 == 64", "top-k % 128 == 0",
           "raw (non-power-of-two) scales", "power-of-two scales", "row with no valid index",
           "NaN slot 0 beside a -1 entry", "padded page stride", "duplicate indices", "a row partly -1") + LAYOUT
 
@@ -284,7 +286,8 @@ def _forward_templates(rng: random.Random, p: Profile, path: str) -> list[dict]:
         for chunks in (1, 2, 3):
             seqs = [rng.randint(20, 40) for _ in range(chunks + 1)]
             qlens = [n // 2 + 2 for n in seqs]
-            found.append(_batch(rng, p, dtype, heads, [1] + qlens, 128, context_lens=[5] + [n - q for n, q in zip(seqs, qlens)],
+            found.append(_batch(rng, p, dtype, heads, [1] + qlens, 128,
+                                context_lens=[5] + [n - q for n, q in zip(seqs, qlens)],
                                 workspace_size=None if chunks == 1 else max(seqs) + (40 if chunks == 2 else 0)))
     return found
 
@@ -325,6 +328,8 @@ def _forward_hits(p, kw: dict) -> set[str]:
         ("row with no valid index", bool((idx[:qsl[-1]] < 0).all(-1).any())),
         ("only the decodes of a mixed batch through forward_mqa", _rows(b.q) < qsl[-1] and num_decodes < len(lens)),
     ) if yes}
+    if "only the decodes of a mixed batch through forward_mqa" in hit:  # the unrestricted draw asks it of both caches
+        hit.add(f"only the decodes of a mixed batch through forward_mqa: {cfg['kv_cache_dtype']} cache")
     if cfg["kv_cache_dtype"] == "fp8_ds_mla":
         scales = _scales(b.rank_caches[0])
         if bool(((scales > 0) & (torch.frexp(scales).mantissa != 0.5)).any()):
@@ -336,7 +341,9 @@ for _path, _features in PATH_FEATURES.items():
     register("forward_mqa", _path, Coverage(_features, _forward_candidates(_path), _forward_hits))
 register("forward_mqa", None, Coverage(
     tuple(dict.fromkeys(f for features in PATH_FEATURES.values() for f in features))
-    + tuple(f"fp8_path: {side}" for side in SIDES["fp8_path"]), _forward_candidates(None), _forward_hits))
+    + tuple(f"fp8_path: {side}" for side in SIDES["fp8_path"])
+    + tuple(f"only the decodes of a mixed batch through forward_mqa: {cache} cache" for cache in ("bfloat16", "fp8_ds_mla")),
+    _forward_candidates(None), _forward_hits))
 
 
 # --- forward_mqa's HiSparse paths ---------------------------------------------------------------
@@ -390,6 +397,11 @@ def _hisparse_candidates(path: str):
     return candidates
 
 
+def _swapped_in(residency: torch.Tensor, seq_len: int, bs: int) -> bool:
+    """Whether a request's state row holds none of its pages but the always-resident tail."""
+    return bool((residency[: max(0, -(-seq_len // bs) - ACTIVE_TAIL_PAGES)] == 0).all())
+
+
 def _hisparse_hits(p, kw: dict) -> set[str]:
     hb = kw["batch"]
     b, tables = hb.plain, hb.tables
@@ -409,8 +421,7 @@ def _hisparse_hits(p, kw: dict) -> set[str]:
         ("pages missing from the hot cache", missing),
         ("a decode's page missing from the hot cache", any(absent[:split.num_decodes])),
         ("decodes alone, every context page but the tail swapped in",
-         split.num_prefills == 0 and all(bool((tables["residency"][int(states[r]), : max(0, -(-n // bs) - ACTIVE_TAIL_PAGES)] == 0).all())
-                                         for r, n in enumerate(seqs))),
+         split.num_prefills == 0 and all(_swapped_in(tables["residency"][int(states[r])], n, bs) for r, n in enumerate(seqs))),
         ("a swap budget below the decodes (the resident route)", hb.config["max_swap_rows"] < num_decode_tokens),
         ("several layers on the resident route, the persistent buffer holding its rows",
          resident and layers > 1 and 0 < rows <= buffer),

@@ -156,7 +156,7 @@ def fuzz(
     """
     result = FuzzResult(op, seed, 0)
     progress = Progress(progress_label or op, examples, every_s=5.0 if show_progress else math.inf)
-    state: dict = {"shrinking": False, "last": None, "error": None, "offset": 0, "found": None}
+    state: dict = {"shrinking": False, "last": None, "error": None, "offset": 0, "found": None, "first": None}
     # The covering set runs first, as Hypothesis's explicit examples. Hypothesis shrinks only its
     # draws: a failing covering case is saved and re-run as any first failure, then the draws go
     # on to the first failure they make, which is shrunk; none: the covering case is the result.
@@ -257,8 +257,8 @@ def fuzz(
             state["last"] = found[failing]
             if not shrinking:
                 state["offset"] = failing
-                if state["found"] is None:
-                    state["found"] = found[failing]
+                if state["first"] is None:
+                    state["first"] = found[failing]
                     first_failure(*found[failing])
                 if case.case_id in covering:  # not Hypothesis's to shrink: draw on for a failure it can shrink
                     state["shrinking"] = False
@@ -276,7 +276,7 @@ def fuzz(
     try:
         with _frozen_heap():
             search()
-        final = state["found"]
+        final = state["first"]  # a covering case's failure the draws did not repeat
     except Discrepancy as d:
         final, result.shrunk = (d.case, d.rows), shrink
     except StopCampaign as stop:

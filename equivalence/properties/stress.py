@@ -66,7 +66,8 @@ def _target(name: str, problem: Callable, knobs: Callable, draw: Callable) -> Ta
             if firsts[which] is None:
                 firsts[which] = got
                 continue
-            found += [Compared("rerun", f"{NAMES[i]}@{which}", EXACT, a, b) for i, (a, b) in enumerate(zip(got, firsts[which]))]
+            found += [Compared("rerun", f"{NAMES[i]}@{which}", EXACT, a, b)
+                      for i, (a, b) in enumerate(zip(got, firsts[which]))]
         torch.cuda.current_stream(device).wait_stream(side)
         return found
 
