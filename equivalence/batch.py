@@ -29,6 +29,7 @@ from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes
 from mla_verify.reference.paged_cache import scatter_rows
 
 from .params import ForwardParams
+from .builders import permutation
 from .patterns import apply_patterns, distinct_rows, prefix_candidates
 from .values import pooled_rows, q_values
 
@@ -118,7 +119,7 @@ def make_batch(p: ForwardParams, seed: int, device: str = "cpu") -> Batch:
         num_blocks = 1 + used + p.spare_blocks
         ids = torch.arange(1, num_blocks, device=device)
         if p.shuffle:
-            ids = ids[torch.randperm(len(ids), generator=gen, device=device)]
+            ids = ids[permutation(gen, len(ids), p.inputs)]
         table = torch.zeros((len(seq_lens), width_blocks), dtype=torch.int32, device=device)
         cursor = 0
         for i, nb in enumerate(blocks_needed[r]):
@@ -158,7 +159,7 @@ def make_batch(p: ForwardParams, seed: int, device: str = "cpu") -> Batch:
             dcp_size=dcp, interleave=inter,
         )
         num_tokens = split_decodes_and_prefills(qsl, threshold).num_decode_tokens
-    q = q_values(gen, (num_tokens, heads * dcp, 576), regime)
+    q = q_values(gen, (num_tokens, heads * dcp, 576), regime, p.inputs)
     if p.q_form == "tuple":
         q = (q[..., :512], q[..., 512:])
     config = dict(

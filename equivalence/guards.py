@@ -359,7 +359,10 @@ AFTER_RETURN = ("the output changed after the call returned: a write after retur
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = t.detach().reshape(-1)
+    if flat.stride(0) != 1:  # one element viewed with any stride (a decode adapter's [1, 1, 1] lse) is contiguous
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from mla_verify.reference.metadata import split_decodes_and_prefills
 from mla_verify.reference.paged_cache import scatter_rows
 
 from .batch import ROW_WIDTH, Batch, make_batch
+from .builders import permutation
 from .params import ForwardParams
 from .values import pooled_rows, q_values
 
@@ -87,11 +88,11 @@ def make_hisparse_batch(params: ForwardParams, seed: int, device: str = "cpu") -
         cache = plain.kv_cache.clone()
         scatter_rows(pooled_rows(gen, len(slots), regime, cache_dtype, rule)[1], cache, slots)
         plain_caches.append(cache)
-    q_layers = [plain.q] + [q_values(gen, tuple(plain.q.shape), regime) for _ in range(1, layers)]
+    q_layers = [plain.q] + [q_values(gen, tuple(plain.q.shape), regime, params.inputs) for _ in range(1, layers)]
 
     # Residency by state row.
     num_states = num_req + params.spare_state_rows
-    state_rows = torch.randperm(num_states, generator=gen, device=device)[:num_req].to(torch.int32)
+    state_rows = permutation(gen, num_states, params.inputs)[:num_req].to(torch.int32)
     frac = params.resident_frac
     resident = [[p >= n - ACTIVE_TAIL_PAGES or frac >= 1.0 or float(torch.rand((), generator=gen, device=device)) < frac
                  for p in range(n)] for n in pages]
@@ -107,7 +108,7 @@ def make_hisparse_batch(params: ForwardParams, seed: int, device: str = "cpu") -
     stride_rows = bs * params.stride_blocks
     num_resident = sum(map(sum, resident))
     num_gpu = 1 + num_resident + num_req * hot_blocks + 1
-    gpu_ids = torch.randperm(num_gpu - 1, generator=gen, device=device) + 1
+    gpu_ids = permutation(gen, num_gpu - 1, params.inputs) + 1
     residency = torch.zeros((num_states, width_blocks), dtype=torch.int32, device=device)
     hot_table = torch.zeros((num_req, hot_blocks), dtype=torch.int32, device=device)
     width = ROW_WIDTH[cache_dtype]
@@ -125,15 +126,15 @@ def make_hisparse_batch(params: ForwardParams, seed: int, device: str = "cpu") -
     dgi = torch.full((num_states, hot_slots), -1, dtype=torch.int32, device=device)
     lru = torch.arange(hot_slots, device=device).repeat(num_states, 1)
     if params.slot_perm:
-        lru = torch.stack([torch.randperm(hot_slots, generator=gen, device=device) for _ in range(num_states)])
+        lru = torch.stack([permutation(gen, hot_slots, params.inputs) for _ in range(num_states)])
     prior = params.prior_hits
     for r in range(num_req):
         host_rows = [int(table[r, p]) * bs + o for p in range(pages[r]) if not resident[r][p]
                      for o in range(min(bs, seq_lens[r] - p * bs))]
         take = min(len(host_rows), int(prior * hot_slots))
         if take:
-            pick = torch.randperm(len(host_rows), generator=gen, device=device)[:take]
-            where = torch.randperm(hot_slots, generator=gen, device=device)[:take]
+            pick = permutation(gen, len(host_rows), params.inputs)[:take]
+            where = permutation(gen, hot_slots, params.inputs)[:take]
             dgi[int(state_rows[r]), where] = torch.tensor([host_rows[i] for i in pick.tolist()], dtype=torch.int32,
                                                           device=device)
 

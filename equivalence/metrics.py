@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import fused_judge
+
 BF16_UNIT = 2.0**-8    # unit roundoff of bf16 (8 significant bits)
 FP32_UNIT = 2.0**-24
 FP32_TINY = 2.0**-126  # smallest normal float32: GPU fp32 math flushes below it (a sink can push a row there)
@@ -160,8 +162,7 @@ def _float_stats(a: torch.Tensor, r: torch.Tensor, extra, shape: torch.Size) -> 
     """The metrics every float kind shares, per case of the block a, r [C, ...], plus the kind's
     own scalars (`extra(d, rf, abs_d)` -> name: [C] tensor), reduced on the device and read back
     in one transfer for all cases; positions index within `shape`, the case's. d = a - r and
-    rf = r where both are finite, 0 elsewhere; the +inf/-inf/NaN classes are compared in a
-    second pass, once for the block, only when some element of some case is not finite."""
+    rf = r where both are finite, 0 elsewhere."""
     d = torch.sub(a if a.is_floating_point() else a.double(), r)  # a promoted as read: no float64 copy
     finite = _finite(d)
     d.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # zero exactly where d is not finite
@@ -171,6 +172,14 @@ def _float_stats(a: torch.Tensor, r: torch.Tensor, extra, shape: torch.Size) -> 
     # Counts summed in float64 (exact below 2**53): only the positions need converting to be stacked.
     stats = {"n": _sum(finite, torch.float64), "ref_sq": _dot(rf, rf), "err_sq": _dot(d, d), "dot": _dot(d, rf),
              "max_abs": max_abs, "argmax": argmax, **extra(d, rf, abs_d)}
+    return _case_stats(a, r, stats, shape)
+
+
+def _case_stats(a: torch.Tensor, r: torch.Tensor, stats: dict[str, torch.Tensor],
+                shape: torch.Size) -> list[tuple[Metrics, dict[str, float]]]:
+    """Each case's Metrics begun and its scalars from `stats` (name: [C] tensor), read back in one
+    transfer; the +inf/-inf/NaN classes are compared in a second pass, once for the block, only
+    when some element of some case is not finite."""
     cases = [dict(zip(stats, row)) for row in torch.stack([v.double() for v in stats.values()], dim=1).tolist()]
     numel = math.prod(shape)
     classes = [(0, 0)] * len(cases)
@@ -228,16 +237,22 @@ def _one(x: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def outputs(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torch.Tensor | None = None,
-            bound: torch.Tensor | None = None) -> list[Metrics]:
+            bound: torch.Tensor | None = None, fused: bool = False) -> list[Metrics]:
     """Attention outputs (bf16 or wider) against the float64 reference, a block of C >= 1 cases
     of one shape: `a`, `r` [C, ...]; `elem_units` is the per-element bound (in bf16 steps of the
     row's magnitude) that `mismatch_frac` counts against; `value_max` ([C, ...] without r's last
     dim) the largest |V| each row averages; `bound` (r's shape) the derived per-element bound,
-    for elem_bound_ratio. Every metric is its case's own; positions index within the case."""
+    for elem_bound_ratio. Every metric is its case's own; positions index within the case.
+    `fused`: the scalars from the fused judge's kernel (`equivalence.fused_judge`) where it fits."""
     shape = r.shape[1:]
     if not shape:  # a 0-d case is one row of one element
         a, r, bound = a[:, None], r[:, None], None if bound is None else bound[:, None]
     r = r.double()
+    rows = math.prod(shape) // max(shape[-1], 1) if shape else 1
+    if fused and fused_judge.fits(a, r):
+        vmax = None if value_max is None else value_max.expand(r.shape[:-1])
+        stats = fused_judge.output_stats(a, r, elem_units, vmax, bound)
+        return [_output(m, v, rows, shape) for m, v in _case_stats(a, r, stats, shape)]
 
     def extra(d, rf, abs_d):
         abs_r = rf.abs()
@@ -255,7 +270,6 @@ def outputs(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torc
             **_bound_ratio(abs_d, bound),
         }
 
-    rows = math.prod(shape) // max(shape[-1], 1) if shape else 1
     return [_output(m, v, rows, shape) for m, v in _float_stats(a, r, extra, shape)]
 
 

@@ -4,23 +4,48 @@
 metrics plus the gated metric with the least headroom; `judge_many` does so for a block of cases
 of one shape at once. NaN never passes, and infinities must sit
 exactly where the reference has them, whatever the tolerances.
+
+Two judges measure attention outputs: the eager one (torch ops, the reference of the judge) and
+the fused one (`equivalence.fused_judge`: one Triton pass). `use_judge` picks: "auto" (the
+default) fuses on a GPU and stays eager on a CPU, where Triton runs interpreted. A case the fused
+judge fails, or puts within a millionth of a limit, is measured again by the eager judge, whose
+row and message it gets: a failure always reads as the eager judge says it.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import metrics as M
+from . import fused_judge, metrics as M
 from .localize import Axes
 from .mismatch import Pair, describe
 from .policy import EXACT, LSE, OUT, Bound, Numerics, bounds_for, limit_for
 
 ELEM_UNITS_FOR_MISMATCH = 4.0  # per-element count reported as mismatch_frac (not gated itself)
 ELEM_BOUND = "elem_bound_ratio"  # the metric of the derived per-element bound (equivalence.bounds)
+JUDGES = ("auto", "fused", "eager")
+JUDGE_ENV = "MLA_VERIFY_JUDGE"  # the choice, read by this process and the ones it starts (--parallel parts)
+
+
+def use_judge(name: str) -> None:
+    """Judge attention outputs with `name`, one of JUDGES, from now on, here and in the processes
+    started from here."""
+    if name not in JUDGES:
+        raise ValueError(f"unknown judge {name!r}; known: {', '.join(JUDGES)}")
+    os.environ[JUDGE_ENV] = name
+
+
+def fused_on(device: torch.device) -> bool:
+    """Whether the fused judge measures outputs on `device` under the judge in use."""
+    name = os.environ.get(JUDGE_ENV, "auto")
+    if name not in JUDGES:
+        raise ValueError(f"{JUDGE_ENV}={name!r}: not one of {', '.join(JUDGES)}")
+    return name == "fused" or (name == "auto" and device.type == "cuda")
 
 
 @dataclass
@@ -52,9 +77,10 @@ def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, scale: torch.Tenso
 
 
 def measure_many(kind: str, impls: Sequence[torch.Tensor], ref: torch.Tensor, scale: torch.Tensor | None = None,
-                 bound: torch.Tensor | None = None) -> list[M.Metrics]:
+                 bound: torch.Tensor | None = None, fused: bool = False) -> list[M.Metrics]:
     """`measure` of each impls[i] against ref[i] (`scale`, `bound`: [C, ...] or None), the cases
-    of one shape (a fuzz block's) measured together: one set of ops and one read back for all."""
+    of one shape (a fuzz block's) measured together: one set of ops and one read back for all.
+    `fused`: outputs by the fused judge (equivalence.fused_judge)."""
     impls = [impl.to(ref.device) for impl in impls]  # an implementation may hand back its result on another device
     shape = ref.shape[1:]
     out = [M.Metrics(numel=math.prod(shape), mismatch_frac=1.0, extra={"shape": f"{tuple(impl.shape)} vs {tuple(shape)}"})
@@ -75,7 +101,7 @@ def measure_many(kind: str, impls: Sequence[torch.Tensor], ref: torch.Tensor, sc
     fitting = [impls[i] for i in fit]
     a = torch.stack(fitting if len({t.dtype for t in fitting}) == 1 else [t.double() for t in fitting])
     if kind == OUT:
-        measured = M.outputs(a, ref, ELEM_UNITS_FOR_MISMATCH, scale, bound)
+        measured = M.outputs(a, ref, ELEM_UNITS_FOR_MISMATCH, scale, bound, fused=fused)
     else:
         measured = M.lses(a, ref, scale if scale is not None else torch.zeros_like(ref), bound)
     for i, m in zip(fit, measured):
@@ -144,8 +170,17 @@ def judge_many(
     tensor = None if bound is None else bound.get(deviation)
     if tensor is None:
         bounds = tuple(b for b in bounds if b.metric != ELEM_BOUND)
-    # A case's Pair (views of the block) is built only for a failure's description.
-    return [verdict(kind, m, bounds, deviation,
-                    lambda i=i: Pair(name or kind, impls[i], ref[i], None if scale is None else scale[i],
-                                     None if tensor is None else tensor[i], None if axes is None else axes(i)))
-            for i, m in enumerate(measure_many(kind, impls, ref, scale, tensor))]
+    fused = kind == OUT and fused_on(ref.device)
+
+    def judged(i: int, m: M.Metrics) -> Verdict:
+        # A case's Pair (views of the block) is built only for a failure's description.
+        return verdict(kind, m, bounds, deviation,
+                       lambda: Pair(name or kind, impls[i], ref[i], None if scale is None else scale[i],
+                                    None if tensor is None else tensor[i], None if axes is None else axes(i)))
+
+    verdicts = [judged(i, m) for i, m in enumerate(measure_many(kind, impls, ref, scale, tensor, fused))]
+    for i, v in enumerate(verdicts):
+        if fused and (not v.passed or fused_judge.near(v.value, v.bound)):  # the eager judge decides
+            m = measure_many(kind, [impls[i]], ref[i:i + 1], *(None if t is None else t[i:i + 1] for t in (scale, tensor)))
+            verdicts[i] = judged(i, m[0])
+    return verdicts

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .builders import VERSIONS as BUILDERS
 from .layouts import LAYOUTS
 from .patterns import FORWARD_PATTERNS, PATTERNS
 from .schema import (BLOCK, HEADS, PAD, ROWS, SEQ_LENS, SM_SCALE, TOKENS, TOPK, Flag, Int, Ints, OneOf, Params, Real,
@@ -36,6 +37,7 @@ class PrefillParams(Params):
     topk_length: str = param(OneOf("none", "random", "edges"), "none")  # per-token lengths: none, drawn, 0/1/K-1/K
     sink: str = param(OneOf("none", "finite", "inf"), "none")         # attention sink per head
     layout: str = param(OneOf(*LAYOUTS), "contiguous")                # of the inputs that may take one (equivalence.layouts)
+    inputs: int = param(OneOf(*BUILDERS), 1)                      # the input builder's version (equivalence.builders)
 
     def elements(self) -> int:
         return self.tokens * (self.heads * 1088 + self.kv_rows + self.topk) + self.kv_rows * 576
@@ -57,6 +59,7 @@ class DecodeParams(Params):
     invalid: tuple[str, ...] = param(SubsetOf(*DECODE_PATTERNS), ())
     stride_pad: int = param(PAD, 0)              # slots between pages past the page size
     layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of q and the indices (equivalence.layouts)
+    inputs: int = param(OneOf(*BUILDERS), 1)                      # the input builder's version (equivalence.builders)
 
     @property
     def requests(self) -> int:
@@ -110,6 +113,7 @@ class ForwardParams(Params):
     spare_state_rows: int = param(Int(0, 64), 0)
     swap_rows: str = param(OneOf("fit", "below"), "fit")         # swap-in budget: the decodes, or one below
     buffer_rows: int | None = param(Int(1, 2**20, nullable=True), None)  # persistent buffer; None: tokens + 1
+    inputs: int = param(OneOf(*BUILDERS), 1)                      # the input builder's version (equivalence.builders)
 
     @property
     def seq_lens(self) -> list[int]:

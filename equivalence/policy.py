@@ -451,11 +451,33 @@ DRIFT_MIN_CASES_REASON = (
     "p-value is 1 / C(2n, n), 0.004 at 5 + 5 cases, 0.014 at 4 + 4 (never significant at 0.99); CPU "
     "gate groups hold 1-9 cases, most of them paired through the corpus or the baseline's seed")
 
+# Within the factor, a group reads `worse` (or `better`) when the change is significant at
+# DRIFT_CONFIDENCE and material: reports/words.py.
+WORSE_MEDIAN = 1.1
+WORSE_MEDIAN_REASON = (
+    "the median per-case ratio that counts as worse once the sign test of the cases that moved is significant: "
+    "two correct kernels on the same cases (Triton against torch-fp32) differ by at most 1.04, a rerun of one "
+    "kernel by exactly 1")
+WORSE_TAIL = 1.25
+WORSE_TAIL_REASON = (
+    "a case moved by this factor (or 1 / it) counts toward the tail test (paired: more cases up than down, sign "
+    "test; unpaired: the rank test of new > 1.25 x old). Unpaired runs of one kernel on other cases flagged nothing at factor 1.25 (DRIFT_CONFIDENCE's "
+    "measurement); the decode kernel that rounds its softmax weights to bf16 (tests.impls.decode_versions:v2) "
+    "moves 15 of 39 cases' out bf16_units up by 1.25x or more and none down (p = 3e-5), while its median ratio, "
+    "1.07, stays inside WORSE_MEDIAN")
+WORSE_BIAS_SHARE = 0.5
+WORSE_BIAS_SHARE_REASON = (
+    "a bias metric's shift reads worse when its whole t interval lies beyond this share of the floor (drift: "
+    "beyond the floor), moving away from 0: a reseeded rerun's shifts stay far inside (tests/test_bias.py)")
+
 
 DRIFT_DEFAULTS = (
     ("--factor", DRIFT_FACTOR, DRIFT_FACTOR_REASON),
     ("--confidence", DRIFT_CONFIDENCE, DRIFT_CONFIDENCE_REASON),
     ("--min-cases", DRIFT_MIN_CASES, DRIFT_MIN_CASES_REASON),
+    ("worse median", WORSE_MEDIAN, WORSE_MEDIAN_REASON),
+    ("worse tail", WORSE_TAIL, WORSE_TAIL_REASON),
+    ("worse bias", WORSE_BIAS_SHARE, WORSE_BIAS_SHARE_REASON),
 )
 
 

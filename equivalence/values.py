@@ -23,6 +23,8 @@ import torch
 
 from mla_verify import reference
 
+from .builders import permutation
+
 REGIMES = ("normal", "saturation", "outliers", "zero_tiles", "tiny", "peaked")
 NOPE, TILE = 512, 128
 
@@ -35,15 +37,16 @@ def _uniform(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.rand(shape, generator=gen, device=gen.device)
 
 
-def kv_values(gen: torch.Generator, n: int, regime: str) -> torch.Tensor:
-    """[n, 576] bf16 latent rows (512 NoPE + 64 RoPE) in `regime`."""
+def kv_values(gen: torch.Generator, n: int, regime: str, version: int = 1) -> torch.Tensor:
+    """[n, 576] bf16 latent rows (512 NoPE + 64 RoPE) in `regime`, by input builder `version`
+    (equivalence.builders)."""
     x = _normal(gen, (n, 576))
     if regime == "saturation":
         power = torch.randint(-4, 5, (n, NOPE // TILE, 1), generator=gen, device=gen.device).float()
         magnitude = 380 + 68 * _uniform(gen, (n, NOPE // TILE, TILE))
         x[:, :NOPE] = (torch.sign(x[:, :NOPE]).view(n, NOPE // TILE, TILE) * magnitude * 2.0**power).view(n, NOPE)
     elif regime == "outliers":
-        channels = torch.randperm(576, generator=gen, device=gen.device)[:4]
+        channels = permutation(gen, 576, version)[:4]
         x[:, channels] *= 30 + 70 * _uniform(gen, (4,))
     elif regime == "zero_tiles":
         zero = _uniform(gen, (n, NOPE // TILE)) < 0.5
@@ -55,11 +58,11 @@ def kv_values(gen: torch.Generator, n: int, regime: str) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-def q_values(gen: torch.Generator, shape: tuple[int, ...], regime: str) -> torch.Tensor:
-    """Query rows (last dim 576) in `regime`, bf16."""
+def q_values(gen: torch.Generator, shape: tuple[int, ...], regime: str, version: int = 1) -> torch.Tensor:
+    """Query rows (last dim 576) in `regime`, bf16, by input builder `version` (equivalence.builders)."""
     q = _normal(gen, shape)
     if regime == "outliers":
-        channels = torch.randperm(576, generator=gen, device=gen.device)[:4]
+        channels = permutation(gen, 576, version)[:4]
         q[..., channels] *= 10
     elif regime == "peaked":
         q *= 8
@@ -71,7 +74,7 @@ def q_values(gen: torch.Generator, shape: tuple[int, ...], regime: str) -> torch
 # Row pools: quantizing a large cache costs far more than the attention a case checks, so caches
 # are filled from pools of rows quantized once per (regime, format, scale rule, device) and drawn
 # per case with the case's generator. A pool is seeded by its regime alone: still a deterministic
-# function of the case.
+# function of the case. The pools are the same for every input builder version.
 POOL_ROWS = {"cuda": 1 << 18, "cpu": 1 << 15}
 # Rows a pool packs on the spot for the cases that ask before it is packed whole (the same bytes:
 # every format packs a row from that row alone). A CPU packs at a cost per row: up to a pool's

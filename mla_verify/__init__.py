@@ -25,7 +25,7 @@ if (_checkout / "pyproject.toml").is_file() and (_checkout / "reference" / "__in
     __path__.append(str(_checkout))
 
 __all__ = ["CheckResult", "Failure", "HarnessError", "UsageError", "Unsupported", "__version__", "assert_equivalent",
-           "check", "drift", "gate", "property_check", "replay", "strategies", "unsupported"]
+           "check", "drift", "gate", "history", "property_check", "replay", "strategies", "unsupported"]
 
 
 def _version() -> str:

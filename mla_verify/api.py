@@ -6,6 +6,7 @@ repository's own pytest suite can make (the CLI parses arguments into these and 
     replay(case_file, impl, ...) -> CheckResult  re-run a saved case, and say whether it reproduced
     property_check(name, impl, ...)              check() of a property (needs no reference)
     drift(run, baseline, ...) -> Drift           did the run move away from the exact answer since the baseline?
+    history(runs, html=...) -> History           many runs of one kernel line: trend and marked steps
     gate(...) -> GateOutcome                     every op and implementation here: the CI gate
 
 check() and gate() validate their arguments into one `Run` (mla_verify.run), which `drive` runs:
@@ -44,7 +45,7 @@ Impl = Union[None, str, Callable, Mapping[str, Union[str, Callable]], Sequence[s
 local = types.SimpleNamespace()
 
 __all__ = ["CheckResult", "Failure", "GateOutcome", "HarnessError", "Unsupported", "UsageError", "assert_equivalent",
-           "check", "drift", "gate", "property_check", "replay", "unsupported"]
+           "check", "drift", "gate", "history", "property_check", "replay", "unsupported"]
 
 # ----------------------------------------------------------------------------- inputs
 
@@ -430,10 +431,12 @@ def _rerun_settings(baseline: str | Path, op: str) -> dict[str, Any]:
 
 def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | None = None,
           confidence: float | None = None, min_cases: int | None = None,
-          pairs: Mapping[str, str] | Sequence[str] | None = None):
+          pairs: Mapping[str, str] | Sequence[str] | None = None, fail_on: str = "drifted"):
     """`reports.drift.compare` of two runs, each a run directory, a rows DataFrame or a
     CheckResult; settings default to `equivalence.policy` (DRIFT_FACTOR, DRIFT_CONFIDENCE,
     DRIFT_MIN_CASES). `pairs`: {NEW: OLD} or ["NEW=OLD", ...] implementation names to compare across.
+    Each group reads drifted, worse, unchanged or better (`Drift.groups["word"]`); exit_code is 1 for
+    drifted, and with fail_on="worse" for worse too.
 
     Raises UsageError for bad settings or when nothing pairs ("nothing comparable")."""
     from mla_verify.equivalence import policy
@@ -450,9 +453,32 @@ def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | 
                     min_cases=policy.DRIFT_MIN_CASES if min_cases is None else min_cases)
     try:
         mapping = parse_pairs(list(pairs)) if isinstance(pairs, (list, tuple)) else pairs
-        return compare(rows_of(run, "run"), rows_of(baseline, "baseline"), pairs=mapping, **settings)
+        return compare(rows_of(run, "run"), rows_of(baseline, "baseline"), pairs=mapping, fail_on=fail_on, **settings)
     except ValueError as exc:  # PairingError (nothing comparable, a --pair naming no implementation) or a setting
         raise UsageError(str(exc)) from None
+
+
+def history(runs: Sequence[str | Path], *, html: str | Path | None = None, order: str | Sequence[str] = "time",
+            factor: float | None = None, confidence: float | None = None, min_cases: int | None = None,
+            fail_on: str = "drifted"):
+    """`reports.history.history` of run directories of one kernel line: ordered by "time", as "given",
+    or by a list of git revisions; every step between neighbours judged as `drift` judges two runs.
+    With `html`, the page (`reports.history_html`), each marked step's worst case saved beside it.
+    Raises UsageError for fewer than 2 runs, a run that is not one, or a revision order that misses one."""
+    from mla_verify.equivalence import policy
+    from mla_verify.reports.history import history as read
+    from mla_verify.reports.history_html import write_history
+
+    html = _writable_file(html, "--html") if html is not None else None
+    try:
+        h = read(runs, order=order, factor=policy.DRIFT_FACTOR if factor is None else factor,
+                 confidence=policy.DRIFT_CONFIDENCE if confidence is None else confidence,
+                 min_cases=policy.DRIFT_MIN_CASES if min_cases is None else min_cases, fail_on=fail_on)
+    except (ValueError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    if html is not None:
+        write_history(h, html, save_worst_case)
+    return h
 
 
 def _timeout_needs_isolation(timeout: float | None, stoppable: bool) -> None:

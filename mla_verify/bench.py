@@ -18,6 +18,7 @@ per rank down to 16; decode batch 1-128 with s_q 1 and 2; prefill 1k-16k tokens)
              and judging; then 4 campaigns at once sharing the GPU (`--parallel 4` on one GPU),
              each process started and warmed up off the clock
   guards     (CPU and GPU) each guard's cost per case in ms, and isolation's (`mla_verify.guard_bench`)
+  history    (CPU and GPU) `mla-verify history` over 200 runs of 5,000 rows (`mla_verify.history_bench`)
 On a CPU: the reference at a 128k-token context and a 1024-token prefill streamed under 256 MiB
 (time, peak RSS in fresh processes), harness overhead with its stages, and fuzz
 throughput of the `ci` profile. `--only` picks sections. Prints a table last; writes JSON.
@@ -283,7 +284,8 @@ def stage_profile(case, subject, device: str, count: int = 1) -> dict[str, dict]
 
 def harness_case(device: str):
     """The production-sized case the harness and guards sections time: decode B=64 s_q=2 H=128
-    topk 2048 on a GPU, B=2 H=16 topk 256 on a CPU."""
+    topk 2048 on a GPU, B=2 H=16 topk 256 on a CPU, built by the current input builder."""
+    from mla_verify.equivalence.builders import CURRENT
     from mla_verify.equivalence.case import Case
 
     if device == "cuda":
@@ -293,7 +295,7 @@ def harness_case(device: str):
     return Case("sparse_decode_fp8", {"batch": batch, "s_q": 2, "heads": heads, "topk": TOPK if device == "cuda" else 256,
                                       "seq_lens": [seq] * batch, "page_size": PAGE, "stride_pad": 0,
                                       "value_regime": "normal", "scale_rule": "pow2", "sm_scale": SM_SCALE,
-                                      "invalid": []}, 7)
+                                      "invalid": [], "inputs": CURRENT}, 7)
 
 
 def _evaluated(case, subject, device: str, count: int) -> dict[str, float]:
@@ -567,7 +569,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = ("kernels", "reference", "harness", "guards")
+SECTIONS = ("kernels", "reference", "harness", "guards", "history")
 
 
 def main(args, device: str) -> int:
@@ -593,6 +595,10 @@ def main(args, device: str) -> int:
         from .guard_bench import bench_guards
 
         rows += bench_guards(device, harness_case(device), args.quick)
+    if "history" in sections:
+        from .history_bench import bench_history
+
+        rows += bench_history(args.quick)
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "seconds": time.time() - started, "quick": args.quick, "sections": list(sections),
             "reference_memory_bytes": budget}

@@ -111,6 +111,9 @@ def _add_shard(p: argparse.ArgumentParser, what: str) -> None:
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the cases run (default: cuda when present, else cpu)")
+    p.add_argument("--judge", choices=("auto", "fused", "eager"), default=None,
+                   help="what measures attention outputs: the fused judge (one Triton pass), or the eager one, its "
+                        "reference, which always measures and describes a failure (default auto: fused on cuda)")
 
 
 def _add_isolation(p: argparse.ArgumentParser) -> None:
@@ -170,7 +173,7 @@ def _confidence(text: str) -> float:
     return value
 
 
-def _add_drift(p: argparse.ArgumentParser) -> None:
+def _add_drift(p: argparse.ArgumentParser, pair: bool = True) -> None:
     from mla_verify.equivalence import policy
 
     p.add_argument("--factor", type=_factor, default=policy.DRIFT_FACTOR,
@@ -181,16 +184,20 @@ def _add_drift(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-cases", type=_positive_int, default=policy.DRIFT_MIN_CASES,
                    help="drift: fewer cases a side and no case shared with the baseline is 'too few cases to "
                         f"judge' (default {policy.DRIFT_MIN_CASES})")
-    p.add_argument("--pair", action="append", default=[], metavar="NEW=OLD",
-                   help="drift: compare implementation NEW of this run with OLD of the baseline (repeatable; "
-                        "default: same names, or the one implementation per op of each run)")
+    if pair:   # history pairs by name, or one implementation per op and run
+        p.add_argument("--pair", action="append", default=[], metavar="NEW=OLD",
+                       help="drift: compare implementation NEW of this run with OLD of the baseline (repeatable; "
+                            "default: same names, or the one implementation per op of each run)")
+    p.add_argument("--fail-on", choices=("drifted", "worse"), default="drifted",
+                   help="drift: the word that fails the run (exit 1): drifted (beyond --factor, the default) or "
+                        "worse (significantly worse within the factor, or drifted)")
 
 
 def _drift_settings(args) -> dict:
     from mla_verify.reports.pairing import parse_pairs
 
     return dict(factor=args.factor, confidence=args.confidence, min_cases=args.min_cases,
-                pairs=parse_pairs(args.pair))
+                pairs=parse_pairs(getattr(args, "pair", [])), fail_on=args.fail_on)
 
 
 def _add_corpus(p: argparse.ArgumentParser) -> None:
@@ -391,8 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
                  _epilog([("0", "the run finished with no failure and, with --baseline, no drift beyond --factor"),
                           ("1", "the run has failures, did not finish or stopped early, or drift: a normalized "
                                 "error, its bias or its headroom grew beyond --factor case for case (or by the "
-                                "rank test, unpaired); or TAMPERED: its rows or failure files are not what the run "
-                                "recorded in meta.json"),
+                                "rank test, unpaired); with --fail-on worse also a group significantly worse within "
+                                "the factor (worse is reported, exit 0, by default); or TAMPERED: its rows or failure "
+                                "files are not what the run recorded in meta.json"),
                           ("2", "a missing, empty, truncated or malformed run directory (a verdict column that is "
                                 "not true/false, a file that is not a regular file), --html/--markdown naming a "
                                 "file of a run, a baseline with nothing comparable (no op, or no implementation "
@@ -407,6 +415,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", type=Path, default=None, help="also write a markdown summary there")
     _add_drift(p)
 
+    p = _command(sub, "history", "drift over many runs of one kernel line: trend, and the steps that got worse",
+                 "Read many run directories of one kernel line (commits, versions, nightly runs) in order: per op, "
+                 "path, tensor and implementation the trend of the drift metrics (median, p99), the bias with its "
+                 "interval and the bound use, and every step between neighbouring runs judged as `report NEW "
+                 "--baseline OLD` judges it; the steps that read drifted or worse are printed and marked.",
+                 _epilog([("0", "the newest step of every line is not drifted (with --fail-on worse: nor worse)"),
+                          ("1", "a line's newest step drifted (or, with --fail-on worse, got worse)"),
+                          ("2", "fewer than 2 runs, a directory that is not a run, a revision order that misses a run")],
+                         [("mla-verify history runs/nightly-* --html history.html",
+                           "the nightly runs in time order, with the page"),
+                          ("mla-verify history runs/v1 runs/v2 runs/v3 --order given", "three versions, in that order")]))
+    p.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="run directories written by fuzz or gate")
+    p.add_argument("--html", type=Path, default=None,
+                   help="write the history page there (and each marked step's worst case beside it)")
+    p.add_argument("--order", choices=("time", "given"), default="time",
+                   help="run order: when each run finished (default), or as given")
+    p.add_argument("--revisions", default=None, metavar="REV,REV,...",
+                   help="order the runs by these git revisions (prefixes of their meta.json revision) instead")
+    _add_drift(p, pair=False)
+
     p = _command(sub, "bench", "kernel, reference and harness speed at production shapes; table + JSON",
                  "Time the kernels (GPU only), the float64 reference and the harness's own cost per case at "
                  "production shapes, print a table and write it as JSON.",
@@ -418,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reference_memory(p)
     p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="the JSON file to write")
     p.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
-    p.add_argument("--only", action="append", choices=("kernels", "reference", "harness", "guards"), default=None,
+    p.add_argument("--only", action="append", choices=("kernels", "reference", "harness", "guards", "history"), default=None,
                    help="run only these sections (repeat; default: all)")
     return parser
 
@@ -428,18 +456,22 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return int(exc.code or 0)
-    device = getattr(args, "device", None) or (_default_device() if args.command not in ("report", "merge") else "cpu")
+    device = getattr(args, "device", None) or (_default_device() if args.command not in ("report", "merge", "history") else "cpu")
     _prepare(device)
     if getattr(args, "reference_memory", None):
         from mla_verify.reference.attention import MEMORY_ENV
 
         os.environ[MEMORY_ENV] = str(args.reference_memory)  # read by the reference here and in every child process
+    if getattr(args, "judge", None):
+        from mla_verify.equivalence.oracle import use_judge
+
+        use_judge(args.judge)  # read here and in every child process
     from mla_verify.equivalence.isolation import HarnessError
     from mla_verify.equivalence.subject import UsageError
     from mla_verify.reports.pairing import PairingError
 
     try:
-        if args.command not in ("list", "report", "merge"):  # it runs cases: on a device that is there
+        if args.command not in ("list", "report", "merge", "history"):  # it runs cases: on a device that is there
             from mla_verify.api import resolve_device
 
             device = resolve_device(device)
@@ -649,6 +681,18 @@ def cmd_merge(args, device: str) -> int:
     return 3 if merged.harness_errors else max(code, 1 if merged.missing else 0)
 
 
+def cmd_history(args, device: str) -> int:
+    from mla_verify import api
+
+    order = [r for r in args.revisions.split(",") if r] if args.revisions else args.order
+    h = api.history(args.runs, html=args.html, order=order, factor=args.factor, confidence=args.confidence,
+                    min_cases=args.min_cases, fail_on=args.fail_on)
+    print("\n".join(h.lines()))
+    if args.html is not None:
+        print(f"html history: {args.html}")
+    return h.exit_code
+
+
 def cmd_bench(args, device: str) -> int:
     from . import bench
 
@@ -656,7 +700,7 @@ def cmd_bench(args, device: str) -> int:
 
 
 COMMANDS = {"list": cmd_list, "fuzz": cmd_fuzz, "replay": cmd_replay, "gate": cmd_gate, "merge": cmd_merge,
-            "report": cmd_report, "bench": cmd_bench}
+            "report": cmd_report, "history": cmd_history, "bench": cmd_bench}
 
 if __name__ == "__main__":
     sys.exit(main())

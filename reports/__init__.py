@@ -7,6 +7,8 @@ baseline run.
     bias_of(rows, confidence) -> Bias                        bias.py (significance.py)
     compare(current, baseline, *, factor, confidence,
             min_cases, pairs) -> Drift                        drift.py (pairing.py, significance.py)
+      each group's word: drifted, worse, unchanged, better  words.py (judge.py)
+    history(run_dirs, order=...) -> History                 history.py (history_html.py, history_plots.py)
     build_report(...) -> Report / run_report(run_dir, ...)  report.py (document.py)
     render_html(report) / render_markdown(report)            html.py, markdown.py (drift_plots.py)
 """

@@ -23,6 +23,7 @@ class Section:
     table: pd.DataFrame
     limit: int | None = None   # rows shown at most (the rest are in rows.csv)
     bars: tuple[str, ...] = ()  # columns holding a share of a bound, drawn as bars where a renderer can
+    shown: pd.DataFrame | None = None  # a narrower view shown first; the whole table behind it (HTML: <details>)
 
 
 @dataclass
@@ -39,8 +40,9 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        """1 when a row failed, the run never finished, or drift is flagged, else 0."""
-        return int(not self.counts.passed or (self.drift is not None and self.drift.drifted))
+        """1 when a row failed, the run never finished, or drift is flagged (or, with fail_on="worse", a
+        group is worse), else 0."""
+        return int(not self.counts.passed or (self.drift is not None and self.drift.failed))
 
     @property
     def run_id(self) -> str:

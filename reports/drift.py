@@ -14,6 +14,10 @@ every value first raised to the metric's floor so that rounding residue never ma
              p99 ratio is shown.
   too few cases to judge   unpaired with fewer cases on a side: not judged, counted.
 
+Within the factor, each metric is judged worse or better too (`reports.words`: the median and
+the upper tail of the ratios, each by a test at the confidence), and each group gets one word:
+drifted, worse, unchanged or better. Only drifted fails the run, unless asked (fail_on="worse").
+
 A value that was 0 in the baseline (bitwise equal) and is not any more is its own finding, "no
 longer bitwise" (paired: any such case; unpaired: Fisher's exact test). A group that fails now
 and did not is "new failures". The reverse tests report improvements, which never fail the run.
@@ -28,18 +32,20 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from mla_verify.equivalence.policy import (DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, BiasMetric,
+from mla_verify.equivalence.policy import (DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, WORSE_TAIL, BiasMetric,
                                            DriftMetric, bias_metrics, drift_metrics)
-from mla_verify.reports.bias import judge, signed
+from mla_verify.reports import judge
+from mla_verify.reports.bias import signed
 from mla_verify.reports.fmt import number
 from mla_verify.reports.kinds import annotate
 from mla_verify.reports.pairing import (NothingComparable, pair_implementations, unpaired_implementations,
                                         with_partner)
-from mla_verify.reports.significance import exceeds, mean_interval, more_often_nonzero, shift_interval
 from mla_verify.reports.stats import grouped, quantile
+from mla_verify.reports.judge import DRIFT, IMPROVED, NOT_BITWISE
+from mla_verify.reports.words import BETTER, DRIFTED, UNCHANGED, WORSE, group_word
 
 GROUP_KEYS: tuple[str, ...] = ("op", "path", "tensor", "impl", "base_impl", "deviation", "kind")
-DRIFT, NOT_BITWISE, NEW_FAILURES, IMPROVED = "drift", "no longer bitwise", "new failures", "improved"
+NEW_FAILURES = "new failures"
 FLAGS = (DRIFT, NOT_BITWISE, NEW_FAILURES)        # findings that fail the run
 PAIRED, UNPAIRED, TOO_FEW, NEW, GONE = "paired", "unpaired", "too few cases to judge", "new", "gone"
 
@@ -47,9 +53,10 @@ METRIC_COLUMNS: tuple[str, ...] = (
     *GROUP_KEYS, "metric", "mode", "base_cases", "cur_cases", "paired_cases",
     "base_p50", "cur_p50", "base_p99", "cur_p99", "ratio", "worst_ratio", "worst_case", "p_value",
     "bitwise_lost", "base_mean", "cur_mean", "shift", "shift_ci", "floor", "finding",
+    "p90_ratio", "moved_up", "moved_down", "p_moved",
 )
 GROUP_COLUMNS: tuple[str, ...] = (
-    *GROUP_KEYS, "mode", "base_cases", "cur_cases", "paired_cases", "base_failed", "cur_failed",
+    *GROUP_KEYS, "word", "mode", "base_cases", "cur_cases", "paired_cases", "base_failed", "cur_failed",
     "finding", "metric", "ratio", "worst_ratio", "worst_case", "shift", "base_max_abs_p99", "cur_max_abs_p99",
 )
 
@@ -91,83 +98,26 @@ class Worst:
         return f"{self.metric} x{number(self.ratio)}" if np.isfinite(self.ratio) else f"{self.metric} shift {signed(self.shift)}"
 
 
-def _floored(values: pd.Series, floor: float) -> np.ndarray:
-    return np.maximum(values.to_numpy(dtype="float64"), floor)
+def _aligned(cur: pd.DataFrame, base: pd.DataFrame, name: str) -> tuple[np.ndarray, np.ndarray, pd.Series]:
+    """(new, old, case_id) of the cases both runs measured `name` on."""
+    both = cur[["case_id", name]].merge(base[["case_id", name]], on="case_id", suffixes=("", "_base")).dropna()
+    return (both[name].to_numpy(dtype="float64"), both[f"{name}_base"].to_numpy(dtype="float64"),
+            both["case_id"])
 
 
-def _judge_paired(m: DriftMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame,
-                  factor: float) -> dict:
-    both = cur[["case_id", m.name]].merge(base[["case_id", m.name]], on="case_id", suffixes=("", "_base"))
-    both = both[both[m.name].notna() & both[f"{m.name}_base"].notna()]
-    new, old = both[m.name], both[f"{m.name}_base"]
-    lost = (old == 0) & (new > 0)
-    if floor > 0:
-        ratio = _floored(new, floor) / _floored(old, floor)
-    else:                        # exact contracts: a ratio only where the baseline mismatched
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(old.to_numpy() > 0, new.to_numpy() / old.to_numpy(), np.nan)
-    rec = {"base_p50": quantile(old, 0.5), "cur_p50": quantile(new, 0.5), "base_p99": quantile(old, 0.99),
-           "cur_p99": quantile(new, 0.99), "bitwise_lost": int(lost.sum()), "p_value": np.nan}
-    finite = ~np.isnan(ratio)
-    med = float(np.median(ratio[finite])) if finite.any() else np.nan
-    at = (int(np.flatnonzero(lost.to_numpy())[0]) if lost.any()
-          else int(np.nanargmax(ratio)) if finite.any() else None)
-    rec.update(ratio=med, worst_ratio=float(ratio[at]) if at is not None else np.nan,
-               worst_case=both["case_id"].iloc[at] if at is not None else "")
-    rec["finding"] = (NOT_BITWISE if lost.any() else DRIFT if med > factor
-                      else IMPROVED if med < 1 / factor else "")
-    return rec
-
-
-def _judge_unpaired(m: DriftMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame, factor: float,
-                    alpha: float, judged: bool) -> dict:
-    new, old = cur[m.name].dropna(), base[m.name].dropna()
-    p99_old = np.float64(quantile(_floored(old, floor), 0.99))   # numpy division: x / 0 is inf or NaN
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = float(quantile(_floored(new, floor), 0.99) / p99_old)
-        worst = float(_floored(new, floor).max() / p99_old) if new.size else np.nan
-    rec = {"base_p50": quantile(old, 0.5), "cur_p50": quantile(new, 0.5), "base_p99": quantile(old, 0.99),
-           "cur_p99": quantile(new, 0.99), "ratio": ratio, "worst_ratio": worst,
-           "worst_case": cur.loc[new.idxmax(), "case_id"] if new.size else "", "p_value": np.nan,
-           "bitwise_lost": 0, "finding": ""}
-    if not judged or not new.size or not old.size:
-        return rec
-    nonzero = int((new > 0).sum())
-    if (old == 0).all() and nonzero:
-        rec["bitwise_lost"] = nonzero
-        rec["p_value"] = more_often_nonzero(nonzero, new.size, 0, old.size)
-        rec["finding"] = NOT_BITWISE if rec["p_value"] < alpha else ""
-        return rec
-    rec["p_value"] = exceeds(new, old, factor, floor)
-    if rec["p_value"] < alpha:
-        rec["finding"] = DRIFT
-    elif exceeds(old, new, factor, floor) < alpha:
-        rec["finding"] = IMPROVED
-    return rec
-
-
-def _judge_signed(m: BiasMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame, mode: str,
-                  confidence: float) -> dict:
-    """A bias metric's shift of the mean (paired: of the per-case differences), its t interval
-    and p-value; drift when the whole interval lies beyond the floor."""
-    nan = np.nan
-    rec = {"base_p50": nan, "cur_p50": nan, "base_p99": nan, "cur_p99": nan, "ratio": nan, "worst_ratio": nan,
-           "worst_case": "", "p_value": nan, "bitwise_lost": 0, "floor": floor, "finding": ""}
+def _judge(m: DriftMetric | BiasMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame, mode: str,
+           factor: float, confidence: float) -> dict:
+    """`reports.judge` of one metric of a group's two sides; the case that moved most by its id."""
     if mode == PAIRED:
-        both = cur[["case_id", m.name]].merge(base[["case_id", m.name]], on="case_id", suffixes=("", "_base")).dropna()
-        new, old = both[m.name], both[f"{m.name}_base"]
-        shift, ci, p = mean_interval(new - old, confidence)
-        ahead, cases = (new - old), both["case_id"]
+        new, old, cases = _aligned(cur, base, m.name)
     else:
-        new, old = cur[m.name].dropna(), base[m.name].dropna()
-        shift, ci, p = shift_interval(new, old, confidence)
-        ahead, cases = new, cur.loc[new.index, "case_id"]
-    rec.update(base_mean=float(old.mean()) if len(old) else nan, cur_mean=float(new.mean()) if len(new) else nan,
-               shift=shift, shift_ci=ci, p_value=p)
-    if len(ahead) and np.isfinite(shift):
-        rec["worst_case"] = cases.iloc[int(np.argmax(np.sign(shift or 1.0) * ahead.to_numpy()))]
-    if mode in (PAIRED, UNPAIRED) and judge(shift, ci, floor):
-        rec["finding"] = IMPROVED if abs(rec["cur_mean"]) + floor < abs(rec["base_mean"]) else DRIFT
+        kept = cur[m.name].notna()
+        new, old = cur.loc[kept, m.name].to_numpy(dtype="float64"), base[m.name].dropna().to_numpy(dtype="float64")
+        cases = cur.loc[kept, "case_id"]
+    rec = judge.metric(new, old, floor, is_signed=isinstance(m, BiasMetric), is_paired=mode == PAIRED,
+                       judged=mode in (PAIRED, UNPAIRED), factor=factor, confidence=confidence)
+    at = rec.pop("worst_at")
+    rec["worst_case"] = cases.iloc[at] if at is not None else ""
     return rec
 
 
@@ -185,12 +135,22 @@ def _group_record(key: tuple, cur: pd.DataFrame | None, base: pd.DataFrame | Non
                base_max_abs_p99=max_abs_p99(base), cur_max_abs_p99=max_abs_p99(cur))
     rec["mode"] = metrics[0]["mode"] if metrics else (NEW if base is None else GONE)
     rec["paired_cases"] = metrics[0]["paired_cases"] if metrics else 0
+    new_failures = bool(rec["cur_failed"] and not rec["base_failed"] and cur is not None)
+    return {**rec, **group_verdict(metrics, rec["mode"], new_failures)}
+
+
+def group_verdict(metrics: list[dict], mode: str, new_failures: bool) -> dict:
+    """A group's finding (the flags and "improved", joined), its word, and the metric that speaks for
+    it (its worst flagged one, else its worst worse one, else its largest ratio), from its metrics'
+    records (METRIC_COLUMNS)."""
     findings = [f for f in (NOT_BITWISE, DRIFT, IMPROVED) if any(m["finding"] == f for m in metrics)]
-    if rec["cur_failed"] and not rec["base_failed"] and cur is not None:
+    if new_failures:
         findings.insert(0, NEW_FAILURES)
-    rec["finding"] = ", ".join(findings)
-    # the metric that speaks for the group: its worst flagged one, else its largest ratio
-    flagged = [m for m in metrics if m["finding"] in FLAGS] or [m for m in metrics if m["finding"]] or metrics
+    within = [f for f in (WORSE, BETTER) if any(m["finding"] == f for m in metrics)]
+    rec = {"finding": ", ".join(findings),
+           "word": group_word(findings + within, FLAGS, IMPROVED, mode in (PAIRED, UNPAIRED)) or mode}
+    flagged = ([m for m in metrics if m["finding"] in FLAGS] or [m for m in metrics if m["finding"] == WORSE]
+               or [m for m in metrics if m["finding"]] or metrics)
     top = max(flagged, key=lambda m: -np.inf if np.isnan(m["worst_ratio"]) else m["worst_ratio"], default=None)
     for col in ("metric", "ratio", "worst_ratio", "worst_case", "shift"):
         rec[col] = top.get(col, np.nan) if top else ("" if col in ("metric", "worst_case") else np.nan)
@@ -212,6 +172,7 @@ class Drift:
     worst: Worst | None
     cur_rows: pd.DataFrame                # both runs' rows of paired implementations (`measured`,
     base_rows: pd.DataFrame               # with base_impl): what the drift figure draws
+    fail_on: str = DRIFTED                # the word that fails the run: drifted, or worse (and drifted)
 
     def _with(self, findings: tuple[str, ...]) -> pd.DataFrame:
         hit = self.groups["finding"].map(lambda f: any(x in f.split(", ") for x in findings))
@@ -228,14 +189,22 @@ class Drift:
     def mode(self, mode: str) -> pd.DataFrame:
         return self.groups[self.groups["mode"] == mode]
 
+    def word(self, word: str) -> pd.DataFrame:
+        return self.groups[self.groups["word"] == word]
+
     @property
     def drifted(self) -> bool:
         return not self.flagged.empty
 
     @property
+    def failed(self) -> bool:
+        """Drifted, or (fail_on="worse") worse."""
+        return self.drifted or (self.fail_on == WORSE and not self.word(WORSE).empty)
+
+    @property
     def exit_code(self) -> int:
-        """0: no drift, 1: drift."""
-        return int(self.drifted)
+        """0: nothing that fails (worse is reported, and fails only with fail_on="worse"), 1: drift."""
+        return int(self.failed)
 
     @property
     def settings(self) -> str:
@@ -248,10 +217,12 @@ class Drift:
         skipped = [f"{n} {what}" for what, n in ((TOO_FEW, len(self.mode(TOO_FEW))), ("new", len(self.mode(NEW))),
                                                   ("gone", len(self.mode(GONE)))) if n]
         counts = f"{paired} paired, {unpaired} unpaired" + (f"; not compared: {', '.join(skipped)}" if skipped else "")
-        n = len(self.flagged)
+        words = ", ".join(f"{len(self.word(w))} {w}" for w in (DRIFTED, WORSE, UNCHANGED, BETTER) if len(self.word(w)))
+        n, worse = len(self.flagged), len(self.word(WORSE))
         head = (f"DRIFT in {n} group{'s' * (n != 1)}, {compared} compared" if self.drifted
-                else f"no drift in {compared} groups compared")
-        return f"{head} ({counts}; {self.settings})"
+                else f"WORSE in {worse} group{'s' * (worse != 1)} within the factor, {compared} compared"
+                if worse else f"no drift in {compared} groups compared")
+        return f"{head} ({counts}; {words or 'no group compared'}; {self.settings})"
 
     def pairing_line(self) -> str:
         across = self.pairs[self.pairs["how"] != "same name"]
@@ -266,13 +237,16 @@ class Drift:
         out = [f"baseline drift: {self.verdict}"]
         out += [f"  {g['finding'].upper()} {group_label(*(g[k] for k in GROUP_KEYS))}: {self.explain(g)}"
                 for _, g in self.flagged.iterrows()]
+        out += [f"  {g['word']}: {self.headline(g)} ({group_label(*(g[k] for k in GROUP_KEYS))}"
+                + (f"; {self.explain(g)})" if g["word"] == WORSE else ")")
+                for _, g in self.groups.iterrows() if g["word"] in (DRIFTED, WORSE)]
         if self.worst is not None:
             out.append(f"  {self.worst_line(replay)}")
         return out + [f"  {line}" for line in self.context_lines()]
 
     def worst_line(self, replay: str | None = None) -> str:
         w = self.worst
-        return (f"drifted most: case {w.case_id} of {w.label}, {w.what()}"
+        return (f"{'drifted most' if self.drifted else 'moved most'}: case {w.case_id} of {w.label}, {w.what()}"
                 + (f": {replay}" if replay else ""))
 
     def context_lines(self) -> list[str]:
@@ -280,6 +254,8 @@ class Drift:
         out = [self.pairing_line()]
         out += [f"improved {group_label(*(g[k] for k in GROUP_KEYS))}: {self.explain(g)}"
                 for _, g in self.improvements.iterrows()]
+        out += [f"better: {self.headline(g)} ({group_label(*(g[k] for k in GROUP_KEYS))}; {self.explain(g)})"
+                for i, g in self.word(BETTER).iterrows() if i not in self.improvements.index]
         too_few = self.mode(TOO_FEW)
         if not too_few.empty:
             out.append(f"{TOO_FEW}: {len(too_few)} groups share no case with the baseline and hold fewer than "
@@ -293,10 +269,17 @@ class Drift:
                 out.append(f"compared with nothing ({side}; pair them with --pair NEW=OLD): {', '.join(names)}")
         return out
 
+    def _metrics_of(self, g: pd.Series) -> pd.DataFrame:
+        key = tuple(g[k] for k in GROUP_KEYS)
+        return self.metrics[self.metrics[list(GROUP_KEYS)].apply(tuple, axis=1) == key]
+
+    def headline(self, g: pd.Series) -> str:
+        """The numbers behind a group's word (`headline`)."""
+        return headline(g, self._metrics_of(g))
+
     def explain(self, g: pd.Series) -> str:
         """What a group's findings rest on, metric by metric."""
-        key = tuple(g[k] for k in GROUP_KEYS)
-        mine = self.metrics[self.metrics[list(GROUP_KEYS)].apply(tuple, axis=1) == key]
+        mine = self._metrics_of(g)
         parts = [] if NEW_FAILURES not in g["finding"] else [
             f"{int(g['cur_failed'])} failed row{'s' * (g['cur_failed'] != 1)}, none in the baseline"]
         for _, m in mine[mine["finding"] != ""].iterrows():
@@ -309,6 +292,14 @@ class Drift:
             elif m["finding"] == NOT_BITWISE:
                 parts.append(f"{m['metric']} was 0 (bitwise) and is not in {int(m['bitwise_lost'])} of "
                              f"{int(m['paired_cases'] or m['cur_cases'])} cases")
+            elif m["finding"] in (WORSE, BETTER) and m["mode"] == PAIRED:
+                parts.append(f"{m['metric']} median x{number(m['ratio'])}, p90 x{number(m['p90_ratio'])} over "
+                             f"{int(m['paired_cases'])} paired cases, {int(m['moved_up'])} up by x{WORSE_TAIL:g} or "
+                             f"more and {int(m['moved_down'])} down (p = {number(m['p_moved'])}, the median's or the tail's sign test)")
+            elif m["finding"] in (WORSE, BETTER):
+                parts.append(f"{m['metric']} p99 {number(m['base_p99'])} -> {number(m['cur_p99'])}, p90 "
+                             f"x{number(m['p90_ratio'])} (rank test of x{WORSE_TAIL:g} p = {number(m['p_moved'])}, "
+                             f"{int(m['base_cases'])} vs {int(m['cur_cases'])} cases)")
             elif m["mode"] == PAIRED:
                 parts.append(f"{m['metric']} median x{number(m['ratio'])} over {int(m['paired_cases'])} paired cases "
                              f"(worst x{number(m['worst_ratio'])}, case {m['worst_case']})")
@@ -319,7 +310,40 @@ class Drift:
         return "; ".join(parts)
 
 
-def _replay_specs(row: pd.Series) -> tuple[str, ...]:
+def headline(g: pd.Series, mine: pd.DataFrame) -> str:
+    """The numbers behind a group's word (`g`: its GROUP_COLUMNS; `mine`: its METRIC_COLUMNS rows):
+    "out bf16_units p99 1 -> 1.94 (x1.94), median x1.07, abs_bias p90 x10.7": the first metric that
+    moved it (one beyond the factor first) in full, then the others (`_numbers`)."""
+    against = (IMPROVED, BETTER) if g["word"] in (DRIFTED, WORSE) else (DRIFT, NOT_BITWISE, WORSE)
+    moved = mine[(mine["finding"] != "") & ~mine["finding"].isin(against)]
+    moved = moved.iloc[np.argsort(~moved["finding"].isin(FLAGS).to_numpy(), kind="stable")]
+    moved = moved if len(moved) else mine[mine["metric"] == g["metric"]]
+    if moved.empty:
+        return str(g["tensor"])
+    return ", ".join([f"{g['tensor']} {_numbers(moved.iloc[0])}",
+                      *(_numbers(m, short=True) for _, m in moved.iloc[1:].iterrows())])
+
+
+def _numbers(m: pd.Series, short: bool = False) -> str:
+    """A metric's move: "bf16_units p99 1 -> 1.94 (x1.94), median x1.07" (p99s raised to the floor;
+    short: "abs_bias p90 x10.7", the per-case ratios' p90, or their median where it drifted); a bias
+    metric's: its shift."""
+    if np.isfinite(m["shift"]):
+        return f"{m['metric']} shift {signed(m['shift'])}" + (
+            "" if short else f" (mean {signed(m['base_mean'])} -> {signed(m['cur_mean'])})")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p99 = np.float64(max(m["cur_p99"], m["floor"])) / np.float64(max(m["base_p99"], m["floor"]))
+    if short:   # the statistic its finding rests on: paired, the median beyond the factor, else the tail's p90
+        if m["mode"] != PAIRED:
+            return f"{m['metric']} p99 x{number(p99)}"
+        return (f"{m['metric']} median x{number(m['ratio'])}" if m["finding"] in FLAGS
+                else f"{m['metric']} p90 x{number(m['p90_ratio'])}")
+    median = (f"median x{number(m['ratio'])}" if m["mode"] == PAIRED
+              else f"median {number(m['base_p50'])} -> {number(m['cur_p50'])}")
+    return f"{m['metric']} p99 {number(m['base_p99'])} -> {number(m['cur_p99'])} (x{number(p99)}), {median}"
+
+
+def replay_specs(row: pd.Series) -> tuple[str, ...]:
     """The --impl specs that rerun a row's implementation: a pipeline's stages, else its name."""
     if row["op"] != "property" and row["stages"]:
         return tuple(row["stages"].split(","))
@@ -328,21 +352,26 @@ def _replay_specs(row: pd.Series) -> tuple[str, ...]:
 
 def _worst(groups: pd.DataFrame, cur: pd.DataFrame) -> Worst | None:
     flagged = groups[groups["finding"].map(lambda f: any(x in f.split(", ") for x in FLAGS)) & (groups["worst_case"] != "")]
+    if flagged.empty:   # nothing drifted: the case of a group that got worse
+        flagged = groups[(groups["word"] == WORSE) & (groups["worst_case"] != "")]
     if flagged.empty:
         return None
     g = flagged.loc[flagged["worst_ratio"].fillna(-np.inf).idxmax()]
     row = cur[(cur["case_id"] == g["worst_case"]) & (cur["op"] == g["op"]) & (cur["impl"] == g["impl"])].iloc[0]
     case = row["case"] if "case" in row and isinstance(row["case"], str) else ""
     return Worst(group_label(*(g[k] for k in GROUP_KEYS)), g["metric"], float(g["worst_ratio"]), g["worst_case"],
-                 case, _replay_specs(row), str(row["device"]).split(":")[0], float(g["shift"]))
+                 case, replay_specs(row), str(row["device"]).split(":")[0], float(g["shift"]))
 
 
 def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DRIFT_FACTOR,
             confidence: float = DRIFT_CONFIDENCE, min_cases: int = DRIFT_MIN_CASES,
-            pairs: Mapping[str, str] | None = None) -> Drift:
+            pairs: Mapping[str, str] | None = None, fail_on: str = DRIFTED) -> Drift:
     """Drift of `current` against `baseline` (stored rows, as `load_run` returns them). `pairs`
-    maps current implementation names to baseline ones (`--pair NEW=OLD`). Raises
-    NothingComparable when no implementation of any op pairs, ValueError for bad settings."""
+    maps current implementation names to baseline ones (`--pair NEW=OLD`); `fail_on` "worse" makes a
+    worse group fail the run too (exit_code 1). Raises NothingComparable when no implementation of any
+    op pairs, ValueError for bad settings."""
+    if fail_on not in (DRIFTED, WORSE):
+        raise ValueError(f"fail on {fail_on!r}: expected {DRIFTED} or {WORSE}")
     if not factor > 1.0:
         raise ValueError(f"drift factor must be > 1, got {factor}")
     if not 0.0 < confidence < 1.0:
@@ -360,7 +389,6 @@ def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DR
     cur, base = with_partner(cur_all, base_all, impl_pairs)
     cur_groups = {k: g.drop_duplicates("case_id") for k, g in grouped(cur, GROUP_KEYS)}
     base_groups = {k: g.drop_duplicates("case_id") for k, g in grouped(base, GROUP_KEYS)}
-    alpha = 1.0 - confidence
     metric_records, group_records = [], []
     for key in sorted(set(cur_groups) | set(base_groups), key=lambda k: tuple(map(str, k))):
         c, b = cur_groups.get(key), base_groups.get(key)
@@ -371,14 +399,13 @@ def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DR
             kind = key[GROUP_KEYS.index("kind")]
             for m in drift_metrics(kind):
                 floor = m.floors[kind]
-                rec = (_judge_paired(m, floor, c, b, factor) if mode == PAIRED
-                       else _judge_unpaired(m, floor, c, b, factor, alpha, judged=mode == UNPAIRED))
+                rec = _judge(m, floor, c, b, mode, factor, confidence)
                 records.append({**dict(zip(GROUP_KEYS, key, strict=True)), "metric": m.name, "mode": mode,
                                 "base_cases": len(b), "cur_cases": len(c), "paired_cases": shared, "floor": floor,
                                 **rec})
             for m in bias_metrics(kind):
                 if c[m.name].notna().any() and b[m.name].notna().any():   # rows stored before it existed lack it
-                    rec = _judge_signed(m, m.floors[kind], c, b, mode, confidence)
+                    rec = _judge(m, m.floors[kind], c, b, mode, factor, confidence)
                     records.append({**dict(zip(GROUP_KEYS, key, strict=True)), "metric": m.name, "mode": mode,
                                     "base_cases": len(b), "cur_cases": len(c), "paired_cases": shared, **rec})
         metric_records += records
@@ -387,12 +414,13 @@ def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DR
     metrics = pd.DataFrame.from_records(metric_records, columns=list(METRIC_COLUMNS))
     # what needs a look first: flagged, improved, compared, then what was not compared
     flagged = groups["finding"].map(lambda f: any(x in f.split(", ") for x in FLAGS))
-    rank = np.select([flagged.to_numpy(dtype=bool), (groups["finding"] != "").to_numpy(dtype=bool),
-                      groups["mode"].isin([PAIRED, UNPAIRED]).to_numpy(dtype=bool)], [0, 1, 2], default=3)
+    rank = np.select([flagged.to_numpy(dtype=bool), (groups["word"] == WORSE).to_numpy(dtype=bool),
+                      (groups["finding"] != "").to_numpy(dtype=bool),
+                      groups["mode"].isin([PAIRED, UNPAIRED]).to_numpy(dtype=bool)], [0, 1, 2, 3], default=4)
     groups = (groups.assign(_rank=rank, _r=-groups["worst_ratio"].fillna(0))
               .sort_values(["_rank", "_r"], kind="stable").drop(columns=["_rank", "_r"]).reset_index(drop=True))
     return Drift(groups=groups, metrics=metrics, pairs=impl_pairs,
                  unpaired=unpaired_implementations(cur_all, base_all, impl_pairs),
                  factor=factor, confidence=confidence, min_cases=min_cases, worst=_worst(groups, cur),
-                 cur_rows=cur, base_rows=base)
+                 cur_rows=cur, base_rows=base, fail_on=fail_on)
 

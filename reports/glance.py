@@ -10,14 +10,17 @@ import pandas as pd
 
 from mla_verify.reports.drift import Drift
 from mla_verify.reports.stats import grouped, where
+from mla_verify.reports.words import BETTER, DRIFTED, UNCHANGED, WORSE
 
 KEYS = ("op", "path", "tensor", "impl")
+_ORDER = (DRIFTED, WORSE, BETTER, UNCHANGED)
 COLUMNS = ("status", "op/path", "tensor", "impl", "cases", "closest to its bound", "bound use", "vs baseline")
 
 
 def at_a_glance(frame: pd.DataFrame, drift: Drift | None = None) -> pd.DataFrame:
     """The table over annotated rows (`reports.kinds.annotate`); `drift` fills "vs baseline" with
-    each group's finding (drift, no longer bitwise, new failures, improved; blank: unchanged)."""
+    each group's word (drifted, worse, unchanged, better; `reports.words`) and the numbers behind it:
+    "worse: out bf16_units p99 1 -> 1.94 (x1.94), median x1.07, abs_bias x4.26"."""
     findings = _findings(drift)
     records = []
     for key, g in grouped(frame, KEYS):
@@ -36,8 +39,8 @@ def at_a_glance(frame: pd.DataFrame, drift: Drift | None = None) -> pd.DataFrame
             "failed": failed,
         })
     table = pd.DataFrame.from_records(records, columns=[*COLUMNS, "failed"])
-    flagged = table["vs baseline"].isin(("", "unchanged", "improved"))
-    return (table.assign(_flagged=~flagged)
+    flagged = table["vs baseline"].str.startswith((DRIFTED, WORSE))
+    return (table.assign(_flagged=flagged)
             .sort_values(["failed", "_flagged", "bound use"], ascending=False, kind="stable")
             .drop(columns=["_flagged", "failed"]).reset_index(drop=True))
 
@@ -45,11 +48,11 @@ def at_a_glance(frame: pd.DataFrame, drift: Drift | None = None) -> pd.DataFrame
 def _findings(drift: Drift | None) -> dict[tuple, str]:
     if drift is None:
         return {}
-    out: dict[tuple, str] = {}
-    for _, g in drift.groups.iterrows():
+    out: dict[tuple, tuple[int, str]] = {}
+    for _, g in drift.groups.iterrows():   # a tensor's groups of other deviations: the first word in _ORDER speaks
         key = tuple(g[k] for k in KEYS)
-        text = g["finding"] or ("unchanged" if g["mode"] not in ("new", "gone") else g["mode"])
-        if g["finding"] and isinstance(g["ratio"], float) and not math.isnan(g["ratio"]):
-            text += f" ({g['metric']} x{g['ratio']:.3g})"
-        out[key] = text if key not in out or not out[key] or out[key] == "unchanged" else out[key]
-    return out
+        rank = _ORDER.index(g["word"]) if g["word"] in _ORDER else len(_ORDER)
+        text = f"{g['word']}: {drift.headline(g)}" if g["word"] in (DRIFTED, WORSE, BETTER) else g["word"]
+        if key not in out or rank < out[key][0]:
+            out[key] = (rank, text)
+    return {key: text for key, (_, text) in out.items()}

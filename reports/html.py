@@ -13,6 +13,7 @@ import pandas as pd
 
 from mla_verify.reports.document import Report, Section
 from mla_verify.reports.drift import FLAGS, GONE, IMPROVED, NEW, TOO_FEW
+from mla_verify.reports.words import BETTER, DRIFTED, WORSE
 from mla_verify.reports.bias_plots import bias_figure
 from mla_verify.reports.drift_plots import drift_figure
 from mla_verify.reports.fmt import cells
@@ -39,6 +40,7 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; font-size: 11px;
          font-family: ui-monospace, monospace; }
 tr.bad td { background: #fde8e6; }
 tr.good td { background: #e6f5ea; }
+tr.worse td { background: #fdf0d8; }
 tr.note td { background: #fff7e0; }
 .scroll { overflow-x: auto; max-height: 40em; }
 .banner { padding: 0.6em 1em; margin: 0.6em 0; border-radius: 4px; font-weight: 600; }
@@ -58,11 +60,14 @@ _LONG = 60  # characters past which a cell's text wraps (reasons, commands) inst
 
 
 def _row_class(record: Mapping[str, Any]) -> str:
-    finding = str(record.get("finding") or record.get("vs baseline") or "")
+    finding = str(record.get("finding") or "")
+    word = str(record.get("word") or record.get("vs baseline") or "").partition(":")[0]
     if (record.get("failed", 0) or str(record.get("status", "")).startswith("FAIL")
-            or any(flag in finding for flag in FLAGS)):
+            or any(flag in finding for flag in FLAGS) or word == DRIFTED):
         return "bad"
-    if IMPROVED in finding:
+    if word == WORSE:
+        return "worse"
+    if IMPROVED in finding or word == BETTER:
         return "good"
     return "note" if record.get("mode") in (NEW, GONE, TOO_FEW) else ""
 
@@ -105,9 +110,12 @@ def _figure_html(plot: Plot) -> str:
 
 
 def _section_html(section: Section, plots: list[Plot]) -> str:
+    table = table_html(section.table, section.limit, section.bars)
+    if section.shown is not None:   # narrow by default, every column one click away
+        table = (f"{table_html(section.shown, section.limit, section.bars)}<details><summary>All "
+                 f"{len(section.table.columns)} columns</summary>{table}</details>")
     return (f'<section id="{section.key}"><h2>{escape(section.title)}</h2>'
-            f'<p class="intro">{escape(section.intro)}</p>'
-            f"{table_html(section.table, section.limit, section.bars)}"
+            f'<p class="intro">{escape(section.intro)}</p>{table}'
             f"{''.join(_figure_html(p) for p in plots)}</section>")
 
 
@@ -121,7 +129,7 @@ def _banners(report: Report) -> str:
         out.append(f'<div class="banner warn">Bias (a warning, not a failure): {len(warnings)} '
                    f"group metric{'s' * (len(warnings) != 1)} lean beyond the floor<ul>{items}</ul></div>")
     if report.drift is not None:
-        css = "fail" if report.drift.drifted else "pass"
+        css = "fail" if report.drift.failed else "warn" if not report.drift.word(WORSE).empty else "pass"
         items = "".join(f"<li>{escape(line.strip())}</li>" for line in report.drift.lines(report.replay)[1:])
         out.append(f'<div class="banner {css}">Baseline: {escape(report.drift.verdict)}'
                    f"{f'<ul>{items}</ul>' if items else ''}</div>")

@@ -7,6 +7,7 @@ import pandas as pd
 from mla_verify.reports.document import Report
 from mla_verify.reports.drift import GROUP_KEYS, group_label
 from mla_verify.reports.fmt import cells
+from mla_verify.reports.words import WORSE
 
 # GitHub caps a job summary at 1 MiB: a long failure list stops here and points at rows.csv.
 _MARKDOWN_LIMIT = 50
@@ -38,8 +39,11 @@ def render_markdown(report: Report) -> str:
         for _, g in d.flagged.iterrows():
             out.append(f"- **{_escape(g['finding'])}** {_escape(group_label(*(g[k] for k in GROUP_KEYS)))}: "
                        f"{_escape(d.explain(g))}")
+        for _, g in d.word(WORSE).iterrows():
+            out.append(f"- **worse** {_escape(group_label(*(g[k] for k in GROUP_KEYS)))}: {_escape(d.headline(g))}")
         if d.worst is not None:
-            out.append(f"\nD{_escape(d.worst_line())[1:]}"
+            worst = _escape(d.worst_line())
+            out.append(f"\n{worst[0].upper()}{worst[1:]}"
                        + (f"; replay it with\n\n```\n{report.replay}\n```" if report.replay else ""))
         out += ["", *(f"- {_escape(line)}" for line in d.context_lines()), ""]
     out.append(f"**{c.line()}**")

@@ -10,12 +10,14 @@ from typing import Any
 
 import pandas as pd
 
-from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
+from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, WORSE_TAIL
 from mla_verify.reports.bias import bias_of
 from mla_verify.reports.document import Report, Section
 from mla_verify.reports.drift import Worst, compare
+from mla_verify.reports.drift_tables import group_view, metric_view
 from mla_verify.reports.fmt import MISSING, header, number
 from mla_verify.reports.glance import at_a_glance
+from mla_verify.reports.words import DRIFTED
 from mla_verify.reports.html import render_html
 from mla_verify.reports.kinds import KEY_METRIC, annotate
 from mla_verify.reports.markdown import render_markdown
@@ -52,7 +54,8 @@ def _side_by_side(report: Report, baseline_rows: pd.DataFrame) -> pd.DataFrame:
 def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
                  baseline: tuple[pd.DataFrame, Mapping[str, Any]] | None = None, *,
                  factor: float = DRIFT_FACTOR, confidence: float = DRIFT_CONFIDENCE,
-                 min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None) -> Report:
+                 min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None,
+                 fail_on: str = DRIFTED) -> Report:
     """The report of stored rows (as `load_run` returns them), optionally against a baseline run
     (`reports.drift.compare` with these settings; NothingComparable when nothing pairs)."""
     frame = annotate(rows)
@@ -63,7 +66,7 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
         report.baseline_meta = dict(base_meta)
         report.baseline_counts = counts(annotate(base_rows))
         drift = report.drift = compare(rows, base_rows, factor=factor, confidence=confidence,
-                                       min_cases=min_cases, pairs=pairs)
+                                       min_cases=min_cases, pairs=pairs, fail_on=fail_on)
         later.append(Section(
             "drift", "Drift against the baseline",
             f"{drift.verdict}. {drift.pairing_line()}. Paired groups (cases the baseline ran too) are "
@@ -74,7 +77,11 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             f"shift of their mean over the cases instead: drift when its t interval at {confidence:g} lies wholly "
             "beyond the metric's floor. A metric that was 0 (bitwise) and is not is "
             "'no longer bitwise'. ratio / worst ratio: of the metric named; max_abs p99 is shown, never "
-            "judged. Improvements never fail the run.", drift.groups, limit=300))
+            "judged. Improvements never fail the run. Within the factor a group reads worse (or better) when the "
+            f"median or the upper-tail test of a metric is significant at {confidence:g} (reports.words): the word "
+            "column says drifted, worse, unchanged or better. Every column is one click below the table.",
+            drift.groups, limit=300, shown=group_view(drift)))
+        judged = drift.metrics[drift.metrics["mode"] != "too few cases to judge"]
         later.append(Section(
             "drift-metrics", "Drift per metric",
             "Every drift metric of every compared group (equivalence.policy.DRIFT_METRICS: bf16_units and "
@@ -82,7 +89,8 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
             "1 / headroom). Paired: ratio is the median per-case ratio; unpaired: the p99 ratio, with the "
             "rank test's p-value. Bias metrics (equivalence.policy.BIAS_METRICS): the means, their shift (paired: "
             "the mean per-case difference; unpaired: Welch), the t interval's half-width shift_ci, its p-value "
-            "and the floor.", drift.metrics[drift.metrics["mode"] != "too few cases to judge"], limit=600))
+            "and the floor. p90 ×: the p90 of the per-case ratios (unpaired: the ratio of the p90s); up / down: the "
+            f"cases that moved by {WORSE_TAIL:g}x or more each way (paired only); p: the test behind the finding.", judged, limit=600, shown=metric_view(judged)))
         later.append(Section(
             "side-by-side", "Runs side by side", "What ran, where, and how it ended.",
             _side_by_side(report, base_rows)))
@@ -132,7 +140,7 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
 def run_report(run_dir: str | Path, baseline: str | Path | None = None,
                html: str | Path | None = None, markdown: str | Path | None = None, *,
                factor: float = DRIFT_FACTOR, confidence: float = DRIFT_CONFIDENCE,
-               min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None,
+               min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None, fail_on: str = DRIFTED,
                save_case: Callable[[Worst, Path, Sequence[str], Sequence[str]], str | None] | None = None) -> int:
     """Load a run (and a baseline run), print the terminal summary and drift verdict, write the
     HTML report (default run_dir/report.html) and, if asked, a markdown one. `save_case(worst,
@@ -146,7 +154,7 @@ def run_report(run_dir: str | Path, baseline: str | Path | None = None,
             raise UsageError(why)
     rows, meta = load_run(run_dir)
     report = build_report(rows, meta, load_run(baseline) if baseline is not None else None,
-                          factor=factor, confidence=confidence, min_cases=min_cases, pairs=pairs)
+                          factor=factor, confidence=confidence, min_cases=min_cases, pairs=pairs, fail_on=fail_on)
     if save_case is not None and report.drift is not None and report.drift.worst is not None:
         report.replay = save_case(report.drift.worst, Path(run_dir) / "drift", meta.get("deviations") or (),
                                   meta.get("conventions") or ())

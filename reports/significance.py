@@ -18,6 +18,7 @@ well before the 60 cases a bias is looked for at, and a t interval knows how few
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -96,6 +97,7 @@ def t_two_sided(t: float, df: float) -> float:
     return _betainc(df / 2, 0.5, df / (df + t * t)) if math.isfinite(t) else 0.0
 
 
+@functools.lru_cache(maxsize=4096)   # a history asks for the same few (confidence, cases) thousands of times
 def t_quantile(confidence: float, df: float) -> float:
     """The half-width, in standard errors, of a two-sided t interval at `confidence` (bisection)."""
     lo, hi = 0.0, 1.0

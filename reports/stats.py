@@ -7,6 +7,7 @@ wider errors are expected and would otherwise read as regressions in the path an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,13 @@ def quantile(values: np.ndarray | pd.Series, q: float) -> float:
     v = np.asarray(values, dtype="float64")
     v = v[~np.isnan(v)]
     return float(np.quantile(v, q, method="higher")) if v.size else float("nan")
+
+
+def quantiles(values: np.ndarray, qs: Sequence[float]) -> list[float]:
+    """`quantile` at each of `qs`, with one sort (NaN ignored): the history judges thousands of groups."""
+    v = np.sort(np.asarray(values, dtype="float64"))
+    v = v[: v.size - int(np.isnan(v).sum())]          # NaN sorts last
+    return [float(v[min(v.size - 1, math.ceil(q * (v.size - 1) - 1e-12))]) if v.size else math.nan for q in qs]
 
 
 def _reduce(values: pd.Series, how: str) -> float:

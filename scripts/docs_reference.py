@@ -18,7 +18,7 @@ import sys
 
 # (module, names): the public Python API, in the order the page shows it.
 API = [
-    ("mla_verify", ["check", "assert_equivalent", "replay", "property_check", "gate", "drift", "CheckResult",
+    ("mla_verify", ["check", "assert_equivalent", "replay", "property_check", "gate", "drift", "history", "CheckResult",
                     "Failure", "UsageError", "HarnessError", "Unsupported", "unsupported"]),
     ("mla_verify.merge", ["merge"]),
     ("mla_verify.strategies", ["cases"]),

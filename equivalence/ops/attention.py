@@ -21,6 +21,7 @@ from mla_verify.equivalence import bounds
 from mla_verify.equivalence.policy import DEVIATIONS, LSE, OUT
 from mla_verify.equivalence.values import fill_selected_slots, kv_values, q_values
 
+from ..builders import permutation
 from ..draws import decode_params, prefill_params
 from ..layouts import LAYOUTS, relayout
 from ..params import DecodeParams, PrefillParams
@@ -39,8 +40,8 @@ def _call(names: tuple[str, ...], required: int):
 def _prefill_inputs(p: PrefillParams, seed: int, device: str) -> dict:
     g = generator(seed, device)
     tokens, heads, rows, topk = p.tokens, p.heads, p.kv_rows, p.topk
-    q = q_values(g, (tokens, heads, 576), p.value_regime)
-    kv = kv_values(g, rows, p.value_regime)
+    q = q_values(g, (tokens, heads, 576), p.value_regime, p.inputs)
+    kv = kv_values(g, rows, p.value_regime, p.inputs)
     idx = distinct_rows(g, torch.arange(rows, device=device).expand(tokens, rows), topk)  # every row a candidate
     idx = apply_patterns(g, idx, p.invalid, out_of_range=(rows, 2**31 - 1))
     length = None
@@ -229,7 +230,7 @@ def _decode_inputs(p: DecodeParams, seed: int, device: str) -> dict:
     num_blocks = sum(blocks) + 1
     # Each sequence's positions live in its own run of shuffled blocks: position p of the
     # sequence whose run starts at block f is physical slot slot[f * page + p].
-    order = torch.randperm(num_blocks, generator=g, device=device)
+    order = permutation(g, num_blocks, p.inputs)
     slot = (order[:, None] * page + torch.arange(page, device=device)).reshape(-1)
     start, length = host_values([[f * page for f in itertools.accumulate([0, *blocks[:-1]])], list(p.seq_lens)],
                                 device)
@@ -242,7 +243,7 @@ def _decode_inputs(p: DecodeParams, seed: int, device: str) -> dict:
     cache = storage[:-1, :page]  # the padded stride stays; the last block is fill_selected_slots' scratch
     # Write only the selected slots: every other byte stays NaN.
     fill_selected_slots(g, storage, page, idx, p.value_regime, "fp8_ds_mla", p.scale_rule)
-    q = q_values(g, (batch, s_q, heads, 576), p.value_regime)
+    q = q_values(g, (batch, s_q, heads, 576), p.value_regime, p.inputs)
     return relayout("sparse_decode_fp8", {"q": q, "kv_cache": cache, "indices": idx.view(batch, s_q, topk).to(torch.int32),
                                           "sm_scale": p.sm_scale}, p.layout)
 

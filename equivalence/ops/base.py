@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from mla_verify.optimized import registry
 
 from .. import cost, device as dev, guards
+from ..builders import stamped
 from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, changed_together, output_problem, tensors_in
@@ -133,7 +134,7 @@ class OpSpec:
             raise KeyError(f"{self.name} has no paths; --path applies to a pipeline or a property")
         if world_size is not None:
             raise KeyError(f"{self.name} runs in one process; --world-size applies to an op of ranks")
-        return st.builds(lambda p, seed: Case(self.name, p, seed), self.draw(profile), SEEDS)
+        return st.builds(lambda p, seed: Case(self.name, stamped(self.params, p), seed), self.draw(profile), SEEDS)
 
     def examples(self, profile: Profile) -> int:
         return profile.examples

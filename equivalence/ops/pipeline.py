@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from mla_verify.optimized import registry
 
 from .. import stages
+from ..builders import stamped
 from ..case import Case
 from ..draws import SEEDS
 from ..produced import Produced
@@ -57,7 +58,7 @@ class PipelineSpec(OpSpec):
             params = self.draw_ranks(profile, world_size)
         else:
             params = self.draw(profile)
-        return st.builds(lambda p, seed: Case(self.name, p, seed), params, SEEDS)
+        return st.builds(lambda p, seed: Case(self.name, stamped(self.params, p), seed), params, SEEDS)
 
     def subject(self, specs: Sequence[str], device: str, deviations: Sequence[str] = ()) -> Subject:
         return pipeline_subject(self.name, specs, device, deviations)
