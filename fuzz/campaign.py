@@ -160,7 +160,8 @@ def fuzz(
     # The covering set runs first, as Hypothesis's explicit examples. Hypothesis shrinks only its
     # draws: a failing covering case is saved and re-run as any first failure, then the draws go
     # on to the first failure they make, which is shrunk; none: the covering case is the result.
-    cover = first_cases(op, profile, path, world_size, impl_specs, device, seed)
+    # Within the budget: a set larger than `examples` (blocks of `block`) keeps its first picks.
+    cover = first_cases(op, profile, path, world_size, impl_specs, device, seed)[:max(1, -(-examples // max(block, 1)))]
     covering = {case.case_id for case in cover}
     found_by = (f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "")
                 + (f" --world-size {world_size}" if world_size else "") + f" --seed {seed}"
