@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
+from hypothesis import HealthCheck, Phase, example, given, seed as hypothesis_seed, settings
 from hypothesis.errors import Flaky
 from hypothesis.strategies import SearchStrategy
 
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import get_spec
+from mla_verify.equivalence.coverage import covering_set
 from mla_verify.equivalence.profiles import Profile
 from mla_verify.equivalence.rows import Row
 from mla_verify.optimized import registry
@@ -104,6 +105,19 @@ def strategy(op: str, profile: Profile, path: str | None, world_size: int | None
         lambda case: spec.interpreted_s(spec.params_of(case.params)) <= budget.budget_s)
 
 
+def first_cases(op: str, profile: Profile, path: str | None, world_size: int | None, impl_specs: tuple[str, ...],
+                device: str, seed: int) -> list[Case]:
+    """The covering set a campaign starts with (`equivalence.coverage`), held to the interpreter's
+    budget as `strategy` holds the draws."""
+    if world_size is not None:
+        return []
+    spec = get_spec(op)
+    if not registry.interpreted(impl_specs, device.split(":")[0]) or profile.interpreter_s is None:
+        return covering_set(op, profile, seed, path, device=device)
+    return covering_set(op, profile, seed, path, device=device,
+                        admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s)
+
+
 def fuzz(
     op: str,
     run: Runner,
@@ -142,7 +156,13 @@ def fuzz(
     """
     result = FuzzResult(op, seed, 0)
     progress = Progress(progress_label or op, examples, every_s=5.0 if show_progress else math.inf)
-    state: dict = {"shrinking": False, "last": None, "error": None, "offset": 0}
+    state: dict = {"shrinking": False, "last": None, "error": None, "offset": 0, "found": None, "first": None}
+    # The covering set runs first, as Hypothesis's explicit examples. Hypothesis shrinks only its
+    # draws: a failing covering case is saved and re-run as any first failure, then the draws go
+    # on to the first failure they make, which is shrunk; none: the covering case is the result.
+    # Within the budget: a set larger than `examples` (blocks of `block`) keeps its first picks.
+    cover = first_cases(op, profile, path, world_size, impl_specs, device, seed)[:max(1, -(-examples // max(block, 1)))]
+    covering = {case.case_id for case in cover}
     found_by = (f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "")
                 + (f" --world-size {world_size}" if world_size else "") + f" --seed {seed}"
                 + "".join(f" --deviation {name}" for name in deviations)
@@ -210,10 +230,12 @@ def fuzz(
             raise StopCampaign(stop_reason())
         state["shrinking"] = True
 
-    phases = (Phase.explicit, Phase.reuse, Phase.generate) + ((Phase.shrink,) if shrink else ())
+    # Past a covering set as large as the budget, nothing is drawn.
+    drawn = (Phase.reuse, Phase.generate) + ((Phase.shrink,) if shrink else ()) if examples > len(cover) else ()
+    phases = (Phase.explicit, *drawn)
 
-    @settings(max_examples=-(-examples // max(block, 1)), deadline=None, database=None, phases=phases,
-              print_blob=False, report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=max(1, -(-(examples - len(cover)) // max(block, 1))), deadline=None, database=None,
+              phases=phases, print_blob=False, report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
     @hypothesis_seed(seed)
     @given(case=strategy(op, profile, path, world_size, impl_specs, device))
     def search(case: Case) -> None:
@@ -236,17 +258,26 @@ def fuzz(
             state["last"] = found[failing]
             if not shrinking:
                 state["offset"] = failing
-                first_failure(*found[failing])
+                if state["first"] is None:
+                    state["first"] = found[failing]
+                    first_failure(*found[failing])
+                if case.case_id in covering:  # not Hypothesis's to shrink: draw on for a failure it can shrink
+                    state["shrinking"] = False
+                    return
+                state["shrinking"] = True
             elif stop_reason():
                 raise StopCampaign(stop_reason())
             raise Discrepancy(*found[failing])  # one place: Hypothesis tells failures apart by where they rose
         if stop_reason():
             raise StopCampaign(stop_reason())
 
+    for case in reversed(cover):  # each applied on top: they run in the set's order
+        search = example(case=case)(search)
     final = None
     try:
         with _frozen_heap():
             search()
+        final = state["first"]  # a covering case's failure the draws did not repeat
     except Discrepancy as d:
         final, result.shrunk = (d.case, d.rows), shrink
     except StopCampaign as stop:
