@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .builders import VERSIONS as BUILDERS
+from .layouts import LAYOUTS
 from .patterns import FORWARD_PATTERNS, PATTERNS
 from .schema import (BLOCK, HEADS, PAD, ROWS, SEQ_LENS, SM_SCALE, TOKENS, TOPK, Flag, Int, Ints, OneOf, Params, Real,
                      SubsetOf, blocks, param)
@@ -35,6 +36,7 @@ class PrefillParams(Params):
     invalid: tuple[str, ...] = param(SubsetOf(*PATTERNS), ())      # invalid-index patterns (equivalence.patterns)
     topk_length: str = param(OneOf("none", "random", "edges"), "none")  # per-token lengths: none, drawn, 0/1/K-1/K
     sink: str = param(OneOf("none", "finite", "inf"), "none")         # attention sink per head
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")                # of the inputs that may take one (equivalence.layouts)
     inputs: int = param(OneOf(*BUILDERS), 1)                      # the input builder's version (equivalence.builders)
 
     def elements(self) -> int:
@@ -56,6 +58,7 @@ class DecodeParams(Params):
     scale_rule: str = param(SCALE_RULE)
     invalid: tuple[str, ...] = param(SubsetOf(*DECODE_PATTERNS), ())
     stride_pad: int = param(PAD, 0)              # slots between pages past the page size
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of q and the indices (equivalence.layouts)
     inputs: int = param(OneOf(*BUILDERS), 1)                      # the input builder's version (equivalence.builders)
 
     @property

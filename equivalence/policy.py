@@ -324,6 +324,22 @@ PROPERTY_RULES: dict[str, PropertyRule] = {
         True, "a prefill token reads the same rows whichever chunk and workspace offset hold them"),
     "spec_decode.single_tokens": PropertyRule(
         True, "[B, s] and [B*s, 1] queries are the same rows in the same order"),
+    "singleton.value": PropertyRule(
+        False, "K copies of one logit: every softmax weight is exp(0) = 1 exactly, so out is the row's V summed K "
+        "times in fp32 (exact) over the fp32 sum K, then rounded to bf16",
+        {OUT: (Bound("bf16_units", 2.0, "one fp32 division and one bf16 rounding of V (<= 1 unit), the sink factor's fp32 "
+                     "rounding on top; a count off by one of 64 moves every element by 1.6% (over 4 units)"),
+               Bound("elem_bf16_units", 2.0, "the same per element: one rounding step of the row's magnitude")),
+         LSE: (Bound("lse_fp32_units", LSE_BOUNDS[0].limit, "the oracle's: one 576-term fp32 dot product, plus the fp32 "
+                     "rounding of ln(k valid); ln 2 (a deduplicated or halved count) is millions of units"),)}),
+    "stress.rerun": PropertyRule(
+        True, "FlashMLA's prefill and decode were measured bitwise deterministic on the H200 and ours use fixed "
+        "reduction orders: other work on the GPU changes when a kernel runs, not what it computes"),
+    "layer_view.read": PropertyRule(
+        True, "the kernels address a block through the cache's stride(0) and data pointer: the same bytes read the "
+        "same way wherever the allocation puts them"),
+    "layer_view.write": PropertyRule(True, "a writer stores each row through the cache's strides: the same bytes in "
+                                     "the layer, none in its neighbours"),
     "dcp_size_one.convert_index": PropertyRule(True, "one rank owns every position: the same conversion"),
     "dcp_size_one.forward_mqa": PropertyRule(
         True, "one rank's merge weight is exp(0) = 1 and its log-sum-exp is its own LSE, exactly"),

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from mla_verify.optimized.buffers import poisoned
+from mla_verify.optimized.buffers import breached, poisoned, red_zones
 
 from . import device as dev
 from . import guards
@@ -111,7 +111,8 @@ def seed_globals(seed: int) -> None:
 def call_implementation(fn: Callable[[], Any], seed: int, device: str,
                         on_call: Callable[[], None] | None = None,
                         watch: guards.Watch | None = None) -> tuple[Any, float]:
-    """(fn(), seconds) with poisoned outputs and seeded generators; anything it raises becomes
+    """(fn(), seconds) with poisoned, red-zoned outputs (`optimized.buffers`: a write past one
+    fails the call) and seeded generators; anything it raises becomes
     `Raised`, after the device was synchronized, except a KeyboardInterrupt while a SIGINT arrived
     (the user's Ctrl-C). The process-wide state and the judge's functions are put back after the
     call (to `watch`'s, taken once for a block of calls; else `guards.kept_watch`'s; else taken
@@ -126,9 +127,11 @@ def call_implementation(fn: Callable[[], Any], seed: int, device: str,
         error: BaseException | None = None
         threads = threading.enumerate()
         try:
-            with guards.sigint_watch() as sigints, poisoned():
+            with guards.sigint_watch() as sigints, poisoned(), red_zones() as zones:
                 try:
                     result = timed(fn, device)
+                    if broken := breached(zones):
+                        raise ContractError("wrote outside the buffers it allocated (red zones): " + "; ".join(broken[:3]))
                 except KeyboardInterrupt as exc:
                     if sigints:
                         raise

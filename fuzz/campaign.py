@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
+from hypothesis import HealthCheck, Phase, example, given, seed as hypothesis_seed, settings
 from hypothesis.errors import Flaky
 from hypothesis.strategies import SearchStrategy
 
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import get_spec
+from mla_verify.equivalence.coverage import covering_set
 from mla_verify.equivalence.profiles import Profile
 from mla_verify.equivalence.rows import Row
 from mla_verify.optimized import registry
@@ -177,6 +178,19 @@ def strategy(op: str, profile: Profile, path: str | None, world_size: int | None
         lambda case: spec.interpreted_s(spec.params_of(case.params)) <= budget.budget_s)
 
 
+def first_cases(op: str, profile: Profile, path: str | None, world_size: int | None, impl_specs: tuple[str, ...],
+                device: str, seed: int) -> list[Case]:
+    """The covering set a campaign starts with (`equivalence.coverage`), held to the interpreter's
+    budget as `strategy` holds the draws."""
+    if world_size is not None:
+        return []
+    spec = get_spec(op)
+    if not registry.interpreted(impl_specs, device.split(":")[0]) or profile.interpreter_s is None:
+        return covering_set(op, profile, seed, path, device=device)
+    return covering_set(op, profile, seed, path, device=device,
+                        admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s)
+
+
 def each(run: Runner) -> Judge:
     """A judge of one case at a time."""
     def judge(cases: list[Case], source: str, on_call: Callable[[], None]) -> list[list[Row] | None]:
@@ -211,6 +225,15 @@ class _Search:
         self.error: Exception | None = None
         self.offset = 0   # the failing case's place in its block
         self.found: Case | None = None  # the first failing case, as found
+        self.first: tuple[Case, list[Row]] | None = None  # and its rows
+        # The covering set runs first, as Hypothesis's explicit examples. Hypothesis shrinks only its
+        # draws: a failing covering case is saved and re-run as any first failure, then the draws go
+        # on to the first failure they make, which is shrunk; none: the covering case is the result.
+        # Within the budget: a set larger than `examples` (blocks of `block`) keeps its first picks.
+        c = campaign
+        self.cover = first_cases(c.op, c.profile, c.path, c.world_size, c.under_test.specs, c.under_test.device,
+                                 c.seed)[:max(1, -(-c.examples // max(c.block, 1)))]
+        self.covering = {case.case_id for case in self.cover}
 
     def save(self, case: Case, rows: list[Row], note: str, where: Path | None = None,
              unshrunk: Case | None = None) -> Path | None:
@@ -268,7 +291,6 @@ class _Search:
         self.stop_if_asked()
         if not self.campaign.shrink:
             raise StopCampaign("")
-        self.shrinking = True
 
     def example(self, case: Case) -> None:
         """Hypothesis's test: judge the drawn case (with its block), raise the first failure."""
@@ -288,7 +310,12 @@ class _Search:
             self.last = found[failing]
             if not self.shrinking:
                 self.offset = failing
-                self.first_failure(*found[failing])
+                if self.first is None:
+                    self.first = found[failing]
+                    self.first_failure(*found[failing])
+                if case.case_id in self.covering:  # not Hypothesis's to shrink: draw on for a failure it can shrink
+                    return
+                self.shrinking = True
             else:
                 self.stop_if_asked()
             raise Discrepancy(*found[failing])  # one place: Hypothesis tells failures apart by where they rose
@@ -296,19 +323,25 @@ class _Search:
 
     def run(self) -> FuzzResult:
         c, result = self.campaign, self.result
-        phases = (Phase.explicit, Phase.reuse, Phase.generate) + ((Phase.shrink,) if c.shrink else ())
+        # Past a covering set as large as the budget, nothing is drawn.
+        drawn = ((Phase.reuse, Phase.generate) + ((Phase.shrink,) if c.shrink else ())
+                 if c.examples > len(self.cover) else ())
 
-        @settings(max_examples=-(-c.examples // max(c.block, 1)), deadline=None, database=None, phases=phases,
-                  print_blob=False, report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
+        @settings(max_examples=max(1, -(-(c.examples - len(self.cover)) // max(c.block, 1))), deadline=None,
+                  database=None, phases=(Phase.explicit, *drawn), print_blob=False, report_multiple_bugs=False,
+                  suppress_health_check=list(HealthCheck))
         @hypothesis_seed(c.seed)
         @given(case=strategy(c.op, c.profile, c.path, c.world_size, c.under_test.specs, c.under_test.device))
         def search(case: Case) -> None:
             self.example(case)
 
+        for case in reversed(self.cover):  # each applied on top: they run in the set's order
+            search = example(case=case)(search)
         final = None
         try:
             with _frozen_heap():
                 search()
+            final = self.first  # a covering case's failure the draws did not repeat
         except Discrepancy as d:
             final, result.shrunk = (d.case, d.rows), c.shrink
         except StopCampaign as stop:

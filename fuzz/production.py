@@ -68,6 +68,11 @@ PINNED: dict[str, dict[str, dict]] = {
         "forward_mqa": {**FORWARD, "query_lens": [2] * 32, "context_lens": [4096] * 32, "max_decode_query_len": 2,
                         "max_model_len": 4098, "replay_seeds": [11, 12, 13]},
     },
+    "singleton": {"sparse_prefill": PREFILL},
+    "stress": {"sparse_prefill": PREFILL, "sparse_decode_fp8": DECODE},
+    "layer_view": {"forward_mqa": FORWARD,
+                   "write_fp8_ds_mla_cache": dict(n=4096, num_blocks=80, block_size=64, value_regime="normal",
+                                                  scale_rule="raw", stride_pad=0, skip_frac=0.2)},
     "determinism": {
         "sparse_prefill": PREFILL,
         "sparse_decode_fp8": DECODE,

@@ -267,6 +267,10 @@ def _add_list_command(sub) -> None:
     p.add_argument("--long", action="store_true", help="with --tolerances: each bound's reason in full")
     p.add_argument("--deviations", action="store_true",
                    help="also print each documented deviation a kernel may declare (--deviation): meaning and bounds")
+    p.add_argument("--coverage", action="store_true",
+                   help="with --op: per profile, the features its campaigns' first cases hit and how often random draws hit each")
+    p.add_argument("--draws", type=int, default=1000, metavar="N", help="with --coverage: random draws per profile")
+    p.add_argument("--path", default=None, help="with --coverage: a forward_mqa path (default: the unrestricted draw)")
 
 
 def _add_fuzz_command(sub) -> None:
@@ -531,6 +535,18 @@ def main(argv: list[str] | None = None) -> int:
         return 141
 
 
+def _print_coverage(args) -> int:
+    """`list --op OP --coverage` (equivalence.coverage.table)."""
+    from mla_verify.equivalence import coverage
+    from mla_verify.equivalence.profiles import PROFILES
+    from mla_verify.equivalence.subject import UsageError
+
+    if args.op is None:
+        raise UsageError("--coverage needs --op OP")
+    print("\n".join(coverage.table(args.op, list(PROFILES.values()), args.draws, path=args.path)))
+    return 0
+
+
 def cmd_list(args, device: str) -> int:
     from mla_verify import describe
     from mla_verify.equivalence import catalog
@@ -544,6 +560,8 @@ def cmd_list(args, device: str) -> int:
     known = catalog.names()
     if args.op is not None and args.op not in known:
         raise UsageError(f"--op {args.op!r}: unknown; {did_you_mean(args.op, known)}known: {', '.join(known)}")
+    if args.coverage:
+        return _print_coverage(args)
     print(f"device: {device}")
     if args.op is not None:
         spec = catalog.get_spec(args.op)

@@ -189,6 +189,10 @@ def describe_op(op: str) -> list[str]:
         lines.append("  )")
     if spec.writes:
         lines.append(f"  writes in place: {', '.join(spec.writes)} (nothing else may change); returns None")
+    from mla_verify.equivalence.layouts import layout_line
+
+    lines += _wrap(layout_line(op) or "inputs drawn as built (dense, or the strided views the op's case builds)",
+                   "  ", "    ")
     params = spec.params_of(case.params)
     ref = spec.reference(spec.inputs(params, case.seed, "cpu"), params)
     compared = [c for c in spec.checks if c.tensor in ref]

@@ -90,6 +90,10 @@ BROKEN = [
     ("spec_decode", "forward_mqa",
      "sparse_decode_fp8=tests.impls.inconsistent:decode_first_token_indices", {"single_tokens"}),
     ("dcp_size_one", "dcp_merge", "dcp_merge=tests.impls.inconsistent:merge_lse_in_bf16", {"merge"}),
+    ("singleton", "sparse_prefill", "sparse_prefill=tests.zoo.attention:sink_in_lse", {"value"}),
+    ("singleton", "sparse_prefill", "sparse_prefill=tests.zoo.attention:deduplicates", {"value"}),
+    ("layer_view", "forward_mqa", "convert_index=tests.zoo.indices:ignores_block_stride", {"read"}),
+    ("layer_view", "write_fp8_ds_mla_cache", "write_fp8_ds_mla_cache=tests.zoo.formats:ignores_block_stride", {"write"}),
 ]
 BUDGET = 40  # examples per broken implementation; measured: the first or second case catches each
 

@@ -12,6 +12,7 @@ import math
 from typing import Callable
 
 import torch
+from hypothesis import strategies as st
 
 from mla_verify import reference
 from mla_verify.equivalence.contract import returned
@@ -22,6 +23,7 @@ from mla_verify.equivalence.values import fill_selected_slots, kv_values, q_valu
 
 from ..builders import permutation
 from ..draws import decode_params, prefill_params
+from ..layouts import LAYOUTS, relayout
 from ..params import DecodeParams, PrefillParams
 from ..spec import register
 from .base import BoundKey, Check, ImplOutput, OpSpec
@@ -60,8 +62,9 @@ def _prefill_inputs(p: PrefillParams, seed: int, device: str) -> dict:
     used = torch.zeros(rows + 1, dtype=torch.bool, device=device)
     used[torch.where(live, idx, rows)] = True
     kv.masked_fill_(~used[:rows, None], float("nan"))
-    return {"q": q, "kv": kv, "indices": idx.to(torch.int32), "sm_scale": p.sm_scale,
-            "topk_length": None if length is None else length.to(torch.int32), "attn_sink": sink}
+    return relayout("sparse_prefill", {"q": q, "kv": kv, "indices": idx.to(torch.int32), "sm_scale": p.sm_scale,
+                                       "topk_length": None if length is None else length.to(torch.int32),
+                                       "attn_sink": sink}, p.layout)
 
 
 def _read_past_length(kw: dict, tensor: str, got: torch.Tensor, want: torch.Tensor) -> str:
@@ -203,7 +206,7 @@ SPARSE_PREFILL = register(OpSpec(
     name="sparse_prefill",
     stage="sparse_prefill",
     params=PrefillParams,
-    draw=prefill_params,
+    draw=lambda p: prefill_params(p, layout=st.sampled_from(LAYOUTS)),
     inputs=_prefill_inputs,
     reference=_prefill_reference,
     stack=_prefill_stack,
@@ -240,7 +243,8 @@ def _decode_inputs(p: DecodeParams, seed: int, device: str) -> dict:
     # Write only the selected slots: every other byte stays NaN.
     fill_selected_slots(g, storage, page, idx, p.value_regime, "fp8_ds_mla", p.scale_rule)
     q = q_values(g, (batch, s_q, heads, 576), p.value_regime, p.inputs)
-    return {"q": q, "kv_cache": cache, "indices": idx.view(batch, s_q, topk).to(torch.int32), "sm_scale": p.sm_scale}
+    return relayout("sparse_decode_fp8", {"q": q, "kv_cache": cache, "indices": idx.view(batch, s_q, topk).to(torch.int32),
+                                          "sm_scale": p.sm_scale}, p.layout)
 
 
 def _decode_reference(kw, p):
@@ -277,7 +281,7 @@ SPARSE_DECODE_FP8 = register(OpSpec(
     name="sparse_decode_fp8",
     stage="sparse_decode_fp8",
     params=DecodeParams,
-    draw=decode_params,
+    draw=lambda p: decode_params(p, layout=st.sampled_from(LAYOUTS)),
     inputs=_decode_inputs,
     reference=_decode_reference,
     stack=_decode_stack,

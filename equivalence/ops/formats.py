@@ -128,7 +128,7 @@ def _call_write(subject, kw, p):
     return ImplOutput({"cache": storage}, deviations=subject.deviations)
 
 
-register(OpSpec(
+WRITE_CACHE = register(OpSpec(
     name="write_fp8_ds_mla_cache",
     stage="write_fp8_ds_mla_cache",
     params=WriterParams,

@@ -105,6 +105,22 @@ def index_n_is_valid(q, kv, indices, sm_scale, topk_length=None, attn_sink=None)
                                                topk_length, attn_sink))
 
 
+def sink_in_lse(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """The sink folded into the LSE as well as the output (lse + ln(1 + e^(sink - lse))): the
+    contract's LSE never includes it (a convention mix-up between attention-sink kernels)."""
+    out, lse, max_logits = _as_kernel(reference.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink))
+    if attn_sink is not None:
+        lse = lse + torch.log1p(torch.exp(attn_sink.float()[None, :] - lse))
+    return out, lse, max_logits
+
+
+def assumes_dense_q(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """Reads q as if dense from the start of its storage (a kernel taking q.data_ptr() of the base
+    allocation and computing its own strides): right for a contiguous q, wrong for a view."""
+    dense = torch.as_strided(q, q.shape, q.contiguous().stride(), 0)
+    return _as_kernel(reference.sparse_prefill(dense, kv, indices, sm_scale, topk_length, attn_sink))
+
+
 def decode_scale_tiles_swapped(q, kv_cache, indices, sm_scale):
     """The output's four scale tiles applied in the wrong order (0, 1, 3, 2): the values a row
     contributes to the output take tile 3's scale for tile 2 and tile 2's for tile 3; the logits

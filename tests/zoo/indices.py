@@ -81,6 +81,18 @@ def dcp_interleave_ignored(req_id, block_table, topk_indices, block_size, dcp_si
                                        compact_valid_to_front)
 
 
+def first_request_workspace(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
+                            prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False,
+                            idx_mapping=None):
+    """Every prefill token reads the first prefill request's workspace start (a kernel loading
+    starts[0] instead of starts[prefill_request_ids[t]]): right while a batch holds one prefill."""
+    first = None
+    if prefill_request_ids is not None:
+        first = torch.where(prefill_request_ids >= 0, 0, prefill_request_ids).to(prefill_request_ids.dtype)
+    return reference.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows, first,
+                                   prefill_workspace_starts, return_valid_counts, idx_mapping=idx_mapping)
+
+
 def first_request_base(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
                        prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False,
                        idx_mapping=None):

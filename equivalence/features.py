@@ -1,0 +1,434 @@
+"""The features each op lists for its covering set (`equivalence.coverage`), the candidates it
+proposes, and how its built inputs show what a case hits.
+
+Candidates are small on purpose (a covering case runs in every CI campaign): each template asks
+for several features at once, at the profile's smallest head count and top-k where the feature
+allows, and comes in a few seeded variants, since a feature is only counted where the tensors
+built show it (a drawn start may repeat, a drawn length may miss 0).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from mla_verify import reference
+from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
+
+from .coverage import Coverage, register
+from .hisparse_batch import ACTIVE_TAIL_PAGES
+from .layouts import LAYOUTS
+from .profiles import Profile
+from .routing import SIDES, sides
+
+VARIANTS = 4  # seeded variants of each template: the greedy pick takes one whose tensors hit
+LAYOUT = ("q and indices in padded rows", "q permuted (leading dims reversed)", "inputs at a storage offset")
+
+
+def _layout_hits(kw: dict) -> set[str]:
+    """The non-contiguous layouts (equivalence.layouts) q and the indices show."""
+    q, idx = kw["q"], kw["indices"]
+    return {name for name, yes in (
+        ("q and indices in padded rows", q.stride(-2) > q.shape[-1] and idx.stride(-2) > idx.shape[-1]),
+        ("q permuted (leading dims reversed)", q.stride(0) < q.stride(1)),
+        ("inputs at a storage offset", q.storage_offset() > 0 and idx.storage_offset() > 0),
+    ) if yes}
+
+
+def _units(topks: tuple[int, ...], odd: bool) -> list[int]:
+    """The top-k values of `topks` ending on half a 128 unit (`odd`) or on a whole one."""
+    return [k for k in topks if (k % 128 == 64) == odd]
+
+
+def _duplicates(idx: torch.Tensor) -> bool:
+    """Whether a row of `idx` repeats a non-negative entry."""
+    if idx.shape[-1] < 2:
+        return False
+    rows = idx.reshape(-1, idx.shape[-1]).sort(dim=1).values
+    return bool(((rows[:, 1:] == rows[:, :-1]) & (rows[:, 1:] >= 0)).any())
+
+
+# --- convert_index -------------------------------------------------------------------------------
+
+CONVERT = ("batch > 1", "> 64 tokens", "row with no valid index", "negatives other than -1", "index past the table",
+           "duplicate indices", "two prefill requests, distinct workspace starts", "decode and prefill tokens",
+           "block stride != block size", "valid counts of a partial row", "idx_mapping with an unmapped request",
+           "top-k % 128 == 64", "top-k % 128 == 0", "top-k past one tile")
+
+
+def _convert_candidates(rng: random.Random, p: Profile) -> list[dict]:
+    odd, even = _units(p.decode_topk, True), _units(p.decode_topk, False) or [128]
+    found = []
+    for _ in range(VARIANTS):
+        found += [
+            # Two or more prefill requests (the converter's num_prefills = requests // 2), counts.
+            {"tokens": rng.randint(8, 12), "requests": rng.randint(4, 5), "table_width": rng.randint(2, 4),
+             "topk": rng.choice(odd or even), "block_size": rng.choice(p.block_sizes), "stride_extra": 1,
+             "prefill": True, "counts": True, "mapping": False,
+             "invalid": ["out_of_range", "whole_row", "negatives"]},  # -1s first: negatives replaces some
+            # Past 64 tokens, several requests through an idx_mapping, duplicates.
+            {"tokens": rng.randint(65, 72), "requests": 3, "table_width": rng.randint(1, 3),
+             "topk": rng.choice(even), "block_size": 16, "stride_extra": 0, "prefill": False, "counts": False,
+             "mapping": True, "invalid": ["duplicates", "boundaries"]},
+            # A row over several tiles (not a power of two past upstream's single-tile limit).
+            {"tokens": 2, "requests": 1, "table_width": 2, "topk": 4224, "block_size": 64, "stride_extra": 64,
+             "prefill": False, "counts": True, "mapping": False, "invalid": ["scattered"]},
+        ]
+    return found
+
+
+def _convert_hits(p, kw: dict) -> set[str]:
+    req, idx, table, bs = kw["req_id"], kw["topk_indices"], kw["block_table"], kw["block_size"]
+    out = reference.convert_index(**{**kw, "return_valid_counts": False})
+    k = idx.shape[1]
+    hit = {name for name, yes in (
+        ("batch > 1", req.unique().numel() > 1), ("> 64 tokens", req.numel() > 64),
+        ("row with no valid index", bool((out < 0).all(1).any())),
+        ("negatives other than -1", bool((idx < -1).any())),
+        ("index past the table", bool((idx >= table.shape[1] * bs).any())),
+        ("duplicate indices", _duplicates(idx)),
+        ("block stride != block size", kw["block_stride_rows"] not in (None, bs)),
+        ("top-k % 128 == 64", k % 128 == 64), ("top-k % 128 == 0", k % 128 == 0),
+        ("top-k past one tile", k & (k - 1) != 0 and 1 << (k - 1).bit_length() > 4096),
+    ) if yes}
+    valid = (out >= 0).sum(1)
+    if kw["return_valid_counts"] and bool(((valid > 0) & (valid < k)).any()):
+        hit.add("valid counts of a partial row")
+    mapping = kw["idx_mapping"]
+    if mapping is not None and bool((mapping[req.long()] < 0).any()):
+        hit.add("idx_mapping with an unmapped request")
+    ids, starts = kw["prefill_request_ids"], kw["prefill_workspace_starts"]
+    if ids is not None:
+        if bool((ids < 0).any()) and bool((ids >= 0).any()):
+            hit.add("decode and prefill tokens")
+        # A token of a later prefill request, with a valid entry, whose start is not the first's.
+        later = (ids > 0) & (starts[ids.long().clamp(min=0)] != starts[0]) & (out >= 0).any(1)
+        if bool(later.any()):
+            hit.add("two prefill requests, distinct workspace starts")
+    return hit
+
+
+register("convert_index", None, Coverage(CONVERT, _convert_candidates, _convert_hits))
+
+
+# --- sparse_prefill ------------------------------------------------------------------------------
+
+PREFILL = ("several tokens", "> 64 tokens", "several heads", "row with no valid index", "topk_length 0",
+           "topk_length 1", "topk_length K", "no topk_length", "no sink", "finite sink", "+inf sink", "-inf sink",
+           "top-k of one 128 unit", "top-k of several 128 units", "negatives other than -1", "index past N", "index N",
+           "duplicate indices", "NaN kv row 0 beside an invalid entry", "fewer kv rows than top-k") + LAYOUT
+
+
+def _prefill_candidates(rng: random.Random, p: Profile) -> list[dict]:
+    small, large = 128, max(p.prefill_topk)  # 128: one unit, at every profile
+    multi = [h for h in p.heads if h > 1] or [8]
+    found = []
+    for variant in range(VARIANTS):
+        layout = {"layout": LAYOUTS[variant % len(LAYOUTS)]}
+        found += [
+            # Past 64 tokens, every topk_length edge, the sinks of every kind, invalid entries.
+            {"tokens": rng.randint(65, 70), "heads": rng.choice(multi), "kv_rows": rng.randint(small, 2 * small),
+             "topk": small, "value_regime": rng.choice(("normal", "peaked")), "sm_scale": 0.1352,
+             "invalid": ["out_of_range", "boundaries", "whole_row", "duplicates", "negatives"], "topk_length": "edges",
+             "sink": "inf", **layout},
+            # Fewer kv rows than top-k over several 128 units; row 0 left unselected (NaN) often.
+            {"tokens": rng.randint(2, 4), "heads": rng.choice(multi), "kv_rows": rng.randint(8, 40),
+             "topk": large if large > 128 else 256, "value_regime": rng.choice(("saturation", "outliers")),
+             "sm_scale": 0.0417, "invalid": ["scattered"], "topk_length": "none", "sink": "finite", **layout},
+            {"tokens": rng.randint(2, 4), "heads": min(p.heads), "kv_rows": rng.randint(4 * small, 8 * small),
+             "topk": small, "value_regime": rng.choice(("normal", "tiny")), "sm_scale": 0.3,
+             "invalid": ["scattered", "negatives"], "topk_length": "random", "sink": "none", **layout},
+        ]
+    return found
+
+
+def _prefill_hits(p, kw: dict) -> set[str]:
+    q, kv, idx, length, sink = kw["q"], kw["kv"], kw["indices"], kw["topk_length"], kw["attn_sink"]
+    tokens, heads, k, n = q.shape[0], q.shape[1], idx.shape[1], kv.shape[0]
+    live = (idx >= 0) & (idx < n)
+    if length is not None:
+        live &= torch.arange(k)[None, :] < length[:, None]
+    hit = _layout_hits(kw) | {name for name, yes in (
+        ("several tokens", tokens > 1), ("> 64 tokens", tokens > 64), ("several heads", heads > 1),
+        ("row with no valid index", bool((~live).all(1).any())), ("no topk_length", length is None),
+        ("no sink", sink is None), ("top-k of one 128 unit", k == 128), ("top-k of several 128 units", k > 128),
+        ("negatives other than -1", bool((idx < -1).any())), ("index past N", bool((idx > n).any())),
+        ("index N", bool((idx == n).any())),
+        ("duplicate indices", _duplicates(idx)), ("fewer kv rows than top-k", n < k),
+        ("NaN kv row 0 beside an invalid entry", n > 0 and bool(kv[0].isnan().any()) and bool((~live).any())),
+    ) if yes}
+    if length is not None:
+        hit |= {name for name, value in (("topk_length 0", 0), ("topk_length 1", 1), ("topk_length K", k))
+                if bool((length == value).any())}
+    if sink is not None:
+        hit |= {name for name, yes in (("finite sink", sink.isfinite().any()), ("+inf sink", (sink == torch.inf).any()),
+                                       ("-inf sink", (sink == -torch.inf).any())) if bool(yes)}
+    return hit
+
+
+register("sparse_prefill", None, Coverage(PREFILL, _prefill_candidates, _prefill_hits))
+
+
+# --- sparse_decode_fp8 ---------------------------------------------------------------------------
+
+DECODE = ("batch > 1", "s_q > 1 with several requests", "s_q > 1 with several heads", "> 64 query rows",
+          "top-k % 128 == 64", "top-k % 128 == 0",
+          "raw (non-power-of-two) scales", "power-of-two scales", "row with no valid index",
+          "NaN slot 0 beside a -1 entry", "padded page stride", "duplicate indices", "a row partly -1") + LAYOUT
+
+
+def _decode_candidates(rng: random.Random, p: Profile) -> list[dict]:
+    odd, even = _units(p.decode_topk, True) or [64], _units(p.decode_topk, False) or [128]
+    found = []
+    for variant in range(VARIANTS):
+        batch = rng.randint(33, 36)
+        layout = LAYOUTS[variant % len(LAYOUTS)]
+        found += [
+            # Past 64 query rows of two tokens each, raw scales, whole -1 rows, padded pages.
+            {"batch": batch, "s_q": 2, "heads": min(h for h in p.heads if h > 1), "topk": rng.choice(odd),
+             "seq_lens": [rng.randint(1, min(p.max_context, 300)) for _ in range(batch)],
+             "page_size": rng.choice(p.block_sizes),
+             "sm_scale": 0.1352, "value_regime": "normal", "scale_rule": "raw",
+             "invalid": ["whole_row", "duplicates"], "stride_pad": 1, "layout": layout},
+            {"batch": 2, "s_q": 1, "heads": max(p.heads), "topk": rng.choice(even),
+             "seq_lens": [rng.randint(1, 40), rng.randint(1, min(p.max_context, 2000))], "page_size": 1,
+             "sm_scale": 0.0417, "value_regime": rng.choice(("saturation", "zero_tiles")), "scale_rule": "pow2",
+             "invalid": ["scattered"], "stride_pad": 0, "layout": LAYOUTS[(variant + 1) % len(LAYOUTS)]},
+            # One long sequence: most slots, slot 0 among them likely, left unselected (NaN).
+            {"batch": 1, "s_q": 1, "heads": min(p.heads), "topk": rng.choice(even), "seq_lens": [rng.randint(1000, 2000)],
+             "page_size": rng.choice(p.block_sizes), "sm_scale": 0.1, "value_regime": "normal", "scale_rule": "pow2",
+             "invalid": ["scattered"], "stride_pad": 0},
+        ]
+    return found
+
+
+def _scales(cache: torch.Tensor) -> torch.Tensor:
+    """The fp32 tile scales of every written slot of an fp8_ds_mla cache (poisoned slots: NaN)."""
+    rows = cache[..., 512:528].contiguous().view(torch.float32)
+    return rows[rows.isfinite()]
+
+
+def _decode_hits(p, kw: dict) -> set[str]:
+    q, cache, idx = kw["q"], kw["kv_cache"], kw["indices"]
+    batch, s_q, k = q.shape[0], q.shape[1], idx.shape[-1]
+    scales = _scales(cache)
+    pow2 = scales > 0
+    pow2 &= torch.frexp(scales).mantissa == 0.5
+    rows = idx.reshape(-1, k)
+    return _layout_hits(kw) | {name for name, yes in (
+        ("batch > 1", batch > 1), ("s_q > 1 with several requests", s_q > 1 and batch > 1),
+        ("s_q > 1 with several heads", s_q > 1 and q.shape[2] > 1),
+        ("> 64 query rows", batch * s_q > 64), ("top-k % 128 == 64", k % 128 == 64), ("top-k % 128 == 0", k % 128 == 0),
+        ("raw (non-power-of-two) scales", bool(((scales > 0) & ~pow2).any())),
+        ("power-of-two scales", bool(pow2.any()) and bool((pow2 | (scales == 0)).all())),
+        ("row with no valid index", bool((rows < 0).all(1).any())),
+        ("NaN slot 0 beside a -1 entry", bool((cache[0, 0] == 0xFF).all()) and bool((rows < 0).any())),
+        ("padded page stride", cache.stride(0) > cache.shape[1] * cache.shape[2]),
+        ("duplicate indices", _duplicates(rows)),
+        ("a row partly -1", bool(((rows >= 0).any(1) & (rows < 0).any(1)).any())),
+    ) if yes}
+
+
+register("sparse_decode_fp8", None, Coverage(DECODE, _decode_candidates, _decode_hits))
+
+
+# --- forward_mqa ---------------------------------------------------------------------------------
+
+SPLIT = tuple(f"split: {side}" for side in SIDES["split"])
+BATCH = ("batch > 1", "> 64 tokens", "two or more prefill requests", "spec decodes (s_q > 1) of several requests",
+         "row with no valid index", "only the decodes of a mixed batch through forward_mqa")
+DECODE_TOPK = tuple(f"decode_topk: {side}" for side in SIDES["decode_topk"])
+PATH_FEATURES = {
+    "bf16": SPLIT + BATCH,
+    "fp8_mixed": SPLIT + BATCH + DECODE_TOPK + ("raw (non-power-of-two) scales",),
+    "fp8_separate": SPLIT + BATCH + DECODE_TOPK + tuple(f"chunks: {side}" for side in SIDES["chunks"])
+    + ("raw (non-power-of-two) scales",),
+    "fp8_mixed_dcp": ("split: all decodes", "split: all prefills", "split: decodes + prefills") + BATCH + DECODE_TOPK
+    + tuple(f"dcp_empty: {side}" for side in SIDES["dcp_empty"]) + ("raw (non-power-of-two) scales",),
+}
+
+
+FORWARD_VARIANTS = 2  # a batch takes longer to build than a single op's inputs
+
+
+def _batch(rng: random.Random, p: Profile, dtype: str, heads: int, qlens: list[int], topk: int, **extra) -> dict:
+    """forward_mqa params of one batch: contexts drawn within the profile, sm100's thresholds
+    (128 tokens at 8-32 heads), every other field at its default unless `extra` sets it."""
+    ctx = [rng.randint(1, min(p.max_context, 200)) for _ in qlens]
+    return {"cache_dtype": dtype, "heads": heads, "query_lens": qlens, "context_lens": ctx,
+            "block_size": rng.choice(p.block_sizes), "topk": topk, "sm_scale": 0.1352,
+            "value_regime": rng.choice(("normal", "peaked", "outliers")), "arch": "sm100", **extra}
+
+
+def _forward_templates(rng: random.Random, p: Profile, path: str) -> list[dict]:
+    """A path's templates: decodes with padding requests, decodes with a merged and a short
+    prefill past 64 tokens, all prefills (the first past the threshold), and on the separate path
+    prefills in one, two and three or more workspace chunks."""
+    dtype = "bfloat16" if path == "bf16" else "fp8_ds_mla"
+    low = [h for h in p.mqa_heads if h in (8, 16)] or [16]
+    heads = 32 if path == "fp8_separate" else rng.choice(low)
+    odd = 64 if path != "bf16" else 128
+    s = rng.choice((1, 2))  # the merged prefill's decodes; the padded decodes are spec decodes
+    dcp = {"dcp_size": rng.choice((2, 4)), "interleave": 1} if path == "fp8_mixed_dcp" else {}
+    quant = {"scale_rule": "raw", "invalid": ["whole_row", "scattered"]}
+    found = [
+        _batch(rng, p, dtype, heads, [2] * 3 + [0, 0], odd, max_decode_query_len=2, **quant, **dcp),
+        _batch(rng, p, dtype, heads, [s, s, 0, s, s + 2, 66], 128, max_decode_query_len=s, **quant, **dcp),
+        _batch(rng, p, dtype, heads, [129, 3], 128, **dcp),
+        # Dense MHA takes the prefills: q holds the decodes alone.
+        _batch(rng, p, dtype, heads, [1, 1, 3, 2], 128, mqa="decodes", **dcp),
+    ]
+    if path == "fp8_mixed_dcp":  # contexts of a few tokens leave some ranks' shards empty
+        found.append({**found[0], "context_lens": [0, 1, 2, 0, 0], "query_lens": [1, 1, 1, 0, 0],
+                      "max_decode_query_len": 1})
+    if path == "fp8_separate":
+        for chunks in (1, 2, 3):
+            seqs = [rng.randint(20, 40) for _ in range(chunks + 1)]
+            qlens = [n // 2 + 2 for n in seqs]
+            found.append(_batch(rng, p, dtype, heads, [1] + qlens, 128,
+                                context_lens=[5] + [n - q for n, q in zip(seqs, qlens)],
+                                workspace_size=None if chunks == 1 else max(seqs) + (40 if chunks == 2 else 0)))
+    return found
+
+
+def _forward_candidates(path: str | None):
+    def candidates(rng: random.Random, p: Profile) -> list[dict]:
+        paths = [path] if path else list(PATH_FEATURES)
+        return [c for _ in range(FORWARD_VARIANTS) for one in paths for c in _forward_templates(rng, p, one)]
+
+    return candidates
+
+
+def _rows(q) -> int:
+    """Query rows handed to forward_mqa (q whole, or as (ql_nope, q_pe))."""
+    return (q[0] if isinstance(q, tuple) else q).shape[0]
+
+
+def _forward_hits(p, kw: dict) -> set[str]:
+    b = kw["batch"]
+    if getattr(b, "plain", None) is not None:  # HiSparse: layer 0 as the plain path sees it
+        b = b.plain
+    qsl, seqs, idx = list(b.query_start_loc), list(b.seq_lens), b.topk_indices
+    lens = [y - x for x, y in zip(qsl, qsl[1:])]
+    cfg = b.config
+    routed = sides({"heads": cfg["num_heads"], "query_lens": lens, "context_lens": [s - n for s, n in zip(seqs, lens)],
+                    "cache_dtype": cfg["kv_cache_dtype"], "dcp_size": len(b.rank_caches),
+                    "interleave": cfg.get("interleave", 1), "arch": cfg["arch"], "topk": idx.shape[-1],
+                    "max_decode_query_len": cfg["max_decode_query_len"], "workspace_size": cfg["workspace_size"],
+                    "max_model_len": cfg["max_model_len"], "mqa": p.mqa})
+    hit = {f"{boundary}: {side}" for boundary, found in routed.items() for side in found}
+    threshold = reorder_batch_threshold(cfg["num_heads"], cfg["arch"], max_decode_query_len=cfg["max_decode_query_len"],
+                                        dcp_size=len(b.rank_caches), interleave=cfg.get("interleave", 1))
+    num_decodes = split_decodes_and_prefills(qsl, threshold).num_decodes
+    hit |= {name for name, yes in (
+        ("batch > 1", sum(n > 0 for n in lens) > 1), ("> 64 tokens", qsl[-1] > 64),
+        ("two or more prefill requests", len(lens) - num_decodes >= 2),
+        ("spec decodes (s_q > 1) of several requests", sum(1 < n for n in lens[:num_decodes]) > 1),
+        ("row with no valid index", bool((idx[:qsl[-1]] < 0).all(-1).any())),
+        ("only the decodes of a mixed batch through forward_mqa", _rows(b.q) < qsl[-1] and num_decodes < len(lens)),
+    ) if yes}
+    if "only the decodes of a mixed batch through forward_mqa" in hit:  # the unrestricted draw asks it of both caches
+        hit.add(f"only the decodes of a mixed batch through forward_mqa: {cfg['kv_cache_dtype']} cache")
+    if cfg["kv_cache_dtype"] == "fp8_ds_mla":
+        scales = _scales(b.rank_caches[0])
+        if bool(((scales > 0) & (torch.frexp(scales).mantissa != 0.5)).any()):
+            hit.add("raw (non-power-of-two) scales")
+    return hit
+
+
+for _path, _features in PATH_FEATURES.items():
+    register("forward_mqa", _path, Coverage(_features, _forward_candidates(_path), _forward_hits))
+register("forward_mqa", None, Coverage(
+    tuple(dict.fromkeys(f for features in PATH_FEATURES.values() for f in features))
+    + tuple(f"fp8_path: {side}" for side in SIDES["fp8_path"])
+    + tuple(f"only the decodes of a mixed batch through forward_mqa: {cache} cache" for cache in ("bfloat16", "fp8_ds_mla")),
+    _forward_candidates(None), _forward_hits))
+
+
+# --- forward_mqa's HiSparse paths ---------------------------------------------------------------
+
+HISPARSE = ("split: all decodes", "split: decodes + prefills", "batch > 1", "two or more prefill requests",
+            "row with no valid index", "pages missing from the hot cache", "a decode's page missing from the hot cache",
+            "decodes alone, every context page but the tail swapped in",
+            "a swap budget below the decodes (the resident route)",
+            "several layers on the resident route, the persistent buffer holding its rows",
+            "several layers on the resident route, the persistent buffer below its rows (the fallback)")
+HISPARSE_FEATURES = {"bf16_hisparse": HISPARSE,
+                     "fp8_separate_hisparse": HISPARSE + ("chunks: 2 chunks", "chunks: >= 3 chunks",
+                                                          "raw (non-power-of-two) scales")}
+
+
+def _hisparse_candidates(path: str):
+    dtype = "bfloat16" if path == "bf16_hisparse" else "fp8_ds_mla"
+
+    def batch(rng: random.Random, p: Profile, qlens: list[int], s: int, **extra) -> dict:
+        # Pages before the resident tail: contexts of several of the smallest blocks.
+        bs = min(p.block_sizes)
+        ctx = [rng.randint(2 * bs, 4 * bs) for _ in qlens]
+        return {"cache_dtype": dtype, "heads": rng.choice(p.mqa_heads), "query_lens": qlens, "context_lens": ctx,
+                "block_size": bs, "topk": 128, "sm_scale": 0.1352,
+                "value_regime": rng.choice(("normal", "peaked")), "scale_rule": "raw", "invalid": ["whole_row"],
+                "max_decode_query_len": s, "max_model_len": max(c + n for c, n in zip(ctx, qlens)),
+                "hisparse": True, "layers": 1, "resident_frac": 0.3, "slot_perm": True, **extra}
+
+    def candidates(rng: random.Random, p: Profile) -> list[dict]:
+        found = []
+        for _ in range(FORWARD_VARIANTS):
+            found += [
+                batch(rng, p, [1, 1, 3, 5], 1),
+                # Decodes alone, every page swapped in; broad softmaxes: one stale key of K shows.
+                batch(rng, p, [1, 1, 1], 1, resident_frac=0.0, value_regime="normal"),
+                # The resident route (the persistent group buffer's): every page resident, the swap
+                # budget below the decodes; the buffer as large as the batch, or below it.
+                batch(rng, p, [2, 2, 2], 2, resident_frac=1.0, swap_rows="below", layers=2),
+                batch(rng, p, [2, 2, 2], 2, resident_frac=1.0, swap_rows="below", layers=2,
+                      buffer_rows=rng.randint(1, 5)),
+            ]
+            if dtype == "fp8_ds_mla":
+                for chunks in (2, 3):  # prefills of one length, a workspace as long: one chunk each
+                    n = rng.randint(10, 20)
+                    b = batch(rng, p, [1] + [n] * chunks, 1, heads=32)  # routing's chunks: the separate heads
+                    b["context_lens"] = b["context_lens"][:1] + [b["context_lens"][1]] * chunks
+                    b["max_model_len"] = b["workspace_size"] = max(c + q for c, q in zip(b["context_lens"], b["query_lens"]))
+                    found.append(b)
+        return found
+
+    return candidates
+
+
+def _swapped_in(residency: torch.Tensor, seq_len: int, bs: int) -> bool:
+    """Whether a request's state row holds none of its pages but the always-resident tail."""
+    return bool((residency[: max(0, -(-seq_len // bs) - ACTIVE_TAIL_PAGES)] == 0).all())
+
+
+def _hisparse_hits(p, kw: dict) -> set[str]:
+    hb = kw["batch"]
+    b, tables = hb.plain, hb.tables
+    hit = _forward_hits(p, kw)
+    qsl, seqs, bs = b.query_start_loc, b.seq_lens, b.config.get("block_size", p.block_size)
+    states = tables["request_state_indices"].long()
+    absent = [bool((tables["residency"][int(states[r]), : -(-n // bs)] == 0).any()) for r, n in enumerate(seqs)]
+    missing = any(absent)
+    split = split_decodes_and_prefills(qsl, b.config["max_decode_query_len"])
+    num_decode_tokens = split.num_decode_tokens
+    # The resident route converts through the group's buffer: every token (BF16 with prefills) or the decodes.
+    prefills = num_decode_tokens < qsl[-1]
+    resident = not missing and (hb.config["max_swap_rows"] < num_decode_tokens or prefills)
+    rows = qsl[-1] if prefills and b.config["kv_cache_dtype"] == "bfloat16" else num_decode_tokens
+    layers, buffer = len(hb.q_layers), hb.group_buffer[0].shape[0]
+    return hit | {name for name, yes in (
+        ("pages missing from the hot cache", missing),
+        ("a decode's page missing from the hot cache", any(absent[:split.num_decodes])),
+        ("decodes alone, every context page but the tail swapped in",
+         split.num_prefills == 0 and all(_swapped_in(tables["residency"][int(states[r])], n, bs) for r, n in enumerate(seqs))),
+        ("a swap budget below the decodes (the resident route)", hb.config["max_swap_rows"] < num_decode_tokens),
+        ("several layers on the resident route, the persistent buffer holding its rows",
+         resident and layers > 1 and 0 < rows <= buffer),
+        ("several layers on the resident route, the persistent buffer below its rows (the fallback)",
+         resident and layers > 1 and buffer < rows),
+    ) if yes}
+
+
+for _path, _features in HISPARSE_FEATURES.items():
+    register("forward_mqa", _path, Coverage(_features, _hisparse_candidates(_path), _hisparse_hits))
