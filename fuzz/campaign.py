@@ -298,7 +298,9 @@ class _Search:
             case = Case(case.op, case.params, case.seed + self.offset)
             found = [(case, self.evaluate([case], "shrink")[0])]
         else:
-            count = max(1, min(self.campaign.block, self.campaign.examples - self.result.examples))
+            count = min(self.campaign.block, self.campaign.examples - self.result.examples)
+            if count <= 0:  # the covering set and the blocks drawn spent the budget: no case past it
+                return
             cases = [case] + [Case(case.op, case.params, case.seed + i) for i in range(1, count)]
             found = [(c, rows) for c, rows in zip(cases, self.evaluate(cases, "fuzz")) if rows is not None]
             for _, rows in found:
