@@ -49,6 +49,18 @@ def _duplicates(idx: torch.Tensor) -> bool:
     return bool(((rows[:, 1:] == rows[:, :-1]) & (rows[:, 1:] >= 0)).any())
 
 
+DEGENERATE = ("tied logits (a zero q row over two or more valid entries)", "an all-zero q row")
+
+
+def _degenerate_hits(q: torch.Tensor, valid: torch.Tensor) -> set[str]:
+    """From q [..., rows sharing an index row, 576] and the valid entries per index row [..., k]
+    (the leading dims equal): a zero q row, and one whose index row has two or more valid entries
+    (every logit of it 0: all equal)."""
+    zero = (q == 0).all(-1)
+    tied = zero & (valid.sum(-1) >= 2)[..., None]
+    return {name for name, yes in ((DEGENERATE[0], bool(tied.any())), (DEGENERATE[1], bool(zero.any()))) if yes}
+
+
 # --- convert_index -------------------------------------------------------------------------------
 
 CONVERT = ("batch > 1", "> 64 tokens", "row with no valid index", "negatives other than -1", "index past the table",
@@ -117,7 +129,7 @@ register("convert_index", None, Coverage(CONVERT, _convert_candidates, _convert_
 PREFILL = ("several tokens", "> 64 tokens", "several heads", "row with no valid index", "topk_length 0",
            "topk_length 1", "topk_length K", "no topk_length", "no sink", "finite sink", "+inf sink", "-inf sink",
            "top-k of one 128 unit", "top-k of several 128 units", "negatives other than -1", "index past N", "index N",
-           "duplicate indices", "NaN kv row 0 beside an invalid entry", "fewer kv rows than top-k") + LAYOUT
+           "duplicate indices", "NaN kv row 0 beside an invalid entry", "fewer kv rows than top-k") + LAYOUT + DEGENERATE
 
 
 def _prefill_candidates(rng: random.Random, p: Profile) -> list[dict]:
@@ -129,7 +141,7 @@ def _prefill_candidates(rng: random.Random, p: Profile) -> list[dict]:
         found += [
             # Past 64 tokens, every topk_length edge, the sinks of every kind, invalid entries.
             {"tokens": rng.randint(65, 70), "heads": rng.choice(multi), "kv_rows": rng.randint(small, 2 * small),
-             "topk": small, "value_regime": rng.choice(("normal", "peaked")), "sm_scale": 0.1352,
+             "topk": small, "value_regime": rng.choice(("degenerate", "peaked")), "sm_scale": 0.1352,
              "invalid": ["out_of_range", "boundaries", "whole_row", "duplicates", "negatives"], "topk_length": "edges",
              "sink": "inf", **layout},
             # Fewer kv rows than top-k over several 128 units; row 0 left unselected (NaN) often.
@@ -137,7 +149,7 @@ def _prefill_candidates(rng: random.Random, p: Profile) -> list[dict]:
              "topk": large if large > 128 else 256, "value_regime": rng.choice(("saturation", "outliers")),
              "sm_scale": 0.0417, "invalid": ["scattered"], "topk_length": "none", "sink": "finite", **layout},
             {"tokens": rng.randint(2, 4), "heads": min(p.heads), "kv_rows": rng.randint(4 * small, 8 * small),
-             "topk": small, "value_regime": rng.choice(("normal", "tiny")), "sm_scale": 0.3,
+             "topk": small, "value_regime": rng.choice(("degenerate", "tiny")), "sm_scale": 0.3,
              "invalid": ["scattered", "negatives"], "topk_length": "random", "sink": "none", **layout},
         ]
     return found
@@ -149,7 +161,7 @@ def _prefill_hits(p, kw: dict) -> set[str]:
     live = (idx >= 0) & (idx < n)
     if length is not None:
         live &= torch.arange(k)[None, :] < length[:, None]
-    hit = _layout_hits(kw) | {name for name, yes in (
+    hit = _layout_hits(kw) | _degenerate_hits(q, live) | {name for name, yes in (
         ("several tokens", tokens > 1), ("> 64 tokens", tokens > 64), ("several heads", heads > 1),
         ("row with no valid index", bool((~live).all(1).any())), ("no topk_length", length is None),
         ("no sink", sink is None), ("top-k of one 128 unit", k == 128), ("top-k of several 128 units", k > 128),
@@ -175,7 +187,7 @@ register("sparse_prefill", None, Coverage(PREFILL, _prefill_candidates, _prefill
 DECODE = ("batch > 1", "s_q > 1 with several requests", "s_q > 1 with several heads", "> 64 query rows",
           "top-k % 128 == 64", "top-k % 128 == 0",
           "raw (non-power-of-two) scales", "power-of-two scales", "row with no valid index",
-          "NaN slot 0 beside a -1 entry", "padded page stride", "duplicate indices", "a row partly -1") + LAYOUT
+          "NaN slot 0 beside a -1 entry", "padded page stride", "duplicate indices", "a row partly -1") + LAYOUT + DEGENERATE
 
 
 def _decode_candidates(rng: random.Random, p: Profile) -> list[dict]:
@@ -189,7 +201,7 @@ def _decode_candidates(rng: random.Random, p: Profile) -> list[dict]:
             {"batch": batch, "s_q": 2, "heads": min(h for h in p.heads if h > 1), "topk": rng.choice(odd),
              "seq_lens": [rng.randint(1, min(p.max_context, 300)) for _ in range(batch)],
              "page_size": rng.choice(p.block_sizes),
-             "sm_scale": 0.1352, "value_regime": "normal", "scale_rule": "raw",
+             "sm_scale": 0.1352, "value_regime": "degenerate", "scale_rule": "raw",
              "invalid": ["whole_row", "duplicates"], "stride_pad": 1, "layout": layout},
             {"batch": 2, "s_q": 1, "heads": max(p.heads), "topk": rng.choice(even),
              "seq_lens": [rng.randint(1, 40), rng.randint(1, min(p.max_context, 2000))], "page_size": 1,
@@ -216,7 +228,7 @@ def _decode_hits(p, kw: dict) -> set[str]:
     pow2 = scales > 0
     pow2 &= torch.frexp(scales).mantissa == 0.5
     rows = idx.reshape(-1, k)
-    return _layout_hits(kw) | {name for name, yes in (
+    return _layout_hits(kw) | _degenerate_hits(q, idx >= 0) | {name for name, yes in (
         ("batch > 1", batch > 1), ("s_q > 1 with several requests", s_q > 1 and batch > 1),
         ("s_q > 1 with several heads", s_q > 1 and q.shape[2] > 1),
         ("> 64 query rows", batch * s_q > 64), ("top-k % 128 == 64", k % 128 == 64), ("top-k % 128 == 0", k % 128 == 0),
@@ -237,7 +249,7 @@ register("sparse_decode_fp8", None, Coverage(DECODE, _decode_candidates, _decode
 
 SPLIT = tuple(f"split: {side}" for side in SIDES["split"])
 BATCH = ("batch > 1", "> 64 tokens", "two or more prefill requests", "spec decodes (s_q > 1) of several requests",
-         "row with no valid index", "only the decodes of a mixed batch through forward_mqa")
+         "row with no valid index", "only the decodes of a mixed batch through forward_mqa") + DEGENERATE
 DECODE_TOPK = tuple(f"decode_topk: {side}" for side in SIDES["decode_topk"])
 PATH_FEATURES = {
     "bf16": SPLIT + BATCH,
@@ -274,7 +286,9 @@ def _forward_templates(rng: random.Random, p: Profile, path: str) -> list[dict]:
     quant = {"scale_rule": "raw", "invalid": ["whole_row", "scattered"]}
     found = [
         _batch(rng, p, dtype, heads, [2] * 3 + [0, 0], odd, max_decode_query_len=2, **quant, **dcp),
-        _batch(rng, p, dtype, heads, [s, s, 0, s, s + 2, 66], 128, max_decode_query_len=s, **quant, **dcp),
+        # Zero q rows (tied logits) among random ones, in decodes and prefills alike.
+        _batch(rng, p, dtype, heads, [s, s, 0, s, s + 2, 66], 128, max_decode_query_len=s, **quant, **dcp,
+               value_regime="degenerate"),
         _batch(rng, p, dtype, heads, [129, 3], 128, **dcp),
         # Dense MHA takes the prefills: q holds the decodes alone.
         _batch(rng, p, dtype, heads, [1, 1, 3, 2], 128, mqa="decodes", **dcp),
@@ -305,6 +319,17 @@ def _rows(q) -> int:
     return (q[0] if isinstance(q, tuple) else q).shape[0]
 
 
+def _forward_degenerate(b) -> set[str]:
+    """The zero q rows of a batch's tokens (not its padding rows), tied where the token's entries
+    name two or more positions inside its own sequence."""
+    q = torch.cat(b.q, -1) if isinstance(b.q, tuple) else b.q
+    n = min(q.shape[0], b.query_start_loc[-1])
+    request = torch.bucketize(torch.arange(n), torch.tensor(list(b.query_start_loc[1:])), right=True)
+    idx = b.topk_indices[:n].cpu()
+    valid = (idx >= 0) & (idx < torch.tensor(list(b.seq_lens))[request][:, None])
+    return _degenerate_hits(q[:n].cpu(), valid)
+
+
 def _forward_hits(p, kw: dict) -> set[str]:
     b = kw["batch"]
     if getattr(b, "plain", None) is not None:  # HiSparse: layer 0 as the plain path sees it
@@ -317,7 +342,7 @@ def _forward_hits(p, kw: dict) -> set[str]:
                     "interleave": cfg.get("interleave", 1), "arch": cfg["arch"], "topk": idx.shape[-1],
                     "max_decode_query_len": cfg["max_decode_query_len"], "workspace_size": cfg["workspace_size"],
                     "max_model_len": cfg["max_model_len"], "mqa": p.mqa})
-    hit = {f"{boundary}: {side}" for boundary, found in routed.items() for side in found}
+    hit = {f"{boundary}: {side}" for boundary, found in routed.items() for side in found} | _forward_degenerate(b)
     threshold = reorder_batch_threshold(cfg["num_heads"], cfg["arch"], max_decode_query_len=cfg["max_decode_query_len"],
                                         dcp_size=len(b.rank_caches), interleave=cfg.get("interleave", 1))
     num_decodes = split_decodes_and_prefills(qsl, threshold).num_decodes

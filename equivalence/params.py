@@ -14,9 +14,9 @@ from .layouts import LAYOUTS
 from .patterns import FORWARD_PATTERNS, PATTERNS
 from .schema import (BLOCK, HEADS, PAD, ROWS, SEQ_LENS, SM_SCALE, TOKENS, TOPK, Flag, Int, Ints, OneOf, Params, Real,
                      SubsetOf, blocks, param)
-from .values import REGIMES
+from .values import COVERING_REGIMES, REGIMES
 
-REGIME = OneOf(*REGIMES)
+REGIME = OneOf(*REGIMES, *COVERING_REGIMES)
 SCALE_RULE = OneOf("pow2", "raw")  # fp8_ds_mla tile scales: amax / 448 rounded up to a power of two, or raw
 DECODE_PATTERNS = ("scattered", "whole_row", "duplicates", "boundaries")  # only -1 is invalid for the decode kernel
 WORLD_SIZES = (2, 4, 8)              # the multi-process DCP op's rank counts

@@ -64,7 +64,7 @@ class Row:
     dcp_size: int | None = None      # decode-context-parallel world size (1 = none)
     cache_dtype: str | None = None   # bfloat16 | fp8_ds_mla | nvfp4_ds_mla
     scale_rule: str | None = None    # pow2 | raw (fp8_ds_mla tile scales)
-    value_regime: str | None = None  # normal | saturation | outliers | zero_tiles | tiny | peaked
+    value_regime: str | None = None  # normal | saturation | outliers | zero_tiles | tiny | peaked | degenerate
     sm_scale: float | None = None
     # what was compared, and how far apart
     kind: str = ""                   # KINDS, or "" (see the module's docstring)

@@ -8,6 +8,10 @@ Each regime stresses something different in the kernels and the cache formats:
     zero_tiles  whole 128-element kv tiles zero (scale floor 2**-13 under pow2)
     tiny        kv ~ N(0, 1e-6): fp8 subnormals after scaling, the scale floor
     peaked      q scaled 8x: one or two keys dominate each softmax
+    degenerate  normal, but about a quarter of the q rows (a token's head) exactly zero, never all of
+                them: every logit of such a row is 0, a tied softmax whose exact answer is the mean of
+                the selected V rows with lse = ln(k valid). Only the covering sets ask for it
+                (COVERING_REGIMES): the random draws keep drawing REGIMES as pinned.
 Nothing is ever all zero: a zero tensor hides unwritten outputs and wrong indexing.
 
 Values are drawn on the generator's device: a case's tensors are a deterministic function of
@@ -26,6 +30,8 @@ from mla_verify import reference
 from .builders import permutation
 
 REGIMES = ("normal", "saturation", "outliers", "zero_tiles", "tiny", "peaked")
+COVERING_REGIMES = ("degenerate",)  # accepted by every value_regime param, never drawn at random
+ZERO_Q_SHARE = 0.25
 NOPE, TILE = 512, 128
 
 
@@ -53,8 +59,8 @@ def kv_values(gen: torch.Generator, n: int, regime: str, version: int = 1) -> to
         x[:, :NOPE] = (x[:, :NOPE].view(n, NOPE // TILE, TILE) * ~zero[..., None]).view(n, NOPE)
     elif regime == "tiny":
         x[:, :NOPE] *= 1e-6
-    elif regime not in ("normal", "peaked"):
-        raise ValueError(f"unknown value regime {regime!r}; known: {REGIMES}")
+    elif regime not in ("normal", "peaked", "degenerate"):
+        raise ValueError(f"unknown value regime {regime!r}; known: {REGIMES + COVERING_REGIMES}")
     return x.to(torch.bfloat16)
 
 
@@ -68,7 +74,19 @@ def q_values(gen: torch.Generator, shape: tuple[int, ...], regime: str, version:
         q *= 8
     elif regime == "saturation":
         q *= 0.01  # kv is ~400x larger: keep logits in a range where the softmax still mixes
+    elif regime == "degenerate":
+        q = _zero_some_rows(gen, q)
     return q.to(torch.bfloat16)
+
+
+def _zero_some_rows(gen: torch.Generator, q: torch.Tensor) -> torch.Tensor:
+    """q with about ZERO_Q_SHARE of its rows (last dim) zero: the first row always (where there are
+    two or more), the last never, so a case mixes tied rows with random ones and is never all zero."""
+    rows = q.reshape(-1, q.shape[-1])
+    zero = _uniform(gen, (rows.shape[0],)) < ZERO_Q_SHARE
+    zero[0] = rows.shape[0] > 1
+    zero[-1] = False
+    return (rows * ~zero[:, None]).view(q.shape)
 
 
 # Row pools: quantizing a large cache costs far more than the attention a case checks, so caches

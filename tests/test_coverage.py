@@ -2,12 +2,21 @@
 lists, as their built tensors show; a campaign runs them first; a feature is read from tensors,
 not claimed by params."""
 
-import pytest
+import dataclasses
+import math
 
+import pytest
+import torch
+
+from mla_verify import reference
+from mla_verify.reference.fp8_ds_mla import unpack_fp8_ds_mla
 from mla_verify.equivalence import coverage
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, names, resolve_subject
+from mla_verify.equivalence.features import DEGENERATE
+from mla_verify.equivalence.policy import Numerics
 from mla_verify.equivalence.profiles import PROFILES, get_profile
+from mla_verify.equivalence.values import REGIMES, q_values
 from mla_verify.fuzz.campaign import Campaign, each, first_cases, fuzz
 
 SINGLE = sorted({op for op, path in coverage.covered() if op != "forward_mqa"})
@@ -113,3 +122,80 @@ def test_a_failing_covering_case_is_shrunk_through_the_draws_when_they_fail_too(
     assert result.first_failure_at == 1 and result.shrunk and result.failure.case.params["n"] == 1
     result = _campaign("convert_index", "tests.zoo.indices:first_request_workspace", 1)
     assert result.first_failure_at == 1 and not result.shrunk and result.failure.case.params["requests"] >= 4
+
+
+# --- the degenerate value regime: zero q rows, tied logits --------------------------------------
+
+PREFILL_CASE = {"tokens": 4, "heads": 8, "kv_rows": 60, "topk": 128, "sm_scale": 0.1352, "invalid": ["scattered"],
+                "topk_length": "random", "sink": "none"}
+DECODE_CASE = {"batch": 3, "s_q": 2, "heads": 8, "topk": 64, "seq_lens": [30, 50, 90], "page_size": 16,
+               "sm_scale": 0.1352, "scale_rule": "raw", "invalid": ["scattered"], "stride_pad": 0}
+FORWARD_CASE = {"cache_dtype": "fp8_ds_mla", "heads": 16, "query_lens": [1, 1, 3, 70], "context_lens": [20, 9, 30, 5],
+                "block_size": 16, "topk": 128, "sm_scale": 0.1352, "scale_rule": "raw", "arch": "sm100"}
+
+
+def test_degenerate_q_mixes_zero_rows_with_random_ones_and_leaves_the_drawn_regimes_alone():
+    q = q_values(torch.Generator().manual_seed(3), (40, 8, 576), "degenerate").view(-1, 576)
+    zero = (q == 0).all(-1)
+    assert 0.1 < zero.float().mean() < 0.4 and bool(zero[0]) and not bool(zero[-1])
+    assert not bool((q[~zero] == 0).all(-1).any()), "a row is zero or random, never partly zero"
+    assert not bool((q_values(torch.Generator().manual_seed(3), (1, 1, 576), "degenerate") == 0).all())
+    assert "degenerate" not in REGIMES  # the random draws (and their pinned seeds) never draw it
+
+
+@pytest.mark.parametrize("op, params", [("sparse_prefill", PREFILL_CASE), ("sparse_decode_fp8", DECODE_CASE),
+                                        ("forward_mqa", FORWARD_CASE)], ids=["prefill", "decode", "forward"])
+def test_degenerate_features_are_read_from_tensors(op, params):
+    assert set(DEGENERATE) <= coverage.features_of(Case(op, {**params, "value_regime": "degenerate"}, 4))
+    assert not set(DEGENERATE) & coverage.features_of(Case(op, {**params, "value_regime": "normal"}, 4))
+
+
+def test_the_reference_answers_a_tied_row_with_the_mean_of_its_v_rows():
+    """All-equal logits (a zero q row): out = the mean of the selected V rows, lse = 0 + ln(k valid)."""
+    spec = get_spec("sparse_prefill")
+    kw = spec.inputs(spec.params_of({**PREFILL_CASE, "value_regime": "degenerate"}), 6, "cpu")
+    q, kv, idx, length = kw["q"], kw["kv"], kw["indices"].long(), kw["topk_length"]
+    res = reference.sparse_prefill(q, kv, kw["indices"], kw["sm_scale"], length)
+    checked = 0
+    for t, h in (q == 0).all(-1).nonzero().tolist():
+        live = idx[t, :int(length[t])]
+        live = live[(live >= 0) & (live < kv.shape[0])]
+        if live.numel() < 2:
+            continue
+        torch.testing.assert_close(res.out[t, h], kv[live, :512].double().mean(0), rtol=1e-12, atol=1e-12)
+        assert abs(float(res.lse[t, h]) - math.log(live.numel())) < 1e-12
+        checked += 1
+    assert checked >= 2
+
+
+def test_the_reference_decode_answers_a_tied_row_with_the_mean_of_its_v_rows():
+    spec = get_spec("sparse_decode_fp8")
+    kw = spec.inputs(spec.params_of({**DECODE_CASE, "value_regime": "degenerate"}), 6, "cpu")
+    q, cache, idx = kw["q"], kw["kv_cache"], kw["indices"].long()
+    res = reference.sparse_decode_fp8(q, cache, kw["indices"], kw["sm_scale"])
+    nope, scales, _ = unpack_fp8_ds_mla(cache.reshape(-1, cache.shape[-1]))
+    rows = (nope.double().view(-1, 4, 128) * scales.double()[..., None]).view(-1, 512)  # exact, no bf16 rounding
+    zero = (q == 0).all(-1).nonzero().tolist()
+    assert zero
+    for b, s, h in zero:
+        live = idx[b, s][idx[b, s] >= 0]
+        torch.testing.assert_close(res.out[b, s, h], rows[live].mean(0), rtol=1e-12, atol=1e-12)
+        assert abs(float(res.lse[b, h, s]) - math.log(live.numel())) < 1e-12  # lse: [B, H, S]
+
+
+@pytest.mark.parametrize("op, params, impl", [
+    *((op, params, impl) for op, params in (("sparse_prefill", {**PREFILL_CASE, "sink": "finite"}),
+                                            ("sparse_decode_fp8", DECODE_CASE)) for impl in ("triton", "torch-fp32")),
+    ("forward_mqa", FORWARD_CASE, None)], ids=["prefill-triton", "prefill-torch", "decode-triton", "decode-torch", "forward"])
+def test_the_implementations_pass_degenerate_cases_under_the_same_bounds(op, params, impl):
+    """The implementations here (on CPU; the pipeline for forward_mqa) pass tied rows; the policy
+    reads nothing of the value regime (Numerics holds no such field), so a degenerate case is held
+    to a normal case's bounds."""
+    assert "value_regime" not in {f.name for f in dataclasses.fields(Numerics)}
+    subject = resolve_subject(op, [impl] if impl else [], "cpu")
+    case = Case(op, {**params, "value_regime": "degenerate"}, 8)
+    assert set(DEGENERATE) <= coverage.features_of(case)
+    rows = evaluate(case, subject, "cpu")
+    assert rows and all(r.passed and not math.isnan(r.value) for r in rows), [(r.tensor, r.reason) for r in rows]
+    spec = get_spec(op)
+    assert spec.params_of(case.params).numerics() == spec.params_of({**params, "value_regime": "normal"}).numerics()

@@ -150,3 +150,22 @@ def decode_minus_one_reads_slot_0(q, kv_cache, indices, sm_scale):
     """-1 entries read as slot 0 (a clamped address, no mask)."""
     res = reference.sparse_decode_fp8(q, kv_cache, indices.clamp(min=0), sm_scale)
     return res.out.float().to(torch.bfloat16), res.lse.float()
+
+
+def _skip_zero_q_rows(out, lse, mx, zero):
+    return out.masked_fill(zero[..., None], 0), lse.masked_fill(zero, math.inf), mx.masked_fill(zero, -math.inf)
+
+
+def zero_q_row_skipped(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """A zero q row taken for a padded head and skipped as if it had no valid entry (out 0, lse
+    +inf): its logits are all equal (0), the contract's answer the mean of its V rows."""
+    out, lse, mx = _as_kernel(reference.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink))
+    return _skip_zero_q_rows(out, lse, mx, (q == 0).all(-1))
+
+
+def decode_zero_q_row_skipped(q, kv_cache, indices, sm_scale):
+    """The decode kernel skipping zero q rows the same way."""
+    res = reference.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
+    zero = (q == 0).all(-1)  # [B, S, H]; lse is [B, H, S]
+    out = res.out.float().to(torch.bfloat16).masked_fill(zero[..., None], 0)
+    return out, res.lse.float().masked_fill(zero.transpose(1, 2), math.inf)
