@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from .batch import make_batch
 from .params import DcpParams
-from .rows import Row, split_rank
+from .rows import Row
 
 RANK_TENSORS = ("out", "lse", "partial_out", "partial_lse")
 # NVLink multicast stays off in every rank: on the lent GPU machines a program using it can take
@@ -321,15 +321,14 @@ def worst_by_rank(rows: Sequence[Row]) -> list[str]:
     """Per rank and compared tensor: the row with the least headroom, one text line per rank."""
     worst: dict[tuple[int, str], Row] = {}
     for r in rows:
-        name, rank = split_rank(r.tensor)
-        if rank is None or not r.gate_metric:
+        if r.rank is None or not r.gate_metric:
             continue
-        key = (rank, name)
+        key = (r.rank, r.tensor)
         if key not in worst or r.headroom < worst[key].headroom:
             worst[key] = r
     lines = []
     for rank in sorted({k[0] for k in worst}):
         cells = [f"{name} {w.gate_metric} {w.value:.3g}/{w.bound:.3g}{'' if w.passed else ' FAIL'}"
-                 for name in RANK_TENSORS if (w := worst.get((rank, name))) is not None]
+                 for name in RANK_TENSORS if (w := worst.get((rank, f"{name}_rank{rank}"))) is not None]
         lines.append(f"rank {rank}: " + " | ".join(cells))
     return lines

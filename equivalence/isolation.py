@@ -240,7 +240,7 @@ _LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 def reap_all() -> int:
     """Kill every process a worker of this process left running (`reaper.kill_strays`), the live
     workers and multiprocessing's own helpers kept; how many there were. A run calls it before
-    its final record (`mla_verify.record.seal`)."""
+    its final record (`mla_verify.runs.record.seal`)."""
     keep = set().union(*(w._pids() for w in list(_LIVE)))
     return reaper.kill_strays(keep | _servers())
 
@@ -517,9 +517,10 @@ class Worker:
         base = {**base, "path": answer.path or base["path"], "stages": answer.stages}
         timed = {"time_impl_s": answer.t_impl}  # an input's row, as `running.input_rows` makes it
         rows = [unsupported_row(base, reason) if metric == "unsupported" else
-                failure_row(base, tensor, metric, reason, **(timed if metric == "input_written" else {}))
-                for tensor, metric, reason in answer.findings]
-        failed = any(tensor == "*" or metric == "unsupported" for tensor, metric, _ in answer.findings)
+                failure_row(base, tensor, metric, reason,
+                            **({**timed, "written": written} if metric == "input_written" else {}))
+                for tensor, metric, reason, written in answer.findings]
+        failed = any(tensor == "*" or metric == "unsupported" for tensor, metric, *_ in answer.findings)
         from .properties.base import Compared  # it imports the kernels: not before `_serve` set up Triton
 
         compared = [Compared(*c) for c in answer.compared]

@@ -52,6 +52,9 @@ class Row:
     seed: int
     source: str        # corpus | fuzz | property | replay | bench
     case: str = ""     # the Case as JSON (op, params, seed): what replays this row's case
+    rank: int | None = None  # the DCP rank whose tensor it is ("out_rank1": 1)
+    check: str = ""    # the property check that compared it ("merged.out": "merged")
+    written: str = ""  # the input the implementation wrote ("input:kv": "kv")
     # knobs every op reports where it has them (None elsewhere): the axes of the report's tables
     topk: int | None = None          # width of the top-k index rows
     heads: int | None = None         # query heads the caller asked for (before any padding)
@@ -108,9 +111,3 @@ STORED_FIELDS: tuple[Field, ...] = tuple(
     g for f in fields(Row) for g in (_METRIC_FIELDS if f.name == "metrics" else (f,)))
 COLUMNS = tuple(f.name for f in STORED_FIELDS)
 
-
-def split_rank(tensor: str) -> tuple[str, int | None]:
-    """A multi-process DCP row's tensor names the rank it came from: "partial_lse_rank3" ->
-    ("partial_lse", 3); any other name -> (name, None)."""
-    base, sep, rank = tensor.rpartition("_rank")
-    return (base, int(rank)) if sep and rank.isdigit() else (tensor, None)

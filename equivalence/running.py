@@ -174,7 +174,8 @@ def noted(rows: list[Row], threads: list[str]) -> list[Row]:
 
 def input_rows(base: dict, written: list[tuple[str, str]], **fields) -> list[Row]:
     """One failing row per input the implementation wrote (`Snapshot.changed`: tensor "input:NAME")."""
-    return [failure_row(base, f"input:{name}", "input_written", reason, **fields) for name, reason in written]
+    return [failure_row(base, f"input:{name}", "input_written", reason, written=name, **fields)
+            for name, reason in written]
 
 
 def judged_row(base: dict, tensor: str, kind: str, v: Verdict, **fields) -> Row:

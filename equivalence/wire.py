@@ -220,7 +220,8 @@ def produced_frames(seq: int, case_id: str, produced: Any, retire: bool, called:
 
     header = dict(
         kind="produced", seq=seq, case_id=case_id, retire=retire, called=called, children=children, after=after,
-        findings=[dict(tensor=r["tensor"], metric=r["gate_metric"], reason=r["reason"]) for r in produced.rows],
+        findings=[dict(tensor=r["tensor"], metric=r["gate_metric"], reason=r["reason"], written=r.get("written", ""))
+                  for r in produced.rows],
         outputs={name: index(t) for name, t in produced.tensors.items()},
         devices=produced.devices, strides={k: list(v) for k, v in produced.strides.items()},
         problems=produced.problems, stages=produced.stages, deviations=list(produced.deviations), path=produced.path,
@@ -306,7 +307,7 @@ def _calls_in(v: Any, tensor, known_deviations: Any) -> tuple[list[dict], list[d
 class Answer:
     """A parsed "produced" message: what the parent needs to judge the case."""
 
-    findings: list[tuple[str, str, str]]   # (tensor, metric, reason)
+    findings: list[tuple[str, str, str, str]]   # (tensor, metric, reason, the input it wrote or "")
     tensors: dict[str, torch.Tensor]
     devices: dict[str, str]
     strides: dict[str, tuple[int, ...]]
@@ -339,7 +340,7 @@ def answer_of(header: dict[str, Any], known_deviations: Any) -> Answer:
     for f in _list(header.get("findings", []), "findings", 4096):
         if not isinstance(f, dict) or f.get("metric") not in FINDINGS:
             raise Unreadable(f"a finding is not one of {', '.join(FINDINGS)}")
-        findings.append((text(f, "tensor"), f["metric"], text(f, "reason")))
+        findings.append((text(f, "tensor"), f["metric"], text(f, "reason"), text(f, "written")))
     outputs = header.get("outputs", {})
     if not isinstance(outputs, dict) or len(outputs) > MAX_TENSORS:
         raise Unreadable("its outputs are not an object")

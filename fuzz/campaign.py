@@ -1,30 +1,35 @@
-"""A fuzz campaign: Hypothesis draws cases for one op, the oracle judges each, and the first
+"""A fuzz campaign: Hypothesis draws cases for one op, the judge judges each, and the first
 discrepancy is shrunk to the smallest case that still fails and saved as a replayable file.
+
+`fuzz(campaign, judge, sink)` searches what a frozen `Campaign` describes (op, profile, budget,
+seed, what is tested, path, world size, block, shrink), as Hypothesis searches under one
+`settings` object; the `judge` turns cases into rows; the `sink` hears of every case (a run
+directory journals it, a progress line counts it) and says when to stop.
 
 Nothing found is lost. The first failing case is saved the moment it is seen, then re-run: if a
 re-run passes, the failure is reported as flaky (failed k of n re-runs) and the campaign ends
 there, never in a Hypothesis traceback. A hung case is not re-run or shrunk (each try costs the
-whole timeout). `started` is told of every case before it runs (a run directory journals it, so a
-case whose process dies in the call is still a finding: `mla_verify.rundir`) and returns the call
-that says it finished; `journal` receives every case's rows as it finishes; `stop_reason` is asked
-after every case (Ctrl-C, a lost CUDA context) and ends the campaign with what it has.
+whole timeout). The sink is told of every case before its implementation is called (a run
+directory journals it, so a case whose process dies in the call is still a finding:
+`mla_verify.runs.rundir`) and when the call returned; it receives every searched case's rows as
+it finishes, and its `stop_reason` is asked after every case (Ctrl-C, a lost CUDA context) and
+ends the campaign with what it has.
 
-A Hypothesis example may stand for a block of cases (`block`): the drawn case and the cases of the
-same params at the next seeds, run through `run_block` (the reference answers them in one pass and
-the oracle judges them at once: `OpSpec.evaluate_block`), for the cost of one draw. Each is an
-ordinary case: counted, journaled and saved on its own, replayed alone. Shrinking keeps the failing
-case's place in its block and shrinks that one case, as a campaign without blocks does.
+A Hypothesis example may stand for a block of cases (`Campaign.block`): the drawn case and the
+cases of the same params at the next seeds, judged together (the reference answers them in one
+pass and the oracle judges them at once: `OpSpec.evaluate_block`), for the cost of one draw. Each
+is an ordinary case: counted, journaled and saved on its own, replayed alone. Shrinking keeps the
+failing case's place in its block and shrinks that one case, as a campaign without blocks does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from hypothesis import HealthCheck, Phase, example, given, seed as hypothesis_seed, settings
 from hypothesis.errors import Flaky
@@ -38,14 +43,82 @@ from mla_verify.equivalence.rows import Row
 from mla_verify.optimized import registry
 
 from . import casefile
-from .progress import Progress
 
-Runner = Callable[[Case, str], list[Row]]  # (case, source) -> rows
 # (cases of one params, source, on_call) -> each case's rows, None for a case not judged (a lost
 # CUDA context ended its block); on_call() runs before each case's implementation is called, in order
-BlockRunner = Callable[[list[Case], str, Callable[[], None]], list[list[Row]]]
-Started = Callable[[Case, str], Callable[[], None]]  # (case, source) -> the call that says it finished
+Judge = Callable[[list[Case], str, Callable[[], None]], list["list[Row] | None"]]
+Runner = Callable[[Case, str], list[Row]]  # (case, source) -> its rows
 RERUNS = 3  # re-runs of the first failing case: a pass among them makes it flaky
+
+
+class Sink(Protocol):
+    """Who hears of a campaign's cases (`mla_verify.runs.sink.Sink`; `QUIET` hears nothing)."""
+
+    def started(self, case: Case, source: str) -> None:
+        """`case` is about to be handed to the implementation."""
+
+    def finished(self, case: Case) -> None:
+        """The implementation's call of `case` returned."""
+
+    def judged(self, rows: list[Row], source: str) -> None:
+        """A case's rows, as the campaign keeps them (searched cases, and the minimized one)."""
+
+    def stop_reason(self) -> str:
+        """Why the campaign must end after this case ("" to go on)."""
+
+
+class _Quiet:
+    def started(self, case: Case, source: str) -> None:
+        pass
+
+    def finished(self, case: Case) -> None:
+        pass
+
+    def judged(self, rows: list[Row], source: str) -> None:
+        pass
+
+    def stop_reason(self) -> str:
+        return ""
+
+
+QUIET: Sink = _Quiet()
+
+
+@dataclass(frozen=True)
+class UnderTest:
+    """What a campaign tests, as a saved case file names it for its replay."""
+
+    specs: tuple[str, ...] = ()           # the implementation as --impl strings
+    label: str = ""                       # the rows' name for it (case files are named by it)
+    deviations: tuple[str, ...] = ()
+    conventions: tuple[str, ...] = ()
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Campaign:
+    """What one campaign searches: up to `examples` cases of `op` within `profile`, from `seed`.
+    `failures`: the directory failing cases are saved in (None: not saved); `block` > 1: each
+    example is a block of up to `block` cases (module doc); `examples` still counts cases."""
+
+    op: str
+    profile: Profile
+    examples: int
+    seed: int
+    under_test: UnderTest = UnderTest()
+    path: str | None = None
+    world_size: int | None = None
+    block: int = 1
+    shrink: bool = True
+    failures: Path | None = None
+    reruns: int = RERUNS
+
+    def found_by(self) -> str:
+        """The command that draws this campaign's cases again."""
+        return (f"mla-verify fuzz --op {self.op}" + (f" --path {self.path}" if self.path else "")
+                + (f" --world-size {self.world_size}" if self.world_size else "") + f" --seed {self.seed}"
+                + "".join(f" --deviation {name}" for name in self.under_test.deviations)
+                + "".join(f" --convention {c}" for c in self.under_test.conventions))
 
 
 class Discrepancy(Exception):
@@ -118,189 +191,187 @@ def first_cases(op: str, profile: Profile, path: str | None, world_size: int | N
                         admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s)
 
 
-def fuzz(
-    op: str,
-    run: Runner,
-    *,
-    profile: Profile,
-    examples: int,
-    seed: int,
-    impl_specs: tuple[str, ...] = (),
-    impl_label: str = "",
-    deviations: tuple[str, ...] = (),
-    conventions: tuple[str, ...] = (),
-    device: str = "cpu",
-    out_dir: Path | None = None,
-    shrink: bool = True,
-    progress_label: str | None = None,
-    show_progress: bool = True,
-    path: str | None = None,
-    world_size: int | None = None,
-    reruns: int = RERUNS,
-    journal: Callable[[list[Row]], None] | None = None,
-    stop_reason: Callable[[], str] = lambda: "",
-    started: Started | None = None,
-    block: int = 1,
-    run_block: BlockRunner | None = None,
-) -> FuzzResult:
-    """Run up to `examples` cases of `op`; stop at the first failing case, re-run it, shrink it.
+def each(run: Runner) -> Judge:
+    """A judge of one case at a time."""
+    def judge(cases: list[Case], source: str, on_call: Callable[[], None]) -> list[list[Row] | None]:
+        found = []
+        for case in cases:
+            on_call()
+            found.append(run(case, source))
+        return found
 
-    Failing cases are saved under `out_dir`/failures (named by op, implementation and case), with
-    `impl_specs` and the `deviations` and `conventions` declared for them, for replay.
-    Exceptions of `run` other than a failing case's rows (a harness error) end the campaign and
-    are raised after it; the rows so far have reached `journal` by then. The cases are drawn
-    within the profile's interpreter budget when `impl_specs` name kernels interpreted on
-    `device` (`strategy`); `show_progress`: print progress lines (a gate prints its own). With
-    `block` > 1 and a `run_block`, each example is a block of up to `block` cases (module doc);
-    `examples` still counts cases.
-    """
-    result = FuzzResult(op, seed, 0)
-    progress = Progress(progress_label or op, examples, every_s=5.0 if show_progress else math.inf)
-    state: dict = {"shrinking": False, "last": None, "error": None, "offset": 0, "found": None, "first": None}
-    # The covering set runs first, as Hypothesis's explicit examples. Hypothesis shrinks only its
-    # draws: a failing covering case is saved and re-run as any first failure, then the draws go
-    # on to the first failure they make, which is shrunk; none: the covering case is the result.
-    # Within the budget: a set larger than `examples` (blocks of `block`) keeps its first picks.
-    cover = first_cases(op, profile, path, world_size, impl_specs, device, seed)[:max(1, -(-examples // max(block, 1)))]
-    covering = {case.case_id for case in cover}
-    found_by = (f"mla-verify fuzz --op {op}" + (f" --path {path}" if path else "")
-                + (f" --world-size {world_size}" if world_size else "") + f" --seed {seed}"
-                + "".join(f" --deviation {name}" for name in deviations)
-                + "".join(f" --convention {c}" for c in conventions))
+    return judge
 
-    def save(case: Case, rows: list[Row], note: str, where: Path | None = None, unshrunk: Case | None = None
-             ) -> Path | None:
-        if out_dir is None:
+
+def fuzz(campaign: Campaign, judge: Judge, sink: Sink = QUIET) -> FuzzResult:
+    """Search `campaign`: stop at the first failing case, re-run it, shrink it, save it.
+
+    Failing cases are saved under `campaign.failures` (named by op, implementation and case),
+    with what `campaign.under_test` declares, for replay. Exceptions of `judge` (a harness error) end
+    the campaign and are raised after it; the rows so far have reached the sink by then. The cases
+    are drawn within the profile's interpreter budget when the tested specs name kernels
+    interpreted on the device (`strategy`)."""
+    return _Search(campaign, judge, sink).run()
+
+
+class _Search:
+    """One campaign's search: Hypothesis's test function and what it keeps between examples."""
+
+    def __init__(self, campaign: Campaign, judge: Judge, sink: Sink):
+        self.campaign, self.judge, self.sink = campaign, judge, sink
+        self.result = FuzzResult(campaign.op, campaign.seed, 0)
+        self.shrinking = False
+        self.last: tuple[Case, list[Row]] | None = None
+        self.error: Exception | None = None
+        self.offset = 0   # the failing case's place in its block
+        self.found: Case | None = None  # the first failing case, as found
+        self.first: tuple[Case, list[Row]] | None = None  # and its rows
+        # The covering set runs first, as Hypothesis's explicit examples. Hypothesis shrinks only its
+        # draws: a failing covering case is saved and re-run as any first failure, then the draws go
+        # on to the first failure they make, which is shrunk; none: the covering case is the result.
+        # Within the budget: a set larger than `examples` (blocks of `block`) keeps its first picks.
+        c = campaign
+        self.cover = first_cases(c.op, c.profile, c.path, c.world_size, c.under_test.specs, c.under_test.device,
+                                 c.seed)[:max(1, -(-c.examples // max(c.block, 1)))]
+        self.covering = {case.case_id for case in self.cover}
+
+    def save(self, case: Case, rows: list[Row], note: str, where: Path | None = None,
+             unshrunk: Case | None = None) -> Path | None:
+        c, tested = self.campaign, self.campaign.under_test
+        if c.failures is None:
             return None
-        cf = casefile.CaseFile(case, impl_specs, device, casefile.failure_summary(rows),
-                               note=f"{note}; found by `{found_by}` (profile {profile.name})",
-                               deviations=tuple(deviations), flaky=result.flaky, conventions=tuple(conventions),
+        cf = casefile.CaseFile(case, tested.specs, tested.device, casefile.failure_summary(rows),
+                               note=f"{note}; found by `{c.found_by()}` (profile {c.profile.name})",
+                               deviations=tested.deviations, flaky=self.result.flaky, conventions=tested.conventions,
                                unshrunk=unshrunk)
         if where is not None:
             return casefile.save(where, cf)
-        return casefile.save_new(Path(out_dir) / "failures", casefile.stem(op, impl_label or ",".join(impl_specs), case), cf)
+        return casefile.save_new(Path(c.failures) / "failures",
+                                 casefile.stem(c.op, tested.label or ",".join(tested.specs), case), cf)
 
-    def evaluate(case: Case, source: str) -> list[Row]:
-        finished = started(case, source) if started is not None else None
-        try:
-            rows = run(case, source)
-        except Exception as exc:  # the harness's own failure: stop now, raise it after the campaign
-            state["error"] = exc
-            raise StopCampaign("harness error") from None
-        if finished is not None:
-            finished()
-        return rows
-
-    def evaluate_block(cases: list[Case], source: str) -> list[list[Row]]:
-        if len(cases) == 1 or run_block is None:
-            return [evaluate(case, source) for case in cases]
+    def evaluate(self, cases: list[Case], source: str) -> list[list[Row] | None]:
+        """Each case's rows from the judge; the sink told as each call starts and returns."""
         waiting, calling = list(cases), []
 
         def on_call() -> None:
-            # Journaled as each case's call starts; the case before it returned by then, so a
-            # process that dies in a call leaves that case alone unfinished.
+            # Told as each case's call starts; the case before it returned by then, so a process
+            # that dies in a call leaves that case alone unfinished.
             if calling:
-                calling.pop()()
-            case = waiting.pop(0)
-            if started is not None:
-                calling.append(started(case, source))
+                self.sink.finished(calling.pop())
+            calling.append(waiting.pop(0))
+            self.sink.started(calling[-1], source)
 
+        if len(cases) == 1:  # a case alone is told started before anything of it is built
+            on_call()
         try:
-            found = run_block(cases, source, on_call)
-        except Exception as exc:
-            state["error"] = exc
+            found = self.judge(cases, source, (lambda: None) if len(cases) == 1 else on_call)
+        except Exception as exc:  # the harness's own failure: stop now, raise it after the campaign
+            self.error = exc
             raise StopCampaign("harness error") from None
-        for finished in calling:
-            finished()
+        for case in calling:
+            self.sink.finished(case)
         return found
 
-    def first_failure(case: Case, rows: list[Row]) -> None:
-        result.first_failure_at, state["found"] = result.examples, case
-        result.found_file = save(case, rows, f"found at example {result.examples}")
+    def stop_if_asked(self) -> None:
+        if reason := self.sink.stop_reason():
+            raise StopCampaign(reason)
+
+    def first_failure(self, case: Case, rows: list[Row]) -> None:
+        result, reruns = self.result, self.campaign.reruns
+        result.first_failure_at, self.found = result.examples, case
+        result.found_file = self.save(case, rows, f"found at example {result.examples}")
         if any(r.gate_metric == "hung" for r in rows):
             raise StopCampaign("")  # a hang is not re-run or shrunk: every try costs the timeout
-        if stop_reason():
-            raise StopCampaign(stop_reason())
-        failed = sum(_failing(evaluate(case, "rerun")) for _ in range(reruns))
+        self.stop_if_asked()
+        failed = sum(_failing(self.evaluate([case], "rerun")[0]) for _ in range(reruns))
         if failed < reruns:
             result.flaky = (failed, reruns)
-            save(case, rows, f"flaky: failed {failed} of {reruns} re-runs", result.found_file)
+            self.save(case, rows, f"flaky: failed {failed} of {reruns} re-runs", result.found_file)
             raise StopCampaign("")
-        if stop_reason() or not shrink:
-            raise StopCampaign(stop_reason())
-        state["shrinking"] = True
+        self.stop_if_asked()
+        if not self.campaign.shrink:
+            raise StopCampaign("")
 
-    # Past a covering set as large as the budget, nothing is drawn.
-    drawn = (Phase.reuse, Phase.generate) + ((Phase.shrink,) if shrink else ()) if examples > len(cover) else ()
-    phases = (Phase.explicit, *drawn)
-
-    @settings(max_examples=max(1, -(-(examples - len(cover)) // max(block, 1))), deadline=None, database=None,
-              phases=phases, print_blob=False, report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
-    @hypothesis_seed(seed)
-    @given(case=strategy(op, profile, path, world_size, impl_specs, device))
-    def search(case: Case) -> None:
-        shrinking = state["shrinking"]
-        if shrinking:  # the failing case's place in its block, at the shrunk draw
-            case = Case(case.op, case.params, case.seed + state["offset"])
-            found = [(case, evaluate(case, "shrink"))]
+    def example(self, case: Case) -> None:
+        """Hypothesis's test: judge the drawn case (with its block), raise the first failure."""
+        if self.shrinking:  # the failing case's place in its block, at the shrunk draw
+            case = Case(case.op, case.params, case.seed + self.offset)
+            found = [(case, self.evaluate([case], "shrink")[0])]
         else:
-            count = max(1, min(block, examples - result.examples))
+            count = min(self.campaign.block, self.campaign.examples - self.result.examples)
+            if count <= 0:  # the covering set and the blocks drawn spent the budget: no case past it
+                return
             cases = [case] + [Case(case.op, case.params, case.seed + i) for i in range(1, count)]
-            found = [(c, rows) for c, rows in zip(cases, evaluate_block(cases, "fuzz")) if rows is not None]
-            for c, rows in found:
-                result.examples += 1
-                result.rows.extend(rows)
-                if journal is not None:
-                    journal(rows)
-                progress.step(_failing(rows))
+            found = [(c, rows) for c, rows in zip(cases, self.evaluate(cases, "fuzz")) if rows is not None]
+            for _, rows in found:
+                self.result.examples += 1
+                self.result.rows.extend(rows)
+                self.sink.judged(rows, "fuzz")
         failing = next((i for i, (_, rows) in enumerate(found) if _failing(rows)), None)
         if failing is not None:
-            state["last"] = found[failing]
-            if not shrinking:
-                state["offset"] = failing
-                if state["first"] is None:
-                    state["first"] = found[failing]
-                    first_failure(*found[failing])
-                if case.case_id in covering:  # not Hypothesis's to shrink: draw on for a failure it can shrink
-                    state["shrinking"] = False
+            self.last = found[failing]
+            if not self.shrinking:
+                self.offset = failing
+                if self.first is None:
+                    self.first = found[failing]
+                    self.first_failure(*found[failing])
+                if case.case_id in self.covering:  # not Hypothesis's to shrink: draw on for a failure it can shrink
                     return
-                state["shrinking"] = True
-            elif stop_reason():
-                raise StopCampaign(stop_reason())
+                self.shrinking = True
+            else:
+                self.stop_if_asked()
             raise Discrepancy(*found[failing])  # one place: Hypothesis tells failures apart by where they rose
-        if stop_reason():
-            raise StopCampaign(stop_reason())
+        self.stop_if_asked()
 
-    for case in reversed(cover):  # each applied on top: they run in the set's order
-        search = example(case=case)(search)
-    final = None
-    try:
-        with _frozen_heap():
-            search()
-        final = state["first"]  # a covering case's failure the draws did not repeat
-    except Discrepancy as d:
-        final, result.shrunk = (d.case, d.rows), shrink
-    except StopCampaign as stop:
-        final, result.stopped = state["last"], str(stop.args[0]) if stop.args else ""
-    except Flaky:  # the minimized case passed on Hypothesis's last replay: keep the last failure seen
-        final = state["last"]
-    except KeyboardInterrupt:  # a second Ctrl-C: stop now, keep what was found
-        final, result.stopped = state["last"], "interrupted"
-    if state["error"] is not None:
-        raise state["error"]
-    if final is not None:
-        case, rows = final
+    def run(self) -> FuzzResult:
+        c, result = self.campaign, self.result
+        # Past a covering set as large as the budget, nothing is drawn.
+        drawn = ((Phase.reuse, Phase.generate) + ((Phase.shrink,) if c.shrink else ())
+                 if c.examples > len(self.cover) else ())
+
+        @settings(max_examples=max(1, -(-(c.examples - len(self.cover)) // max(c.block, 1))), deadline=None,
+                  database=None, phases=(Phase.explicit, *drawn), print_blob=False, report_multiple_bugs=False,
+                  suppress_health_check=list(HealthCheck))
+        @hypothesis_seed(c.seed)
+        @given(case=strategy(c.op, c.profile, c.path, c.world_size, c.under_test.specs, c.under_test.device))
+        def search(case: Case) -> None:
+            self.example(case)
+
+        for case in reversed(self.cover):  # each applied on top: they run in the set's order
+            search = example(case=case)(search)
+        final = None
+        try:
+            with _frozen_heap():
+                search()
+            final = self.first  # a covering case's failure the draws did not repeat
+        except Discrepancy as d:
+            final, result.shrunk = (d.case, d.rows), c.shrink
+        except StopCampaign as stop:
+            final, result.stopped = self.last, str(stop.args[0]) if stop.args else ""
+        except Flaky:  # the minimized case passed on Hypothesis's last replay: keep the last failure seen
+            final = self.last
+        except KeyboardInterrupt:  # a second Ctrl-C: stop now, keep what was found
+            final, result.stopped = self.last, "interrupted"
+        if self.error is not None:
+            raise self.error
+        if final is not None:
+            self.keep(*final)
+        return result
+
+    def keep(self, case: Case, rows: list[Row]) -> None:
+        """The failure the campaign ends with; the minimized case's rows and file where it was
+        found while shrinking."""
+        result = self.result
         result.failure = Discrepancy(case, rows)
         result.case_file = result.found_file
-        if all(r.case_id != case.case_id for r in result.rows):  # the minimized case, found while shrinking
+        if all(r.case_id != case.case_id for r in result.rows):
             result.rows.extend(rows)
-            if journal is not None:
-                journal(rows)
+            self.sink.judged(rows, "shrink")
             # One file a finding: the minimized case holds the one it was shrunk from, whose file,
             # saved at once in case the run died while shrinking, goes once this one is written.
-            result.case_file = save(case, rows, f"minimized from the case found at example {result.first_failure_at}",
-                                    unshrunk=state.get("found"))
+            result.case_file = self.save(case, rows,
+                                         f"minimized from the case found at example {result.first_failure_at}",
+                                         unshrunk=self.found)
             if result.found_file is not None and result.case_file is not None:
                 result.found_file.unlink(missing_ok=True)
                 result.found_file = None
-    return result

@@ -1,5 +1,6 @@
 """Progress lines for long runs, on stderr, at most every few seconds: cases done of the total,
-the failing ones, the time so far and an estimate of the time left (at the rate so far)."""
+the failing ones, the time so far and an estimate of the time left (at the rate so far). A
+`Progress` is also the sink of a campaign that only counts its cases (`fuzz.campaign.Sink`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,19 @@ class Progress:
             self.last = now
             self.stream.write(self.line(now) + (f"; {now_at}" if now_at else "") + "\n")
             self.stream.flush()
+
+    def started(self, case, source: str) -> None:
+        pass
+
+    def finished(self, case) -> None:
+        pass
+
+    def judged(self, rows, source: str) -> None:
+        if source in ("corpus", "fuzz"):
+            self.step(any(not r.passed for r in rows))
+
+    def stop_reason(self) -> str:
+        return ""
 
     def line(self, now: float) -> str:
         elapsed = now - self.start

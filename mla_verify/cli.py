@@ -16,6 +16,7 @@ import os
 import sys
 import textwrap
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 def _default_device() -> str:
@@ -94,7 +95,7 @@ def _positive_float(text: str) -> float:
 
 
 def _shard(text: str):
-    from mla_verify.fuzz.shard import Shard
+    from mla_verify.runs.parts import Shard
 
     try:
         return Shard.parse(text)
@@ -193,11 +194,21 @@ def _add_drift(p: argparse.ArgumentParser, pair: bool = True) -> None:
                         "worse (significantly worse within the factor, or drifted)")
 
 
-def _drift_settings(args) -> dict:
-    from mla_verify.reports.pairing import parse_pairs
+@dataclass(frozen=True)
+class _DriftSettings:
+    """--factor, --confidence, --min-cases, --pair and --fail-on, as fuzz, gate and report share them."""
 
-    return dict(factor=args.factor, confidence=args.confidence, min_cases=args.min_cases,
-                pairs=parse_pairs(getattr(args, "pair", [])), fail_on=args.fail_on)
+    factor: float
+    confidence: float
+    min_cases: int
+    pairs: tuple[str, ...]
+    fail_on: str
+
+    def settings(self) -> dict:
+        from mla_verify.reports.pairing import parse_pairs
+
+        return dict(factor=self.factor, confidence=self.confidence, min_cases=self.min_cases,
+                    pairs=parse_pairs(list(self.pairs)), fail_on=self.fail_on)
 
 
 def _add_corpus(p: argparse.ArgumentParser) -> None:
@@ -227,6 +238,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mla-verify {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_list_command(sub)
+    _add_fuzz_command(sub)
+    _add_replay_command(sub)
+    _add_gate_command(sub)
+    _add_merge_command(sub)
+    _add_report_command(sub)
+    _add_history_command(sub)
+    _add_bench_command(sub)
+    return parser
+
+
+def _add_list_command(sub) -> None:
+    """`mla-verify list` and its options."""
     p = _command(sub, "list", "ops, their keywords, implementations here, tolerances and deviations",
                  "List every op of the contract (the keyword arguments an implementation receives, its "
                  "reference), every pipeline stage and property, and which implementations run on this "
@@ -248,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draws", type=int, default=1000, metavar="N", help="with --coverage: random draws per profile")
     p.add_argument("--path", default=None, help="with --coverage: a forward_mqa path (default: the unrestricted draw)")
 
+
+def _add_fuzz_command(sub) -> None:
+    """`mla-verify fuzz` and its options."""
     p = _command(sub, "fuzz", "fuzz one op, pipeline or property against the reference",
                  "Draw cases of one op with Hypothesis, run the implementation and the float64 reference on "
                  "each, and compare every returned tensor within its bound (`mla-verify list --op OP`). The "
@@ -305,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "given) and report drift against it")
     _add_drift(p)
 
+
+def _add_replay_command(sub) -> None:
+    """`mla-verify replay` and its options."""
     p = _command(sub, "replay", "re-run a saved failing case exactly; exit 1 if it still fails",
                  "Re-run one case file (saved by fuzz or gate) on the same inputs and say whether the saved "
                  "failure came back: the same failing tensors and metrics with the same values, or what "
@@ -329,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_deviation(p, None)
     _add_convention(p, None)
 
+
+def _add_gate_command(sub) -> None:
+    """`mla-verify gate` and its options."""
     p = _command(sub, "gate", "CI gate: every op and path, corpus + fuzz + properties; drift report",
                  "Run every op and forward_mqa path with every implementation available on this device: "
                  "the pinned regression corpus first, then a fuzz budget, then every property. Writes one "
@@ -369,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "property that tests them (default: every registered implementation here)")
     _add_corpus(p)
 
+
+def _add_merge_command(sub) -> None:
+    """`mla-verify merge` and its options."""
     p = _command(sub, "merge", "join the run directories of a run's shards into one run and one report",
                  "Join the run directories that `fuzz --shard I/N` or `gate --shard I/N` wrote (one per "
                  "CI job, array task or pod) into one run directory: every shard's rows, seeds and saved "
@@ -390,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge even shards of other revisions or options, given twice or unfinished, or with shards "
                         "missing (each reason is printed)")
 
+
+def _add_report_command(sub) -> None:
+    """`mla-verify report` and its options."""
     p = _command(sub, "report", "drift report of a run directory, optionally against a baseline run",
                  "Summarize a run directory's rows (error distributions per op, path and tensor, headroom, "
                  "failures) in the terminal and in a self-contained HTML file; with --baseline, the two "
@@ -415,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", type=Path, default=None, help="also write a markdown summary there")
     _add_drift(p)
 
+
+def _add_history_command(sub) -> None:
+    """`mla-verify history` and its options."""
     p = _command(sub, "history", "drift over many runs of one kernel line: trend, and the steps that got worse",
                  "Read many run directories of one kernel line (commits, versions, nightly runs) in order: per op, "
                  "path, tensor and implementation the trend of the drift metrics (median, p99), the bias with its "
@@ -435,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="order the runs by these git revisions (prefixes of their meta.json revision) instead")
     _add_drift(p, pair=False)
 
+
+def _add_bench_command(sub) -> None:
+    """`mla-verify bench` and its options."""
     p = _command(sub, "bench", "kernel, reference and harness speed at production shapes; table + JSON",
                  "Time the kernels (GPU only), the float64 reference and the harness's own cost per case at "
                  "production shapes, print a table and write it as JSON.",
@@ -448,7 +493,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a few small shapes (a smoke run)")
     p.add_argument("--only", action="append", choices=("kernels", "reference", "harness", "guards", "history"), default=None,
                    help="run only these sections (repeat; default: all)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -588,22 +632,34 @@ def _print_implementations(registry, stage: str, device: str) -> None:
         print("\n".join(textwrap.wrap(f"  - {impl.name:12s} {status}{dev}", 100, subsequent_indent=" " * 17)))
 
 
+def _run_options(args, device: str) -> dict:
+    """The run options fuzz and gate share, by the names `runs.plan.Options` gives them (a fuzz
+    run's default directory named for its op and implementation)."""
+    from mla_verify.runs.plan import Options
+    from mla_verify.runs.rundir import FreshDir
+
+    fuzzing = args.command == "fuzz"
+    given = {**vars(args), "device": device, "ops": (args.op,) if fuzzing else tuple(args.op or ()),
+             "specs": tuple(args.impl) if fuzzing else (), "impls": () if fuzzing else tuple(args.impl or ()),
+             "deviations": tuple(getattr(args, "deviation", ())),
+             "conventions": tuple(getattr(args, "convention", ())), "shrink": not getattr(args, "no_shrink", False)}
+    if fuzzing and args.out is None:
+        given["out"] = FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
+    return {f.name: given[f.name] for f in fields(Options) if f.name in given}
+
+
 def cmd_fuzz(args, device: str) -> int:
     from mla_verify import api
-    from mla_verify.rundir import FreshDir
+    from mla_verify.runs.plan import Options
 
-    out = args.out or FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
-    result = api.check(args.op, args.impl or None, examples=args.examples, seed=args.seed, device=device,
-                       corpus=args.corpus,
-                       profile=args.profile, out=out, isolate=args.isolate, timeout=args.timeout,
-                       deviations=args.deviation, conventions=args.convention, path=args.path,
-                       world_size=args.world_size, shrink=not args.no_shrink, parallel=args.parallel, junit=args.junit,
-                       baseline=args.baseline, shard=args.shard, log=lambda line: print(line, flush=True))
+    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on)
+    options = Options(**_run_options(args, device))
+    result = api.run(options, log=lambda line: print(line, flush=True))
     print(result.report())
-    if args.baseline is None or result.interrupted:
+    if options.baseline is None or result.interrupted:
         return result.exit_code
-    drift = api.drift(result, args.baseline, **_drift_settings(args))
-    replay = (api.save_worst_case(drift.worst, result.out / "drift", args.deviation, args.convention)
+    drift = api.drift(result, options.baseline, **drift_settings.settings())
+    replay = (api.save_worst_case(drift.worst, result.out / "drift", options.deviations, options.conventions)
               if drift.worst and result.out else None)
     print("\n".join(drift.lines(replay)))
     return result.exit_code or drift.exit_code
@@ -629,21 +685,20 @@ def cmd_replay(args, device: str) -> int:
 
 def cmd_gate(args, device: str) -> int:
     from mla_verify import api, reports
+    from mla_verify.reports.meta import IN_PROCESS
+    from mla_verify.runs.plan import Options
 
     started = time.time()
-    outcome = api.gate(device=device, profile=args.profile, examples=args.examples, seed=args.seed, ops=args.op,
-                       out=args.out, isolate=args.isolate, timeout=args.timeout, parallel=args.parallel,
-                       shard=args.shard, baseline=args.baseline, junit=args.junit, impl=args.impl,
-                       corpus=args.corpus, log=lambda line: print(line, flush=True))
+    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on)
+    options = Options(**_run_options(args, device))
+    outcome = api.run(options, log=lambda line: print(line, flush=True))
     lines = outcome.lines()
     if lines:
         print("\n".join(lines))
     if outcome.interrupted:
         return 130
-    code = reports.run_report(outcome.out, baseline=args.baseline, save_case=api.save_worst_case,
-                              **_drift_settings(args))
-    from mla_verify.reports.meta import IN_PROCESS
-
+    code = reports.run_report(outcome.out, baseline=options.baseline, save_case=api.save_worst_case,
+                              **drift_settings.settings())
     verdict = "FAILED" if outcome.failed else "passed" if outcome.isolated else f"passed ({IN_PROCESS})"
     print(f"gate {verdict}: {len(outcome.rows)} rows in {time.time() - started:.0f} s; "
           f"report {outcome.out / 'report.html'}")
@@ -651,9 +706,10 @@ def cmd_gate(args, device: str) -> int:
 
 
 def cmd_report(args, device: str) -> int:
-    from mla_verify import record, reports
+    from mla_verify import reports
     from mla_verify.api import load_run, replay_command, save_worst_case
-    from mla_verify.rundir import recover_crashed
+    from mla_verify.runs import record
+    from mla_verify.runs.rundir import recover_crashed
 
     rows, meta = load_run(args.run_dir, "run")
     if meta.get("incomplete"):
@@ -667,13 +723,14 @@ def cmd_report(args, device: str) -> int:
     for line in said:
         print(line)
     code = reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
-                              save_case=save_worst_case, **_drift_settings(args))
+                              save_case=save_worst_case,
+                              **_DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on).settings())
     return max(code, 1) if tampered else code
 
 
 def cmd_merge(args, device: str) -> int:
     from mla_verify import reports
-    from mla_verify.merge import merge
+    from mla_verify.runs.merge import merge
 
     merged = merge(args.runs, args.out, force=args.force)
     print("\n".join(merged.lines()))
@@ -694,7 +751,7 @@ def cmd_history(args, device: str) -> int:
 
 
 def cmd_bench(args, device: str) -> int:
-    from . import bench
+    from .bench import bench
 
     return bench.main(args, device)
 

@@ -8,7 +8,7 @@ An argument a test passes explicitly still wins. A device the option names that 
 skips the tests that would run on it, with the reason. Failing cases a call saves outside a run
 directory go under `--mla-verify-failures DIR`, by default this session's pytest temporary
 directory (not a path other runs share); the session's summary lists every one with its replay
-command. `--mla-verify-corpus DIR` keeps findings and replays them first (`mla_verify.corpus`). The
+command. `--mla-verify-corpus DIR` keeps findings and replays them first (`mla_verify.runs.corpus`). The
 plugin imports nothing heavy: it is loaded by every pytest run in an environment where
 mla-verify is installed.
 """

@@ -21,13 +21,13 @@ import numpy as np
 import pandas as pd
 
 from mla_verify.equivalence.files import read_json, read_text, regular_file
-from mla_verify.equivalence.rows import COLUMNS, STORED_FIELDS, Row, split_rank
+from mla_verify.equivalence.rows import COLUMNS, STORED_FIELDS, Row
 
 RUN_FORMAT = "mla-verify-run/1"
 ROWS_PARQUET = "rows.parquet"
 ROWS_CSV = "rows.csv"
 META_JSON = "meta.json"
-JOURNAL = "journal.jsonl"  # rows appended as each case finishes (mla_verify.rundir); gone once the run is written
+JOURNAL = "journal.jsonl"  # rows appended as each case finishes (mla_verify.runs.rundir); gone once the run is written
 META_LIMIT = 16 * 2**20   # bytes a meta.json may have
 ROWS_LIMIT = 16 * 2**30   # bytes rows.parquet, rows.csv or a journal may have
 # The reason of the row a case gets when its run's journal says it started and never finished.
@@ -60,8 +60,8 @@ def _old_kind(tensor: str, exact: bool) -> str:
     if tensor == "*" or tensor.startswith("input:"):
         return ""
     name = tensor.rsplit(".", 1)[-1]      # a property's "CHECK.TENSOR"
-    base, rank = split_rank(name)         # a DCP rank's "out_rank3", "partial_lse_rank1"
-    if rank is not None:
+    base, sep, rank = name.rpartition("_rank")  # a DCP rank's "out_rank3", "partial_lse_rank1"
+    if sep and rank.isdigit():
         name = base.removeprefix("partial_")
     return name if name in ("out", "lse", "max_logits") else "other"
 
@@ -167,7 +167,7 @@ def _journal_lines(path: Path) -> list[dict[str, Any]]:
 
 
 def _unfinished(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The started records (mla_verify.rundir.RunDir.case_started) no later line finished."""
+    """The started records (mla_verify.runs.rundir.RunDir.case_started) no later line finished."""
     open_cases: dict[str, dict[str, Any]] = {}
     for record in records:
         if "started" in record:

@@ -20,7 +20,7 @@ import sys
 API = [
     ("mla_verify", ["check", "assert_equivalent", "replay", "property_check", "gate", "drift", "history", "CheckResult",
                     "Failure", "UsageError", "HarnessError", "Unsupported", "unsupported"]),
-    ("mla_verify.merge", ["merge"]),
+    ("mla_verify.runs.merge", ["merge"]),
     ("mla_verify.strategies", ["cases"]),
     ("mla_verify.reports", ["bias_of"]),
     ("mla_verify.equivalence.catalog", ["inputs"]),

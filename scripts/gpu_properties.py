@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from mla_verify.equivalence.case import Case
     from mla_verify.equivalence.catalog import evaluate, resolve_subject, specs
     from mla_verify.equivalence.profiles import get_profile
-    from mla_verify.fuzz.campaign import fuzz
+    from mla_verify.fuzz.campaign import Campaign, each, fuzz
+    from mla_verify.fuzz.progress import Progress
     from mla_verify.fuzz.production import production_cases
 
     profile = get_profile("gpu" if device == "cuda" else "ci")
@@ -92,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.no_pinned:
                     rows += [row for case in production_cases(name, [target], args.seed) for row in run(case, "corpus")]
                 if args.examples:
-                    rows += fuzz(prop.name, run, profile=profile, examples=args.examples, seed=args.seed, path=target,
-                                 shrink=False, progress_label=f"{prop.name} / {impl} / {target}").rows
+                    campaign = Campaign(prop.name, profile, args.examples, args.seed, path=target, shrink=False)
+                    rows += fuzz(campaign, each(run), Progress(f"{prop.name} / {impl} / {target}", args.examples)).rows
                 print(f"  {name} / {impl} / {target}: {time.monotonic() - tick:.1f} s", file=sys.stderr, flush=True)
     for note in sorted(notes):
         print(f"note: {note}")

@@ -32,7 +32,7 @@ fi
 STEP=compare; if [ -n "${PREV:-}" ] && want "$@"; then
   for tree in "$PREV" . "$PREV" .; do
     (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout -k 5 150 python3 -c "
-from mla_verify.bench import _throughput
+from mla_verify.bench.bench import _throughput
 from mla_verify.equivalence.catalog import resolve_subject
 from mla_verify.equivalence.profiles import get_profile
 subject, profile = resolve_subject('sparse_decode_fp8', [], 'cuda'), get_profile('gpu')

@@ -19,7 +19,7 @@ import io
 
 from mla_verify.equivalence import catalog
 from mla_verify.equivalence.profiles import get_profile
-from mla_verify.fuzz.campaign import fuzz
+from mla_verify.fuzz.campaign import Campaign, UnderTest, each, fuzz
 from mla_verify.fuzz.regressions import corpus
 
 
@@ -33,8 +33,8 @@ def gate_cases(profile, seed: int):
         for path in spec.campaigns(subject):
             drawn = [case for case, _ in corpus(op)]
             with contextlib.redirect_stderr(io.StringIO()):
-                fuzz(op, lambda case, source: drawn.append(case) or [], profile=profile, examples=spec.examples(profile),
-                     seed=seed, path=path, impl_specs=("triton",), device="cpu")
+                fuzz(Campaign(op, profile, spec.examples(profile), seed, UnderTest(("triton",)), path),
+                     each(lambda case, source: drawn.append(case) or []))
             for case in drawn:
                 yield op, case, spec.interpreted_s(spec.params_of(case.params))
 

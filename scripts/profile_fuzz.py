@@ -27,7 +27,7 @@ def campaign(device: str, examples: int, block: int, sizes: list | None = None) 
     """The bench's in-process campaign: (cases, seconds)."""
     from mla_verify.equivalence.catalog import evaluate_block, resolve_subject
     from mla_verify.equivalence.profiles import get_profile
-    from mla_verify.fuzz.campaign import fuzz
+    from mla_verify.fuzz.campaign import Campaign, fuzz
 
     subject = resolve_subject("sparse_decode_fp8", [], device)
 
@@ -38,15 +38,14 @@ def campaign(device: str, examples: int, block: int, sizes: list | None = None) 
         return evaluate_block(cases, subject, device, source=source, on_call=on_call)
 
     start = time.perf_counter()
-    result = fuzz("sparse_decode_fp8", lambda c, s: run_block([c], s)[0],
-                  profile=get_profile("gpu" if device == "cuda" else "ci"), examples=examples, seed=3, shrink=False,
-                  block=block, run_block=run_block, show_progress=False)
+    profile = get_profile("gpu" if device == "cuda" else "ci")
+    result = fuzz(Campaign("sparse_decode_fp8", profile, examples, 3, block=block, shrink=False), run_block)
     return result.examples, time.perf_counter() - start
 
 
 def harness(device: str, examples: int, block: int, sizes: list | None = None) -> tuple[int, float]:
     """The bench's harness case, `examples` cases in blocks of `block` (successive seeds): (cases, seconds)."""
-    from mla_verify.bench import harness_case
+    from mla_verify.bench.bench import harness_case
     from mla_verify.equivalence.case import Case
     from mla_verify.equivalence.catalog import evaluate_block, resolve_subject
 

@@ -5,7 +5,7 @@
 For prefill (T=4096, H 128 and 64, 65536 KV rows) and decode (B=64 s_q=1 H=128, B=128 s_q=2
 H=128, B=64 s_q=2 H=64; 8192 pages of 64), topk 2048: FlashMLA standalone and each entry of
 `attention_launch.PREFILL_VARIANTS` / `DECODE_VARIANTS`, timed call by call in turn over rotated
-inputs (CUDA events, medians; mla_verify.bench's timer and inputs). Each variant's first call is
+inputs (CUDA events, medians; mla_verify.bench.bench's timer and inputs). Each variant's first call is
 timed on its own: that is its compilation. Each variant's output on the first input set is
 compared with FlashMLA's: out error as max |triton - flash_mla| over the row's max |flash_mla|,
 in bf16 roundings (2^-8), and the max lse difference. Identical arithmetic up to summation order gives ~1-4 units; a wrong
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from mla_verify import adapters
-from mla_verify.bench import SM_SCALE, TOPK, _decode_inputs, _median_ms, _prefill_inputs, flops
+from mla_verify.bench.bench import SM_SCALE, TOPK, _decode_inputs, _median_ms, _prefill_inputs, flops
 from mla_verify.optimized import flashmla
 from mla_verify.optimized.kernels.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
 from mla_verify.optimized.kernels.sparse_decode import launch_sparse_decode_fp8

@@ -31,7 +31,7 @@ from mla_verify.equivalence.profiles import get_profile
 from mla_verify.equivalence.subject import UsageError, check_signature
 from mla_verify.equivalence.values import REGIMES
 from mla_verify.fuzz import casefile
-from mla_verify.fuzz.campaign import fuzz, new_seed
+from mla_verify.fuzz.campaign import Campaign, each, fuzz, new_seed
 from mla_verify.optimized import eager
 from tests.impls import upstream
 
@@ -47,8 +47,8 @@ def run(capsys, *argv):
 def campaign(op, spec, examples=6, deviations=(), device="cpu", profile=CI):
     seed = new_seed()
     subject = resolve_subject(op, [spec], device, deviations=deviations)
-    result = fuzz(op, lambda case, source: evaluate(case, subject, device, source=source), profile=profile,
-                  examples=examples, seed=seed, shrink=False)
+    result = fuzz(Campaign(op, profile, examples, seed, shrink=False),
+                  each(lambda case, source: evaluate(case, subject, device, source=source)))
     print(f"{spec} on {op}: seed {seed}")
     return seed, result
 

@@ -4,7 +4,7 @@ a case's inputs are drawn without reading anything back from the device."""
 
 import pytest
 
-from mla_verify.bench import OpCounter, stage_profile, table
+from mla_verify.bench.bench import OpCounter, stage_profile, table
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import get_spec, resolve_subject
 
@@ -36,7 +36,7 @@ def test_stage_profile_covers_every_stage_of_a_case():
 
 
 def test_the_guards_section_times_every_guard_and_isolation():
-    from mla_verify.guard_bench import bench_guards
+    from mla_verify.bench.guard_bench import bench_guards
 
     rows = bench_guards("cpu", DECODE, quick=True)
     guards = [r["impl"] for r in rows]
@@ -51,7 +51,7 @@ def test_the_guards_section_times_every_guard_and_isolation():
 def test_parallel_throughput_runs_its_parts_together():
     """The harness section's last rows: campaigns at once, each warmed up off the clock (on CPU
     here; on the H200 they share the GPU)."""
-    from mla_verify.bench import parallel_throughput
+    from mla_verify.bench.bench import parallel_throughput
 
     row = parallel_throughput("cpu", "ci", 4, 1, 2, isolated=False)
     assert row["cases"] == 4 and row["cases_per_s"] > 0 and "2 parts in-process" in row["impl"]

@@ -12,7 +12,8 @@ import pytest
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, evaluate_block, get_spec, resolve_subject
 from mla_verify.equivalence.profiles import get_profile
-from mla_verify.fuzz.campaign import fuzz
+from mla_verify.fuzz.campaign import Campaign, UnderTest, fuzz
+from mla_verify.fuzz.progress import Progress
 
 DECODE = {"batch": 3, "s_q": 2, "heads": 16, "topk": 128, "seq_lens": [300, 1, 70], "page_size": 16, "stride_pad": 1,
           "value_regime": "normal", "scale_rule": "raw", "sm_scale": 0.1, "invalid": ["scattered", "whole_row"]}
@@ -110,9 +111,8 @@ def test_a_call_writing_a_later_case_s_inputs_fails_that_case_and_the_reference_
 
 def test_a_block_campaign_saves_and_shrinks_the_one_failing_case(tmp_path):
     subject = resolve_subject("sparse_decode_fp8", [KERNEL], "cpu")
-    result = fuzz("sparse_decode_fp8", lambda c, s: evaluate(c, subject, "cpu", source=s), profile=get_profile("ci"),
-                  examples=40, seed=2, impl_specs=(KERNEL,), out_dir=tmp_path, show_progress=False, block=4,
-                  run_block=lambda cs, s, on_call: evaluate_block(cs, subject, "cpu", source=s, on_call=on_call))
+    campaign = Campaign("sparse_decode_fp8", get_profile("ci"), 40, 2, UnderTest((KERNEL,)), block=4, failures=tmp_path)
+    result = fuzz(campaign, lambda cs, s, on_call: evaluate_block(cs, subject, "cpu", source=s, on_call=on_call))
     assert result.failure is not None and result.shrunk and result.flaky is None
     assert result.examples % 4 == 0 or result.examples == 40  # whole blocks counted case by case
     assert len({r.case_id for r in result.rows if r.source == "fuzz"}) == result.examples
@@ -133,10 +133,12 @@ def test_blocks_count_cases_and_call_on_call_once_a_case():
         blocks.append(len(cases))
         return evaluate_block(cases, subject, "cpu", source=source, on_call=lambda: (calls.append(1), on_call()))
 
+    class Told(Progress):  # hears which case starts
+        def started(self, case, source):
+            started.append(case.case_id)
+
     started = []
-    result = fuzz("sparse_decode_fp8", lambda c, s: evaluate(c, subject, "cpu", source=s), profile=get_profile("ci"),
-                  examples=10, seed=1, show_progress=False, block=4, run_block=run_block,
-                  started=lambda case, source: started.append(case.case_id) or (lambda: None))
+    result = fuzz(Campaign("sparse_decode_fp8", get_profile("ci"), 10, 1, block=4), run_block, Told("told", 10))
     assert blocks == [4, 4, 2] and result.examples == 10 and len(calls) == 10
     assert started == [c for c in dict.fromkeys(r.case_id for r in result.rows)]  # journaled in call order
 

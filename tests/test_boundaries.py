@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from mla_verify.equivalence import catalog
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
 from mla_verify.equivalence.profiles import get_profile
-from mla_verify.fuzz.campaign import fuzz
+from mla_verify.fuzz.campaign import Campaign, each, fuzz
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills, split_prefill_chunks
 
 
@@ -33,8 +33,8 @@ def test_decode_draws_the_last_slot_and_convert_the_table_width():
 
 def test_a_prefill_that_reads_index_n_is_caught():
     subject = resolve_subject("sparse_prefill", ["tests.zoo.attention:index_n_is_valid"], "cpu")
-    result = fuzz("sparse_prefill", lambda case, source: evaluate(case, subject, "cpu", source=source),
-                  profile=get_profile("ci"), examples=200, seed=21, shrink=False)
+    result = fuzz(Campaign("sparse_prefill", get_profile("ci"), 200, 21, shrink=False),
+                  each(lambda case, source: evaluate(case, subject, "cpu", source=source)))
     print(f"index_n_is_valid: first failure at example {result.first_failure_at}")
     assert result.failure is not None
 

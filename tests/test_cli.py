@@ -80,7 +80,7 @@ def test_gate_in_parallel_parts_merges_every_part_into_one_run(capsys, tmp_path)
 
 
 def test_fuzz_in_parallel_campaigns_merges_rows_and_keeps_each_failure_replayable(capsys, tmp_path):
-    from mla_verify.parallel import share
+    from mla_verify.runs.parts import share
 
     assert share(10, 3) == [4, 3, 3] and share(2, 4) == [1, 1]
     code, text = run(capsys, "fuzz", "--op", "convert_index", "--parallel", "2", "--examples", "6", "--seed", "3",
@@ -281,12 +281,12 @@ def test_list_for_cuda_on_a_cpu_machine_calls_nothing_available(capsys):
 
 def test_a_gate_that_fails_itself_exits_3_and_its_traceback_is_where_the_message_says(capsys, tmp_path, monkeypatch):
     """Issue 29: the message named a harness-error.txt that did not exist (and a bare TypeError exited 1)."""
-    import mla_verify.fuzz.gate
+    import mla_verify.runs.driver
 
-    def broken(**kwargs):
+    def broken(*args, **kwargs):
         raise TypeError("Compared.__init__() missing 1 required positional argument: 'base'")
 
-    monkeypatch.setattr(mla_verify.fuzz.gate, "run_gate", broken)
+    monkeypatch.setattr(mla_verify.runs.driver, "run_gate", broken)
     code, text = run(capsys, "gate", "--device", "cpu", "--out", str(tmp_path / "run"))
     assert code == 3 and "harness-error.txt" in text and "TypeError" in text
     assert "missing 1 required positional argument" in (tmp_path / "run" / "harness-error.txt").read_text()

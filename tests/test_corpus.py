@@ -1,4 +1,4 @@
-"""A kept corpus (mla_verify.corpus) and `gate --impl` (mla_verify.selection), as a kernel
+"""A kept corpus (mla_verify.runs.corpus) and `gate --impl` (mla_verify.runs.selection), as a kernel
 repository's CI uses them: a finding is kept once, named by its content; the next run replays it
 first whatever its seed and says it came from the corpus; once fixed it passes and stays kept.
 The pytest plugin's --mla-verify-failures and --mla-verify-corpus, and its summary of saved cases."""
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 import mla_verify
-from mla_verify.corpus import Corpus, summary
+from mla_verify.runs.corpus import Corpus, summary
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.subject import UsageError
 from mla_verify.fuzz import casefile
-from mla_verify.selection import impl_units
+from mla_verify.runs.selection import impl_units
 
 # A concat_mla_q of a kernel repository: the RoPE half doubled (a bug in every case), or fixed.
 KERNEL = '''import torch

@@ -17,7 +17,7 @@ from mla_verify.equivalence.features import DEGENERATE
 from mla_verify.equivalence.policy import Numerics
 from mla_verify.equivalence.profiles import PROFILES, get_profile
 from mla_verify.equivalence.values import REGIMES, q_values
-from mla_verify.fuzz.campaign import first_cases, fuzz
+from mla_verify.fuzz.campaign import Campaign, each, first_cases, fuzz
 
 SINGLE = sorted({op for op, path in coverage.covered() if op != "forward_mqa"})
 FORWARD = [path for op, path in coverage.covered() if op == "forward_mqa"]
@@ -84,7 +84,7 @@ def test_campaign_runs_the_covering_set_first():
 
     ci = get_profile("ci")
     first = first_cases("convert_index", ci, None, None, (), "cpu", 11)
-    result = fuzz("convert_index", run, profile=ci, examples=ci.examples, seed=11, show_progress=False)
+    result = fuzz(Campaign("convert_index", ci, ci.examples, 11), each(run))
     assert result.failure is None and result.examples == ci.examples
     assert seen[:len(first)] == [c.to_dict() for c in first] and len(seen) == ci.examples
 
@@ -95,8 +95,8 @@ def test_first_request_workspace_bug_caught_at_ci(seed):
     seed tried (ci never drew two prefill requests); the covering set holds two."""
     ci = get_profile("ci")
     subject = resolve_subject("convert_index", ["tests.zoo.indices:first_request_workspace"], "cpu")
-    result = fuzz("convert_index", lambda case, source: evaluate(case, subject, "cpu", source=source), profile=ci,
-                  examples=ci.examples, seed=seed, shrink=False, show_progress=False)
+    result = fuzz(Campaign("convert_index", ci, ci.examples, seed, shrink=False),
+                  each(lambda case, source: evaluate(case, subject, "cpu", source=source)))
     assert result.failure is not None and result.first_failure_at <= ci.examples
     assert any(r.tensor == "indices" and not r.passed for r in result.failure.rows)
 
@@ -111,8 +111,8 @@ def test_coverage_table_lists_every_feature():
 def _campaign(op, impl, seed, shrink=True):
     ci = get_profile("ci")
     subject = resolve_subject(op, [impl], "cpu")
-    return fuzz(op, lambda case, source: evaluate(case, subject, "cpu", source=source), profile=ci,
-                examples=ci.examples, seed=seed, shrink=shrink, show_progress=False)
+    return fuzz(Campaign(op, ci, ci.examples, seed, shrink=shrink),
+                each(lambda case, source: evaluate(case, subject, "cpu", source=source)))
 
 
 def test_a_failing_covering_case_is_shrunk_through_the_draws_when_they_fail_too():

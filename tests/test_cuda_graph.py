@@ -18,7 +18,7 @@ from mla_verify.cli import main
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
 from mla_verify.equivalence.profiles import get_profile
-from mla_verify.fuzz.campaign import fuzz, new_seed
+from mla_verify.fuzz.campaign import Campaign, each, fuzz, new_seed
 from mla_verify.fuzz.production import production_cases
 from tests.hostile import GRAPH
 from tests.test_properties import TINY  # shapes the Triton interpreter runs in a second
@@ -98,8 +98,8 @@ def test_flash_mla_and_triton_replay_bitwise_at_production_shapes_and_the_gpu_pr
         assert_holds(rows)
     for target in get_spec(OP).targets:
         seed = new_seed()
-        result = fuzz(OP, lambda case, source: evaluate(case, subject, "cuda", source=source),
-                      profile=get_profile("gpu"), examples=4, seed=seed, path=target)
+        result = fuzz(Campaign(OP, get_profile("gpu"), 4, seed, path=target),
+                      each(lambda case, source: evaluate(case, subject, "cuda", source=source)))
         print(f"{impl} {target}: {result.examples} drawn cases, seed {seed}")
         assert result.failure is None, str(result.failure)
 

@@ -20,7 +20,7 @@ from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
 from mla_verify.equivalence.params import DcpParams
 from mla_verify.equivalence.profiles import get_profile
 from mla_verify.fuzz import casefile
-from mla_verify.fuzz.campaign import fuzz, new_seed
+from mla_verify.fuzz.campaign import Campaign, each, fuzz, new_seed
 from mla_verify.fuzz.regressions import corpus
 from mla_verify.optimized.dcp_runtime import pack_a2a, unpack_a2a
 from mla_verify.optimized.metadata import mask_empty_shards
@@ -80,8 +80,8 @@ def test_fuzzed_dcp_cases_pass():
     seed = new_seed()
     print(f"campaign seed {seed}")
     subject = resolve_subject("dcp", [], "cpu")
-    result = fuzz("dcp", lambda case, source: evaluate(case, subject, "cpu", source=source),
-                  profile=get_profile("ci"), examples=2, seed=seed, world_size=2, shrink=False)
+    result = fuzz(Campaign("dcp", get_profile("ci"), 2, seed, world_size=2, shrink=False),
+                  each(lambda case, source: evaluate(case, subject, "cpu", source=source)))
     assert result.failure is None, str(result.failure)
     assert result.examples == 2 and len(result.rows) == 2 * 4 * 2
 

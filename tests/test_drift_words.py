@@ -23,7 +23,7 @@ import pytest
 from mla_verify import api
 from mla_verify.cli import main
 from mla_verify.fuzz import casefile
-from mla_verify.history_bench import write_runs
+from mla_verify.bench.history_bench import write_runs
 from mla_verify.reports import build_report, render_html
 from mla_verify.reports.drift import GROUP_COLUMNS, PAIRED, UNPAIRED
 from mla_verify.reports.glance import COLUMNS

@@ -9,7 +9,7 @@ import pytest
 from mla_verify.equivalence import catalog, cost
 from mla_verify.equivalence.params import ForwardParams, PrefillParams
 from mla_verify.equivalence.profiles import get_profile
-from mla_verify.fuzz.campaign import fuzz
+from mla_verify.fuzz.campaign import Campaign, UnderTest, each, fuzz
 from mla_verify.fuzz.progress import Progress
 
 CI = get_profile("ci")
@@ -18,8 +18,7 @@ CI = get_profile("ci")
 def drawn(op, impl, examples, seed=1, profile=CI):
     """The cases a gate campaign of `op` on `impl` draws on CPU (each passes, so none shrinks)."""
     cases = []
-    fuzz(op, lambda case, source: cases.append(case) or [], profile=profile, examples=examples, seed=seed,
-         impl_specs=(impl,), device="cpu")
+    fuzz(Campaign(op, profile, examples, seed, UnderTest((impl,))), each(lambda case, source: cases.append(case) or []))
     spec = catalog.get_spec(op)
     return [(c, spec.interpreted_s(spec.params_of(c.params))) for c in cases]
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mla_verify.bench import OpCounter
+from mla_verify.bench.bench import OpCounter
 from mla_verify.equivalence.metrics import Metrics
 from mla_verify.equivalence.oracle import judge, judge_many
 from mla_verify.equivalence.policy import EXACT, LSE, OUT, Numerics

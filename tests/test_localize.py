@@ -12,7 +12,7 @@ from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
 from mla_verify.equivalence.policy import EXACT, bounds_for
 from mla_verify.equivalence.profiles import get_profile
-from mla_verify.fuzz.campaign import fuzz
+from mla_verify.fuzz.campaign import Campaign, each, fuzz
 from mla_verify.fuzz.regressions import corpus
 
 FIRST_BASE = "convert_index=tests.zoo.indices:first_request_base"
@@ -154,7 +154,7 @@ def test_the_correct_implementations_print_no_pattern_over_the_gates_cases_resee
 
         for case in pinned:
             run(case, "corpus")
-        drawn = fuzz(op, run, profile=get_profile("ci"), examples=DRAWS, seed=38, shrink=False, show_progress=False)
+        drawn = fuzz(Campaign(op, get_profile("ci"), DRAWS, 38, shrink=False), each(run))
         cases += len(pinned) + drawn.examples
     print(f"{cases} cases, {counts['tensors']} float tensors, {counts['with_differences']} with differences taken"
           f", {len(lines)} pattern lines")

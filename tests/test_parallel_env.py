@@ -3,7 +3,7 @@ and each part its share of the host's cores as torch threads."""
 
 from types import SimpleNamespace
 
-from mla_verify import parallel
+from mla_verify.runs import parts as parallel
 from mla_verify.equivalence.device import GPU_SHARE_ENV
 
 

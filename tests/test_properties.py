@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, currently_in_test_context, given, note, sett
 from mla_verify.cli import main
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject, specs
 from mla_verify.equivalence.profiles import Profile, get_profile
-from mla_verify.fuzz.campaign import fuzz, new_seed
+from mla_verify.fuzz.campaign import Campaign, each, fuzz, new_seed
 from mla_verify.fuzz.production import production_cases
 from mla_verify.optimized import registry
 
@@ -103,11 +103,11 @@ def test_property_catches_a_broken_implementation(name, target, impl, checks):
     seed = new_seed()
     op = PROPERTIES[name].name
     subject = resolve_subject(op, [impl], "cpu")
-    result = fuzz(op, lambda case, source: evaluate(case, subject, "cpu", source=source), profile=get_profile("ci"),
-                  examples=BUDGET, seed=seed, path=target, shrink=False)
+    result = fuzz(Campaign(op, get_profile("ci"), BUDGET, seed, path=target, shrink=False),
+                  each(lambda case, source: evaluate(case, subject, "cpu", source=source)))
     print(f"{impl} under {op} ({target}): seed {seed}, first failure at example {result.first_failure_at}")
     assert result.failure is not None, f"{impl} escaped {op} on {target} for {BUDGET} examples (seed {seed})"
-    failing = {r.tensor.split(".")[0] for r in result.failure.rows if not r.passed}
+    failing = {r.check for r in result.failure.rows if not r.passed}
     assert failing & checks, f"{impl}: expected a failure of {sorted(checks)}, got {sorted(failing)}"
 
 
@@ -203,7 +203,7 @@ def test_property_holds_on_gpu(name, impl):
         assert_holds(rows_of(case, subject, "cuda"))
     for path in prop.campaigns(subject):
         seed = new_seed()
-        result = fuzz(prop.name, lambda case, source: evaluate(case, subject, "cuda", source=source),
-                      profile=get_profile("gpu"), examples=GPU_EXAMPLES, seed=seed, path=path)
+        result = fuzz(Campaign(prop.name, get_profile("gpu"), GPU_EXAMPLES, seed, path=path),
+                      each(lambda case, source: evaluate(case, subject, "cuda", source=source)))
         print(f"{prop.name} / {impl} ({path or 'all targets'}): {result.examples} drawn cases, seed {seed}")
         assert result.failure is None, str(result.failure)

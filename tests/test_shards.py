@@ -1,4 +1,4 @@
-"""Shards (`--shard I/N`, fuzz.shard) and `merge`: N shards together run exactly the unsharded
+"""Shards (`--shard I/N`, runs.parts) and `merge`: N shards together run exactly the unsharded
 run's cases, and merge refuses what does not belong together. The CI examples' commands are run
 in tests/test_ci_examples.py."""
 
@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from mla_verify.cli import main
-from mla_verify.fuzz.gate import shard_units, units
-from mla_verify.fuzz.shard import Shard, share
+from mla_verify.runs.units import shard_units, units
+from mla_verify.runs.parts import Shard, share
 
 OPS = ["concat_mla_q", "split_prefill_chunks", "convert_index"]
 
@@ -122,15 +122,15 @@ def test_a_failing_shard_fails_the_merge_and_its_saved_cases_come_along(capsys, 
 
 def test_the_parts_of_a_shard_are_its_slots_and_travel_to_their_process_whole(tmp_path):
     from mla_verify.equivalence.profiles import get_profile
-    from mla_verify.run import FUZZ, GATE, Run
+    from mla_verify.runs.plan import FUZZ, GATE, Run
 
     fuzz = Run(FUZZ, ("convert_index",), "cpu", get_profile("ci"), 7, 11, False, 300.0, shard=Shard(1, 2), parts=2,
-               label="torch-fp32", invocation="mla-verify fuzz ...")
+               invocation="mla-verify fuzz ...")
     assert fuzz.slots == [Shard(2, 4), Shard(3, 4)] and fuzz.campaigns == [(13, 2), (14, 1)]  # share(7, 4) = 2, 2, 2, 1
     part = fuzz.part(Shard(3, 4), 1, tmp_path)
     assert (part.seed, part.examples, part.shard, part.parts, part.out) == (14, 1, Shard(), 1, tmp_path / "part-1")
     again = Run.from_json(part.to_json())
-    assert again.campaigns == [(14, 1)] and again.out.path == tmp_path / "part-1" and again.subject is not None
+    assert again.campaigns == [(14, 1)] and again.out.path == tmp_path / "part-1" and again.label == "torch-fp32"
     assert again.invocation == "mla-verify fuzz ..." and again.options() == part.options()
     again.out.release()
     gate = Run(GATE, ("convert_index",), "cpu", get_profile("ci"), 2, 4, False, 300.0, shard=Shard(0, 3), parts=2)

@@ -26,7 +26,7 @@ from ..draws import decode_params, prefill_params
 from ..layouts import LAYOUTS, relayout
 from ..params import DecodeParams, PrefillParams
 from ..spec import register
-from .base import Check, ImplOutput, OpSpec
+from .base import BoundKey, Check, ImplOutput, OpSpec
 from .common import generator, host_values, knobs, rand, randint
 
 
@@ -141,8 +141,8 @@ def _nan_sources(*explainers):
 
 def _elem_bounds(res, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, torch.Tensor]:
     """The derived per-element bounds (equivalence.bounds) of out, lse and max_logits from a
-    reference result with its magnitudes: "NAME_bound", and "NAME_bound@DEVIATION" for each
-    deviation whose kernels round the rows (DEQUANT_REL) and that applies to the case. `lse_of`
+    reference result with its magnitudes: BoundKey("NAME_bound"), and BoundKey("NAME_bound",
+    DEVIATION) for each deviation whose kernels round the rows (DEQUANT_REL) and that applies to the case. `lse_of`
     lays an [.., H, ..] result out as the output's [..., H]; its inverse is a transpose as well."""
     ab = (res.out_abs, res.value_abs)
     found = {}
@@ -150,9 +150,8 @@ def _elem_bounds(res, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, torch
     for deviation, rel in rels.items():
         b = bounds.attention_bounds(res.out, lse_of(res.lse), lse_of(res.max_logits), lse_of(res.logit_l1), ab, topk,
                                     dequant_rel=rel, sink=sink)
-        at = f"@{deviation}" if deviation else ""
-        found.update({f"out_bound{at}": b.out, f"lse_bound{at}": lse_of(b.lse),
-                      f"max_logits_bound{at}": lse_of(b.max_logits)})
+        found.update({BoundKey("out_bound", deviation): b.out, BoundKey("lse_bound", deviation): lse_of(b.lse),
+                      BoundKey("max_logits_bound", deviation): lse_of(b.max_logits)})
     return found
 
 
@@ -251,7 +250,7 @@ def _decode_inputs(p: DecodeParams, seed: int, device: str) -> dict:
 def _decode_reference(kw, p):
     res = reference.sparse_decode_fp8(kw["q"], kw["kv_cache"], kw["indices"], kw["sm_scale"], magnitudes=True)
     found = _elem_bounds(res, kw["indices"].shape[-1], p, lse_of=lambda x: x.transpose(1, 2))  # [B, H, S] <-> [B, S, H]
-    found = {name: t for name, t in found.items() if not name.startswith("max_logits")}  # not compared: the op returns none
+    found = {key: t for key, t in found.items() if key.name != "max_logits_bound"}  # not compared: the op returns none
     return {**_answer(res), **found}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 from hypothesis import strategies as st
@@ -40,6 +40,14 @@ BLOCK_BYTES = 4 << 30  # the inputs of a block's cases held at once (their snaps
 JUDGE_BYTES, JUDGE_BYTES_PER_ELEMENT = 2 << 30, 96
 
 
+class BoundKey(NamedTuple):
+    """Where a reference keeps a tensor of derived per-element bounds (equivalence.bounds): the
+    bound's name (a check's `bound`) and the deviation whose rounding it allows ("" for none)."""
+
+    name: str
+    deviation: str = ""
+
+
 @dataclass(frozen=True)
 class Check:
     tensor: str            # name in the reference's and the implementation's outputs
@@ -50,16 +58,17 @@ class Check:
     dtype: torch.dtype | None = None  # the contract's dtype (None: the reference's, for exact tensors)
     contiguous: bool = False   # the contract asks for a dense tensor (a later kernel reads it so)
     row_kind: str | None = None  # its rows' kind (equivalence.rows) where not the policy kind's own
-    # reference tensor of derived per-element bounds (equivalence.bounds), "NAME@DEVIATION" for a
-    # deviation's own: held to elem_bound_ratio <= 1
+    # the name of the reference's tensors of derived per-element bounds (equivalence.bounds), kept
+    # under BoundKey(bound, deviation): held to elem_bound_ratio <= 1
     bound: str | None = None
+    rank: int | None = None    # the DCP rank whose tensor it is (its rows say so)
 
     def bounds_in(self, ref: Mapping[str, Any]) -> dict[str, Any] | None:
-        """The reference's bound tensors (the values of `ref` by name) of this check by deviation
+        """The reference's bound tensors (the values of `ref` by key) of this check by deviation
         ("" none), or None."""
         if self.bound is None:
             return None
-        return {name.partition("@")[2]: t for name, t in ref.items() if name.partition("@")[0] == self.bound}
+        return {key.deviation: t for key, t in ref.items() if isinstance(key, BoundKey) and key.name == self.bound}
 
 
 @dataclass
@@ -348,11 +357,13 @@ class OpSpec:
                     continue  # not asked for by this case, or not produced by this implementation
                 if check.tensor not in got:
                     rows[i].append(failure_row(bases[i], check.tensor, "missing",
-                                               f"the implementation returned no {check.tensor!r}", kind=kind, **times[i]))
+                                               f"the implementation returned no {check.tensor!r}", kind=kind,
+                                               rank=check.rank, **times[i]))
                     continue
                 why = problem(i, check.tensor, got[check.tensor], want, check)
                 if why:
-                    rows[i].append(failure_row(bases[i], check.tensor, "contract", why, kind=kind, **times[i]))
+                    rows[i].append(failure_row(bases[i], check.tensor, "contract", why, kind=kind, rank=check.rank,
+                                               **times[i]))
                     continue
                 groups.setdefault((tuple(deviations[i]), tuple(want.shape)), []).append(i)
             judged = []
@@ -370,7 +381,7 @@ class OpSpec:
                 if v.metrics.nan_count and self.explain_nan is not None:
                     why = self.explain_nan(kwargs[i], check.tensor, out, answer.cases[i][check.tensor])
                     v.reason = "; ".join(filter(None, (v.reason, why)))
-                rows[i].append(judged_row(bases[i], check.tensor, kind, v, **times[i]))
+                rows[i].append(judged_row(bases[i], check.tensor, kind, v, rank=check.rank, **times[i]))
         return rows
 
     def produce(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",

@@ -20,7 +20,7 @@ from ..profiles import Profile
 from ..params import COMBINES, WORLD_SIZES, DcpParams
 from ..schema import HEADS, Flag, Int, Params, Real, param
 from ..spec import register
-from .base import Check, ImplOutput, OpSpec
+from .base import BoundKey, Check, ImplOutput, OpSpec
 from .common import generator, knobs, rand
 from .pipeline import PipelineSpec
 
@@ -62,7 +62,8 @@ def _merge_reference(kw, p):
     # The derived per-element bounds (equivalence.bounds section 3): a merge of bf16 per-rank terms
     # (upstream's) and an fp32 one both sit within them.
     out_bound, lse_bound = bounds.dcp_merge_bounds(kw["outs"], kw["lses"], out, lse)
-    return {"out": out, "lse": lse, "logit_l1": torch.zeros_like(lse), "out_bound": out_bound, "lse_bound": lse_bound}
+    return {"out": out, "lse": lse, "logit_l1": torch.zeros_like(lse), BoundKey("out_bound"): out_bound,
+            BoundKey("lse_bound"): lse_bound}
 
 
 DCP_MERGE = register(OpSpec(
@@ -105,11 +106,11 @@ def _rank_checks() -> tuple[Check, ...]:
     checks = []
     for r in range(MAX_RANKS):  # ranks past the case's world size have no reference: skipped
         checks += [
-            Check(f"out_rank{r}", OUT, dtype=torch.bfloat16),
-            Check(f"lse_rank{r}", LSE, f"logit_l1_rank{r}", dtype=torch.float32),
-            Check(f"partial_out_rank{r}", OUT, optional=True, single_rank=True, dtype=torch.bfloat16),
+            Check(f"out_rank{r}", OUT, dtype=torch.bfloat16, rank=r),
+            Check(f"lse_rank{r}", LSE, f"logit_l1_rank{r}", dtype=torch.float32, rank=r),
+            Check(f"partial_out_rank{r}", OUT, optional=True, single_rank=True, dtype=torch.bfloat16, rank=r),
             Check(f"partial_lse_rank{r}", LSE, f"partial_logit_l1_rank{r}", optional=True, single_rank=True,
-                  dtype=torch.float32),
+                  dtype=torch.float32, rank=r),
         ]
     return tuple(checks)
 

@@ -262,7 +262,7 @@ class PropertySpec:
             rows.append(judged_row(base, f"{c.check}.{c.tensor}", "exact" if kind == EXACT else c.tensor,
                                    verdict(kind, m, bounds, deviation,
                                            lambda: mismatch.Pair(f"{c.check}.{c.tensor}", got, want, c.scale)),
-                                   time_impl_s=produced.t_impl))
+                                   check=c.check, time_impl_s=produced.t_impl))
         return rows
 
 

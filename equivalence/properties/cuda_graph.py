@@ -269,7 +269,7 @@ class GraphSpec(PropertySpec):
             kind, bounds, deviation = property_bounds(f"{self.short}.replay", EXACT, produced.deviations)
             v = verdict(kind, measure(kind, t, want[name]), bounds, deviation,
                         lambda: mismatch.Pair(f"replay.{name}", t, want[name]))
-            rows.append(judged_row(base, f"replay.{name}", "exact", v, **times))
+            rows.append(judged_row(base, f"replay.{name}", "exact", v, check="replay", **times))
         for check in op.checks:
             if check.tensor not in ref or check.tensor not in got:
                 continue  # the op's optional tensor this implementation does not return

@@ -11,8 +11,10 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
-from mla_verify.reports.meta import IN_PROCESS
+from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.mismatch import QUIET_METRICS, line
+from mla_verify.reports.bias import bias_of
+from mla_verify.reports.meta import IN_PROCESS
 
 DEFAULT_TIMEOUT_S = 300.0  # what an implementation may take per case in the isolation worker
 RESULT_JSON = "result.json"  # a fuzz part's outcome (result_file)
@@ -35,7 +37,7 @@ class Failure:
     seed: int | None = None         # the campaign's seed
     flaky: tuple[int, int] | None = None  # (failed k, of n re-runs) when a re-run passed
     minimized: bool = False
-    from_corpus: bool = False       # a kept corpus's case (mla_verify.corpus) that still fails
+    from_corpus: bool = False       # a kept corpus's case (mla_verify.runs.corpus) that still fails
 
     @classmethod
     def of(cls, case, rows, case_file: Path | None, replay_command: str, **fields: Any) -> "Failure":
@@ -65,8 +67,6 @@ class Failure:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Failure":
-        from mla_verify.equivalence.case import Case
-
         return cls(Case.from_dict(d["case"]), d["tensor"], d["metric"], d["value"], d["bound"], d["reason"],
                    list(d["rows"]), None if d["case_file"] is None else Path(d["case_file"]), d["replay_command"],
                    d.get("found_at"), d.get("seed"), tuple(d["flaky"]) if d.get("flaky") else None,
@@ -101,8 +101,6 @@ class CheckResult:
         the implementation's own process: it could reach the judge), or each failure with its
         minimized case, failing metric and bound, case file and replay command; then a warning per
         group biased against the reference (`reports.bias`: never a failure)."""
-        from mla_verify.reports.bias import bias_of
-
         lines = [f"note: {n}" for n in self.notes]
         for f in self.failures:
             kind = f"FLAKY DISCREPANCY (failed {f.flaky[0]} of {f.flaky[1]} re-runs)" if f.flaky else "DISCREPANCY"

@@ -7,7 +7,7 @@ declared deviations and conventions. A rerun that finds it again adds nothing; a
 now stays, a regression test of the fix. Files are written aside and linked into place, never
 replacing one, so shards and parallel parts may add to one directory at once.
 
-A kept case applies to a run's unit (op and implementation, `fuzz.gate.Unit`) when it was found
+A kept case applies to a run's unit (op and implementation, `runs.units.Unit`) when it was found
 on that op with the same `--impl` strings; it is replayed before the unit's pinned corpus and
 campaigns, whatever the run's seed, and its rows have source "kept".
 """
@@ -100,7 +100,7 @@ class Corpus:
 
 
 def with_kept(units: list, corpus: Corpus | None) -> list:
-    """`units` (`fuzz.gate.Unit`s) each with the corpus's cases that apply to it."""
+    """`units` (`runs.units.Unit`s) each with the corpus's cases that apply to it."""
     if corpus is None:
         return units
     return [replace(u, kept=corpus.applying(u.op, u.specs)) for u in units]

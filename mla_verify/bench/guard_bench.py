@@ -66,7 +66,7 @@ def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
     from mla_verify.equivalence.isolation import Worker
     from mla_verify.optimized.buffers import poisoned
 
-    from .rundir import RunDir
+    from mla_verify.runs.rundir import RunDir
 
     reps = 5 if quick else 20
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

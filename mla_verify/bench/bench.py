@@ -17,8 +17,8 @@ per rank down to 16; decode batch 1-128 with s_q 1 and 2; prefill 1k-16k tokens)
              worker started off the clock); per case: drawing it, the reference, the kernel, inputs
              and judging; then 4 campaigns at once sharing the GPU (`--parallel 4` on one GPU),
              each process started and warmed up off the clock
-  guards     (CPU and GPU) each guard's cost per case in ms, and isolation's (`mla_verify.guard_bench`)
-  history    (CPU and GPU) `mla-verify history` over 200 runs of 5,000 rows (`mla_verify.history_bench`)
+  guards     (CPU and GPU) each guard's cost per case in ms, and isolation's (`mla_verify.bench.guard_bench`)
+  history    (CPU and GPU) `mla-verify history` over 200 runs of 5,000 rows (`mla_verify.bench.history_bench`)
 On a CPU: the reference at a 128k-token context and a 1024-token prefill streamed under 256 MiB
 (time, peak RSS in fresh processes), harness overhead with its stages, and fuzz
 throughput of the `ci` profile. `--only` picks sections. Prints a table last; writes JSON.
@@ -323,10 +323,9 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
     the clock starts (`ready()` just before), and judged here: cases/s and the time per case
     split into drawing it, the reference, the kernel and the rest (inputs, snapshots, judging;
     isolated: the worker's side too)."""
-    from mla_verify.equivalence.case import Case
-    from mla_verify.equivalence.catalog import evaluate, evaluate_block
+    from mla_verify.equivalence.catalog import evaluate_block
     from mla_verify.equivalence.isolation import Worker
-    from mla_verify.fuzz.campaign import fuzz
+    from mla_verify.fuzz.campaign import Campaign, fuzz
 
     spent = {"evaluate": 0.0, "reference": 0.0, "kernel": 0.0}
     worker = Worker(device) if isolated else None
@@ -340,11 +339,6 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
             spent["kernel"] += rows[0].time_impl_s if rows[0].time_impl_s == rows[0].time_impl_s else 0.0  # NaN: it raised
         return found
 
-    def run(c: Case, source):
-        start = time.perf_counter()
-        rows = worker.run(c, [], subject.label) if worker else evaluate(c, subject, device, source=source)
-        return account([rows], time.perf_counter() - start)[0]
-
     def run_block(cases, source, on_call):
         start = time.perf_counter()
         found = (worker.run_block(cases, [], subject.label, on_call=on_call) if worker
@@ -354,8 +348,7 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
     try:
         ready()
         start = time.perf_counter()
-        result = fuzz("sparse_decode_fp8", run, profile=profile, examples=examples, seed=seed, shrink=False, block=block,
-                      run_block=run_block, show_progress=False)
+        result = fuzz(Campaign("sparse_decode_fp8", profile, examples, seed, block=block, shrink=False), run_block)
         elapsed = time.perf_counter() - start
     finally:
         if worker is not None:

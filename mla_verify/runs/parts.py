@@ -1,15 +1,29 @@
-"""A run in parts: one child process per part of this host, rows merged into one run.
+"""Slots and child processes: one run split into disjoint, deterministic shares (`Shard`), and a
+run in parts, one child process per part of this host, their rows merged into one run.
 
-The parts of a run are the shards of one host (`fuzz.shard`): part j of shard I of N, with P
-parts, is slot I * P + j of N * P, and each child runs the `Run` of its slot
-(`python -m mla_verify.run RUN_JSON`, `Run.part`). Child i sees only GPU i mod the GPU count
-(`CUDA_VISIBLE_DEVICES`): more parts than GPUs share them. A gate's child that runs `dcp` keeps
-every GPU so its ranks can spread over them (nccl, one GPU per rank). Each child runs with its
-share of the host's cores as torch threads. Fuzz: each child runs its slot's campaign, its own seed
-and share of the examples. Each child writes its rows to `OUT/part-i` (a fuzz part also its
-outcome, `result.json`: its failure, case file and replay command, and its output to
-`fuzz.log`); the parent concatenates the rows into `OUT` and reports once. On CPU the same split
-runs N CPU processes.
+Shards let N machines (a CI matrix, a Slurm array, an Indexed Job) together run exactly what one
+machine would have. A run of N shards with P parts each (`--shard I/N --parallel P`) is T = N * P
+slots. Parts are the shards of one host: part j of shard I is slot I * P + j of T, so
+`--parallel P` on one machine and P machines of `--shard I/P` deal the same slots.
+
+    fuzz   slot k is the campaign of seed S + k with `share(E, T)[k]` of the E examples
+           (nothing when E < T leaves it none); one slot is the unsharded run itself
+    gate   slot k runs every T-th of the gate's units, one unit being an op (or property) and
+           an implementation with its corpus and campaigns, the multi-rank ones dealt first
+           (the part of a host that holds them keeps every GPU for their ranks); every unit
+           fuzzes with the run's seed S
+
+The index comes from the caller (`--shard $SLURM_ARRAY_TASK_ID/N`): nothing reads a scheduler's
+environment.
+
+Each child runs the `Run` of its slot (`python -m mla_verify.runs.driver RUN_JSON`, `Run.part`).
+Child i sees only GPU i mod the GPU count (`CUDA_VISIBLE_DEVICES`): more parts than GPUs share
+them. A gate's child that runs `dcp` keeps every GPU so its ranks can spread over them (nccl, one
+GPU per rank). Each child runs with its share of the host's cores as torch threads. Fuzz: each
+child runs its slot's campaign, its own seed and share of the examples. Each child writes its rows
+to `OUT/part-i` (a fuzz part also its outcome, `result.json`: its failure, case file and replay
+command, and its output to `fuzz.log`); the parent concatenates the rows into `OUT` and reports
+once. On CPU the same split runs N CPU processes.
 """
 
 from __future__ import annotations
@@ -19,22 +33,79 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence, TypeVar
 
 import pandas as pd
-
-from mla_verify.fuzz.shard import share  # noqa: F401 - the examples' split, here since --parallel had it
+import torch
 
 from mla_verify.equivalence.device import GPU_SHARE_ENV
+from mla_verify.equivalence.rows import Row
+from mla_verify.reports.store import conform, load_run, rows_frame
 
 from .interrupt import Interrupt
-from .results import RESULT_JSON, GateOutcome
+from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, order=True)
+class Shard:
+    """Shard `index` of `count` (0-based): "I/N" on the command line."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.index, int) and isinstance(self.count, int) and 0 <= self.index < self.count):
+            raise ValueError(f"shard {self.index}/{self.count}: expected I/N with 0 <= I < N")
+
+    @classmethod
+    def parse(cls, text: "str | Shard | None") -> "Shard":
+        """"I/N" (or a Shard; None: the whole run, 0/1); ValueError saying what is wrong."""
+        if text is None:
+            return cls()
+        if isinstance(text, Shard):
+            return text
+        index, sep, count = str(text).partition("/")
+        if not sep or not index.strip().isdigit() or not count.strip().isdigit():
+            raise ValueError(f"shard {text!r}: expected I/N, e.g. 0/4 (I from 0 to N-1)")
+        return cls(int(index), int(count))
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    @property
+    def whole(self) -> bool:
+        return self.count == 1
+
+    def slots(self, parts: int) -> list["Shard"]:
+        """This shard's parts on one host, each a shard of the whole run's N * P slots."""
+        return [Shard(self.index * parts + j, self.count * parts) for j in range(parts)]
+
+    def campaign(self, seed: int, examples: int) -> tuple[int, int]:
+        """(seed, examples) of this slot's fuzz campaign; examples 0 when it has none."""
+        shares = share(examples, self.count)
+        return seed + self.index, shares[self.index] if self.index < len(shares) else 0
+
+    def deal(self, units: Sequence[T], first: Sequence[bool] = ()) -> list[T]:
+        """This slot's units, in their own order: every count-th of them, those flagged in `first`
+        dealt before the rest."""
+        flagged = [bool(f) for f in first] + [False] * (len(units) - len(first))
+        order = sorted(range(len(units)), key=lambda i: not flagged[i])
+        mine = set(order[self.index::self.count])
+        return [u for i, u in enumerate(units) if i in mine]
+
+
+def share(examples: int, parts: int) -> list[int]:
+    """`examples` split over at most `parts` campaigns, none empty, the first ones one larger."""
+    parts = max(1, min(parts, examples))
+    return [examples // parts + (i < examples % parts) for i in range(parts)]
 
 
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them to a child."""
-    import torch
-
     named = os.environ.get("CUDA_VISIBLE_DEVICES")
     count = torch.cuda.device_count()
     return named.split(",")[:count] if named else [str(i) for i in range(count)]
@@ -68,7 +139,7 @@ def _placed(run, parts: int) -> str:
 
 def _child(run, part: int, parts: int, pin: bool, log: Path | None = None) -> subprocess.Popen:
     env = child_env(run, part, parts, pin)
-    argv = [sys.executable, "-m", "mla_verify.run", run.to_json()]
+    argv = [sys.executable, "-m", "mla_verify.runs.driver", run.to_json()]
     if log is None:
         return subprocess.Popen(argv, env=env)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -79,13 +150,11 @@ def _child(run, part: int, parts: int, pin: bool, log: Path | None = None) -> su
 def _collect(procs: dict[int, subprocess.Popen], out: Path) -> tuple[pd.DataFrame, dict[int, int]]:
     """Wait for every child (by part number); their rows together, and each one's exit code (1 for
     a child that exited 0 without leaving rows)."""
-    from mla_verify import reports
-
     codes = {i: p.wait() for i, p in procs.items()}
     frames = []
     for i, code in codes.items():
         try:  # a part killed early may have left its journal only, or nothing
-            frames.append(reports.load_run(out / f"part-{i}")[0])
+            frames.append(load_run(out / f"part-{i}")[0])
         except (OSError, ValueError):
             codes[i] = code or 1
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), codes
@@ -95,13 +164,10 @@ def _root(run) -> Path:
     return run.out.path if run.out else Path(tempfile.mkdtemp(prefix="mla-verify-parts-"))
 
 
-def gate_in_parts(run, log) -> GateOutcome:
-    """The gate as one child per slot that holds units; their rows into the run directory."""
-    from mla_verify.equivalence.rows import Row
-    from mla_verify.fuzz.gate import units
-
+def gate_in_parts(run, every: list, log) -> GateOutcome:
+    """The gate as one child per slot that holds some of its units `every` (`runs.units`); their
+    rows into the run directory."""
     log = log or (lambda line: None)
-    every = units(list(run.ops) or None, run.device)
     dealt = {i: slot.deal(every, [u.multi_rank for u in every]) for i, slot in enumerate(run.slots)}
     log(f"  {len(run.slots)} parts, {_placed(run, len(run.slots))}")
     meta, root = run.meta(), _root(run)
@@ -121,10 +187,6 @@ def check_in_parts(run, log):
     """`mla_verify.check` as one child campaign per part (seeds S + k, each its share of the
     examples); their rows merged into the run directory, each part's failure read from its
     result.json."""
-    from mla_verify.reports.store import conform, rows_frame
-
-    from .results import CheckResult, Failure
-
     campaigns, root = run.campaigns, _root(run)
     if log is not None:
         log(f"  {len(campaigns)} campaigns, {_placed(run, len(campaigns))}: "

@@ -27,13 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from mla_verify import record
+from . import record
 from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.catalog import get_spec
+from mla_verify.equivalence.running import failure_row
 from mla_verify.equivalence.rows import Row
 from mla_verify.equivalence.subject import UsageError
 from mla_verify.fuzz import casefile
 from mla_verify.fuzz.casefile import slug, write_atomic
-from mla_verify.reports.store import CRASHED, JOURNAL, META_JSON, ROWS_CSV, ROWS_PARQUET, unfinished_cases
+from mla_verify.reports.meta import finish_meta
+from mla_verify.reports.store import CRASHED, JOURNAL, META_JSON, ROWS_CSV, ROWS_PARQUET, unfinished_cases, write_run
+from mla_verify.reports.store import load_run as read_run
 
 LOCK = ".lock"
 _RUN_FILES = (META_JSON, ROWS_PARQUET, ROWS_CSV, JOURNAL, "failures")
@@ -148,9 +152,6 @@ class RunDir:
         """Journal `case` as started, before its implementation is called: the row it gets if the
         process never comes back (`reports.store.CRASHED`), and what replays it. Returns the call
         that journals it finished."""
-        from mla_verify.equivalence.catalog import get_spec
-        from mla_verify.equivalence.running import failure_row
-
         base = dict(run_id=run_id, case_id=case.case_id, impl=impl, stages="", device=device, seed=case.seed,
                     source=source, **get_spec(case.op).identity(case))
         row = failure_row(base, "*", "crashed", CRASHED)
@@ -172,11 +173,9 @@ class RunDir:
     def finish(self, rows, meta: Mapping[str, Any]) -> None:
         """The run's rows and meta (`reports.write_run`), written aside and renamed into place;
         then the journal is removed and the lock released."""
-        from mla_verify import reports
-
         staging = self.path / f".writing-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
-        reports.write_run(staging, rows, reports.finish_meta(meta))
+        write_run(staging, rows, finish_meta(meta))
         for item in staging.iterdir():
             os.replace(item, self.path / item.name)
         staging.rmdir()
@@ -193,6 +192,17 @@ class RunDir:
     def release(self) -> None:
         self._close_journal()
         (self.path / LOCK).unlink(missing_ok=True)
+
+
+def load_run(path: str | Path, what: str = "run"):
+    """(rows, meta) of a run directory; UsageError where it is missing, unreadable or empty."""
+    try:
+        rows, meta = read_run(path)
+    except (OSError, ValueError) as exc:  # missing, empty, truncated or corrupt (pyarrow's errors are ValueErrors)
+        raise UsageError(f"{what} {path}: not a readable run ({exc})") from None
+    if rows.empty:
+        raise UsageError(f"{what} {path}: the run holds no rows")
+    return rows, meta
 
 
 def recover_crashed(run_dir: str | Path, replay_command: Callable[..., str]) -> list[str]:

@@ -3,7 +3,7 @@ implementations take part in.
 
 `OP=SPEC` names an implementation of an op (`sparse_prefill=mykernels:prefill`), `STAGE=SPEC` one
 of a stage inside `forward_mqa` (most ops are stages too: `sparse_decode_fp8=...` is both), and
-`forward_mqa=SPEC` / `dcp=SPEC` a whole pipeline or rank body. The units (`fuzz.gate.Unit`):
+`forward_mqa=SPEC` / `dcp=SPEC` a whole pipeline or rank body. The units (`runs.units.Unit`):
 
 * each named op with its implementation (its pinned corpus and campaigns, as the gate runs it);
 * `forward_mqa` with every named stage swapped in, over every path it draws;
@@ -17,7 +17,7 @@ from typing import Sequence
 
 from mla_verify.equivalence import catalog
 from mla_verify.equivalence.subject import UsageError
-from mla_verify.fuzz.gate import Unit
+from .units import Unit
 from mla_verify.optimized import registry
 
 PIPELINE = "forward_mqa"

@@ -1,4 +1,4 @@
-"""`merge`: the run directories of a run's shards (`--shard I/N`, `fuzz.shard`) joined into the one
+"""`merge`: the run directories of a run's shards (`--shard I/N`, `runs.parts`) joined into the one
 run a single machine would have written: its rows, its meta (every shard's seeds), every shard's
 saved failing cases. `mla-verify report` then reads it like any run.
 
@@ -21,10 +21,10 @@ from typing import Any, Sequence
 import pandas as pd
 
 from mla_verify.equivalence.subject import UsageError
-from mla_verify.fuzz.shard import Shard
 from mla_verify.reports.store import conform
 
-from .rundir import RunDir
+from .parts import Shard
+from .rundir import RunDir, load_run
 
 HARNESS_ERROR = "harness-error.txt"
 
@@ -125,8 +125,6 @@ def merge(runs: Sequence[str | Path], out: str | Path, *, force: bool = False) -
     """Join the shards' run directories `runs` into the run directory `out` (which must not hold a
     run). Raises UsageError, before writing anything, for an unreadable run or, unless `force`,
     for runs that are not the shards of one run or shards missing (each reason named)."""
-    from .api import load_run
-
     if not runs:
         raise UsageError("merge: name the shards' run directories")
     loaded = []

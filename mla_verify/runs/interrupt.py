@@ -1,6 +1,6 @@
 """Ctrl-C (SIGINT) or SIGTERM (a CI runner cancelling the job, `kill`) during a run: the first lets
 the current case finish and the run be written (the CLI then exits 130); the second stops at once
-(the journal keeps the rows, and the case it stopped in: `mla_verify.rundir`)."""
+(the journal keeps the rows, and the case it stopped in: `mla_verify.runs.rundir`)."""
 
 from __future__ import annotations
 

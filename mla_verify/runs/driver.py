@@ -1,0 +1,331 @@
+"""The one execution of a run (`runs.plan.Run`), fuzz or gate: `drive` runs it
+
+    parts == 1   this process runs its slot (`runs.parts`): the fuzz campaign of seed S + k and
+                 its share of the examples, or the gate's units of slot k
+    parts > 1    one child process per part, each the Run of one slot of this host
+                 (`python -m mla_verify.runs.driver RUN_JSON`, `runs.parts`), their rows joined
+                 into the run directory
+
+Both kinds judge each case through `run_units`, the one campaign driver: a `Unit`
+(`runs.units`) is one op and implementation with its corpus and campaigns (a fuzz run: one unit,
+no corpus); each campaign is a Hypothesis search (`fuzz.campaign`) whose blocks of cases the block
+runner judges, in the isolation worker or in this process.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from mla_verify.equivalence import catalog, contract, distributed
+from mla_verify.equivalence import device as dev
+from mla_verify.equivalence.device import take_gpu_share
+from mla_verify.equivalence.isolation import HarnessError, Worker
+from mla_verify.equivalence.profiles import Profile
+from mla_verify.equivalence.mismatch import line
+from mla_verify.equivalence.rows import Row
+from mla_verify.equivalence.running import failure_row
+from mla_verify.equivalence.subject import Subject, UsageError, unexercised
+from mla_verify.fuzz.campaign import Campaign, FuzzResult, Judge, UnderTest, fuzz
+from mla_verify.fuzz.casefile import load, write_atomic
+from mla_verify.fuzz.progress import Progress
+from mla_verify.fuzz.regressions import corpus
+from mla_verify.pytest_plugin import DEFAULTS
+from mla_verify.reports.store import rows_frame
+
+from .corpus import Corpus, keep, still_failing, with_kept
+from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, result_file
+from .parts import Shard, check_in_parts, gate_in_parts
+from .plan import FUZZ, Run
+from .sink import Sink
+from .selection import impl_units
+from .units import Unit, gate_world_size, odd_ones_out, shard_units, units
+
+MIN_DRAWS = 25  # params a campaign draws at the least where its budget allows (`block_size`)
+
+
+@dataclass
+class GateResult:
+    rows: list[Row] = field(default_factory=list)
+    fuzz: list[FuzzResult] = field(default_factory=list)
+    notes: set[str] = field(default_factory=set)
+
+    @property
+    def failed(self) -> bool:
+        return any(not r.passed for r in self.rows)
+
+
+
+def _examples(op: str, examples: int | None, profile: Profile) -> int:
+    return examples if examples is not None else catalog.get_spec(op).examples(profile)
+
+
+def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker: Worker | None, notes: set[str],
+                  losing: Sink | None) -> Judge:
+    """(cases, source, on_call) -> each case's rows (None: not judged), for a campaign's blocks
+    (`fuzz.campaign`): in the isolation worker, or in this process. With `losing` (a fuzz run), a
+    CUDA context that saw a CUDA error of the implementation cannot run another case: its block
+    ends there (`OpSpec.evaluate_block`) and so does the campaign (`Sink.lose`), the case being the
+    implementation's crash."""
+    if worker is not None:
+        def isolated(cases, source, on_call):
+            found = worker.run_block(cases, unit.specs, unit.label, run_id, source, notes=notes,
+                                     deviations=unit.deviations, conventions=unit.conventions, on_call=on_call)
+            for rows in found:
+                for r in rows:
+                    r.impl = unit.label
+            return found
+
+        return isolated
+    cuda = device.startswith("cuda")
+
+    def in_process(cases, source, on_call):
+        if losing is None:
+            return catalog.evaluate_block(cases, subject, device, run_id=run_id, source=source, notes=notes,
+                                          on_call=on_call)
+        called: list[bool] = []
+        try:
+            found = catalog.evaluate_block(cases, subject, device, run_id=run_id, source=source, notes=notes,
+                                           on_call=lambda: (called.append(True), on_call()))
+        except Exception as exc:  # a CUDA error the harness met after the implementation ran: that case's crash
+            if not (cuda and called and (dev.is_device_error(exc) or not dev.usable(device))):
+                raise
+            case = cases[len(called) - 1]
+            base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages="", device=device,
+                        seed=case.seed, source=source, **catalog.get_spec(case.op).identity(case))
+            found = [None] * len(cases)
+            found[len(called) - 1] = [failure_row(base, "*", "crashed",
+                                                  f"CUDA error after the implementation ran: {dev.first_line(exc)}")]
+        if cuda and not losing.lost and (
+                any(r.gate_metric in ("raised", "crashed") and dev.is_device_error(r.reason)
+                    for rows in found if rows for r in rows) or not dev.usable(device)):
+            losing.lose("the CUDA context is unusable after a CUDA error of the implementation; "
+                        "run isolated (--isolate) to go on past crashes")
+        return found
+
+    return in_process
+
+
+def block_size(profile: Profile, examples: int) -> int:
+    """Cases a campaign of `examples` runs per drawn example: the profile's block, fewer where the
+    campaign would draw under MIN_DRAWS params (blocks share their params: they trade breadth for
+    speed)."""
+    return max(1, min(profile.block, examples // MIN_DRAWS))
+
+
+def _failures_dir(run: Run) -> Path:
+    """Where failing cases are saved: the run directory, else pytest's --mla-verify-failures or a
+    temporary directory."""
+    if run.out is not None:
+        return run.out.path
+    return Path(DEFAULTS.get("failures") or Path(tempfile.gettempdir()) / "mla-verify")
+
+
+def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: int | None,
+              log=None) -> GateResult:
+    """The one campaign driver: each unit's corpus, then its campaigns of `examples` cases (None:
+    the profile's budget for the op) with `seed`, every case told to `sink`, which stops the run
+    after the current case when it has a reason. With `log` (the gate's; a stream), one progress
+    line over every unit and a line per campaign; without it, a fuzz run's own progress line."""
+    result = GateResult()
+    subjects = [(unit, unit.resolved(run.device)) for unit in chosen]
+    if log is not None:
+        cases = sum(len(u.kept) + (len(corpus(u.op)) if u.corpus else 0) + _examples(u.op, examples, run.profile)
+                    * len(u.campaigns(s)) for u, s in subjects)
+        sink.counting(Progress("gate", cases, every_s=10.0, stream=log), name_units=True)
+    worker = Worker(run.device, run.timeout) if run.isolate else None
+    distributed.set_timeout(run.timeout)
+    try:
+        for unit, subject in subjects:
+            if not _run_unit(unit, subject, run, sink, result, worker, seed=seed, examples=examples, log=log):
+                break
+    finally:
+        if worker is not None:
+            worker.close()
+    return result
+
+
+def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateResult, worker: Worker | None, *,
+              seed: int, examples: int | None, log) -> bool:
+    """One unit's kept cases, corpus and campaigns into `result`; False where the sink stopped the run."""
+    spec, budget = catalog.get_spec(unit.op), _examples(unit.op, examples, run.profile)
+    judge = _block_runner(unit, subject, run.device, sink.run_id, None if spec.own_processes else worker,
+                          result.notes, sink if run.command == FUZZ else None)
+    sink.judging(unit)
+    tested = UnderTest(unit.specs, unit.label, unit.deviations, unit.conventions, run.device)
+    t0 = time.monotonic()  # a campaign's seconds include the corpus cases run before it
+    pinned = corpus(unit.op) if unit.corpus else []
+    pinned_rows = []
+    for case, source in [(c, "kept") for c in unit.kept] + [(c, "corpus") for c, _why in pinned]:
+        if sink.stop_reason():
+            return False
+        sink.started(case, source)
+        case_rows, = judge([case], source, lambda: None)
+        sink.finished(case)
+        sink.judged(case_rows, source)
+        pinned_rows += case_rows
+    result.rows.extend(pinned_rows)
+    for path in unit.campaigns(subject):
+        if sink.stop_reason():
+            return False
+        campaign = Campaign(unit.op, run.profile, budget, seed, tested, path,
+                            run.world_size or gate_world_size(spec, run.device_type), block_size(run.profile, budget),
+                            run.shrink, _failures_dir(run))
+        fz = fuzz(campaign, judge, sink)
+        result.fuzz.append(fz)
+        result.rows.extend(fz.rows)
+        if log is not None:
+            where = f"{unit.op} ({path})" if path else unit.op
+            bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
+            kept = f"{len(unit.kept)} kept + " if unit.kept else ""
+            log.write(f"{where:38s} {unit.label:28s} {kept}{len(pinned):3d} corpus + {fz.examples:4d} fuzz cases "
+                      f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
+            log.flush()
+        t0 = time.monotonic()
+    return True
+
+
+def gate_units(run: Run, kept: Corpus | None = None) -> list[Unit]:
+    """The gate's units: those of its --impl strings (`runs.selection`), else every op and
+    implementation here; each with the kept corpus's cases that apply to it."""
+    chosen = impl_units(run.impls, run.device, run.ops) if run.impls else units(list(run.ops) or None, run.device)
+    return with_kept(chosen, kept)
+
+
+def run_gate(run: Run, sink: Sink, log, chosen: list[Unit]) -> GateResult:
+    """The units of the run's shard (`Shard()`: all of them) among `chosen` through `run_units`."""
+    return run_units(shard_units(list(run.ops) or None, run.device, run.shard, chosen), run, sink, seed=run.seed,
+                     examples=run.examples, log=log)
+
+
+def drive(run: Run, log: Callable[[str], None] | None = None):
+    """Run `run`: a CheckResult for fuzz, a GateOutcome for the gate. `log` receives the lines of
+    a run in parts (the parts' own go to their logs or this process's output)."""
+    if run.parts > 1:
+        if run.command == FUZZ:
+            return check_in_parts(run, log)
+        return gate_in_parts(run, gate_units(run), log)
+    return _fuzz(run) if run.command == FUZZ else _gate(run)
+
+
+def _fuzz(run: Run) -> CheckResult:
+    """One campaign in this process (its cases isolated or not), written to the run directory."""
+    (seed, examples), = run.campaigns
+    meta, run_dir = run.meta(), run.out
+    if run_dir:
+        run_dir.start(meta)
+    sink = Sink(run_dir, f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
+    sink.counting(Progress(run.op, examples, every_s=5.0))
+    kept = Corpus(run.corpus) if run.corpus else None
+    unit = Unit(run.op, run.label, run.specs, subject=run.subject, paths=(run.path,), corpus=False,
+                deviations=run.deviations, conventions=run.conventions,
+                kept=kept.applying(run.op, run.specs) if kept and run.corpus_replay else ())
+    contract.CALLED_WITH.clear()
+    try:
+        with sink.interrupt.installed():
+            result = run_units([unit], run, sink, seed=seed, examples=examples)
+    except Exception as exc:
+        if run_dir:
+            detail = exc.detail if isinstance(exc, HarnessError) else traceback.format_exc()
+            run_dir.write_file("harness-error.txt", detail or traceback.format_exc())
+            run_dir.finish(sink.rows, meta)
+        if isinstance(exc, HarnessError):
+            raise
+        raise HarnessError(f"harness error: {type(exc).__name__}: {exc}", traceback.format_exc()) from exc
+    fz, = result.fuzz
+    if run_dir:
+        run_dir.finish(sink.rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
+    notes = keep(kept, result.fuzz, sink.rows) + sorted(result.notes)
+    failures = [] if kept is None else [
+        Failure.of(case, case_rows, path, replay_command(path, run.specs, run.device, run.deviations, run.timeout,
+                                                         run.isolate, run.conventions), seed=seed, from_corpus=True)
+        for case, case_rows, path in still_failing(kept, unit, sink.rows)]
+    return _check_result(run, fz, rows_frame(sink.rows), notes, seed, failures)
+
+
+def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, failures: list) -> CheckResult:
+    if fz.failure is not None:
+        failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
+                                   replay_command(fz.case_file, run.specs, run.device, run.deviations, run.timeout,
+                                                  run.isolate, run.conventions),
+                                   found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk))
+    notes = notes + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
+    notes += unexercised(run.specs, contract.CALLED_WITH)  # what the replaced stages were never handed
+    if run.world_size:
+        notes += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]
+    return CheckResult(run.op, run.label, not failures and fz.stopped != "interrupted" and bool(frame.passed.all()),
+                       frame, seed, fz.examples, run.out.path if run.out else None, failures,
+                       interrupted=fz.stopped == "interrupted", notes=notes, in_process=run.in_process)
+
+
+def _gate(run: Run) -> GateOutcome:
+    """The gate's units of this slot in this process, written to the run directory."""
+    run_dir, meta = run.out, run.meta()
+    kept = Corpus(run.corpus) if run.corpus else None
+    chosen = gate_units(run, kept)
+    sink = Sink(run_dir, f"gate-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
+    run_dir.start(meta)
+    try:
+        with sink.interrupt.installed():
+            result = run_gate(run, sink, sys.stderr, chosen)  # the stderr of the moment: pytest's capture replaces it
+    except Exception as exc:  # mla-verify's own failure: exit 3, its traceback where the message says
+        detail = (exc.detail if isinstance(exc, HarnessError) else None) or traceback.format_exc()
+        run_dir.write_file("harness-error.txt", detail)
+        run_dir.release()
+        if isinstance(exc, HarnessError):
+            raise
+        raise HarnessError(f"harness error in {run_dir.path}: {type(exc).__name__}: {exc}", detail) from exc
+    except BaseException:  # the journal keeps the rows so far; the next run may take the directory's lock
+        run_dir.release()
+        raise
+    finally:
+        distributed.close_all()
+    interrupted = sink.interrupt.requested
+    outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupted,
+                          keep(kept, result.fuzz, result.rows) + sorted(result.notes), odd_ones_out(result.rows),
+                          isolated=run.isolate)
+    run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupted else meta)
+
+    def said(path: Path, rows) -> list[str]:  # the replay command (with the implementation saved), the failing rows
+        command = replay_command(path, load(path).impl, run.device, timeout=run.timeout, isolate=run.isolate)
+        return [f"  replay: {command}", *(f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}"
+                                          for r in rows if not r.passed)]
+
+    outcome.case_files = [(path, ["  from the corpus: still fails", *said(path, rows)])
+                          for _, rows, path in still_failing(kept, chosen, result.rows)]
+    outcome.case_files += [(fz.case_file, said(fz.case_file, fz.failure.rows if fz.failure else ()))
+                           for fz in result.fuzz if fz.case_file]
+    return outcome
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A part's process: `python -m mla_verify.runs.driver RUN_JSON` (`Run.to_json`; `runs.parts` starts it)."""
+    text = (argv or sys.argv[1:])[0]  # the parent chose the Triton interpreter on CPU: the environment has it
+    try:
+        run = Run.from_json(text)
+        take_gpu_share(0.5 if run.isolate else 1.0)  # an isolated part's worker takes the other half
+        print(run.header(), flush=True)
+        outcome = drive(run)
+    except KeyboardInterrupt:
+        return 130
+    except UsageError as exc:
+        print(f"mla-verify: {exc}", file=sys.stderr)
+        return 2
+    except HarnessError as exc:
+        print(f"mla-verify: {exc}", file=sys.stderr)
+        return 3
+    if run.command == FUZZ:
+        print(outcome.report())
+        write_atomic(outcome.out / RESULT_JSON, result_file(outcome))
+    elif outcome.lines():
+        print("\n".join(outcome.lines()))
+    return outcome.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

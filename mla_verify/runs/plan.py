@@ -1,0 +1,378 @@
+"""What a run is, whatever starts it: `check()` and `mla-verify fuzz` (one op and implementation),
+`gate()` and `mla-verify gate` (every op and implementation here), a part of either on one of this
+host's GPUs (`runs.parts`), a shard of either on another machine. What a caller asks is `Options`;
+`plan` checks it, once for check() and gate(), into a `Run`; `runs.driver` runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from mla_verify.equivalence import catalog, distributed
+from mla_verify.equivalence.catalog import get_spec, resolve_subject
+from mla_verify.equivalence.isolation import default_isolation
+from mla_verify.equivalence.profiles import Profile, get_profile
+from mla_verify.equivalence.subject import Subject, UsageError, did_you_mean
+from mla_verify.fuzz.campaign import new_seed
+from mla_verify.reports.meta import collect_meta, rerun_settings
+from mla_verify.reports.store import run_file
+
+from .corpus import Corpus
+from .outcome import DEFAULT_TIMEOUT_S
+from .parts import Shard
+from .rundir import FreshDir, RunDir, load_run
+from .selection import impl_units
+from .units import shard_units
+
+# Callables that cannot be imported by name (lambdas, closures, partials) are reached in this
+# process through `mla_verify.api.local`: their specs start so, and their rows' label does not.
+LOCAL = "mla_verify.api:local."
+
+FUZZ, GATE = "fuzz", "gate"
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one run is. `examples`: fuzz, the whole run's cases (shared out over its campaigns);
+    the gate, per unit (None: the profile's budgets)."""
+
+    command: str                          # FUZZ or GATE
+    ops: tuple[str, ...]                  # fuzz: its op; gate: what was asked (empty: every op and property)
+    device: str                           # "cpu", "cuda" or "cuda:N"
+    profile: Profile
+    examples: int | None
+    seed: int
+    isolate: bool
+    timeout: float
+    out: RunDir | None = None             # the run directory being written
+    baseline: Path | None = None          # the run whose cases these are again
+    shard: Shard = Shard()
+    parts: int = 1                        # this host's processes: the shard's slots (runs.parts)
+    specs: tuple[str, ...] = ()           # fuzz: the implementation as --impl strings
+    subject: Subject | None = None        # fuzz: the resolved implementation
+    deviations: tuple[str, ...] = ()
+    conventions: tuple[str, ...] = ()     # fuzz: the implementation's declared conventions ("lse_base=2", ...)
+    path: str | None = None
+    world_size: int | None = None
+    shrink: bool = True
+    named: bool = True                    # every implementation importable in another process
+    invocation: str | None = field(default_factory=lambda: invocation())  # meta.json's command
+    impls: tuple[str, ...] = ()           # gate: OP=SPEC / STAGE=SPEC it is restricted to (runs.selection)
+    corpus: str | None = None             # the kept corpus (runs.corpus): replayed first, findings added
+    corpus_replay: bool = True            # this part replays the corpus (a fuzz run's first part only)
+
+    @property
+    def op(self) -> str:
+        return self.ops[0]
+
+    @property
+    def label(self) -> str:
+        """fuzz: the rows' name for the implementation; a local callable by its own name."""
+        return re.sub(rf"{re.escape(LOCAL)}fn\d+_", "", self.subject.label) if self.subject is not None else ""
+
+    @property
+    def in_process(self) -> bool:
+        """fuzz: judged in the implementation's own process (not isolated, no rank processes)."""
+        return self.command == FUZZ and not (self.isolate or self.world_size)
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    @property
+    def slots(self) -> list[Shard]:
+        """The slots of the whole run this host runs, one per part."""
+        return self.shard.slots(self.parts)
+
+    @property
+    def campaigns(self) -> list[tuple[int, int]]:
+        """fuzz: (seed, examples) of each campaign this host runs."""
+        return [c for c in (slot.campaign(self.seed, self.examples) for slot in self.slots) if c[1]]
+
+    def options(self) -> dict[str, Any]:
+        """The settings every shard of one run shares (`merge` checks them)."""
+        common = {"command": self.command, "examples": self.examples, "seed": self.seed,
+                  "profile": self.profile.name, "device": self.device_type, "isolate": self.isolate,
+                  "timeout": self.timeout}
+        if self.command == GATE:
+            return {**common, "ops": list(self.ops) or None, "impls": list(self.impls) or None}
+        return {**common, "op": self.op, "impl": list(self.specs), "path": self.path, "world_size": self.world_size,
+                "deviations": list(self.deviations), "conventions": list(self.conventions), "shrink": self.shrink,
+                "campaigns": self.shard.count * self.parts}
+
+    def meta(self) -> dict[str, Any]:
+        """meta.json: what `check(baseline=...)` and `gate --baseline` read back to draw the same
+        cases (reports.meta.rerun_settings), and for a shard what `merge` checks."""
+        if self.command == GATE:
+            seeds, extra = [self.seed], {"examples": self.examples, "ops": list(self.ops) or None,
+                                         "isolated": self.isolate}
+        else:
+            seeds = [s for s, _ in self.campaigns]
+            extra = {"op": self.op, "examples": sum(n for _, n in self.campaigns), "path": self.path,
+                     "isolated": not self.in_process, "deviations": list(self.deviations),
+                     "conventions": list(self.conventions)}
+        if not self.shard.whole:
+            extra |= {"shard": str(self.shard), "run": self.options()}
+        return collect_meta(self.profile.name, seeds, self.device, command=self.invocation, extra=extra)
+
+    def part(self, slot: Shard, index: int, root: Path) -> "Run":
+        """The Run of one part: its slot, in ROOT/part-INDEX. A fuzz part is the whole campaign of
+        its slot's seed and examples."""
+        here = dict(device=self.device_type, parts=1, out=root / f"part-{index}", baseline=None)
+        if self.command == FUZZ:
+            seed, examples = slot.campaign(self.seed, self.examples)
+            return replace(self, seed=seed, examples=examples, shard=Shard(), **here,
+                           corpus_replay=self.corpus_replay and index == 0)
+        return replace(self, shard=slot, **here)
+
+    def to_json(self) -> str:
+        """A part's Run for its process (the subject is resolved again there from `specs`)."""
+        plain = {f.name: getattr(self, f.name) for f in fields(self)
+                 if f.name not in ("subject", "profile", "shard", "out", "baseline")}
+        return json.dumps({**plain, "profile": self.profile.name, "shard": str(self.shard), "out": str(self.out)})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Run":
+        d = json.loads(text)
+        d |= {"profile": get_profile(d["profile"]), "shard": Shard.parse(d["shard"]), "out": RunDir.open(d["out"]),
+              **{k: tuple(d[k]) for k in ("ops", "specs", "deviations", "conventions", "impls")}}
+        run = cls(**d)
+        if run.command == FUZZ:
+            run = replace(run, subject=resolve_subject(run.op, run.specs, run.device_type, deviations=run.deviations,
+                                                       conventions=run.conventions))
+        return run
+
+    def header(self) -> str:
+        """The line a run starts with."""
+        where = f", run {self.out.path}" if self.out else ""
+        if self.command == GATE:
+            budget = (f"{self.examples}" if self.examples is not None
+                      else f"{self.profile.examples} (properties: {self.profile.property_examples})")
+            return (f"mla-verify gate: device {self.device}, profile {self.profile.name}, {budget} fuzz examples per "
+                    f"op and implementation, seed {self.seed}{'' if self.shard.whole else f', shard {self.shard}'}"
+                    f"{', only ' + ' '.join(self.impls) if self.impls else ''}"
+                    f"{f', corpus {self.corpus}' if self.corpus else ''}"
+                    f"{where}")
+        ranks = ""
+        if self.world_size:
+            ranks = f", {self.world_size} ranks ({distributed.placement(self.world_size, self.device_type).describe()})"
+        return (f"mla-verify fuzz: op {self.op}, implementation {self.label}, {self.examples} examples, profile "
+                f"{self.profile.name}, device {self.device}, seed {self.seed}{ranks}{', isolated' if self.isolate else ''}"
+                f"{where}" + (f"; the cases of baseline {self.baseline}" if self.baseline is not None else "")
+                + ("" if self.shard.whole else f"; shard {self.shard} of {self.shard.count * self.parts} campaigns: "
+                   + ", ".join(f"seed {s} x {n}" for s, n in self.campaigns)))
+
+
+def invocation() -> str | None:
+    """This process's command line as meta.json records it (None inside a bare interpreter)."""
+    return shlex.join(["mla-verify"] + sys.argv[1:]) if sys.argv[1:] else None
+
+
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a caller asks of a run, before it is checked: `check()`'s and `gate()`'s arguments,
+    and the CLI's run options (declared once for fuzz and gate). `plan` makes it a Run. `specs`:
+    the implementation as --impl strings, `named`: each importable in another process."""
+
+    command: str                                  # FUZZ or GATE
+    ops: tuple[str, ...] = ()                     # fuzz: its op; gate: only these (empty: every op and property)
+    specs: tuple[str, ...] = ()
+    named: bool = True
+    device: str | None = None
+    profile: str | None = None
+    examples: int | None = None
+    seed: int | None = None
+    out: str | Path | FreshDir | None = None
+    isolate: bool | None = None
+    timeout: float | None = None
+    deviations: tuple[str, ...] = ()
+    conventions: Any = ()                         # ("lse_base=2", ...) or {"lse_base": 2}
+    path: str | None = None
+    world_size: int | None = None
+    shrink: bool = True
+    parallel: int | None = None
+    shard: Any = None                             # "I/N" or a Shard
+    baseline: Path | None = None
+    junit: Path | None = None
+    impls: tuple[str, ...] = ()                   # gate: OP=SPEC / STAGE=SPEC strings (runs.selection)
+    corpus: str | Path | None = None              # a kept corpus directory (runs.corpus)
+
+    @classmethod
+    def asked(cls, command: str, given: Mapping[str, Any]) -> "Options":
+        """The options among `given` (a call's arguments by name; others are left out)."""
+        names = {f.name for f in fields(cls)} - {"command"}
+        return cls(command, **{k: v for k, v in given.items() if k in names})
+
+
+def resolve_device(device: str | None) -> str:
+    """"cpu", "cuda" or "cuda:N" (None: cuda when present); on CPU the Triton kernels run under
+    their interpreter, which must be chosen before any kernel module is imported."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda") or (kind == "cpu" and device != "cpu"):
+        raise UsageError(f"device {device!r}: expected cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError("device cuda asked for, but no CUDA GPU is visible")
+    if kind == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return device
+
+
+def plan(options: Options, log: Callable[[str], None] = lambda line: None) -> Run:
+    """The Run `options` ask for, checked before any case runs (UsageError with the reason
+    otherwise): the one validation of `check()` and `gate()`. `log` hears of a baseline's reuse."""
+    device = resolve_device(options.device)
+    if options.command == GATE:
+        known = [*catalog.names(), "property"]
+        unknown = [op for op in options.ops if op not in known]
+        if unknown:
+            raise UsageError(f"--op {unknown[0]!r}: unknown; {did_you_mean(unknown[0], known)}known: "
+                             f"{', '.join(known)}")
+    o = _again(options, log) if options.baseline is not None else options
+    for name, kind in (("examples", int), ("timeout", float), ("parallel", int)):
+        positive(name, getattr(o, name), kind)
+    try:
+        shard = Shard.parse(o.shard)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    o = replace(o, seed=new_seed() if o.seed is None else o.seed)
+    return _fuzz_run(o, device, shard) if o.command == FUZZ else _gate_run(o, device, shard)
+
+
+def _profile(o: Options, device: str) -> Profile:
+    try:
+        return get_profile(o.profile or ("gpu" if device.startswith("cuda") else "dev" if o.command == FUZZ else "ci"))
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
+
+
+def _fuzz_run(o: Options, device: str, shard: Shard) -> Run:
+    """check(): one op and implementation."""
+    op, device_type = o.ops[0], device.split(":")[0]
+    try:
+        spec = get_spec(op)
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
+    if o.world_size is not None and o.world_size not in spec.ranks:
+        raise UsageError(f"--world-size must be one of {', '.join(map(str, spec.ranks))}, got {o.world_size}"
+                         if spec.ranks else f"--world-size: {op} runs in one process")
+    world_size = (o.world_size or spec.ranks[0]) if spec.ranks else None
+    deviations = tuple(o.deviations or ())
+    subject = resolve_subject(op, o.specs, device_type, deviations=deviations, conventions=o.conventions)
+    path = spec.path_for(o.path, subject)
+    profile = _profile(o, device)
+    examples = o.examples or spec.examples(profile)
+    isolate = default_isolation(o.isolate, o.named, spec.own_processes)
+    timeout_needs_isolation(o.timeout, isolate or spec.own_processes)
+    parts = 1 if world_size or not o.named else (o.parallel or _gpu_count(device_type))
+    if shard.index * parts >= examples:  # its first campaign, slot I * P, has no share of the examples
+        raise UsageError(f"shard {shard}: {examples} examples over {shard.count * parts} campaigns leave it none "
+                         f"(give at least {shard.count * parts} examples)")
+    if o.junit is not None:
+        writable_file(o.junit, "--junit")
+    corpus = open_corpus(o.corpus)
+    return Run(FUZZ, (op,), device, profile, examples, o.seed, isolate, _timeout(o), out=_opened(o.out),
+               baseline=o.baseline, shard=shard, parts=parts, specs=o.specs, subject=subject, deviations=deviations,
+               conventions=tuple(subject.conventions), path=path, world_size=world_size, shrink=o.shrink,
+               named=o.named, corpus=corpus, corpus_replay=shard.index == 0)
+
+
+def _gate_run(o: Options, device: str, shard: Shard) -> Run:
+    """gate(): every op and implementation here (the registered ones: named)."""
+    if o.junit is not None:
+        writable_file(o.junit, "--junit")
+    profile = _profile(o, device)
+    chosen = impl_units(o.impls, device, list(o.ops) or None) if o.impls else None
+    corpus = open_corpus(o.corpus)
+    if not shard_units(list(o.ops) or None, device, shard, chosen):
+        raise UsageError(f"--shard {shard}: the gate has fewer units (ops and implementations) than shards here")
+    isolate = default_isolation(o.isolate, named=True)
+    if o.timeout is not None and not isolate:
+        raise UsageError("--timeout needs isolation (the default; not --no-isolate): an in-process call cannot be stopped")
+    return Run(GATE, o.ops, device, profile, o.examples, o.seed, isolate, _timeout(o),
+               out=_opened(o.out if o.out is not None else FreshDir.named("runs", "gate")), baseline=o.baseline,
+               shard=shard, parts=o.parallel or _gpu_count(device.split(":")[0]), impls=o.impls, corpus=corpus)
+
+
+def _again(o: Options, log: Callable[[str], None]) -> Options:
+    """`o` with what its baseline ran filling what it leaves unset, so that its cases are drawn
+    again and drift pairs them."""
+    rows, meta = load_run(o.baseline, "baseline")
+    again = rerun_settings(meta)
+    seed = again["seed"] if o.seed is None else o.seed
+    profile, examples = o.profile or again["profile"], o.examples or again["examples"]
+    if o.command == GATE:
+        ops = o.ops or tuple(again["ops"] or ())
+        log(f"baseline {o.baseline}: its cases again (seed {seed}, profile {profile}"
+            f"{', ops ' + ' '.join(ops) if ops else ''})")
+        return replace(o, seed=seed, profile=profile, examples=examples, ops=ops)
+    op = o.ops[0]
+    name = op.removeprefix("property:")
+    ran = {json.loads(case)["op"] for case in rows["case"].unique() if case}  # each row's Case names its op
+    if op not in ran and f"property:{name}" not in ran:
+        raise UsageError(f"baseline {o.baseline} holds no rows of {op} (it ran {', '.join(sorted(ran))}): "
+                         "nothing comparable")
+    return replace(o, seed=seed, profile=profile, examples=examples, path=o.path or again["path"],
+                   parallel=o.parallel or again["campaigns"])
+
+
+def open_corpus(directory: str | Path | None) -> str | None:
+    """The kept corpus's absolute path as a Run holds it, its files read and checked now (a
+    usage error names a bad one before any case runs); None for none."""
+    if directory is None:
+        return None
+    corpus = Corpus(directory)
+    corpus.cases()
+    return str(corpus.directory)
+
+
+def positive(name: str, value: float | None, kind: type) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+                              or (kind is int and not isinstance(value, int))):
+        raise UsageError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {value!r}")
+
+
+def timeout_needs_isolation(timeout: float | None, stoppable: bool) -> None:
+    """A timeout is kept only where the call can be stopped: an isolation worker, or rank processes."""
+    if timeout is not None and not stoppable:
+        raise UsageError("--timeout needs isolation (the default; not --no-isolate, isolate=False or a callable "
+                         "object): an in-process call cannot be stopped, and a timeout that is not kept would let a "
+                         "hang pass")
+
+
+def _timeout(o: Options) -> float:
+    return DEFAULT_TIMEOUT_S if o.timeout is None else float(o.timeout)
+
+
+def _gpu_count(device_type: str) -> int:
+    return torch.cuda.device_count() if device_type == "cuda" else 1
+
+
+def _opened(out: str | Path | FreshDir | None) -> RunDir | None:
+    return RunDir.open(out) if out is not None else None
+
+
+def writable_file(path: str | Path, what: str) -> Path:
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{what} {path}: a directory, not a file")
+    if run_file(path):
+        raise UsageError(f"{what} {run_file(path)}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{what} {path}: cannot create its directory ({exc.strerror or exc})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise UsageError(f"{what} {path}: its directory is not writable")
+    return path

@@ -1,0 +1,93 @@
+"""A run directory written before rows had fields of their own (rank, check, written input,
+stages as a tuple: issue 36) still loads, reports and serves as a baseline.
+
+tests/data/run-before-36/ holds two runs written by the code of that time (rows.parquet and
+meta.json as they were; report.html and rows.csv left out to keep it small):
+
+    gate/      `mla-verify gate --device cpu --profile ci --examples 2 --seed 1 --op forward_mqa
+               --op dcp --op property:split_invariance --op sparse_decode_fp8`: pipelines with
+               their stages, DCP ranks' rows ("out_rank1"), property rows ("merged.out" under
+               op "property"), rows held to a deviation
+    written/   `mla-verify fuzz --op sparse_prefill --impl tests.hostile.cpu:zeroes_kv --examples 3
+               --seed 1 --profile ci --no-shrink`: a failing case whose kernel wrote its input
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mla_verify import api
+from mla_verify.cli import main
+from mla_verify.reports import load_run
+
+OLD = Path(__file__).parent / "data" / "run-before-36"
+
+
+@pytest.fixture
+def old(tmp_path):
+    """A copy of the stored runs (a report writes report.html into its run)."""
+    shutil.copytree(OLD, tmp_path / "old")
+    return tmp_path / "old"
+
+
+def test_an_old_gate_run_loads_with_every_row(old):
+    rows, meta = load_run(old / "gate")
+    assert len(rows) == meta["rows"] == 80
+    assert rows.passed.all()
+    assert set(rows.op) == {"forward_mqa", "dcp", "property", "sparse_decode_fp8"}
+
+
+def test_an_old_run_is_reported_and_its_failure_counted(old, capsys):
+    assert main(["report", str(old / "gate")]) == 0
+    out = capsys.readouterr().out
+    assert "PASS: 80 rows in 22 cases, none failed" in out
+    assert (old / "gate" / "report.html").stat().st_size > 0
+    assert main(["report", str(old / "written")]) == 1
+    assert "input_written" in capsys.readouterr().out
+
+
+def test_an_old_run_is_a_baseline_of_itself_without_drift(old, capsys):
+    assert main(["report", str(old / "gate"), "--baseline", str(old / "gate")]) == 0
+    assert "no drift" in capsys.readouterr().out
+    report = api.drift(old / "gate", old / "gate")
+    assert report.exit_code == 0
+
+
+def test_a_new_run_takes_an_old_run_as_its_baseline(old, tmp_path, capsys):
+    """`fuzz --baseline` reads the old gate's seed, profile and budget, draws its cases again and
+    compares them with the old rows: no drift. (They no longer pair case for case: new draws
+    record input builder 2, the old cases were built by builder 1.)"""
+    code = main(["fuzz", "--op", "sparse_decode_fp8", "--impl", "torch-fp32", "--device", "cpu",
+                 "--baseline", str(old / "gate"), "--out", str(tmp_path / "new")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "seed 1" in out and "profile ci" in out
+    assert "baseline drift: no drift" in out and "implementations paired: 1 by the same name" in out
+
+
+def test_rows_carry_their_rank_check_and_written_input_as_fields(old):
+    """What the names "out_rank1", "merged.out" and "input:kv" said is a field of the row now (nothing
+    parses the names back); the old rows load with the fields' defaults."""
+    from mla_verify.equivalence.catalog import evaluate, resolve_subject
+    from mla_verify.equivalence.profiles import get_profile
+    from mla_verify.fuzz.campaign import Campaign, each, fuzz
+
+    def rows_of(op, specs, examples=1):
+        subject = resolve_subject(op, specs, "cpu")
+        campaign = Campaign(op, get_profile("ci"), examples, 1, shrink=False)
+        return fuzz(campaign, each(lambda case, source: evaluate(case, subject, "cpu", source=source))).rows
+
+    written = [r for r in rows_of("sparse_prefill", ["tests.hostile.cpu:zeroes_kv"]) if r.gate_metric == "input_written"]
+    assert [(r.tensor, r.written) for r in written] == [("input:kv", "kv")]
+    isolated = api.check("sparse_prefill", "tests.hostile.cpu:zeroes_kv", examples=1, seed=1, profile="ci",
+                         device="cpu", shrink=False).rows  # the worker's finding, made a row by the parent
+    assert isolated.loc[isolated.gate_metric == "input_written", "written"].tolist() == ["kv"]
+    merged = rows_of("property:split_invariance", ["torch-fp32"])
+    assert {(r.tensor, r.check) for r in merged} == {("merged.out", "merged"), ("merged.lse", "merged")}
+    ranks = {(r.tensor, r.rank) for r in rows_of("dcp", [])}
+    assert {("out_rank0", 0), ("out_rank1", 1), ("partial_lse_rank1", 1)} <= ranks
+    rows, _ = load_run(old / "gate")
+    assert rows["rank"].isna().all() and (rows["check"] == "").all() and (rows["written"] == "").all()
