@@ -18,32 +18,11 @@ alone; the covering set is checked against that (tests/test_coverage.py).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from .case import Case
+from .feature_lists import FEATURES, Coverage
 from .profiles import Profile
-
-Candidates = Callable[[random.Random, Profile], list[dict]]  # (rng from the seed, profile) -> params
-Hits = Callable[[Any, dict], set[str]]                       # (typed params, built inputs) -> features
-
-
-@dataclass(frozen=True)
-class Coverage:
-    """What an op (or a forward_mqa path) must reach: its `features`, the `candidates` a covering
-    set is picked from, and `hits`, the features a case's built inputs show."""
-
-    features: tuple[str, ...]
-    candidates: Candidates
-    hits: Hits
-
-
-FEATURES: dict[tuple[str, str | None], Coverage] = {}  # (op, path or None) -> its coverage
-
-
-def register(op: str, path: str | None, coverage: Coverage) -> Coverage:
-    FEATURES[(op, path)] = coverage
-    return coverage
 
 
 def coverage_of(op: str, path: str | None = None) -> Coverage | None:

@@ -16,7 +16,7 @@ import torch
 from mla_verify import reference
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
-from .coverage import Coverage, register
+from .feature_lists import Coverage, register
 from .hisparse_batch import ACTIVE_TAIL_PAGES
 from .layouts import LAYOUTS
 from .profiles import Profile

@@ -14,7 +14,7 @@ import torch
 from mla_verify import reference
 from mla_verify.reference.fp8_ds_mla import FP8_MAX, POW2_FLOOR
 
-from .coverage import Coverage, register
+from .feature_lists import Coverage, register
 from .profiles import Profile
 
 VARIANTS = 3

@@ -289,7 +289,7 @@ def first_difference(plain: Sequence[Call], fed: Sequence[Call], numerics: Numer
         return text + f"; fed the reference's stage outputs, {named} differ{'s' if len(others) == 1 else ''} too: " \
             f"{others[0].text()}"
     if fed:
-        return text + f"; fed the reference's stage outputs, every other stage matches"
+        return text + "; fed the reference's stage outputs, every other stage matches"
     return text
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_verify.cli import main
 from mla_verify.equivalence import wire
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject

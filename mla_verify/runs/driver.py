@@ -40,7 +40,7 @@ from mla_verify.reports.store import rows_frame
 
 from .corpus import Corpus, keep, still_failing, with_kept
 from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, result_file
-from .parts import Shard, check_in_parts, gate_in_parts
+from .parts import check_in_parts, gate_in_parts
 from .plan import FUZZ, Run
 from .sink import Sink
 from .selection import impl_units

@@ -1,0 +1,32 @@
+"""What each op (or forward_mqa path) must reach: the registry of `Coverage`s that
+`equivalence.features` and `equivalence.features_bytes` fill on import and `equivalence.coverage`
+reads (kept apart so the feature modules need nothing of the covering design above them)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .profiles import Profile
+
+Candidates = Callable[[random.Random, Profile], list[dict]]  # (rng from the seed, profile) -> params
+Hits = Callable[[Any, dict], set[str]]                       # (typed params, built inputs) -> features
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What an op (or a forward_mqa path) must reach: its `features`, the `candidates` a covering
+    set is picked from, and `hits`, the features a case's built inputs show."""
+
+    features: tuple[str, ...]
+    candidates: Candidates
+    hits: Hits
+
+
+FEATURES: dict[tuple[str, str | None], Coverage] = {}  # (op, path or None) -> its coverage
+
+
+def register(op: str, path: str | None, coverage: Coverage) -> Coverage:
+    FEATURES[(op, path)] = coverage
+    return coverage
