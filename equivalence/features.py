@@ -160,7 +160,7 @@ def _prefill_hits(p, kw: dict) -> set[str]:
     tokens, heads, k, n = q.shape[0], q.shape[1], idx.shape[1], kv.shape[0]
     live = (idx >= 0) & (idx < n)
     if length is not None:
-        live &= torch.arange(k)[None, :] < length[:, None]
+        live &= torch.arange(k, device=idx.device)[None, :] < length[:, None]
     hit = _layout_hits(kw) | _degenerate_hits(q, live) | {name for name, yes in (
         ("several tokens", tokens > 1), ("> 64 tokens", tokens > 64), ("several heads", heads > 1),
         ("row with no valid index", bool((~live).all(1).any())), ("no topk_length", length is None),

@@ -111,7 +111,7 @@ def _gather_candidates(rng: random.Random, p: Profile) -> list[dict]:
 def _gather_hits(p, kw: dict) -> set[str]:
     cache, table, starts, rows = kw["kv_cache"], kw["block_table"], kw["workspace_starts"], kw["num_rows"]
     bs = cache.shape[1]
-    lens = torch.diff(torch.cat([starts.long(), torch.tensor([rows])]))
+    lens = torch.diff(torch.cat([starts.long(), torch.tensor([rows], device=starts.device)]))
     used = torch.cat([table[r, : int(-(-n // bs))] for r, n in enumerate(lens.tolist())])
     return {name for name, yes in (
         ("several requests", starts.numel() > 1), ("padded block stride", cache.stride(0) > bs * cache.shape[2]),
