@@ -77,11 +77,15 @@ def test_check_keeps_the_finding_replays_it_first_under_another_seed_and_keeps_i
     report = again.report()
     assert report.index("from the corpus: 1 still fails, 0 now pass") < report.index(
         "DISCREPANCY in concat_mla_q (repo_kernels:concat) from the corpus")
-    assert (again.rows.source == "kept").any() and list(corpus.iterdir()) == kept  # the same finding: not added
+    # the kept finding is not added again (seed 99's own covering case may be a finding of its own)
+    assert (again.rows.source == "kept").any() and kept[0] in list(corpus.iterdir())
+    held = sorted(corpus.iterdir())
+    mla_verify.check("concat_mla_q", buggy, examples=3, seed=1, device="cpu", isolate=False, corpus=corpus)
+    assert sorted(corpus.iterdir()) == held  # a rerun adds no duplicate
     fixed = mla_verify.check("concat_mla_q", kernel(tmp_path, monkeypatch, 1), examples=1, seed=7, device="cpu",
                              isolate=False, corpus=corpus)
-    assert fixed.passed and "from the corpus: 0 still fail, 1 now passes" in fixed.report()
-    assert list(corpus.iterdir()) == kept and summary(fixed.rows.itertuples()) is not None
+    assert fixed.passed and f"from the corpus: 0 still fail, {len(held)} now pass{'es' if len(held) == 1 else ''}" in fixed.report()
+    assert sorted(corpus.iterdir()) == held and summary(fixed.rows.itertuples()) is not None
 
 
 def test_gate_impl_runs_what_the_named_implementations_take_part_in():
@@ -114,7 +118,8 @@ def test_gate_impl_with_a_corpus_fails_keeps_replays_first_and_passes_once_fixed
     assert any(line.startswith("  replay: mla-verify replay ") and buggy in line for line in lines)
     fixed = mla_verify.gate(impl=[f"concat_mla_q={kernel(tmp_path, monkeypatch, 1)}"], seed=3, out=tmp_path / "g3",
                             **settings)
-    assert not fixed.failed and "note: from the corpus: 0 still fail, 1 now passes" in fixed.lines()
+    held = len(list((tmp_path / "C").iterdir()))  # the second gate's own seed may have kept a finding too
+    assert not fixed.failed and f"note: from the corpus: 0 still fail, {held} now pass{'es' if held == 1 else ''}" in fixed.lines()
 
 
 USER_TESTS = '''

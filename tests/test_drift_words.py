@@ -49,7 +49,9 @@ def runs(tmp_path_factory):
     made["v1_reseeded"] = _check("v1", root / "v1_reseeded", SEED + 1)
     made["v2"] = _check("v2", root / "v2", baseline=made["v1"].out)
     made["v3"] = _check("v3", root / "v3", baseline=made["v1"].out)
-    assert all(r.passed for r in made.values())         # every version inside every bound
+    # v1 and v2 inside every bound (v2 worse, not wrong); v3, truncating every weight toward zero, is
+    # biased past the out bound on one of v1's covering cases as well as beyond the factor
+    assert all(made[name].passed for name in ("v1", "v1_again", "v1_reseeded", "v2")) and not made["v3"].passed
     return {name: r.out for name, r in made.items()}
 
 
@@ -65,14 +67,14 @@ def test_the_sign_test_is_the_binomial_tail():
 def test_rounding_p_to_bf16_reads_worse_with_the_numbers_behind_it(runs, capsys):
     drift = api.drift(runs["v2"], runs["v1"])
     out, lse = _group(drift, "out"), _group(drift, "lse")
-    assert (out["word"], out["mode"], out["paired_cases"], lse["word"]) == ("worse", PAIRED, 39, "unchanged")
+    assert (out["word"], out["mode"], lse["word"]) == ("worse", PAIRED, "unchanged") and out["paired_cases"] >= CASES - 1
     assert drift.exit_code == 0 and not drift.drifted                 # worse never fails by default
     units = drift.metrics[(drift.metrics["tensor"] == "out") & (drift.metrics["metric"] == "bf16_units")].iloc[0]
-    assert units["finding"] == "worse" and 1.0 < units["ratio"] < 1.1   # the median case barely moves: the tail does
+    assert units["finding"] == "worse" and 1.0 <= units["ratio"] < 1.1  # the median case barely moves: the tail does
     assert units["moved_up"] >= 10 and units["moved_down"] == 0 and units["p_moved"] < 0.01
     line = next(ln for ln in drift.lines() if ln.startswith("  worse: "))
     print(line)
-    assert re.match(r"  worse: out bf16_units p99 1 -> \d+\.\d+ \(x\d+\.\d+\), median x1\.0\d, abs_bias p90 x\d", line)
+    assert re.match(r"  worse: out bf16_units p99 1 -> \d+\.\d+ \(x\d+\.\d+\), median x1(\.0\d)?, abs_bias p90 x\d", line)
     assert drift.verdict.startswith("WORSE in 1 group within the factor, 2 compared (2 paired, 0 unpaired; 1 worse, 1 unchanged")
     assert api.drift(runs["v2"], runs["v1"], fail_on="worse").exit_code == 1
     report = build_report(*api.load_run(runs["v2"]), api.load_run(runs["v1"]))
@@ -106,7 +108,7 @@ def test_a_rerun_and_a_reseeded_v1_read_unchanged(runs):
 def test_a_kernel_beyond_the_factor_reads_drifted_and_fails(runs, capsys):
     drift = api.drift(runs["v3"], runs["v1"])
     out = _group(drift, "out")
-    assert (out["word"], out["finding"]) == ("drifted", "drift") and drift.exit_code == 1
+    assert out["word"] == "drifted" and "drift" in out["finding"].split(", ") and drift.exit_code == 1
     abs_bias = drift.metrics[(drift.metrics["tensor"] == "out") & (drift.metrics["metric"] == "abs_bias")].iloc[0]
     assert abs_bias["finding"] == "drift" and abs_bias["ratio"] > drift.factor
     assert main(["report", str(runs["v3"]), "--baseline", str(runs["v1"])]) == 1
