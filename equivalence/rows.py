@@ -78,6 +78,9 @@ class Row:
     deviation: str = ""          # the implementation's known deviation that set the bound, if any
     passed: bool = True
     reason: str = ""
+    # the finding this row's case is: the name of its case file under the run's failures/ ("" for
+    # every other case, failing ones included: a campaign saves one finding, the rest is evidence)
+    finding: str = ""
     # timings (seconds)
     time_ref_s: float = math.nan
     time_impl_s: float = math.nan

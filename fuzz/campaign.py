@@ -63,6 +63,10 @@ class Sink(Protocol):
     def judged(self, rows: list[Row], source: str) -> None:
         """A case's rows, as the campaign keeps them (searched cases, and the minimized one)."""
 
+    def found(self, rows: list[Row], name: str) -> None:
+        """The case of these rows (told `judged` before) is now the finding saved as `name`
+        ("": no longer, its file gone); the rows' `finding` says so already."""
+
     def stop_reason(self) -> str:
         """Why the campaign must end after this case ("" to go on)."""
 
@@ -75,6 +79,9 @@ class _Quiet:
         pass
 
     def judged(self, rows: list[Row], source: str) -> None:
+        pass
+
+    def found(self, rows: list[Row], name: str) -> None:
         pass
 
     def stop_reason(self) -> str:
@@ -137,8 +144,8 @@ class FuzzResult:
     seed: int
     examples: int                 # cases evaluated while searching (re-runs and shrink steps not counted)
     rows: list[Row] = field(default_factory=list)
-    failure: Discrepancy | None = None    # the minimized failing case (as found, if not shrunk)
-    first_failure_at: int | None = None   # 1-based example number of the first failing case
+    failure: Discrepancy | None = None    # the finding: the minimized failing case (as found, if not shrunk)
+    first_failure_at: int | None = None   # 1-based example number of the finding's case as found
     case_file: Path | None = None         # the finding's one case file (the minimized case where there is one)
     found_file: Path | None = None        # the first failing case as found, saved at once (until minimized)
     flaky: tuple[int, int] | None = None  # (failed k, of n re-runs) when a re-run passed
@@ -224,8 +231,9 @@ class _Search:
         self.last: tuple[Case, list[Row]] | None = None
         self.error: Exception | None = None
         self.offset = 0   # the failing case's place in its block
-        self.found: Case | None = None  # the first failing case, as found
+        self.found: Case | None = None  # the first failing case, as found (saved at once: result.found_file)
         self.first: tuple[Case, list[Row]] | None = None  # and its rows
+        self.origin: tuple[Case, list[Row], int] | None = None  # the drawn failure shrunk: its rows, example number
         # The covering set runs first, as Hypothesis's explicit examples. Hypothesis shrinks only its
         # draws: a failing covering case is saved and re-run as any first failure, then the draws go
         # on to the first failure they make, which is shrunk; none: the covering case is the result.
@@ -276,10 +284,19 @@ class _Search:
         if reason := self.sink.stop_reason():
             raise StopCampaign(reason)
 
-    def first_failure(self, case: Case, rows: list[Row]) -> None:
+    def mark(self, rows: list[Row], path: Path | None, judged: bool = True) -> None:
+        """The case of `rows` is the finding saved at `path` (None: not, or no longer); `judged`: the
+        sink had its rows already and hears of it now."""
+        for r in rows:
+            r.finding = path.name if path is not None else ""
+        if judged:
+            self.sink.found(rows, path.name if path is not None else "")
+
+    def first_failure(self, case: Case, rows: list[Row], at: int) -> None:
         result, reruns = self.result, self.campaign.reruns
-        result.first_failure_at, self.found = result.examples, case
-        result.found_file = self.save(case, rows, f"found at example {result.examples}")
+        result.first_failure_at, self.found = at, case
+        result.found_file = self.save(case, rows, f"found at example {at}")
+        self.mark(rows, result.found_file)
         if any(r.gate_metric == "hung" for r in rows):
             raise StopCampaign("")  # a hang is not re-run or shrunk: every try costs the timeout
         self.stop_if_asked()
@@ -312,12 +329,13 @@ class _Search:
             self.last = found[failing]
             if not self.shrinking:
                 self.offset = failing
+                at = self.result.examples - (len(found) - 1 - failing)  # its example number
                 if self.first is None:
                     self.first = found[failing]
-                    self.first_failure(*found[failing])
+                    self.first_failure(*found[failing], at)
                 if case.case_id in self.covering:  # not Hypothesis's to shrink: draw on for a failure it can shrink
                     return
-                self.shrinking = True
+                self.shrinking, self.origin = True, (*found[failing], at)
             else:
                 self.stop_if_asked()
             raise Discrepancy(*found[failing])  # one place: Hypothesis tells failures apart by where they rose
@@ -359,19 +377,28 @@ class _Search:
         return result
 
     def keep(self, case: Case, rows: list[Row]) -> None:
-        """The failure the campaign ends with; the minimized case's rows and file where it was
-        found while shrinking."""
+        """The campaign's one finding and its one file: the drawn failure it shrank, minimized to
+        `case` (the case as found inside the file), else its first failing case as found. The rows
+        of that case carry the file's name (`Row.finding`); every other failing case is evidence."""
         result = self.result
+        if self.origin is None or case == self.found:  # nothing shrunk: the first failure, saved as found
+            result.failure, result.case_file = Discrepancy(*self.first), result.found_file
+            return
+        origin, origin_rows, at = self.origin
+        result.first_failure_at = at
+        if case == origin:  # Hypothesis could not make it smaller: the case as found, its rows judged
+            rows, judged, unshrunk, note = origin_rows, True, None, f"found at example {at}"
+        else:
+            judged, unshrunk, note = False, origin, f"minimized from the case found at example {at}"
+        result.case_file = self.save(case, rows, note, unshrunk=unshrunk)
         result.failure = Discrepancy(case, rows)
-        result.case_file = result.found_file
-        if all(r.case_id != case.case_id for r in result.rows):
+        self.mark(rows, result.case_file, judged)
+        if not judged:
             result.rows.extend(rows)
             self.sink.judged(rows, "shrink")
-            # One file a finding: the minimized case holds the one it was shrunk from, whose file,
-            # saved at once in case the run died while shrinking, goes once this one is written.
-            result.case_file = self.save(case, rows,
-                                         f"minimized from the case found at example {result.first_failure_at}",
-                                         unshrunk=self.found)
-            if result.found_file is not None and result.case_file is not None:
-                result.found_file.unlink(missing_ok=True)
-                result.found_file = None
+        # One file a finding: the first failure's, saved at once in case the run died before this
+        # one, goes now that this one is written (its case is one more failing case).
+        if result.found_file is not None and result.case_file is not None:
+            self.mark(self.first[1], None)
+            result.found_file.unlink(missing_ok=True)
+            result.found_file = None

@@ -143,8 +143,16 @@ def run_ids(frame: pd.DataFrame) -> str:
     return ",".join(sorted(set(frame["run_id"]))) or MISSING
 
 
+def _s(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
 @dataclass(frozen=True)
 class Counts:
+    """A run's verdict counts. A finding is a saved case file (the rows of its case name it:
+    `Row.finding`); the run's other failing cases (a covering case besides the draw a campaign shrank,
+    the case a finding was minimized from) are evidence, counted as failing cases."""
+
     rows: int
     failed_rows: int
     cases: int
@@ -153,11 +161,8 @@ class Counts:
     incomplete: bool = False   # the run never finished: what it did not reach has no verdict
     judged: str = ""           # why a PASS is qualified (reports.meta.judged_where): '' judged out of the kernel's reach
     minimized_cases: int = 0   # failing cases that are a finding's minimized case (rows of source "shrink")
-
-    @property
-    def findings(self) -> int:
-        """Failing cases less the minimized ones: a finding is its case as found (and as minimized)."""
-        return self.failed_cases - self.minimized_cases
+    findings: int | None = None  # distinct case files the rows name; None: failing rows that name none (a run
+    #                              written before rows named their finding)
 
     @property
     def passed(self) -> bool:
@@ -166,9 +171,12 @@ class Counts:
     def line(self) -> str:
         unfinished = " (the run did not finish)" if self.incomplete else ""
         if self.failed_rows:
-            shrunk = f", {self.minimized_cases} of them a finding's minimized case" if self.minimized_cases else ""
-            return (f"FAIL: {self.findings} finding{'s' if self.findings != 1 else ''}: {self.failed_rows} of "
-                    f"{self.rows} rows failed ({self.failed_cases} of {self.cases} cases{shrunk}){unfinished}")
+            shrunk = f" ({self.minimized_cases} of them a finding's minimized case)" if self.minimized_cases else ""
+            failed = (f"{self.failed_rows} of {self.rows} rows failed in {_s(self.failed_cases, 'failing case')} of "
+                      f"{self.cases}{shrunk}")
+            if self.findings is None:
+                return f"FAIL: {failed} (rows written before they named their finding){unfinished}"
+            return f"FAIL: {_s(self.findings, 'finding')} in failures/: {failed}{unfinished}"
         if self.incomplete:
             return (f"INCOMPLETE: the run did not finish: {self.rows} rows in {self.cases} cases, none failed, "
                     "and the cases it never reached have no verdict")
@@ -179,6 +187,7 @@ def counts(frame: pd.DataFrame, incomplete: bool = False, judged: str = "") -> C
     """The verdict counts of `frame`; `incomplete`: rows of a run that never finished (never a pass);
     `judged`: why a pass is qualified (`Counts.judged`)."""
     failed = frame[~frame["passed"]]
+    named = frame.loc[frame["finding"] != "", "finding"].nunique() if "finding" in frame else 0
     return Counts(
         rows=len(frame),
         failed_rows=len(failed),
@@ -188,4 +197,5 @@ def counts(frame: pd.DataFrame, incomplete: bool = False, judged: str = "") -> C
         deviation_rows=int(expected(frame).sum()),
         incomplete=bool(incomplete),
         judged=judged,
+        findings=named if named or failed.empty else None,
     )

@@ -208,7 +208,14 @@ def read_journal(path: Path) -> list[dict[str, Any]]:
     """The row records of a journal, and a `crashed` row (reason CRASHED) for every case that
     started and never finished."""
     records = _journal_lines(path)
-    rows = [r for r in records if "started" not in r and "finished" not in r]
+    rows = []
+    for record in records:
+        if "found" in record:  # a case journaled before became (or stopped being) a saved finding
+            for row in rows:
+                if all(row.get(key) == record.get(key) for key in ("case_id", "impl", "source")):
+                    row["finding"] = record["found"]
+        elif "started" not in record and "finished" not in record:
+            rows.append(record)
     rows += [dict(u["started"]) for u in _unfinished(records)]
     for record in rows:
         if "tensor" not in record or "passed" not in record:

@@ -29,17 +29,25 @@ def test_a_shrunk_finding_is_one_case_file_holding_the_case_as_found(tmp_path, m
     assert not replayed.passed and replayed.reproduced
 
 
-@pytest.mark.xfail(strict=True, reason="known, open: the covering set's failing cases and the random draws' first "
-                   "failure are all counted as findings (4) beside the one case file the campaign saves; counts() "
-                   "must count the campaign's saved findings, not its failing cases")
 def test_report_counts_one_finding_for_one_case_file(tmp_path, monkeypatch):
+    """Seed 1 fails on covering cases and on the draw Hypothesis shrinks: one finding (its file,
+    named by the rows of its case), the other failing cases counted as failing cases, not findings."""
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    mla_verify.check("sparse_prefill", "my_kernel:sparse_prefill_v0", profile="ci", examples=6, seed=1,
-                     device="cpu", isolate=False, out=tmp_path / "run")
+    result = mla_verify.check("sparse_prefill", "my_kernel:sparse_prefill_v0", profile="ci", examples=6, seed=1,
+                              device="cpu", isolate=False, out=tmp_path / "run")
     frame, _ = load_run(tmp_path / "run")
+    files = [p.name for p in (tmp_path / "run" / "failures").iterdir()]
     tally = counts(frame)
-    assert tally.findings == 1 and tally.minimized_cases == 1
-    assert tally.line().startswith("FAIL: 1 finding: ") and "1 of them a finding's minimized case" in tally.line()
+    assert tally.failed_cases > 1  # the point: several failing cases, one finding
+    assert tally.findings == 1 and tally.minimized_cases == 1 and set(frame.finding) == {"", *files}
+    named = frame[frame.finding != ""]
+    assert set(named.case_id) == {result.failure.case.case_id} and set(named.source) == {"shrink"}
+    assert tally.line().startswith(f"FAIL: 1 finding in failures/: {tally.failed_rows} of {tally.rows} rows failed "
+                                   f"in {tally.failed_cases} failing cases of {tally.cases} (1 of them a finding's "
+                                   "minimized case)")
+    saved = casefile.load(tmp_path / "run" / "failures" / files[0])
+    drawn = frame[(frame.case_id == saved.unshrunk.case_id) & ~frame.passed]
+    assert len(drawn) and set(drawn.source) == {"fuzz"}  # the case it was shrunk from, a failing case of the run
 
 
 def test_a_case_file_s_unshrunk_case_is_validated_as_its_case_is(tmp_path):
@@ -49,3 +57,18 @@ def test_a_case_file_s_unshrunk_case_is_validated_as_its_case_is(tmp_path):
     bad.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="tokens"):
         casefile.load(bad)
+
+
+def test_a_run_killed_before_its_end_names_the_same_finding_from_its_journal(tmp_path, monkeypatch):
+    """The journal says which case became the finding, and that the covering case saved first no
+    longer is one (its file went when the minimized one was written)."""
+    from mla_verify.runs.rundir import RunDir
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.setattr(RunDir, "finish", lambda self, rows, meta: self.release())  # as if killed at the end
+    mla_verify.check("sparse_prefill", "my_kernel:sparse_prefill_v0", profile="ci", examples=6, seed=1,
+                     device="cpu", isolate=False, out=tmp_path / "run")
+    frame, meta = load_run(tmp_path / "run")
+    assert meta["incomplete"] and (tmp_path / "run" / "journal.jsonl").exists()
+    files = {p.name for p in (tmp_path / "run" / "failures").iterdir()}
+    assert counts(frame, True).findings == 1 and set(frame.finding) - {""} == files

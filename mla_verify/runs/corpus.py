@@ -9,7 +9,9 @@ replacing one, so shards and parallel parts may add to one directory at once.
 
 A kept case applies to a run's unit (op and implementation, `runs.units.Unit`) when it was found
 on that op with the same `--impl` strings; it is replayed before the unit's pinned corpus and
-campaigns, whatever the run's seed, and its rows have source "kept".
+campaigns, whatever the run's seed, and its rows have source "kept". A kept or pinned case that
+fails is a finding of the run like a campaign's: saved under the run's failures/ (`save_replayed`),
+and a pinned one is kept here too.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from typing import Iterable
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.subject import UsageError
 from mla_verify.fuzz import casefile
+from mla_verify.fuzz.campaign import UnderTest
 
 SOURCE = "kept"  # the rows' source of a kept case's replay
+PINNED = "corpus"  # the rows' source of a case of the pinned regression corpus (fuzz/corpus)
 
 
 @dataclass(frozen=True)
@@ -75,10 +79,6 @@ class Corpus:
         specs = tuple(specs)
         return tuple(k.case for k in self.cases() if k.case.op == op and k.saved.impl == specs)
 
-    def path_of(self, case: Case, specs: Iterable[str]) -> Path | None:
-        specs = tuple(specs)
-        return next((k.path for k in self.cases() if k.case == case and k.saved.impl == specs), None)
-
     def add(self, case_file: Path) -> Path | None:
         """Keep the finding saved in `case_file`: its path in the corpus, None if it was kept already."""
         cf = casefile.load(case_file)
@@ -99,6 +99,31 @@ class Corpus:
         return target
 
 
+@dataclass(frozen=True)
+class Replayed:
+    """A kept or pinned case that failed when replayed first: a finding of this run."""
+
+    case: Case
+    rows: list
+    path: Path      # its case file under the run's failures/
+    source: str     # SOURCE or PINNED
+    kept_as: str    # a kept case's file name in the corpus ("" for a pinned one)
+
+
+def save_replayed(directory: Path, tested: UnderTest, case: Case, rows: list, source: str, why: str) -> Replayed:
+    """Save the failing kept or pinned `case` under directory/failures as the finding its rows name
+    (`Row.finding`): one file a finding, whichever way the run came to it."""
+    cf = casefile.CaseFile(case, tested.specs, tested.device, casefile.failure_summary(rows),
+                           deviations=tested.deviations, conventions=tested.conventions)
+    kept_as = name(cf) if source == SOURCE else ""
+    cf.note = f"from the kept corpus ({kept_as}): it still fails" if kept_as else f"a pinned regression case: {why}"
+    path = casefile.save_new(Path(directory) / "failures",
+                             casefile.stem(case.op, tested.label or ",".join(tested.specs), case), cf)
+    for r in rows:
+        r.finding = path.name
+    return Replayed(case, rows, path, source, kept_as)
+
+
 def with_kept(units: list, corpus: Corpus | None) -> list:
     """`units` (`runs.units.Unit`s) each with the corpus's cases that apply to it."""
     if corpus is None:
@@ -106,25 +131,12 @@ def with_kept(units: list, corpus: Corpus | None) -> list:
     return [replace(u, kept=corpus.applying(u.op, u.specs)) for u in units]
 
 
-def still_failing(corpus: Corpus | None, units, rows) -> list[tuple[Case, list, Path]]:
-    """(case, its failing rows, its file in the corpus) of each kept case that failed again."""
+def keep(corpus: Corpus | None, findings: Iterable[Path | None], rows) -> list[str]:
+    """Add each of the run's findings (case files: the campaigns', the pinned cases' that failed)
+    to the corpus; the lines that say what the corpus did this run."""
     if corpus is None:
         return []
-    found = []
-    for unit in units if isinstance(units, (list, tuple)) else [units]:
-        for case in unit.kept:
-            mine = [r for r in rows if r.source == SOURCE and r.case_id == case.case_id and r.impl == unit.label]
-            if any(not r.passed for r in mine):
-                found.append((case, mine, corpus.path_of(case, unit.specs)))
-    return found
-
-
-def keep(corpus: Corpus | None, campaigns, rows) -> list[str]:
-    """Add each campaign's finding (`fuzz.campaign.FuzzResult.case_file`) to the corpus; the
-    lines that say what the corpus did this run."""
-    if corpus is None:
-        return []
-    added = [corpus.add(fz.case_file) for fz in campaigns if fz.case_file is not None]
+    added = [corpus.add(path) for path in findings if path is not None]
     return ([line] if (line := summary(rows)) else []) + [f"kept in the corpus: {p}" for p in added if p]
 
 

@@ -24,6 +24,7 @@ from typing import Callable
 
 from mla_verify.equivalence import catalog, contract, distributed
 from mla_verify.equivalence import device as dev
+from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.device import take_gpu_share
 from mla_verify.equivalence.isolation import HarnessError, Worker
 from mla_verify.equivalence.profiles import Profile
@@ -38,7 +39,7 @@ from mla_verify.fuzz.regressions import corpus
 from mla_verify.pytest_plugin import DEFAULTS
 from mla_verify.reports.store import rows_frame
 
-from .corpus import Corpus, keep, still_failing, with_kept
+from .corpus import PINNED, SOURCE, Corpus, Replayed, keep, save_replayed, with_kept
 from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, result_file
 from .parts import check_in_parts, gate_in_parts
 from .plan import FUZZ, Run
@@ -54,10 +55,22 @@ class GateResult:
     rows: list[Row] = field(default_factory=list)
     fuzz: list[FuzzResult] = field(default_factory=list)
     notes: set[str] = field(default_factory=set)
+    replayed: list[Replayed] = field(default_factory=list)  # the kept and pinned cases that failed
 
     @property
     def failed(self) -> bool:
         return any(not r.passed for r in self.rows)
+
+    def new_findings(self) -> list[Path]:
+        """The case files of the findings a kept corpus has yet to keep: the failing pinned cases',
+        the campaigns'."""
+        return ([r.path for r in self.replayed if r.source == PINNED]
+                + [fz.case_file for fz in self.fuzz if fz.case_file is not None])
+
+
+def _pinned(unit: Unit) -> list[tuple[Case, str]]:
+    """(case, why) of the unit's pinned regression cases, less those its kept corpus replays already."""
+    return [(case, why) for case, why in (corpus(unit.op) if unit.corpus else []) if case not in unit.kept]
 
 
 
@@ -135,7 +148,7 @@ def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: 
     result = GateResult()
     subjects = [(unit, unit.resolved(run.device)) for unit in chosen]
     if log is not None:
-        cases = sum(len(u.kept) + (len(corpus(u.op)) if u.corpus else 0) + _examples(u.op, examples, run.profile)
+        cases = sum(len(u.kept) + len(_pinned(u)) + _examples(u.op, examples, run.profile)
                     * len(u.campaigns(s)) for u, s in subjects)
         sink.counting(Progress("gate", cases, every_s=10.0, stream=log), name_units=True)
     worker = Worker(run.device, run.timeout) if run.isolate else None
@@ -159,14 +172,16 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
     sink.judging(unit)
     tested = UnderTest(unit.specs, unit.label, unit.deviations, unit.conventions, run.device)
     t0 = time.monotonic()  # a campaign's seconds include the corpus cases run before it
-    pinned = corpus(unit.op) if unit.corpus else []
+    pinned = _pinned(unit)
     pinned_rows = []
-    for case, source in [(c, "kept") for c in unit.kept] + [(c, "corpus") for c, _why in pinned]:
+    for case, source, why in [(c, SOURCE, "") for c in unit.kept] + [(c, PINNED, why) for c, why in pinned]:
         if sink.stop_reason():
             return False
         sink.started(case, source)
         case_rows, = judge([case], source, lambda: None)
         sink.finished(case)
+        if any(not r.passed for r in case_rows):  # a finding of this run: saved, its rows naming the file
+            result.replayed.append(save_replayed(_failures_dir(run), tested, case, case_rows, source, why))
         sink.judged(case_rows, source)
         pinned_rows += case_rows
     result.rows.extend(pinned_rows)
@@ -240,11 +255,10 @@ def _fuzz(run: Run) -> CheckResult:
     fz, = result.fuzz
     if run_dir:
         run_dir.finish(sink.rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
-    notes = keep(kept, result.fuzz, sink.rows) + sorted(result.notes)
-    failures = [] if kept is None else [
-        Failure.of(case, case_rows, path, replay_command(path, run.specs, run.device, run.deviations, run.timeout,
-                                                         run.isolate, run.conventions), seed=seed, from_corpus=True)
-        for case, case_rows, path in still_failing(kept, unit, sink.rows)]
+    notes = keep(kept, result.new_findings(), sink.rows) + sorted(result.notes)
+    failures = [Failure.of(r.case, r.rows, r.path, replay_command(r.path, run.specs, run.device, run.deviations,
+                                                                  run.timeout, run.isolate, run.conventions),
+                           seed=seed, from_corpus=True) for r in result.replayed]
     return _check_result(run, fz, rows_frame(sink.rows), notes, seed, failures)
 
 
@@ -287,7 +301,8 @@ def _gate(run: Run) -> GateOutcome:
         distributed.close_all()
     interrupted = sink.interrupt.requested
     outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupted,
-                          keep(kept, result.fuzz, result.rows) + sorted(result.notes), odd_ones_out(result.rows),
+                          keep(kept, result.new_findings(), result.rows) + sorted(result.notes),
+                          odd_ones_out(result.rows),
                           isolated=run.isolate)
     run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupted else meta)
 
@@ -296,8 +311,9 @@ def _gate(run: Run) -> GateOutcome:
         return [f"  replay: {command}", *(f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}"
                                           for r in rows if not r.passed)]
 
-    outcome.case_files = [(path, ["  from the corpus: still fails", *said(path, rows)])
-                          for _, rows, path in still_failing(kept, chosen, result.rows)]
+    outcome.case_files = [(r.path, [f"  from the corpus: still fails (kept as {r.kept_as})" if r.kept_as
+                                    else "  a pinned regression case: fails", *said(r.path, r.rows)])
+                          for r in result.replayed]
     outcome.case_files += [(fz.case_file, said(fz.case_file, fz.failure.rows if fz.failure else ()))
                            for fz in result.fuzz if fz.case_file]
     return outcome

@@ -170,10 +170,10 @@ class GateOutcome:
     isolated: bool = True           # judged out of the kernels' reach (reports.meta.IN_PROCESS otherwise)
 
     def lines(self) -> list[str]:
-        """Notes, disagreeing implementations, saved failing cases (a run in parts: its parts said them)."""
+        """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts said them)."""
         return ([f"note: {n}" for n in self.notes] + [f"odd one out: {line}" for line in self.odd_ones_out]
                 + [text for f, rows in self.case_files
-                   for text in [f"failing case saved: {f}", *rows]]
+                   for text in [f"finding saved: {f}", *rows]]
                 + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else []))
 
     @property

@@ -147,6 +147,13 @@ class RunDir:
         one torn last line."""
         self._write("".join(json.dumps(r.to_record(), default=str) + "\n" for r in rows))
 
+    def found(self, row: Row, name: str) -> None:
+        """Journal that the case of `row` (its rows journaled before, of its implementation and
+        source) is now the finding saved as `name` ("": no longer): `reports.store.read_journal`
+        gives its rows that `finding`."""
+        self._write(json.dumps({"found": name, "case_id": row.case_id, "impl": row.impl, "source": row.source})
+                    + "\n")
+
     def case_started(self, case: Case, source: str, *, run_id: str, impl: str, specs: Sequence[str], device: str,
                      deviations: Sequence[str] = ()) -> Callable[[], None]:
         """Journal `case` as started, before its implementation is called: the row it gets if the
@@ -154,7 +161,7 @@ class RunDir:
         that journals it finished."""
         base = dict(run_id=run_id, case_id=case.case_id, impl=impl, stages="", device=device, seed=case.seed,
                     source=source, **get_spec(case.op).identity(case))
-        row = failure_row(base, "*", "crashed", CRASHED)
+        row = failure_row(base, "*", "crashed", CRASHED, finding=crashed_file(case, specs, impl).name)
         self._write(json.dumps({"started": row.to_record(), "impl_specs": list(specs),
                                 "deviations": list(deviations)}, default=str) + "\n")
         return lambda: self._write(json.dumps({"finished": case.case_id}) + "\n")
@@ -205,6 +212,12 @@ def load_run(path: str | Path, what: str = "run"):
     return rows, meta
 
 
+def crashed_file(case: Case, specs: Sequence[str], impl: str) -> Path:
+    """The file (under failures/) of a case whose process died in its call: the finding its
+    journaled row names (`RunDir.case_started`) and `recover_crashed` saves."""
+    return Path(f"{casefile.stem(case.op, ','.join(specs) or impl, case)}-crashed.json")
+
+
 def recover_crashed(run_dir: str | Path, replay_command: Callable[..., str]) -> list[str]:
     """Save every case a run journaled as started and never finished (its process died during the
     call) under run_dir/failures as a `crashed` finding, once; a line per case, with the command
@@ -214,7 +227,7 @@ def recover_crashed(run_dir: str | Path, replay_command: Callable[..., str]) -> 
     for started in unfinished_cases(path / JOURNAL):
         row, specs = started["started"], tuple(started["impl_specs"])
         case = Case.from_dict(json.loads(row["case"]))
-        where = path / "failures" / f"{casefile.stem(case.op, ','.join(specs) or row['impl'], case)}-crashed.json"
+        where = path / "failures" / crashed_file(case, specs, row["impl"])
         if not where.exists():
             cf = casefile.CaseFile(case, specs, row["device"], casefile.failure_summary([Row.from_record(row)]),
                                    note=f"crashed: {CRASHED}", deviations=tuple(started["deviations"]))

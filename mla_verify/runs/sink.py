@@ -62,6 +62,11 @@ class Sink:
             where = f"{self.unit.op} / {self.unit.label}" if self.name_units else ""
             self.progress.step(any(not r.passed for r in rows), now_at=where)
 
+    def found(self, rows: list[Row], name: str) -> None:
+        """The case of `rows`, journaled already, is now the finding saved as `name` ("": no longer)."""
+        if self.run_dir is not None and rows:
+            self.run_dir.found(rows[0], name)
+
     def lose(self, why: str) -> None:
         """The device cannot run another case (the first reason is kept)."""
         self.lost = self.lost or why
