@@ -267,7 +267,7 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> CheckResu
     if options.command == GATE:
         write_junit(Path(options.junit), outcome.rows, replays=saved_replays(outcome.out / "failures"))
     else:
-        replays = {outcome.failure.case.case_id: outcome.failure.replay_command} if outcome.failure else {}
+        replays = {f.case_file.name: f.replay_command for f in outcome.failures if f.case_file is not None}
         write_junit(Path(options.junit), [Row.from_record(r) for r in outcome.rows.to_dict("records")],
                     replays=replays)
     return outcome

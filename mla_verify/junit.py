@@ -1,5 +1,6 @@
-"""JUnit XML for CI systems: one test case per (op, implementation), failing with its first failing
-row and, where its case was saved, the command that replays it."""
+"""JUnit XML for CI systems: one test case per (op, implementation), failing with its findings and
+failing cases counted as the report counts them (`reports.stats.Counts`), its first finding's
+failing row and the command that replays that finding's case file."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from mla_verify.equivalence.rows import Row
 
 
 def write_junit(path: Path, rows: list[Row], suite: str = "mla-verify", replays: Mapping[str, str] | None = None) -> None:
-    """`replays`: case id -> the `mla-verify replay` command of its saved case file."""
+    """`replays`: a finding's case file name (`Row.finding`) -> the `mla-verify replay` command of it."""
     replays = replays or {}
     groups: dict[tuple[str, str], list[Row]] = defaultdict(list)
     for r in rows:
@@ -25,11 +26,13 @@ def write_junit(path: Path, rows: list[Row], suite: str = "mla-verify", replays:
         lines.append(f'  <testcase classname={quoteattr(op)} name={quoteattr(f"{impl} ({cases} cases)")}>')
         bad = [r for r in rs if not r.passed]
         if bad:
-            first = next((r for r in bad if r.case_id in replays), bad[0])
-            msg = (f"{len(bad)} failing rows; first: case {first.case_id} seed {first.seed} "
+            first = next((r for r in bad if r.finding), bad[0])
+            found = len({r.finding for r in rs if r.finding})
+            msg = (f"{found} finding{'s' * (found != 1)}, {len({r.case_id for r in bad})} failing cases, {len(bad)} "
+                   f"failing rows; first: case {first.case_id} seed {first.seed} "
                    + line(first.tensor, first.gate_metric, first.value, first.bound, first.reason))
-            if first.case_id in replays:
-                msg += f"; replay: {replays[first.case_id]}"
+            if first.finding in replays:
+                msg += f"; replay: {replays[first.finding]}"
             lines.append(f"    <failure message={quoteattr(msg)}>{escape(msg)}</failure>")
         lines.append("  </testcase>")
     lines.append("</testsuite>")
@@ -38,12 +41,12 @@ def write_junit(path: Path, rows: list[Row], suite: str = "mla-verify", replays:
 
 
 def saved_replays(failures: Path) -> dict[str, str]:
-    """Case id -> `mla-verify replay FILE --device D` for every case file saved under `failures`."""
+    """File name -> `mla-verify replay FILE --device D` for every case file saved under `failures`."""
     from mla_verify.fuzz import casefile
 
     replays = {}
     for f in sorted(Path(failures).glob("*.json")):
         saved = casefile.load(f)
         impls = "".join(f" --impl {spec}" for spec in saved.impl if ":" in spec)  # a callable is never imported unasked
-        replays[saved.case.case_id] = f"mla-verify replay {f}{impls} --device {saved.device}"
+        replays[f.name] = f"mla-verify replay {f}{impls} --device {saved.device}"
     return replays

@@ -36,6 +36,7 @@ class Report:
     drift: Drift | None = None
     bias: Bias | None = None                # the run's own bias against the reference (warnings only)
     replay: str | None = None               # the command that replays the case that drifted most
+    notes: list[str] = field(default_factory=list)  # what a comparison with the baseline must say first
     sections: list[Section] = field(default_factory=list)
 
     @property
@@ -52,4 +53,4 @@ class Report:
         text = terminal_summary(self.rows, self.meta)
         warnings = self.bias.lines() if self.bias is not None else []
         drift = self.drift.lines(self.replay) if self.drift is not None else []
-        return "\n".join([text, *warnings, *drift])
+        return "\n".join([text, *warnings, *(f"note: {n}" for n in self.notes), *drift])

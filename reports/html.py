@@ -130,7 +130,8 @@ def _banners(report: Report) -> str:
                    f"group metric{'s' * (len(warnings) != 1)} lean beyond the floor<ul>{items}</ul></div>")
     if report.drift is not None:
         css = "fail" if report.drift.failed else "warn" if not report.drift.word(WORSE).empty else "pass"
-        items = "".join(f"<li>{escape(line.strip())}</li>" for line in report.drift.lines(report.replay)[1:])
+        items = "".join(f"<li>{escape(line.strip())}</li>"
+                        for line in [*(f"note: {n}" for n in report.notes), *report.drift.lines(report.replay)[1:]])
         out.append(f'<div class="banner {css}">Baseline: {escape(report.drift.verdict)}'
                    f"{f'<ul>{items}</ul>' if items else ''}</div>")
     return "".join(out)

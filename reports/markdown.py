@@ -36,6 +36,7 @@ def render_markdown(report: Report) -> str:
     if report.drift is not None:
         d = report.drift
         out.append(f"**Baseline: {d.verdict}**\n")
+        out += [f"- note: {_escape(n)}" for n in report.notes]
         for _, g in d.flagged.iterrows():
             out.append(f"- **{_escape(g['finding'])}** {_escape(group_label(*(g[k] for k in GROUP_KEYS)))}: "
                        f"{_escape(d.explain(g))}")

@@ -165,10 +165,30 @@ def judged_where(meta: Mapping[str, Any]) -> str:
 
 def rerun_settings(meta: Mapping[str, Any]) -> dict[str, Any]:
     """What re-draws a run's cases: its first seed, profile, campaign count (parallel parts run
-    seeds S, S+1, ...) and what it recorded in "extra" (examples, ops or op and path). Missing
-    entries are None: a caller keeps its own default there."""
+    seeds S, S+1, ...) and what it recorded in "extra" (examples, ops and --impl strings, or op and
+    path). Missing entries are None: a caller keeps its own default there."""
     extra = meta.get("extra") or {}
     seeds = meta.get("seeds") or []
     return {"seed": seeds[0] if seeds else None, "profile": meta.get("profile"),
             "campaigns": len(seeds) or None, "examples": extra.get("examples"), "ops": extra.get("ops"),
-            "op": extra.get("op"), "path": extra.get("path")}
+            "op": extra.get("op"), "path": extra.get("path"), "impls": extra.get("impls")}
+
+
+def _gated(meta: Mapping[str, Any]) -> str:
+    """Which implementations a gate run gated, as a sentence part."""
+    extra = meta.get("extra") or {}
+    if "impls" not in extra:
+        return "recorded no --impl (a run from before gates recorded it)"
+    return f"gated --impl {' '.join(extra['impls'])}" if extra["impls"] else "gated every implementation (no --impl)"
+
+
+def impls_differ(meta: Mapping[str, Any], baseline: Mapping[str, Any]) -> str | None:
+    """What a comparison of two gate runs says first when they gated different implementations
+    (--impl): the drift then compares kernels, not one kernel's runs (None: the same, or not two gates)."""
+    if not all("ops" in (m.get("extra") or {}) for m in (meta, baseline)):  # a gate records its ops
+        return None
+    ours, theirs = (sorted((m.get("extra") or {}).get("impls") or ()) for m in (meta, baseline))
+    if ours == theirs:  # a run that recorded none gated every implementation, or ran before --impl was
+        return None
+    return (f"different implementations: this run {_gated(meta)}, the baseline {_gated(baseline)}: what is compared "
+            "with the baseline is another kernel's rows")

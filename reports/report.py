@@ -15,13 +15,14 @@ from mla_verify.reports.bias import bias_of
 from mla_verify.reports.document import Report, Section
 from mla_verify.reports.drift import Worst, compare
 from mla_verify.reports.drift_tables import group_view, metric_view
+from mla_verify.reports.pairing import NothingComparable
 from mla_verify.reports.fmt import MISSING, header, number
 from mla_verify.reports.glance import at_a_glance
 from mla_verify.reports.words import DRIFTED
 from mla_verify.reports.html import render_html
 from mla_verify.reports.kinds import KEY_METRIC, annotate
 from mla_verify.reports.markdown import render_markdown
-from mla_verify.reports.meta import describe, judged_where
+from mla_verify.reports.meta import describe, impls_differ, judged_where
 from mla_verify.reports.stats import Counts, by_group, by_knob, counts, deviation_groups, failures, run_ids
 from mla_verify.equivalence.subject import UsageError
 from mla_verify.reports.store import load_run, run_file
@@ -65,8 +66,12 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
         base_rows, base_meta = baseline
         report.baseline_meta = dict(base_meta)
         report.baseline_counts = counts(annotate(base_rows))
-        drift = report.drift = compare(rows, base_rows, factor=factor, confidence=confidence,
-                                       min_cases=min_cases, pairs=pairs, fail_on=fail_on)
+        report.notes = [note] if (note := impls_differ(meta, base_meta)) else []
+        try:
+            drift = report.drift = compare(rows, base_rows, factor=factor, confidence=confidence,
+                                           min_cases=min_cases, pairs=pairs, fail_on=fail_on)
+        except NothingComparable as exc:  # say why, where the runs gated different kernels
+            raise NothingComparable("; ".join([str(exc), *report.notes])) from None
         later.append(Section(
             "drift", "Drift against the baseline",
             f"{drift.verdict}. {drift.pairing_line()}. Paired groups (cases the baseline ran too) are "

@@ -16,6 +16,8 @@ from mla_verify.runs.corpus import Corpus, summary
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.subject import UsageError
 from mla_verify.fuzz import casefile
+from mla_verify.reports import load_run
+from mla_verify.reports.stats import counts
 from mla_verify.runs.selection import impl_units
 
 # A concat_mla_q of a kernel repository: the RoPE half doubled (a bug in every case), or fixed.
@@ -73,7 +75,8 @@ def test_check_keeps_the_finding_replays_it_first_under_another_seed_and_keeps_i
     kept = list(corpus.iterdir())
     assert not first.passed and len(kept) == 1 and f"kept in the corpus: {kept[0]}" in first.report()
     again = mla_verify.check("concat_mla_q", buggy, examples=1, seed=99, device="cpu", isolate=False, corpus=corpus)
-    assert again.failures[0].from_corpus and again.failures[0].case_file == kept[0]
+    assert again.failures[0].from_corpus and casefile.load(again.failures[0].case_file).case == casefile.load(kept[0]).case
+    assert again.failures[0].case_file.parent.name == "failures"  # a finding of this run, saved with its others
     report = again.report()
     assert report.index("from the corpus: 1 still fails, 0 now pass") < report.index(
         "DISCREPANCY in concat_mla_q (repo_kernels:concat) from the corpus")
@@ -106,20 +109,39 @@ def test_gate_impl_runs_what_the_named_implementations_take_part_in():
 
 
 def test_gate_impl_with_a_corpus_fails_keeps_replays_first_and_passes_once_fixed(tmp_path, monkeypatch):
+    """Every finding is one file under the run's failures/, counted once by the report, and kept in
+    the corpus: the campaign's and the pinned regression case's (concat_mla_q has one) alike."""
     buggy = kernel(tmp_path, monkeypatch, 2)
     settings = dict(device="cpu", examples=2, isolate=False, ops=["concat_mla_q"], corpus=tmp_path / "C")
     first = mla_verify.gate(impl=[f"concat_mla_q={buggy}"], seed=1, out=tmp_path / "g1", **settings)
-    assert first.failed and len(list((tmp_path / "C").iterdir())) == 1
+    saved = sorted((tmp_path / "g1" / "failures").iterdir())
+    kept = sorted((tmp_path / "C").iterdir())
+    assert first.failed and len(saved) == len(kept) == 2  # the pinned case's and the campaign's
     assert {r.impl for r in first.rows} == {buggy}  # only the named implementation ran
+    pinned = next(r for r in first.rows if r.source == "corpus")
+    assert pinned.finding in {p.name for p in saved} and not pinned.passed
+    assert "  a pinned regression case: fails" in first.lines()
+    assert [line for line in first.lines() if line.startswith("finding saved: ")] == [
+        f"finding saved: {p}" for p in sorted(saved, key=lambda p: p.name != pinned.finding)]
+    frame, _ = load_run(tmp_path / "g1")
+    assert counts(frame).findings == 2 and counts(frame).line().startswith("FAIL: 2 findings in failures/: ")
     second = mla_verify.gate(impl=[f"concat_mla_q={buggy}"], seed=2, out=tmp_path / "g2", **settings)
     lines = second.lines()
-    assert second.failed and "note: from the corpus: 1 still fails, 0 now pass" in lines
-    assert lines[lines.index("  from the corpus: still fails") - 1].startswith(f"failing case saved: {tmp_path / 'C'}")
+    assert second.failed and "note: from the corpus: 2 still fail, 0 now pass" in lines
+    assert not any(r.source == "corpus" for r in second.rows)  # the pinned case runs once, as a kept one
+    still = [i for i, line in enumerate(lines) if line.startswith("  from the corpus: still fails (kept as ")]
+    assert len(still) == 2 and all(lines[i - 1].startswith(f"finding saved: {tmp_path / 'g2' / 'failures'}")
+                                   for i in still)
+    assert {line.split("kept as ")[1].rstrip(")") for line in (lines[i] for i in still)} == {p.name for p in kept}
     assert any(line.startswith("  replay: mla-verify replay ") and buggy in line for line in lines)
+    again = sorted((tmp_path / "C").iterdir())
+    mla_verify.gate(impl=[f"concat_mla_q={buggy}"], seed=1, out=tmp_path / "g1b", **settings)
+    assert sorted((tmp_path / "C").iterdir()) == again  # a rerun adds no duplicate
     fixed = mla_verify.gate(impl=[f"concat_mla_q={kernel(tmp_path, monkeypatch, 1)}"], seed=3, out=tmp_path / "g3",
                             **settings)
-    held = len(list((tmp_path / "C").iterdir()))  # the second gate's own seed may have kept a finding too
+    held = len(again)  # the second gate's own seed may have kept a finding too
     assert not fixed.failed and f"note: from the corpus: 0 still fail, {held} now pass{'es' if held == 1 else ''}" in fixed.lines()
+    assert not (tmp_path / "g3" / "failures").exists()
 
 
 USER_TESTS = '''
@@ -148,3 +170,31 @@ def test_the_plugin_saves_failing_cases_where_told_keeps_them_and_lists_them_in_
     summary_text = done.stdout.split("mla-verify: failing cases saved")[1]
     assert len(saved) == 1 and str(saved[0]) in summary_text and "replay: mla-verify replay" in summary_text
     assert len(list((tmp_path / "C").iterdir())) == 1
+
+
+def test_a_gate_records_its_impl_and_a_baseline_that_gated_other_kernels_says_so(tmp_path, monkeypatch, capsys):
+    """meta.json records the --impl strings; `gate --baseline` gates the baseline's again unless told
+    otherwise, and a comparison with a run of other --impl says so instead of comparing silently."""
+    from mla_verify.cli import main
+
+    mine = kernel(tmp_path, monkeypatch, 1)
+    (tmp_path / "other_kernels.py").write_text(KERNEL.format(factor=1))
+    gate = ["gate", "--device", "cpu", "--examples", "1", "--op", "concat_mla_q", "--no-isolate"]
+    assert main([*gate, "--impl", f"concat_mla_q={mine}", "--seed", "1", "--out", str(tmp_path / "g1")]) == 0
+    _, meta = load_run(tmp_path / "g1")
+    assert meta["extra"]["impls"] == [f"concat_mla_q={mine}"]
+    capsys.readouterr()
+    assert main([*gate, "--baseline", str(tmp_path / "g1"), "--out", str(tmp_path / "g2")]) == 0
+    out = capsys.readouterr().out
+    assert f"its cases again (seed 1, profile ci, ops concat_mla_q, --impl concat_mla_q={mine})" in out
+    assert load_run(tmp_path / "g2")[1]["extra"]["impls"] == [f"concat_mla_q={mine}"] and "different" not in out
+    other = ["--impl", "concat_mla_q=other_kernels:concat", "--baseline", str(tmp_path / "g1")]
+    assert main([*gate, *other, "--out", str(tmp_path / "g3")]) == 0
+    out = capsys.readouterr().out
+    assert (f"note: different implementations: this run gated --impl concat_mla_q=other_kernels:concat, the "
+            f"baseline gated --impl concat_mla_q={mine}: what is compared with the baseline is another kernel's "
+            "rows") in out
+    assert out.index("note: different implementations") < out.index("baseline drift:")
+    assert main(["report", str(tmp_path / "g1"), "--baseline", str(tmp_path / "g3"), "--markdown",
+                 str(tmp_path / "m.md")]) == 0
+    assert "note: different implementations: this run gated --impl concat_mla_q=repo_kernels" in (tmp_path / "m.md").read_text()

@@ -75,8 +75,8 @@ def test_junit_replay_commands_come_from_the_saved_case_files(tmp_path):
     mine = casefile.save(tmp_path / "a.json", casefile.CaseFile(case, ("tests.zoo.formats:divisor_224",), "cpu"))
     ours = casefile.save(tmp_path / "b.json", casefile.CaseFile(Case(case.op, case.params, 4), ("triton",), "cpu"))
     replays = saved_replays(tmp_path)
-    assert replays[case.case_id] == f"mla-verify replay {mine} --impl tests.zoo.formats:divisor_224 --device cpu"
-    assert replays[Case(case.op, case.params, 4).case_id] == f"mla-verify replay {ours} --device cpu"
+    assert replays["a.json"] == f"mla-verify replay {mine} --impl tests.zoo.formats:divisor_224 --device cpu"
+    assert replays["b.json"] == f"mla-verify replay {ours} --device cpu"
 
 
 def test_a_pipeline_pass_says_which_keywords_of_a_replaced_stage_it_never_passed():

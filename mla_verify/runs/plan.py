@@ -114,6 +114,7 @@ class Run:
         cases (reports.meta.rerun_settings), and for a shard what `merge` checks."""
         if self.command == GATE:
             seeds, extra = [self.seed], {"examples": self.examples, "ops": list(self.ops) or None,
+                                         "impls": list(self.impls) or None,
                                          "isolated": self.isolate}
         else:
             seeds = [s for s, _ in self.campaigns]
@@ -313,10 +314,10 @@ def _again(o: Options, log: Callable[[str], None]) -> Options:
     seed = again["seed"] if o.seed is None else o.seed
     profile, examples = o.profile or again["profile"], o.examples or again["examples"]
     if o.command == GATE:
-        ops = o.ops or tuple(again["ops"] or ())
+        ops, impls = o.ops or tuple(again["ops"] or ()), o.impls or tuple(again["impls"] or ())
         log(f"baseline {o.baseline}: its cases again (seed {seed}, profile {profile}"
-            f"{', ops ' + ' '.join(ops) if ops else ''})")
-        return replace(o, seed=seed, profile=profile, examples=examples, ops=ops)
+            f"{', ops ' + ' '.join(ops) if ops else ''}{', --impl ' + ' '.join(impls) if impls else ''})")
+        return replace(o, seed=seed, profile=profile, examples=examples, ops=ops, impls=impls)
     op = o.ops[0]
     name = op.removeprefix("property:")
     ran = {json.loads(case)["op"] for case in rows["case"].unique() if case}  # each row's Case names its op
