@@ -7,14 +7,16 @@ for one pytest run, so a CI can raise the budget or move to the GPU without edit
 An argument a test passes explicitly still wins. A device the option names that is not there
 skips the tests that would run on it, with the reason. Failing cases a call saves outside a run
 directory go under `--mla-verify-failures DIR`, by default this session's pytest temporary
-directory (not a path other runs share); the session's summary lists every one with its replay
-command. `--mla-verify-corpus DIR` keeps findings and replays them first (`mla_verify.runs.corpus`). The
+directory (not a path other runs share); the session's summary lists those of the tests that
+failed, each with its replay command, and counts the ones saved by tests that passed (a test that
+expects a kernel to fail saves its case too: not a failure of the suite). `--mla-verify-corpus DIR` keeps findings and replays them first (`mla_verify.runs.corpus`). The
 plugin imports nothing heavy: it is loaded by every pytest run in an environment where
 mla-verify is installed.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,8 @@ _OPTIONS = {
     "corpus": "kept corpus for calls that pass no corpus=: every finding added, its cases replayed first",
 }
 METAVARS = {"profile": "NAME", "examples": "N", "device": "DEVICE", "seed": "S", "failures": "DIR", "corpus": "DIR"}
-SAVED: list[tuple[str, str]] = []  # (case file, replay command) of each failure a call saved this session
+SAVED: list[tuple[str, str, str]] = []  # (test node id, case file, replay command) of each case saved this session
+FAILED: set[str] = set()  # the node ids of the tests that failed this session
 
 
 def pytest_addoption(parser) -> None:
@@ -59,6 +62,7 @@ def pytest_configure(config) -> None:
 
 def pytest_sessionstart(session) -> None:
     SAVED.clear()
+    FAILED.clear()
     if "failures" in DEFAULTS:  # --mla-verify-failures, relative to where pytest started
         DEFAULTS["failures"] = Path(DEFAULTS["failures"]).absolute()
         return
@@ -71,14 +75,24 @@ def saved(failures) -> None:
     """Note the case files a call saved (`results.Failure`s), for the session's summary (in a
     pytest session only)."""
     if "failures" in DEFAULTS:
-        SAVED.extend((str(f.case_file), f.replay_command) for f in failures if f.case_file is not None)
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]  # "NODEID (call)" while a test runs
+        SAVED.extend((test, str(f.case_file), f.replay_command) for f in failures if f.case_file is not None)
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.failed:  # setup, call or teardown; an expected failure (xfail) is not failed
+        FAILED.add(report.nodeid)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    if SAVED:
-        terminalreporter.section("mla-verify: failing cases saved")
-        for case_file, command in SAVED:
+    failing = [(case_file, command) for test, case_file, command in SAVED if test in FAILED or not test]
+    if failing:
+        terminalreporter.section("mla-verify: cases saved by failing tests")
+        for case_file, command in failing:
             terminalreporter.write_line(f"{case_file}\n  replay: {command}")
+    if passed := len(SAVED) - len(failing):
+        terminalreporter.write_line(f"mla-verify: {passed} more case{'s' * (passed != 1)} saved by tests that passed "
+                                    "(a test expecting a kernel to fail saves its case too): not listed")
 
 
 def pytest_unconfigure(config) -> None:

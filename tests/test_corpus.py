@@ -167,7 +167,7 @@ def test_the_plugin_saves_failing_cases_where_told_keeps_them_and_lists_them_in_
                           env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
     saved = list((tmp_path / "saved").iterdir())
-    summary_text = done.stdout.split("mla-verify: failing cases saved")[1]
+    summary_text = done.stdout.split("mla-verify: cases saved by failing tests")[1]
     assert len(saved) == 1 and str(saved[0]) in summary_text and "replay: mla-verify replay" in summary_text
     assert len(list((tmp_path / "C").iterdir())) == 1
 

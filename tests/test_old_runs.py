@@ -46,7 +46,9 @@ def test_an_old_run_is_reported_and_its_failure_counted(old, capsys):
     assert "PASS: 80 rows in 22 cases, none failed" in out
     assert (old / "gate" / "report.html").stat().st_size > 0
     assert main(["report", str(old / "written")]) == 1
-    assert "input_written" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "input_written" in out  # its rows name no finding: counted as failing cases, no finding count made up
+    assert "FAIL: 1 of 4 rows failed in 1 failing case of 1 (rows written before they named their finding)" in out
 
 
 def test_an_old_run_is_a_baseline_of_itself_without_drift(old, capsys):

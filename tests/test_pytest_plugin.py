@@ -105,6 +105,10 @@ def test_seed_saved_cases_tracebacks_declined_cases_and_a_missing_device(tmp_pat
     out = done.stdout
     saved = next(line.split("saved ")[1] for line in out.splitlines() if ".saved " in line)
     assert saved.startswith(str(basetemp / "mla-verify-failures")), saved
+    # the summary lists the case of the test that failed, not the one a passing test saved (expected there)
+    listed = out.split("mla-verify: cases saved by failing tests")[1]
+    assert saved not in listed and listed.count("replay: mla-verify replay") == 1, listed
+    assert "mla-verify: 1 more case saved by tests that passed" in listed
     failure = out.split("test_traceback_ends_at_the_call")[-1]
     assert "DISCREPANCY in concat_mla_q" in failure and "mla_verify/api.py" not in failure, failure[-3000:]
     assert "declined by the implementation (mla_verify.unsupported), not checked: one head only, for now" in out

@@ -129,9 +129,10 @@ def synthetic_rows(seed: int, run_id: str, cases_per_group: int = 24,
 
 
 def with_failure(rows: list[Row]) -> tuple[list[Row], Row]:
-    """The rows with one sparse_prefill out row pushed over its bound."""
+    """The rows with one sparse_prefill out row pushed over its bound, its case the run's saved finding."""
     i = next(i for i, r in enumerate(rows) if r.path == "sparse_prefill" and r.tensor == "out")
     failed = _gated(changed(rows[i], rel_l2=0.05, bf16_units=30.0), "rel_l2", OUT_BOUND)
+    failed.finding = f"sparse_prefill-flash_mla-{failed.case_id}.json"
     return [*rows[:i], failed, *rows[i + 1:]], failed
 
 
@@ -314,7 +315,7 @@ def test_run_report_exit_codes(tmp_path, meta, capsys):
     out = capsys.readouterr().out
     assert [d for _, d in saved] == [bad_dir / "drift"] and f"drifted most: case {saved[0][0].case_id}" in out
     assert "REPLAY IT" in out and "REPLAY IT" in md.read_text()
-    assert "FAIL: 1 finding: 1 of" in out and "DRIFT forward_mqa/fp8_mixed out [pipeline]: bf16_units p99" in out
+    assert "FAIL: 1 finding in failures/: 1 of" in out and "DRIFT forward_mqa/fp8_mixed out [pipeline]: bf16_units p99" in out
     assert "NEW FAILURES sparse_prefill out [flash_mla]" in out      # the new failure's group
     assert "**drift** forward_mqa/fp8_mixed out [pipeline]" in md.read_text()
     assert html.exists() and not (bad_dir / "report.html").exists()
@@ -365,7 +366,7 @@ def test_markdown_has_the_html_tables(failing_report):
     assert "http" not in md and "data:" not in md
     for section in report.sections:
         assert f"### {section.title}" in md
-    assert failed.case_id in md and "FAIL: 1 finding: 1 of" in md
+    assert failed.case_id in md and "FAIL: 1 finding in failures/: 1 of" in md
     table_lines = [ln for ln in md.splitlines() if ln.startswith("|")]
     assert table_lines and all(ln.endswith("|") for ln in table_lines)
 
@@ -378,7 +379,7 @@ def test_terminal_summary_is_short_and_names_every_path(failing_report, meta):
     assert len(lines) <= 25
     for path in PATHS:
         assert any(ln.startswith(path + " ") for ln in lines), path
-    assert lines[-1].startswith("FAIL: 1 finding: 1 of")
+    assert lines[-1].startswith("FAIL: 1 finding in failures/: 1 of")
     assert f"{DEVIATION} (" in text
     prefill = next(ln for ln in lines if ln.startswith("sparse_prefill "))
     assert "out rel_l2 5.00e-02 / 1.56e-02" in prefill
