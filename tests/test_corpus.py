@@ -135,8 +135,12 @@ def test_gate_impl_with_a_corpus_fails_keeps_replays_first_and_passes_once_fixed
     assert {line.split("kept as ")[1].rstrip(")") for line in (lines[i] for i in still)} == {p.name for p in kept}
     assert any(line.startswith("  replay: mla-verify replay ") and buggy in line for line in lines)
     again = sorted((tmp_path / "C").iterdir())
-    mla_verify.gate(impl=[f"concat_mla_q={buggy}"], seed=1, out=tmp_path / "g1b", **settings)
+    rerun = mla_verify.gate(impl=[f"concat_mla_q={buggy}"], seed=1, out=tmp_path / "g1b", **settings)
     assert sorted((tmp_path / "C").iterdir()) == again  # a rerun adds no duplicate
+    # and finds its campaign's case again among the kept ones: one finding, one file, named by its rows
+    files = {p.name for p in (tmp_path / "g1b" / "failures").iterdir()}
+    assert len(files) == 2 and {r.finding for r in rerun.rows} - {""} == files
+    assert len([line for line in rerun.lines() if line.startswith("finding saved: ")]) == 2
     fixed = mla_verify.gate(impl=[f"concat_mla_q={kernel(tmp_path, monkeypatch, 1)}"], seed=3, out=tmp_path / "g3",
                             **settings)
     held = len(again)  # the second gate's own seed may have kept a finding too

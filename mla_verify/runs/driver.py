@@ -172,7 +172,7 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
     sink.judging(unit)
     tested = UnderTest(unit.specs, unit.label, unit.deviations, unit.conventions, run.device)
     t0 = time.monotonic()  # a campaign's seconds include the corpus cases run before it
-    pinned = _pinned(unit)
+    pinned, replayed = _pinned(unit), len(result.replayed)
     pinned_rows = []
     for case, source, why in [(c, SOURCE, "") for c in unit.kept] + [(c, PINNED, why) for c, why in pinned]:
         if sink.stop_reason():
@@ -192,6 +192,7 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
                             run.world_size or gate_world_size(spec, run.device_type), block_size(run.profile, budget),
                             run.shrink, _failures_dir(run))
         fz = fuzz(campaign, judge, sink)
+        _found_again(fz, result.replayed[replayed:], sink)
         result.fuzz.append(fz)
         result.rows.extend(fz.rows)
         if log is not None:
@@ -203,6 +204,21 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
             log.flush()
         t0 = time.monotonic()
     return True
+
+
+def _found_again(fz: FuzzResult, replayed: list[Replayed], sink: Sink) -> None:
+    """A campaign's finding that is a kept or pinned case its unit replayed (and saved) already
+    (a search often shrinks to the same small case): one finding, one file. The campaign's file
+    goes and its case's rows name the replayed case's."""
+    same = next((r for r in replayed if fz.failure is not None and r.case == fz.failure.case), None)
+    if same is None or fz.case_file is None:
+        return
+    rows = [r for r in fz.rows if r.finding == fz.case_file.name]
+    for r in rows:
+        r.finding = same.path.name
+    sink.found(rows, same.path.name)
+    fz.case_file.unlink(missing_ok=True)
+    fz.case_file = same.path
 
 
 def gate_units(run: Run, kept: Corpus | None = None) -> list[Unit]:
@@ -263,7 +279,7 @@ def _fuzz(run: Run) -> CheckResult:
 
 
 def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, failures: list) -> CheckResult:
-    if fz.failure is not None:
+    if fz.failure is not None and all(f.case_file != fz.case_file for f in failures):  # not a corpus case's again
         failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
                                    replay_command(fz.case_file, run.specs, run.device, run.deviations, run.timeout,
                                                   run.isolate, run.conventions),
@@ -315,7 +331,7 @@ def _gate(run: Run) -> GateOutcome:
                                     else "  a pinned regression case: fails", *said(r.path, r.rows)])
                           for r in result.replayed]
     outcome.case_files += [(fz.case_file, said(fz.case_file, fz.failure.rows if fz.failure else ()))
-                           for fz in result.fuzz if fz.case_file]
+                           for fz in result.fuzz if fz.case_file and fz.case_file not in {r.path for r in result.replayed}]
     return outcome
 
 
