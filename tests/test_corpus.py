@@ -113,7 +113,8 @@ def test_gate_impl_with_a_corpus_fails_keeps_replays_first_and_passes_once_fixed
     the corpus: the campaign's and the pinned regression case's (concat_mla_q has one) alike."""
     buggy = kernel(tmp_path, monkeypatch, 2)
     settings = dict(device="cpu", examples=2, isolate=False, ops=["concat_mla_q"], corpus=tmp_path / "C")
-    first = mla_verify.gate(impl=[f"concat_mla_q={buggy}"], seed=1, out=tmp_path / "g1", **settings)
+    first = mla_verify.gate(impl=[f"concat_mla_q={buggy}"], seed=1, out=tmp_path / "g1", junit=tmp_path / "j.xml",
+                            **settings)
     saved = sorted((tmp_path / "g1" / "failures").iterdir())
     kept = sorted((tmp_path / "C").iterdir())
     assert first.failed and len(saved) == len(kept) == 2  # the pinned case's and the campaign's
@@ -125,6 +126,9 @@ def test_gate_impl_with_a_corpus_fails_keeps_replays_first_and_passes_once_fixed
         f"finding saved: {p}" for p in sorted(saved, key=lambda p: p.name != pinned.finding)]
     frame, _ = load_run(tmp_path / "g1")
     assert counts(frame).findings == 2 and counts(frame).line().startswith("FAIL: 2 findings in failures/: ")
+    junit = (tmp_path / "j.xml").read_text()  # the CI's view counts the same findings, replays the first's file
+    assert f'message="2 findings, {counts(frame).failed_cases} failing cases, ' in junit
+    assert f"replay: mla-verify replay {tmp_path / 'g1' / 'failures'}" in junit
     second = mla_verify.gate(impl=[f"concat_mla_q={buggy}"], seed=2, out=tmp_path / "g2", **settings)
     lines = second.lines()
     assert second.failed and "note: from the corpus: 2 still fail, 0 now pass" in lines
