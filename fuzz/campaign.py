@@ -145,7 +145,7 @@ class FuzzResult:
     examples: int                 # cases evaluated while searching (re-runs and shrink steps not counted)
     rows: list[Row] = field(default_factory=list)
     failure: Discrepancy | None = None    # the finding: the minimized failing case (as found, if not shrunk)
-    first_failure_at: int | None = None   # 1-based example number of the finding's case as found
+    first_failure_at: int | None = None   # 1-based example number of the first failing case
     case_file: Path | None = None         # the finding's one case file (the minimized case where there is one)
     found_file: Path | None = None        # the first failing case as found, saved at once (until minimized)
     flaky: tuple[int, int] | None = None  # (failed k, of n re-runs) when a re-run passed
@@ -385,7 +385,6 @@ class _Search:
             result.failure, result.case_file = Discrepancy(*self.first), result.found_file
             return
         origin, origin_rows, at = self.origin
-        result.first_failure_at = at
         if case == origin:  # Hypothesis could not make it smaller: the case as found, its rows judged
             rows, judged, unshrunk, note = origin_rows, True, None, f"found at example {at}"
         else:
