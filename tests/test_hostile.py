@@ -520,6 +520,8 @@ def test_a_kernel_that_ends_the_process_mid_run_is_a_saved_crashed_finding_never
         assert "replay: mla-verify replay" in text and "--isolate" in text
     saved = list((tmp_path / "run" / "failures").glob("*-crashed.json"))
     assert len(saved) == 1 and json.loads(saved[0].read_text())["failure"][0]["metric"] == "crashed"
+    # its journaled row names the file `report` saves: one finding, counted as the file it is
+    assert "FAIL: 1 finding in failures/: 1 of " in text and list((tmp_path / "run" / "failures").iterdir()) == saved
     code, text = run(capsys, "replay", saved[0], "--device", "cpu", "--impl", impl)
     assert "Traceback" not in text and code in (0, 1)  # the replayed call is its first: no crash, and no traceback
 
