@@ -73,7 +73,6 @@ def _pinned(unit: Unit) -> list[tuple[Case, str]]:
     return [(case, why) for case, why in (corpus(unit.op) if unit.corpus else []) if case not in unit.kept]
 
 
-
 def _examples(op: str, examples: int | None, profile: Profile) -> int:
     return examples if examples is not None else catalog.get_spec(op).examples(profile)
 

@@ -4,12 +4,14 @@ nothing is ever overwritten:
 
     OUT/.lock           the writing process's pid: a second run into OUT is refused
     OUT/meta.json       what runs (written at the start, completed at the end)
-    OUT/journal.jsonl   a line as each case starts, before its implementation is called, and
-                        one per row as it finishes; after the process died (SIGKILL, SIGSEGV,
+    OUT/journal.jsonl   a line as each case starts, before its implementation is called, one
+                        per row as it finishes, and one when a case becomes the run's finding or
+                        stops being one (`found`); after the process died (SIGKILL, SIGSEGV,
                         os._exit) `mla-verify report OUT` reads it (a torn last line is dropped)
                         and turns the case that started and never finished into a `crashed`
                         finding, saved under failures/ (`recover_crashed`)
-    OUT/failures/       case files, one per failing case (named by op, implementation, case)
+    OUT/failures/       case files, one per finding (named by op, implementation, case), which
+                        the rows of its case name (`Row.finding`)
     OUT/rows.parquet    at the end (with rows.csv; written aside, then renamed into place),
                         after which the journal goes and meta.json gets its record (`record`)
 
