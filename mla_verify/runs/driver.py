@@ -96,7 +96,7 @@ def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker
             if not (cuda and called and (dev.is_device_error(exc) or not dev.usable(device))):
                 raise
             case = cases[len(called) - 1]
-            base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages="", device=device,
+            base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages=(), device=device,
                         seed=case.seed, source=source, **catalog.get_spec(case.op).identity(case))
             found = [None] * len(cases)
             found[len(called) - 1] = [failure_row(base, "*", "crashed",
