@@ -5,8 +5,8 @@ Column types follow the annotations of the stored fields (`equivalence.rows.STOR
 run written today and one written months ago load to identical dtypes: str -> string, int -> int64,
 `int | None` -> Int64 (nullable), float (and `float | None`) -> float64 with NaN for missing,
 bool -> bool, a pipeline's `stages` -> (stage, impl) pairs (a list of {stage, impl} structs in
-rows.parquet, JSON in rows.csv and the journal). Optional strings (knobs) are <NA> when absent (an empty knob is absent); required
-strings are never missing ("" is a value). A column an older run lacks takes its default; `kind`
+rows.parquet, JSON in rows.csv and the journal). Optional strings (knobs) are <NA> when absent (an
+empty knob is absent); required strings are never missing ("" is a value). A column an older run lacks takes its default; `kind`
 alone, which runs stored before rows had one lack, is derived from their tensors' names (`_old_kind`),
 and `stages`, stored as the text "stage=impl,..." before it was pairs, is read into pairs
 (`stage_pairs`): the only places that read an old run's names as data.
