@@ -6,10 +6,10 @@ run written today and one written months ago load to identical dtypes: str -> st
 `int | None` -> Int64 (nullable), float (and `float | None`) -> float64 with NaN for missing,
 bool -> bool, a pipeline's `stages` -> (stage, impl) pairs (a list of {stage, impl} structs in
 rows.parquet, JSON in rows.csv and the journal). Optional strings (knobs) are <NA> when absent (an
-empty knob is absent); required strings are never missing ("" is a value). A column an older run lacks takes its default; `kind`
-alone, which runs stored before rows had one lack, is derived from their tensors' names (`_old_kind`),
-and `stages`, stored as the text "stage=impl,..." before it was pairs, is read into pairs
-(`stage_pairs`): the only places that read an old run's names as data.
+empty knob is absent); required strings are never missing ("" is a value). A column an older run
+lacks takes its default; `kind` alone, which runs stored before rows had one lack, is derived from
+their tensors' names (`_old_kind`), and `stages`, stored as the text "stage=impl,..." before it
+was pairs, is read into pairs (`stage_pairs`): the only places that read an old run's names as data.
 """
 
 from __future__ import annotations
@@ -80,10 +80,19 @@ def stage_pairs(stored: Any) -> Stages:
     if isinstance(stored, str) and not stored.startswith("["):
         return tuple((s, impl) for s, _, impl in (p.partition("=") for p in stored.split(",") if p))
     items = json.loads(stored) if isinstance(stored, str) else stored
-    pairs = tuple((p["stage"], p["impl"]) if isinstance(p, Mapping) else tuple(p) for p in items)
-    if not all(len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs):
+    pairs = tuple(map(_pair, items)) if isinstance(items, _SEQUENCES) else None
+    if pairs is None or not all(len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs):
         raise ValueError(f"rows' stages {str(stored)[:80]!r} are not (stage, implementation) pairs")
     return pairs
+
+
+_SEQUENCES = (list, tuple, np.ndarray)  # what pyarrow, json and a Row hand over as a list
+
+
+def _pair(p: Any) -> tuple:
+    if isinstance(p, Mapping) and list(p) == ["stage", "impl"]:
+        return tuple(p.values())
+    return tuple(p) if isinstance(p, _SEQUENCES) else ()
 
 
 def rows_frame(rows: Iterable[Row | Mapping[str, Any]]) -> pd.DataFrame:

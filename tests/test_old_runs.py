@@ -137,3 +137,13 @@ def test_a_run_with_stages_as_text_is_reported_and_a_baseline(tmp_path, capsys):
     before, after = load_run(old)[0], load_run(tmp_path / "new")[0]
     assert after.stages.tolist() == before.stages.tolist()
     assert replay_specs(before.iloc[-1]) == ("convert_index=torch-fp32", "sparse_prefill=torch-fp32")
+
+
+@pytest.mark.parametrize("stored", ['[["convert_index"]]', '[["convert_index", 1]]', "[1]", "[convert_index"])
+def test_stages_that_are_not_pairs_make_the_run_unreadable(tmp_path, stored):
+    from mla_verify.reports.store import ROWS_CSV
+
+    text = pd.read_csv(STAGES_AS_TEXT / ROWS_CSV, dtype=str, keep_default_na=False)
+    (tmp_path / ROWS_CSV).write_text(text.assign(stages=stored).to_csv(index=False))
+    with pytest.raises(ValueError):
+        load_run(tmp_path)
