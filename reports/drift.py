@@ -62,12 +62,13 @@ GROUP_COLUMNS: tuple[str, ...] = (
 
 
 def group_label(op: str, path: str, tensor: str, impl: str, base_impl: str | None = None,
-                deviation: str = "", *_: object) -> str:
-    """"forward_mqa/fp8_mixed out [pipeline]" ("[v2 vs v1]" across names; plus the deviation)."""
+                deviation: str = "", *_: object, sep: str = " ") -> str:
+    """"forward_mqa/fp8_mixed out [pipeline]" ("[v2 vs v1]" across names; plus the deviation); `sep`
+    before the implementation (a figure's title breaks the line there)."""
     where = op if op == path else f"{op}/{path}"
     who = impl if base_impl in (None, impl) else f"{impl} vs {base_impl}"
     dev = f" (deviation: {deviation})" if deviation else ""
-    return f"{where} {tensor} [{who}]{dev}"
+    return f"{where} {tensor}{sep}[{who}]{dev}"
 
 
 def measured(rows: pd.DataFrame) -> pd.DataFrame:

@@ -109,9 +109,8 @@ def drift_figure(drift: Drift | None) -> Plot | None:
                 axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:.2g}"))
         ax.tick_params(labelsize=7, which="both")
         ax.grid(alpha=0.3, which="major")
-        finding = g["finding"].upper() or "ok"
-        where, _, who = group_label(*key).partition(" [")
-        ax.set_title(f"{where}\n[{who}\n{g['metric']} · {g['mode']} · {finding}", fontsize=7,
+        label, finding = group_label(*key, sep="\n"), g["finding"].upper() or "ok"
+        ax.set_title(f"{label}\n{g['metric']} · {g['mode']} · {finding}", fontsize=7,
                      color=_FAILED if g["word"] == DRIFTED else "black")
         ax.legend(fontsize=6, loc="upper left")
     for ax in axes[len(chosen):]:
