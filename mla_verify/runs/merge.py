@@ -21,7 +21,10 @@ from typing import Any, Sequence
 import pandas as pd
 
 from mla_verify.equivalence.subject import UsageError
+from mla_verify.fuzz import casefile
 from mla_verify.reports.store import conform
+
+from .corpus import name
 
 from .parts import Shard
 from .rundir import RunDir, load_run
@@ -103,13 +106,15 @@ def _meta(runs: list[tuple[Path, Shard, dict]]) -> dict[str, Any]:
 
 
 def _copy_findings(source: Path, out: Path) -> list[Path]:
-    """Every failing case a shard saved (its own and its parts') under out/failures; the harness
-    errors it left, as harness-error files named for it."""
+    """Every finding a shard saved (its own and its parts') under out/failures, once: a file of the
+    same name holding the same finding (two campaigns shrank to one case: `corpus.name`) is that
+    finding, as the rows that name it count it; the harness errors it left, as harness-error files
+    named for it."""
     errors = []
     for case in sorted(source.glob("failures/*.json")) + sorted(source.glob("part-*/failures/*.json")):
         (out / "failures").mkdir(exist_ok=True)
         target, n = out / "failures" / case.name, 1
-        while target.exists() and target.read_bytes() != case.read_bytes():  # two shards shrank to one case
+        while target.exists() and name(casefile.load(target)) != name(casefile.load(case)):
             n += 1
             target = target.with_name(f"{case.stem}-{n}{case.suffix}")
         if not target.exists():
