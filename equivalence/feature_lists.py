@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import layouts
 from .profiles import Profile
 
 Candidates = Callable[[random.Random, Profile], list[dict]]  # (rng from the seed, profile) -> params
@@ -30,3 +31,18 @@ FEATURES: dict[tuple[str, str | None], Coverage] = {}  # (op, path or None) -> i
 def register(op: str, path: str | None, coverage: Coverage) -> Coverage:
     FEATURES[(op, path)] = coverage
     return coverage
+
+
+def laid_out(op: str, coverage: Coverage) -> Coverage:
+    """`coverage` of `op` with its layout features (`equivalence.layouts`: one for each layout
+    some input of the op may take, read back from the strides and offsets): every candidate
+    proposed in each of those layouts."""
+    kinds = [kind for kind in layouts.drawn(op) if kind != "contiguous"]
+
+    def candidates(rng: random.Random, p: Profile) -> list[dict]:
+        return [{**c, "layout": kind} for c in coverage.candidates(rng, p) for kind in kinds]
+
+    def hits(params: Any, kw: dict) -> set[str]:
+        return coverage.hits(params, kw) | layouts.shown(op, kw)
+
+    return Coverage(coverage.features + layouts.features(op), candidates, hits)

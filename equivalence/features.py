@@ -16,7 +16,7 @@ import torch
 from mla_verify import reference
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
-from .feature_lists import Coverage, register
+from .feature_lists import Coverage, laid_out, register
 from .hisparse_batch import ACTIVE_TAIL_PAGES
 from .layouts import LAYOUTS
 from .profiles import Profile
@@ -121,7 +121,7 @@ def _convert_hits(p, kw: dict) -> set[str]:
     return hit
 
 
-register("convert_index", None, Coverage(CONVERT, _convert_candidates, _convert_hits))
+register("convert_index", None, laid_out("convert_index", Coverage(CONVERT, _convert_candidates, _convert_hits)))
 
 
 # --- sparse_prefill ------------------------------------------------------------------------------
