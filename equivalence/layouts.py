@@ -59,7 +59,8 @@ BUILT: dict[str, dict[str, str]] = {
     "write_fp8_ds_mla_cache": {"kv_cache": _CACHE},
     "gather_upconvert_fp8": {"kv_cache": _CACHE},
     "gather_upconvert_nvfp4": {"kv_cache": _CACHE},
-    "concat_mla_q": {"ql_nope and q_pe": "contiguous layout, as built: views of one [T, H, 640] buffer"},
+    "concat_mla_q": {"ql_nope": "as built (layout contiguous), a view of a [T, H, 640] buffer",
+                     "q_pe": "another view of it"},
 }
 FEATURES = {"padded": "an input in padded rows", "permuted": "an input permuted (leading dims reversed)",
             "offset": "an input at a storage offset"}
@@ -103,8 +104,8 @@ def relayout(op: str, kwargs: dict[str, Any], layout: str) -> dict[str, Any]:
 
 def shown(op: str, kwargs: Mapping[str, Any]) -> set[str]:
     """The layout FEATURES the tensors of `kwargs` that `op` lets take one show, read from their
-    strides and offsets: the first dim not the outermost (3-D and more); else a row stride past the
-    row (2-D and more, more than one row); a storage offset."""
+    strides and offsets: the first dim not the outermost (3-D and more); else not contiguous (with
+    the last dim contiguous throughout: rows at a stride past their length); a storage offset."""
     found = set()
     for name in ALLOWED.get(op, {}):
         t = kwargs.get(name)
@@ -113,7 +114,7 @@ def shown(op: str, kwargs: Mapping[str, Any]) -> set[str]:
         permuted = t.dim() >= 3 and t.shape[0] > 1 and t.shape[1] > 1 and t.stride(0) < t.stride(1)
         if permuted:
             found.add(FEATURES["permuted"])
-        elif t.dim() >= 2 and t.shape[-2] > 1 and t.stride(-2) > t.shape[-1]:
+        elif not t.is_contiguous():
             found.add(FEATURES["padded"])
         if t.storage_offset() > 0:
             found.add(FEATURES["offset"])
@@ -134,8 +135,8 @@ def layout_line(op: str) -> str | None:
     strided = [f"{name} ({', '.join(kinds)})" for name, kinds in allowed.items() if set(kinds) - {"offset"}]
     offset = [name for name, kinds in allowed.items() if kinds == ("offset",)]
     dense = [name for name, kinds in allowed.items() if not kinds and name not in built]
-    parts = [f"layouts drawn: {'; '.join(strided)}" if strided else "",
-             f"must be contiguous, drawn at a storage offset too: {', '.join(offset)}" if offset else "",
+    parts = [f"layouts drawn: {'; '.join(strided)}; last dim contiguous throughout" if strided else "",
              f"must be contiguous: {', '.join(dense)}" if dense else "",
+             f"must be contiguous, drawn at a storage offset too: {', '.join(offset)}" if offset else "",
              "; ".join(f"{name}: {how}" for name, how in built.items())]
-    return "; ".join(p for p in parts if p) + "; last dim contiguous throughout"
+    return "; ".join(p for p in parts if p)
