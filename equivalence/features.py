@@ -306,10 +306,38 @@ def _forward_templates(rng: random.Random, p: Profile, path: str) -> list[dict]:
     return found
 
 
+def _unrestricted_templates(rng: random.Random, p: Profile) -> list[dict]:
+    """The unrestricted draw's six, each holding what the others cannot (the fewest that reach
+    every path's features: the separate path's 1, 2 and >= 3 chunks are three batches, an empty
+    and a full DCP shard two on the mixed path, the BF16 cache one): spec decodes, a merged and a
+    short prefill and three more past 64 tokens in >= 3 chunks; DCP decodes of a few tokens with
+    padding requests (a rank empty); BF16 and DCP decodes alone through forward_mqa; all prefills
+    in two chunks; one chunk."""
+    low = [h for h in p.mqa_heads if h in (8, 16)] or [16]
+    quant = {"scale_rule": "raw", "invalid": ["whole_row", "scattered"]}
+    seq = rng.randint(80, 100)  # the three long prefills' sequences: one workspace each
+    long = [seq // 2 + rng.randint(0, 8) for _ in range(3)]
+    spec = _batch(rng, p, "fp8_ds_mla", 32, [2, 2, 0, 2, 4] + long, 128, max_decode_query_len=2, **quant,
+                  value_regime="degenerate", workspace_size=seq)
+    spec["context_lens"] = spec["context_lens"][:4] + [rng.randint(0, seq - 4)] + [seq - n for n in long]
+    dcp = {"dcp_size": rng.choice((2, 4)), "interleave": 1}
+    empty = _batch(rng, p, "fp8_ds_mla", rng.choice(low), [2, 2, 2, 0, 0], 64, max_decode_query_len=2, **quant, **dcp,
+                   value_regime="degenerate")
+    empty["context_lens"] = [rng.randint(0, 1) for _ in range(5)]
+    prefills = _batch(rng, p, "fp8_ds_mla", 32, [129, 3], 128)
+    prefills["workspace_size"] = max(c + n for c, n in zip(prefills["context_lens"], [129, 3]))
+    return [spec, empty, prefills,
+            _batch(rng, p, "bfloat16", rng.choice(low), [1, 1, 3, 2], 128, mqa="decodes"),
+            {**_batch(rng, p, "fp8_ds_mla", rng.choice(low), [1, 1, 3, 2], 128, mqa="decodes", **dcp),
+             "context_lens": [rng.randint(40, 80) for _ in range(4)]},
+            _batch(rng, p, "fp8_ds_mla", 32, [1, 5], 128)]
+
+
 def _forward_candidates(path: str | None):
     def candidates(rng: random.Random, p: Profile) -> list[dict]:
-        paths = [path] if path else list(PATH_FEATURES)
-        return [c for _ in range(FORWARD_VARIANTS) for one in paths for c in _forward_templates(rng, p, one)]
+        if path is None:
+            return [c for _ in range(FORWARD_VARIANTS) for c in _unrestricted_templates(rng, p)]
+        return [c for _ in range(FORWARD_VARIANTS) for c in _forward_templates(rng, p, path)]
 
     return candidates
 

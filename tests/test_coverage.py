@@ -49,7 +49,7 @@ def test_covering_set_hits_every_feature(op, profile):
 @pytest.mark.parametrize("profile", ["ci", "gpu"])
 def test_forward_covering_set_hits_every_feature(path, profile):
     cases = _hits_all("forward_mqa", profile, 7, path)
-    assert len(cases) <= 8
+    assert len(cases) <= get_profile("ci").examples, "every path's set (the unrestricted one too) fits ci's budget"
 
 
 def test_covering_set_is_the_seeds():
