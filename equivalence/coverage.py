@@ -57,18 +57,22 @@ def features_of(case: Case, device: str = "cpu", path: str | None = None) -> set
 
 
 def covering_set(op: str, profile: Profile, seed: int, path: str | None = None,
-                 admit: Callable[[Case], bool] = lambda case: True, device: str = "cpu") -> list[Case]:
+                 admit: Callable[[Case], bool] = lambda case: True, device: str = "cpu",
+                 world_size: int | None = None) -> list[Case]:
     """The first cases of a campaign of `op` (at `path`) within `profile`: candidates derived from
     `seed`, those `admit` takes (an interpreted kernel's budget), picked greedily, each the one
     hitting most features not hit yet (the earlier on a tie), until no candidate adds one. Their
     features are read from inputs built on `device`, as the campaign builds them (a case's
-    tensors depend on the device type)."""
+    tensors depend on the device type). A multi-process op's candidates take the campaign's
+    `world_size` (None: as proposed)."""
     cov = coverage_of(op, path)
     if cov is None:
         return []
     rng = random.Random(f"{op}/{path}/{profile.name}/{seed}")
     pool = []
     for params in cov.candidates(rng, profile):
+        if world_size is not None:
+            params = {**params, "dcp_size": world_size}
         case = Case(op, params, rng.randrange(2**31))
         if admit(case):
             pool.append((case, features_of(case, device, path)))

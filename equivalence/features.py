@@ -399,6 +399,51 @@ register("forward_mqa", None, Coverage(
     _forward_candidates(None), _forward_hits))
 
 
+# --- the multi-process dcp op ----------------------------------------------------------------------
+
+DCP = ("combine: ag_rs", "combine: a2a", "dcp_empty: a rank empty for a request", "dcp_empty: every rank holds every request",
+       "split: all decodes", "split: with padding requests", "split: decodes + prefills", "interleave > 1",
+       "CUDA-graph padding rows past the last request", "spec decodes (s_q > 1) of several requests",
+       "decode_topk: K % 128 == 64", "decode_topk: K % 128 == 0", "raw (non-power-of-two) scales",
+       "row with no valid index", "only the decodes of a mixed batch through forward_mqa") + DEGENERATE
+
+
+def _dcp_candidates(rng: random.Random, p: Profile) -> list[dict]:
+    """Batches of 2 ranks (`coverage.covering_set` sets the campaign's world size) at 1 or 8 local
+    heads, in every world size's FP8 envelope (8 ranks * 8 heads = 64): spec decodes over contexts
+    of 0-1 tokens (ranks empty) with padding requests and rows, combined all-to-all; decodes and
+    prefills at interleave 2, and the decodes alone through forward_mqa, over contexts every rank
+    holds a shard of, combined by all-gather and reduce-scatter."""
+    found = []
+    for _ in range(FORWARD_VARIANTS):
+        base = {"dcp_size": 2, "interleave": 1, "combine": "ag_rs"}
+        ctx = [rng.randint(40, 80) for _ in range(4)]
+        found += [
+            {**_batch(rng, p, "fp8_ds_mla", rng.choice((1, 8)), [2, 2, 2, 0, 0], 64, max_decode_query_len=2,
+                      scale_rule="raw", invalid=["whole_row", "scattered"], value_regime="degenerate", **base),
+             "context_lens": [rng.randint(0, 1) for _ in range(5)], "combine": "a2a", "pad_rows": rng.randint(1, 3)},
+            {**_batch(rng, p, "fp8_ds_mla", rng.choice((1, 8)), [1, 1, 3, 2], 128, value_regime="degenerate", **base),
+             "context_lens": ctx, "interleave": 2},
+            {**_batch(rng, p, "fp8_ds_mla", rng.choice((1, 8)), [1, 1, 3, 2], 128, mqa="decodes", **base),
+             "context_lens": ctx},
+        ]
+    return found
+
+
+def _dcp_hits(p, kw: dict) -> set[str]:
+    """forward_mqa's features of the batch every rank builds, its padding rows and interleave, and
+    the combine (a protocol the case runs, not a tensor: read from its params)."""
+    b = kw["batch"]
+    hit = _forward_hits(p, kw) | {f"combine: {p.combine}"}
+    return hit | {name for name, yes in (
+        ("interleave > 1", b.config.get("interleave", 1) > 1),
+        ("CUDA-graph padding rows past the last request", _rows(b.q) > b.query_start_loc[-1]),
+    ) if yes}
+
+
+register("dcp", None, Coverage(DCP, _dcp_candidates, _dcp_hits))
+
+
 # --- forward_mqa's HiSparse paths ---------------------------------------------------------------
 
 HISPARSE = ("split: all decodes", "split: decodes + prefills", "batch > 1", "two or more prefill requests",
