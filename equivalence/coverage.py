@@ -39,9 +39,10 @@ def covered() -> list[tuple[str, str | None]]:
 
 
 def _load() -> None:
-    """The op modules' coverage lives in `equivalence.features`, imported on first use (it
-    builds inputs through the catalog, which imports this module's users)."""
-    from . import features, features_bytes  # noqa: F401  (they register on import)
+    """The op modules' coverage lives in `equivalence.features`, `features_bytes` and
+    `features_forward`, imported on first use (they build inputs through the catalog, which
+    imports this module's users)."""
+    from . import features, features_bytes, features_forward  # noqa: F401  (they register on import)
 
 
 def features_of(case: Case, device: str = "cpu", path: str | None = None) -> set[str]:

@@ -1,6 +1,7 @@
 """What each op (or forward_mqa path) must reach: the registry of `Coverage`s that
-`equivalence.features` and `equivalence.features_bytes` fill on import and `equivalence.coverage`
-reads (kept apart so the feature modules need nothing of the covering design above them)."""
+`equivalence.features`, `features_bytes` and `features_forward` fill on import and
+`equivalence.coverage` reads (kept apart so the feature modules need nothing of the covering
+design above them)."""
 
 from __future__ import annotations
 

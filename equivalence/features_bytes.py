@@ -90,7 +90,8 @@ def _writer_hits(p, kw: dict) -> set[str]:
     ) if yes}
 
 
-register("write_fp8_ds_mla_cache", None, laid_out("write_fp8_ds_mla_cache", Coverage(WRITER, _writer_candidates, _writer_hits)))
+register("write_fp8_ds_mla_cache", None,
+         laid_out("write_fp8_ds_mla_cache", Coverage(WRITER, _writer_candidates, _writer_hits)))
 
 
 # --- gather_upconvert ----------------------------------------------------------------------------
@@ -175,8 +176,8 @@ def _concat_hits(p, kw: dict) -> set[str]:
     return hit
 
 
-register("concat_mla_q", None, laid_out("concat_mla_q", Coverage(LAYOUT + ("strided views of one buffer",), _concat_candidates,
-                                                            _concat_hits)))
+register("concat_mla_q", None,
+         laid_out("concat_mla_q", Coverage(LAYOUT + ("strided views of one buffer",), _concat_candidates, _concat_hits)))
 
 RESHAPE = ("several decodes", "s > 1", "several heads", "a 4-D output")
 
@@ -235,7 +236,8 @@ def _dcp_index_hits(p, kw: dict) -> set[str]:
     ) if yes}
 
 
-register("dcp_convert_index", None, laid_out("dcp_convert_index", Coverage(DCP_INDEX, _dcp_index_candidates, _dcp_index_hits)))
+register("dcp_convert_index", None,
+         laid_out("dcp_convert_index", Coverage(DCP_INDEX, _dcp_index_candidates, _dcp_index_hits)))
 
 MERGE = ("several ranks", "a token empty on every rank", "a NaN LSE", "a +inf LSE", "> 64 tokens")
 

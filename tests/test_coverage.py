@@ -117,7 +117,9 @@ def test_coverage_table_lists_every_feature():
     lines = coverage.table("sparse_decode_fp8", [get_profile("ci")], draws=20, seed=0)
     assert len(lines) == 2 + len(coverage.coverage_of("sparse_decode_fp8").features)
     assert all("MISSED" not in line for line in lines) and "ci: first" in lines[0]
-    assert "lists no features" in coverage.table("dcp", [get_profile("ci")], draws=1)[0]
+    dcp = coverage.table("dcp", [get_profile("ci")], draws=1)
+    assert len(dcp) == 2 + len(coverage.coverage_of("dcp").features) and all("MISSED" not in line for line in dcp)
+    assert "lists no features" in coverage.table("property:singleton", [get_profile("ci")], draws=1)[0]
 
 
 def _campaign(op, impl, seed, shrink=True):
