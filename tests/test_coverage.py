@@ -53,6 +53,12 @@ def test_forward_covering_set_hits_every_feature(path, profile):
     assert len(cases) <= get_profile("ci").examples, "every path's set (the unrestricted one too) fits ci's budget"
 
 
+@pytest.mark.parametrize("profile", ["dev", "nightly"])
+def test_the_unrestricted_forward_set_fits_every_profiles_budget(profile):
+    """Six cases reach every path's features (ci's budget of 6 holds them: its campaign is the set)."""
+    assert len(_hits_all("forward_mqa", profile, 1)) <= get_profile("ci").examples
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_the_dcp_covering_set_takes_the_campaigns_world_size(world_size):
     cases = coverage.covering_set("dcp", get_profile("ci"), 3, world_size=world_size)
