@@ -47,14 +47,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from . import guards, reaper, wire
+from . import guards, reaper, segment, wire
 from .case import Case
 from .contract import CALLED_WITH
 from .device import first_line, is_device_error, take_gpu_share, usable
 from .produced import Produced
 from .policy import DEVIATIONS
 from .rows import Row
-from .running import after_return_rows, failure_row, noted, unsupported_row
+from .running import after_return_rows, failure_row, input_rows, noted, unsupported_row
 
 STARTUP_TIMEOUT_S = 300.0   # imports, CUDA context, warm-up: never counted against a case
 # Spares kept warming once a worker has been replaced. A CUDA worker takes seconds to start (CUDA
@@ -170,7 +170,7 @@ def _answer_cases(channel: _Channel, device: str) -> None:
     """Produce each case the parent sends, until it sends None or a context cannot be trusted."""
     from .catalog import produce, resolve_subject  # it imports the kernels: not before `_serve` set up Triton
 
-    subjects, last = {}, None
+    subjects, last, mapped = {}, None, {"inputs": None, "outputs": None}
     while True:
         request = channel.receive()
         # The last case's outputs as returned against the copies sent: before this request's call,
@@ -185,7 +185,9 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             continue
         case = Case.from_dict(request["case"])
         specs, deviations, conventions = request["specs"], request["deviations"], request["conventions"]
-        called = []
+        called, given = [], request.get("inputs")
+        mapped["outputs"] = segment.mapping(mapped["outputs"], request.get("outputs"))
+        mapped["inputs"] = segment.mapping(mapped["inputs"], given and given["segment"])
 
         def on_call() -> None:
             called.append(True)
@@ -197,8 +199,10 @@ def _answer_cases(channel: _Channel, device: str) -> None:
                 subjects[key] = resolve_subject(case.op, specs, device.split(":")[0], deviations=deviations,
                                                 conventions=conventions)
             CALLED_WITH.clear()
+            kwargs = given and segment.inputs_of(given, mapped["inputs"], device)  # the parent's, not built here
             produced = produce(case, subjects[key], device, run_id=request["run_id"], source=request["source"],
-                               on_call=on_call)
+                               on_call=on_call, inputs=kwargs)
+            del kwargs
         except Exception as exc:
             if called and (is_device_error(exc) or not usable(device)):
                 # The context died while (or right after) the implementation ran: its crash.
@@ -214,11 +218,18 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             or not usable(device))
         called_with = {stage: sorted(keywords) for stage, keywords in CALLED_WITH.items()}  # for the parent's notes
         channel.send_frames(wire.produced_frames(seq, case.case_id, produced, retire, called_with, _children_left(),
-                                                 after))
+                                                 after, into=mapped["outputs"]))
         if retire:
             return  # never trust a context that saw a CUDA error with another case
         if produced.returned is not None:
             last = (case.case_id, produced.returned, produced.threads)
+
+
+def _writes(case: Case) -> tuple[str, ...]:
+    """The arguments `case`'s op writes in place (their bytes are its checks, not a finding)."""
+    from .catalog import get_spec
+
+    return getattr(get_spec(case.op), "writes", ())
 
 
 def _tampering(changed: list[str]) -> str:
@@ -232,6 +243,13 @@ class _Process:
     conn: Any
     reader: wire.Reader
     ready: bool = False
+    inputs: segment.Segment | None = None   # the cases' inputs, written here (`segment.hand_over`)
+
+    def close_segments(self) -> None:
+        for s in (self.inputs, self.reader.segment):
+            if s is not None:
+                s.close()
+        self.inputs = self.reader.segment = None
 
 
 _LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
@@ -344,6 +362,7 @@ class Worker:
                 p.proc.kill()
             p.proc.join(5)
             p.conn.close()
+            p.close_segments()
         self.reap()
         self.restarts += 1
         self._top_up()
@@ -419,16 +438,20 @@ class Worker:
         the clocks of the calls stay this thread's. On a GPU the two processes share, a case's
         kernel time can include some of the judge's work that ran meanwhile, and its reference
         time some of the worker's."""
-        from .catalog import judge_produced_block, prepare_block  # they import the kernels: not before `_serve` set up Triton
+        from .catalog import judge_produced_block, prepare_block, prepare_inputs  # they import the kernels: not before `_serve` set up Triton
 
+        # Built once, here: the reference reads them, and the worker is handed them (`segment`).
+        inputs = prepare_inputs(cases, self.device)
+        handed = [] if inputs is None else inputs.kwargs
         with ThreadPoolExecutor(1, thread_name_prefix="judge-ahead") as ahead:
             # A thread starts with an empty context: the reference's memory_limit goes with it.
-            prepared = ahead.submit(contextvars.copy_context().run, prepare_block, cases, self.device)
+            prepared = ahead.submit(contextvars.copy_context().run, prepare_block, cases, self.device, inputs)
             found: list = []
-            for case in cases:
+            for i, case in enumerate(cases):
                 if on_call is not None:
                     on_call()
-                found.append(self._produce(case, specs, label, run_id, source, notes, deviations, conventions))
+                found.append(self._produce(case, specs, label, run_id, source, notes, deviations, conventions,
+                                           handed[i] if i < len(handed) else None))
             if not any(isinstance(f, Produced) for f in found):
                 return found
             produced = [f if isinstance(f, Produced) else Produced([r.to_record() for r in f], failed=True) for f in found]
@@ -455,14 +478,16 @@ class Worker:
                            f"{UNREADABLE}: it holds nothing to judge (no output, no finding)")
 
     def _produce(self, case: Case, specs: Sequence[str], label: str, run_id: str, source: str,
-                 notes: set[str] | None, deviations: Sequence[str], conventions: Sequence[str]) -> Produced | list[Row]:
-        """What the worker produced for `case`, or its single failure row when it died, hung or
-        sent something that is not an answer."""
+                 notes: set[str] | None, deviations: Sequence[str], conventions: Sequence[str],
+                 kwargs: dict | None = None) -> Produced | list[Row]:
+        """What the worker produced for `case` (handed `kwargs`, its inputs as built here, where
+        given), or its single failure row when it died, hung or sent something that is not an answer."""
         p = self._ensure()
         base = self._base(case, label, run_id, source)
         self._seq += 1
         request = dict(seq=self._seq, case=case.to_dict(), specs=list(specs), deviations=list(deviations),
                        conventions=list(conventions), run_id=run_id, source=source)
+        handed = self._segments(p, request, kwargs)
         try:
             p.conn.send_bytes(json.dumps(request).encode())
         except (BrokenPipeError, OSError):
@@ -480,7 +505,8 @@ class Worker:
             raise HarnessError(f"building the inputs and reference of {case.short()} took over {HARNESS_TIMEOUT_S:g} s")
         if kind == "produced":
             try:
-                return self._answered(p, case, header, base, notes)
+                written = [] if handed is None else segment.written(p.inputs, handed, _writes(case))
+                return self._answered(p, case, header, base, notes, written)
             except wire.Unreadable as exc:
                 kind, header = "unreadable", str(exc)
         if kind == "error" and not called:  # the harness's side, before any of the implementation's code ran
@@ -500,9 +526,24 @@ class Worker:
             reason = f"{UNREADABLE}: {why}"
         return [failure_row(base, "*", "crashed", reason)]
 
-    def _answered(self, p: _Process, case: Case, header: dict, base: dict, notes: set[str] | None) -> Produced:
+    def _segments(self, p: _Process, request: dict, kwargs: dict | None) -> segment.Handed | None:
+        """`request` given the worker's outputs segment and, where `kwargs` can be handed over, its
+        inputs (`segment.hand_over`, described under "inputs"): what was handed, or None."""
+        p.reader.segment = segment.grown(p.reader.segment, 0, writable=False)
+        if p.reader.segment is not None:
+            request["outputs"] = p.reader.segment.describe()
+        if kwargs is None:
+            return None
+        p.inputs, handed = segment.hand_over(kwargs, p.inputs)
+        if handed is not None:
+            request["inputs"] = handed.described
+        return handed
+
+    def _answered(self, p: _Process, case: Case, header: dict, base: dict, notes: set[str] | None,
+                  written: list[tuple[str, str]] = ()) -> Produced:
         """The Produced of a "produced" message: its outputs and clock as sent, every row made here
-        from what the worker found (each can only fail the case); Unreadable when it does not parse."""
+        from what the worker found (each can only fail the case) and from the inputs this process
+        handed over that the call `written`; Unreadable when it does not parse."""
         if header.get("case_id") != case.case_id:
             raise wire.Unreadable(f"it answers case {str(header.get('case_id'))[:40]!r}, not {case.case_id!r}")
         answer = wire.answer_of(header, DEVIATIONS)
@@ -518,8 +559,10 @@ class Worker:
         timed = {"time_impl_s": answer.t_impl}  # an input's row, as `running.input_rows` makes it
         rows = [unsupported_row(base, reason) if metric == "unsupported" else
                 failure_row(base, tensor, metric, reason,
-                            **({**timed, "written": written} if metric == "input_written" else {}))
-                for tensor, metric, reason, written in answer.findings]
+                            **({**timed, "written": name} if metric == "input_written" else {}))
+                for tensor, metric, reason, name in answer.findings]
+        told = {name for _, metric, _, name in answer.findings if metric == "input_written"}
+        rows += input_rows(base, [(name, why) for name, why in written if name not in told], **timed)
         failed = any(tensor == "*" or metric == "unsupported" for tensor, metric, *_ in answer.findings)
         from .properties.base import Compared  # it imports the kernels: not before `_serve` set up Triton
 
@@ -548,5 +591,6 @@ class Worker:
                 reaper.kill_below(p.proc.pid)
                 p.proc.kill()
             p.proc.join(5)
+            p.close_segments()
         self._active, self._spares = None, []
         self.reap()
