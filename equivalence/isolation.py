@@ -4,10 +4,14 @@ CUDA error.
 A CUDA illegal address or device-side assert poisons the whole context, and a kernel can spin
 forever; either way the campaign must record the case as failed and go on. The worker receives
 (case, --impl specs, declared deviations), runs the implementation's side of it
-(`equivalence.catalog.produce`: inputs, the call, the checks only that process can make) and sends
-back its outputs on the host. The parent judges them (`catalog.judge_produced`): it builds the
-inputs again, computes the reference and every verdict where the implementation cannot reach
-them, neither the reference's tensors nor the judge's functions.
+(`equivalence.catalog.produce`: the call, the checks only that process can make) and sends back
+its outputs on the host. The parent builds a block's inputs once (`catalog.prepare_inputs`): its
+reference reads them, and on CPU each case's are handed to the worker through a shared segment
+(`equivalence.segment`; elsewhere, and for inputs that are not plain tensors, the worker builds
+its own from the seed). The outputs come back through a segment too, the pipe carrying the
+header. The parent judges them (`catalog.judge_produced`): it computes the reference and every
+verdict where the implementation cannot reach them, neither the reference's tensors, the
+judge's functions nor its own copy of the inputs, which it compares with what it handed over.
 
 The worker is untrusted: it runs the user's code. What it sends is data (`equivalence.wire`: a
 JSON header and raw tensor bytes, parsed with size bounds, never unpickled), outputs and clock
@@ -300,10 +304,16 @@ def _exit_reason(code: int | None) -> str:
 class Worker:
     """One isolated evaluation process for `device` (e.g. "cuda:0"), replaced as needed."""
 
-    def __init__(self, device: str, timeout_s: float = 300.0):
+    def __init__(self, device: str, timeout_s: float = 300.0, hand_over: bool | None = None):
+        """`hand_over`: whether the inputs this process builds go to the worker through a shared
+        segment (else the worker builds them again). By default on CPU only: on CUDA the segment is
+        host memory, a copy to the host and one back (the decode case B=64 H=128 holds ~350 MB of
+        cache: tens of ms each way) against a build of 1.2-1.9 ms on the device, until device
+        memory can be shared."""
         if timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout_s}")
         self.device, self.timeout_s = device, timeout_s
+        self.hand_over = not device.startswith("cuda") if hand_over is None else hand_over
         self._active: _Process | None = None
         self._spares: list[_Process] = []
         self.restarts, self._seq = 0, 0
@@ -442,7 +452,7 @@ class Worker:
 
         # Built once, here: the reference reads them, and the worker is handed them (`segment`).
         inputs = prepare_inputs(cases, self.device)
-        handed = [] if inputs is None else inputs.kwargs
+        handed = inputs.kwargs if inputs is not None and self.hand_over else []
         with ThreadPoolExecutor(1, thread_name_prefix="judge-ahead") as ahead:
             # A thread starts with an empty context: the reference's memory_limit goes with it.
             prepared = ahead.submit(contextvars.copy_context().run, prepare_block, cases, self.device, inputs)
