@@ -537,9 +537,10 @@ class Worker:
         return [failure_row(base, "*", "crashed", reason)]
 
     def _segments(self, p: _Process, request: dict, kwargs: dict | None) -> segment.Handed | None:
-        """`request` given the worker's outputs segment and, where `kwargs` can be handed over, its
-        inputs (`segment.hand_over`, described under "inputs"): what was handed, or None."""
-        p.reader.segment = segment.grown(p.reader.segment, 0, writable=False)
+        """`request` given the worker's outputs segment (grown where the last answer's outputs came
+        through the pipe, not fitting) and, where `kwargs` can be handed over, its inputs
+        (`segment.hand_over`, described under "inputs"): what was handed, or None."""
+        p.reader.segment = segment.grown(p.reader.segment, p.reader.piped, writable=False)
         if p.reader.segment is not None:
             request["outputs"] = p.reader.segment.describe()
         if kwargs is None:

@@ -234,8 +234,7 @@ def test_a_worker_cannot_resize_or_unlink_the_segments_and_the_next_case_runs(tm
 
 @pytest.mark.gpu
 def test_on_cuda_the_worker_copies_handed_inputs_to_the_device_once():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device: the host segment's copy to the device (one H2D per storage)")
+    """Unmeasured here (no GPU this session): the host segment's copy to the device, one per storage."""
     kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _strided_inputs().items()}
     seg, handed = segment.hand_over(kwargs, None)
     try:
@@ -247,3 +246,38 @@ def test_on_cuda_the_worker_copies_handed_inputs_to_the_device_once():
         assert segment.written(seg, handed, ()) == []  # the device copy is the worker's own: its snapshot tells
     finally:
         seg.close()
+
+
+@pytest.mark.gpu
+def test_a_cuda_worker_handed_its_inputs_judges_as_one_that_builds_them():
+    from mla_verify.bench.bench import harness_case
+
+    c = harness_case("cpu")  # B=2 H=16: small enough for any GPU lane
+    found = {}
+    for hand_over in (False, True):
+        w = Worker("cuda", timeout_s=120.0, hand_over=hand_over)
+        try:
+            found[hand_over] = w.run(c, ["torch-fp32"], "torch-fp32")
+        finally:
+            w.close()
+    assert all(rows and all(r.passed for r in rows) for rows in found.values())
+    assert [r.metrics.numel for r in found[True]] == [r.metrics.numel for r in found[False]]
+
+
+def test_outputs_too_large_for_the_segment_come_through_the_pipe_and_the_segment_grows(monkeypatch):
+    from mla_verify.bench.bench import harness_case
+
+    monkeypatch.setattr(segment, "INITIAL_BYTES", 4096)  # the decode case's outputs are 0.1 MiB
+    placed = []
+    regions = wire._regions
+    monkeypatch.setattr(wire, "_regions", lambda specs, seg: placed.append([s[-1] for s in specs]) or regions(specs, seg))
+    c = harness_case("cpu")
+    w = Worker("cpu", timeout_s=60.0)
+    try:
+        first = w.run(c, ["torch-fp32"], "torch-fp32")
+        second = w.run(Case(c.op, c.params, c.seed + 1), ["torch-fp32"], "torch-fp32")
+    finally:
+        w.close()
+    assert first and second and all(r.passed for r in first + second)
+    answers = [offsets for offsets in placed if offsets]  # the produced messages (out, lse)
+    assert answers[0] == [None, None] and all(o is not None for o in answers[-1]), answers
