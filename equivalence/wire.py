@@ -99,7 +99,7 @@ class Reader:
     fd: int
     sentinel: int
     segment: Any = None  # the worker's outputs segment (`segment.Segment`), mapped read-only here
-    piped: int = 0       # bytes of the last message's tensors that came through the pipe
+    piped: int = 0       # the most bytes of one message's tensors that came through the pipe
 
     def wait(self, timeout_s: float) -> str:
         """"data" once the pipe has something to read, "died" when the worker exited with nothing
@@ -149,7 +149,7 @@ class Reader:
         if sum(nbytes for *_, nbytes, offset in specs if offset is None) > MESSAGE_LIMIT:
             raise Unreadable(f"its tensors claim more than {MESSAGE_LIMIT} bytes together")
         _regions(specs, self.segment)
-        self.piped = sum(nbytes for *_, nbytes, offset in specs if offset is None)
+        self.piped = max(self.piped, sum(nbytes for *_, nbytes, offset in specs if offset is None))
         tensors = []
         for dtype, shape, device, nbytes, offset in specs:
             if device == "meta":
