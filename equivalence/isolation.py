@@ -318,6 +318,7 @@ class Worker:
         self._spares: list[_Process] = []
         self.restarts, self._seq = 0, 0
         self._after: dict[str, list[str]] = {}  # case id -> its outputs written after the call returned
+        self._not_plain: set[str] = set()  # ops whose inputs cannot be handed over (`segment.hand_over`)
         _LIVE.add(self)
 
     def _spawn(self) -> _Process:
@@ -450,9 +451,12 @@ class Worker:
         time some of the worker's."""
         from .catalog import judge_produced_block, prepare_block, prepare_inputs  # they import the kernels: not before `_serve` set up Triton
 
-        # Built once, here: the reference reads them, and the worker is handed them (`segment`).
-        inputs = prepare_inputs(cases, self.device)
-        handed = inputs.kwargs if inputs is not None and self.hand_over else []
+        # Built once, here, before the worker starts the block: the reference reads them, and the
+        # worker is handed them (`segment`). Inputs that cannot be (a Batch) are built on the
+        # judge's thread while the worker builds its own, as before.
+        hand = self.hand_over and cases[0].op not in self._not_plain
+        inputs = prepare_inputs(cases, self.device) if hand else None
+        handed = inputs.kwargs if inputs is not None else []
         with ThreadPoolExecutor(1, thread_name_prefix="judge-ahead") as ahead:
             # A thread starts with an empty context: the reference's memory_limit goes with it.
             prepared = ahead.submit(contextvars.copy_context().run, prepare_block, cases, self.device, inputs)
@@ -497,7 +501,7 @@ class Worker:
         self._seq += 1
         request = dict(seq=self._seq, case=case.to_dict(), specs=list(specs), deviations=list(deviations),
                        conventions=list(conventions), run_id=run_id, source=source)
-        handed = self._segments(p, request, kwargs)
+        handed = self._segments(p, request, kwargs, case.op)
         try:
             p.conn.send_bytes(json.dumps(request).encode())
         except (BrokenPipeError, OSError):
@@ -536,7 +540,7 @@ class Worker:
             reason = f"{UNREADABLE}: {why}"
         return [failure_row(base, "*", "crashed", reason)]
 
-    def _segments(self, p: _Process, request: dict, kwargs: dict | None) -> segment.Handed | None:
+    def _segments(self, p: _Process, request: dict, kwargs: dict | None, op: str) -> segment.Handed | None:
         """`request` given the worker's outputs segment (grown where the last answer's outputs came
         through the pipe, not fitting) and, where `kwargs` can be handed over, its inputs
         (`segment.hand_over`, described under "inputs"): what was handed, or None."""
@@ -548,6 +552,8 @@ class Worker:
         p.inputs, handed = segment.hand_over(kwargs, p.inputs)
         if handed is not None:
             request["inputs"] = handed.described
+        else:
+            self._not_plain.add(op)
         return handed
 
     def _answered(self, p: _Process, case: Case, header: dict, base: dict, notes: set[str] | None,

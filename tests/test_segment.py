@@ -7,6 +7,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,3 +282,35 @@ def test_outputs_too_large_for_the_segment_come_through_the_pipe_and_the_segment
     assert first and second and all(r.passed for r in first + second)
     answers = [offsets for offsets in placed if offsets]  # the produced messages (out, lse)
     assert answers[0] == [None, None] and all(o is not None for o in answers[-1]), answers
+
+
+def _verdicts(rows) -> list[tuple]:
+    return sorted((r.tensor, r.passed, r.gate_metric, repr(r.value)) for r in rows)
+
+
+def test_every_op_judged_isolated_on_handed_inputs_as_in_process(monkeypatch):
+    """The worker called on the parent's inputs (views of the inputs segment: strided caches,
+    a cache written in place) gives the verdicts an in-process evaluation gives, value for value;
+    forward_mqa's Batch is not handed over (the worker builds it) and is judged the same too."""
+    from mla_verify.equivalence.catalog import evaluate, resolve_subject
+
+    corpus = json.loads((Path(__file__).resolve().parent.parent / "fuzz/corpus/forward_mqa.json").read_text())
+    cases = [Case(op, params, 3) for op, params in CASES.items()] + [Case("forward_mqa", corpus[0]["params"], 30)]
+    handed, hand_over = [], segment.hand_over
+
+    def spy(kwargs, seg):
+        kept, h = hand_over(kwargs, seg)
+        handed.append(h)
+        return kept, h
+
+    monkeypatch.setattr(segment, "hand_over", spy)
+    w = Worker("cpu", timeout_s=120.0)
+    try:
+        for case in cases:
+            isolated = w.run(case, [], "default")
+            in_process = evaluate(case, resolve_subject(case.op, [], "cpu"), "cpu")
+            assert isolated and _verdicts(isolated) == _verdicts(in_process), case.op
+    finally:
+        w.close()
+    assert [h is not None for h in handed] == [True] * len(CASES) + [False]
+    assert w._not_plain == {"forward_mqa"}
