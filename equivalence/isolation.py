@@ -483,7 +483,7 @@ class Worker:
     def _base(self, case: Case, label: str, run_id: str, source: str) -> dict:
         from .catalog import get_spec
 
-        return dict(run_id=run_id, case_id=case.case_id, impl=label, stages="", device=self.device, seed=case.seed,
+        return dict(run_id=run_id, case_id=case.case_id, impl=label, stages=(), device=self.device, seed=case.seed,
                     source=source, **get_spec(case.op).identity(case))
 
     def _nothing_judged(self, case: Case, label: str, run_id: str, source: str) -> Row:

@@ -248,12 +248,15 @@ def produced_frames(seq: int, case_id: str, produced: Any, retire: bool, called:
     header of data and its tensors (in the outputs segment `into` where they fit); its rows go
     as findings, never as verdicts."""
     tensors: list[torch.Tensor] = []
+    at: dict[int, int] = {}
 
     def index(t: torch.Tensor | None) -> int | None:
         if t is None:
             return None
-        tensors.append(t)
-        return len(tensors) - 1
+        if id(t) not in at:  # a tensor handed twice (an output a comparison holds too) crosses once
+            at[id(t)] = len(tensors)
+            tensors.append(t)
+        return at[id(t)]
 
     header = dict(
         kind="produced", seq=seq, case_id=case_id, retire=retire, called=called, children=children, after=after,
@@ -349,7 +352,7 @@ class Answer:
     devices: dict[str, str]
     strides: dict[str, tuple[int, ...]]
     problems: dict[str, str]
-    stages: str
+    stages: tuple[tuple[str, str], ...]  # (stage, impl) pairs (`equivalence.rows.Stages`)
     deviations: tuple[str, ...]
     path: str | None
     notes: tuple[str, ...]
@@ -392,7 +395,7 @@ def answer_of(header: dict[str, Any], known_deviations: Any) -> Answer:
                          tensor(c.get("scale"), optional=True)))
     return Answer(findings, {_name(k): tensor(i) for k, i in outputs.items()}, _strings(header.get("devices")),
                   {_name(k): tuple(_ints(v)) for k, v in _mapping(header.get("strides")).items()},
-                  _strings(header.get("problems")), text(header, "stages"), tuple(deviations),
+                  _strings(header.get("problems")), _pairs(header.get("stages")), tuple(deviations),
                   text(header, "path", None), tuple(texts(header.get("notes"), "notes")),
                   number(header.get("t_impl", math.nan), "t_impl"), compared, header.get("retire") is True,
                   {_name(k): texts(v, "keywords") for k, v in _mapping(header.get("called")).items()},
@@ -409,6 +412,14 @@ def after_of(header: dict[str, Any]) -> tuple[str, list[str]] | None:
     if not isinstance(after, dict):
         raise Unreadable("its 'after' is not an object")
     return text(after, "case_id"), [_name(n) for n in texts(after.get("changed"), "changed")]
+
+
+def _pairs(v: Any) -> tuple[tuple[str, str], ...]:
+    """A pipeline's stages as sent, [[stage, impl], ...]: pairs of bounded strings."""
+    pairs = _list(v if v is not None else [], "stages", MAX_ITEMS)
+    if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+        raise Unreadable("its stages are not [stage, implementation] pairs")
+    return tuple((_name(s), _name(i)) for s, i in (texts(p, "stages") for p in pairs))
 
 
 def _name(k: str) -> str:

@@ -27,7 +27,7 @@ from ..localize import Axes, axes_for
 from ..oracle import judge_many
 from ..produced import Produced
 from ..profiles import Profile
-from ..rows import Row
+from ..rows import Row, Stages
 from ..running import (Raised, after_return_rows, call_implementation, failure_row, input_rows, judged_row, noted,
                        patched_error, raised_row, timed)
 from ..schema import Params
@@ -74,7 +74,7 @@ class Check:
 @dataclass
 class ImplOutput:
     tensors: dict[str, torch.Tensor]
-    stages: str = ""                 # "stage=impl,..." when a pipeline ran
+    stages: Stages = ()              # (stage, impl) pairs when a pipeline ran
     deviations: tuple[str, ...] = ()
     path: str | None = None          # the path the implementation reports it took
     notes: tuple[str, ...] = ()      # e.g. "sparse_prefill: flash_mla: runs on cuda, not cpu"
@@ -186,7 +186,7 @@ class OpSpec:
         return None
 
     def _base(self, case: Case, params: Params, label: str, device: str, run_id: str, source: str) -> dict:
-        return dict(run_id=run_id, case_id=case.case_id, impl=label, stages="", device=device, seed=case.seed,
+        return dict(run_id=run_id, case_id=case.case_id, impl=label, stages=(), device=device, seed=case.seed,
                     source=source, **self.identity(case, params))
 
     def evaluate(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
