@@ -148,10 +148,10 @@ def place(tensors: list[torch.Tensor], into: Mapped | None) -> list[int] | None:
 @dataclass
 class Handed:
     """A case's inputs as written into the parent's inputs segment: the request's description and,
-    per storage region, (offset, the parent's own bytes, the argument paths viewing it)."""
+    per storage region, (offset, the parent's own bytes, the (argument, path) of each view of it)."""
 
     described: dict
-    regions: list[tuple[int, torch.Tensor, list[str]]]
+    regions: list[tuple[int, torch.Tensor, list[tuple[str, str]]]]
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -175,8 +175,8 @@ def hand_over(kwargs: dict[str, Any], segment: Segment | None) -> tuple[Segment 
     and described; (segment, None) where an argument is not plain data and tensors (a Batch), a
     tensor is not a dense one, or there is no segment: the worker then builds its inputs."""
     storages: dict[tuple[str, int], int] = {}
-    regions: list[tuple[torch.Tensor, list[str]]] = []
-    paths = {id(t): p for name, v in kwargs.items() for p, t in tensors_in(v, name)}
+    regions: list[tuple[torch.Tensor, list[tuple[str, str]]]] = []
+    paths = {id(t): (name, p) for name, v in kwargs.items() for p, t in tensors_in(v, name)}
 
     def tensor(t: torch.Tensor) -> dict:
         if t.layout != torch.strided or t.device.type == "meta":
@@ -185,7 +185,7 @@ def hand_over(kwargs: dict[str, Any], segment: Segment | None) -> tuple[Segment 
         if key not in storages:
             storages[key] = len(regions)
             regions.append((_storage_bytes(t), []))
-        regions[storages[key]][1].append(paths.get(id(t), "?"))
+        regions[storages[key]][1].append(paths[id(t)])
         return dict(storage=storages[key], dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
                     stride=list(t.stride()), offset=t.storage_offset())
 
@@ -211,13 +211,13 @@ def written(segment: Segment, handed: Handed, allowed: Collection[str]) -> list[
     On CUDA the worker's call wrote its device copy, never the segment: its own snapshot tells."""
     found = []
     for offset, parent_bytes, views in handed.regions:
-        if parent_bytes.device.type != "cpu" or any(p.split(".")[0].split("[")[0] in allowed for p in views):
+        if parent_bytes.device.type != "cpu" or any(argument in allowed for argument, _ in views):
             continue
         now = segment.bytes_at(offset, parent_bytes.numel())
         if not torch.equal(now, parent_bytes):
-            byte = int((now != parent_bytes).nonzero()[0])
-            found.append((views[0], f"{views[0]}: input written by the implementation (storage byte {byte} of what "
-                                    "the judge handed over differs from its own copy); inputs are read-only"))
+            byte, path = int((now != parent_bytes).nonzero()[0]), views[0][1]
+            found.append((path, f"{path}: input written by the implementation (storage byte {byte} of what the "
+                                "judge handed over differs from its own copy); inputs are read-only"))
     return found
 
 
