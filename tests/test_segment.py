@@ -83,6 +83,8 @@ def test_the_judge_reads_its_copy_taken_when_the_answer_arrived():
         scribbler = segment.Mapped(out.describe())
         scribbler.view[:512] = b"\xff" * 512  # the worker writes again after answering
         assert bytes(out.view[:8]) == b"\xff" * 8 and torch.equal(got[0], sent) and not got[0].isnan().any()
+        with pytest.raises(TypeError):  # the judge's own mapping of the outputs is read-only
+            out.view[0] = 0
     finally:
         out.close()
 
