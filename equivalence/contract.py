@@ -136,7 +136,7 @@ class _Saved:
     storage: torch.UntypedStorage
     words: torch.Tensor                                  # every byte of it (`_storage_words`), as it is now
     copy: torch.Tensor                                   # the same words as they were
-    views: list[tuple[str, torch.Tensor]]               # the arguments that live in it
+    views: list[tuple[str, str, torch.Tensor]]          # (argument, path, tensor) of each that lives in it
 
 
 class Snapshot:
@@ -155,7 +155,7 @@ class Snapshot:
                 if key not in self._saved:
                     words = _storage_words(storage, t.device)
                     self._saved[key] = _Saved(storage, words, words.clone(), [])
-                self._saved[key].views.append((path, t))
+                self._saved[key].views.append((name, path, t))
 
     def changed(self, allowed: Collection[str] = ()) -> list[tuple[str, str]]:
         """(argument, one-line reason) for every argument written since the snapshot; arguments
@@ -164,7 +164,7 @@ class Snapshot:
 
     def _checked(self, allowed: Collection[str]) -> list[_Saved]:
         return [saved for saved in self._saved.values()
-                if not any(path.split(".")[0].split("[")[0] in allowed for path, _ in saved.views)]
+                if not any(argument in allowed for argument, _, _ in saved.views)]
 
     def put_back(self) -> None:
         """Copy the saved bytes back into every storage the last `changed` found written (resized
@@ -178,7 +178,7 @@ class Snapshot:
 
     def _locate(self, saved: _Saved) -> tuple[str, str]:
         ro = "inputs are read-only"
-        for path, t in saved.views:
+        for _, path, t in saved.views:
             before = torch.empty(0, dtype=t.dtype, device=t.device).set_(
                 saved.copy.untyped_storage(), t.storage_offset(), t.size(), t.stride())
             diff = (_bits(before) != _bits(t)).nonzero()
@@ -191,7 +191,7 @@ class Snapshot:
         common = min(len(now), len(before))  # a storage resized in place differs past the shorter one
         diff = (now[:common] != before[:common]).nonzero()
         byte = int(diff[0]) if len(diff) else common
-        path = saved.views[0][0]
+        path = saved.views[0][1]
         return path, (f"{path}: bytes outside the tensor's view written (storage byte {byte}, e.g. the padding "
                       f"between cache blocks); {ro}")
 
@@ -204,7 +204,7 @@ class Snapshot:
         saved = self._saved.get((out.device.type, out.untyped_storage().data_ptr()))
         if saved is None:
             return None
-        return f"{name}: shares memory with input {saved.views[0][0]} (an output must be a new tensor)"
+        return f"{name}: shares memory with input {saved.views[0][1]} (an output must be a new tensor)"
 
 
 def changed_together(snapshots: Sequence[Snapshot], allowed: Collection[str] = ()) -> list[list[tuple[str, str]]]:

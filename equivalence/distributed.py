@@ -127,7 +127,7 @@ def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tupl
     heads = params.heads
     kwargs = dict(batch.forward_kwargs(), block_table=batch.rank_block_tables[rank], combine=params.combine,
                   q=batch.q[:, rank * heads : (rank + 1) * heads].contiguous(), kv_cache=batch.rank_caches[rank])
-    stages, deviations, notes = "", (), ()
+    stages, deviations, notes = (), (), ()
     with poisoned():
         if subject.fn is not None:
             result = subject.fn(group=dist.group.WORLD, **kwargs)
@@ -138,7 +138,7 @@ def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tupl
                 subject.overrides,
             ))
             result = forward_mqa_dcp_rank(group=dist.group.WORLD, stages=resolved, **kwargs)
-            stages = resolved.describe()
+            stages = resolved.pairs()
             deviations = tuple(sorted({d for impl in resolved.chosen.values() for d in impl.deviations}))
             notes = tuple(f"{stage}: {why}" for stage, why in sorted(resolved.fallbacks.items()))
     if device_type == "cuda":

@@ -256,9 +256,9 @@ def _columns_claim(hit: torch.Tensor, live: torch.Tensor, exact: bool) -> str:
     width = len(hit)
     if width < LATENT:
         return ""
-    parts = [(f"scale tile {t}", t * TILE, (t + 1) * TILE) for t in range(LATENT // TILE)]
+    parts: list[tuple[int | None, int, int]] = [(t, t * TILE, (t + 1) * TILE) for t in range(LATENT // TILE)]
     if width > LATENT:
-        parts.append(("the RoPE columns", LATENT, width))
+        parts.append((None, LATENT, width))  # the RoPE columns: no scale tile
     parts = [p for p in parts if bool(live[p[1]:p[2]].any())]
     touched = [p for p in parts if bool(hit[p[1]:p[2]].any())]
     held = sum(int(live[a:b].sum()) for _, a, b in touched)
@@ -268,19 +268,19 @@ def _columns_claim(hit: torch.Tensor, live: torch.Tensor, exact: bool) -> str:
     if not dense or not _holds(exact, int(hit.sum()), held / max(1, int(live.sum())), len(parts), len(touched)):
         return ""
     spans = ", ".join(f"{a}-{b - 1}" for _, a, b in _merged(touched))
-    tiles = [name.removeprefix("scale tile ") for name, _, _ in touched if name.startswith("scale tile")]
+    tiles = [str(tile) for tile, _, _ in touched if tile is not None]
     named = [f"scale tile{'s' if len(tiles) > 1 else ''} {', '.join(tiles)}"] if tiles else []
-    named += [name for name, _, _ in touched if not name.startswith("scale tile")]
+    named += ["the RoPE columns" for tile, _, _ in touched if tile is None]
     return f"errors in columns {spans} only ({'; '.join(named)})"
 
 
-def _merged(parts: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    out: list[tuple[str, int, int]] = []
-    for name, a, b in parts:
+def _merged(parts: list[tuple[int | None, int, int]]) -> list[tuple[int | None, int, int]]:
+    out: list[tuple[int | None, int, int]] = []
+    for tile, a, b in parts:
         if out and out[-1][2] == a:
             out[-1] = (out[-1][0], out[-1][1], b)
         else:
-            out.append((name, a, b))
+            out.append((tile, a, b))
     return out
 
 

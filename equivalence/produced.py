@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .rows import Stages
+
 
 @dataclass
 class Produced:
@@ -20,7 +22,7 @@ class Produced:
     devices: dict[str, str] = field(default_factory=dict)
     strides: dict[str, tuple[int, ...]] = field(default_factory=dict)  # outputs returned not contiguous (the copy is)
     problems: dict[str, str] = field(default_factory=dict)
-    stages: str = ""
+    stages: Stages = ()  # (stage, impl) pairs (`equivalence.rows.Stages`)
     deviations: tuple[str, ...] = ()
     path: str | None = None
     notes: tuple[str, ...] = ()

@@ -37,6 +37,9 @@ _UNSTORED_METRICS = frozenset({"rows", "extra"})
 _METRIC_FIELDS: tuple[Field, ...] = tuple(f for f in fields(Metrics) if f.name not in _UNSTORED_METRICS)
 _METRIC_NAMES = frozenset(f.name for f in _METRIC_FIELDS)
 
+# A pipeline's stages as (stage, implementation) pairs, sorted by stage: what ran, as data.
+Stages = tuple[tuple[str, str], ...]
+
 
 @dataclass
 class Row:
@@ -47,7 +50,7 @@ class Row:
     path: str          # forward_mqa path (bf16 | fp8_mixed | fp8_separate | fp8_mixed_dcp), else the op
     tensor: str        # out | lse | max_logits | rows | indices | valid_counts | ...
     impl: str          # implementation that ran ("pipeline" for forward_mqa)
-    stages: str        # "stage=impl,..." for pipelines, "" otherwise
+    stages: Stages     # (stage, impl) pairs of a pipeline, () otherwise
     device: str
     seed: int
     source: str        # corpus | fuzz | property | replay | bench

@@ -149,8 +149,9 @@ class Resolved:
     def fn(self, stage: str) -> Callable:
         return self.chosen[stage].fn
 
-    def describe(self) -> str:
-        return ",".join(f"{s}={self.chosen[s].name}" for s in sorted(self.chosen))
+    def pairs(self) -> tuple[tuple[str, str], ...]:
+        """(stage, implementation name) of each stage, sorted by stage: what a row records."""
+        return tuple((s, self.chosen[s].name) for s in sorted(self.chosen))
 
 
 def resolve(

@@ -62,12 +62,13 @@ GROUP_COLUMNS: tuple[str, ...] = (
 
 
 def group_label(op: str, path: str, tensor: str, impl: str, base_impl: str | None = None,
-                deviation: str = "", *_: object) -> str:
-    """"forward_mqa/fp8_mixed out [pipeline]" ("[v2 vs v1]" across names; plus the deviation)."""
+                deviation: str = "", *_: object, sep: str = " ") -> str:
+    """"forward_mqa/fp8_mixed out [pipeline]" ("[v2 vs v1]" across names; plus the deviation); `sep`
+    before the implementation (a figure's title breaks the line there)."""
     where = op if op == path else f"{op}/{path}"
     who = impl if base_impl in (None, impl) else f"{impl} vs {base_impl}"
     dev = f" (deviation: {deviation})" if deviation else ""
-    return f"{where} {tensor} [{who}]{dev}"
+    return f"{where} {tensor}{sep}[{who}]{dev}"
 
 
 def measured(rows: pd.DataFrame) -> pd.DataFrame:
@@ -174,17 +175,15 @@ class Drift:
     base_rows: pd.DataFrame               # with base_impl): what the drift figure draws
     fail_on: str = DRIFTED                # the word that fails the run: drifted, or worse (and drifted)
 
-    def _with(self, findings: tuple[str, ...]) -> pd.DataFrame:
-        hit = self.groups["finding"].map(lambda f: any(x in f.split(", ") for x in findings))
-        return self.groups[hit.astype(bool)]
-
     @property
     def flagged(self) -> pd.DataFrame:
-        return self._with(FLAGS)
+        """The groups with a finding of FLAGS: their word is drifted (`_group_record`)."""
+        return self.word(DRIFTED)
 
     @property
     def improvements(self) -> pd.DataFrame:
-        return self._with((IMPROVED,))[lambda t: ~t.index.isin(self.flagged.index)]
+        """The groups that improved and are not flagged: improved is then their one finding."""
+        return self.groups[(self.groups["word"] != DRIFTED) & (self.groups["finding"] == IMPROVED)]
 
     def mode(self, mode: str) -> pd.DataFrame:
         return self.groups[self.groups["mode"] == mode]
@@ -346,12 +345,12 @@ def _numbers(m: pd.Series, short: bool = False) -> str:
 def replay_specs(row: pd.Series) -> tuple[str, ...]:
     """The --impl specs that rerun a row's implementation: a pipeline's stages, else its name."""
     if row["op"] != "property" and row["stages"]:
-        return tuple(row["stages"].split(","))
+        return tuple(f"{stage}={impl}" for stage, impl in row["stages"])
     return (row["impl"],)
 
 
 def _worst(groups: pd.DataFrame, cur: pd.DataFrame) -> Worst | None:
-    flagged = groups[groups["finding"].map(lambda f: any(x in f.split(", ") for x in FLAGS)) & (groups["worst_case"] != "")]
+    flagged = groups[(groups["word"] == DRIFTED) & (groups["worst_case"] != "")]
     if flagged.empty:   # nothing drifted: the case of a group that got worse
         flagged = groups[(groups["word"] == WORSE) & (groups["worst_case"] != "")]
     if flagged.empty:
@@ -413,8 +412,7 @@ def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DR
     groups = pd.DataFrame.from_records(group_records, columns=list(GROUP_COLUMNS))
     metrics = pd.DataFrame.from_records(metric_records, columns=list(METRIC_COLUMNS))
     # what needs a look first: flagged, improved, compared, then what was not compared
-    flagged = groups["finding"].map(lambda f: any(x in f.split(", ") for x in FLAGS))
-    rank = np.select([flagged.to_numpy(dtype=bool), (groups["word"] == WORSE).to_numpy(dtype=bool),
+    rank = np.select([(groups["word"] == DRIFTED).to_numpy(dtype=bool), (groups["word"] == WORSE).to_numpy(dtype=bool),
                       (groups["finding"] != "").to_numpy(dtype=bool),
                       groups["mode"].isin([PAIRED, UNPAIRED]).to_numpy(dtype=bool)], [0, 1, 2, 3], default=4)
     groups = (groups.assign(_rank=rank, _r=-groups["worst_ratio"].fillna(0))

@@ -14,9 +14,10 @@ import pandas as pd
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from mla_verify.equivalence.policy import DRIFT_METRICS
-from mla_verify.reports.drift import FLAGS, GROUP_KEYS, PAIRED, UNPAIRED, Drift, group_label
+from mla_verify.reports.drift import GROUP_KEYS, PAIRED, UNPAIRED, Drift, group_label
 from mla_verify.reports.plots import _FAILED, _NORMAL, Plot, _figure, _plain_log, _png
 from mla_verify.reports.stats import quantile
+from mla_verify.reports.words import DRIFTED
 
 PANELS = 12          # groups drawn at most: the flagged ones first, then one per op and path
 _COLUMNS = 4
@@ -38,7 +39,7 @@ def _chosen(drift: Drift) -> pd.DataFrame:
     # with no ratio at all (whole-case failures, tensor "*": no metric was measured) is not drawn
     drawable = (g["mode"].isin([PAIRED, UNPAIRED]) & (g["kind"] != "exact") & g["metric"].isin(list(_FLOORS))
                 & g["ratio"].notna())
-    flagged = g["finding"].map(lambda f: any(x in f.split(", ") for x in FLAGS))
+    flagged = g["word"] == DRIFTED
     rest = g[drawable & ~flagged]             # groups come sorted: improved first, then by worst ratio
     # one group per op and path (its output, where it has one) before a second one of any: a
     # quiet run shows its breadth
@@ -108,10 +109,9 @@ def drift_figure(drift: Drift | None) -> Plot | None:
                 axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:.2g}"))
         ax.tick_params(labelsize=7, which="both")
         ax.grid(alpha=0.3, which="major")
-        finding = g["finding"].upper() or "ok"
-        where, _, who = group_label(*key).partition(" [")
-        ax.set_title(f"{where}\n[{who}\n{g['metric']} · {g['mode']} · {finding}", fontsize=7,
-                     color=_FAILED if any(x in g["finding"] for x in FLAGS) else "black")
+        label, finding = group_label(*key, sep="\n"), g["finding"].upper() or "ok"
+        ax.set_title(f"{label}\n{g['metric']} · {g['mode']} · {finding}", fontsize=7,
+                     color=_FAILED if g["word"] == DRIFTED else "black")
         ax.legend(fontsize=6, loc="upper left")
     for ax in axes[len(chosen):]:
         ax.set_visible(False)

@@ -31,28 +31,27 @@ def at_a_glance(frame: pd.DataFrame, drift: Drift | None = None) -> pd.DataFrame
         h = math.inf if worst is None else float(worst["headroom"])
         use = 0.0 if math.isinf(h) else math.inf if h == 0 else 1.0 / h
         closest = "" if worst is None else f"{worst['gate_metric']} = {worst['value']:.3g} of {worst['bound']:.3g}"
+        word, says = findings.get(key, ("", "" if drift is None else "unchanged"))
         records.append({
             "status": f"FAIL {failed} of {len(g)} rows" if failed else "ok",
             "op/path": where(g.head(1)).iloc[0], "tensor": key[2], "impl": key[3],
             "cases": g["case_id"].nunique(), "closest to its bound": closest, "bound use": use,
-            "vs baseline": findings.get(key, "" if drift is None else "unchanged"),
-            "failed": failed,
+            "vs baseline": says, "failed": failed, "_flagged": word in (DRIFTED, WORSE),
         })
-    table = pd.DataFrame.from_records(records, columns=[*COLUMNS, "failed"])
-    flagged = table["vs baseline"].str.startswith((DRIFTED, WORSE))
-    return (table.assign(_flagged=flagged)
-            .sort_values(["failed", "_flagged", "bound use"], ascending=False, kind="stable")
+    table = pd.DataFrame.from_records(records, columns=[*COLUMNS, "failed", "_flagged"])
+    return (table.sort_values(["failed", "_flagged", "bound use"], ascending=False, kind="stable")
             .drop(columns=["_flagged", "failed"]).reset_index(drop=True))
 
 
-def _findings(drift: Drift | None) -> dict[tuple, str]:
+def _findings(drift: Drift | None) -> dict[tuple, tuple[str, str]]:
+    """Each tensor's (word, what "vs baseline" says)."""
     if drift is None:
         return {}
-    out: dict[tuple, tuple[int, str]] = {}
+    out: dict[tuple, tuple[int, str, str]] = {}
     for _, g in drift.groups.iterrows():   # a tensor's groups of other deviations: the first word in _ORDER speaks
         key = tuple(g[k] for k in KEYS)
         rank = _ORDER.index(g["word"]) if g["word"] in _ORDER else len(_ORDER)
         text = f"{g['word']}: {drift.headline(g)}" if g["word"] in (DRIFTED, WORSE, BETTER) else g["word"]
         if key not in out or rank < out[key][0]:
-            out[key] = (rank, text)
-    return {key: text for key, (_, text) in out.items()}
+            out[key] = (rank, g["word"], text)
+    return {key: (word, text) for key, (_, word, text) in out.items()}

@@ -4,9 +4,12 @@ spreadsheets; the same values) and `meta.json` (what ran, where, with which vers
 Column types follow the annotations of the stored fields (`equivalence.rows.STORED_FIELDS`), so a
 run written today and one written months ago load to identical dtypes: str -> string, int -> int64,
 `int | None` -> Int64 (nullable), float (and `float | None`) -> float64 with NaN for missing,
-bool -> bool. Optional strings (knobs) are <NA> when absent (an empty knob is absent); required
-strings are never missing ("" is a value). A column an older run lacks takes its default; `kind`
-alone, which runs stored before rows had one lack, is derived from their tensors' names (`_old_kind`).
+bool -> bool, a pipeline's `stages` -> (stage, impl) pairs (a list of {stage, impl} structs in
+rows.parquet, JSON in rows.csv and the journal). Optional strings (knobs) are <NA> when absent (an
+empty knob is absent); required strings are never missing ("" is a value). A column an older run
+lacks takes its default; `kind` alone, which runs stored before rows had one lack, is derived from
+their tensors' names (`_old_kind`), and `stages`, stored as the text "stage=impl,..." before it
+was pairs, is read into pairs (`stage_pairs`): the only places that read an old run's names as data.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from mla_verify.equivalence.files import read_json, read_text, regular_file
-from mla_verify.equivalence.rows import COLUMNS, STORED_FIELDS, Row
+from mla_verify.equivalence.rows import COLUMNS, STORED_FIELDS, Row, Stages
 
 RUN_FORMAT = "mla-verify-run/1"
 ROWS_PARQUET = "rows.parquet"
@@ -42,7 +47,9 @@ _DTYPE_OF_ANNOTATION = {
     "float": "float64",
     "float | None": "float64",
     "bool": "bool",
+    "Stages": "object",
 }
+STAGES_TYPE = pa.list_(pa.struct([("stage", pa.string()), ("impl", pa.string())]))  # in rows.parquet
 # column -> (pandas dtype, may be missing)
 SCHEMA: dict[str, tuple[str, bool]] = {
     f.name: (_DTYPE_OF_ANNOTATION[str(f.type)], str(f.type).endswith("| None")) for f in STORED_FIELDS
@@ -66,6 +73,28 @@ def _old_kind(tensor: str, exact: bool) -> str:
     return name if name in ("out", "lse", "max_logits") else "other"
 
 
+def stage_pairs(stored: Any) -> Stages:
+    """A row's stages, however its run stored them, as (stage, impl) pairs: {stage, impl} structs
+    (rows.parquet), pairs (a Row, the journal) or their JSON (rows.csv); or the text
+    "stage=impl,..." of a run written before stages were pairs."""
+    if isinstance(stored, str) and not stored.startswith("["):
+        return tuple((s, impl) for s, _, impl in (p.partition("=") for p in stored.split(",") if p))
+    items = json.loads(stored) if isinstance(stored, str) else stored
+    pairs = tuple(map(_pair, items)) if isinstance(items, _SEQUENCES) else None
+    if pairs is None or not all(len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs):
+        raise ValueError(f"rows' stages {str(stored)[:80]!r} are not (stage, implementation) pairs")
+    return pairs
+
+
+_SEQUENCES = (list, tuple, np.ndarray)  # what pyarrow, json and a Row hand over as a list
+
+
+def _pair(p: Any) -> tuple:
+    if isinstance(p, Mapping) and list(p) == ["stage", "impl"]:
+        return tuple(p.values())
+    return tuple(p) if isinstance(p, _SEQUENCES) else ()
+
+
 def rows_frame(rows: Iterable[Row | Mapping[str, Any]]) -> pd.DataFrame:
     """Rows (Row objects or records with Row's columns; missing columns take their defaults) as a
     DataFrame with COLUMNS in order and the schema's dtypes."""
@@ -87,6 +116,8 @@ def conform(frame: pd.DataFrame) -> pd.DataFrame:
             out[name] = None if optional else _DEFAULTS[name]
         if dtype == "bool":
             out[name] = _verdicts(out[name], name)
+        if name == "stages":
+            out[name] = pd.Series([stage_pairs(v) for v in out[name]], index=out.index, dtype=object)
         out[name] = out[name].astype(dtype)
         if optional and dtype == "string":   # an empty knob is an absent knob (as in rows.csv)
             out[name] = out[name].mask(out[name] == "")
@@ -109,7 +140,7 @@ def _verdicts(column: pd.Series, name: str) -> pd.Series:
 def _parse_csv_column(raw: pd.Series, dtype: str, optional: bool) -> pd.Series:
     """Text from rows.csv back to the schema type. Parsing is ours, not read_csv's guesses:
     "NA" or "nan" in a reason stays text, and float() reads Python's shortest repr exactly."""
-    if dtype == "string":
+    if dtype in ("string", "object"):  # stages: read by `conform`
         return raw.mask(raw == "", None).astype(dtype) if optional else raw.astype(dtype)
     if dtype == "float64":
         return raw.map(lambda s: float(s) if s else float("nan")).astype(dtype)
@@ -134,16 +165,24 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"meta value of type {type(obj).__name__} is not JSON: {obj!r}")
 
 
+def write_parquet(frame: pd.DataFrame, path: Path) -> None:
+    """`frame` (conformed) as rows.parquet: its stages a list of {stage, impl} structs."""
+    table = pa.Table.from_pandas(frame.drop(columns="stages"), preserve_index=False)
+    stages = pa.array([[{"stage": s, "impl": i} for s, i in pairs] for pairs in frame["stages"]], STAGES_TYPE)
+    pq.write_table(table.add_column(COLUMNS.index("stages"), pa.field("stages", STAGES_TYPE), stages), path)
+
+
 def write_run(run_dir: str | Path, rows: Iterable[Row | Mapping[str, Any]] | pd.DataFrame,
               meta: Mapping[str, Any]) -> Path:
     """Write rows.parquet, rows.csv and meta.json under `run_dir` (created); returns it."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     frame = conform(rows) if isinstance(rows, pd.DataFrame) else rows_frame(rows)
-    frame.to_parquet(run_dir / ROWS_PARQUET, index=False)
+    write_parquet(frame, run_dir / ROWS_PARQUET)
     # RFC 4180 line ends: Python's csv quotes a field only for the characters of the line
     # terminator, and a bare "\r" in a reason must be quoted to survive the trip.
-    frame.to_csv(run_dir / ROWS_CSV, index=False, lineterminator="\r\n")
+    text = frame.assign(stages=frame["stages"].map(json.dumps))
+    text.to_csv(run_dir / ROWS_CSV, index=False, lineterminator="\r\n")
     body = {"format": RUN_FORMAT, **meta, "rows": len(frame)}
     (run_dir / META_JSON).write_text(json.dumps(body, indent=2, default=_json_default) + "\n")
     return run_dir

@@ -140,6 +140,20 @@ def test_tensors_cross_bit_for_bit_in_every_dtype_and_as_meta():
             assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
+@pytest.mark.parametrize("stages, says", [
+    ("convert_index=triton", "not a list"),
+    ([["convert_index", "triton", "sparse_prefill"]], r"not \[stage, implementation\] pairs"),
+    ([["convert_index", 3]], "not a list of strings"),
+    ([["s" * 201, "triton"]], "over 200 characters"),
+    ([["convert_index", "triton"]] * 5000, "not a list of at most"),
+])
+def test_a_pipelines_stages_cross_as_pairs_of_names(stages, says):
+    header = {"tensors": [], "stages": [["convert_index", "torch-fp32"], ["sparse_prefill", "triton"]]}
+    assert wire.answer_of(header, ()).stages == (("convert_index", "torch-fp32"), ("sparse_prefill", "triton"))
+    with pytest.raises(wire.Unreadable, match=says):
+        wire.answer_of({**header, "stages": stages}, ())
+
+
 # ----------------------------------------------------------------------------- nothing outlives its case
 
 

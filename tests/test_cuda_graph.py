@@ -172,3 +172,50 @@ def test_the_captured_call_on_the_static_buffers_computes_each_replayed_problem(
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
     same()
+
+
+def test_the_judge_holds_each_replay_to_the_eager_answer_it_was_sent_with():
+    """On CPU, the judge's side: the replayed outputs by name and each one's comparison with the eager
+    call's answer cross the worker's message as data (a tensor handed twice crosses once; no
+    "replay."/"eager." names read back); replays equal to the eager answers pass, and one element
+    changed in an eager answer fails that replay's row alone."""
+    import os
+    import threading
+    import time
+
+    from mla_verify.equivalence import wire
+    from mla_verify.equivalence.produced import Produced
+    from mla_verify.equivalence.properties.base import Compared
+    from mla_verify.equivalence.properties.cuda_graph import FORMS, _outputs, _stacked
+    from mla_verify.equivalence.subject import stage_overrides
+    from mla_verify.optimized import registry
+
+    spec, case = get_spec(OP), small_case("sparse_decode_fp8")
+    params = spec.params_of(case.params)
+    target, form = spec.target(params), FORMS["sparse_decode_fp8"]
+    stages = registry.resolve(target.stages(params), "cpu", stage_overrides(["torch-fp32"], "cpu")[0])
+    answers = [_outputs(form.eager(stages, target.inputs(params, s, "cpu")), form.names) for s in params.replay_seeds]
+    replayed = {n: _stacked([a[n] for a in answers]) for n in answers[0]}
+
+    def judged(eager: dict) -> dict:
+        produced = Produced([], tensors=replayed, stages=stages.pairs(),
+                            compared=[Compared("replay", n, "exact", t, eager[n]) for n, t in replayed.items()])
+        r, w = os.pipe()
+        alive, _ = os.pipe()
+        frames = wire.produced_frames(1, case.case_id, produced, False, {}, False, None)
+        threading.Thread(target=lambda: (wire.write(w, frames), os.close(w))).start()
+        header, tensors = wire.Reader(r, alive).read(time.monotonic() + 60)
+        assert len(tensors) == 2 * len(replayed)
+        answer = wire.answer_of(header, ())
+        got = Produced([], tensors=answer.tensors, stages=answer.stages, compared=[Compared(*c) for c in answer.compared])
+        return {row.tensor: row for row in spec.judge_produced(case, got, "torch-fp32", "cpu")}
+
+    rows = judged({n: t.clone() for n, t in replayed.items()})
+    assert set(rows) == {"replay.out", "replay.lse", "reference.out", "reference.lse"}
+    assert all(r.passed for r in rows.values()) and rows["replay.out"].check == "replay"
+    assert rows["reference.out"].stages == (("sparse_decode_fp8", "torch-fp32"),)
+    changed = {n: t.clone() for n, t in replayed.items()}
+    changed["out"].view(-1)[7] += 1
+    rows = judged(changed)
+    assert [t for t, r in rows.items() if not r.passed] == ["replay.out"]
+    assert rows["replay.out"].metrics.mismatch_frac > 0

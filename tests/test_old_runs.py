@@ -10,6 +10,11 @@ meta.json as they were; report.html and rows.csv left out to keep it small):
                op "property"), rows held to a deviation
     written/   `mla-verify fuzz --op sparse_prefill --impl tests.hostile.cpu:zeroes_kv --examples 3
                --seed 1 --profile ci --no-shrink`: a failing case whose kernel wrote its input
+
+tests/data/run-stages-as-text/forward/ is a run written by main just before rows' stages became
+pairs (rows.parquet, rows.csv and meta.json as written, the stages "convert_index=torch-fp32,..."
+text): `mla-verify fuzz --op forward_mqa --impl convert_index=torch-fp32 --device cpu --profile ci
+--examples 3 --seed 1 --no-shrink`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from mla_verify import api
@@ -24,6 +30,7 @@ from mla_verify.cli import main
 from mla_verify.reports import load_run
 
 OLD = Path(__file__).parent / "data" / "run-before-36"
+STAGES_AS_TEXT = Path(__file__).parent / "data" / "run-stages-as-text" / "forward"
 
 
 @pytest.fixture
@@ -91,3 +98,52 @@ def test_rows_carry_their_rank_check_and_written_input_as_fields(old):
     assert {("out_rank0", 0), ("out_rank1", 1), ("partial_lse_rank1", 1)} <= ranks
     rows, _ = load_run(old / "gate")
     assert rows["rank"].isna().all() and (rows["check"] == "").all() and (rows["written"] == "").all()
+
+
+def test_stages_stored_as_text_load_as_pairs_from_parquet_and_csv(tmp_path):
+    """The loader reads the old "stage=impl,..." text into (stage, impl) pairs, from rows.parquet and
+    rows.csv alike; written again, the run stores them as pairs (a list of structs) and loads the same."""
+    from mla_verify.reports.store import ROWS_PARQUET, STAGES_TYPE, write_run
+    from pyarrow import parquet
+
+    rows, _ = load_run(STAGES_AS_TEXT)
+    assert set(rows.stages.map(type)) == {tuple}
+    assert rows.stages[0][:2] == (("convert_index", "torch-fp32"), ("gather_upconvert_fp8", "torch-fp32"))
+    shutil.copytree(STAGES_AS_TEXT, tmp_path / "csv")
+    (tmp_path / "csv" / ROWS_PARQUET).unlink()
+    pd.testing.assert_frame_equal(load_run(tmp_path / "csv")[0], rows)
+    write_run(tmp_path / "again", rows, {})
+    assert parquet.read_schema(tmp_path / "again" / ROWS_PARQUET).field("stages").type == STAGES_TYPE
+    pd.testing.assert_frame_equal(load_run(tmp_path / "again")[0], rows)
+    (tmp_path / "again" / ROWS_PARQUET).unlink()
+    pd.testing.assert_frame_equal(load_run(tmp_path / "again")[0], rows)
+
+
+def test_a_run_with_stages_as_text_is_reported_and_a_baseline(tmp_path, capsys):
+    """Reported as it was; `fuzz --baseline` draws its cases again, pairs them case for case, and the
+    new rows' stages (pairs from the start) equal the old text's; drift's replay specs rebuild the
+    --impl arguments from the pairs."""
+    from mla_verify.reports.drift import replay_specs
+
+    old = tmp_path / "old"
+    shutil.copytree(STAGES_AS_TEXT, old)
+    assert main(["report", str(old)]) == 0
+    assert "PASS: 6 rows in 3 cases, none failed" in capsys.readouterr().out
+    code = main(["fuzz", "--op", "forward_mqa", "--impl", "convert_index=torch-fp32", "--device", "cpu",
+                 "--baseline", str(old), "--out", str(tmp_path / "new")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "baseline drift: no drift in 6 groups compared (6 paired" in out
+    before, after = load_run(old)[0], load_run(tmp_path / "new")[0]
+    assert after.stages.tolist() == before.stages.tolist()
+    assert replay_specs(before.iloc[-1]) == ("convert_index=torch-fp32", "sparse_prefill=torch-fp32")
+
+
+@pytest.mark.parametrize("stored", ['[["convert_index"]]', '[["convert_index", 1]]', "[1]", "[convert_index"])
+def test_stages_that_are_not_pairs_make_the_run_unreadable(tmp_path, stored):
+    from mla_verify.reports.store import ROWS_CSV
+
+    text = pd.read_csv(STAGES_AS_TEXT / ROWS_CSV, dtype=str, keep_default_na=False)
+    (tmp_path / ROWS_CSV).write_text(text.assign(stages=stored).to_csv(index=False))
+    with pytest.raises(ValueError):
+        load_run(tmp_path)

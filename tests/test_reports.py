@@ -98,7 +98,7 @@ def synthetic_rows(seed: int, run_id: str, cases_per_group: int = 24,
             deviation = DEVIATION if knobs["scale_rule"] == "raw" else ""
             base = Row(run_id=run_id, case_id=f"{path[:6]}{impl[:3]}{case_seed:08x}", op=op,
                        path=path, tensor="", impl=impl,
-                       stages="attn=flash_mla,cache=triton" if impl == "pipeline" else "",
+                       stages=(("attn", "flash_mla"), ("cache", "triton")) if impl == "pipeline" else (),
                        device="cpu", seed=case_seed, source="fuzz", deviation=deviation,
                        time_ref_s=float(rng.uniform(0.01, 0.2)),
                        time_impl_s=float(rng.uniform(0.001, 0.02)), **knobs)
@@ -163,7 +163,7 @@ def rows_strategy(draw) -> list[Row]:
             run_id=draw(st.sampled_from(["r1", "run,2"])), case_id=draw(_text), op="forward_mqa",
             path=draw(st.sampled_from(["bf16", "fp8_mixed"])),
             tensor=draw(st.sampled_from(["out", "NA"])),
-            impl="pipeline", stages=draw(_text), device="cpu",
+            impl="pipeline", stages=tuple(draw(st.lists(st.tuples(_text, _text), max_size=3))), device="cpu",
             seed=draw(st.integers(-(2**63), 2**63 - 1)), source="fuzz",
             topk=draw(st.none() | st.integers(0, 2**31)), heads=draw(st.none() | st.just(64)),
             value_regime=draw(st.none() | st.sampled_from(["normal", "nan", "None", ""])),

@@ -70,7 +70,7 @@ def _whole(fn, b, p: ForwardParams, deviations: tuple[str, ...]) -> ImplOutput:
              for r, (c, t) in enumerate(zip(b.rank_caches, b.rank_block_tables))]
     merge = registry.select("dcp_merge", b.kv_cache.device.type)
     out, lse = merge.fn(outs=torch.stack([o for o, _ in parts]), lses=torch.stack([s for _, s in parts]))
-    return ImplOutput({"out": out, "lse": lse}, stages=f"dcp_merge={merge.name}",
+    return ImplOutput({"out": out, "lse": lse}, stages=(("dcp_merge", merge.name),),
                       deviations=tuple(sorted({*deviations, *merge.deviations})))
 
 
@@ -90,7 +90,7 @@ def _call(subject, kw, p: ForwardParams) -> ImplOutput:
         res = pipeline.forward_mqa(b.q, b.kv_cache, stages=stages, **b.forward_kwargs())
     deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
     notes = tuple(f"{stage}: {why}" for stage, why in sorted(stages.fallbacks.items()))
-    return ImplOutput({"out": res.out, "lse": res.lse}, stages=stages.describe(), deviations=deviations,
+    return ImplOutput({"out": res.out, "lse": res.lse}, stages=stages.pairs(), deviations=deviations,
                       path=res.path, notes=notes)
 
 
@@ -106,7 +106,7 @@ def _hisparse(subject, b, p: ForwardParams) -> ImplOutput:
                                         stages=stages, **b.hisparse_kwargs())
     deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
     notes = tuple(f"{stage}: {why}" for stage, why in sorted(stages.fallbacks.items()))
-    return ImplOutput(_layers([{"out": r.out, "lse": r.lse} for r in res]), stages=stages.describe(),
+    return ImplOutput(_layers([{"out": r.out, "lse": r.lse} for r in res]), stages=stages.pairs(),
                       deviations=deviations, path=res[0].path, notes=notes)
 
 

@@ -29,7 +29,7 @@ from ..case import Case
 from ..draws import SEEDS
 from ..contract import Snapshot, guarded
 from ..oracle import measure, verdict
-from ..rows import Row
+from ..rows import Row, Stages
 from ..policy import EXACT, property_bounds
 from ..produced import Produced
 from ..profiles import Profile
@@ -216,7 +216,7 @@ class PropertySpec:
         return [self.judge_produced(case, p, label, device, run_id=run_id, source=source)
                 for case, p in zip(cases, produced)]
 
-    def _base(self, case: Case, params: Params, label: str, stages: str, device: str, run_id: str, source: str) -> dict:
+    def _base(self, case: Case, params: Params, label: str, stages: Stages, device: str, run_id: str, source: str) -> dict:
         return dict(run_id=run_id, case_id=case.case_id, impl=label, stages=stages, device=device, seed=case.seed,
                     source=source, **self.identity(case, params))
 
@@ -229,7 +229,7 @@ class PropertySpec:
         target = self.target(params)
         stages = registry.resolve(target.stages(params), device.split(":")[0], subject.overrides)
         deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
-        base = self._base(case, params, subject.label, stages.describe(), device, run_id, source)
+        base = self._base(case, params, subject.label, stages.pairs(), device, run_id, source)
         inputs = target.inputs(params, case.seed, device)
         saved = Snapshot(inputs)
         try:
@@ -242,7 +242,7 @@ class PropertySpec:
         if on_host:
             compared = [dataclasses.replace(c, got=_host(c.got), base=_host(c.base), scale=_host(c.scale))
                         for c in compared]
-        return Produced(rows, stages=stages.describe(), deviations=deviations, notes=notes, t_impl=t_impl,
+        return Produced(rows, stages=stages.pairs(), deviations=deviations, notes=notes, t_impl=t_impl,
                         compared=compared)
 
     def judge_produced(self, case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",

@@ -47,7 +47,7 @@ from ..running import Raised, call_implementation, failure_row, judged_row, rais
 from ..schema import Ints, param
 from ..spec import SPECS, register
 from ..subject import Subject, UsageError
-from .base import PropertySpec, Target, _host
+from .base import Compared, PropertySpec, Target, _host
 from .common import (
     decode_knobs,
     decode_problem,
@@ -229,7 +229,7 @@ class GraphSpec(PropertySpec):
         if bad := self._no_graph(stages.chosen.values()):
             raise UsageError(f"{bad[0]} is no graph kernel")
         deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
-        base = self._base(case, params, subject.label, stages.describe(), device, run_id, source)
+        base = self._base(case, params, subject.label, stages.pairs(), device, run_id, source)
         seeds = (case.seed, *params.replay_seeds)
         problems = [target.inputs(params, s, device) for s in seeds]
         buffers = [form.buffers(kw) for kw in problems]
@@ -243,10 +243,12 @@ class GraphSpec(PropertySpec):
         except Raised as raised:  # the implementation's failure is the case's result, not ours
             return Produced([raised_row(base, raised).to_record()], failed=True)
         move = _host if on_host else (lambda t: t)
-        tensors = {**{f"replay.{n}": move(_stacked([r[n] for r in replayed])) for n in replayed[0]},
-                   **{f"eager.{n}": move(_stacked([r[n] for r in eager_out])) for n in eager_out[0]}}
-        return Produced([], tensors=tensors, stages=stages.describe(), deviations=deviations, t_impl=t_impl,
-                        notes=tuple(f"{stage}: {why}" for stage, why in stages.fallbacks.items()))
+        # the replayed outputs by name, and each held to the eager call's answer (bitwise)
+        tensors = {n: move(_stacked([r[n] for r in replayed])) for n in replayed[0]}
+        compared = [Compared("replay", n, EXACT, tensors[n], move(_stacked([r[n] for r in eager_out])))
+                    for n in tensors if n in eager_out[0]]
+        return Produced([], tensors=tensors, stages=stages.pairs(), deviations=deviations, t_impl=t_impl,
+                        notes=tuple(f"{stage}: {why}" for stage, why in stages.fallbacks.items()), compared=compared)
 
     def judge_produced(self, case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",
                        source: str = "fuzz") -> list:
@@ -262,14 +264,14 @@ class GraphSpec(PropertySpec):
         problems = [target.inputs(params, s, device) for s in params.replay_seeds]
         refs, t_ref = timed(lambda: [op.reference(kw, params) for kw in problems], device)
         times = dict(time_ref_s=t_ref, time_impl_s=produced.t_impl)
-        got = {k[len("replay."):]: t.to(device) for k, t in produced.tensors.items() if k.startswith("replay.")}
-        want = {k[len("eager."):]: t.to(device) for k, t in produced.tensors.items() if k.startswith("eager.")}
+        got = {name: t.to(device) for name, t in produced.tensors.items()}
         ref = {k: _stacked([r[k] for r in refs]) for k, v in refs[0].items() if isinstance(v, torch.Tensor)}
-        for name, t in ((n, t) for n, t in got.items() if n in want):
+        for c in produced.compared:  # each replay against the eager call
+            t, want = c.got.to(device), c.base.to(device)
             kind, bounds, deviation = property_bounds(f"{self.short}.replay", EXACT, produced.deviations)
-            v = verdict(kind, measure(kind, t, want[name]), bounds, deviation,
-                        lambda: mismatch.Pair(f"replay.{name}", t, want[name]))
-            rows.append(judged_row(base, f"replay.{name}", "exact", v, check="replay", **times))
+            v = verdict(kind, measure(kind, t, want), bounds, deviation,
+                        lambda: mismatch.Pair(f"replay.{c.tensor}", t, want))
+            rows.append(judged_row(base, f"replay.{c.tensor}", "exact", v, check="replay", **times))
         for check in op.checks:
             if check.tensor not in ref or check.tensor not in got:
                 continue  # the op's optional tensor this implementation does not return

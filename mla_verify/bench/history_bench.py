@@ -41,7 +41,7 @@ def _run_rows(run: int, runs: int, cases: int, rng: np.random.Generator, base: n
         "run_id": f"r{run:03d}", "case_id": [f"c{i % cases:04d}" for i in range(n)],
         "op": [_LINES[i][0] for i in line], "path": [_LINES[i][1] for i in line],
         "tensor": [_LINES[i][2] for i in line], "kind": [_LINES[i][3] for i in line], "impl": "mykern",
-        "stages": "", "device": "cpu", "seed": 1, "source": "fuzz", "passed": True,
+        "stages": [()] * n, "device": "cpu", "seed": 1, "source": "fuzz", "passed": True,
         "bf16_units": np.where(out_like, units, np.nan), "elem_bf16_units": np.where(out_like, units * 0.8, np.nan),
         "lse_fp32_units": np.where(out_like, np.nan, units * 0.3),
         "mean_err": np.where(out_like, 2e-5, 5e-8) * (base - 1.0) * jitter,
@@ -52,7 +52,7 @@ def _run_rows(run: int, runs: int, cases: int, rng: np.random.Generator, base: n
 def write_runs(root: Path, runs: int = RUNS, rows: int = ROWS, spread: float = 0.02) -> list[Path]:
     """`runs` run directories of about `rows` rows each under `root`, one a minute apart; each case's
     values vary from run to run by a lognormal `spread` (0: a rerun writes the same values)."""
-    from mla_verify.reports.store import META_JSON, ROWS_PARQUET, conform
+    from mla_verify.reports.store import META_JSON, ROWS_PARQUET, conform, write_parquet
 
     cases = rows // len(_LINES)
     rng = np.random.default_rng(1)
@@ -61,7 +61,7 @@ def write_runs(root: Path, runs: int = RUNS, rows: int = ROWS, spread: float = 0
     for run in range(runs):   # what write_run writes but rows.csv, which history never reads
         directory = root / f"r{run:03d}"
         directory.mkdir(parents=True)
-        conform(_run_rows(run, runs, cases, rng, base, spread)).to_parquet(directory / ROWS_PARQUET, index=False)
+        write_parquet(conform(_run_rows(run, runs, cases, rng, base, spread)), directory / ROWS_PARQUET)
         meta = {"profile": "ci", "seeds": [1], "device": "cpu", "finished_at": f"2026-01-01T{run // 60:02d}:{run % 60:02d}:00"}
         (directory / META_JSON).write_text(json.dumps(meta))
         out.append(directory)

@@ -61,8 +61,8 @@ class GateResult:
 
 
 
-def _examples(op: str, examples: int | None, profile: Profile) -> int:
-    return examples if examples is not None else catalog.get_spec(op).examples(profile)
+def _examples(spec, examples: int | None, profile: Profile) -> int:
+    return examples if examples is not None else spec.examples(profile)
 
 
 def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker: Worker | None, notes: set[str],
@@ -96,7 +96,7 @@ def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker
             if not (cuda and called and (dev.is_device_error(exc) or not dev.usable(device))):
                 raise
             case = cases[len(called) - 1]
-            base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages="", device=device,
+            base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages=(), device=device,
                         seed=case.seed, source=source, **catalog.get_spec(case.op).identity(case))
             found = [None] * len(cases)
             found[len(called) - 1] = [failure_row(base, "*", "crashed",
@@ -135,8 +135,8 @@ def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: 
     result = GateResult()
     subjects = [(unit, unit.resolved(run.device)) for unit in chosen]
     if log is not None:
-        cases = sum(len(u.kept) + (len(corpus(u.op)) if u.corpus else 0) + _examples(u.op, examples, run.profile)
-                    * len(u.campaigns(s)) for u, s in subjects)
+        cases = sum(len(u.kept) + (len(corpus(u.op)) if u.corpus else 0)
+                    + _examples(catalog.get_spec(u.op), examples, run.profile) * len(u.campaigns(s)) for u, s in subjects)
         sink.counting(Progress("gate", cases, every_s=10.0, stream=log), name_units=True)
     worker = Worker(run.device, run.timeout) if run.isolate else None
     distributed.set_timeout(run.timeout)
@@ -153,7 +153,8 @@ def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: 
 def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateResult, worker: Worker | None, *,
               seed: int, examples: int | None, log) -> bool:
     """One unit's kept cases, corpus and campaigns into `result`; False where the sink stopped the run."""
-    spec, budget = catalog.get_spec(unit.op), _examples(unit.op, examples, run.profile)
+    spec = catalog.get_spec(unit.op)
+    budget = _examples(spec, examples, run.profile)
     judge = _block_runner(unit, subject, run.device, sink.run_id, None if spec.own_processes else worker,
                           result.notes, sink if run.command == FUZZ else None)
     sink.judging(unit)

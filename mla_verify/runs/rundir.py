@@ -152,7 +152,7 @@ class RunDir:
         """Journal `case` as started, before its implementation is called: the row it gets if the
         process never comes back (`reports.store.CRASHED`), and what replays it. Returns the call
         that journals it finished."""
-        base = dict(run_id=run_id, case_id=case.case_id, impl=impl, stages="", device=device, seed=case.seed,
+        base = dict(run_id=run_id, case_id=case.case_id, impl=impl, stages=(), device=device, seed=case.seed,
                     source=source, **get_spec(case.op).identity(case))
         row = failure_row(base, "*", "crashed", CRASHED)
         self._write(json.dumps({"started": row.to_record(), "impl_specs": list(specs),
