@@ -95,10 +95,12 @@ def evaluate_block(cases: Sequence[Case], subject: Subject, device: str = "cpu",
 
 
 def produce(case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
-            on_call: Callable[[], None] | None = None) -> Produced:
+            on_call: Callable[[], None] | None = None, inputs: dict[str, Any] | None = None) -> Produced:
     """The implementation's side of `case` (its outputs, on the host), for `judge_produced` in
-    another process: an isolation worker produces, its parent judges."""
-    return get_spec(case.op).produce(case, subject, device, run_id=run_id, source=source, on_call=on_call)
+    another process: an isolation worker produces, its parent judges. `inputs`: the case's
+    arguments as its judge built them (`prepare_inputs`), else built here."""
+    given = {} if inputs is None else {"inputs": inputs}
+    return get_spec(case.op).produce(case, subject, device, run_id=run_id, source=source, on_call=on_call, **given)
 
 
 def judge_produced(case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",
@@ -115,10 +117,20 @@ def judge_produced_block(cases: Sequence[Case], produced: Sequence[Produced], la
                                                       prepared=prepared)
 
 
-def prepare_block(cases: Sequence[Case], device: str = "cpu") -> Any:
+def prepare_block(cases: Sequence[Case], device: str = "cpu", inputs: Any = None) -> Any:
     """What judging the block of `cases` needs before any output exists (an op: its inputs and the
-    reference's answer), for `judge_produced_block`: a judge computes it while the block is produced."""
-    return get_spec(cases[0].op).prepare_block(cases, device)
+    reference's answer), for `judge_produced_block`: a judge computes it while the block is produced.
+    `inputs`: `prepare_inputs(cases, device)`, where taken already."""
+    spec = get_spec(cases[0].op)
+    return spec.prepare_block(cases, device) if inputs is None else spec.prepare_block(cases, device, inputs)
+
+
+def prepare_inputs(cases: Sequence[Case], device: str = "cpu") -> Any:
+    """The inputs of the block's first part, built once by the judge (`OpSpec.prepare_inputs`) for
+    the reference and for the implementation's process to be handed; None for a property, whose
+    cases pose their targets' problems inside the implementation's process."""
+    spec = get_spec(cases[0].op)
+    return spec.prepare_inputs(cases, device) if spec.family == "op" and not spec.own_processes else None
 
 
 def inputs(op: str, params: Mapping[str, Any], seed: int, device: str = "cpu") -> dict[str, Any]:

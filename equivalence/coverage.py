@@ -39,9 +39,10 @@ def covered() -> list[tuple[str, str | None]]:
 
 
 def _load() -> None:
-    """The op modules' coverage lives in `equivalence.features`, imported on first use (it
-    builds inputs through the catalog, which imports this module's users)."""
-    from . import features, features_bytes  # noqa: F401  (they register on import)
+    """The op modules' coverage lives in `equivalence.features`, `features_bytes` and
+    `features_forward`, imported on first use (they build inputs through the catalog, which
+    imports this module's users)."""
+    from . import features, features_bytes, features_forward  # noqa: F401  (they register on import)
 
 
 def features_of(case: Case, device: str = "cpu", path: str | None = None) -> set[str]:
@@ -57,25 +58,34 @@ def features_of(case: Case, device: str = "cpu", path: str | None = None) -> set
 
 
 def covering_set(op: str, profile: Profile, seed: int, path: str | None = None,
-                 admit: Callable[[Case], bool] = lambda case: True, device: str = "cpu") -> list[Case]:
+                 admit: Callable[[Case], bool] = lambda case: True, device: str = "cpu",
+                 world_size: int | None = None) -> list[Case]:
     """The first cases of a campaign of `op` (at `path`) within `profile`: candidates derived from
     `seed`, those `admit` takes (an interpreted kernel's budget), picked greedily, each the one
-    hitting most features not hit yet (the earlier on a tie), until no candidate adds one. Their
+    hitting most features not hit yet (on a tie the smaller problem, then the earlier: a layout
+    or an edge left for the last picks rides on the cheapest case that shows it), until no
+    candidate adds one. Their
     features are read from inputs built on `device`, as the campaign builds them (a case's
-    tensors depend on the device type)."""
+    tensors depend on the device type). A multi-process op's candidates take the campaign's
+    `world_size` (None: as proposed)."""
+    from .catalog import get_spec
+
     cov = coverage_of(op, path)
     if cov is None:
         return []
     rng = random.Random(f"{op}/{path}/{profile.name}/{seed}")
+    spec = get_spec(op)
     pool = []
     for params in cov.candidates(rng, profile):
+        if world_size is not None:
+            params = {**params, "dcp_size": world_size}
         case = Case(op, params, rng.randrange(2**31))
         if admit(case):
-            pool.append((case, features_of(case, device, path)))
+            pool.append((case, features_of(case, device, path), spec.params_of(case.params).elements()))
     chosen, missing = [], set(cov.features)
     while missing and pool:
-        best = max(range(len(pool)), key=lambda i: (len(pool[i][1] & missing), -i))
-        case, hit = pool.pop(best)
+        best = max(range(len(pool)), key=lambda i: (len(pool[i][1] & missing), -pool[i][2], -i))
+        case, hit, _ = pool.pop(best)
         if not hit & missing:
             break
         chosen.append(case)

@@ -75,8 +75,10 @@ def decode_params(p: Profile, batch: st.SearchStrategy[int] | None = None, **fie
     return (batch if batch is not None else st.integers(1, max(1, p.max_tokens // 2))).flatmap(functools.lru_cache(params))
 
 
-def dcp_index_params(p: Profile, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> st.SearchStrategy[dict]:
-    """dcp_convert_index params within `p`, the world size drawn from `sizes`."""
+def dcp_index_params(p: Profile, sizes: tuple[int, ...] = (1, 2, 4, 8),
+                     layout: st.SearchStrategy[str] = st.just("contiguous")) -> st.SearchStrategy[dict]:
+    """dcp_convert_index params within `p`, the world size drawn from `sizes`, the inputs' layout
+    from `layout` (equivalence.layouts)."""
     @st.composite
     def params(draw):
         size = draw(st.sampled_from(sizes))
@@ -85,7 +87,7 @@ def dcp_index_params(p: Profile, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> st.Se
                 "table_width": draw(st.integers(1, 4)), "topk": draw(st.sampled_from(p.decode_topk)),
                 "block_size": block_size, "dcp_size": size, "dcp_rank": draw(st.integers(0, size - 1)),
                 "interleave": draw(st.sampled_from((1, 2, 4, 64))), "compact": draw(st.booleans()),
-                "invalid": draw(patterns(PATTERNS))}
+                "invalid": draw(patterns(PATTERNS)), "layout": draw(layout)}
 
     return params()
 

@@ -1,6 +1,7 @@
 """What each op (or forward_mqa path) must reach: the registry of `Coverage`s that
-`equivalence.features` and `equivalence.features_bytes` fill on import and `equivalence.coverage`
-reads (kept apart so the feature modules need nothing of the covering design above them)."""
+`equivalence.features`, `features_bytes` and `features_forward` fill on import and
+`equivalence.coverage` reads (kept apart so the feature modules need nothing of the covering
+design above them)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import layouts
 from .profiles import Profile
 
 Candidates = Callable[[random.Random, Profile], list[dict]]  # (rng from the seed, profile) -> params
@@ -30,3 +32,18 @@ FEATURES: dict[tuple[str, str | None], Coverage] = {}  # (op, path or None) -> i
 def register(op: str, path: str | None, coverage: Coverage) -> Coverage:
     FEATURES[(op, path)] = coverage
     return coverage
+
+
+def laid_out(op: str, coverage: Coverage) -> Coverage:
+    """`coverage` of `op` with its layout features (`equivalence.layouts`: one for each layout
+    some input of the op may take, read back from the strides and offsets): every candidate
+    proposed in each of those layouts."""
+    kinds = [kind for kind in layouts.drawn(op) if kind != "contiguous"]
+
+    def candidates(rng: random.Random, p: Profile) -> list[dict]:
+        return [{**c, "layout": kind} for c in coverage.candidates(rng, p) for kind in kinds]
+
+    def hits(params: Any, kw: dict) -> set[str]:
+        return coverage.hits(params, kw) | layouts.shown(op, kw)
+
+    return Coverage(coverage.features + layouts.features(op), candidates, hits)

@@ -4,10 +4,14 @@ CUDA error.
 A CUDA illegal address or device-side assert poisons the whole context, and a kernel can spin
 forever; either way the campaign must record the case as failed and go on. The worker receives
 (case, --impl specs, declared deviations), runs the implementation's side of it
-(`equivalence.catalog.produce`: inputs, the call, the checks only that process can make) and sends
-back its outputs on the host. The parent judges them (`catalog.judge_produced`): it builds the
-inputs again, computes the reference and every verdict where the implementation cannot reach
-them, neither the reference's tensors nor the judge's functions.
+(`equivalence.catalog.produce`: the call, the checks only that process can make) and sends back
+its outputs on the host. The parent builds a block's inputs once (`catalog.prepare_inputs`): its
+reference reads them, and on CPU each case's are handed to the worker through a shared segment
+(`equivalence.segment`; elsewhere, and for inputs that are not plain tensors, the worker builds
+its own from the seed). The outputs come back through a segment too, the pipe carrying the
+header. The parent judges them (`catalog.judge_produced`): it computes the reference and every
+verdict where the implementation cannot reach them, neither the reference's tensors, the
+judge's functions nor its own copy of the inputs, which it compares with what it handed over.
 
 The worker is untrusted: it runs the user's code. What it sends is data (`equivalence.wire`: a
 JSON header and raw tensor bytes, parsed with size bounds, never unpickled), outputs and clock
@@ -47,14 +51,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from . import guards, reaper, wire
+from . import guards, reaper, segment, wire
 from .case import Case
 from .contract import CALLED_WITH
 from .device import first_line, is_device_error, take_gpu_share, usable
 from .produced import Produced
 from .policy import DEVIATIONS
 from .rows import Row
-from .running import after_return_rows, failure_row, noted, unsupported_row
+from .running import after_return_rows, failure_row, input_rows, noted, unsupported_row
 
 STARTUP_TIMEOUT_S = 300.0   # imports, CUDA context, warm-up: never counted against a case
 # Spares kept warming once a worker has been replaced. A CUDA worker takes seconds to start (CUDA
@@ -170,7 +174,7 @@ def _answer_cases(channel: _Channel, device: str) -> None:
     """Produce each case the parent sends, until it sends None or a context cannot be trusted."""
     from .catalog import produce, resolve_subject  # it imports the kernels: not before `_serve` set up Triton
 
-    subjects, last = {}, None
+    subjects, last, mapped = {}, None, {"inputs": None, "outputs": None}
     while True:
         request = channel.receive()
         # The last case's outputs as returned against the copies sent: before this request's call,
@@ -185,7 +189,9 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             continue
         case = Case.from_dict(request["case"])
         specs, deviations, conventions = request["specs"], request["deviations"], request["conventions"]
-        called = []
+        called, given = [], request.get("inputs")
+        mapped["outputs"] = segment.mapping(mapped["outputs"], request.get("outputs"))
+        mapped["inputs"] = segment.mapping(mapped["inputs"], given and given["segment"])
 
         def on_call() -> None:
             called.append(True)
@@ -197,8 +203,10 @@ def _answer_cases(channel: _Channel, device: str) -> None:
                 subjects[key] = resolve_subject(case.op, specs, device.split(":")[0], deviations=deviations,
                                                 conventions=conventions)
             CALLED_WITH.clear()
+            kwargs = given and segment.inputs_of(given, mapped["inputs"], device)  # the parent's, not built here
             produced = produce(case, subjects[key], device, run_id=request["run_id"], source=request["source"],
-                               on_call=on_call)
+                               on_call=on_call, inputs=kwargs)
+            del kwargs
         except Exception as exc:
             if called and (is_device_error(exc) or not usable(device)):
                 # The context died while (or right after) the implementation ran: its crash.
@@ -214,11 +222,18 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             or not usable(device))
         called_with = {stage: sorted(keywords) for stage, keywords in CALLED_WITH.items()}  # for the parent's notes
         channel.send_frames(wire.produced_frames(seq, case.case_id, produced, retire, called_with, _children_left(),
-                                                 after))
+                                                 after, into=mapped["outputs"]))
         if retire:
             return  # never trust a context that saw a CUDA error with another case
         if produced.returned is not None:
             last = (case.case_id, produced.returned, produced.threads)
+
+
+def _writes(case: Case) -> tuple[str, ...]:
+    """The arguments `case`'s op writes in place (their bytes are its checks, not a finding)."""
+    from .catalog import get_spec
+
+    return getattr(get_spec(case.op), "writes", ())
 
 
 def _tampering(changed: list[str]) -> str:
@@ -232,6 +247,13 @@ class _Process:
     conn: Any
     reader: wire.Reader
     ready: bool = False
+    inputs: segment.Segment | None = None   # the cases' inputs, written here (`segment.hand_over`)
+
+    def close_segments(self) -> None:
+        for s in (self.inputs, self.reader.segment):
+            if s is not None:
+                s.close()
+        self.inputs = self.reader.segment = None
 
 
 _LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
@@ -282,14 +304,21 @@ def _exit_reason(code: int | None) -> str:
 class Worker:
     """One isolated evaluation process for `device` (e.g. "cuda:0"), replaced as needed."""
 
-    def __init__(self, device: str, timeout_s: float = 300.0):
+    def __init__(self, device: str, timeout_s: float = 300.0, hand_over: bool | None = None):
+        """`hand_over`: whether the inputs this process builds go to the worker through a shared
+        segment (else the worker builds them again). By default on CPU only: on CUDA the segment is
+        host memory, a copy to the host and one back (the decode case B=64 H=128 holds ~350 MB of
+        cache: tens of ms each way) against a build of 1.2-1.9 ms on the device, until device
+        memory can be shared."""
         if timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout_s}")
         self.device, self.timeout_s = device, timeout_s
+        self.hand_over = not device.startswith("cuda") if hand_over is None else hand_over
         self._active: _Process | None = None
         self._spares: list[_Process] = []
         self.restarts, self._seq = 0, 0
         self._after: dict[str, list[str]] = {}  # case id -> its outputs written after the call returned
+        self._not_plain: set[str] = set()  # ops whose inputs cannot be handed over (`segment.hand_over`)
         _LIVE.add(self)
 
     def _spawn(self) -> _Process:
@@ -344,6 +373,7 @@ class Worker:
                 p.proc.kill()
             p.proc.join(5)
             p.conn.close()
+            p.close_segments()
         self.reap()
         self.restarts += 1
         self._top_up()
@@ -419,16 +449,23 @@ class Worker:
         the clocks of the calls stay this thread's. On a GPU the two processes share, a case's
         kernel time can include some of the judge's work that ran meanwhile, and its reference
         time some of the worker's."""
-        from .catalog import judge_produced_block, prepare_block  # they import the kernels: not before `_serve` set up Triton
+        from .catalog import judge_produced_block, prepare_block, prepare_inputs  # they import the kernels: not before `_serve` set up Triton
 
+        # Built once, here, before the worker starts the block: the reference reads them, and the
+        # worker is handed them (`segment`). Inputs that cannot be (a Batch) are built on the
+        # judge's thread while the worker builds its own, as before.
+        hand = self.hand_over and cases[0].op not in self._not_plain
+        inputs = prepare_inputs(cases, self.device) if hand else None
+        handed = inputs.kwargs if inputs is not None else []
         with ThreadPoolExecutor(1, thread_name_prefix="judge-ahead") as ahead:
             # A thread starts with an empty context: the reference's memory_limit goes with it.
-            prepared = ahead.submit(contextvars.copy_context().run, prepare_block, cases, self.device)
+            prepared = ahead.submit(contextvars.copy_context().run, prepare_block, cases, self.device, inputs)
             found: list = []
-            for case in cases:
+            for i, case in enumerate(cases):
                 if on_call is not None:
                     on_call()
-                found.append(self._produce(case, specs, label, run_id, source, notes, deviations, conventions))
+                found.append(self._produce(case, specs, label, run_id, source, notes, deviations, conventions,
+                                           handed[i] if i < len(handed) else None))
             if not any(isinstance(f, Produced) for f in found):
                 return found
             produced = [f if isinstance(f, Produced) else Produced([r.to_record() for r in f], failed=True) for f in found]
@@ -455,14 +492,16 @@ class Worker:
                            f"{UNREADABLE}: it holds nothing to judge (no output, no finding)")
 
     def _produce(self, case: Case, specs: Sequence[str], label: str, run_id: str, source: str,
-                 notes: set[str] | None, deviations: Sequence[str], conventions: Sequence[str]) -> Produced | list[Row]:
-        """What the worker produced for `case`, or its single failure row when it died, hung or
-        sent something that is not an answer."""
+                 notes: set[str] | None, deviations: Sequence[str], conventions: Sequence[str],
+                 kwargs: dict | None = None) -> Produced | list[Row]:
+        """What the worker produced for `case` (handed `kwargs`, its inputs as built here, where
+        given), or its single failure row when it died, hung or sent something that is not an answer."""
         p = self._ensure()
         base = self._base(case, label, run_id, source)
         self._seq += 1
         request = dict(seq=self._seq, case=case.to_dict(), specs=list(specs), deviations=list(deviations),
                        conventions=list(conventions), run_id=run_id, source=source)
+        handed = self._segments(p, request, kwargs, case.op)
         try:
             p.conn.send_bytes(json.dumps(request).encode())
         except (BrokenPipeError, OSError):
@@ -480,7 +519,8 @@ class Worker:
             raise HarnessError(f"building the inputs and reference of {case.short()} took over {HARNESS_TIMEOUT_S:g} s")
         if kind == "produced":
             try:
-                return self._answered(p, case, header, base, notes)
+                written = [] if handed is None else segment.written(p.inputs, handed, _writes(case))
+                return self._answered(p, case, header, base, notes, written)
             except wire.Unreadable as exc:
                 kind, header = "unreadable", str(exc)
         if kind == "error" and not called:  # the harness's side, before any of the implementation's code ran
@@ -500,9 +540,27 @@ class Worker:
             reason = f"{UNREADABLE}: {why}"
         return [failure_row(base, "*", "crashed", reason)]
 
-    def _answered(self, p: _Process, case: Case, header: dict, base: dict, notes: set[str] | None) -> Produced:
+    def _segments(self, p: _Process, request: dict, kwargs: dict | None, op: str) -> segment.Handed | None:
+        """`request` given the worker's outputs segment (grown where the last answer's outputs came
+        through the pipe, not fitting) and, where `kwargs` can be handed over, its inputs
+        (`segment.hand_over`, described under "inputs"): what was handed, or None."""
+        p.reader.segment = segment.grown(p.reader.segment, p.reader.piped, writable=False)
+        if p.reader.segment is not None:
+            request["outputs"] = p.reader.segment.describe()
+        if kwargs is None:
+            return None
+        p.inputs, handed = segment.hand_over(kwargs, p.inputs)
+        if handed is not None:
+            request["inputs"] = handed.described
+        else:
+            self._not_plain.add(op)
+        return handed
+
+    def _answered(self, p: _Process, case: Case, header: dict, base: dict, notes: set[str] | None,
+                  written: list[tuple[str, str]] = ()) -> Produced:
         """The Produced of a "produced" message: its outputs and clock as sent, every row made here
-        from what the worker found (each can only fail the case); Unreadable when it does not parse."""
+        from what the worker found (each can only fail the case) and from the inputs this process
+        handed over that the call `written`; Unreadable when it does not parse."""
         if header.get("case_id") != case.case_id:
             raise wire.Unreadable(f"it answers case {str(header.get('case_id'))[:40]!r}, not {case.case_id!r}")
         answer = wire.answer_of(header, DEVIATIONS)
@@ -518,8 +576,10 @@ class Worker:
         timed = {"time_impl_s": answer.t_impl}  # an input's row, as `running.input_rows` makes it
         rows = [unsupported_row(base, reason) if metric == "unsupported" else
                 failure_row(base, tensor, metric, reason,
-                            **({**timed, "written": written} if metric == "input_written" else {}))
-                for tensor, metric, reason, written in answer.findings]
+                            **({**timed, "written": name} if metric == "input_written" else {}))
+                for tensor, metric, reason, name in answer.findings]
+        told = {name for _, metric, _, name in answer.findings if metric == "input_written"}
+        rows += input_rows(base, [(name, why) for name, why in written if name not in told], **timed)
         failed = any(tensor == "*" or metric == "unsupported" for tensor, metric, *_ in answer.findings)
         from .properties.base import Compared  # it imports the kernels: not before `_serve` set up Triton
 
@@ -548,5 +608,6 @@ class Worker:
                 reaper.kill_below(p.proc.pid)
                 p.proc.kill()
             p.proc.join(5)
+            p.close_segments()
         self._active, self._spares = None, []
         self.reap()

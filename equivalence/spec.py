@@ -29,6 +29,9 @@ never what kind of thing they hold (torch's `_comparison.Pair` idea: each handle
     prepare_block(cases, device)  what judge_produced_block can compute before any output exists
                                 (an op: inputs and the reference's answer), passed to it as
                                 `prepared`; an isolation worker's parent computes it meanwhile
+                                (an op also has prepare_inputs(cases, device): the inputs alone,
+                                built once by that parent and handed to its worker, then answered
+                                by prepare_block(cases, device, inputs))
     checks, own_processes, ranks  what it compares; whether it starts processes of its own (never
                                 inside an isolation worker); the world sizes it runs (multi-process only)
 

@@ -8,7 +8,11 @@ nothing in it is ever unpickled or called. A message is
     | the bytes of each tensor the header lists, in order
 
 and its header holds `kind`, `seq` (the number of the parent's request it answers) and, per
-tensor, its dtype (one of DTYPES), shape, device and byte length. The parent reads with a
+tensor, its dtype (one of DTYPES), shape, device and byte length. Where the parent gave the worker
+an outputs segment (`equivalence.segment`) and the tensors fit, their bytes are there instead and
+each description adds its `offset`: the parent checks every region lies within the segment and
+overlaps no other, and copies each out as the answer arrives (what the worker writes there after
+never reaches a verdict). The parent reads with a
 deadline and watches the worker's process while it waits (`Reader`): a frame that does not parse,
 a worker that stops mid-message or answers out of sequence is `Unreadable`, which the parent turns
 into the case's `crashed` finding.
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from . import segment
 
 MAGIC = b"MLAw"
 _FRAME = struct.Struct("!4sI")
@@ -54,18 +60,22 @@ def sendable(t: torch.Tensor) -> str | None:
     return None if str(t.dtype).removeprefix("torch.") in DTYPES else f"dtype {t.dtype} is not one a judge receives"
 
 
-def encode(header: dict[str, Any], tensors: list[torch.Tensor]) -> list[memoryview | bytes]:
+def encode(header: dict[str, Any], tensors: list[torch.Tensor], into: Any = None) -> list[memoryview | bytes]:
     """The frames of a message: `header` with a description of each of `tensors` (host or meta
-    tensors; each sent as its contiguous bytes) added under "tensors", then their bytes."""
+    tensors; each sent as its contiguous bytes) added under "tensors", then their bytes; or, where
+    they fit the outputs segment `into` (`segment.Mapped`), their bytes written there and their
+    offsets described."""
     described, payloads = [], []
-    for t in tensors:
+    offsets = segment.place(tensors, into)
+    for i, t in enumerate(tensors):
         t = t.detach()
         device = t.device.type
-        if device != "meta":
+        if device != "meta" and offsets is None:
             t = t.contiguous()
             payloads.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
         described.append(dict(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), device=device,
-                              nbytes=0 if device == "meta" else t.numel() * t.element_size()))
+                              nbytes=0 if device == "meta" else t.numel() * t.element_size(),
+                              **({"offset": offsets[i]} if offsets is not None and device != "meta" else {})))
     body = json.dumps({**header, "tensors": described}, allow_nan=True).encode()
     return [_FRAME.pack(MAGIC, len(body)) + body, *payloads]
 
@@ -88,6 +98,8 @@ class Reader:
 
     fd: int
     sentinel: int
+    segment: Any = None  # the worker's outputs segment (`segment.Segment`), mapped read-only here
+    piped: int = 0       # the most bytes of one message's tensors that came through the pipe
 
     def wait(self, timeout_s: float) -> str:
         """"data" once the pipe has something to read, "died" when the worker exited with nothing
@@ -134,22 +146,42 @@ class Reader:
         if not isinstance(header, dict):
             raise Unreadable("its header is not a JSON object")
         specs = [_tensor_spec(d) for d in _list(header.get("tensors", []), "tensors", MAX_TENSORS)]
-        if sum(nbytes for *_, nbytes in specs) > MESSAGE_LIMIT:
+        if sum(nbytes for *_, nbytes, offset in specs if offset is None) > MESSAGE_LIMIT:
             raise Unreadable(f"its tensors claim more than {MESSAGE_LIMIT} bytes together")
+        _regions(specs, self.segment)
+        self.piped = max(self.piped, sum(nbytes for *_, nbytes, offset in specs if offset is None))
         tensors = []
-        for dtype, shape, device, nbytes in specs:
+        for dtype, shape, device, nbytes, offset in specs:
             if device == "meta":
                 tensors.append(torch.empty(shape, dtype=dtype, device="meta"))
                 continue
             t = torch.empty(shape, dtype=dtype)
-            if nbytes:
+            if nbytes and offset is None:
                 self._exact(nbytes, deadline, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            elif nbytes:  # copied now: the worker may write the segment again, the judge reads this copy
+                memoryview(t.reshape(-1).view(torch.uint8).numpy())[:] = self.segment.view[offset:offset + nbytes]
             tensors.append(t)
         header["tensors"] = tensors
         return header, tensors
 
 
-def _tensor_spec(d: Any) -> tuple[torch.dtype, list[int], str, int]:
+def _regions(specs: list[tuple], segment: Any) -> None:
+    """Unreadable unless every tensor said to be in the outputs segment lies within it, overlapping
+    no other: checked before anything is allocated or copied."""
+    spans = sorted((offset, nbytes) for *_, nbytes, offset in specs if offset is not None)
+    if spans and segment is None:
+        raise Unreadable("it places tensors in a shared segment it was not given")
+    end = 0
+    for offset, nbytes in spans:
+        if offset + nbytes > segment.size:
+            raise Unreadable(f"a tensor of {nbytes} bytes at offset {offset} ends past the shared segment's "
+                             f"{segment.size} bytes")
+        if offset < end:
+            raise Unreadable(f"two tensors overlap in the shared segment (at byte {offset})")
+        end = max(end, offset + nbytes)
+
+
+def _tensor_spec(d: Any) -> tuple[torch.dtype, list[int], str, int, int | None]:
     if not isinstance(d, dict):
         raise Unreadable("a tensor's description is not an object")
     dtype = DTYPES.get(d.get("dtype")) if isinstance(d.get("dtype"), str) else None
@@ -165,7 +197,11 @@ def _tensor_spec(d: Any) -> tuple[torch.dtype, list[int], str, int]:
     if nbytes != want or want > TENSOR_LIMIT:
         raise Unreadable(f"a tensor of shape {shape} and {dtype} claims {str(nbytes)[:40]} bytes "
                          f"(it has {want}; at most {TENSOR_LIMIT})")
-    return dtype, shape, device, want
+    offset = d.get("offset")
+    if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= MESSAGE_LIMIT
+                               or device == "meta"):
+        raise Unreadable(f"a tensor's offset {str(offset)[:40]} is not a place in a shared segment")
+    return dtype, shape, device, want, offset
 
 
 def _list(v: Any, what: str, limit: int) -> list:
@@ -207,9 +243,10 @@ COMPARED_KINDS = ("exact", "out", "lse")
 
 
 def produced_frames(seq: int, case_id: str, produced: Any, retire: bool, called: dict[str, list[str]],
-                    children: bool, after: dict | None) -> list:
+                    children: bool, after: dict | None, into: Any = None) -> list:
     """The worker's answer to request `seq`: `produced` (`equivalence.produced.Produced`) as a
-    header of data and its tensors; its rows go as findings, never as verdicts."""
+    header of data and its tensors (in the outputs segment `into` where they fit); its rows go
+    as findings, never as verdicts."""
     tensors: list[torch.Tensor] = []
     at: dict[int, int] = {}
 
@@ -232,7 +269,7 @@ def produced_frames(seq: int, case_id: str, produced: Any, retire: bool, called:
         compared=[dict(check=c.check, tensor=c.tensor, kind=c.kind, got=index(c.got), base=index(c.base),
                        scale=index(c.scale)) for c in produced.compared])
     header["stage_calls"] = _calls_out(produced.stage_calls, tensors)
-    return encode(header, tensors)
+    return encode(header, tensors, into)
 
 
 CALL_FIELDS = ("stage", "impl", "deviations", "rank", "kwargs", "result")  # `equivalence.stages.Call`'s

@@ -189,12 +189,10 @@ def first_cases(op: str, profile: Profile, path: str | None, world_size: int | N
                 device: str, seed: int) -> list[Case]:
     """The covering set a campaign starts with (`equivalence.coverage`), held to the interpreter's
     budget as `strategy` holds the draws."""
-    if world_size is not None:
-        return []
     spec = get_spec(op)
     if not registry.interpreted(impl_specs, device.split(":")[0]) or profile.interpreter_s is None:
-        return covering_set(op, profile, seed, path, device=device)
-    return covering_set(op, profile, seed, path, device=device,
+        return covering_set(op, profile, seed, path, device=device, world_size=world_size)
+    return covering_set(op, profile, seed, path, device=device, world_size=world_size,
                         admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s)
 
 

@@ -40,8 +40,10 @@ def test_the_guards_section_times_every_guard_and_isolation():
 
     rows = bench_guards("cpu", DECODE, quick=True)
     guards = [r["impl"] for r in rows]
+    sweep = [f"message{size}{how}" for size in ("", " 1 MiB", " 4 MiB", " 16 MiB", " 64 MiB") for how in ("", ", segment")]
     assert guards == ["process_state", "judge_functions", "judge_functions, block", "sigint_watch", "inputs",
-                      "owned_outputs", "after_return", "message", "journal", "isolation", "isolation"]
+                      "owned_outputs", "after_return", *sweep, "inputs built", "inputs handed over", "journal",
+                      "isolation", "isolation"]
     assert all(r["ms"] > 0 for r in rows if r["impl"] != "isolation")
     small, decode = rows[-2:]
     assert small["after_crash_ms"] > 0 and decode["after_crash_ms"] is None

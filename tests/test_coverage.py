@@ -14,6 +14,7 @@ from mla_verify.equivalence import coverage
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, names, resolve_subject
 from mla_verify.equivalence.features import DEGENERATE
+from mla_verify.equivalence.params import WORLD_SIZES
 from mla_verify.equivalence.policy import Numerics
 from mla_verify.equivalence.profiles import PROFILES, get_profile
 from mla_verify.equivalence.values import REGIMES, q_values
@@ -32,8 +33,8 @@ def _hits_all(op: str, profile: str, seed: int, path: str | None = None) -> list
 
 
 def test_every_op_lists_features():
-    """Every op of one process has a covering set (the multi-process dcp op draws per world size)."""
-    assert set(SINGLE) | {"forward_mqa", "dcp"} == set(names("op"))
+    """Every op has a covering set (the multi-process dcp op's at the campaign's world size)."""
+    assert set(SINGLE) | {"forward_mqa"} == set(names("op"))
     assert set(FORWARD) == {None, *get_spec("forward_mqa").paths}
 
 
@@ -49,7 +50,24 @@ def test_covering_set_hits_every_feature(op, profile):
 @pytest.mark.parametrize("profile", ["ci", "gpu"])
 def test_forward_covering_set_hits_every_feature(path, profile):
     cases = _hits_all("forward_mqa", profile, 7, path)
-    assert len(cases) <= 8
+    assert len(cases) <= get_profile("ci").examples, "every path's set (the unrestricted one too) fits ci's budget"
+
+
+@pytest.mark.parametrize("profile", ["dev", "nightly"])
+def test_the_unrestricted_forward_set_fits_every_profiles_budget(profile):
+    """Six cases reach every path's features (ci's budget of 6 holds them: its campaign is the set)."""
+    assert len(_hits_all("forward_mqa", profile, 1)) <= get_profile("ci").examples
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_the_dcp_covering_set_takes_the_campaigns_world_size(world_size):
+    cases = coverage.covering_set("dcp", get_profile("ci"), 3, world_size=world_size)
+    hit = set().union(*(coverage.features_of(c) for c in cases))
+    assert hit == set(coverage.coverage_of("dcp").features) and len(cases) <= get_profile("ci").examples
+    spec = get_spec("dcp")
+    for c in cases:  # within the FP8 envelope the draws keep (local heads * ranks <= 64)
+        p = spec.params_of(c.params)
+        assert p.dcp_size == world_size and p.heads * world_size <= 64
 
 
 def test_covering_set_is_the_seeds():
@@ -105,7 +123,9 @@ def test_coverage_table_lists_every_feature():
     lines = coverage.table("sparse_decode_fp8", [get_profile("ci")], draws=20, seed=0)
     assert len(lines) == 2 + len(coverage.coverage_of("sparse_decode_fp8").features)
     assert all("MISSED" not in line for line in lines) and "ci: first" in lines[0]
-    assert "lists no features" in coverage.table("dcp", [get_profile("ci")], draws=1)[0]
+    dcp = coverage.table("dcp", [get_profile("ci")], draws=1)
+    assert len(dcp) == 2 + len(coverage.coverage_of("dcp").features) and all("MISSED" not in line for line in dcp)
+    assert "lists no features" in coverage.table("property:singleton", [get_profile("ci")], draws=1)[0]
 
 
 def _campaign(op, impl, seed, shrink=True):

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from mla_verify import cli, reference
-from mla_verify.equivalence import distributed
+from mla_verify.equivalence import coverage, distributed
 from mla_verify.equivalence.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
 from mla_verify.equivalence.params import DcpParams
@@ -97,6 +97,17 @@ ZOO = [
     # The merge turns the kernel's +inf into a zero weight: only the partial LSE can show it.
     ("no_empty_row_neutralization", A2A_POW2, {"partial_lse"}),
 ]
+
+
+def test_the_covering_set_passes_and_catches_every_broken_rank_body():
+    """The campaign's first cases (equivalence.coverage) at the world size it runs: every rank of
+    ours passes them, and each broken rank body fails one of them."""
+    cases = coverage.covering_set("dcp", get_profile("ci"), 5, world_size=2)
+    assert cases and {c.params["dcp_size"] for c in cases} == {2}
+    for case in cases:
+        assert_every_rank_passes(run(case), 2)
+    for bug, _, _ in ZOO:
+        assert any(failing(run(case, f"tests.zoo.dcp_ranks:{bug}")) for case in cases), bug
 
 
 @pytest.mark.parametrize("bug, case, caught_in", ZOO, ids=[z[0] for z in ZOO])

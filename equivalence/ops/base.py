@@ -385,15 +385,16 @@ class OpSpec:
         return rows
 
     def produce(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
-                on_call: Callable[[], None] | None = None) -> Produced:
+                on_call: Callable[[], None] | None = None, inputs: dict[str, Any] | None = None) -> Produced:
         """The implementation's side of `case`, for a judge in another process (an isolation
         worker's parent): its outputs on the host with the device each came back on, and the
         rows and reasons this side alone can give (it raised, wrote an input, returned something
         that is not a plain dense tensor, or an input). No reference is computed here: the
-        implementation never sees it."""
+        implementation never sees it. `inputs`: the case's arguments as the judge built them (handed
+        over), else built here."""
         params = self.params_of(case.params)
         base = self._base(case, params, subject.label, device, run_id, source)
-        kwargs = self.inputs(params, case.seed, device)
+        kwargs = self.inputs(params, case.seed, device) if inputs is None else inputs
         inputs = Snapshot(kwargs)
         try:
             got, t_impl = call_implementation(lambda: self.call(subject, kwargs, params), case.seed, device, on_call)
@@ -424,15 +425,25 @@ class OpSpec:
         built here, and every value judged here (`judge_produced_block` of one case)."""
         return self.judge_produced_block([case], [produced], label, device, run_id=run_id, source=source)[0]
 
-    def prepare_block(self, cases: Sequence[Case], device: str = "cpu") -> "Prepared":
+    def prepare_inputs(self, cases: Sequence[Case], device: str = "cpu") -> "Prepared":
+        """The inputs of a block's first part (`_in_parts`), its answer still to compute
+        (`prepare_block`): an isolation worker's parent builds them once, for its reference and to
+        hand to the worker (`Worker.run_block`)."""
+        parts = self._in_parts(cases, self.params_of(cases[0].params), device)
+        _, kwargs = next(parts)
+        return Prepared(parts, kwargs, None, math.nan)
+
+    def prepare_block(self, cases: Sequence[Case], device: str = "cpu",
+                      inputs: "Prepared | None" = None) -> "Prepared":
         """What judging a block needs before any output of it exists: the inputs of its first part
-        (`_in_parts`) and the reference's answer to them. An isolation worker's parent computes
-        it while the worker produces the block (`Worker.run_block`)."""
+        (`inputs`, from `prepare_inputs`, else built here) and the reference's answer to them. An
+        isolation worker's parent computes it while the worker produces the block."""
         params = self.params_of(cases[0].params)
-        parts = self._in_parts(cases, params, device)
-        part, kwargs = next(parts)
-        answer, t_ref = timed(lambda: self._answer(kwargs, params), device)
-        return Prepared(parts, kwargs, answer, t_ref / len(part))
+        prepared = inputs or self.prepare_inputs(cases, device)
+        kwargs = prepared.kwargs
+        prepared.answer, t_ref = timed(lambda: self._answer(kwargs, params), device)
+        prepared.t_ref = t_ref / len(kwargs)
+        return prepared
 
     def judge_produced_block(self, cases: Sequence[Case], produced: Sequence[Produced], label: str, device: str = "cpu",
                              *, run_id: str = "", source: str = "fuzz", prepared: "Prepared | None" = None) -> list[list]:

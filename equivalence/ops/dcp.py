@@ -16,9 +16,10 @@ from mla_verify.equivalence.contract import returned
 from mla_verify.equivalence.policy import LSE, OUT
 
 from ..draws import batch_params, merge_params
+from ..layouts import LAYOUTS, drawn, relayout
 from ..profiles import Profile
 from ..params import COMBINES, WORLD_SIZES, DcpParams
-from ..schema import HEADS, Flag, Int, Params, Real, param
+from ..schema import HEADS, Flag, Int, OneOf, Params, Real, param
 from ..spec import register
 from .base import BoundKey, Check, ImplOutput, OpSpec
 from .common import generator, knobs, rand
@@ -34,6 +35,7 @@ class MergeParams(Params):
     heads: int = param(HEADS)
     empty_frac: float = param(Real(0, 1), 0.0)  # partials of ranks owning none of a token's keys
     junk: bool = param(Flag(), False)           # undefined partials (NaN or +inf LSE) the combine must drop
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of outs and lses (equivalence.layouts)
 
     def elements(self) -> int:
         return self.ranks * self.tokens * self.heads * 1026
@@ -54,7 +56,7 @@ def _merge_inputs(p: MergeParams, seed: int, device: str) -> dict:
         junk = (rand(g, ranks, tokens, heads) < 0.1) & ~empty[..., None]
         lses[junk] = torch.where(rand(g, int(junk.sum())) < 0.5, math.nan, math.inf)
         outs[junk] = math.nan
-    return {"outs": outs.to(torch.bfloat16), "lses": lses}
+    return relayout("dcp_merge", {"outs": outs.to(torch.bfloat16), "lses": lses}, p.layout)
 
 
 def _merge_reference(kw, p):
@@ -70,7 +72,7 @@ DCP_MERGE = register(OpSpec(
     name="dcp_merge",
     stage="dcp_merge",
     params=MergeParams,
-    draw=merge_params,
+    draw=lambda p: merge_params(p, layout=st.sampled_from(drawn("dcp_merge"))),
     inputs=_merge_inputs,
     reference=_merge_reference,
     call=lambda subject, kw, p: ImplOutput(returned(subject.fn(**kw), ("out", "lse")), deviations=subject.deviations),

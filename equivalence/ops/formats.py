@@ -12,9 +12,10 @@ from mla_verify.equivalence.policy import EXACT
 from mla_verify.equivalence.values import kv_values
 
 from ..draws import regimes, scale_rules
+from ..layouts import LAYOUTS, drawn, relayout
 from ..profiles import Profile
 from ..params import REGIME, SCALE_RULE
-from ..schema import BLOCK, Int, PAD, Params, Real, param
+from ..schema import BLOCK, Int, OneOf, PAD, Params, Real, param
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, rand, single
@@ -27,6 +28,7 @@ class CodecParams(Params):
     n: int = param(Int(1, 2**22))
     value_regime: str = param(REGIME)
     scale_rule: str = param(SCALE_RULE)
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of the input rows (equivalence.layouts)
 
     def elements(self) -> int:
         return self.n * 1232
@@ -34,7 +36,7 @@ class CodecParams(Params):
 
 def _codec_params(p: Profile) -> st.SearchStrategy[dict]:
     return st.fixed_dictionaries({"n": st.integers(1, 4 * p.max_tokens), "value_regime": regimes,
-                                  "scale_rule": scale_rules})
+                                  "scale_rule": scale_rules, "layout": st.sampled_from(drawn("quantize_fp8_ds_mla"))})
 
 
 def _kv(p: CodecParams, seed: int, device: str) -> torch.Tensor:
@@ -46,7 +48,8 @@ register(OpSpec(
     stage="quantize_fp8_ds_mla",
     params=CodecParams,
     draw=_codec_params,
-    inputs=lambda p, seed, device: {"kv": _kv(p, seed, device), "scale_rule": p.scale_rule},
+    inputs=lambda p, seed, device: relayout("quantize_fp8_ds_mla", {"kv": _kv(p, seed, device), "scale_rule": p.scale_rule},
+                                            p.layout),
     reference=lambda kw, p: {"rows": reference.quantize_fp8_ds_mla(kw["kv"], kw["scale_rule"])},
     call=single(lambda rows: {"rows": rows}),
     checks=(Check("rows", EXACT),),
@@ -59,7 +62,8 @@ register(OpSpec(
     stage="dequantize_fp8_ds_mla",
     params=CodecParams,
     draw=_codec_params,
-    inputs=lambda p, seed, device: {"rows": reference.quantize_fp8_ds_mla(_kv(p, seed, device), p.scale_rule)},
+    inputs=lambda p, seed, device: relayout(
+        "dequantize_fp8_ds_mla", {"rows": reference.quantize_fp8_ds_mla(_kv(p, seed, device), p.scale_rule)}, p.layout),
     reference=lambda kw, p: {"values": reference.dequantize_fp8_ds_mla(kw["rows"])},
     call=single(lambda values: {"values": values}),
     checks=(Check("values", EXACT),),
@@ -75,7 +79,8 @@ def _writer_params(p: Profile) -> st.SearchStrategy[dict]:
         num_blocks = draw(st.integers(1, 4))
         return {"n": draw(st.integers(1, num_blocks * block_size)), "num_blocks": num_blocks, "block_size": block_size,
                 "stride_pad": draw(st.sampled_from((0, 1, 3))), "value_regime": draw(regimes),
-                "scale_rule": draw(scale_rules), "skip_frac": draw(st.sampled_from((0.0, 0.2)))}
+                "scale_rule": draw(scale_rules), "skip_frac": draw(st.sampled_from((0.0, 0.2))),
+                "layout": draw(st.sampled_from(drawn("write_fp8_ds_mla_cache")))}
 
     return params()
 
@@ -91,6 +96,7 @@ class WriterParams(Params):
     scale_rule: str = param(SCALE_RULE)
     stride_pad: int = param(PAD, 0)      # slots between blocks past the block size (poisoned)
     skip_frac: float = param(Real(0, 1), 0.0)
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of kv and slot_mapping (equivalence.layouts)
 
     def elements(self) -> int:
         return self.num_blocks * (self.block_size + self.stride_pad) * 1312 + self.n * 577
@@ -106,7 +112,8 @@ def _writer_inputs(p: WriterParams, seed: int, device: str) -> dict:
     slots[rand(g, p.n) < p.skip_frac] = -1
     # Every byte the writer must leave alone (skipped slots, padding rows) is poisoned.
     storage = torch.full((p.num_blocks, p.block_size + p.stride_pad, 656), 0xFF, dtype=torch.uint8, device=device)
-    return {"kv": kv, "kv_cache": storage[:, : p.block_size], "slot_mapping": slots, "scale_rule": p.scale_rule}
+    return relayout("write_fp8_ds_mla_cache", {"kv": kv, "kv_cache": storage[:, : p.block_size], "slot_mapping": slots,
+                                               "scale_rule": p.scale_rule}, p.layout)
 
 
 def _fresh_cache(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,9 +13,10 @@ from mla_verify.equivalence.patterns import apply_patterns, distinct_rows, prefi
 from mla_verify.equivalence.policy import EXACT
 
 from ..draws import dcp_index_params, patterns
+from ..layouts import LAYOUTS, drawn, relayout
 from ..patterns import PATTERNS
 from ..profiles import Profile
-from ..schema import BLOCK, REQUESTS, TOPK, Flag, Int, Params, SubsetOf, param
+from ..schema import BLOCK, REQUESTS, TOPK, Flag, Int, OneOf, Params, SubsetOf, param
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, randint
@@ -31,6 +32,7 @@ class IndexParams(Params):
     topk: int = param(TOPK)
     block_size: int = param(BLOCK)
     invalid: tuple[str, ...] = param(SubsetOf(*PATTERNS), ())
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of the inputs that may take one (equivalence.layouts)
 
     @property
     def ranks(self) -> int:
@@ -64,7 +66,8 @@ def _convert_params(p: Profile) -> st.SearchStrategy[dict]:
         # 4224 and 6144: not powers of two past upstream's single-tile limit (its prefix order unspecified).
         "table_width": st.integers(1, 6), "topk": st.sampled_from(p.decode_topk + (4224, 6144)),
         "block_size": st.sampled_from((16,) + p.block_sizes), "stride_extra": st.sampled_from((0, 0, 1, 64)),
-        "prefill": st.booleans(), "counts": st.booleans(), "mapping": st.booleans(), "invalid": patterns(PATTERNS)})
+        "prefill": st.booleans(), "counts": st.booleans(), "mapping": st.booleans(), "invalid": patterns(PATTERNS),
+        "layout": st.sampled_from(drawn("convert_index"))})
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ def _convert_inputs(p: ConvertParams, seed: int, device: str) -> dict:
         kwargs["prefill_request_ids"] = randint(g, -1, num_prefills, p.tokens).to(torch.int32)
         starts = randint(g, 0, 2 * p.table_width * bs, num_prefills).sort().values
         kwargs["prefill_workspace_starts"] = (starts - starts[0]).to(torch.int32)
-    return kwargs
+    return relayout("convert_index", kwargs, p.layout)
 
 
 def named_indices(result, counts: bool) -> dict[str, torch.Tensor]:
@@ -148,16 +151,16 @@ class DcpIndexParams(IndexParams):
 def _dcp_inputs(p: DcpIndexParams, seed: int, device: str) -> dict:
     g = generator(seed, device)
     req_id, table, idx = _common_inputs(g, p, p.table_width * p.block_size * p.dcp_size)
-    return {"req_id": req_id, "block_table": table, "topk_indices": idx, "block_size": p.block_size,
-            "dcp_size": p.dcp_size, "dcp_rank": p.dcp_rank, "interleave": p.interleave,
-            "compact_valid_to_front": p.compact}
+    return relayout("dcp_convert_index", {
+        "req_id": req_id, "block_table": table, "topk_indices": idx, "block_size": p.block_size, "dcp_size": p.dcp_size,
+        "dcp_rank": p.dcp_rank, "interleave": p.interleave, "compact_valid_to_front": p.compact}, p.layout)
 
 
 DCP_CONVERT_INDEX = register(OpSpec(
     name="dcp_convert_index",
     stage="dcp_convert_index",
     params=DcpIndexParams,
-    draw=dcp_index_params,
+    draw=lambda p: dcp_index_params(p, layout=st.sampled_from(drawn("dcp_convert_index"))),
     inputs=_dcp_inputs,
     reference=lambda kw, p: {"indices": reference.dcp_convert_index(**kw)},
     call=lambda subject, kw, p: ImplOutput({"indices": subject.fn(**kw)}, deviations=subject.deviations),

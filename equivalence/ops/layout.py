@@ -12,21 +12,24 @@ from mla_verify.equivalence.contract import ContractError
 from mla_verify.equivalence.policy import EXACT
 from mla_verify.equivalence.values import q_values
 
+from ..layouts import LAYOUTS, drawn, relayout
 from ..profiles import Profile
-from ..schema import HEADS, Flag, Int, Ints, Params, param
+from ..schema import HEADS, Flag, Int, Ints, OneOf, Params, param
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, single
 
 
 def _concat_params(p: Profile) -> st.SearchStrategy[dict]:
-    return st.fixed_dictionaries({"tokens": st.integers(1, p.max_tokens * 2), "heads": st.sampled_from(p.heads)})
+    return st.fixed_dictionaries({"tokens": st.integers(1, p.max_tokens * 2), "heads": st.sampled_from(p.heads),
+                                  "layout": st.sampled_from(drawn("concat_mla_q"))})
 
 
 @dataclass(frozen=True)
 class ConcatParams(Params):
     tokens: int = param(Int(1, 2**20))
     heads: int = param(HEADS)
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # contiguous: the views of one buffer as built
 
     def elements(self) -> int:
         return self.tokens * self.heads * 1216
@@ -36,7 +39,7 @@ def _concat_inputs(p: ConcatParams, seed: int, device: str) -> dict:
     g = generator(seed, device)
     # Strided views of a wider buffer, as the MLA layer hands them over.
     base = q_values(g, (p.tokens, p.heads, 640), "normal")
-    return {"ql_nope": base[..., :512], "q_pe": base[..., 560:624]}
+    return relayout("concat_mla_q", {"ql_nope": base[..., :512], "q_pe": base[..., 560:624]}, p.layout)
 
 
 register(OpSpec(
@@ -104,26 +107,31 @@ class SpecReshapeParams(Params):
     s: int = param(Int(1, 64))
     heads: int = param(HEADS)
     four_d: bool = param(Flag(), True)
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of the input (equivalence.layouts)
 
     def elements(self) -> int:
         return self.num_decodes * self.s * self.heads * 1152
 
 
-def _spec_reshape_params(p: Profile) -> st.SearchStrategy[dict]:
-    return st.fixed_dictionaries({"num_decodes": st.integers(1, p.max_requests), "s": st.integers(1, 4),
-                                  "heads": st.sampled_from(p.heads), "four_d": st.booleans()})
+def _spec_reshape_params(op: str):
+    def draw(p: Profile) -> st.SearchStrategy[dict]:
+        return st.fixed_dictionaries({"num_decodes": st.integers(1, p.max_requests), "s": st.integers(1, 4),
+                                      "heads": st.sampled_from(p.heads), "four_d": st.booleans(),
+                                      "layout": st.sampled_from(drawn(op))})
+
+    return draw
 
 
 def _spec_q_inputs(p: SpecReshapeParams, seed: int, device: str) -> dict:
     q = q_values(generator(seed, device), (p.num_decodes * p.s, p.heads, 576), "normal")
-    return {"q": q, "num_decodes": p.num_decodes}
+    return relayout("reshape_query_for_spec_decode", {"q": q, "num_decodes": p.num_decodes}, p.layout)
 
 
 register(OpSpec(
     name="reshape_query_for_spec_decode",
     stage="reshape_query_for_spec_decode",
     params=SpecReshapeParams,
-    draw=_spec_reshape_params,
+    draw=_spec_reshape_params("reshape_query_for_spec_decode"),
     inputs=_spec_q_inputs,
     reference=lambda kw, p: {"q": reference.reshape_query_for_spec_decode(**kw)},
     call=single(lambda q: {"q": q}),
@@ -136,14 +144,15 @@ register(OpSpec(
 
 def _spec_out_inputs(p: SpecReshapeParams, seed: int, device: str) -> dict:
     shape = (p.num_decodes, p.s, p.heads, 512) if p.four_d else (p.num_decodes * p.s, p.heads, 512)
-    return {"out": q_values(generator(seed, device), shape, "normal")}
+    return relayout("reshape_attn_output_for_spec_decode", {"out": q_values(generator(seed, device), shape, "normal")},
+                    p.layout)
 
 
 register(OpSpec(
     name="reshape_attn_output_for_spec_decode",
     stage="reshape_attn_output_for_spec_decode",
     params=SpecReshapeParams,
-    draw=_spec_reshape_params,
+    draw=_spec_reshape_params("reshape_attn_output_for_spec_decode"),
     inputs=_spec_out_inputs,
     reference=lambda kw, p: {"out": reference.reshape_attn_output_for_spec_decode(**kw)},
     call=lambda subject, kw, p: ImplOutput({"out": subject.fn(**kw)}, deviations=subject.deviations),

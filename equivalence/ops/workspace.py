@@ -13,9 +13,10 @@ from mla_verify.equivalence.values import pooled_rows
 from mla_verify.reference.paged_cache import scatter_rows
 
 from ..draws import regimes, scale_rules
+from ..layouts import LAYOUTS, drawn, relayout
 from ..profiles import Profile
 from ..params import REGIME, SCALE_RULE
-from ..schema import BLOCK, PAD, SEQ_LENS, Flag, Int, Params, blocks, param
+from ..schema import BLOCK, PAD, SEQ_LENS, Flag, Int, OneOf, Params, blocks, param
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs
@@ -34,6 +35,7 @@ class GatherParams(Params):
     stride_pad: int = param(PAD, 0)
     table_pad: int = param(Int(0, 64), 0)     # block-table columns past the longest request
     shuffle: bool = param(Flag(), True)       # blocks in random order
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of block_table and workspace_starts (equivalence.layouts)
 
     def elements(self) -> int:
         return (blocks(self.seq_lens, self.block_size) * (self.block_size + self.stride_pad) * 656
@@ -44,10 +46,11 @@ def _params(p: Profile) -> st.SearchStrategy[dict]:
     return st.fixed_dictionaries({
         "seq_lens": st.lists(st.integers(1, p.max_context), min_size=1, max_size=p.max_requests),
         "block_size": st.sampled_from((16,) + p.block_sizes), "stride_pad": st.sampled_from((0, 2)),
-        "table_pad": st.integers(0, 2), "shuffle": st.booleans(), "value_regime": regimes, "scale_rule": scale_rules})
+        "table_pad": st.integers(0, 2), "shuffle": st.booleans(), "value_regime": regimes, "scale_rule": scale_rules,
+        "layout": st.sampled_from(drawn("gather_upconvert_fp8"))})
 
 
-def _gather_inputs(fmt):
+def _gather_inputs(fmt: str, op: str):
     def inputs(p: GatherParams, seed: int, device: str) -> dict:
         g = generator(seed, device)
         bs, seq_lens = p.block_size, p.seq_lens
@@ -65,8 +68,9 @@ def _gather_inputs(fmt):
         slots = torch.cat(slots)
         scatter_rows(pooled_rows(g, len(slots), p.value_regime, fmt, p.scale_rule)[1], storage[:, :bs], slots)
         starts = torch.tensor([0, *seq_lens[:-1]], device=device).cumsum(0)
-        return {"kv_cache": storage[:, :bs], "block_table": table.to(torch.int32),
-                "workspace_starts": starts.to(torch.int32), "num_rows": sum(seq_lens)}
+        return relayout(op, {
+            "kv_cache": storage[:, :bs], "block_table": table.to(torch.int32), "workspace_starts": starts.to(torch.int32),
+            "num_rows": sum(seq_lens)}, p.layout)
 
     return inputs
 
@@ -78,7 +82,7 @@ for _fmt, _fn in (("fp8_ds_mla", reference.gather_upconvert_fp8), ("nvfp4_ds_mla
         stage=_name,
         params=GatherParams,
         draw=_params,
-        inputs=_gather_inputs(_fmt),
+        inputs=_gather_inputs(_fmt, _name),
         reference=lambda kw, p, fn=_fn: {"workspace": fn(**kw)},
         call=lambda subject, kw, p: ImplOutput({"workspace": subject.fn(**kw)}, deviations=subject.deviations),
         checks=(Check("workspace", EXACT, contiguous=True),),

@@ -16,7 +16,11 @@ s_q=2 H=128 on a GPU, B=2 H=16 on a CPU), median of `reps` runs:
   after_return    the outputs copied at return and compared back after the judge (a write after
                   return: `guards.Returned`)
   message         the outputs as an isolation worker sends them: encoded, through a pipe, parsed
-                  (`equivalence.wire`)
+                  (`equivalence.wire`); ", segment": their bytes through the outputs segment, the
+                  header through the pipe (`equivalence.segment`); then 1-64 MiB messages each way
+  inputs built    the case's inputs built from its seed (an isolation worker's work before issue
+                  41), against "inputs handed over": written into the inputs segment by the parent,
+                  viewed by the worker, compared back after the call
   journal         the case journaled as started and finished in a run directory
 and isolation: the same case (and a small quantize case) evaluated in this process and in an
 isolation worker (`equivalence.isolation.Worker`), ms per case each, plus the worker's start and
@@ -60,13 +64,8 @@ def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
     """One row per guard of `case` (a production-sized op case) and per isolation measurement."""
     import torch
 
-    from mla_verify.equivalence import guards, wire
-    from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
-    from mla_verify.equivalence.contract import Snapshot
-    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.equivalence.catalog import get_spec, resolve_subject
     from mla_verify.optimized.buffers import poisoned
-
-    from mla_verify.runs.rundir import RunDir
 
     reps = 5 if quick else 20
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -77,18 +76,32 @@ def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
     with poisoned():
         got = spec.call(subject, kwargs, params)
     shape = f"{case.short()[:44]}"
+
+    def timer(fn: Callable[[], object]) -> float:
+        return _median_ms(fn, reps, sync)
+
+    rows = _guard_rows(shape, kwargs, got.tensors, timer)
+    rows += _message_rows(shape, [t.to("cpu") for t in got.tensors.values()], timer)
+    rows += _hand_over_rows(shape, lambda: spec.inputs(params, case.seed, device), kwargs, spec.writes, device, timer)
+    rows.append(_row(shape, "journal", _journal_ms(case, subject, device, timer), "case journaled as started and finished"))
+    return rows + _isolation_rows(case, device, timer)
+
+
+def _guard_rows(shape: str, kwargs: dict, outputs: dict, timer: Callable) -> list[dict]:
+    """The guards around a call: process state, the judge's functions, SIGINT, the inputs'
+    snapshot, the outputs' copies."""
+    import torch
+
+    from mla_verify.equivalence import guards
+    from mla_verify.equivalence.contract import Snapshot
+
     in_mib = sum(t.untyped_storage().nbytes() for t in kwargs.values() if isinstance(t, torch.Tensor)) / 2**20
-    out_mib = sum(t.numel() * t.element_size() for t in got.tensors.values()) / 2**20
+    out_mib = sum(t.numel() * t.element_size() for t in outputs.values()) / 2**20
 
     def process_state():
         state = guards.ProcessState.now()
         state.restore()
         state.close()
-
-    def judge_functions():
-        guards.JudgeFunctions.now().restore()
-
-    watched = guards.JudgeFunctions.now()
 
     def sigint_watch():
         with guards.sigint_watch():
@@ -97,60 +110,121 @@ def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
     def inputs():
         saved = Snapshot(kwargs)
         saved.changed()
-        for name, t in got.tensors.items():
+        for name, t in outputs.items():
             saved.aliased_by(name, t)
 
-    def owned_outputs():
-        guards.owned(got.tensors)
-
-    def after_return():
-        guards.Returned.of(got.tensors).changed()
-
-    def message():  # the outputs through a pipe as the worker sends them and the parent reads them
-        r, w = os.pipe()
-        try:
-            frames = wire.encode({"kind": "produced"}, [t.to("cpu") for t in got.tensors.values()])
-            writer = threading.Thread(target=wire.write, args=(w, frames))
-            writer.start()
-            wire.Reader(r, w).read(time.monotonic() + 60)
-            writer.join()
-        finally:
-            os.close(r)
-            os.close(w)
-
-    rows = [
-        _row(shape, "process_state", _median_ms(process_state, reps, sync), "torch settings, cwd, std streams"),
-        _row(shape, "judge_functions", _median_ms(judge_functions, reps, sync),
+    watched = guards.JudgeFunctions.now()
+    return [
+        _row(shape, "process_state", timer(process_state), "torch settings, cwd, std streams"),
+        _row(shape, "judge_functions", timer(lambda: guards.JudgeFunctions.now().restore()),
              f"{sum(len(vars(ns)) for _, ns, _ in guards._judge_namespaces())} names watched"),
-        _row(shape, "judge_functions, block", _median_ms(watched.restore, reps, sync),
+        _row(shape, "judge_functions, block", timer(watched.restore),
              "one check of names saved before (a block's, a worker's call's)"),
-        _row(shape, "sigint_watch", _median_ms(sigint_watch, reps, sync), "SIGINT handler around the call"),
-        _row(shape, "inputs", _median_ms(inputs, reps, sync), f"{in_mib:.1f} MiB of inputs copied, compared"),
-        _row(shape, "owned_outputs", _median_ms(owned_outputs, reps, sync), f"{out_mib:.1f} MiB of outputs copied"),
-        _row(shape, "after_return", _median_ms(after_return, reps, sync),
+        _row(shape, "sigint_watch", timer(sigint_watch), "SIGINT handler around the call"),
+        _row(shape, "inputs", timer(inputs), f"{in_mib:.1f} MiB of inputs copied, compared"),
+        _row(shape, "owned_outputs", timer(lambda: guards.owned(outputs)), f"{out_mib:.1f} MiB of outputs copied"),
+        _row(shape, "after_return", timer(lambda: guards.Returned.of(outputs).changed()),
              f"{out_mib:.1f} MiB of outputs copied at return and compared back"),
-        _row(shape, "message", _median_ms(message, reps, sync),
-             f"{out_mib:.1f} MiB of outputs encoded, through a pipe, parsed (isolated)"),
     ]
+
+
+def _message(tensors: list, out=None, into=None) -> None:
+    """`tensors` as a worker sends them (through the outputs segment `out`, mapped by the worker as
+    `into`, where given) and as its parent reads them."""
+    from mla_verify.equivalence import wire
+
+    r, w = os.pipe()
+    try:
+        frames = wire.encode({"kind": "produced"}, tensors, into)
+        writer = threading.Thread(target=wire.write, args=(w, frames))
+        writer.start()
+        wire.Reader(r, w, out).read(time.monotonic() + 60)
+        writer.join()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _message_rows(shape: str, outputs: list, timer: Callable) -> list[dict]:
+    """The case's outputs as a worker answers, through the pipe and through the outputs segment,
+    then random float32 messages of 1 to 64 MiB each way: ms against MiB."""
+    import torch
+
+    from mla_verify.equivalence import segment
+
+    sizes = [("", outputs)] + [(f" {mib} MiB", [torch.randn(mib << 18, generator=torch.Generator().manual_seed(mib))])
+                               for mib in (1, 4, 16, 64)]
+    rows = []
+    for label, tensors in sizes:
+        mib = sum(t.numel() * t.element_size() for t in tensors) / 2**20
+        out = segment.Segment.create(2 * sum(segment.aligned(t.numel() * t.element_size()) for t in tensors), False)
+        into = segment.Mapped(out.describe()) if out is not None else None  # the worker maps it once
+        try:
+            rows.append(_row(shape, f"message{label}", timer(lambda: _message(tensors)),
+                             f"{mib:.1f} MiB encoded, through a pipe, parsed (isolated, before issue 41)"))
+            if out is not None:
+                rows.append(_row(shape, f"message{label}, segment", timer(lambda: _message(tensors, out, into)),
+                                 f"{mib:.1f} MiB written to the shared segment, header through the pipe, copied out"))
+        finally:
+            del into
+            if out is not None:
+                out.close()
+    return rows
+
+
+def _hand_over_rows(shape: str, build: Callable, kwargs: dict, writes, device: str, timer: Callable) -> list[dict]:
+    """A case's inputs built from its seed (what a worker did besides its parent), against handed
+    over: written into the inputs segment, viewed by the worker, compared back after the call."""
+    from mla_verify.equivalence import segment
+
+    kept: list = [None]
+
+    def hand_over():
+        kept[0], handed = segment.hand_over(kwargs, kept[0])
+        if handed is not None:
+            segment.inputs_of(handed.described, segment.Mapped(kept[0].describe()), device)
+            segment.written(kept[0], handed, writes)
+
+    rows = [_row(shape, "inputs built", timer(build), "the case's inputs built from its seed (the worker's, before)")]
+    try:
+        rows.append(_row(shape, "inputs handed over", timer(hand_over),
+                         "written to the inputs segment, viewed by the worker, compared back (isolated, issue 41)"))
+    finally:
+        if kept[0] is not None:
+            kept[0].close()
+    return rows
+
+
+def _journal_ms(case: Case, subject, device: str, timer: Callable) -> float:
+    from mla_verify.runs.rundir import RunDir
+
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = RunDir.open(f"{tmp}/run")
         try:
-            journal = _median_ms(lambda: run_dir.case_started(case, "fuzz", run_id="bench", impl=subject.label,
-                                                              specs=(), device=device)(), reps, sync)
+            return timer(lambda: run_dir.case_started(case, "fuzz", run_id="bench", impl=subject.label, specs=(),
+                                                      device=device)())
         finally:
             run_dir.release()
-    rows.append(_row(shape, "journal", journal, "case journaled as started and finished"))
+
+
+def _isolation_rows(case: Case, device: str, timer: Callable) -> list[dict]:
+    """`case` (and a small quantize case) evaluated in this process and in an isolation worker:
+    ms per case each, the worker's first case and the case after a crash."""
+    from mla_verify.equivalence.catalog import evaluate, resolve_subject
+    from mla_verify.equivalence.isolation import Worker
+
+    rows = []
     small = Case("quantize_fp8_ds_mla", {"n": 64, "value_regime": "normal", "scale_rule": "pow2"}, 3)
     for c in (small, case):
         label = c.short()[:44]
         resolved = resolve_subject(c.op, [], device)
-        in_process = _median_ms(lambda c=c, resolved=resolved: evaluate(c, resolved, device), reps, sync)
+        in_process = timer(lambda c=c, resolved=resolved: evaluate(c, resolved, device))
         worker = Worker(device, timeout_s=600)
         try:
             start = time.perf_counter()
             worker.run(c, [], "default")
             first = (time.perf_counter() - start) * 1e3
-            isolated = _median_ms(lambda c=c: worker.run(c, [], "default"), reps, sync)
+            isolated = timer(lambda c=c: worker.run(c, [], "default"))
             crashed = 0.0
             if c is small:
                 worker.run(c, [f"{__name__}:aborts"], "aborts")

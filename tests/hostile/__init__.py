@@ -122,4 +122,11 @@ BOUNDARY = [
             "rows: the output changed after the call returned: a write after return"),
     Hostile(B + "dies_leaving_a_child_on_the_pipe", "quantize_fp8_ds_mla", "crashed", "the worker process died (exit code 0)",
             isolate=True),
+    # the shared segments (issue 41)
+    Hostile(B + "claims_past_the_segment", "quantize_fp8_ds_mla", "crashed",
+            "the worker sent an unreadable message: a tensor of 16 bytes at offset", isolate=True),
+    Hostile(B + "claims_overlapping_outputs", "quantize_fp8_ds_mla", "crashed",
+            "the worker sent an unreadable message: two tensors overlap in the shared segment", isolate=True),
+    Hostile(B + "writes_its_input_and_hides_it", "quantize_fp8_ds_mla", "input_written",
+            "what the judge handed over differs from its own copy", isolate=True),
 ]

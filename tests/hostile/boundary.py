@@ -129,3 +129,70 @@ def leaves_a_thread(kv, scale_rule="pow2"):
     """Right answer, and a thread left running that never touches it."""
     threading.Thread(target=time.sleep, args=(0.5,), daemon=True).start()
     return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+# ----------------------------------------------------------------------------- the shared segments (issue 41)
+
+
+def _segment_message(tensors: list[dict]) -> None:
+    request = _caller_local("request")
+    _write_message({"kind": "produced", "seq": request["seq"], "case_id": _case_id(request), "outputs": {"rows": 0},
+                    "tensors": tensors})
+    time.sleep(30)
+
+
+def claims_past_the_segment(kv, scale_rule="pow2"):
+    """Answers with an output said to lie in the outputs segment, ending past its end."""
+    size = _caller_local("request")["outputs"]["size"]
+    _segment_message([{"dtype": "uint8", "shape": [16], "device": "cpu", "nbytes": 16, "offset": size - 8}])
+
+
+def claims_overlapping_outputs(kv, scale_rule="pow2"):
+    """Answers with two outputs said to share bytes of the outputs segment."""
+    _segment_message([{"dtype": "uint8", "shape": [16], "device": "cpu", "nbytes": 16, "offset": 0},
+                      {"dtype": "uint8", "shape": [16], "device": "cpu", "nbytes": 16, "offset": 8}])
+
+
+def scribbles_the_segment_after_answering(kv, scale_rule="pow2"):
+    """Right answer, and a thread that fills the outputs segment with 0xff bytes (NaN in every
+    float) 0.3 s later, after the worker answered: the judge reads its copy, taken on arrival."""
+    out = _caller_local("mapped")["outputs"]
+
+    def later():
+        time.sleep(0.3)
+        out.view[:1 << 16] = b"\xff" * (1 << 16)
+
+    threading.Thread(target=later, daemon=True).start()
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def resizes_the_segments(kv, scale_rule="pow2"):
+    """Right answer, after trying to truncate, grow and unlink both segments the parent shares
+    (a truncated mapping faults its reader): what each attempt raised goes to the file its run id
+    names (a test's: the worker's environment is its fork server's)."""
+    request, tried = _caller_local("request"), []
+    for which in ("inputs", "outputs"):
+        described = request[which]["segment"] if which == "inputs" else request[which]
+        fd = os.open(described["path"], os.O_RDWR)
+        for attempt, do in (("truncate", lambda: os.ftruncate(fd, 0)), ("grow", lambda: os.ftruncate(fd, 1 << 40)),
+                            ("unlink", lambda: os.unlink(described["path"]))):
+            try:
+                do()
+                tried.append(f"{which} {attempt}: done")
+            except OSError as exc:
+                tried.append(f"{which} {attempt}: {type(exc).__name__}")
+        os.close(fd)
+    with open(request["run_id"], "w") as f:
+        f.write("\n".join(tried))
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+def writes_its_input_and_hides_it(kv, scale_rule="pow2"):
+    """Writes its input in place, and makes the worker's own snapshot see no write: the judge's
+    comparison of what it handed over still does."""
+    from mla_verify.equivalence import contract
+
+    result = eager.quantize_fp8_ds_mla(kv, scale_rule)
+    kv.view(-1)[0] += 1
+    contract.Snapshot.changed = lambda self, allowed=(): []
+    return result

@@ -33,6 +33,8 @@ ZOO = [
         "issue 38"),
     Bug("first_request_base_in_forward", "forward_mqa", "convert_index=tests.zoo.indices:first_request_base",
         "per-request base hoisted", "issue 38", "fp8_separate"),
+    Bug("assumes_dense_block_table", "convert_index", "tests.zoo.indices:assumes_dense_block_table",
+        "contiguity and storage offset", "issue 37"),
     Bug("dcp_no_ownership_filter", "dcp_convert_index", "tests.zoo.indices:dcp_no_ownership_filter", "DCP index ownership", "vLLM #46514"),
     Bug("dcp_interleave_ignored", "dcp_convert_index", "tests.zoo.indices:dcp_interleave_ignored", "DCP index ownership"),
     Bug("drops_last_valid", "sparse_prefill", "tests.zoo.attention:drops_last_valid", "lanes beyond topk_length", "FlashInfer #5095"),

@@ -103,3 +103,14 @@ def first_request_base(req_id, block_table, topk_indices, block_size, block_stri
     prefill = None if prefill_request_ids is None else torch.where(prefill_request_ids >= 0, 0, prefill_request_ids)
     return reference.convert_index(first, block_table, topk_indices, block_size, block_stride_rows, prefill,
                                    prefill_workspace_starts, return_valid_counts, idx_mapping=idx_mapping)
+
+
+def assumes_dense_block_table(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
+                              prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False,
+                              idx_mapping=None):
+    """Reads the block table as a dense [R, M] array from the start of its storage (a kernel taking
+    the allocation's base pointer and row r at r * M): right for a contiguous table, wrong for a
+    slice of a wider persistent one or one at a storage offset (issue 37)."""
+    dense = torch.as_strided(block_table, block_table.shape, (block_table.shape[1], 1), 0)
+    return reference.convert_index(req_id, dense, topk_indices, block_size, block_stride_rows, prefill_request_ids,
+                                   prefill_workspace_starts, return_valid_counts, idx_mapping=idx_mapping)
