@@ -174,14 +174,13 @@ class _Split:
         return int(self.live[part].sum()) / total if total else 1.0
 
 
-def named_at(axes: Axes | None, at: str) -> str:
-    """A position "4,0" as its axes name it, " (token 4 of request 2, top-k position 0)"; "" where
+def named_at(axes: Axes | None, at: tuple[int, ...]) -> str:
+    """A position (4, 0) as its axes name it, " (token 4 of request 2, top-k position 0)"; "" where
     the axes are unknown."""
-    coords = [int(c) for c in at.split(",")] if at else []
-    if axes is None or len(coords) != len(axes.dims):
+    if axes is None or not at or len(at) != len(axes.dims):
         return ""
     parts = []
-    for i, c in enumerate(coords):
+    for i, c in enumerate(at):
         label = axes.label(i)
         if label == "column":
             parts.append(f"column {c} in {f'scale tile {c // TILE}' if c < LATENT else 'the RoPE columns'}")

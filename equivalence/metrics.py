@@ -67,6 +67,9 @@ FP32_UNIT = 2.0**-24
 FP32_TINY = 2.0**-126  # smallest normal float32: GPU fp32 math flushes below it (a sink can push a row there)
 
 
+Position = tuple[int, ...]  # an element's index in its tensor
+
+
 @dataclass
 class Metrics:
     """One tensor's distance from the reference's. Each field is a column of the tensor's row
@@ -78,7 +81,7 @@ class Metrics:
     rel_l2: float = math.nan      # ||impl - ref|| / ||ref|| over finite positions
     cos_dist: float = math.nan    # 1 - cos(impl, ref)
     max_abs: float = math.nan     # max |impl - ref| over finite positions (exact: at the first mismatch)
-    max_abs_at: str = ""          # index of that element, as "i,j,k"
+    max_abs_at: Position = ()     # index of that element, one coordinate a dim
     mismatch_frac: float = math.nan  # fraction failing the per-element abs-or-rel check (exact: not bit-equal)
     mean_err: float = math.nan    # signed relative bias (lse: gain): a bug biases, rounding does not
     bf16_units: float = math.nan  # ||impl - ref|| / ||bf16(ref) - ref||: error in units of bf16 rounding
@@ -93,12 +96,13 @@ class Metrics:
     extra: dict = field(default_factory=dict)  # "shape" (a mismatch), "first_mismatch" (exact)
 
 
-def _position(flat_index: int, shape: torch.Size) -> str:
+def position(flat_index: int, shape: torch.Size) -> Position:
+    """The index of the element at `flat_index` of a row-major tensor of `shape`."""
     coords = []
     for size in reversed(shape):
         coords.append(flat_index % size)
         flat_index //= size
-    return ",".join(str(c) for c in reversed(coords))
+    return tuple(reversed(coords))
 
 
 def exact(a: torch.Tensor, r: torch.Tensor) -> Metrics:
@@ -116,7 +120,7 @@ def exact(a: torch.Tensor, r: torch.Tensor) -> Metrics:
         m.nan_count = int((torch.isnan(a) & ~torch.isnan(r)).sum())
     if bool(diff.any()):
         first = int(diff.nonzero()[0])
-        m.max_abs_at = _position(first, r.shape)
+        m.max_abs_at = position(first, r.shape)
         av, rv = a.flatten()[first], r.flatten()[first]
         m.max_abs = float((av.double() - rv.double()).abs()) if a.is_floating_point() or a.dtype != torch.bool else 1.0
         m.extra["first_mismatch"] = f"{av.item()} vs {rv.item()}"
@@ -193,7 +197,7 @@ def _case_stats(a: torch.Tensor, r: torch.Tensor, stats: dict[str, torch.Tensor]
         if v["n"]:
             m.ref_rms = v["ref_norm"] / math.sqrt(v["n"])
             m.max_abs = v["max_abs"]
-            m.max_abs_at = _position(int(v["argmax"]), shape)
+            m.max_abs_at = position(int(v["argmax"]), shape)
             m.rel_l2 = v["err_norm"] / v["ref_norm"] if v["ref_norm"] else (math.inf if v["err_norm"] else 0.0)
         out.append((m, v))
     return out

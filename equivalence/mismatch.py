@@ -22,7 +22,7 @@ from functools import reduce
 import torch
 
 from .localize import Axes, named_at, where
-from .metrics import Metrics, lse_unit, output_row_scale
+from .metrics import Metrics, Position, lse_unit, output_row_scale, position
 from .policy import EXACT, LSE, OUT, Bound
 
 LN2 = math.log(2.0)
@@ -110,16 +110,14 @@ def _elements(impl: torch.Tensor, ref: torch.Tensor, both: torch.Tensor, allowed
     n = ref.numel()
     if allowed is None:  # no element-wise bound: the largest difference
         at = int(d.reshape(-1).argmax()) if n else 0
-        where_at = _at(at, ref.shape)
-        return (f"largest difference at [{where_at}]{named_at(axes, where_at)}: kernel {_v(impl, at)}, "
+        return (f"largest difference at {_where(position(at, ref.shape), axes)}: kernel {_v(impl, at)}, "
                 f"reference {_v(ref, at)}")
     over = int((d > allowed).sum())
     ratio = torch.where(d > 0, d / allowed, 0.0)  # an element allowed 0 and off at all: inf
     at = int(ratio.reshape(-1).argmax()) if n else 0
     head = (f"{over} / {n} elements ({_percent(over, n)}) outside their allowed difference; worst" if over
             else "every element within its allowed difference (the error is spread); closest to its bound")
-    where_at = _at(at, ref.shape)
-    return (f"{head} at [{where_at}]{named_at(axes, where_at)}: kernel {_v(impl, at)}, reference {_v(ref, at)}, "
+    return (f"{head} at {_where(position(at, ref.shape), axes)}: kernel {_v(impl, at)}, reference {_v(ref, at)}, "
             f"off by {float(d.reshape(-1)[at]):.3g}, allowed {float(allowed.reshape(-1)[at]):.3g}")
 
 
@@ -192,9 +190,8 @@ def _patterns(c: Pair) -> str:
         got, want = _CLASS_NAMES[code // 4], _CLASS_NAMES[code % 4]
         ref_at = f", reference {_v(c.ref, first)}" if want == "finite" else ""
         kernel_at = f", kernel {_v(impl, first)}" if got == "finite" else ""
-        at = _at(first, c.ref.shape)
         parts.append(f"{int(where.sum())} {got} where the reference is {want} (first at "
-                     f"[{at}]{named_at(c.axes, at)}{kernel_at}{ref_at})")
+                     f"{_where(position(first, c.ref.shape), c.axes)}{kernel_at}{ref_at})")
         if got == "-inf" and want == "+inf" and "lse" in c.tensor:
             parts[-1] += (": an empty row's LSE is +inf here; declare --convention empty_lse=-inf if that is your "
                           "kernel's convention")
@@ -207,17 +204,14 @@ def _exact(c: Pair, m: Metrics) -> str:
     """An exact tensor's differing elements, and the first of them."""
     n = c.ref.numel()
     differ = round(m.mismatch_frac * n) if not math.isnan(m.mismatch_frac) else n
-    first = (f"; first at [{m.max_abs_at}]{named_at(c.axes, m.max_abs_at)}: kernel "
+    first = (f"; first at {_where(m.max_abs_at, c.axes)}: kernel "
              f"{m.extra['first_mismatch'].replace(' vs ', ', reference ')}") if "first_mismatch" in m.extra else ""
     return f"{differ} / {n} elements ({_percent(differ, n)}) differ bit for bit{first}"
 
 
-def _at(flat: int, shape: torch.Size) -> str:
-    coords = []
-    for size in reversed(shape):
-        coords.append(flat % size)
-        flat //= size
-    return ",".join(map(str, reversed(coords)))
+def _where(at: Position, axes: Axes | None) -> str:
+    """A position as printed: "[4,0] (token 4 of request 2, top-k position 0)"."""
+    return f"[{','.join(map(str, at))}]{named_at(axes, at)}"
 
 
 def _v(x: torch.Tensor, flat: int) -> str:

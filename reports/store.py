@@ -5,11 +5,12 @@ Column types follow the annotations of the stored fields (`equivalence.rows.STOR
 run written today and one written months ago load to identical dtypes: str -> string, int -> int64,
 `int | None` -> Int64 (nullable), float (and `float | None`) -> float64 with NaN for missing,
 bool -> bool, a pipeline's `stages` -> (stage, impl) pairs (a list of {stage, impl} structs in
-rows.parquet, JSON in rows.csv and the journal). Optional strings (knobs) are <NA> when absent (an
+rows.parquet, JSON in rows.csv and the journal), `max_abs_at` -> a tuple of ints (a list, or JSON). Optional strings (knobs) are <NA> when absent (an
 empty knob is absent); required strings are never missing ("" is a value). A column an older run
 lacks takes its default; `kind` alone, which runs stored before rows had one lack, is derived from
-their tensors' names (`_old_kind`), and `stages`, stored as the text "stage=impl,..." before it
-was pairs, is read into pairs (`stage_pairs`): the only places that read an old run's names as data.
+their tensors' names (`_old_kind`), `stages`, stored as the text "stage=impl,..." before it was
+pairs, is read into pairs (`stage_pairs`), and `max_abs_at`, once the text "i,j,k", into a tuple
+(`position`): the only places that read an old run's text as data.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mla_verify.equivalence.files import read_json, read_text, regular_file
+from mla_verify.equivalence.metrics import Position
 from mla_verify.equivalence.rows import COLUMNS, STORED_FIELDS, Row, Stages
 
 RUN_FORMAT = "mla-verify-run/1"
@@ -48,8 +50,10 @@ _DTYPE_OF_ANNOTATION = {
     "float | None": "float64",
     "bool": "bool",
     "Stages": "object",
+    "Position": "object",
 }
 STAGES_TYPE = pa.list_(pa.struct([("stage", pa.string()), ("impl", pa.string())]))  # in rows.parquet
+POSITION_TYPE = pa.list_(pa.int64())
 # column -> (pandas dtype, may be missing)
 SCHEMA: dict[str, tuple[str, bool]] = {
     f.name: (_DTYPE_OF_ANNOTATION[str(f.type)], str(f.type).endswith("| None")) for f in STORED_FIELDS
@@ -86,7 +90,24 @@ def stage_pairs(stored: Any) -> Stages:
     return pairs
 
 
+def position(stored: Any) -> Position:
+    """A row's max_abs_at, however its run stored it, as a tuple of ints: a list (rows.parquet, a
+    Row, the journal) or its JSON (rows.csv); or the text "i,j,k" of a run written before it was
+    a tuple."""
+    if isinstance(stored, str) and not stored.startswith("["):
+        items = stored.split(",") if stored else []
+        if not all(c.isdigit() for c in items):
+            raise ValueError(f"rows' max_abs_at {stored[:80]!r} is not a position")
+        return tuple(map(int, items))
+    items = json.loads(stored) if isinstance(stored, str) else stored
+    if not isinstance(items, _SEQUENCES) or not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool)
+                                                    for c in items):
+        raise ValueError(f"rows' max_abs_at {str(stored)[:80]!r} is not a position")
+    return tuple(int(c) for c in items)
+
+
 _SEQUENCES = (list, tuple, np.ndarray)  # what pyarrow, json and a Row hand over as a list
+_READERS = {"stages": stage_pairs, "max_abs_at": position}  # the columns stored as lists
 
 
 def _pair(p: Any) -> tuple:
@@ -116,8 +137,8 @@ def conform(frame: pd.DataFrame) -> pd.DataFrame:
             out[name] = None if optional else _DEFAULTS[name]
         if dtype == "bool":
             out[name] = _verdicts(out[name], name)
-        if name == "stages":
-            out[name] = pd.Series([stage_pairs(v) for v in out[name]], index=out.index, dtype=object)
+        if name in _READERS:
+            out[name] = pd.Series([_READERS[name](v) for v in out[name]], index=out.index, dtype=object)
         out[name] = out[name].astype(dtype)
         if optional and dtype == "string":   # an empty knob is an absent knob (as in rows.csv)
             out[name] = out[name].mask(out[name] == "")
@@ -140,7 +161,7 @@ def _verdicts(column: pd.Series, name: str) -> pd.Series:
 def _parse_csv_column(raw: pd.Series, dtype: str, optional: bool) -> pd.Series:
     """Text from rows.csv back to the schema type. Parsing is ours, not read_csv's guesses:
     "NA" or "nan" in a reason stays text, and float() reads Python's shortest repr exactly."""
-    if dtype in ("string", "object"):  # stages: read by `conform`
+    if dtype in ("string", "object"):  # stages, max_abs_at: read by `conform`
         return raw.mask(raw == "", None).astype(dtype) if optional else raw.astype(dtype)
     if dtype == "float64":
         return raw.map(lambda s: float(s) if s else float("nan")).astype(dtype)
@@ -166,10 +187,15 @@ def _json_default(obj: Any) -> Any:
 
 
 def write_parquet(frame: pd.DataFrame, path: Path) -> None:
-    """`frame` (conformed) as rows.parquet: its stages a list of {stage, impl} structs."""
-    table = pa.Table.from_pandas(frame.drop(columns="stages"), preserve_index=False)
-    stages = pa.array([[{"stage": s, "impl": i} for s, i in pairs] for pairs in frame["stages"]], STAGES_TYPE)
-    pq.write_table(table.add_column(COLUMNS.index("stages"), pa.field("stages", STAGES_TYPE), stages), path)
+    """`frame` (conformed) as rows.parquet: its stages a list of {stage, impl} structs, each
+    max_abs_at a list of ints."""
+    lists = {"stages": pa.array([[{"stage": s, "impl": i} for s, i in pairs] for pairs in frame["stages"]],
+                                STAGES_TYPE),
+             "max_abs_at": pa.array([list(at) for at in frame["max_abs_at"]], POSITION_TYPE)}
+    table = pa.Table.from_pandas(frame.drop(columns=list(lists)), preserve_index=False)
+    for name in sorted(lists, key=COLUMNS.index):
+        table = table.add_column(COLUMNS.index(name), pa.field(name, lists[name].type), lists[name])
+    pq.write_table(table, path)
 
 
 def write_run(run_dir: str | Path, rows: Iterable[Row | Mapping[str, Any]] | pd.DataFrame,
@@ -181,7 +207,7 @@ def write_run(run_dir: str | Path, rows: Iterable[Row | Mapping[str, Any]] | pd.
     write_parquet(frame, run_dir / ROWS_PARQUET)
     # RFC 4180 line ends: Python's csv quotes a field only for the characters of the line
     # terminator, and a bare "\r" in a reason must be quoted to survive the trip.
-    text = frame.assign(stages=frame["stages"].map(json.dumps))
+    text = frame.assign(stages=frame["stages"].map(json.dumps), max_abs_at=frame["max_abs_at"].map(json.dumps))
     text.to_csv(run_dir / ROWS_CSV, index=False, lineterminator="\r\n")
     body = {"format": RUN_FORMAT, **meta, "rows": len(frame)}
     (run_dir / META_JSON).write_text(json.dumps(body, indent=2, default=_json_default) + "\n")

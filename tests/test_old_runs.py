@@ -22,12 +22,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from mla_verify import api
 from mla_verify.cli import main
 from mla_verify.reports import load_run
+from mla_verify.reports.store import position
 
 OLD = Path(__file__).parent / "data" / "run-before-36"
 STAGES_AS_TEXT = Path(__file__).parent / "data" / "run-stages-as-text" / "forward"
@@ -152,3 +154,16 @@ def test_stages_that_are_not_pairs_make_the_run_unreadable(tmp_path, stored):
     (tmp_path / ROWS_CSV).write_text(text.assign(stages=stored).to_csv(index=False))
     with pytest.raises(ValueError):
         load_run(tmp_path)
+
+
+def test_max_abs_at_stored_as_text_loads_as_a_position(old):
+    """Runs before positions were tuples stored max_abs_at as "i,j,k"; it loads as ints, and text that
+    is no position makes the run unreadable."""
+    frame, _ = load_run(old / "gate")
+    assert all(isinstance(at, tuple) and all(type(c) is int for c in at) for at in frame["max_abs_at"])
+    assert any(len(at) > 1 for at in frame["max_abs_at"])
+    assert position("3,2,7") == position("[3, 2, 7]") == position(np.array([3, 2, 7])) == (3, 2, 7)
+    assert position("") == ()
+    for bad in ("3,x", '["q"]', "[true]", '"q"'):
+        with pytest.raises(ValueError, match="not a position"):
+            position(bad)

@@ -110,7 +110,7 @@ def synthetic_rows(seed: int, run_id: str, cases_per_group: int = 24,
                     rel = 2.0e-3 * s * float(rng.lognormal(0.0, 0.15))
                     rms = REGIME_RMS[regime] * float(rng.lognormal(0.0, 0.2))
                     row = changed(base, tensor=tensor, kind=tensor, numel=numel, ref_rms=rms, rel_l2=rel,
-                                  cos_dist=rel**2 / 2, max_abs=rel * rms * 6, max_abs_at="0,3,17",
+                                  cos_dist=rel**2 / 2, max_abs=rel * rms * 6, max_abs_at=(0, 3, 17),
                                   mismatch_frac=0.0, mean_err=float(rng.normal(0, 3e-6)) + b,
                                   bf16_units=rel / BF16_ROUNDING_REL_L2,
                                   elem_bf16_units=1.5 * s * float(rng.lognormal(0.0, 0.15)))
@@ -118,7 +118,7 @@ def synthetic_rows(seed: int, run_id: str, cases_per_group: int = 24,
                 elif tensor in ("lse", "max_logits"):
                     err = 1.0e-6 * s * float(rng.lognormal(0.0, 0.15))
                     row = changed(base, tensor=tensor, kind=tensor, numel=numel, ref_rms=9.0, rel_l2=err / 9,
-                                  cos_dist=0.0, max_abs=err, max_abs_at="5,1", mismatch_frac=0.0,
+                                  cos_dist=0.0, max_abs=err, max_abs_at=(5, 1), mismatch_frac=0.0,
                                   mean_err=float(rng.normal(0, 1e-8)) + b, lse_fp32_units=err / 2.5e-6)
                     rows.append(_gated(row, "max_abs", STAT_BOUND * (4.0 if deviation else 1.0)))
                 else:
@@ -170,7 +170,7 @@ def rows_strategy(draw) -> list[Row]:
             value_regime=draw(st.none() | st.sampled_from(["normal", "nan", "None", ""])),
             sm_scale=draw(st.none() | _floats), kind=draw(st.sampled_from(["", *KINDS])),
             metrics=Metrics(numel=draw(st.integers(0, 2**40)), rel_l2=draw(_floats), mean_err=draw(_floats),
-                            max_abs_at=draw(st.sampled_from(["", "1,2,3", '"q"']))),
+                            max_abs_at=tuple(draw(st.lists(st.integers(0, 2**62), max_size=4)))),
             headroom=draw(_floats),
             passed=draw(st.booleans()), reason=draw(_text | st.sampled_from(["NA", "nan", "a\nb"])),
         ))
