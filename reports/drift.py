@@ -258,7 +258,8 @@ class Drift:
         too_few = self.mode(TOO_FEW)
         if not too_few.empty:
             out.append(f"{TOO_FEW}: {len(too_few)} groups share no case with the baseline and hold fewer than "
-                       f"{self.min_cases} cases on a side (re-run the baseline's seed to pair them)")
+                       f"{self.min_cases} cases on a side (cases pair when both runs drew them: the baseline's "
+                       "seed and profile under the same draws; after the draws changed, more examples a side)")
         for tag, mode in (("appeared", NEW), ("disappeared", GONE)):
             rows = self.mode(mode)
             if not rows.empty:
