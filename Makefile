@@ -24,7 +24,7 @@ gate: $(STAMP)
 	$(BIN)/mla-verify gate --device cpu
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15  # the slowest tests listed: CI time is a budget (15 min)
 
 # The site's CLI and API pages are generated from the code as it builds (scripts/docs_reference.py).
 docs: $(VENV)/.docs-installed
