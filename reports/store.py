@@ -134,7 +134,8 @@ def conform(frame: pd.DataFrame) -> pd.DataFrame:
         if name not in out.columns:
             if not optional and (name not in _DEFAULTS or name == "passed"):  # no verdict is no pass
                 raise ValueError(f"rows lack the required column {name!r}")
-            out[name] = None if optional else _DEFAULTS[name]
+            default = None if optional else _DEFAULTS[name]
+            out[name] = [default] * len(out) if isinstance(default, tuple) else default  # () is no column of 0
         if dtype == "bool":
             out[name] = _verdicts(out[name], name)
         if name in _READERS:

@@ -167,3 +167,11 @@ def test_max_abs_at_stored_as_text_loads_as_a_position(old):
     for bad in ("3,x", '["q"]', "[true]", '"q"'):
         with pytest.raises(ValueError, match="not a position"):
             position(bad)
+
+
+def test_rows_without_a_max_abs_at_column_take_the_empty_position(old):
+    """Rows a tool wrote without the column (the history benchmark's) load with () in each row."""
+    from mla_verify.reports.store import conform
+
+    frame, _ = load_run(old / "gate")
+    assert conform(frame.drop(columns="max_abs_at"))["max_abs_at"].tolist() == [()] * len(frame)
