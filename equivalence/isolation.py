@@ -203,7 +203,8 @@ def _answer_cases(channel: _Channel, device: str) -> None:
                 subjects[key] = resolve_subject(case.op, specs, device.split(":")[0], deviations=deviations,
                                                 conventions=conventions)
             CALLED_WITH.clear()
-            kwargs = given and segment.inputs_of(given, mapped["inputs"], device)  # the parent's, not built here
+            # the parent's inputs, not built here, where the segment could be mapped
+            kwargs = given and mapped["inputs"] and segment.inputs_of(given, mapped["inputs"], device)
             produced = produce(case, subjects[key], device, run_id=request["run_id"], source=request["source"],
                                on_call=on_call, inputs=kwargs)
             del kwargs

@@ -113,12 +113,17 @@ class Mapped:
 
 
 def mapping(kept: Mapped | None, described: dict | None) -> Mapped | None:
-    """`kept` where it is the segment `described`, else a new mapping of it (None: none described)."""
+    """`kept` where it is the segment `described`, else a new mapping of it; None where none is
+    described or this process may not open it (a /proc that refuses another process's fds): then
+    the pipe carries the outputs and the worker builds the inputs, as without segments."""
     if described is None:
         return None
     if kept is not None and kept.serial == described["serial"] and kept.size == described["size"]:
         return kept
-    return Mapped(described)
+    try:
+        return Mapped(described)
+    except OSError:
+        return None
 
 
 # ----------------------------------------------------------------------------- outputs (the worker's)

@@ -209,6 +209,24 @@ def test_an_isolated_case_hands_its_inputs_and_outputs_through_the_segments(monk
     assert [offsets for offsets in placed if offsets] == [[0]]  # the answer's one output, in the segment
 
 
+def test_a_worker_that_may_not_open_the_segments_falls_back_to_the_pipe_and_its_own_inputs(monkeypatch):
+    """A /proc that refuses another process's fds (here: a path that does not exist) costs the
+    segments, not the case: outputs come through the pipe, the worker builds the inputs."""
+    assert segment.mapping(None, {"path": "/proc/0/fd/0", "size": 4096, "serial": 1}) is None
+    placed, describe = [], segment.Segment.describe
+    monkeypatch.setattr(segment.Segment, "describe", lambda self: {**describe(self), "path": "/nonexistent/segment"})
+    regions = wire._regions
+    monkeypatch.setattr(wire, "_regions", lambda specs, seg: placed.append([s[-1] for s in specs]) or regions(specs, seg))
+    w = Worker("cpu", timeout_s=20.0)
+    try:
+        rows = w.run(QUANTIZE, ["torch-fp32"], "torch-fp32")
+    finally:
+        w.close()
+    assert rows and all(r.passed for r in rows) and rows[0].metrics.numel > 0
+    offsets = [o for answer in placed for o in answer]
+    assert offsets and all(o is None for o in offsets)  # every tensor came through the pipe
+
+
 def test_a_worker_scribbling_its_segment_after_answering_is_judged_on_what_it_answered():
     impl = "tests.hostile.boundary:scribbles_the_segment_after_answering"
     w = Worker("cpu", timeout_s=20.0)
