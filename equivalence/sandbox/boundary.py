@@ -1,0 +1,199 @@
+"""The OS boundary an isolation worker puts itself behind before any of the user's code runs, so
+that a kernel with arbitrary code execution in its worker can make its own case fail or crash, and
+nothing else: not reach its judge's process, its descriptors, the run directory or the harness.
+
+Layers, in the order they are set up (each needs the one before it only where said):
+
+    session          setsid: no controlling terminal and a process group of its own, so kill(0)
+                     and a terminal's input stay the worker's
+    user namespace   unshare(CLONE_NEWUSER), its uid and gid mapped to themselves: it keeps its
+                     files and loses every capability outside (root's included), so a judge that
+                     is not dumpable (`protect_judge`) cannot be traced or opened through /proc
+    no_new_privs     nothing it executes gains privileges (setuid binaries); Landlock and seccomp
+                     need it
+    landlock         writes only beneath its scratch directory, the caches and device nodes it
+                     needs; no ptrace, /proc/PID/mem or /proc/PID/fd of a process outside its
+                     domain; signals and abstract unix sockets only within it (`sandbox.landlock`)
+    seccomp          no ptrace, cross-process memory or descriptors, no signal to its judge or
+                     to a group, no AF_UNIX socket, no io_uring (`sandbox.seccomp`)
+
+`enter(mode, ...)` sets them up: "off" none, "auto" each the host allows, "strict" the same, and
+`Boundary.refused` names what did not hold (the judge then refuses to run). Every layer says
+whether it held and, where not, why: a host without Landlock or namespaces runs as before, and
+says which layers are missing. Elsewhere than Linux nothing is set up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from . import landlock, seccomp
+
+MODES = ("auto", "strict", "off")
+LAYERS = ("session", "user namespace", "no_new_privs", "landlock", "seccomp")
+_CLONE_NEWUSER = 0x10000000
+_PR_SET_NO_NEW_PRIVS, _PR_SET_DUMPABLE = 38, 4
+SCRATCH_PREFIX = "mla-verify-worker-"
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/shm")
+_CUDA_DEVICES = ("/dev/nvidia*", "/dev/nvidia-caps")
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    held: bool
+    detail: str  # what it holds, or why it is missing
+
+    def __str__(self) -> str:
+        return self.name if self.held else f"{self.name} ({self.detail})"
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What a worker was put behind: its mode and each layer tried (none with "off")."""
+
+    mode: str
+    layers: tuple[Layer, ...] = ()
+    scratch: str | None = None  # the worker's private writable directory
+
+    @property
+    def held(self) -> list[str]:
+        return [layer.name for layer in self.layers if layer.held]
+
+    @property
+    def missing(self) -> list[Layer]:
+        return [layer for layer in self.layers if not layer.held]
+
+    def refused(self) -> str | None:
+        """Why a strict run may not go on (a layer missing), else None."""
+        if self.mode != "strict" or not self.missing:
+            return None
+        return "--sandbox strict: " + "; ".join(f"{layer.name}: {layer.detail}" for layer in self.missing)
+
+    def summary(self) -> str:
+        """One line: "sandbox auto: session, ..., seccomp; missing: landlock (why)"."""
+        if self.mode == "off":
+            return "sandbox off"
+        missing = "; missing: " + ", ".join(map(str, self.missing)) if self.missing else ""
+        return f"sandbox {self.mode}: {', '.join(self.held) or 'no layer held'}{missing}"
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "layers": [[x.name, x.held, x.detail] for x in self.layers],
+                "scratch": self.scratch}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Boundary":
+        """The judge's reading of a worker's words (sent before any user code ran), checked as data:
+        ValueError for anything out of place."""
+        if not isinstance(d, dict) or d.get("mode") not in MODES or not isinstance(d.get("layers"), list):
+            raise ValueError("not a sandbox description")
+        layers = []
+        for item in d["layers"][:len(LAYERS)]:
+            if (not isinstance(item, list) or len(item) != 3 or item[0] not in LAYERS or not isinstance(item[1], bool)
+                    or not isinstance(item[2], str)):
+                raise ValueError("not a sandbox layer")
+            layers.append(Layer(item[0], item[1], item[2][:300]))
+        scratch = d.get("scratch")
+        if scratch is not None and not (isinstance(scratch, str) and _is_scratch(scratch)):
+            raise ValueError("not a scratch directory of a worker")
+        return cls(d["mode"], tuple(layers), scratch)
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _checked(result: int) -> None:
+    if result != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def _session() -> str:
+    os.setsid()
+    return "its own session and process group, no controlling terminal"
+
+
+def _user_namespace() -> str:
+    uid, gid = os.getuid(), os.getgid()
+    if len(os.listdir("/proc/self/task")) > 1:
+        raise OSError("the worker already runs threads (a user namespace needs a single-threaded process)")
+    _checked(_libc().unshare(_CLONE_NEWUSER))
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    return f"uid {uid} and gid {gid} mapped to themselves, no capability outside"
+
+
+def _no_new_privs() -> str:
+    _checked(_libc().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
+    return "set"
+
+
+def _attempt(name: str, setup: Callable[[], str]) -> Layer:
+    try:
+        return Layer(name, True, setup())
+    except (OSError, ValueError, AttributeError) as exc:
+        return Layer(name, False, str(exc) or type(exc).__name__)
+
+
+def writable_paths(device: str, scratch: str) -> list[str]:
+    """Where a worker for `device` may write: its scratch directory, the harmless device nodes and
+    shared memory, on CUDA the GPU's device nodes, and the compilers' caches (Triton's, CUDA's,
+    torch's extensions: a fresh worker would otherwise compile every kernel again), made first."""
+    home = os.path.expanduser("~")
+    caches = [os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.environ.get("TRITON_HOME") or home, ".triton"),
+              os.environ.get("CUDA_CACHE_PATH") or os.path.join(home, ".nv"),
+              os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(home, ".cache", "torch_extensions")]
+    for cache in caches:
+        try:
+            os.makedirs(cache, exist_ok=True)
+        except OSError:
+            pass
+    devices = [*_DEVICES, *(p for pattern in _CUDA_DEVICES for p in sorted(glob.glob(pattern)))] \
+        if device.startswith("cuda") else list(_DEVICES)
+    return [scratch, *devices, *caches]
+
+
+def _is_scratch(path: str) -> bool:
+    parent, name = os.path.split(os.path.normpath(path))
+    return os.path.isabs(path) and name.startswith(SCRATCH_PREFIX) and parent == os.path.normpath(tempfile.gettempdir())
+
+
+def scratch_dir() -> str:
+    """A private directory for the worker's temporary files (TMPDIR points there from now on)."""
+    path = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
+    os.environ["TMPDIR"] = tempfile.tempdir = path
+    return path
+
+
+def enter(mode: str, device: str, protected: Iterable[int]) -> Boundary:
+    """Put this process behind the layers `mode` asks for; `protected`: the pids no signal of its
+    may reach (its judge, its parent). Call it while the process is single-threaded, before any
+    user code runs; the layers hold for everything it starts."""
+    if mode not in MODES:
+        raise ValueError(f"sandbox mode {mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "off":
+        return Boundary("off")
+    if not sys.platform.startswith("linux"):
+        return Boundary(mode, tuple(Layer(name, False, f"not Linux ({sys.platform})") for name in LAYERS))
+    scratch = scratch_dir()
+    layers = [_attempt("session", _session), _attempt("user namespace", _user_namespace)]
+    layers.append(nnp := _attempt("no_new_privs", _no_new_privs))
+    pids = {*protected, os.getppid()} | (set() if layers[0].held else {0})  # kill(0): the judge's group
+    for name, setup in (("landlock", lambda: landlock.restrict(writable_paths(device, scratch))),
+                        ("seccomp", lambda: seccomp.deny(pids))):
+        layers.append(_attempt(name, setup) if nnp.held else Layer(name, False, "needs no_new_privs"))
+    return Boundary(mode, tuple(layers), scratch)
+
+
+def protect_judge() -> bool:
+    """Make this process (the judge) not dumpable: /proc/PID/mem, /proc/PID/fd and ptrace then need
+    CAP_SYS_PTRACE over it, which a worker in its own user namespace has not. Whether it holds."""
+    return sys.platform.startswith("linux") and _libc().prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
