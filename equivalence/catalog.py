@@ -17,7 +17,7 @@ from .judge import conventions as conventions_
 from .judge.rows import Row
 from .produced import Produced
 from .spec import SPECS, Spec
-from .subject import Subject, check_declared, did_you_mean
+from .subject import Subject, check_declared, described as described_, did_you_mean
 
 
 def _load() -> None:
@@ -54,14 +54,16 @@ def get_spec(name: str) -> Spec:
 
 
 def resolve_subject(op: str, specs: Sequence[str], device: str, deviations: Sequence[str] = (),
-                    conventions: Sequence[str] | Mapping[str, Any] | None = ()) -> Subject:
+                    conventions: Sequence[str] | Mapping[str, Any] | None = (), *, described: bool = False) -> Subject:
     """The --impl strings for `op` as a Subject; none: the project's implementation (for a property,
     the registry's preferred implementation of every stage, labelled "preferred").
 
     `deviations` (`--deviation`) are declared for the user's callables among `specs`, on top of
     what each declares itself; naming one without a user's callable is a usage error.
     `conventions` (`--convention KEY=VALUE`, equivalence.judge.conventions) convert what the user's
-    callables that return an LSE return into the reference's conventions."""
+    callables that return an LSE return into the reference's conventions. `described`: a user's
+    callable is described from its module's source, never imported (`subject.Described`): the
+    judge of an isolated run, whose worker imports it."""
     check_declared(specs, deviations)
     try:
         spec = get_spec(op)
@@ -71,7 +73,8 @@ def resolve_subject(op: str, specs: Sequence[str], device: str, deviations: Sequ
         declared = conventions_.parse(conventions)
     except ValueError as exc:
         raise UsageError(f"--convention: {exc}") from None
-    subject = spec.subject(tuple(specs), device, tuple(deviations))
+    with described_(described):
+        subject = spec.subject(tuple(specs), device, tuple(deviations))
     try:
         return conventions_.apply(subject, op, declared)
     except ValueError as exc:

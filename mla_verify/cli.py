@@ -126,6 +126,11 @@ def _add_isolation(p: argparse.ArgumentParser) -> None:
                    help="seconds the implementation may take per case in the worker (start-up and the reference "
                         "are not counted; default 300); not with --no-isolate: an in-process call "
                         "cannot be stopped")
+    p.add_argument("--sandbox", choices=("auto", "strict", "off"), default="auto",
+                   help="the OS boundary each isolation worker puts itself behind before any of the kernel's code "
+                        "runs (Landlock, seccomp, a user namespace, no_new_privs, its own session): auto sets up "
+                        "what this host allows and the PASS line names what held; strict refuses to run where a "
+                        "layer cannot be set up; off runs the worker as this process's user, unconfined")
 
 
 def _add_deviation(p: argparse.ArgumentParser, default: list | None) -> None:
@@ -671,7 +676,7 @@ def cmd_replay(args, device: str) -> int:
     from mla_verify.equivalence.judge.mismatch import line
 
     result = api.replay(args.file, args.impl, device=device, isolate=args.isolate, timeout=args.timeout,
-                        deviations=args.deviation, conventions=args.convention, log=print)
+                        deviations=args.deviation, conventions=args.convention, sandbox=args.sandbox, log=print)
     for r in result.rows.itertuples():
         print(f"  ok   {r.tensor:17s} {r.gate_metric} = {r.value:.4g} of {r.bound:.4g}" if r.passed
               else f"  FAIL {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}")
@@ -681,6 +686,8 @@ def cmd_replay(args, device: str) -> int:
         from mla_verify.reports.meta import IN_PROCESS
 
         print(f"  {IN_PROCESS}")
+    elif result.sandbox:
+        print(f"  {result.sandbox}")
     return result.exit_code
 
 
@@ -702,7 +709,7 @@ def cmd_gate(args, device: str) -> int:
                               **drift_settings.settings())
     verdict = "FAILED" if outcome.failed else "passed" if outcome.isolated else f"passed ({IN_PROCESS})"
     print(f"gate {verdict}: {len(outcome.rows)} rows in {time.time() - started:.0f} s; "
-          f"report {outcome.out / 'report.html'}")
+          f"report {outcome.out / 'report.html'}" + (f"; {outcome.sandbox}" if outcome.sandbox else ""))
     return 1 if outcome.failed else code
 
 

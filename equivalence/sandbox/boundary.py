@@ -83,6 +83,10 @@ class Boundary:
         missing = "; missing: " + ", ".join(map(str, self.missing)) if self.missing else ""
         return f"sandbox {self.mode}: {', '.join(self.held) or 'no layer held'}{missing}"
 
+    def record(self) -> dict:
+        """What meta.json keeps: the mode, the layers that held, and why each other did not."""
+        return {"mode": self.mode, "held": self.held, "missing": {x.name: x.detail for x in self.missing}}
+
     def to_dict(self) -> dict:
         return {"mode": self.mode, "layers": [[x.name, x.held, x.detail] for x in self.layers],
                 "scratch": self.scratch}

@@ -30,13 +30,16 @@ a replacement after a crash.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from typing import Callable
 
 from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.sandbox import boundary
 
 
 def aborts(kv, scale_rule="pow2"):
@@ -84,7 +87,7 @@ def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
     rows += _message_rows(shape, [t.to("cpu") for t in got.tensors.values()], timer)
     rows += _hand_over_rows(shape, lambda: spec.inputs(params, case.seed, device), kwargs, spec.writes, device, timer)
     rows.append(_row(shape, "journal", _journal_ms(case, subject, device, timer), "case journaled as started and finished"))
-    return rows + _isolation_rows(case, device, timer)
+    return rows + _isolation_rows(case, device, timer) + _sandbox_rows(device, timer)
 
 
 def _guard_rows(shape: str, kwargs: dict, outputs: dict, timer: Callable) -> list[dict]:
@@ -237,4 +240,60 @@ def _isolation_rows(case: Case, device: str, timer: Callable) -> list[dict]:
                 + (f"; the case after a crash {crashed:.0f} ms" if crashed else ""))
         rows.append({**_row(label, "isolation", isolated - in_process, note), "in_process_ms": in_process,
                      "isolated_ms": isolated, "first_case_ms": first, "after_crash_ms": crashed or None})
+    return rows
+
+
+def _enter_ms(device: str, reps: int) -> float:
+    """The median ms of `boundary.enter("auto")` (scratch directory, session, user namespace,
+    no_new_privs, Landlock, seccomp), each in a child forked from this process."""
+    times = []
+    for _ in range(reps):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            start = time.perf_counter()
+            fence = boundary.enter("auto", device, ())
+            os.write(w, f"{(time.perf_counter() - start) * 1e3} {fence.scratch}".encode())
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            ms, scratch = f.read().split(" ", 1)
+        os.waitpid(pid, 0)
+        shutil.rmtree(scratch, ignore_errors=True)
+        times.append(float(ms))
+    return statistics.median(times)
+
+
+def _sandbox_rows(device: str, timer: Callable) -> list[dict]:
+    """A small quantize case in a worker behind no sandbox and behind "auto": ms per case, the
+    first case (the worker's start), the case after a crash; and the layers' set-up alone."""
+    from mla_verify.equivalence.sandbox.worker import Worker
+
+    small = Case("quantize_fp8_ds_mla", {"n": 64, "value_regime": "normal", "scale_rule": "pow2"}, 3)
+    rows, measured = [], {}
+    for mode in ("off", "auto"):
+        worker = Worker(device, timeout_s=600, sandbox=mode)
+        try:
+            start = time.perf_counter()
+            worker.run(small, [], "default")
+            first = (time.perf_counter() - start) * 1e3
+            per_case = timer(lambda: worker.run(small, [], "default"))
+            worker.run(small, [f"{__name__}:aborts"], "aborts")
+            start = time.perf_counter()
+            worker.run(small, [], "default")
+            crashed = (time.perf_counter() - start) * 1e3
+            fence = worker.summary()
+        finally:
+            worker.close()
+        measured[mode] = (per_case, first, crashed)
+        rows.append({**_row(small.short()[:44], f"sandbox {mode}", per_case,
+                            f"{fence}; first case (worker start) {first:.0f} ms; the case after a crash {crashed:.0f} ms"),
+                     "isolated_ms": per_case, "first_case_ms": first, "after_crash_ms": crashed})
+    (off, off_first, off_crash), (auto, auto_first, auto_crash) = measured["off"], measured["auto"]
+    rows.append(_row(small.short()[:44], "sandbox cost", auto - off,
+                     f"per case {auto - off:+.2f} ms, worker start {auto_first - off_first:+.0f} ms, after a crash "
+                     f"{auto_crash - off_crash:+.0f} ms (auto against off)"))
+    if sys.platform.startswith("linux"):
+        rows.append(_row("boundary.enter", "sandbox set-up", _enter_ms(device, 10),
+                         "the layers set up alone, in a forked child (once per worker, before any user code)"))
     return rows

@@ -90,6 +90,7 @@ class CheckResult:
     notes: list[str] = field(default_factory=list)
     campaigns: int = 1              # independent campaigns (parallel parts: seeds seed, seed + 1, ...)
     in_process: bool = False        # judged in the implementation's own process (--no-isolate, a callable object)
+    sandbox: str = ""               # isolated: what its workers stood behind ("sandbox auto: ...", sandbox.boundary)
 
     @property
     def failure(self) -> Failure | None:
@@ -118,7 +119,9 @@ class CheckResult:
                      else f"seeds {self.seed}..{self.seed + self.campaigns - 1}")
             over = f" over {self.campaigns} campaigns" if self.campaigns > 1 else ""
             judged = f" ({IN_PROCESS})" if self.in_process else ""
-            lines.append(f"PASS{judged}: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}")
+            fence = f"; {self.sandbox}" if self.sandbox else ""
+            lines.append(f"PASS{judged}: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}"
+                         f"{fence}")
         if self.unsupported:
             first = self.rows[self.rows.gate_metric == "unsupported"].reason.iloc[0]
             lines.append(f"  {self.unsupported} of them declined by the implementation (mla_verify.unsupported), "
@@ -151,7 +154,7 @@ def _headroom(rows: pd.DataFrame) -> str:
 def result_file(result: CheckResult) -> str:
     """A campaign's outcome as JSON (what a parallel part leaves for its parent)."""
     return json.dumps({"examples": result.examples, "seed": result.seed, "passed": result.passed,
-                       "interrupted": result.interrupted, "notes": result.notes,
+                       "interrupted": result.interrupted, "notes": result.notes, "sandbox": result.sandbox,
                        "failures": [f.to_dict() for f in result.failures]}, indent=2) + "\n"
 
 
@@ -168,6 +171,7 @@ class GateOutcome:
     case_files: list[tuple[Path, list[str]]] = field(default_factory=list)  # each saved case, its lines (replay first)
     parts: int = 1
     isolated: bool = True           # judged out of the kernels' reach (reports.meta.IN_PROCESS otherwise)
+    sandbox: str = ""               # what its workers stood behind (sandbox.boundary), as its last line says
 
     def lines(self) -> list[str]:
         """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts said them)."""

@@ -99,13 +99,13 @@ def dies_leaving_a_child_on_the_pipe(kv, scale_rule="pow2"):
 
 
 def leaves_a_daemon(kv, scale_rule="pow2"):
-    """Right answer, and a double-forked, setsid'd grandchild that outlives the call (it writes its
-    pid where MLA_VERIFY_TEST_PIDFILE says, and would rewrite the run's rows later)."""
+    """Right answer, and a double-forked, setsid'd grandchild that outlives the call (it prints its
+    pid on the output it inherited, the run's: behind the sandbox it may write no file, and it would
+    rewrite the run's rows later)."""
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:
-            with open(os.environ["MLA_VERIFY_TEST_PIDFILE"], "w") as f:
-                f.write(str(os.getpid()))
+            os.write(1, f"daemon pid: {os.getpid()}\n".encode())
             time.sleep(120)
         os._exit(0)
     os.wait()
@@ -167,15 +167,15 @@ def scribbles_the_segment_after_answering(kv, scale_rule="pow2"):
 
 
 def resizes_the_segments(kv, scale_rule="pow2"):
-    """Right answer, after trying to truncate, grow and unlink both segments the parent shares
-    (a truncated mapping faults its reader): what each attempt raised goes to the file its run id
-    names (a test's: the worker's environment is its fork server's)."""
-    request, tried = _caller_local("request"), []
+    """Right answer, after trying to truncate and grow both segments the parent shares (a
+    truncated mapping faults its reader) through the descriptors it was handed, and to unlink them
+    (they have no name but /proc's): what each attempt raised goes to the file its run id names (a
+    test's: the worker's environment is its fork server's)."""
+    request, mapped, tried = _caller_local("request"), _caller_local("mapped"), []
     for which in ("inputs", "outputs"):
-        described = request[which]["segment"] if which == "inputs" else request[which]
-        fd = os.open(described["path"], os.O_RDWR)
+        fd = os.dup(mapped[which].fd)
         for attempt, do in (("truncate", lambda: os.ftruncate(fd, 0)), ("grow", lambda: os.ftruncate(fd, 1 << 40)),
-                            ("unlink", lambda: os.unlink(described["path"]))):
+                            ("unlink", lambda: os.unlink(f"/proc/self/fd/{fd}"))):
             try:
                 do()
                 tried.append(f"{which} {attempt}: done")

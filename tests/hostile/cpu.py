@@ -404,3 +404,24 @@ def loosens_the_bounds(kv, scale_rule="pow2"):
 def sets_default_device(kv, scale_rule="pow2"):
     torch.set_default_device("meta")
     return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+# ----------------------------------------------------------------------------- declining (issue 45, item 5)
+
+
+def declines_every_case(kv, scale_rule="pow2"):
+    """Declines whatever it is asked: a run of it judged nothing, which is no pass."""
+    from mla_verify import unsupported
+
+    unsupported("this kernel takes no input at all")
+
+
+def declines_by_value(kv, scale_rule="pow2"):
+    """Declines the cases whose first value is positive (about half of them, whatever their
+    shapes), where it would be wrong, and answers the rest right: a decline that depends on the
+    values, not the params, hides the wrong answers as "not checked"."""
+    from mla_verify import unsupported
+
+    if float(kv.reshape(-1)[0]) > 0:
+        unsupported("a positive first value")
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
