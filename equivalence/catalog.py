@@ -10,6 +10,8 @@ import importlib
 import pkgutil
 from typing import Any, Callable, Mapping, Sequence
 
+from mla_verify.optimized import registry
+
 from . import ops, properties
 from .cases.case import Case
 from .errors import UsageError
@@ -79,6 +81,25 @@ def resolve_subject(op: str, specs: Sequence[str], device: str, deviations: Sequ
         return conventions_.apply(subject, op, declared)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def allowed_deviations(subject: Subject, device: str) -> frozenset[str]:
+    """The deviations a worker may answer under for `subject` on `device`: a whole callable's own,
+    or for a pipeline or property the union over the implementation each stage resolves to (a
+    replaced stage's, the registry's default elsewhere). The judge resolved them without running
+    the user's code; a worker answering under another is the case's contract failure."""
+    if subject.fn is not None:
+        return frozenset(subject.deviations)
+    found = set(subject.deviations)
+    for stage in registry.stages():
+        if stage in subject.overrides:
+            found.update(subject.overrides[stage].deviations)
+            continue
+        try:
+            found.update(registry.select(stage, device).deviations)
+        except (KeyError, RuntimeError):
+            continue  # no implementation of it runs here: no call of it either
+    return frozenset(found)
 
 
 def evaluate(case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",

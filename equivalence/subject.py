@@ -16,7 +16,7 @@ its `__mla_verify_deviations__` attribute, plus those declared for it (`--deviat
 The judge of an isolated run never imports a user's module (`described()`): each MODULE:CALLABLE
 is then a `Described` stand-in, its deviations read from its module's source as a literal
 (`sandbox.declared`), and only the worker imports it, checks its signature and calls it. What the
-worker answers under is held to what the judge resolved (`allowed_deviations`).
+worker answers under is held to what the judge resolved (`catalog.allowed_deviations`).
 """
 
 from __future__ import annotations
@@ -265,25 +265,6 @@ def pipeline_subject(op: str, specs: Sequence[str], device: str, deviations: Seq
         return Subject(wholes[0], whole, {}, own, tuple(specs), tuple(deviations))
     label = f"pipeline[{','.join(specs)}]" if specs else "pipeline"
     return Subject(label, None, overrides, (), tuple(specs), tuple(deviations))
-
-
-def allowed_deviations(subject: Subject, device: str) -> frozenset[str]:
-    """The deviations a worker may answer under for `subject` on `device`: a whole callable's own,
-    or for a pipeline or property the union over the implementation each stage resolves to (a
-    replaced stage's, the registry's default elsewhere). The judge resolved them without running
-    the user's code; a worker answering under another is the case's contract failure."""
-    if subject.fn is not None:
-        return frozenset(subject.deviations)
-    found = set(subject.deviations)
-    for stage in registry.stages():
-        if stage in subject.overrides:
-            found.update(subject.overrides[stage].deviations)
-            continue
-        try:
-            found.update(registry.select(stage, device).deviations)
-        except (KeyError, RuntimeError):
-            continue  # no implementation of it runs here: no call of it either
-    return frozenset(found)
 
 
 def unexercised(specs: Sequence[str], called: dict[str, set[str]]) -> list[str]:

@@ -150,3 +150,62 @@ def test_strict_runs_where_every_layer_holds_and_off_says_so(capsys, tmp_path):
     code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "torch-fp32", "--examples", 1,
                      "--device", "cpu", "--profile", "ci", "--sandbox", "off", "--out", tmp_path / "run")
     assert code == 0 and "; sandbox off" in text
+
+
+def test_a_run_whose_every_case_was_declined_is_no_verdict_never_a_pass(capsys, tmp_path):
+    """Item 5: it was `PASS: 10 examples, no discrepancy`, exit 0."""
+    code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:declines_every_case",
+                     "--examples", 4, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run")
+    assert code == 4 and "PASS" not in text, text
+    assert any(line.startswith("NO VERDICT: quantize_fp8_ds_mla") and "every one of its" in line
+               for line in text.splitlines()), text
+
+
+def test_a_decline_that_depends_on_the_values_fails_where_the_same_params_were_answered(capsys, tmp_path):
+    """Item 5: a kernel that declines the cases it would get wrong (here: a positive first value)
+    is asked again under another seed; answered there, its decline here is its case's failure."""
+    code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:declines_by_value",
+                     "--examples", 8, "--seed", 1, "--device", "cpu", "--profile", "ci", "--no-shrink",
+                     "--out", tmp_path / "run")
+    assert code == 1 and "a decline must depend on the params, not the values" in text, text
+
+
+def test_report_expect_holds_a_run_to_the_record_digest_it_printed(capsys, tmp_path):
+    """Item 7: a process that outlived the judge rewrote the rows as passed, deleted failures/ and
+    recomputed meta.json's digests: `report` said PASS. The digest the run printed, kept by a CI,
+    is not recomputed with them."""
+    import pandas as pd
+
+    from mla_verify.runs import record
+
+    done = tmp_path / "run"
+    code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:system_exit",
+                     "--examples", 2, "--seed", 1, "--device", "cpu", "--profile", "ci", "--no-shrink", "--out", done)
+    digest = next(line for line in text.splitlines() if line.startswith("record sha256:")).split()[1]
+    assert code == 1 and run(capsys, "report", done, "--expect", digest)[0] == 1  # its discrepancy, not TAMPERED
+    pd.read_parquet(done / "rows.parquet").assign(passed=True).to_parquet(done / "rows.parquet")
+    for f in (done / "failures").glob("*.json"):
+        f.unlink()
+    (done / "rows.csv").unlink()
+    record.seal(done, len(pd.read_parquet(done / "rows.parquet")))  # the survivor's recomputed record
+    code, text = run(capsys, "report", done)
+    assert code == 0 and "TAMPERED" not in text  # what the unkeyed digests cannot tell
+    code, text = run(capsys, "report", done, "--expect", digest)
+    assert code == 1 and "TAMPERED" in text and f"not the {digest} expected" in text, text
+
+
+def test_a_case_that_cannot_be_saved_is_printed_whole_and_the_run_still_fails(capsys, tmp_path, monkeypatch):
+    """Item 7: DIR/failures made a regular file (the run directory now makes it at its start; a
+    disk that is full does the same): exit 3, the finding lost. Now the case is on stderr, whole."""
+    from mla_verify.fuzz import casefile
+
+    def refused(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(casefile, "save_new", refused)
+    code, text = run(capsys, "fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:system_exit",
+                     "--examples", 2, "--seed", 1, "--device", "cpu", "--profile", "ci", "--no-shrink",
+                     "--out", tmp_path / "run")
+    assert code == 1 and "could not be saved" in text and "No space left on device" in text, text
+    whole = text[text.index("here it is whole"):].split("\n", 1)[1]
+    assert json.loads(whole[:whole.index("\n}\n") + 2])["case"]["op"] == "quantize_fp8_ds_mla"

@@ -668,7 +668,7 @@ class Worker:
         return self._described[key]
 
     def _allowed(self, key: tuple) -> frozenset[str]:
-        from ..subject import allowed_deviations
+        from ..catalog import allowed_deviations
 
         return allowed_deviations(self._subject(key), self.device.split(":")[0])
 

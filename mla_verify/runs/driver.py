@@ -44,6 +44,7 @@ from mla_verify.pytest_plugin import DEFAULTS
 from mla_verify.reports.store import rows_frame
 
 from .corpus import PINNED, SOURCE, Corpus, Replayed, keep, save_replayed, with_kept
+from .declines import asked_again
 from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, result_file
 from .parts import check_in_parts, gate_in_parts
 from .plan import FUZZ, Run
@@ -197,8 +198,8 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
     """One unit's kept cases, corpus and campaigns into `result`; False where the sink stopped the run."""
     spec = catalog.get_spec(unit.op)
     budget = _examples(spec, examples, run.profile)
-    judge = _block_runner(unit, subject, run.device, sink.run_id, None if spec.own_processes else worker,
-                          result.notes, sink if run.command == FUZZ else None)
+    judge = asked_again(_block_runner(unit, subject, run.device, sink.run_id, None if spec.own_processes else worker,
+                                      result.notes, sink if run.command == FUZZ else None))
     sink.judging(unit)
     tested = UnderTest(unit.specs, unit.label, unit.deviations, unit.conventions, run.device)
     t0 = time.monotonic()  # a campaign's seconds include the corpus cases run before it

@@ -92,10 +92,22 @@ class CheckResult:
     in_process: bool = False        # judged in the implementation's own process (--no-isolate, a callable object)
     sandbox: str = ""               # isolated: what its workers stood behind ("sandbox auto: ...", sandbox.boundary)
 
+    def __post_init__(self) -> None:
+        if self.no_verdict:
+            self.passed = False  # nothing judged is no pass
+
     @property
     def failure(self) -> Failure | None:
         """The failing case, or None."""
         return self.failures[0] if self.failures else None
+
+    @property
+    def no_verdict(self) -> str:
+        """Why nothing was judged (every case declined), else "": NO VERDICT, exit 4."""
+        if self.failures or self.interrupted or not len(self.rows) or not (self.rows.gate_metric == "unsupported").all():
+            return ""
+        return (f"every one of its {self.rows.case_id.nunique()} cases was declined by the implementation "
+                f"(mla_verify.unsupported): nothing was judged")
 
     def report(self) -> str:
         """What the CLI prints at the end: PASS with the least headroom (qualified when judged in
@@ -114,6 +126,8 @@ class CheckResult:
         if self.interrupted:
             lines.append(f"INTERRUPTED after {self.examples} examples (seed {self.seed}); rows so far in {self.out}"
                          if self.out else f"INTERRUPTED after {self.examples} examples (seed {self.seed})")
+        elif self.no_verdict:
+            lines.append(f"NO VERDICT: {self.op} ({self.impl}): {self.no_verdict}")
         elif self.passed:
             seeds = (f"seed {self.seed}" if self.campaigns == 1
                      else f"seeds {self.seed}..{self.seed + self.campaigns - 1}")
@@ -139,8 +153,8 @@ class CheckResult:
 
     @property
     def exit_code(self) -> int:
-        """What the CLI returns: 130 interrupted, 1 a failure, 0 a pass."""
-        return 130 if self.interrupted else 0 if self.passed else 1
+        """What the CLI returns: 130 interrupted, 1 a failure, 4 nothing judged, 0 a pass."""
+        return 130 if self.interrupted else 4 if self.no_verdict else 0 if self.passed else 1
 
 
 def _headroom(rows: pd.DataFrame) -> str:
@@ -174,15 +188,27 @@ class GateOutcome:
     sandbox: str = ""               # what its workers stood behind (sandbox.boundary), as its last line says
 
     def lines(self) -> list[str]:
-        """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts said them)."""
+        """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts said
+        them), the units that judged nothing."""
         return ([f"note: {n}" for n in self.notes] + [f"odd one out: {line}" for line in self.odd_ones_out]
                 + [text for f, rows in self.case_files
                    for text in [f"finding saved: {f}", *rows]]
+                + [f"NO VERDICT: {unit}: every case declined by the implementation (mla_verify.unsupported)"
+                   for unit in self.no_verdict]
                 + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else []))
 
     @property
+    def no_verdict(self) -> list[str]:
+        """The units ("op impl") that judged nothing: every case of theirs declined."""
+        units: dict[str, bool] = {}
+        for r in self.rows:
+            unit = f"{r.op} {r.impl}"
+            units[unit] = units.get(unit, True) and r.gate_metric == "unsupported"
+        return [unit for unit, nothing in units.items() if nothing]
+
+    @property
     def exit_code(self) -> int:
-        return 130 if self.interrupted else 1 if self.failed else 0
+        return 130 if self.interrupted else 1 if self.failed else 4 if self.no_verdict else 0
 
 
 def replay_command(case_file: Path | None, specs: Sequence[str], device: str, deviations: Sequence[str] = (),

@@ -56,6 +56,7 @@ class Run:
     seed: int
     isolate: bool
     timeout: float
+    sandbox: str = "auto"                 # the OS boundary of the isolation workers (sandbox.boundary.MODES)
     out: RunDir | None = None             # the run directory being written
     baseline: Path | None = None          # the run whose cases these are again
     shard: Shard = Shard()
@@ -72,7 +73,6 @@ class Run:
     impls: tuple[str, ...] = ()           # gate: OP=SPEC / STAGE=SPEC it is restricted to (runs.selection)
     corpus: str | None = None             # the kept corpus (runs.corpus): replayed first, findings added
     corpus_replay: bool = True            # this part replays the corpus (a fuzz run's first part only)
-    sandbox: str = "auto"                 # the OS boundary of the isolation workers (sandbox.boundary.MODES)
 
     @property
     def op(self) -> str:
@@ -292,10 +292,10 @@ def _fuzz_run(o: Options, device: str, shard: Shard) -> Run:
     if o.junit is not None:
         writable_file(o.junit, "--junit")
     corpus = open_corpus(o.corpus)
-    return Run(FUZZ, (op,), device, profile, examples, o.seed, isolate, _timeout(o), out=_opened(o.out),
+    return Run(FUZZ, (op,), device, profile, examples, o.seed, isolate, _timeout(o), o.sandbox, out=_opened(o.out),
                baseline=o.baseline, shard=shard, parts=parts, specs=o.specs, subject=subject, deviations=deviations,
                conventions=tuple(subject.conventions), path=path, world_size=world_size, shrink=o.shrink,
-               named=o.named, corpus=corpus, corpus_replay=shard.index == 0, sandbox=o.sandbox)
+               named=o.named, corpus=corpus, corpus_replay=shard.index == 0)
 
 
 def _gate_run(o: Options, device: str, shard: Shard) -> Run:
@@ -310,10 +310,9 @@ def _gate_run(o: Options, device: str, shard: Shard) -> Run:
     isolate = default_isolation(o.isolate, named=True)
     if o.timeout is not None and not isolate:
         raise UsageError("--timeout needs isolation (the default; not --no-isolate): an in-process call cannot be stopped")
-    return Run(GATE, o.ops, device, profile, o.examples, o.seed, isolate, _timeout(o),
+    return Run(GATE, o.ops, device, profile, o.examples, o.seed, isolate, _timeout(o), o.sandbox,
                out=_opened(o.out if o.out is not None else FreshDir.named("runs", "gate")), baseline=o.baseline,
-               shard=shard, parts=o.parallel or _gpu_count(device.split(":")[0]), impls=o.impls, corpus=corpus,
-               sandbox=o.sandbox)
+               shard=shard, parts=o.parallel or _gpu_count(device.split(":")[0]), impls=o.impls, corpus=corpus)
 
 
 def _again(o: Options, log: Callable[[str], None]) -> Options:
