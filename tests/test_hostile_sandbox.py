@@ -209,3 +209,20 @@ def test_a_case_that_cannot_be_saved_is_printed_whole_and_the_run_still_fails(ca
     assert code == 1 and "could not be saved" in text and "No space left on device" in text, text
     whole = text[text.index("here it is whole"):].split("\n", 1)[1]
     assert json.loads(whole[:whole.index("\n}\n") + 2])["case"]["op"] == "quantize_fp8_ds_mla"
+
+
+@pytest.mark.skipif(not LINUX, reason="the sandbox's layers are Linux's")
+def test_a_process_that_outlives_the_judge_cannot_rewrite_the_run(capsys, tmp_path):
+    """Item 7: the survivor left the worker's tree and its mark, waited for the judge to exit and
+    rewrote the run. Behind the sandbox (inherited across its exec) its writes are refused."""
+    done = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    argv = ["fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.sandbox:survives_the_judge",
+            "--examples", 1, "--seed", 1, "--device", "cpu", "--profile", "ci", "--no-shrink", "--out", done]
+    finished = subprocess.run([sys.executable, "-m", "mla_verify.cli", *map(str, argv)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)  # until the survivor lets go of stdout
+    text = finished.stdout + finished.stderr
+    said = next((line for line in text.splitlines() if line.startswith("survivor: ")), "")
+    assert finished.returncode == 1 and said.count("refused") == 2, text
+    code, text = run(capsys, "report", done)
+    assert code == 1 and "TAMPERED" not in text and list((done / "failures").glob("*.json"))

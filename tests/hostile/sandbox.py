@@ -14,6 +14,7 @@ import ctypes
 import glob
 import os
 import socket
+import sys
 
 import torch
 
@@ -183,4 +184,56 @@ def kills_its_judge(kv, scale_rule="pow2"):
     unconfined, the run dies with no case saved and no row."""
     for pid in dict.fromkeys((os.getppid(), _judge())):
         _works(lambda pid=pid: os.kill(pid, 9))
+    return _answer(kv, scale_rule, False)
+
+
+SURVIVOR = r"""
+import os, sys, time
+judge, out = int(sys.argv[1]), sys.argv[2]
+
+
+def alive():
+    try:
+        with open(f"/proc/{judge}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+deadline = time.monotonic() + 120
+while alive() and time.monotonic() < deadline:
+    time.sleep(0.05)
+tried = []
+for what, do in (("rewrite rows.csv", lambda: open(os.path.join(out, "rows.csv"), "w").write("forged")),
+                 ("delete failures/", lambda: [os.unlink(os.path.join(out, "failures", f))
+                                               for f in os.listdir(os.path.join(out, "failures"))])):
+    try:
+        do()
+        tried.append(f"{what}: done")
+    except OSError as exc:
+        tried.append(f"{what}: refused ({type(exc).__name__})")
+print("survivor: " + "; ".join(tried), flush=True)
+"""
+
+
+def _run_dir(judge: int) -> str:
+    with open(f"/proc/{judge}/cmdline", "rb") as f:
+        argv = f.read().decode().split("\0")
+    return argv[argv.index("--out") + 1]
+
+
+def survives_the_judge(kv, scale_rule="pow2"):
+    """Wrong by one bit, and a process that outlives the run: the worker's subreaper flag cleared
+    around a double fork (it leaves the worker's tree), then an exec with an empty environment (it
+    loses the worker's mark). It waits for the judge to exit, then rewrites the run's rows and
+    deletes its findings, and says how that went on the run's output, which it inherited."""
+    judge, out = _judge(), _run_dir(_judge())
+    libc = _libc()
+    libc.prctl(36, 0, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER off: orphans go past the worker
+    if os.fork() == 0:
+        if os.fork() == 0:
+            os.execve(sys.executable, [sys.executable, "-c", SURVIVOR, str(judge), out], {})
+        os._exit(0)
+    os.wait()
+    libc.prctl(36, 1, 0, 0, 0)
     return _answer(kv, scale_rule, False)
