@@ -9,6 +9,11 @@ Layers, in the order they are set up (each needs the one before it only where sa
     user namespace   unshare(CLONE_NEWUSER), its uid and gid mapped to themselves: it keeps its
                      files and loses every capability outside (root's included), so a judge that
                      is not dumpable (`protect_judge`) cannot be traced or opened through /proc
+    pid namespace    (with the user namespace) the worker goes on as pid 2 of a PID and mount
+                     namespace of its own, under an init (pid 1) that ends with it and takes every
+                     process of the namespace along; its /proc shows that namespace only (the
+                     judge is not in it); the process its judge started stays outside, waiting, and
+                     ends as the worker ended (`_stand_in`)
     no_new_privs     nothing it executes gains privileges (setuid binaries); Landlock and seccomp
                      need it
     landlock         writes only beneath its scratch directory, the caches and device nodes it
@@ -28,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -36,8 +42,10 @@ from typing import Callable, Iterable
 from . import landlock, seccomp
 
 MODES = ("auto", "strict", "off")
-LAYERS = ("session", "user namespace", "no_new_privs", "landlock", "seccomp")
-_CLONE_NEWUSER = 0x10000000
+LAYERS = ("session", "user namespace", "pid namespace", "no_new_privs", "landlock", "seccomp")
+_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNS = 0x10000000, 0x20000000, 0x00020000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
+_PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS, _PR_SET_DUMPABLE = 38, 4
 SCRATCH_PREFIX = "mla-verify-worker-"
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/shm")
@@ -135,6 +143,54 @@ def _user_namespace() -> str:
     return f"uid {uid} and gid {gid} mapped to themselves, no capability outside"
 
 
+def _pid_namespace() -> str:
+    """A PID and mount namespace, entered by forking twice: the caller's process stays outside as
+    the worker's stand-in and never returns from here; the first child is the namespace's init;
+    the second returns, as the worker (pid 2), with a /proc of the namespace mounted."""
+    libc = _libc()
+    _checked(libc.unshare(_CLONE_NEWPID | _CLONE_NEWNS))
+    status_r, status_w = os.pipe()
+    if (init := os.fork()) != 0:
+        _stand_in(init, status_r, status_w)
+    os.close(status_r)
+    _checked(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))  # the stand-in killed: all go
+    proc = "and /proc of its own"
+    if libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0 or \
+            libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None) != 0:
+        proc = f"but the host's /proc (a new one may not be mounted here: {os.strerror(ctypes.get_errno())})"
+    if (worker := os.fork()) != 0:
+        _init(worker, status_w)
+    os.close(status_w)
+    return f"pid {os.getpid()} under its own init, {proc}"
+
+
+def _stand_in(init: int, status_r: int, status_w: int) -> None:
+    """The process the judge started: it waits for the namespace's init to report how the worker
+    ended, then ends the same way (an exit code, or the same signal), so the judge sees the worker."""
+    os.close(status_w)
+    data = os.read(status_r, 16)
+    os.waitpid(init, 0)
+    _end_as(int(data) if data else -signal.SIGKILL)
+
+
+def _init(worker: int, status_w: int) -> None:
+    """Pid 1 of the namespace: reap whatever ends in it; once the worker ends, tell the stand-in
+    how and exit (the kernel then kills every process left in the namespace)."""
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == worker:
+            os.write(status_w, str(os.waitstatus_to_exitcode(status)).encode())
+            os._exit(0)
+
+
+def _end_as(code: int) -> None:
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
+
+
 def _no_new_privs() -> str:
     _checked(_libc().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
     return "set"
@@ -188,9 +244,12 @@ def enter(mode: str, device: str, protected: Iterable[int]) -> Boundary:
     if not sys.platform.startswith("linux"):
         return Boundary(mode, tuple(Layer(name, False, f"not Linux ({sys.platform})") for name in LAYERS))
     scratch = scratch_dir()
+    pids = {*protected, os.getppid()}  # as the judge's namespace numbers them (none is in a new one)
     layers = [_attempt("session", _session), _attempt("user namespace", _user_namespace)]
+    layers.append(_attempt("pid namespace", _pid_namespace) if layers[1].held
+                  else Layer("pid namespace", False, "needs the user namespace"))
     layers.append(nnp := _attempt("no_new_privs", _no_new_privs))
-    pids = {*protected, os.getppid()} | (set() if layers[0].held else {0})  # kill(0): the judge's group
+    pids |= set() if layers[0].held else {0}  # kill(0): the judge's group
     for name, setup in (("landlock", lambda: landlock.restrict(writable_paths(device, scratch))),
                         ("seccomp", lambda: seccomp.deny(pids))):
         layers.append(_attempt(name, setup) if nnp.held else Layer(name, False, "needs no_new_privs"))

@@ -116,7 +116,10 @@ def _serve(conn, device: str, sandbox: str = "off", judge: int = 0) -> None:
     channel = _Channel(conn)
     channel.send({"kind": "ready", "pid": os.getpid(), "sandbox": fence.to_dict()})  # before any user code
     with guards.kept_watch():  # taken once: each call puts back what it changed, for the next
-        _answer_cases(channel, device)
+        try:
+            _answer_cases(channel, device)
+        except (EOFError, ConnectionResetError):
+            pass  # the judge let go of this worker (behind a PID namespace, it dies a moment later)
 
 
 class _Channel:
@@ -301,6 +304,13 @@ class _Process:
             if s is not None:
                 s.close()
         self.inputs = self.reader.segment = None
+
+    def runner(self) -> int:
+        """The pid of the process that runs the cases: the worker's own, or behind a PID namespace
+        the worker the stand-in we started waits for (pid 2 there: `boundary._pid_namespace`)."""
+        if self.fence is None or "pid namespace" not in self.fence.held:
+            return self.proc.pid
+        return reaper.in_namespace(self.proc.pid, 2) or self.proc.pid
 
     def close(self) -> None:
         """Its segments, descriptors and scratch directory, once the process is gone."""
@@ -748,7 +758,7 @@ class Worker:
         for stage, keywords in answer.called.items():  # what the stages were handed, as if called here
             CALLED_WITH[stage].update(keywords)
         if header.get("children") is True and p.proc.is_alive():
-            reaper.kill_below(p.proc.pid)  # what the call left running ends with its case
+            reaper.kill_below(p.runner())  # what the call left running ends with its case
         if answer.retire:
             self._retire()
         base = {**base, "path": answer.path or base["path"], "stages": answer.stages}

@@ -226,8 +226,12 @@ def survives_the_judge(kv, scale_rule="pow2"):
     """Wrong by one bit, and a process that outlives the run: the worker's subreaper flag cleared
     around a double fork (it leaves the worker's tree), then an exec with an empty environment (it
     loses the worker's mark). It waits for the judge to exit, then rewrites the run's rows and
-    deletes its findings, and says how that went on the run's output, which it inherited."""
-    judge, out = _judge(), _run_dir(_judge())
+    deletes its findings, and says how that went on the run's output, which it inherited. Behind
+    a PID namespace it finds no judge to wait for, and would die with its worker anyway."""
+    try:
+        judge, out = _judge(), _run_dir(_judge())
+    except OSError:  # the judge is not in its PID namespace: nowhere to go
+        return _answer(kv, scale_rule, False)
     libc = _libc()
     libc.prctl(36, 0, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER off: orphans go past the worker
     if os.fork() == 0:
