@@ -2,6 +2,7 @@
 values: each computes the right quantize_fp8_ds_mla answer and then goes for the worker's pipe, its
 process or the run directory. The outcome each must get is in `tests.hostile.BOUNDARY`."""
 
+import ctypes
 import json
 import os
 import sys
@@ -9,6 +10,8 @@ import threading
 import time
 
 from mla_verify.optimized import eager
+
+DAEMON = "mla-vrf-daemon"  # the name `leaves_a_daemon`'s grandchild gives itself (15 characters at most)
 
 
 def _caller_local(name: str):
@@ -99,13 +102,14 @@ def dies_leaving_a_child_on_the_pipe(kv, scale_rule="pow2"):
 
 
 def leaves_a_daemon(kv, scale_rule="pow2"):
-    """Right answer, and a double-forked, setsid'd grandchild that outlives the call (it prints its
-    pid on the output it inherited, the run's: behind the sandbox it may write no file, and it would
-    rewrite the run's rows later)."""
+    """Right answer, and a double-forked, setsid'd grandchild that outlives the call: it names
+    itself DAEMON (its comm, which a test finds in /proc) and says so on the output it inherited,
+    the run's (behind the sandbox it may write no file; it would rewrite the run's rows later)."""
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:
-            os.write(1, f"daemon pid: {os.getpid()}\n".encode())
+            ctypes.CDLL(None).prctl(15, DAEMON.encode(), 0, 0, 0)  # PR_SET_NAME
+            os.write(1, f"daemon started: {DAEMON}\n".encode())
             time.sleep(120)
         os._exit(0)
     os.wait()
