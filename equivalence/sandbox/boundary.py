@@ -152,14 +152,17 @@ def _pid_namespace() -> str:
     status_r, status_w = os.pipe()
     if (init := os.fork()) != 0:
         _stand_in(init, status_r, status_w)
-    os.close(status_r)
-    _checked(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))  # the stand-in killed: all go
-    proc = "and /proc of its own"
-    if libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0 or \
-            libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None) != 0:
-        proc = f"but the host's /proc (a new one may not be mounted here: {os.strerror(ctypes.get_errno())})"
-    if (worker := os.fork()) != 0:
-        _init(worker, status_w)
+    try:  # pid 1 from here: whatever fails ends it, and the stand-in with it (the worker did not start)
+        os.close(status_r)
+        _checked(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))  # the stand-in killed: all go
+        proc = "and /proc of its own"
+        if libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0 or \
+                libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None) != 0:
+            proc = f"but the host's /proc (a new one may not be mounted here: {os.strerror(ctypes.get_errno())})"
+        if (worker := os.fork()) != 0:
+            _init(worker, status_w)
+    except BaseException:
+        os._exit(70)
     os.close(status_w)
     return f"pid {os.getpid()} under its own init, {proc}"
 
