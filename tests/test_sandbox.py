@@ -155,3 +155,22 @@ def test_the_seccomp_program_jumps_only_forward_and_ends_every_path_in_a_return(
         if code & 0x07 == 0x05:  # a jump: both targets inside the program
             assert i + 1 + max(jt, jf) < len(program)
     assert program[-1][0] == 0x06  # the deny block
+
+
+@pytest.mark.parametrize("end, status", [
+    (lambda: os._exit(3), ("exit", 3)), (lambda: os.kill(os.getpid(), 9), ("signal", 9)),
+    (lambda: os.kill(os.getpid(), 10), ("signal", 10)), (lambda: None, ("exit", 0)),
+])
+def test_the_process_the_judge_started_ends_as_the_worker_behind_its_namespaces_ended(end, status):
+    """Behind a PID namespace the worker is the grandchild of the process the judge started, which
+    must end the way the worker did (a SIGKILL it mirrored once went on as a second worker)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            boundary.enter("auto", "cpu", ())
+            end()
+        finally:
+            os._exit(0)
+    _, raw = os.waitpid(pid, 0)
+    got = ("signal", os.WTERMSIG(raw)) if os.WIFSIGNALED(raw) else ("exit", os.WEXITSTATUS(raw))
+    assert got == status

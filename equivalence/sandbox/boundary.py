@@ -30,6 +30,7 @@ says which layers are missing. Elsewhere than Linux nothing is set up.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -169,11 +170,15 @@ def _pid_namespace() -> str:
 
 def _stand_in(init: int, status_r: int, status_w: int) -> None:
     """The process the judge started: it waits for the namespace's init to report how the worker
-    ended, then ends the same way (an exit code, or the same signal), so the judge sees the worker."""
-    os.close(status_w)
-    data = os.read(status_r, 16)
-    os.waitpid(init, 0)
-    _end_as(int(data) if data else -signal.SIGKILL)
+    ended, then ends the same way (an exit code, or the same signal), so the judge sees the worker.
+    It never returns: it must not go on as a second worker."""
+    try:
+        os.close(status_w)
+        data = os.read(status_r, 16)
+        os.waitpid(init, 0)
+        _end_as(int(data) if data else -signal.SIGKILL)
+    finally:
+        os._exit(70)
 
 
 def _init(worker: int, status_w: int) -> None:
@@ -187,8 +192,11 @@ def _init(worker: int, status_w: int) -> None:
 
 
 def _end_as(code: int) -> None:
+    """Exit with `code`, or die of signal -code as the worker did (SIGKILL and SIGSTOP cannot be
+    caught, so they need no handler put back)."""
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(-code, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
         os.kill(os.getpid(), -code)
     os._exit(code if code >= 0 else 128 - code)
