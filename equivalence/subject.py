@@ -3,7 +3,7 @@
 `--impl` accepts, for an op: a registered implementation name (`triton`, `flash_mla`,
 `torch-fp32`) or `MODULE:CALLABLE`; for forward_mqa: `STAGE=NAME` or `STAGE=MODULE:CALLABLE`
 (that stage replaced inside the pipeline, the rest as registered), or `MODULE:CALLABLE` (a whole
-forward_mqa with the reference's keyword arguments); for a property (`property:NAME`, which calls
+forward_mqa with the contract's keyword arguments); for a property (`property:NAME`, which calls
 several stages): `STAGE=NAME`, `STAGE=MODULE:CALLABLE`, or `NAME` (that implementation for every
 stage that has one here). A callable must accept every keyword of the op's contract; anything else
 is a usage error, found before any case runs, and one with the native signature of a FlashMLA or

@@ -21,7 +21,7 @@ cache, later layers get fresh rows in the same slots, and a fresh query):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,6 +33,7 @@ from .builders import permutation
 from .params import ForwardParams
 from .values import pooled_rows, q_values
 
+T = TypeVar("T")
 ACTIVE_TAIL_PAGES = 2  # vLLM hisparse/types.py: the newest two pages are never unpinned
 
 
@@ -43,22 +44,16 @@ class HiSparseBatch:
     plain_caches: list[torch.Tensor]   # per layer, the logical cache as a plain paged cache
     host_caches: list[torch.Tensor]    # [HB, B, W] per layer
     gpu_rows: list[torch.Tensor]       # [NG * S, W] per layer
-    tables: dict[str, torch.Tensor] = field(default_factory=dict)
-    config: dict[str, Any] = field(default_factory=dict)
+    tables: dict[str, torch.Tensor] = field(default_factory=dict)  # the tensors of HiSparseTables
+    config: dict[str, Any] = field(default_factory=dict)          # its attention_block_stride, max_swap_rows
     # The plain index group's persistent buffers as a previous step left them (physical, counts).
     group_buffer: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def hisparse_kwargs(self) -> dict[str, Any]:
-        """Keywords of reference.forward_mqa_hisparse / optimized.hisparse.forward_mqa_hisparse."""
-        b = self.plain
-        return dict(query_start_loc=b.query_start_loc, seq_lens=b.seq_lens, topk_indices=b.topk_indices,
-                    kv_cache_dtype=b.config["kv_cache_dtype"], sm_scale=b.config["sm_scale"],
-                    max_model_len=b.config["max_model_len"], workspace_size=b.config["workspace_size"],
-                    max_decode_query_len=b.config["max_decode_query_len"],
-                    host_block_table=b.block_table, **self.tables, **self.config)
-
-    def plain_kwargs(self) -> dict[str, Any]:
-        return self.plain.forward_kwargs()
+    def hisparse_tables(self, kind: type[T]) -> T:
+        """The tiers' tables as `kind` spells them (`reference.HiSparseTables` or
+        `optimized.hisparse.HiSparseTables`); the metadata is the plain batch's (`Batch.metadata`),
+        its block table the host block table."""
+        return kind(**self.tables, **self.config)
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:

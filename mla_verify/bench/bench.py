@@ -502,7 +502,7 @@ if sys.argv[1] == "context":
              block_size=64, topk=2048, sm_scale=0.1352, value_regime="normal", shuffle=True)
     b = make_batch(ForwardParams.of(p), 0)
     b.kv_source.clear()  # the harness's copy of the rows; the reference reads the cache
-    run = lambda: reference.forward_mqa(b.q, b.kv_cache, **b.forward_kwargs()).path
+    run = lambda: reference.forward_mqa(b.q, b.kv_cache, b.topk_indices, b.metadata(reference.MQAMetadata)).path
 else:  # a prefill streamed through the budget: 2.4 GB of K rows in float64 unchunked
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1024, 16, 576, generator=g).bfloat16()
