@@ -79,6 +79,23 @@ def group_label(op: str, path: str, tensor: str, impl: str, base_impl: str | Non
     return f"{where} {tensor}{sep}[{who}]{dev}"
 
 
+@dataclass(frozen=True)
+class DriftSettings:
+    """How a run is held against its baseline (`compare`'s keywords; the CLI's --factor,
+    --confidence, --min-cases, --pair and --fail-on); defaults from equivalence.judge.policy."""
+
+    factor: float = DRIFT_FACTOR
+    confidence: float = DRIFT_CONFIDENCE
+    min_cases: int = DRIFT_MIN_CASES
+    pairs: Mapping[str, str] | None = None
+    fail_on: str = DRIFTED
+
+    def compare(self, current: pd.DataFrame, baseline: pd.DataFrame) -> Drift:
+        """`compare` with these settings."""
+        return compare(current, baseline, factor=self.factor, confidence=self.confidence, min_cases=self.min_cases,
+                       pairs=self.pairs, fail_on=self.fail_on)
+
+
 def measured(rows: pd.DataFrame) -> pd.DataFrame:
     """Annotated rows plus the drift metrics that are not stored columns: abs_bias = |mean_err|,
     bound_use = value / bound of the least-headroom metric (1 / headroom; 0 for an exact match)."""
