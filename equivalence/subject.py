@@ -20,6 +20,7 @@ import difflib
 import importlib
 import inspect
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -32,6 +33,22 @@ from .errors import UsageError
 from .judge.policy import DEVIATIONS
 from .sandbox.device import first_line
 from .sandbox.guards import sigint_watch
+
+
+# Callables that cannot be imported by name (lambdas, closures, partials) are reached in their own
+# process through `mla_verify.api.local`: their specs start so, and their rows' label does not.
+LOCAL = "mla_verify.api:local."
+_LOCAL_PREFIX = re.compile(rf"{re.escape(LOCAL)}fn\d+_")
+
+
+def local_label(label: str) -> str:
+    """`label` with each local callable by its own name ("mla_verify.api:local.fn0_decode": "decode")."""
+    return _LOCAL_PREFIX.sub("", label)
+
+
+def is_local(spec: str) -> bool:
+    """Whether an --impl string names a local callable (importable in this process only)."""
+    return LOCAL in spec
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:

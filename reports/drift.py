@@ -42,6 +42,7 @@ from mla_verify.equivalence.judge.policy import (
     bias_metrics,
     drift_metrics,
 )
+from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.reports import judge
 from mla_verify.reports.bias import signed
 from mla_verify.reports.fmt import number
@@ -385,7 +386,7 @@ def _worst(groups: pd.DataFrame, cur: pd.DataFrame) -> Worst | None:
     row = cur[(cur["case_id"] == g["worst_case"]) & (cur["op"] == g["op"]) & (cur["impl"] == g["impl"])].iloc[0]
     case = row["case"] if "case" in row and isinstance(row["case"], str) else ""
     return Worst(group_label(*(g[k] for k in GROUP_KEYS)), g["metric"], float(g["worst_ratio"]), g["worst_case"],
-                 case, replay_specs(row), str(row["device"]).split(":")[0], float(g["shift"]))
+                 case, replay_specs(row), device_type(row["device"]), float(g["shift"]))
 
 
 def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DRIFT_FACTOR,

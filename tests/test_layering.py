@@ -143,3 +143,20 @@ def test_check_and_gate_name_only_options_fields():
         params = set(inspect.signature(fn).parameters)
         assert translated <= params and into <= fields, fn.__name__
         assert params - translated <= fields, (fn.__name__, sorted(params - translated - fields))
+
+
+def test_device_strings_are_read_in_one_place():
+    """Issue 49: "cuda:1" was parsed in 33 places (startswith("cuda") 14, split(":")[0] 19); now
+    `equivalence.sandbox.device.device_type` / `is_cuda` read it. Left: the pytest plugin (it
+    imports no torch, device.py does) and two modules under other issues' rewrites (the worker,
+    issue 45; reports/history.py, issue 50), each to take the helper."""
+    pending = {"mla_verify/pytest_plugin.py", "equivalence/sandbox/worker.py", "reports/history.py",
+               "equivalence/sandbox/device.py"}
+    found = []
+    for folder in PACKAGE:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            where = str(path.relative_to(ROOT))
+            text = path.read_text()
+            if where not in pending and ('startswith("cuda")' in text or 'split(":")[0]' in text):
+                found.append(where)
+    assert not found, found

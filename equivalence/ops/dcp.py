@@ -13,6 +13,7 @@ from mla_verify import reference
 from mla_verify.equivalence.judge import bounds
 from mla_verify.equivalence.cases.batch import make_batch
 from mla_verify.equivalence.sandbox.call_guards import returned
+from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.equivalence.judge.policy import LSE, OUT
 
 from ..cases.draws import batch_params, merge_params
@@ -137,7 +138,7 @@ def _dcp_reference(kw, p):
 def _dcp_call(subject, kw, p) -> ImplOutput:
     from mla_verify.equivalence.ops import dcp_ranks  # starts processes: only when a case runs
 
-    group = dcp_ranks.group_for(p.dcp_size, kw["device"].split(":")[0])
+    group = dcp_ranks.group_for(p.dcp_size, device_type(kw["device"]))
     answers = group.run(p, kw["seed"], subject.specs, subject.declared)
     tensors = {f"{name}_rank{r}": t for r, a in enumerate(answers) for name, t in a["tensors"].items()}
     first = answers[0]

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from ..cases.batch import make_batch
 from ..cases.params import DcpParams
 from ..judge.rows import Row
+from ..sandbox.device import device_type
 
 RANK_TENSORS = ("out", "lse", "partial_out", "partial_lse")
 # NVLink multicast stays off in every rank: on the lent GPU machines a program using it can take
@@ -120,9 +121,9 @@ def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tupl
     from ..sandbox.call_guards import guarded
     from ..subject import pipeline_subject
 
-    device_type = device.split(":")[0]
+    kind = device_type(device)
     if (specs, declared) not in subjects:
-        subjects[specs, declared] = pipeline_subject("dcp", specs, device_type, declared)
+        subjects[specs, declared] = pipeline_subject("dcp", specs, kind, declared)
     subject = subjects[specs, declared]
     batch = make_batch(params, seed, device)
     heads = params.heads
@@ -136,7 +137,7 @@ def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tupl
             deviations = subject.deviations
         else:
             resolved = guarded(registry.resolve(  # each stage's outputs owned before its next call
-                rank_stages(params.cache_dtype, heads, dist.get_world_size(), params.combine), device_type,
+                rank_stages(params.cache_dtype, heads, dist.get_world_size(), params.combine), kind,
                 subject.overrides,
             ))
             metadata = batch.metadata(MQAMetadata, block_table=table)
@@ -145,7 +146,7 @@ def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tupl
             stages = resolved.pairs()
             deviations = tuple(sorted({d for impl in resolved.chosen.values() for d in impl.deviations}))
             notes = tuple(f"{stage}: {why}" for stage, why in sorted(resolved.fallbacks.items()))
-    if device_type == "cuda":
+    if kind == "cuda":
         torch.cuda.synchronize()
     # A replacement may return (out, lse) only: the partials are then not compared.
     tensors = {name: t.detach().cpu() for name, t in zip(RANK_TENSORS, result)}
