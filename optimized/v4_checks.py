@@ -29,8 +29,8 @@ def cache_format(name: str, cache: torch.Tensor, allowed: tuple[str, ...]) -> Ca
     return fmt
 
 
-def _check_list(name: str, idx: torch.Tensor, length: torch.Tensor | None, cache: torch.Tensor, batch: int,
-                seq: int) -> None:
+def _check_list(name: str, idx: torch.Tensor, length_name: str, length: torch.Tensor | None, cache: torch.Tensor,
+                batch: int, seq: int) -> None:
     """indices [B,S,K] int32 with length [B]: every entry within its request's length is -1 or a
     slot of `cache` (past the length: anything)."""
     check_tensor(name, idx, dtype=torch.int32, shape=(batch, seq, None), last_dim_contiguous=True)
@@ -39,7 +39,7 @@ def _check_list(name: str, idx: torch.Tensor, length: torch.Tensor | None, cache
         raise InputError(f"{name}: top-k width must be >= 1, got shape {tuple(idx.shape)}")
     counted = idx
     if length is not None:
-        check_index_range(f"{name}'s length", length, width + 1)
+        check_index_range(length_name, length, width + 1)
         past = torch.arange(width, device=idx.device)[None, None, :] >= length[:, None, None]
         counted = idx.masked_fill(past, -1)
     check_index_range(name, counted, cache.shape[0] * cache.shape[1], sentinels=(-1,))
@@ -81,9 +81,9 @@ def check_union_decode_contract(
     check_same_device(q=q, kv_cache=kv_cache, indices=indices, topk_length=topk_length, extra_kv_cache=extra_kv_cache,
                       extra_indices=extra_indices, extra_topk_length=extra_topk_length, attn_sink=attn_sink)
     sm_scale = check_sm_scale(sm_scale)
-    _check_list("indices", indices, topk_length, kv_cache, batch, seq)
+    _check_list("indices", indices, "topk_length", topk_length, kv_cache, batch, seq)
     if extra_kv_cache is not None:
-        _check_list("extra_indices", extra_indices, extra_topk_length, extra_kv_cache, batch, seq)
+        _check_list("extra_indices", extra_indices, "extra_topk_length", extra_topk_length, extra_kv_cache, batch, seq)
     return sm_scale, main, extra
 
 

@@ -19,7 +19,7 @@ ue8m0: byte e means 2^(e - 127); 255 is NaN. Writer, per token and tile t (Flash
     a tile holding a NaN or an infinity: scale byte 255 (NaN), every code 0x7F (NaN)
 Meaning (what every reader must compute): value_d = e4m3(code_d) * s_t, exact in bf16 and float64;
 -0 stays -0 (code 0x80). The two rules differ only for tiles with amax < 448e-4: "pow2" floors the
-scale at 2^-13, "pow2_amax" goes down to 2^-21 (finer codes for small tiles).
+scale at 2^-13, "pow2_amax" goes down to 2^-22 (finer codes for small tiles).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def ue8m0_scales(x: torch.Tensor, tile: int, scale_rule: str) -> tuple[torch.Ten
     holds a non-finite value."""
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
-    tiles = x.view(x.shape[0], -1, tile)
+    tiles = x.view(x.shape[0], x.shape[1] // tile, tile)
     finite = torch.isfinite(tiles).all(dim=-1)
     amax = torch.where(torch.isfinite(tiles), tiles.abs(), 0).amax(dim=-1)
     # Tensor divisions: PyTorch's CUDA kernels multiply by the reciprocal of a scalar divisor.
@@ -88,7 +88,7 @@ def quantize_rows(kv: torch.Tensor, fmt: RowFormat, scale_rule: str = "pow2") ->
     n, q = kv.shape[0], fmt.quantized
     x = kv[:, :q].float()
     scales, scale_codes = ue8m0_scales(x, fmt.tile, scale_rule)
-    y = (x.view(n, -1, fmt.tile) / torch.nan_to_num(scales, nan=1.0)[..., None]).view(n, q)
+    y = (x.view(n, q // fmt.tile, fmt.tile) / torch.nan_to_num(scales, nan=1.0)[..., None]).view(n, q)
     # Clamping first is exactly satfinite: |y| in (448, 464) rounds to 448 under RNE anyway.
     codes = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     codes = codes.masked_fill((scale_codes == UE8M0_NAN).repeat_interleave(fmt.tile, dim=1), E4M3_NAN)
@@ -107,6 +107,6 @@ def row_values(data: torch.Tensor, scales: torch.Tensor, fmt: RowFormat, dtype: 
     values = torch.empty(*lead, D_QK, dtype=dtype, device=data.device)
     values[..., :q] = data[..., :q].contiguous().view(torch.float8_e4m3fn)
     tile_scales = ue8m0_values(scales[..., :q // fmt.tile], dtype)
-    values[..., :q].view(*lead, -1, fmt.tile).mul_(tile_scales[..., None])
+    values[..., :q].view(*lead, q // fmt.tile, fmt.tile).mul_(tile_scales[..., None])
     values[..., q:] = data[..., q:].contiguous().view(torch.bfloat16)
     return values
