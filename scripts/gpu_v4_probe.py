@@ -84,11 +84,11 @@ def main(out_dir: str) -> None:
         probe(f"{impl} h64 b4 s1 128+512 lengths random", fn, **base)
         probe(f"{impl} h128 b2 s4 128+512 MTP", fn, **dict(base, heads=128, batch=2, s_q=4, seed=1))
         probe(f"{impl} h16 (padded) b3 s2", fn, **dict(base, heads=16, batch=3, s_q=2, seed=2))
-        probe(f"{impl} lengths 0/1/full both lists", fn, **dict(base, lengths="edges", extra_lengths="edges", seed=3))
         probe(f"{impl} no extra cache", fn, **dict(base, extra_fmt=None, seed=4))
-        probe(f"{impl} no lengths, -1 at 30%", fn, **dict(base, lengths="none", extra_lengths="none",
-                                                          invalid_rate=0.3, seed=5))
-        probe(f"{impl} pages gapped 16 B", fn, **dict(base, gap=16, seed=6))
+    probe("flash_mla lengths 0/1/full both lists", checked, **dict(base, lengths="edges", extra_lengths="edges", seed=3))
+    probe("flash_mla no lengths, -1 at 30%", checked, **dict(base, lengths="none", extra_lengths="none",
+                                                             invalid_rate=0.3, seed=5))
+    probe("flash_mla pages gapped 16 B", checked, **dict(base, gap=16, seed=6))
     for block in (1, 2, 5, 53, 61, 69, 123, 576):
         probe(f"flash_mla main block {block}, extra block {block}", checked,
               **dict(base, block=block, extra_block=block, seed=10 + block))
