@@ -84,7 +84,7 @@ def allocate_cache(num_blocks: int, block_size: int, name: str, fill: int = 0xFF
     return storage.as_strided((num_blocks, block_size, fmt.width), (storage.stride(0), fmt.width, 1))
 
 
-def _byte_offsets(cache: torch.Tensor, fmt: PageFormat, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def byte_offsets(cache: torch.Tensor, fmt: PageFormat, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The byte offsets (from the cache's first byte) of the data and scale parts of `slots`."""
     block_size = cache.shape[1]
     block, offset = slots // block_size, slots % block_size
@@ -95,7 +95,7 @@ def _byte_offsets(cache: torch.Tensor, fmt: PageFormat, slots: torch.Tensor) -> 
     return row, row + fmt.data_bytes
 
 
-def _flat(cache: torch.Tensor) -> torch.Tensor:
+def flat_bytes(cache: torch.Tensor) -> torch.Tensor:
     """Every byte from the cache's first to its last, as one dimension."""
     last = (cache.shape[0] - 1) * cache.stride(0) + cache.shape[1] * cache.shape[2]
     return cache.as_strided((last,), (1,))
@@ -105,8 +105,8 @@ def slot_parts(cache: torch.Tensor, fmt: PageFormat, slots: torch.Tensor) -> tup
     """(data [..., D], scales [..., S]) uint8 of physical `slots` [...]; a negative slot reads as
     zero bytes (a zero row in every format)."""
     safe = slots.long().clamp(min=0)
-    data_at, scale_at = _byte_offsets(cache, fmt, safe)
-    flat = _flat(cache)
+    data_at, scale_at = byte_offsets(cache, fmt, safe)
+    flat = flat_bytes(cache)
     data = flat[data_at[..., None] + torch.arange(fmt.data_bytes, device=slots.device)]
     scales = flat[scale_at[..., None] + torch.arange(fmt.scale_bytes, device=slots.device)]
     dead = (slots < 0)[..., None]
@@ -153,7 +153,7 @@ def write_v4_cache(
         raise ValueError(f"slot_mapping has slots >= num_blocks * block_size = {capacity}")
     keep = slots >= 0
     data, scales = quantize(kv[keep], fmt, scale_rule)
-    data_at, scale_at = _byte_offsets(kv_cache, fmt, slots[keep])
-    flat = _flat(kv_cache)
+    data_at, scale_at = byte_offsets(kv_cache, fmt, slots[keep])
+    flat = flat_bytes(kv_cache)
     flat[data_at[:, None] + torch.arange(fmt.data_bytes, device=slots.device)] = data
     flat[scale_at[:, None] + torch.arange(fmt.scale_bytes, device=slots.device)] = scales
