@@ -10,7 +10,9 @@
 Each call builds a fresh scheduler plan: FlashMLA bakes the values of topk_length and
 extra_topk_length into a plan without checking them on reuse (a stale plan splits by old
 lengths). Heads are padded to 64 or 128 as serving pads them (zero q heads, -inf sinks, sliced
-off after). Every check runs before `flash_mla` is imported or launched: an index other than -1
+off after), and a list whose width is not a multiple of the kernels' 64-entry block is padded
+with -1 (invalid: nothing changes), as vLLM pads its index rows; `launch_sparse_decode_v4`
+hands the kernel its inputs as they are. Every check runs before `flash_mla` is imported or launched: an index other than -1
 within a length is read unchecked, and misaligned rows fault in the kernel's vector loads.
 """
 
@@ -25,7 +27,7 @@ from mla_verify.optimized.flashmla import flash_mla_unavailable
 from mla_verify.optimized.registry import FLASH_MLA, register
 from mla_verify.optimized.v4_checks import V41_PAIRS, V4_PAIRS, check_union_decode_contract
 from mla_verify.optimized.v4_formats import D_V
-from mla_verify.optimized.validation import InputError, check_multiple
+from mla_verify.optimized.validation import InputError
 
 TOPK_BLOCK = 64  # both namespaces walk each list in 64-entry blocks
 
@@ -51,16 +53,19 @@ def _aligned(name: str, t: torch.Tensor | None, strides: tuple[int, ...], multip
                          f"kernel's vector loads (strides {t.stride()})")
 
 
+def padded_list(indices: torch.Tensor | None) -> torch.Tensor | None:
+    """`indices` [B,S,K] widened with -1 to a multiple of the 64-entry block (itself if it is one)."""
+    if indices is None or indices.shape[2] % TOPK_BLOCK == 0:
+        return indices
+    return torch.nn.functional.pad(indices, (0, -indices.shape[2] % TOPK_BLOCK), value=-1)
+
+
 def check_flash_mla_limits(q, kv_cache, indices, extra_kv_cache, extra_indices) -> None:
-    """FlashMLA's own limits on top of the contract: 1..128 heads (padded), lists in 64-entry
-    blocks, 16-byte aligned pages, 8-byte aligned index rows (read as int2), CUDA tensors."""
+    """FlashMLA's own limits on top of the contract: 1..128 heads (padded), 16-byte aligned pages,
+    8-byte aligned index rows (read as int2), CUDA tensors."""
     heads = q.shape[2]
     if heads > 128:
         raise InputError(f"heads={heads}: FlashMLA runs 1..128 heads (padded to 64 or 128)")
-    check_multiple("topk", indices.shape[2], TOPK_BLOCK, "FlashMLA walks the main list in 64-entry blocks")
-    if extra_indices is not None:
-        check_multiple("extra_topk", extra_indices.shape[2], TOPK_BLOCK,
-                       "FlashMLA's head-64 kernel walks the extra list in 64-entry blocks")
     for name, cache in (("kv_cache", kv_cache), ("extra_kv_cache", extra_kv_cache)):
         _aligned(name, cache, (cache.stride(0),) if cache is not None else (), 16)
     for name, idx in (("indices", indices), ("extra_indices", extra_indices)):
@@ -113,14 +118,14 @@ def sparse_decode_v4(
 
     q [B,S,H,512] bf16 (H <= 128, padded to 64/128); kv_cache, extra_kv_cache [NB,BS,584] uint8
     (block-major V4 pages, 16-byte aligned blocks); indices [B,S,K], extra_indices [B,S,K2] int32
-    slots with K, K2 multiples of 64; topk_length, extra_topk_length [B] int32; attn_sink [H] f32.
+    slots (padded with -1 to multiples of 64); topk_length, extra_topk_length [B] int32; attn_sink [H] f32.
     Splits short batches over SM partitions ("split_kv").
     """
     sm_scale, _, _ = check_union_decode_contract(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache,
                                                  extra_indices, extra_topk_length, attn_sink, V4_PAIRS)
     check_flash_mla_limits(q, kv_cache, indices, extra_kv_cache, extra_indices)
-    return launch_sparse_decode_v4(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices,
-                                   extra_topk_length, attn_sink)
+    return launch_sparse_decode_v4(q, kv_cache, padded_list(indices), sm_scale, topk_length, extra_kv_cache,
+                                   padded_list(extra_indices), extra_topk_length, attn_sink)
 
 
 @register("sparse_decode_v41", "flash_mla", priority=FLASH_MLA, devices=("cuda",), unavailable=sm100_unavailable,
@@ -142,5 +147,5 @@ def sparse_decode_v41(
     sm_scale, _, _ = check_union_decode_contract(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache,
                                                  extra_indices, extra_topk_length, attn_sink, V41_PAIRS)
     check_flash_mla_limits(q, kv_cache, indices, extra_kv_cache, extra_indices)
-    return _call(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices, extra_topk_length,
-                 attn_sink, use_legacy=False)
+    return _call(q, kv_cache, padded_list(indices), sm_scale, topk_length, extra_kv_cache, padded_list(extra_indices),
+                 extra_topk_length, attn_sink, use_legacy=False)

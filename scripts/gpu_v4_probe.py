@@ -89,6 +89,7 @@ def main(out_dir: str) -> None:
     probe("flash_mla no lengths, -1 at 30%", checked, **dict(base, lengths="none", extra_lengths="none",
                                                              invalid_rate=0.3, seed=5))
     probe("flash_mla pages gapped 16 B", checked, **dict(base, gap=16, seed=6))
+    probe("flash_mla extra_topk 100 (wrapper pads with -1)", checked, **dict(base, extra_topk=100, seed=8))
     for block in (1, 2, 5, 53, 61, 69, 123, 576):
         probe(f"flash_mla main block {block}, extra block {block}", checked,
               **dict(base, block=block, extra_block=block, seed=10 + block))

@@ -170,10 +170,11 @@ def test_the_contract_is_checked_before_launch(no_launch, impl):
             impl(**past)
 
 
-def test_flash_mla_limits_before_launch(no_launch):
-    kw = decode_case(2, batch=1, s_q=1, heads=16, topk=100, extra_topk=64, block=64, extra_block=64)
-    with pytest.raises(InputError, match=r"topk=100 must be a multiple of 64"):
-        flashmla_v4.sparse_decode_v4(**kw)
+def test_flash_mla_pads_lists_to_its_block_with_minus_one():
+    idx = torch.arange(2 * 100, dtype=torch.int32).view(1, 2, 100)
+    padded = flashmla_v4.padded_list(idx)
+    assert padded.shape == (1, 2, 128) and torch.equal(padded[..., :100], idx) and bool((padded[..., 100:] == -1).all())
+    assert flashmla_v4.padded_list(padded) is padded
 
 
 # ---------------------------------------------------------------------------------------------
