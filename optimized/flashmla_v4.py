@@ -102,7 +102,7 @@ def launch_sparse_decode_v4(q, kv_cache, indices, sm_scale, topk_length=None, ex
 
 
 @register("sparse_decode_v4", "flash_mla", priority=FLASH_MLA, devices=("cuda",), unavailable=flash_mla_unavailable,
-          deviations=("split_kv",))
+          deviations=("split_kv", "length_plan"))
 def sparse_decode_v4(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -129,7 +129,7 @@ def sparse_decode_v4(
 
 
 @register("sparse_decode_v41", "flash_mla", priority=FLASH_MLA, devices=("cuda",), unavailable=sm100_unavailable,
-          deviations=("split_kv",))
+          deviations=("split_kv", "length_plan"))
 def sparse_decode_v41(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
