@@ -24,13 +24,13 @@ FLOOR_BYTE = 127 - 13  # ue8m0 2^-13: FlashMLA's floor, 2^ceil(log2(1e-4))
 
 UNION = ("batch > 1", "s_q 1", "s_q > 1 (MTP)", "several heads", "main length 0", "main length 1", "main length full",
          "no main lengths", "extra length 0", "extra length 1", "extra length full", "no extra lengths", "no extra cache",
-         "extra top-k a partial 64-entry block", "extra top-k past the main top-k", "an empty union",
+         "a counted extra entry in a partial 64-entry block", "a counted extra entry past the main top-k", "an empty union",
          "-1 before a counted entry", "past a length: a never-written slot, not -1", "odd block size",
          "pages further apart than allocated", "extra list dense (ratio 128: slots in order)",
          "extra list of picks (ratio 4: slots out of order)", "no sink", "finite sink", "+inf sink", "-inf sink",
          "ue8m0 scale at FlashMLA's 2^-13 floor", "ue8m0 scale below 2^-13 (vLLM's amax floor)",
          "a tile of -0 in a counted row")
-UNION_V41 = UNION + ("extra cache V4.1 FP8", "extra cache V4.1 FP4")
+UNION_V41 = UNION + ("counted rows of a V4.1 FP8 extra cache", "counted rows of a V4.1 FP4 extra cache")
 
 
 def _union_candidates(extra_formats: tuple[str, ...]):
@@ -43,11 +43,13 @@ def _union_candidates(extra_formats: tuple[str, ...]):
             base = {"kv_format": fmt, "extra_format": extra, "sm_scale": 0.1, "page_gap": 0, "special_tiles": False,
                     "invalid": [], "value_regime": "normal", "scale_rule": "pow2"}
             found += [
-                # MTP rows over short windows, a partial extra block, lengths 0 / 1 / full, every sink.
+                # MTP rows: a short window and a full one, an extra length of 1 and one of 70-75 of a
+                # partial block's 100 (entries past the main top-k counted), every sink.
                 {**base, "batch": 2, "s_q": 4, "heads": small, "topk": 64, "extra_topk": 100,
-                 "positions": [rng.randint(3, 6), rng.randint(200, 300)], "block_size": 5, "extra_block_size": 53,
-                 "compress_ratio": 4, "lengths": "edges", "sink": "inf", "invalid": ["scattered"],
-                 "value_regime": "tiny", "page_gap": 1, "special_tiles": True},
+                 "positions": [rng.randint(3, 6), rng.randint(280, 300)], "block_size": 5, "extra_block_size": 53,
+                 "compress_ratio": 4, "lengths": "exact", "sink": "inf", "invalid": ["scattered"],
+                 # tiny values: every FP4 code 0 (the e4m3 scale floor is 2^-9), so only beside FP8 extras
+                 "value_regime": "tiny" if extra != "V41_FP4" else "normal", "page_gap": 1, "special_tiles": True},
                 # No extra cache, lengths 0 / 1 / full, a whole row -1 (an empty union), vLLM's scale floor.
                 {**base, "batch": 3, "s_q": 1, "heads": 1, "topk": 128, "extra_topk": 0,
                  "positions": [rng.randint(0, 60), rng.randint(130, 300), rng.randint(0, 300)], "block_size": 61,
@@ -58,11 +60,10 @@ def _union_candidates(extra_formats: tuple[str, ...]):
                  "positions": [rng.randint(2, 20), rng.randint(300, 400)], "block_size": 16, "extra_block_size": 2,
                  "compress_ratio": 128, "lengths": "none", "sink": "finite", "scale_rule": "pow2_amax",
                  "value_regime": "zero_tiles"},
-                # Exact lengths: a window of 1 and a full one, extra lengths 0 and more, the extra list past
-                # the main one, picks of ratio 4.
-                {**base, "batch": 2, "s_q": 1, "heads": 1, "topk": 64, "extra_topk": max(p.decode_topk),
-                 "positions": [0, rng.randint(100, 300)], "block_size": 64, "extra_block_size": 5,
-                 "compress_ratio": 4, "lengths": "exact", "sink": "finite"},
+                # Exact lengths: a window of 1 and a full one, extra lengths 0 and full, picks of ratio 4.
+                {**base, "batch": 2, "s_q": 1, "heads": 1, "topk": 64, "extra_topk": 64,
+                 "positions": [0, rng.randint(280, 300)], "block_size": 64, "extra_block_size": 5,
+                 "compress_ratio": 4, "lengths": "exact", "sink": "finite", "value_regime": "zero_tiles"},
             ]
         return found
 
@@ -130,9 +131,13 @@ def _union_hits(p, kw: dict) -> set[str]:
         lists.append((xidx, kw["extra_topk_length"], extra))
         fmt = v4_pages.page_format(kw["extra_kv_cache"])
         hit |= _lengths(kw, "extra_topk_length", xidx.shape[-1], "extra") | _scale_hits(kw["extra_kv_cache"], xidx, extra)
-        hit |= _order_hits(xidx, extra) | {f"extra cache V4.1 {'FP4' if fmt.fp8 is None else 'FP8'}"}
-        hit |= {name for name, yes in (("extra top-k a partial 64-entry block", xidx.shape[-1] % 64 != 0),
-                                       ("extra top-k past the main top-k", xidx.shape[-1] > idx.shape[-1])) if yes}
+        hit |= _order_hits(xidx, extra)
+        if bool(extra.any()):
+            hit.add(f"counted rows of a V4.1 {'FP4' if fmt.fp8 is None else 'FP8'} extra cache")
+        hit |= {name for name, yes in (("a counted extra entry in a partial 64-entry block",
+                                        bool(extra[..., xidx.shape[-1] // 64 * 64:].any())),
+                                       ("a counted extra entry past the main top-k",
+                                        bool(extra[..., idx.shape[-1]:].any()))) if yes}
     for entries, length, counted in lists:
         later = counted.flip(-1).cumsum(-1).flip(-1) - counted.long()  # counted entries after each position
         if bool(((entries == -1) & (later > 0) & _within(entries, length)).any()):

@@ -103,7 +103,7 @@ def _latent_rows(g: torch.Generator, n: int, p: UnionDecodeParams) -> torch.Tens
     """[n, 512] bf16 rows in the case's regime, every 16-dim tile of half the rows scaled by its own
     power of two (tile scales that differ show a kernel reading a neighbour's)."""
     x = kv_values(g, n, p.value_regime)[:, :ROW_DIM].float()
-    power = randint(g, -3, 4, n, ROW_DIM // 16).float() * (rand(g, n, 1) < 0.5)
+    power = randint(g, -1, 2, n, ROW_DIM // 16).float() * (rand(g, n, 1) < 0.5)
     x = (x.view(n, ROW_DIM // 16, 16) * torch.exp2(power)[..., None]).view(n, ROW_DIM)
     if p.special_tiles and n:
         x[0, :128] = -0.0  # whole tiles of signed zeros in every format
