@@ -38,6 +38,8 @@ FP8_FORMATS = ("V4", "V41")
 EXTRA_FORMATS = ("V4", "V41", "V41_FP4")
 SCALE_RULES = ("pow2", "pow2_amax")
 WIDTH = {"V4": 584, "V41": 528, "V41_FP4": 288}
+# Each union decode op's main cache format and the extra formats it reads.
+FORMATS_OF = {"sparse_decode_v4": ("V4", ("V4",)), "sparse_decode_v41": ("V41", ("V41", "V41_FP4"))}
 ROW_DIM = 512
 
 
@@ -80,12 +82,13 @@ class UnionDecodeParams(Params):
         return None
 
 
-def union_decode_params(p: Profile, kv_format: str, extra_formats: tuple[str, ...]) -> st.SearchStrategy[dict]:
+def union_decode_params(p: Profile, kv_format: str, extra_formats: tuple[str, ...],
+                        s_q: tuple[int, ...] = (1, 2, 4)) -> st.SearchStrategy[dict]:
     """Union decode params within `p`: the window of 64 or 128, the extra list any of the profile's
-    decode widths, a partial 64-entry block or none."""
+    decode widths, a partial 64-entry block or none; `s_q` the query tokens a request may have."""
     def params(batch: int) -> st.SearchStrategy[dict]:
         return st.fixed_dictionaries({
-            "batch": st.just(batch), "s_q": st.sampled_from((1, 2, 4)), "heads": st.sampled_from(p.heads),
+            "batch": st.just(batch), "s_q": st.sampled_from(s_q), "heads": st.sampled_from(p.heads),
             "topk": st.sampled_from((64, 128)), "extra_topk": st.sampled_from((0, 100) + p.decode_topk),
             "positions": drawn_lengths(batch, p.max_context).map(lambda ps: [x + 3 for x in ps]),
             "block_size": st.sampled_from((1, 5, 61) + p.block_sizes),
@@ -234,10 +237,10 @@ def _explain_past_length(kw: dict, tensor: str, got: torch.Tensor, want: torch.T
     return ""
 
 
-def _spec(name: str, kv_format: str, extra_formats: tuple[str, ...], doc: str) -> OpSpec:
+def _spec(name: str, doc: str) -> OpSpec:
     return OpSpec(
         name=name, stage=name, params=UnionDecodeParams,
-        draw=lambda p: union_decode_params(p, kv_format, extra_formats),
+        draw=lambda p: union_decode_params(p, *FORMATS_OF[name]),
         inputs=union_decode_inputs, reference=union_decode_reference,
         call=returning(("out", "lse"), 2),
         checks=(Check("out", OUT, "value_max", dtype=torch.bfloat16, bound="out_bound"),
@@ -248,10 +251,10 @@ def _spec(name: str, kv_format: str, extra_formats: tuple[str, ...], doc: str) -
 
 
 SPARSE_DECODE_V4 = register(_spec(
-    "sparse_decode_v4", "V4", ("V4",),
+    "sparse_decode_v4",
     "DeepSeek V4 decode: one softmax over the main (window) and extra (compressed) lists of 584-byte V4 pages, "
     "lengths per request, -1 only invalid, a sink"), priority=0)
 SPARSE_DECODE_V41 = register(_spec(
-    "sparse_decode_v41", "V41", ("V41", "V41_FP4"),
+    "sparse_decode_v41",
     "DeepSeek V4.1 decode: the union over 528-byte V4.1 pages, the extra cache V4.1 or 288-byte FP4 (SM100 kernels)"),
     priority=0)

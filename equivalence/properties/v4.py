@@ -26,7 +26,7 @@ from mla_verify.equivalence.judge.policy import EXACT, LSE, OUT
 from mla_verify.optimized.registry import Resolved
 from mla_verify.reference import v4_pages
 
-from ..ops.v4 import SPARSE_DECODE_V4, SPARSE_DECODE_V41
+from ..ops.v4 import FORMATS_OF, SPARSE_DECODE_V4, SPARSE_DECODE_V41, union_decode_params
 from ..spec import register
 from .base import Compared, PropertySpec, Target
 from .common import logit_scale, rewrite_generator
@@ -163,10 +163,12 @@ def _alone_check(op: str):
 
 
 def _targets(problem, check, runs: int, extra_only: bool = False, more: tuple[str, ...] = ()) -> dict[str, Target]:
-    """One target per union decode op, drawn as the op draws (`extra_only`: cases with an extra
-    list), calling its stage and `more`."""
+    """One target per union decode op, drawn as the op draws but with 1 or 2 query tokens a request
+    (the op's own campaigns cover MTP; a property runs its problem several times), `extra_only`:
+    with an extra list; calling the op's stage and `more`."""
     def draw(op):
-        return (lambda prof: op.draw(prof).filter(lambda d: d["extra_topk"] > 0)) if extra_only else op.draw
+        return lambda prof: union_decode_params(prof, *FORMATS_OF[op.name], s_q=(1, 2)).filter(
+            lambda d: d["extra_topk"] > 0 or not extra_only)
 
     return {op.name: Target(op.name, lambda p, op=op: [op.name, *more], (op.name,),
                             lambda p, seed, device, op=op: problem(p, seed, device, op), check(op.name),
