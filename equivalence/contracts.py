@@ -309,12 +309,17 @@ def returns(op: str) -> str:
     return str(inspect.signature(CONTRACTS[op].__call__).return_annotation)
 
 
-def contract_table() -> str:
+V4_OPS = ("sparse_decode_v4", "sparse_decode_v41", "write_v4_cache", "write_v41_cache", "window_indices",
+          "v4_prefill_indices", "flashinfer_decode_table")
+
+
+def contract_table(ops: Sequence[str] | None = None) -> str:
     """The docs' contract table (between its `<!-- contracts:begin -->` and `end` markers):
-    one row per op, its call and what it returns. `python scripts/contract_table.py` writes it."""
+    one row per op (`ops`, default every one), its call and what it returns.
+    `python scripts/contract_table.py` writes it."""
     def code(text: str) -> str:
         return "`" + text.replace("|", "\\|") + "`"
 
     rows = ["| op | call | returns |", "|---|---|---|"]
-    rows += [f"| {code(op)} | {code(call(op))} | {code(returns(op))} |" for op in CONTRACTS]
+    rows += [f"| {code(op)} | {code(call(op))} | {code(returns(op))} |" for op in (ops or CONTRACTS)]
     return "\n".join(rows) + "\n"
