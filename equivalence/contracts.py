@@ -239,6 +239,21 @@ class FlashinferDecodeTable(Protocol):
         """FlashInfer's one table: the window's slots, then the compressed slots, then -1; each length
         counts the whole window: W + compressed_lens[t] (K without them)."""
 
+
+class V4Decode(Protocol):
+    def __call__(self, *, q: Annotated[Tensor, "[B,S,H,512] bf16"],
+                 kv_cache: Annotated[Tensor, "[NB,BS,584] uint8 V4 (the window's pages)"],
+                 positions: Annotated[Tensor, "[B] int32 (each request's last query position)"],
+                 block_table: Annotated[Tensor, "[B,M] int32"], window: int, sm_scale: float,
+                 extra_kv_cache: Annotated[Tensor | None, "[NB2,BS2,584] uint8 V4"],
+                 extra_indices: Annotated[Tensor | None, "[B,S,K2] int32"],
+                 extra_topk_length: Annotated[Tensor | None, "[B] int32"],
+                 attn_sink: Annotated[Tensor | None, "[H] f32"]
+                 ) -> Annotated[tuple[Tensor, Tensor], "(out[B,S,H,512] bf16, lse[B,H,S] f32)"]:
+        """A V4 decode step: each token's window (window_indices over its position pos = positions[b]
+        - S + 1 + s and the request's block table), the request's length the last token's window,
+        then sparse_decode_v4 over the window and the extra list."""
+
 CONTRACTS: dict[str, type] = {
     "quantize_fp8_ds_mla": QuantizeFp8DsMla, "dequantize_fp8_ds_mla": DequantizeFp8DsMla,
     "write_fp8_ds_mla_cache": WriteFp8DsMlaCache, "sparse_prefill": SparsePrefill,
@@ -249,7 +264,7 @@ CONTRACTS: dict[str, type] = {
     "reshape_attn_output_for_spec_decode": ReshapeAttnOutputForSpecDecode, "forward_mqa": ForwardMqa,
     "dcp": DcpForwardMqa, "sparse_decode_v4": SparseDecodeV4, "sparse_decode_v41": SparseDecodeV41,
     "write_v4_cache": WriteV4Cache, "write_v41_cache": WriteV41Cache, "window_indices": WindowIndices,
-    "v4_prefill_indices": V4PrefillIndices, "flashinfer_decode_table": FlashinferDecodeTable,
+    "v4_prefill_indices": V4PrefillIndices, "flashinfer_decode_table": FlashinferDecodeTable, "v4_decode": V4Decode,
 }
 
 
@@ -310,7 +325,7 @@ def returns(op: str) -> str:
 
 
 V4_OPS = ("sparse_decode_v4", "sparse_decode_v41", "write_v4_cache", "write_v41_cache", "window_indices",
-          "v4_prefill_indices", "flashinfer_decode_table")
+          "v4_prefill_indices", "flashinfer_decode_table", "v4_decode")
 
 
 def contract_table(ops: Sequence[str] | None = None) -> str:

@@ -18,6 +18,7 @@ DeepSeek V4 / V4.1:
     v4_pages                    where a page keeps them (block-major, per token); writing by slot
     union                       one softmax over the main and extra top-k lists and a sink
     v4_indices                  the serving index builders (window, vLLM's prefill rows, FlashInfer's table)
+    v4_forward                  a V4 decode step: the window's slots, then the union
 """
 
 from .attention import (
@@ -46,6 +47,7 @@ from .nvfp4_ds_mla import dequantize_nvfp4_ds_mla, nvfp4_ds_mla_values, quantize
 from .paged_cache import flat_kv_row_view, write_fp8_ds_mla_cache, write_nvfp4_ds_mla_cache
 from .query import concat_mla_q, reshape_attn_output_for_spec_decode, reshape_query_for_spec_decode
 from .union import sparse_decode_union, sparse_decode_union_chunks, sparse_prefill_union
+from .v4_forward import v4_decode
 from .v4_indices import flashinfer_decode_table, flashinfer_table_as_union, v4_prefill_indices, window_indices
 from .v4_pages import allocate_cache, page_format, slot_values, write_v4_cache
 from .workspace import gather_upconvert_fp8, gather_upconvert_nvfp4
@@ -63,5 +65,5 @@ __all__ = [
     # DeepSeek V4 / V4.1
     "allocate_cache", "flashinfer_decode_table", "flashinfer_table_as_union", "page_format", "slot_values",
     "sparse_decode_union", "sparse_decode_union_chunks", "sparse_prefill_union", "v4_prefill_indices",
-    "window_indices", "write_v4_cache",
+    "v4_decode", "window_indices", "write_v4_cache",
 ]

@@ -311,3 +311,37 @@ def _prefill_rows_hits(p, kw: dict) -> set[str]:
 
 
 register("v4_prefill_indices", None, Coverage(PREFILL_ROWS, _prefill_rows_candidates, _prefill_rows_hits))
+
+
+# --- v4_decode (the decode step) -----------------------------------------------------------------
+
+STEP = ("a short sequence (pos + 1 < window)", "a full window", "s_q > 1 (MTP)", "s_q 1", "batch > 1",
+        "block size 1", "odd block size", "an extra list", "no extra cache", "a sink", "no sink")
+
+
+def _step_candidates(rng: random.Random, p: Profile) -> list[dict]:
+    base = {"kv_format": "V4", "extra_format": "V4", "compress_ratio": 4, "lengths": "exact", "sm_scale": 0.1,
+            "value_regime": "normal", "scale_rule": "pow2", "invalid": [], "page_gap": 0, "special_tiles": False}
+    found = []
+    for _ in range(VARIANTS):
+        found += [{**base, "batch": 2, "s_q": 2, "heads": p.heads[0], "topk": 64, "extra_topk": 64,
+                   "positions": [rng.randint(1, 20), rng.randint(100, 300)], "block_size": rng.choice((5, 61)),
+                   "extra_block_size": 16, "sink": "finite"},
+                  {**base, "batch": 1, "s_q": 1, "heads": p.heads[0], "topk": 64, "extra_topk": 0,
+                   "positions": [rng.randint(0, 300)], "block_size": 1, "extra_block_size": 2, "sink": "none"}]
+    return found
+
+
+def _step_hits(p, kw: dict) -> set[str]:
+    pos, window, q = kw["positions"].long(), kw["window"], kw["q"]
+    bs = kw["kv_cache"].shape[1]
+    return {name for name, yes in (
+        ("a short sequence (pos + 1 < window)", bool((pos + 1 < window).any())),
+        ("a full window", bool((pos + 1 >= window).any())), ("s_q > 1 (MTP)", q.shape[1] > 1), ("s_q 1", q.shape[1] == 1),
+        ("batch > 1", q.shape[0] > 1), ("block size 1", bs == 1), ("odd block size", bool(bs & (bs - 1))),
+        ("an extra list", kw["extra_kv_cache"] is not None), ("no extra cache", kw["extra_kv_cache"] is None),
+        ("a sink", kw["attn_sink"] is not None), ("no sink", kw["attn_sink"] is None),
+    ) if yes}
+
+
+register("v4_decode", None, Coverage(STEP, _step_candidates, _step_hits))

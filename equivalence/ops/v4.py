@@ -102,7 +102,7 @@ def union_decode_params(p: Profile, kv_format: str, extra_formats: tuple[str, ..
     return st.integers(1, max(2, p.max_tokens // 8)).flatmap(params)
 
 
-def _latent_rows(g: torch.Generator, n: int, p: UnionDecodeParams) -> torch.Tensor:
+def latent_rows(g: torch.Generator, n: int, p: UnionDecodeParams) -> torch.Tensor:
     """[n, 512] bf16 rows in the case's regime, every 16-dim tile of half the rows scaled by its own
     power of two (tile scales that differ show a kernel reading a neighbour's)."""
     x = kv_values(g, n, p.value_regime)[:, :ROW_DIM].float()
@@ -155,7 +155,7 @@ def _cache(g, p: UnionDecodeParams, fmt: str, block: int, idx: torch.Tensor, use
         past = torch.arange(width, device=idx.device)[None, :] >= lengths.repeat_interleave(p.s_q)[:, None]
         counted = idx.masked_fill(past, -1)
     slots = counted[counted >= 0].unique()
-    reference.write_v4_cache(_latent_rows(g, slots.numel(), p), cache, slots, p.scale_rule, kv_format=fmt)
+    reference.write_v4_cache(latent_rows(g, slots.numel(), p), cache, slots, p.scale_rule, kv_format=fmt)
     return cache
 
 

@@ -103,4 +103,6 @@ ZOO = [
         "window length forced to the window for short sequences", "vLLM combine_topk_swa_indices"),
     Bug("flashinfer_lengths_exclude_window", "flashinfer_decode_table", "tests.zoo.v4:lengths_exclude_window",
         "lengths-include-the-window rule missed", "vLLM build_flashinfer_mixed_sparse_indices"),
+    Bug("v4_decode_window_unclamped", "v4_decode", "window_indices=tests.zoo.v4:window_unclamped",
+        "window length forced to the window for short sequences", "vLLM compute_swa_indices_and_lens"),
 ]

@@ -123,3 +123,12 @@ def lengths_exclude_window(window_slots, compressed_slots, compressed_lens):
     the kernel then reads the window and drops the compressed entries."""
     table, lengths = reference.flashinfer_decode_table(window_slots, compressed_slots, compressed_lens)
     return table, lengths - window_slots.shape[1]
+
+
+def window_unclamped(positions, req_of_token, block_table, block_size, window):
+    """The window taken whole for every token, its start never clamped at position 0: a short
+    sequence's window repeats position 0 (an eager stand-in for reading before the sequence)."""
+    pos = positions.long()[:, None]
+    p = (pos - window + 1 + torch.arange(window, device=pos.device)[None, :]).clamp(min=0)
+    slots = block_table[req_of_token.long()[:, None].expand_as(p), p // block_size].long() * block_size + p % block_size
+    return slots.to(torch.int32), torch.full_like(positions, window, dtype=torch.int32)
