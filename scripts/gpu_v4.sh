@@ -4,7 +4,7 @@
 # properties for every implementation, then scripts/gpu_v4_probe.py (what the kernel accepts and
 # refuses, timings). Each step logs to $OUT/<name>.log; a table of exit codes, seconds and verdicts
 # (with the least headroom) is printed last.
-#   scripts/gpu_v4.sh [STEP ...]      steps: fuzz triton properties probe (default: all)
+#   scripts/gpu_v4.sh [STEP ...]      steps: fuzz triton properties probe pipeline (default: all but pipeline)
 #   EXAMPLES=64 SEED=1 PROBE_S=45 scripts/gpu_v4.sh
 # Limits (s): fuzz 60, triton 30 + 25, properties 70 (the pinned production shape and 2 drawn cases
 # a property, implementation and target, in one process), probe 45 (FlashMLA's acceptances and
@@ -20,8 +20,9 @@ run() {
   code=$?
   summary+=("$(printf '%-30s exit %-4s %5ss  %s' "$name" "$code" "$((SECONDS - start))" "$(grep -E '^(PASS|DISCREPANCY|FLAKY|NO VERDICT)' "$OUT/$name.log" | tail -n 1 | cut -c1-110)")")
 }
-for STEP in fuzz triton properties probe; do
+for STEP in fuzz triton properties probe pipeline; do
   want "$@" || continue
+  [ $# -eq 0 ] && [ "$STEP" = pipeline ] && continue  # the decode step with FlashMLA and with ours: asked for by name
   case $STEP in
     fuzz) run fuzz-v4-flash_mla 60 fuzz --op sparse_decode_v4 --profile gpu --examples "$EXAMPLES" ;;
     triton)
@@ -33,6 +34,7 @@ for STEP in fuzz triton properties probe; do
         --property v4_zero_rope --property v4_row_alone --examples 2 --seed "$SEED" --out "$OUT/properties" \
         > "$OUT/properties.log" 2>&1
       summary+=("$(printf '%-30s exit %-4s %5ss  %s' properties $? "$((SECONDS - start))" "$(tail -n 1 "$OUT/properties.log" | cut -c1-80)")") ;;
+    pipeline) run fuzz-v4_decode 60 fuzz --op v4_decode --profile gpu --examples 16 ;;
     probe)
       start=$SECONDS
       timeout -k 10 "${PROBE_S:-45}" python3 scripts/gpu_v4_probe.py "$OUT" > "$OUT/probe.log" 2>&1
