@@ -244,15 +244,15 @@ class V4Decode(Protocol):
     def __call__(self, *, q: Annotated[Tensor, "[B,S,H,512] bf16"],
                  kv_cache: Annotated[Tensor, "[NB,BS,584] uint8 V4 (the window's pages)"],
                  positions: Annotated[Tensor, "[B] int32 (each request's last query position)"],
-                 block_table: Annotated[Tensor, "[B,M] int32"], window: int, sm_scale: float,
+                 block_table: Annotated[Tensor, "[B,M] int32"], sm_scale: float,
                  extra_kv_cache: Annotated[Tensor | None, "[NB2,BS2,584] uint8 V4"],
                  extra_indices: Annotated[Tensor | None, "[B,S,K2] int32"],
                  extra_topk_length: Annotated[Tensor | None, "[B] int32"],
                  attn_sink: Annotated[Tensor | None, "[H] f32"]
                  ) -> Annotated[tuple[Tensor, Tensor], "(out[B,S,H,512] bf16, lse[B,H,S] f32)"]:
-        """A V4 decode step: each token's window (window_indices over its position pos = positions[b]
-        - S + 1 + s and the request's block table), the request's length the last token's window,
-        then sparse_decode_v4 over the window and the extra list."""
+        """A V4 decode step: each token's window of 128 (window_indices over its position pos =
+        positions[b] - S + 1 + s and the request's block table), the request's length the last
+        token's window, then sparse_decode_v4 over the window and the extra list."""
 
 CONTRACTS: dict[str, type] = {
     "quantize_fp8_ds_mla": QuantizeFp8DsMla, "dequantize_fp8_ds_mla": DequantizeFp8DsMla,

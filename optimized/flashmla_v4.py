@@ -25,7 +25,7 @@ import torch
 from mla_verify.optimized.adapters import flash_mla_heads, pad_heads
 from mla_verify.optimized.flashmla import flash_mla_unavailable
 from mla_verify.optimized.registry import FLASH_MLA, register
-from mla_verify.optimized.v4_checks import V41_PAIRS, V4_PAIRS, check_union_decode_contract
+from mla_verify.optimized.v4_checks import V41_PAIRS, V4_PAIRS, ListArgs, check_union_decode_contract
 from mla_verify.optimized.v4_formats import D_V
 from mla_verify.optimized.validation import InputError
 
@@ -76,8 +76,7 @@ def check_flash_mla_limits(q, kv_cache, indices, extra_kv_cache, extra_indices) 
         raise InputError(f"FlashMLA runs on CUDA tensors, got tensors on {q.device}")
 
 
-def _call(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices, extra_topk_length, attn_sink,
-          **fixed):
+def _call(q, main: ListArgs, extra: ListArgs, sm_scale, attn_sink, **fixed):
     """flash_mla_with_kvcache with padded heads and a fresh plan -> (out [B,S,H,512], lse [B,H,S])."""
     import flash_mla
 
@@ -87,18 +86,18 @@ def _call(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_ind
         sink = torch.cat([sink, sink.new_full((flash_mla_heads(heads) - heads,), float("-inf"))])
     sched = flash_mla.get_mla_metadata()[0]
     out, lse = flash_mla.flash_mla_with_kvcache(
-        pad_heads(q, 0.0), kv_cache.unsqueeze(-2), None, None, D_V, sched, softmax_scale=sm_scale,
-        is_fp8_kvcache=True, indices=indices, attn_sink=sink,
-        extra_k_cache=None if extra_kv_cache is None else extra_kv_cache.unsqueeze(-2),
-        extra_indices_in_kvcache=extra_indices, topk_length=topk_length, extra_topk_length=extra_topk_length, **fixed)
+        pad_heads(q, 0.0), main.cache.unsqueeze(-2), None, None, D_V, sched, softmax_scale=sm_scale,
+        is_fp8_kvcache=True, indices=main.indices, attn_sink=sink,
+        extra_k_cache=None if extra.cache is None else extra.cache.unsqueeze(-2),
+        extra_indices_in_kvcache=extra.indices, topk_length=main.length, extra_topk_length=extra.length, **fixed)
     return out[..., :heads, :], lse[:, :heads, :]
 
 
 def launch_sparse_decode_v4(q, kv_cache, indices, sm_scale, topk_length=None, extra_kv_cache=None, extra_indices=None,
                             extra_topk_length=None, attn_sink=None):
     """`sparse_decode_v4` without the checks (for timing): inputs must already pass them."""
-    return _call(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices, extra_topk_length,
-                 attn_sink, use_legacy=True, kv_format="V4")
+    return _call(q, ListArgs(kv_cache, indices, topk_length), ListArgs(extra_kv_cache, extra_indices, extra_topk_length),
+                 sm_scale, attn_sink, use_legacy=True, kv_format="V4")
 
 
 @register("sparse_decode_v4", "flash_mla", priority=FLASH_MLA, devices=("cuda",), unavailable=flash_mla_unavailable,
@@ -119,10 +118,11 @@ def sparse_decode_v4(
     q [B,S,H,512] bf16 (H <= 128, padded to 64/128); kv_cache, extra_kv_cache [NB,BS,584] uint8
     (block-major V4 pages, 16-byte aligned blocks); indices [B,S,K], extra_indices [B,S,K2] int32
     slots (padded with -1 to multiples of 64); topk_length, extra_topk_length [B] int32; attn_sink [H] f32.
-    Splits short batches over SM partitions ("split_kv").
+    Splits short batches over SM partitions ("split_kv"), by a plan built from the lengths' values
+    ("length_plan").
     """
-    sm_scale, _, _ = check_union_decode_contract(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache,
-                                                 extra_indices, extra_topk_length, attn_sink, V4_PAIRS)
+    main, extra = ListArgs(kv_cache, indices, topk_length), ListArgs(extra_kv_cache, extra_indices, extra_topk_length)
+    sm_scale, _, _ = check_union_decode_contract(q, main, extra, sm_scale, attn_sink, V4_PAIRS)
     check_flash_mla_limits(q, kv_cache, indices, extra_kv_cache, extra_indices)
     return launch_sparse_decode_v4(q, kv_cache, padded_list(indices), sm_scale, topk_length, extra_kv_cache,
                                    padded_list(extra_indices), extra_topk_length, attn_sink)
@@ -144,8 +144,8 @@ def sparse_decode_v41(
     """FlashMLA's current V4.1 decode (SM100 only; never run on the lent SM90 machines): a V4.1
     main cache [NB,BS,528] and a V4.1 or V4.1 FP4 [NB,BS,288] extra cache, per-token pages;
     otherwise as `sparse_decode_v4`."""
-    sm_scale, _, _ = check_union_decode_contract(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache,
-                                                 extra_indices, extra_topk_length, attn_sink, V41_PAIRS)
+    main, extra = ListArgs(kv_cache, indices, topk_length), ListArgs(extra_kv_cache, extra_indices, extra_topk_length)
+    sm_scale, _, _ = check_union_decode_contract(q, main, extra, sm_scale, attn_sink, V41_PAIRS)
     check_flash_mla_limits(q, kv_cache, indices, extra_kv_cache, extra_indices)
-    return _call(q, kv_cache, padded_list(indices), sm_scale, topk_length, extra_kv_cache, padded_list(extra_indices),
-                 extra_topk_length, attn_sink, use_legacy=False)
+    return _call(q, main._replace(indices=padded_list(indices)), extra._replace(indices=padded_list(extra_indices)),
+                 sm_scale, attn_sink, use_legacy=False)

@@ -10,10 +10,20 @@ hold anything. Each implementation adds its own kernel limits on top.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from mla_verify.optimized.v4_formats import BY_WIDTH, D_QK, FORMATS, CacheFormat
 from mla_verify.optimized.validation import InputError, check_index_range, check_same_device, check_sm_scale, check_tensor
+
+
+class ListArgs(NamedTuple):
+    """One list of the union as the contract passes it: its cache, its slots, its lengths."""
+
+    cache: torch.Tensor | None
+    indices: torch.Tensor | None
+    length: torch.Tensor | None = None
 
 
 def cache_format(name: str, cache: torch.Tensor, allowed: tuple[str, ...]) -> CacheFormat:
@@ -47,13 +57,9 @@ def _check_list(name: str, idx: torch.Tensor, length_name: str, length: torch.Te
 
 def check_union_decode_contract(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
+    main: ListArgs,
+    extra: ListArgs,
     sm_scale: float,
-    topk_length: torch.Tensor | None,
-    extra_kv_cache: torch.Tensor | None,
-    extra_indices: torch.Tensor | None,
-    extra_topk_length: torch.Tensor | None,
     attn_sink: torch.Tensor | None,
     pairs: tuple[tuple[str, str | None], ...],
 ) -> tuple[float, CacheFormat, CacheFormat | None]:
@@ -63,28 +69,30 @@ def check_union_decode_contract(
     batch, seq, heads, _ = q.shape
     if min(batch, seq, heads) < 1:
         raise InputError(f"q: batch, query tokens and heads must all be >= 1, got shape {tuple(q.shape)}")
-    if (extra_kv_cache is None) != (extra_indices is None):
+    if (extra.cache is None) != (extra.indices is None):
         raise InputError("extra_kv_cache and extra_indices come together (one without the other)")
-    if extra_kv_cache is None and extra_topk_length is not None:
+    if extra.cache is None and extra.length is not None:
         raise InputError("extra_topk_length without an extra cache")
-    main = cache_format("kv_cache", kv_cache, tuple({m for m, _ in pairs}))
-    extra = None
-    if extra_kv_cache is not None:
-        extra = cache_format("extra_kv_cache", extra_kv_cache, tuple({e for m, e in pairs if m == main.name and e}))
-    elif (main.name, None) not in pairs:
-        raise InputError(f"kv_cache in {main.name}: this op needs an extra cache beside it")
-    for name, length in (("topk_length", topk_length), ("extra_topk_length", extra_topk_length)):
+    main_fmt = cache_format("kv_cache", main.cache, tuple({m for m, _ in pairs}))
+    extra_fmt = None
+    if extra.cache is not None:
+        extra_fmt = cache_format("extra_kv_cache", extra.cache,
+                                 tuple({e for m, e in pairs if m == main_fmt.name and e}))
+    elif (main_fmt.name, None) not in pairs:
+        raise InputError(f"kv_cache in {main_fmt.name}: this op needs an extra cache beside it")
+    for name, length in (("topk_length", main.length), ("extra_topk_length", extra.length)):
         if length is not None:
             check_tensor(name, length, dtype=torch.int32, shape=(batch,), contiguous=True)
     if attn_sink is not None:
         check_tensor("attn_sink", attn_sink, dtype=torch.float32, shape=(heads,), contiguous=True)
-    check_same_device(q=q, kv_cache=kv_cache, indices=indices, topk_length=topk_length, extra_kv_cache=extra_kv_cache,
-                      extra_indices=extra_indices, extra_topk_length=extra_topk_length, attn_sink=attn_sink)
+    check_same_device(q=q, kv_cache=main.cache, indices=main.indices, topk_length=main.length,
+                      extra_kv_cache=extra.cache, extra_indices=extra.indices, extra_topk_length=extra.length,
+                      attn_sink=attn_sink)
     sm_scale = check_sm_scale(sm_scale)
-    _check_list("indices", indices, "topk_length", topk_length, kv_cache, batch, seq)
-    if extra_kv_cache is not None:
-        _check_list("extra_indices", extra_indices, "extra_topk_length", extra_topk_length, extra_kv_cache, batch, seq)
-    return sm_scale, main, extra
+    _check_list("indices", main.indices, "topk_length", main.length, main.cache, batch, seq)
+    if extra.cache is not None:
+        _check_list("extra_indices", extra.indices, "extra_topk_length", extra.length, extra.cache, batch, seq)
+    return sm_scale, main_fmt, extra_fmt
 
 
 # The (main, extra) pairs of each op: the same format, or V4.1 with the FP4 extra; None: no extra.

@@ -46,7 +46,7 @@ from .metadata import split_prefill_chunks
 from .nvfp4_ds_mla import dequantize_nvfp4_ds_mla, nvfp4_ds_mla_values, quantize_nvfp4_ds_mla
 from .paged_cache import flat_kv_row_view, write_fp8_ds_mla_cache, write_nvfp4_ds_mla_cache
 from .query import concat_mla_q, reshape_attn_output_for_spec_decode, reshape_query_for_spec_decode
-from .union import sparse_decode_union, sparse_decode_union_chunks, sparse_prefill_union
+from .union import Paged, Rows, lists_of, sparse_decode_union, sparse_decode_union_chunks, sparse_decode_v4, sparse_prefill_union
 from .v4_forward import v4_decode
 from .v4_indices import flashinfer_decode_table, flashinfer_table_as_union, v4_prefill_indices, window_indices
 from .v4_pages import allocate_cache, page_format, slot_values, write_v4_cache
@@ -63,7 +63,8 @@ __all__ = [
     "sparse_prefill", "sparse_prefill_chunks", "split_prefill_chunks", "write_fp8_ds_mla_cache",
     "write_nvfp4_ds_mla_cache",
     # DeepSeek V4 / V4.1
-    "allocate_cache", "flashinfer_decode_table", "flashinfer_table_as_union", "page_format", "slot_values",
-    "sparse_decode_union", "sparse_decode_union_chunks", "sparse_prefill_union", "v4_prefill_indices",
+    "Paged", "Rows", "allocate_cache", "flashinfer_decode_table", "flashinfer_table_as_union", "lists_of",
+    "page_format", "slot_values", "sparse_decode_union", "sparse_decode_union_chunks", "sparse_decode_v4",
+    "sparse_prefill_union", "v4_prefill_indices",
     "v4_decode", "window_indices", "write_v4_cache",
 ]

@@ -18,16 +18,19 @@ Decode (`flash_mla_with_kvcache` with the V4 caches): indices [B, S, K] and extr
 per request: entry j of request b counts when j < length[b] and its value is not -1. Past a
 length an entry is never read, whatever it holds; within it, -1 is the only invalid value and
 anything else outside the cache is refused (the kernels read it unchecked).
-Prefill (`flash_mla_sparse_fwd` with d_qk = 512): indices [T, K] and extra_indices [T, K2] are
-rows of flat bf16 arrays kv [N, 512] and extra_kv [N2, 512]; lengths are per token; an entry
-counts when j < length[t] and 0 <= value < rows (any other value is invalid).
+Prefill (`flash_mla_sparse_fwd` with d_qk = 512): each list's indices [T, K] are rows of a flat
+bf16 array [N, 512]; lengths are per token; an entry counts when j < length[t] and
+0 <= value < rows (any other value is invalid).
+
+A list is a `Paged` (decode: cache, slots, lengths, format) or `Rows` (prefill);
+`sparse_decode_v4` takes the kernels' keywords.
 
 Memory as `reference.attention`: chunks of query rows within the budget.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import torch
 
@@ -63,46 +66,61 @@ def _live_slots(indices: torch.Tensor, lengths: torch.Tensor | None, rows_per_le
     return idx
 
 
-def _check_decode(q, kv_cache, indices, extra_kv_cache, extra_indices, lengths) -> None:
+class Paged(NamedTuple):
+    """One list of a decode union: its cache, its slots, its lengths, the cache's format."""
+
+    cache: torch.Tensor                 # [NB, BS, W] uint8 (`reference.v4_pages`)
+    indices: torch.Tensor               # [B, S, K] int32 physical slots
+    length: torch.Tensor | None = None  # [B] int32, per request
+    kv_format: str | None = None        # None: the format the width names
+
+
+class Rows(NamedTuple):
+    """One list of a prefill union: flat bf16 rows, the rows each token selects, its lengths."""
+
+    rows: torch.Tensor                  # [N, 512] bf16
+    indices: torch.Tensor               # [T, K] int32
+    length: torch.Tensor | None = None  # [T] int32, per token
+
+
+def lists_of(kw: Mapping[str, Any]) -> tuple[Paged, Paged | None]:
+    """(main, extra) from the decode contract's keywords (kv_cache, indices, topk_length and their
+    extra_ counterparts)."""
+    extra = None
+    if kw.get("extra_kv_cache") is not None:
+        extra = Paged(kw["extra_kv_cache"], kw["extra_indices"], kw.get("extra_topk_length"))
+    return Paged(kw["kv_cache"], kw["indices"], kw.get("topk_length")), extra
+
+
+def _check_decode(q: torch.Tensor, lists: list[Paged]) -> None:
     if q.dim() != 4 or q.shape[3] != D_QK:
         raise ValueError(f"q must be [B, S, H, {D_QK}], got {tuple(q.shape)}")
-    for name, idx in (("indices", indices), ("extra_indices", extra_indices)):
-        if idx is not None and (idx.dim() != 3 or idx.shape[:2] != q.shape[:2]):
-            raise ValueError(f"{name} must be [B={q.shape[0]}, S={q.shape[1]}, K], got {tuple(idx.shape)}")
-    if (extra_kv_cache is None) != (extra_indices is None):
-        raise ValueError("extra_kv_cache and extra_indices come together")
-    for name, length in lengths.items():
-        if length is not None and length.shape != (q.shape[0],):
-            raise ValueError(f"{name} is per request: [B={q.shape[0]}], got {tuple(length.shape)}")
+    for name, part in zip(("main", "extra"), lists):
+        if part.indices.dim() != 3 or part.indices.shape[:2] != q.shape[:2]:
+            raise ValueError(f"the {name} list's indices must be [B={q.shape[0]}, S={q.shape[1]}, K], got "
+                             f"{tuple(part.indices.shape)}")
+        if part.length is not None and part.length.shape != (q.shape[0],):
+            raise ValueError(f"the {name} list's lengths are per request: [B={q.shape[0]}], got {tuple(part.length.shape)}")
 
 
 def sparse_decode_union_chunks(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
+    main: Paged,
     sm_scale: float,
-    topk_length: torch.Tensor | None = None,
-    extra_kv_cache: torch.Tensor | None = None,
-    extra_indices: torch.Tensor | None = None,
-    extra_topk_length: torch.Tensor | None = None,
+    extra: Paged | None = None,
     attn_sink: torch.Tensor | None = None,
     *,
-    kv_format: str | None = None,
-    extra_kv_format: str | None = None,
     dtype: torch.dtype = torch.float64,
     budget_bytes: int | None = None,
     magnitudes: bool = False,
 ) -> Iterator[tuple[slice, AttentionResult]]:
     """`sparse_decode_union` one chunk of the B*S query rows (b-major) at a time."""
-    _check_decode(q, kv_cache, indices, extra_kv_cache, extra_indices,
-                  {"topk_length": topk_length, "extra_topk_length": extra_topk_length})
+    parts = [part for part in (main, extra) if part is not None]
+    _check_decode(q, parts)
     batch, s_q, heads, _ = q.shape
-    lists = [(kv_cache, page_format(kv_cache, kv_format),
-              _live_slots(indices, topk_length, s_q, kv_cache.shape[0] * kv_cache.shape[1], "indices"))]
-    if extra_kv_cache is not None:
-        lists.append((extra_kv_cache, page_format(extra_kv_cache, extra_kv_format),
-                      _live_slots(extra_indices, extra_topk_length, s_q,
-                                  extra_kv_cache.shape[0] * extra_kv_cache.shape[1], "extra_indices")))
+    lists = [(part.cache, page_format(part.cache, part.kv_format),
+              _live_slots(part.indices, part.length, s_q, part.cache.shape[0] * part.cache.shape[1], name))
+             for name, part in zip(("indices", "extra_indices"), parts)]
 
     def chunk_keys(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         keys = [slot_values(cache, fmt, slots[rows], dtype) for cache, fmt, slots in lists]
@@ -116,31 +134,23 @@ def sparse_decode_union_chunks(
 
 def sparse_decode_union(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
+    main: Paged,
     sm_scale: float,
-    topk_length: torch.Tensor | None = None,
-    extra_kv_cache: torch.Tensor | None = None,
-    extra_indices: torch.Tensor | None = None,
-    extra_topk_length: torch.Tensor | None = None,
+    extra: Paged | None = None,
     attn_sink: torch.Tensor | None = None,
     *,
-    kv_format: str | None = None,
-    extra_kv_format: str | None = None,
     dtype: torch.dtype = torch.float64,
     budget_bytes: int | None = None,
     magnitudes: bool = False,
 ) -> AttentionResult:
-    """The V4 / V4.1 sparse decode: q [B, S, H, 512] bf16, kv_cache [NB, BS, W] uint8 (format
-    from W, or `kv_format`: `reference.v4_pages`), indices [B, S, K] int32, topk_length [B],
-    the extra cache and list likewise, attn_sink [H] f32.
+    """The V4 / V4.1 sparse decode: q [B, S, H, 512] bf16, the main list and the extra list
+    (`Paged`: a [NB, BS, W] uint8 cache whose width names its format, or `kv_format`, its
+    [B, S, K] int32 slots and [B] lengths), attn_sink [H] f32.
 
     Returns out [B, S, H, 512] (and with `magnitudes` out_abs, value_abs so laid out) and
     lse / max_logits / logit_l1 [B, H, S], as the kernels lay out their lse.
     """
-    chunks = sparse_decode_union_chunks(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices,
-                                        extra_topk_length, attn_sink, kv_format=kv_format,
-                                        extra_kv_format=extra_kv_format, dtype=dtype, budget_bytes=budget_bytes,
+    chunks = sparse_decode_union_chunks(q, main, sm_scale, extra, attn_sink, dtype=dtype, budget_bytes=budget_bytes,
                                         magnitudes=magnitudes)
     batch, s_q, heads, _ = q.shape
     flat = collect(chunks, q.reshape(batch * s_q, heads, D_QK), dtype)
@@ -155,6 +165,27 @@ def sparse_decode_union(
                            heads_major(flat.logit_l1), like_out(flat.out_abs), like_out(flat.value_abs))
 
 
+def sparse_decode_v4(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    topk_length: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+) -> AttentionResult:
+    """`sparse_decode_union` called as the kernels' contract is (`sparse_decode_v4` and
+    `sparse_decode_v41` alike), in float64."""
+    if (extra_kv_cache is None) != (extra_indices is None):
+        raise ValueError("extra_kv_cache and extra_indices come together")
+    main, extra = lists_of({"kv_cache": kv_cache, "indices": indices, "topk_length": topk_length,
+                            "extra_kv_cache": extra_kv_cache, "extra_indices": extra_indices,
+                            "extra_topk_length": extra_topk_length})
+    return sparse_decode_union(q, main, sm_scale, extra, attn_sink)
+
+
 def _prefill_rows(indices: torch.Tensor, lengths: torch.Tensor | None, rows: int) -> torch.Tensor:
     """[T, K] int64 rows of a prefill list, -1 wherever an entry does not count."""
     idx = indices.long()
@@ -167,29 +198,21 @@ def _prefill_rows(indices: torch.Tensor, lengths: torch.Tensor | None, rows: int
 
 def sparse_prefill_union(
     q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
+    main: Rows,
     sm_scale: float,
-    topk_length: torch.Tensor | None = None,
-    extra_kv: torch.Tensor | None = None,
-    extra_indices: torch.Tensor | None = None,
-    extra_topk_length: torch.Tensor | None = None,
+    extra: Rows | None = None,
     attn_sink: torch.Tensor | None = None,
     *,
     dtype: torch.dtype = torch.float64,
     budget_bytes: int | None = None,
     magnitudes: bool = False,
 ) -> AttentionResult:
-    """The union over flat bf16 rows: q [T, H, 512], kv [N, 512], indices [T, K], topk_length
-    [T]; extra_kv [N2, 512], extra_indices [T, K2], extra_topk_length [T]. Returns out [T, H, 512]
-    and lse / max_logits / logit_l1 [T, H]."""
+    """The union over flat bf16 rows: q [T, H, 512], each list `Rows` (rows [N, 512], indices
+    [T, K], lengths [T]). Returns out [T, H, 512] and lse / max_logits / logit_l1 [T, H]."""
     if q.dim() != 3 or q.shape[2] != D_QK:
         raise ValueError(f"q must be [T, H, {D_QK}], got {tuple(q.shape)}")
-    if (extra_kv is None) != (extra_indices is None):
-        raise ValueError("extra_kv and extra_indices come together")
-    lists = [(kv, _prefill_rows(indices, topk_length, kv.shape[0]))]
-    if extra_kv is not None:
-        lists.append((extra_kv, _prefill_rows(extra_indices, extra_topk_length, extra_kv.shape[0])))
+    lists = [(part.rows, _prefill_rows(part.indices, part.length, part.rows.shape[0]))
+             for part in (main, extra) if part is not None]
     for rows, idx in lists:
         if rows.dim() != 2 or rows.shape[1] != D_QK or idx.shape[0] != q.shape[0]:
             raise ValueError(f"rows [N, {D_QK}] and indices [T={q.shape[0]}, K] expected, got "

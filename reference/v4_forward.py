@@ -2,10 +2,11 @@
 table (`v4_indices.window_indices`), then the union attention over the window and the compressed
 picks (`union.sparse_decode_union`).
 
-For B requests of S query tokens, request b's tokens at positions[b] - S + 1 .. positions[b]:
-    indices[b, s]     = window_indices(token positions, requests, block_table, block_size, window)
-    topk_length[b]    = min(positions[b] + 1, window)      the request's last token's window
-    out, lse          = sparse_decode_union(q, kv_cache, indices, topk_length, extra lists, sink)
+For B requests of S query tokens, request b's tokens at positions[b] - S + 1 .. positions[b], and
+V4's window of WINDOW = 128 raw tokens:
+    indices[b, s]     = window_indices(token positions, requests, block_table, block_size, WINDOW)
+    topk_length[b]    = min(positions[b] + 1, WINDOW)      the request's last token's window
+    out, lse          = sparse_decode_union(q, (kv_cache, indices, topk_length), extra list, sink)
 An earlier token's shorter window ends in -1 entries within its request's length.
 """
 
@@ -14,8 +15,10 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionResult
-from .union import sparse_decode_union
+from .union import Paged, sparse_decode_union
 from .v4_indices import window_indices
+
+WINDOW = 128  # DeepSeek V4's sliding window (its configuration's sliding_window)
 
 
 def v4_decode(
@@ -23,23 +26,18 @@ def v4_decode(
     kv_cache: torch.Tensor,
     positions: torch.Tensor,
     block_table: torch.Tensor,
-    window: int,
     sm_scale: float,
-    extra_kv_cache: torch.Tensor | None = None,
-    extra_indices: torch.Tensor | None = None,
-    extra_topk_length: torch.Tensor | None = None,
+    extra: Paged | None = None,
     attn_sink: torch.Tensor | None = None,
     *,
-    dtype: torch.dtype = torch.float64,
     magnitudes: bool = False,
 ) -> AttentionResult:
     """q [B, S, H, 512], kv_cache the window's V4 cache, positions [B] each request's last query
-    position, block_table [B, M]; the extra lists as `sparse_decode_union` takes them. Returns
-    out [B, S, H, 512] and lse / max_logits / logit_l1 [B, H, S]."""
+    position, block_table [B, M], the extra list (`Paged`). Returns out [B, S, H, 512] and
+    lse / max_logits / logit_l1 [B, H, S], in float64."""
     batch, s_q = q.shape[:2]
     token_pos = (positions.long()[:, None] - (s_q - 1) + torch.arange(s_q, device=q.device)).reshape(-1)
     requests = torch.arange(batch, device=q.device).repeat_interleave(s_q)
-    indices, lengths = window_indices(token_pos, requests, block_table, kv_cache.shape[1], window)
-    return sparse_decode_union(q, kv_cache, indices.view(batch, s_q, window), sm_scale,
-                               lengths.view(batch, s_q)[:, -1].contiguous(), extra_kv_cache, extra_indices,
-                               extra_topk_length, attn_sink, dtype=dtype, magnitudes=magnitudes)
+    indices, lengths = window_indices(token_pos, requests, block_table, kv_cache.shape[1], WINDOW)
+    main = Paged(kv_cache, indices.view(batch, s_q, WINDOW), lengths.view(batch, s_q)[:, -1].contiguous())
+    return sparse_decode_union(q, main, sm_scale, extra, attn_sink, magnitudes=magnitudes)

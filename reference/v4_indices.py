@@ -131,7 +131,7 @@ def flashinfer_table_as_union(
     (B = T, S = 1): the window columns i < min(pos_t + 1, window) (validity from the position),
     then the compressed columns j < lengths[t] - window.
 
-    Returns the `sparse_decode_union` keyword arguments indices [T, 1, W], topk_length [T],
+    Returns the `sparse_decode_v4` keyword arguments indices [T, 1, W], topk_length [T],
     extra_indices [T, 1, K'], extra_topk_length [T]."""
     return {
         "indices": table[:, None, :window],

@@ -158,7 +158,9 @@ def _loop_decode(kw, fmt, extra):
 def test_union_decode_is_its_definition(fmt, extra):
     kw = decode_case(3, fmt=fmt, extra_fmt=extra, batch=2, s_q=2, heads=3, topk=12, extra_topk=7, block=5,
                      extra_block=3, sink="inf", gap=32)
-    res = R.sparse_decode_union(**kw, kv_format=fmt, extra_kv_format=extra)
+    main = R.Paged(kw["kv_cache"], kw["indices"], kw["topk_length"], fmt)
+    more = None if extra is None else R.Paged(kw["extra_kv_cache"], kw["extra_indices"], kw["extra_topk_length"], extra)
+    res = R.sparse_decode_union(kw["q"], main, kw["sm_scale"], more, kw["attn_sink"])
     out, lse = _loop_decode(kw, fmt, extra)
     assert torch.equal(torch.isinf(res.lse), torch.isinf(lse))
     live = torch.isfinite(lse)
@@ -173,20 +175,20 @@ def test_an_empty_union_is_zero_with_lse_plus_inf_and_past_a_length_is_never_rea
     kw["indices"][0] = -1
     kw["extra_topk_length"] = torch.tensor([0, 8], dtype=torch.int32)
     kw["extra_indices"][0] = 2**31 - 1  # past the length: anything, never read, never refused
-    res = R.sparse_decode_union(**kw)
+    res = R.sparse_decode_v4(**kw)
     assert res.out[0].eq(0).all() and res.lse[0].eq(math.inf).all() and res.max_logits[0].eq(-math.inf).all()
     assert res.lse[1].isfinite().all()
     kw["extra_topk_length"] = torch.tensor([1, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="extra_indices entry 2147483647 at row 0, position 0 counts"):
-        R.sparse_decode_union(**kw)
+        R.sparse_decode_v4(**kw)
 
 
 def test_union_is_the_lse_merge_of_its_parts():
     kw = decode_case(7, batch=2, s_q=2, heads=4, topk=16, extra_topk=12, sink="none")
-    both = R.sparse_decode_union(**kw)
-    main = R.sparse_decode_union(**{**kw, "extra_kv_cache": None, "extra_indices": None, "extra_topk_length": None})
-    extra = R.sparse_decode_union(kw["q"], kw["extra_kv_cache"], kw["extra_indices"], kw["sm_scale"],
-                                  kw["extra_topk_length"])
+    both = R.sparse_decode_v4(**kw)
+    main = R.sparse_decode_v4(**{**kw, "extra_kv_cache": None, "extra_indices": None, "extra_topk_length": None})
+    extra = R.sparse_decode_v4(kw["q"], kw["extra_kv_cache"], kw["extra_indices"], kw["sm_scale"],
+                               kw["extra_topk_length"])
     outs = torch.stack([main.out, extra.out])
     lses = torch.stack([main.lse.transpose(1, 2), extra.lse.transpose(1, 2)])
     out, lse = R.dcp_merge_exact(outs, lses)
@@ -199,10 +201,10 @@ def test_prefill_union_is_the_decode_union_over_bf16_rows():
     rows = R.slot_values(kw["kv_cache"], R.page_format(kw["kv_cache"]), torch.arange(kw["kv_cache"].shape[0] * 4))
     xrows = R.slot_values(kw["extra_kv_cache"], R.page_format(kw["extra_kv_cache"]),
                           torch.arange(kw["extra_kv_cache"].shape[0] * 4))
-    dec = R.sparse_decode_union(**kw)
-    pre = R.sparse_prefill_union(kw["q"][:, 0], rows.nan_to_num(0).bfloat16(), kw["indices"][:, 0], kw["sm_scale"],
-                                 kw["topk_length"], xrows.nan_to_num(0).bfloat16(), kw["extra_indices"][:, 0],
-                                 kw["extra_topk_length"], kw["attn_sink"])
+    dec = R.sparse_decode_v4(**kw)
+    pre = R.sparse_prefill_union(kw["q"][:, 0], R.Rows(rows.nan_to_num(0).bfloat16(), kw["indices"][:, 0], kw["topk_length"]),
+                                 kw["sm_scale"], R.Rows(xrows.nan_to_num(0).bfloat16(), kw["extra_indices"][:, 0],
+                                                        kw["extra_topk_length"]), kw["attn_sink"])
     assert torch.allclose(pre.out, dec.out[:, 0], rtol=0, atol=1e-12)
     assert torch.equal(pre.lse, dec.lse[:, :, 0])
 
@@ -255,11 +257,11 @@ def test_flashinfer_table_reads_as_the_flashmla_union():
     w = torch.clamp(pos + 1, max=128)
     window[torch.arange(128)[None, :] >= w[:, None]] = -1
     kw["indices"], kw["topk_length"] = window[:, None], w.int()
-    flashmla = R.sparse_decode_union(**kw)
+    flashmla = R.sparse_decode_v4(**kw)
     table, lengths = R.flashinfer_decode_table(window, kw["extra_indices"][:, 0], kw["extra_topk_length"])
     assert table.shape == (4, 128 + 12) and lengths.tolist() == (128 + kw["extra_topk_length"]).tolist()
     read = R.flashinfer_table_as_union(table, lengths, pos, 128)
-    flashinfer = R.sparse_decode_union(kw["q"], kw["kv_cache"], read["indices"], kw["sm_scale"], read["topk_length"],
-                                       kw["extra_kv_cache"], read["extra_indices"], read["extra_topk_length"],
-                                       kw["attn_sink"])
+    flashinfer = R.sparse_decode_v4(kw["q"], kw["kv_cache"], read["indices"], kw["sm_scale"], read["topk_length"],
+                                    kw["extra_kv_cache"], read["extra_indices"], read["extra_topk_length"],
+                                    kw["attn_sink"])
     assert torch.equal(flashinfer.out, flashmla.out) and torch.equal(flashinfer.lse, flashmla.lse)

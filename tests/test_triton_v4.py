@@ -15,6 +15,7 @@ from mla_verify import reference as R
 from mla_verify.optimized import buffers, flashmla_v4
 from mla_verify.optimized.kernels import union_decode, v4_cache_writer, v4_indices
 from mla_verify.optimized.kernels.attention_launch import AttentionConfig
+from mla_verify.optimized.v4_checks import V41_PAIRS, V4_PAIRS, ListArgs
 from mla_verify.optimized.validation import InputError
 from tests.bound_checks import check_attention
 from tests.v4_inputs import decode_case
@@ -24,8 +25,18 @@ PAIRS = st.sampled_from([("V4", "V4"), ("V4", None), ("V41", "V41_FP4"), ("V41",
 LENGTHS = st.sampled_from(["none", "random", "edges"])
 
 
-def _decode_impl(fmt):
-    return union_decode.sparse_decode_v4 if fmt == "V4" else union_decode.sparse_decode_v41
+def _decode(kw, fmt, config):
+    """Our Triton union decode of `fmt`'s op on contract keywords `kw`, launched with `config`."""
+    pairs = V4_PAIRS if fmt == "V4" else V41_PAIRS
+    return union_decode.decode_checked(kw["q"], ListArgs(kw["kv_cache"], kw["indices"], kw["topk_length"]),
+                                       ListArgs(kw["extra_kv_cache"], kw["extra_indices"], kw["extra_topk_length"]),
+                                       kw["sm_scale"], kw["attn_sink"], pairs, config)
+
+
+def reference_of(kw):
+    """The reference's answer with its magnitudes (the derived bounds' inputs)."""
+    main, extra = R.lists_of(kw)
+    return R.sparse_decode_union(kw["q"], main, kw["sm_scale"], extra, kw["attn_sink"], magnitudes=True)
 
 
 def union_check_inputs(q, got, ref):
@@ -120,8 +131,8 @@ def test_triton_union_decode_matches_reference(seed, pair, s_q, heads, topk, ext
                      block=block, extra_block=block + 2, lengths=lengths, extra_lengths=extra_lengths, sink=sink,
                      scale_rule=rule, gap=16)
     with buffers.poisoned():
-        got = _decode_impl(fmt)(**kw, config=AttentionConfig(num_splits=splits))
-    ref = R.sparse_decode_union(**kw, magnitudes=True)
+        got = _decode(kw, fmt, AttentionConfig(num_splits=splits))
+    ref = reference_of(kw)
     check_attention(f"triton {fmt}+{extra} decode", *union_check_inputs(kw["q"], got, ref),
                     topk + (extra_topk if extra else 0))
 
@@ -193,5 +204,5 @@ def test_v4_decode_on_gpu_matches_reference(impl, heads, s_q, batch):
     fn = flashmla_v4.sparse_decode_v4 if impl == "flash_mla" else union_decode.sparse_decode_v4
     with buffers.poisoned():
         got = fn(**kw)
-    ref = R.sparse_decode_union(**kw, magnitudes=True)
+    ref = reference_of(kw)
     check_attention(f"{impl} V4 decode H={heads}", *union_check_inputs(kw["q"], got, ref), 128 + 512)

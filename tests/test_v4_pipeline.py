@@ -4,8 +4,8 @@ step and the stage-by-stage rerun names it."""
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
 
-# Two requests, one short of its window (positions 0..2 of a 64-token window), MTP tokens.
-CASE = {"batch": 2, "s_q": 2, "heads": 8, "topk": 64, "extra_topk": 64, "positions": [2, 150], "block_size": 5,
+# Two requests, one short of its window (positions 0..2 of the 128-token window), MTP tokens.
+CASE = {"batch": 2, "s_q": 2, "heads": 8, "topk": 128, "extra_topk": 64, "positions": [2, 150], "block_size": 5,
         "extra_block_size": 16, "kv_format": "V4", "extra_format": "V4", "compress_ratio": 4, "lengths": "exact",
         "sm_scale": 0.1, "value_regime": "normal", "scale_rule": "pow2", "invalid": [], "sink": "finite"}
 

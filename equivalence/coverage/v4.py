@@ -13,6 +13,7 @@ import random
 import torch
 
 from mla_verify.reference import v4_pages
+from mla_verify.reference.v4_forward import WINDOW as V4_WINDOW
 
 from ..cases.profiles import Profile
 from .registry import Coverage, register
@@ -324,16 +325,16 @@ def _step_candidates(rng: random.Random, p: Profile) -> list[dict]:
             "value_regime": "normal", "scale_rule": "pow2", "invalid": [], "page_gap": 0, "special_tiles": False}
     found = []
     for _ in range(VARIANTS):
-        found += [{**base, "batch": 2, "s_q": 2, "heads": p.heads[0], "topk": 64, "extra_topk": 64,
+        found += [{**base, "batch": 2, "s_q": 2, "heads": p.heads[0], "topk": V4_WINDOW, "extra_topk": 64,
                    "positions": [rng.randint(1, 20), rng.randint(100, 300)], "block_size": rng.choice((5, 61)),
                    "extra_block_size": 16, "sink": "finite"},
-                  {**base, "batch": 1, "s_q": 1, "heads": p.heads[0], "topk": 64, "extra_topk": 0,
+                  {**base, "batch": 1, "s_q": 1, "heads": p.heads[0], "topk": V4_WINDOW, "extra_topk": 0,
                    "positions": [rng.randint(0, 300)], "block_size": 1, "extra_block_size": 2, "sink": "none"}]
     return found
 
 
 def _step_hits(p, kw: dict) -> set[str]:
-    pos, window, q = kw["positions"].long(), kw["window"], kw["q"]
+    pos, window, q = kw["positions"].long(), V4_WINDOW, kw["q"]
     bs = kw["kv_cache"].shape[1]
     return {name for name, yes in (
         ("a short sequence (pos + 1 < window)", bool((pos + 1 < window).any())),

@@ -134,7 +134,7 @@ ORACLES: dict[str, StageOracle] = {
     "window_indices": StageOracle(
         _named(reference.window_indices, ("indices", "lengths")),
         (Compared("indices", EXACT), Compared("lengths", EXACT)), lambda kw: ("indices", "lengths")),
-    "sparse_decode_v4": StageOracle(lambda kw: _attention(reference.sparse_decode_union(**kw)), _ATTENTION, _pair),
+    "sparse_decode_v4": StageOracle(lambda kw: _attention(reference.sparse_decode_v4(**kw)), _ATTENTION, _pair),
 }
 # Whose contract names a stage's dimensions (`localize.dims_of`): the nvfp4 decode shares fp8's.
 CONTRACT_OF = {"sparse_decode_nvfp4": "sparse_decode_fp8"}

@@ -204,7 +204,8 @@ def _largest_counted(kw: dict, cache: str, indices: str, length: str) -> float:
 
 
 def union_decode_reference(kw: dict, p: UnionDecodeParams) -> dict:
-    res = reference.sparse_decode_union(**kw, magnitudes=True)
+    main, extra = reference.lists_of(kw)
+    res = reference.sparse_decode_union(kw["q"], main, kw["sm_scale"], extra, kw["attn_sink"], magnitudes=True)
     width = kw["indices"].shape[-1] + (0 if kw["extra_indices"] is None else kw["extra_indices"].shape[-1])
     to_rows = lambda x: x.transpose(1, 2)  # noqa: E731  [B, H, S] <-> [B, S, H]
     found = elem_bounds(res, width, p, lse_of=to_rows, sink=kw["attn_sink"])

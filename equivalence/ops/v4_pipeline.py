@@ -2,9 +2,10 @@
 sparse_decode_v4, against `reference.v4_decode`. A failing case is run again stage by stage
 (`ops.stages`) and names the first stage whose output differs on its own inputs.
 
-Its cases are the union decode's (`ops.v4`), V4 caches, except the main list: the window cache is
-paged through a block table, each request's window positions in blocks of their own (shuffled),
-every other logical block mapped to one poisoned block; the window's lengths are the step's own.
+Its cases are the union decode's (`ops.v4`), V4 caches, except the main list: the window (V4's
+128 tokens: `topk` is 128) cache is paged through a block table, each request's window positions
+in blocks of their own (shuffled), every other logical block mapped to one poisoned block; the
+window's lengths are the step's own.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from mla_verify import reference
+from mla_verify.reference.v4_forward import WINDOW
 from mla_verify.equivalence.judge.policy import LSE, OUT
 from mla_verify.equivalence.sandbox.call_guards import guarded
 from mla_verify.optimized import registry
@@ -26,9 +28,9 @@ from .v4 import UnionDecodeParams, elem_bounds, latent_rows, union_decode_inputs
 
 def _window_cache(g, p: UnionDecodeParams, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(the window's cache, the block table): request b's blocks holding positions
-    pos_b - S - window + 2 .. pos_b are distinct physical blocks (shuffled, from 1), every other
+    pos_b - S - WINDOW + 2 .. pos_b are distinct physical blocks (shuffled, from 1), every other
     logical block is block 0, never written (all 0xFF)."""
-    bs, window = p.block_size, p.topk
+    bs, window = p.block_size, WINDOW
     first = [max(0, pos - p.s_q - window + 2) // bs for pos in p.positions]
     last = [pos // bs for pos in p.positions]
     live = sum(b - a + 1 for a, b in zip(first, last))
@@ -48,14 +50,17 @@ def _inputs(p: UnionDecodeParams, seed: int, device: str) -> dict:
     kw = union_decode_inputs(p, seed, device)
     cache, table = _window_cache(generator(seed + 1, device), p, device)
     return {"q": kw["q"], "kv_cache": cache, "positions": host_values(list(p.positions), device).to(torch.int32),
-            "block_table": table, "window": p.topk, "sm_scale": p.sm_scale, "extra_kv_cache": kw["extra_kv_cache"],
+            "block_table": table, "sm_scale": p.sm_scale, "extra_kv_cache": kw["extra_kv_cache"],
             "extra_indices": kw["extra_indices"], "extra_topk_length": kw["extra_topk_length"],
             "attn_sink": kw["attn_sink"]}
 
 
 def _reference(kw: dict, p: UnionDecodeParams) -> dict:
-    res = reference.v4_decode(**kw, magnitudes=True)
-    width = p.topk + p.extra_topk
+    extra = None if kw["extra_kv_cache"] is None else reference.Paged(kw["extra_kv_cache"], kw["extra_indices"],
+                                                                       kw["extra_topk_length"])
+    res = reference.v4_decode(kw["q"], kw["kv_cache"], kw["positions"], kw["block_table"], kw["sm_scale"], extra,
+                              kw["attn_sink"], magnitudes=True)
+    width = WINDOW + p.extra_topk
     found = elem_bounds(res, width, p, lse_of=lambda x: x.transpose(1, 2), sink=kw["attn_sink"])
     return {"out": res.out, "lse": res.lse, "logit_l1": res.logit_l1,
             **{key: t for key, t in found.items() if key.name != "max_logits_bound"}}
@@ -68,7 +73,7 @@ def _call(subject, kw: dict, p: UnionDecodeParams) -> ImplOutput:
     from mla_verify.optimized import v4_pipeline  # the kernels: only when the pipeline runs
 
     stages = recorded(guarded(registry.resolve(v4_pipeline.STAGES, kw["q"].device.type, subject.overrides)))
-    out, lse = v4_pipeline.v4_decode(**kw, stages=stages)
+    out, lse = v4_pipeline.v4_step(stages)(**kw)
     deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
     notes = tuple(f"{stage}: {why}" for stage, why in sorted(stages.fallbacks.items()))
     return ImplOutput({"out": out, "lse": lse}, stages=stages.pairs(), deviations=deviations, notes=notes)
@@ -76,7 +81,7 @@ def _call(subject, kw: dict, p: UnionDecodeParams) -> ImplOutput:
 
 V4_DECODE = register(PipelineSpec(
     name="v4_decode", stage=None, params=UnionDecodeParams,
-    draw=lambda prof: union_decode_params(prof, "V4", ("V4",)).map(lambda d: {**d, "lengths": "exact"}),
+    draw=lambda prof: union_decode_params(prof, "V4", ("V4",)).map(lambda d: {**d, "topk": WINDOW, "lengths": "exact"}),
     inputs=_inputs, reference=_reference, call=_call,
     checks=(Check("out", OUT, dtype=torch.bfloat16, bound="out_bound"),
             Check("lse", LSE, "logit_l1", dtype=torch.float32, bound="lse_bound")),

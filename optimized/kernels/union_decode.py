@@ -22,6 +22,8 @@ out = sum_i e^(lse_i - lse) out_i, then the sink): a request's bits depend on th
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -32,7 +34,7 @@ from mla_verify.optimized.kernels.bits import bf16_to_f32, e2m1_bits_to_f32, e4m
 from mla_verify.optimized.kernels.launch import native
 from mla_verify.optimized.kernels.online_softmax import LOG2E, attend_rows, finish
 from mla_verify.optimized.registry import TRITON, register
-from mla_verify.optimized.v4_checks import V41_PAIRS, V4_PAIRS, check_union_decode_contract
+from mla_verify.optimized.v4_checks import V41_PAIRS, V4_PAIRS, ListArgs, check_union_decode_contract
 from mla_verify.optimized.v4_formats import D_V, CacheFormat
 
 
@@ -191,29 +193,32 @@ def _combine_kernel(part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, num_
     tl.store(lse_ptr + rh, tl.where(nonempty, lse, float("inf")))
 
 
+class UnionList(NamedTuple):
+    """One list as the launcher takes it: checked, with its cache's format."""
+
+    cache: torch.Tensor
+    indices: torch.Tensor
+    length: torch.Tensor | None
+    fmt: CacheFormat
+
+
 def _format_args(fmt: CacheFormat | None) -> tuple[int, int, int, bool]:
     return (0, 576, 8, True) if fmt is None else (fmt.code, fmt.data_bytes, fmt.scale_bytes, fmt.block_major)
 
 
 def launch_union_decode(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
+    main: UnionList,
+    extra: UnionList | None,
     sm_scale: float,
-    topk_length: torch.Tensor | None,
-    extra_kv_cache: torch.Tensor | None,
-    extra_indices: torch.Tensor | None,
-    extra_topk_length: torch.Tensor | None,
-    attn_sink: torch.Tensor | None,
-    fmt: CacheFormat,
-    extra_fmt: CacheFormat | None,
+    attn_sink: torch.Tensor | None = None,
     config: AttentionConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The union decode without the checks (for timing): inputs must already pass them."""
     is_native = native(q.device)
     batch, seq, heads, _ = q.shape
-    topk = indices.shape[2]
-    xtopk = 0 if extra_indices is None else extra_indices.shape[2]
+    topk = main.indices.shape[2]
+    xtopk = 0 if extra is None else extra.indices.shape[2]
     cfg = (config or AttentionConfig()).resolve(heads, topk + xtopk)
     rows, head_blocks = batch * seq, triton.cdiv(heads, cfg.block_h)
     main_blocks = triton.cdiv(topk, cfg.block_n)
@@ -226,16 +231,17 @@ def launch_union_decode(
     if splits > 1:
         part_out = buffers.empty((rows, heads, splits, D_V), torch.float32, q.device)
         part_lse = buffers.empty((rows, heads, splits), torch.float32, q.device)
-    xcache, xidx = (kv_cache, indices) if extra_kv_cache is None else (extra_kv_cache, extra_indices)
+    x = extra or main  # without an extra list its arguments are the main list's, never read
     _union_decode_kernel[(rows * head_blocks * splits,)](
-        q, kv_cache, indices, topk_length, xcache, xidx, extra_topk_length, attn_sink,
+        q, main.cache, main.indices, main.length, x.cache, x.indices, None if extra is None else extra.length, attn_sink,
         out, lse, part_out, part_lse,
         sm_scale, seq, heads, topk, xtopk, head_blocks, splits, split_len // cfg.block_n, main_blocks,
-        kv_cache.shape[1], kv_cache.stride(0), xcache.shape[1], xcache.stride(0),
-        q.stride(0), q.stride(1), q.stride(2), indices.stride(0), indices.stride(1), xidx.stride(0), xidx.stride(1),
-        *_format_args(fmt), *_format_args(extra_fmt),
-        HAS_LEN=topk_length is not None, HAS_EXTRA=extra_kv_cache is not None,
-        HAS_XLEN=extra_topk_length is not None, HAS_SINK=attn_sink is not None,
+        main.cache.shape[1], main.cache.stride(0), x.cache.shape[1], x.cache.stride(0),
+        q.stride(0), q.stride(1), q.stride(2), main.indices.stride(0), main.indices.stride(1),
+        x.indices.stride(0), x.indices.stride(1),
+        *_format_args(main.fmt), *_format_args(None if extra is None else extra.fmt),
+        HAS_LEN=main.length is not None, HAS_EXTRA=extra is not None,
+        HAS_XLEN=extra is not None and extra.length is not None, HAS_SINK=attn_sink is not None,
         SPLIT=splits > 1, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NATIVE=is_native,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -246,12 +252,19 @@ def launch_union_decode(
     return out, lse.transpose(1, 2)
 
 
-def _decode(pairs, q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices, extra_topk_length,
-            attn_sink, config):
-    sm_scale, fmt, extra_fmt = check_union_decode_contract(
-        q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices, extra_topk_length, attn_sink, pairs)
-    return launch_union_decode(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices,
-                               extra_topk_length, attn_sink, fmt, extra_fmt, config)
+def decode_checked(
+    q: torch.Tensor,
+    main: ListArgs,
+    extra: ListArgs,
+    sm_scale: float,
+    attn_sink: torch.Tensor | None,
+    pairs: tuple[tuple[str, str | None], ...],
+    config: AttentionConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract's checks (for the format `pairs`), then `launch_union_decode` with `config`."""
+    sm_scale, fmt, extra_fmt = check_union_decode_contract(q, main, extra, sm_scale, attn_sink, pairs)
+    return launch_union_decode(q, UnionList(*main, fmt), None if extra_fmt is None else UnionList(*extra, extra_fmt),
+                               sm_scale, attn_sink, config)
 
 
 @register("sparse_decode_v4", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",),
@@ -266,17 +279,16 @@ def sparse_decode_v4(
     extra_indices: torch.Tensor | None = None,
     extra_topk_length: torch.Tensor | None = None,
     attn_sink: torch.Tensor | None = None,
-    *,
-    config: AttentionConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Union decode over V4 (584-byte) caches: (out [B,S,H,512] bf16, lse [B,H,S] f32).
 
     q [B,S,H,512] bf16; kv_cache and extra_kv_cache [NB,BS,584] uint8 (block-major pages);
     indices [B,S,K], extra_indices [B,S,K2] int32 slots (-1 invalid); topk_length,
-    extra_topk_length [B] int32 per request; attn_sink [H] f32. See the module docstring.
+    extra_topk_length [B] int32 per request; attn_sink [H] f32. See the module docstring
+    (`decode_checked` takes a launch configuration).
     """
-    return _decode(V4_PAIRS, q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices,
-                   extra_topk_length, attn_sink, config)
+    return decode_checked(q, ListArgs(kv_cache, indices, topk_length),
+                          ListArgs(extra_kv_cache, extra_indices, extra_topk_length), sm_scale, attn_sink, V4_PAIRS)
 
 
 @register("sparse_decode_v41", "triton", priority=TRITON, devices=("cpu", "cuda"), interpreted_on=("cpu",),
@@ -291,10 +303,8 @@ def sparse_decode_v41(
     extra_indices: torch.Tensor | None = None,
     extra_topk_length: torch.Tensor | None = None,
     attn_sink: torch.Tensor | None = None,
-    *,
-    config: AttentionConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Union decode over a V4.1 (528-byte) main cache and a V4.1 or V4.1 FP4 (288-byte) extra
     cache, per-token pages (FlashMLA's 2026.09.30 layout): as `sparse_decode_v4` otherwise."""
-    return _decode(V41_PAIRS, q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices,
-                   extra_topk_length, attn_sink, config)
+    return decode_checked(q, ListArgs(kv_cache, indices, topk_length),
+                          ListArgs(extra_kv_cache, extra_indices, extra_topk_length), sm_scale, attn_sink, V41_PAIRS)

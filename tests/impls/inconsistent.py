@@ -76,7 +76,7 @@ def _union(q, kv_cache, indices, sm_scale, topk_length=None, extra_kv_cache=None
            extra_topk_length=None, attn_sink=None):
     from mla_verify import reference
 
-    res = reference.sparse_decode_union(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices,
+    res = reference.sparse_decode_v4(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices,
                                         extra_topk_length, attn_sink)
     return res.out.float().to(torch.bfloat16), res.lse.float()
 

@@ -16,7 +16,7 @@ def _as_kernel(res):
 
 def _decode(q, kv_cache, indices, sm_scale, topk_length=None, extra_kv_cache=None, extra_indices=None,
             extra_topk_length=None, attn_sink=None):
-    return _as_kernel(reference.sparse_decode_union(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache,
+    return _as_kernel(reference.sparse_decode_v4(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache,
                                                     extra_indices, extra_topk_length, attn_sink))
 
 
