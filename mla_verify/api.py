@@ -162,7 +162,8 @@ def check(
         impl: a callable, "MODULE:CALLABLE", a registered name, {stage: impl} for a pipeline op or a
             property, or None for the project's own implementation.
         examples: cases to draw (default: the profile's budget). seed: the campaign's seed (default:
-            random; `CheckResult.seed` says which).
+            random, or inside pytest under CI=true one derived from the commit; `CheckResult.seed`
+            says which).
         device: "cpu", "cuda" or "cuda:N" (default: cuda when present). profile: ci | dev | nightly |
             gpu (default: dev on cpu, gpu on cuda). Inside pytest, `--mla-verify-examples`,
             `--mla-verify-device` and `--mla-verify-profile` replace these defaults (the plugin,
@@ -202,6 +203,8 @@ def check(
     __tracebackhide__ = True  # a pytest failure ends at the test's call
     given = {**locals(), "ops": (op,), "device": resolve_device(default_device(device))}
     given.update((name, DEFAULTS.get(name)) for name in ("examples", "profile", "seed", "corpus") if given[name] is None)
+    if given["seed"] is None and baseline is None:  # under CI=true, the commit's seed (a baseline's own wins)
+        given["seed"] = DEFAULTS.get("commit_seed")
     given["specs"], given["named"] = impl_specs(impl)
     result = run(Options.asked(FUZZ, given), log)
     saved(result.failures)  # listed in a pytest session's summary
