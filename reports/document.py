@@ -38,6 +38,7 @@ class Report:
     replay: str | None = None               # the command that replays the case that drifted most
     notes: list[str] = field(default_factory=list)  # what a comparison with the baseline must say first
     sections: list[Section] = field(default_factory=list)
+    name: str = ""                          # the run directory's name (--out): what the report is titled
 
     @property
     def exit_code(self) -> int:
@@ -48,6 +49,12 @@ class Report:
     @property
     def run_id(self) -> str:
         return run_ids(self.rows)
+
+    @property
+    def title(self) -> str:
+        """"mla-verify report: NAME", NAME being the run directory's (`--out shard-0`: shard-0), else
+        the run id the rows carry."""
+        return f"mla-verify report: {self.name or self.run_id}"
 
     def summary(self) -> str:
         text = terminal_summary(self.rows, self.meta)
