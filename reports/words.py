@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from mla_verify.equivalence.judge.policy import WORSE_BIAS_SHARE, WORSE_MEDIAN, WORSE_TAIL
+from mla_verify.equivalence.judge.policy import TAIL_QUANTILE, WORSE_BIAS_SHARE, WORSE_MEDIAN, WORSE_TAIL
 from mla_verify.reports.bias import judge
 from mla_verify.reports.significance import exceeds, more_often_nonzero
 from mla_verify.reports.stats import quantile, quantiles
@@ -39,11 +39,6 @@ from mla_verify.reports.stats import quantile, quantiles
 DRIFTED, WORSE, UNCHANGED, BETTER = "drifted", "worse", "unchanged", "better"
 NOT_COMPARABLE = "not comparable"   # most cases unshared and too few to compare their tails
 WORDS = (DRIFTED, WORSE, UNCHANGED, BETTER, NOT_COMPARABLE)
-# The unpaired tail test's threshold: the pooled p80. Measured on 40-case decode campaigns, v1 at 20
-# seeds and v2 (P rounded to bf16) at the same 20: v2 against v1 of another seed read worse in 380 of
-# 380 pairs (p ~ 5e-6), v1 against v1 of another seed in 2 of 380 (out) and 2 of 380 (lse) at the
-# group's share of 0.01; the pooled p90 found v2 as often and v1 worse in 10 of 380 (lse).
-TAIL_QUANTILE = 0.8
 RANK_TEST, TAIL_TEST = f"rank test of x{WORSE_TAIL:g}", f"tail test: cases above the pooled p{TAIL_QUANTILE * 100:g}"
 
 
