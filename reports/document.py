@@ -57,7 +57,7 @@ class Report:
         return f"mla-verify report: {self.name or self.run_id}"
 
     def summary(self) -> str:
-        text = terminal_summary(self.rows, self.meta)
+        text = terminal_summary(self.rows, self.meta, self.name)
         warnings = self.bias.lines() if self.bias is not None else []
         drift = self.drift.lines(self.replay) if self.drift is not None else []
         return "\n".join([text, *warnings, *(f"note: {n}" for n in self.notes), *drift])

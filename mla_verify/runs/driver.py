@@ -49,6 +49,7 @@ from .parts import check_in_parts, gate_in_parts
 from .plan import FUZZ, Run
 from .selection import impl_units
 from .sink import Sink
+from . import durations
 from .units import Unit, gate_world_size, odd_ones_out, shard_units, units
 
 MIN_DRAWS = 25  # params a campaign draws at the least where its budget allows (`block_size`)
@@ -60,6 +61,7 @@ class GateResult:
     fuzz: list[FuzzResult] = field(default_factory=list)
     notes: set[str] = field(default_factory=set)
     replayed: list[Replayed] = field(default_factory=list)  # the kept and pinned cases that failed
+    seconds: dict[str, float] = field(default_factory=dict)  # each finished unit's (runs.durations)
 
     @property
     def failed(self) -> bool:
@@ -175,7 +177,7 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
                           result.notes, sink if run.command == FUZZ else None)
     sink.judging(unit)
     tested = UnderTest(unit.specs, unit.label, unit.deviations, unit.conventions, run.device)
-    t0 = time.monotonic()  # a campaign's seconds include the corpus cases run before it
+    t0 = start = time.monotonic()  # a campaign's seconds include the corpus cases run before it
     pinned, replayed = _pinned(unit), len(result.replayed)
     pinned_rows = []
     for case, source, why in [(c, SOURCE, "") for c in unit.kept] + [(c, PINNED, why) for c, why in pinned]:
@@ -207,6 +209,7 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
                       f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
             log.flush()
         t0 = time.monotonic()
+    result.seconds[unit.key] = time.monotonic() - start   # what the next run's shards are sized by
     return True
 
 
@@ -234,8 +237,8 @@ def gate_units(run: Run, kept: Corpus | None = None) -> list[Unit]:
 
 def run_gate(run: Run, sink: Sink, log, chosen: list[Unit]) -> GateResult:
     """The units of the run's shard (`Shard()`: all of them) among `chosen` through `run_units`."""
-    return run_units(shard_units(list(run.ops) or None, run.device, run.shard, chosen), run, sink, seed=run.seed,
-                     examples=run.examples, log=log)
+    return run_units(shard_units(list(run.ops) or None, run.device, run.shard, chosen, run.durations), run, sink,
+                     seed=run.seed, examples=run.examples, log=log)
 
 
 def drive(run: Run, log: Callable[[str], None] | None = None):
@@ -324,6 +327,7 @@ def _gate(run: Run) -> GateOutcome:
                           keep(kept, result.new_findings(), result.rows) + sorted(result.notes),
                           odd_ones_out(result.rows),
                           isolated=run.isolate)
+    durations.write(run_dir.path, result.seconds)
     run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupted else meta)
 
     def said(path: Path, rows) -> list[str]:  # the replay command (with the implementation saved), the failing rows
