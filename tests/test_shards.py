@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from mla_verify.cli import main
+from mla_verify.runs import durations
 from mla_verify.runs.units import shard_units, units
 from mla_verify.runs.parts import Shard, share
 
@@ -112,6 +113,10 @@ def test_gate_shards_merged_are_the_unsharded_gate_case_for_case(capsys, gate_sh
     merged, meta = reports.load_run(tmp_path / "m")
     assert verdicts(merged) == verdicts(reports.load_run(gate_shards / "whole")[0])
     assert "shard" not in meta["extra"] and len(meta["extra"]["merged"]) == 3
+    # each shard's unit seconds, joined: what the next run's shards are sized by (gate --durations)
+    seconds = durations.read(tmp_path / "m")
+    assert sorted(seconds) == sorted(u.key for u in units(OPS, "cpu")) and all(s > 0 for s in seconds.values())
+    assert seconds == {k: v for i in range(3) for k, v in durations.read(gate_shards / f"shard-{i}").items()}
 
 
 def test_merge_refuses_missing_repeated_or_foreign_shards_and_names_each(capsys, gate_shards, tmp_path):
@@ -124,10 +129,11 @@ def test_merge_refuses_missing_repeated_or_foreign_shards_and_names_each(capsys,
     shutil.copytree(shards[1], other)
     meta = json.loads((other / "meta.json").read_text())
     meta["git"]["revision"], meta["extra"]["run"]["seed"] = "0123abc", 5
+    meta["extra"]["run"]["durations"] = "5ca1ab1e0000"   # dealt by other seconds: its units may overlap
     (other / "meta.json").write_text(json.dumps(meta))
     assert main(["merge", shards[0], str(other), shards[2], "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err
-    assert "ran revision 0123abc" in err and "seed 5 vs 4" in err
+    assert "ran revision 0123abc" in err and "seed 5 vs 4" in err and "durations '5ca1ab1e0000' vs None" in err
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
     # told to, it merges what it has; cases that never ran are no pass
     assert main(["merge", shards[0], shards[2], "--out", str(tmp_path / "d"), "--force"]) == 1
