@@ -290,7 +290,8 @@ def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, 
         failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
                                    replay_command(fz.case_file, run.specs, run.device, run.deviations, run.timeout,
                                                   run.isolate, run.conventions),
-                                   found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk))
+                                   found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk,
+                                   unminimized=fz.unminimized))
     notes = notes + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
     notes += unexercised(run.specs, call_guards.CALLED_WITH)  # what the replaced stages were never handed
     if run.world_size:
@@ -338,7 +339,8 @@ def _gate(run: Run) -> GateOutcome:
     outcome.case_files = [(r.path, [f"  from the corpus: still fails (kept as {r.kept_as})" if r.kept_as
                                     else "  a pinned regression case: fails", *said(r.path, r.rows)])
                           for r in result.replayed]
-    outcome.case_files += [(fz.case_file, said(fz.case_file, fz.failure.rows if fz.failure else ()))
+    outcome.case_files += [(fz.case_file, [f"  not minimized: {fz.unminimized}"] * bool(fz.unminimized)
+                            + said(fz.case_file, fz.failure.rows if fz.failure else ()))
                            for fz in result.fuzz if fz.case_file and fz.case_file not in {r.path for r in result.replayed}]
     return outcome
 

@@ -38,6 +38,7 @@ class Failure:
     flaky: tuple[int, int] | None = None  # (failed k, of n re-runs) when a re-run passed
     minimized: bool = False
     from_corpus: bool = False       # a kept corpus's case (mla_verify.runs.corpus) that still fails
+    unminimized: str = ""           # why it was not minimized, and how to have it minimized
 
     @classmethod
     def of(cls, case, rows, case_file: Path | None, replay_command: str, **fields: Any) -> "Failure":
@@ -51,6 +52,8 @@ class Failure:
         what = ("case from the corpus" if self.from_corpus else "minimized case" if self.minimized
                 else "case (as found, not minimized)")
         out = [f"  {what}: {self.case.short()}"]
+        if self.unminimized and not (self.minimized or self.from_corpus):
+            out.append(f"  not minimized: {self.unminimized}")
         out += [f"  {line(r['tensor'], r['gate_metric'], r['value'], r['bound'], r['reason'])}" for r in self.rows]
         if self.case_file is not None:
             out.append(f"  case saved: {self.case_file}")
@@ -63,14 +66,14 @@ class Failure:
                 "case_file": None if self.case_file is None else str(self.case_file),
                 "replay_command": self.replay_command, "found_at": self.found_at, "seed": self.seed,
                 "flaky": list(self.flaky) if self.flaky else None, "minimized": self.minimized,
-                "from_corpus": self.from_corpus}
+                "from_corpus": self.from_corpus, "unminimized": self.unminimized}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Failure":
         return cls(Case.from_dict(d["case"]), d["tensor"], d["metric"], d["value"], d["bound"], d["reason"],
                    list(d["rows"]), None if d["case_file"] is None else Path(d["case_file"]), d["replay_command"],
                    d.get("found_at"), d.get("seed"), tuple(d["flaky"]) if d.get("flaky") else None,
-                   bool(d.get("minimized")), bool(d.get("from_corpus")))
+                   bool(d.get("minimized")), bool(d.get("from_corpus")), str(d.get("unminimized") or ""))
 
 
 @dataclass
