@@ -44,7 +44,7 @@ from mla_verify.pytest_plugin import DEFAULTS
 from mla_verify.reports.store import rows_frame
 
 from .corpus import PINNED, SOURCE, Corpus, Replayed, keep, save_replayed, with_kept
-from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, result_file
+from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, rest_command, result_file
 from .parts import check_in_parts, gate_in_parts
 from .plan import FUZZ, Run
 from .selection import impl_units
@@ -178,6 +178,7 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
     sink.judging(unit)
     tested = UnderTest(unit.specs, unit.label, unit.deviations, unit.conventions, run.device)
     t0 = start = time.monotonic()  # a campaign's seconds include the corpus cases run before it
+    finished = True                # every campaign ran its budget (a stopped one: the unit is not done)
     pinned, replayed = _pinned(unit), len(result.replayed)
     pinned_rows = []
     for case, source, why in [(c, SOURCE, "") for c in unit.kept] + [(c, PINNED, why) for c, why in pinned]:
@@ -198,6 +199,7 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
                             run.world_size or gate_world_size(spec, run.device_type), block_size(run.profile, budget),
                             run.shrink, _failures_dir(run))
         fz = fuzz(campaign, judge, sink)
+        finished &= not fz.stopped
         _found_again(fz, result.replayed[replayed:], sink)
         result.fuzz.append(fz)
         result.rows.extend(fz.rows)
@@ -209,7 +211,8 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
                       f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
             log.flush()
         t0 = time.monotonic()
-    result.seconds[unit.key] = time.monotonic() - start   # what the next run's shards are sized by
+    if finished:   # its seconds size the next run's shards; an unfinished unit is an interrupted run's rest
+        result.seconds[unit.key] = time.monotonic() - start
     return True
 
 
@@ -327,7 +330,7 @@ def _gate(run: Run) -> GateOutcome:
     outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupted,
                           keep(kept, result.new_findings(), result.rows) + sorted(result.notes),
                           odd_ones_out(result.rows),
-                          isolated=run.isolate)
+                          isolated=run.isolate, rest=_rest(run, chosen, result) if interrupted else (0, ""))
     durations.write(run_dir.path, result.seconds)
     run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupted else meta)
 
@@ -343,6 +346,14 @@ def _gate(run: Run) -> GateOutcome:
                             + said(fz.case_file, fz.failure.rows if fz.failure else ()))
                            for fz in result.fuzz if fz.case_file and fz.case_file not in {r.path for r in result.replayed}]
     return outcome
+
+
+def _rest(run: Run, chosen: list[Unit], result: GateResult) -> tuple[int, str]:
+    """An interrupted gate's ops (and properties) with a unit it did not finish, and the command that
+    runs them (`outcome.rest_command`)."""
+    mine = shard_units(list(run.ops) or None, run.device, run.shard, chosen, run.durations)
+    left = list(dict.fromkeys(u.op for u in mine if u.key not in result.seconds))
+    return len(left), rest_command(run, left, run.out.path.with_name(f"{run.out.path.name}-rest")) if left else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,17 +171,35 @@ class GateOutcome:
     case_files: list[tuple[Path, list[str]]] = field(default_factory=list)  # each saved case, its lines (replay first)
     parts: int = 1
     isolated: bool = True           # judged out of the kernels' reach (reports.meta.IN_PROCESS otherwise)
+    rest: tuple[int, str] = (0, "")  # interrupted: the ops not finished, and the command that runs them
 
     def lines(self) -> list[str]:
-        """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts said them)."""
+        """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts said them);
+        interrupted, the command that runs what it did not reach."""
+        left, command = self.rest
         return ([f"note: {n}" for n in self.notes] + [f"odd one out: {line}" for line in self.odd_ones_out]
                 + [text for f, rows in self.case_files
                    for text in [f"finding saved: {f}", *rows]]
-                + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else []))
+                + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else [])
+                + ([f"  the rest ({left} op{'s' * (left != 1)} not finished, the cases this run would have drawn "
+                    f"for them): {command}"] if self.interrupted and command else []))
 
     @property
     def exit_code(self) -> int:
         return 130 if self.interrupted else 1 if self.failed else 0
+
+
+def rest_command(run: Any, ops: Sequence[str], out: Path) -> str:
+    """The gate command that runs `ops` (an interrupted gate's ops and properties not finished) with
+    `run`'s settings (a `runs.plan.Run`) and seed: the cases the whole run would have drawn for them,
+    the kept corpus's first, into `out`."""
+    argv = ["mla-verify", "gate", "--device", run.device_type, "--profile", run.profile.name, "--seed", str(run.seed)]
+    argv += ["--examples", str(run.examples)] if run.examples is not None else []
+    argv += [a for spec in run.impls for a in ("--impl", spec)]
+    argv += ["--corpus", run.corpus] if run.corpus else []
+    argv += [] if run.isolate else ["--no-isolate"]
+    argv += ["--timeout", f"{run.timeout:g}"] if run.timeout != DEFAULT_TIMEOUT_S else []
+    return shlex.join([*argv, *(a for op in ops for a in ("--op", op)), "--out", str(out)])
 
 
 def replay_command(case_file: Path | None, specs: Sequence[str], device: str, deviations: Sequence[str] = (),
