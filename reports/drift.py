@@ -326,8 +326,12 @@ class Drift:
                 for _, g in self.improvements.iterrows()]
         out += [f"better: {self.headline(g)} ({group_label(*(g[k] for k in GROUP_KEYS))}; {self.explain(g)})"
                 for i, g in self.word(BETTER).iterrows() if i not in self.improvements.index]
-        out += [f"{NOT_COMPARABLE}: {group_label(*(g[k] for k in GROUP_KEYS))}: {g['uncompared']}"
-                for _, g in self.word(NOT_COMPARABLE).iterrows()]
+        apart = self.word(NOT_COMPARABLE)
+        if not apart.empty:   # one line, however many: each group's reason is in its row (the HTML's table)
+            first = apart.iloc[0]
+            names = ", ".join(group_label(*(g[k] for k in GROUP_KEYS)) for _, g in apart.head(3).iterrows())
+            out.append(f"{NOT_COMPARABLE}: {len(apart)} group{'s' * (len(apart) != 1)} ({names}"
+                       f"{', ...' if len(apart) > 3 else ''}); the first: {first['uncompared']}")
         too_few = self.mode(TOO_FEW)
         if not too_few.empty:
             out.append(f"{TOO_FEW}: {len(too_few)} groups share no case with the baseline and hold fewer than "
