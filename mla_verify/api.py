@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 import types
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -38,7 +37,10 @@ from mla_verify.equivalence.errors import HarnessError
 from mla_verify.equivalence.sandbox.worker import Worker, default_isolation
 from mla_verify.equivalence.judge.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
 from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.properties.base import property_op
 from mla_verify.equivalence.sandbox.calls import Unsupported, unsupported
+from mla_verify.equivalence.sandbox.device import device_type
+from mla_verify.equivalence.subject import LOCAL, local_label
 from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
 from mla_verify.reports.drift import compare
@@ -51,8 +53,7 @@ from .junit import saved_replays, write_junit
 from .pytest_plugin import DEFAULTS, default_device, saved
 from .runs.driver import drive
 from .runs.outcome import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
-from .runs.plan import (FUZZ, GATE, LOCAL, Options, plan, positive, resolve_device, timeout_needs_isolation,
-                         writable_file)
+from .runs.plan import FUZZ, GATE, Options, plan, positive, resolve_device, timeout_needs_isolation, writable_file
 from .runs.rundir import load_run
 
 Impl = Union[None, str, Callable, Mapping[str, Union[str, Callable]], Sequence[str]]
@@ -112,7 +113,7 @@ def impl_specs(impl: Impl) -> tuple[tuple[str, ...], bool]:
 
 def _label(subject) -> str:
     """The rows' name for the implementation; a local callable by its own name."""
-    return re.sub(rf"{re.escape(LOCAL)}fn\d+_", "", subject.label)
+    return local_label(subject.label)
 
 
 def save_worst_case(worst, directory: Path, deviations: Sequence[str] = (), conventions: Sequence[str] = ()) -> str | None:
@@ -343,7 +344,7 @@ def property_check(name: str, impl: Impl = None, **kwargs: Any) -> CheckResult:
     """`check` of property `name` ("split_invariance" or "property:split_invariance"): the
     implementation held to itself, no reference (`mla-verify list` names each property)."""
     __tracebackhide__ = True
-    return check(name if name.startswith("property:") else f"property:{name}", impl, **kwargs)
+    return check(property_op(name), impl, **kwargs)
 
 
 # ----------------------------------------------------------------------------- replay
@@ -371,7 +372,6 @@ def replay(
     """
     __tracebackhide__ = True
     device = resolve_device(default_device(device))
-    device_type = device.split(":")[0]
     positive("timeout", timeout, float)
     try:
         cf = casefile.load(Path(case_file))
@@ -389,7 +389,7 @@ def replay(
         if cf.impl and tuple(cf.impl) != specs:
             log(f"  (saved with --impl {' '.join(cf.impl)})")
     deviations = tuple(cf.deviations if deviations is None else deviations)
-    subject = resolve_subject(cf.case.op, specs, device_type, deviations=deviations,
+    subject = resolve_subject(cf.case.op, specs, device_type(device), deviations=deviations,
                               conventions=cf.conventions if conventions is None else conventions)
     label = _label(subject)
     own_processes = get_spec(cf.case.op).own_processes

@@ -16,7 +16,7 @@ import os
 import sys
 import textwrap
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 def _default_device() -> str:
@@ -197,21 +197,12 @@ def _add_drift(p: argparse.ArgumentParser, pair: bool = True) -> None:
                         "worse (significantly worse within the factor, or drifted)")
 
 
-@dataclass(frozen=True)
-class _DriftSettings:
+def _drift_settings(args):
     """--factor, --confidence, --min-cases, --pair and --fail-on, as fuzz, gate and report share them."""
+    from mla_verify.reports.drift import DriftSettings
+    from mla_verify.reports.pairing import parse_pairs
 
-    factor: float
-    confidence: float
-    min_cases: int
-    pairs: tuple[str, ...]
-    fail_on: str
-
-    def settings(self) -> dict:
-        from mla_verify.reports.pairing import parse_pairs
-
-        return dict(factor=self.factor, confidence=self.confidence, min_cases=self.min_cases,
-                    pairs=parse_pairs(list(self.pairs)), fail_on=self.fail_on)
+    return DriftSettings(args.factor, args.confidence, args.min_cases, parse_pairs(list(args.pair)), args.fail_on)
 
 
 def _add_corpus(p: argparse.ArgumentParser) -> None:
@@ -660,13 +651,14 @@ def cmd_fuzz(args, device: str) -> int:
     from mla_verify import api
     from mla_verify.runs.plan import Options
 
-    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on)
     options = Options(**_run_options(args, device))
     result = api.run(options, log=lambda line: print(line, flush=True))
     print(result.report())
     if options.baseline is None or result.interrupted:
         return result.exit_code
-    drift = api.drift(result, options.baseline, **drift_settings.settings())
+    settings = _drift_settings(args)
+    drift = api.drift(result, options.baseline, factor=settings.factor, confidence=settings.confidence,
+                      min_cases=settings.min_cases, pairs=settings.pairs, fail_on=settings.fail_on)
     replay = (api.save_worst_case(drift.worst, result.out / "drift", options.deviations, options.conventions)
               if drift.worst and result.out else None)
     print("\n".join(drift.lines(replay)))
@@ -697,7 +689,6 @@ def cmd_gate(args, device: str) -> int:
     from mla_verify.runs.plan import Options
 
     started = time.time()
-    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on)
     options = Options(**_run_options(args, device))
     outcome = api.run(options, log=lambda line: print(line, flush=True))
     lines = outcome.lines()
@@ -705,8 +696,8 @@ def cmd_gate(args, device: str) -> int:
         print("\n".join(lines))
     if outcome.interrupted:
         return 130
-    code = reports.run_report(outcome.out, baseline=options.baseline, save_case=api.save_worst_case,
-                              **drift_settings.settings())
+    code = reports.run_report(outcome.out, baseline=options.baseline, drift=_drift_settings(args),
+                              save_case=api.save_worst_case)
     verdict = "FAILED" if outcome.failed else "passed" if outcome.isolated else f"passed ({IN_PROCESS})"
     print(f"gate {verdict}: {len(outcome.rows)} rows in {time.time() - started:.0f} s; "
           f"report {outcome.out / 'report.html'}")
@@ -731,8 +722,7 @@ def cmd_report(args, device: str) -> int:
     for line in said:
         print(line)
     code = reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
-                              save_case=save_worst_case,
-                              **_DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on).settings())
+                              drift=_drift_settings(args), save_case=save_worst_case)
     return max(code, 1) if tampered else code
 
 

@@ -48,6 +48,7 @@ from mla_verify.equivalence.judge.policy import (
     bias_metrics,
     drift_metrics,
 )
+from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.reports import judge
 from mla_verify.reports.bias import signed
 from mla_verify.reports.fmt import number
@@ -85,6 +86,23 @@ def group_label(op: str, path: str, tensor: str, impl: str, base_impl: str | Non
     who = impl if base_impl in (None, impl) else f"{impl} vs {base_impl}"
     dev = f" (deviation: {deviation})" if deviation else ""
     return f"{where} {tensor}{sep}[{who}]{dev}"
+
+
+@dataclass(frozen=True)
+class DriftSettings:
+    """How a run is held against its baseline (`compare`'s keywords; the CLI's --factor,
+    --confidence, --min-cases, --pair and --fail-on); defaults from equivalence.judge.policy."""
+
+    factor: float = DRIFT_FACTOR
+    confidence: float = DRIFT_CONFIDENCE
+    min_cases: int = DRIFT_MIN_CASES
+    pairs: Mapping[str, str] | None = None
+    fail_on: str = DRIFTED
+
+    def compare(self, current: pd.DataFrame, baseline: pd.DataFrame) -> Drift:
+        """`compare` with these settings."""
+        return compare(current, baseline, factor=self.factor, confidence=self.confidence, min_cases=self.min_cases,
+                       pairs=self.pairs, fail_on=self.fail_on)
 
 
 def measured(rows: pd.DataFrame) -> pd.DataFrame:
@@ -438,7 +456,7 @@ def _worst(groups: pd.DataFrame, cur: pd.DataFrame) -> Worst | None:
     row = cur[(cur["case_id"] == g["worst_case"]) & (cur["op"] == g["op"]) & (cur["impl"] == g["impl"])].iloc[0]
     case = row["case"] if "case" in row and isinstance(row["case"], str) else ""
     return Worst(group_label(*(g[k] for k in GROUP_KEYS)), g["metric"], float(g["worst_ratio"]), g["worst_case"],
-                 case, replay_specs(row), str(row["device"]).split(":")[0], float(g["shift"]))
+                 case, replay_specs(row), device_type(row["device"]), float(g["shift"]))
 
 
 def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DRIFT_FACTOR,

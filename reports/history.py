@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mla_verify.equivalence.sandbox.files import read_json
+from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.equivalence.judge.policy import (
     DRIFT_CONFIDENCE,
     DRIFT_FACTOR,
@@ -294,5 +295,5 @@ def worst_case(h: History, step: pd.Series) -> tuple[Worst, dict] | None:
     where = step["op"] if step["op"] == step["path"] else f"{step['op']}/{step['path']}"
     case = row["case"] if "case" in row and isinstance(row["case"], str) else ""
     return Worst(f"{where} {step['tensor']} [{step['line']}]", step["metric"], float(step["worst_ratio"]),
-                 step["worst_case"], case, replay_specs(row), str(row["device"]).split(":")[0],
+                 step["worst_case"], case, replay_specs(row), device_type(row["device"]),
                  float(step.get("shift", np.nan))), meta

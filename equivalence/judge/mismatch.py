@@ -24,11 +24,12 @@ import torch
 from .localize import Axes, named_at, where
 from .metrics import Metrics, Position, lse_unit, output_row_scale, position
 from .policy import EXACT, LSE, OUT, Bound
+from .rows import FailureKind
 
 LN2 = math.log(2.0)
 ELEMENT_METRICS = ("elem_bf16_units", "lse_fp32_units", "elem_bound_ratio")  # the bounds that hold each element
 # Failing rows with no measured value: their reason says it all.
-QUIET_METRICS = frozenset({"raised", "crashed", "hung", "contract", "input_written", "missing", "shape"})
+QUIET_METRICS = frozenset({*FailureKind} - {FailureKind.UNSUPPORTED} | {"shape"})
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ wider bounds replace the default ones, and the row names the deviation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Callable, Iterable, Mapping
 
 from ..cases.numerics import Numerics
@@ -30,8 +31,16 @@ class Bound:
     reason: str
 
 
-# Tensor kinds: how each compared tensor is measured (equivalence.judge.metrics) and bounded here.
-EXACT, OUT, LSE = "exact", "out", "lse"
+class Kind(StrEnum):
+    """How a compared tensor is measured (`oracle.COMPARISONS`, one comparison a kind) and which
+    bounds here hold it; stored in rows as its value."""
+
+    EXACT = "exact"  # bit for bit: cache bytes, indices, what a property keeps bitwise
+    OUT = "out"      # an attention output, in bf16 rounding units of its rows
+    LSE = "lse"      # a log-sum-exp (max_logits too), in fp32 steps of its row's logit scale
+
+
+EXACT, OUT, LSE = Kind.EXACT, Kind.OUT, Kind.LSE
 
 EXACT_BOUNDS = (Bound("mismatch_frac", 0.0, "the contract fixes every bit"),)
 

@@ -144,12 +144,12 @@ def _elem_bounds(res, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, torch
     reference result with its magnitudes: BoundKey("NAME_bound"), and BoundKey("NAME_bound",
     DEVIATION) for each deviation whose kernels round the rows (DEQUANT_REL) and that applies to the case. `lse_of`
     lays an [.., H, ..] result out as the output's [..., H]; its inverse is a transpose as well."""
-    ab = (res.out_abs, res.value_abs)
+    exact = bounds.Exact(res.out, lse_of(res.lse), lse_of(res.max_logits), lse_of(res.logit_l1), res.out_abs,
+                         res.value_abs)
     found = {}
     rels = {"": 0.0, **{name: rel for name, rel in bounds.DEQUANT_REL.items() if DEVIATIONS[name].applies(p.numerics())}}
     for deviation, rel in rels.items():
-        b = bounds.attention_bounds(res.out, lse_of(res.lse), lse_of(res.max_logits), lse_of(res.logit_l1), ab, topk,
-                                    dequant_rel=rel, sink=sink)
+        b = bounds.attention_bounds(exact, topk, dequant_rel=rel, sink=sink)
         found.update({BoundKey("out_bound", deviation): b.out, BoundKey("lse_bound", deviation): lse_of(b.lse),
                       BoundKey("max_logits_bound", deviation): lse_of(b.max_logits)})
     return found

@@ -13,6 +13,7 @@ from mla_verify import reference
 from mla_verify.equivalence.judge import bounds
 from mla_verify.equivalence.cases.batch import make_batch
 from mla_verify.equivalence.sandbox.call_guards import returned
+from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.equivalence.judge.policy import LSE, OUT
 
 from ..cases.draws import batch_params, merge_params
@@ -147,13 +148,13 @@ def _rank_checks() -> tuple[Check, ...]:
 
 def _dcp_reference(kw, p):
     """Rank r: heads [r*H, (r+1)*H) of the exact merge over every rank, and its own forward_mqa."""
-    b, size, heads = kw["batch"], p.dcp_size, p.heads
-    kwargs = b.dcp_kwargs()
-    merged = reference.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, exact_merge=True, **kwargs)
+    b, heads = kw["batch"], p.heads
+    ranks = b.rank_metadata(reference.MQAMetadata)
+    merged = reference.forward_mqa_dcp(b.q, b.rank_caches, b.topk_indices, ranks, exact_merge=True)
     ref = {}
-    for r, (cache, table) in enumerate(zip(b.rank_caches, b.rank_block_tables)):
+    for r, (cache, metadata) in enumerate(zip(b.rank_caches, ranks)):
         mine = slice(r * heads, (r + 1) * heads)
-        part = reference.forward_mqa(b.q, cache, block_table=table, dcp_size=size, dcp_rank=r, **kwargs)
+        part = reference.forward_mqa(b.q, cache, b.topk_indices, metadata)
         ref.update({
             f"out_rank{r}": merged.out[:, mine], f"lse_rank{r}": merged.lse[:, mine],
             f"logit_l1_rank{r}": merged.logit_l1[:, mine], f"partial_out_rank{r}": part.out,
@@ -165,7 +166,7 @@ def _dcp_reference(kw, p):
 def _dcp_call(subject, kw, p) -> ImplOutput:
     from mla_verify.equivalence.ops import dcp_ranks  # starts processes: only when a case runs
 
-    group = dcp_ranks.group_for(p.dcp_size, kw["device"].split(":")[0])
+    group = dcp_ranks.group_for(p.dcp_size, device_type(kw["device"]))
     answers = group.run(p, kw["seed"], subject.specs, subject.declared)
     tensors = {f"{name}_rank{r}": t for r, a in enumerate(answers) for name, t in a["tensors"].items()}
     first = answers[0]

@@ -39,6 +39,7 @@ from ..judge.localize import axes_for
 from ..judge.mismatch import QUIET_METRICS, line
 from ..judge.oracle import Verdict, judge
 from ..judge.policy import EXACT, LSE, OUT
+from ..judge.rows import FailureKind
 from ..sandbox.call_guards import returned
 from .indices import named_indices
 
@@ -249,7 +250,7 @@ def judge_call(call: Call, numerics: Numerics) -> Differs | None:
     try:
         got = oracle.got(call.kwargs, call.result)
     except ContractError as exc:
-        return Differs(call, Verdict(None, False, "contract", 1.0, 0.0, 0.0, "", str(exc)), "*")
+        return Differs(call, Verdict(None, False, FailureKind.CONTRACT, 1.0, 0.0, 0.0, "", str(exc)), "*")
     contract = CONTRACT_OF.get(call.stage, call.stage)
     names = [c.tensor for c in oracle.compared]
     judged = numerics if call.stage == "dcp_merge" else numerics.replace(dcp_size=1)

@@ -32,11 +32,11 @@ from mla_verify.equivalence.errors import HarnessError
 from mla_verify.equivalence.sandbox.worker import Worker
 from mla_verify.equivalence.cases.profiles import Profile
 from mla_verify.equivalence.judge.mismatch import line
-from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.judge.rows import FailureKind, Row
 from mla_verify.equivalence.sandbox.calls import failure_row
 from mla_verify.equivalence.subject import Subject, unexercised
 from mla_verify.equivalence.errors import UsageError
-from mla_verify.fuzz.campaign import Campaign, FuzzResult, Judge, UnderTest, fuzz
+from mla_verify.fuzz.campaign import Campaign, FuzzResult, Judge, Stop, UnderTest, fuzz
 from mla_verify.fuzz.casefile import load, write_atomic
 from mla_verify.runs.progress import Progress
 from mla_verify.fuzz.regressions import corpus
@@ -100,7 +100,7 @@ def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker
             return found
 
         return isolated
-    cuda = device.startswith("cuda")
+    cuda = dev.is_cuda(device)
 
     def in_process(cases, source, on_call):
         if losing is None:
@@ -117,13 +117,12 @@ def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker
             base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages=(), device=device,
                         seed=case.seed, source=source, **catalog.get_spec(case.op).identity(case))
             found = [None] * len(cases)
-            found[len(called) - 1] = [failure_row(base, "*", "crashed",
-                                                  f"CUDA error after the implementation ran: {dev.first_line(exc)}")]
+            found[len(called) - 1] = [failure_row(base, "*", FailureKind.CRASHED,
+                                                  f"CUDA error after the implementation ran: {dev.first_line(exc)}",
+                                                  device_error=True)]
         if cuda and not losing.lost and (
-                any(r.gate_metric in ("raised", "crashed") and dev.is_device_error(r.reason)
-                    for rows in found if rows for r in rows) or not dev.usable(device)):
-            losing.lose("the CUDA context is unusable after a CUDA error of the implementation; "
-                        "run isolated (--isolate) to go on past crashes")
+                any(r.device_error for rows in found if rows for r in rows) or not dev.usable(device)):
+            losing.lose(Stop.DEVICE_LOST)
         return found
 
     return in_process
@@ -295,13 +294,13 @@ def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, 
                                                   run.isolate, run.conventions),
                                    found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk,
                                    unminimized=fz.unminimized))
-    notes = notes + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
+    notes = notes + [str(fz.stopped)] * (fz.stopped not in (None, Stop.INTERRUPTED))
     notes += unexercised(run.specs, call_guards.CALLED_WITH)  # what the replaced stages were never handed
     if run.world_size:
         notes += [f"worst per rank over {fz.examples} cases: {line}" for line in dcp_ranks.worst_by_rank(fz.rows)]
-    return CheckResult(run.op, run.label, not failures and fz.stopped != "interrupted" and bool(frame.passed.all()),
+    return CheckResult(run.op, run.label, not failures and fz.stopped != Stop.INTERRUPTED and bool(frame.passed.all()),
                        frame, seed, fz.examples, run.out.path if run.out else None, failures,
-                       interrupted=fz.stopped == "interrupted", notes=notes, in_process=run.in_process)
+                       interrupted=fz.stopped == Stop.INTERRUPTED, notes=notes, in_process=run.in_process)
 
 
 def _gate(run: Run) -> GateOutcome:
