@@ -179,10 +179,7 @@ def check(
             named, "MODULE:CALLABLE" or a registered name, on CPU as on CUDA; a callable object
             runs in this process, and `CheckResult.in_process` says so). timeout: seconds the
             implementation may take per case in the worker (default 300; start-up and the
-            reference are not counted). sandbox: the OS boundary each isolation worker puts itself
-            behind before any of the kernel's code runs (`equivalence.sandbox.boundary`): "auto"
-            what this host allows (the PASS line names it), "strict" every layer or a UsageError,
-            "off" none. Isolated, this process never imports `impl`'s module: its worker does.
+            reference are not counted). sandbox: the worker's OS boundary, auto | strict | off.
         deviations: documented deviations (equivalence.judge.policy) the implementation declares.
         conventions: the implementation's conventions where they are not the reference's
             (equivalence.judge.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}

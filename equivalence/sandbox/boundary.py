@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from . import landlock, seccomp
+from .device import device_type
 
 MODES = ("auto", "strict", "off")
 LAYERS = ("session", "user namespace", "pid namespace", "no_new_privs", "landlock", "seccomp")
@@ -228,7 +229,7 @@ def writable_paths(device: str, scratch: str) -> list[str]:
         except OSError:
             pass
     devices = [*_DEVICES, *(p for pattern in _CUDA_DEVICES for p in sorted(glob.glob(pattern)))] \
-        if device.startswith("cuda") else list(_DEVICES)
+        if device_type(device) == "cuda" else list(_DEVICES)
     return [scratch, *devices, *caches]
 
 

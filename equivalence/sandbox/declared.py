@@ -111,7 +111,8 @@ def deviations(spec: str) -> tuple[str, ...]:
         raise Undeclared(f"{path}: not parsable Python ({type(exc).__name__})") from None
     declared: tuple[str, ...] = ()
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
         if any(_target(t) == attr for t in targets) and node.value is not None:
             declared = _literal(node.value) or ()
     return declared

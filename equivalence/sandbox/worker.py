@@ -61,7 +61,7 @@ from ..produced import Produced
 from . import boundary, guards, reaper, segment, wire
 from .call_guards import CALLED_WITH
 from .calls import after_return_rows, failure_row, input_rows, noted, unsupported_row
-from .device import first_line, is_device_error, take_gpu_share, usable
+from .device import device_type, first_line, is_cuda, is_device_error, take_gpu_share, usable
 
 STARTUP_TIMEOUT_S = 300.0   # imports, CUDA context, warm-up: never counted against a case
 # Spares kept warming once a worker has been replaced. A CUDA worker takes seconds to start (CUDA
@@ -93,7 +93,7 @@ def _warm_up(device: str) -> None:
     """The CUDA context and the libraries a first kernel call would otherwise initialize."""
     import torch
 
-    if device.startswith("cuda"):
+    if is_cuda(device):
         if ":" in device:
             torch.cuda.set_device(device)
         a = torch.ones(64, 64, device=device)
@@ -109,7 +109,7 @@ def _serve(conn, device: str, sandbox: str = "off", judge: int = 0) -> None:
     # user's: what the worker runs from here on (the CUDA context included) runs behind it.
     fence = boundary.enter(sandbox, device, {judge} - {0})
     reaper.become_subreaper()  # what a kernel forks stays below this process (`reaper`)
-    if not device.startswith("cuda"):
+    if not is_cuda(device):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     take_gpu_share(0.5)  # the other half is its judge's
     _warm_up(device)
@@ -210,7 +210,7 @@ def _answer_cases(channel: _Channel, device: str) -> None:
         try:
             key = (case.op, tuple(specs), tuple(deviations), tuple(conventions))
             if key not in subjects:
-                subjects[key] = resolve_subject(case.op, specs, device.split(":")[0], deviations=deviations,
+                subjects[key] = resolve_subject(case.op, specs, device_type(device), deviations=deviations,
                                                 conventions=conventions)
             CALLED_WITH.clear()
             # the parent's inputs, not built here, where the segment could be mapped
@@ -228,7 +228,7 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             continue
         if tampered := channel.tampered():
             produced = Produced([dict(tensor="*", gate_metric="contract", reason=_tampering(tampered))], failed=True)
-        retire = device.startswith("cuda") and (produced.device_error or not usable(device))
+        retire = is_cuda(device) and (produced.device_error or not usable(device))
         called_with = {stage: sorted(keywords) for stage, keywords in CALLED_WITH.items()}  # for the parent's notes
         channel.send_frames(wire.produced_frames(seq, case.case_id, produced, retire, called_with, _children_left(),
                                                  after, into=mapped["outputs"]))
@@ -246,7 +246,7 @@ def _resolved(seq: int, asked: dict, subjects: dict, device: str) -> dict:
 
     key = (asked["op"], tuple(asked["specs"]), tuple(asked["deviations"]), tuple(asked["conventions"]))
     try:
-        subjects[key] = resolve_subject(asked["op"], key[1], device.split(":")[0], deviations=key[2],
+        subjects[key] = resolve_subject(asked["op"], key[1], device_type(device), deviations=key[2],
                                         conventions=key[3])
     except UsageError as exc:
         return {"kind": "usage", "seq": seq, "message": str(exc)}
@@ -386,7 +386,7 @@ class Worker:
         self.fence: boundary.Boundary | None = None  # what the workers stand behind (the last one's words)
         self.fell_back = ""  # why the workers run without the sandbox (auto, where a worker could not start behind it)
         self._described: dict[tuple, Any] = {}  # implementation key -> the judge's Subject of it (never imported)
-        self.hand_over = not device.startswith("cuda") if hand_over is None else hand_over
+        self.hand_over = not is_cuda(device) if hand_over is None else hand_over
         self._active: _Process | None = None
         self._spares: list[_Process] = []
         self.restarts, self._seq = 0, 0
@@ -395,7 +395,7 @@ class Worker:
         _LIVE.add(self)
 
     def _spawn(self) -> _Process:
-        if self.device.startswith("cuda"):
+        if is_cuda(self.device):
             ctx = mp.get_context("spawn")
         else:
             # The server imports every spec (and the kernels) once: a replacement after a crash then
@@ -446,7 +446,7 @@ class Worker:
         raise HarnessError(f"an isolation worker for {self.device} did not start within {STARTUP_TIMEOUT_S:g} s ({why})")
 
     def _top_up(self) -> None:
-        while len(self._spares) < SPARES[self.device.split(":")[0]]:
+        while len(self._spares) < SPARES[device_type(self.device)]:
             self._spares.append(self._spawn())
 
     def _ensure(self) -> _Process:
@@ -671,14 +671,14 @@ class Worker:
 
         if key not in self._described:
             op, specs, deviations, conventions = key
-            self._described[key] = resolve_subject(op, specs, self.device.split(":")[0], deviations=deviations,
+            self._described[key] = resolve_subject(op, specs, device_type(self.device), deviations=deviations,
                                                    conventions=conventions, described=True)
         return self._described[key]
 
     def _allowed(self, key: tuple) -> frozenset[str]:
         from ..catalog import allowed_deviations
 
-        return allowed_deviations(self._subject(key), self.device.split(":")[0])
+        return allowed_deviations(self._subject(key), device_type(self.device))
 
     def _resolve_in(self, p: _Process, key: tuple) -> str | None:
         """Have worker `p` import the implementation of `key` (once per process); None once it has,
