@@ -405,7 +405,8 @@ def replay(
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     worker = _resolved_in_worker(cf.case.op, specs, deviations, subject.conventions, device, timeout, sandbox) \
         if isolate else None
-    log(f"replay {cf.case.short()} on {device} with {label}{', isolated' if isolate else ''}")
+    log(f"replay {cf.case.short()} on {device} with {label}"
+        + (f", isolated ({worker.summary()})" if worker is not None else ""))
     if cf.failure:
         saved = "; ".join(f"{f['tensor']} {f['metric']} = {f['value']:.4g} (bound {f['bound']:.4g})" for f in cf.failure)
         log(f"  saved failure: {saved}" + (f" (flaky: failed {cf.flaky[0]} of {cf.flaky[1]} re-runs)" if cf.flaky else ""))

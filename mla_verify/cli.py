@@ -694,8 +694,6 @@ def cmd_replay(args, device: str) -> int:
         from mla_verify.reports.meta import IN_PROCESS
 
         print(f"  {IN_PROCESS}")
-    elif result.sandbox:
-        print(f"  {result.sandbox}")
     if result.no_verdict:
         print(f"NO VERDICT: {result.no_verdict}")
     return result.exit_code

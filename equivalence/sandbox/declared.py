@@ -33,27 +33,36 @@ class NotFound(Undeclared):
 def _spec_of(name: str):
     """The import system's spec of module `name` without importing it or its parents: each level
     is looked up with the finders already installed (sys.meta_path), given the last level's
-    search locations."""
+    search locations; a package already imported here gives its live `__path__` (which its own
+    import may have extended), and importing nothing more runs nothing."""
     path, found = None, None
     parts = name.split(".")
     for i in range(len(parts)):
-        found = None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if find is None:
-                continue
-            try:
-                found = find(".".join(parts[:i + 1]), path)
-            except (ImportError, ValueError, AttributeError):
-                found = None
-            if found is not None:
-                break
-        if found is None:
-            raise NotFound(f"no module named {'.'.join(parts[:i + 1])!r} on the path")
-        path = found.submodule_search_locations
+        prefix = ".".join(parts[:i + 1])
+        found = _find(prefix, path)
+        if found is None and i == 0:
+            raise NotFound(f"no module named {prefix!r} on the path")
+        if found is None:  # maybe where its package's own import would look: the worker will tell
+            raise Undeclared(f"{prefix!r} is not found without importing {'.'.join(parts[:i])!r}")
+        loaded = sys.modules.get(prefix)
+        path = getattr(loaded, "__path__", None) if loaded is not None else found.submodule_search_locations
         if i < len(parts) - 1 and path is None:
-            raise NotFound(f"{'.'.join(parts[:i + 1])!r} is not a package")
+            raise NotFound(f"{prefix!r} is not a package")
     return found
+
+
+def _find(name: str, path):
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        try:
+            found = find(name, path)
+        except (ImportError, ValueError, AttributeError):
+            continue
+        if found is not None:
+            return found
+    return None
 
 
 def source_of(module: str) -> Path:
