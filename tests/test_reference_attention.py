@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
-from mla_verify.reference.attention import MEMORY_ENV, chunk_tokens, row_build_bytes, token_bytes
+from mla_verify.reference.attention import row_build_bytes
+from mla_verify.reference.streaming import MEMORY_ENV, chunk_tokens, token_bytes
 
 seeds = st.integers(0, 2**31 - 1)
 
