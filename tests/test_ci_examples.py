@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -104,10 +105,36 @@ def test_the_workflow_is_valid_and_its_matrix_is_every_shard():
         assert says in found
 
 
-def run_step(job: dict, step_id: str, cwd: Path, env: dict, **matrix) -> subprocess.CompletedProcess:
-    """A step's script as GitHub runs it (bash -e), its ${{ matrix.* }} replaced."""
+def start_step(job: dict, step_id: str, cwd: Path, env: dict, **matrix) -> subprocess.Popen:
+    """A step's script started as GitHub runs it (bash -e), its ${{ matrix.* }} replaced. A matrix's
+    jobs run side by side, on GitHub as here (CI's second core)."""
     script = EXPRESSION.sub(lambda m: str(matrix[m.group(1).removeprefix("matrix.")]), step(job, step_id)["run"])
-    return subprocess.run(["bash", "-e", "-c", script], cwd=cwd, env=env, capture_output=True, text=True)
+    return started(["bash", "-e", "-c", script], cwd=cwd, env=env)
+
+
+def started(argv: list, **kwargs) -> subprocess.Popen:
+    """argv started, its output into files (not pipes: a process waiting for its turn to be read
+    never blocks on a full pipe)."""
+    files = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
+    proc = subprocess.Popen(argv, stdout=files[0], stderr=files[1], text=True, **kwargs)
+    proc.files = files
+    return proc
+
+
+def finished(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    """The ended process's exit code and output."""
+    proc.wait()
+    outputs = []
+    for f in proc.files:
+        f.seek(0)
+        outputs.append(f.read())
+        f.close()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, *outputs)
+
+
+def run_step(job: dict, step_id: str, cwd: Path, env: dict, **matrix) -> subprocess.CompletedProcess:
+    """A step's script run to its end (`start_step`)."""
+    return finished(start_step(job, step_id, cwd, env, **matrix))
 
 
 def test_the_workflows_commands_shard_and_merge_into_the_unsharded_gate(tmp_path):
@@ -117,20 +144,25 @@ def test_the_workflows_commands_shard_and_merge_into_the_unsharded_gate(tmp_path
     env = {**os.environ, **{k: str(v) for k, v in data["env"].items()}, "SEED": "4", "GATE_ARGS": GATE_ARGS,
            "OMP_NUM_THREADS": "1", "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    for shard in data["jobs"]["shard"]["strategy"]["matrix"]["shard"]:
-        job_dir = tmp_path / f"job-{shard}"
-        job_dir.mkdir()
-        done = run_step(data["jobs"]["shard"], "gate", job_dir, env, shard=shard)
+    whole = tmp_path / "whole"
+    unsharded = started([Path(sys.executable).parent / "mla-verify", "gate", "--device", "cpu", "--seed", "4",
+                         *GATE_ARGS.split(), "--out", str(whole)], env=env)
+    shards = data["jobs"]["shard"]["strategy"]["matrix"]["shard"]
+    for shard in shards:
+        (tmp_path / f"job-{shard}").mkdir()
+    jobs = {shard: start_step(data["jobs"]["shard"], "gate", tmp_path / f"job-{shard}", env, shard=shard)
+            for shard in shards}
+    for shard, job in jobs.items():
+        done = finished(job)
         assert done.returncode == 0, done.stdout + done.stderr
         # upload-artifact shard-N, then download-artifact pattern shard-* path shards
-        shutil.copytree(job_dir / f"shard-{shard}", tmp_path / "merge" / "shards" / f"shard-{shard}")
+        shutil.copytree(tmp_path / f"job-{shard}" / f"shard-{shard}", tmp_path / "merge" / "shards" / f"shard-{shard}")
     done = run_step(data["jobs"]["merge"], "merge", tmp_path / "merge", env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "convert_index" in (tmp_path / "summary.md").read_text()
     assert (tmp_path / "merge" / "merged" / "report.html").exists()
-    whole = tmp_path / "whole"
-    subprocess.run([Path(sys.executable).parent / "mla-verify", "gate", "--device", "cpu", "--seed", "4",
-                    *GATE_ARGS.split(), "--out", str(whole)], env=env, check=True, capture_output=True)
+    done = finished(unsharded)
+    assert done.returncode == 0, done.stderr
     assert verdicts(reports.load_run(tmp_path / "merge" / "merged")[0]) == verdicts(reports.load_run(whole)[0])
 
 
@@ -187,12 +219,14 @@ def test_the_kernel_workflows_steps_gate_a_kernel_keep_its_finding_and_replay_it
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("PYTHONPATH", None)
     corpus = tmp_path / "merge" / data["env"]["CORPUS"]
-    codes = []
+    codes, jobs = [], {}
     for shard in data["jobs"]["shard"]["strategy"]["matrix"]["shard"]:
         job_dir = tmp_path / f"job-{shard}"
         job_dir.mkdir()
         shutil.copy(EXAMPLES / "my_kernel.py", job_dir)
-        done = run_step(data["jobs"]["shard"], "gate", job_dir, env, shard=shard)
+        jobs[shard] = start_step(data["jobs"]["shard"], "gate", job_dir, env, shard=shard)
+    for shard, job in jobs.items():
+        job_dir, done = tmp_path / f"job-{shard}", finished(job)
         codes.append(done.returncode)
         assert done.returncode in (0, 1), done.stdout + done.stderr
         # upload-artifact shard-N and corpus-N, then download-artifact into the merge job
