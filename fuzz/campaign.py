@@ -28,6 +28,7 @@ import contextlib
 import gc
 import random
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -35,11 +36,12 @@ from hypothesis import HealthCheck, Phase, example, given, seed as hypothesis_se
 from hypothesis.errors import Flaky
 from hypothesis.strategies import SearchStrategy
 
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import get_spec
-from mla_verify.equivalence.coverage import covering_set
-from mla_verify.equivalence.profiles import Profile
-from mla_verify.equivalence.rows import Row
+from mla_verify.equivalence.coverage.sets import covering_set
+from mla_verify.equivalence.cases.profiles import Profile
+from mla_verify.equivalence.sandbox.device import device_type
+from mla_verify.equivalence.judge.rows import FailureKind, Row
 from mla_verify.optimized import registry
 
 from . import casefile
@@ -67,8 +69,8 @@ class Sink(Protocol):
         """The case of these rows (told `judged` before) is now the finding saved as `name`
         ("": no longer, its file gone); the rows' `finding` says so already."""
 
-    def stop_reason(self) -> str:
-        """Why the campaign must end after this case ("" to go on)."""
+    def stop_reason(self) -> Stop | None:
+        """Why the campaign must end after this case (None to go on)."""
 
 
 class _Quiet:
@@ -84,8 +86,8 @@ class _Quiet:
     def found(self, rows: list[Row], name: str) -> None:
         pass
 
-    def stop_reason(self) -> str:
-        return ""
+    def stop_reason(self) -> Stop | None:
+        return None
 
 
 QUIET: Sink = _Quiet()
@@ -134,8 +136,19 @@ class Discrepancy(Exception):
         self.case, self.rows = case, rows
 
 
+class Stop(StrEnum):
+    """Why a campaign ended before its budget (Hypothesis's `ExitReason`); its value is what the
+    run's meta.json ("stopped") and notes say."""
+
+    INTERRUPTED = "interrupted"
+    HARNESS_ERROR = "harness error"  # the harness's own exception, raised again after the campaign
+    DEVICE_LOST = ("the CUDA context is unusable after a CUDA error of the implementation; run isolated "
+                   "(--isolate) to go on past crashes")
+
+
 class StopCampaign(BaseException):
-    """Ends the search at once. A BaseException: Hypothesis would shrink and replay an Exception."""
+    """Ends the search at once (args: the `Stop`, or None where the campaign ends with its finding).
+    A BaseException: Hypothesis would shrink and replay an Exception."""
 
 
 @dataclass
@@ -149,7 +162,7 @@ class FuzzResult:
     case_file: Path | None = None         # the finding's one case file (the minimized case where there is one)
     found_file: Path | None = None        # the first failing case as found, saved at once (until minimized)
     flaky: tuple[int, int] | None = None  # (failed k, of n re-runs) when a re-run passed
-    stopped: str = ""                     # why the campaign ended before its budget ("interrupted", ...)
+    stopped: Stop | None = None           # why the campaign ended before its budget
     shrunk: bool = False                  # the failure is Hypothesis's minimized case
 
 
@@ -178,7 +191,7 @@ def strategy(op: str, profile: Profile, path: str | None, world_size: int | None
     """The cases of a campaign: the op's draws within `profile`, and for interpreted kernels
     (Triton on CPU) only those the interpreter runs within the profile's budget a case."""
     spec = get_spec(op)
-    if not registry.interpreted(impl_specs, device.split(":")[0]) or profile.interpreter_s is None:
+    if not registry.interpreted(impl_specs, device_type(device)) or profile.interpreter_s is None:
         return spec.strategy(profile, path, world_size)
     budget = profile.interpreted()
     return spec.strategy(budget, path, world_size).filter(
@@ -187,10 +200,10 @@ def strategy(op: str, profile: Profile, path: str | None, world_size: int | None
 
 def first_cases(op: str, profile: Profile, path: str | None, world_size: int | None, impl_specs: tuple[str, ...],
                 device: str, seed: int) -> list[Case]:
-    """The covering set a campaign starts with (`equivalence.coverage`), held to the interpreter's
+    """The covering set a campaign starts with (`equivalence.coverage.sets`), held to the interpreter's
     budget as `strategy` holds the draws."""
     spec = get_spec(op)
-    if not registry.interpreted(impl_specs, device.split(":")[0]) or profile.interpreter_s is None:
+    if not registry.interpreted(impl_specs, device_type(device)) or profile.interpreter_s is None:
         return covering_set(op, profile, seed, path, device=device, world_size=world_size)
     return covering_set(op, profile, seed, path, device=device, world_size=world_size,
                         admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s)
@@ -273,7 +286,7 @@ class _Search:
             found = self.judge(cases, source, (lambda: None) if len(cases) == 1 else on_call)
         except Exception as exc:  # the harness's own failure: stop now, raise it after the campaign
             self.error = exc
-            raise StopCampaign("harness error") from None
+            raise StopCampaign(Stop.HARNESS_ERROR) from None
         for case in calling:
             self.sink.finished(case)
         return found
@@ -295,17 +308,17 @@ class _Search:
         result.first_failure_at, self.found = at, case
         result.found_file = self.save(case, rows, f"found at example {at}")
         self.mark(rows, result.found_file)
-        if any(r.gate_metric == "hung" for r in rows):
-            raise StopCampaign("")  # a hang is not re-run or shrunk: every try costs the timeout
+        if any(r.gate_metric == FailureKind.HUNG for r in rows):
+            raise StopCampaign(None)  # a hang is not re-run or shrunk: every try costs the timeout
         self.stop_if_asked()
         failed = sum(_failing(self.evaluate([case], "rerun")[0]) for _ in range(reruns))
         if failed < reruns:
             result.flaky = (failed, reruns)
             self.save(case, rows, f"flaky: failed {failed} of {reruns} re-runs", result.found_file)
-            raise StopCampaign("")
+            raise StopCampaign(None)
         self.stop_if_asked()
         if not self.campaign.shrink:
-            raise StopCampaign("")
+            raise StopCampaign(None)
 
     def example(self, case: Case) -> None:
         """Hypothesis's test: judge the drawn case (with its block), raise the first failure."""
@@ -363,11 +376,11 @@ class _Search:
         except Discrepancy as d:
             final, result.shrunk = (d.case, d.rows), c.shrink
         except StopCampaign as stop:
-            final, result.stopped = self.last, str(stop.args[0]) if stop.args else ""
+            final, result.stopped = self.last, stop.args[0]
         except Flaky:  # the minimized case passed on Hypothesis's last replay: keep the last failure seen
             final = self.last
         except KeyboardInterrupt:  # a second Ctrl-C: stop now, keep what was found
-            final, result.stopped = self.last, "interrupted"
+            final, result.stopped = self.last, Stop.INTERRUPTED
         if self.error is not None:
             raise self.error
         if final is not None:

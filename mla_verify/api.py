@@ -27,18 +27,21 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 import types
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
-from mla_verify.equivalence.isolation import HarnessError, Worker, default_isolation
-from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
-from mla_verify.equivalence.rows import Row
-from mla_verify.equivalence.running import Unsupported, unsupported
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.errors import HarnessError
+from mla_verify.equivalence.sandbox.worker import Worker, default_isolation
+from mla_verify.equivalence.judge.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
+from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.properties.base import property_op
+from mla_verify.equivalence.sandbox.calls import Unsupported, unsupported
+from mla_verify.equivalence.sandbox.device import device_type
+from mla_verify.equivalence.subject import LOCAL, local_label
+from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
 from mla_verify.reports.drift import compare
 from mla_verify.reports.history import history as read_history
@@ -50,8 +53,7 @@ from .junit import saved_replays, write_junit
 from .pytest_plugin import DEFAULTS, default_device, saved
 from .runs.driver import drive
 from .runs.outcome import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
-from .runs.plan import (FUZZ, GATE, LOCAL, Options, plan, positive, resolve_device, timeout_needs_isolation,
-                         writable_file)
+from .runs.plan import FUZZ, GATE, Options, plan, positive, resolve_device, timeout_needs_isolation, writable_file
 from .runs.rundir import load_run
 
 Impl = Union[None, str, Callable, Mapping[str, Union[str, Callable]], Sequence[str]]
@@ -111,7 +113,7 @@ def impl_specs(impl: Impl) -> tuple[tuple[str, ...], bool]:
 
 def _label(subject) -> str:
     """The rows' name for the implementation; a local callable by its own name."""
-    return re.sub(rf"{re.escape(LOCAL)}fn\d+_", "", subject.label)
+    return local_label(subject.label)
 
 
 def save_worst_case(worst, directory: Path, deviations: Sequence[str] = (), conventions: Sequence[str] = ()) -> str | None:
@@ -175,9 +177,9 @@ def check(
             runs in this process, and `CheckResult.in_process` says so). timeout: seconds the
             implementation may take per case in the worker (default 300; start-up and the
             reference are not counted).
-        deviations: documented deviations (equivalence.policy) the implementation declares.
+        deviations: documented deviations (equivalence.judge.policy) the implementation declares.
         conventions: the implementation's conventions where they are not the reference's
-            (equivalence.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}
+            (equivalence.judge.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}
             or ["lse_base=2", ...]; its LSE and max_logits are converted once, as it returns them.
         path: forward_mqa's path, or a property's target. world_size: dcp's rank count (default 2).
         shrink: minimize the first failing case. parallel: independent campaigns, one per GPU,
@@ -277,7 +279,7 @@ def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | 
           confidence: float | None = None, min_cases: int | None = None,
           pairs: Mapping[str, str] | Sequence[str] | None = None, fail_on: str = "drifted"):
     """`reports.drift.compare` of two runs, each a run directory, a rows DataFrame or a
-    CheckResult; settings default to `equivalence.policy` (DRIFT_FACTOR, DRIFT_CONFIDENCE,
+    CheckResult; settings default to `equivalence.judge.policy` (DRIFT_FACTOR, DRIFT_CONFIDENCE,
     DRIFT_MIN_CASES). `pairs`: {NEW: OLD} or ["NEW=OLD", ...] implementation names to compare across.
     Each group reads drifted, worse, unchanged or better (`Drift.groups["word"]`); exit_code is 1 for
     drifted, and with fail_on="worse" for worse too.
@@ -333,7 +335,7 @@ def property_check(name: str, impl: Impl = None, **kwargs: Any) -> CheckResult:
     """`check` of property `name` ("split_invariance" or "property:split_invariance"): the
     implementation held to itself, no reference (`mla-verify list` names each property)."""
     __tracebackhide__ = True
-    return check(name if name.startswith("property:") else f"property:{name}", impl, **kwargs)
+    return check(property_op(name), impl, **kwargs)
 
 
 # ----------------------------------------------------------------------------- replay
@@ -361,7 +363,6 @@ def replay(
     """
     __tracebackhide__ = True
     device = resolve_device(default_device(device))
-    device_type = device.split(":")[0]
     positive("timeout", timeout, float)
     try:
         cf = casefile.load(Path(case_file))
@@ -379,7 +380,7 @@ def replay(
         if cf.impl and tuple(cf.impl) != specs:
             log(f"  (saved with --impl {' '.join(cf.impl)})")
     deviations = tuple(cf.deviations if deviations is None else deviations)
-    subject = resolve_subject(cf.case.op, specs, device_type, deviations=deviations,
+    subject = resolve_subject(cf.case.op, specs, device_type(device), deviations=deviations,
                               conventions=cf.conventions if conventions is None else conventions)
     label = _label(subject)
     own_processes = get_spec(cf.case.op).own_processes

@@ -16,7 +16,7 @@ import os
 import sys
 import textwrap
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 def _default_device() -> str:
@@ -175,7 +175,7 @@ def _confidence(text: str) -> float:
 
 
 def _add_drift(p: argparse.ArgumentParser, pair: bool = True) -> None:
-    from mla_verify.equivalence import policy
+    from mla_verify.equivalence.judge import policy
 
     p.add_argument("--factor", type=_factor, default=policy.DRIFT_FACTOR,
                    help=f"drift: a metric grew beyond this many times the baseline's (default {policy.DRIFT_FACTOR:g})")
@@ -194,21 +194,12 @@ def _add_drift(p: argparse.ArgumentParser, pair: bool = True) -> None:
                         "worse (significantly worse within the factor, or drifted)")
 
 
-@dataclass(frozen=True)
-class _DriftSettings:
+def _drift_settings(args):
     """--factor, --confidence, --min-cases, --pair and --fail-on, as fuzz, gate and report share them."""
+    from mla_verify.reports.drift import DriftSettings
+    from mla_verify.reports.pairing import parse_pairs
 
-    factor: float
-    confidence: float
-    min_cases: int
-    pairs: tuple[str, ...]
-    fail_on: str
-
-    def settings(self) -> dict:
-        from mla_verify.reports.pairing import parse_pairs
-
-        return dict(factor=self.factor, confidence=self.confidence, min_cases=self.min_cases,
-                    pairs=parse_pairs(list(self.pairs)), fail_on=self.fail_on)
+    return DriftSettings(args.factor, args.confidence, args.min_cases, parse_pairs(list(args.pair)), args.fail_on)
 
 
 def _add_corpus(p: argparse.ArgumentParser) -> None:
@@ -507,11 +498,11 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ[MEMORY_ENV] = str(args.reference_memory)  # read by the reference here and in every child process
     if getattr(args, "judge", None):
-        from mla_verify.equivalence.oracle import use_judge
+        from mla_verify.equivalence.judge.oracle import use_judge
 
         use_judge(args.judge)  # read here and in every child process
-    from mla_verify.equivalence.isolation import HarnessError
-    from mla_verify.equivalence.subject import UsageError
+    from mla_verify.equivalence.errors import HarnessError
+    from mla_verify.equivalence.errors import UsageError
     from mla_verify.reports.pairing import PairingError
 
     try:
@@ -536,10 +527,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_coverage(args) -> int:
-    """`list --op OP --coverage` (equivalence.coverage.table)."""
-    from mla_verify.equivalence import coverage
-    from mla_verify.equivalence.profiles import PROFILES
-    from mla_verify.equivalence.subject import UsageError
+    """`list --op OP --coverage` (equivalence.coverage.sets.table)."""
+    from mla_verify.equivalence.coverage import sets as coverage
+    from mla_verify.equivalence.cases.profiles import PROFILES
+    from mla_verify.equivalence.errors import UsageError
 
     if args.op is None:
         raise UsageError("--coverage needs --op OP")
@@ -550,7 +541,8 @@ def _print_coverage(args) -> int:
 def cmd_list(args, device: str) -> int:
     from mla_verify import describe
     from mla_verify.equivalence import catalog
-    from mla_verify.equivalence.subject import UsageError, did_you_mean
+    from mla_verify.equivalence.errors import UsageError
+    from mla_verify.equivalence.subject import did_you_mean
     from mla_verify.optimized import registry
 
     def wrapped(text: str, first: str = "  ", rest: str = "    ") -> str:
@@ -596,7 +588,7 @@ def cmd_list(args, device: str) -> int:
 def _print_deviations() -> None:
     import textwrap
 
-    from mla_verify.equivalence.policy import DEVIATIONS
+    from mla_verify.equivalence.judge.policy import DEVIATIONS
 
     def wrapped(text: str, indent: str = "    ") -> str:
         return textwrap.fill(text, 98, initial_indent=indent, subsequent_indent=indent)
@@ -652,13 +644,14 @@ def cmd_fuzz(args, device: str) -> int:
     from mla_verify import api
     from mla_verify.runs.plan import Options
 
-    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on)
     options = Options(**_run_options(args, device))
     result = api.run(options, log=lambda line: print(line, flush=True))
     print(result.report())
     if options.baseline is None or result.interrupted:
         return result.exit_code
-    drift = api.drift(result, options.baseline, **drift_settings.settings())
+    settings = _drift_settings(args)
+    drift = api.drift(result, options.baseline, factor=settings.factor, confidence=settings.confidence,
+                      min_cases=settings.min_cases, pairs=settings.pairs, fail_on=settings.fail_on)
     replay = (api.save_worst_case(drift.worst, result.out / "drift", options.deviations, options.conventions)
               if drift.worst and result.out else None)
     print("\n".join(drift.lines(replay)))
@@ -667,7 +660,7 @@ def cmd_fuzz(args, device: str) -> int:
 
 def cmd_replay(args, device: str) -> int:
     from mla_verify import api
-    from mla_verify.equivalence.mismatch import line
+    from mla_verify.equivalence.judge.mismatch import line
 
     result = api.replay(args.file, args.impl, device=device, isolate=args.isolate, timeout=args.timeout,
                         deviations=args.deviation, conventions=args.convention, log=print)
@@ -689,7 +682,6 @@ def cmd_gate(args, device: str) -> int:
     from mla_verify.runs.plan import Options
 
     started = time.time()
-    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on)
     options = Options(**_run_options(args, device))
     outcome = api.run(options, log=lambda line: print(line, flush=True))
     lines = outcome.lines()
@@ -697,8 +689,8 @@ def cmd_gate(args, device: str) -> int:
         print("\n".join(lines))
     if outcome.interrupted:
         return 130
-    code = reports.run_report(outcome.out, baseline=options.baseline, save_case=api.save_worst_case,
-                              **drift_settings.settings())
+    code = reports.run_report(outcome.out, baseline=options.baseline, drift=_drift_settings(args),
+                              save_case=api.save_worst_case)
     verdict = "FAILED" if outcome.failed else "passed" if outcome.isolated else f"passed ({IN_PROCESS})"
     print(f"gate {verdict}: {len(outcome.rows)} rows in {time.time() - started:.0f} s; "
           f"report {outcome.out / 'report.html'}")
@@ -723,8 +715,7 @@ def cmd_report(args, device: str) -> int:
     for line in said:
         print(line)
     code = reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
-                              save_case=save_worst_case,
-                              **_DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on).settings())
+                              drift=_drift_settings(args), save_case=save_worst_case)
     return max(code, 1) if tampered else code
 
 

@@ -25,8 +25,8 @@ from .attention import (
 )
 from .dcp import dcp_merge, dcp_merge_exact, mask_empty_shards, merge_weights, neutralize_empty_rows
 from .fp8_ds_mla import dequantize_fp8_ds_mla, fp8_ds_mla_values, quantize_fp8_ds_mla
-from .forward import MQAResult, forward_mqa, forward_mqa_dcp, select_path
-from .hisparse import forward_mqa_hisparse
+from .forward import MQAMetadata, MQAResult, forward_mqa, forward_mqa_dcp, select_path
+from .hisparse import HiSparseTables, forward_mqa_hisparse
 from .indices import (
     convert_index,
     dcp_convert_index,
@@ -42,8 +42,8 @@ from .streaming import memory_budget, memory_limit
 from .workspace import gather_upconvert_fp8, gather_upconvert_nvfp4
 
 __all__ = [
-    "AttentionResult", "MQAResult", "concat_mla_q", "convert_index", "dcp_convert_index",
-    "dcp_local_seq_lens", "dcp_merge", "dcp_merge_exact", "dcp_owner_and_local",
+    "AttentionResult", "HiSparseTables", "MQAMetadata", "MQAResult", "concat_mla_q", "convert_index",
+    "dcp_convert_index", "dcp_local_seq_lens", "dcp_merge", "dcp_merge_exact", "dcp_owner_and_local",
     "dequantize_fp8_ds_mla", "dequantize_nvfp4_ds_mla", "flat_kv_row_view", "forward_mqa",
     "forward_mqa_dcp", "forward_mqa_hisparse", "fp8_ds_mla_values", "gather_upconvert_fp8", "gather_upconvert_nvfp4",
     "mask_empty_shards", "memory_budget", "memory_limit", "merge_weights", "neutralize_empty_rows", "nvfp4_ds_mla_values",

@@ -2,7 +2,7 @@
 
 Rows of the two runs meet in groups (op, path, tensor, paired implementations, deviation; see
 `reports.pairing`), and each group is judged on the drift metrics of its tensor kind
-(`equivalence.policy.DRIFT_METRICS`: error in rounding units, |bias|, share of the bound used),
+(`equivalence.judge.policy.DRIFT_METRICS`: error in rounding units, |bias|, share of the bound used),
 every value first raised to the metric's floor so that rounding residue never makes a ratio:
 
   paired     (the group shares cases with the baseline: a run that re-drew the baseline's seed,
@@ -32,8 +32,17 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from mla_verify.equivalence.policy import (DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, WORSE_TAIL, BiasMetric,
-                                           DriftMetric, bias_metrics, drift_metrics)
+from mla_verify.equivalence.judge.policy import (
+    DRIFT_CONFIDENCE,
+    DRIFT_FACTOR,
+    DRIFT_MIN_CASES,
+    WORSE_TAIL,
+    BiasMetric,
+    DriftMetric,
+    bias_metrics,
+    drift_metrics,
+)
+from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.reports import judge
 from mla_verify.reports.bias import signed
 from mla_verify.reports.fmt import number
@@ -69,6 +78,23 @@ def group_label(op: str, path: str, tensor: str, impl: str, base_impl: str | Non
     who = impl if base_impl in (None, impl) else f"{impl} vs {base_impl}"
     dev = f" (deviation: {deviation})" if deviation else ""
     return f"{where} {tensor}{sep}[{who}]{dev}"
+
+
+@dataclass(frozen=True)
+class DriftSettings:
+    """How a run is held against its baseline (`compare`'s keywords; the CLI's --factor,
+    --confidence, --min-cases, --pair and --fail-on); defaults from equivalence.judge.policy."""
+
+    factor: float = DRIFT_FACTOR
+    confidence: float = DRIFT_CONFIDENCE
+    min_cases: int = DRIFT_MIN_CASES
+    pairs: Mapping[str, str] | None = None
+    fail_on: str = DRIFTED
+
+    def compare(self, current: pd.DataFrame, baseline: pd.DataFrame) -> Drift:
+        """`compare` with these settings."""
+        return compare(current, baseline, factor=self.factor, confidence=self.confidence, min_cases=self.min_cases,
+                       pairs=self.pairs, fail_on=self.fail_on)
 
 
 def measured(rows: pd.DataFrame) -> pd.DataFrame:
@@ -360,7 +386,7 @@ def _worst(groups: pd.DataFrame, cur: pd.DataFrame) -> Worst | None:
     row = cur[(cur["case_id"] == g["worst_case"]) & (cur["op"] == g["op"]) & (cur["impl"] == g["impl"])].iloc[0]
     case = row["case"] if "case" in row and isinstance(row["case"], str) else ""
     return Worst(group_label(*(g[k] for k in GROUP_KEYS)), g["metric"], float(g["worst_ratio"]), g["worst_case"],
-                 case, replay_specs(row), str(row["device"]).split(":")[0], float(g["shift"]))
+                 case, replay_specs(row), device_type(row["device"]), float(g["shift"]))
 
 
 def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DRIFT_FACTOR,

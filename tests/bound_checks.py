@@ -1,4 +1,4 @@
-"""Assertions of the derived error bounds (the math: mla_verify.equivalence.bounds) and the
+"""Assertions of the derived error bounds (the math: mla_verify.equivalence.judge.bounds) and the
 test-only helpers around them: which torch-fp32 stages to run, how a failure reads."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import torch
 from hypothesis import currently_in_test_context, note
 
-from mla_verify.equivalence import bounds as EB
+from mla_verify.equivalence.judge import bounds as EB
 from mla_verify.optimized import registry
 from mla_verify.optimized.kernels import interpreting
 
@@ -60,8 +60,8 @@ def check_attention(label, got, ref, ab, topk, dequant_rel=0.0):
     assert torch.equal(lse[~live], ref_lse[~live]), f"{label}: lse of empty rows must be +inf"
     assert bool((out[~live] == 0).all()), f"{label}: out of empty rows must be exactly 0"
 
-    bounds = EB.attention_bounds(ref_out, ref_lse, ref_max if ref_max is not None else ref_lse, l1, ab, topk,
-                                 unit=kernel_unit(), dequant_rel=dequant_rel, ftz=False)
+    exact = EB.Exact(ref_out, ref_lse, ref_max if ref_max is not None else ref_lse, l1, *ab)
+    bounds = EB.attention_bounds(exact, topk, unit=kernel_unit(), dequant_rel=dequant_rel, ftz=False)
     lse_err = torch.where(live, (lse - ref_lse).abs(), 0)
     worst = int(torch.argmax(lse_err - bounds.lse))
     assert bool((lse_err <= bounds.lse).all()), (

@@ -1,7 +1,7 @@
 """What the properties share: base problems, the stages called in token-major form, the logit
 scale of LSE rows, and the rewrites of top-k rows.
 
-Base problems come from the ops' own input builders (equivalence.ops, equivalence.batch): rows
+Base problems come from the ops' own input builders (equivalence.ops, equivalence.cases.batch): rows
 and cache slots no valid index selects are poisoned with NaN, invalid entries take every form the
 contract allows. A property's rewrites of them draw from `rewrite_generator(seed)`, a stream apart
 from the base problem's, and happen before any implementation runs.
@@ -13,14 +13,14 @@ from typing import Any, Mapping
 
 import torch
 
-from mla_verify.equivalence.batch import Batch
-from mla_verify.equivalence.policy import LSE, OUT
+from mla_verify.equivalence.cases.batch import Batch
+from mla_verify.equivalence.judge.policy import LSE, OUT
 from mla_verify.optimized import pipeline
 from mla_verify.optimized.registry import Resolved
 from mla_verify.reference.attention import cache_row_values
 
+from ..cases.params import DecodeParams, ForwardParams, PrefillParams
 from ..ops.attention import SPARSE_DECODE_FP8, SPARSE_PREFILL
-from ..params import DecodeParams, ForwardParams, PrefillParams
 from ..ops.forward import FORWARD_MQA
 from .base import Compared
 
@@ -81,13 +81,13 @@ def decode(stages: Resolved, kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch
 
 
 def forward(stages: Resolved, batch: Batch, **config: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pipeline on `batch` (every rank and the merge under DCP); `config` overrides keywords."""
-    kwargs = {**batch.forward_kwargs(), **config}
+    """The pipeline on `batch` (every rank and the merge under DCP); `config` replaces metadata fields."""
     if len(batch.rank_caches) > 1:
-        kwargs.pop("block_table")
-        res = pipeline.forward_mqa_dcp(batch.q, batch.rank_caches, batch.rank_block_tables, stages=stages, **kwargs)
+        ranks = batch.rank_metadata(pipeline.MQAMetadata, **config)
+        res = pipeline.forward_mqa_dcp(batch.q, batch.rank_caches, batch.topk_indices, ranks, stages)
     else:
-        res = pipeline.forward_mqa(batch.q, batch.kv_cache, stages=stages, **kwargs)
+        res = pipeline.forward_mqa(batch.q, batch.kv_cache, batch.topk_indices,
+                                   batch.metadata(pipeline.MQAMetadata, **config), stages)
     return res.out, res.lse
 
 

@@ -17,14 +17,14 @@ import math
 
 from hypothesis import strategies as st
 
-from mla_verify.equivalence.batch import make_batch
-from mla_verify.equivalence.policy import EXACT, LSE, OUT
+from mla_verify.equivalence.cases.batch import make_batch
+from mla_verify.equivalence.judge.policy import EXACT, LSE, OUT
 from mla_verify.optimized import pipeline
 
-from ..draws import dcp_index_params, forward_params, merge_params
+from ..cases.draws import dcp_index_params, forward_params, merge_params
+from ..cases.params import ForwardParams
 from ..ops.dcp import DCP_MERGE, MergeParams
 from ..ops.indices import DCP_CONVERT_INDEX
-from ..params import ForwardParams
 from ..spec import register
 from .base import Compared, PropertySpec, Target
 from .common import PIPELINE_STAGES, attention, forward, forward_knobs, forward_scale, forward_stages
@@ -48,9 +48,8 @@ def _forward_inputs(p: ForwardParams, seed: int, device: str) -> dict:
 
 def _forward_check(inputs: dict, p: ForwardParams, stages) -> list:
     batch = inputs["batch"]
-    kwargs = batch.forward_kwargs()
-    table = kwargs.pop("block_table")
-    one_rank = pipeline.forward_mqa_dcp(batch.q, [batch.kv_cache], [table], stages=stages, **kwargs)
+    one_rank = pipeline.forward_mqa_dcp(batch.q, [batch.kv_cache], batch.topk_indices,
+                                        [batch.metadata(pipeline.MQAMetadata, **ONE_RANK)], stages)
     lse = one_rank.lse.masked_fill(one_rank.lse == -math.inf, math.inf)
     return attention("forward_mqa", (one_rank.out, lse), forward(stages, batch), inputs["scale"])
 

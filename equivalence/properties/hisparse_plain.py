@@ -18,15 +18,15 @@ import dataclasses
 import torch
 from hypothesis import strategies as st
 
-from mla_verify.equivalence.hisparse_batch import make_hisparse_batch
-from mla_verify.equivalence.policy import LSE, OUT
+from mla_verify.equivalence.cases.hisparse_batch import make_hisparse_batch
+from mla_verify.equivalence.judge.policy import LSE, OUT
 from mla_verify.optimized import hisparse, pipeline
 
 from mla_verify.reference.metadata import reorder_batch_threshold
-from .. import cost
-from ..draws import hisparse_params, within_budget
-from ..params import ForwardParams
-from ..profiles import Profile
+from ..cases import cost
+from ..cases.draws import hisparse_params, within_budget
+from ..cases.params import ForwardParams
+from ..cases.profiles import Profile
 from ..spec import register
 from .base import Compared, PropertySpec, Target
 from .common import forward_knobs, forward_scale
@@ -46,9 +46,11 @@ def _inputs(p: ForwardParams, seed: int, device: str) -> dict:
 
 def _check(kw: dict, p: ForwardParams, stages) -> list:
     b = kw["batch"]
-    got = hisparse.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, group_buffer=b.group_buffer,
-                                        stages=stages, **b.hisparse_kwargs())
-    base = [pipeline.forward_mqa(q, cache, stages=stages, **b.plain_kwargs()) for q, cache in zip(b.q_layers, b.plain_caches)]
+    metadata = b.plain.metadata(pipeline.MQAMetadata)
+    got = hisparse.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, b.plain.topk_indices, metadata,
+                                        b.hisparse_tables(hisparse.HiSparseTables), b.group_buffer, stages)
+    base = [pipeline.forward_mqa(q, cache, b.plain.topk_indices, metadata, stages)
+            for q, cache in zip(b.q_layers, b.plain_caches)]
     # Layer 0's key norms stand in for every layer's (rows of one distribution): a unit, not a bound.
     scale = torch.cat([forward_scale(dataclasses.replace(b.plain, q=q), p.sm_scale) for q in b.q_layers])
     return [Compared("layers", "out", OUT, torch.cat([r.out for r in got]), torch.cat([r.out for r in base])),
@@ -76,7 +78,7 @@ def _like_plain(draw, p: Profile) -> dict:
 def _within_interpreter(d: dict, qlens: list[int], budget_s: float) -> tuple[dict, list[int]]:
     """`d` with fewer layers, then fewer prefills (the last first, one kept while there are no
     decodes), then top-k 128, until its two runs (HiSparse and plain) estimate within `budget_s`
-    under the interpreter (equivalence.cost); a case still over it is drawn again (the
+    under the interpreter (equivalence.cases.cost); a case still over it is drawn again (the
     campaign's filter)."""
     def estimate(d: dict, qlens: list[int]) -> float:
         return cost.interpreted_s(ForwardParams.of({**d, "query_lens": qlens, "arch": "sm90"}), runs=2)

@@ -11,8 +11,11 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
-from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.mismatch import QUIET_METRICS, line
+from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.judge.mismatch import QUIET_METRICS, line
+from mla_verify.equivalence.judge.rows import FailureKind
+from mla_verify.equivalence.sandbox.device import device_type, is_cuda
+from mla_verify.equivalence.subject import is_local
 from mla_verify.reports.bias import bias_of
 from mla_verify.reports.meta import IN_PROCESS
 
@@ -120,7 +123,7 @@ class CheckResult:
             judged = f" ({IN_PROCESS})" if self.in_process else ""
             lines.append(f"PASS{judged}: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}")
         if self.unsupported:
-            first = self.rows[self.rows.gate_metric == "unsupported"].reason.iloc[0]
+            first = self.rows[self.rows.gate_metric == FailureKind.UNSUPPORTED].reason.iloc[0]
             lines.append(f"  {self.unsupported} of them declined by the implementation (mla_verify.unsupported), "
                          f"not checked: {first.removeprefix('unsupported: ')}")
         if len(self.rows):
@@ -132,7 +135,7 @@ class CheckResult:
         """Cases the implementation declined (`mla_verify.unsupported`): counted, not failed."""
         if not len(self.rows):
             return 0
-        return self.rows[self.rows.gate_metric == "unsupported"].case_id.nunique()
+        return self.rows[self.rows.gate_metric == FailureKind.UNSUPPORTED].case_id.nunique()
 
     @property
     def exit_code(self) -> int:
@@ -141,7 +144,7 @@ class CheckResult:
 
 
 def _headroom(rows: pd.DataFrame) -> str:
-    gated = rows[(rows.gate_metric != "") & (rows.gate_metric != "unsupported") & rows.passed] if len(rows) else rows
+    gated = rows[(rows.gate_metric != "") & (rows.gate_metric != FailureKind.UNSUPPORTED) & rows.passed] if len(rows) else rows
     if not len(gated):
         return ""
     r = gated.loc[gated.headroom.idxmin()]
@@ -187,13 +190,13 @@ def replay_command(case_file: Path | None, specs: Sequence[str], device: str, de
     crash replayed in-process would hang or kill the replay)."""
     argv = ["mla-verify", "replay", str(case_file) if case_file else "CASE_FILE"]
     for s in specs:
-        argv += ["--impl", "MODULE:CALLABLE" if ".api:local." in s else s]
+        argv += ["--impl", "MODULE:CALLABLE" if is_local(s) else s]
     for d in deviations:
         argv += ["--deviation", d]
     for c in conventions:
         argv += ["--convention", c]
-    argv += ["--device", device.split(":")[0]]
-    if isolate and not device.startswith("cuda"):  # isolated by default on cuda
+    argv += ["--device", device_type(device)]
+    if isolate and not is_cuda(device):  # isolated by default on cuda
         argv.append("--isolate")
     if timeout is not None and timeout != DEFAULT_TIMEOUT_S:
         argv += ["--timeout", f"{timeout:g}"]

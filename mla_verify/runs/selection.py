@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from mla_verify.equivalence import catalog
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.errors import UsageError
+from mla_verify.equivalence.sandbox.device import device_type
 from .units import Unit
 from mla_verify.optimized import registry
 
@@ -51,7 +52,7 @@ def impl_units(impls: Sequence[str], device: str, ops: Sequence[str] | None = No
     in catalog order; `ops` (as `gate --op`) keeps only those. Every unit's implementation is
     resolved here, so a bad one is a usage error before any case runs."""
     chosen = parse(impls)
-    kind = device.split(":")[0]
+    kind = device_type(device)
     stage_specs = tuple(f"{k}={v}" for k, v in chosen.items() if k in registry.stages())
     wanted = set(catalog.select(ops)) if ops else None
     found = []

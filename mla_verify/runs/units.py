@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from mla_verify.equivalence import catalog
-from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.rows import Row
+from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.equivalence.spec import Spec
 from mla_verify.equivalence.subject import Subject
 
@@ -80,7 +81,7 @@ class Unit:
         """The implementation under test, labelled as the rows name it."""
         if self.subject is not None:
             return self.subject
-        subject = catalog.resolve_subject(self.op, self.specs, device.split(":")[0])
+        subject = catalog.resolve_subject(self.op, self.specs, device_type(device))
         return Subject(self.label, subject.fn, subject.overrides, subject.deviations, self.specs)
 
     def campaigns(self, subject: Subject) -> tuple[str | None, ...]:
@@ -89,9 +90,9 @@ class Unit:
 
 def units(ops: list[str] | None, device: str) -> list[Unit]:
     """The gate's units for `ops` (None: every op and property) on `device`, in catalog order."""
-    device_type = device.split(":")[0]
+    kind = device_type(device)
     return [Unit(op, label, tuple(specs)) for op in catalog.select(ops or ["op", "property"])
-            for label, specs in catalog.get_spec(op).subjects(device_type).items()]
+            for label, specs in catalog.get_spec(op).subjects(kind).items()]
 
 
 def shard_units(ops: list[str] | None, device: str, shard: Shard, chosen: list[Unit] | None = None) -> list[Unit]:

@@ -1,0 +1,242 @@
+"""The features each op lists for its covering set (`equivalence.coverage.sets`), the candidates it
+proposes, and how its built inputs show what a case hits.
+
+Candidates are small on purpose (a covering case runs in every CI campaign): each template asks
+for several features at once, at the profile's smallest head count and top-k where the feature
+allows, and comes in a few seeded variants, since a feature is only counted where the tensors
+built show it (a drawn start may repeat, a drawn length may miss 0).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from mla_verify import reference
+
+from ..cases.layouts import LAYOUTS
+from ..cases.profiles import Profile
+from .registry import Coverage, laid_out, register
+
+VARIANTS = 4  # seeded variants of each template: the greedy pick takes one whose tensors hit
+LAYOUT = ("q and indices in padded rows", "q permuted (leading dims reversed)", "inputs at a storage offset")
+
+
+def _layout_hits(kw: dict) -> set[str]:
+    """The non-contiguous layouts (equivalence.cases.layouts) q and the indices show."""
+    q, idx = kw["q"], kw["indices"]
+    return {name for name, yes in (
+        ("q and indices in padded rows", q.stride(-2) > q.shape[-1] and idx.stride(-2) > idx.shape[-1]),
+        ("q permuted (leading dims reversed)", q.stride(0) < q.stride(1)),
+        ("inputs at a storage offset", q.storage_offset() > 0 and idx.storage_offset() > 0),
+    ) if yes}
+
+
+def _units(topks: tuple[int, ...], odd: bool) -> list[int]:
+    """The top-k values of `topks` ending on half a 128 unit (`odd`) or on a whole one."""
+    return [k for k in topks if (k % 128 == 64) == odd]
+
+
+def _duplicates(idx: torch.Tensor) -> bool:
+    """Whether a row of `idx` repeats a non-negative entry."""
+    if idx.shape[-1] < 2:
+        return False
+    rows = idx.reshape(-1, idx.shape[-1]).sort(dim=1).values
+    return bool(((rows[:, 1:] == rows[:, :-1]) & (rows[:, 1:] >= 0)).any())
+
+
+DEGENERATE = ("tied logits (a zero q row over two or more valid entries)", "an all-zero q row")
+
+
+def degenerate_hits(q: torch.Tensor, valid: torch.Tensor) -> set[str]:
+    """From q [..., rows sharing an index row, 576] and the valid entries per index row [..., k]
+    (the leading dims equal): a zero q row, and one whose index row has two or more valid entries
+    (every logit of it 0: all equal)."""
+    zero = (q == 0).all(-1)
+    tied = zero & (valid.sum(-1) >= 2)[..., None]
+    return {name for name, yes in ((DEGENERATE[0], bool(tied.any())), (DEGENERATE[1], bool(zero.any()))) if yes}
+
+
+# --- convert_index -------------------------------------------------------------------------------
+
+CONVERT = ("batch > 1", "> 64 tokens", "row with no valid index", "negatives other than -1", "index past the table",
+           "duplicate indices", "two prefill requests, distinct workspace starts", "decode and prefill tokens",
+           "block stride != block size", "valid counts of a partial row", "idx_mapping with an unmapped request",
+           "top-k % 128 == 64", "top-k % 128 == 0", "top-k past one tile")
+
+
+def _convert_candidates(rng: random.Random, p: Profile) -> list[dict]:
+    odd, even = _units(p.decode_topk, True), _units(p.decode_topk, False) or [128]
+    found = []
+    for _ in range(VARIANTS):
+        found += [
+            # Two or more prefill requests (the converter's num_prefills = requests // 2), counts.
+            {"tokens": rng.randint(8, 12), "requests": rng.randint(4, 5), "table_width": rng.randint(2, 4),
+             "topk": rng.choice(odd or even), "block_size": rng.choice(p.block_sizes), "stride_extra": 1,
+             "prefill": True, "counts": True, "mapping": False,
+             "invalid": ["out_of_range", "whole_row", "negatives"]},  # -1s first: negatives replaces some
+            # Past 64 tokens, several requests through an idx_mapping, duplicates.
+            {"tokens": rng.randint(65, 72), "requests": 3, "table_width": rng.randint(1, 3),
+             "topk": rng.choice(even), "block_size": 16, "stride_extra": 0, "prefill": False, "counts": False,
+             "mapping": True, "invalid": ["duplicates", "boundaries"]},
+            # A row over several tiles (not a power of two past upstream's single-tile limit).
+            {"tokens": 2, "requests": 1, "table_width": 2, "topk": 4224, "block_size": 64, "stride_extra": 64,
+             "prefill": False, "counts": True, "mapping": False, "invalid": ["scattered"]},
+        ]
+    return found
+
+
+def _convert_hits(p, kw: dict) -> set[str]:
+    req, idx, table, bs = kw["req_id"], kw["topk_indices"], kw["block_table"], kw["block_size"]
+    out = reference.convert_index(**{**kw, "return_valid_counts": False})
+    k = idx.shape[1]
+    hit = {name for name, yes in (
+        ("batch > 1", req.unique().numel() > 1), ("> 64 tokens", req.numel() > 64),
+        ("row with no valid index", bool((out < 0).all(1).any())),
+        ("negatives other than -1", bool((idx < -1).any())),
+        ("index past the table", bool((idx >= table.shape[1] * bs).any())),
+        ("duplicate indices", _duplicates(idx)),
+        ("block stride != block size", kw["block_stride_rows"] not in (None, bs)),
+        ("top-k % 128 == 64", k % 128 == 64), ("top-k % 128 == 0", k % 128 == 0),
+        ("top-k past one tile", k & (k - 1) != 0 and 1 << (k - 1).bit_length() > 4096),
+    ) if yes}
+    valid = (out >= 0).sum(1)
+    if kw["return_valid_counts"] and bool(((valid > 0) & (valid < k)).any()):
+        hit.add("valid counts of a partial row")
+    mapping = kw["idx_mapping"]
+    if mapping is not None and bool((mapping[req.long()] < 0).any()):
+        hit.add("idx_mapping with an unmapped request")
+    ids, starts = kw["prefill_request_ids"], kw["prefill_workspace_starts"]
+    if ids is not None:
+        if bool((ids < 0).any()) and bool((ids >= 0).any()):
+            hit.add("decode and prefill tokens")
+        # A token of a later prefill request, with a valid entry, whose start is not the first's.
+        later = (ids > 0) & (starts[ids.long().clamp(min=0)] != starts[0]) & (out >= 0).any(1)
+        if bool(later.any()):
+            hit.add("two prefill requests, distinct workspace starts")
+    return hit
+
+
+register("convert_index", None, laid_out("convert_index", Coverage(CONVERT, _convert_candidates, _convert_hits)))
+
+
+# --- sparse_prefill ------------------------------------------------------------------------------
+
+PREFILL = ("several tokens", "> 64 tokens", "several heads", "row with no valid index", "topk_length 0",
+           "topk_length 1", "topk_length K", "no topk_length", "no sink", "finite sink", "+inf sink", "-inf sink",
+           "top-k of one 128 unit", "top-k of several 128 units", "negatives other than -1", "index past N", "index N",
+           "duplicate indices", "NaN kv row 0 beside an invalid entry", "fewer kv rows than top-k") + LAYOUT + DEGENERATE
+
+
+def _prefill_candidates(rng: random.Random, p: Profile) -> list[dict]:
+    small, large = 128, max(p.prefill_topk)  # 128: one unit, at every profile
+    multi = [h for h in p.heads if h > 1] or [8]
+    found = []
+    for variant in range(VARIANTS):
+        layout = {"layout": LAYOUTS[variant % len(LAYOUTS)]}
+        found += [
+            # Past 64 tokens, every topk_length edge, the sinks of every kind, invalid entries.
+            {"tokens": rng.randint(65, 70), "heads": rng.choice(multi), "kv_rows": rng.randint(small, 2 * small),
+             "topk": small, "value_regime": rng.choice(("degenerate", "peaked")), "sm_scale": 0.1352,
+             "invalid": ["out_of_range", "boundaries", "whole_row", "duplicates", "negatives"], "topk_length": "edges",
+             "sink": "inf", **layout},
+            # Fewer kv rows than top-k over several 128 units; row 0 left unselected (NaN) often.
+            {"tokens": rng.randint(2, 4), "heads": rng.choice(multi), "kv_rows": rng.randint(8, 40),
+             "topk": large if large > 128 else 256, "value_regime": rng.choice(("saturation", "outliers")),
+             "sm_scale": 0.0417, "invalid": ["scattered"], "topk_length": "none", "sink": "finite", **layout},
+            {"tokens": rng.randint(2, 4), "heads": min(p.heads), "kv_rows": rng.randint(4 * small, 8 * small),
+             "topk": small, "value_regime": rng.choice(("degenerate", "tiny")), "sm_scale": 0.3,
+             "invalid": ["scattered", "negatives"], "topk_length": "random", "sink": "none", **layout},
+        ]
+    return found
+
+
+def _prefill_hits(p, kw: dict) -> set[str]:
+    q, kv, idx, length, sink = kw["q"], kw["kv"], kw["indices"], kw["topk_length"], kw["attn_sink"]
+    tokens, heads, k, n = q.shape[0], q.shape[1], idx.shape[1], kv.shape[0]
+    live = (idx >= 0) & (idx < n)
+    if length is not None:
+        live &= torch.arange(k, device=idx.device)[None, :] < length[:, None]
+    hit = _layout_hits(kw) | degenerate_hits(q, live) | {name for name, yes in (
+        ("several tokens", tokens > 1), ("> 64 tokens", tokens > 64), ("several heads", heads > 1),
+        ("row with no valid index", bool((~live).all(1).any())), ("no topk_length", length is None),
+        ("no sink", sink is None), ("top-k of one 128 unit", k == 128), ("top-k of several 128 units", k > 128),
+        ("negatives other than -1", bool((idx < -1).any())), ("index past N", bool((idx > n).any())),
+        ("index N", bool((idx == n).any())),
+        ("duplicate indices", _duplicates(idx)), ("fewer kv rows than top-k", n < k),
+        ("NaN kv row 0 beside an invalid entry", n > 0 and bool(kv[0].isnan().any()) and bool((~live).any())),
+    ) if yes}
+    if length is not None:
+        hit |= {name for name, value in (("topk_length 0", 0), ("topk_length 1", 1), ("topk_length K", k))
+                if bool((length == value).any())}
+    if sink is not None:
+        hit |= {name for name, yes in (("finite sink", sink.isfinite().any()), ("+inf sink", (sink == torch.inf).any()),
+                                       ("-inf sink", (sink == -torch.inf).any())) if bool(yes)}
+    return hit
+
+
+register("sparse_prefill", None, Coverage(PREFILL, _prefill_candidates, _prefill_hits))
+
+
+# --- sparse_decode_fp8 ---------------------------------------------------------------------------
+
+DECODE = ("batch > 1", "s_q > 1 with several requests", "s_q > 1 with several heads", "> 64 query rows",
+          "top-k % 128 == 64", "top-k % 128 == 0",
+          "raw (non-power-of-two) scales", "power-of-two scales", "row with no valid index",
+          "NaN slot 0 beside a -1 entry", "padded page stride", "duplicate indices", "a row partly -1") + LAYOUT + DEGENERATE
+
+
+def _decode_candidates(rng: random.Random, p: Profile) -> list[dict]:
+    odd, even = _units(p.decode_topk, True) or [64], _units(p.decode_topk, False) or [128]
+    found = []
+    for variant in range(VARIANTS):
+        batch = rng.randint(33, 36)
+        layout = LAYOUTS[variant % len(LAYOUTS)]
+        found += [
+            # Past 64 query rows of two tokens each, raw scales, whole -1 rows, padded pages.
+            {"batch": batch, "s_q": 2, "heads": min(h for h in p.heads if h > 1), "topk": rng.choice(odd),
+             "seq_lens": [rng.randint(1, min(p.max_context, 300)) for _ in range(batch)],
+             "page_size": rng.choice(p.block_sizes),
+             "sm_scale": 0.1352, "value_regime": "degenerate", "scale_rule": "raw",
+             "invalid": ["whole_row", "duplicates"], "stride_pad": 1, "layout": layout},
+            {"batch": 2, "s_q": 1, "heads": max(p.heads), "topk": rng.choice(even),
+             "seq_lens": [rng.randint(1, 40), rng.randint(1, min(p.max_context, 2000))], "page_size": 1,
+             "sm_scale": 0.0417, "value_regime": rng.choice(("saturation", "zero_tiles")), "scale_rule": "pow2",
+             "invalid": ["scattered"], "stride_pad": 0, "layout": LAYOUTS[(variant + 1) % len(LAYOUTS)]},
+            # One long sequence: most slots, slot 0 among them likely, left unselected (NaN).
+            {"batch": 1, "s_q": 1, "heads": min(p.heads), "topk": rng.choice(even), "seq_lens": [rng.randint(1000, 2000)],
+             "page_size": rng.choice(p.block_sizes), "sm_scale": 0.1, "value_regime": "normal", "scale_rule": "pow2",
+             "invalid": ["scattered"], "stride_pad": 0},
+        ]
+    return found
+
+
+def tile_scales(cache: torch.Tensor) -> torch.Tensor:
+    """The fp32 tile scales of every written slot of an fp8_ds_mla cache (poisoned slots: NaN)."""
+    rows = cache[..., 512:528].contiguous().view(torch.float32)
+    return rows[rows.isfinite()]
+
+
+def _decode_hits(p, kw: dict) -> set[str]:
+    q, cache, idx = kw["q"], kw["kv_cache"], kw["indices"]
+    batch, s_q, k = q.shape[0], q.shape[1], idx.shape[-1]
+    scales = tile_scales(cache)
+    pow2 = scales > 0
+    pow2 &= torch.frexp(scales).mantissa == 0.5
+    rows = idx.reshape(-1, k)
+    return _layout_hits(kw) | degenerate_hits(q, idx >= 0) | {name for name, yes in (
+        ("batch > 1", batch > 1), ("s_q > 1 with several requests", s_q > 1 and batch > 1),
+        ("s_q > 1 with several heads", s_q > 1 and q.shape[2] > 1),
+        ("> 64 query rows", batch * s_q > 64), ("top-k % 128 == 64", k % 128 == 64), ("top-k % 128 == 0", k % 128 == 0),
+        ("raw (non-power-of-two) scales", bool(((scales > 0) & ~pow2).any())),
+        ("power-of-two scales", bool(pow2.any()) and bool((pow2 | (scales == 0)).all())),
+        ("row with no valid index", bool((rows < 0).all(1).any())),
+        ("NaN slot 0 beside a -1 entry", bool((cache[0, 0] == 0xFF).all()) and bool((rows < 0).any())),
+        ("padded page stride", cache.stride(0) > cache.shape[1] * cache.shape[2]),
+        ("duplicate indices", _duplicates(rows)),
+        ("a row partly -1", bool(((rows >= 0).any(1) & (rows < 0).any(1)).any())),
+    ) if yes}
+
+
+register("sparse_decode_fp8", None, Coverage(DECODE, _decode_candidates, _decode_hits))

@@ -1,0 +1,48 @@
+"""What each op (or forward_mqa path) must reach: the registry of `Coverage`s that `features` (the
+attention ops), `exact` (the exact ops) and `forward` (forward_mqa, dcp) fill on import and `sets`
+reads (kept apart so the feature modules need nothing of the covering design above them)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..cases import layouts
+from ..cases.profiles import Profile
+
+Candidates = Callable[[random.Random, Profile], list[dict]]  # (rng from the seed, profile) -> params
+Hits = Callable[[Any, dict], set[str]]                       # (typed params, built inputs) -> features
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What an op (or a forward_mqa path) must reach: its `features`, the `candidates` a covering
+    set is picked from, and `hits`, the features a case's built inputs show."""
+
+    features: tuple[str, ...]
+    candidates: Candidates
+    hits: Hits
+
+
+FEATURES: dict[tuple[str, str | None], Coverage] = {}  # (op, path or None) -> its coverage
+
+
+def register(op: str, path: str | None, coverage: Coverage) -> Coverage:
+    FEATURES[(op, path)] = coverage
+    return coverage
+
+
+def laid_out(op: str, coverage: Coverage) -> Coverage:
+    """`coverage` of `op` with its layout features (`equivalence.cases.layouts`: one for each layout
+    some input of the op may take, read back from the strides and offsets): every candidate
+    proposed in each of those layouts."""
+    kinds = [kind for kind in layouts.drawn(op) if kind != "contiguous"]
+
+    def candidates(rng: random.Random, p: Profile) -> list[dict]:
+        return [{**c, "layout": kind} for c in coverage.candidates(rng, p) for kind in kinds]
+
+    def hits(params: Any, kw: dict) -> set[str]:
+        return coverage.hits(params, kw) | layouts.shown(op, kw)
+
+    return Coverage(coverage.features + layouts.features(op), candidates, hits)
