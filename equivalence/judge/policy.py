@@ -325,7 +325,10 @@ PROPERTY_RULES: dict[str, PropertyRule] = {
         "times in fp32 (exact) over the fp32 sum K, then rounded to bf16",
         {OUT: (Bound("bf16_units", 2.0, "one fp32 division and one bf16 rounding of V (<= 1 unit), the sink factor's fp32 "
                      "rounding on top; a count off by one of 64 moves every element by 1.6% (over 4 units)"),
-               Bound("elem_bf16_units", 2.0, "the same per element: one rounding step of the row's magnitude")),
+               Bound("elem_bf16_units", 2.0, "the same per element: one rounding step of the row's magnitude, never "
+                     "below the oracle's fp32 underflow floor (2**-126 of |V| times k valid): on the H100 (main "
+                     "5fb709e) Triton and flash_mla both gave a head 0 where its sink factor was 7e-39, sink - lse = "
+                     "87.8; flash_mla, normalizing at the max logit, also one of 3e-37 (sink - max_logit = 90.4)")),
          LSE: (Bound("lse_fp32_units", LSE_BOUNDS[0].limit, "the oracle's: one 576-term fp32 dot product, plus the fp32 "
                      "rounding of ln(k valid); ln 2 (a deduplicated or halved count) is millions of units"),)}),
     "stress.rerun": PropertyRule(
