@@ -106,8 +106,7 @@ def attend_chunks(
     if sm_scale <= 0:
         raise ValueError(f"sm_scale must be > 0 (the kernels take the row max before scaling), got {sm_scale}")
     n, num_heads, _ = q.shape
-    budget = streaming.working_budget(q.device, budget_bytes)
-    chunk = streaming.chunk_tokens(num_heads, topk, dtype.itemsize, budget, build_bytes)
+    chunk = streaming.tokens_per_chunk(q.device, num_heads, topk, dtype.itemsize, budget_bytes, build_bytes)
     # A plain function: bad arguments raise at the call, not at the first chunk.
     return streaming.stream(n, chunk, lambda rows: attend(q[rows].to(dtype), *chunk_keys(rows), sm_scale, attn_sink,
                                                          magnitudes))

@@ -179,7 +179,7 @@ DEVIATIONS = {
             "the reference's bounds, never bitwise batch invariant",
             _never,
             {},
-            relaxes=frozenset({"batch_invariance.batched", "spec_decode.single_tokens"}),
+            relaxes=frozenset({"batch_invariance.batched", "spec_decode.single_tokens", "cuda_graph.unpadded"}),
             property_bounds={
                 OUT: (Bound("elem_bf16_units", 4.0,
                             "one bf16 ulp of an element is at most 2 steps of 2**-8 * its row's largest"),
@@ -350,6 +350,12 @@ PROPERTY_RULES: dict[str, PropertyRule] = {
     "cuda_graph.replay": PropertyRule(
         True, "a replay launches the kernels the eager call launches, on the same bytes copied into the captured "
         "buffers; FlashMLA and our Triton kernels are deterministic (determinism.rerun)"),
+    "cuda_graph.unpadded": PropertyRule(
+        True, "padding rows (every index -1) read nothing and add nothing to a real row; a kernel whose split "
+        "of the top-k depends on the batch declares split_kv (H100, 5fb709e: flash_mla and Triton decode, 5 or 3 real "
+        "requests captured at 2x and 4x, one bf16 ulp apart from the eager call at the real batch; bitwise at 1x)"),
+    "cuda_graph.padding": PropertyRule(
+        True, "a row with no valid index is the empty row: out 0, lse +inf, max_logits -inf (both kernels, H100)"),
     "cuda_graph.reference": PropertyRule(
         False, "each replay against the float64 reference under the op's own bounds (the default and its deviations')"),
     "determinism.rerun": PropertyRule(
