@@ -123,7 +123,8 @@ def test_a_padded_capture_replays_the_real_rows_and_empty_padding(impl, capture)
                                                            for r in rows))
         assert_holds(rows)
         assert {r.tensor for r in rows} >= {"unpadded.out", "unpadded.lse", "padding.out", "padding.lse"}
-    case = Case(OP, {**small_case("sparse_decode_fp8").params, "capture": capture}, 5)
+    # power-of-two scales: the wrapped Triton launch is exact on them without declaring bf16_dequant
+    case = Case(OP, {**small_case("sparse_decode_fp8").params, "capture": capture, "scale_rule": "pow2"}, 5)
     rows = evaluate(case, resolve_subject(OP, ["sparse_decode_fp8=tests.hostile.graph:writes_padding_rows"], "cuda"),
                     "cuda", source="test")
     assert [r.tensor for r in rows if not r.passed] == ["padding.out"], [(r.tensor, r.reason) for r in rows]

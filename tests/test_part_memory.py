@@ -49,3 +49,30 @@ def test_a_case_that_never_fits_is_a_counted_row_not_a_harness_error(monkeypatch
     code = main(["gate", "--op", "sparse_decode_fp8", "--impl", "sparse_decode_fp8=torch-fp32", "--examples", "2",
                 "--device", "cpu", "--no-isolate", "--out", str(tmp_path / "gate")])
     assert code == 0 and "cases not judged, the judge ran out of device memory" in capsys.readouterr().out
+
+
+def test_a_block_retried_after_running_out_tells_the_campaign_of_each_call_once(monkeypatch):
+    """The retry of a block whose judge ran out of memory after two of its calls (the H100's
+    `--parallel 4`): the campaign hears of each case's call once (a second telling ended the run
+    with `IndexError: pop from empty list`), and every case is judged."""
+    from mla_verify.equivalence import catalog
+    from mla_verify.equivalence.cases.profiles import get_profile
+    from mla_verify.fuzz.campaign import Campaign, fuzz
+    from mla_verify.runs.units import Unit
+
+    monkeypatch.setattr(driver, "OOM_WAITS", (0.0, 0.0))
+    subject = catalog.resolve_subject("sparse_decode_fp8", ["torch-fp32"], "cpu")
+    blocks = []
+
+    def judge(cases, source, on_call):
+        blocks.append(len(cases))
+        if len(blocks) == 1:
+            on_call(), on_call()
+            raise torch.OutOfMemoryError("CUDA out of memory (9.90 GiB allowed)")
+        return catalog.evaluate_block(cases, subject, "cpu", source=source, on_call=on_call)
+
+    unit = Unit("sparse_decode_fp8", "torch-fp32", ("torch-fp32",))
+    result = fuzz(Campaign("sparse_decode_fp8", get_profile("ci"), 6, 1, block=3, shrink=False),
+                  driver._within_memory(judge, unit, "cpu", "run"))
+    assert result.stopped is None and result.examples == 6 and blocks[:2] == [3, 3]
+    assert result.rows and all(r.passed and r.gate_metric != FailureKind.NOT_JUDGED for r in result.rows)

@@ -30,7 +30,7 @@ from mla_verify.equivalence.sandbox import call_guards
 from mla_verify.equivalence.ops import dcp_ranks
 from mla_verify.equivalence.sandbox import device as dev
 from mla_verify.equivalence.cases.case import Case
-from mla_verify.equivalence.sandbox.device import take_gpu_share
+from mla_verify.equivalence.sandbox.device import WORKER_SHARE, take_gpu_share
 from mla_verify.equivalence.errors import HarnessError
 from mla_verify.equivalence.sandbox.worker import Worker
 from mla_verify.equivalence.cases.profiles import Profile
@@ -139,14 +139,21 @@ def _within_memory(judge: Judge, unit: Unit, device: str, run_id: str) -> Judge:
     a time; a case that still does not fit is a `not_judged` row of this part's log, counted and
     not failed, and the run goes on (it was exit 3 for the whole run)."""
     def judged(cases, source, on_call):
+        told = []  # the campaign hears of each case's call once, whatever is retried
+
+        def once() -> None:
+            if len(told) < len(cases):
+                told.append(True)
+                on_call()
+
         for wait in OOM_WAITS:
             try:
-                return judge(cases, source, on_call)
+                return judge(cases, source, once)
             except torch.OutOfMemoryError as exc:
                 error = exc
             _give_back(wait)
         if len(cases) > 1:
-            return [rows for case in cases for rows in judged([case], source, on_call)]
+            return [rows for case in cases for rows in judged([case], source, once)]
         case = cases[0]
         base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages=(), device=device, seed=case.seed,
                     source=source, **catalog.get_spec(case.op).identity(case))
@@ -382,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     text = (argv or sys.argv[1:])[0]  # the parent chose the Triton interpreter on CPU: the environment has it
     try:
         run = Run.from_json(text)
-        take_gpu_share(0.5 if run.isolate else 1.0)  # an isolated part's worker takes the other half
+        take_gpu_share(1 - WORKER_SHARE if run.isolate else 1.0)  # an isolated part's worker takes the rest
         print(run.header(), flush=True)
         outcome = drive(run)
     except KeyboardInterrupt:
