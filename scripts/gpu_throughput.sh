@@ -10,6 +10,7 @@
 #     hisparse   `fuzz --op forward_mqa --path fp8_separate_hisparse`, 40 cases in process, timed whole
 #     lane       `pytest -m gpu` of what issue 48 changed: the padded capture (and property:cuda_graph's gpu
 #                draws, which pose it), the CUDA hand-over, property:singleton's underflow floor
+#     gate       `gate --device cuda --examples ${GATE_EXAMPLES:-5} --parallel ${GATE_PARALLEL:-4}` (not in the default)
 #     bench      `mla-verify bench --only harness` (this tree; ~400 s alone, not in the default)
 #     profile    scripts/profile_fuzz.py (this tree; not in the default)
 # Logs in $OUT; a short table last.
@@ -70,6 +71,17 @@ STEP=lane; if want "$@"; then
   timeout -k 5 150 python3 -m pytest -m gpu -q -rs tests/test_cuda_graph.py tests/test_segment.py tests/test_properties.py \
     -k "padded or handed or (holds_on_gpu and (singleton or cuda_graph))" > "$OUT/lane.log" 2>&1
   row lane after "exit $?: $(tail -n 1 "$OUT/lane.log" | cut -c1-150)"
+fi
+
+STEP=gate; if want "$@"; then
+  for tree in "${trees[@]}"; do
+    start=$SECONDS
+    in_tree "$tree" timeout -k 5 "${GATE_LIMIT:-240}" python3 -m mla_verify.cli gate --device cuda --seed 1 \
+      --examples "${GATE_EXAMPLES:-5}" --parallel "${GATE_PARALLEL:-4}" --out "/tmp/gate-$(name "$tree")" > "$OUT/gate-$(name "$tree").log" 2>&1
+    code=$?
+    cat /tmp/gate-$(name "$tree")/part-*/*.log >> "$OUT/gate-$(name "$tree").log" 2>/dev/null
+    row gate "$(name "$tree")" "exit $code in $((SECONDS - start)) s: $(grep -E '^gate |not judged' "$OUT/gate-$(name "$tree").log" | head -n 2 | cut -c1-120 | paste -sd'|')"
+  done
 fi
 
 STEP=bench; if want "$@"; then
