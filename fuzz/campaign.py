@@ -164,6 +164,7 @@ class FuzzResult:
     flaky: tuple[int, int] | None = None  # (failed k, of n re-runs) when a re-run passed
     stopped: Stop | None = None           # why the campaign ended before its budget
     shrunk: bool = False                  # the failure is Hypothesis's minimized case
+    unminimized: str = ""                 # why a finding was not minimized, and how to have it minimized
 
 
 def new_seed() -> int:
@@ -373,6 +374,13 @@ class _Search:
             with _frozen_heap():
                 search()
             final = self.first  # a covering case's failure the draws did not repeat
+            if final is not None and c.shrink:
+                drawn = max(0, c.examples - len(self.cover))
+                ends = (f"the {drawn} examples drawn after the covering set found no failure to shrink" if drawn else
+                        f"this {c.examples}-example budget ends before any example is drawn to shrink")
+                result.unminimized = (f"it is a covering case (drawn first at every seed, never shrunk), and {ends}: "
+                                      f"more examples (--examples {5 * c.examples}) draw on until one fails, and "
+                                      "minimize it")
         except Discrepancy as d:
             final, result.shrunk = (d.case, d.rows), c.shrink
         except StopCampaign as stop:

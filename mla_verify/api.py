@@ -164,7 +164,8 @@ def check(
         impl: a callable, "MODULE:CALLABLE", a registered name, {stage: impl} for a pipeline op or a
             property, or None for the project's own implementation.
         examples: cases to draw (default: the profile's budget). seed: the campaign's seed (default:
-            random; `CheckResult.seed` says which).
+            random, or inside pytest under CI=true one derived from the commit; `CheckResult.seed`
+            says which).
         device: "cpu", "cuda" or "cuda:N" (default: cuda when present). profile: ci | dev | nightly |
             gpu (default: dev on cpu, gpu on cuda). Inside pytest, `--mla-verify-examples`,
             `--mla-verify-device` and `--mla-verify-profile` replace these defaults (the plugin,
@@ -188,9 +189,10 @@ def check(
             run's header line (the CLI prints it).
         baseline: a run directory of the same op: seed, profile, examples and path default to the
             ones it recorded, so the campaign draws its cases again (`drift` then pairs them).
-        shard: "I/N" (or a `runs.parts.Shard`): run only shard I of N, the campaigns of seeds
-            S + I * P ... of the run's N * P (P: `parallel`); `merge` joins the N shards' run
-            directories into the one run a machine with `parallel=N * P` would have written.
+        shard: "I/N", "auto" (`runs.schedulers`) or a `runs.parts.Shard`: run only shard I of
+            N, the campaigns of seeds S + I * P ... of the run's N * P (P: `parallel`); `merge`
+            joins the N shards' run directories into the one run a machine with `parallel=N * P`
+            would have written.
         corpus: a kept corpus directory (`mla_verify.runs.corpus`): its cases of this op and
             implementation run first, whatever the seed, and the finding is added to it
             (default: `--mla-verify-corpus` inside pytest, else none).
@@ -204,6 +206,8 @@ def check(
     __tracebackhide__ = True  # a pytest failure ends at the test's call
     given = {**locals(), "ops": (op,), "device": resolve_device(default_device(device))}
     given.update((name, DEFAULTS.get(name)) for name in ("examples", "profile", "seed", "corpus") if given[name] is None)
+    if given["seed"] is None and baseline is None:  # under CI=true, the commit's seed (a baseline's own wins)
+        given["seed"] = DEFAULTS.get("commit_seed")
     given["specs"], given["named"] = impl_specs(impl)
     result = run(Options.asked(FUZZ, given), log)
     saved(result.failures)  # listed in a pytest session's summary
@@ -226,6 +230,7 @@ def gate(
     junit: str | Path | None = None,
     impl: Sequence[str] | None = None,
     corpus: str | Path | None = None,
+    durations: str | Path | None = None,
     log: Callable[[str], None] | None = None,
 ) -> GateOutcome:
     """The gate (`mla-verify gate`): every op and forward_mqa path with every implementation
@@ -238,8 +243,9 @@ def gate(
         profile: default ci on cpu, gpu on cuda. seed: default random, or the baseline's.
         out: the run directory (default: a new runs/gate-TIME). isolate, timeout: as in `check`.
         parallel: processes, one GPU each, dealt round-robin past the GPU count (default: every
-            GPU on cuda, 1 on cpu). shard: "I/N",
-            every N-th op and implementation from the I-th (`runs.parts`; `merge` joins the shards).
+            GPU on cuda, 1 on cpu). shard: "I/N", or "auto" (the scheduler's index and count,
+            `runs.schedulers`): every N-th op and implementation from the I-th, or by `durations`
+            (`runs.parts`; `merge` joins the shards).
         baseline: an earlier gate run: its seed, profile, examples and ops, unless given.
         junit: also write JUnit XML there. log: receives the run's header lines.
         impl: "OP=MODULE:CALLABLE" / "STAGE=MODULE:CALLABLE" strings: only what these take part in
@@ -247,6 +253,9 @@ def gate(
             properties that test them) (default: every registered implementation here).
         corpus: a kept corpus directory (`mla_verify.runs.corpus`): the cases of the units that apply
             run first, whatever the seed; every finding is added to it.
+        durations: a durations.json (or a run directory holding one) that an earlier gate or merge
+            wrote: the shards are sized by each unit's seconds there (`mla_verify.runs.durations`),
+            not by count; a path with none yet deals by count.
 
     Raises UsageError for bad input, before any case runs."""
     return run(Options.asked(GATE, {**locals(), "ops": tuple(ops or ()), "impls": tuple(impl or ())}), log)

@@ -104,9 +104,12 @@ def _shard(text: str):
 
 
 def _add_shard(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+    p.add_argument("--shard", type=_shard, default=None, metavar="I/N|auto",
                    help=f"run only shard I of N (0 <= I < N): {what}; `mla-verify merge` joins the N run "
-                        "directories into one run (e.g. --shard $SLURM_ARRAY_TASK_ID/8; default: the whole run)")
+                        "directories into one run. auto: the scheduler's own index and count (Slurm "
+                        "SLURM_ARRAY_TASK_ID/_COUNT, Kubernetes JOB_COMPLETION_INDEX, Buildkite "
+                        "BUILDKITE_PARALLEL_JOB/_COUNT, GitLab, CircleCI, else MLA_VERIFY_SHARD_INDEX/_COUNT; "
+                        "default: the whole run)")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -387,6 +390,10 @@ def _add_gate_command(sub) -> None:
                    help="split the ops over this many processes, one GPU each, dealt round-robin when N exceeds "
                         "the GPUs, each with its share of the cores (default: every GPU on cuda, 1 on cpu)")
     _add_shard(p, "every N-th op and implementation (with its corpus and campaigns), all with seed S")
+    p.add_argument("--durations", type=Path, default=None, metavar="FILE",
+                   help="size the shards by each op and implementation's seconds last time (longest first, each to "
+                        "the shard with the fewest seconds so far): a durations.json a gate or merge wrote, or its "
+                        "run directory; none there yet: by count (default: by count)")
     p.add_argument("--impl", action="append", default=None, metavar="OP=MODULE:CALLABLE",
                    help="gate only what these implementations take part in (repeatable): OP=SPEC the op, "
                         "STAGE=SPEC a forward_mqa stage (every forward_mqa path with it swapped in), and every "

@@ -166,6 +166,7 @@ def run_report(run_dir: str | Path, baseline: str | Path | None = None,
             raise UsageError(why)
     rows, meta = load_run(run_dir)
     report = build_report(rows, meta, load_run(baseline) if baseline is not None else None, drift=drift)
+    report.name = Path(run_dir).resolve().name
     if save_case is not None and report.drift is not None and report.drift.worst is not None:
         report.replay = save_case(report.drift.worst, Path(run_dir) / "drift", meta.get("deviations") or (),
                                   meta.get("conventions") or ())

@@ -153,7 +153,7 @@ def test_a_bitwise_group_that_is_not_any_more_is_its_own_finding():
 
 
 @settings(max_examples=6, deadline=None)
-@given(seed=st.integers(0, 2**31))
+@given(seed=st.integers(0, 2**31).filter(lambda s: s != 100))  # the baseline's own seed draws its cases: paired
 def test_other_cases_of_an_unchanged_kernel_are_compared_unpaired_and_not_flagged(baseline, seed):
     drift = compare(_frame(seed), baseline)
     assert not drift.drifted, drift.lines()

@@ -10,6 +10,8 @@ rest as the remainder of whole HiSparse cases:
     sparse_prefill      PREFILL_PROGRAM_S per (token, head block) + BLOCK_S per 64-key block
     sparse_decode_fp8   DECODE_PROGRAM_S per (query row, head block, split) + BLOCK_S per key
                         block, and COMBINE_S per (query row, head) when the top-k list is split
+    sparse_decode_v4    UNION_PROGRAM_S per (query row, head block, split) + UNION_BLOCK_S per
+                        block of either list (it dequantizes every row it loads), COMBINE_S as above
     forward_mqa         FORWARD_TOKEN_S per token and layer besides its attention
 
 A case's estimate is its base problem's attention calls (`calls`) times the runs its check makes
@@ -32,13 +34,15 @@ DECODE_PROGRAM_S = 0.017   # it dequantizes the fp8 tile of every key block it l
 BLOCK_S = 0.008
 COMBINE_S = 0.002
 FORWARD_TOKEN_S = 0.008
+UNION_PROGRAM_S = 0.02     # measured: 2 programs of 10 blocks 0.45 s, 16 of 2 blocks 0.97 s
+UNION_BLOCK_S = 0.02
 
 
 @dataclass(frozen=True)
 class Call:
     """One attention launch: `rows` query rows of `heads` heads over `topk` entries each."""
 
-    kernel: str   # sparse_prefill | sparse_decode_fp8
+    kernel: str   # sparse_prefill | sparse_decode_fp8 | sparse_decode_v4 (V4.1 alike)
     rows: int
     heads: int
     topk: int
@@ -55,7 +59,8 @@ class Call:
         splits, split_len = split_plan(self.topk, cfg.block_n, self.rows * head_blocks, NOMINAL_SMS, None)
         programs = self.rows * head_blocks * splits
         combine = self.rows * self.heads * COMBINE_S if splits > 1 else 0.0
-        return programs * (DECODE_PROGRAM_S + BLOCK_S * (split_len // cfg.block_n)) + combine
+        program_s, block_s = (UNION_PROGRAM_S, UNION_BLOCK_S) if self.kernel == "sparse_decode_v4" else (DECODE_PROGRAM_S, BLOCK_S)
+        return programs * (program_s + block_s * (split_len // cfg.block_n)) + combine
 
 
 def _forward_calls(p: ForwardParams) -> list[Call]:
@@ -87,6 +92,8 @@ def calls(params: Params) -> list[Call]:
         return [Call("sparse_decode_fp8", params.batch * params.s_q, params.heads, params.topk)]
     if isinstance(params, ForwardParams):
         return _forward_calls(params)
+    if hasattr(params, "extra_topk"):  # a union decode (equivalence.ops.v4): both lists in one launch
+        return [Call("sparse_decode_v4", params.batch * params.s_q, params.heads, params.topk + params.extra_topk)]
     return []
 
 

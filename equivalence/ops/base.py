@@ -23,7 +23,7 @@ from ..cases.case import Case
 from ..cases.draws import SEEDS
 from ..cases.profiles import Profile
 from ..contracts import arguments as contract_arguments
-from ..judge.localize import Axes, axes_for
+from ..judge.localize import Axes, axes_for, dims_of
 from ..judge.oracle import judge_many
 from ..judge.rows import FailureKind, Row, Stages
 from ..produced import Produced
@@ -350,7 +350,8 @@ class OpSpec:
                               # where the exact answer lives (host-side ops answer on the host);
                               # rank answers come back through the host
                               device=None if self.own_processes else str(want.device),
-                              contiguous=check.contiguous, returned_on=returned_on, returned_strides=returned_strides)
+                              contiguous=check.contiguous, returned_on=returned_on, returned_strides=returned_strides,
+                              dims=dims_of(self.name, check.tensor, [c.tensor for c in self.checks]))
 
     def _verdicts(self, at: Sequence[int], bases: list[dict], params: Params, kwargs: list[dict], answer: "Answer",
                   tensors: list, deviations: list, times: list[dict], problem: Callable) -> dict[int, list]:

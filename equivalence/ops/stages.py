@@ -67,6 +67,14 @@ def _one(name: str, fn: Callable[..., Any]) -> Callable[[dict], tuple[Any, dict]
     return answer
 
 
+def _named(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[[dict], tuple[Any, dict]]:
+    """A stage returning a tuple of tensors, each by its name."""
+    def answer(kw):
+        value = fn(**kw)
+        return value, dict(zip(names, value))
+    return answer
+
+
 def _chunks(value: Any) -> torch.Tensor:
     return torch.tensor([list(c) for c in value], dtype=torch.long).reshape(-1, 2)
 
@@ -123,6 +131,10 @@ ORACLES: dict[str, StageOracle] = {
     "sparse_decode_fp8": StageOracle(lambda kw: _attention(reference.sparse_decode(**kw)), _ATTENTION, _pair),
     "sparse_decode_nvfp4": StageOracle(lambda kw: _attention(reference.sparse_decode(**kw)), _ATTENTION, _pair),
     "dcp_merge": StageOracle(_merge, _ATTENTION, _pair),
+    "window_indices": StageOracle(
+        _named(reference.window_indices, ("indices", "lengths")),
+        (Compared("indices", EXACT), Compared("lengths", EXACT)), lambda kw: ("indices", "lengths")),
+    "sparse_decode_v4": StageOracle(lambda kw: _attention(reference.sparse_decode_v4(**kw)), _ATTENTION, _pair),
 }
 # Whose contract names a stage's dimensions (`localize.dims_of`): the nvfp4 decode shares fp8's.
 CONTRACT_OF = {"sparse_decode_nvfp4": "sparse_decode_fp8"}

@@ -28,6 +28,7 @@ from mla_verify.fuzz.campaign import new_seed
 from mla_verify.reports.meta import collect_meta, rerun_settings
 from mla_verify.reports.store import run_file
 
+from . import durations
 from .corpus import Corpus
 from .outcome import DEFAULT_TIMEOUT_S
 from .parts import Shard
@@ -67,6 +68,7 @@ class Run:
     impls: tuple[str, ...] = ()           # gate: OP=SPEC / STAGE=SPEC it is restricted to (runs.selection)
     corpus: str | None = None             # the kept corpus (runs.corpus): replayed first, findings added
     corpus_replay: bool = True            # this part replays the corpus (a fuzz run's first part only)
+    durations: dict[str, float] | None = None  # gate: each unit's seconds last time (runs.durations); None: not asked
 
     @property
     def op(self) -> str:
@@ -102,7 +104,8 @@ class Run:
                   "profile": self.profile.name, "device": self.device_type, "isolate": self.isolate,
                   "timeout": self.timeout}
         if self.command == GATE:
-            return {**common, "ops": list(self.ops) or None, "impls": list(self.impls) or None}
+            return {**common, "ops": list(self.ops) or None, "impls": list(self.impls) or None,
+                    "durations": durations.digest(self.durations)}
         return {**common, "op": self.op, "impl": list(self.specs), "path": self.path, "world_size": self.world_size,
                 "deviations": list(self.deviations), "conventions": list(self.conventions), "shrink": self.shrink,
                 "campaigns": self.shard.count * self.parts}
@@ -157,7 +160,7 @@ class Run:
             budget = (f"{self.examples}" if self.examples is not None
                       else f"{self.profile.examples} (properties: {self.profile.property_examples})")
             return (f"mla-verify gate: device {self.device}, profile {self.profile.name}, {budget} fuzz examples per "
-                    f"op and implementation, seed {self.seed}{'' if self.shard.whole else f', shard {self.shard}'}"
+                    f"op and implementation, seed {self.seed}{self._shard_words()}"
                     f"{', only ' + ' '.join(self.impls) if self.impls else ''}"
                     f"{f', corpus {self.corpus}' if self.corpus else ''}"
                     f"{where}")
@@ -169,6 +172,16 @@ class Run:
                 f"{where}" + (f"; the cases of baseline {self.baseline}" if self.baseline is not None else "")
                 + ("" if self.shard.whole else f"; shard {self.shard} of {self.shard.count * self.parts} campaigns: "
                    + ", ".join(f"seed {s} x {n}" for s, n in self.campaigns)))
+
+    def _shard_words(self) -> str:
+        """", shard 1/2 (SLURM_ARRAY_TASK_ID=1 of SLURM_ARRAY_TASK_COUNT=2), sized by 14 units' seconds
+        last time": which shard, and how its units were dealt."""
+        if self.shard.whole and self.parts == 1:
+            return ""
+        how = ("" if self.durations is None else ", dealt by count (no unit's seconds kept yet)" if not self.durations
+               else f", sized by {len(self.durations)} units' seconds last time")
+        source = f" ({self.shard.source})" if self.shard.source else ""
+        return ("" if self.shard.whole else f", shard {self.shard}{source}") + how
 
 
 def invocation() -> str | None:
@@ -206,6 +219,7 @@ class Options:
     junit: Path | None = None
     impls: tuple[str, ...] = ()                   # gate: OP=SPEC / STAGE=SPEC strings (runs.selection)
     corpus: str | Path | None = None              # a kept corpus directory (runs.corpus)
+    durations: str | Path | None = None           # gate: a durations.json, or a run holding one (runs.durations)
 
     @classmethod
     def asked(cls, command: str, given: Mapping[str, Any]) -> "Options":
@@ -294,14 +308,16 @@ def _gate_run(o: Options, device: str, shard: Shard) -> Run:
     profile = _profile(o, device)
     chosen = impl_units(o.impls, device, list(o.ops) or None) if o.impls else None
     corpus = open_corpus(o.corpus)
-    if not shard_units(list(o.ops) or None, device, shard, chosen):
+    seconds = durations.read(o.durations) if o.durations is not None else None
+    if not shard_units(list(o.ops) or None, device, shard, chosen, seconds):
         raise UsageError(f"--shard {shard}: the gate has fewer units (ops and implementations) than shards here")
     isolate = default_isolation(o.isolate, named=True)
     if o.timeout is not None and not isolate:
         raise UsageError("--timeout needs isolation (the default; not --no-isolate): an in-process call cannot be stopped")
     return Run(GATE, o.ops, device, profile, o.examples, o.seed, isolate, _timeout(o),
                out=_opened(o.out if o.out is not None else FreshDir.named("runs", "gate")), baseline=o.baseline,
-               shard=shard, parts=o.parallel or _gpu_count(device_type(device)), impls=o.impls, corpus=corpus)
+               shard=shard, parts=o.parallel or _gpu_count(device_type(device)), impls=o.impls, corpus=corpus,
+               durations=seconds)
 
 
 def _again(o: Options, log: Callable[[str], None]) -> Options:

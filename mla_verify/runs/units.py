@@ -17,6 +17,7 @@ ranks are processes of their own, so it never runs inside the isolation worker.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,7 @@ from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.equivalence.spec import Spec
 from mla_verify.equivalence.subject import Subject
 
+from . import durations
 from .parts import Shard
 
 
@@ -74,6 +76,11 @@ class Unit:
     kept: tuple[Case, ...] = ()  # a kept corpus's cases of this op and implementation (runs.corpus), run first
 
     @property
+    def key(self) -> str:
+        """How `runs.durations` names the unit: "OP LABEL"."""
+        return f"{self.op} {self.label}"
+
+    @property
     def multi_rank(self) -> bool:
         return bool(catalog.get_spec(self.op).ranks)
 
@@ -95,10 +102,9 @@ def units(ops: list[str] | None, device: str) -> list[Unit]:
             for label, specs in catalog.get_spec(op).subjects(kind).items()]
 
 
-def shard_units(ops: list[str] | None, device: str, shard: Shard, chosen: list[Unit] | None = None) -> list[Unit]:
-    """The units of shard `shard` (`runs.parts`: the multi-rank ones dealt first) among `chosen`
-    (None: the gate's `units`)."""
+def shard_units(ops: list[str] | None, device: str, shard: Shard, chosen: list[Unit] | None = None,
+                seconds: Mapping[str, float] | None = None) -> list[Unit]:
+    """The units of shard `shard` (`runs.parts`: the multi-rank ones dealt first; by each unit's
+    `seconds` last time where given, `runs.durations`) among `chosen` (None: the gate's `units`)."""
     every = units(ops, device) if chosen is None else chosen
-    return shard.deal(every, [u.multi_rank for u in every])
-
-
+    return shard.deal(every, [u.multi_rank for u in every], durations.weights([u.key for u in every], seconds))
