@@ -6,7 +6,8 @@ GPU never more than this process may still allocate there (`device_headroom`: wh
 the card leaves, and what the other processes on the card leave), less an eighth for the
 libraries' own workspaces. Query tokens go through in chunks of as many tokens as the budget holds
 (`token_bytes` each); a budget that holds no token is refused before anything is computed, unless
-only the card's headroom is short: then the call waits for the other processes to give memory back.
+only the card's headroom is short: then the call waits for the other processes to give memory back
+(and then fails as an allocation would, with torch.OutOfMemoryError).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 HEAD_DIM, NOPE_DIM = 576, 512
 DEFAULT_MEMORY_BYTES = 4 << 30
-WAIT_S, WAIT_STEP_S = 60.0, 0.5  # how long a call waits for room on a GPU the other processes fill, and how often it looks
+WAIT_S, WAIT_STEP_S = 15.0, 0.5  # how long a call waits for room on a GPU the other processes fill, and how often it looks
 MEMORY_ENV = "MLA_VERIFY_REFERENCE_MEMORY"  # bytes; how `--reference-memory` reaches child processes
 _memory_limit: contextvars.ContextVar[int | None] = contextvars.ContextVar("reference_memory", default=None)
 
@@ -73,13 +74,16 @@ def tokens_per_chunk(device: torch.device, num_heads: int, topk: int, itemsize: 
                      build_bytes: int) -> int:
     """`chunk_tokens` under the working budget of `device`. Where the budget would hold a token but
     the GPU's headroom (what the other processes on the card hold) does not, the call waits for
-    room, up to WAIT_S, its own cached blocks given back first; then, as for a budget too small,
-    ValueError."""
+    room, up to WAIT_S, its own cached blocks given back first; then torch.OutOfMemoryError, as an
+    allocation would raise it (a budget too small itself: ValueError at once)."""
     budget = budget_bytes or memory_budget()
     one = token_bytes(num_heads, topk, itemsize, build_bytes)
     deadline = time.monotonic() + WAIT_S
     while (working := working_budget(device, budget)) < budget and working - working // 16 < one \
-            and budget - budget // 16 >= one and time.monotonic() < deadline:
+            and budget - budget // 16 >= one:
+        if time.monotonic() >= deadline:
+            raise torch.OutOfMemoryError(f"no room for one query token of the reference on {device} ({one / 2**20:.1f} "
+                                         f"MiB) after {WAIT_S:g} s: {working / 2**20:.1f} MiB of headroom")
         torch.cuda.empty_cache()
         time.sleep(WAIT_STEP_S)
     return chunk_tokens(num_heads, topk, itemsize, working, build_bytes)

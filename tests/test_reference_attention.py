@@ -251,7 +251,9 @@ def test_on_a_full_gpu_the_chunks_shrink_to_its_headroom_and_wait_for_room(monke
     monkeypatch.setattr(streaming, "device_headroom", lambda device: next(room, 40 * one))
     monkeypatch.setattr(streaming, "WAIT_STEP_S", 0.0)
     assert streaming.tokens_per_chunk(torch.device("cpu"), 8, 64, 8, 4 << 30, 2 * 576 + 64) == 32
-    monkeypatch.setattr(streaming, "device_headroom", lambda device: 0)
+    monkeypatch.setattr(streaming, "device_headroom", lambda device: 0)  # never room: as an allocation would fail
     monkeypatch.setattr(streaming, "WAIT_S", 0.05)
-    with pytest.raises(ValueError, match="holds no query token"):
+    with pytest.raises(torch.OutOfMemoryError, match="no room for one query token"):
         streaming.tokens_per_chunk(torch.device("cpu"), 8, 64, 8, 4 << 30, 2 * 576 + 64)
+    with pytest.raises(ValueError, match="holds no query token"):  # a budget too small itself: at once
+        streaming.tokens_per_chunk(torch.device("cpu"), 8, 64, 8, one, 2 * 576 + 64)
