@@ -15,10 +15,10 @@ import json
 from dataclasses import replace
 
 from mla_verify.equivalence.cases.case import Case
-from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.judge.rows import FailureKind, Row
 from mla_verify.fuzz.campaign import Judge
 
-UNSUPPORTED = "unsupported"
+UNSUPPORTED = FailureKind.UNSUPPORTED
 
 
 def declined(rows: list[Row] | None) -> bool:
@@ -57,6 +57,6 @@ def asked_again(judge: Judge) -> Judge:
 
 def _declined_by_value(row: Row, seed: int) -> Row:
     why = row.reason.removeprefix(f"{UNSUPPORTED}: ")
-    return replace(row, passed=False, gate_metric="contract", value=1.0, bound=0.0, headroom=0.0,
+    return replace(row, passed=False, gate_metric=FailureKind.CONTRACT, value=1.0, bound=0.0, headroom=0.0,
                    reason=f"declined this case ({why}) where it answered the same params under seed {seed}: a "
                           "decline must depend on the params, not the values")

@@ -109,11 +109,12 @@ class CheckResult:
 
     @property
     def no_verdict(self) -> str:
-        """Why nothing was judged (every case declined), else "": NO VERDICT, exit 4."""
-        if self.failures or self.interrupted or not len(self.rows) or not (self.rows.gate_metric == "unsupported").all():
+        """Why nothing was judged (every case declined, or not judged for want of memory), else "":
+        NO VERDICT, exit 4."""
+        if self.failures or self.interrupted or not len(self.rows) or not self.rows.gate_metric.isin(UNJUDGED).all():
             return ""
         return (f"every one of its {self.rows.case_id.nunique()} cases was declined by the implementation "
-                f"(mla_verify.unsupported): nothing was judged")
+                f"(mla_verify.unsupported) or not judged: nothing was judged")
 
     def report(self) -> str:
         """What the CLI prints at the end: PASS with the least headroom (qualified when judged in
@@ -146,6 +147,7 @@ class CheckResult:
             first = self.rows[self.rows.gate_metric == FailureKind.UNSUPPORTED].reason.iloc[0]
             lines.append(f"  {self.unsupported} of them declined by the implementation (mla_verify.unsupported), "
                          f"not checked: {first.removeprefix('unsupported: ')}")
+        lines += not_judged_lines(self.rows)
         if len(self.rows):
             lines += bias_of(self.rows).lines()
         return "\n".join(lines)
@@ -161,6 +163,21 @@ class CheckResult:
     def exit_code(self) -> int:
         """What the CLI returns: 130 interrupted, 1 a failure, 4 nothing judged, 0 a pass."""
         return 130 if self.interrupted else 4 if self.no_verdict else 0 if self.passed else 1
+
+
+# A case whose rows are only these was not judged: a run or gate unit of nothing else is NO VERDICT.
+UNJUDGED = (FailureKind.UNSUPPORTED, FailureKind.NOT_JUDGED)
+
+
+def not_judged_lines(rows) -> list[str]:
+    """The line saying how many cases the judge could not fit on the device (`FailureKind.NOT_JUDGED`):
+    counted, never failed, never silent. `rows`: a frame or a list of Row."""
+    frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame([(r.case_id, r.gate_metric, r.reason) for r in rows],
+                                                                    columns=["case_id", "gate_metric", "reason"])
+    mine = frame[frame.gate_metric == FailureKind.NOT_JUDGED] if len(frame) else frame
+    if not len(mine):
+        return []
+    return [f"  {mine.case_id.nunique()} cases not judged, {mine.reason.iloc[0].removeprefix('not judged: ')}"]
 
 
 def _headroom(rows: pd.DataFrame) -> str:
@@ -201,8 +218,9 @@ class GateOutcome:
         return ([f"note: {n}" for n in self.notes] + [f"odd one out: {line}" for line in self.odd_ones_out]
                 + [text for f, rows in self.case_files
                    for text in [f"finding saved: {f}", *rows]]
-                + [f"NO VERDICT: {unit}: every case declined by the implementation (mla_verify.unsupported)"
-                   for unit in self.no_verdict]
+                + [line.strip() for line in not_judged_lines(self.rows)]
+                + [f"NO VERDICT: {unit}: every case declined by the implementation (mla_verify.unsupported) or not "
+                   "judged" for unit in self.no_verdict]
                 + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else [])
                 + ([f"  the rest ({left} op{'s' * (left != 1)} not finished, the cases this run would have drawn "
                     f"for them): {command}"] if self.interrupted and command else []))
@@ -213,7 +231,7 @@ class GateOutcome:
         units: dict[str, bool] = {}
         for r in self.rows:
             unit = f"{r.op} {r.impl}"
-            units[unit] = units.get(unit, True) and r.gate_metric == "unsupported"
+            units[unit] = units.get(unit, True) and r.gate_metric in UNJUDGED
         return [unit for unit, nothing in units.items() if nothing]
 
     @property
