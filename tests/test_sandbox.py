@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 
 import pytest
 
@@ -14,6 +15,12 @@ from mla_verify.equivalence.sandbox.boundary import Boundary, Layer
 
 LINUX = sys.platform.startswith("linux")
 pytestmark = pytest.mark.skipif(not LINUX, reason="the sandbox's layers are Linux's")
+
+
+@pytest.fixture(autouse=True)
+def scratch_here(tmp_path, monkeypatch):
+    """The children's scratch directories under the test's own (they never reach a judge's close)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def in_child(fn):

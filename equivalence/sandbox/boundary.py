@@ -239,10 +239,17 @@ def _is_scratch(path: str) -> bool:
 
 
 def scratch_dir() -> str:
-    """A private directory for the worker's temporary files (TMPDIR points there from now on)."""
-    path = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
+    """A private directory for the worker's temporary files (TMPDIR points there from now on), named
+    for this process (`scratch_dirs` finds it again, whatever became of the worker)."""
+    path = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
     os.environ["TMPDIR"] = tempfile.tempdir = path
     return path
+
+
+def scratch_dirs(pid: int) -> list[str]:
+    """The scratch directories process `pid` made as it entered its boundary (none where it never
+    got that far), for its judge to remove once the worker is gone."""
+    return glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{SCRATCH_PREFIX}{pid}-*"))
 
 
 def enter(mode: str, device: str, protected: Iterable[int]) -> Boundary:

@@ -317,8 +317,8 @@ class _Process:
         self.sock.close()
         if self.alive is not None:
             os.close(self.alive)
-        if self.fence is not None and self.fence.scratch:
-            shutil.rmtree(self.fence.scratch, ignore_errors=True)
+        for scratch in boundary.scratch_dirs(self.proc.pid):  # a spare that never said ready made one too
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 _LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
