@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import random
+import sys
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -257,6 +258,9 @@ class _Search:
 
     def save(self, case: Case, rows: list[Row], note: str, where: Path | None = None,
              unshrunk: Case | None = None) -> Path | None:
+        """The finding saved (None where the campaign saves none): a case that cannot be saved
+        (its directory replaced by a file, a full disk) is printed whole on stderr instead, and
+        the campaign goes on to its verdict; a finding is never lost to its file."""
         c, tested = self.campaign, self.campaign.under_test
         if c.failures is None:
             return None
@@ -264,10 +268,16 @@ class _Search:
                                note=f"{note}; found by `{c.found_by()}` (profile {c.profile.name})",
                                deviations=tested.deviations, flaky=self.result.flaky, conventions=tested.conventions,
                                unshrunk=unshrunk)
-        if where is not None:
-            return casefile.save(where, cf)
-        return casefile.save_new(Path(c.failures) / "failures",
-                                 casefile.stem(c.op, tested.label or ",".join(tested.specs), case), cf)
+        try:
+            if where is not None:
+                return casefile.save(where, cf)
+            return casefile.save_new(Path(c.failures) / "failures",
+                                     casefile.stem(c.op, tested.label or ",".join(tested.specs), case), cf)
+        except OSError as exc:
+            print(f"mla-verify: the failing case could not be saved under {Path(c.failures) / 'failures'} "
+                  f"({exc.strerror or exc}); here it is whole, save it as a .json file to replay it:\n"
+                  f"{casefile.text(cf)}", file=sys.stderr, flush=True)
+            return None
 
     def evaluate(self, cases: list[Case], source: str) -> list[list[Row] | None]:
         """Each case's rows from the judge; the sink told as each call starts and returns."""
