@@ -10,12 +10,14 @@ import importlib
 import pkgutil
 from typing import Any, Callable, Mapping, Sequence
 
-from . import conventions as conventions_, ops, properties
-from .case import Case
-from .rows import Row
+from . import ops, properties
+from .cases.case import Case
+from .errors import UsageError
+from .judge import conventions as conventions_
+from .judge.rows import Row
 from .produced import Produced
 from .spec import SPECS, Spec
-from .subject import Subject, UsageError, check_declared, did_you_mean
+from .subject import Subject, check_declared, did_you_mean
 
 
 def _load() -> None:
@@ -58,7 +60,7 @@ def resolve_subject(op: str, specs: Sequence[str], device: str, deviations: Sequ
 
     `deviations` (`--deviation`) are declared for the user's callables among `specs`, on top of
     what each declares itself; naming one without a user's callable is a usage error.
-    `conventions` (`--convention KEY=VALUE`, equivalence.conventions) convert what the user's
+    `conventions` (`--convention KEY=VALUE`, equivalence.judge.conventions) convert what the user's
     callables that return an LSE return into the reference's conventions."""
     check_declared(specs, deviations)
     try:

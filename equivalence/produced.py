@@ -1,12 +1,12 @@
 """What an implementation's process hands its judge when the two are apart (an isolation worker
-and its parent): plain data, with every tensor on the host (`equivalence.wire` sends it)."""
+and its parent): plain data, with every tensor on the host (`equivalence.sandbox.wire` sends it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from .rows import Stages
+from .judge.rows import Stages
 
 
 @dataclass
@@ -22,7 +22,7 @@ class Produced:
     devices: dict[str, str] = field(default_factory=dict)
     strides: dict[str, tuple[int, ...]] = field(default_factory=dict)  # outputs returned not contiguous (the copy is)
     problems: dict[str, str] = field(default_factory=dict)
-    stages: Stages = ()  # (stage, impl) pairs (`equivalence.rows.Stages`)
+    stages: Stages = ()  # (stage, impl) pairs (`equivalence.judge.rows.Stages`)
     deviations: tuple[str, ...] = ()
     path: str | None = None
     notes: tuple[str, ...] = ()

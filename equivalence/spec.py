@@ -11,7 +11,7 @@ never what kind of thing they hold (torch's `_comparison.Pair` idea: each handle
     strategy(profile, path)     Hypothesis cases within a fuzz profile (`path`: a pipeline's path, a
                                 property's target)
     examples(profile)           the profile's fuzz budget for one campaign
-    interpreted_s(params)       the Triton interpreter's seconds for a case (`equivalence.cost`): a
+    interpreted_s(params)       the Triton interpreter's seconds for a case (`equivalence.cases.cost`): a
                                 CPU campaign of interpreted kernels draws within the profile's budget
     identity(case)              the rows' op, path, case and knob columns
     subject(specs, device, deviations)  the --impl strings resolved to what runs
@@ -48,11 +48,11 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, TYPE_CHECKING
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
 
-    from .case import Case
-    from .profiles import Profile
-    from .rows import Row
+    from .cases.case import Case
+    from .cases.profiles import Profile
+    from .cases.schema import Params
+    from .judge.rows import Row
     from .produced import Produced
-    from .schema import Params
     from .subject import Subject
 
 

@@ -9,7 +9,7 @@ stage that has one here). A callable must accept every keyword of the op's contr
 is a usage error, found before any case runs, and one with the native signature of a FlashMLA or
 vLLM function names the `mla_verify.adapters` function that wraps it.
 
-A user's callable has the documented deviations (`equivalence.policy.DEVIATIONS`) it declares in
+A user's callable has the documented deviations (`equivalence.judge.policy.DEVIATIONS`) it declares in
 its `__mla_verify_deviations__` attribute, plus those declared for it (`--deviation`,
 `deviations=`); registered implementations carry their own.
 """
@@ -28,13 +28,10 @@ from mla_verify.optimized import adapters
 from mla_verify.optimized import registry
 
 from .contracts import CONTRACTS, arguments as contract_arguments
-from .device import first_line
-from .guards import sigint_watch
-from .policy import DEVIATIONS
-
-
-class UsageError(ValueError):
-    """Bad command-line input: the CLI exits 2 with this one-line message."""
+from .errors import UsageError
+from .judge.policy import DEVIATIONS
+from .sandbox.device import first_line
+from .sandbox.guards import sigint_watch
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:
@@ -51,7 +48,7 @@ class Subject:
     deviations: tuple[str, ...] = ()
     specs: tuple[str, ...] = ()                  # the --impl strings, kept in replay files
     declared: tuple[str, ...] = ()               # --deviation names: they travel with the specs
-    conventions: tuple[str, ...] = ()            # --convention KEY=VALUE (equivalence.conventions), likewise
+    conventions: tuple[str, ...] = ()            # --convention KEY=VALUE (equivalence.judge.conventions), likewise
 
 
 def load_callable(spec: str) -> Callable:

@@ -35,11 +35,11 @@ from hypothesis import HealthCheck, Phase, example, given, seed as hypothesis_se
 from hypothesis.errors import Flaky
 from hypothesis.strategies import SearchStrategy
 
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import get_spec
-from mla_verify.equivalence.coverage import covering_set
-from mla_verify.equivalence.profiles import Profile
-from mla_verify.equivalence.rows import Row
+from mla_verify.equivalence.coverage.sets import covering_set
+from mla_verify.equivalence.cases.profiles import Profile
+from mla_verify.equivalence.judge.rows import Row
 from mla_verify.optimized import registry
 
 from . import casefile
@@ -187,7 +187,7 @@ def strategy(op: str, profile: Profile, path: str | None, world_size: int | None
 
 def first_cases(op: str, profile: Profile, path: str | None, world_size: int | None, impl_specs: tuple[str, ...],
                 device: str, seed: int) -> list[Case]:
-    """The covering set a campaign starts with (`equivalence.coverage`), held to the interpreter's
+    """The covering set a campaign starts with (`equivalence.coverage.sets`), held to the interpreter's
     budget as `strategy` holds the draws."""
     spec = get_spec(op)
     if not registry.interpreted(impl_specs, device.split(":")[0]) or profile.interpreter_s is None:

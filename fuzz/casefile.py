@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mla_verify.equivalence.case import CASE_FORMAT, Case
+from mla_verify.equivalence.cases.case import CASE_FORMAT, Case
 from mla_verify.equivalence.catalog import validate_case
-from mla_verify.equivalence.files import read_json
+from mla_verify.equivalence.sandbox.files import read_json
 
 CASE_LIMIT = 2**20  # bytes a case file may have (one is under 4 KiB)
 

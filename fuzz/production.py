@@ -5,7 +5,7 @@ and scripts/gpu_properties.py run them for every implementation.
 
 from __future__ import annotations
 
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.properties.base import PREFIX
 
 HEADS, TOPK, SM_SCALE = 128, 2048, 0.1352

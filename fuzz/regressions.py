@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
 

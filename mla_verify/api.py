@@ -32,13 +32,14 @@ import types
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
-from mla_verify.equivalence.isolation import HarnessError, Worker, default_isolation
-from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
-from mla_verify.equivalence.rows import Row
-from mla_verify.equivalence.running import Unsupported, unsupported
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.errors import HarnessError
+from mla_verify.equivalence.sandbox.worker import Worker, default_isolation
+from mla_verify.equivalence.judge.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
+from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.sandbox.calls import Unsupported, unsupported
+from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
 from mla_verify.reports.drift import compare
 from mla_verify.reports.history import history as read_history
@@ -175,9 +176,9 @@ def check(
             runs in this process, and `CheckResult.in_process` says so). timeout: seconds the
             implementation may take per case in the worker (default 300; start-up and the
             reference are not counted).
-        deviations: documented deviations (equivalence.policy) the implementation declares.
+        deviations: documented deviations (equivalence.judge.policy) the implementation declares.
         conventions: the implementation's conventions where they are not the reference's
-            (equivalence.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}
+            (equivalence.judge.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}
             or ["lse_base=2", ...]; its LSE and max_logits are converted once, as it returns them.
         path: forward_mqa's path, or a property's target. world_size: dcp's rank count (default 2).
         shrink: minimize the first failing case. parallel: independent campaigns, one per GPU,
@@ -277,7 +278,7 @@ def drift(run: str | Path | Any, baseline: str | Path | Any, *, factor: float | 
           confidence: float | None = None, min_cases: int | None = None,
           pairs: Mapping[str, str] | Sequence[str] | None = None, fail_on: str = "drifted"):
     """`reports.drift.compare` of two runs, each a run directory, a rows DataFrame or a
-    CheckResult; settings default to `equivalence.policy` (DRIFT_FACTOR, DRIFT_CONFIDENCE,
+    CheckResult; settings default to `equivalence.judge.policy` (DRIFT_FACTOR, DRIFT_CONFIDENCE,
     DRIFT_MIN_CASES). `pairs`: {NEW: OLD} or ["NEW=OLD", ...] implementation names to compare across.
     Each group reads drifted, worse, unchanged or better (`Drift.groups["word"]`); exit_code is 1 for
     drifted, and with fail_on="worse" for worse too.

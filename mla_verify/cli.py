@@ -175,7 +175,7 @@ def _confidence(text: str) -> float:
 
 
 def _add_drift(p: argparse.ArgumentParser, pair: bool = True) -> None:
-    from mla_verify.equivalence import policy
+    from mla_verify.equivalence.judge import policy
 
     p.add_argument("--factor", type=_factor, default=policy.DRIFT_FACTOR,
                    help=f"drift: a metric grew beyond this many times the baseline's (default {policy.DRIFT_FACTOR:g})")
@@ -507,11 +507,11 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ[MEMORY_ENV] = str(args.reference_memory)  # read by the reference here and in every child process
     if getattr(args, "judge", None):
-        from mla_verify.equivalence.oracle import use_judge
+        from mla_verify.equivalence.judge.oracle import use_judge
 
         use_judge(args.judge)  # read here and in every child process
-    from mla_verify.equivalence.isolation import HarnessError
-    from mla_verify.equivalence.subject import UsageError
+    from mla_verify.equivalence.errors import HarnessError
+    from mla_verify.equivalence.errors import UsageError
     from mla_verify.reports.pairing import PairingError
 
     try:
@@ -536,10 +536,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_coverage(args) -> int:
-    """`list --op OP --coverage` (equivalence.coverage.table)."""
-    from mla_verify.equivalence import coverage
-    from mla_verify.equivalence.profiles import PROFILES
-    from mla_verify.equivalence.subject import UsageError
+    """`list --op OP --coverage` (equivalence.coverage.sets.table)."""
+    from mla_verify.equivalence.coverage import sets as coverage
+    from mla_verify.equivalence.cases.profiles import PROFILES
+    from mla_verify.equivalence.errors import UsageError
 
     if args.op is None:
         raise UsageError("--coverage needs --op OP")
@@ -550,7 +550,8 @@ def _print_coverage(args) -> int:
 def cmd_list(args, device: str) -> int:
     from mla_verify import describe
     from mla_verify.equivalence import catalog
-    from mla_verify.equivalence.subject import UsageError, did_you_mean
+    from mla_verify.equivalence.errors import UsageError
+    from mla_verify.equivalence.subject import did_you_mean
     from mla_verify.optimized import registry
 
     def wrapped(text: str, first: str = "  ", rest: str = "    ") -> str:
@@ -596,7 +597,7 @@ def cmd_list(args, device: str) -> int:
 def _print_deviations() -> None:
     import textwrap
 
-    from mla_verify.equivalence.policy import DEVIATIONS
+    from mla_verify.equivalence.judge.policy import DEVIATIONS
 
     def wrapped(text: str, indent: str = "    ") -> str:
         return textwrap.fill(text, 98, initial_indent=indent, subsequent_indent=indent)
@@ -667,7 +668,7 @@ def cmd_fuzz(args, device: str) -> int:
 
 def cmd_replay(args, device: str) -> int:
     from mla_verify import api
-    from mla_verify.equivalence.mismatch import line
+    from mla_verify.equivalence.judge.mismatch import line
 
     result = api.replay(args.file, args.impl, device=device, isolate=args.isolate, timeout=args.timeout,
                         deviations=args.deviation, conventions=args.convention, log=print)

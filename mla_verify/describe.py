@@ -141,7 +141,7 @@ def _bounds_text(kind: str, case: Any, rows: int, derived: bool = False) -> str:
     """The bounds of a tensor of `kind` with `rows` rows (vectors along its last dim); `derived`:
     its reference derives per-element bounds. A bound that scales with the case says how, and
     what it comes to on this one."""
-    from mla_verify.equivalence.policy import bounds_for, limit_for
+    from mla_verify.equivalence.judge.policy import bounds_for, limit_for
 
     bounds, _ = bounds_for(kind, case)
     parts = []
@@ -163,7 +163,7 @@ def describe_op(op: str) -> list[str]:
     cases = _pinned_cases(op)
     case = _shown_case(spec, cases)
     from mla_verify.equivalence.contracts import declared, formula, returns
-    from mla_verify.equivalence.localize import dims_of
+    from mla_verify.equivalence.judge.localize import dims_of
 
     lines = [*_wrap(f"{op}: {spec.doc}", "", "  ")]
     lines += _packed([f"{text}," for text in declared(op)], "  | impl(", "  |      ")
@@ -189,7 +189,7 @@ def describe_op(op: str) -> list[str]:
         lines.append("  )")
     if spec.writes:
         lines.append(f"  writes in place: {', '.join(spec.writes)} (nothing else may change); returns None")
-    from mla_verify.equivalence.layouts import layout_line
+    from mla_verify.equivalence.cases.layouts import layout_line
 
     lines += _wrap(layout_line(op) or "inputs drawn as built (dense, or the strided views the op's case builds)",
                    "  ", "    ")
@@ -221,7 +221,7 @@ def describe_op(op: str) -> list[str]:
 def describe_property(op: str) -> list[str]:
     """A property: its targets, each check and what it holds the implementation to."""
     from mla_verify.equivalence.catalog import get_spec
-    from mla_verify.equivalence.policy import PROPERTY_RULES
+    from mla_verify.equivalence.judge.policy import PROPERTY_RULES
 
     prop = get_spec(op)
     lines = [*_wrap(f"{prop.name}: {prop.doc}", "", "  "), f"  targets (--path): {', '.join(prop.targets)}",
@@ -238,7 +238,7 @@ def describe_property(op: str) -> list[str]:
 def tolerance_lines(long: bool = False) -> list[str]:
     """Every bound of the policy, grouped by where it applies; each reason cut to the line
     (`long`: in full, wrapped). No line is wider than WIDTH."""
-    from mla_verify.equivalence.policy import all_bounds
+    from mla_verify.equivalence.judge.policy import all_bounds
 
     lines = ["tolerances: the largest value a correct implementation may show"
              + ("" if long else " (--long: the reasons in full)")]
@@ -260,7 +260,7 @@ def tolerance_lines(long: bool = False) -> list[str]:
 def drift_lines(long: bool = False) -> list[str]:
     """The drift comparison's metrics (with the floors they are raised to before any ratio) and
     its option defaults, each with its reason cut to the line (`long`: in full). At most WIDTH."""
-    from mla_verify.equivalence.policy import BIAS_METRICS, DRIFT_DEFAULTS, DRIFT_METRICS
+    from mla_verify.equivalence.judge.policy import BIAS_METRICS, DRIFT_DEFAULTS, DRIFT_METRICS
 
     def entry(head: str, reason: str) -> list[str]:
         if long:

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Mapping
 from xml.sax.saxutils import quoteattr, escape
 
-from mla_verify.equivalence.mismatch import line
-from mla_verify.equivalence.rows import Row
+from mla_verify.equivalence.judge.mismatch import line
+from mla_verify.equivalence.judge.rows import Row
 
 
 def write_junit(path: Path, rows: list[Row], suite: str = "mla-verify", replays: Mapping[str, str] | None = None) -> None:

@@ -49,7 +49,7 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     import pytest
 
-    from mla_verify.equivalence.profiles import PROFILES  # a table of numbers: no torch
+    from mla_verify.equivalence.cases.profiles import PROFILES  # a table of numbers: no torch
 
     chosen = {name: config.getoption(f"mla_verify_{name}") for name in _OPTIONS}
     if chosen["examples"] is not None and chosen["examples"] <= 0:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.errors import UsageError
 
 __all__ = ["cases"]
 
@@ -26,7 +26,7 @@ def cases(op: str, profile: str = "ci", *, path: str | None = None,
     `profile` (ci | dev | nightly | gpu); `path` picks a forward_mqa path or a property's target,
     `world_size` dcp's ranks. Every case drawn is valid by the op's contract."""
     from mla_verify.equivalence.catalog import get_spec
-    from mla_verify.equivalence.profiles import get_profile
+    from mla_verify.equivalence.cases.profiles import get_profile
 
     try:
         return get_spec(op).strategy(get_profile(profile), path, world_size)

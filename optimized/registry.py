@@ -6,7 +6,7 @@ one or more implementations, each registered with a priority: the lower, the mor
 the preference order is the priorities' and never the order modules happen to be imported in.
 Each implementation also says which devices it runs on, whether it can run here (flash_mla needs
 its wheel and an SM90/SM100 GPU), which documented deviations from the exact contract it has
-(their bounds live in `equivalence.policy`), and what a CUDA graph captures of it (`graph`).
+(their bounds live in `equivalence.judge.policy`), and what a CUDA graph captures of it (`graph`).
 
 The default on a device is the first implementation that runs there natively: one that runs only
 under an interpreter (our Triton kernels on CPU, `TRITON_INTERPRET=1`, 10-1000x slower than the

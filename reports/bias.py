@@ -1,12 +1,12 @@
 """Bias: does an implementation err the same way, case after case?
 
 Each compared tensor of a case carries signed statistics against the exact reference
-(`equivalence.metrics`: `gain`, the least-squares <a - r, r> / <r, r>, with its standard error,
+(`equivalence.judge.metrics`: `gain`, the least-squares <a - r, r> / <r, r>, with its standard error,
 and `bias_units`, the mean signed error in the tensor's rounding units). Rounding leaves them
 noise around 0; a scale folded in wrongly, a truncation or a biased exp does not, case after case.
 
 Per group (op, path, tensor, implementation, deviation) and bias metric, the cases are the
-samples (`equivalence.policy` "bias" says why): their mean with a t interval at the confidence
+samples (`equivalence.judge.policy` "bias" says why): their mean with a t interval at the confidence
 (`reports.significance.mean_interval`). A group is biased when the whole interval lies beyond
 the metric's floor: significant, and larger than the floor at that confidence. Alone that is a warning, never a failure: the exact answer is
 the reference, but a kernel may be known to lean (a declared deviation); against a baseline the
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, bias_metrics
+from mla_verify.equivalence.judge.policy import DRIFT_CONFIDENCE, bias_metrics
 from mla_verify.reports.fmt import number
 from mla_verify.reports.kinds import annotate
 from mla_verify.reports.significance import mean_interval

@@ -1,5 +1,5 @@
 """The bias section's figure: per path, each case's output gain with its interval, the baseline's
-beside the new run's. The gain and its standard error are the row's (`equivalence.metrics`); a
+beside the new run's. The gain and its standard error are the row's (`equivalence.judge.metrics`); a
 case's interval (at the report's confidence, normal) says how well the case alone pins its gain,
 and the cases' spread is what the group's t interval is made of (`reports.bias`). Drawn sorted by
 gain (paired: by the baseline's, both sides at the same place), with 0, the floor either side,
@@ -14,7 +14,7 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 
-from mla_verify.equivalence.policy import BIAS_METRICS
+from mla_verify.equivalence.judge.policy import BIAS_METRICS
 from mla_verify.reports.bias import BIASED, label
 from mla_verify.reports.document import Report
 from mla_verify.reports.drift import FLAGS, PAIRED, UNPAIRED

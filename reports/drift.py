@@ -2,7 +2,7 @@
 
 Rows of the two runs meet in groups (op, path, tensor, paired implementations, deviation; see
 `reports.pairing`), and each group is judged on the drift metrics of its tensor kind
-(`equivalence.policy.DRIFT_METRICS`: error in rounding units, |bias|, share of the bound used),
+(`equivalence.judge.policy.DRIFT_METRICS`: error in rounding units, |bias|, share of the bound used),
 every value first raised to the metric's floor so that rounding residue never makes a ratio:
 
   paired     (the group shares cases with the baseline: a run that re-drew the baseline's seed,
@@ -32,8 +32,16 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from mla_verify.equivalence.policy import (DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, WORSE_TAIL, BiasMetric,
-                                           DriftMetric, bias_metrics, drift_metrics)
+from mla_verify.equivalence.judge.policy import (
+    DRIFT_CONFIDENCE,
+    DRIFT_FACTOR,
+    DRIFT_MIN_CASES,
+    WORSE_TAIL,
+    BiasMetric,
+    DriftMetric,
+    bias_metrics,
+    drift_metrics,
+)
 from mla_verify.reports import judge
 from mla_verify.reports.bias import signed
 from mla_verify.reports.fmt import number

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from mla_verify.equivalence.policy import DRIFT_METRICS
+from mla_verify.equivalence.judge.policy import DRIFT_METRICS
 from mla_verify.reports.drift import GROUP_KEYS, PAIRED, UNPAIRED, Drift, group_label
 from mla_verify.reports.plots import _FAILED, _NORMAL, Plot, _figure, _plain_log, _png
 from mla_verify.reports.stats import quantile

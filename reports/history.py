@@ -25,9 +25,14 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mla_verify.equivalence.files import read_json
-from mla_verify.equivalence.policy import (DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, bias_metrics,
-                                           drift_metrics)
+from mla_verify.equivalence.sandbox.files import read_json
+from mla_verify.equivalence.judge.policy import (
+    DRIFT_CONFIDENCE,
+    DRIFT_FACTOR,
+    DRIFT_MIN_CASES,
+    bias_metrics,
+    drift_metrics,
+)
 from mla_verify.reports import judge
 from mla_verify.reports.drift import PAIRED, TOO_FEW, UNPAIRED, Worst, group_verdict, headline, replay_specs
 from mla_verify.reports.significance import t_quantile

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from mla_verify.equivalence.policy import BIAS_METRICS
+from mla_verify.equivalence.judge.policy import BIAS_METRICS
 from mla_verify.reports.plots import _DEVIATION, _FAILED, _NORMAL, Plot, _figure, _plain_log, _png
 from mla_verify.reports.words import DRIFTED, WORSE
 

@@ -1,11 +1,11 @@
 """Tensor kinds: which metric speaks for each compared tensor in the tables and plots.
 
-A row's kind is stored with it (`equivalence.rows`: exact, out, lse, max_logits, other; "" for a
+A row's kind is stored with it (`equivalence.judge.rows`: exact, out, lse, max_logits, other; "" for a
 row of no tensor, a case that failed as a whole, which the tables list with other). Every table
 and plot reads one number per row, its kind's key metric, so that rows of one kind compare with
 each other across paths.
 
-Drift is judged on other, normalized metrics with floors of their own (`equivalence.policy.DRIFT_METRICS`).
+Drift is judged on other, normalized metrics with floors of their own (`equivalence.judge.policy.DRIFT_METRICS`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from mla_verify.equivalence.rows import KINDS
+from mla_verify.equivalence.judge.rows import KINDS
 
-# kind (every one of equivalence.rows.KINDS) -> the column that measures its error
+# kind (every one of equivalence.judge.rows.KINDS) -> the column that measures its error
 KEY_METRIC: dict[str, str] = {
     "out": "rel_l2",
     "lse": "max_abs",

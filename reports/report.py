@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from mla_verify.equivalence.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, WORSE_TAIL
+from mla_verify.equivalence.judge.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, WORSE_TAIL
 from mla_verify.reports.bias import bias_of
 from mla_verify.reports.document import Report, Section
 from mla_verify.reports.drift import Worst, compare
@@ -24,7 +24,7 @@ from mla_verify.reports.kinds import KEY_METRIC, annotate
 from mla_verify.reports.markdown import render_markdown
 from mla_verify.reports.meta import describe, impls_differ, judged_where
 from mla_verify.reports.stats import Counts, by_group, by_knob, counts, deviation_groups, failures, run_ids
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.errors import UsageError
 from mla_verify.reports.store import load_run, run_file
 
 _KNOB_TITLES = {"topk": "topk", "heads": "query heads", "value_regime": "value regime",
@@ -89,10 +89,10 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
         judged = drift.metrics[drift.metrics["mode"] != "too few cases to judge"]
         later.append(Section(
             "drift-metrics", "Drift per metric",
-            "Every drift metric of every compared group (equivalence.policy.DRIFT_METRICS: bf16_units and "
+            "Every drift metric of every compared group (equivalence.judge.policy.DRIFT_METRICS: bf16_units and "
             "elem_bf16_units for outputs, lse_fp32_units for LSEs, abs_bias = |mean_err|, bound_use = "
             "1 / headroom). Paired: ratio is the median per-case ratio; unpaired: the p99 ratio, with the "
-            "rank test's p-value. Bias metrics (equivalence.policy.BIAS_METRICS): the means, their shift (paired: "
+            "rank test's p-value. Bias metrics (equivalence.judge.policy.BIAS_METRICS): the means, their shift (paired: "
             "the mean per-case difference; unpaired: Welch), the t interval's half-width shift_ci, its p-value "
             "and the floor. p90 ×: the p90 of the per-case ratios (unpaired: the ratio of the p90s); up / down: the "
             f"cases that moved by {WORSE_TAIL:g}x or more each way (paired only); p: the test behind the finding.", judged, limit=600, shown=metric_view(judged)))
@@ -129,7 +129,7 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
         "Per group and bias metric the mean over its cases, each case one sample: gain = <impl - ref, ref> / "
         "<ref, ref> (outputs), bias_units = the mean signed error in rounding units (bf16 ulps for outputs, fp32 "
         f"steps of the logit scale for LSEs); ci: the half-width of the t interval at {confidence:g}. Biased: the "
-        "whole interval lies beyond the floor (equivalence.policy.BIAS_METRICS).",
+        "whole interval lies beyond the floor (equivalence.judge.policy.BIAS_METRICS).",
         report.bias.table))
     report.sections += later[:2]
     for knob, table in by_knob(frame).items():

@@ -11,7 +11,7 @@ take average ranks), larger ones the normal approximation with the tie correctio
 the new cases differ from the reference at all than the old ones did?
 
 `mean_interval` and `shift_interval` are Student t intervals for signed statistics (bias: one value
-per case, `equivalence.policy.BIAS_METRICS`): the mean of one sample (or of paired differences), and
+per case, `equivalence.judge.policy.BIAS_METRICS`): the mean of one sample (or of paired differences), and
 the difference of two means by Welch's test. Cases are the samples; their means are close to normal
 well before the 60 cases a bias is looked for at, and a t interval knows how few it has.
 """

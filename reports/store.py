@@ -1,7 +1,7 @@
 """A run on disk: `rows.parquet` (typed, what `load_run` reads), `rows.csv` (for eyes and
 spreadsheets; the same values) and `meta.json` (what ran, where, with which versions).
 
-Column types follow the annotations of the stored fields (`equivalence.rows.STORED_FIELDS`), so a
+Column types follow the annotations of the stored fields (`equivalence.judge.rows.STORED_FIELDS`), so a
 run written today and one written months ago load to identical dtypes: str -> string, int -> int64,
 `int | None` -> Int64 (nullable), float (and `float | None`) -> float64 with NaN for missing,
 bool -> bool, a pipeline's `stages` -> (stage, impl) pairs (a list of {stage, impl} structs in
@@ -26,9 +26,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mla_verify.equivalence.files import read_json, read_text, regular_file
-from mla_verify.equivalence.metrics import Position
-from mla_verify.equivalence.rows import COLUMNS, STORED_FIELDS, Row, Stages
+from mla_verify.equivalence.sandbox.files import read_json, read_text, regular_file
+from mla_verify.equivalence.judge.metrics import Position
+from mla_verify.equivalence.judge.rows import COLUMNS, STORED_FIELDS, Row, Stages
 
 RUN_FORMAT = "mla-verify-run/1"
 ROWS_PARQUET = "rows.parquet"
@@ -62,7 +62,7 @@ _DEFAULTS = {f.name: f.default for f in STORED_FIELDS if f.default is not MISSIN
 
 
 def _old_kind(tensor: str, exact: bool) -> str:
-    """The kind (equivalence.rows) of a row stored before rows had one, from its tensor's name as
+    """The kind (equivalence.judge.rows) of a row stored before rows had one, from its tensor's name as
     the reports read it then: for those runs only (no kind column, or journal records without one).
     A row that failed before any comparison (missing, a broken contract) was not marked exact then:
     of an exact tensor, it reads as other."""
@@ -295,7 +295,7 @@ def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     """(rows, meta) of a run written by `write_run`: rows.parquet, or rows.csv where the parquet
     file is absent (a run copied around as text), or the journal of a run that never finished
     (meta then says "incomplete": true, as it does for a run that recorded it stopped early). Only regular files of a bounded size are read
-    (`equivalence.files`); ValueError (or OSError) with the reason otherwise."""
+    (`equivalence.sandbox.files`); ValueError (or OSError) with the reason otherwise."""
     run_dir = Path(run_dir)
     parquet, csv, journal = run_dir / ROWS_PARQUET, run_dir / ROWS_CSV, run_dir / JOURNAL
     incomplete = False

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from mla_verify.equivalence.policy import WORSE_BIAS_SHARE, WORSE_MEDIAN, WORSE_TAIL
+from mla_verify.equivalence.judge.policy import WORSE_BIAS_SHARE, WORSE_MEDIAN, WORSE_TAIL
 from mla_verify.reports.bias import judge
 from mla_verify.reports.significance import exceeds
 from mla_verify.reports.stats import quantile, quantiles

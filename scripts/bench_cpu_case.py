@@ -8,7 +8,7 @@ import sys
 
 from mla_verify.bench import bench
 from mla_verify.cli import main
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 
 
 def harness_case(batch: int, heads: int, topk: int, seq: int):

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from mla_verify import api
     from mla_verify.equivalence.catalog import resolve_subject
-    from mla_verify.equivalence.subject import UsageError
+    from mla_verify.equivalence.errors import UsageError
 
     device = api.resolve_device(args.device)
     profile = "gpu" if device.startswith("cuda") else "ci"

@@ -67,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
     from mla_verify import reports
-    from mla_verify.equivalence.case import Case
+    from mla_verify.equivalence.cases.case import Case
     from mla_verify.equivalence.catalog import evaluate, resolve_subject, specs
-    from mla_verify.equivalence.profiles import get_profile
+    from mla_verify.equivalence.cases.profiles import get_profile
     from mla_verify.fuzz.campaign import Campaign, each, fuzz
-    from mla_verify.fuzz.progress import Progress
+    from mla_verify.runs.progress import Progress
     from mla_verify.fuzz.production import production_cases
 
     profile = get_profile("gpu" if device == "cuda" else "ci")

@@ -34,7 +34,7 @@ STEP=compare; if [ -n "${PREV:-}" ] && want "$@"; then
     (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout -k 5 150 python3 -c "
 from mla_verify.bench.bench import _throughput
 from mla_verify.equivalence.catalog import resolve_subject
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.cases.profiles import get_profile
 subject, profile = resolve_subject('sparse_decode_fp8', [], 'cuda'), get_profile('gpu')
 _throughput(subject, 'cuda', profile, 16, 8)
 for isolated in (False, True):

@@ -7,7 +7,9 @@ goes to the module imported (`from a.b import c` reaches `a.b.c` when that is a 
 
 Layers, lowest first: a folder may import only folders listed before it in its own row of
 `MAY_IMPORT` (the reference shares no code with the optimized side; nothing below the CLI reaches
-up into it).
+up into it). Inside equivalence/ the wings are rooms of their own (`WINGS`): what a case is (cases/)
+knows no judge, the judge knows no kernel process, the sandbox that runs the kernel knows no spec,
+and the errors, the contracts' Protocols and the produced record are leaves every wing may read.
 
     python3 scripts/import_cycles.py            # from the repository root; tests/test_layering.py runs it
 """
@@ -21,15 +23,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"mla_verify": "mla_verify", "reference": "mla_verify.reference", "optimized": "mla_verify.optimized",
            "equivalence": "mla_verify.equivalence", "fuzz": "mla_verify.fuzz", "reports": "mla_verify.reports"}
+# equivalence/'s wings and leaves: module path under equivalence/ -> the room it counts as
+WINGS = {"cases": "equivalence/cases", "coverage": "equivalence/coverage", "judge": "equivalence/judge",
+         "sandbox": "equivalence/sandbox", "errors": "equivalence/errors", "contracts": "equivalence/contracts",
+         "produced": "equivalence/produced"}
+_LEAVES = {"equivalence/errors", "equivalence/contracts"}
 # folder -> the folders its modules may import (its own always)
 MAY_IMPORT = {
     "reference": set(),
     "optimized": set(),
-    "equivalence": {"reference", "optimized"},
-    "fuzz": {"reference", "optimized", "equivalence"},
-    "reports": {"equivalence"},
-    "mla_verify": {"reference", "optimized", "equivalence", "fuzz", "reports"},
+    "equivalence/errors": set(),
+    "equivalence/contracts": {"optimized"},
+    "equivalence/cases": {"reference", "optimized", *_LEAVES},
+    "equivalence/judge": {"reference", "optimized", "equivalence/cases", *_LEAVES},
+    "equivalence/produced": {"equivalence/judge"},
+    "equivalence/sandbox": {"optimized", "equivalence/cases", "equivalence/judge", "equivalence/produced", *_LEAVES},
+    # the specs' face (spec, catalog, subject), ops/ and properties/ put the wings together
+    "equivalence": {"reference", "optimized", "equivalence/cases", "equivalence/judge", "equivalence/sandbox",
+                    "equivalence/produced", *_LEAVES},
+    # the covering sets sit on top: they ask each spec for its features
+    "equivalence/coverage": {"reference", "optimized", "equivalence", "equivalence/cases", "equivalence/judge",
+                             *_LEAVES},
 }
+_EQUIVALENCE = {"equivalence", *WINGS.values()}
+MAY_IMPORT |= {
+    "fuzz": {"reference", "optimized", *_EQUIVALENCE},
+    "reports": _EQUIVALENCE,
+    "mla_verify": {"reference", "optimized", *_EQUIVALENCE, "fuzz", "reports"},
+}
+# The sandbox still reaches three specs' modules (issue 49, step 3 cuts them: one object that judges a
+# block prepares and judges, the worker only carries the kernel's outputs back): each is named here so
+# that no new one can join them unseen.
+PENDING = {("mla_verify.equivalence.sandbox.worker", "mla_verify.equivalence.catalog"),
+           ("mla_verify.equivalence.sandbox.worker", "mla_verify.equivalence.properties.base"),
+           ("mla_verify.equivalence.sandbox.call_guards", "mla_verify.equivalence.spec")}
 
 
 def modules() -> dict[str, tuple[Path, str]]:
@@ -41,7 +68,7 @@ def modules() -> dict[str, tuple[Path, str]]:
             if folder == "mla_verify" and parts and parts[0] in FOLDERS:
                 continue
             name = ".".join([package, *parts])
-            found[name] = (path, folder)
+            found[name] = (path, WINGS.get(parts[0], folder) if folder == "equivalence" and parts else folder)
     return found
 
 
@@ -111,7 +138,8 @@ def layering(graph: dict[str, set[str]], known: dict) -> list[str]:
     """Each import that reaches a folder its own may not import."""
     return [f"{name} imports {dep} ({known[name][1]}/ may not import {known[dep][1]}/)"
             for name, deps in sorted(graph.items()) for dep in sorted(deps)
-            if known[dep][1] != known[name][1] and known[dep][1] not in MAY_IMPORT[known[name][1]]]
+            if known[dep][1] != known[name][1] and known[dep][1] not in MAY_IMPORT[known[name][1]]
+            and (name, dep) not in PENDING]
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """What the CPU gate asks of the Triton interpreter, seed by seed, without running a case.
 
 Draws every case the gate's interpreted campaigns (the `triton` implementations on CPU) would
-draw for each seed, with the corpus, and prints the interpreter seconds `equivalence.cost`
+draw for each seed, with the corpus, and prints the interpreter seconds `equivalence.cases.cost`
 estimates for them: per gate, per property or op (the largest), and the largest cases overall.
 `--no-budget` draws as before the profile's interpreter budget existed, for comparison.
 
@@ -18,7 +18,7 @@ import dataclasses
 import io
 
 from mla_verify.equivalence import catalog
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.cases.profiles import get_profile
 from mla_verify.fuzz.campaign import Campaign, UnderTest, each, fuzz
 from mla_verify.fuzz.regressions import corpus
 

@@ -26,7 +26,7 @@ import torch
 def campaign(device: str, examples: int, block: int, sizes: list | None = None) -> tuple[int, float]:
     """The bench's in-process campaign: (cases, seconds)."""
     from mla_verify.equivalence.catalog import evaluate_block, resolve_subject
-    from mla_verify.equivalence.profiles import get_profile
+    from mla_verify.equivalence.cases.profiles import get_profile
     from mla_verify.fuzz.campaign import Campaign, fuzz
 
     subject = resolve_subject("sparse_decode_fp8", [], device)
@@ -46,7 +46,7 @@ def campaign(device: str, examples: int, block: int, sizes: list | None = None) 
 def harness(device: str, examples: int, block: int, sizes: list | None = None) -> tuple[int, float]:
     """The bench's harness case, `examples` cases in blocks of `block` (successive seeds): (cases, seconds)."""
     from mla_verify.bench.bench import harness_case
-    from mla_verify.equivalence.case import Case
+    from mla_verify.equivalence.cases.case import Case
     from mla_verify.equivalence.catalog import evaluate_block, resolve_subject
 
     case, subject = harness_case(device), resolve_subject("sparse_decode_fp8", [], device)
@@ -63,7 +63,7 @@ def harness(device: str, examples: int, block: int, sizes: list | None = None) -
 def _timers() -> dict[str, list[float]]:
     """Wrap the functions a case goes through with host-clock accumulators (no device syncs of
     their own: a function that waits on the device counts its wait): name -> [seconds, calls]."""
-    from mla_verify.equivalence import contract, guards, running
+    from mla_verify.equivalence.sandbox import call_guards, calls, guards
     from mla_verify.equivalence.catalog import get_spec
     from mla_verify.equivalence.ops import attention, base
     from mla_verify.reference import attention as ref_attention
@@ -95,8 +95,8 @@ def _timers() -> dict[str, list[float]]:
     wrap(spec, "call", "  the implementation (timed)", frozen)
     wrap(guards.Watch, "__init__", "Watch taken (a block)")
     wrap(guards.Watch, "restore", "  Watch.restore")
-    wrap(running, "timed", "  timed (syncs)")
-    wrap(contract.Snapshot, "__init__", "Snapshot taken")
+    wrap(calls, "timed", "  timed (syncs)")
+    wrap(call_guards.Snapshot, "__init__", "Snapshot taken")
     wrap(base, "changed_together", "Snapshots compared (a block)")
     wrap(guards, "owned", "owned copies")
     wrap(spec, "_verdicts", "verdicts (block)", frozen)

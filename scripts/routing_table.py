@@ -1,4 +1,4 @@
-"""How often the forward_mqa draws cross each routing boundary of the backend (equivalence.routing).
+"""How often the forward_mqa draws cross each routing boundary of the backend (equivalence.cases.routing).
 
     python3 scripts/routing_table.py [--draws 1000] [--profile gpu --profile nightly] [--seed 0]
 
@@ -18,9 +18,9 @@ def count(profile_name: str, draws: int, seed: int) -> tuple[Counter, int]:
     """(side -> draws on it, draws made) over `draws` forward_mqa batches of the profile."""
     from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
 
-    from mla_verify.equivalence.draws import forward_params
-    from mla_verify.equivalence.profiles import get_profile
-    from mla_verify.equivalence.routing import sides
+    from mla_verify.equivalence.cases.draws import forward_params
+    from mla_verify.equivalence.cases.profiles import get_profile
+    from mla_verify.equivalence.cases.routing import sides
 
     counts: Counter = Counter()
     made = [0]
@@ -39,7 +39,7 @@ def count(profile_name: str, draws: int, seed: int) -> tuple[Counter, int]:
 
 
 def table(results: dict[str, tuple[Counter, int]]) -> list[str]:
-    from mla_verify.equivalence.routing import SIDES
+    from mla_verify.equivalence.cases.routing import SIDES
 
     names = list(results)
     lines = ["| boundary | side | " + " | ".join(f"{n} ({results[n][1]} draws)" for n in names) + " |",
@@ -52,7 +52,7 @@ def table(results: dict[str, tuple[Counter, int]]) -> list[str]:
 
 
 def never_drawn(results: dict[str, tuple[Counter, int]]) -> list[str]:
-    from mla_verify.equivalence.routing import SIDES
+    from mla_verify.equivalence.cases.routing import SIDES
 
     return [f"{name}: {boundary} / {side}" for name, (counts, _) in results.items()
             for boundary, sides in SIDES.items() for side in sides if not counts[(boundary, side)]]

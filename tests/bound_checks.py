@@ -1,4 +1,4 @@
-"""Assertions of the derived error bounds (the math: mla_verify.equivalence.bounds) and the
+"""Assertions of the derived error bounds (the math: mla_verify.equivalence.judge.bounds) and the
 test-only helpers around them: which torch-fp32 stages to run, how a failure reads."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import torch
 from hypothesis import currently_in_test_context, note
 
-from mla_verify.equivalence import bounds as EB
+from mla_verify.equivalence.judge import bounds as EB
 from mla_verify.optimized import registry
 from mla_verify.optimized.kernels import interpreting
 

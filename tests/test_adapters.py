@@ -24,12 +24,13 @@ from hypothesis import given, settings, strategies as st
 from mla_verify import adapters
 from mla_verify.cli import main
 from mla_verify.equivalence import catalog
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
-from mla_verify.equivalence.draws import SEEDS as seeds, decode_params
-from mla_verify.equivalence.profiles import get_profile
-from mla_verify.equivalence.subject import UsageError, check_signature
-from mla_verify.equivalence.values import REGIMES
+from mla_verify.equivalence.cases.draws import SEEDS as seeds, decode_params
+from mla_verify.equivalence.cases.profiles import get_profile
+from mla_verify.equivalence.errors import UsageError
+from mla_verify.equivalence.subject import check_signature
+from mla_verify.equivalence.cases.values import REGIMES
 from mla_verify.fuzz import casefile
 from mla_verify.fuzz.campaign import Campaign, each, fuzz, new_seed
 from mla_verify.optimized import eager
@@ -262,7 +263,7 @@ def test_declared_bf16_dequant_passes_raw_scale_decode_cases_in_every_value_regi
 def test_declared_bf16_dequant_passes_a_peaked_row_its_rounded_logits_reweight():
     """One head, peaked values, raw scales: the bf16 keys' rounded logits reweight the row's softmax
     coherently, a mean relative error far over rounding noise from a correct kernel; the derived
-    bound holds every element (why the deviation gates no abs_mean_err: equivalence/policy.py)."""
+    bound holds every element (why the deviation gates no abs_mean_err: equivalence/judge/policy.py)."""
     params = dict(batch=1, s_q=1, heads=1, topk=64, seq_lens=[100], page_size=16, stride_pad=0, value_regime="peaked",
                   scale_rule="raw", sm_scale=0.1352, invalid=[])
     rows = evaluate(Case("sparse_decode_fp8", params, 10),
@@ -336,7 +337,7 @@ def test_replay_refuses_an_unknown_deviation(capsys, tmp_path):
 
 
 def test_list_deviations_shows_meaning_and_bounds(capsys):
-    from mla_verify.equivalence.policy import DEVIATIONS
+    from mla_verify.equivalence.judge.policy import DEVIATIONS
 
     code, text = run(capsys, "list", "--device", "cpu", "--deviations")
     section = text[text.index("deviations (declare"):]

@@ -5,7 +5,7 @@ a case's inputs are drawn without reading anything back from the device."""
 import pytest
 
 from mla_verify.bench.bench import OpCounter, stage_profile, table
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import get_spec, resolve_subject
 
 DECODE = Case("sparse_decode_fp8", {"batch": 3, "s_q": 2, "heads": 16, "topk": 128, "seq_lens": [300, 1, 70], "page_size": 16,

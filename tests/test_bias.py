@@ -17,8 +17,8 @@ import torch
 
 from mla_verify import api, reports
 from mla_verify.cli import main
-from mla_verify.equivalence import metrics
-from mla_verify.equivalence.policy import BIAS_METRICS
+from mla_verify.equivalence.judge import metrics
+from mla_verify.equivalence.judge.policy import BIAS_METRICS
 from mla_verify.reports.bias import BIASED, bias_of
 from mla_verify.reports.drift import DRIFT, IMPROVED, PAIRED, UNPAIRED, compare
 from mla_verify.reports.significance import mean_interval, shift_interval, t_quantile, t_two_sided

@@ -9,11 +9,11 @@ import math
 
 import pytest
 
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, evaluate_block, get_spec, resolve_subject
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.cases.profiles import get_profile
 from mla_verify.fuzz.campaign import Campaign, UnderTest, fuzz
-from mla_verify.fuzz.progress import Progress
+from mla_verify.runs.progress import Progress
 
 DECODE = {"batch": 3, "s_q": 2, "heads": 16, "topk": 128, "seq_lens": [300, 1, 70], "page_size": 16, "stride_pad": 1,
           "value_regime": "normal", "scale_rule": "raw", "sm_scale": 0.1, "invalid": ["scattered", "whole_row"]}
@@ -144,7 +144,7 @@ def test_blocks_count_cases_and_call_on_call_once_a_case():
 
 
 def test_an_isolated_block_is_judged_in_the_parent_as_in_process():
-    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.equivalence.sandbox.worker import Worker
 
     subject = resolve_subject("sparse_decode_fp8", [KERNEL], "cpu")
     cases = [Case("sparse_decode_fp8", DECODE, seed) for seed in range(11, 15)]
@@ -162,7 +162,7 @@ def test_an_isolated_block_is_judged_in_the_parent_as_in_process():
 def test_an_isolated_block_with_crashed_cases_judges_the_others_against_the_answer_computed_meanwhile():
     """The parent answers the block while the worker produces it: the cases that crashed keep their
     row, and each of the others is judged against its own answer, as alone."""
-    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.equivalence.sandbox.worker import Worker
 
     impl = "tests.impls.some_seeds:dies_every_second_call"
     subject = resolve_subject("sparse_decode_fp8", [impl], "cpu")
@@ -250,7 +250,7 @@ def test_a_block_of_many_parts_evaluated_in_process_holds_no_earlier_part(monkey
 def test_the_judge_answering_meanwhile_keeps_the_callers_reference_memory_limit():
     """The answer computed on the parent's other thread holds to the caller's `memory_limit` (a
     thread starts with an empty context): too small a budget fails there as in this thread."""
-    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.equivalence.sandbox.worker import Worker
     from mla_verify.reference import memory_limit
 
     subject = resolve_subject("sparse_decode_fp8", ["torch-fp32"], "cpu")
@@ -288,7 +288,7 @@ def test_a_judge_name_patched_in_a_block_fails_every_case_called_and_is_put_back
 def test_a_call_that_loses_the_device_ends_its_block_there(monkeypatch):
     """In this process a CUDA error leaves the context unusable: the block stops at that case (its
     rows are its last), the cases after it are not run and those before it not judged (None)."""
-    from mla_verify.equivalence import device as dev
+    from mla_verify.equivalence.sandbox import device as dev
 
     subject = resolve_subject("sparse_decode_fp8", [KERNEL], "cpu")
     cases = [Case("sparse_decode_fp8", DECODE, seed) for seed in range(11, 16)]

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 
 from mla_verify.equivalence import catalog
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.cases.profiles import get_profile
 from mla_verify.fuzz.campaign import Campaign, each, fuzz
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills, split_prefill_chunks
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_verify.equivalence import wire
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.sandbox import wire
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
-from mla_verify.equivalence.isolation import Worker
+from mla_verify.equivalence.sandbox.worker import Worker
 from tests.hostile import BOUNDARY
 from tests.test_hostile import CASES, REPO, run, saved_case
 
@@ -217,7 +217,7 @@ def test_out_is_ours_alone(capsys, tmp_path, out):
     assert code == 2 and "which no run writes" in text and len(text.strip().splitlines()) == 1
     assert not (where / "rows.csv").exists() and not (where / "meta.json").exists()
     from mla_verify import check
-    from mla_verify.equivalence.subject import UsageError
+    from mla_verify.equivalence.errors import UsageError
 
     with pytest.raises(UsageError, match="which no run writes"):
         check("convert_index", examples=1, device="cpu", out=where)

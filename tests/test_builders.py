@@ -1,4 +1,4 @@
-"""Input builder versions (equivalence.builders): a saved case replays with the builder that made
+"""Input builder versions (equivalence.cases.builders): a saved case replays with the builder that made
 it, byte for byte, forever. Each op's tensors from a version-1 case (a file from before versions:
 no `inputs` field) and a version-2 case are pinned by digest on the CPU; new draws take the current
 version; version 2 keeps what the draws must cover (poison where no valid entry reads, distinct
@@ -11,9 +11,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from mla_verify.equivalence import builders, catalog
-from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.cases import builders
+from mla_verify.equivalence import catalog
+from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.cases.profiles import get_profile
 from mla_verify.fuzz import casefile
 
 CASES = {

@@ -167,7 +167,7 @@ def test_fuzz_help_shows_defaults_and_explains_junit(capsys):
 
 @pytest.mark.parametrize("long", [False, True])
 def test_list_fits_100_columns_and_long_gives_the_full_reasons(capsys, long):
-    from mla_verify.equivalence.policy import LSE_BOUNDS
+    from mla_verify.equivalence.judge.policy import LSE_BOUNDS
 
     code, text = run(capsys, "list", "--device", "cpu", "--tolerances", "--deviations", *["--long"] * long)
     assert code == 0
@@ -238,7 +238,7 @@ def test_list_op_of_a_property_shows_each_check_and_what_it_is_held_to(capsys):
 
 
 def test_fuzz_help_names_every_forward_mqa_path(capsys):
-    from mla_verify.equivalence.draws import FORWARD_PATHS
+    from mla_verify.equivalence.cases.draws import FORWARD_PATHS
 
     assert main(["fuzz", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text

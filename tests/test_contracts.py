@@ -6,7 +6,8 @@ import re
 import pytest
 
 from mla_verify.equivalence import catalog, contracts
-from mla_verify.equivalence.subject import UsageError, check_signature
+from mla_verify.equivalence.errors import UsageError
+from mla_verify.equivalence.subject import check_signature
 
 
 def test_every_op_has_one_contract_and_takes_its_keywords_from_it():

@@ -9,10 +9,10 @@ import pytest
 
 from mla_verify import api
 from mla_verify.cli import main
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
-from mla_verify.equivalence.conventions import Declared, parse
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.judge.conventions import Declared, parse
+from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
 
 PREFILL = "tests.impls.conventions:prefill_base2"

@@ -13,8 +13,8 @@ import pytest
 
 import mla_verify
 from mla_verify.runs.corpus import Corpus, summary
-from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
 from mla_verify.reports import load_run
 from mla_verify.reports.stats import counts

@@ -1,4 +1,4 @@
-"""The covering sets (equivalence.coverage): each profile's first cases hit every feature an op
+"""The covering sets (equivalence.coverage.sets): each profile's first cases hit every feature an op
 lists, as their built tensors show; a campaign runs them first; a feature is read from tensors,
 not claimed by params."""
 
@@ -10,14 +10,14 @@ import torch
 
 from mla_verify import reference
 from mla_verify.reference.fp8_ds_mla import unpack_fp8_ds_mla
-from mla_verify.equivalence import coverage
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.coverage import sets as coverage
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, names, resolve_subject
-from mla_verify.equivalence.features import DEGENERATE
-from mla_verify.equivalence.params import WORLD_SIZES
-from mla_verify.equivalence.policy import Numerics
-from mla_verify.equivalence.profiles import PROFILES, get_profile
-from mla_verify.equivalence.values import REGIMES, q_values
+from mla_verify.equivalence.coverage.features import DEGENERATE
+from mla_verify.equivalence.cases.params import WORLD_SIZES
+from mla_verify.equivalence.cases.numerics import Numerics
+from mla_verify.equivalence.cases.profiles import PROFILES, get_profile
+from mla_verify.equivalence.cases.values import REGIMES, q_values
 from mla_verify.fuzz.campaign import Campaign, each, first_cases, fuzz
 
 SINGLE = sorted({op for op, path in coverage.covered() if op != "forward_mqa"})

@@ -15,9 +15,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from mla_verify.cli import main
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.cases.profiles import get_profile
 from mla_verify.fuzz.campaign import Campaign, each, fuzz, new_seed
 from mla_verify.fuzz.production import production_cases
 from tests.hostile import GRAPH
@@ -107,7 +107,7 @@ def test_flash_mla_and_triton_replay_bitwise_at_production_shapes_and_the_gpu_pr
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", GRAPH, ids=[h.impl.split(":")[1] for h in GRAPH])
 def test_a_graph_unsafe_kernel_fails_its_case_and_the_next_one_passes(h):
-    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.equivalence.sandbox.worker import Worker
 
     target = h.impl.split("=")[0]
     worker = Worker("cuda", timeout_s=60.0)
@@ -183,7 +183,7 @@ def test_the_judge_holds_each_replay_to_the_eager_answer_it_was_sent_with():
     import threading
     import time
 
-    from mla_verify.equivalence import wire
+    from mla_verify.equivalence.sandbox import wire
     from mla_verify.equivalence.produced import Produced
     from mla_verify.equivalence.properties.base import Compared
     from mla_verify.equivalence.properties.cuda_graph import FORMS, _outputs, _stacked

@@ -1,7 +1,7 @@
 """Real multi-rank DCP: gloo rank processes against the single-process reference, the zoo of
 broken rank bodies the per-rank comparison must catch, the group's timeouts, and the CLI.
 
-Every case runs in a group of rank processes (`equivalence.distributed`) with a 60 s deadline per
+Every case runs in a group of rank processes (`equivalence.ops.dcp_ranks`) with a 60 s deadline per
 case: a hung collective fails the case instead of hanging the suite. Groups are shared across the
 module's tests (starting one costs seconds on two cores) and closed at its end.
 """
@@ -14,11 +14,12 @@ import torch
 from hypothesis import given, strategies as st
 
 from mla_verify import cli, reference
-from mla_verify.equivalence import coverage, distributed
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.coverage import sets as coverage
+from mla_verify.equivalence.ops import dcp_ranks
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
-from mla_verify.equivalence.params import DcpParams
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.cases.params import DcpParams
+from mla_verify.equivalence.cases.profiles import get_profile
 from mla_verify.fuzz import casefile
 from mla_verify.fuzz.campaign import Campaign, each, fuzz, new_seed
 from mla_verify.fuzz.regressions import corpus
@@ -37,10 +38,10 @@ FOUR_RANKS = [Case("dcp", dict(BATCH, heads=16, dcp_size=4, interleave=i, combin
 
 @pytest.fixture(scope="module", autouse=True)
 def rank_groups():
-    distributed.set_timeout(CASE_TIMEOUT_S)
+    dcp_ranks.set_timeout(CASE_TIMEOUT_S)
     yield
-    distributed.close_all()
-    distributed.set_timeout(distributed.DEFAULT_TIMEOUT_S)
+    dcp_ranks.close_all()
+    dcp_ranks.set_timeout(dcp_ranks.DEFAULT_TIMEOUT_S)
 
 
 def run(case: Case, impl: str | None = None):
@@ -52,7 +53,7 @@ def failing(rows) -> set[str]:
 
 
 def assert_every_rank_passes(rows, world_size: int) -> None:
-    expected = {f"{name}_rank{r}" for r in range(world_size) for name in distributed.RANK_TENSORS}
+    expected = {f"{name}_rank{r}" for r in range(world_size) for name in dcp_ranks.RANK_TENSORS}
     assert {r.tensor for r in rows} == expected, [r.reason for r in rows if r.tensor == "*"]
     assert not failing(rows), [(r.tensor, r.reason) for r in rows if not r.passed]
 
@@ -100,7 +101,7 @@ ZOO = [
 
 
 def test_the_covering_set_passes_and_catches_every_broken_rank_body():
-    """The campaign's first cases (equivalence.coverage) at the world size it runs: every rank of
+    """The campaign's first cases (equivalence.coverage.sets) at the world size it runs: every rank of
     ours passes them, and each broken rank body fails one of them."""
     cases = coverage.covering_set("dcp", get_profile("ci"), 5, world_size=2)
     assert cases and {c.params["dcp_size"] for c in cases} == {2}
@@ -121,10 +122,10 @@ def test_broken_rank_bodies_are_caught(bug, case, caught_in):
 
 @pytest.mark.parametrize("bug, what", [("last_rank_hangs", ("hung", "raised")), ("last_rank_dies", ("died",))])
 def test_a_hung_or_dead_rank_fails_the_case_and_the_group_is_killed(bug, what):
-    group = distributed.RankGroup(2, "cpu", timeout_s=6.0)
+    group = dcp_ranks.RankGroup(2, "cpu", timeout_s=6.0)
     try:
         started = time.monotonic()
-        with pytest.raises(distributed.RankFailure) as failure:
+        with pytest.raises(dcp_ranks.RankFailure) as failure:
             group.run(DcpParams.of(AG_RS.params), AG_RS.seed, [f"tests.zoo.dcp_ranks:{bug}"])
         print(f"{bug}: {failure.value} after {time.monotonic() - started:.1f} s")
         assert any(w in str(failure.value) for w in what)
@@ -178,10 +179,10 @@ def gpu_case(world: int, combine: str, interleave: int) -> Case:
 
 
 def run_on_gpus(world: int, backend: str) -> None:
-    assert distributed.placement(world, "cuda").backend == backend
+    assert dcp_ranks.placement(world, "cuda").backend == backend
     for case in (gpu_case(world, "ag_rs", 1), gpu_case(world, "a2a", 64)):
         rows = evaluate(case, resolve_subject("dcp", [], "cuda"), "cuda")
-        for line in distributed.worst_by_rank(rows):
+        for line in dcp_ranks.worst_by_rank(rows):
             print(f"{backend} {world} ranks {case.params['combine']}: {line}")
         assert_every_rank_passes(rows, world)
 

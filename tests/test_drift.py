@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from mla_verify import api
 from mla_verify.cli import main
-from mla_verify.equivalence.policy import DRIFT_MIN_CASES
+from mla_verify.equivalence.judge.policy import DRIFT_MIN_CASES
 from mla_verify.reports import rows_frame, write_run
 from mla_verify.reports.drift import IMPROVED, NOT_BITWISE, PAIRED, TOO_FEW, UNPAIRED, compare
 from mla_verify.reports.pairing import NothingComparable
@@ -299,7 +299,7 @@ def test_gate_baseline_reruns_its_cases_and_reports_paired(tmp_path, capsys):
 def test_the_worst_drifted_case_keeps_what_its_run_declared(tmp_path):
     """A fuzz run records its declared deviations and conventions (meta.json); the case that
     drifted most is saved with them, and its replay command names them."""
-    from mla_verify.equivalence.case import Case
+    from mla_verify.equivalence.cases.case import Case
     from mla_verify.fuzz import casefile
     from mla_verify.reports.drift import Worst
 

@@ -1,6 +1,6 @@
 """optimized/eager/ op by op: the exact ops (cache bytes, index conversion, workspace gather,
 query concat) bit for bit against the reference; the prefill op with sinks, topk_length and every
-invalid-index form within the fp32 model of mla_verify.equivalence.bounds; the merge on junk; input checks.
+invalid-index form within the fp32 model of mla_verify.equivalence.judge.bounds; the merge on junk; input checks.
 Every output is allocated poisoned, so an unwritten element shows."""
 
 import math
@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
-from mla_verify.equivalence.values import REGIMES, kv_values, q_values
+from mla_verify.equivalence.cases.values import REGIMES, kv_values, q_values
 from mla_verify.optimized import buffers, eager as E, spec_decode
 from mla_verify.optimized.validation import InputError
-from mla_verify.equivalence.bounds import ErrorModel, fp32_merge_bounds
+from mla_verify.equivalence.judge.bounds import ErrorModel, fp32_merge_bounds
 from tests.bound_checks import check_against_reference
 
 seeds = st.integers(0, 2**31 - 1)

@@ -6,11 +6,12 @@ import json
 import pytest
 import torch
 
-from mla_verify.equivalence import metrics as M
-from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.isolation import Worker
-from mla_verify.equivalence.oracle import judge
-from mla_verify.equivalence.policy import DEVIATIONS, EXACT, LSE, OUT, Numerics, bounds_for
+from mla_verify.equivalence.judge import metrics as M
+from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.sandbox.worker import Worker
+from mla_verify.equivalence.judge.oracle import judge
+from mla_verify.equivalence.judge.policy import DEVIATIONS, EXACT, LSE, OUT, bounds_for
+from mla_verify.equivalence.cases.numerics import Numerics
 from mla_verify.fuzz import casefile
 
 
@@ -129,7 +130,7 @@ def test_a_crashing_or_hanging_implementation_fails_its_case_and_the_worker_is_r
 def test_snapshot_catches_every_single_byte_change(nbytes):
     """Inputs are compared as the widest words that tile their storage: one changed byte anywhere
     (inside the view or in the padding around it), by any amount, is still a changed input."""
-    from mla_verify.equivalence.contract import Snapshot
+    from mla_verify.equivalence.sandbox.call_guards import Snapshot
 
     storage = torch.arange(nbytes, dtype=torch.uint8)
     view = storage[1:-1]  # bytes outside the view count too

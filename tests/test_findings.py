@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import mla_verify
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.fuzz import casefile
 from mla_verify.reports import load_run
 from mla_verify.reports.stats import counts

@@ -1,4 +1,4 @@
-"""The fused judge (equivalence.fused_judge) against the eager one, its reference: the same rows
+"""The fused judge (equivalence.judge.fused) against the eager one, its reference: the same rows
 and verdicts over the bug zoo, the hostile set and the gate's corpus, on the CPU with Triton
 interpreted (and on a GPU compiled: `pytest -m gpu`). Each case is evaluated once and each of its
 checks judged by both judges: the same verdict, gated metric, deviation, reason, counts and
@@ -11,10 +11,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from mla_verify.equivalence import catalog, fused_judge, metrics, oracle
+from mla_verify.equivalence import catalog
+from mla_verify.equivalence.judge import fused as fused_judge, metrics, oracle
 from mla_verify.equivalence.ops import base
-from mla_verify.equivalence.policy import OUT, Numerics
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.judge.policy import OUT
+from mla_verify.equivalence.cases.numerics import Numerics
+from mla_verify.equivalence.cases.profiles import get_profile
 from mla_verify.fuzz.regressions import corpus
 from tests.hostile import CPU as HOSTILE
 from tests.zoo import ZOO

@@ -5,7 +5,7 @@ import pytest
 
 from mla_verify.equivalence.catalog import get_spec
 from mla_verify.equivalence.properties.stress import RUNS, interleaving
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.errors import UsageError
 
 
 def test_stress_is_skipped_on_cpu_with_its_reason():

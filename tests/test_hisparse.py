@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 import mla_verify
 from mla_verify import reference
 from mla_verify.equivalence.catalog import get_spec
-from mla_verify.equivalence.hisparse_batch import make_hisparse_batch
-from mla_verify.equivalence.params import ForwardParams
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.cases.hisparse_batch import make_hisparse_batch
+from mla_verify.equivalence.cases.params import ForwardParams
+from mla_verify.equivalence.cases.profiles import get_profile
 from mla_verify.optimized import eager
 from mla_verify.optimized.index_group import IndexGroup
 from mla_verify.optimized.kernels import indices as triton_indices

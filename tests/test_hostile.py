@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mla_verify.cli import main
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
 from tests.hostile import CPU
 
@@ -63,7 +63,7 @@ def test_each_hostile_kernel_fails_its_case_with_its_reason(h):
 
 @pytest.fixture(scope="module")
 def worker():
-    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.equivalence.sandbox.worker import Worker
 
     w = Worker("cpu", timeout_s=3.0)
     yield w
@@ -139,7 +139,7 @@ def test_python_and_numpy_generators_are_seeded_from_the_case_so_replays_agree(i
 
 
 def test_start_up_and_imports_never_count_against_a_case():
-    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.equivalence.sandbox.worker import Worker
 
     worker = Worker("cpu", timeout_s=1.0)  # tests.hostile.slow_start takes 3 s to import
     try:
@@ -282,7 +282,7 @@ def test_every_case_a_profile_draws_is_within_its_op_schema():
     from hypothesis import HealthCheck, given, settings
 
     from mla_verify.equivalence.catalog import specs, validate_case
-    from mla_verify.equivalence.profiles import PROFILES
+    from mla_verify.equivalence.cases.profiles import PROFILES
 
     for profile in PROFILES.values():
         for spec in specs():

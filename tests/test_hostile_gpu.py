@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from tests.hostile import CUDA
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ def case(op: str, tokens: int) -> Case:
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", CUDA, ids=[h.impl.split(":")[1] for h in CUDA])
 def test_a_kernel_that_kills_or_hangs_the_context_fails_its_case_and_the_next_one_passes(h):
-    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.equivalence.sandbox.worker import Worker
 
     worker = Worker("cuda", timeout_s=10.0)
     try:
@@ -57,7 +57,7 @@ def test_without_isolation_a_cuda_error_ends_the_campaign_with_the_case_saved(tm
 def test_the_cpu_zoo_fails_isolated_on_the_gpu_where_the_parent_judges():
     """Every kernel of tests/hostile/cpu.py on CUDA inputs in a CUDA worker: the worker calls it,
     the parent builds the reference on the GPU and judges (mkldnn is a CPU layout: not here)."""
-    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.equivalence.sandbox.worker import Worker
     from tests.hostile import CPU
     from tests.test_hostile import CASES
 

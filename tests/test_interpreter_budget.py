@@ -6,11 +6,12 @@ import io
 
 import pytest
 
-from mla_verify.equivalence import catalog, cost
-from mla_verify.equivalence.params import ForwardParams, PrefillParams
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence import catalog
+from mla_verify.equivalence.cases import cost
+from mla_verify.equivalence.cases.params import ForwardParams, PrefillParams
+from mla_verify.equivalence.cases.profiles import get_profile
 from mla_verify.fuzz.campaign import Campaign, UnderTest, each, fuzz
-from mla_verify.fuzz.progress import Progress
+from mla_verify.runs.progress import Progress
 
 CI = get_profile("ci")
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from mla_verify.bench.bench import OpCounter
-from mla_verify.equivalence.metrics import Metrics
-from mla_verify.equivalence.oracle import judge, judge_many
-from mla_verify.equivalence.policy import EXACT, LSE, OUT, Numerics
+from mla_verify.equivalence.judge.metrics import Metrics
+from mla_verify.equivalence.judge.oracle import judge, judge_many
+from mla_verify.equivalence.judge.policy import EXACT, LSE, OUT
+from mla_verify.equivalence.cases.numerics import Numerics
 
 SHAPES = {OUT: [(3, 4, 64), (5, 32), (0, 16)], LSE: [(3, 4), (7,), (0, 5)]}
 CLOSE = {OUT: 2**-12, LSE: 2**-26}  # a relative error well within the bounds (LSE: ~1 fp32 step of its scale)

@@ -1,4 +1,4 @@
-"""Input layouts at op level (equivalence.layouts): each op's inputs in every layout its contract
+"""Input layouts at op level (equivalence.cases.layouts): each op's inputs in every layout its contract
 allows hold the same values, show the layout in their strides and offsets, pass every
 implementation here, and catch a kernel assuming them dense; a saved case without a layout builds
 as before."""
@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from mla_verify.describe import describe_op
-from mla_verify.equivalence import coverage, layouts
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.coverage import sets as coverage
+from mla_verify.equivalence.cases import layouts
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, inputs, resolve_subject
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.cases.profiles import get_profile
 
 LAID_OUT = sorted(set(layouts.ALLOWED) - {"sparse_prefill", "sparse_decode_fp8"})  # those two: tests/test_coverage.py
 

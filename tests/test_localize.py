@@ -7,11 +7,11 @@ import re
 import pytest
 import torch
 
-from mla_verify.equivalence import localize, mismatch
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.judge import localize, mismatch
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
-from mla_verify.equivalence.policy import EXACT, bounds_for
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.judge.policy import EXACT, bounds_for
+from mla_verify.equivalence.cases.profiles import get_profile
 from mla_verify.fuzz.campaign import Campaign, each, fuzz
 from mla_verify.fuzz.regressions import corpus
 
@@ -218,7 +218,7 @@ def test_a_failure_no_stage_repeats_says_every_stage_matches():
 
 
 def test_isolated_the_worker_sends_the_stage_calls_and_the_parent_judges_them():
-    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.equivalence.sandbox.worker import Worker
 
     case = Case("forward_mqa", {**BASE, **PATHS["fp8_separate"]}, 1)
     worker = Worker("cpu", timeout_s=120)
@@ -250,8 +250,8 @@ def test_the_minimized_tile_case_still_names_the_tiles():
 
 
 def test_stage_calls_cross_the_wire_as_data_only():
-    from mla_verify.equivalence import wire
-    from mla_verify.equivalence.policy import DEVIATIONS
+    from mla_verify.equivalence.sandbox import wire
+    from mla_verify.equivalence.judge.policy import DEVIATIONS
 
     t = torch.arange(6, dtype=torch.int32).reshape(2, 3)
     call = dict(stage="convert_index", impl="mine", deviations=(), rank=None,

@@ -12,11 +12,12 @@ import torch
 
 from mla_verify import api
 from mla_verify.cli import main
-from mla_verify.equivalence import mismatch
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.judge import mismatch
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
-from mla_verify.equivalence.oracle import judge
-from mla_verify.equivalence.policy import EXACT, LSE, OUT, Numerics
+from mla_verify.equivalence.judge.oracle import judge
+from mla_verify.equivalence.judge.policy import EXACT, LSE, OUT
+from mla_verify.equivalence.cases.numerics import Numerics
 
 
 def test_an_output_failure_counts_the_elements_and_shows_the_worst_one():

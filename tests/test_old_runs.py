@@ -83,7 +83,7 @@ def test_rows_carry_their_rank_check_and_written_input_as_fields(old):
     """What the names "out_rank1", "merged.out" and "input:kv" said is a field of the row now (nothing
     parses the names back); the old rows load with the fields' defaults."""
     from mla_verify.equivalence.catalog import evaluate, resolve_subject
-    from mla_verify.equivalence.profiles import get_profile
+    from mla_verify.equivalence.cases.profiles import get_profile
     from mla_verify.fuzz.campaign import Campaign, each, fuzz
 
     def rows_of(op, specs, examples=1):

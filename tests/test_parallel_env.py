@@ -4,7 +4,7 @@ and each part its share of the host's cores as torch threads."""
 from types import SimpleNamespace
 
 from mla_verify.runs import parts as parallel
-from mla_verify.equivalence.device import GPU_SHARE_ENV
+from mla_verify.equivalence.sandbox.device import GPU_SHARE_ENV
 
 
 def _env(monkeypatch, parts, gpus, user_threads=None, device="cuda"):

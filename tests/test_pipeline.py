@@ -1,6 +1,6 @@
 """The optimized pipeline with its float32 eager stages against the float64 reference, every path:
 bf16 / fp8_mixed / fp8_separate, DCP merged over ranks, and stage overrides and fallbacks.
-Tolerances: the fp32 error model of `mla_verify.equivalence.bounds` (section 2)."""
+Tolerances: the fp32 error model of `mla_verify.equivalence.judge.bounds` (section 2)."""
 
 import math
 
@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
-from mla_verify.equivalence.batch import make_batch
-from mla_verify.equivalence.params import ForwardParams
-from mla_verify.equivalence.patterns import FORWARD_PATTERNS
-from mla_verify.equivalence.bounds import ErrorModel
-from mla_verify.equivalence.values import REGIMES
+from mla_verify.equivalence.cases.batch import make_batch
+from mla_verify.equivalence.cases.params import ForwardParams
+from mla_verify.equivalence.cases.patterns import FORWARD_PATTERNS
+from mla_verify.equivalence.judge.bounds import ErrorModel
+from mla_verify.equivalence.cases.values import REGIMES
 from mla_verify.optimized import buffers, forward_mqa, forward_mqa_dcp, needed_stages, registry
 from tests.bound_checks import check_against_reference, fp32_stages
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, currently_in_test_context, given, note, sett
 
 from mla_verify.cli import main
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject, specs
-from mla_verify.equivalence.profiles import Profile, get_profile
+from mla_verify.equivalence.cases.profiles import Profile, get_profile
 from mla_verify.fuzz.campaign import Campaign, each, fuzz, new_seed
 from mla_verify.fuzz.production import production_cases
 from mla_verify.optimized import registry
@@ -114,7 +114,7 @@ def test_property_catches_a_broken_implementation(name, target, impl, checks):
 
 
 def test_the_split_kv_deviation_is_declared_and_relaxes_only_batch_structure_checks():
-    from mla_verify.equivalence.policy import EXACT, OUT, property_bounds
+    from mla_verify.equivalence.judge.policy import EXACT, OUT, property_bounds
 
     decodes = {i.name: i.deviations for i in registry.implementations("sparse_decode_fp8")}
     assert "split_kv" in decodes["flash_mla"] and "split_kv" in decodes["triton"]

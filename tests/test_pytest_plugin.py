@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.cases.profiles import get_profile
 
 USER_TESTS = '''
 import mla_verify

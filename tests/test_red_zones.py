@@ -6,7 +6,7 @@ import math
 import torch
 
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.optimized import buffers
 
 

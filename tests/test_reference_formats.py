@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
-from mla_verify.equivalence.values import REGIMES, kv_values
+from mla_verify.equivalence.cases.values import REGIMES, kv_values
 from mla_verify.reference import fp8_ds_mla as F8, nvfp4_ds_mla as F4
 
 seeds = st.integers(0, 2**31 - 1)

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
-from mla_verify.equivalence.batch import make_batch
-from mla_verify.equivalence.params import ForwardParams
+from mla_verify.equivalence.cases.batch import make_batch
+from mla_verify.equivalence.cases.params import ForwardParams
 from mla_verify.reference import metadata as M
 
 seeds = st.integers(0, 2**31 - 1)

@@ -9,8 +9,8 @@ import torch
 
 import mla_verify.reference.hisparse as H
 from mla_verify import reference
-from mla_verify.equivalence.hisparse_batch import make_hisparse_batch
-from mla_verify.equivalence.params import ForwardParams
+from mla_verify.equivalence.cases.hisparse_batch import make_hisparse_batch
+from mla_verify.equivalence.cases.params import ForwardParams
 
 
 def _params(cache_dtype, qlens, frac, **extra):

@@ -24,8 +24,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mla_verify.equivalence.metrics import Metrics
-from mla_verify.equivalence.rows import COLUMNS, KINDS, Row
+from mla_verify.equivalence.judge.metrics import Metrics
+from mla_verify.equivalence.judge.rows import COLUMNS, KINDS, Row
 from mla_verify.reports import (build_report, collect_meta, finish_meta, load_run, render_html,
                      render_markdown, rows_frame, run_report, terminal_summary, write_run)
 from mla_verify.reports.kinds import annotate

@@ -1,4 +1,4 @@
-"""The routing boundaries of the backend (equivalence.routing): each side named for batches built
+"""The routing boundaries of the backend (equivalence.cases.routing): each side named for batches built
 by hand from the spec's examples, and every side drawn by forward_mqa's draws at the gpu and
 nightly profiles (scripts/routing_table.py: docs/scope.md's table, the same 1000 draws)."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_verify.equivalence.routing import SIDES, sides
+from mla_verify.equivalence.cases.routing import SIDES, sides
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = dict(cache_dtype="fp8_ds_mla", heads=64, topk=2048, arch="sm90", max_decode_query_len=1, dcp_size=1,

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_verify.equivalence import segment, wire
-from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.isolation import Worker
+from mla_verify.equivalence.sandbox import segment, wire
+from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.sandbox.worker import Worker
 from tests.test_hostile import CASES
 
 QUANTIZE = Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 3)

@@ -126,7 +126,7 @@ def test_a_failing_shard_fails_the_merge_and_its_saved_cases_come_along(capsys, 
 
 
 def test_the_parts_of_a_shard_are_its_slots_and_travel_to_their_process_whole(tmp_path):
-    from mla_verify.equivalence.profiles import get_profile
+    from mla_verify.equivalence.cases.profiles import get_profile
     from mla_verify.runs.plan import FUZZ, GATE, Run
 
     fuzz = Run(FUZZ, ("convert_index",), "cpu", get_profile("ci"), 7, 11, False, 300.0, shard=Shard(1, 2), parts=2,

@@ -67,7 +67,7 @@ def test_the_interpreter_prints_no_runtime_warnings():
 
 
 def test_junit_replay_commands_come_from_the_saved_case_files(tmp_path):
-    from mla_verify.equivalence.case import Case
+    from mla_verify.equivalence.cases.case import Case
     from mla_verify.fuzz import casefile
     from mla_verify.junit import saved_replays
 
@@ -94,8 +94,8 @@ def test_pickling_a_params_class_is_not_a_patch_of_the_judge():
     params for the rank processes caches the class's slot names, which is Python, not the kernel."""
     import copyreg
 
-    from mla_verify.equivalence.guards import JudgeFunctions
-    from mla_verify.equivalence.params import DcpParams
+    from mla_verify.equivalence.sandbox.guards import JudgeFunctions
+    from mla_verify.equivalence.cases.params import DcpParams
 
     if "__slotnames__" in DcpParams.__dict__:
         delattr(DcpParams, "__slotnames__")
@@ -103,7 +103,7 @@ def test_pickling_a_params_class_is_not_a_patch_of_the_judge():
     copyreg._slotnames(DcpParams)  # what pickle.dumps of an instance does first
     assert saved.restore() == []
     DcpParams.evil = 1
-    assert saved.restore() == ["mla_verify.equivalence.params.DcpParams.evil"] and not hasattr(DcpParams, "evil")
+    assert saved.restore() == ["mla_verify.equivalence.cases.params.DcpParams.evil"] and not hasattr(DcpParams, "evil")
 
 
 def test_a_kept_watch_puts_back_each_calls_change_and_watches_judge_modules_imported_later(monkeypatch):
@@ -115,8 +115,8 @@ def test_a_kept_watch_puts_back_each_calls_change_and_watches_judge_modules_impo
 
     import torch
 
-    from mla_verify.equivalence import guards
-    from mla_verify.equivalence.running import Raised, call_implementation
+    from mla_verify.equivalence.sandbox import guards
+    from mla_verify.equivalence.sandbox.calls import Raised, call_implementation
 
     def patches():
         torch.sub = lambda *a, **k: None

@@ -1,7 +1,7 @@
 """The sparse attention kernels (Triton; FlashMLA on a GPU) against the float64 reference.
 
 Each kernel output is held element by element to the bound derived from the arithmetic the kernel
-does (`mla_verify.equivalence.bounds`, section 1: bf16 P, fp32 accumulation, the bf16 output
+does (`mla_verify.equivalence.judge.bounds`, section 1: bf16 P, fp32 accumulation, the bf16 output
 rounding, subnormal floors, the rows' own rounding from non-power-of-two scales), so a pass means
 "within what fp32/bf16 arithmetic can explain" and not "close enough". u = 2^-24 under the
 interpreter (IEEE fp32 dots); 2^-23 on a GPU. Exact contracts (empty rows, +-inf / NaN patterns,
@@ -19,10 +19,10 @@ from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
 from mla_verify.equivalence import catalog
-from mla_verify.equivalence.bounds import DEQUANT_REL
-from mla_verify.equivalence.params import DECODE_PATTERNS
-from mla_verify.equivalence.patterns import PATTERNS
-from mla_verify.equivalence.values import REGIMES as VALUE_REGIMES, kv_values, q_values
+from mla_verify.equivalence.judge.bounds import DEQUANT_REL
+from mla_verify.equivalence.cases.params import DECODE_PATTERNS
+from mla_verify.equivalence.cases.patterns import PATTERNS
+from mla_verify.equivalence.cases.values import REGIMES as VALUE_REGIMES, kv_values, q_values
 from mla_verify.optimized import buffers, flashmla, registry
 from mla_verify.optimized.kernels import sparse_decode as triton_decode
 from mla_verify.optimized.kernels import sparse_prefill as triton_prefill
@@ -34,7 +34,7 @@ SEEDS = st.integers(0, 2**31 - 1)
 HEADS = st.sampled_from([1, 8, 16, 64])
 REGIMES = st.sampled_from(VALUE_REGIMES)
 SM_SCALES = st.sampled_from([576**-0.5, 0.5, 0.1352])  # FlashMLA's tests, and DeepSeek's 192^-0.5 * mscale^2
-# The ops' params (equivalence.params PrefillParams, DecodeParams): every invalid-index pattern each allows.
+# The ops' params (equivalence.cases.params PrefillParams, DecodeParams): every invalid-index pattern each allows.
 PREFILL_INVALID = st.lists(st.sampled_from(PATTERNS), max_size=3, unique=True)
 DECODE_INVALID = st.lists(st.sampled_from(DECODE_PATTERNS), max_size=3, unique=True)
 # The launch switches that change the kernel's code (addressing, the L2 prefetch of a later

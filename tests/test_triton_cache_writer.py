@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from mla_verify import reference as R
-from mla_verify.equivalence.values import kv_values
+from mla_verify.equivalence.cases.values import kv_values
 from mla_verify.optimized.kernels import launch
 from mla_verify.optimized.kernels.cache_writer import dequantize_fp8_ds_mla, quantize_fp8_ds_mla, write_fp8_ds_mla_cache
 from mla_verify.optimized.validation import InputError

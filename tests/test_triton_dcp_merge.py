@@ -1,5 +1,5 @@
 """Our Triton DCP merge kernels (dcp_merge, dcp_lse_correct) against the reference, held to the
-rounding bound of mla_verify.equivalence.bounds (section 3), and their refusal of bad inputs.
+rounding bound of mla_verify.equivalence.judge.bounds (section 3), and their refusal of bad inputs.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from mla_verify import reference as R
-from mla_verify.equivalence.bounds import dcp_merge_bounds
+from mla_verify.equivalence.judge.bounds import dcp_merge_bounds
 from mla_verify.optimized.kernels.dcp_merge import dcp_lse_correct, dcp_merge
 from tests.triton_glue_helpers import (  # noqa: F401  (no_launch: a fixture)
     DEVICE, _expect_refusal, _gen, assert_same_bits, no_launch, poisoned_outputs, seeds,
 )
 
 
-# The merge is held to the rounding bound of mla_verify.equivalence.bounds (section 3).
+# The merge is held to the rounding bound of mla_verify.equivalence.judge.bounds (section 3).
 
 _EMPTINESS = ("none", "some", "junk", "all")
 

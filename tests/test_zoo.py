@@ -1,7 +1,7 @@
 """The oracle catches every bug of the zoo within a campaign of the `ci` profile (the gate's) and
 of `dev` (fuzz's default on CPU), at the profile's own budget of examples.
 
-Each campaign starts with the op's covering set (equivalence.coverage), then draws at random; each
+Each campaign starts with the op's covering set (equivalence.coverage.sets), then draws at random; each
 zoo member is fuzzed with a fresh, printed seed until the first discrepancy; the session summary
 prints the zoo's score and the examples each bug took to be found.
 """
@@ -11,7 +11,7 @@ import statistics
 import pytest
 
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
-from mla_verify.equivalence.profiles import get_profile
+from mla_verify.equivalence.cases.profiles import get_profile
 from mla_verify.fuzz.campaign import Campaign, each, fuzz, new_seed
 from tests.zoo import ZOO
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import note, strategies as st
 
-from mla_verify.equivalence.values import REGIMES, kv_values
+from mla_verify.equivalence.cases.values import REGIMES, kv_values
 from mla_verify.optimized import buffers
 from mla_verify.optimized.kernels import cache_writer, concat, dcp_merge as merge_kernels, gather, indices
 from mla_verify.optimized.validation import InputError

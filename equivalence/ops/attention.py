@@ -15,16 +15,16 @@ import torch
 from hypothesis import strategies as st
 
 from mla_verify import reference
-from mla_verify.equivalence.contract import returned
-from mla_verify.equivalence.patterns import apply_patterns, distinct_rows
-from mla_verify.equivalence import bounds
-from mla_verify.equivalence.policy import DEVIATIONS, LSE, OUT
-from mla_verify.equivalence.values import fill_selected_slots, kv_values, q_values
+from mla_verify.equivalence.sandbox.call_guards import returned
+from mla_verify.equivalence.cases.patterns import apply_patterns, distinct_rows
+from mla_verify.equivalence.judge import bounds
+from mla_verify.equivalence.judge.policy import DEVIATIONS, LSE, OUT
+from mla_verify.equivalence.cases.values import fill_selected_slots, kv_values, q_values
 
-from ..builders import permutation
-from ..draws import decode_params, prefill_params
-from ..layouts import LAYOUTS, relayout
-from ..params import DecodeParams, PrefillParams
+from ..cases.builders import permutation
+from ..cases.draws import decode_params, prefill_params
+from ..cases.layouts import LAYOUTS, relayout
+from ..cases.params import DecodeParams, PrefillParams
 from ..spec import register
 from .base import BoundKey, Check, ImplOutput, OpSpec
 from .common import generator, host_values, knobs, rand, randint
@@ -140,7 +140,7 @@ def _nan_sources(*explainers):
 
 
 def _elem_bounds(res, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, torch.Tensor]:
-    """The derived per-element bounds (equivalence.bounds) of out, lse and max_logits from a
+    """The derived per-element bounds (equivalence.judge.bounds) of out, lse and max_logits from a
     reference result with its magnitudes: BoundKey("NAME_bound"), and BoundKey("NAME_bound",
     DEVIATION) for each deviation whose kernels round the rows (DEQUANT_REL) and that applies to the case. `lse_of`
     lays an [.., H, ..] result out as the output's [..., H]; its inverse is a transpose as well."""

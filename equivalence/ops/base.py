@@ -17,21 +17,33 @@ from hypothesis import strategies as st
 
 from mla_verify.optimized import registry
 
-from .. import cost, device as dev, guards
-from ..builders import stamped
-from ..case import Case
-from ..draws import SEEDS
-from ..contract import Snapshot, changed_together, output_problem, tensors_in
+from ..cases import cost
+from ..cases.builders import stamped
+from ..cases.case import Case
+from ..cases.draws import SEEDS
+from ..cases.profiles import Profile
 from ..contracts import arguments as contract_arguments
-from ..localize import Axes, axes_for
-from ..oracle import judge_many
+from ..judge.localize import Axes, axes_for
+from ..judge.oracle import judge_many
+from ..judge.rows import Row, Stages
 from ..produced import Produced
-from ..profiles import Profile
-from ..rows import Row, Stages
-from ..running import (Raised, after_return_rows, call_implementation, failure_row, input_rows, judged_row, noted,
-                       patched_error, raised_row, timed)
-from ..schema import Params
-from ..subject import Subject, UsageError, implementation
+from ..sandbox import device as dev, guards
+from ..sandbox.call_guards import Snapshot, changed_together, output_problem, tensors_in
+from ..sandbox.calls import (
+    Raised,
+    after_return_rows,
+    call_implementation,
+    failure_row,
+    input_rows,
+    judged_row,
+    noted,
+    patched_error,
+    raised_row,
+    timed,
+)
+from ..cases.schema import Params
+from ..errors import UsageError
+from ..subject import Subject, implementation
 
 
 BLOCK_BYTES = 4 << 30  # the inputs of a block's cases held at once (their snapshots as much again)
@@ -41,7 +53,7 @@ JUDGE_BYTES, JUDGE_BYTES_PER_ELEMENT = 2 << 30, 96
 
 
 class BoundKey(NamedTuple):
-    """Where a reference keeps a tensor of derived per-element bounds (equivalence.bounds): the
+    """Where a reference keeps a tensor of derived per-element bounds (equivalence.judge.bounds): the
     bound's name (a check's `bound`) and the deviation whose rounding it allows ("" for none)."""
 
     name: str
@@ -57,8 +69,8 @@ class Check:
     single_rank: bool = False  # one DCP rank's pre-combine partial: held to the bounds without DCP
     dtype: torch.dtype | None = None  # the contract's dtype (None: the reference's, for exact tensors)
     contiguous: bool = False   # the contract asks for a dense tensor (a later kernel reads it so)
-    row_kind: str | None = None  # its rows' kind (equivalence.rows) where not the policy kind's own
-    # the name of the reference's tensors of derived per-element bounds (equivalence.bounds), kept
+    row_kind: str | None = None  # its rows' kind (equivalence.judge.rows) where not the policy kind's own
+    # the name of the reference's tensors of derived per-element bounds (equivalence.judge.bounds), kept
     # under BoundKey(bound, deviation): held to elem_bound_ratio <= 1
     bound: str | None = None
     rank: int | None = None    # the DCP rank whose tensor it is (its rows say so)
@@ -149,7 +161,7 @@ class OpSpec:
         return profile.examples
 
     def interpreted_s(self, params: Params) -> float:
-        """The Triton interpreter's seconds for a case (equivalence.cost)."""
+        """The Triton interpreter's seconds for a case (equivalence.cases.cost)."""
         return cost.interpreted_s(params)
 
     def identity(self, case: Case, params: Params | None = None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..schema import Params
+from ..cases.schema import Params
 from .base import ImplOutput
 
 
@@ -46,6 +46,6 @@ KNOBS = ("topk", "heads", "block_size", "dcp_size", "cache_dtype", "scale_rule",
 
 
 def knobs(params: Params, **derived: Any) -> dict[str, Any]:
-    """The report's knob columns (equivalence.rows): the params' fields of those names, plus
+    """The report's knob columns (equivalence.judge.rows): the params' fields of those names, plus
     `derived` values; a column the op has no field for stays empty."""
     return {**{k: getattr(params, k) for k in KNOBS if hasattr(params, k)}, **derived}

@@ -1,5 +1,5 @@
 """The DCP ops: `dcp_merge`, the combine alone (per-rank partials merged by log-sum-exp, AG+RS
-semantics), and `dcp`, the whole protocol run by real rank processes (`equivalence.distributed`)."""
+semantics), and `dcp`, the whole protocol run by real rank processes (`equivalence.ops.dcp_ranks`)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import torch
 from hypothesis import strategies as st
 
 from mla_verify import reference
-from mla_verify.equivalence import bounds
-from mla_verify.equivalence.batch import make_batch
-from mla_verify.equivalence.contract import returned
-from mla_verify.equivalence.policy import LSE, OUT
+from mla_verify.equivalence.judge import bounds
+from mla_verify.equivalence.cases.batch import make_batch
+from mla_verify.equivalence.sandbox.call_guards import returned
+from mla_verify.equivalence.judge.policy import LSE, OUT
 
-from ..draws import batch_params, merge_params
-from ..layouts import LAYOUTS, drawn, relayout
-from ..profiles import Profile
-from ..params import COMBINES, WORLD_SIZES, DcpParams
-from ..schema import HEADS, Flag, Int, OneOf, Params, Real, param
+from ..cases.draws import batch_params, merge_params
+from ..cases.layouts import LAYOUTS, drawn, relayout
+from ..cases.params import COMBINES, WORLD_SIZES, DcpParams
+from ..cases.profiles import Profile
+from ..cases.schema import HEADS, Flag, Int, OneOf, Params, Real, param
 from ..spec import register
 from .base import BoundKey, Check, ImplOutput, OpSpec
 from .common import generator, knobs, rand
@@ -35,7 +35,7 @@ class MergeParams(Params):
     heads: int = param(HEADS)
     empty_frac: float = param(Real(0, 1), 0.0)  # partials of ranks owning none of a token's keys
     junk: bool = param(Flag(), False)           # undefined partials (NaN or +inf LSE) the combine must drop
-    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of outs and lses (equivalence.layouts)
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of outs and lses (equivalence.cases.layouts)
 
     def elements(self) -> int:
         return self.ranks * self.tokens * self.heads * 1026
@@ -61,7 +61,7 @@ def _merge_inputs(p: MergeParams, seed: int, device: str) -> dict:
 
 def _merge_reference(kw, p):
     out, lse = reference.dcp_merge(kw["outs"], kw["lses"])
-    # The derived per-element bounds (equivalence.bounds section 3): a merge of bf16 per-rank terms
+    # The derived per-element bounds (equivalence.judge.bounds section 3): a merge of bf16 per-rank terms
     # (upstream's) and an fp32 one both sit within them.
     out_bound, lse_bound = bounds.dcp_merge_bounds(kw["outs"], kw["lses"], out, lse)
     return {"out": out, "lse": lse, "logit_l1": torch.zeros_like(lse), BoundKey("out_bound"): out_bound,
@@ -135,9 +135,9 @@ def _dcp_reference(kw, p):
 
 
 def _dcp_call(subject, kw, p) -> ImplOutput:
-    from mla_verify.equivalence import distributed  # starts processes: only when a case runs
+    from mla_verify.equivalence.ops import dcp_ranks  # starts processes: only when a case runs
 
-    group = distributed.group_for(p.dcp_size, kw["device"].split(":")[0])
+    group = dcp_ranks.group_for(p.dcp_size, kw["device"].split(":")[0])
     answers = group.run(p, kw["seed"], subject.specs, subject.declared)
     tensors = {f"{name}_rank{r}": t for r, a in enumerate(answers) for name, t in a["tensors"].items()}
     first = answers[0]

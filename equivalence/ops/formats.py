@@ -8,14 +8,14 @@ import torch
 from hypothesis import strategies as st
 
 from mla_verify import reference
-from mla_verify.equivalence.policy import EXACT
-from mla_verify.equivalence.values import kv_values
+from mla_verify.equivalence.judge.policy import EXACT
+from mla_verify.equivalence.cases.values import kv_values
 
-from ..draws import regimes, scale_rules
-from ..layouts import LAYOUTS, drawn, relayout
-from ..profiles import Profile
-from ..params import REGIME, SCALE_RULE
-from ..schema import BLOCK, Int, OneOf, PAD, Params, Real, param
+from ..cases.draws import regimes, scale_rules
+from ..cases.layouts import LAYOUTS, drawn, relayout
+from ..cases.params import REGIME, SCALE_RULE
+from ..cases.profiles import Profile
+from ..cases.schema import BLOCK, Int, OneOf, PAD, Params, Real, param
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, rand, single
@@ -28,7 +28,7 @@ class CodecParams(Params):
     n: int = param(Int(1, 2**22))
     value_regime: str = param(REGIME)
     scale_rule: str = param(SCALE_RULE)
-    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of the input rows (equivalence.layouts)
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of the input rows (equivalence.cases.layouts)
 
     def elements(self) -> int:
         return self.n * 1232
@@ -96,7 +96,7 @@ class WriterParams(Params):
     scale_rule: str = param(SCALE_RULE)
     stride_pad: int = param(PAD, 0)      # slots between blocks past the block size (poisoned)
     skip_frac: float = param(Real(0, 1), 0.0)
-    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of kv and slot_mapping (equivalence.layouts)
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of kv and slot_mapping (equivalence.cases.layouts)
 
     def elements(self) -> int:
         return self.num_blocks * (self.block_size + self.stride_pad) * 1312 + self.n * 577

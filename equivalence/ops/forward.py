@@ -1,5 +1,5 @@
 """forward_mqa end to end: the project's pipeline (or a user's stage / whole replacement) against
-the reference's, on batches from `equivalence.batch`; under DCP every rank runs and the partials
+the reference's, on batches from `equivalence.cases.batch`; under DCP every rank runs and the partials
 are merged, against the reference's exact merge."""
 
 from __future__ import annotations
@@ -8,22 +8,22 @@ import torch
 from hypothesis import strategies as st
 
 from mla_verify import reference
-from mla_verify.equivalence.batch import make_batch
-from mla_verify.equivalence.contract import guarded
-from mla_verify.equivalence.guards import owned
-from mla_verify.equivalence.hisparse_batch import make_hisparse_batch
-from mla_verify.equivalence.policy import LSE, OUT
+from mla_verify.equivalence.cases.batch import make_batch
+from mla_verify.equivalence.sandbox.call_guards import guarded
+from mla_verify.equivalence.sandbox.guards import owned
+from mla_verify.equivalence.cases.hisparse_batch import make_hisparse_batch
+from mla_verify.equivalence.judge.policy import LSE, OUT
 from mla_verify.optimized import registry
 from mla_verify.optimized.validation import InputError
 
-from ..draws import FORWARD_PATHS, HISPARSE_PATHS, forward_params, hisparse_params
-from ..profiles import Profile
-from ..params import ForwardParams
+from ..cases.draws import FORWARD_PATHS, HISPARSE_PATHS, forward_params, hisparse_params
+from ..cases.params import ForwardParams
+from ..cases.profiles import Profile
 from ..spec import register
-from ..stages import recorded
 from .base import Check, ImplOutput
 from .common import knobs
 from .pipeline import PipelineSpec
+from .stages import recorded
 
 
 def _path_params(p: Profile, path: str) -> st.SearchStrategy[dict]:

@@ -8,15 +8,15 @@ import torch
 from hypothesis import strategies as st
 
 from mla_verify import reference
-from mla_verify.equivalence.contract import returned
-from mla_verify.equivalence.patterns import apply_patterns, distinct_rows, prefix_candidates
-from mla_verify.equivalence.policy import EXACT
+from mla_verify.equivalence.sandbox.call_guards import returned
+from mla_verify.equivalence.cases.patterns import apply_patterns, distinct_rows, prefix_candidates
+from mla_verify.equivalence.judge.policy import EXACT
 
-from ..draws import dcp_index_params, patterns
-from ..layouts import LAYOUTS, drawn, relayout
-from ..patterns import PATTERNS
-from ..profiles import Profile
-from ..schema import BLOCK, REQUESTS, TOPK, Flag, Int, OneOf, Params, SubsetOf, param
+from ..cases.draws import dcp_index_params, patterns
+from ..cases.layouts import LAYOUTS, drawn, relayout
+from ..cases.patterns import PATTERNS
+from ..cases.profiles import Profile
+from ..cases.schema import BLOCK, REQUESTS, TOPK, Flag, Int, OneOf, Params, SubsetOf, param
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, randint
@@ -32,7 +32,7 @@ class IndexParams(Params):
     topk: int = param(TOPK)
     block_size: int = param(BLOCK)
     invalid: tuple[str, ...] = param(SubsetOf(*PATTERNS), ())
-    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of the inputs that may take one (equivalence.layouts)
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of the inputs that may take one (equivalence.cases.layouts)
 
     @property
     def ranks(self) -> int:

@@ -8,13 +8,13 @@ import torch
 from hypothesis import strategies as st
 
 from mla_verify import reference
-from mla_verify.equivalence.contract import ContractError
-from mla_verify.equivalence.policy import EXACT
-from mla_verify.equivalence.values import q_values
+from mla_verify.equivalence.errors import ContractError
+from mla_verify.equivalence.judge.policy import EXACT
+from mla_verify.equivalence.cases.values import q_values
 
-from ..layouts import LAYOUTS, drawn, relayout
-from ..profiles import Profile
-from ..schema import HEADS, Flag, Int, Ints, OneOf, Params, param
+from ..cases.layouts import LAYOUTS, drawn, relayout
+from ..cases.profiles import Profile
+from ..cases.schema import HEADS, Flag, Int, Ints, OneOf, Params, param
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs, single
@@ -107,7 +107,7 @@ class SpecReshapeParams(Params):
     s: int = param(Int(1, 64))
     heads: int = param(HEADS)
     four_d: bool = param(Flag(), True)
-    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of the input (equivalence.layouts)
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of the input (equivalence.cases.layouts)
 
     def elements(self) -> int:
         return self.num_decodes * self.s * self.heads * 1152

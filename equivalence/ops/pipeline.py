@@ -15,20 +15,21 @@ from hypothesis import strategies as st
 
 from mla_verify.optimized import registry
 
-from .. import stages
-from ..builders import stamped
-from ..case import Case
-from ..draws import SEEDS
+from ..cases.builders import stamped
+from ..cases.case import Case
+from ..cases.draws import SEEDS
+from ..cases.profiles import Profile
+from ..errors import UsageError
 from ..produced import Produced
-from ..profiles import Profile
-from ..running import Raised, call_implementation
-from ..subject import Subject, UsageError, pipeline_subject
+from ..sandbox.calls import Raised, call_implementation
+from ..subject import Subject, pipeline_subject
+from . import stages
 from .base import OpSpec
 
 # On a GPU a pipeline is checked twice: with the preferred stages (flash_mla attention) and with
 # our Triton attention kernels in their place.
 VARIANTS = {"pipeline": (), "pipeline[triton attention]": ("sparse_prefill=triton", "sparse_decode_fp8=triton")}
-# A failing case is run again stage by stage (`equivalence.stages`) in process, except for a re-run
+# A failing case is run again stage by stage (`equivalence.ops.stages`) in process, except for a re-run
 # (it only asks whether the failure repeats); an isolation worker records the stages only of the
 # cases a run reports (a shrink step's, whose last is the minimized case, or a replay's): it cannot
 # know which of its cases fail, and recording every case would run each three times.
@@ -45,7 +46,7 @@ class PipelineSpec(OpSpec):
     own_campaigns: tuple[str, ...] = ()    # paths the gate fuzzes apart: the unrestricted draw never takes them
     draw_path: Callable[[Profile, str], st.SearchStrategy[dict]] | None = None
     draw_ranks: Callable[[Profile, int], st.SearchStrategy[dict]] | None = None
-    traced: Callable[[Any], bool] = lambda params: True  # whether its stages are recorded (`equivalence.stages`)
+    traced: Callable[[Any], bool] = lambda params: True  # whether its stages are recorded (`equivalence.ops.stages`)
 
     def strategy(self, profile: Profile, path: str | None = None, world_size: int | None = None) -> st.SearchStrategy[Case]:
         if path is not None:
@@ -80,7 +81,7 @@ class PipelineSpec(OpSpec):
     def evaluate_block(self, cases: Sequence[Case], subject: Subject, device: str = "cpu", *, source: str = "fuzz",
                        **kwargs: Any) -> list[list]:
         """`OpSpec.evaluate_block`, each failing case then told the first stage whose output
-        differs (`equivalence.stages`)."""
+        differs (`equivalence.ops.stages`)."""
         found = super().evaluate_block(cases, subject, device, source=source, **kwargs)
         if source in UNTRACED or not self._traces(subject, cases[0]):
             return found

@@ -8,15 +8,15 @@ import torch
 from hypothesis import strategies as st
 
 from mla_verify import reference
-from mla_verify.equivalence.policy import EXACT
-from mla_verify.equivalence.values import pooled_rows
+from mla_verify.equivalence.judge.policy import EXACT
+from mla_verify.equivalence.cases.values import pooled_rows
 from mla_verify.reference.paged_cache import scatter_rows
 
-from ..draws import regimes, scale_rules
-from ..layouts import LAYOUTS, drawn, relayout
-from ..profiles import Profile
-from ..params import REGIME, SCALE_RULE
-from ..schema import BLOCK, PAD, SEQ_LENS, Flag, Int, OneOf, Params, blocks, param
+from ..cases.draws import regimes, scale_rules
+from ..cases.layouts import LAYOUTS, drawn, relayout
+from ..cases.params import REGIME, SCALE_RULE
+from ..cases.profiles import Profile
+from ..cases.schema import BLOCK, PAD, SEQ_LENS, Flag, Int, OneOf, Params, blocks, param
 from ..spec import register
 from .base import Check, ImplOutput, OpSpec
 from .common import generator, knobs
@@ -35,7 +35,7 @@ class GatherParams(Params):
     stride_pad: int = param(PAD, 0)
     table_pad: int = param(Int(0, 64), 0)     # block-table columns past the longest request
     shuffle: bool = param(Flag(), True)       # blocks in random order
-    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of block_table and workspace_starts (equivalence.layouts)
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of block_table and workspace_starts (equivalence.cases.layouts)
 
     def elements(self) -> int:
         return (blocks(self.seq_lens, self.block_size) * (self.block_size + self.stride_pad) * 656

@@ -11,6 +11,6 @@ A property case is a Case with op "property:NAME" and params {"target": TARGET, 
 is what runs (a stage such as "sparse_decode_fp8", or "forward_mqa", the pipeline), the rest its
 base problem (the op's own params, see equivalence.ops) and the property's knobs. Its rows have
 op "property", path NAME and tensor "CHECK.TENSOR" (e.g. "wider_k.out"); each check's bound is
-`equivalence.policy.PROPERTY_RULES["NAME.CHECK"]`: exact where the kernels promise identical bits,
+`equivalence.judge.policy.PROPERTY_RULES["NAME.CHECK"]`: exact where the kernels promise identical bits,
 a rounding bound elsewhere, and a declared deviation's bound where a kernel documents why not.
 """

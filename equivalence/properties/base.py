@@ -2,7 +2,7 @@
 how its rows are made.
 
 As in `ops.base`, the implementation runs on poisoned outputs with seeded generators and may
-raise (a failure of the case, one row); every stage call is guarded (`equivalence.contract`:
+raise (a failure of the case, one row); every stage call is guarded (`equivalence.sandbox.call_guards`:
 inputs read-only, no output aliasing an input); the problems are built before it runs, so a
 harness error stays ours. `mismatch_frac` of a property row is the fraction of elements that
 differ bit for bit, whatever the bound (0: the property held bitwise); float64 answers (a merge)
@@ -24,19 +24,21 @@ from hypothesis import strategies as st
 
 from mla_verify.optimized import registry
 
-from .. import cost, metrics as M, mismatch
-from ..case import Case
-from ..draws import SEEDS
-from ..contract import Snapshot, guarded
-from ..oracle import measure, verdict
-from ..rows import Row, Stages
-from ..policy import EXACT, property_bounds
+from ..cases import cost
+from ..cases.case import Case
+from ..cases.draws import SEEDS
+from ..cases.profiles import Profile
+from ..cases.schema import OneOf, Params, param
+from ..errors import UsageError
+from ..judge import metrics as M, mismatch
+from ..judge.oracle import measure, verdict
+from ..judge.policy import EXACT, property_bounds
+from ..judge.rows import Row, Stages
 from ..produced import Produced
-from ..profiles import Profile
-from ..running import Raised, call_implementation, input_rows, judged_row, raised_row
-from ..schema import OneOf, Params, param
+from ..sandbox.call_guards import Snapshot, guarded
+from ..sandbox.calls import Raised, call_implementation, input_rows, judged_row, raised_row
 from ..spec import SPECS
-from ..subject import Subject, UsageError, stage_overrides
+from ..subject import Subject, stage_overrides
 
 PREFIX = "property:"
 
@@ -66,7 +68,7 @@ class Target:
     check: Callable[[Inputs, Any, registry.Resolved], list[Compared]]
     knobs: Callable[[Any], dict[str, Any]]       # the rows' knob columns
     draw: Callable[[Profile], st.SearchStrategy[dict]]  # the base problem plus the property's knobs
-    runs: Callable[[Any], int] = lambda p: 2     # times the check runs the base problem's work (equivalence.cost)
+    runs: Callable[[Any], int] = lambda p: 2     # times the check runs the base problem's work (equivalence.cases.cost)
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ class PropertySpec:
         return profile.property_examples
 
     def interpreted_s(self, params: Params) -> float:
-        """The Triton interpreter's seconds for a case (equivalence.cost): its check's runs of the base problem."""
+        """The Triton interpreter's seconds for a case (equivalence.cases.cost): its check's runs of the base problem."""
         return cost.interpreted_s(params, self.target(params).runs(params))
 
     def identity(self, case: Case, params: Params | None = None) -> dict[str, Any]:

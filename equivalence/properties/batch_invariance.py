@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from mla_verify.equivalence.batch import make_batch
+from mla_verify.equivalence.cases.batch import make_batch
 
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
-from ..draws import decode_params, forward_params
-from ..profiles import Profile
-from ..params import ForwardParams
-from ..schema import Ints, param
+from ..cases.draws import decode_params, forward_params
+from ..cases.params import ForwardParams
+from ..cases.profiles import Profile
+from ..cases.schema import Ints, param
 from ..spec import register
 from .base import PropertySpec, Target
 from .common import (

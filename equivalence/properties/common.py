@@ -1,7 +1,7 @@
 """What the properties share: base problems, the stages called in token-major form, the logit
 scale of LSE rows, and the rewrites of top-k rows.
 
-Base problems come from the ops' own input builders (equivalence.ops, equivalence.batch): rows
+Base problems come from the ops' own input builders (equivalence.ops, equivalence.cases.batch): rows
 and cache slots no valid index selects are poisoned with NaN, invalid entries take every form the
 contract allows. A property's rewrites of them draw from `rewrite_generator(seed)`, a stream apart
 from the base problem's, and happen before any implementation runs.
@@ -13,14 +13,14 @@ from typing import Any, Mapping
 
 import torch
 
-from mla_verify.equivalence.batch import Batch
-from mla_verify.equivalence.policy import LSE, OUT
+from mla_verify.equivalence.cases.batch import Batch
+from mla_verify.equivalence.judge.policy import LSE, OUT
 from mla_verify.optimized import pipeline
 from mla_verify.optimized.registry import Resolved
 from mla_verify.reference.attention import cache_row_values
 
+from ..cases.params import DecodeParams, ForwardParams, PrefillParams
 from ..ops.attention import SPARSE_DECODE_FP8, SPARSE_PREFILL
-from ..params import DecodeParams, ForwardParams, PrefillParams
 from ..ops.forward import FORWARD_MQA
 from .base import Compared
 

@@ -30,23 +30,25 @@ from typing import Any, Callable, Sequence
 import torch
 from hypothesis import strategies as st
 
-from mla_verify.equivalence.batch import make_batch
+from mla_verify.equivalence.cases.batch import make_batch
 from mla_verify.optimized import registry
 from mla_verify.optimized.metadata import req_id_per_token
 
-from .. import mismatch
-from ..case import Case
-from ..contract import ContractError, Snapshot, guarded, output_problem, returned
-from ..device import first_line
-from ..draws import SEEDS, decode_params, forward_params, prefill_params
-from ..oracle import judge, measure, verdict
-from ..policy import EXACT, property_bounds
+from ..cases.case import Case
+from ..cases.draws import SEEDS, decode_params, forward_params, prefill_params
+from ..cases.schema import Ints, param
+from ..errors import ContractError
+from ..errors import UsageError
+from ..judge import mismatch
+from ..judge.oracle import judge, measure, verdict
+from ..judge.policy import EXACT, property_bounds
+from ..judge.rows import Row
 from ..produced import Produced
-from ..rows import Row
-from ..running import Raised, call_implementation, failure_row, judged_row, raised_row, timed
-from ..schema import Ints, param
+from ..sandbox.call_guards import Snapshot, guarded, output_problem, returned
+from ..sandbox.calls import Raised, call_implementation, failure_row, judged_row, raised_row, timed
+from ..sandbox.device import first_line
 from ..spec import SPECS, register
-from ..subject import Subject, UsageError
+from ..subject import Subject
 from .base import Compared, PropertySpec, Target, _host
 from .common import (
     decode_knobs,

@@ -17,14 +17,14 @@ import math
 
 from hypothesis import strategies as st
 
-from mla_verify.equivalence.batch import make_batch
-from mla_verify.equivalence.policy import EXACT, LSE, OUT
+from mla_verify.equivalence.cases.batch import make_batch
+from mla_verify.equivalence.judge.policy import EXACT, LSE, OUT
 from mla_verify.optimized import pipeline
 
-from ..draws import dcp_index_params, forward_params, merge_params
+from ..cases.draws import dcp_index_params, forward_params, merge_params
+from ..cases.params import ForwardParams
 from ..ops.dcp import DCP_MERGE, MergeParams
 from ..ops.indices import DCP_CONVERT_INDEX
-from ..params import ForwardParams
 from ..spec import register
 from .base import Compared, PropertySpec, Target
 from .common import PIPELINE_STAGES, attention, forward, forward_knobs, forward_scale, forward_stages

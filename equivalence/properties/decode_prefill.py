@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from ..draws import decode_params
-from ..params import DecodeParams
+from ..cases.draws import decode_params
+from ..cases.params import DecodeParams
 from ..spec import register
 from .base import PropertySpec, Target
 from .common import ATTENTION_STAGES, attention, decode, decode_knobs, decode_problem, decode_scale, prefill

@@ -11,12 +11,12 @@ from typing import Callable
 
 import torch
 
-from mla_verify.equivalence.batch import make_batch
-from mla_verify.equivalence.policy import LSE, OUT
+from mla_verify.equivalence.cases.batch import make_batch
+from mla_verify.equivalence.judge.policy import LSE, OUT
 
-from ..draws import decode_params, forward_params, merge_params, prefill_params
+from ..cases.draws import decode_params, forward_params, merge_params, prefill_params
+from ..cases.schema import Params
 from ..ops.dcp import DCP_MERGE
-from ..schema import Params
 from ..spec import register
 from .base import Compared, PropertySpec, Target
 from .common import (

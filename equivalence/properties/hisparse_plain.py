@@ -18,15 +18,15 @@ import dataclasses
 import torch
 from hypothesis import strategies as st
 
-from mla_verify.equivalence.hisparse_batch import make_hisparse_batch
-from mla_verify.equivalence.policy import LSE, OUT
+from mla_verify.equivalence.cases.hisparse_batch import make_hisparse_batch
+from mla_verify.equivalence.judge.policy import LSE, OUT
 from mla_verify.optimized import hisparse, pipeline
 
 from mla_verify.reference.metadata import reorder_batch_threshold
-from .. import cost
-from ..draws import hisparse_params, within_budget
-from ..params import ForwardParams
-from ..profiles import Profile
+from ..cases import cost
+from ..cases.draws import hisparse_params, within_budget
+from ..cases.params import ForwardParams
+from ..cases.profiles import Profile
 from ..spec import register
 from .base import Compared, PropertySpec, Target
 from .common import forward_knobs, forward_scale
@@ -76,7 +76,7 @@ def _like_plain(draw, p: Profile) -> dict:
 def _within_interpreter(d: dict, qlens: list[int], budget_s: float) -> tuple[dict, list[int]]:
     """`d` with fewer layers, then fewer prefills (the last first, one kept while there are no
     decodes), then top-k 128, until its two runs (HiSparse and plain) estimate within `budget_s`
-    under the interpreter (equivalence.cost); a case still over it is drawn again (the
+    under the interpreter (equivalence.cases.cost); a case still over it is drawn again (the
     campaign's filter)."""
     def estimate(d: dict, qlens: list[int]) -> float:
         return cost.interpreted_s(ForwardParams.of({**d, "query_lens": qlens, "arch": "sm90"}), runs=2)

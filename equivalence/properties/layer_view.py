@@ -15,10 +15,10 @@ import dataclasses
 
 import torch
 
-from mla_verify.equivalence.batch import make_batch
-from mla_verify.equivalence.policy import EXACT, LSE, OUT
+from mla_verify.equivalence.cases.batch import make_batch
+from mla_verify.equivalence.judge.policy import EXACT, LSE, OUT
 
-from ..draws import forward_params
+from ..cases.draws import forward_params
 from ..ops.formats import WRITE_CACHE
 from ..spec import register
 from .base import Compared, PropertySpec, Target

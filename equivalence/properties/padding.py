@@ -13,7 +13,7 @@ Checks (each against the plain problem's answer, on the rows and heads it has):
                    index reaches
 All but the last two hold to rounding: they regroup or reorder the same sums (decode: another
 split of the top-k list). topk_length and block_table hand the kernels identical work and are
-held bit for bit (equivalence.policy.PROPERTY_RULES).
+held bit for bit (equivalence.judge.policy.PROPERTY_RULES).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import NamedTuple
 import torch
 from hypothesis import strategies as st
 
-from mla_verify.equivalence.batch import make_batch
+from mla_verify.equivalence.cases.batch import make_batch
 
-from ..draws import decode_params, forward_params, prefill_params
-from ..profiles import Profile
-from ..schema import Int, OneOf, param
+from ..cases.draws import decode_params, forward_params, prefill_params
+from ..cases.profiles import Profile
+from ..cases.schema import Int, OneOf, param
 from ..spec import register
 from .base import PropertySpec, Target
 from .common import (

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from mla_verify.equivalence.policy import LSE, OUT
+from mla_verify.equivalence.judge.policy import LSE, OUT
 
-from ..draws import prefill_params
+from ..cases.draws import prefill_params
 from ..spec import register
 from .base import Compared, PropertySpec, Target
 from .common import prefill_knobs, prefill_problem

@@ -15,10 +15,10 @@ import dataclasses
 
 from hypothesis import strategies as st
 
-from mla_verify.equivalence.batch import make_batch
+from mla_verify.equivalence.cases.batch import make_batch
 
-from ..draws import decode_params, forward_params
-from ..params import DecodeParams, ForwardParams
+from ..cases.draws import decode_params, forward_params
+from ..cases.params import DecodeParams, ForwardParams
 from ..spec import register
 from .base import PropertySpec, Target
 from .common import (

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from mla_verify import reference
 
-from ..draws import decode_params, prefill_params
-from ..schema import Int, OneOf, param
+from ..cases.draws import decode_params, prefill_params
+from ..cases.schema import Int, OneOf, param
 from ..spec import register
 from .base import PropertySpec, Target
 from .common import (

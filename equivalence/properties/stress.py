@@ -19,10 +19,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..draws import decode_params, prefill_params
-from ..policy import EXACT
+from ..cases.draws import decode_params, prefill_params
+from ..errors import UsageError
+from ..judge.policy import EXACT
 from ..spec import register
-from ..subject import Subject, UsageError
+from ..subject import Subject
 from .base import Compared, PropertySpec, Target
 from .common import decode_knobs, decode_problem, prefill_knobs, prefill_problem
 

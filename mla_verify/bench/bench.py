@@ -236,9 +236,9 @@ def stage_profile(case, subject, device: str, count: int = 1) -> dict[str, dict]
     of 3 runs, aten ops dispatched, reads back to the host, and on a GPU launches, per case. The snapshot stage
     copies the inputs and compares them back, as a block does (one read back for all its cases)."""
     from mla_verify.equivalence.catalog import get_spec
-    from mla_verify.equivalence.contract import Snapshot, changed_together
-    from mla_verify.equivalence.oracle import judge_many
-    from mla_verify.equivalence.running import timed
+    from mla_verify.equivalence.sandbox.call_guards import Snapshot, changed_together
+    from mla_verify.equivalence.judge.oracle import judge_many
+    from mla_verify.equivalence.sandbox.calls import timed
     from mla_verify.optimized.buffers import poisoned
 
     spec = get_spec(case.op)
@@ -285,8 +285,8 @@ def stage_profile(case, subject, device: str, count: int = 1) -> dict[str, dict]
 def harness_case(device: str):
     """The production-sized case the harness and guards sections time: decode B=64 s_q=2 H=128
     topk 2048 on a GPU, B=2 H=16 topk 256 on a CPU, built by the current input builder."""
-    from mla_verify.equivalence.builders import CURRENT
-    from mla_verify.equivalence.case import Case
+    from mla_verify.equivalence.cases.builders import CURRENT
+    from mla_verify.equivalence.cases.case import Case
 
     if device == "cuda":
         heads, batch, seq = 128, 64, 8192
@@ -301,7 +301,7 @@ def harness_case(device: str):
 def _evaluated(case, subject, device: str, count: int) -> dict[str, float]:
     """One block of `count` cases of `case`'s params (successive seeds) through `evaluate_block`,
     median of 3 after a warm-up: per case, its total, reference and kernel seconds."""
-    from mla_verify.equivalence.case import Case
+    from mla_verify.equivalence.cases.case import Case
     from mla_verify.equivalence.catalog import evaluate_block
 
     cases = [Case(case.op, case.params, case.seed + i) for i in range(count)]
@@ -324,7 +324,7 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
     split into drawing it, the reference, the kernel and the rest (inputs, snapshots, judging;
     isolated: the worker's side too)."""
     from mla_verify.equivalence.catalog import evaluate_block
-    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.equivalence.sandbox.worker import Worker
     from mla_verify.fuzz.campaign import Campaign, fuzz
 
     spent = {"evaluate": 0.0, "reference": 0.0, "kernel": 0.0}
@@ -368,8 +368,8 @@ def _part(device: str, profile_name: str, examples: int, block: int, isolated: b
     """One of `parallel_throughput`'s processes: warmed up, it says so and waits for `go`, then
     runs its campaign."""
     from mla_verify.equivalence.catalog import resolve_subject
-    from mla_verify.equivalence.device import GPU_SHARE_ENV, take_gpu_share
-    from mla_verify.equivalence.profiles import get_profile
+    from mla_verify.equivalence.sandbox.device import GPU_SHARE_ENV, take_gpu_share
+    from mla_verify.equivalence.cases.profiles import get_profile
 
     torch.set_num_threads(threads)
     os.environ[GPU_SHARE_ENV] = f"{share:.6f}"  # as `--parallel` deals a part: its worker reads it too
@@ -444,7 +444,7 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
     of a named implementation: `mla-verify fuzz` as users run it), and PARTS such campaigns at
     once on the one GPU."""
     from mla_verify.equivalence.catalog import resolve_subject
-    from mla_verify.equivalence.profiles import get_profile
+    from mla_verify.equivalence.cases.profiles import get_profile
 
     out: list[dict] = []
 
@@ -491,8 +491,8 @@ def bench_harness(device: str, profile_name: str, examples: int) -> list[dict]:
 _CPU_PROBE = """
 import gc, sys, time, torch
 from mla_verify import reference
-from mla_verify.equivalence.batch import make_batch
-from mla_verify.equivalence.params import ForwardParams
+from mla_verify.equivalence.cases.batch import make_batch
+from mla_verify.equivalence.cases.params import ForwardParams
 torch.set_num_threads(int(sys.argv[3]))
 def rss(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field)) / 2**20

@@ -1,4 +1,4 @@
-"""`mla-verify bench --only guards`: what each guard of a case costs (`equivalence.guards`, the
+"""`mla-verify bench --only guards`: what each guard of a case costs (`equivalence.sandbox.guards`, the
 reference's snapshot, the case journal) and what isolating a case costs, in ms per case.
 
 Each guard is timed alone on a production-sized case (the harness section's decode case: B=64
@@ -16,14 +16,14 @@ s_q=2 H=128 on a GPU, B=2 H=16 on a CPU), median of `reps` runs:
   after_return    the outputs copied at return and compared back after the judge (a write after
                   return: `guards.Returned`)
   message         the outputs as an isolation worker sends them: encoded, through a pipe, parsed
-                  (`equivalence.wire`); ", segment": their bytes through the outputs segment, the
-                  header through the pipe (`equivalence.segment`); then 1-64 MiB messages each way
+                  (`equivalence.sandbox.wire`); ", segment": their bytes through the outputs segment, the
+                  header through the pipe (`equivalence.sandbox.segment`); then 1-64 MiB messages each way
   inputs built    the case's inputs built from its seed (an isolation worker's work before issue
                   41), against "inputs handed over": written into the inputs segment by the parent,
                   viewed by the worker, compared back after the call
   journal         the case journaled as started and finished in a run directory
 and isolation: the same case (and a small quantize case) evaluated in this process and in an
-isolation worker (`equivalence.isolation.Worker`), ms per case each, plus the worker's start and
+isolation worker (`equivalence.sandbox.worker.Worker`), ms per case each, plus the worker's start and
 a replacement after a crash.
 """
 
@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Callable
 
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 
 
 def aborts(kv, scale_rule="pow2"):
@@ -92,8 +92,8 @@ def _guard_rows(shape: str, kwargs: dict, outputs: dict, timer: Callable) -> lis
     snapshot, the outputs' copies."""
     import torch
 
-    from mla_verify.equivalence import guards
-    from mla_verify.equivalence.contract import Snapshot
+    from mla_verify.equivalence.sandbox import guards
+    from mla_verify.equivalence.sandbox.call_guards import Snapshot
 
     in_mib = sum(t.untyped_storage().nbytes() for t in kwargs.values() if isinstance(t, torch.Tensor)) / 2**20
     out_mib = sum(t.numel() * t.element_size() for t in outputs.values()) / 2**20
@@ -131,7 +131,7 @@ def _guard_rows(shape: str, kwargs: dict, outputs: dict, timer: Callable) -> lis
 def _message(tensors: list, out=None, into=None) -> None:
     """`tensors` as a worker sends them (through the outputs segment `out`, mapped by the worker as
     `into`, where given) and as its parent reads them."""
-    from mla_verify.equivalence import wire
+    from mla_verify.equivalence.sandbox import wire
 
     r, w = os.pipe()
     try:
@@ -150,7 +150,7 @@ def _message_rows(shape: str, outputs: list, timer: Callable) -> list[dict]:
     then random float32 messages of 1 to 64 MiB each way: ms against MiB."""
     import torch
 
-    from mla_verify.equivalence import segment
+    from mla_verify.equivalence.sandbox import segment
 
     sizes = [("", outputs)] + [(f" {mib} MiB", [torch.randn(mib << 18, generator=torch.Generator().manual_seed(mib))])
                                for mib in (1, 4, 16, 64)]
@@ -175,7 +175,7 @@ def _message_rows(shape: str, outputs: list, timer: Callable) -> list[dict]:
 def _hand_over_rows(shape: str, build: Callable, kwargs: dict, writes, device: str, timer: Callable) -> list[dict]:
     """A case's inputs built from its seed (what a worker did besides its parent), against handed
     over: written into the inputs segment, viewed by the worker, compared back after the call."""
-    from mla_verify.equivalence import segment
+    from mla_verify.equivalence.sandbox import segment
 
     kept: list = [None]
 
@@ -211,7 +211,7 @@ def _isolation_rows(case: Case, device: str, timer: Callable) -> list[dict]:
     """`case` (and a small quantize case) evaluated in this process and in an isolation worker:
     ms per case each, the worker's first case and the case after a crash."""
     from mla_verify.equivalence.catalog import evaluate, resolve_subject
-    from mla_verify.equivalence.isolation import Worker
+    from mla_verify.equivalence.sandbox.worker import Worker
 
     rows = []
     small = Case("quantize_fp8_ds_mla", {"n": 64, "value_regime": "normal", "scale_rule": "pow2"}, 3)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
-from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
 from mla_verify.fuzz.campaign import UnderTest
 

@@ -22,19 +22,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from mla_verify.equivalence import catalog, contract, distributed
-from mla_verify.equivalence import device as dev
-from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.device import take_gpu_share
-from mla_verify.equivalence.isolation import HarnessError, Worker
-from mla_verify.equivalence.profiles import Profile
-from mla_verify.equivalence.mismatch import line
-from mla_verify.equivalence.rows import Row
-from mla_verify.equivalence.running import failure_row
-from mla_verify.equivalence.subject import Subject, UsageError, unexercised
+from mla_verify.equivalence import catalog
+from mla_verify.equivalence.sandbox import call_guards
+from mla_verify.equivalence.ops import dcp_ranks
+from mla_verify.equivalence.sandbox import device as dev
+from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.sandbox.device import take_gpu_share
+from mla_verify.equivalence.errors import HarnessError
+from mla_verify.equivalence.sandbox.worker import Worker
+from mla_verify.equivalence.cases.profiles import Profile
+from mla_verify.equivalence.judge.mismatch import line
+from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.sandbox.calls import failure_row
+from mla_verify.equivalence.subject import Subject, unexercised
+from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz.campaign import Campaign, FuzzResult, Judge, UnderTest, fuzz
 from mla_verify.fuzz.casefile import load, write_atomic
-from mla_verify.fuzz.progress import Progress
+from mla_verify.runs.progress import Progress
 from mla_verify.fuzz.regressions import corpus
 from mla_verify.pytest_plugin import DEFAULTS
 from mla_verify.reports.store import rows_frame
@@ -43,8 +47,8 @@ from .corpus import PINNED, SOURCE, Corpus, Replayed, keep, save_replayed, with_
 from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, result_file
 from .parts import check_in_parts, gate_in_parts
 from .plan import FUZZ, Run
-from .sink import Sink
 from .selection import impl_units
+from .sink import Sink
 from .units import Unit, gate_world_size, odd_ones_out, shard_units, units
 
 MIN_DRAWS = 25  # params a campaign draws at the least where its budget allows (`block_size`)
@@ -151,7 +155,7 @@ def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: 
                     + _examples(catalog.get_spec(u.op), examples, run.profile) * len(u.campaigns(s)) for u, s in subjects)
         sink.counting(Progress("gate", cases, every_s=10.0, stream=log), name_units=True)
     worker = Worker(run.device, run.timeout) if run.isolate else None
-    distributed.set_timeout(run.timeout)
+    dcp_ranks.set_timeout(run.timeout)
     try:
         for unit, subject in subjects:
             if not _run_unit(unit, subject, run, sink, result, worker, seed=seed, examples=examples, log=log):
@@ -256,7 +260,7 @@ def _fuzz(run: Run) -> CheckResult:
     unit = Unit(run.op, run.label, run.specs, subject=run.subject, paths=(run.path,), corpus=False,
                 deviations=run.deviations, conventions=run.conventions,
                 kept=kept.applying(run.op, run.specs) if kept and run.corpus_replay else ())
-    contract.CALLED_WITH.clear()
+    call_guards.CALLED_WITH.clear()
     try:
         with sink.interrupt.installed():
             result = run_units([unit], run, sink, seed=seed, examples=examples)
@@ -285,9 +289,9 @@ def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, 
                                                   run.isolate, run.conventions),
                                    found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk))
     notes = notes + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
-    notes += unexercised(run.specs, contract.CALLED_WITH)  # what the replaced stages were never handed
+    notes += unexercised(run.specs, call_guards.CALLED_WITH)  # what the replaced stages were never handed
     if run.world_size:
-        notes += [f"worst per rank over {fz.examples} cases: {line}" for line in distributed.worst_by_rank(fz.rows)]
+        notes += [f"worst per rank over {fz.examples} cases: {line}" for line in dcp_ranks.worst_by_rank(fz.rows)]
     return CheckResult(run.op, run.label, not failures and fz.stopped != "interrupted" and bool(frame.passed.all()),
                        frame, seed, fz.examples, run.out.path if run.out else None, failures,
                        interrupted=fz.stopped == "interrupted", notes=notes, in_process=run.in_process)
@@ -314,7 +318,7 @@ def _gate(run: Run) -> GateOutcome:
         run_dir.release()
         raise
     finally:
-        distributed.close_all()
+        dcp_ranks.close_all()
     interrupted = sink.interrupt.requested
     outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupted,
                           keep(kept, result.new_findings(), result.rows) + sorted(result.notes),

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import pandas as pd
 
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
 from mla_verify.reports.store import conform
 

@@ -11,8 +11,8 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
-from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.mismatch import QUIET_METRICS, line
+from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.judge.mismatch import QUIET_METRICS, line
 from mla_verify.reports.bias import bias_of
 from mla_verify.reports.meta import IN_PROCESS
 

@@ -40,8 +40,8 @@ from typing import Sequence, TypeVar
 import pandas as pd
 import torch
 
-from mla_verify.equivalence.device import GPU_SHARE_ENV
-from mla_verify.equivalence.rows import Row
+from mla_verify.equivalence.sandbox.device import GPU_SHARE_ENV
+from mla_verify.equivalence.judge.rows import Row
 from mla_verify.reports.store import conform, load_run, rows_frame
 
 from .interrupt import Interrupt

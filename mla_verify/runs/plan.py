@@ -17,11 +17,13 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from mla_verify.equivalence import catalog, distributed
+from mla_verify.equivalence import catalog
+from mla_verify.equivalence.ops import dcp_ranks
 from mla_verify.equivalence.catalog import get_spec, resolve_subject
-from mla_verify.equivalence.isolation import default_isolation
-from mla_verify.equivalence.profiles import Profile, get_profile
-from mla_verify.equivalence.subject import Subject, UsageError, did_you_mean
+from mla_verify.equivalence.sandbox.worker import default_isolation
+from mla_verify.equivalence.cases.profiles import Profile, get_profile
+from mla_verify.equivalence.subject import Subject, did_you_mean
+from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz.campaign import new_seed
 from mla_verify.reports.meta import collect_meta, rerun_settings
 from mla_verify.reports.store import run_file
@@ -165,7 +167,7 @@ class Run:
                     f"{where}")
         ranks = ""
         if self.world_size:
-            ranks = f", {self.world_size} ranks ({distributed.placement(self.world_size, self.device_type).describe()})"
+            ranks = f", {self.world_size} ranks ({dcp_ranks.placement(self.world_size, self.device_type).describe()})"
         return (f"mla-verify fuzz: op {self.op}, implementation {self.label}, {self.examples} examples, profile "
                 f"{self.profile.name}, device {self.device}, seed {self.seed}{ranks}{', isolated' if self.isolate else ''}"
                 f"{where}" + (f"; the cases of baseline {self.baseline}" if self.baseline is not None else "")

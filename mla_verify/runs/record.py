@@ -60,7 +60,7 @@ def _files(run_dir: Path) -> dict[str, str]:
 def seal(run_dir: str | Path, rows: int) -> None:
     """Add the record (`rows` rows, the sealed files' digests) to the run's meta.json, written
     last; every process a worker of this one left is killed first."""
-    from mla_verify.equivalence.isolation import reap_all
+    from mla_verify.equivalence.sandbox.worker import reap_all
 
     reap_all()
     run_dir = Path(run_dir)

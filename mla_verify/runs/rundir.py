@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from . import record
-from mla_verify.equivalence.case import Case
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import get_spec
-from mla_verify.equivalence.running import failure_row
-from mla_verify.equivalence.rows import Row
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.sandbox.calls import failure_row
+from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
 from mla_verify.fuzz.casefile import slug, write_atomic
 from mla_verify.reports.meta import finish_meta

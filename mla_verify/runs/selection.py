@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from mla_verify.equivalence import catalog
-from mla_verify.equivalence.subject import UsageError
+from mla_verify.equivalence.errors import UsageError
 from .units import Unit
 from mla_verify.optimized import registry
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.rows import Row
-from mla_verify.fuzz.progress import Progress
+from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.judge.rows import Row
+from mla_verify.runs.progress import Progress
 
 from .interrupt import Interrupt
 from .rundir import RunDir

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mla_verify.equivalence import catalog
-from mla_verify.equivalence.case import Case
-from mla_verify.equivalence.rows import Row
+from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.judge.rows import Row
 from mla_verify.equivalence.spec import Spec
 from mla_verify.equivalence.subject import Subject
 

@@ -58,7 +58,7 @@ CPU = [
     Hostile("tests.hostile.cpu:replaces_stdout", "quantize_fp8_ds_mla", "contract", "sys.stdout replaced"),
     Hostile("tests.hostile.cpu:patches_torch_sub", "quantize_fp8_ds_mla", "contract", "replaced torch.sub, torch.Tensor.__ne__"),
     Hostile("tests.hostile.cpu:patches_the_oracle", "quantize_fp8_ds_mla", "contract",
-            "replaced mla_verify.equivalence.oracle.verdict"),
+            "replaced mla_verify.equivalence.judge.oracle.verdict"),
     Hostile("tests.hostile.cpu:returns_a_lying_subclass", "quantize_fp8_ds_mla", "contract",
             "rows: a _Agreeable, a torch.Tensor subclass"),
     # The reference answers after the calls (in-process) or in the parent (isolated): none to find.

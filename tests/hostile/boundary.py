@@ -22,7 +22,7 @@ def _caller_local(name: str):
 
 
 def _write_message(header: dict) -> None:
-    from mla_verify.equivalence import wire
+    from mla_verify.equivalence.sandbox import wire
 
     body = json.dumps(header).encode()
     os.write(_caller_local("channel").fd, wire._FRAME.pack(wire.MAGIC, len(body)) + body)
@@ -77,7 +77,7 @@ def claims_a_huge_tensor(kv, scale_rule="pow2"):
 
 
 def _case_id(request: dict) -> str:
-    from mla_verify.equivalence.case import Case
+    from mla_verify.equivalence.cases.case import Case
 
     return Case.from_dict(request["case"]).case_id
 
@@ -190,9 +190,9 @@ def resizes_the_segments(kv, scale_rule="pow2"):
 def writes_its_input_and_hides_it(kv, scale_rule="pow2"):
     """Writes its input in place, and makes the worker's own snapshot see no write: the judge's
     comparison of what it handed over still does."""
-    from mla_verify.equivalence import contract
+    from mla_verify.equivalence.sandbox import call_guards
 
     result = eager.quantize_fp8_ds_mla(kv, scale_rule)
     kv.view(-1)[0] += 1
-    contract.Snapshot.changed = lambda self, allowed=(): []
+    call_guards.Snapshot.changed = lambda self, allowed=(): []
     return result

@@ -280,7 +280,7 @@ def patches_torch_sub(kv, scale_rule="pow2"):
 
 def patches_the_oracle(kv, scale_rule="pow2"):
     """Wrong bytes, and the oracle's own verdict replaced by one that always passes."""
-    from mla_verify.equivalence import oracle
+    from mla_verify.equivalence.judge import oracle
 
     rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
     rows[:, 0] ^= 1
@@ -393,7 +393,7 @@ def sigterm_to_its_group_on_third_call(kv, scale_rule="pow2"):
 def loosens_the_bounds(kv, scale_rule="pow2"):
     """Wrong bytes, and the exact bound itself loosened in place (a mutation, not a rebinding: no
     check of names sees it). Only a judge in another process is out of its reach."""
-    from mla_verify.equivalence import policy
+    from mla_verify.equivalence.judge import policy
 
     rows = eager.quantize_fp8_ds_mla(kv, scale_rule)
     rows[:, 0] ^= 1

@@ -5,7 +5,7 @@ the others are the same attention, biased by a known amount before the stores, i
                 is half of abs_mean_err's 1e-3; its error grows by 4% of a bf16 rounding
     gain10      output gain 1 + 2**-10, a quarter of the bf16 unit roundoff (issue 27)
     lse_offset  every LSE 4 fp32 steps of its row's logit scale high, 2**-22 (logit_l1 + |lse| + 1)
-                (the scale `equivalence.metrics.lse` measures in; 1/16 of lse_fp32_units' bound)
+                (the scale `equivalence.judge.metrics.lse` measures in; 1/16 of lse_fp32_units' bound)
 
 The drift report must flag each against v1, case for case (and a single run warn of the bias).
 """

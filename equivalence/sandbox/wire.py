@@ -9,7 +9,7 @@ nothing in it is ever unpickled or called. A message is
 
 and its header holds `kind`, `seq` (the number of the parent's request it answers) and, per
 tensor, its dtype (one of DTYPES), shape, device and byte length. Where the parent gave the worker
-an outputs segment (`equivalence.segment`) and the tensors fit, their bytes are there instead and
+an outputs segment (`equivalence.sandbox.segment`) and the tensors fit, their bytes are there instead and
 each description adds its `offset`: the parent checks every region lies within the segment and
 overlaps no other, and copies each out as the answer arrives (what the worker writes there after
 never reaches a verdict). The parent reads with a
@@ -272,7 +272,7 @@ def produced_frames(seq: int, case_id: str, produced: Any, retire: bool, called:
     return encode(header, tensors, into)
 
 
-CALL_FIELDS = ("stage", "impl", "deviations", "rank", "kwargs", "result")  # `equivalence.stages.Call`'s
+CALL_FIELDS = ("stage", "impl", "deviations", "rank", "kwargs", "result")  # `equivalence.ops.stages.Call`'s
 MAX_DEPTH, MAX_ITEMS = 4, 4096
 
 
@@ -352,7 +352,7 @@ class Answer:
     devices: dict[str, str]
     strides: dict[str, tuple[int, ...]]
     problems: dict[str, str]
-    stages: tuple[tuple[str, str], ...]  # (stage, impl) pairs (`equivalence.rows.Stages`)
+    stages: tuple[tuple[str, str], ...]  # (stage, impl) pairs (`equivalence.judge.rows.Stages`)
     deviations: tuple[str, ...]
     path: str | None
     notes: tuple[str, ...]
@@ -361,7 +361,7 @@ class Answer:
     retire: bool
     called: dict[str, list[str]]
     threads: list[str]
-    stage_calls: tuple[list[dict], list[dict]]  # a pipeline's, plain and fed (`equivalence.stages`)
+    stage_calls: tuple[list[dict], list[dict]]  # a pipeline's, plain and fed (`equivalence.ops.stages`)
 
 
 def answer_of(header: dict[str, Any], known_deviations: Any) -> Answer:

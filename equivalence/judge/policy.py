@@ -1,6 +1,6 @@
 """The tolerance policy: every bound the oracle holds an implementation to, with its reason.
 
-A bound is a metric of `equivalence.metrics` and the largest value a correct implementation may
+A bound is a metric of `equivalence.judge.metrics` and the largest value a correct implementation may
 show. Three rules hold for every float tensor and are not tolerances: +inf/-inf/NaN must sit where
 the reference has them (`inf_mismatch` = 0) and an implementation never adds NaN (`nan_count` = 0).
 Exact contracts (bytes, indices, chunk bounds, reshapes) allow no difference at all.
@@ -17,9 +17,10 @@ wider bounds replace the default ones, and the row names the deviation.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
+
+from ..cases.numerics import Numerics
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Bound:
     reason: str
 
 
-# Tensor kinds: how each compared tensor is measured (equivalence.metrics) and bounded here.
+# Tensor kinds: how each compared tensor is measured (equivalence.judge.metrics) and bounded here.
 EXACT, OUT, LSE = "exact", "out", "lse"
 
 EXACT_BOUNDS = (Bound("mismatch_frac", 0.0, "the contract fixes every bit"),)
@@ -45,7 +46,7 @@ OUT_BOUNDS = (
           "rounding to nearest is unbiased: a correct kernel's mean relative error is noise, "
           "~2**-8 / sqrt(3 numel) <= 1e-4 at 512 elements; a wrong scale or a dropped key biases it"),
     Bound("elem_bound_ratio", 1.0,
-          "every element within the bound derived from a correct kernel's arithmetic (equivalence.bounds: bf16 "
+          "every element within the bound derived from a correct kernel's arithmetic (equivalence.judge.bounds: bf16 "
           "P, fp32 accumulation with u = 2**-23, the bf16 output rounding, flush-to-zero floors); only where the "
           "op's reference derives it (sparse_prefill, sparse_decode_fp8)"),
 )
@@ -56,28 +57,14 @@ LSE_BOUNDS = (
           "worst seen 18.8 (flash_mla and Triton, outlier channels, H200); one dropped key of "
           "2048 moves a broad softmax's LSE by ~5e-4, over 100 units of a normal-regime row"),
     Bound("elem_bound_ratio", 1.0,
-          "every LSE (and max_logit) within the derived score bound (equivalence.bounds: gamma_600 of the logit "
+          "every LSE (and max_logit) within the derived score bound (equivalence.judge.bounds: gamma_600 of the logit "
           "scale, the sum of K exponentials, exp2/log); only where the op's reference derives it"),
 )
 
-@dataclass(frozen=True)
-class Numerics:
-    """What the policy reads of a case: what its bounds and the deviations' `applies` depend on
-    (`Params.numerics` fills it from the case's fields of these names)."""
-
-    cache_dtype: str = "fp8_ds_mla"   # the attention ops without the field read fp8_ds_mla pages (decode) or bf16 rows
-    scale_rule: str = "pow2"          # fp8_ds_mla tile scales: powers of two (exact) or raw amax / 448
-    dcp_size: int = 1                 # ranks whose partials a DCP output merges
-    combine: str = "merge"            # how they are merged (dcp_roundings)
-
-    def replace(self, **changes) -> "Numerics":
-        return dataclasses.replace(self, **changes)
-
-
 # A deviation whose kernel multiplies rows rounded to bf16 (non-power-of-two scales) keeps the
 # derived per-element bound, with that rounding in it: the reference derives a bound per such
-# deviation (`equivalence.bounds.DEQUANT_REL`, its relative error of each row element).
-_DEQUANT_BOUND = "the derived bound (equivalence.bounds) with each K and V element off by dequant_rel = "
+# deviation (`equivalence.judge.bounds.DEQUANT_REL`, its relative error of each row element).
+_DEQUANT_BOUND = "the derived bound (equivalence.judge.bounds) with each K and V element off by dequant_rel = "
 _CACHE_SCALE_REL = ("2**-8 + 2**-9 + 2**-17 (the fp32 tile scale rounded to bf16, 2**-9, then the product to bf16, "
                     "2**-8 as bf16_dequant's; derived, not measured)")
 

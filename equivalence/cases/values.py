@@ -45,7 +45,7 @@ def _uniform(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
 
 def kv_values(gen: torch.Generator, n: int, regime: str, version: int = 1) -> torch.Tensor:
     """[n, 576] bf16 latent rows (512 NoPE + 64 RoPE) in `regime`, by input builder `version`
-    (equivalence.builders)."""
+    (equivalence.cases.builders)."""
     x = _normal(gen, (n, 576))
     if regime == "saturation":
         power = torch.randint(-4, 5, (n, NOPE // TILE, 1), generator=gen, device=gen.device).float()
@@ -65,7 +65,7 @@ def kv_values(gen: torch.Generator, n: int, regime: str, version: int = 1) -> to
 
 
 def q_values(gen: torch.Generator, shape: tuple[int, ...], regime: str, version: int = 1) -> torch.Tensor:
-    """Query rows (last dim 576) in `regime`, bf16, by input builder `version` (equivalence.builders)."""
+    """Query rows (last dim 576) in `regime`, bf16, by input builder `version` (equivalence.cases.builders)."""
     q = _normal(gen, shape)
     if regime == "outliers":
         channels = permutation(gen, 576, version)[:4]

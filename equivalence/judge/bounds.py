@@ -1,6 +1,6 @@
 """Per-element error bounds: how far a correct kernel's result may be from the float64 reference.
 
-The tolerance policy (`equivalence.policy`) gates aggregate metrics calibrated on measurements.
+The tolerance policy (`equivalence.judge.policy`) gates aggregate metrics calibrated on measurements.
 This module derives, element by element, what the arithmetic of a correct implementation can
 explain: a result outside its bound is a bug, whatever the aggregate says. The functions return
 bound tensors shaped like the result (float64); comparing is the caller's business (the oracle's

@@ -1,6 +1,6 @@
 """The covering features of forward_mqa (each plain path, the unrestricted draw, the HiSparse
-paths) and of the multi-process dcp op (`equivalence.coverage`): the routing sides of
-`equivalence.routing` and the edge classes of a batch, read from the batch each case builds.
+paths) and of the multi-process dcp op (`equivalence.coverage.sets`): the routing sides of
+`equivalence.cases.routing` and the edge classes of a batch, read from the batch each case builds.
 
 A batch takes longer to build than a single op's inputs: `FORWARD_VARIANTS` seeded copies of each
 template.
@@ -14,11 +14,11 @@ import torch
 
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
-from .feature_lists import Coverage, register
+from ..cases.hisparse_batch import ACTIVE_TAIL_PAGES
+from ..cases.profiles import Profile
+from ..cases.routing import SIDES, sides
 from .features import DEGENERATE, degenerate_hits, tile_scales
-from .hisparse_batch import ACTIVE_TAIL_PAGES
-from .profiles import Profile
-from .routing import SIDES, sides
+from .registry import Coverage, register
 
 # --- forward_mqa ---------------------------------------------------------------------------------
 

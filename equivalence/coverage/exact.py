@@ -1,4 +1,4 @@
-"""The covering features of the exact ops (`equivalence.coverage`): the fp8_ds_mla codec and cache
+"""The covering features of the exact ops (`equivalence.coverage.sets`): the fp8_ds_mla codec and cache
 writer, the workspace gathers, the layout ops, the DCP index filter and merge.
 
 Each template asks for several features at once; `VARIANTS` seeded copies let the greedy pick
@@ -14,8 +14,8 @@ import torch
 from mla_verify import reference
 from mla_verify.reference.fp8_ds_mla import FP8_MAX, POW2_FLOOR
 
-from .feature_lists import Coverage, laid_out, register
-from .profiles import Profile
+from ..cases.profiles import Profile
+from .registry import Coverage, laid_out, register
 
 VARIANTS = 3
 

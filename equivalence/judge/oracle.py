@@ -1,12 +1,12 @@
 """The oracle: compare one implementation tensor with the reference's and give the verdict.
 
-`judge` measures (equivalence.metrics), looks up the bounds (equivalence.policy) and returns the
+`judge` measures (equivalence.judge.metrics), looks up the bounds (equivalence.judge.policy) and returns the
 metrics plus the gated metric with the least headroom; `judge_many` does so for a block of cases
 of one shape at once. NaN never passes, and infinities must sit
 exactly where the reference has them, whatever the tolerances.
 
 Two judges measure attention outputs: the eager one (torch ops, the reference of the judge) and
-the fused one (`equivalence.fused_judge`: one Triton pass). `use_judge` picks: "auto" (the
+the fused one (`equivalence.judge.fused`: one Triton pass). `use_judge` picks: "auto" (the
 default) fuses on a GPU and stays eager on a CPU, where Triton runs interpreted. A case the fused
 judge fails, or puts within a millionth of a limit, is measured again by the eager judge, whose
 row and message it gets: a failure always reads as the eager judge says it.
@@ -21,13 +21,14 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import fused_judge, metrics as M
+from ..cases.numerics import Numerics
+from . import fused as fused_judge, metrics as M
 from .localize import Axes
 from .mismatch import Pair, describe
-from .policy import EXACT, LSE, OUT, Bound, Numerics, bounds_for, limit_for
+from .policy import EXACT, LSE, OUT, Bound, bounds_for, limit_for
 
 ELEM_UNITS_FOR_MISMATCH = 4.0  # per-element count reported as mismatch_frac (not gated itself)
-ELEM_BOUND = "elem_bound_ratio"  # the metric of the derived per-element bound (equivalence.bounds)
+ELEM_BOUND = "elem_bound_ratio"  # the metric of the derived per-element bound (equivalence.judge.bounds)
 JUDGES = ("auto", "fused", "eager")
 JUDGE_ENV = "MLA_VERIFY_JUDGE"  # the choice, read by this process and the ones it starts (--parallel parts)
 
@@ -71,7 +72,7 @@ def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, scale: torch.Tenso
             bound: torch.Tensor | None = None) -> M.Metrics:
     """`scale` (per row): an LSE's logit_l1; an output's value_max (the largest |V| its row
     averages), which sets the size below which an fp32 kernel's weights flush to zero. `bound`
-    (ref's shape): the derived per-element bound (equivalence.bounds), for elem_bound_ratio."""
+    (ref's shape): the derived per-element bound (equivalence.judge.bounds), for elem_bound_ratio."""
     return measure_many(kind, [impl], ref[None], None if scale is None else scale[None],
                         None if bound is None else bound[None])[0]
 
@@ -80,7 +81,7 @@ def measure_many(kind: str, impls: Sequence[torch.Tensor], ref: torch.Tensor, sc
                  bound: torch.Tensor | None = None, fused: bool = False) -> list[M.Metrics]:
     """`measure` of each impls[i] against ref[i] (`scale`, `bound`: [C, ...] or None), the cases
     of one shape (a fuzz block's) measured together: one set of ops and one read back for all.
-    `fused`: outputs by the fused judge (equivalence.fused_judge)."""
+    `fused`: outputs by the fused judge (equivalence.judge.fused)."""
     impls = [impl.to(ref.device) for impl in impls]  # an implementation may hand back its result on another device
     shape = ref.shape[1:]
     out = [M.Metrics(numel=math.prod(shape), mismatch_frac=1.0, extra={"shape": f"{tuple(impl.shape)} vs {tuple(shape)}"})
@@ -111,7 +112,7 @@ def measure_many(kind: str, impls: Sequence[torch.Tensor], ref: torch.Tensor, sc
 
 def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str, pair: Callable[[], Pair]) -> Verdict:
     """The gated metric of `m` with the least headroom under `bounds`, and whether it passes; a
-    failure's reason describes the mismatch (`equivalence.mismatch`) from `pair()`, its tensors
+    failure's reason describes the mismatch (`equivalence.judge.mismatch`) from `pair()`, its tensors
     (called only for a failure)."""
     if "shape" in m.extra:
         return Verdict(m, False, "shape", 1.0, 0.0, 0.0, deviation, f"shape/dtype mismatch: {m.extra['shape']}")

@@ -1,4 +1,4 @@
-"""The features each op lists for its covering set (`equivalence.coverage`), the candidates it
+"""The features each op lists for its covering set (`equivalence.coverage.sets`), the candidates it
 proposes, and how its built inputs show what a case hits.
 
 Candidates are small on purpose (a covering case runs in every CI campaign): each template asks
@@ -15,16 +15,16 @@ import torch
 
 from mla_verify import reference
 
-from .feature_lists import Coverage, laid_out, register
-from .layouts import LAYOUTS
-from .profiles import Profile
+from ..cases.layouts import LAYOUTS
+from ..cases.profiles import Profile
+from .registry import Coverage, laid_out, register
 
 VARIANTS = 4  # seeded variants of each template: the greedy pick takes one whose tensors hit
 LAYOUT = ("q and indices in padded rows", "q permuted (leading dims reversed)", "inputs at a storage offset")
 
 
 def _layout_hits(kw: dict) -> set[str]:
-    """The non-contiguous layouts (equivalence.layouts) q and the indices show."""
+    """The non-contiguous layouts (equivalence.cases.layouts) q and the indices show."""
     q, idx = kw["q"], kw["indices"]
     return {name for name, yes in (
         ("q and indices in padded rows", q.stride(-2) > q.shape[-1] and idx.stride(-2) > idx.shape[-1]),

@@ -78,7 +78,7 @@ def decode_params(p: Profile, batch: st.SearchStrategy[int] | None = None, **fie
 def dcp_index_params(p: Profile, sizes: tuple[int, ...] = (1, 2, 4, 8),
                      layout: st.SearchStrategy[str] = st.just("contiguous")) -> st.SearchStrategy[dict]:
     """dcp_convert_index params within `p`, the world size drawn from `sizes`, the inputs' layout
-    from `layout` (equivalence.layouts)."""
+    from `layout` (equivalence.cases.layouts)."""
     @st.composite
     def params(draw):
         size = draw(st.sampled_from(sizes))
@@ -188,7 +188,7 @@ def forward_params(p: Profile, path: str | None = None, *, decodes_only: bool = 
 
 
 def hisparse_params(p: Profile, path: str, heads: tuple[int, ...] | None = None) -> st.SearchStrategy[dict]:
-    """HiSparse forward_mqa batches (equivalence.hisparse_batch): decodes of 1 + spec tokens, prefills
+    """HiSparse forward_mqa batches (equivalence.cases.hisparse_batch): decodes of 1 + spec tokens, prefills
     longer than that (the builder's threshold), contexts that leave pages before the resident
     tail, a hot cache from exactly the rows needed to (q_len + 1) * K slots, prior hot rows, slot
     permutations, 1-4 layers, a persistent buffer smaller than the batch (the fallback), a swap

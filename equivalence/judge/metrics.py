@@ -22,7 +22,7 @@ Three kinds of tensor, three ways of measuring:
                     (~2**-8 / sqrt(3 n)); a wrong scale, a lost softmax mass or a biased
                     dequantization shows as a steady sign
     elem_bound_ratio max |a - r| / bound over the finite elements, where the op's reference derives a
-                    per-element bound (equivalence.bounds): <= 1 for any correct kernel (0 / 0 is 0;
+                    per-element bound (equivalence.judge.bounds): <= 1 for any correct kernel (0 / 0 is 0;
                     an error where the bound is 0, an empty row's output, is inf)
     bias_units      mean of (a - r) / ulp_bf16(r) over the same sizable elements: the signed error in
                     bf16 steps at each element's magnitude (ulp = 2**(e - 8) for |r| in [2**(e-1), 2**e)).
@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import fused_judge
+from . import fused as fused_judge
 
 BF16_UNIT = 2.0**-8    # unit roundoff of bf16 (8 significant bits)
 FP32_UNIT = 2.0**-24
@@ -73,7 +73,7 @@ Position = tuple[int, ...]  # an element's index in its tensor
 @dataclass
 class Metrics:
     """One tensor's distance from the reference's. Each field is a column of the tensor's row
-    (equivalence.rows), but those only the oracle's verdict reads (rows, extra)."""
+    (equivalence.judge.rows), but those only the oracle's verdict reads (rows, extra)."""
 
     numel: int = 0                # elements compared
     rows: int = 0                 # vectors along the last dim (independent softmax rows of an output)
@@ -247,7 +247,7 @@ def outputs(a: torch.Tensor, r: torch.Tensor, elem_units: float, value_max: torc
     row's magnitude) that `mismatch_frac` counts against; `value_max` ([C, ...] without r's last
     dim) the largest |V| each row averages; `bound` (r's shape) the derived per-element bound,
     for elem_bound_ratio. Every metric is its case's own; positions index within the case.
-    `fused`: the scalars from the fused judge's kernel (`equivalence.fused_judge`) where it fits."""
+    `fused`: the scalars from the fused judge's kernel (`equivalence.judge.fused`) where it fits."""
     shape = r.shape[1:]
     if not shape:  # a 0-d case is one row of one element
         a, r, bound = a[:, None], r[:, None], None if bound is None else bound[:, None]

@@ -13,11 +13,11 @@ Where the ranks run (`placement`):
 Rendezvous is a FileStore in a private temporary directory (no TCP store, no port chosen by us);
 gloo's pairs and NCCL's bootstrap sockets bind the loopback interface only.
 
-Every rank builds the case's batch itself from (params, seed) with `equivalence.batch.make_batch`
+Every rank builds the case's batch itself from (params, seed) with `equivalence.cases.batch.make_batch`
 (deterministic on any device), keeps its query heads q[:, r*H:(r+1)*H], its cache and its block
 table, and runs the rank body: `optimized.dcp_runtime.forward_mqa_dcp_rank` with the case's stage
 overrides, or a whole replacement (`--impl MODULE:CALLABLE`, the same keywords). Outputs are
-poisoned first, as in `equivalence.running`; tensors come back serialized over a pipe.
+poisoned first, as in `equivalence.sandbox.calls`; tensors come back serialized over a pipe.
 
 A group serves case after case. A case fails, and the whole group is killed, when any rank
 raises (its peers are left blocked in a collective), dies, or does not answer by the deadline;
@@ -43,9 +43,9 @@ from typing import Any, NoReturn, Sequence
 import torch
 import torch.distributed as dist
 
-from .batch import make_batch
-from .params import DcpParams
-from .rows import Row
+from ..cases.batch import make_batch
+from ..cases.params import DcpParams
+from ..judge.rows import Row
 
 RANK_TENSORS = ("out", "lse", "partial_out", "partial_lse")
 # NVLink multicast stays off in every rank: on the lent GPU machines a program using it can take
@@ -116,8 +116,8 @@ def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tupl
     from mla_verify.optimized.buffers import poisoned
     from mla_verify.optimized.dcp_runtime import forward_mqa_dcp_rank, rank_stages
 
-    from .contract import guarded
-    from .subject import pipeline_subject
+    from ..sandbox.call_guards import guarded
+    from ..subject import pipeline_subject
 
     device_type = device.split(":")[0]
     if (specs, declared) not in subjects:

@@ -11,7 +11,7 @@ kernel's boundary, into the reference's: the oracle holds every kernel to one co
 The conversion wraps the user's callable (an op's, a stage's inside forward_mqa or a property, or a
 whole forward_mqa) so each LSE and max_logits it returns is the reference's convention before any
 later stage or the oracle reads it. A convention left undeclared keeps failing, and the failure
-names the convention it looks like (`equivalence.mismatch`). Case files record the declaration, so
+names the convention it looks like (`equivalence.judge.mismatch`). Case files record the declaration, so
 a replay converts the same way.
 """
 

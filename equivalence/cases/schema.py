@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, TypeVar
 
-from .policy import Numerics
+from .numerics import Numerics
 
 MAX_ELEMENTS = 2**31  # tensor elements a case's inputs (and their index candidates) may hold in all
 

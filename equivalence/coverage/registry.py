@@ -1,7 +1,6 @@
-"""What each op (or forward_mqa path) must reach: the registry of `Coverage`s that
-`equivalence.features`, `features_bytes` and `features_forward` fill on import and
-`equivalence.coverage` reads (kept apart so the feature modules need nothing of the covering
-design above them)."""
+"""What each op (or forward_mqa path) must reach: the registry of `Coverage`s that `features` (the
+attention ops), `exact` (the exact ops) and `forward` (forward_mqa, dcp) fill on import and `sets`
+reads (kept apart so the feature modules need nothing of the covering design above them)."""
 
 from __future__ import annotations
 
@@ -9,8 +8,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import layouts
-from .profiles import Profile
+from ..cases import layouts
+from ..cases.profiles import Profile
 
 Candidates = Callable[[random.Random, Profile], list[dict]]  # (rng from the seed, profile) -> params
 Hits = Callable[[Any, dict], set[str]]                       # (typed params, built inputs) -> features
@@ -35,7 +34,7 @@ def register(op: str, path: str | None, coverage: Coverage) -> Coverage:
 
 
 def laid_out(op: str, coverage: Coverage) -> Coverage:
-    """`coverage` of `op` with its layout features (`equivalence.layouts`: one for each layout
+    """`coverage` of `op` with its layout features (`equivalence.cases.layouts`: one for each layout
     some input of the op may take, read back from the strides and offsets): every candidate
     proposed in each of those layouts."""
     kinds = [kind for kind in layouts.drawn(op) if kind != "contiguous"]

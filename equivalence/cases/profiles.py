@@ -7,7 +7,7 @@
 
 A campaign of Triton kernels on CPU runs them under the interpreter, thousands of times slower
 than compiled: its cases are drawn within `interpreter_s` seconds each (the estimate of
-`equivalence.cost`, `interpreted()`), so a CPU run has a bounded cost. ci's 10 s admits the
+`equivalence.cases.cost`, `interpreted()`), so a CPU run has a bounded cost. ci's 10 s admits the
 largest problem its properties must pose, HiSparse against the plain path at FP8 (one prefill past
 the plain path's 128-token decode threshold at 32 heads, both paths: 8-9 s), with room for a few
 decodes; every other ci draw estimates under 4 s. Compiled kernels (a GPU) and the eager ones are

@@ -35,7 +35,7 @@ import torch
 from mla_verify.reference.forward import select_path
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 
-from . import contracts
+from .. import contracts
 
 CHANCE = 1e-3
 ROUNDED = 2.0**-6  # relative error of a float element within 4 bf16 rounding steps (2**-8) of its own size

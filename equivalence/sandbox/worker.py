@@ -7,19 +7,19 @@ forever; either way the campaign must record the case as failed and go on. The w
 (`equivalence.catalog.produce`: the call, the checks only that process can make) and sends back
 its outputs on the host. The parent builds a block's inputs once (`catalog.prepare_inputs`): its
 reference reads them, and on CPU each case's are handed to the worker through a shared segment
-(`equivalence.segment`; elsewhere, and for inputs that are not plain tensors, the worker builds
+(`equivalence.sandbox.segment`; elsewhere, and for inputs that are not plain tensors, the worker builds
 its own from the seed). The outputs come back through a segment too, the pipe carrying the
 header. The parent judges them (`catalog.judge_produced`): it computes the reference and every
 verdict where the implementation cannot reach them, neither the reference's tensors, the
 judge's functions nor its own copy of the inputs, which it compares with what it handed over.
 
-The worker is untrusted: it runs the user's code. What it sends is data (`equivalence.wire`: a
+The worker is untrusted: it runs the user's code. What it sends is data (`equivalence.sandbox.wire`: a
 JSON header and raw tensor bytes, parsed with size bounds, never unpickled), outputs and clock
 readings and findings that can only fail its case, never a row or a verdict; a message that does
 not parse or comes out of turn is the case's `crashed` finding. The parent waits on the worker's
 process beside its pipe (a dead worker is a crash at once, whoever holds the pipe), the worker
 watches its own channel after every call (`_Channel`), and what a call forked is killed when its
-case ends (`equivalence.reaper`). The returned storage is compared with the copy sent, before the
+case ends (`equivalence.sandbox.reaper`). The returned storage is compared with the copy sent, before the
 next call and after the block's judge (`guards.Returned`: a write after return).
 
 Clocks. A worker says "ready" once it has imported everything, created its CUDA context and
@@ -51,14 +51,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from ..cases.case import Case
+from ..errors import HarnessError
+from ..judge.policy import DEVIATIONS
+from ..judge.rows import Row
+from ..produced import Produced
 from . import guards, reaper, segment, wire
-from .case import Case
-from .contract import CALLED_WITH
+from .call_guards import CALLED_WITH
+from .calls import after_return_rows, failure_row, input_rows, noted, unsupported_row
 from .device import first_line, is_device_error, take_gpu_share, usable
-from .produced import Produced
-from .policy import DEVIATIONS
-from .rows import Row
-from .running import after_return_rows, failure_row, input_rows, noted, unsupported_row
 
 STARTUP_TIMEOUT_S = 300.0   # imports, CUDA context, warm-up: never counted against a case
 # Spares kept warming once a worker has been replaced. A CUDA worker takes seconds to start (CUDA
@@ -78,20 +79,11 @@ def default_isolation(isolate: bool | None, named: bool, own_processes: bool = F
     of their own (dcp) already runs the kernel outside its judge. UsageError for isolate=True
     with an implementation that is not named."""
     if isolate and not named:
-        from .subject import UsageError
+        from ..errors import UsageError
 
         raise UsageError("isolate=True needs an implementation importable by MODULE:CALLABLE (a module-level "
                          "function); a lambda, closure or partial runs in this process only")
     return (named if isolate is None else isolate) and not own_processes
-
-
-class HarnessError(RuntimeError):
-    """mla-verify itself failed (building inputs, the reference, a worker that cannot start);
-    `detail` holds the traceback."""
-
-    def __init__(self, message: str, detail: str = ""):
-        super().__init__(message)
-        self.detail = detail
 
 
 def _warm_up(device: str) -> None:
@@ -134,7 +126,7 @@ class _Channel:
         spaces = [("the worker's connection", conn, True), ("the worker's channel", self, True),
                   *((f"{c.__module__}.{c.__qualname__}", c, True) for c in type(conn).__mro__ if c is not object),
                   ("multiprocessing.connection", mpc, False), ("os", os, False), ("json", json, False),
-                  ("json.encoder", json.encoder, False), ("mla_verify.equivalence.wire", wire, False)]
+                  ("json.encoder", json.encoder, False), ("mla_verify.equivalence.sandbox.wire", wire, False)]
         self.names.extend(guards.namespaces(spaces))
 
     def send(self, header: dict, tensors: list | None = None) -> None:
@@ -172,7 +164,7 @@ def _children_left() -> bool:
 
 def _answer_cases(channel: _Channel, device: str) -> None:
     """Produce each case the parent sends, until it sends None or a context cannot be trusted."""
-    from .catalog import produce, resolve_subject  # it imports the kernels: not before `_serve` set up Triton
+    from ..catalog import produce, resolve_subject  # it imports the kernels: not before `_serve` set up Triton
 
     subjects, last, mapped = {}, None, {"inputs": None, "outputs": None}
     while True:
@@ -232,7 +224,7 @@ def _answer_cases(channel: _Channel, device: str) -> None:
 
 def _writes(case: Case) -> tuple[str, ...]:
     """The arguments `case`'s op writes in place (their bytes are its checks, not a finding)."""
-    from .catalog import get_spec
+    from ..catalog import get_spec
 
     return getattr(get_spec(case.op), "writes", ())
 
@@ -331,7 +323,7 @@ class Worker:
             # there before it imports anything, as in every CPU process of the run.
             os.environ.setdefault("TRITON_INTERPRET", "1")
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(["mla_verify.equivalence.isolation", "mla_verify.optimized",
+            ctx.set_forkserver_preload(["mla_verify.equivalence.sandbox.worker", "mla_verify.optimized",
                                         "mla_verify.equivalence.catalog"])
         conn, child = ctx.Pipe()
         proc = ctx.Process(target=_serve, args=(child, self.device), daemon=True)
@@ -450,7 +442,7 @@ class Worker:
         the clocks of the calls stay this thread's. On a GPU the two processes share, a case's
         kernel time can include some of the judge's work that ran meanwhile, and its reference
         time some of the worker's."""
-        from .catalog import judge_produced_block, prepare_block, prepare_inputs  # they import the kernels: not before `_serve` set up Triton
+        from ..catalog import judge_produced_block, prepare_block, prepare_inputs  # they import the kernels: not before `_serve` set up Triton
 
         # Built once, here, before the worker starts the block: the reference reads them, and the
         # worker is handed them (`segment`). Inputs that cannot be (a Batch) are built on the
@@ -482,7 +474,7 @@ class Worker:
         return [rows or [self._nothing_judged(case, label, run_id, source)] for case, rows in zip(cases, judged)]
 
     def _base(self, case: Case, label: str, run_id: str, source: str) -> dict:
-        from .catalog import get_spec
+        from ..catalog import get_spec
 
         return dict(run_id=run_id, case_id=case.case_id, impl=label, stages=(), device=self.device, seed=case.seed,
                     source=source, **get_spec(case.op).identity(case))
@@ -582,7 +574,7 @@ class Worker:
         told = {name for _, metric, _, name in answer.findings if metric == "input_written"}
         rows += input_rows(base, [(name, why) for name, why in written if name not in told], **timed)
         failed = any(tensor == "*" or metric == "unsupported" for tensor, metric, *_ in answer.findings)
-        from .properties.base import Compared  # it imports the kernels: not before `_serve` set up Triton
+        from ..properties.base import Compared  # it imports the kernels: not before `_serve` set up Triton
 
         compared = [Compared(*c) for c in answer.compared]
         return Produced([r.to_record() for r in rows], failed=failed, tensors=answer.tensors, devices=answer.devices,

@@ -5,10 +5,10 @@ The implementation runs after the reference, on its own poisoned outputs
 (`optimized.buffers.poisoned`), with Python's, numpy's and torch's global generators seeded from
 the case (a replay sees what the fuzz run saw). Whatever it does is the case's result, never the
 harness's: raising anything (SystemExit too, and a KeyboardInterrupt no SIGINT caused) fails the
-case (reason "raised"), and so does breaking the contract beyond values (`equivalence.contract`):
+case (reason "raised"), and so does breaking the contract beyond values (`equivalence.sandbox.call_guards`):
 writing an input, returning the wrong arity, type, layout, dtype, shape or device, or an input as
 output; changing the process for the cases after it, or the functions the judge relies on
-(`equivalence.guards`: both are put back first). Inputs the case generator builds are valid by
+(`equivalence.sandbox.guards`: both are put back first). Inputs the case generator builds are valid by
 contract, so a refusal (InputError) is a failure too; only `unsupported(reason)` declines a case
 without failing it (counted and reported).
 """
@@ -27,11 +27,11 @@ import torch
 
 from mla_verify.optimized.buffers import breached, poisoned, red_zones
 
+from ..errors import ContractError
+from ..judge.oracle import Verdict
+from ..judge.rows import Row
 from . import device as dev
 from . import guards
-from .contract import ContractError
-from .oracle import Verdict
-from .rows import Row
 
 
 class Unsupported(Exception):
@@ -179,6 +179,6 @@ def input_rows(base: dict, written: list[tuple[str, str]], **fields) -> list[Row
 
 
 def judged_row(base: dict, tensor: str, kind: str, v: Verdict, **fields) -> Row:
-    """One compared tensor's row, of kind `kind` (equivalence.rows): its metrics and the oracle's verdict."""
+    """One compared tensor's row, of kind `kind` (equivalence.judge.rows): its metrics and the oracle's verdict."""
     return Row(**base, tensor=tensor, kind=kind, metrics=v.metrics, gate_metric=v.gate_metric, value=v.value,
                bound=v.bound, headroom=v.headroom, deviation=v.deviation, passed=v.passed, reason=v.reason, **fields)

@@ -23,12 +23,9 @@ import torch
 
 from mla_verify.optimized.registry import Resolved
 
+from ..errors import ContractError
+from ..spec import SPECS
 from .guards import foreign, owned
-from .spec import SPECS
-
-
-class ContractError(Exception):
-    """The implementation broke the contract in a way that is not a value (one-line message)."""
 
 
 def _describe(obj: Any) -> str:

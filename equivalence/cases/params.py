@@ -1,7 +1,7 @@
 """The params several specs share, typed: the attention ops' problems and forward_mqa's batches.
 
 The properties pose these same problems (their knobs extend these classes) and the batch builders
-(`equivalence.batch`, `equivalence.hisparse_batch`) read them; params only one op has live in its
+(`equivalence.cases.batch`, `equivalence.cases.hisparse_batch`) read them; params only one op has live in its
 module (`equivalence.ops`). A field's comment says what it sets; its Param what a case file may hold.
 """
 
@@ -12,8 +12,25 @@ from dataclasses import dataclass
 from .builders import VERSIONS as BUILDERS
 from .layouts import LAYOUTS
 from .patterns import FORWARD_PATTERNS, PATTERNS
-from .schema import (BLOCK, HEADS, PAD, ROWS, SEQ_LENS, SM_SCALE, TOKENS, TOPK, Flag, Int, Ints, OneOf, Params, Real,
-                     SubsetOf, blocks, param)
+from .schema import (
+    BLOCK,
+    HEADS,
+    PAD,
+    ROWS,
+    SEQ_LENS,
+    SM_SCALE,
+    TOKENS,
+    TOPK,
+    Flag,
+    Int,
+    Ints,
+    OneOf,
+    Params,
+    Real,
+    SubsetOf,
+    blocks,
+    param,
+)
 from .values import COVERING_REGIMES, REGIMES
 
 REGIME = OneOf(*REGIMES, *COVERING_REGIMES)
@@ -33,11 +50,11 @@ class PrefillParams(Params):
     topk: int = param(TOPK)
     value_regime: str = param(REGIME)
     sm_scale: float = param(SM_SCALE)
-    invalid: tuple[str, ...] = param(SubsetOf(*PATTERNS), ())      # invalid-index patterns (equivalence.patterns)
+    invalid: tuple[str, ...] = param(SubsetOf(*PATTERNS), ())      # invalid-index patterns (equivalence.cases.patterns)
     topk_length: str = param(OneOf("none", "random", "edges"), "none")  # per-token lengths: none, drawn, 0/1/K-1/K
     sink: str = param(OneOf("none", "finite", "inf"), "none")         # attention sink per head
-    layout: str = param(OneOf(*LAYOUTS), "contiguous")                # of the inputs that may take one (equivalence.layouts)
-    inputs: int = param(OneOf(*BUILDERS), 1)                      # the input builder's version (equivalence.builders)
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")                # of the inputs that may take one (equivalence.cases.layouts)
+    inputs: int = param(OneOf(*BUILDERS), 1)                      # the input builder's version (equivalence.cases.builders)
 
     def elements(self) -> int:
         return self.tokens * (self.heads * 1088 + self.kv_rows + self.topk) + self.kv_rows * 576
@@ -58,8 +75,8 @@ class DecodeParams(Params):
     scale_rule: str = param(SCALE_RULE)
     invalid: tuple[str, ...] = param(SubsetOf(*DECODE_PATTERNS), ())
     stride_pad: int = param(PAD, 0)              # slots between pages past the page size
-    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of q and the indices (equivalence.layouts)
-    inputs: int = param(OneOf(*BUILDERS), 1)                      # the input builder's version (equivalence.builders)
+    layout: str = param(OneOf(*LAYOUTS), "contiguous")  # of q and the indices (equivalence.cases.layouts)
+    inputs: int = param(OneOf(*BUILDERS), 1)                      # the input builder's version (equivalence.cases.builders)
 
     @property
     def requests(self) -> int:
@@ -77,7 +94,7 @@ class DecodeParams(Params):
 
 @dataclass(frozen=True)
 class ForwardParams(Params):
-    """A forward_mqa batch (`equivalence.batch`; HiSparse: `equivalence.hisparse_batch`)."""
+    """A forward_mqa batch (`equivalence.cases.batch`; HiSparse: `equivalence.cases.hisparse_batch`)."""
 
     cache_dtype: str = param(OneOf("bfloat16", "fp8_ds_mla", "nvfp4_ds_mla"))
     heads: int = param(HEADS)
@@ -102,7 +119,7 @@ class ForwardParams(Params):
     dcp_size: int = param(Int(1, 8), 1)
     interleave: int = param(Int(1, 1024), 1)                     # DCP: tokens per run on one rank
     pad_rows: int = param(Int(0, 64), 0)                         # CUDA-graph padding rows past the last request
-    # HiSparse (equivalence.hisparse_batch)
+    # HiSparse (equivalence.cases.hisparse_batch)
     hisparse: bool = param(Flag(), False)
     layers: int = param(Int(1, 4), 1)
     resident_frac: float = param(Real(0, 1), 0.5)                # pages already in the hot cache
@@ -113,7 +130,7 @@ class ForwardParams(Params):
     spare_state_rows: int = param(Int(0, 64), 0)
     swap_rows: str = param(OneOf("fit", "below"), "fit")         # swap-in budget: the decodes, or one below
     buffer_rows: int | None = param(Int(1, 2**20, nullable=True), None)  # persistent buffer; None: tokens + 1
-    inputs: int = param(OneOf(*BUILDERS), 1)                      # the input builder's version (equivalence.builders)
+    inputs: int = param(OneOf(*BUILDERS), 1)                      # the input builder's version (equivalence.cases.builders)
 
     @property
     def seq_lens(self) -> list[int]:

@@ -19,7 +19,7 @@ process cannot leak into the next case or into the verdict.
 
 In-process, these stop a kernel that changes the process by accident or by design of its own
 framework; a kernel set on fooling the judge can still reach anything in its process, which is why
-an isolated run judges in the parent (`equivalence.isolation`).
+an isolated run judges in the parent (`equivalence.sandbox.worker`).
 """
 
 from __future__ import annotations

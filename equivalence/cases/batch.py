@@ -28,8 +28,8 @@ from mla_verify.reference.indices import dcp_local_seq_lens, dcp_owner_and_local
 from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
 from mla_verify.reference.paged_cache import scatter_rows
 
-from .params import ForwardParams
 from .builders import permutation
+from .params import ForwardParams
 from .patterns import apply_patterns, distinct_rows, prefix_candidates
 from .values import pooled_rows, q_values
 

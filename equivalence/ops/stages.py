@@ -6,7 +6,7 @@ while a `Recorder` is active, `recorded` wraps every stage of it, so the run kee
 keyword arguments and result. Each call is then answered by the reference's function of that
 stage (`ORACLES`) on the same arguments and judged by that stage's own checks: bit for bit for
 the index, layout and workspace stages, the oracle's bounds for attention and the merge. The
-first call that differs names the stage, with its mismatch line (`equivalence.mismatch`).
+first call that differs names the stage, with its mismatch line (`equivalence.judge.mismatch`).
 
 A stage judged on its own inputs is right or wrong by itself: a kernel handed wrong indices by
 the converter before it matches the reference handed the same. A second run feeds the reference's
@@ -33,12 +33,14 @@ import torch
 from mla_verify import reference
 from mla_verify.optimized.registry import Resolved
 
-from .contract import ContractError, returned
-from .localize import axes_for
-from .mismatch import QUIET_METRICS, line
-from .oracle import Verdict, judge
-from .ops.indices import named_indices
-from .policy import EXACT, LSE, OUT, Numerics
+from ..cases.numerics import Numerics
+from ..errors import ContractError
+from ..judge.localize import axes_for
+from ..judge.mismatch import QUIET_METRICS, line
+from ..judge.oracle import Verdict, judge
+from ..judge.policy import EXACT, LSE, OUT
+from ..sandbox.call_guards import returned
+from .indices import named_indices
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,7 @@ def _like(ref: Any, got: Any) -> Any:
 
 
 def fields_of(call: Call) -> dict[str, Any]:
-    """A call as plain data (its fields by name, the values themselves), as `equivalence.wire` sends it."""
+    """A call as plain data (its fields by name, the values themselves), as `equivalence.sandbox.wire` sends it."""
     return {f.name: getattr(call, f.name) for f in dataclasses.fields(call)}
 
 

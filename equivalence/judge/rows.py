@@ -2,7 +2,7 @@
 
 Every gate, fuzz, property and replay run emits rows; `reports` turns them into a DataFrame. The
 columns are fixed here so that runs made months apart compare column by column. A Row holds the
-tensor's `Metrics` (equivalence.metrics) and is stored flat (`to_record`, COLUMNS): each metric a
+tensor's `Metrics` (equivalence.judge.metrics) and is stored flat (`to_record`, COLUMNS): each metric a
 column of its own, so a metric added to Metrics is a column, and `from_record` reads one back.
 
 A row's *kind* says which key metric speaks for it in the report's tables and plots (reports.kinds):
@@ -15,7 +15,7 @@ A row's *kind* says which key metric speaks for it in the report's tables and pl
     ""          none: the case failed as a whole (tensor "*") or wrote an input ("input:NAME")
 
 It is set where the row is made, from the check that compared the tensor. That is not the
-policy's exact | out | lse (`equivalence.policy`: how a tensor is measured and which bounds hold
+policy's exact | out | lse (`equivalence.judge.policy`: how a tensor is measured and which bounds hold
 it; `Check.kind`): max_logits is measured as an LSE and other as an output, and a row is of kind
 exact exactly when its tensor was compared bit for bit.
 """

@@ -1,7 +1,7 @@
 """A HiSparse forward_mqa batch: the plain batch's logical cache relocated into host and device
 tiers (`reference.hisparse` describes the tiers and tables), for L layers sharing one top-k.
 
-From the plain batch (`equivalence.batch.make_batch`), per layer l (layer 0 is the plain batch's
+From the plain batch (`equivalence.cases.batch.make_batch`), per layer l (layer 0 is the plain batch's
 cache, later layers get fresh rows in the same slots, and a fresh query):
 * host cache = the plain cache, host block table = the plain block table; host block 0 (null)
   is poisoned (0xFF: NaN in bf16, e4m3 and fp32);

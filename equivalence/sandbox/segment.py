@@ -27,7 +27,7 @@ from typing import Any, Collection
 
 import torch
 
-from .contract import tensors_in
+from .call_guards import tensors_in
 
 ALIGN = 64                   # every region starts at a multiple: any dtype's view is aligned
 INITIAL_BYTES = 64 << 20     # a memfd's pages exist once written: an unused size costs nothing

@@ -4,7 +4,7 @@ feature of the op (or forward_mqa path) at least once, whatever the profile.
 A profile's random draws reach what its sizes allow: `ci` never draws two prefill requests of
 convert_index nor more than 64 tokens, and a multi-chunk split end first appears at example 168 of
 `dev`. So each op and path lists its features (`FEATURES`: the routing boundaries of
-`equivalence.routing` and the edge classes of its inputs), proposes candidate cases derived from
+`equivalence.cases.routing` and the edge classes of its inputs), proposes candidate cases derived from
 the campaign's seed (`Coverage.candidates`, within the profile's head counts and top-k values where
 the feature allows), and a greedy covering design picks the fewest candidates that hit them all
 (`covering_set`). The campaign runs those first, then draws at random as before
@@ -20,9 +20,9 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from .case import Case
-from .feature_lists import FEATURES, Coverage
-from .profiles import Profile
+from ..cases.case import Case
+from ..cases.profiles import Profile
+from .registry import FEATURES, Coverage
 
 
 def coverage_of(op: str, path: str | None = None) -> Coverage | None:
@@ -39,15 +39,14 @@ def covered() -> list[tuple[str, str | None]]:
 
 
 def _load() -> None:
-    """The op modules' coverage lives in `equivalence.features`, `features_bytes` and
-    `features_forward`, imported on first use (they build inputs through the catalog, which
+    """The op modules' coverage lives in `features`, `exact` and `forward`, imported on first use (they build inputs through the catalog, which
     imports this module's users)."""
-    from . import features, features_bytes, features_forward  # noqa: F401  (they register on import)
+    from . import exact, features, forward  # noqa: F401  (they register on import)
 
 
 def features_of(case: Case, device: str = "cpu", path: str | None = None) -> set[str]:
     """The features `case` hits, computed from the tensors its op builds from it."""
-    from .catalog import get_spec
+    from ..catalog import get_spec
 
     cov = coverage_of(case.op, path)
     if cov is None:
@@ -68,7 +67,7 @@ def covering_set(op: str, profile: Profile, seed: int, path: str | None = None,
     features are read from inputs built on `device`, as the campaign builds them (a case's
     tensors depend on the device type). A multi-process op's candidates take the campaign's
     `world_size` (None: as proposed)."""
-    from .catalog import get_spec
+    from ..catalog import get_spec
 
     cov = coverage_of(op, path)
     if cov is None:
@@ -98,7 +97,7 @@ def random_hits(op: str, profile: Profile, draws: int, seed: int = 0, path: str 
     campaign's draws without the covering set (Hypothesis's generate phase, seeded)."""
     from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
 
-    from .catalog import get_spec
+    from ..catalog import get_spec
 
     cov = coverage_of(op, path)
     counts, made = {name: 0 for name in (cov.features if cov else ())}, [0]
