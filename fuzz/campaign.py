@@ -188,12 +188,13 @@ def strategy(op: str, profile: Profile, path: str | None, world_size: int | None
 def first_cases(op: str, profile: Profile, path: str | None, world_size: int | None, impl_specs: tuple[str, ...],
                 device: str, seed: int) -> list[Case]:
     """The covering set a campaign starts with (`equivalence.coverage.sets`), held to the interpreter's
-    budget as `strategy` holds the draws."""
+    budget as `strategy` holds the draws, and its routing pairs to the profile's `pair_s` a case."""
     spec = get_spec(op)
     if not registry.interpreted(impl_specs, device.split(":")[0]) or profile.interpreter_s is None:
         return covering_set(op, profile, seed, path, device=device, world_size=world_size)
     return covering_set(op, profile, seed, path, device=device, world_size=world_size,
-                        admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s)
+                        admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s,
+                        cap=profile.pair_s)
 
 
 def each(run: Runner) -> Judge:
@@ -235,10 +236,11 @@ class _Search:
         # The covering set runs first, as Hypothesis's explicit examples. Hypothesis shrinks only its
         # draws: a failing covering case is saved and re-run as any first failure, then the draws go
         # on to the first failure they make, which is shrunk; none: the covering case is the result.
-        # Within the budget: a set larger than `examples` (blocks of `block`) keeps its first picks.
+        # The whole set runs, whatever the budget (its pairs may pass it: ci's 6); the draws fill
+        # what is left of the budget after it.
         c = campaign
         self.cover = first_cases(c.op, c.profile, c.path, c.world_size, c.under_test.specs, c.under_test.device,
-                                 c.seed)[:max(1, -(-c.examples // max(c.block, 1)))]
+                                 c.seed)
         self.covering = {case.case_id for case in self.cover}
 
     def save(self, case: Case, rows: list[Row], note: str, where: Path | None = None,
@@ -313,7 +315,8 @@ class _Search:
             case = Case(case.op, case.params, case.seed + self.offset)
             found = [(case, self.evaluate([case], "shrink")[0])]
         else:
-            count = min(self.campaign.block, self.campaign.examples - self.result.examples)
+            covering = case.case_id in self.covering  # run alone, past the budget if the set is larger
+            count = 1 if covering else min(self.campaign.block, self.campaign.examples - self.result.examples)
             if count <= 0:  # the covering set and the blocks drawn spent the budget: no case past it
                 return
             cases = [case] + [Case(case.op, case.params, case.seed + i) for i in range(1, count)]

@@ -9,7 +9,10 @@ rest as the remainder of whole HiSparse cases:
 
     sparse_prefill      PREFILL_PROGRAM_S per (token, head block) + BLOCK_S per 64-key block
     sparse_decode_fp8   DECODE_PROGRAM_S per (query row, head block, split) + BLOCK_S per key
-                        block, and COMBINE_S per (query row, head) when the top-k list is split
+                        block, each times DECODE_HEAD_BLOCK[block_h] (the decode's tiles are
+                        dequantized for the whole head block: a 64-head block took 1.65x a
+                        16-head one, measured at top-k 1024 on this project's 2-core machine,
+                        triton 3.6), and COMBINE_S per (query row, head) when the top-k list is split
     forward_mqa         FORWARD_TOKEN_S per token and layer besides its attention
 
 A case's estimate is its base problem's attention calls (`calls`) times the runs its check makes
@@ -31,6 +34,7 @@ PREFILL_PROGRAM_S = 0.006
 DECODE_PROGRAM_S = 0.017   # it dequantizes the fp8 tile of every key block it loads
 BLOCK_S = 0.008
 COMBINE_S = 0.002
+DECODE_HEAD_BLOCK = {16: 1.0, 32: 1.35, 64: 1.65}
 FORWARD_TOKEN_S = 0.008
 
 
@@ -55,7 +59,8 @@ class Call:
         splits, split_len = split_plan(self.topk, cfg.block_n, self.rows * head_blocks, NOMINAL_SMS, None)
         programs = self.rows * head_blocks * splits
         combine = self.rows * self.heads * COMBINE_S if splits > 1 else 0.0
-        return programs * (DECODE_PROGRAM_S + BLOCK_S * (split_len // cfg.block_n)) + combine
+        per_program = (DECODE_PROGRAM_S + BLOCK_S * (split_len // cfg.block_n)) * DECODE_HEAD_BLOCK[cfg.block_h]
+        return programs * per_program + combine
 
 
 def _forward_calls(p: ForwardParams) -> list[Call]:
