@@ -33,7 +33,7 @@ from typing import Callable, Protocol
 
 from hypothesis import HealthCheck, Phase, example, given, seed as hypothesis_seed, settings
 from hypothesis.errors import Flaky
-from hypothesis.strategies import SearchStrategy
+from hypothesis.strategies import SearchStrategy, one_of
 
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import get_spec
@@ -173,28 +173,46 @@ def _frozen_heap():
         gc.unfreeze()  # collectable again: nothing is kept for good
 
 
+def drawn_paths(op: str, path: str | None, impl_specs: tuple[str, ...]) -> tuple[str | None, ...]:
+    """What a campaign draws: `path`; where it names none and replaces stages of a pipeline
+    (`STAGE=...`), the draws that call them (`PipelineSpec.draws_for`: a HiSparse stage is called
+    on the HiSparse paths only, which the unrestricted draw never takes)."""
+    spec = get_spec(op)
+    replaced = [s.split("=", 1)[0] for s in impl_specs if "=" in s]
+    if path is not None or not replaced or not hasattr(spec, "draws_for"):
+        return (path,)
+    return spec.draws_for(replaced)
+
+
 def strategy(op: str, profile: Profile, path: str | None, world_size: int | None, impl_specs: tuple[str, ...],
              device: str) -> SearchStrategy[Case]:
-    """The cases of a campaign: the op's draws within `profile`, and for interpreted kernels
-    (Triton on CPU) only those the interpreter runs within the profile's budget a case."""
+    """The cases of a campaign: the op's draws within `profile` (on each of `drawn_paths`), and for
+    interpreted kernels (Triton on CPU) only those the interpreter runs within the profile's
+    budget a case."""
     spec = get_spec(op)
-    if not registry.interpreted(impl_specs, device.split(":")[0]) or profile.interpreter_s is None:
-        return spec.strategy(profile, path, world_size)
-    budget = profile.interpreted()
-    return spec.strategy(budget, path, world_size).filter(
-        lambda case: spec.interpreted_s(spec.params_of(case.params)) <= budget.budget_s)
+    interpreted = registry.interpreted(impl_specs, device.split(":")[0]) and profile.interpreter_s is not None
+    within = profile.interpreted() if interpreted else profile
+    drawn = one_of(*(spec.strategy(within, p, world_size) for p in drawn_paths(op, path, impl_specs)))
+    if not interpreted:
+        return drawn
+    return drawn.filter(lambda case: spec.interpreted_s(spec.params_of(case.params)) <= within.budget_s)
 
 
 def first_cases(op: str, profile: Profile, path: str | None, world_size: int | None, impl_specs: tuple[str, ...],
                 device: str, seed: int) -> list[Case]:
-    """The covering set a campaign starts with (`equivalence.coverage.sets`), held to the interpreter's
-    budget as `strategy` holds the draws, and its routing pairs to the profile's `pair_s` a case."""
+    """The covering set a campaign starts with (`equivalence.coverage.sets`; of each of
+    `drawn_paths`), held to the interpreter's budget as `strategy` holds the draws, and its
+    routing pairs to the profile's `pair_s` a case."""
     spec = get_spec(op)
-    if not registry.interpreted(impl_specs, device.split(":")[0]) or profile.interpreter_s is None:
-        return covering_set(op, profile, seed, path, device=device, world_size=world_size)
-    return covering_set(op, profile, seed, path, device=device, world_size=world_size,
-                        admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s,
-                        cap=profile.pair_s)
+    found: list[Case] = []
+    for p in drawn_paths(op, path, impl_specs):
+        if not registry.interpreted(impl_specs, device.split(":")[0]) or profile.interpreter_s is None:
+            found += covering_set(op, profile, seed, p, device=device, world_size=world_size)
+        else:
+            found += covering_set(op, profile, seed, p, device=device, world_size=world_size,
+                                  admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s,
+                                  cap=profile.pair_s)
+    return found
 
 
 def each(run: Runner) -> Judge:

@@ -58,6 +58,8 @@ DISCREPANCY = ("1", "a discrepancy, crash, hang, flaky result or broken contract
                     "the failing case is saved and its replay command printed")
 USAGE = ("2", "usage error or bad input, with a one-line reason, before any case runs")
 HARNESS = ("3", "mla-verify itself failed (the traceback is in the run directory's harness-error.txt)")
+NO_VERDICT = ("4", "NO VERDICT: nothing was judged (every case declined, a replaced stage never called, a baseline "
+                   "with nothing compared under --fail-on); the line starting `NO VERDICT:` says why")
 INTERRUPTED = ("130", "Ctrl-C or SIGTERM: the current case finishes, the run is written, failures' replay "
                       "commands printed")
 
@@ -189,9 +191,10 @@ def _add_drift(p: argparse.ArgumentParser, pair: bool = True) -> None:
         p.add_argument("--pair", action="append", default=[], metavar="NEW=OLD",
                        help="drift: compare implementation NEW of this run with OLD of the baseline (repeatable; "
                             "default: same names, or the one implementation per op of each run)")
-    p.add_argument("--fail-on", choices=("drifted", "worse"), default="drifted",
+    p.add_argument("--fail-on", choices=("drifted", "worse"), default=None,
                    help="drift: the word that fails the run (exit 1): drifted (beyond --factor, the default) or "
-                        "worse (significantly worse within the factor, or drifted)")
+                        "worse (significantly worse within the factor, or drifted); given, a baseline with "
+                        "nothing compared fails too (exit 4, NO VERDICT)")
 
 
 @dataclass(frozen=True)
@@ -202,13 +205,13 @@ class _DriftSettings:
     confidence: float
     min_cases: int
     pairs: tuple[str, ...]
-    fail_on: str
+    fail_on: str | None  # None: not given (drifted fails; a baseline with nothing compared does not)
 
     def settings(self) -> dict:
         from mla_verify.reports.pairing import parse_pairs
 
         return dict(factor=self.factor, confidence=self.confidence, min_cases=self.min_cases,
-                    pairs=parse_pairs(list(self.pairs)), fail_on=self.fail_on)
+                    pairs=parse_pairs(list(self.pairs)), fail_on=self.fail_on or "drifted")
 
 
 def _add_corpus(p: argparse.ArgumentParser) -> None:
@@ -281,7 +284,7 @@ def _add_fuzz_command(sub) -> None:
                  "first failing case is shrunk to the smallest one that still fails, saved as JSON under "
                  "the run directory, and printed with the `mla-verify replay` command that reproduces it. "
                  "Every compared tensor of every case is a row of the run's rows.parquet / rows.csv.",
-                 _epilog([("0", "every case passed"), DISCREPANCY, USAGE, HARNESS, INTERRUPTED],
+                 _epilog([("0", "every case passed"), DISCREPANCY, USAGE, HARNESS, NO_VERDICT, INTERRUPTED],
                          [("mla-verify fuzz --op sparse_prefill --impl mykernels.prefill:sparse_prefill "
                            "--examples 50 --seed 1",
                            "50 cases for your prefill kernel (a module-level function taking the keywords "
@@ -370,7 +373,7 @@ def _add_gate_command(sub) -> None:
                  _epilog([("0", "no discrepancy and no drift"),
                           ("1", "a discrepancy, crash, hang or broken contract (each failing case saved, its "
                                 "replay command printed), or drift beyond the factor against --baseline"),
-                          USAGE, HARNESS, INTERRUPTED],
+                          USAGE, HARNESS, NO_VERDICT, INTERRUPTED],
                          [("mla-verify gate --device cpu --out runs/cpu-gate", "the CPU gate, as `make gate` runs it"),
                           ("mla-verify gate --op sparse_decode_fp8 --op property --baseline runs/last-night "
                            "--junit gate.xml", "only decode and the properties, compared with last night's run, "
@@ -663,7 +666,8 @@ def cmd_fuzz(args, device: str) -> int:
     replay = (api.save_worst_case(drift.worst, result.out / "drift", options.deviations, options.conventions)
               if drift.worst and result.out else None)
     print("\n".join(drift.lines(replay)))
-    return result.exit_code or drift.exit_code
+    nothing = 4 if not drift.compared and drift_settings.fail_on is not None else 0  # NO VERDICT under --fail-on
+    return result.exit_code or drift.exit_code or nothing
 
 
 def cmd_replay(args, device: str) -> int:
@@ -700,10 +704,11 @@ def cmd_gate(args, device: str) -> int:
         return 130
     code = reports.run_report(outcome.out, baseline=options.baseline, save_case=api.save_worst_case,
                               **drift_settings.settings())
-    verdict = "FAILED" if outcome.failed else "passed" if outcome.isolated else f"passed ({IN_PROCESS})"
+    verdict = ("FAILED" if outcome.failed else "NO VERDICT" if outcome.no_verdict
+               else "passed" if outcome.isolated else f"passed ({IN_PROCESS})")
     print(f"gate {verdict}: {len(outcome.rows)} rows in {time.time() - started:.0f} s; "
           f"report {outcome.out / 'report.html'}")
-    return 1 if outcome.failed else code
+    return outcome.exit_code or code
 
 
 def cmd_report(args, device: str) -> int:
@@ -744,7 +749,7 @@ def cmd_history(args, device: str) -> int:
 
     order = [r for r in args.revisions.split(",") if r] if args.revisions else args.order
     h = api.history(args.runs, html=args.html, order=order, factor=args.factor, confidence=args.confidence,
-                    min_cases=args.min_cases, fail_on=args.fail_on)
+                    min_cases=args.min_cases, fail_on=args.fail_on or "drifted")
     print("\n".join(h.lines()))
     if args.html is not None:
         print(f"html history: {args.html}")

@@ -12,7 +12,7 @@ import pytest
 
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
 from mla_verify.equivalence.cases.profiles import get_profile
-from mla_verify.fuzz.campaign import Campaign, each, fuzz, new_seed
+from mla_verify.fuzz.campaign import Campaign, UnderTest, each, fuzz, new_seed
 from tests.zoo import ZOO
 
 PROFILES = ("ci", "dev")
@@ -24,7 +24,7 @@ FOUND: dict[str, int | None] = {}
 def test_zoo_bug_is_caught(bug, profile):
     seed, budget = new_seed(), get_profile(profile).examples
     subject = resolve_subject(bug.op, [bug.impl], "cpu")
-    result = fuzz(Campaign(bug.op, get_profile(profile), budget, seed, path=bug.path, shrink=False),
+    result = fuzz(Campaign(bug.op, get_profile(profile), budget, seed, UnderTest((bug.impl,)), path=bug.path, shrink=False),
                   each(lambda case, source: evaluate(case, subject, "cpu", source=source)))
     FOUND[f"{bug.name} ({profile})"] = result.first_failure_at
     print(f"{bug.name}: profile {profile}, seed {seed}, first failure at example {result.first_failure_at}")

@@ -9,7 +9,7 @@ fuzzer can be held to, and world sizes it runs over.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from hypothesis import strategies as st
 
@@ -47,6 +47,21 @@ class PipelineSpec(OpSpec):
     draw_path: Callable[[Profile, str], st.SearchStrategy[dict]] | None = None
     draw_ranks: Callable[[Profile, int], st.SearchStrategy[dict]] | None = None
     traced: Callable[[Any], bool] = lambda params: True  # whether its stages are recorded (`equivalence.ops.stages`)
+    path_stages: Callable[[str], frozenset[str]] | None = None  # the stages a path's batches may call
+
+    def paths_calling(self, stages: Iterable[str]) -> tuple[str, ...]:
+        """The paths whose batches may call one of `stages` (a replaced stage is exercised there only)."""
+        wanted = set(stages)
+        return tuple(p for p in self.paths if self.path_stages is not None and wanted & self.path_stages(p))
+
+    def draws_for(self, stages: Iterable[str]) -> tuple[str | None, ...]:
+        """What a campaign that replaces `stages` and names no path draws: the unrestricted draw
+        where it may call one of them, else the paths fuzzed apart (HiSparse) that do; the
+        unrestricted draw where none does (the stages stay never called: no verdict)."""
+        calling = self.paths_calling(stages)
+        if not calling or any(p not in self.own_campaigns for p in calling):
+            return (None,)
+        return calling
 
     def strategy(self, profile: Profile, path: str | None = None, world_size: int | None = None) -> st.SearchStrategy[Case]:
         if path is not None:

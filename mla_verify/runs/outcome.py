@@ -90,6 +90,7 @@ class CheckResult:
     notes: list[str] = field(default_factory=list)
     campaigns: int = 1              # independent campaigns (parallel parts: seeds seed, seed + 1, ...)
     in_process: bool = False        # judged in the implementation's own process (--no-isolate, a callable object)
+    no_verdict: str = ""            # why nothing judged what was asked (a replaced stage never called): no PASS
 
     @property
     def failure(self) -> Failure | None:
@@ -113,6 +114,8 @@ class CheckResult:
         if self.interrupted:
             lines.append(f"INTERRUPTED after {self.examples} examples (seed {self.seed}); rows so far in {self.out}"
                          if self.out else f"INTERRUPTED after {self.examples} examples (seed {self.seed})")
+        elif self.no_verdict and not self.failures:
+            lines.append(f"NO VERDICT: {self.no_verdict}")
         elif self.passed:
             seeds = (f"seed {self.seed}" if self.campaigns == 1
                      else f"seeds {self.seed}..{self.seed + self.campaigns - 1}")
@@ -136,8 +139,10 @@ class CheckResult:
 
     @property
     def exit_code(self) -> int:
-        """What the CLI returns: 130 interrupted, 1 a failure, 0 a pass."""
-        return 130 if self.interrupted else 0 if self.passed else 1
+        """What the CLI returns: 130 interrupted, 1 a failure, 4 no verdict, 0 a pass."""
+        if self.interrupted:
+            return 130
+        return 4 if self.no_verdict and not self.failures else 0 if self.passed else 1
 
 
 def _headroom(rows: pd.DataFrame) -> str:
@@ -168,17 +173,20 @@ class GateOutcome:
     case_files: list[tuple[Path, list[str]]] = field(default_factory=list)  # each saved case, its lines (replay first)
     parts: int = 1
     isolated: bool = True           # judged out of the kernels' reach (reports.meta.IN_PROCESS otherwise)
+    no_verdict: str = ""            # why nothing judged what was asked (a replaced stage never called)
 
     def lines(self) -> list[str]:
-        """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts said them)."""
+        """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts
+        said them), no verdict."""
         return ([f"note: {n}" for n in self.notes] + [f"odd one out: {line}" for line in self.odd_ones_out]
                 + [text for f, rows in self.case_files
                    for text in [f"finding saved: {f}", *rows]]
-                + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else []))
+                + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else [])
+                + ([f"NO VERDICT: {self.no_verdict}"] if self.no_verdict and not self.failed else []))
 
     @property
     def exit_code(self) -> int:
-        return 130 if self.interrupted else 1 if self.failed else 0
+        return 130 if self.interrupted else 1 if self.failed else 4 if self.no_verdict else 0
 
 
 def replay_command(case_file: Path | None, specs: Sequence[str], device: str, deviations: Sequence[str] = (),
