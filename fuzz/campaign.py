@@ -153,6 +153,15 @@ class FuzzResult:
     shrunk: bool = False                  # the failure is Hypothesis's minimized case
 
 
+def _traced(rows: list[Row], again: list[Row]) -> None:
+    """The failing rows of a case told what its traced re-run's same failures were told (the
+    first stage that differs), each by its tensor, metric and value."""
+    told = {(r.tensor, r.gate_metric, r.value): r.reason for r in again if not r.passed}
+    for r in rows:
+        if not r.passed:
+            r.reason = told.get((r.tensor, r.gate_metric, r.value), r.reason)
+
+
 def new_seed() -> int:
     return random.SystemRandom().randrange(2**31)
 
@@ -318,7 +327,12 @@ class _Search:
         if any(r.gate_metric == "hung" for r in rows):
             raise StopCampaign("")  # a hang is not re-run or shrunk: every try costs the timeout
         self.stop_if_asked()
-        failed = sum(_failing(self.evaluate([case], "rerun")[0]) for _ in range(reruns))
+        # The first re-run records a pipeline's stages (`ops.stages`: in the worker, a call within
+        # its time cap): the finding names the first stage that differs, shrunk or not.
+        runs = [self.evaluate([case], "trace" if i == 0 else "rerun")[0] for i in range(reruns)]
+        if runs and _failing(runs[0]):
+            _traced(rows, runs[0])
+        failed = sum(map(_failing, runs))
         if failed < reruns:
             result.flaky = (failed, reruns)
             self.save(case, rows, f"flaky: failed {failed} of {reruns} re-runs", result.found_file)

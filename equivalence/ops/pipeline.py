@@ -31,10 +31,11 @@ from .base import OpSpec
 VARIANTS = {"pipeline": (), "pipeline[triton attention]": ("sparse_prefill=triton", "sparse_decode_fp8=triton")}
 # A failing case is run again stage by stage (`equivalence.ops.stages`) in process, except for a re-run
 # (it only asks whether the failure repeats); an isolation worker records the stages only of the
-# cases a run reports (a shrink step's, whose last is the minimized case, or a replay's): it cannot
-# know which of its cases fail, and recording every case would run each three times.
+# cases a run reports (a shrink step's, whose last is the minimized case, a replay's, or the first
+# failure's first re-run, `trace`: a campaign that does not shrink still names the stage): it
+# cannot know which of its cases fail, and recording every case would run each three times.
 UNTRACED = frozenset({"rerun", "bench"})
-TRACED_IN_WORKER = frozenset({"shrink", "replay"})
+TRACED_IN_WORKER = frozenset({"shrink", "replay", "trace"})  # trace: a campaign's first failure, re-run once
 # The worker's traced runs count against the case's timeout (its parent waits for one answer): a
 # case whose call took longer than this is not traced there (the runs take about twice as long).
 TRACE_CALL_S = 20.0
