@@ -177,6 +177,9 @@ def test_too_few_cases_are_not_judged_and_say_so():
     assert not drift.drifted and (drift.groups["mode"] == TOO_FEW).all()
     assert f"{TOO_FEW}: {len(drift.groups)} groups" in "\n".join(drift.lines())
     assert f"min {DRIFT_MIN_CASES} cases" in drift.verdict
+    # nothing compared is said so (issue 47: it read "no drift in 0 groups compared"); under
+    # --fail-on, `fuzz --baseline` exits 4 (NO VERDICT) on it
+    assert drift.compared == 0 and drift.verdict.startswith("NO VERDICT: nothing compared with the baseline")
     # with 3 cases a side the test can reach p = 1/20 at best: flagged only at a confidence below 0.95
     assert not compare(new, base, min_cases=3).drifted
     loose = compare(new, base, min_cases=3, confidence=0.9)
