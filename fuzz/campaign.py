@@ -259,12 +259,13 @@ class _Search:
         self.offset = 0   # the failing case's place in its block
         self.found: Case | None = None  # the first failing case, as found (saved at once: result.found_file)
         self.first: tuple[Case, list[Row]] | None = None  # and its rows
+        self.drawn = 0    # drawn cases judged (the covering set's not counted)
         self.origin: tuple[Case, list[Row], int] | None = None  # the drawn failure shrunk: its rows, example number
         # The covering set runs first, as Hypothesis's explicit examples. Hypothesis shrinks only its
         # draws: a failing covering case is saved and re-run as any first failure, then the draws go
         # on to the first failure they make, which is shrunk; none: the covering case is the result.
         # The whole set runs, whatever the budget (its pairs may pass it: ci's 6); the draws fill
-        # what is left of the budget after it.
+        # what is left of the budget after it, or the whole budget once a covering case failed.
         c = campaign
         self.cover = first_cases(c.op, c.profile, c.path, c.world_size, c.under_test.specs, c.under_test.device,
                                  c.seed)
@@ -347,12 +348,16 @@ class _Search:
             case = Case(case.op, case.params, case.seed + self.offset)
             found = [(case, self.evaluate([case], "shrink")[0])]
         else:
-            covering = case.case_id in self.covering  # run alone, past the budget if the set is larger
-            count = 1 if covering else min(self.campaign.block, self.campaign.examples - self.result.examples)
+            # A covering case runs alone, past the budget if the set is larger; the draws fill what
+            # the set left of the budget, or, once a covering case failed, draw the whole budget
+            # for a failure Hypothesis can shrink.
+            room = self.campaign.examples - self.drawn - (len(self.cover) if self.first is None else 0)
+            count = 1 if case.case_id in self.covering else min(self.campaign.block, room)
             if count <= 0:  # the covering set and the blocks drawn spent the budget: no case past it
                 return
             cases = [case] + [Case(case.op, case.params, case.seed + i) for i in range(1, count)]
             found = [(c, rows) for c, rows in zip(cases, self.evaluate(cases, "fuzz")) if rows is not None]
+            self.drawn += len(found) if case.case_id not in self.covering else 0
             for _, rows in found:
                 self.result.examples += 1
                 self.result.rows.extend(rows)
@@ -376,11 +381,11 @@ class _Search:
 
     def run(self) -> FuzzResult:
         c, result = self.campaign, self.result
-        # Past a covering set as large as the budget, nothing is drawn.
-        drawn = ((Phase.reuse, Phase.generate) + ((Phase.shrink,) if c.shrink else ())
-                 if c.examples > len(self.cover) else ())
+        # The draws run where the budget is left after the covering set or a covering case failed
+        # (`example`): Hypothesis is asked for the budget's blocks, those past what is left skipped.
+        drawn = (Phase.reuse, Phase.generate) + ((Phase.shrink,) if c.shrink else ())
 
-        @settings(max_examples=max(1, -(-(c.examples - len(self.cover)) // max(c.block, 1))), deadline=None,
+        @settings(max_examples=max(1, -(-c.examples // max(c.block, 1))), deadline=None,
                   database=None, phases=(Phase.explicit, *drawn), print_blob=False, report_multiple_bugs=False,
                   suppress_health_check=list(HealthCheck))
         @hypothesis_seed(c.seed)

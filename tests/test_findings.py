@@ -18,8 +18,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 def test_a_shrunk_finding_is_one_case_file_holding_the_case_as_found(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    # Past the covering set (its pairs: about 25 cases at ci): the draws, one of which fails and is shrunk.
-    result = mla_verify.check("sparse_prefill", "my_kernel:sparse_prefill_v0", profile="ci", examples=40, seed=1,
+    result = mla_verify.check("sparse_prefill", "my_kernel:sparse_prefill_v0", profile="ci", examples=6, seed=1,
                               device="cpu", isolate=False, out=tmp_path / "run")
     failure, = result.failures
     assert failure.minimized and list((tmp_path / "run" / "failures").iterdir()) == [failure.case_file]
@@ -34,7 +33,7 @@ def test_report_counts_one_finding_for_one_case_file(tmp_path, monkeypatch):
     """Seed 1 fails on covering cases and on the draw Hypothesis shrinks: one finding (its file,
     named by the rows of its case), the other failing cases counted as failing cases, not findings."""
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    result = mla_verify.check("sparse_prefill", "my_kernel:sparse_prefill_v0", profile="ci", examples=40, seed=1,
+    result = mla_verify.check("sparse_prefill", "my_kernel:sparse_prefill_v0", profile="ci", examples=6, seed=1,
                               device="cpu", isolate=False, out=tmp_path / "run")
     frame, _ = load_run(tmp_path / "run")
     files = [p.name for p in (tmp_path / "run" / "failures").iterdir()]

@@ -33,7 +33,8 @@ SPLIT = tuple(f"split: {side}" for side in SIDES["split"])
 BATCH = ("batch > 1", "> 64 tokens", "two or more prefill requests", "spec decodes (s_q > 1) of several requests",
          "row with no valid index", "only the decodes of a mixed batch through forward_mqa") + DEGENERATE
 DECODE_TOPK = tuple(f"decode_topk: {side}" for side in SIDES["decode_topk"])
-CHUNKED = ("two or more prefill requests in one workspace chunk", "a chunk of two or more requests ending mid-batch")
+CHUNKED = ("two or more prefill requests in one workspace chunk", "a chunk of two or more requests ending mid-batch",
+           "a zero-length request among the prefills (its workspace start repeated)")
 PATH_FEATURES = {
     "bf16": SPLIT + BATCH,
     "fp8_mixed": SPLIT + BATCH + DECODE_TOPK + ("raw (non-power-of-two) scales",),
@@ -83,8 +84,10 @@ def _forward_templates(rng: random.Random, p: Profile, path: str) -> list[dict]:
         for chunks in (1, 2, 3):
             seqs = [rng.randint(20, 40) for _ in range(chunks + 1)]
             qlens = [n // 2 + 2 for n in seqs]
-            found.append(_batch(rng, p, dtype, heads, [1] + qlens, 128,
-                                context_lens=[5] + [n - q for n, q in zip(seqs, qlens)],
+            padded = [0, 0] if chunks == 2 else []  # vLLM pads request slots (#51486): an empty one among them
+            found.append(_batch(rng, p, dtype, heads, [1] + qlens[:1] + padded[:1] + qlens[1:], 128,
+                                context_lens=[5] + [n - q for n, q in zip(seqs, qlens)][:1] + padded[1:]
+                                + [n - q for n, q in zip(seqs, qlens)][1:],
                                 workspace_size=None if chunks == 1 else max(seqs) + (40 if chunks == 2 else 0)))
     return found
 
@@ -93,8 +96,8 @@ def _unrestricted_templates(rng: random.Random, p: Profile) -> list[dict]:
     """The unrestricted draw's six, each holding what the others cannot (the fewest that reach
     every path's features: the separate path's 1, 2 and >= 3 chunks are three batches, an empty
     and a full DCP shard two on the mixed path, the BF16 cache one): spec decodes, a merged and a
-    short prefill and three more past 64 tokens in >= 3 chunks, the first chunk the short one and
-    a long one (two requests in a chunk that ends mid-batch); DCP decodes of a few tokens with
+    short prefill and three more past 64 tokens in >= 3 chunks, the first chunk the short one, a
+    long one and an empty request slot (three requests in a chunk that ends mid-batch); DCP decodes of a few tokens with
     padding requests (a rank empty); BF16 and DCP decodes alone through forward_mqa; all prefills
     in two chunks; one chunk."""
     low = [h for h in p.mqa_heads if h in (8, 16)] or [16]
@@ -102,9 +105,10 @@ def _unrestricted_templates(rng: random.Random, p: Profile) -> list[dict]:
     seq = rng.randint(80, 100)  # the three long prefills' sequences: one workspace each, the short one's beside
     long = [seq // 2 + rng.randint(0, 8) for _ in range(3)]
     short = rng.randint(0, 8)   # the short prefill's context
-    spec = _batch(rng, p, "fp8_ds_mla", 32, [2, 2, 0, 2, 4] + long, 128, max_decode_query_len=2, **quant,
-                  value_regime="degenerate", workspace_size=seq + short + 4)
-    spec["context_lens"] = spec["context_lens"][:4] + [short] + [seq - n for n in long]
+    spec = _batch(rng, p, "fp8_ds_mla", 32, [2, 2, 0, 2, 4] + long[:1] + [0] + long[1:], 128, max_decode_query_len=2,
+                  **quant, value_regime="degenerate", workspace_size=seq + short + 4)
+    # an empty request slot among the prefills (vLLM pads them, #51486): its workspace start repeated
+    spec["context_lens"] = spec["context_lens"][:4] + [short, seq - long[0], 0] + [seq - n for n in long[1:]]
     dcp = {"dcp_size": rng.choice((2, 4)), "interleave": 1}
     empty = _batch(rng, p, "fp8_ds_mla", rng.choice(low), [2, 2, 2, 0, 0], 64, max_decode_query_len=2, **quant, **dcp,
                    value_regime="degenerate")
@@ -174,8 +178,8 @@ def _forward_hits(p, kw: dict) -> set[str]:
             hit.add("raw (non-power-of-two) scales")
     chunks = _chunks(cfg, seqs[num_decodes:], p.mqa)
     shared = [(start, end) for start, end in chunks if end - start >= 2]
-    return hit | {name for name, yes in zip(CHUNKED, (bool(shared), any(end < chunks[-1][1] for _, end in shared)))
-                  if yes}
+    return hit | {name for name, yes in zip(CHUNKED, (bool(shared), any(end < chunks[-1][1] for _, end in shared),
+                                                      bool(chunks) and 0 in seqs[num_decodes:])) if yes}
 
 
 def _chunks(cfg: dict, prefill_seqs: list[int], mqa: str) -> list[tuple[int, int]]:

@@ -15,6 +15,7 @@ from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.judge.mismatch import QUIET_METRICS, line
 from mla_verify.reports.bias import bias_of
 from mla_verify.reports.meta import IN_PROCESS
+from mla_verify.reports.stats import reached
 
 DEFAULT_TIMEOUT_S = 300.0  # what an implementation may take per case in the isolation worker
 RESULT_JSON = "result.json"  # a fuzz part's outcome (result_file)
@@ -121,7 +122,8 @@ class CheckResult:
                      else f"seeds {self.seed}..{self.seed + self.campaigns - 1}")
             over = f" over {self.campaigns} campaigns" if self.campaigns > 1 else ""
             judged = f" ({IN_PROCESS})" if self.in_process else ""
-            lines.append(f"PASS{judged}: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}")
+            lines.append(f"PASS{judged}: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}"
+                         + (f"; reached {where}" if (where := reached(self.rows)) else ""))
         if self.unsupported:
             first = self.rows[self.rows.gate_metric == "unsupported"].reason.iloc[0]
             lines.append(f"  {self.unsupported} of them declined by the implementation (mla_verify.unsupported), "
