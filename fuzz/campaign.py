@@ -211,7 +211,7 @@ def first_cases(op: str, profile: Profile, path: str | None, world_size: int | N
                 device: str, seed: int) -> list[Case]:
     """The covering set a campaign starts with (`equivalence.coverage.sets`; of each of
     `drawn_paths`), held to the interpreter's budget as `strategy` holds the draws, and its
-    routing pairs to the profile's `pair_s` a case."""
+    routing pairs to the op's `Pairs.cap` a case."""
     spec = get_spec(op)
     found: list[Case] = []
     for p in drawn_paths(op, path, impl_specs):
@@ -220,7 +220,7 @@ def first_cases(op: str, profile: Profile, path: str | None, world_size: int | N
         else:
             found += covering_set(op, profile, seed, p, device=device, world_size=world_size,
                                   admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s,
-                                  cap=profile.pair_s)
+                                  interpreted=True)
     return found
 
 

@@ -59,12 +59,12 @@ def test_the_covering_set_holds_every_pair_its_tensors_show(op, path):
     profile of triples (the attention ops' at dev: their triples at gpu are 120-odd cases)."""
     pairs = coverage.coverage_of(op, path).pairs
     wide = "dev" if op in ("sparse_prefill", "sparse_decode_fp8") else "gpu"
-    for name, cap in (("ci", None), ("ci", get_profile("ci").pair_s), (wide, None)):
+    for name, interpreted in (("ci", False), ("ci", True), (wide, False)):
         profile = get_profile(name)
-        every, interpreted = coverage.wanted(op, pairs, profile)
-        want = every if cap is None else interpreted
-        missing = want - _held(op, path, profile, coverage.covering_set(op, profile, 3, path, cap=cap))
-        assert not missing, f"{op} {path} at {name} (cap {cap}): {sorted(missing)[:5]}"
+        every, within = coverage.wanted(op, pairs, profile)
+        want = within if interpreted else every
+        missing = want - _held(op, path, profile, coverage.covering_set(op, profile, 3, path, interpreted=interpreted))
+        assert not missing, f"{op} {path} at {name} (interpreted: {interpreted}): {sorted(missing)[:5]}"
 
 
 def test_production_sizes_and_every_small_value_in_every_profile():

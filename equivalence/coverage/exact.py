@@ -315,8 +315,8 @@ def _merge_factors(p: Profile) -> tuple[Factor, ...]:
 
 
 def _merge_row(rng: random.Random, p: Profile, row: Row) -> dict:
-    return {"ranks": row["ranks"], "tokens": rng.randint(6, 10), "heads": 1, "empty_frac": 0.3 if row["empty"] else 0.0,
-            "junk": row["junk"]}
+    return {"ranks": row["ranks"], "tokens": rng.randint(12, 16), "heads": 4, "empty_frac": 0.3 if row["empty"] else 0.0,
+            "junk": row["junk"]}  # 48-64 rows a rank: a junk or empty one among them
 
 
 def _merge_shown(p, kw: dict) -> Row:

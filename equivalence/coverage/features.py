@@ -331,10 +331,10 @@ def _decode_factors(p: Profile) -> tuple[Factor, ...]:
 
 
 def _decode_row(rng: random.Random, p: Profile, row: Row) -> dict:
-    """A cheap decode case of the row's values: two requests (one past top-k 256) whose
-    sequences about fill top-k."""
+    """A cheap decode case of the row's values: two requests (one at 64 heads or more, or past
+    top-k 256, where the interpreter's cost is) whose sequences about fill top-k."""
     k = row["topk"]
-    batch = 2 if k <= 256 else 1
+    batch = 2 if k <= 256 and row["heads"] < 64 else 1
     return {"batch": batch, "s_q": row["s_q"], "heads": row["heads"], "topk": k,
             "seq_lens": [rng.randint(k // 2, k + 32) for _ in range(batch)], "page_size": row["page_size"],
             "sm_scale": 0.1352, "value_regime": rng.choice(("normal", "peaked", "flat")),

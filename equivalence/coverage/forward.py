@@ -252,6 +252,11 @@ def _forward_row(path: str | None):
     return realize
 
 
+def _whole_batch(p: Profile) -> float | None:
+    """A forward_mqa case is a whole batch: its pairs' cases are held to what its draws are."""
+    return p.interpreter_s
+
+
 def _forward_shown(p, kw: dict) -> Row:
     """The path a batch takes, its chunks, ranks and decode length (none without decodes)."""
     b = kw["batch"]
@@ -272,13 +277,13 @@ def _forward_shown(p, kw: dict) -> Row:
 for _path, _features in PATH_FEATURES.items():
     register("forward_mqa", _path, Coverage(_features, _forward_candidates(_path), _forward_hits,
                                             Pairs(_forward_factors(_path), _forward_row(_path), _forward_shown,
-                                                  _forward_allowed)))
+                                                  _forward_allowed, cap=_whole_batch)))
 register("forward_mqa", None, Coverage(
     tuple(dict.fromkeys(f for features in PATH_FEATURES.values() for f in features))
     + tuple(f"fp8_path: {side}" for side in SIDES["fp8_path"])
     + tuple(f"only the decodes of a mixed batch through forward_mqa: {cache} cache" for cache in ("bfloat16", "fp8_ds_mla")),
     _forward_candidates(None), _forward_hits,
-    Pairs(_forward_factors(None), _forward_row(None), _forward_shown, _forward_allowed)))
+    Pairs(_forward_factors(None), _forward_row(None), _forward_shown, _forward_allowed, cap=_whole_batch)))
 
 
 # --- the multi-process dcp op ----------------------------------------------------------------------

@@ -21,15 +21,18 @@ class Pairs:
     """An op's discrete routing parameters, covered t at a time (`coverage.pairs`): the `factors`
     with the values a profile covers (cheapest first), how a row of values becomes a case's params
     (`realize`), which values a case's built inputs show (`shown`: a case proves what it holds),
-    which partial rows can exist (`allowed`), and the strength: the profile's (`Profile.strength`:
+    which partial rows can exist (`allowed`), the strength: the profile's (`Profile.strength`:
     pairs, triples where its budget holds them), at least `strength` (3 for an op whose cases cost
-    next to nothing)."""
+    next to nothing), and the interpreter's `cap` a case."""
 
     factors: Callable[[Profile], tuple[Factor, ...]]
     realize: Callable[[random.Random, Profile, Row], dict]
     shown: Callable[[Any, dict], Row]
     allowed: Callable[[Mapping[str, Any]], bool] = anything
     strength: int = 2
+    # the interpreter's seconds a case of an interpreted campaign may take (None: unbounded): the
+    # profile's `pair_s`, or for an op whose every case is a whole batch its draws' `interpreter_s`
+    cap: Callable[[Profile], float | None] = lambda profile: profile.pair_s
 
     def strength_at(self, profile: Profile) -> int:
         return max(self.strength, profile.strength)

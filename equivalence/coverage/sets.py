@@ -88,11 +88,11 @@ def row_cost(op: str, pairs: Pairs, profile: Profile):
 
 def wanted(op: str, pairs: Pairs, profile: Profile) -> tuple[set[Tuple], set[Tuple]]:
     """(every tuple of `pairs`' factors at `profile`, those an interpreted campaign's covering set
-    holds: within the profile's budget a case, `Profile.pair_s`)."""
+    holds: within its budget a case, `Pairs.cap`)."""
     factors = pairs.factors(profile)
     t = min(pairs.strength_at(profile), len(factors))
     return (universe(factors, t, pairs.allowed),
-            universe(factors, t, within(factors, pairs.allowed, row_cost(op, pairs, profile), profile.pair_s)))
+            universe(factors, t, within(factors, pairs.allowed, row_cost(op, pairs, profile), pairs.cap(profile))))
 
 
 def held(pairs: Pairs, profile: Profile, shown: list[Row]) -> set[Tuple]:
@@ -106,11 +106,11 @@ def held(pairs: Pairs, profile: Profile, shown: list[Row]) -> set[Tuple]:
 
 def covering_set(op: str, profile: Profile, seed: int, path: str | None = None,
                  admit: Callable[[Case], bool] = lambda case: True, device: str = "cpu",
-                 world_size: int | None = None, cap: float | None = None) -> list[Case]:
+                 world_size: int | None = None, interpreted: bool = False) -> list[Case]:
     """The first cases of a campaign of `op` (at `path`) within `profile`: the cases hitting every
-    feature (`feature_set`), then those holding the routing values' tuples (`pair_cases`: those
-    whose cheapest case the interpreter runs within `cap` seconds; None: all, an interpreted
-    campaign's is its profile's `pair_s`). Deterministic from `seed`."""
+    feature (`feature_set`), then those holding the routing values' tuples (`pair_cases`; for an
+    `interpreted` campaign those whose cheapest case the interpreter runs within the op's
+    `Pairs.cap`). Deterministic from `seed`."""
     cov = coverage_of(op, path)
     if cov is None:
         return []
@@ -118,7 +118,7 @@ def covering_set(op: str, profile: Profile, seed: int, path: str | None = None,
     chosen = _features(op, cov, profile, rng, path, admit, device, world_size)
     if cov.pairs is not None:
         chosen += pair_cases(op, cov.pairs, profile, rng, [shown for _, shown in chosen], path, admit, device,
-                             world_size, cap)
+                             world_size, cov.pairs.cap(profile) if interpreted else None)
     return [case for case, _ in chosen]
 
 
@@ -248,8 +248,8 @@ def pair_table(op: str, profiles: list[Profile], seed: int = 0, path: str | None
                   f"{' x '.join(f.name for f in factors)} held (seed {seed}); values: "
                   + "; ".join(f"{f.name} {', '.join(map(str, f.values))}" for f in factors)]
         if every - interpreted:
-            lines.append(f"  interpreted Triton kernels: {len(interpreted)} of them, within {p.name}'s "
-                         f"{p.pair_s:g} s a case (`Profile.pair_s`); past it: "
+            lines.append(f"  interpreted Triton kernels: {len(interpreted)} of them, within "
+                         f"{cov.pairs.cap(p):g} s a case (`Pairs.cap`); past it: "
                          + ", ".join(named(tup) for tup in sorted(every - interpreted, key=repr)))
         groups: dict[tuple[str, ...], list[Tuple]] = {}
         position = {f.name: f.values for f in factors}
