@@ -309,7 +309,8 @@ def _add_fuzz_command(sub) -> None:
     _add_deviation(p, [])
     _add_convention(p, [])
     p.add_argument("--examples", type=_positive_int, default=None, metavar="N",
-                   help="cases to draw (default: the profile's budget)")
+                   help="cases to draw (default: the profile's budget); the op's covering set runs whole first, "
+                        "past N where it is larger")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="campaign seed (printed; default: random)")
     p.add_argument("--profile", default=None, metavar="NAME",
                    help="case sizes and budget: ci (small, seconds on CPU) | dev | nightly | gpu (production "
@@ -383,7 +384,8 @@ def _add_gate_command(sub) -> None:
     _add_reference_memory(p)
     p.add_argument("--profile", default=None, help="case sizes and budget (default: ci on cpu, gpu on cuda)")
     p.add_argument("--examples", type=_positive_int, default=None,
-                   help="fuzz examples per op (or property) and implementation; default: the profile's")
+                   help="fuzz examples per op (or property) and implementation, or each campaign's whole covering "
+                        "set where it is larger; default: the profile's")
     p.add_argument("--seed", type=int, default=None, help="fuzz seed (printed; default: random, or the baseline's)")
     p.add_argument("--op", action="append", default=None,
                    help="restrict to these ops, property:NAME, or property (all of them) (default: everything)")
