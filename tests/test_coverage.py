@@ -20,7 +20,7 @@ from mla_verify.equivalence.cases.profiles import PROFILES, get_profile
 from mla_verify.equivalence.cases.values import REGIMES, q_values
 from mla_verify.fuzz.campaign import Campaign, each, first_cases, fuzz
 
-SINGLE = sorted({op for op, path in coverage.covered() if op != "forward_mqa"})
+SINGLE = sorted({op for op, path in coverage.covered() if op != "forward_mqa" and not op.startswith("property:")})
 FORWARD = [path for op, path in coverage.covered() if op == "forward_mqa"]
 
 

@@ -9,8 +9,8 @@ mutants that outputs could not show by checks like these:
 
     convert_index, dcp_convert_index, hisparse_place
                  every entry -1 or a row (never another negative); with valid counts (or
-                 compaction) each count within [0, K] and the row's valid entries exactly its
-                 first count ones, -1 after them
+                 compaction: the DCP filter's at two ranks or more) each count within [0, K]
+                 and the row's valid entries exactly its first count ones, -1 after them
     split_prefill_chunks
                  chunks ascending, contiguous, non-empty, covering every request once, each
                  within the workspace unless one request alone (the contract refuses that)
@@ -57,8 +57,10 @@ def _converted(kw: Mapping[str, Any], result: Any) -> str | None:
 
 
 def _dcp_converted(kw: Mapping[str, Any], result: Any) -> str | None:
+    """Compacted only where asked and ranks are several (at one rank the plain converter runs,
+    which ignores the flag, as upstream)."""
     return _entries(result.reshape(-1, result.shape[-1]), None,
-                    bool(kw.get("compact_valid_to_front")))
+                    bool(kw.get("compact_valid_to_front")) and int(kw.get("dcp_size", 1)) > 1)
 
 
 def _placed(kw: Mapping[str, Any], result: Any) -> str | None:
