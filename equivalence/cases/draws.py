@@ -39,7 +39,7 @@ def prefill_params(p: Profile, **fields: st.SearchStrategy) -> st.SearchStrategy
         "tokens": st.integers(1, p.max_tokens), "heads": st.sampled_from(p.heads),
         "kv_rows": st.integers(1, max(2, p.max_context)), "topk": st.sampled_from(p.prefill_topk),
         "value_regime": regimes, "sm_scale": sm_scales, "invalid": patterns(PATTERNS),
-        "topk_length": st.sampled_from(("none", "random", "edges")),
+        "topk_length": st.sampled_from(("none", "random", "edges", "garbage")),
         "sink": st.sampled_from(("none", "finite", "inf")), **fields})
 
 

@@ -73,6 +73,24 @@ def flat_hit(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sm_scale:
     return {FLAT} if bool(((valid.sum(1) >= FLAT_KEYS) & (spread <= FLAT_SPREAD)).any()) else set()
 
 
+RUN = "a run of -1 before a valid entry (leading or inside a row)"
+GARBAGE = "out-of-range values, not -1, past topk_length"
+
+
+def run_hit(rows: torch.Tensor) -> set[str]:
+    """{RUN} where an index row [..., K] holds two -1 in a row before a valid (non-negative) entry:
+    -1 not only trailing, as an indexer pads."""
+    rows = rows.reshape(-1, rows.shape[-1])
+    k = rows.shape[1]
+    if k < 3:
+        return set()
+    pos = torch.arange(k, device=rows.device)
+    pair = (rows[:, :-1] == -1) & (rows[:, 1:] == -1)
+    start = torch.where(pair, pos[:-1], k).amin(1)
+    last = torch.where(rows >= 0, pos, -1).amax(1)
+    return {RUN} if bool((start < last).any()) else set()
+
+
 def _heads(p: Profile) -> tuple[int, ...]:
     """The head counts a profile's pairs cover: its own and production's."""
     return tuple(sorted({*p.heads, *PRODUCTION_HEADS}))
@@ -83,7 +101,7 @@ def _heads(p: Profile) -> tuple[int, ...]:
 CONVERT = ("batch > 1", "> 64 tokens", "row with no valid index", "negatives other than -1", "index past the table",
            "duplicate indices", "two prefill requests, distinct workspace starts", "decode and prefill tokens",
            "block stride != block size", "valid counts of a partial row", "idx_mapping with an unmapped request",
-           "top-k % 128 == 64", "top-k % 128 == 0", "top-k past one tile")
+           "top-k % 128 == 64", "top-k % 128 == 0", "top-k past one tile", RUN)
 
 
 def _convert_candidates(rng: random.Random, p: Profile) -> list[dict]:
@@ -95,7 +113,7 @@ def _convert_candidates(rng: random.Random, p: Profile) -> list[dict]:
             {"tokens": rng.randint(8, 12), "requests": rng.randint(4, 5), "table_width": rng.randint(2, 4),
              "topk": rng.choice(odd or even), "block_size": rng.choice(p.block_sizes), "stride_extra": 1,
              "prefill": True, "counts": True, "mapping": False,
-             "invalid": ["out_of_range", "whole_row", "negatives"]},  # -1s first: negatives replaces some
+             "invalid": ["out_of_range", "whole_row", "runs", "negatives"]},  # -1s first: negatives replaces some
             # Past 64 tokens, several requests through an idx_mapping, duplicates.
             {"tokens": rng.randint(65, 72), "requests": 3, "table_width": rng.randint(1, 3),
              "topk": rng.choice(even), "block_size": 16, "stride_extra": 0, "prefill": False, "counts": False,
@@ -111,7 +129,7 @@ def _convert_hits(p, kw: dict) -> set[str]:
     req, idx, table, bs = kw["req_id"], kw["topk_indices"], kw["block_table"], kw["block_size"]
     out = reference.convert_index(**{**kw, "return_valid_counts": False})
     k = idx.shape[1]
-    hit = {name for name, yes in (
+    hit = run_hit(idx) | {name for name, yes in (
         ("batch > 1", req.unique().numel() > 1), ("> 64 tokens", req.numel() > 64),
         ("row with no valid index", bool((out < 0).all(1).any())),
         ("negatives other than -1", bool((idx < -1).any())),
@@ -171,7 +189,8 @@ register("convert_index", None, laid_out("convert_index", Coverage(
 PREFILL = ("several tokens", "> 64 tokens", "several heads", "row with no valid index", "topk_length 0",
            "topk_length 1", "topk_length K", "no topk_length", "no sink", "finite sink", "+inf sink", "-inf sink",
            "top-k of one 128 unit", "top-k of several 128 units", "negatives other than -1", "index past N", "index N",
-           "duplicate indices", "NaN kv row 0 beside an invalid entry", "fewer kv rows than top-k", FLAT) + LAYOUT + DEGENERATE
+           "duplicate indices", "NaN kv row 0 beside an invalid entry", "fewer kv rows than top-k", FLAT, RUN,
+           GARBAGE) + LAYOUT + DEGENERATE
 
 
 def _prefill_candidates(rng: random.Random, p: Profile) -> list[dict]:
@@ -192,7 +211,7 @@ def _prefill_candidates(rng: random.Random, p: Profile) -> list[dict]:
              "sm_scale": 0.0417, "invalid": ["scattered"], "topk_length": "none", "sink": "finite", **layout},
             {"tokens": rng.randint(2, 4), "heads": min(p.heads), "kv_rows": rng.randint(4 * small, 8 * small),
              "topk": small, "value_regime": rng.choice(("degenerate", "tiny")), "sm_scale": 0.3,
-             "invalid": ["scattered", "negatives"], "topk_length": "random", "sink": "none", **layout},
+             "invalid": ["scattered", "runs", "negatives"], "topk_length": "garbage", "sink": "none", **layout},
             # Flat rows: every entry valid, near-equal logits.
             {"tokens": 2, "heads": min(p.heads), "kv_rows": rng.randint(2 * small, 3 * small), "topk": 2 * small,
              "value_regime": "flat", "sm_scale": 0.1352, "invalid": [], "topk_length": "none", "sink": "none"},
@@ -207,7 +226,8 @@ def _prefill_hits(p, kw: dict) -> set[str]:
     if length is not None:
         live &= torch.arange(k, device=idx.device)[None, :] < length[:, None]
     rows = kv[idx.long().clamp(0, max(n - 1, 0))] if n else kv.new_zeros((tokens, k, 576))
-    hit = _layout_hits(kw) | degenerate_hits(q, live) | flat_hit(q, rows, live, kw["sm_scale"]) | {name for name, yes in (
+    hit = _layout_hits(kw) | degenerate_hits(q, live) | flat_hit(q, rows, live, kw["sm_scale"]) | run_hit(idx)
+    hit |= {name for name, yes in (
         ("several tokens", tokens > 1), ("> 64 tokens", tokens > 64), ("several heads", heads > 1),
         ("row with no valid index", bool((~live).all(1).any())), ("no topk_length", length is None),
         ("no sink", sink is None), ("top-k of one 128 unit", k == 128), ("top-k of several 128 units", k > 128),
@@ -219,6 +239,8 @@ def _prefill_hits(p, kw: dict) -> set[str]:
     if length is not None:
         hit |= {name for name, value in (("topk_length 0", 0), ("topk_length 1", 1), ("topk_length K", k))
                 if bool((length == value).any())}
+        past = torch.arange(k, device=idx.device)[None, :] >= length[:, None]
+        hit |= {GARBAGE} if bool((past & ((idx < -1) | (idx >= n))).any()) else set()
     if sink is not None:
         hit |= {name for name, yes in (("finite sink", sink.isfinite().any()), ("+inf sink", (sink == torch.inf).any()),
                                        ("-inf sink", (sink == -torch.inf).any())) if bool(yes)}
@@ -257,7 +279,7 @@ register("sparse_prefill", None, Coverage(PREFILL, _prefill_candidates, _prefill
 DECODE = ("batch > 1", "s_q > 1 with several requests", "s_q > 1 with several heads", "> 64 query rows",
           "top-k % 128 == 64", "top-k % 128 == 0",
           "raw (non-power-of-two) scales", "power-of-two scales", "row with no valid index",
-          "NaN slot 0 beside a -1 entry", "padded page stride", "duplicate indices", "a row partly -1", FLAT) + LAYOUT \
+          "NaN slot 0 beside a -1 entry", "padded page stride", "duplicate indices", "a row partly -1", FLAT, RUN) + LAYOUT \
     + DEGENERATE
 
 
@@ -273,7 +295,7 @@ def _decode_candidates(rng: random.Random, p: Profile) -> list[dict]:
              "seq_lens": [rng.randint(1, min(p.max_context, 300)) for _ in range(batch)],
              "page_size": rng.choice(p.block_sizes),
              "sm_scale": 0.1352, "value_regime": "degenerate", "scale_rule": "raw",
-             "invalid": ["whole_row", "duplicates"], "stride_pad": 1, "layout": layout},
+             "invalid": ["whole_row", "duplicates", "runs"], "stride_pad": 1, "layout": layout},
             {"batch": 2, "s_q": 1, "heads": max(p.heads), "topk": rng.choice(even),
              "seq_lens": [rng.randint(1, 40), rng.randint(1, min(p.max_context, 2000))], "page_size": 1,
              "sm_scale": 0.0417, "value_regime": rng.choice(("saturation", "zero_tiles")), "scale_rule": "pow2",
@@ -306,7 +328,7 @@ def _decode_hits(p, kw: dict) -> set[str]:
     first = slice(0, 4)  # the first query rows show a flat row if the case has one
     keys = cache_row_values(cache, rows[first].long(), torch.float64)
     flat = flat_hit(q.reshape(-1, *q.shape[2:])[first], keys, rows[first] >= 0, kw["sm_scale"])
-    return _layout_hits(kw) | degenerate_hits(q, idx >= 0) | flat | {name for name, yes in (
+    return _layout_hits(kw) | degenerate_hits(q, idx >= 0) | flat | run_hit(rows) | {name for name, yes in (
         ("batch > 1", batch > 1), ("s_q > 1 with several requests", s_q > 1 and batch > 1),
         ("s_q > 1 with several heads", s_q > 1 and q.shape[2] > 1),
         ("> 64 query rows", batch * s_q > 64), ("top-k % 128 == 64", k % 128 == 64), ("top-k % 128 == 0", k % 128 == 0),
