@@ -35,4 +35,4 @@ $(VENV)/.docs-installed: $(STAMP)
 	touch $@
 
 clean:
-	rm -rf $(VENV) runs site .hypothesis .pytest_cache
+	rm -rf $(VENV) runs site .hypothesis .pytest_cache .mla-verify

@@ -16,6 +16,7 @@ from .errors import UsageError
 from .judge import conventions as conventions_
 from .judge.rows import Row
 from .produced import Produced
+from .properties.base import PREFIX
 from .spec import SPECS, Spec
 from .subject import Subject, check_declared, did_you_mean
 
@@ -45,6 +46,12 @@ def select(requested: Sequence[str]) -> list[str]:
     """Spec names for `requested`, where a family's name ("op", "property") stands for every spec of it."""
     families = {s.family for s in specs()}
     return [n for r in requested for n in (names(r) if r in families else [r])]
+
+
+def spec_of_row(op: str, path: str) -> str:
+    """The spec a stored row came from: its op, or "property:NAME" for a property's row (op
+    "property", path NAME: `PropertySpec.identity`)."""
+    return PREFIX + path if op == "property" else op
 
 
 def get_spec(name: str) -> Spec:

@@ -6,7 +6,7 @@ holds a user's callable to them (`equivalence.subject`), `mla-verify list` print
 contract table of docs/reference/contracts.md is rendered from them (`contract_table`; `scripts/contract_table.py`
 rewrites it). Shapes: T tokens, H heads, K top-k width, N kv rows (for dcp_merge and dcp: ranks),
 NB blocks of BS slots, B requests of s (S) tokens each, R block-table rows of M blocks,
-D = 576 (512 latent + 64 rope).
+D = 576 (512 latent + 64 rope); DeepSeek V4's rows are 512 (448 latent + 64 rope, V the whole row).
 
 Each argument's and each return's shape and dtype is an `Annotated` string next to its type:
 "[T,H,576] bf16" is a tensor's shape and dtype ("| None" added where the type allows None), a
@@ -161,6 +161,99 @@ class DcpForwardMqa(Protocol):
         returned, its pre-combine partials."""
 
 
+
+class SparseDecodeV4(Protocol):
+    def __call__(self, *, q: Annotated[Tensor, "[B,S,H,512] bf16"],
+                 kv_cache: Annotated[Tensor, "[NB,BS,584] uint8 V4 (block-major pages)"],
+                 indices: Annotated[Tensor, "[B,S,K] int32"], sm_scale: float,
+                 topk_length: Annotated[Tensor | None, "[B] int32 (per request)"],
+                 extra_kv_cache: Annotated[Tensor | None, "[NB2,BS2,584] uint8 V4"],
+                 extra_indices: Annotated[Tensor | None, "[B,S,K2] int32"],
+                 extra_topk_length: Annotated[Tensor | None, "[B] int32 (per request)"],
+                 attn_sink: Annotated[Tensor | None, "[H] f32"]
+                 ) -> Annotated[tuple[Tensor, Tensor], "(out[B,S,H,512] bf16, lse[B,H,S] f32)"]:
+        """One softmax over the union of the main and the extra list: entry j of request b counts when
+        j < its list's length[b] and its value is not -1 (past a length: never read, any value;
+        within it: -1 or a slot of its cache). s_j = sm_scale * q . K_j over the 512 dims of the
+        dequantized row; lse = ln sum_j e^(s_j) (+inf on an empty union); out = sum_j e^(s_j - lse)
+        K_j * sigmoid(lse - sink[h]) (0 on an empty union): V is the whole row."""
+
+
+class SparseDecodeV41(Protocol):
+    def __call__(self, *, q: Annotated[Tensor, "[B,S,H,512] bf16"],
+                 kv_cache: Annotated[Tensor, "[NB,BS,528] uint8 V4.1 (per-token pages)"],
+                 indices: Annotated[Tensor, "[B,S,K] int32"], sm_scale: float,
+                 topk_length: Annotated[Tensor | None, "[B] int32 (per request)"],
+                 extra_kv_cache: Annotated[Tensor | None, "[NB2,BS2,528] V4.1 or [NB2,BS2,288] V4.1 FP4, uint8"],
+                 extra_indices: Annotated[Tensor | None, "[B,S,K2] int32"],
+                 extra_topk_length: Annotated[Tensor | None, "[B] int32 (per request)"],
+                 attn_sink: Annotated[Tensor | None, "[H] f32"]
+                 ) -> Annotated[tuple[Tensor, Tensor], "(out[B,S,H,512] bf16, lse[B,H,S] f32)"]:
+        """sparse_decode_v4's union over V4.1 rows: 512 e4m3 values in ue8m0-scaled tiles of 32, the
+        extra cache V4.1 or FP4 (e2m1, even dim in the low nibble, e4m3-scaled tiles of 16)."""
+
+
+class WriteV4Cache(Protocol):
+    def __call__(self, *, kv: Annotated[Tensor, "[N,512] bf16"], kv_cache: Annotated[Tensor, "[NB,BS,584] uint8"],
+                 slot_mapping: Annotated[Tensor, "[N]"],
+                 scale_rule: Annotated[str, '"pow2" | "pow2_amax"'] = "pow2"
+                 ) -> Annotated[None, "None (in place; slot < 0 skipped)"]:
+        """Row i quantized to V4 (448 e4m3 in tiles of 64 with ue8m0 scales 2^ceil(log2(max(amax / 448,
+        1e-4))), "pow2_amax": max(amax, 1e-4) / 448; 64 bf16 RoPE) and written where a block-major
+        page keeps slot slot_mapping[i]. Every other byte unchanged."""
+
+
+class WriteV41Cache(Protocol):
+    def __call__(self, *, kv: Annotated[Tensor, "[N,512] bf16"],
+                 kv_cache: Annotated[Tensor, "[NB,BS,528] or [NB,BS,288] uint8"], slot_mapping: Annotated[Tensor, "[N]"],
+                 scale_rule: Annotated[str, '"pow2" | "pow2_amax"'] = "pow2"
+                 ) -> Annotated[None, "None (in place; slot < 0 skipped)"]:
+        """As write_v4_cache into per-token V4.1 pages (512 e4m3 in ue8m0 tiles of 32) or V4.1 FP4 pages
+        (e2m1 codes of x / sf, sf = e4m3(clamp(amax / 6, 2^-9, 448)) per tile of 16). Bytes exact."""
+
+
+class WindowIndices(Protocol):
+    def __call__(self, *, positions: Annotated[Tensor, "[T]"], req_of_token: Annotated[Tensor, "[T]"],
+                 block_table: Annotated[Tensor, "[R,M] int32"], block_size: int, window: int
+                 ) -> Annotated[tuple[Tensor, Tensor], "(indices[T,window] int32, lengths[T] int32)"]:
+        """w = min(pos + 1, window); indices[t, i] = slot of position pos - w + 1 + i through the
+        request's block table (i < w), -1 after; lengths[t] = w."""
+
+
+class V4PrefillIndices(Protocol):
+    def __call__(self, *, topk_indices: Annotated[Tensor, "[T,>=topk] int32 (local picks)"],
+                 query_start_loc: Annotated[Tensor, "[R+1] int32"], seq_lens: Annotated[Tensor, "[R] int32"],
+                 gather_lens: Annotated[Tensor, "[R] int32"], window: int, compress_ratio: int, topk: int, m: int,
+                 n: int) -> Annotated[tuple[Tensor, Tensor], "(rows[T,ceil((topk+window)/128)*128] int32, lengths[T])"]:
+        """vLLM's prefill rows over a buffer of M rows a request (N compressed entries, then its last
+        gather_len raw tokens): k = min((pos + 1) // compress_ratio, topk) picks + M r, then the
+        w = min(pos + 1, window) window rows M r + N + pos - w + 1 - (seq_len - gather_len) + i, then -1;
+        lengths k + w."""
+
+
+class FlashinferDecodeTable(Protocol):
+    def __call__(self, *, window_slots: Annotated[Tensor, "[T,W] int32"],
+                 compressed_slots: Annotated[Tensor, "[T,K] int32"],
+                 compressed_lens: Annotated[Tensor | None, "[T] int32"]
+                 ) -> Annotated[tuple[Tensor, Tensor], "(table[T,W+ceil4(K)] int32, lengths[T] int32)"]:
+        """FlashInfer's one table: the window's slots, then the compressed slots, then -1; each length
+        counts the whole window: W + compressed_lens[t] (K without them)."""
+
+
+class V4Decode(Protocol):
+    def __call__(self, *, q: Annotated[Tensor, "[B,S,H,512] bf16"],
+                 kv_cache: Annotated[Tensor, "[NB,BS,584] uint8 V4 (the window's pages)"],
+                 positions: Annotated[Tensor, "[B] int32 (each request's last query position)"],
+                 block_table: Annotated[Tensor, "[B,M] int32"], sm_scale: float,
+                 extra_kv_cache: Annotated[Tensor | None, "[NB2,BS2,584] uint8 V4"],
+                 extra_indices: Annotated[Tensor | None, "[B,S,K2] int32"],
+                 extra_topk_length: Annotated[Tensor | None, "[B] int32"],
+                 attn_sink: Annotated[Tensor | None, "[H] f32"]
+                 ) -> Annotated[tuple[Tensor, Tensor], "(out[B,S,H,512] bf16, lse[B,H,S] f32)"]:
+        """A V4 decode step: each token's window of 128 (window_indices over its position pos =
+        positions[b] - S + 1 + s and the request's block table), the request's length the last
+        token's window, then sparse_decode_v4 over the window and the extra list."""
+
 CONTRACTS: dict[str, type] = {
     "quantize_fp8_ds_mla": QuantizeFp8DsMla, "dequantize_fp8_ds_mla": DequantizeFp8DsMla,
     "write_fp8_ds_mla_cache": WriteFp8DsMlaCache, "sparse_prefill": SparsePrefill,
@@ -169,7 +262,9 @@ CONTRACTS: dict[str, type] = {
     "dcp_merge": DcpMerge, "concat_mla_q": ConcatMlaQ, "split_prefill_chunks": SplitPrefillChunks,
     "reshape_query_for_spec_decode": ReshapeQueryForSpecDecode,
     "reshape_attn_output_for_spec_decode": ReshapeAttnOutputForSpecDecode, "forward_mqa": ForwardMqa,
-    "dcp": DcpForwardMqa,
+    "dcp": DcpForwardMqa, "sparse_decode_v4": SparseDecodeV4, "sparse_decode_v41": SparseDecodeV41,
+    "write_v4_cache": WriteV4Cache, "write_v41_cache": WriteV41Cache, "window_indices": WindowIndices,
+    "v4_prefill_indices": V4PrefillIndices, "flashinfer_decode_table": FlashinferDecodeTable, "v4_decode": V4Decode,
 }
 
 
@@ -229,12 +324,17 @@ def returns(op: str) -> str:
     return str(inspect.signature(CONTRACTS[op].__call__).return_annotation)
 
 
-def contract_table() -> str:
+V4_OPS = ("sparse_decode_v4", "sparse_decode_v41", "write_v4_cache", "write_v41_cache", "window_indices",
+          "v4_prefill_indices", "flashinfer_decode_table", "v4_decode")
+
+
+def contract_table(ops: Sequence[str] | None = None) -> str:
     """The docs' contract table (between its `<!-- contracts:begin -->` and `end` markers):
-    one row per op, its call and what it returns. `python scripts/contract_table.py` writes it."""
+    one row per op (`ops`, default every one), its call and what it returns.
+    `python scripts/contract_table.py` writes it."""
     def code(text: str) -> str:
         return "`" + text.replace("|", "\\|") + "`"
 
     rows = ["| op | call | returns |", "|---|---|---|"]
-    rows += [f"| {code(op)} | {code(call(op))} | {code(returns(op))} |" for op in CONTRACTS]
+    rows += [f"| {code(op)} | {code(call(op))} | {code(returns(op))} |" for op in (ops or CONTRACTS)]
     return "\n".join(rows) + "\n"

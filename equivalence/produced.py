@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .judge.rows import Stages
+from .judge.rows import Row, Stages
 
 
 @dataclass
@@ -35,3 +35,9 @@ class Produced:
     # left running (their names cross).
     returned: Any = None
     threads: list = field(default_factory=list)
+    device_error: bool = False  # the call left a CUDA error (`Row.device_error`): its process retires
+
+    @classmethod
+    def failed_case(cls, row: Row) -> "Produced":
+        """A case that failed as a whole (its implementation raised): its one row."""
+        return cls([row.to_record()], failed=True, device_error=row.device_error)

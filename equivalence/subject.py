@@ -3,7 +3,7 @@
 `--impl` accepts, for an op: a registered implementation name (`triton`, `flash_mla`,
 `torch-fp32`) or `MODULE:CALLABLE`; for forward_mqa: `STAGE=NAME` or `STAGE=MODULE:CALLABLE`
 (that stage replaced inside the pipeline, the rest as registered), or `MODULE:CALLABLE` (a whole
-forward_mqa with the reference's keyword arguments); for a property (`property:NAME`, which calls
+forward_mqa with the contract's keyword arguments); for a property (`property:NAME`, which calls
 several stages): `STAGE=NAME`, `STAGE=MODULE:CALLABLE`, or `NAME` (that implementation for every
 stage that has one here). A callable must accept every keyword of the op's contract; anything else
 is a usage error, found before any case runs, and one with the native signature of a FlashMLA or
@@ -20,6 +20,7 @@ import difflib
 import importlib
 import inspect
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -32,6 +33,22 @@ from .errors import UsageError
 from .judge.policy import DEVIATIONS
 from .sandbox.device import first_line
 from .sandbox.guards import sigint_watch
+
+
+# Callables that cannot be imported by name (lambdas, closures, partials) are reached in their own
+# process through `mla_verify.api.local`: their specs start so, and their rows' label does not.
+LOCAL = "mla_verify.api:local."
+_LOCAL_PREFIX = re.compile(rf"{re.escape(LOCAL)}fn\d+_")
+
+
+def local_label(label: str) -> str:
+    """`label` with each local callable by its own name ("mla_verify.api:local.fn0_decode": "decode")."""
+    return _LOCAL_PREFIX.sub("", label)
+
+
+def is_local(spec: str) -> bool:
+    """Whether an --impl string names a local callable (importable in this process only)."""
+    return LOCAL in spec
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:

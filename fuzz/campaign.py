@@ -28,6 +28,7 @@ import contextlib
 import gc
 import random
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -39,7 +40,8 @@ from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import get_spec
 from mla_verify.equivalence.coverage.sets import covering_set
 from mla_verify.equivalence.cases.profiles import Profile
-from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.sandbox.device import device_type
+from mla_verify.equivalence.judge.rows import FailureKind, Row
 from mla_verify.optimized import registry
 
 from . import casefile
@@ -67,8 +69,8 @@ class Sink(Protocol):
         """The case of these rows (told `judged` before) is now the finding saved as `name`
         ("": no longer, its file gone); the rows' `finding` says so already."""
 
-    def stop_reason(self) -> str:
-        """Why the campaign must end after this case ("" to go on)."""
+    def stop_reason(self) -> Stop | None:
+        """Why the campaign must end after this case (None to go on)."""
 
 
 class _Quiet:
@@ -84,8 +86,8 @@ class _Quiet:
     def found(self, rows: list[Row], name: str) -> None:
         pass
 
-    def stop_reason(self) -> str:
-        return ""
+    def stop_reason(self) -> Stop | None:
+        return None
 
 
 QUIET: Sink = _Quiet()
@@ -134,8 +136,19 @@ class Discrepancy(Exception):
         self.case, self.rows = case, rows
 
 
+class Stop(StrEnum):
+    """Why a campaign ended before its budget (Hypothesis's `ExitReason`); its value is what the
+    run's meta.json ("stopped") and notes say."""
+
+    INTERRUPTED = "interrupted"
+    HARNESS_ERROR = "harness error"  # the harness's own exception, raised again after the campaign
+    DEVICE_LOST = ("the CUDA context is unusable after a CUDA error of the implementation; run isolated "
+                   "(--isolate) to go on past crashes")
+
+
 class StopCampaign(BaseException):
-    """Ends the search at once. A BaseException: Hypothesis would shrink and replay an Exception."""
+    """Ends the search at once (args: the `Stop`, or None where the campaign ends with its finding).
+    A BaseException: Hypothesis would shrink and replay an Exception."""
 
 
 @dataclass
@@ -149,8 +162,9 @@ class FuzzResult:
     case_file: Path | None = None         # the finding's one case file (the minimized case where there is one)
     found_file: Path | None = None        # the first failing case as found, saved at once (until minimized)
     flaky: tuple[int, int] | None = None  # (failed k, of n re-runs) when a re-run passed
-    stopped: str = ""                     # why the campaign ended before its budget ("interrupted", ...)
+    stopped: Stop | None = None           # why the campaign ended before its budget
     shrunk: bool = False                  # the failure is Hypothesis's minimized case
+    unminimized: str = ""                 # why a finding was not minimized, and how to have it minimized
 
 
 def _traced(rows: list[Row], again: list[Row]) -> None:
@@ -199,7 +213,7 @@ def strategy(op: str, profile: Profile, path: str | None, world_size: int | None
     interpreted kernels (Triton on CPU) only those the interpreter runs within the profile's
     budget a case."""
     spec = get_spec(op)
-    interpreted = registry.interpreted(impl_specs, device.split(":")[0]) and profile.interpreter_s is not None
+    interpreted = registry.interpreted(impl_specs, device_type(device)) and profile.interpreter_s is not None
     within = profile.interpreted() if interpreted else profile
     drawn = one_of(*(spec.strategy(within, p, world_size) for p in drawn_paths(op, path, impl_specs)))
     if not interpreted:
@@ -215,7 +229,7 @@ def first_cases(op: str, profile: Profile, path: str | None, world_size: int | N
     spec = get_spec(op)
     found: list[Case] = []
     for p in drawn_paths(op, path, impl_specs):
-        if not registry.interpreted(impl_specs, device.split(":")[0]) or profile.interpreter_s is None:
+        if not registry.interpreted(impl_specs, device_type(device)) or profile.interpreter_s is None:
             found += covering_set(op, profile, seed, p, device=device, world_size=world_size)
         else:
             found += covering_set(op, profile, seed, p, device=device, world_size=world_size,
@@ -303,7 +317,7 @@ class _Search:
             found = self.judge(cases, source, (lambda: None) if len(cases) == 1 else on_call)
         except Exception as exc:  # the harness's own failure: stop now, raise it after the campaign
             self.error = exc
-            raise StopCampaign("harness error") from None
+            raise StopCampaign(Stop.HARNESS_ERROR) from None
         for case in calling:
             self.sink.finished(case)
         return found
@@ -325,8 +339,8 @@ class _Search:
         result.first_failure_at, self.found = at, case
         result.found_file = self.save(case, rows, f"found at example {at}")
         self.mark(rows, result.found_file)
-        if any(r.gate_metric == "hung" for r in rows):
-            raise StopCampaign("")  # a hang is not re-run or shrunk: every try costs the timeout
+        if any(r.gate_metric == FailureKind.HUNG for r in rows):
+            raise StopCampaign(None)  # a hang is not re-run or shrunk: every try costs the timeout
         self.stop_if_asked()
         # The first re-run records a pipeline's stages (`ops.stages`: in the worker, a call within
         # its time cap): the finding names the first stage that differs, shrunk or not.
@@ -337,10 +351,10 @@ class _Search:
         if failed < reruns:
             result.flaky = (failed, reruns)
             self.save(case, rows, f"flaky: failed {failed} of {reruns} re-runs", result.found_file)
-            raise StopCampaign("")
+            raise StopCampaign(None)
         self.stop_if_asked()
         if not self.campaign.shrink:
-            raise StopCampaign("")
+            raise StopCampaign(None)
 
     def example(self, case: Case) -> None:
         """Hypothesis's test: judge the drawn case (with its block), raise the first failure."""
@@ -400,14 +414,20 @@ class _Search:
             with _frozen_heap():
                 search()
             final = self.first  # a covering case's failure the draws did not repeat
+            if final is not None and c.shrink:
+                ends = (f"the {self.drawn} examples drawn after it found no failure to shrink" if self.drawn else
+                        f"this {c.examples}-example budget ends before any example is drawn to shrink")
+                result.unminimized = (f"it is a covering case (drawn first at every seed, never shrunk), and {ends}: "
+                                      f"more examples (--examples {5 * c.examples}) draw on until one fails, and "
+                                      "minimize it")
         except Discrepancy as d:
             final, result.shrunk = (d.case, d.rows), c.shrink
         except StopCampaign as stop:
-            final, result.stopped = self.last, str(stop.args[0]) if stop.args else ""
+            final, result.stopped = self.last, stop.args[0]
         except Flaky:  # the minimized case passed on Hypothesis's last replay: keep the last failure seen
             final = self.last
         except KeyboardInterrupt:  # a second Ctrl-C: stop now, keep what was found
-            final, result.stopped = self.last, "interrupted"
+            final, result.stopped = self.last, Stop.INTERRUPTED
         if self.error is not None:
             raise self.error
         if final is not None:

@@ -13,6 +13,12 @@ PREFILL = dict(tokens=64, heads=HEADS, kv_rows=8192, topk=TOPK, value_regime="no
                invalid=["scattered"], topk_length="random", sink="finite")
 DECODE = dict(batch=64, s_q=1, heads=HEADS, topk=TOPK, seq_lens=[4096] * 64, page_size=64, stride_pad=0,
               value_regime="normal", scale_rule="pow2", sm_scale=SM_SCALE, invalid=["scattered"])
+# DeepSeek V4 decode as served: 64 requests of 4 MTP tokens deep into their sequences, a 128-token
+# window in 256-token pages plus 512 compressed picks in 64-token pages, a sink per head.
+V4_DECODE = dict(batch=64, s_q=4, heads=HEADS, topk=128, extra_topk=512, positions=[4096] * 64, block_size=256,
+                 extra_block_size=64, kv_format="V4", extra_format="V4", compress_ratio=4, lengths="exact",
+                 sm_scale=SM_SCALE, value_regime="normal", scale_rule="pow2", invalid=["scattered"], sink="finite")
+V41_DECODE = {**V4_DECODE, "kv_format": "V41", "extra_format": "V41_FP4"}
 # A separate-path batch: 16 decodes and 2 prefills over contexts of 1-4K tokens.
 FORWARD = dict(cache_dtype="fp8_ds_mla", heads=64, query_lens=[1] * 16 + [128, 256], context_lens=[4096] * 16 + [1024, 2048],
                block_size=64, stride_pad=0, spare_blocks=1, shuffle=True, table_pad=0, topk=TOPK, sm_scale=SM_SCALE,
@@ -73,6 +79,10 @@ PINNED: dict[str, dict[str, dict]] = {
     "layer_view": {"forward_mqa": FORWARD,
                    "write_fp8_ds_mla_cache": dict(n=4096, num_blocks=80, block_size=64, value_regime="normal",
                                                   scale_rule="raw", stride_pad=0, skip_frac=0.2)},
+    "v4_union_merge": {"sparse_decode_v4": V4_DECODE, "sparse_decode_v41": V41_DECODE},
+    "v4_extra_empty": {"sparse_decode_v4": V4_DECODE, "sparse_decode_v41": V41_DECODE},
+    "v4_zero_rope": {"sparse_decode_v4": V4_DECODE, "sparse_decode_v41": V41_DECODE},
+    "v4_row_alone": {"sparse_decode_v4": V4_DECODE, "sparse_decode_v41": V41_DECODE},
     "determinism": {
         "sparse_prefill": PREFILL,
         "sparse_decode_fp8": DECODE,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 import types
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -38,7 +37,10 @@ from mla_verify.equivalence.errors import HarnessError
 from mla_verify.equivalence.sandbox.worker import Worker, default_isolation
 from mla_verify.equivalence.judge.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
 from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.properties.base import property_op
 from mla_verify.equivalence.sandbox.calls import Unsupported, unsupported
+from mla_verify.equivalence.sandbox.device import device_type
+from mla_verify.equivalence.subject import LOCAL, local_label
 from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
 from mla_verify.reports.drift import compare
@@ -51,8 +53,7 @@ from .junit import saved_replays, write_junit
 from .pytest_plugin import DEFAULTS, default_device, saved
 from .runs.driver import drive
 from .runs.outcome import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
-from .runs.plan import (FUZZ, GATE, LOCAL, Options, plan, positive, resolve_device, timeout_needs_isolation,
-                         writable_file)
+from .runs.plan import FUZZ, GATE, Options, plan, positive, resolve_device, timeout_needs_isolation, writable_file
 from .runs.rundir import load_run
 
 Impl = Union[None, str, Callable, Mapping[str, Union[str, Callable]], Sequence[str]]
@@ -112,7 +113,7 @@ def impl_specs(impl: Impl) -> tuple[tuple[str, ...], bool]:
 
 def _label(subject) -> str:
     """The rows' name for the implementation; a local callable by its own name."""
-    return re.sub(rf"{re.escape(LOCAL)}fn\d+_", "", subject.label)
+    return local_label(subject.label)
 
 
 def save_worst_case(worst, directory: Path, deviations: Sequence[str] = (), conventions: Sequence[str] = ()) -> str | None:
@@ -163,7 +164,8 @@ def check(
         impl: a callable, "MODULE:CALLABLE", a registered name, {stage: impl} for a pipeline op or a
             property, or None for the project's own implementation.
         examples: cases to draw (default: the profile's budget). seed: the campaign's seed (default:
-            random; `CheckResult.seed` says which).
+            random, or inside pytest under CI=true one derived from the commit; `CheckResult.seed`
+            says which).
         device: "cpu", "cuda" or "cuda:N" (default: cuda when present). profile: ci | dev | nightly |
             gpu (default: dev on cpu, gpu on cuda). Inside pytest, `--mla-verify-examples`,
             `--mla-verify-device` and `--mla-verify-profile` replace these defaults (the plugin,
@@ -187,9 +189,10 @@ def check(
             run's header line (the CLI prints it).
         baseline: a run directory of the same op: seed, profile, examples and path default to the
             ones it recorded, so the campaign draws its cases again (`drift` then pairs them).
-        shard: "I/N" (or a `runs.parts.Shard`): run only shard I of N, the campaigns of seeds
-            S + I * P ... of the run's N * P (P: `parallel`); `merge` joins the N shards' run
-            directories into the one run a machine with `parallel=N * P` would have written.
+        shard: "I/N", "auto" (`runs.schedulers`) or a `runs.parts.Shard`: run only shard I of
+            N, the campaigns of seeds S + I * P ... of the run's N * P (P: `parallel`); `merge`
+            joins the N shards' run directories into the one run a machine with `parallel=N * P`
+            would have written.
         corpus: a kept corpus directory (`mla_verify.runs.corpus`): its cases of this op and
             implementation run first, whatever the seed, and the finding is added to it
             (default: `--mla-verify-corpus` inside pytest, else none).
@@ -203,6 +206,8 @@ def check(
     __tracebackhide__ = True  # a pytest failure ends at the test's call
     given = {**locals(), "ops": (op,), "device": resolve_device(default_device(device))}
     given.update((name, DEFAULTS.get(name)) for name in ("examples", "profile", "seed", "corpus") if given[name] is None)
+    if given["seed"] is None and baseline is None:  # under CI=true, the commit's seed (a baseline's own wins)
+        given["seed"] = DEFAULTS.get("commit_seed")
     given["specs"], given["named"] = impl_specs(impl)
     result = run(Options.asked(FUZZ, given), log)
     saved(result.failures)  # listed in a pytest session's summary
@@ -225,6 +230,7 @@ def gate(
     junit: str | Path | None = None,
     impl: Sequence[str] | None = None,
     corpus: str | Path | None = None,
+    durations: str | Path | None = None,
     log: Callable[[str], None] | None = None,
 ) -> GateOutcome:
     """The gate (`mla-verify gate`): every op and forward_mqa path with every implementation
@@ -237,8 +243,9 @@ def gate(
         profile: default ci on cpu, gpu on cuda. seed: default random, or the baseline's.
         out: the run directory (default: a new runs/gate-TIME). isolate, timeout: as in `check`.
         parallel: processes, one GPU each, dealt round-robin past the GPU count (default: every
-            GPU on cuda, 1 on cpu). shard: "I/N",
-            every N-th op and implementation from the I-th (`runs.parts`; `merge` joins the shards).
+            GPU on cuda, 1 on cpu). shard: "I/N", or "auto" (the scheduler's index and count,
+            `runs.schedulers`): every N-th op and implementation from the I-th, or by `durations`
+            (`runs.parts`; `merge` joins the shards).
         baseline: an earlier gate run: its seed, profile, examples and ops, unless given.
         junit: also write JUnit XML there. log: receives the run's header lines.
         impl: "OP=MODULE:CALLABLE" / "STAGE=MODULE:CALLABLE" strings: only what these take part in
@@ -246,6 +253,9 @@ def gate(
             properties that test them) (default: every registered implementation here).
         corpus: a kept corpus directory (`mla_verify.runs.corpus`): the cases of the units that apply
             run first, whatever the seed; every finding is added to it.
+        durations: a durations.json (or a run directory holding one) that an earlier gate or merge
+            wrote: the shards are sized by each unit's seconds there (`mla_verify.runs.durations`),
+            not by count; a path with none yet deals by count.
 
     Raises UsageError for bad input, before any case runs."""
     return run(Options.asked(GATE, {**locals(), "ops": tuple(ops or ()), "impls": tuple(impl or ())}), log)
@@ -334,7 +344,7 @@ def property_check(name: str, impl: Impl = None, **kwargs: Any) -> CheckResult:
     """`check` of property `name` ("split_invariance" or "property:split_invariance"): the
     implementation held to itself, no reference (`mla-verify list` names each property)."""
     __tracebackhide__ = True
-    return check(name if name.startswith("property:") else f"property:{name}", impl, **kwargs)
+    return check(property_op(name), impl, **kwargs)
 
 
 # ----------------------------------------------------------------------------- replay
@@ -362,7 +372,6 @@ def replay(
     """
     __tracebackhide__ = True
     device = resolve_device(default_device(device))
-    device_type = device.split(":")[0]
     positive("timeout", timeout, float)
     try:
         cf = casefile.load(Path(case_file))
@@ -380,7 +389,7 @@ def replay(
         if cf.impl and tuple(cf.impl) != specs:
             log(f"  (saved with --impl {' '.join(cf.impl)})")
     deviations = tuple(cf.deviations if deviations is None else deviations)
-    subject = resolve_subject(cf.case.op, specs, device_type, deviations=deviations,
+    subject = resolve_subject(cf.case.op, specs, device_type(device), deviations=deviations,
                               conventions=cf.conventions if conventions is None else conventions)
     label = _label(subject)
     own_processes = get_spec(cf.case.op).own_processes

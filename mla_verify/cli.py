@@ -16,7 +16,7 @@ import os
 import sys
 import textwrap
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 def _default_device() -> str:
@@ -106,9 +106,12 @@ def _shard(text: str):
 
 
 def _add_shard(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+    p.add_argument("--shard", type=_shard, default=None, metavar="I/N|auto",
                    help=f"run only shard I of N (0 <= I < N): {what}; `mla-verify merge` joins the N run "
-                        "directories into one run (e.g. --shard $SLURM_ARRAY_TASK_ID/8; default: the whole run)")
+                        "directories into one run. auto: the scheduler's own index and count (Slurm "
+                        "SLURM_ARRAY_TASK_ID/_COUNT, Kubernetes JOB_COMPLETION_INDEX, Buildkite "
+                        "BUILDKITE_PARALLEL_JOB/_COUNT, GitLab, CircleCI, else MLA_VERIFY_SHARD_INDEX/_COUNT; "
+                        "default: the whole run)")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -197,21 +200,13 @@ def _add_drift(p: argparse.ArgumentParser, pair: bool = True) -> None:
                         "nothing compared fails too (exit 4, NO VERDICT)")
 
 
-@dataclass(frozen=True)
-class _DriftSettings:
+def _drift_settings(args):
     """--factor, --confidence, --min-cases, --pair and --fail-on, as fuzz, gate and report share them."""
+    from mla_verify.reports.drift import DriftSettings
+    from mla_verify.reports.pairing import parse_pairs
 
-    factor: float
-    confidence: float
-    min_cases: int
-    pairs: tuple[str, ...]
-    fail_on: str | None  # None: not given (drifted fails; a baseline with nothing compared does not)
-
-    def settings(self) -> dict:
-        from mla_verify.reports.pairing import parse_pairs
-
-        return dict(factor=self.factor, confidence=self.confidence, min_cases=self.min_cases,
-                    pairs=parse_pairs(list(self.pairs)), fail_on=self.fail_on or "drifted")
+    return DriftSettings(args.factor, args.confidence, args.min_cases, parse_pairs(list(args.pair)),
+                         args.fail_on or "drifted")
 
 
 def _add_corpus(p: argparse.ArgumentParser) -> None:
@@ -401,6 +396,10 @@ def _add_gate_command(sub) -> None:
                    help="split the ops over this many processes, one GPU each, dealt round-robin when N exceeds "
                         "the GPUs, each with its share of the cores (default: every GPU on cuda, 1 on cpu)")
     _add_shard(p, "every N-th op and implementation (with its corpus and campaigns), all with seed S")
+    p.add_argument("--durations", type=Path, default=None, metavar="FILE",
+                   help="size the shards by each op and implementation's seconds last time (longest first, each to "
+                        "the shard with the fewest seconds so far): a durations.json a gate or merge wrote, or its "
+                        "run directory; none there yet: by count (default: by count)")
     p.add_argument("--impl", action="append", default=None, metavar="OP=MODULE:CALLABLE",
                    help="gate only what these implementations take part in (repeatable): OP=SPEC the op, "
                         "STAGE=SPEC a forward_mqa stage (every forward_mqa path with it swapped in), and every "
@@ -658,17 +657,18 @@ def cmd_fuzz(args, device: str) -> int:
     from mla_verify import api
     from mla_verify.runs.plan import Options
 
-    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on)
     options = Options(**_run_options(args, device))
     result = api.run(options, log=lambda line: print(line, flush=True))
     print(result.report())
     if options.baseline is None or result.interrupted:
         return result.exit_code
-    drift = api.drift(result, options.baseline, **drift_settings.settings())
+    settings = _drift_settings(args)
+    drift = api.drift(result, options.baseline, factor=settings.factor, confidence=settings.confidence,
+                      min_cases=settings.min_cases, pairs=settings.pairs, fail_on=settings.fail_on)
     replay = (api.save_worst_case(drift.worst, result.out / "drift", options.deviations, options.conventions)
               if drift.worst and result.out else None)
     print("\n".join(drift.lines(replay)))
-    nothing = 4 if not drift.compared and drift_settings.fail_on is not None else 0  # NO VERDICT under --fail-on
+    nothing = 4 if not drift.compared and args.fail_on is not None else 0  # NO VERDICT under --fail-on
     return result.exit_code or drift.exit_code or nothing
 
 
@@ -696,7 +696,6 @@ def cmd_gate(args, device: str) -> int:
     from mla_verify.runs.plan import Options
 
     started = time.time()
-    drift_settings = _DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on)
     options = Options(**_run_options(args, device))
     outcome = api.run(options, log=lambda line: print(line, flush=True))
     lines = outcome.lines()
@@ -704,8 +703,8 @@ def cmd_gate(args, device: str) -> int:
         print("\n".join(lines))
     if outcome.interrupted:
         return 130
-    code = reports.run_report(outcome.out, baseline=options.baseline, save_case=api.save_worst_case,
-                              **drift_settings.settings())
+    code = reports.run_report(outcome.out, baseline=options.baseline, drift=_drift_settings(args),
+                              save_case=api.save_worst_case)
     verdict = ("FAILED" if outcome.failed else "NO VERDICT" if outcome.no_verdict
                else "passed" if outcome.isolated else f"passed ({IN_PROCESS})")
     print(f"gate {verdict}: {len(outcome.rows)} rows in {time.time() - started:.0f} s; "
@@ -731,8 +730,7 @@ def cmd_report(args, device: str) -> int:
     for line in said:
         print(line)
     code = reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,
-                              save_case=save_worst_case,
-                              **_DriftSettings(args.factor, args.confidence, args.min_cases, tuple(args.pair), args.fail_on).settings())
+                              drift=_drift_settings(args), save_case=save_worst_case)
     return max(code, 1) if tampered else code
 
 

@@ -164,6 +164,7 @@ def describe_op(op: str) -> list[str]:
     case = _shown_case(spec, cases)
     from mla_verify.equivalence.contracts import declared, formula, returns
     from mla_verify.equivalence.judge.localize import dims_of
+    from mla_verify.equivalence.judge.policy import EXACT
 
     lines = [*_wrap(f"{op}: {spec.doc}", "", "  ")]
     lines += _packed([f"{text}," for text in declared(op)], "  | impl(", "  |      ")
@@ -213,7 +214,7 @@ def describe_op(op: str) -> list[str]:
         held = f" (the {c.kind} bounds)" if c.kind != c.tensor else ""
         lines += _wrap(f"{c.tensor}{held}: {_bounds_text(c.kind, judged, rows, c.bound is not None)}", "      ",
                        "        ")
-    if any(c.kind != "exact" for c in compared):
+    if any(c.kind != EXACT for c in compared):
         lines.append("  every float tensor also: +inf/-inf/NaN exactly where the reference has them, no NaN added")
     return lines + (_stage_lines(op) if op == "forward_mqa" else [])
 

@@ -5,19 +5,32 @@ for one pytest run, so a CI can raise the budget or move to the GPU without edit
     pytest --mla-verify-profile nightly --mla-verify-examples 500 --mla-verify-device cuda --mla-verify-seed 7
 
 An argument a test passes explicitly still wins. A device the option names that is not there
-skips the tests that would run on it, with the reason. Failing cases a call saves outside a run
-directory go under `--mla-verify-failures DIR`, by default this session's pytest temporary
-directory (not a path other runs share); the session's summary lists those of the tests that
-failed, each with its replay command, and counts the ones saved by tests that passed (a test that
-expects a kernel to fail saves its case too: not a failure of the suite). `--mla-verify-corpus DIR` keeps findings and replays them first (`mla_verify.runs.corpus`). The
-plugin imports nothing heavy: it is loaded by every pytest run in an environment where
+skips the tests that would run on it, with the reason.
+
+Defaults a team keeps (as Hypothesis keeps `.hypothesis/` and derandomizes under CI):
+
+* under `CI=true`, a check that names no seed (and no baseline, whose seed it re-draws) takes one
+  derived from the commit being tested (`commit_seed`: the first 7 hex digits of GITHUB_SHA, or
+  another CI's commit variable, or `git rev-parse HEAD`), printed in the session's header, so a CI
+  run draws the same cases until the code changes; elsewhere a fresh seed each call, printed;
+* failing cases a call saves outside a run directory go under `--mla-verify-failures DIR`, by
+  default ROOTDIR/.mla-verify/failures (KEPT: beside .pytest_cache, which pytest's temporary
+  directories are not: it deletes all but the last three sessions'); the session's summary lists
+  those of the tests that failed, each with its replay command, and counts the ones saved by tests
+  that passed (a test that expects a kernel to fail saves its case too: not a failure of the suite);
+* fixtures (`mla_verify.pytest_fixtures`): `mla_corpus`, the kept corpus (`--mla-verify-corpus
+  DIR`, default ROOTDIR/.mla-verify/corpus), and `mla_check`, `assert_equivalent` with that corpus
+  and a run directory under the test's tmp_path.
+
+The plugin imports nothing heavy: it is loaded by every pytest run in an environment where
 mla-verify is installed.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +42,19 @@ _OPTIONS = {
     "examples": "cases per check for calls that pass no examples= (default: the profile's budget)",
     "device": "device for calls that pass no device=: cpu, cuda or cuda:N (default: cuda when present); "
               "one that is not there skips their tests",
-    "seed": "campaign seed for calls that pass no seed= (default: a fresh one, printed)",
-    "failures": "directory where calls without out= save failing cases (default: this session's pytest "
-                "temporary directory); the summary lists each saved case",
-    "corpus": "kept corpus for calls that pass no corpus=: every finding added, its cases replayed first",
+    "seed": "campaign seed for calls that pass no seed= (default: under CI=true one derived from the "
+            "commit, printed in the header; else a fresh one each call, printed)",
+    "failures": "directory where calls without out= save failing cases (default: ROOTDIR/.mla-verify/failures, "
+                "kept across sessions); the summary lists each saved case",
+    "corpus": "kept corpus for calls that pass no corpus=, and the mla_corpus fixture's: every finding added, "
+              "its cases replayed first (the fixtures' default: ROOTDIR/.mla-verify/corpus)",
 }
 METAVARS = {"profile": "NAME", "examples": "N", "device": "DEVICE", "seed": "S", "failures": "DIR", "corpus": "DIR"}
 SAVED: list[tuple[str, str, str]] = []  # (test node id, case file, replay command) of each case saved this session
 FAILED: set[str] = set()  # the node ids of the tests that failed this session
+KEPT = ".mla-verify"  # under pytest's rootdir: what a team keeps between sessions (failures/, corpus/)
+# Where a CI names the commit it tests: GitHub Actions, GitLab, Buildkite, CircleCI, Jenkins, Travis.
+COMMIT_ENV = ("GITHUB_SHA", "CI_COMMIT_SHA", "BUILDKITE_COMMIT", "CIRCLE_SHA1", "GIT_COMMIT", "TRAVIS_COMMIT")
 
 
 def pytest_addoption(parser) -> None:
@@ -58,6 +76,37 @@ def pytest_configure(config) -> None:
         raise pytest.UsageError(f"--mla-verify-profile {chosen['profile']!r}: unknown; known: {', '.join(PROFILES)}")
     DEFAULTS.clear()
     DEFAULTS.update({name: value for name, value in chosen.items() if value is not None})
+    if "seed" not in DEFAULTS and (derived := commit_seed(config.rootpath)) is not None:
+        DEFAULTS["commit_seed"], DEFAULTS["commit"] = derived
+    # Loaded by name, as `-p NAME` loads a plugin: the fixtures import pytest and mla_verify.api, which
+    # imports this module (for DEFAULTS) outside pytest too.
+    config.pluginmanager.import_plugin("mla_verify.pytest_fixtures")
+
+
+def commit_seed(root: Path) -> tuple[int, str] | None:
+    """Under CI=true: (seed, commit), the seed being the commit's first 7 hex digits read as a number
+    (`--mla-verify-seed` that number reproduces the session's draws); None elsewhere, or where no
+    commit is named (COMMIT_ENV) and `git rev-parse HEAD` in `root` gives none."""
+    if os.environ.get("CI", "").lower() not in ("true", "1", "yes"):
+        return None
+    commit = next((os.environ[name] for name in COMMIT_ENV if os.environ.get(name)), "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                    timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return (int(commit[:7], 16), commit[:12]) if re.fullmatch(r"[0-9a-fA-F]{7,64}", commit) else None
+
+
+def kept(root: Path, name: str) -> Path:
+    """ROOTDIR/.mla-verify/NAME, made with a .gitignore of everything (as .pytest_cache has): a
+    repository keeps the directory only where it chooses to (`git add -f`)."""
+    base = Path(root) / KEPT
+    (base / name).mkdir(parents=True, exist_ok=True)
+    if not (base / ".gitignore").exists():
+        (base / ".gitignore").write_text("# made by mla-verify's pytest plugin\n*\n")
+    return base / name
 
 
 def pytest_sessionstart(session) -> None:
@@ -65,10 +114,8 @@ def pytest_sessionstart(session) -> None:
     FAILED.clear()
     if "failures" in DEFAULTS:  # --mla-verify-failures, relative to where pytest started
         DEFAULTS["failures"] = Path(DEFAULTS["failures"]).absolute()
-        return
-    # This session's directory under pytest's basetemp (where tmp_path lives), made when configured.
-    factory = getattr(session.config, "_tmp_path_factory", None)
-    DEFAULTS["failures"] = factory.mktemp("mla-verify-failures") if factory else tempfile.mkdtemp(prefix="mla-verify-")
+    else:  # kept across sessions: pytest's own temporary directories go after three
+        DEFAULTS["failures"] = kept(session.config.rootpath, "failures")
 
 
 def saved(failures) -> None:
@@ -100,11 +147,12 @@ def pytest_unconfigure(config) -> None:
 
 
 def pytest_report_header(config) -> str | None:
-    chosen = {name: value for name, value in DEFAULTS.items()
-              if name in _OPTIONS and config.getoption(f"mla_verify_{name}")}  # not the session's default folder
-    if not chosen:
-        return None
-    return "mla-verify defaults: " + ", ".join(f"{name} {value}" for name, value in chosen.items())
+    chosen = [f"{name} {value}" for name, value in DEFAULTS.items()
+              if name in _OPTIONS and config.getoption(f"mla_verify_{name}")]  # not the session's default folder
+    if "commit_seed" in DEFAULTS:
+        chosen.append(f"seed {DEFAULTS['commit_seed']} (CI=true: from commit {DEFAULTS['commit']}, its first 7 hex "
+                      "digits; checks naming no seed draw it, --mla-verify-seed N draws another)")
+    return "mla-verify defaults: " + ", ".join(chosen) if chosen else None
 
 
 def default_device(device: str | None) -> str | None:

@@ -17,8 +17,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Imported to register.
-from . import flashmla  # noqa: E402,F401
+from . import flashmla, flashmla_v4  # noqa: E402,F401
 from .kernels import cache_writer, concat, dcp_merge, gather, indices, sparse_decode, sparse_prefill, swap  # noqa: E402,F401
+from .kernels import union_decode, v4_cache_writer, v4_indices  # noqa: E402,F401
 from . import eager, metadata, spec_decode  # noqa: E402,F401
 from . import hisparse, index_group  # noqa: E402,F401
 from .pipeline import PipelineResult, forward_mqa, forward_mqa_dcp, needed_stages  # noqa: E402

@@ -29,13 +29,14 @@ CUDA tensors, they stage through host memory; the reduce-scatter still adds in b
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .metadata import mask_empty_shards
-from .pipeline import forward_mqa, needed_stages
+from .pipeline import MQAMetadata, forward_mqa, needed_stages
 from .registry import Resolved, resolve
 from .validation import check_choice, check_tensor
 
@@ -128,39 +129,25 @@ def rank_stages(kv_cache_dtype: str, num_heads: int, dcp_size: int, combine: str
 def forward_mqa_dcp_rank(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
+    topk_indices: torch.Tensor,
+    metadata: MQAMetadata,
     *,
     group: dist.ProcessGroup | None,
-    query_start_loc: Sequence[int],
-    seq_lens: Sequence[int],
-    block_table: torch.Tensor,
-    topk_indices: torch.Tensor,
-    num_heads: int,
-    kv_cache_dtype: str,
-    sm_scale: float,
-    max_model_len: int,
     combine: str = "ag_rs",
-    interleave: int = 1,
-    arch: str = "sm90",
-    workspace_size: int | None = None,
-    max_decode_query_len: int = 1,
     stages: Resolved | None = None,
 ) -> RankResult:
     """This rank's DCP forward_mqa (module docstring): q [T, H, 576] bf16 its own heads, kv_cache
-    and block_table its shard, the metadata the whole batch's (global seq_lens, global top-k
-    positions). Collective: every rank of `group` calls it with the same batch metadata."""
+    and metadata.block_table its shard, the rest of the metadata the whole batch's (global
+    seq_lens; the top-k global positions); dcp_size and dcp_rank are the group's. Collective:
+    every rank of `group` calls it with the same batch metadata."""
+    m = metadata
     check_choice("combine", combine, tuple(COMBINES))
-    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, num_heads, QK_DIM))
+    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, m.num_heads, QK_DIM))
     comm = Collectives(group)
     if stages is None:
-        stages = resolve(rank_stages(kv_cache_dtype, num_heads, comm.size, combine), q.device.type)
+        stages = resolve(rank_stages(m.kv_cache_dtype, m.num_heads, comm.size, combine), q.device.type)
     gathered = comm.all_gather(q, dim=1)
-    part = forward_mqa(
-        gathered, kv_cache, query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
-        topk_indices=topk_indices, num_heads=num_heads, kv_cache_dtype=kv_cache_dtype, sm_scale=sm_scale,
-        max_model_len=max_model_len, arch=arch, workspace_size=workspace_size,
-        max_decode_query_len=max_decode_query_len, dcp_size=comm.size, dcp_rank=comm.rank,
-        interleave=interleave, stages=stages,
-    )
-    masked = mask_empty_shards(part.lse, seq_lens, query_start_loc)
+    part = forward_mqa(gathered, kv_cache, topk_indices, replace(m, dcp_size=comm.size, dcp_rank=comm.rank), stages)
+    masked = mask_empty_shards(part.lse, m.seq_lens, m.query_start_loc)
     out, lse = COMBINES[combine][1](comm, part.out, masked, stages)
     return RankResult(out, lse, part.out, part.lse)

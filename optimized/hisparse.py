@@ -20,15 +20,25 @@ and then gathers them (upstream gathers from host and device rows in one kernel)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from torch import Tensor
 
 from . import buffers, eager
-from .index_group import SwapIn
+from .index_group import IndexGroup, SwapIn
 from .kernels import gather as triton_gather
-from .metadata import active_decodes, plan_prefill, prefill_workspace_size, req_id_per_token, split_decodes_and_prefills
-from .pipeline import V_DIM, PipelineResult
+from .metadata import (
+    BatchSplit,
+    PrefillChunk,
+    active_decodes,
+    plan_prefill,
+    prefill_workspace_size,
+    req_id_per_token,
+    split_decodes_and_prefills,
+)
+from .pipeline import V_DIM, MQAMetadata, PipelineResult
 from .registry import EAGER, TRITON, Resolved, register, resolve
 from .validation import InputError
 
@@ -43,29 +53,46 @@ def needed_stages(kv_cache_dtype: str) -> list[str]:
     return list(BF16_STAGES if kv_cache_dtype == "bfloat16" else FP8_STAGES)
 
 
+@dataclass(frozen=True)
+class HiSparseTables:
+    """The tiers' tables beside forward_mqa's metadata (module docstring; the host block table is
+    the metadata's block table): one step's, shared by every layer of the group. The reference
+    spells its own (`reference.hisparse.HiSparseTables`)."""
+
+    residency: Tensor              # [max_seqs, M] state row -> GPU block of each page, 0 = not resident
+    request_state_indices: Tensor  # [R] batch row -> state row, -1 = none
+    hot_block_table: Tensor        # [R, ceil(D / B)] GPU blocks of a request's D hot slots
+    device_global_indices: Tensor  # [max_seqs, D] host row each slot holds before the step, -1 empty
+    lru_slots: Tensor              # [max_seqs, D] each state row's slots, least recently used first
+    attention_block_stride: int    # S, rows a GPU block spans in the slab
+    max_swap_rows: int             # a conversion of more rows takes the resident path
+
+
 # ----------------------------------------------------------------------------- torch stages
 
 
 @register("hisparse_place", "torch-fp32")
 def hisparse_place(
-    req_id: torch.Tensor, host_rows: torch.Tensor, resident_rows: torch.Tensor, request_state_indices: torch.Tensor,
-    hot_block_table: torch.Tensor, device_global_indices: torch.Tensor, lru_slots: torch.Tensor, block_size: int,
-    stride_rows: int, return_valid_counts: bool,
+    req_id: torch.Tensor, host_rows: torch.Tensor, resident_rows: torch.Tensor, tables: HiSparseTables,
+    block_size: int, return_valid_counts: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Resolve residency and place misses: (physical [N, K] int32, counts [N] int32, src, dst int64).
 
     host_rows / resident_rows are the top-k converted through the host block table and through
     the residency table (stride S, idx_mapping): an entry >= S is a resident row, one below S a
     page with no resident block. Per state row, the missing host rows in first-appearance order
-    take its least recently used slots among those holding no row the step needs. With counts the
-    row is compacted stably."""
+    take its least recently used slots (`tables.lru_slots`) among those holding no row the step
+    needs. With counts the row is compacted stably."""
+    request_state_indices, hot_block_table, lru_slots = tables.request_state_indices, tables.hot_block_table, \
+        tables.lru_slots
+    stride_rows = tables.attention_block_stride
     num_tokens, topk = host_rows.shape
     state = request_state_indices.long()[req_id.long()]
     valid = (host_rows >= 0) & (state[:, None] >= 0)
     resident = valid & (resident_rows >= stride_rows)
     need = valid & ~resident
     phys = torch.where(resident, resident_rows.long(), -1)
-    dgi = device_global_indices.long()
+    dgi = tables.device_global_indices.long()
     srcs, dsts = [], []
     for s in torch.unique(state[need.any(dim=1)]).tolist():
         tokens = (state == s).nonzero().flatten()
@@ -198,106 +225,164 @@ def all_context_pages_resident(seq_lens: Sequence[int], residency: torch.Tensor,
 
 
 def forward_mqa_hisparse(
-    q_layers: Sequence[torch.Tensor], host_caches: Sequence[torch.Tensor], gpu_rows: Sequence[torch.Tensor], *,
-    query_start_loc: Sequence[int], seq_lens: Sequence[int], topk_indices: torch.Tensor, kv_cache_dtype: str,
-    sm_scale: float, max_model_len: int, host_block_table: torch.Tensor, residency: torch.Tensor,
-    request_state_indices: torch.Tensor, hot_block_table: torch.Tensor, device_global_indices: torch.Tensor,
-    lru_slots: torch.Tensor, attention_block_stride: int, max_swap_rows: int,
-    group_buffer: tuple[torch.Tensor, torch.Tensor], workspace_size: int | None = None, max_decode_query_len: int = 1,
-    stages: Resolved | None = None,
+    q_layers: Sequence[Tensor], host_caches: Sequence[Tensor], gpu_rows: Sequence[Tensor], topk_indices: Tensor,
+    metadata: MQAMetadata, tables: HiSparseTables, group_buffer: tuple[Tensor, Tensor], stages: Resolved | None = None,
 ) -> list[PipelineResult]:
-    """Every layer of one index group over one shared top-k (module docstring); one result per layer."""
-    device = gpu_rows[0].device
+    """Every layer of one index group over one shared top-k (module docstring); one result per
+    layer. `metadata.block_table` is the host block table; `group_buffer` the index group's
+    persistent (physical, counts) buffers as a previous step left them."""
+    m, device = metadata, gpu_rows[0].device
     if stages is None:
-        stages = resolve(needed_stages(kv_cache_dtype), device.type)
-    bf16 = kv_cache_dtype == "bfloat16"
-    bs, stride, width = host_caches[0].shape[1], attention_block_stride, gpu_rows[0].shape[-1]
-    num_tokens, num_heads = q_layers[0].shape[:2]
-    topk = topk_indices[:num_tokens]
-    req_id = req_id_per_token(query_start_loc, num_tokens, device)
-    split = split_decodes_and_prefills(query_start_loc, max_decode_query_len)  # HiSparse: threshold 1 (+ spec)
-    nd, nreq = split.num_decode_tokens, split.num_decodes
-    resident_all = all_context_pages_resident(seq_lens, residency, request_state_indices, bs)
-    convert = stages.fn("convert_index")
-    group = stages.fn("index_group")(physical=group_buffer[0], counts=group_buffer[1])
+        stages = resolve(needed_stages(m.kv_cache_dtype), device.type)
+    bs = host_caches[0].shape[1]
+    num_tokens = q_layers[0].shape[0]
+    split = split_decodes_and_prefills(m.query_start_loc, m.max_decode_query_len)  # HiSparse: threshold 1 (+ spec)
+    step = _Step(req_id_per_token(m.query_start_loc, num_tokens, device), topk_indices[:num_tokens], m, tables, bs,
+                 split, all_context_pages_resident(m.seq_lens, tables.residency, tables.request_state_indices, bs),
+                 stages, stages.fn("index_group")(physical=group_buffer[0], counts=group_buffer[1]))
+    layers = list(zip(q_layers, host_caches, gpu_rows))
+    return _bf16(step, layers) if m.kv_cache_dtype == "bfloat16" else _fp8(step, layers)
 
-    def route(layer: int, rows: slice, counts: bool, host: torch.Tensor, slab: torch.Tensor):
+
+@dataclass(frozen=True)
+class _Step:
+    """What every layer of the group shares: the step's tokens, tables, split, stages and group."""
+
+    req_id: Tensor          # [T] int32 request of each token
+    topk: Tensor            # [T, K] logical top-k
+    m: MQAMetadata
+    tables: HiSparseTables
+    block_size: int
+    split: BatchSplit
+    resident_all: bool      # every context page of every request resident
+    stages: Resolved
+    group: IndexGroup
+
+    def route(self, layer: int, rows: slice, counts: bool, host: Tensor, slab: Tensor):
         """(indices, counts, this layer's slab after its swaps): resident path or swap-in."""
-        n = rows.stop - rows.start
-        if n > max_swap_rows or (resident_all and nd < num_tokens):
-            if not resident_all:
-                raise InputError("the resident path needs every context page resident (non-resident prefills are staged)")
-            res = group.convert_once(layer, convert, counts, req_id=req_id[rows], block_table=residency,
-                                     topk_indices=topk[rows], block_size=bs, block_stride_rows=stride,
-                                     idx_mapping=request_state_indices)
+        t, convert = self.tables, self.stages.fn("convert_index")
+        prefills = self.split.num_decode_tokens < self.topk.shape[0]
+        req_id, topk, bs = self.req_id[rows], self.topk[rows], self.block_size
+        if rows.stop - rows.start > t.max_swap_rows or (self.resident_all and prefills):
+            if not self.resident_all:
+                raise InputError("the resident path needs every context page resident (non-resident prefills are "
+                                 "staged)")
+            res = self.group.convert_once(layer, convert, counts, req_id=req_id, block_table=t.residency,
+                                          topk_indices=topk, block_size=bs, block_stride_rows=t.attention_block_stride,
+                                          idx_mapping=t.request_state_indices)
             return (*res, slab) if counts else (res, None, slab)
 
         def resolve_step() -> SwapIn:
-            host_idx = convert(req_id=req_id[rows], block_table=host_block_table, topk_indices=topk[rows], block_size=bs)
-            res_idx = convert(req_id=req_id[rows], block_table=residency, topk_indices=topk[rows], block_size=bs,
-                              block_stride_rows=stride, idx_mapping=request_state_indices)
-            return SwapIn(*stages.fn("hisparse_place")(
-                req_id=req_id[rows], host_rows=host_idx, resident_rows=res_idx,
-                request_state_indices=request_state_indices, hot_block_table=hot_block_table,
-                device_global_indices=device_global_indices, lru_slots=lru_slots, block_size=bs,
-                stride_rows=stride, return_valid_counts=counts))
+            host_idx = convert(req_id=req_id, block_table=self.m.block_table, topk_indices=topk, block_size=bs)
+            res_idx = convert(req_id=req_id, block_table=t.residency, topk_indices=topk, block_size=bs,
+                              block_stride_rows=t.attention_block_stride, idx_mapping=t.request_state_indices)
+            return SwapIn(*self.stages.fn("hisparse_place")(
+                req_id=req_id, host_rows=host_idx, resident_rows=res_idx, tables=t, block_size=bs,
+                return_valid_counts=counts))
 
-        sw, hot = group.swap_in(layer, resolve_step, stages.fn("hisparse_swap_in"), host.view(-1, width), slab)
+        copy = self.stages.fn("hisparse_swap_in")
+        sw, hot = self.group.swap_in(layer, resolve_step, copy, host.view(-1, slab.shape[-1]), slab)
         return sw.physical, sw.counts, hot
 
-    whole = bf16 and nd < num_tokens and resident_all   # branch A: one resident conversion for every token
-    staged_needed = nd < num_tokens and not whole
-    if staged_needed:
-        plan_table, host_ids, dev_ids = stages.fn("hisparse_prefill_plan")(
-            prefill_block_table=host_block_table[nreq:], prefill_seq_lens=list(seq_lens[nreq:]), residency=residency,
-            prefill_state_rows=request_state_indices[nreq:], block_size=bs, stride_rows=stride)
-    if not bf16 and nd < num_tokens:
-        plan = plan_prefill(query_start_loc, seq_lens, split, workspace_size or prefill_workspace_size(max_model_len),
-                            device, stages.fn("split_prefill_chunks"))
-        ws_idx, ws_counts = convert(req_id=req_id, block_table=host_block_table, topk_indices=topk, block_size=bs,
-                                    prefill_request_ids=plan.request_ids, prefill_workspace_starts=plan.workspace_starts,
-                                    return_valid_counts=True)
+    def staging_plan(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The prefills' staging plan (`hisparse_prefill_plan`): compact table, host and device source rows."""
+        nreq, t = self.split.num_decodes, self.tables
+        return self.stages.fn("hisparse_prefill_plan")(
+            prefill_block_table=self.m.block_table[nreq:], prefill_seq_lens=list(self.m.seq_lens[nreq:]),
+            residency=t.residency, prefill_state_rows=t.request_state_indices[nreq:], block_size=self.block_size,
+            stride_rows=t.attention_block_stride)
 
+    def staged(self, plan: tuple[Tensor, Tensor, Tensor], host: Tensor, slab: Tensor) -> tuple[Tensor, Tensor]:
+        """This layer's staged rows and the prefill tokens' rebased req ids (`stage_prefill_rows`)."""
+        return self.stages.fn("stage_prefill_rows")(
+            host_rows=host.view(-1, slab.shape[-1]), gpu_rows=slab, host_row_ids=plan[1], device_row_ids=plan[2],
+            req_id_per_token=self.req_id, num_decodes=self.split.num_decodes,
+            num_decode_tokens=self.split.num_decode_tokens)
+
+
+def _empty(q: Tensor) -> tuple[Tensor, Tensor]:
+    num_tokens, num_heads = q.shape[:2]
+    return (buffers.empty((num_tokens, num_heads, V_DIM), torch.bfloat16, q.device),
+            buffers.empty((num_tokens, num_heads), torch.float32, q.device))
+
+
+def _bf16(step: _Step, layers: list[tuple[Tensor, Tensor, Tensor]]) -> list[PipelineResult]:
+    """`_forward_bf16_kv` under HiSparse, branches A-C (`reference.hisparse`)."""
+    m, bs, nd, num_tokens = step.m, step.block_size, step.split.num_decode_tokens, step.topk.shape[0]
+    whole = nd < num_tokens and step.resident_all   # branch A: one resident conversion for every token
+    plan = step.staging_plan() if nd < num_tokens and not whole else None
+    prefill, convert = step.stages.fn("sparse_prefill"), step.stages.fn("convert_index")
     results = []
-    for layer, (q, host, slab) in enumerate(zip(q_layers, host_caches, gpu_rows)):
-        out = buffers.empty((num_tokens, num_heads, V_DIM), torch.bfloat16, device)
-        lse = buffers.empty((num_tokens, num_heads), torch.float32, device)
-        prefill = stages.fn("sparse_prefill")
-        if staged_needed:
-            staged, rid = stages.fn("stage_prefill_rows")(
-                host_rows=host.view(-1, width), gpu_rows=slab, host_row_ids=host_ids, device_row_ids=dev_ids,
-                req_id_per_token=req_id, num_decodes=nreq, num_decode_tokens=nd)
-        if bf16:
-            if nd or whole:
-                n = num_tokens if whole else nd
-                idx, cnt, hot = route(layer, slice(0, n), True, host, slab)
-                res = prefill(q=q[:n], kv=hot, indices=idx, sm_scale=sm_scale, topk_length=cnt)
-                out[:n], lse[:n] = res[0], res[1]
-            if staged_needed:
-                idx, cnt = convert(req_id=rid, block_table=plan_table, topk_indices=topk[nd:], block_size=bs,
-                                   block_stride_rows=bs, return_valid_counts=True)
-                res = prefill(q=q[nd:], kv=staged, indices=idx, sm_scale=sm_scale, topk_length=cnt)
-                out[nd:], lse[nd:] = res[0], res[1]
-        else:
-            if nd:
-                # The logical decode top-k, taken before any prefill conversion; -1 stays in place.
-                idx, _, hot = route(layer, slice(0, nd), False, host, slab)
-                _, active = active_decodes(query_start_loc, split)
-                q_d = stages.fn("reshape_query_for_spec_decode")(q=q[:nd], num_decodes=active)
-                out_d, lse_d = stages.fn("sparse_decode_fp8")(
-                    q=q_d, kv_cache=hot.view(-1, bs, width), indices=idx.view(active, q_d.shape[1], -1), sm_scale=sm_scale)
-                out[:nd] = stages.fn("reshape_attn_output_for_spec_decode")(out=out_d)
-                lse[:nd] = lse_d.transpose(1, 2).reshape(-1, num_heads)
-            for chunk in plan.chunks if nd < num_tokens else ():
-                with group.streams.on(group.streams.prefill):
-                    workspace = stages.fn("gather_fp8_prefill")(
-                        staged_rows=staged, block_table=plan_table, workspace_starts=chunk.workspace_starts,
-                        batch_size=chunk.requests.stop - chunk.requests.start, request_start=chunk.requests.start - nreq,
-                        num_rows=chunk.total_rows, block_size=bs)
-                    ready = group.streams.record(group.streams.prefill)
-                group.streams.wait(ready, workspace)
-                t = chunk.tokens
-                res = prefill(q=q[t], kv=workspace, indices=ws_idx[t], sm_scale=sm_scale, topk_length=ws_counts[t])
-                out[t], lse[t] = res[0], res[1]
-        results.append(PipelineResult(out, lse, "bf16_hisparse" if bf16 else "fp8_separate_hisparse", stages))
+    for layer, (q, host, slab) in enumerate(layers):
+        out, lse = _empty(q)
+        if plan is not None:
+            staged, rid = step.staged(plan, host, slab)
+        if nd or whole:
+            n = num_tokens if whole else nd
+            idx, cnt, hot = step.route(layer, slice(0, n), True, host, slab)
+            res = prefill(q=q[:n], kv=hot, indices=idx, sm_scale=m.sm_scale, topk_length=cnt)
+            out[:n], lse[:n] = res[0], res[1]
+        if plan is not None:
+            idx, cnt = convert(req_id=rid, block_table=plan[0], topk_indices=step.topk[nd:], block_size=bs,
+                               block_stride_rows=bs, return_valid_counts=True)
+            res = prefill(q=q[nd:], kv=staged, indices=idx, sm_scale=m.sm_scale, topk_length=cnt)
+            out[nd:], lse[nd:] = res[0], res[1]
+        results.append(PipelineResult(out, lse, "bf16_hisparse", step.stages))
     return results
+
+
+def _fp8(step: _Step, layers: list[tuple[Tensor, Tensor, Tensor]]) -> list[PipelineResult]:
+    """`_forward_fp8_kv_separate_prefill_decode` under HiSparse (`reference.hisparse`): decodes
+    through swap-in and the decode kernel over the slab, prefills chunk by chunk from the staged rows."""
+    m, nd, num_tokens = step.m, step.split.num_decode_tokens, step.topk.shape[0]
+    staging = step.staging_plan() if nd < num_tokens else None
+    if staging is not None:
+        plan = plan_prefill(m.query_start_loc, m.seq_lens, step.split,
+                            m.workspace_size or prefill_workspace_size(m.max_model_len), step.topk.device,
+                            step.stages.fn("split_prefill_chunks"))
+        ws_idx, ws_counts = step.stages.fn("convert_index")(
+            req_id=step.req_id, block_table=m.block_table, topk_indices=step.topk, block_size=step.block_size,
+            prefill_request_ids=plan.request_ids, prefill_workspace_starts=plan.workspace_starts,
+            return_valid_counts=True)
+    results = []
+    for layer, (q, host, slab) in enumerate(layers):
+        out, lse = _empty(q)
+        if staging is not None:
+            staged, _ = step.staged(staging, host, slab)
+        if nd:
+            out[:nd], lse[:nd] = _decodes(step, layer, q[:nd], host, slab)
+        for chunk in plan.chunks if staging is not None else ():
+            t = chunk.tokens
+            out[t], lse[t] = _staged_chunk(step, q[t], staged, staging[0], chunk, ws_idx[t], ws_counts[t])
+        results.append(PipelineResult(out, lse, "fp8_separate_hisparse", step.stages))
+    return results
+
+
+def _decodes(step: _Step, layer: int, q: Tensor, host: Tensor, slab: Tensor) -> tuple[Tensor, Tensor]:
+    """The decode tokens: the logical top-k, taken before any prefill conversion (-1 stays in place),
+    through swap-in, then the decode kernel over the slab as [active, s, H, 576]."""
+    nd, bs, stages = q.shape[0], step.block_size, step.stages
+    idx, _, hot = step.route(layer, slice(0, nd), False, host, slab)
+    _, active = active_decodes(step.m.query_start_loc, step.split)
+    q_d = stages.fn("reshape_query_for_spec_decode")(q=q, num_decodes=active)
+    out_d, lse_d = stages.fn("sparse_decode_fp8")(
+        q=q_d, kv_cache=hot.view(-1, bs, slab.shape[-1]), indices=idx.view(active, q_d.shape[1], -1),
+        sm_scale=step.m.sm_scale)
+    return stages.fn("reshape_attn_output_for_spec_decode")(out=out_d), lse_d.transpose(1, 2).reshape(-1, q.shape[1])
+
+
+def _staged_chunk(step: _Step, q: Tensor, staged: Tensor, plan_table: Tensor, chunk: PrefillChunk, idx: Tensor,
+                  counts: Tensor) -> tuple[Tensor, Tensor]:
+    """One prefill chunk: its workspace gathered from the staged rows on the prefill stream
+    (`gather_fp8_prefill`), then the BF16 prefill kernel over it."""
+    group, nreq = step.group, step.split.num_decodes
+    with group.streams.on(group.streams.prefill):
+        workspace = step.stages.fn("gather_fp8_prefill")(
+            staged_rows=staged, block_table=plan_table, workspace_starts=chunk.workspace_starts,
+            batch_size=chunk.requests.stop - chunk.requests.start, request_start=chunk.requests.start - nreq,
+            num_rows=chunk.total_rows, block_size=step.block_size)
+        ready = group.streams.record(group.streams.prefill)
+    group.streams.wait(ready, workspace)
+    res = step.stages.fn("sparse_prefill")(q=q, kv=workspace, indices=idx, sm_scale=step.m.sm_scale,
+                                           topk_length=counts)
+    return res[0], res[1]

@@ -94,20 +94,44 @@ def flat_kv_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 @dataclass(frozen=True)
+class MQAMetadata:
+    """What forward_mqa reads beside the query, the cache and the top-k: one rank's batch as
+    `FlashMLASparseMetadataBuilder` leaves it, and the layer's configuration (`FlashMLASparseImpl`'s
+    constructor and the builder's vllm_config). The reference spells its own
+    (`reference.forward.MQAMetadata`): the two share no code."""
+
+    query_start_loc: Sequence[int]    # [B + 1], decodes first
+    seq_lens: Sequence[int]           # [B] context + query tokens
+    block_table: torch.Tensor         # [B, M] int32, this rank's
+    num_heads: int                    # the layer's query heads on this rank
+    kv_cache_dtype: str               # bfloat16 | fp8_ds_mla | nvfp4_ds_mla
+    sm_scale: float
+    max_model_len: int
+    arch: str = "sm90"
+    workspace_size: int | None = None  # None: the backend's prefill_workspace_size(max_model_len)
+    max_decode_query_len: int = 1      # 1 + speculative tokens
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    interleave: int = 1
+    # [>= T] int32, the request of each token, as the builder keeps it in a persistent buffer
+    # (what a CUDA graph of the call reads); None: built from query_start_loc, a copy from the host.
+    req_id: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class _Step:
-    """What every path reads: the concatenated query, the cache and the batch's indices."""
+    """What every path reads: the concatenated query, the cache, the batch's indices, its metadata."""
 
     q: torch.Tensor            # [T, Hq, 576]
     kv_cache: torch.Tensor     # [NB, BS, W]
-    block_table: torch.Tensor  # [R, M] int32
     req_id: torch.Tensor       # [T] int32, sliced to the MQA rows
     topk: torch.Tensor         # [T, K] int32 logical indices
-    sm_scale: float
+    m: MQAMetadata
     stages: Resolved
 
     def convert(self, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.stages.fn("convert_index")(
-            req_id=self.req_id, block_table=self.block_table, topk_indices=self.topk,
+            req_id=self.req_id, block_table=self.m.block_table, topk_indices=self.topk,
             block_size=self.kv_cache.shape[1], **kwargs,
         )
 
@@ -115,55 +139,35 @@ class _Step:
 def forward_mqa(
     q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     kv_cache: torch.Tensor,
-    *,
-    query_start_loc: Sequence[int],
-    seq_lens: Sequence[int],
-    block_table: torch.Tensor,
     topk_indices: torch.Tensor,
-    num_heads: int,
-    kv_cache_dtype: str,
-    sm_scale: float,
-    max_model_len: int,
-    arch: str = "sm90",
-    workspace_size: int | None = None,
-    max_decode_query_len: int = 1,
-    dcp_size: int = 1,
-    dcp_rank: int = 0,
-    interleave: int = 1,
+    metadata: MQAMetadata,
     stages: Resolved | None = None,
-    req_id: torch.Tensor | None = None,
 ) -> PipelineResult:
     """One rank's forward_mqa (module docstring). q is [T, Hq, 576] or (ql_nope, q_pe); T may
     be the decode tokens only (dense MHA took the prefills). `stages` defaults to the registry's
-    preferred implementations on the cache's device; `workspace_size` to the backend's
-    `prefill_workspace_size(max_model_len)`. `req_id` [>= T] int32, the request of each token,
-    as the metadata builder keeps it in a persistent buffer (what a CUDA graph of the call
-    reads); None: built here from query_start_loc, a copy from the host."""
-    q_is_tuple = isinstance(q, tuple)
-    check_dcp_supported(num_heads, dcp_size, kv_cache_dtype)
-    path = select_path(kv_cache_dtype, num_heads)
+    preferred implementations on the cache's device."""
+    m, q_is_tuple = metadata, isinstance(q, tuple)
+    check_dcp_supported(m.num_heads, m.dcp_size, m.kv_cache_dtype)
+    path = select_path(m.kv_cache_dtype, m.num_heads)
     if stages is None:
-        stages = resolve(needed_stages(kv_cache_dtype, num_heads, dcp_size, q_is_tuple), kv_cache.device.type)
+        stages = resolve(needed_stages(m.kv_cache_dtype, m.num_heads, m.dcp_size, q_is_tuple), kv_cache.device.type)
     if q_is_tuple:
         q = stages.fn("concat_mla_q")(ql_nope=q[0], q_pe=q[1])
     num_tokens = q.shape[0]
     # req_id covers the whole batch and any CUDA-graph padding rows past it (request 0's); slice it
     # to the MQA rows (vLLM bug #47327).
+    req_id = m.req_id
     if req_id is None:
-        req_id = req_id_per_token(query_start_loc, max(int(query_start_loc[-1]), num_tokens), q.device)
-    req_id = req_id[:num_tokens]
-    step = _Step(q, kv_cache, block_table, req_id, topk_indices[:num_tokens], sm_scale, stages)
+        req_id = req_id_per_token(m.query_start_loc, max(int(m.query_start_loc[-1]), num_tokens), q.device)
+    step = _Step(q, kv_cache, req_id[:num_tokens], topk_indices[:num_tokens], m, stages)
     if path == "bf16":
         out, lse = _bf16(step)
     elif path == "fp8_mixed":
-        out, lse = _fp8_mixed(step, _decode_stage(kv_cache_dtype), dcp_size, dcp_rank, interleave)
+        out, lse = _fp8_mixed(step, _decode_stage(m.kv_cache_dtype))
     else:
-        threshold = reorder_batch_threshold(num_heads, arch, max_decode_query_len=max_decode_query_len)
-        out, lse = _fp8_separate(
-            step, kv_cache_dtype, query_start_loc, seq_lens,
-            split_decodes_and_prefills(query_start_loc, threshold),
-            workspace_size or prefill_workspace_size(max_model_len),
-        )
+        threshold = reorder_batch_threshold(m.num_heads, m.arch, max_decode_query_len=m.max_decode_query_len)
+        out, lse = _fp8_separate(step, split_decodes_and_prefills(m.query_start_loc, threshold),
+                                 m.workspace_size or prefill_workspace_size(m.max_model_len))
     return PipelineResult(out, lse, path, stages)
 
 
@@ -171,27 +175,26 @@ def _bf16(step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
     """`_forward_bf16_kv`: the BF16 prefill kernel over the cache's flat rows, compacted indices."""
     rows, stride_rows = flat_kv_rows(step.kv_cache)
     idx, counts = step.convert(block_stride_rows=stride_rows, return_valid_counts=True)
-    res = step.stages.fn("sparse_prefill")(q=step.q, kv=rows, indices=idx, sm_scale=step.sm_scale, topk_length=counts)
+    res = step.stages.fn("sparse_prefill")(q=step.q, kv=rows, indices=idx, sm_scale=step.m.sm_scale, topk_length=counts)
     return res[0], res[1]
 
 
-def _fp8_mixed(
-    step: _Step, decode_stage: str, dcp_size: int, dcp_rank: int, interleave: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_mixed(step: _Step, decode_stage: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`_forward_fp8_kv_mixed_batch`: every token through the decode kernel as one batch of 1."""
-    if dcp_size > 1:
+    m = step.m
+    if m.dcp_size > 1:
         idx = step.stages.fn("dcp_convert_index")(
-            req_id=step.req_id, block_table=step.block_table, topk_indices=step.topk,
-            block_size=step.kv_cache.shape[1], dcp_size=dcp_size, dcp_rank=dcp_rank,
-            interleave=interleave, compact_valid_to_front=False,
+            req_id=step.req_id, block_table=m.block_table, topk_indices=step.topk,
+            block_size=step.kv_cache.shape[1], dcp_size=m.dcp_size, dcp_rank=m.dcp_rank,
+            interleave=m.interleave, compact_valid_to_front=False,
         )
     else:
         idx = step.convert()
     out, lse = step.stages.fn(decode_stage)(
-        q=step.q.unsqueeze(0), kv_cache=step.kv_cache, indices=idx.unsqueeze(0), sm_scale=step.sm_scale
+        q=step.q.unsqueeze(0), kv_cache=step.kv_cache, indices=idx.unsqueeze(0), sm_scale=m.sm_scale
     )
     out, lse = out[0], lse[0].transpose(0, 1)  # kernel LSE [1, H, T] -> [T, H]
-    if dcp_size > 1:
+    if m.dcp_size > 1:
         # A rank that owns none of a row's tokens contributes the merge's identity (0, -inf).
         empty = (idx == -1).all(dim=-1)
         out = out.masked_fill(empty[:, None, None], 0.0)
@@ -199,17 +202,11 @@ def _fp8_mixed(
     return out, lse
 
 
-def _fp8_separate(
-    step: _Step,
-    kv_cache_dtype: str,
-    query_start_loc: Sequence[int],
-    seq_lens: Sequence[int],
-    split: BatchSplit,
-    workspace_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_separate(step: _Step, split: BatchSplit, workspace_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`_forward_fp8_kv_separate_prefill_decode`: decodes through the decode kernel, prefills
     chunk by chunk through the BF16 prefill kernel over an up-converted workspace."""
-    q, stages = step.q, step.stages
+    q, stages, m = step.q, step.stages, step.m
+    kv_cache_dtype, query_start_loc, seq_lens = m.kv_cache_dtype, m.query_start_loc, m.seq_lens
     num_tokens, num_heads = q.shape[:2]
     num_decode_tokens, num_prefill_tokens = split.num_decode_tokens, num_tokens - split.num_decode_tokens
     if num_prefill_tokens not in (0, split.num_prefill_tokens):
@@ -232,7 +229,7 @@ def _fp8_separate(
         _, active = active_decodes(query_start_loc, split)
         q_d = stages.fn("reshape_query_for_spec_decode")(q=q[rows], num_decodes=active)
         out_d, lse_d = stages.fn(_decode_stage(kv_cache_dtype))(
-            q=q_d, kv_cache=step.kv_cache, indices=idx[rows].view(active, q_d.shape[1], -1), sm_scale=step.sm_scale
+            q=q_d, kv_cache=step.kv_cache, indices=idx[rows].view(active, q_d.shape[1], -1), sm_scale=m.sm_scale
         )
         # lse [B, H, s] -> token-major [B * s, H], the layout of the output rows.
         return stages.fn("reshape_attn_output_for_spec_decode")(out=out_d), lse_d.transpose(1, 2).reshape(-1, num_heads)
@@ -246,11 +243,11 @@ def _fp8_separate(
     gather, prefill = stages.fn(_gather_stage(kv_cache_dtype)), stages.fn("sparse_prefill")
     for chunk in plan.chunks if plan else ():
         workspace = gather(
-            kv_cache=step.kv_cache, block_table=step.block_table[chunk.requests],
+            kv_cache=step.kv_cache, block_table=m.block_table[chunk.requests],
             workspace_starts=chunk.workspace_starts, num_rows=chunk.total_rows,
         )
         rows = chunk.tokens
-        res = prefill(q=q[rows], kv=workspace, indices=idx[rows], sm_scale=step.sm_scale, topk_length=counts[rows])
+        res = prefill(q=q[rows], kv=workspace, indices=idx[rows], sm_scale=m.sm_scale, topk_length=counts[rows])
         out[rows], lse[rows] = res[0], res[1]
     return out, lse
 
@@ -258,30 +255,27 @@ def _fp8_separate(
 def forward_mqa_dcp(
     q: torch.Tensor,
     rank_caches: Sequence[torch.Tensor],
-    rank_block_tables: Sequence[torch.Tensor],
-    *,
+    topk_indices: torch.Tensor,
+    rank_metadata: Sequence[MQAMetadata],
     stages: Resolved | None = None,
-    **kwargs,
 ) -> PipelineResult:
     """Every rank's forward_mqa on its shard, then the `dcp_merge` stage, for all gathered heads.
 
-    q is the head-gathered [T, H * N, 576] query every rank sees; rank r's cache and block table
-    hold its shard of each sequence. `kwargs` are forward_mqa's keywords without block_table /
-    dcp_size / dcp_rank. Rows of no request are masked before the merge (`mask_empty_shards`).
-    Returns the merged out [T, H * N, 512] (rank r keeps heads [r*H, (r+1)*H) after the
-    reduce-scatter) and LSE, with path "<path>_dcp". `optimized.dcp_runtime` runs the same
-    protocol over real processes.
+    q is the head-gathered [T, H * N, 576] query every rank sees; rank r's cache and metadata (its
+    block table, dcp_size N, dcp_rank r) hold its shard of each sequence. Rows of no request are
+    masked before the merge (`mask_empty_shards`). Returns the merged out [T, H * N, 512] (rank r
+    keeps heads [r*H, (r+1)*H) after the reduce-scatter) and LSE, with path "<path>_dcp".
+    `optimized.dcp_runtime` runs the same protocol over real processes.
     """
-    dcp_size = len(rank_caches)
+    dcp_size, first = len(rank_caches), rank_metadata[0]
+    if [(m.dcp_size, m.dcp_rank) for m in rank_metadata] != [(dcp_size, r) for r in range(dcp_size)]:
+        raise InputError(f"rank_metadata must be ranks 0..{dcp_size - 1} of {dcp_size}, one per cache")
     if stages is None:
-        needed = needed_stages(kwargs["kv_cache_dtype"], kwargs["num_heads"], dcp_size, isinstance(q, tuple))
+        needed = needed_stages(first.kv_cache_dtype, first.num_heads, dcp_size, isinstance(q, tuple))
         # dict.fromkeys: the merge is needed even for a single rank, and listed once.
         stages = resolve(dict.fromkeys([*needed, "dcp_merge"]), rank_caches[0].device.type)
-    parts = [
-        forward_mqa(q, cache, block_table=table, dcp_size=dcp_size, dcp_rank=rank, stages=stages, **kwargs)
-        for rank, (cache, table) in enumerate(zip(rank_caches, rank_block_tables))
-    ]
+    parts = [forward_mqa(q, cache, topk_indices, m, stages) for cache, m in zip(rank_caches, rank_metadata)]
     outs = torch.stack([p.out for p in parts])
-    lses = mask_empty_shards(torch.stack([p.lse for p in parts]), kwargs["seq_lens"], kwargs["query_start_loc"])
+    lses = mask_empty_shards(torch.stack([p.lse for p in parts]), first.seq_lens, first.query_start_loc)
     out, lse = stages.fn("dcp_merge")(outs=outs, lses=lses)
     return PipelineResult(out, lse, parts[0].path + "_dcp", stages)

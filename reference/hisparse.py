@@ -46,13 +46,36 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from torch import Tensor
 
-from .attention import sparse_decode, sparse_prefill
-from .forward import MQAResult
+from .attention import AttentionResult, sparse_decode, sparse_prefill
+from .forward import MQAMetadata, MQAResult
 from .indices import convert_index, req_id_per_token
-from .metadata import active_decodes, plan_prefill, prefill_workspace_size, split_decodes_and_prefills
+from .metadata import (
+    BatchSplit,
+    PrefillChunk,
+    active_decodes,
+    plan_prefill,
+    prefill_workspace_size,
+    split_decodes_and_prefills,
+)
 from .query import reshape_attn_output_for_spec_decode, reshape_query_for_spec_decode
 from .workspace import gather_upconvert_fp8
+
+
+@dataclass(frozen=True)
+class HiSparseTables:
+    """The tiers' tables beside forward_mqa's metadata (module docstring; the host block table is
+    the metadata's block table): one step's, shared by every layer of the group. The optimized
+    side spells its own (`optimized.hisparse.HiSparseTables`)."""
+
+    residency: Tensor              # [max_seqs, M] state row -> GPU block of each page, 0 = not resident
+    request_state_indices: Tensor  # [R] batch row -> state row, -1 = none
+    hot_block_table: Tensor        # [R, ceil(D / B)] GPU blocks of a request's D hot slots
+    device_global_indices: Tensor  # [max_seqs, D] host row each slot holds before the step, -1 empty
+    lru_slots: Tensor              # [max_seqs, D] each state row's slots, least recently used first
+    attention_block_stride: int    # S, rows a GPU block spans in the slab
+    max_swap_rows: int             # a conversion of more rows takes the resident path
 
 
 @dataclass(frozen=True)
@@ -77,9 +100,8 @@ def all_context_pages_resident(seq_lens: Sequence[int], residency: torch.Tensor,
 
 
 def swap_in(
-    req_id: torch.Tensor, topk: torch.Tensor, *, host_block_table: torch.Tensor, residency: torch.Tensor,
-    request_state_indices: torch.Tensor, hot_block_table: torch.Tensor, device_global_indices: torch.Tensor,
-    lru_slots: torch.Tensor, block_size: int, stride_rows: int, return_valid_counts: bool,
+    req_id: Tensor, topk: Tensor, host_block_table: Tensor, tables: HiSparseTables, *, block_size: int,
+    return_valid_counts: bool,
 ) -> Swaps:
     """`hisparse_resolve_residency` as a deterministic policy (module docstring). Scans rows t, then
     columns j; for request r (state s), valid logical i (i >= 0, i // B < M):
@@ -91,11 +113,11 @@ def swap_in(
     A step never evicts a row it needs (a request's union fits its D slots). With counts the valid
     entries are compacted stably to the front. The policy walks the tables on the host (one read
     each, not one device sync per entry); the physical indices come back on topk's device."""
-    device = topk.device
+    device, tb = topk.device, tables
     req_id, topk, host_block_table, residency, request_state_indices, hot_block_table, device_global_indices, \
-        lru_slots = (t.cpu() for t in (req_id, topk, host_block_table, residency, request_state_indices,
-                                        hot_block_table, device_global_indices, lru_slots))
-    bs, width = block_size, host_block_table.shape[1]
+        lru_slots = (x.cpu() for x in (req_id, topk, host_block_table, tb.residency, tb.request_state_indices,
+                                        tb.hot_block_table, tb.device_global_indices, tb.lru_slots))
+    bs, width, stride_rows = block_size, host_block_table.shape[1], tb.attention_block_stride
     dgi = device_global_indices.clone()
     lru = {s: [int(k) for k in lru_slots[s]] for s in range(lru_slots.shape[0])}
     used: dict[int, set[int]] = {}
@@ -185,107 +207,145 @@ def staged_prefill_rows(
 
 
 def forward_mqa_hisparse(
-    q_layers: Sequence[torch.Tensor],
-    host_caches: Sequence[torch.Tensor],
-    gpu_rows: Sequence[torch.Tensor],
+    q_layers: Sequence[Tensor],
+    host_caches: Sequence[Tensor],
+    gpu_rows: Sequence[Tensor],
+    topk_indices: Tensor,
+    metadata: MQAMetadata,
+    tables: HiSparseTables,
     *,
-    query_start_loc: Sequence[int],
-    seq_lens: Sequence[int],
-    topk_indices: torch.Tensor,
-    kv_cache_dtype: str,
-    sm_scale: float,
-    max_model_len: int,
-    host_block_table: torch.Tensor,
-    residency: torch.Tensor,
-    request_state_indices: torch.Tensor,
-    hot_block_table: torch.Tensor,
-    device_global_indices: torch.Tensor,
-    lru_slots: torch.Tensor,
-    attention_block_stride: int,
-    max_swap_rows: int,
-    workspace_size: int | None = None,
-    max_decode_query_len: int = 1,
     dtype: torch.dtype = torch.float64,
 ) -> list[MQAResult]:
     """Every layer of one index group on one shared top-k (module docstring): one swap-in,
-    applied to each layer's own slab. Returns one MQAResult per layer."""
-    bs, stride = host_caches[0].shape[1], attention_block_stride
+    applied to each layer's own slab. `metadata.block_table` is the host block table. Returns one
+    MQAResult per layer."""
+    m, bs = metadata, host_caches[0].shape[1]
     host_caches = [h.to(g.device) for h, g in zip(host_caches, gpu_rows)]  # pinned host memory on CUDA
     num_tokens = q_layers[0].shape[0]
-    topk = topk_indices[:num_tokens]
-    req_id = req_id_per_token(query_start_loc, num_tokens).to(topk_indices.device)
-    # The HiSparse builder's reorder threshold is 1, raised to the spec-decode query length.
-    split = split_decodes_and_prefills(query_start_loc, max_decode_query_len)
-    nd, nreq = split.num_decode_tokens, split.num_decodes
-    resident_all = all_context_pages_resident(seq_lens, residency, request_state_indices, bs)
-    bf16 = kv_cache_dtype == "bfloat16"
+    req_id = req_id_per_token(m.query_start_loc, num_tokens).to(topk_indices.device)
+    step = _Step(req_id, topk_indices[:num_tokens], m, tables, bs,
+                 # The HiSparse builder's reorder threshold is 1, raised to the spec-decode query length.
+                 split_decodes_and_prefills(m.query_start_loc, m.max_decode_query_len),
+                 all_context_pages_resident(m.seq_lens, tables.residency, tables.request_state_indices, bs))
+    layers = list(zip(q_layers, host_caches, gpu_rows))
+    return _bf16(step, layers, dtype) if m.kv_cache_dtype == "bfloat16" else _fp8(step, layers, dtype)
 
-    def convert(rows: slice, counts: bool) -> tuple[torch.Tensor, torch.Tensor, Swaps | None]:
-        n = rows.stop - rows.start
-        if n > max_swap_rows or (resident_all and nd < num_tokens):
-            if not resident_all:
-                raise ValueError("the resident path needs every context page resident (non-resident prefills are staged)")
-            idx = convert_index(req_id[rows], residency, topk[rows], bs, stride, return_valid_counts=counts,
-                                idx_mapping=request_state_indices)
+
+@dataclass(frozen=True)
+class _Step:
+    """What every layer of the group shares: the step's tokens, tables and split."""
+
+    req_id: Tensor          # [T] request of each token
+    topk: Tensor            # [T, K] logical top-k
+    m: MQAMetadata
+    tables: HiSparseTables
+    block_size: int
+    split: BatchSplit
+    resident_all: bool      # every context page of every request resident
+
+    def convert(self, rows: slice, counts: bool) -> tuple[Tensor, Tensor, Swaps | None]:
+        """Routing (module docstring): more than max_swap_rows rows, or every page resident with
+        prefill tokens present, through the resident path (the plain converter over `residency`,
+        idx_mapping = request_state_indices, stride S); otherwise swap_in. (indices, counts, swaps)."""
+        t, prefills = self.tables, self.split.num_decode_tokens < self.topk.shape[0]
+        if rows.stop - rows.start > t.max_swap_rows or (self.resident_all and prefills):
+            if not self.resident_all:
+                raise ValueError("the resident path needs every context page resident (non-resident prefills are "
+                                 "staged)")
+            idx = convert_index(self.req_id[rows], t.residency, self.topk[rows], self.block_size,
+                                t.attention_block_stride, return_valid_counts=counts,
+                                idx_mapping=t.request_state_indices)
             return (*idx, None) if counts else (idx, (idx >= 0).sum(1).to(torch.int32), None)
-        sw = swap_in(req_id[rows], topk[rows], host_block_table=host_block_table, residency=residency,
-                     request_state_indices=request_state_indices, hot_block_table=hot_block_table,
-                     device_global_indices=device_global_indices, lru_slots=lru_slots, block_size=bs,
-                     stride_rows=stride, return_valid_counts=counts)
+        sw = swap_in(self.req_id[rows], self.topk[rows], self.m.block_table, t, block_size=self.block_size,
+                     return_valid_counts=counts)
         return sw.physical, sw.counts, sw
 
-    prefill_lens = list(seq_lens[nreq:])
-    staged = None
-    if nd < num_tokens and not (bf16 and resident_all):
-        staged = [staged_prefill_rows(h, g, prefill_block_table=host_block_table[nreq:], prefill_seq_lens=prefill_lens,
-                                      residency=residency, prefill_state_rows=request_state_indices[nreq:],
-                                      stride_rows=stride) for h, g in zip(host_caches, gpu_rows)]
-    if bf16:
-        whole = nd < num_tokens and resident_all
-        dec = convert(slice(0, num_tokens if whole else nd), True) if nd or whole else None
-        if nd < num_tokens and not whole:
-            rid = req_id[nd:] - nreq
-            pidx, pcnt = convert_index(rid, staged[0][1], topk[nd:], bs, bs, return_valid_counts=True)
-    else:
-        dec = convert(slice(0, nd), False) if nd else None
-        if nd < num_tokens:
-            plan = plan_prefill(query_start_loc, seq_lens, split, workspace_size or prefill_workspace_size(max_model_len))
-            pidx, pcnt = convert_index(req_id, host_block_table, topk, bs,
-                                       prefill_request_ids=plan.request_ids[:num_tokens].to(topk.device),
-                                       prefill_workspace_starts=plan.workspace_starts.to(topk.device),
-                                       return_valid_counts=True)
+    def staged(self, host_cache: Tensor, slab: Tensor) -> tuple[Tensor, Tensor]:
+        """The prefills' staged rows and block table from this layer's tiers (`staged_prefill_rows`)."""
+        nreq = self.split.num_decodes
+        return staged_prefill_rows(host_cache, slab, prefill_block_table=self.m.block_table[nreq:],
+                                   prefill_seq_lens=list(self.m.seq_lens[nreq:]), residency=self.tables.residency,
+                                   prefill_state_rows=self.tables.request_state_indices[nreq:],
+                                   stride_rows=self.tables.attention_block_stride)
 
+
+def _empty(q: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """out [T, H, 512], lse [T, H], logit_l1 [T, H], zero."""
+    lse = q.new_zeros(q.shape[:2], dtype=dtype)
+    return q.new_zeros((*q.shape[:2], 512), dtype=dtype), lse, torch.zeros_like(lse)
+
+
+def _bf16(step: _Step, layers: list[tuple[Tensor, Tensor, Tensor]], dtype: torch.dtype) -> list[MQAResult]:
+    """bf16 cache, branches A-C (module docstring): A every token through the resident path when
+    every page is resident; else B the D decode tokens through swap_in (counts) and the BF16
+    kernel over the slab after the swaps, and C the prefill tokens through the staged cache (req
+    ids rebased by num_decodes, stride B, counts) and the BF16 kernel over the staged rows."""
+    m, nd, num_tokens = step.m, step.split.num_decode_tokens, step.topk.shape[0]
+    whole = nd < num_tokens and step.resident_all
+    staged = [step.staged(h, g) for _, h, g in layers] if nd < num_tokens and not whole else None
+    dec = step.convert(slice(0, num_tokens if whole else nd), True) if nd or whole else None
+    if staged is not None:
+        rid = step.req_id[nd:] - step.split.num_decodes
+        pidx, pcnt = convert_index(rid, staged[0][1], step.topk[nd:], step.block_size, step.block_size,
+                                   return_valid_counts=True)
     results = []
-    for layer, (q, host, slab) in enumerate(zip(q_layers, host_caches, gpu_rows)):
-        out = q.new_zeros((num_tokens, q.shape[1], 512), dtype=dtype)
-        lse = q.new_zeros((num_tokens, q.shape[1]), dtype=dtype)
-        l1 = torch.zeros_like(lse)
-        hot = apply_swaps(host, slab, dec[2]) if dec is not None and dec[2] is not None else slab
-        if bf16:
-            if dec is not None:
-                n = dec[0].shape[0]
-                res = sparse_prefill(q[:n], hot, dec[0], sm_scale, topk_length=dec[1], dtype=dtype)
-                out[:n], lse[:n], l1[:n] = res.out, res.lse, res.logit_l1
-            if staged is not None:
-                res = sparse_prefill(q[nd:], staged[layer][0], pidx, sm_scale, topk_length=pcnt, dtype=dtype)
-                out[nd:], lse[nd:], l1[nd:] = res.out, res.lse, res.logit_l1
-        else:
-            if dec is not None:
-                _, active = active_decodes(query_start_loc, split)
-                q_d = reshape_query_for_spec_decode(q[:nd], active)
-                pages = hot.view(-1, bs, hot.shape[-1])
-                res = sparse_decode(q_d, pages, dec[0].view(active, q_d.shape[1], -1), sm_scale, dtype=dtype)
-                out[:nd] = reshape_attn_output_for_spec_decode(res.out)
-                lse[:nd] = res.lse.transpose(1, 2).reshape(nd, -1)
-                l1[:nd] = res.logit_l1.transpose(1, 2).reshape(nd, -1)
-            for chunk in plan.chunks if staged is not None else ():
-                rows, table = staged[layer]
-                first = chunk.requests[0] - nreq
-                workspace = gather_upconvert_fp8(
-                    rows.view(-1, bs, rows.shape[-1]), table[first : first + chunk.requests[1] - chunk.requests[0]],
-                    torch.tensor(chunk.workspace_starts, dtype=torch.int32, device=rows.device), chunk.total_rows)
-                t = slice(*chunk.tokens)
-                res = sparse_prefill(q[t], workspace, pidx[t], sm_scale, topk_length=pcnt[t], dtype=dtype)
-                out[t], lse[t], l1[t] = res.out, res.lse, res.logit_l1
-        results.append(MQAResult(out, lse, l1, "bf16_hisparse" if bf16 else "fp8_separate_hisparse"))
+    for layer, (q, host, slab) in enumerate(layers):
+        out, lse, l1 = _empty(q, dtype)
+        if dec is not None:
+            hot = apply_swaps(host, slab, dec[2]) if dec[2] is not None else slab
+            n = dec[0].shape[0]
+            res = sparse_prefill(q[:n], hot, dec[0], m.sm_scale, topk_length=dec[1], dtype=dtype)
+            out[:n], lse[:n], l1[:n] = res.out, res.lse, res.logit_l1
+        if staged is not None:
+            res = sparse_prefill(q[nd:], staged[layer][0], pidx, m.sm_scale, topk_length=pcnt, dtype=dtype)
+            out[nd:], lse[nd:], l1[nd:] = res.out, res.lse, res.logit_l1
+        results.append(MQAResult(out, lse, l1, "bf16_hisparse"))
     return results
+
+
+def _fp8(step: _Step, layers: list[tuple[Tensor, Tensor, Tensor]], dtype: torch.dtype) -> list[MQAResult]:
+    """fp8_ds_mla cache, always separate (module docstring): the D decode tokens' logical top-k
+    through swap_in without counts (-1 in place), the FP8 decode kernel over the slab after the
+    swaps as [NG * S / B, B, 656] pages; the prefill tokens at their workspace rows, chunk by chunk
+    (`_staged_chunk`)."""
+    m, nd, num_tokens, bs = step.m, step.split.num_decode_tokens, step.topk.shape[0], step.block_size
+    staged = [step.staged(h, g) for _, h, g in layers] if nd < num_tokens else None
+    dec = step.convert(slice(0, nd), False) if nd else None
+    if staged is not None:
+        plan = plan_prefill(m.query_start_loc, m.seq_lens, step.split,
+                            m.workspace_size or prefill_workspace_size(m.max_model_len))
+        pidx, pcnt = convert_index(step.req_id, m.block_table, step.topk, bs,
+                                   prefill_request_ids=plan.request_ids[:num_tokens].to(step.topk.device),
+                                   prefill_workspace_starts=plan.workspace_starts.to(step.topk.device),
+                                   return_valid_counts=True)
+    results = []
+    for layer, (q, host, slab) in enumerate(layers):
+        out, lse, l1 = _empty(q, dtype)
+        if dec is not None:
+            hot = apply_swaps(host, slab, dec[2]) if dec[2] is not None else slab
+            _, active = active_decodes(m.query_start_loc, step.split)
+            q_d = reshape_query_for_spec_decode(q[:nd], active)
+            pages = hot.view(-1, bs, hot.shape[-1])
+            res = sparse_decode(q_d, pages, dec[0].view(active, q_d.shape[1], -1), m.sm_scale, dtype=dtype)
+            out[:nd] = reshape_attn_output_for_spec_decode(res.out)
+            lse[:nd] = res.lse.transpose(1, 2).reshape(nd, -1)
+            l1[:nd] = res.logit_l1.transpose(1, 2).reshape(nd, -1)
+        for chunk in plan.chunks if staged is not None else ():
+            t = slice(*chunk.tokens)
+            res = _staged_chunk(q[t], staged[layer], pidx[t], pcnt[t], step, chunk, dtype)
+            out[t], lse[t], l1[t] = res.out, res.lse, res.logit_l1
+        results.append(MQAResult(out, lse, l1, "fp8_separate_hisparse"))
+    return results
+
+
+def _staged_chunk(q: Tensor, staged: tuple[Tensor, Tensor], idx: Tensor, counts: Tensor, step: _Step,
+                  chunk: PrefillChunk, dtype: torch.dtype) -> AttentionResult:
+    """One prefill chunk: workspace = the chunk's requests gathered from the staged rows through the
+    staged table's rows [request_start, request_start + batch) and up-converted (`gather_fp8_prefill`);
+    out, lse = sparse_prefill(q, workspace, idx, topk_length = counts)."""
+    rows, table = staged
+    bs, first = step.block_size, chunk.requests[0] - step.split.num_decodes
+    workspace = gather_upconvert_fp8(
+        rows.view(-1, bs, rows.shape[-1]), table[first : first + chunk.requests[1] - chunk.requests[0]],
+        torch.tensor(chunk.workspace_starts, dtype=torch.int32, device=rows.device), chunk.total_rows)
+    return sparse_prefill(q, workspace, idx, step.m.sm_scale, topk_length=counts, dtype=dtype)

@@ -48,7 +48,7 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     """fp32 -> e2m1 4-bit codes, round to nearest even, saturating at +-6."""
     a = y.abs()
     code = sum((a > t).to(torch.uint8) for t in _TIES_DOWN) + sum(
@@ -79,7 +79,7 @@ def quantize_nvfp4_ds_mla(kv: torch.Tensor, scale_rounding: str = "up") -> torch
     nope = kv[:, :NOPE_DIM].float()
     sf = _block_scales(nope, scale_rounding)
     inv = torch.ones_like(sf, dtype=torch.float32) / sf.float()
-    codes = _e2m1_codes(nope.view(n, NUM_BLOCKS, BLOCK) * inv[:, :, None]).view(n, NOPE_DIM)
+    codes = e2m1_codes(nope.view(n, NUM_BLOCKS, BLOCK) * inv[:, :, None]).view(n, NOPE_DIM)
     rows = torch.empty(n, ROW_BYTES, dtype=torch.uint8, device=kv.device)
     rows[:, :ROPE_OFFSET] = codes[:, 0::2] | (codes[:, 1::2] << 4)
     rows[:, ROPE_OFFSET:SCALE_OFFSET] = _e4m3(kv[:, NOPE_DIM:].float()).view(torch.uint8)

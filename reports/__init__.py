@@ -6,7 +6,7 @@ baseline run.
     terminal_summary(rows, meta)                             terminal.py
     bias_of(rows, confidence) -> Bias                        bias.py (significance.py)
     compare(current, baseline, *, factor, confidence,
-            min_cases, pairs) -> Drift                        drift.py (pairing.py, significance.py)
+            min_cases, pairs) -> Drift; DriftSettings         drift.py (pairing.py, significance.py)
       each group's word: drifted, worse, unchanged, better  words.py (judge.py)
     history(run_dirs, order=...) -> History                 history.py (history_html.py, history_plots.py)
     build_report(...) -> Report / run_report(run_dir, ...)  report.py (document.py)
@@ -14,7 +14,7 @@ baseline run.
 """
 
 from mla_verify.reports.bias import Bias, bias_of
-from mla_verify.reports.drift import Drift, compare
+from mla_verify.reports.drift import Drift, DriftSettings, compare
 from mla_verify.reports.pairing import NothingComparable
 from mla_verify.reports.html import render_html
 from mla_verify.reports.markdown import render_markdown
@@ -25,6 +25,6 @@ from mla_verify.reports.store import load_run, rows_frame, write_run
 from mla_verify.reports.terminal import terminal_summary
 
 __all__ = [
-    "Bias", "Drift", "NothingComparable", "Report", "bias_of", "build_report", "collect_meta", "compare",
+    "Bias", "Drift", "DriftSettings", "NothingComparable", "Report", "bias_of", "build_report", "collect_meta", "compare",
     "finish_meta", "load_run", "render_html", "render_markdown", "rows_frame", "run_report", "terminal_summary", "write_run",
 ]

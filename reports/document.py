@@ -38,6 +38,7 @@ class Report:
     replay: str | None = None               # the command that replays the case that drifted most
     notes: list[str] = field(default_factory=list)  # what a comparison with the baseline must say first
     sections: list[Section] = field(default_factory=list)
+    name: str = ""                          # the run directory's name (--out): what the report is titled
 
     @property
     def exit_code(self) -> int:
@@ -49,8 +50,14 @@ class Report:
     def run_id(self) -> str:
         return run_ids(self.rows)
 
+    @property
+    def title(self) -> str:
+        """"mla-verify report: NAME", NAME being the run directory's (`--out shard-0`: shard-0), else
+        the run id the rows carry."""
+        return f"mla-verify report: {self.name or self.run_id}"
+
     def summary(self) -> str:
-        text = terminal_summary(self.rows, self.meta)
+        text = terminal_summary(self.rows, self.meta, self.name)
         warnings = self.bias.lines() if self.bias is not None else []
         drift = self.drift.lines(self.replay) if self.drift is not None else []
         return "\n".join([text, *warnings, *(f"note: {n}" for n in self.notes), *drift])

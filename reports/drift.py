@@ -7,12 +7,18 @@ every value first raised to the metric's floor so that rounding residue never ma
 
   paired     (the group shares cases with the baseline: a run that re-drew the baseline's seed,
              or the regression corpus) per shared case, ratio = new / old; drift when the median
-             ratio exceeds the factor. The worst ratio and its case are reported; cases of one
-             side only are counted, not judged. Sampling noise cancels: each case meets itself.
+             ratio exceeds the factor. The worst ratio and its case are reported. Sampling noise
+             cancels: each case meets itself. The cases of one run only, where each run has
+             `min_cases` of them (a reseeded run meets the baseline on a few cases), are judged
+             unpaired besides, and each metric keeps the louder finding (`louder`).
   unpaired   (no shared case, at least `min_cases` on each side) a one-sided rank test
              (`reports.significance.exceeds`) of new > factor x old at the confidence level; the
              p99 ratio is shown.
   too few cases to judge   unpaired with fewer cases on a side: not judged, counted.
+
+A group whose cases mostly went uncompared (unshared, and too few for the tail test of
+`reports.words` to compare their tails) and that found nothing reads `not comparable`, with the
+reason (`uncompared`), never `unchanged`.
 
 Within the factor, each metric is judged worse or better too (`reports.words`: the median and
 the upper tail of the ratios, each by a test at the confidence), and each group gets one word:
@@ -42,6 +48,7 @@ from mla_verify.equivalence.judge.policy import (
     bias_metrics,
     drift_metrics,
 )
+from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.reports import judge
 from mla_verify.reports.bias import signed
 from mla_verify.reports.fmt import number
@@ -50,7 +57,8 @@ from mla_verify.reports.pairing import (NothingComparable, pair_implementations,
                                         with_partner)
 from mla_verify.reports.stats import grouped, quantile
 from mla_verify.reports.judge import DRIFT, IMPROVED, NOT_BITWISE
-from mla_verify.reports.words import BETTER, DRIFTED, UNCHANGED, WORSE, group_word
+from mla_verify.reports.words import (BETTER, DRIFTED, NOT_COMPARABLE, UNCHANGED, WORSE, group_word, tail_cases,
+                                      tails_compared)
 
 GROUP_KEYS: tuple[str, ...] = ("op", "path", "tensor", "impl", "base_impl", "deviation", "kind")
 NEW_FAILURES = "new failures"
@@ -61,11 +69,12 @@ METRIC_COLUMNS: tuple[str, ...] = (
     *GROUP_KEYS, "metric", "mode", "base_cases", "cur_cases", "paired_cases",
     "base_p50", "cur_p50", "base_p99", "cur_p99", "ratio", "worst_ratio", "worst_case", "p_value",
     "bitwise_lost", "base_mean", "cur_mean", "shift", "shift_ci", "floor", "finding",
-    "p90_ratio", "moved_up", "moved_down", "p_moved",
+    "p90_ratio", "moved_up", "moved_down", "p_moved", "moved_by",
 )
 GROUP_COLUMNS: tuple[str, ...] = (
     *GROUP_KEYS, "word", "mode", "base_cases", "cur_cases", "paired_cases", "base_failed", "cur_failed",
     "finding", "metric", "ratio", "worst_ratio", "worst_case", "shift", "base_max_abs_p99", "cur_max_abs_p99",
+    "uncompared",
 )
 
 
@@ -77,6 +86,23 @@ def group_label(op: str, path: str, tensor: str, impl: str, base_impl: str | Non
     who = impl if base_impl in (None, impl) else f"{impl} vs {base_impl}"
     dev = f" (deviation: {deviation})" if deviation else ""
     return f"{where} {tensor}{sep}[{who}]{dev}"
+
+
+@dataclass(frozen=True)
+class DriftSettings:
+    """How a run is held against its baseline (`compare`'s keywords; the CLI's --factor,
+    --confidence, --min-cases, --pair and --fail-on); defaults from equivalence.judge.policy."""
+
+    factor: float = DRIFT_FACTOR
+    confidence: float = DRIFT_CONFIDENCE
+    min_cases: int = DRIFT_MIN_CASES
+    pairs: Mapping[str, str] | None = None
+    fail_on: str = DRIFTED
+
+    def compare(self, current: pd.DataFrame, baseline: pd.DataFrame) -> Drift:
+        """`compare` with these settings."""
+        return compare(current, baseline, factor=self.factor, confidence=self.confidence, min_cases=self.min_cases,
+                       pairs=self.pairs, fail_on=self.fail_on)
 
 
 def measured(rows: pd.DataFrame) -> pd.DataFrame:
@@ -115,7 +141,7 @@ def _aligned(cur: pd.DataFrame, base: pd.DataFrame, name: str) -> tuple[np.ndarr
 
 
 def _judge(m: DriftMetric | BiasMetric, floor: float, cur: pd.DataFrame, base: pd.DataFrame, mode: str,
-           factor: float, confidence: float) -> dict:
+           factor: float, confidence: float, tail_tests: int) -> dict:
     """`reports.judge` of one metric of a group's two sides; the case that moved most by its id."""
     if mode == PAIRED:
         new, old, cases = _aligned(cur, base, m.name)
@@ -124,13 +150,67 @@ def _judge(m: DriftMetric | BiasMetric, floor: float, cur: pd.DataFrame, base: p
         new, old = cur.loc[kept, m.name].to_numpy(dtype="float64"), base[m.name].dropna().to_numpy(dtype="float64")
         cases = cur.loc[kept, "case_id"]
     rec = judge.metric(new, old, floor, is_signed=isinstance(m, BiasMetric), is_paired=mode == PAIRED,
-                       judged=mode in (PAIRED, UNPAIRED), factor=factor, confidence=confidence)
+                       judged=mode in (PAIRED, UNPAIRED), factor=factor, confidence=confidence, tail_tests=tail_tests)
     at = rec.pop("worst_at")
     rec["worst_case"] = cases.iloc[at] if at is not None else ""
     return rec
 
 
-def _group_record(key: tuple, cur: pd.DataFrame | None, base: pd.DataFrame | None, metrics: list[dict]) -> dict:
+def judged_parts(shared: int, cur: int, base: int, min_cases: int) -> tuple[str, bool]:
+    """A group's mode (PAIRED where the runs share cases, else UNPAIRED with at least `min_cases` a
+    side, else TOO_FEW), and whether the cases of one run only, besides the shared ones, are judged
+    unpaired too (at least `min_cases` a side): a reseeded run meets the baseline on a few cases only."""
+    rest = shared > 0 and min(cur - shared, base - shared) >= min_cases
+    return (PAIRED if shared else UNPAIRED if min(cur, base) >= min_cases else TOO_FEW), rest
+
+
+def uncompared(shared: int, cur: int, base: int, mode: str, rest: bool, tail_alpha: float) -> str:
+    """Why a group's cases were mostly not compared, or "": the shared cases, and the unshared ones
+    where the tail test can compare their tails (`words.tails_compared`), are at least half the run's."""
+    own_cur, own_base = cur - shared, base - shared
+    tails = (mode == UNPAIRED or rest) and tails_compared(own_cur, own_base, tail_alpha)
+    if mode == TOO_FEW or 2 * (shared + (own_cur if tails else 0)) >= cur:
+        return ""
+    return (f"seeds differ: {shared} of {cur} cases shared, the other {own_cur} + {own_base} too few to compare "
+            f"their tails (the tail test needs {tail_cases(tail_alpha)} a side); re-draw the earlier run's cases "
+            "(--baseline) to pair them")
+
+
+_LOUDNESS = {DRIFT: 0, NOT_BITWISE: 0, WORSE: 1, IMPROVED: 2, BETTER: 2}
+
+
+def louder(records: list[dict]) -> dict:
+    """Of one metric's judgements (the shared cases', the unshared ones'), the one whose finding says
+    most (drift first, then worse, then an improvement); the first where none found anything."""
+    return min(records, key=lambda r: _LOUDNESS.get(r["finding"], 3))
+
+
+def _group_metrics(key: tuple, cur: pd.DataFrame, base: pd.DataFrame, min_cases: int, factor: float,
+                   confidence: float) -> tuple[list[dict], str, int, str]:
+    """The metric records of a group both runs hold (METRIC_COLUMNS): judged on the shared cases, and
+    on the cases of one run only where there are enough (`judged_parts`), the louder kept; with the
+    group's mode, shared cases and `uncompared`."""
+    kind = key[GROUP_KEYS.index("kind")]
+    shared = int(cur["case_id"].isin(base["case_id"]).sum())
+    mode, rest = judged_parts(shared, len(cur), len(base), min_cases)
+    sides = [(mode, cur, base, shared)]
+    if rest:
+        sides.append((UNPAIRED, cur[~cur["case_id"].isin(base["case_id"])], base[~base["case_id"].isin(cur["case_id"])], 0))
+    tail_tests = len(drift_metrics(kind))
+    records = []
+    for m in (*drift_metrics(kind), *bias_metrics(kind)):
+        if isinstance(m, BiasMetric) and not (cur[m.name].notna().any() and base[m.name].notna().any()):
+            continue   # rows stored before the metric existed lack it
+        records.append(louder([{**dict(zip(GROUP_KEYS, key, strict=True)), "metric": m.name, "mode": part,
+                                "base_cases": len(b), "cur_cases": len(c), "paired_cases": n, "floor": m.floors[kind],
+                                **_judge(m, m.floors[kind], c, b, part, factor, confidence, tail_tests)}
+                               for part, c, b, n in sides]))
+    why = uncompared(shared, len(cur), len(base), mode, rest, (1.0 - confidence) / tail_tests)
+    return records, mode, shared, why
+
+
+def _group_record(key: tuple, cur: pd.DataFrame | None, base: pd.DataFrame | None, metrics: list[dict],
+                  mode: str, shared: int, why: str) -> dict:
     def failed(frame):
         return int((~frame["passed"]).sum()) if frame is not None else 0
 
@@ -142,22 +222,22 @@ def _group_record(key: tuple, cur: pd.DataFrame | None, base: pd.DataFrame | Non
                cur_cases=0 if cur is None else cur["case_id"].nunique(),
                base_failed=failed(base), cur_failed=failed(cur),
                base_max_abs_p99=max_abs_p99(base), cur_max_abs_p99=max_abs_p99(cur))
-    rec["mode"] = metrics[0]["mode"] if metrics else (NEW if base is None else GONE)
-    rec["paired_cases"] = metrics[0]["paired_cases"] if metrics else 0
+    rec["mode"], rec["paired_cases"] = mode, shared
     new_failures = bool(rec["cur_failed"] and not rec["base_failed"] and cur is not None)
-    return {**rec, **group_verdict(metrics, rec["mode"], new_failures)}
+    return {**rec, **group_verdict(metrics, rec["mode"], new_failures, why)}
 
 
-def group_verdict(metrics: list[dict], mode: str, new_failures: bool) -> dict:
+def group_verdict(metrics: list[dict], mode: str, new_failures: bool, why: str = "") -> dict:
     """A group's finding (the flags and "improved", joined), its word, and the metric that speaks for
     it (its worst flagged one, else its worst worse one, else its largest ratio), from its metrics'
-    records (METRIC_COLUMNS)."""
+    records (METRIC_COLUMNS); `why` (`uncompared`) makes a group with no finding NOT_COMPARABLE, and is
+    kept as its `uncompared` where it does."""
     findings = [f for f in (NOT_BITWISE, DRIFT, IMPROVED) if any(m["finding"] == f for m in metrics)]
     if new_failures:
         findings.insert(0, NEW_FAILURES)
     within = [f for f in (WORSE, BETTER) if any(m["finding"] == f for m in metrics)]
-    rec = {"finding": ", ".join(findings),
-           "word": group_word(findings + within, FLAGS, IMPROVED, mode in (PAIRED, UNPAIRED)) or mode}
+    word = group_word(findings + within, FLAGS, IMPROVED, mode in (PAIRED, UNPAIRED), why) or mode
+    rec = {"finding": ", ".join(findings), "word": word, "uncompared": why if word == NOT_COMPARABLE else ""}
     flagged = ([m for m in metrics if m["finding"] in FLAGS] or [m for m in metrics if m["finding"] == WORSE]
                or [m for m in metrics if m["finding"]] or metrics)
     top = max(flagged, key=lambda m: -np.inf if np.isnan(m["worst_ratio"]) else m["worst_ratio"], default=None)
@@ -229,7 +309,8 @@ class Drift:
         skipped = [f"{n} {what}" for what, n in ((TOO_FEW, len(self.mode(TOO_FEW))), ("new", len(self.mode(NEW))),
                                                   ("gone", len(self.mode(GONE)))) if n]
         counts = f"{paired} paired, {unpaired} unpaired" + (f"; not compared: {', '.join(skipped)}" if skipped else "")
-        words = ", ".join(f"{len(self.word(w))} {w}" for w in (DRIFTED, WORSE, UNCHANGED, BETTER) if len(self.word(w)))
+        words = ", ".join(f"{len(self.word(w))} {w}" for w in (DRIFTED, WORSE, UNCHANGED, BETTER, NOT_COMPARABLE)
+                          if len(self.word(w)))
         n, worse = len(self.flagged), len(self.word(WORSE))
         head = (f"DRIFT in {n} group{'s' * (n != 1)}, {compared} compared" if self.drifted
                 else f"WORSE in {worse} group{'s' * (worse != 1)} within the factor, {compared} compared"
@@ -269,6 +350,12 @@ class Drift:
                 for _, g in self.improvements.iterrows()]
         out += [f"better: {self.headline(g)} ({group_label(*(g[k] for k in GROUP_KEYS))}; {self.explain(g)})"
                 for i, g in self.word(BETTER).iterrows() if i not in self.improvements.index]
+        apart = self.word(NOT_COMPARABLE)
+        if not apart.empty:   # one line, however many: each group's reason is in its row (the HTML's table)
+            first = apart.iloc[0]
+            names = ", ".join(group_label(*(g[k] for k in GROUP_KEYS)) for _, g in apart.head(3).iterrows())
+            out.append(f"{NOT_COMPARABLE}: {len(apart)} group{'s' * (len(apart) != 1)} ({names}"
+                       f"{', ...' if len(apart) > 3 else ''}); the first: {first['uncompared']}")
         too_few = self.mode(TOO_FEW)
         if not too_few.empty:
             out.append(f"{TOO_FEW}: {len(too_few)} groups share no case with the baseline and hold fewer than "
@@ -296,6 +383,7 @@ class Drift:
         mine = self._metrics_of(g)
         parts = [] if NEW_FAILURES not in g["finding"] else [
             f"{int(g['cur_failed'])} failed row{'s' * (g['cur_failed'] != 1)}, none in the baseline"]
+        own = ", of one run only" if g["mode"] == PAIRED else ""   # a paired group's unshared cases
         for _, m in mine[mine["finding"] != ""].iterrows():
             if np.isfinite(m["shift"]):
                 over = (f"{int(m['paired_cases'])} paired cases" if m["mode"] == PAIRED
@@ -312,15 +400,15 @@ class Drift:
                              f"more and {int(m['moved_down'])} down (p = {number(m['p_moved'])}, the median's or the tail's sign test)")
             elif m["finding"] in (WORSE, BETTER):
                 parts.append(f"{m['metric']} p99 {number(m['base_p99'])} -> {number(m['cur_p99'])}, p90 "
-                             f"x{number(m['p90_ratio'])} (rank test of x{WORSE_TAIL:g} p = {number(m['p_moved'])}, "
-                             f"{int(m['base_cases'])} vs {int(m['cur_cases'])} cases)")
+                             f"x{number(m['p90_ratio'])} ({m['moved_by']} p = {number(m['p_moved'])}, "
+                             f"{int(m['base_cases'])} vs {int(m['cur_cases'])} cases{own})")
             elif m["mode"] == PAIRED:
                 parts.append(f"{m['metric']} median x{number(m['ratio'])} over {int(m['paired_cases'])} paired cases "
                              f"(worst x{number(m['worst_ratio'])}, case {m['worst_case']})")
             else:
                 parts.append(f"{m['metric']} p99 {number(m['base_p99'])} -> {number(m['cur_p99'])} "
                              f"(x{number(m['ratio'])}, rank test p = {number(m['p_value'])}, "
-                             f"{int(m['base_cases'])} vs {int(m['cur_cases'])} cases)")
+                             f"{int(m['base_cases'])} vs {int(m['cur_cases'])} cases{own})")
         return "; ".join(parts)
 
 
@@ -374,7 +462,7 @@ def _worst(groups: pd.DataFrame, cur: pd.DataFrame) -> Worst | None:
     row = cur[(cur["case_id"] == g["worst_case"]) & (cur["op"] == g["op"]) & (cur["impl"] == g["impl"])].iloc[0]
     case = row["case"] if "case" in row and isinstance(row["case"], str) else ""
     return Worst(group_label(*(g[k] for k in GROUP_KEYS)), g["metric"], float(g["worst_ratio"]), g["worst_case"],
-                 case, replay_specs(row), str(row["device"]).split(":")[0], float(g["shift"]))
+                 case, replay_specs(row), device_type(row["device"]), float(g["shift"]))
 
 
 def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DRIFT_FACTOR,
@@ -406,24 +494,12 @@ def compare(current: pd.DataFrame, baseline: pd.DataFrame, *, factor: float = DR
     metric_records, group_records = [], []
     for key in sorted(set(cur_groups) | set(base_groups), key=lambda k: tuple(map(str, k))):
         c, b = cur_groups.get(key), base_groups.get(key)
-        records = []
         if c is not None and b is not None:
-            shared = int(c["case_id"].isin(b["case_id"]).sum())
-            mode = (PAIRED if shared else UNPAIRED if min(len(c), len(b)) >= min_cases else TOO_FEW)
-            kind = key[GROUP_KEYS.index("kind")]
-            for m in drift_metrics(kind):
-                floor = m.floors[kind]
-                rec = _judge(m, floor, c, b, mode, factor, confidence)
-                records.append({**dict(zip(GROUP_KEYS, key, strict=True)), "metric": m.name, "mode": mode,
-                                "base_cases": len(b), "cur_cases": len(c), "paired_cases": shared, "floor": floor,
-                                **rec})
-            for m in bias_metrics(kind):
-                if c[m.name].notna().any() and b[m.name].notna().any():   # rows stored before it existed lack it
-                    rec = _judge(m, m.floors[kind], c, b, mode, factor, confidence)
-                    records.append({**dict(zip(GROUP_KEYS, key, strict=True)), "metric": m.name, "mode": mode,
-                                    "base_cases": len(b), "cur_cases": len(c), "paired_cases": shared, **rec})
+            records, mode, shared, why = _group_metrics(key, c, b, min_cases, factor, confidence)
+        else:
+            records, mode, shared, why = [], NEW if b is None else GONE, 0, ""
         metric_records += records
-        group_records.append(_group_record(key, c, b, records))
+        group_records.append(_group_record(key, c, b, records, mode, shared, why))
     groups = pd.DataFrame.from_records(group_records, columns=list(GROUP_COLUMNS))
     metrics = pd.DataFrame.from_records(metric_records, columns=list(METRIC_COLUMNS))
     # what needs a look first: flagged, improved, compared, then what was not compared

@@ -10,10 +10,10 @@ import pandas as pd
 
 from mla_verify.reports.drift import Drift
 from mla_verify.reports.stats import grouped, where
-from mla_verify.reports.words import BETTER, DRIFTED, UNCHANGED, WORSE
+from mla_verify.reports.words import BETTER, DRIFTED, NOT_COMPARABLE, UNCHANGED, WORSE
 
 KEYS = ("op", "path", "tensor", "impl")
-_ORDER = (DRIFTED, WORSE, BETTER, UNCHANGED)
+_ORDER = (DRIFTED, WORSE, BETTER, NOT_COMPARABLE, UNCHANGED)   # what was not compared is never read as unchanged
 COLUMNS = ("status", "op/path", "tensor", "impl", "cases", "closest to its bound", "bound use", "vs baseline")
 
 

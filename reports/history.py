@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mla_verify.equivalence.sandbox.files import read_json
+from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.equivalence.judge.policy import (
     DRIFT_CONFIDENCE,
     DRIFT_FACTOR,
@@ -34,10 +35,11 @@ from mla_verify.equivalence.judge.policy import (
     drift_metrics,
 )
 from mla_verify.reports import judge
-from mla_verify.reports.drift import PAIRED, TOO_FEW, UNPAIRED, Worst, group_verdict, headline, replay_specs
+from mla_verify.reports.drift import (PAIRED, UNPAIRED, Worst, group_verdict, headline, judged_parts, louder,
+                                      replay_specs, uncompared)
 from mla_verify.reports.significance import t_quantile
 from mla_verify.reports.store import META_JSON, META_LIMIT, ROWS_PARQUET, load_run
-from mla_verify.reports.words import DRIFTED, WORSE
+from mla_verify.reports.words import DRIFTED, NOT_COMPARABLE, UNCHANGED, WORSE
 
 LINE_KEYS: tuple[str, ...] = ("op", "path", "tensor", "line", "deviation", "kind")
 _READ = ("op", "path", "tensor", "impl", "deviation", "kind", "case_id", "passed", "bf16_units", "elem_bf16_units",
@@ -156,9 +158,9 @@ class _Cells:
 
 
 def _metric(cells: _Cells, name: str, floor: float, c: np.ndarray, b: np.ndarray, mode: str,
-            shared: tuple[np.ndarray, np.ndarray], settings: tuple[float, float]) -> dict | None:
+            shared: tuple[np.ndarray, np.ndarray], settings: tuple[float, float, int]) -> dict | None:
     """`reports.judge` of one metric between two cells (row positions `c`, new, and `b`, before)."""
-    factor, confidence = settings
+    factor, confidence, tail_tests = settings
     col = VALUES.index(name)
     if mode == PAIRED:
         new, old = cells.values[c[shared[0]], col], cells.values[b[shared[1]], col]
@@ -171,26 +173,33 @@ def _metric(cells: _Cells, name: str, floor: float, c: np.ndarray, b: np.ndarray
     if signed and (not new.size or not old.size):     # rows stored before the metric existed
         return None
     rec = judge.metric(new, old, floor, is_signed=signed, is_paired=mode == PAIRED, judged=mode in (PAIRED, UNPAIRED),
-                       factor=factor, confidence=confidence)
+                       factor=factor, confidence=confidence, tail_tests=tail_tests)
     at = rec.pop("worst_at")
     return {**rec, "metric": name, "mode": mode, "floor": floor, "worst_case": ids[at] if at is not None else ""}
 
 
 def _step(cells: _Cells, key: tuple, c: np.ndarray, b: np.ndarray, min_cases: int,
           settings: tuple[float, float]) -> dict:
-    """One step of a line, judged as `reports.drift.compare` judges a group: STEP_COLUMNS."""
+    """One step of a line, judged as `reports.drift.compare` judges a group (the shared cases paired,
+    enough cases of one run only unpaired too, `drift.judged_parts`): STEP_COLUMNS."""
     kind = key[LINE_KEYS.index("kind")]
     _, ic, ib = np.intersect1d(cells.cases[c], cells.cases[b], assume_unique=True, return_indices=True)
-    mode = PAIRED if ic.size else UNPAIRED if min(c.size, b.size) >= min_cases else TOO_FEW
+    mode, rest = judged_parts(ic.size, c.size, b.size, min_cases)
+    tail_tests = len(drift_metrics(kind))
+    sides = [(mode, c, b)] + ([(UNPAIRED, np.delete(c, ic), np.delete(b, ib))] if rest else [])
     same = ic.size == c.size == b.size and np.array_equal(cells.values[c[ic]], cells.values[b[ib]], equal_nan=True)
-    metrics = [] if same else [   # a rerun that wrote the same values: every ratio 1, every shift 0, unchanged
-        _metric(cells, m.name, m.floors[kind], c, b, mode, (ic, ib), settings)
-        for m in (*drift_metrics(kind), *bias_metrics(kind))]
-    metrics = [m for m in metrics if m is not None]
+    metrics = []
+    for m in () if same else (*drift_metrics(kind), *bias_metrics(kind)):  # a rerun of the same values: unchanged
+        judged = [_metric(cells, m.name, m.floors[kind], new, old, part, (ic, ib), (*settings, tail_tests))
+                  for part, new, old in sides]
+        if judged[0] is not None:
+            metrics.append(louder([r for r in judged if r is not None]))
     new_failures = bool(cells.failed[c].any() and not cells.failed[b].any())
+    why = uncompared(ic.size, c.size, b.size, mode, rest, (1.0 - settings[1]) / tail_tests)
     rec = {**dict(zip(LINE_KEYS, key, strict=True)), "mode": mode, "cases": int(ic.size) if ic.size else int(c.size),
-           "impl": cells.impl[c[0]], **group_verdict(metrics, mode, new_failures)}
-    rec["headline"] = headline(pd.Series(rec), pd.DataFrame(metrics)) if rec["word"] not in ("unchanged", mode) else ""
+           "impl": cells.impl[c[0]], **group_verdict(metrics, mode, new_failures, why)}
+    rec["headline"] = (rec["uncompared"] if rec["word"] == NOT_COMPARABLE else "" if rec["word"] in (UNCHANGED, mode)
+                       else headline(pd.Series(rec), pd.DataFrame(metrics)))
     return rec
 
 
@@ -250,6 +259,11 @@ class History:
             where = s["op"] if s["op"] == s["path"] else f"{s['op']}/{s['path']}"
             out.append(f"  {s['word']} at {self.label(s['run'])} (after {self.label(s['before'])}): {s['headline']} "
                        f"[{where} {s['tensor']} {s['line']}; worst case {s['worst_case']}]")
+        apart = self.steps[self.steps["word"] == NOT_COMPARABLE]
+        if len(apart):
+            first = apart.iloc[0]
+            out.append(f"  {NOT_COMPARABLE}: {len(apart)} step{'s' * (len(apart) != 1)}, first at "
+                       f"{self.label(first['run'])} (after {self.label(first['before'])}): {first['headline']}")
         return out
 
 
@@ -281,5 +295,5 @@ def worst_case(h: History, step: pd.Series) -> tuple[Worst, dict] | None:
     where = step["op"] if step["op"] == step["path"] else f"{step['op']}/{step['path']}"
     case = row["case"] if "case" in row and isinstance(row["case"], str) else ""
     return Worst(f"{where} {step['tensor']} [{step['line']}]", step["metric"], float(step["worst_ratio"]),
-                 step["worst_case"], case, replay_specs(row), str(row["device"]).split(":")[0],
+                 step["worst_case"], case, replay_specs(row), device_type(row["device"]),
                  float(step.get("shift", np.nan))), meta

@@ -1,6 +1,7 @@
 """A history line's figure: its key error metric's median and p99 per run, its bias with the t
 interval, and the largest share of a bound used; the runs the two-run judge marks drifted (red)
-or worse (amber) are shaded."""
+or worse (amber) are shaded, and those it could not compare with the run before hatched grey: the
+figure shows what the verdict says."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from mla_verify.equivalence.judge.policy import BIAS_METRICS
 from mla_verify.reports.plots import _DEVIATION, _FAILED, _NORMAL, Plot, _figure, _plain_log, _png
-from mla_verify.reports.words import DRIFTED, WORSE
+from mla_verify.reports.words import DRIFTED, NOT_COMPARABLE, WORSE
 
 _KEY = {"out": "bf16_units", "other": "bf16_units", "lse": "lse_fp32_units", "max_logits": "lse_fp32_units"}
 _BIAS = {"out": "gain", "other": "gain", "lse": "bias_units", "max_logits": "bias_units"}
@@ -23,6 +24,13 @@ def key_metric(kind: str) -> str | None:
     return _KEY.get(kind)
 
 
+def marks(steps: pd.DataFrame) -> dict[int, str]:
+    """Run -> the word the figure marks it with (drifted, worse, not comparable): the trend table's step
+    column reads the same words from the same steps."""
+    shown = steps[steps["word"].isin([*_MARK, NOT_COMPARABLE])]
+    return dict(zip(shown["run"].astype(int), shown["word"], strict=True))
+
+
 def line_figure(key: str, title: str, trend: pd.DataFrame, steps: pd.DataFrame, labels: list[str]) -> Plot | None:
     """`trend` and `steps`: one line's rows of `History.trend` and `History.steps`."""
     kind = trend["kind"].iloc[0]
@@ -32,8 +40,11 @@ def line_figure(key: str, title: str, trend: pd.DataFrame, steps: pd.DataFrame, 
     fig, axes = _figure(3, 13.0, 2.6)
     x = trend["run"].to_numpy()
     for ax in axes:
-        for _, s in steps[steps["word"].isin(list(_MARK))].iterrows():
-            ax.axvspan(s["run"] - 0.45, s["run"] + 0.45, color=_MARK[s["word"]], alpha=0.18, linewidth=0)
+        for run, word in marks(steps).items():
+            if word == NOT_COMPARABLE:
+                ax.axvspan(run - 0.45, run + 0.45, facecolor="none", edgecolor="0.6", hatch="//", linewidth=0)
+            else:
+                ax.axvspan(run - 0.45, run + 0.45, color=_MARK[word], alpha=0.18, linewidth=0)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
     err, lean, use = axes
@@ -65,5 +76,6 @@ def line_figure(key: str, title: str, trend: pd.DataFrame, steps: pd.DataFrame, 
     caption = (f"{title}: per run, {metric}'s median and p99 over the run's cases, {bias}'s mean over its cases "
                "with the t interval (grey: the bias floor), and the largest share of a bound any case used (red "
                "line: the bound). Shaded: the runs the two-run judge reads drifted (red) or worse (amber) against "
-               "the run before.")
+               "the run before; hatched: the runs it could not compare with the run before (their cases mostly "
+               "unshared and too few to compare tails).")
     return Plot(key, key, title, caption, _png(fig))

@@ -149,7 +149,7 @@ def render_html(report: Report) -> str:
     run = " · ".join(escape(f"{k} {facts[k]}") for k in ("device", "profile", "seeds", "git", "finished") if k in facts)
     nav = "".join(f'<a href="#{s.key}">{escape(s.title)}</a>' for s in report.sections) + '<a href="#run">Run</a>'
     sections = "".join(_section_html(s, by_section.get(s.key, [])) for s in report.sections)
-    title = f"mla-verify report: {report.run_id}"
+    title = report.title
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>"

@@ -42,9 +42,11 @@ def paired(new: np.ndarray, old: np.ndarray, floor: float, factor: float, alpha:
                         else IMPROVED if med < 1 / factor else word)}
 
 
-def unpaired(new: np.ndarray, old: np.ndarray, floor: float, factor: float, alpha: float, judged: bool) -> dict:
+def unpaired(new: np.ndarray, old: np.ndarray, floor: float, factor: float, alpha: float, judged: bool,
+             tail_alpha: float) -> dict:
     """The p99 ratio shown; judged (enough cases a side) by the rank test of new > factor x old,
-    Fisher's test for lost bitwise equality, else `words.unpaired_moves`."""
+    Fisher's test for lost bitwise equality, else `words.unpaired_moves` (its tail test at
+    `tail_alpha`)."""
     p99_old = np.float64(quantile(np.maximum(old, floor), 0.99))   # numpy division: x / 0 is inf or NaN
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = float(quantile(np.maximum(new, floor), 0.99) / p99_old)
@@ -60,7 +62,7 @@ def unpaired(new: np.ndarray, old: np.ndarray, floor: float, factor: float, alph
         rec["finding"] = NOT_BITWISE if rec["p_value"] < alpha else ""
         return rec
     rec["p_value"] = exceeds(new, old, factor, floor)
-    moves = unpaired_moves(new, old, floor, alpha)
+    moves = unpaired_moves(new, old, floor, alpha, tail_alpha)
     word = moves.pop("word")
     rec.update(moves)
     rec["finding"] = (DRIFT if rec["p_value"] < alpha else IMPROVED if exceeds(old, new, factor, floor) < alpha
@@ -92,10 +94,11 @@ def signed(new: np.ndarray, old: np.ndarray, floor: float, is_paired: bool, judg
 
 
 def metric(new: np.ndarray, old: np.ndarray, floor: float, *, is_signed: bool, is_paired: bool, judged: bool,
-           factor: float, confidence: float) -> dict:
-    """One metric of a group's two sides: `signed` for a bias metric, else `paired` or `unpaired`."""
+           factor: float, confidence: float, tail_tests: int = 1) -> dict:
+    """One metric of a group's two sides: `signed` for a bias metric, else `paired` or `unpaired`;
+    `tail_tests`: the group's unpaired tail tests, which share 1 - confidence between them."""
     if is_signed:
         return signed(new, old, floor, is_paired, judged, confidence)
     if is_paired:
         return paired(new, old, floor, factor, 1.0 - confidence)
-    return unpaired(new, old, floor, factor, 1.0 - confidence, judged)
+    return unpaired(new, old, floor, factor, 1.0 - confidence, judged, (1.0 - confidence) / tail_tests)

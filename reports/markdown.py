@@ -32,7 +32,7 @@ def render_markdown(report: Report) -> str:
     """Drift first (the verdict, the groups that drifted, the case that drifted most and the
     command that replays it), then the run's verdict and every section's table, as in the HTML."""
     c = report.counts
-    out = [f"## mla-verify report: {report.run_id}", ""]
+    out = [f"## {report.title}", ""]
     if report.drift is not None:
         d = report.drift
         out.append(f"**Baseline: {d.verdict}**\n")

@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mla_verify.equivalence.sandbox.device import is_cuda
 from mla_verify.reports.fmt import MISSING, number
 from mla_verify.reports.store import RUN_FORMAT
 
@@ -64,7 +65,7 @@ def _cpu_name() -> str:
 
 def device_name(device: str) -> str:
     """The GPU's name for a cuda device torch can see, else the CPU model."""
-    if str(device).startswith("cuda"):
+    if is_cuda(device):
         try:
             import torch
 

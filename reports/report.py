@@ -10,15 +10,14 @@ from typing import Any
 
 import pandas as pd
 
-from mla_verify.equivalence.judge.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES, WORSE_TAIL
+from mla_verify.equivalence.judge.policy import WORSE_TAIL
 from mla_verify.reports.bias import bias_of
 from mla_verify.reports.document import Report, Section
-from mla_verify.reports.drift import Worst, compare
+from mla_verify.reports.drift import DriftSettings, Worst
 from mla_verify.reports.drift_tables import group_view, metric_view
 from mla_verify.reports.pairing import NothingComparable
 from mla_verify.reports.fmt import MISSING, header, number
 from mla_verify.reports.glance import at_a_glance
-from mla_verify.reports.words import DRIFTED
 from mla_verify.reports.html import render_html
 from mla_verify.reports.kinds import KEY_METRIC, annotate
 from mla_verify.reports.markdown import render_markdown
@@ -54,81 +53,21 @@ def _side_by_side(report: Report, baseline_rows: pd.DataFrame) -> pd.DataFrame:
 
 def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
                  baseline: tuple[pd.DataFrame, Mapping[str, Any]] | None = None, *,
-                 factor: float = DRIFT_FACTOR, confidence: float = DRIFT_CONFIDENCE,
-                 min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None,
-                 fail_on: str = DRIFTED) -> Report:
+                 drift: DriftSettings = DriftSettings()) -> Report:
     """The report of stored rows (as `load_run` returns them), optionally against a baseline run
-    (`reports.drift.compare` with these settings; NothingComparable when nothing pairs)."""
+    (`reports.drift.compare` with the `drift` settings; NothingComparable when nothing pairs)."""
     frame = annotate(rows)
     report = Report(rows=frame, meta=dict(meta), counts=counts(frame, bool(meta.get("incomplete")), judged_where(meta)))
-    later = []  # the baseline's sections: after the run's own tables
-    if baseline is not None:
-        base_rows, base_meta = baseline
-        report.baseline_meta = dict(base_meta)
-        report.baseline_counts = counts(annotate(base_rows))
-        report.notes = [note] if (note := impls_differ(meta, base_meta)) else []
-        try:
-            drift = report.drift = compare(rows, base_rows, factor=factor, confidence=confidence,
-                                           min_cases=min_cases, pairs=pairs, fail_on=fail_on)
-        except NothingComparable as exc:  # say why, where the runs gated different kernels
-            raise NothingComparable("; ".join([str(exc), *report.notes])) from None
-        later.append(Section(
-            "drift", "Drift against the baseline",
-            f"{drift.verdict}. {drift.pairing_line()}. Paired groups (cases the baseline ran too) are "
-            f"judged on the median per-case ratio new / old of each drift metric, unpaired ones by a "
-            f"one-sided rank test of new > x{factor:g} old at confidence {confidence:g} (at least "
-            f"{min_cases} cases a side, else too few cases to judge); values are raised to each metric's "
-            "floor first, so rounding residue makes no ratio. Bias metrics (gain, bias_units) are judged on the "
-            f"shift of their mean over the cases instead: drift when its t interval at {confidence:g} lies wholly "
-            "beyond the metric's floor. A metric that was 0 (bitwise) and is not is "
-            "'no longer bitwise'. ratio / worst ratio: of the metric named; max_abs p99 is shown, never "
-            "judged. Improvements never fail the run. Within the factor a group reads worse (or better) when the "
-            f"median or the upper-tail test of a metric is significant at {confidence:g} (reports.words): the word "
-            "column says drifted, worse, unchanged or better. Every column is one click below the table.",
-            drift.groups, limit=300, shown=group_view(drift)))
-        judged = drift.metrics[drift.metrics["mode"] != "too few cases to judge"]
-        later.append(Section(
-            "drift-metrics", "Drift per metric",
-            "Every drift metric of every compared group (equivalence.judge.policy.DRIFT_METRICS: bf16_units and "
-            "elem_bf16_units for outputs, lse_fp32_units for LSEs, abs_bias = |mean_err|, bound_use = "
-            "1 / headroom). Paired: ratio is the median per-case ratio; unpaired: the p99 ratio, with the "
-            "rank test's p-value. Bias metrics (equivalence.judge.policy.BIAS_METRICS): the means, their shift (paired: "
-            "the mean per-case difference; unpaired: Welch), the t interval's half-width shift_ci, its p-value "
-            "and the floor. p90 ×: the p90 of the per-case ratios (unpaired: the ratio of the p90s); up / down: the "
-            f"cases that moved by {WORSE_TAIL:g}x or more each way (paired only); p: the test behind the finding.", judged, limit=600, shown=metric_view(judged)))
-        later.append(Section(
-            "side-by-side", "Runs side by side", "What ran, where, and how it ended.",
-            _side_by_side(report, base_rows)))
-    report.sections.append(Section(
-        "glance", "At a glance",
-        "Each op (path), tensor and implementation: failing first, then"
-        + (" those that changed against the baseline, then" if baseline is not None else "")
-        + " by the share of its bound the worst row uses (bound use = value / bound of the gated metric closest "
-        "to its bound; 1 fails).", at_a_glance(frame, report.drift), bars=("bound use",)))
-    fails = failures(frame)
-    if not fails.empty:
-        report.sections.append(Section(
-            "failures", "Failures",
-            "Rows that failed their bound, least headroom first. Replay a case by its case_id "
-            "and seed.", fails, limit=200))
-    report.sections.append(Section(
-        "groups", "Error per path",
-        "Per op, path, tensor and implementation; rows held to a documented deviation are in "
-        "their own table below. " + _COLUMNS_NOTE, by_group(frame)))
-    deviations = deviation_groups(frame)
-    if not deviations.empty:
-        report.sections.append(Section(
-            "deviations", "Documented deviations",
-            "Rows held to the wider bound of an implementation's documented deviation: expected, "
-            "not regressions (as long as they pass).", deviations))
-    report.bias = bias_of(rows, confidence)
+    later = _against(report, rows, meta, baseline, drift) if baseline is not None else []  # after the run's own tables
+    report.sections += _own_sections(report, frame, baseline is not None)
+    report.bias = bias_of(rows, drift.confidence)
     warned = len(report.bias.warnings)
     report.sections.append(Section(
         "bias", "Bias per path",
         f"{warned or 'No'} group{'s' * (warned != 1)} biased against the exact reference (a warning, not a failure). "
         "Per group and bias metric the mean over its cases, each case one sample: gain = <impl - ref, ref> / "
         "<ref, ref> (outputs), bias_units = the mean signed error in rounding units (bf16 ulps for outputs, fp32 "
-        f"steps of the logit scale for LSEs); ci: the half-width of the t interval at {confidence:g}. Biased: the "
+        f"steps of the logit scale for LSEs); ci: the half-width of the t interval at {drift.confidence:g}. Biased: the "
         "whole interval lies beyond the floor (equivalence.judge.policy.BIAS_METRICS).",
         report.bias.table))
     report.sections += later[:2]
@@ -142,12 +81,80 @@ def build_report(rows: pd.DataFrame, meta: Mapping[str, Any],
     return report
 
 
+def _against(report: Report, rows: pd.DataFrame, meta: Mapping[str, Any],
+             baseline: tuple[pd.DataFrame, Mapping[str, Any]], settings: DriftSettings) -> list[Section]:
+    """The baseline's part of the report: its meta and counts, the drift, and its sections (drift,
+    drift per metric, the runs side by side)."""
+    base_rows, base_meta = baseline
+    report.baseline_meta = dict(base_meta)
+    report.baseline_counts = counts(annotate(base_rows))
+    report.notes = [note] if (note := impls_differ(meta, base_meta)) else []
+    try:
+        drift = report.drift = settings.compare(rows, base_rows)
+    except NothingComparable as exc:  # say why, where the runs gated different kernels
+        raise NothingComparable("; ".join([str(exc), *report.notes])) from None
+    factor, confidence, min_cases = settings.factor, settings.confidence, settings.min_cases
+    judged = drift.metrics[drift.metrics["mode"] != "too few cases to judge"]
+    return [Section(
+        "drift", "Drift against the baseline",
+        f"{drift.verdict}. {drift.pairing_line()}. Paired groups (cases the baseline ran too) are "
+        f"judged on the median per-case ratio new / old of each drift metric, unpaired ones by a "
+        f"one-sided rank test of new > x{factor:g} old at confidence {confidence:g} (at least "
+        f"{min_cases} cases a side, else too few cases to judge); values are raised to each metric's "
+        "floor first, so rounding residue makes no ratio. Bias metrics (gain, bias_units) are judged on the "
+        f"shift of their mean over the cases instead: drift when its t interval at {confidence:g} lies wholly "
+        "beyond the metric's floor. A metric that was 0 (bitwise) and is not is "
+        "'no longer bitwise'. ratio / worst ratio: of the metric named; max_abs p99 is shown, never "
+        "judged. Improvements never fail the run. Within the factor a group reads worse (or better) when the "
+        f"median or the upper-tail test of a metric is significant at {confidence:g} (reports.words): the word "
+        "column says drifted, worse, unchanged or better. Every column is one click below the table.",
+        drift.groups, limit=300, shown=group_view(drift)), Section(
+        "drift-metrics", "Drift per metric",
+        "Every drift metric of every compared group (equivalence.judge.policy.DRIFT_METRICS: bf16_units and "
+        "elem_bf16_units for outputs, lse_fp32_units for LSEs, abs_bias = |mean_err|, bound_use = "
+        "1 / headroom). Paired: ratio is the median per-case ratio; unpaired: the p99 ratio, with the "
+        "rank test's p-value. Bias metrics (equivalence.judge.policy.BIAS_METRICS): the means, their shift (paired: "
+        "the mean per-case difference; unpaired: Welch), the t interval's half-width shift_ci, its p-value "
+        "and the floor. p90 ×: the p90 of the per-case ratios (unpaired: the ratio of the p90s); up / down: the "
+        f"cases that moved by {WORSE_TAIL:g}x or more each way (paired only); p: the test behind the finding.", judged,
+        limit=600, shown=metric_view(judged)), Section(
+        "side-by-side", "Runs side by side", "What ran, where, and how it ended.",
+        _side_by_side(report, base_rows))]
+
+
+def _own_sections(report: Report, frame: pd.DataFrame, against_baseline: bool) -> list[Section]:
+    """The run's own tables: at a glance, failures, error per path, documented deviations."""
+    sections = [Section(
+        "glance", "At a glance",
+        "Each op (path), tensor and implementation: failing first, then"
+        + (" those that changed against the baseline, then" if against_baseline else "")
+        + " by the share of its bound the worst row uses (bound use = value / bound of the gated metric closest "
+        "to its bound; 1 fails).", at_a_glance(frame, report.drift), bars=("bound use",))]
+    fails = failures(frame)
+    if not fails.empty:
+        sections.append(Section(
+            "failures", "Failures",
+            "Rows that failed their bound, least headroom first. Replay a case by its case_id "
+            "and seed.", fails, limit=200))
+    sections.append(Section(
+        "groups", "Error per path",
+        "Per op, path, tensor and implementation; rows held to a documented deviation are in "
+        "their own table below. " + _COLUMNS_NOTE, by_group(frame)))
+    deviations = deviation_groups(frame)
+    if not deviations.empty:
+        sections.append(Section(
+            "deviations", "Documented deviations",
+            "Rows held to the wider bound of an implementation's documented deviation: expected, "
+            "not regressions (as long as they pass).", deviations))
+    return sections
+
+
 def run_report(run_dir: str | Path, baseline: str | Path | None = None,
                html: str | Path | None = None, markdown: str | Path | None = None, *,
-               factor: float = DRIFT_FACTOR, confidence: float = DRIFT_CONFIDENCE,
-               min_cases: int = DRIFT_MIN_CASES, pairs: Mapping[str, str] | None = None, fail_on: str = DRIFTED,
+               drift: DriftSettings = DriftSettings(),
                save_case: Callable[[Worst, Path, Sequence[str], Sequence[str]], str | None] | None = None) -> int:
-    """Load a run (and a baseline run), print the terminal summary and drift verdict, write the
+    """Load a run (and a baseline run), print the terminal summary and drift verdict (`drift`: how
+    the baseline is compared), write the
     HTML report (default run_dir/report.html) and, if asked, a markdown one. `save_case(worst,
     directory, deviations, conventions)` saves the case that drifted most under run_dir/drift/, with
     what the run declared (its meta.json), and returns the command that
@@ -158,8 +165,8 @@ def run_report(run_dir: str | Path, baseline: str | Path | None = None,
         if target is not None and (why := run_file(target)):
             raise UsageError(why)
     rows, meta = load_run(run_dir)
-    report = build_report(rows, meta, load_run(baseline) if baseline is not None else None,
-                          factor=factor, confidence=confidence, min_cases=min_cases, pairs=pairs, fail_on=fail_on)
+    report = build_report(rows, meta, load_run(baseline) if baseline is not None else None, drift=drift)
+    report.name = Path(run_dir).resolve().name
     if save_case is not None and report.drift is not None and report.drift.worst is not None:
         report.replay = save_case(report.drift.worst, Path(run_dir) / "drift", meta.get("deviations") or (),
                                   meta.get("conventions") or ())

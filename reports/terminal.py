@@ -39,16 +39,17 @@ def _worst(rows: pd.DataFrame) -> tuple[str, str]:
             number(r["headroom"]))
 
 
-def _header(meta: Mapping[str, Any], frame: pd.DataFrame) -> str:
+def _header(meta: Mapping[str, Any], frame: pd.DataFrame, name: str) -> str:
     facts = describe(meta)
     git = meta.get("git") or {}
     rev = (git.get("revision") or "")[:10] + ("+dirty" if git.get("dirty") else "")
     parts = [f"run {run_ids(frame)}", f"profile {facts['profile']}", facts["device"]]
-    return "mla-verify report: " + " | ".join(parts + ([f"git {rev}"] if rev else []))
+    return f"mla-verify report: {f'{name} | ' if name else ''}" + " | ".join(parts + ([f"git {rev}"] if rev else []))
 
 
-def terminal_summary(rows: pd.DataFrame, meta: Mapping[str, Any] | None = None) -> str:
-    """The summary as text (stored rows, as `load_run` returns them)."""
+def terminal_summary(rows: pd.DataFrame, meta: Mapping[str, Any] | None = None, name: str = "") -> str:
+    """The summary as text (stored rows, as `load_run` returns them), titled by `name` (the run
+    directory's) where given."""
     frame = annotate(rows)
     kinds = [k for k in frame["kind"].cat.categories if (frame["kind"] == k).any()]
     path_rows = []
@@ -56,7 +57,7 @@ def terminal_summary(rows: pd.DataFrame, meta: Mapping[str, Any] | None = None) 
         per_kind = g["kind"].value_counts()
         path_rows.append([path, *(str(per_kind.get(k, 0) or "") for k in kinds),
                           str(int((~g["passed"]).sum())), *_worst(g)])
-    lines = [_header(meta or {}, frame), ""]
+    lines = [_header(meta or {}, frame, name), ""]
     lines += fixed_width(["path", *(_KIND_HEADER[k] for k in kinds), "fail",
                           "closest to bound", "headroom"],
                          path_rows, "l" + "r" * (len(kinds) + 1) + "lr")

@@ -1,7 +1,8 @@
-"""Rewrite the contract table of docs/reference/contracts.md from the declared contracts (equivalence/contracts.py).
+"""Rewrite the contract tables of docs/reference/contracts.md (every op) and docs/v4.md (DeepSeek
+V4's ops) from the declared contracts (equivalence/contracts.py).
 
-The table sits between `<!-- contracts:begin -->` and `<!-- contracts:end -->` in that page and
-holds exactly `contract_table()`'s output; tests/test_contracts.py fails when the two drift.
+Each table sits between `<!-- contracts:begin -->` and `<!-- contracts:end -->` in its page and
+holds exactly `contract_table(ops)`'s output; tests/test_contracts.py fails when they drift.
 
     .venv/bin/python scripts/contract_table.py           # from the repository root: rewrite the page
     .venv/bin/python scripts/contract_table.py --check   # exit 1 if the page is out of date
@@ -14,15 +15,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "reference" / "contracts.md"
+V4_PAGE = ROOT / "docs" / "v4.md"
 BEGIN, END = "<!-- contracts:begin -->\n", "<!-- contracts:end -->\n"
 COMMAND = ".venv/bin/python scripts/contract_table.py"
 
 
 def region(text: str) -> str:
-    """What the page holds between the markers (each on a line of its own)."""
+    """What a page holds between the markers (each on a line of its own)."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"{PAGE.relative_to(ROOT)}: no {BEGIN.strip()} ... {END.strip()} region")
+        raise ValueError(f"no {BEGIN.strip()} ... {END.strip()} region")
     return text[start + len(BEGIN): end]
 
 
@@ -33,18 +35,26 @@ def rewritten(text: str, table: str) -> str:
     return text[:start] + table + text[start + len(old):]
 
 
-def main(argv: list[str]) -> int:
-    from mla_verify.equivalence.contracts import contract_table
+def tables() -> dict[Path, str]:
+    """Each page and the table it must hold."""
+    from mla_verify.equivalence.contracts import V4_OPS, contract_table
 
-    text, table = PAGE.read_text(), contract_table()
-    if region(text) == table:
-        return 0
-    if "--check" in argv:
-        print(f"{PAGE.relative_to(ROOT)}'s contract table is out of date: run {COMMAND}", file=sys.stderr)
-        return 1
-    PAGE.write_text(rewritten(text, table))
-    print(f"{PAGE.relative_to(ROOT)}: contract table rewritten")
-    return 0
+    return {PAGE: contract_table(), V4_PAGE: contract_table(V4_OPS)}
+
+
+def main(argv: list[str]) -> int:
+    stale = 0
+    for page, table in tables().items():
+        text = page.read_text()
+        if region(text) == table:
+            continue
+        if "--check" in argv:
+            print(f"{page.relative_to(ROOT)}'s contract table is out of date: run {COMMAND}", file=sys.stderr)
+            stale = 1
+            continue
+        page.write_text(rewritten(text, table))
+        print(f"{page.relative_to(ROOT)}: contract table rewritten")
+    return stale
 
 
 if __name__ == "__main__":

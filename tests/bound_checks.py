@@ -60,8 +60,8 @@ def check_attention(label, got, ref, ab, topk, dequant_rel=0.0):
     assert torch.equal(lse[~live], ref_lse[~live]), f"{label}: lse of empty rows must be +inf"
     assert bool((out[~live] == 0).all()), f"{label}: out of empty rows must be exactly 0"
 
-    bounds = EB.attention_bounds(ref_out, ref_lse, ref_max if ref_max is not None else ref_lse, l1, ab, topk,
-                                 unit=kernel_unit(), dequant_rel=dequant_rel, ftz=False)
+    exact = EB.Exact(ref_out, ref_lse, ref_max if ref_max is not None else ref_lse, l1, *ab)
+    bounds = EB.attention_bounds(exact, topk, unit=kernel_unit(), dequant_rel=dequant_rel, ftz=False)
     lse_err = torch.where(live, (lse - ref_lse).abs(), 0)
     worst = int(torch.argmax(lse_err - bounds.lse))
     assert bool((lse_err <= bounds.lse).all()), (

@@ -1,9 +1,11 @@
 """examples/ci/: the GitHub Actions workflows are valid workflows (checked against the subset of
-GitHub's workflow syntax they use: actionlint cannot be installed here) and their own commands, run
-as their jobs run them, shard and merge the gate into the unsharded gate case for case; the kernel
-repository's workflow gates a kernel of the examples with --impl, keeps its finding in the corpus
-its jobs pass on and replays it first in the next run; the Slurm script runs its array task's shard
-and submits the array and the merge."""
+GitHub's workflow syntax they use: actionlint cannot be installed here) and their own steps, run
+as their jobs run them (`Actions`: every step in order, the actions they use done to files), shard
+and merge the gate into the unsharded gate case for case; the kernel repository's workflow, as
+written, gates a plain folder of kernel modules (no package, nothing installed but mla-verify),
+keeps its finding and each op's seconds, and the next run replays the finding first with its shards
+sized by those seconds; the Slurm script runs its array task's shard and submits the array and the
+merge."""
 
 import os
 import re
@@ -86,11 +88,13 @@ def problems(data: dict) -> list[str]:
     return found
 
 
-def test_the_workflow_is_valid_and_its_matrix_is_every_shard():
+def test_the_workflow_is_valid_and_its_matrix_is_the_one_place_that_counts_shards():
     data = workflow()
     assert problems(data) == []
-    shards = int(data["env"]["SHARDS"])
-    assert data["jobs"]["shard"]["strategy"]["matrix"]["shard"] == list(range(shards))
+    gate = step(data["jobs"]["shard"], "gate")
+    assert "--shard auto" in gate["run"] and "SHARDS" not in WORKFLOW.read_text()
+    assert gate["env"] == {"MLA_VERIFY_SHARD_INDEX": "${{ strategy.job-index }}",
+                           "MLA_VERIFY_SHARD_COUNT": "${{ strategy.job-total }}"}
     assert data["jobs"]["merge"]["needs"] == "shard" and data["jobs"]["merge"]["if"] == "always()"
     # the checker finds what it looks for
     broken = workflow()
@@ -104,43 +108,119 @@ def test_the_workflow_is_valid_and_its_matrix_is_every_shard():
         assert says in found
 
 
-def run_step(job: dict, step_id: str, cwd: Path, env: dict, **matrix) -> subprocess.CompletedProcess:
-    """A step's script as GitHub runs it (bash -e), its ${{ matrix.* }} replaced."""
-    script = EXPRESSION.sub(lambda m: str(matrix[m.group(1).removeprefix("matrix.")]), step(job, step_id)["run"])
-    return subprocess.run(["bash", "-e", "-c", script], cwd=cwd, env=env, capture_output=True, text=True)
+def expand(text: str, contexts: dict) -> str:
+    """`${{ context.key }}` replaced by its value (the expressions these workflows use)."""
+    def value(m: re.Match) -> str:
+        context, _, key = m.group(1).partition(".")
+        return str(contexts[context][key])
+
+    return EXPRESSION.sub(value, text)
 
 
-def test_the_workflows_commands_shard_and_merge_into_the_unsharded_gate(tmp_path):
+class Actions:
+    """A workflow's jobs run here as GitHub runs them: every step in order (after a failing one, only
+    those `if: always()`), `run` steps through `bash -e` with their expressions and env, and the
+    actions they use done to files: checkout copies `repo`, the cache and the artifacts are folders
+    under `store`, setup-python is this interpreter, and `pip` (the Install step) records what it
+    was asked to install instead of installing it."""
+
+    def __init__(self, data: dict, repo: Path, store: Path, env: dict, run_number: int, **edits: str):
+        """`edits`: the workflow's env values a user changed (GATE_ARGS: fewer cases on this machine)."""
+        self.data, self.repo, self.store = data, repo, store
+        self.env = {**env, **{k: str(v) for k, v in data["env"].items()}, **edits}
+        self.github = {"run_number": run_number, "run_id": 1000 + run_number, "event_name": "push"}
+        self.env = {k: expand(v, {"github": self.github}) for k, v in self.env.items()}
+        fake = store / "bin"
+        fake.mkdir(parents=True, exist_ok=True)
+        (fake / "pip").write_text(f'#!/bin/sh\necho "pip $*" >> "{store}/pip-calls"\n')
+        (fake / "pip").chmod(0o755)
+        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{fake}{os.pathsep}{os.environ['PATH']}"
+        self.output: dict[str, subprocess.CompletedProcess] = {}
+
+    def job(self, name: str, workdir: Path, index: int = 0, **env: str) -> list[str]:
+        """Run job `name` (matrix entry `index`) in `workdir`; the ids of the steps that failed."""
+        job = self.data["jobs"][name]
+        matrix = job.get("strategy", {}).get("matrix", {})
+        key = next(iter(matrix), None)
+        contexts = {"github": self.github, "env": {**self.env, **env},
+                    "matrix": {key: matrix[key][index]} if key else {},
+                    "strategy": {"job-index": index, "job-total": len(matrix[key]) if key else 1}}
+        workdir.mkdir(parents=True)
+        failed = []
+        for s in job["steps"]:
+            if failed and s.get("if") != "always()":
+                continue
+            if "run" in s:
+                step_env = {k: expand(str(v), contexts) for k, v in (s.get("env") or {}).items()}
+                done = subprocess.run(["bash", "-e", "-c", expand(s["run"], contexts)], cwd=workdir,
+                                      env={**contexts["env"], **step_env}, capture_output=True, text=True)
+                self.output[f"{name}-{index}-{s.get('id')}"] = done
+                if done.returncode:
+                    failed.append(s.get("id"))
+            else:
+                self._action(s["uses"].split("@")[0], {k: expand(str(v), contexts) for k, v in (s.get("with") or {}).items()},
+                             workdir)
+        return failed
+
+    def _action(self, action: str, given: dict, workdir: Path) -> None:
+        cache, artifacts = self.store / "cache", self.store / f"artifacts-{self.github['run_id']}"  # a run's own
+        if action == "actions/checkout":
+            shutil.copytree(self.repo, workdir, dirs_exist_ok=True, symlinks=True)
+        elif action == "actions/cache/restore":
+            hits = sorted(cache.glob(given["key"])) or sorted(cache.glob(given["restore-keys"] + "*"),
+                                                              key=lambda p: p.stat().st_mtime)
+            if hits:
+                shutil.copytree(hits[-1], workdir / given["path"], dirs_exist_ok=True)
+        elif action == "actions/cache/save" and (workdir / given["path"]).exists():
+            if not (cache / given["key"]).exists():                  # a cache entry is never overwritten
+                shutil.copytree(workdir / given["path"], cache / given["key"])
+        elif action == "actions/upload-artifact" and (workdir / given["path"]).exists():
+            source = workdir / given["path"]
+            if source.is_dir():
+                shutil.copytree(source, artifacts / given["name"])
+            else:
+                (artifacts / given["name"]).mkdir(parents=True)
+                shutil.copy2(source, artifacts / given["name"])
+        elif action == "actions/download-artifact":
+            for artifact in sorted(artifacts.glob(given["pattern"])):
+                target = workdir / given["path"] / ("" if given.get("merge-multiple") == "True" else artifact.name)
+                shutil.copytree(artifact, target, dirs_exist_ok=True)
+
+
+def _env(tmp_path: Path, **extra: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"), **extra}
+    env.pop("PYTHONPATH", None)   # mla-verify as installed; the kernels from the working directory
+    for name in ("MLA_VERIFY_SHARD_INDEX", "MLA_VERIFY_SHARD_COUNT", "SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX",
+                 "BUILDKITE_PARALLEL_JOB", "CI_NODE_INDEX", "CIRCLE_NODE_INDEX"):
+        env.pop(name, None)
+    return env
+
+
+def test_the_workflows_jobs_shard_and_merge_into_the_unsharded_gate(tmp_path):
     from mla_verify import reports
 
     data = workflow()
-    env = {**os.environ, **{k: str(v) for k, v in data["env"].items()}, "SEED": "4", "GATE_ARGS": GATE_ARGS,
-           "OMP_NUM_THREADS": "1", "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    for shard in data["jobs"]["shard"]["strategy"]["matrix"]["shard"]:
-        job_dir = tmp_path / f"job-{shard}"
-        job_dir.mkdir()
-        done = run_step(data["jobs"]["shard"], "gate", job_dir, env, shard=shard)
-        assert done.returncode == 0, done.stdout + done.stderr
-        # upload-artifact shard-N, then download-artifact pattern shard-* path shards
-        shutil.copytree(job_dir / f"shard-{shard}", tmp_path / "merge" / "shards" / f"shard-{shard}")
-    done = run_step(data["jobs"]["merge"], "merge", tmp_path / "merge", env)
-    assert done.returncode == 0, done.stdout + done.stderr
+    (tmp_path / "repo").mkdir()
+    actions = Actions(data, tmp_path / "repo", tmp_path / "store", _env(tmp_path), 4, GATE_ARGS=GATE_ARGS)
+    shards = data["jobs"]["shard"]["strategy"]["matrix"]["shard"]
+    for i in range(len(shards)):
+        assert actions.job("shard", tmp_path / f"job-{i}", i) == [], actions.output[f"shard-{i}-gate"].stderr[-3000:]
+        assert f"shard {i}/{len(shards)} (MLA_VERIFY_SHARD_INDEX={i} of MLA_VERIFY_SHARD_COUNT={len(shards)})" in \
+            actions.output[f"shard-{i}-gate"].stdout
+    assert actions.job("merge", tmp_path / "merge") == []
     assert "convert_index" in (tmp_path / "summary.md").read_text()
-    assert (tmp_path / "merge" / "merged" / "report.html").exists()
+    assert (tmp_path / "store" / "artifacts-1004" / "mla-verify-report" / "report.html").exists()
     whole = tmp_path / "whole"
     subprocess.run([Path(sys.executable).parent / "mla-verify", "gate", "--device", "cpu", "--seed", "4",
-                    *GATE_ARGS.split(), "--out", str(whole)], env=env, check=True, capture_output=True)
+                    *GATE_ARGS.split(), "--out", str(whole)], env=_env(tmp_path), check=True, capture_output=True)
     assert verdicts(reports.load_run(tmp_path / "merge" / "merged")[0]) == verdicts(reports.load_run(whole)[0])
 
 
 def test_a_failing_or_missing_shard_fails_the_merge_job_and_still_writes_the_summary(tmp_path):
-    data = workflow()
-    env = {**os.environ, "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    (tmp_path / "shards").mkdir()
-    done = run_step(data["jobs"]["merge"], "merge", tmp_path, env)  # no shard reached the merge job
-    assert done.returncode == 2 and not (tmp_path / "summary.md").exists()
+    (tmp_path / "repo").mkdir()
+    actions = Actions(workflow(), tmp_path / "repo", tmp_path / "store", _env(tmp_path), 1)
+    assert actions.job("merge", tmp_path / "merge") == ["merge"]  # no shard reached the merge job
+    assert actions.output["merge-0-merge"].returncode == 2 and not (tmp_path / "summary.md").exists()
 
 
 @pytest.mark.parametrize("task", [None, "2"])
@@ -159,57 +239,88 @@ def test_the_slurm_script_runs_its_tasks_shard_or_submits_the_array_and_the_merg
     if task is None:
         assert calls[0] == f"sbatch --parsable --array=0-3 {CI / 'slurm-gate.sh'}"
         assert calls[1].startswith("sbatch --dependency=afterany:41 ") and calls[1].endswith(
-            "--wrap mla-verify merge runs/gate-9/shard-* --out runs/gate-9/merged")
-    else:
-        assert calls == ["mla-verify gate --seed 9 --shard 2/4 --out runs/gate-9/shard-2"]
+            "--wrap mla-verify merge runs/gate-9/shard-* --out runs/gate-9/merged; mkdir -p runs/kept; "
+            "cp runs/gate-9/merged/durations.json runs/kept/")
+    else:   # the index and count from the array's own variables (tests/test_shards.py: --shard auto)
+        assert calls == ["mla-verify gate --seed 9 --shard auto --durations runs/kept/durations.json "
+                         "--out runs/gate-9/shard-2"]
 
 
-def test_the_kernel_workflow_is_valid_with_a_shard_matrix_a_kept_corpus_and_a_gpu_job():
+def test_the_kernel_workflow_is_valid_installs_only_mla_verify_and_counts_shards_in_one_place():
     data = workflow(KERNEL_WORKFLOW)
     assert problems(data) == []
+    text = KERNEL_WORKFLOW.read_text()
+    assert "your-org" not in text and "-e ." not in text and "SHARDS" not in text
     jobs = data["jobs"]
-    assert jobs["shard"]["strategy"]["matrix"]["shard"] == list(range(int(data["env"]["SHARDS"])))
     assert jobs["merge"]["needs"] == "shard" and jobs["merge"]["if"] == "always()"
+    for job in jobs.values():
+        assert step(job, "install")["run"].splitlines()[-1] == 'pip install "$MLA_VERIFY"'
+        assert job["steps"][0]["with"] == {"submodules": True}      # mla-verify pinned as a submodule
     uses = {name: [s.get("uses", "").split("@")[0] for s in job["steps"]] for name, job in jobs.items()}
     assert "actions/cache/restore" in uses["shard"] and "actions/cache/save" in uses["merge"]
     assert "actions/cache/restore" in uses["gpu"] and "actions/cache/save" in uses["gpu"]
     gpu = step(jobs["gpu"], "gate")["run"]
-    assert "--device cuda" in gpu and '--corpus "$CORPUS"' in gpu and '"${impls[@]}"' in gpu
+    assert "--device cuda" in gpu and '--corpus "$KEPT/corpus"' in gpu and '"${impls[@]}"' in gpu
     assert "GITHUB_STEP_SUMMARY" in step(jobs["merge"], "merge")["run"]
 
 
-def test_the_kernel_workflows_steps_gate_a_kernel_keep_its_finding_and_replay_it_first(tmp_path):
+def _kernel_repository(root: Path) -> Path:
+    """A kernel repository as a team keeps one: a plain folder of modules (no package, no
+    pyproject), the KERNELS the workflow names as written (`mykernels.attention`: the walkthrough's
+    draft prefill, topk_length ignored, and a float32 decode), mla-verify as its submodule."""
+    kernels = root / "mykernels"
+    kernels.mkdir(parents=True)
+    shutil.copy(EXAMPLES / "my_kernel.py", kernels / "prefill.py")
+    shutil.copy(Path(__file__).parent / "impls" / "decode_versions.py", kernels / "decode.py")
+    (kernels / "attention.py").write_text("from mykernels.decode import v1 as sparse_decode\n"
+                                          "from mykernels.prefill import sparse_prefill_v0 as sparse_prefill\n")
+    (root / "mla-verify").symlink_to(CI.parent.parent)
+    return root
+
+
+def test_the_kernel_workflow_as_written_gates_a_folder_of_modules_and_sizes_the_next_runs_shards(tmp_path):
+    """Issue 50 item 4: every step of the shard and merge jobs as written, twice."""
+    from mla_verify.runs import durations
+    from mla_verify.runs.parts import Shard
+
     data = workflow(KERNEL_WORKFLOW)
-    env = {**os.environ, **{k: str(v) for k, v in data["env"].items()}, "SEED": "1", "OMP_NUM_THREADS": "1",
-           "KERNELS": "sparse_prefill=my_kernel:sparse_prefill_v0",  # the walkthrough's draft: topk_length ignored
-           "GATE_ARGS": "--profile ci --op sparse_prefill --op property:determinism --examples 2",
-           "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("PYTHONPATH", None)
-    corpus = tmp_path / "merge" / data["env"]["CORPUS"]
-    codes = []
-    for shard in data["jobs"]["shard"]["strategy"]["matrix"]["shard"]:
-        job_dir = tmp_path / f"job-{shard}"
-        job_dir.mkdir()
-        shutil.copy(EXAMPLES / "my_kernel.py", job_dir)
-        done = run_step(data["jobs"]["shard"], "gate", job_dir, env, shard=shard)
-        codes.append(done.returncode)
-        assert done.returncode in (0, 1), done.stdout + done.stderr
-        # upload-artifact shard-N and corpus-N, then download-artifact into the merge job
-        shutil.copytree(job_dir / f"shard-{shard}", tmp_path / "merge" / "shards" / f"shard-{shard}")
-        if (job_dir / data["env"]["CORPUS"]).exists():
-            shutil.copytree(job_dir / data["env"]["CORPUS"], corpus, dirs_exist_ok=True)
-    assert sorted(codes) == [0, 1]  # the shard of sparse_prefill fails, the property's passes
-    kept = sorted(corpus.iterdir())
-    assert kept and all(p.name.startswith("sparse_prefill-") for p in kept)
-    done = run_step(data["jobs"]["merge"], "merge", tmp_path / "merge", env)
-    assert done.returncode == 1 and "sparse_prefill" in (tmp_path / "summary.md").read_text()
-    assert (tmp_path / "merge" / "merged" / "report.html").exists()
-    # the next run restores the corpus the merge job saved: another seed, the kept case first
-    failing = codes.index(1)
-    job_dir = tmp_path / "next"
-    job_dir.mkdir()
-    shutil.copy(EXAMPLES / "my_kernel.py", job_dir)
-    shutil.copytree(corpus, job_dir / data["env"]["CORPUS"])
-    done = run_step(data["jobs"]["shard"], "gate", job_dir, {**env, "SEED": "2"}, shard=failing)
-    assert done.returncode == 1 and f"from the corpus: {len(kept)} still fail" in done.stdout, done.stdout[-3000:]
+    env, edits = _env(tmp_path), {"GATE_ARGS": "--profile ci --examples 2 --op sparse_prefill --op sparse_decode_fp8 "
+                                               "--op property:determinism"}
+    repo = _kernel_repository(tmp_path / "repo")
+    first = Actions(data, repo, tmp_path / "store", env, 1, **edits)
+    count = len(data["jobs"]["shard"]["strategy"]["matrix"]["shard"])
+    failed = [first.job("shard", tmp_path / "run1" / f"shard-{i}", i) for i in range(count)]
+    gates = [first.output[f"shard-{i}-gate"] for i in range(count)]
+    assert sorted(map(bool, failed)) == [False, True], [g.stderr[-2000:] for g in gates]  # prefill's shard fails
+    assert all("dealt by count (no unit's seconds kept yet)" in g.stdout for g in gates)
+    assert (tmp_path / "store" / "pip-calls").read_text().splitlines()[1] == "pip install ./mla-verify[test]"
+    assert (repo / "mla-verify" / "pyproject.toml").exists()          # what the Install step names is there
+    assert first.job("merge", tmp_path / "run1" / "merge") == ["merge"]   # the finding fails the merge job
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("## mla-verify report: merged") and "sparse_prefill" in summary
+    kept = next((tmp_path / "store" / "cache").iterdir())
+    findings = [p.name.split("-")[0] for p in (kept / "corpus").iterdir()]
+    assert findings and set(findings) == {"sparse_prefill"}
+    seconds = durations.read(kept / "durations.json")
+    assert len(seconds) == 3 and all(s > 0 for s in seconds.values())
+    # the next run restores the kept corpus and seconds: another seed, the finding first, shards by time
+    keys = sorted(seconds)
+    by_time = [Shard(i, count).deal(keys, weights=[seconds[k] for k in keys]) for i in range(count)]
+    failing = next(i for i, mine in enumerate(by_time) if any(k.startswith("sparse_prefill ") for k in mine))
+    second = Actions(data, repo, tmp_path / "store", env, 2, **edits)
+    assert second.job("shard", tmp_path / "run2" / f"shard-{failing}", failing) == ["gate"]
+    gate = second.output[f"shard-{failing}-gate"].stdout
+    assert f"shard {failing}/{count} (MLA_VERIFY_SHARD_INDEX={failing} of MLA_VERIFY_SHARD_COUNT={count}), sized by " \
+           "3 units' seconds last time" in gate and f"from the corpus: {len(findings)} still fail" in gate, gate[-3000:]
+    ran = reports_of(tmp_path / "run2" / f"shard-{failing}" / f"shard-{failing}")
+    assert ran == {k.split(" ")[0] for k in by_time[failing]}
+    assert "<title>mla-verify report: shard-" in (tmp_path / "run2" / f"shard-{failing}" / f"shard-{failing}" /
+                                                 "report.html").read_text()
+
+
+def reports_of(run: Path) -> set[str]:
+    """The ops (and properties) a run's rows hold."""
+    from mla_verify import reports
+
+    rows, _ = reports.load_run(run)
+    return {op if op != "property" else f"property:{path}" for op, path in zip(rows["op"], rows["path"])}

@@ -35,7 +35,8 @@ def test_list_op_prints_the_formula(capsys):
 
 
 def test_the_docs_contract_table_is_the_rendered_one():
-    """docs/reference/contracts.md's table between the contracts markers is `contract_table()`'s output, exactly."""
+    """docs/reference/contracts.md's table between the contracts markers is `contract_table()`'s output, exactly,
+    and docs/v4.md's is `contract_table(V4_OPS)`'s."""
     import sys
     from pathlib import Path
 
@@ -45,9 +46,10 @@ def test_the_docs_contract_table_is_the_rendered_one():
         import contract_table
     finally:
         sys.path.pop(0)
-    held = contract_table.region(contract_table.PAGE.read_text())
-    assert held == contracts.contract_table(), (
-        f"{contract_table.PAGE.name}'s contract table drifted from equivalence/contracts.py: run {contract_table.COMMAND}")
+    for page, table in ((contract_table.PAGE, contracts.contract_table()),
+                        (contract_table.V4_PAGE, contracts.contract_table(contracts.V4_OPS))):
+        assert contract_table.region(page.read_text()) == table, (
+            f"{page.name}'s contract table drifted from equivalence/contracts.py: run {contract_table.COMMAND}")
 
 
 def test_the_table_has_a_row_per_contract_showing_each_keyword_in_order_with_its_shape():

@@ -28,6 +28,7 @@ from mla_verify.reports import build_report, render_html
 from mla_verify.reports.drift import GROUP_COLUMNS, PAIRED, UNPAIRED
 from mla_verify.reports.glance import COLUMNS
 from mla_verify.reports.history import history
+from mla_verify.reports.history_html import render_history
 from mla_verify.reports.words import sign_p
 from tests.test_report_html import _MEASURE, CHROMIUM, VIEWPORT, Page
 
@@ -231,3 +232,45 @@ def test_history_orders_by_revision_and_refuses_what_it_cannot_order(runs, tmp_p
     assert "its revision bbb222 is in no revision of the order given" in capsys.readouterr().err
     assert main(["history", dirs[0]]) == 2
     assert "a history needs 2 runs or more" in capsys.readouterr().err
+
+
+def _first_cases(run, n: int, target):
+    """A copy of `run` holding its first `n` cases only: a smaller draw of the same seed."""
+    import pandas as pd
+
+    rows = pd.read_parquet(run / "rows.parquet")
+    keep = rows["case_id"].drop_duplicates().iloc[:n]
+    target.mkdir()
+    rows[rows["case_id"].isin(keep)].to_parquet(target / "rows.parquet")
+    shutil.copy(run / "meta.json", target / "meta.json")
+    return target
+
+
+def test_a_tail_regression_after_a_reseeded_run_reads_worse_and_what_was_not_compared_says_so(runs, tmp_path):
+    """Issue 50 item 3: v1, v1 reseeded (seed 8), v2 (seed 7). v2's step meets its neighbour on the few
+    cases Hypothesis draws first at every seed; its other 38 cases are judged unpaired, and the tail test
+    finds the tail v2 grew (before: `unchanged`, judged on the shared cases alone)."""
+    from mla_verify.reports.history_plots import marks
+
+    h = history([runs["v1"], runs["v1_reseeded"], runs["v2"]], order="given")
+    out = h.steps[h.steps["tensor"] == "out"].set_index("run")
+    assert list(out["word"]) == ["unchanged", "worse"] and (out["cases"] < 10).all(), out
+    assert out.loc[2, "headline"].startswith("out bf16_units p99 1 -> ")
+    assert [(h.label(s["run"]), s["word"]) for _, s in h.marked.iterrows()] == [("v2", "worse")]
+    drift = api.drift(runs["v2"], runs["v1_reseeded"])              # the two-run report reads the same
+    g = _group(drift, "out")
+    assert (g["word"], g["mode"]) == ("worse", PAIRED) and "of one run only" in drift.explain(g), drift.lines()
+    # the page: the trend table's step column and the figure's marks read the same words
+    line = h.trend[h.trend["tensor"] == "out"]
+    assert marks(h.steps[h.steps["tensor"] == "out"]) == {2: "worse"}
+    assert [r[1] for r in Page(render_history(h)).section("line-1")["rows"][:3]] == ["", "unchanged", "worse"]
+    assert line["bf16_units p99"].iloc[2] > 1.5 * line["bf16_units p99"].iloc[1]
+    # 8 cases a run: the 6 of one run only are too few to compare tails, so the step is not comparable
+    small = [_first_cases(runs[name], 8, tmp_path / name) for name in ("v1", "v1_reseeded")]
+    h = history(small, order="given")
+    step = h.steps[h.steps["tensor"] == "out"].iloc[0]
+    assert step["word"] == "not comparable" and step["headline"].startswith("seeds differ: "), step
+    assert "too few to compare their tails (the tail test needs 21 a side)" in step["headline"]
+    assert marks(h.steps) == {1: "not comparable"} and any(ln.startswith("  not comparable: 2 steps") for ln in h.lines())
+    drift = api.drift(*small[::-1])
+    assert set(drift.groups["word"]) == {"not comparable"} and "2 not comparable" in drift.verdict

@@ -5,6 +5,7 @@ one line."""
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -536,6 +537,27 @@ def test_sigterm_is_handled_as_ctrl_c_and_report_never_says_pass_for_the_stopped
     assert (tmp_path / "run" / "rows.parquet").exists()
     code, text = run(capsys, "report", tmp_path / "run")
     assert code == 1 and "INCOMPLETE" in text and "PASS" not in text
+
+
+def test_an_interrupted_gate_prints_the_command_that_runs_the_rest_and_it_does(tmp_path):
+    """Issue 50 item 7: the gate stops in its first unit; the command it prints runs that unit and the
+    one it never reached, with the run's seed and settings, and passes (the kernel stops only once)."""
+    proc = cli("gate", "--impl", "sparse_prefill=tests.hostile.cpu:prefill_sigterm_once_on_third_call", "--op",
+               "sparse_prefill", "--op", "property:determinism", "--examples", 3, "--seed", 1, "--device", "cpu",
+               "--out", tmp_path / "run", "--no-isolate", cwd=tmp_path)
+    text, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 130 and "INTERRUPTED" in text, text
+    said = next(line for line in text.splitlines() if line.startswith("  the rest (2 ops not finished"))
+    argv = shlex.split(said.split("): ", 1)[1])
+    assert argv[:2] == ["mla-verify", "gate"] and argv[argv.index("--seed") + 1] == "1"
+    assert argv[-2:] == ["--out", str(tmp_path / "run-rest")]
+    rest = cli(*argv[1:], cwd=tmp_path)
+    text, _ = rest.communicate(timeout=600)
+    assert rest.returncode == 0, text
+    from mla_verify import reports
+
+    rows, _ = reports.load_run(tmp_path / "run-rest")
+    assert set(rows["op"]) == {"sparse_prefill", "property"}
 
 
 def test_a_sigterm_to_the_whole_process_group_stops_the_run_without_blaming_the_kernel(capsys, tmp_path):

@@ -63,7 +63,7 @@ def _assert_same(alone, together) -> None:
         a, t = getattr(alone.metrics, f.name), getattr(together.metrics, f.name)
         if isinstance(a, float):
             assert _close(t, a), (f.name, t, a)
-        else:  # counts, positions and extra (shape) exactly
+        else:  # counts, positions, shape and extra exactly
             assert t == a, (f.name, t, a)
 
 

@@ -87,3 +87,74 @@ def test_the_wings_rules_catch_a_crossing():
              f"{e}.judge.policy": set(), f"{e}.catalog": set(), f"{e}.sandbox.worker": {f"{e}.catalog"}}
     breaches = import_cycles.layering(graph, known)
     assert [b.split(" imports ")[0] for b in breaches] == [f"{e}.cases.draws", f"{e}.sandbox.wire"], breaches
+
+
+PACKAGE = ("mla_verify", "reference", "optimized", "equivalence", "fuzz", "reports")
+
+
+def _definitions():
+    """(lines, parameters, where) of every function of the package but Triton's kernels (a
+    @triton.jit signature is the kernel's launch grid of pointers and constants)."""
+    import ast
+
+    found = []
+    for folder in PACKAGE:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                if any("jit" in ast.unparse(d) for d in node.decorator_list):
+                    continue
+                a = node.args
+                named = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")]
+                params = len(named) + (a.vararg is not None) + (a.kwarg is not None)
+                found.append((node.end_lineno - node.lineno + 1, params, f"{path.relative_to(ROOT)}:{node.name}"))
+    return found
+
+
+def test_the_package_keeps_functions_short_and_signatures_narrow():
+    """Issue 49: no function over 80 lines in the package (there were 5: the HiSparse pipelines
+    and batch builder, the reference's forward_mqa, build_report) and at most 5 signatures of 10 or
+    more parameters (there were 16: the forward_mqa family took vLLM's metadata one keyword each;
+    it takes the backend's metadata dataclass now). The 5: check() and gate() (the public API, tied
+    to Options by the test below), the whole forward_mqa and DCP rank contracts (a user's callable
+    is called with those keywords) and ops/base.py's `_calls` (the row context, issue 49 step 3)."""
+    found = _definitions()
+    long = sorted((n, where) for n, _, where in found if n > 80)
+    assert not long, long
+    wide = sorted((p, where) for _, p, where in found if p >= 10)
+    assert len(wide) <= 5, wide
+
+
+def test_check_and_gate_name_only_options_fields():
+    """`check()` and `gate()` hand their arguments to `Options.asked` by name, which keeps only the
+    names Options has: a parameter misspelled or added without its field would be dropped silently.
+    Every parameter is a field, but those translated on the way (op -> ops, impl -> specs and
+    named, or impls; log is the run's callback, not an option)."""
+    import dataclasses
+    import inspect
+
+    from mla_verify import api
+    from mla_verify.runs.plan import Options
+
+    fields = {f.name for f in dataclasses.fields(Options)}
+    for fn, translated, into in ((api.check, {"op", "impl", "log"}, {"ops", "specs", "named"}),
+                                 (api.gate, {"impl", "log"}, {"impls"})):
+        params = set(inspect.signature(fn).parameters)
+        assert translated <= params and into <= fields, fn.__name__
+        assert params - translated <= fields, (fn.__name__, sorted(params - translated - fields))
+
+
+def test_device_strings_are_read_in_one_place():
+    """Issue 49: "cuda:1" was parsed in 33 places (startswith("cuda") 14, split(":")[0] 19); now
+    `equivalence.sandbox.device.device_type` / `is_cuda` read it. Left: the pytest plugin (it
+    imports no torch, device.py does) and the worker, under issue 45's rewrite, to take the helper."""
+    pending = {"mla_verify/pytest_plugin.py", "equivalence/sandbox/worker.py", "equivalence/sandbox/device.py"}
+    found = []
+    for folder in PACKAGE:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            where = str(path.relative_to(ROOT))
+            text = path.read_text()
+            if where not in pending and ('startswith("cuda")' in text or 'split(":")[0]' in text):
+                found.append(where)
+    assert not found, found

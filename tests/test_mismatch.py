@@ -124,3 +124,61 @@ def test_fuzz_replay_check_and_junit_print_a_failing_row_the_same_way(tmp_path, 
     assert f"  FAIL {line}" in capsys.readouterr().out.splitlines()
     # the bound's own reason is not repeated in the failure, only pointed at
     assert "fp32 dot product errs" not in result.report() and "list --tolerances --long" in result.report()
+
+
+def _merge_case(params: dict, seed: int) -> list:
+    case = Case("dcp_merge", {"layout": "contiguous", "empty_frac": 0.0, "junk": False, **params}, seed)
+    return evaluate(case, resolve_subject("dcp_merge", ["tests.zoo.dcp:no_sanitize"], "cpu"), "cpu")
+
+
+@pytest.mark.parametrize("params, says", [
+    ({"ranks": 2, "tokens": 3, "heads": 2, "empty_frac": 1.0},
+     r"the ranks' LSEs are \[-inf, -inf\]: every rank's LSE is -inf \(no rank holds a key of it"),
+    ({"ranks": 4, "tokens": 8, "heads": 4, "junk": True},
+     r"the ranks' LSEs are \[[^\]]*\]: rank \d+'s LSE is (\+inf|NaN) and its out NaN \(an undefined partial"),
+])
+def test_a_merge_nan_quotes_the_ranks_lses_at_its_position(params, says):
+    """Issue 50 item 6: the combine that does not sanitize (vLLM #46514) makes NaN from every rank
+    -inf (-inf - -inf) and from a rank's +inf or NaN; the message quotes the inputs there."""
+    rows = _merge_case(params, 3)
+    failing = [r for r in rows if not r.passed]
+    assert failing and all(re.search(says, r.reason) for r in failing), [r.reason for r in failing]
+    at = re.search(r"at token (\d+), head (\d+) the ranks' LSEs are \[([^\]]*)\]", failing[0].reason)
+    from mla_verify.equivalence.catalog import get_spec
+    spec = get_spec("dcp_merge")
+    kw = spec.inputs(spec.params_of({"layout": "contiguous", "empty_frac": 0.0, "junk": False, **params}), 3, "cpu")
+    lses = kw["lses"][:, int(at.group(1)), int(at.group(2))].tolist()
+    quoted = [float(v.replace("+inf", "inf")) for v in at.group(3).split(", ")]
+    assert all((math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-3) for a, b in zip(quoted, lses))
+    assert "usually" not in failing[0].reason and "inf - inf" in failing[0].reason   # no claim of a read
+
+
+def decode_lse_in_bsh(q, kv_cache, indices, sm_scale):
+    """The decode LSE returned as (B, S, H): a shape the contract's (B, H, S) names."""
+    from mla_verify import reference
+
+    res = reference.sparse_decode_fp8(q, kv_cache, indices, sm_scale)
+    return res.out.float().to(torch.bfloat16), res.lse.transpose(1, 2).contiguous().float()
+
+
+def test_a_wrong_shape_is_said_in_the_contracts_dimension_names():
+    result = api.check("sparse_decode_fp8", decode_lse_in_bsh, examples=1, device="cpu", profile="ci", seed=1,
+                       isolate=False, shrink=False)
+    row = next(r for r in result.failure.rows if r["tensor"] == "lse")
+    b, s, h = re.search(r"lse: shape \((\d+), (\d+), (\d+)\)", row["reason"]).groups()
+    assert f"the contract says (B={b}, H={h}, S={s})" in row["reason"], row["reason"]
+
+
+def concat_doubles_rope(ql_nope, q_pe):
+    return torch.cat([ql_nope, q_pe * 2], dim=-1)
+
+
+def test_a_finding_left_unminimized_says_how_to_minimize_it(tmp_path):
+    """A budget the covering set fills (2 examples of concat_mla_q's 3 covering cases) draws nothing to
+    shrink: the failure says so, and how many examples would."""
+    result = api.check("concat_mla_q", "tests.test_mismatch:concat_doubles_rope", examples=2, device="cpu", profile="ci",
+                       seed=1, out=tmp_path / "run")
+    assert not result.passed and not result.failure.minimized
+    report = result.report()
+    assert "case (as found, not minimized)" in report and "not minimized: it is a covering case" in report
+    assert "(--examples 10) draw on until one fails, and minimize it" in report, report

@@ -15,6 +15,7 @@ from mla_verify.equivalence.cases.patterns import FORWARD_PATTERNS
 from mla_verify.equivalence.judge.bounds import ErrorModel
 from mla_verify.equivalence.cases.values import REGIMES
 from mla_verify.optimized import buffers, forward_mqa, forward_mqa_dcp, needed_stages, registry
+from mla_verify.optimized.pipeline import MQAMetadata
 from tests.bound_checks import check_against_reference, fp32_stages
 
 seeds = st.integers(0, 2**31 - 1)
@@ -54,10 +55,9 @@ def batch_params(draw, cache_dtypes=CACHE_DTYPES, heads=(16, 32, 64), dcp=1):
 
 
 def run_both(batch, stages, **extra):
-    kwargs = dict(batch.forward_kwargs(), **extra)
-    ref = R.forward_mqa(batch.q, batch.kv_cache, **kwargs)
+    ref = R.forward_mqa(batch.q, batch.kv_cache, batch.topk_indices, batch.metadata(R.MQAMetadata, **extra))
     with buffers.poisoned():
-        got = forward_mqa(batch.q, batch.kv_cache, stages=stages, **kwargs)
+        got = forward_mqa(batch.q, batch.kv_cache, batch.topk_indices, batch.metadata(MQAMetadata, **extra), stages)
     return got, ref
 
 
@@ -77,22 +77,21 @@ def test_every_path_matches_the_reference(params, seed):
 def test_dcp_ranks_and_merge_match_the_reference(seed, dcp, data):
     params = data.draw(batch_params(cache_dtypes=("fp8_ds_mla", "nvfp4_ds_mla"), heads=(16,), dcp=dcp))
     batch = make_batch(ForwardParams.of(params), seed)
-    kwargs = batch.forward_kwargs()
-    kwargs.pop("block_table")
-    dtype = params["cache_dtype"]
+    ref_ranks, ranks = batch.rank_metadata(R.MQAMetadata), batch.rank_metadata(MQAMetadata)
+    dtype, topk = params["cache_dtype"], batch.topk_indices
     stages = fp32_stages(needed_stages(dtype, 16, dcp, False))
     model = ErrorModel(batch.q, batch.rank_caches, dtype, params["sm_scale"], params["topk"])
     ref_parts = []
-    for rank, (cache, table) in enumerate(zip(batch.rank_caches, batch.rank_block_tables)):
-        ref = R.forward_mqa(batch.q, cache, block_table=table, dcp_size=dcp, dcp_rank=rank, **kwargs)
+    for cache, ref_metadata, metadata in zip(batch.rank_caches, ref_ranks, ranks):
+        ref = R.forward_mqa(batch.q, cache, topk, ref_metadata)
         with buffers.poisoned():
-            got = forward_mqa(batch.q, cache, block_table=table, dcp_size=dcp, dcp_rank=rank, stages=stages, **kwargs)
+            got = forward_mqa(batch.q, cache, topk, metadata, stages)
         check_against_reference(got.out, got.lse, ref.out, ref.lse, model)  # -inf: neutralized rows
         ref_parts.append(ref)
 
-    ref = R.forward_mqa_dcp(batch.q, batch.rank_caches, batch.rank_block_tables, **kwargs)
+    ref = R.forward_mqa_dcp(batch.q, batch.rank_caches, topk, ref_ranks)
     with buffers.poisoned():
-        got = forward_mqa_dcp(batch.q, batch.rank_caches, batch.rank_block_tables, stages=stages, **kwargs)
+        got = forward_mqa_dcp(batch.q, batch.rank_caches, topk, ranks, stages)
     assert got.path == ref.path == "fp8_mixed_dcp"
     assert not bool(got.out.isnan().any()) and not bool(got.lse.isnan().any())
     assert torch.equal(got.lse == -math.inf, ref.lse == -math.inf) and not bool((got.lse == math.inf).any())
@@ -136,13 +135,12 @@ def test_dcp_neutralizes_whatever_the_decode_kernel_leaves_in_empty_rows():
     needed = needed_stages("fp8_ds_mla", 16, 4)
     junk = registry.Implementation("sparse_decode_fp8", "junk", junk_on_empty_rows, frozenset({"cpu"}))
     stages = registry.resolve(needed, "cpu", {**fp32_stages(needed).chosen, "sparse_decode_fp8": junk})
-    kwargs = batch.forward_kwargs()
-    kwargs.pop("block_table")
     model = ErrorModel(batch.q, batch.rank_caches, "fp8_ds_mla", params["sm_scale"], params["topk"])
     neutralized = 0
-    for rank, (cache, table) in enumerate(zip(batch.rank_caches, batch.rank_block_tables)):
-        ref = R.forward_mqa(batch.q, cache, block_table=table, dcp_size=4, dcp_rank=rank, **kwargs)
-        got = forward_mqa(batch.q, cache, block_table=table, dcp_size=4, dcp_rank=rank, stages=stages, **kwargs)
+    for cache, ref_metadata, metadata in zip(batch.rank_caches, batch.rank_metadata(R.MQAMetadata),
+                                             batch.rank_metadata(MQAMetadata)):
+        ref = R.forward_mqa(batch.q, cache, batch.topk_indices, ref_metadata)
+        got = forward_mqa(batch.q, cache, batch.topk_indices, metadata, stages)
         check_against_reference(got.out, got.lse, ref.out, ref.lse, model)
         neutralized += int((ref.lse == -math.inf).all(dim=1).sum())
     assert neutralized > 0  # the batch does exercise empty rows
@@ -180,7 +178,7 @@ def test_a_preferred_implementation_that_cannot_run_here_is_reported(monkeypatch
     gpu_only = registry.Implementation("sparse_prefill", "gpu-only", eager.fn, frozenset({"cuda"}))
     monkeypatch.setitem(registry._REGISTRY, "sparse_prefill", [gpu_only, eager])
     batch, _ = small_separate_batch()
-    got = forward_mqa(batch.q, batch.kv_cache, **batch.forward_kwargs())
+    got = forward_mqa(batch.q, batch.kv_cache, batch.topk_indices, batch.metadata(MQAMetadata))
     assert got.stages.fallbacks["sparse_prefill"] == "gpu-only: runs on cuda, not cpu"
     assert got.stages.chosen["sparse_prefill"].name == "torch-fp32"
 
@@ -189,9 +187,9 @@ def test_a_preferred_implementation_that_cannot_run_here_is_reported(monkeypatch
                                                (16, 2, "bfloat16")])
 def test_unsupported_dcp_raises_as_the_backend_does(heads, dcp, dtype):
     batch, _ = small_separate_batch()
-    kwargs = dict(batch.forward_kwargs(), num_heads=heads, kv_cache_dtype=dtype, dcp_size=dcp)
+    metadata = batch.metadata(MQAMetadata, num_heads=heads, kv_cache_dtype=dtype, dcp_size=dcp)
     with pytest.raises(NotImplementedError):
-        forward_mqa(batch.q, batch.kv_cache, **kwargs)
+        forward_mqa(batch.q, batch.kv_cache, batch.topk_indices, metadata)
 
 
 def test_stage_defaults_never_run_an_interpreter_unless_named(monkeypatch):
@@ -213,3 +211,18 @@ def test_stage_defaults_never_run_an_interpreter_unless_named(monkeypatch):
     assert resolved.chosen["split_prefill_chunks"] is user
     assert all("cpu" not in i.interpreted_on for i in resolved.chosen.values())
     assert set(resolved.fallbacks) == {"sparse_decode_fp8", "sparse_prefill"}  # flash_mla: cuda only
+
+
+def test_both_sides_spell_the_same_metadata():
+    """reference/ and optimized/ share no code: each writes forward_mqa's metadata and HiSparse's
+    tables itself, with the same fields and defaults (the optimized metadata adds the builder's
+    persistent req_id buffer)."""
+    from dataclasses import fields
+
+    from mla_verify.optimized import hisparse
+
+    def spelled(cls, skip=()):
+        return [(f.name, f.default) for f in fields(cls) if f.name not in skip]
+
+    assert spelled(MQAMetadata, ("req_id",)) == spelled(R.MQAMetadata)
+    assert spelled(hisparse.HiSparseTables) == spelled(R.HiSparseTables)

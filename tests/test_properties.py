@@ -96,6 +96,13 @@ BROKEN = [
     ("singleton", "sparse_prefill", "sparse_prefill=tests.zoo.attention:deduplicates", {"value"}),
     ("layer_view", "forward_mqa", "convert_index=tests.zoo.indices:ignores_block_stride", {"read"}),
     ("layer_view", "write_fp8_ds_mla_cache", "write_fp8_ds_mla_cache=tests.zoo.formats:ignores_block_stride", {"write"}),
+    ("v4_union_merge", "sparse_decode_v4", "sparse_decode_v4=tests.impls.inconsistent:union_lse_of_main_only",
+     {"merged"}),
+    ("v4_extra_empty", "sparse_decode_v41", "sparse_decode_v41=tests.impls.inconsistent:union_ignores_extra_length",
+     {"no_extra", "all_invalid"}),
+    ("v4_zero_rope", "sparse_decode_v4", "sparse_decode_v4=tests.impls.inconsistent:union_rope_from_the_nope_offset",
+     {"rope_unseen"}),
+    ("v4_row_alone", "sparse_decode_v4", "sparse_decode_v4=tests.zoo.v4:lengths_per_token", {"alone"}),
 ]
 BUDGET = 40  # examples per broken implementation; measured: the first or second case catches each
 

@@ -104,7 +104,7 @@ def test_seed_saved_cases_tracebacks_declined_cases_and_a_missing_device(tmp_pat
                           cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     out = done.stdout
     saved = next(line.split("saved ")[1] for line in out.splitlines() if ".saved " in line)
-    assert saved.startswith(str(basetemp / "mla-verify-failures")), saved
+    assert saved.startswith(str(tmp_path / ".mla-verify" / "failures")), saved  # not under basetemp: kept
     # the summary lists the case of the test that failed, not the one a passing test saved (expected there)
     listed = out.split("mla-verify: cases saved by failing tests")[1]
     assert saved not in listed and listed.count("replay: mla-verify replay") == 1, listed
@@ -115,3 +115,49 @@ def test_seed_saved_cases_tracebacks_declined_cases_and_a_missing_device(tmp_pat
     if device:
         assert "SKIPPED" in out and "--mla-verify-device cuda: no CUDA GPU is visible" in out, out[-3000:]
     assert "1 failed" in out and "passed" in out, out[-3000:]
+
+
+TEAM_TESTS = '''
+import torch
+
+import mla_verify
+
+
+def wrong_concat(ql_nope, q_pe):
+    return torch.cat([ql_nope, q_pe * 2], dim=-1)
+
+
+def test_a_check_naming_no_seed_draws_the_commits():
+    print("seed", mla_verify.check("concat_mla_q", "torch-fp32", examples=1, device="cpu").seed)
+
+
+def test_mla_check_fails_with_the_report_and_keeps_the_finding(mla_check, mla_corpus):
+    print("corpus", mla_corpus)
+    mla_check("concat_mla_q", wrong_concat, examples=2, device="cpu", shrink=False)
+'''
+
+
+def test_under_ci_the_seed_comes_from_the_commit_and_findings_are_kept_beside_pytest_cache(tmp_path):
+    """Issue 50 item 5: a CI run draws the commit's cases (printed), its failing cases and corpus stay
+    under ROOTDIR/.mla-verify (pytest deletes all but its last three basetemps), and the fixtures."""
+    (tmp_path / "test_team.py").write_text(TEAM_TESTS)
+    commit = "abcdef0123456789abcdef0123456789abcdef01"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CI_COMMIT_SHA", "BUILDKITE_COMMIT")}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-s", "-p", "no:cacheprovider", "--basetemp",
+                           str(tmp_path / "basetemp")], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**env, "OMP_NUM_THREADS": "1", "CI": "true", "GITHUB_SHA": commit})
+    out = done.stdout
+    seed = int(commit[:7], 16)
+    assert f"mla-verify defaults: seed {seed} (CI=true: from commit {commit[:12]}" in out, out[-3000:]
+    assert f"seed {seed}\n" in out
+    assert "1 failed, 1 passed" in out and "DISCREPANCY in concat_mla_q" in out, out[-3000:]
+    kept = tmp_path / ".mla-verify"
+    assert (kept / ".gitignore").read_text().splitlines()[-1] == "*"
+    assert f"corpus {kept / 'corpus'}" in out and len(list((kept / "corpus").glob("*.json"))) == 1
+    listed = out.split("mla-verify: cases saved by failing tests")[1]
+    assert str(kept / "failures") in listed and "replay: mla-verify replay" in listed
+    # outside CI a fresh seed each call, and no seed in the header
+    done = subprocess.run([sys.executable, "-m", "pytest", "-s", "-p", "no:cacheprovider", "-k", "commits"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**env, "OMP_NUM_THREADS": "1", "CI": "false", "GITHUB_SHA": commit})
+    assert "mla-verify defaults" not in done.stdout and f"seed {seed}\n" not in done.stdout, done.stdout[-2000:]

@@ -23,8 +23,10 @@ def _params(cache_dtype, qlens, frac, **extra):
 
 def _both(p, seed=3):
     hb = make_hisparse_batch(ForwardParams.of(p), seed)
-    res = reference.forward_mqa_hisparse(hb.q_layers, hb.host_caches, hb.gpu_rows, **hb.hisparse_kwargs())
-    plain = [reference.forward_mqa(q, c, **hb.plain_kwargs()) for q, c in zip(hb.q_layers, hb.plain_caches)]
+    metadata, topk = hb.plain.metadata(reference.MQAMetadata), hb.plain.topk_indices
+    res = reference.forward_mqa_hisparse(hb.q_layers, hb.host_caches, hb.gpu_rows, topk, metadata,
+                                         hb.hisparse_tables(reference.HiSparseTables))
+    plain = [reference.forward_mqa(q, c, topk, metadata) for q, c in zip(hb.q_layers, hb.plain_caches)]
     return res, plain
 
 
@@ -46,11 +48,8 @@ def test_hot_cache_exactly_as_large_as_needed_evicts_prior_rows():
     p = _params("bfloat16", [3, 3], 0.0, spare_state_rows=2)
     p["context_lens"], p["prior_hits"] = [600, 900], 1.0
     hb = make_hisparse_batch(ForwardParams.of(p), 11)
-    kw = hb.hisparse_kwargs()
-    sw = H.swap_in(torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.int32), kw["topk_indices"], block_size=64,
-                   stride_rows=kw["attention_block_stride"], return_valid_counts=True,
-                   **{k: kw[k] for k in ("host_block_table", "residency", "request_state_indices", "hot_block_table",
-                                         "device_global_indices", "lru_slots")})
+    sw = H.swap_in(torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.int32), hb.plain.topk_indices, hb.plain.block_table,
+                   hb.hisparse_tables(H.HiSparseTables), block_size=64, return_valid_counts=True)
     # Every slot held an earlier row: the misses evicted some, the rest were hits.
     assert 0 < len(sw.host_rows) < int(sw.counts.sum())
     res, plain = _both(p, 11)

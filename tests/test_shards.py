@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from mla_verify.cli import main
+from mla_verify.runs import durations
 from mla_verify.runs.units import shard_units, units
 from mla_verify.runs.parts import Shard, share
 
@@ -29,6 +30,41 @@ def test_a_shard_is_parsed_checked_and_split_into_the_parts_of_one_host():
     # fuzz: slot k is seed S + k with its share of the examples, the first ones one larger
     assert [Shard(k, 3).campaign(10, 7) for k in range(3)] == [(10, 3), (11, 2), (12, 2)]
     assert Shard(2, 3).campaign(10, 2) == (12, 0) and share(10, 3) == [4, 3, 3]
+
+
+@pytest.mark.parametrize("env, shard, source", [
+    ({"MLA_VERIFY_SHARD_INDEX": "1", "MLA_VERIFY_SHARD_COUNT": "3"}, (1, 3), "MLA_VERIFY_SHARD_INDEX=1 of "),
+    ({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "8"}, (5, 8), "SLURM_ARRAY_TASK_ID=5 of "),
+    ({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "1",
+      "SLURM_ARRAY_TASK_STEP": "2"}, (3, 4), "SLURM_ARRAY_TASK_ID=7"),          # --array=1-7:2
+    ({"JOB_COMPLETION_INDEX": "0", "MLA_VERIFY_SHARD_COUNT": "2"}, (0, 2), "JOB_COMPLETION_INDEX=0 of "),
+    ({"BUILDKITE_PARALLEL_JOB": "2", "BUILDKITE_PARALLEL_JOB_COUNT": "3"}, (2, 3), "BUILDKITE_PARALLEL_JOB=2"),
+    ({"CI_NODE_INDEX": "1", "CI_NODE_TOTAL": "2"}, (0, 2), "CI_NODE_INDEX=1"),   # GitLab counts from 1
+])
+def test_shard_auto_reads_the_schedulers_own_index_and_count(monkeypatch, env, shard, source):
+    for name in ("MLA_VERIFY_SHARD_INDEX", "MLA_VERIFY_SHARD_COUNT", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT",
+                 "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_STEP", "JOB_COMPLETION_INDEX", "BUILDKITE_PARALLEL_JOB",
+                 "BUILDKITE_PARALLEL_JOB_COUNT", "CI_NODE_INDEX", "CI_NODE_TOTAL", "CIRCLE_NODE_INDEX"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="no scheduler's shard index is set"):
+        Shard.parse("auto")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    parsed = Shard.parse("auto")
+    assert (parsed.index, parsed.count) == shard and parsed.source.startswith(source) and parsed == Shard(*shard)
+    monkeypatch.setenv(next(iter(env)), "9")
+    with pytest.raises(ValueError, match="is not one of"):
+        Shard.parse("auto")
+
+
+def test_shards_sized_by_last_times_seconds_end_together_longest_first():
+    units_ = ["a", "b", "c", "d", "e"]
+    seconds = [100.0, 40.0, 30.0, 30.0, 5.0]
+    by_time = [Shard(i, 2).deal(units_, weights=seconds) for i in range(2)]
+    assert by_time == [["a", "e"], ["b", "c", "d"]]               # 105 s and 100 s
+    assert [Shard(i, 2).deal(units_) for i in range(2)] == [["a", "c", "e"], ["b", "d"]]  # by count: 135 s and 70 s
+    assert [Shard(i, 2).deal(units_, weights=[1.0] * 5) for i in range(2)] == [["a", "c", "e"], ["b", "d"]]
+    assert Shard(0, 2).deal(units_, first=[False] * 4 + [True], weights=seconds) == ["b", "c", "d", "e"]  # e first
 
 
 def test_the_gates_shards_are_disjoint_cover_every_unit_and_deal_multi_rank_ones_first():
@@ -77,6 +113,10 @@ def test_gate_shards_merged_are_the_unsharded_gate_case_for_case(capsys, gate_sh
     merged, meta = reports.load_run(tmp_path / "m")
     assert verdicts(merged) == verdicts(reports.load_run(gate_shards / "whole")[0])
     assert "shard" not in meta["extra"] and len(meta["extra"]["merged"]) == 3
+    # each shard's unit seconds, joined: what the next run's shards are sized by (gate --durations)
+    seconds = durations.read(tmp_path / "m")
+    assert sorted(seconds) == sorted(u.key for u in units(OPS, "cpu")) and all(s > 0 for s in seconds.values())
+    assert seconds == {k: v for i in range(3) for k, v in durations.read(gate_shards / f"shard-{i}").items()}
 
 
 def test_merge_refuses_missing_repeated_or_foreign_shards_and_names_each(capsys, gate_shards, tmp_path):
@@ -89,10 +129,11 @@ def test_merge_refuses_missing_repeated_or_foreign_shards_and_names_each(capsys,
     shutil.copytree(shards[1], other)
     meta = json.loads((other / "meta.json").read_text())
     meta["git"]["revision"], meta["extra"]["run"]["seed"] = "0123abc", 5
+    meta["extra"]["run"]["durations"] = "5ca1ab1e0000"   # dealt by other seconds: its units may overlap
     (other / "meta.json").write_text(json.dumps(meta))
     assert main(["merge", shards[0], str(other), shards[2], "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err
-    assert "ran revision 0123abc" in err and "seed 5 vs 4" in err
+    assert "ran revision 0123abc" in err and "seed 5 vs 4" in err and "durations '5ca1ab1e0000' vs None" in err
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
     # told to, it merges what it has; cases that never ran are no pass
     assert main(["merge", shards[0], shards[2], "--out", str(tmp_path / "d"), "--force"]) == 1

@@ -141,3 +141,24 @@ def test_a_kept_watch_puts_back_each_calls_change_and_watches_judge_modules_impo
             call_implementation(patches_late, 1, "cpu")
         assert late.judge is len and guards.kept() is watch
     assert guards.kept() is None
+
+
+def test_a_device_error_is_known_from_the_row_not_read_back_from_its_reason():
+    """Issue 49: the driver and the worker retire a CUDA context on `Row.device_error`, set where
+    the call's failure is known (`Raised`), never on a regex over the reason; the flag is not a
+    stored column."""
+    from mla_verify.equivalence.judge.rows import COLUMNS, FailureKind
+    from mla_verify.equivalence.produced import Produced
+    from mla_verify.equivalence.sandbox.calls import Raised, raised_row, unsupported_row
+
+    base = dict(run_id="r", case_id="c", op="sparse_prefill", path="sparse_prefill", impl="x", stages=(),
+                device="cuda", seed=1, source="fuzz")
+    after = raised_row(base, Raised(ValueError("bad"), device_error="an illegal memory access was encountered"))
+    own = raised_row(base, Raised(RuntimeError("CUDA error: device-side assert triggered")))
+    assert after.device_error and own.device_error
+    assert not raised_row(base, Raised(ValueError("bad"))).device_error
+    assert not unsupported_row(base, "unsupported: H=24").device_error
+    assert after.gate_metric == FailureKind.RAISED and type(after.gate_metric) is str
+    assert "device_error" not in COLUMNS and "device_error" not in after.to_record()
+    assert Produced.failed_case(after).device_error
+    assert not Produced.failed_case(raised_row(base, Raised(ValueError("bad")))).device_error

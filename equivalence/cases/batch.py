@@ -20,7 +20,7 @@ request 0's range (what an earlier step left in the indexer's buffer).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,6 +34,7 @@ from .patterns import apply_patterns, distinct_rows, prefix_candidates
 from .values import pooled_rows, q_values
 
 ROW_WIDTH = {"bfloat16": 576, "fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
+M = TypeVar("M")
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Batch:
     query_start_loc: list[int]
     seq_lens: list[int]
     topk_indices: torch.Tensor
-    config: dict[str, Any] = field(default_factory=dict)  # forward_mqa's remaining keywords
+    config: dict[str, Any] = field(default_factory=dict)  # the layer's fields of forward_mqa's metadata
     kv_source: list[torch.Tensor] = field(default_factory=list)  # per request [seq_len, 576] bf16
 
     @property
@@ -55,15 +56,30 @@ class Batch:
     def block_table(self) -> torch.Tensor:
         return self.rank_block_tables[0]
 
+    def metadata(self, kind: type[M], **changes: Any) -> M:
+        """forward_mqa's metadata for a run without DCP, as `kind` spells it (`reference.MQAMetadata`
+        or `optimized.pipeline.MQAMetadata`: the two sides share no code, their fields agree);
+        `changes` replace fields."""
+        fields = dict(query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_table=self.block_table,
+                      **self.config)
+        return kind(**{**fields, **changes})
+
+    def rank_metadata(self, kind: type[M], **changes: Any) -> list[M]:
+        """Every DCP rank's metadata: its own block table, dcp_size N, dcp_rank r."""
+        size = len(self.rank_block_tables)
+        return [self.metadata(kind, block_table=table, dcp_size=size, dcp_rank=rank, **changes)
+                for rank, table in enumerate(self.rank_block_tables)]
+
     def forward_kwargs(self) -> dict[str, Any]:
-        """Keywords of forward_mqa for a run without DCP."""
+        """The keywords a user's whole forward_mqa is called with for a run without DCP (the
+        contract's, `equivalence.contracts.ForwardMqa`, and the layer's configuration)."""
         return dict(
             query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_table=self.block_table,
             topk_indices=self.topk_indices, **self.config,
         )
 
     def dcp_kwargs(self) -> dict[str, Any]:
-        """Keywords of forward_mqa_dcp: forward_kwargs without the block table (each rank has its own)."""
+        """forward_kwargs without the block table (each rank has its own)."""
         kwargs = self.forward_kwargs()
         del kwargs["block_table"]
         return kwargs

@@ -13,6 +13,9 @@ rest as the remainder of whole HiSparse cases:
                         dequantized for the whole head block: a 64-head block took 1.65x a
                         16-head one, measured at top-k 1024 on this project's 2-core machine,
                         triton 3.6), and COMBINE_S per (query row, head) when the top-k list is split
+    sparse_decode_v4    UNION_PROGRAM_S per (query row, head block, split) + UNION_BLOCK_S per
+                        block of either list (it dequantizes every row it loads), the head block's
+                        weight and COMBINE_S as above
     forward_mqa         FORWARD_TOKEN_S per token and layer besides its attention
 
 A case's estimate is its base problem's attention calls (`calls`) times the runs its check makes
@@ -36,13 +39,15 @@ BLOCK_S = 0.008
 COMBINE_S = 0.002
 DECODE_HEAD_BLOCK = {16: 1.0, 32: 1.35, 64: 1.65}
 FORWARD_TOKEN_S = 0.008
+UNION_PROGRAM_S = 0.02     # measured: 2 programs of 10 blocks 0.45 s, 16 of 2 blocks 0.97 s
+UNION_BLOCK_S = 0.02
 
 
 @dataclass(frozen=True)
 class Call:
     """One attention launch: `rows` query rows of `heads` heads over `topk` entries each."""
 
-    kernel: str   # sparse_prefill | sparse_decode_fp8
+    kernel: str   # sparse_prefill | sparse_decode_fp8 | sparse_decode_v4 (V4.1 alike)
     rows: int
     heads: int
     topk: int
@@ -59,8 +64,8 @@ class Call:
         splits, split_len = split_plan(self.topk, cfg.block_n, self.rows * head_blocks, NOMINAL_SMS, None)
         programs = self.rows * head_blocks * splits
         combine = self.rows * self.heads * COMBINE_S if splits > 1 else 0.0
-        per_program = (DECODE_PROGRAM_S + BLOCK_S * (split_len // cfg.block_n)) * DECODE_HEAD_BLOCK[cfg.block_h]
-        return programs * per_program + combine
+        program_s, block_s = (UNION_PROGRAM_S, UNION_BLOCK_S) if self.kernel == "sparse_decode_v4" else (DECODE_PROGRAM_S, BLOCK_S)
+        return programs * (program_s + block_s * (split_len // cfg.block_n)) * DECODE_HEAD_BLOCK[cfg.block_h] + combine
 
 
 def _forward_calls(p: ForwardParams) -> list[Call]:
@@ -92,6 +97,8 @@ def calls(params: Params) -> list[Call]:
         return [Call("sparse_decode_fp8", params.batch * params.s_q, params.heads, params.topk)]
     if isinstance(params, ForwardParams):
         return _forward_calls(params)
+    if hasattr(params, "extra_topk"):  # a union decode (equivalence.ops.v4): both lists in one launch
+        return [Call("sparse_decode_v4", params.batch * params.s_q, params.heads, params.topk + params.extra_topk)]
     return []
 
 

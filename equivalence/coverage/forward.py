@@ -96,8 +96,8 @@ def _unrestricted_templates(rng: random.Random, p: Profile) -> list[dict]:
     """The unrestricted draw's six, each holding what the others cannot (the fewest that reach
     every path's features: the separate path's 1, 2 and >= 3 chunks are three batches, an empty
     and a full DCP shard two on the mixed path, the BF16 cache one): spec decodes, a merged and a
-    short prefill and three more past 64 tokens in >= 3 chunks, the first chunk the short one, a
-    long one and an empty request slot (three requests in a chunk that ends mid-batch); DCP decodes of a few tokens with
+    short prefill and three more past 64 tokens in >= 3 chunks, the first chunk the short one, an
+    empty request slot and a long one (three requests in a chunk that ends mid-batch); DCP decodes of a few tokens with
     padding requests (a rank empty); BF16 and DCP decodes alone through forward_mqa; all prefills
     in two chunks; one chunk."""
     low = [h for h in p.mqa_heads if h in (8, 16)] or [16]
@@ -105,10 +105,10 @@ def _unrestricted_templates(rng: random.Random, p: Profile) -> list[dict]:
     seq = rng.randint(80, 100)  # the three long prefills' sequences: one workspace each, the short one's beside
     long = [seq // 2 + rng.randint(0, 8) for _ in range(3)]
     short = rng.randint(0, 8)   # the short prefill's context
-    spec = _batch(rng, p, "fp8_ds_mla", 32, [2, 2, 0, 2, 4] + long[:1] + [0] + long[1:], 128, max_decode_query_len=2,
+    spec = _batch(rng, p, "fp8_ds_mla", 32, [2, 2, 0, 2, 4, 0] + long, 128, max_decode_query_len=2,
                   **quant, value_regime="degenerate", workspace_size=seq + short + 4)
     # an empty request slot among the prefills (vLLM pads them, #51486): its workspace start repeated
-    spec["context_lens"] = spec["context_lens"][:4] + [short, seq - long[0], 0] + [seq - n for n in long[1:]]
+    spec["context_lens"] = spec["context_lens"][:4] + [short, 0] + [seq - n for n in long]
     dcp = {"dcp_size": rng.choice((2, 4)), "interleave": 1}
     empty = _batch(rng, p, "fp8_ds_mla", rng.choice(low), [2, 2, 2, 0, 0], 64, max_decode_query_len=2, **quant, **dcp,
                    value_regime="degenerate")

@@ -48,9 +48,9 @@ def covered() -> list[tuple[str, str | None]]:
 
 
 def _load() -> None:
-    """The op modules' coverage lives in `features`, `exact`, `forward` and `properties`, imported on first use (they build inputs through the catalog, which
-    imports this module's users)."""
-    from . import exact, features, forward, properties  # noqa: F401  (they register on import)
+    """The op modules' coverage lives in `features`, `exact`, `forward`, `properties` and `v4`, imported on
+    first use (they build inputs through the catalog, which imports this module's users)."""
+    from . import exact, features, forward, properties, v4  # noqa: F401  (they register on import)
 
 
 def features_of(case: Case, device: str = "cpu", path: str | None = None) -> set[str]:

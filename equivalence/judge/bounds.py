@@ -150,22 +150,33 @@ def gamma(n: int, unit: float = U_TRUNCATING) -> float:
 # 1. Sparse attention
 
 
+class Exact(NamedTuple):
+    """The reference's values an attention bound is derived from, in one layout: out [..., H, 512],
+    lse / max_logits / logit_l1 [..., H], and its magnitudes A = out_abs, B = value_abs like out."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    max_logits: torch.Tensor
+    logit_l1: torch.Tensor
+    out_abs: torch.Tensor
+    value_abs: torch.Tensor
+
+
 class AttentionBounds(NamedTuple):
     out: torch.Tensor         # like the output [..., H, 512]
     lse: torch.Tensor         # like the lse; 0 on empty rows (their +inf is compared by position)
     max_logits: torch.Tensor  # like the lse
 
 
-def attention_bounds(ref_out, ref_lse, ref_max, logit_l1, ab, topk, *, unit=U_TRUNCATING, dequant_rel=0.0,
-                     ftz=True, sink=None) -> AttentionBounds:
-    """Section 1's bounds. ref_out [..., H, 512] and ref_lse / ref_max / logit_l1 [..., H] in one
-    layout (the reference's values), ab = (A, B) like ref_out, topk the index row width (an upper
+def attention_bounds(ref: Exact, topk: int, *, unit: float = U_TRUNCATING, dequant_rel: float = 0.0,
+                     ftz: bool = True, sink: torch.Tensor | None = None) -> AttentionBounds:
+    """Section 1's bounds from the reference's values `ref`; topk the index row width (an upper
     bound on the valid keys). `ftz`: the floors of a flush-to-zero device (else IEEE subnormals);
     `sink` [H]: cover a sink factor that underflows fp32 (needs the lse layout [..., H])."""
-    a, b = ab
-    ref_lse = ref_lse.double()
+    ref_out, ref_max, a, b = ref.out, ref.max_logits, ref.out_abs, ref.value_abs
+    ref_lse = ref.lse.double()
     live = torch.isfinite(ref_lse)
-    l1 = torch.where(live, logit_l1.double(), 0)
+    l1 = torch.where(live, ref.logit_l1.double(), 0)
     delta = (gamma(SCORE_ROUNDINGS, unit) + dequant_rel) * l1
     lam = gamma(topk + 16, unit) + 4 * unit * (torch.where(live, ref_lse, 0).abs() + 1)
     lse = torch.where(live, delta + lam, 0)

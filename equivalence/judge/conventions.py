@@ -36,6 +36,7 @@ RETURNS: dict[str, tuple[str, ...]] = {
     "sparse_prefill": ("out", "lse", "max_logits"),
     "sparse_decode_fp8": ("out", "lse"),
     "forward_mqa": ("out", "lse"),
+    "sparse_decode_v4": ("out", "lse"), "sparse_decode_v41": ("out", "lse"), "v4_decode": ("out", "lse"),
 }
 
 

@@ -73,7 +73,7 @@ Position = tuple[int, ...]  # an element's index in its tensor
 @dataclass
 class Metrics:
     """One tensor's distance from the reference's. Each field is a column of the tensor's row
-    (equivalence.judge.rows), but those only the oracle's verdict reads (rows, extra)."""
+    (equivalence.judge.rows), but those only the oracle's verdict reads (rows, shape, extra)."""
 
     numel: int = 0                # elements compared
     rows: int = 0                 # vectors along the last dim (independent softmax rows of an output)
@@ -93,7 +93,8 @@ class Metrics:
     bias_units: float = math.nan  # mean signed error in rounding units (out: bf16 ulps; lse: fp32 steps)
     nan_count: int = 0            # NaN in the implementation's output where the reference has none
     inf_mismatch: int = 0         # positions whose +inf / -inf / NaN pattern differs from the reference
-    extra: dict = field(default_factory=dict)  # "shape" (a mismatch), "first_mismatch" (exact)
+    shape: str = ""               # the shapes (and dtypes) that do not match, "A vs B"; "": they match
+    extra: dict = field(default_factory=dict)  # "first_mismatch" (exact)
 
 
 def position(flat_index: int, shape: torch.Size) -> Position:
@@ -108,7 +109,7 @@ def position(flat_index: int, shape: torch.Size) -> Position:
 def exact(a: torch.Tensor, r: torch.Tensor) -> Metrics:
     """Bit-for-bit comparison (shapes must match; float tensors compare their bits)."""
     if a.shape != r.shape or a.dtype != r.dtype:
-        return Metrics(numel=r.numel(), mismatch_frac=1.0, extra={"shape": f"{tuple(a.shape)} {a.dtype} vs {tuple(r.shape)} {r.dtype}"})
+        return Metrics(numel=r.numel(), mismatch_frac=1.0, shape=f"{tuple(a.shape)} {a.dtype} vs {tuple(r.shape)} {r.dtype}")
     if a.is_floating_point():
         bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         a_bits, r_bits = a.contiguous().view(bits), r.contiguous().view(bits)

@@ -24,11 +24,12 @@ import torch
 from .localize import Axes, named_at, where
 from .metrics import Metrics, Position, lse_unit, output_row_scale, position
 from .policy import EXACT, LSE, OUT, Bound
+from .rows import FailureKind
 
 LN2 = math.log(2.0)
 ELEMENT_METRICS = ("elem_bf16_units", "lse_fp32_units", "elem_bound_ratio")  # the bounds that hold each element
 # Failing rows with no measured value: their reason says it all.
-QUIET_METRICS = frozenset({"raised", "crashed", "hung", "contract", "input_written", "missing", "shape"})
+QUIET_METRICS = frozenset({*FailureKind} - {FailureKind.UNSUPPORTED} | {"shape"})
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,9 @@ def describe(kind: str, c: Pair, m: Metrics, bounds: tuple[Bound, ...], metric: 
     if allowed is not None:
         parts.append(where(c.axes, outside(impl, ref, both, allowed), exact=False, live=(impl != ref) | (ref != 0),
                            magnitude=torch.where(both, ref, 0.0).abs(), error=torch.where(both, impl - ref, 0.0).abs()))
-    if metric == "abs_mean_err":
-        parts.append(f"mean {'gain' if kind == LSE else 'relative error'} {m.mean_err:+.3g}: a bias, not rounding")
+    if metric == "abs_mean_err":   # the mean shows a lean, not its cause: a scale, a lost term, a wrong key read
+        parts.append(f"mean {'gain' if kind == LSE else 'relative error'} {m.mean_err:+.3g}: the errors lean one way, "
+                     "more than unbiased rounding leaves at this size")
     if allowed is not None and bool(both.any()):
         look = _lse_look if kind == LSE else _gain
         parts.append(look(c.tensor, impl, ref, both, allowed))
@@ -195,8 +197,9 @@ def _patterns(c: Pair) -> str:
         if got == "-inf" and want == "+inf" and "lse" in c.tensor:
             parts[-1] += (": an empty row's LSE is +inf here; declare --convention empty_lse=-inf if that is your "
                           "kernel's convention")
-        elif got == "NaN" and want == "finite":
-            parts[-1] += ": what a kernel must not read is NaN in the inputs, so usually such a read"
+        elif got == "NaN" and want == "finite":   # its possible causes: the op's inputs may narrow them (explain_nan)
+            parts[-1] += (": a NaN comes from an input that holds one (what a kernel must not read is NaN) or from "
+                          "inf - inf, 0 * inf")
     return f"{total} of {n} positions ({_percent(total, n)}) differ in +inf/-inf/NaN: " + "; ".join(parts)
 
 

@@ -25,7 +25,7 @@ from ..cases.numerics import Numerics
 from . import fused as fused_judge, metrics as M
 from .localize import Axes
 from .mismatch import Pair, describe
-from .policy import EXACT, LSE, OUT, Bound, bounds_for, limit_for
+from .policy import EXACT, LSE, OUT, Bound, Kind, bounds_for, limit_for
 
 ELEM_UNITS_FOR_MISMATCH = 4.0  # per-element count reported as mismatch_frac (not gated itself)
 ELEM_BOUND = "elem_bound_ratio"  # the metric of the derived per-element bound (equivalence.judge.bounds)
@@ -68,6 +68,61 @@ def _value(m: M.Metrics, metric: str) -> float:
     return 0.0 if isinstance(v, float) and math.isnan(v) else float(v)
 
 
+class Comparison:
+    """How a tensor of one kind is held to the reference's (torch.testing's `Pair`, a class a
+    kind): its measure over a block of cases that fit the reference's shape, whether NaN and
+    misplaced infinities fail before any bound, whether the fused judge can measure it."""
+
+    kind: Kind
+    gates_nonfinite = True
+    fusable = False
+
+    def measure(self, impls: Sequence[torch.Tensor], ref: torch.Tensor, scale: torch.Tensor | None,
+                bound: torch.Tensor | None, fused: bool) -> list[M.Metrics]:
+        raise NotImplementedError
+
+
+def _stacked(impls: Sequence[torch.Tensor]) -> torch.Tensor:
+    # stack promotes mixed dtypes to the widest, which may round an integer: mixed, each is read as float64
+    return torch.stack(list(impls) if len({t.dtype for t in impls}) == 1 else [t.double() for t in impls])
+
+
+class ExactComparison(Comparison):
+    """Bit for bit (`metrics.exact`): NaN and infinities are bits like any other."""
+
+    kind, gates_nonfinite = EXACT, False
+
+    def measure(self, impls, ref, scale, bound, fused):
+        return [M.exact(impl, r) for impl, r in zip(impls, ref)]
+
+
+class OutComparison(Comparison):
+    """An attention output, in bf16 rounding units of its rows (`metrics.outputs`)."""
+
+    kind, fusable = OUT, True
+
+    def measure(self, impls, ref, scale, bound, fused):
+        return M.outputs(_stacked(impls), ref, ELEM_UNITS_FOR_MISMATCH, scale, bound, fused=fused)
+
+
+class LseComparison(Comparison):
+    """A log-sum-exp, in fp32 steps of its row's logit scale (`metrics.lses`)."""
+
+    kind = LSE
+
+    def measure(self, impls, ref, scale, bound, fused):
+        return M.lses(_stacked(impls), ref, scale if scale is not None else torch.zeros_like(ref), bound)
+
+
+COMPARISONS: dict[str, Comparison] = {c.kind: c for c in (ExactComparison(), OutComparison(), LseComparison())}
+
+
+def comparison(kind: str) -> Comparison:
+    if kind not in COMPARISONS:
+        raise ValueError(f"unknown tensor kind {kind!r}")
+    return COMPARISONS[kind]
+
+
 def measure(kind: str, impl: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None,
             bound: torch.Tensor | None = None) -> M.Metrics:
     """`scale` (per row): an LSE's logit_l1; an output's value_max (the largest |V| its row
@@ -82,30 +137,18 @@ def measure_many(kind: str, impls: Sequence[torch.Tensor], ref: torch.Tensor, sc
     """`measure` of each impls[i] against ref[i] (`scale`, `bound`: [C, ...] or None), the cases
     of one shape (a fuzz block's) measured together: one set of ops and one read back for all.
     `fused`: outputs by the fused judge (equivalence.judge.fused)."""
+    compare = comparison(kind)
     impls = [impl.to(ref.device) for impl in impls]  # an implementation may hand back its result on another device
     shape = ref.shape[1:]
-    out = [M.Metrics(numel=math.prod(shape), mismatch_frac=1.0, extra={"shape": f"{tuple(impl.shape)} vs {tuple(shape)}"})
+    out = [M.Metrics(numel=math.prod(shape), mismatch_frac=1.0, shape=f"{tuple(impl.shape)} vs {tuple(shape)}")
            for impl in impls]
     fit = [i for i, impl in enumerate(impls) if impl.shape == shape]
     if not fit:
         return out
-    if kind == EXACT:
-        for i in fit:
-            out[i] = M.exact(impls[i], ref[i])
-        return out
-    if kind not in (OUT, LSE):
-        raise ValueError(f"unknown tensor kind {kind!r}")
     if len(fit) < len(impls):
         at = torch.tensor(fit, device=ref.device)
         ref, scale, bound = (None if t is None else t.index_select(0, at.to(t.device)) for t in (ref, scale, bound))
-    # stack promotes mixed dtypes to the widest, which may round an integer: mixed, each is read as float64
-    fitting = [impls[i] for i in fit]
-    a = torch.stack(fitting if len({t.dtype for t in fitting}) == 1 else [t.double() for t in fitting])
-    if kind == OUT:
-        measured = M.outputs(a, ref, ELEM_UNITS_FOR_MISMATCH, scale, bound, fused=fused)
-    else:
-        measured = M.lses(a, ref, scale if scale is not None else torch.zeros_like(ref), bound)
-    for i, m in zip(fit, measured):
+    for i, m in zip(fit, compare.measure([impls[i] for i in fit], ref, scale, bound, fused)):
         out[i] = m
     return out
 
@@ -114,9 +157,9 @@ def verdict(kind: str, m: M.Metrics, bounds: tuple[Bound, ...], deviation: str, 
     """The gated metric of `m` with the least headroom under `bounds`, and whether it passes; a
     failure's reason describes the mismatch (`equivalence.judge.mismatch`) from `pair()`, its tensors
     (called only for a failure)."""
-    if "shape" in m.extra:
-        return Verdict(m, False, "shape", 1.0, 0.0, 0.0, deviation, f"shape/dtype mismatch: {m.extra['shape']}")
-    if kind != EXACT and (m.nan_count or m.inf_mismatch):
+    if m.shape:
+        return Verdict(m, False, "shape", 1.0, 0.0, 0.0, deviation, f"shape/dtype mismatch: {m.shape}")
+    if comparison(kind).gates_nonfinite and (m.nan_count or m.inf_mismatch):
         metric = "inf_mismatch" if m.inf_mismatch else "nan_count"
         return Verdict(m, False, metric, float(m.inf_mismatch or m.nan_count), 0.0, 0.0, deviation,
                        describe(kind, pair(), m, bounds, metric))
@@ -171,7 +214,7 @@ def judge_many(
     tensor = None if bound is None else bound.get(deviation)
     if tensor is None:
         bounds = tuple(b for b in bounds if b.metric != ELEM_BOUND)
-    fused = kind == OUT and fused_on(ref.device)
+    fused = comparison(kind).fusable and fused_on(ref.device)
 
     def judged(i: int, m: M.Metrics) -> Verdict:
         # A case's Pair (views of the block) is built only for a failure's description.

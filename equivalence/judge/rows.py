@@ -25,15 +25,29 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields
+from enum import StrEnum
 from typing import Any
 
 from .metrics import Metrics
 
 KINDS = ("out", "lse", "max_logits", "exact", "other")
 
+
+class FailureKind(StrEnum):
+    """The gate_metric of a row that compared no values: how its case failed as a whole, or a
+    tensor it did not hand back (UNSUPPORTED: a case the implementation declined, which passes)."""
+
+    RAISED = "raised"                # the implementation raised (reason: what and where)
+    CRASHED = "crashed"              # its process died (or its CUDA context)
+    HUNG = "hung"                    # no answer within the timeout
+    CONTRACT = "contract"            # broke the contract beyond values (arity, dtype, shape, device, ...)
+    MISSING = "missing"              # an output the contract names was not returned
+    INPUT_WRITTEN = "input_written"  # wrote an input it may not write (tensor "input:NAME")
+    UNSUPPORTED = "unsupported"      # declined by `unsupported(reason)`: counted, not failed
+
 # Metrics' fields that serve the oracle's verdict and are not stored: the rows an output's bound
 # grows with, the shape and first mismatch.
-_UNSTORED_METRICS = frozenset({"rows", "extra"})
+_UNSTORED_METRICS = frozenset({"rows", "shape", "extra"})
 _METRIC_FIELDS: tuple[Field, ...] = tuple(f for f in fields(Metrics) if f.name not in _UNSTORED_METRICS)
 _METRIC_NAMES = frozenset(f.name for f in _METRIC_FIELDS)
 
@@ -87,16 +101,22 @@ class Row:
     # timings (seconds)
     time_ref_s: float = math.nan
     time_impl_s: float = math.nan
+    # Not stored: the process that made the row must know it, a report need not. The case left a
+    # CUDA error (its implementation's, or the device's right after it), which poisons the context
+    # (`equivalence.sandbox.device`).
+    device_error: bool = field(default=False, metadata={"stored": False})
 
     def __post_init__(self) -> None:
         if self.kind and self.kind not in KINDS:
             raise ValueError(f"row kind {self.kind!r} is none of {', '.join(KINDS)}")
+        # stored and shown as the plain strings they are (a `FailureKind` or `policy.Kind` is one)
+        self.kind, self.gate_metric = str(self.kind), str(self.gate_metric)
         self.exact = self.kind == "exact"
 
     def to_record(self) -> dict[str, Any]:
         """The row flat, COLUMNS in order: the metrics' stored fields in the place of `metrics`."""
         record: dict[str, Any] = {}
-        for f in fields(self):
+        for f in _STORED_OWN:
             if f.name == "metrics":
                 record.update((m.name, getattr(self.metrics, m.name)) for m in _METRIC_FIELDS)
             else:
@@ -113,7 +133,8 @@ class Row:
 
 # The stored columns, in order, as dataclass fields (name, annotation, default): Row's own, with
 # the stored metrics in the place of `metrics`.
+_STORED_OWN: tuple[Field, ...] = tuple(f for f in fields(Row) if f.metadata.get("stored", True))
 STORED_FIELDS: tuple[Field, ...] = tuple(
-    g for f in fields(Row) for g in (_METRIC_FIELDS if f.name == "metrics" else (f,)))
+    g for f in _STORED_OWN for g in (_METRIC_FIELDS if f.name == "metrics" else (f,)))
 COLUMNS = tuple(f.name for f in STORED_FIELDS)
 

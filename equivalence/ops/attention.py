@@ -30,7 +30,7 @@ from .base import BoundKey, Check, ImplOutput, OpSpec
 from .common import generator, host_values, knobs, rand, randint
 
 
-def _call(names: tuple[str, ...], required: int):
+def returning(names: tuple[str, ...], required: int):
     def call(subject, kwargs, params) -> ImplOutput:
         return ImplOutput(returned(subject.fn(**kwargs), names, required), deviations=subject.deviations)
 
@@ -142,17 +142,17 @@ def _nan_sources(*explainers):
     return explain
 
 
-def _elem_bounds(res, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, torch.Tensor]:
+def elem_bounds(res, topk, p, lse_of=lambda x: x, sink=None) -> dict[str, torch.Tensor]:
     """The derived per-element bounds (equivalence.judge.bounds) of out, lse and max_logits from a
     reference result with its magnitudes: BoundKey("NAME_bound"), and BoundKey("NAME_bound",
     DEVIATION) for each deviation whose kernels round the rows (DEQUANT_REL) and that applies to the case. `lse_of`
     lays an [.., H, ..] result out as the output's [..., H]; its inverse is a transpose as well."""
-    ab = (res.out_abs, res.value_abs)
+    exact = bounds.Exact(res.out, lse_of(res.lse), lse_of(res.max_logits), lse_of(res.logit_l1), res.out_abs,
+                         res.value_abs)
     found = {}
     rels = {"": 0.0, **{name: rel for name, rel in bounds.DEQUANT_REL.items() if DEVIATIONS[name].applies(p.numerics())}}
     for deviation, rel in rels.items():
-        b = bounds.attention_bounds(res.out, lse_of(res.lse), lse_of(res.max_logits), lse_of(res.logit_l1), ab, topk,
-                                    dequant_rel=rel, sink=sink)
+        b = bounds.attention_bounds(exact, topk, dequant_rel=rel, sink=sink)
         found.update({BoundKey("out_bound", deviation): b.out, BoundKey("lse_bound", deviation): lse_of(b.lse),
                       BoundKey("max_logits_bound", deviation): lse_of(b.max_logits)})
     return found
@@ -176,7 +176,7 @@ def _prefill_reference(kw, p):
     kv = kw["kv"][:, :512].float().nan_to_num(0.0).abs().reshape(cases, -1)
     value_max = (kv.amax(dim=1) if kv.shape[1] else kv.new_zeros(cases)).repeat_interleave(p.tokens)[:, None]
     spread = torch.where(torch.isfinite(res.lse), res.lse - res.max_logits, 0.0).exp()
-    found = _elem_bounds(res, kw["indices"].shape[-1], p, sink=kw["attn_sink"])
+    found = elem_bounds(res, kw["indices"].shape[-1], p, sink=kw["attn_sink"])
     return {**_answer(res), "value_max": value_max * spread, **found}
 
 
@@ -213,7 +213,7 @@ SPARSE_PREFILL = register(OpSpec(
     inputs=_prefill_inputs,
     reference=_prefill_reference,
     stack=_prefill_stack,
-    call=_call(("out", "lse", "max_logits"), 2),
+    call=returning(("out", "lse", "max_logits"), 2),
     checks=(Check("out", OUT, "value_max", dtype=torch.bfloat16, bound="out_bound"),
             Check("lse", LSE, "logit_l1", dtype=torch.float32, bound="lse_bound"),
             Check("max_logits", LSE, "logit_l1", optional=True, dtype=torch.float32, row_kind="max_logits",
@@ -252,7 +252,7 @@ def _decode_inputs(p: DecodeParams, seed: int, device: str) -> dict:
 
 def _decode_reference(kw, p):
     res = reference.sparse_decode_fp8(kw["q"], kw["kv_cache"], kw["indices"], kw["sm_scale"], magnitudes=True)
-    found = _elem_bounds(res, kw["indices"].shape[-1], p, lse_of=lambda x: x.transpose(1, 2))  # [B, H, S] <-> [B, S, H]
+    found = elem_bounds(res, kw["indices"].shape[-1], p, lse_of=lambda x: x.transpose(1, 2))  # [B, H, S] <-> [B, S, H]
     found = {key: t for key, t in found.items() if key.name != "max_logits_bound"}  # not compared: the op returns none
     return {**_answer(res), **found}
 
@@ -288,7 +288,7 @@ SPARSE_DECODE_FP8 = register(OpSpec(
     inputs=_decode_inputs,
     reference=_decode_reference,
     stack=_decode_stack,
-    call=_call(("out", "lse"), 2),
+    call=returning(("out", "lse"), 2),
     checks=(Check("out", OUT, dtype=torch.bfloat16, bound="out_bound"),
             Check("lse", LSE, "logit_l1", dtype=torch.float32, bound="lse_bound")),
     knobs=lambda p: knobs(p, num_tokens=p.batch * p.s_q, seq_len=max(p.seq_lens), block_size=p.page_size,

@@ -23,9 +23,9 @@ from ..cases.case import Case
 from ..cases.draws import SEEDS
 from ..cases.profiles import Profile
 from ..contracts import arguments as contract_arguments
-from ..judge.localize import Axes, axes_for
+from ..judge.localize import Axes, axes_for, dims_of
 from ..judge.oracle import judge_many
-from ..judge.rows import Row, Stages
+from ..judge.rows import FailureKind, Row, Stages
 from ..produced import Produced
 from ..sandbox import device as dev, guards
 from ..sandbox.call_guards import Snapshot, changed_together, output_problem, tensors_in
@@ -350,7 +350,8 @@ class OpSpec:
                               # where the exact answer lives (host-side ops answer on the host);
                               # rank answers come back through the host
                               device=None if self.own_processes else str(want.device),
-                              contiguous=check.contiguous, returned_on=returned_on, returned_strides=returned_strides)
+                              contiguous=check.contiguous, returned_on=returned_on, returned_strides=returned_strides,
+                              dims=dims_of(self.name, check.tensor, [c.tensor for c in self.checks]))
 
     def _verdicts(self, at: Sequence[int], bases: list[dict], params: Params, kwargs: list[dict], answer: "Answer",
                   tensors: list, deviations: list, times: list[dict], problem: Callable) -> dict[int, list]:
@@ -368,13 +369,13 @@ class OpSpec:
                 if want is None or (check.optional and check.tensor not in got):
                     continue  # not asked for by this case, or not produced by this implementation
                 if check.tensor not in got:
-                    rows[i].append(failure_row(bases[i], check.tensor, "missing",
+                    rows[i].append(failure_row(bases[i], check.tensor, FailureKind.MISSING,
                                                f"the implementation returned no {check.tensor!r}", kind=kind,
                                                rank=check.rank, **times[i]))
                     continue
                 why = problem(i, check.tensor, got[check.tensor], want, check)
                 if why:
-                    rows[i].append(failure_row(bases[i], check.tensor, "contract", why, kind=kind, rank=check.rank,
+                    rows[i].append(failure_row(bases[i], check.tensor, FailureKind.CONTRACT, why, kind=kind, rank=check.rank,
                                                **times[i]))
                     continue
                 groups.setdefault((tuple(deviations[i]), tuple(want.shape)), []).append(i)
@@ -411,7 +412,7 @@ class OpSpec:
         try:
             got, t_impl = call_implementation(lambda: self.call(subject, kwargs, params), case.seed, device, on_call)
         except Raised as raised:
-            return Produced([raised_row(base, raised).to_record()], failed=True)
+            return Produced.failed_case(raised_row(base, raised))
         base = {**base, "path": got.path or base["path"], "stages": got.stages}
         rows = [r.to_record() for r in input_rows(base, inputs.changed(self.writes), time_impl_s=t_impl)]
         tensors, devices, strides, problems = {}, {}, {}, {}

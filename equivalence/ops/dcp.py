@@ -13,6 +13,7 @@ from mla_verify import reference
 from mla_verify.equivalence.judge import bounds
 from mla_verify.equivalence.cases.batch import make_batch
 from mla_verify.equivalence.sandbox.call_guards import returned
+from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.equivalence.judge.policy import LSE, OUT
 
 from ..cases.draws import batch_params, merge_params
@@ -59,6 +60,33 @@ def _merge_inputs(p: MergeParams, seed: int, device: str) -> dict:
     return relayout("dcp_merge", {"outs": outs.to(torch.bfloat16), "lses": lses}, p.layout)
 
 
+def _lse_text(v: float) -> str:
+    return "NaN" if math.isnan(v) else "+inf" if v == math.inf else "-inf" if v == -math.inf else f"{v:.4g}"
+
+
+def _merge_nan_inputs(kw: dict, tensor: str, got: torch.Tensor, want: torch.Tensor) -> str:
+    """The inputs behind the merge's first NaN that the reference lacks: the ranks' LSEs at that
+    (token, head), and what they are (every rank -inf: a token no rank holds a key of, which merges
+    to out 0 and LSE -inf; a rank's +inf or NaN: an undefined partial the combine must drop)."""
+    nan = torch.isnan(got.to(want.device)) & ~torch.isnan(want)
+    nan = nan.any(-1) if tensor == "out" else nan                               # [T, H]
+    if not bool(nan.any()):
+        return ""
+    t, h = (int(i) for i in nan.nonzero()[0])
+    lses = kw["lses"][:, t, h].double().tolist()
+    outs_nan = torch.isnan(kw["outs"][:, t, h].float()).any(-1).tolist()
+    said = []
+    if all(v == -math.inf for v in lses):
+        said.append("every rank's LSE is -inf (no rank holds a key of it: it merges to out 0, LSE -inf)")
+    odd = [f"rank {r}'s LSE is {_lse_text(v)}" + (" and its out NaN" if outs_nan[r] else "")
+           for r, v in enumerate(lses) if math.isnan(v) or v == math.inf]
+    if odd:
+        said.append(", ".join(odd) + " (an undefined partial: the combine drops it)")
+    quoted = ", ".join(_lse_text(v) for v in lses)
+    return (f"at token {t}, head {h} the ranks' LSEs are [{quoted}]" + (f": {'; '.join(said)}" if said else "")
+            + f" ({int(nan.sum())} of {nan.numel()} (token, head) positions hold such a NaN)")
+
+
 def _merge_reference(kw, p):
     out, lse = reference.dcp_merge(kw["outs"], kw["lses"])
     # The derived per-element bounds (equivalence.judge.bounds section 3): a merge of bf16 per-rank terms
@@ -79,6 +107,7 @@ DCP_MERGE = register(OpSpec(
     checks=(Check("out", OUT, dtype=torch.bfloat16, bound="out_bound"),
             Check("lse", LSE, "logit_l1", dtype=torch.float32, bound="lse_bound")),
     knobs=lambda p: knobs(p, num_tokens=p.tokens, dcp_size=p.ranks),
+    explain_nan=_merge_nan_inputs,
     doc="cp_lse_ag_out_rs: sanitize NaN/+inf LSEs, merge by log-sum-exp, bf16 per-rank terms, sum",
 ), priority=0)
 
@@ -119,13 +148,13 @@ def _rank_checks() -> tuple[Check, ...]:
 
 def _dcp_reference(kw, p):
     """Rank r: heads [r*H, (r+1)*H) of the exact merge over every rank, and its own forward_mqa."""
-    b, size, heads = kw["batch"], p.dcp_size, p.heads
-    kwargs = b.dcp_kwargs()
-    merged = reference.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, exact_merge=True, **kwargs)
+    b, heads = kw["batch"], p.heads
+    ranks = b.rank_metadata(reference.MQAMetadata)
+    merged = reference.forward_mqa_dcp(b.q, b.rank_caches, b.topk_indices, ranks, exact_merge=True)
     ref = {}
-    for r, (cache, table) in enumerate(zip(b.rank_caches, b.rank_block_tables)):
+    for r, (cache, metadata) in enumerate(zip(b.rank_caches, ranks)):
         mine = slice(r * heads, (r + 1) * heads)
-        part = reference.forward_mqa(b.q, cache, block_table=table, dcp_size=size, dcp_rank=r, **kwargs)
+        part = reference.forward_mqa(b.q, cache, b.topk_indices, metadata)
         ref.update({
             f"out_rank{r}": merged.out[:, mine], f"lse_rank{r}": merged.lse[:, mine],
             f"logit_l1_rank{r}": merged.logit_l1[:, mine], f"partial_out_rank{r}": part.out,
@@ -137,7 +166,7 @@ def _dcp_reference(kw, p):
 def _dcp_call(subject, kw, p) -> ImplOutput:
     from mla_verify.equivalence.ops import dcp_ranks  # starts processes: only when a case runs
 
-    group = dcp_ranks.group_for(p.dcp_size, kw["device"].split(":")[0])
+    group = dcp_ranks.group_for(p.dcp_size, device_type(kw["device"]))
     answers = group.run(p, kw["seed"], subject.specs, subject.declared)
     tensors = {f"{name}_rank{r}": t for r, a in enumerate(answers) for name, t in a["tensors"].items()}
     first = answers[0]

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from ..cases.batch import make_batch
 from ..cases.params import DcpParams
 from ..judge.rows import Row
+from ..sandbox.device import device_type
 
 RANK_TENSORS = ("out", "lse", "partial_out", "partial_lse")
 # NVLink multicast stays off in every rank: on the lent GPU machines a program using it can take
@@ -115,33 +116,37 @@ def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tupl
     from mla_verify.optimized import registry
     from mla_verify.optimized.buffers import poisoned
     from mla_verify.optimized.dcp_runtime import forward_mqa_dcp_rank, rank_stages
+    from mla_verify.optimized.pipeline import MQAMetadata
 
     from ..sandbox.call_guards import guarded
     from ..subject import pipeline_subject
 
-    device_type = device.split(":")[0]
+    kind = device_type(device)
     if (specs, declared) not in subjects:
-        subjects[specs, declared] = pipeline_subject("dcp", specs, device_type, declared)
+        subjects[specs, declared] = pipeline_subject("dcp", specs, kind, declared)
     subject = subjects[specs, declared]
     batch = make_batch(params, seed, device)
     heads = params.heads
-    kwargs = dict(batch.forward_kwargs(), block_table=batch.rank_block_tables[rank], combine=params.combine,
-                  q=batch.q[:, rank * heads : (rank + 1) * heads].contiguous(), kv_cache=batch.rank_caches[rank])
+    q, kv_cache, table = batch.q[:, rank * heads : (rank + 1) * heads].contiguous(), batch.rank_caches[rank], \
+        batch.rank_block_tables[rank]
     stages, deviations, notes = (), (), ()
     with poisoned():
-        if subject.fn is not None:
-            result = subject.fn(group=dist.group.WORLD, **kwargs)
+        if subject.fn is not None:  # the contract's keywords
+            result = subject.fn(group=dist.group.WORLD, q=q, kv_cache=kv_cache, combine=params.combine,
+                                **dict(batch.forward_kwargs(), block_table=table))
             deviations = subject.deviations
         else:
             resolved = guarded(registry.resolve(  # each stage's outputs owned before its next call
-                rank_stages(params.cache_dtype, heads, dist.get_world_size(), params.combine), device_type,
+                rank_stages(params.cache_dtype, heads, dist.get_world_size(), params.combine), kind,
                 subject.overrides,
             ))
-            result = forward_mqa_dcp_rank(group=dist.group.WORLD, stages=resolved, **kwargs)
+            metadata = batch.metadata(MQAMetadata, block_table=table)
+            result = forward_mqa_dcp_rank(q, kv_cache, batch.topk_indices, metadata, group=dist.group.WORLD,
+                                          combine=params.combine, stages=resolved)
             stages = resolved.pairs()
             deviations = tuple(sorted({d for impl in resolved.chosen.values() for d in impl.deviations}))
             notes = tuple(f"{stage}: {why}" for stage, why in sorted(resolved.fallbacks.items()))
-    if device_type == "cuda":
+    if kind == "cuda":
         torch.cuda.synchronize()
     # A replacement may return (out, lse) only: the partials are then not compared.
     tensors = {name: t.detach().cpu() for name, t in zip(RANK_TENSORS, result)}

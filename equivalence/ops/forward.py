@@ -61,12 +61,15 @@ def _inputs(p: ForwardParams, seed: int, device: str) -> dict:
 def _reference(kw, p: ForwardParams):
     b = kw["batch"]
     if p.hisparse:
-        res = reference.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, **b.hisparse_kwargs())
+        res = reference.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, b.plain.topk_indices,
+                                             b.plain.metadata(reference.MQAMetadata),
+                                             b.hisparse_tables(reference.HiSparseTables))
         return _layers([{"out": r.out, "lse": r.lse, "logit_l1": r.logit_l1} for r in res])
     if p.dcp_size > 1:
-        res = reference.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, exact_merge=True, **b.dcp_kwargs())
+        res = reference.forward_mqa_dcp(b.q, b.rank_caches, b.topk_indices, b.rank_metadata(reference.MQAMetadata),
+                                        exact_merge=True)
     else:
-        res = reference.forward_mqa(b.q, b.kv_cache, **b.forward_kwargs())
+        res = reference.forward_mqa(b.q, b.kv_cache, b.topk_indices, b.metadata(reference.MQAMetadata))
     return {"out": res.out, "lse": res.lse, "logit_l1": res.logit_l1}
 
 
@@ -97,9 +100,10 @@ def _call(subject, kw, p: ForwardParams) -> ImplOutput:
     needed = pipeline.needed_stages(p.cache_dtype, p.heads, dcp, isinstance(b.q, tuple))
     stages = recorded(guarded(registry.resolve(needed, b.kv_cache.device.type, subject.overrides)))
     if dcp > 1:
-        res = pipeline.forward_mqa_dcp(b.q, b.rank_caches, b.rank_block_tables, stages=stages, **b.dcp_kwargs())
+        ranks = b.rank_metadata(pipeline.MQAMetadata)
+        res = pipeline.forward_mqa_dcp(b.q, b.rank_caches, b.topk_indices, ranks, stages)
     else:
-        res = pipeline.forward_mqa(b.q, b.kv_cache, stages=stages, **b.forward_kwargs())
+        res = pipeline.forward_mqa(b.q, b.kv_cache, b.topk_indices, b.metadata(pipeline.MQAMetadata), stages)
     deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
     notes = tuple(f"{stage}: {why}" for stage, why in sorted(stages.fallbacks.items()))
     return ImplOutput({"out": res.out, "lse": res.lse}, stages=stages.pairs(), deviations=deviations,
@@ -110,12 +114,13 @@ def _hisparse(subject, b, p: ForwardParams) -> ImplOutput:
     """The HiSparse pipeline over every layer of the group, stages resolved as the plain paths'."""
     if subject.fn is not None:
         raise InputError("the HiSparse paths take stage implementations (--impl NAME or STAGE=...), not a whole forward_mqa")
-    from mla_verify.optimized import hisparse
+    from mla_verify.optimized import hisparse, pipeline
 
     device = b.gpu_rows[0].device.type
     stages = guarded(registry.resolve(hisparse.needed_stages(p.cache_dtype), device, subject.overrides))
-    res = hisparse.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, group_buffer=b.group_buffer,
-                                        stages=stages, **b.hisparse_kwargs())
+    tables = b.hisparse_tables(hisparse.HiSparseTables)
+    res = hisparse.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, b.plain.topk_indices,
+                                        b.plain.metadata(pipeline.MQAMetadata), tables, b.group_buffer, stages)
     deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
     notes = tuple(f"{stage}: {why}" for stage, why in sorted(stages.fallbacks.items()))
     return ImplOutput(_layers([{"out": r.out, "lse": r.lse} for r in res]), stages=stages.pairs(),

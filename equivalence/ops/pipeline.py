@@ -8,8 +8,8 @@ fuzzer can be held to, and world sizes it runs over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from hypothesis import strategies as st
 
@@ -48,6 +48,8 @@ class PipelineSpec(OpSpec):
     draw_path: Callable[[Profile, str], st.SearchStrategy[dict]] | None = None
     draw_ranks: Callable[[Profile, int], st.SearchStrategy[dict]] | None = None
     traced: Callable[[Any], bool] = lambda params: True  # whether its stages are recorded (`equivalence.ops.stages`)
+    # Its subjects on a GPU: label -> --impl strings, each attention stage also run with our Triton kernel.
+    variants: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: VARIANTS)
     path_stages: Callable[[str], frozenset[str]] | None = None  # the stages a path's batches may call
 
     def paths_calling(self, stages: Iterable[str]) -> tuple[str, ...]:
@@ -81,8 +83,11 @@ class PipelineSpec(OpSpec):
         return pipeline_subject(self.name, specs, device, deviations)
 
     def subjects(self, device: str) -> dict[str, tuple[str, ...]]:
-        if device == "cuda" and registry.select("sparse_prefill", device).name != "triton":
-            return dict(VARIANTS)
+        """The pipeline with its preferred stages, and on a GPU where the preferred attention is
+        not ours, again with our Triton attention (`variants`)."""
+        attention = {spec.split("=")[0] for specs in self.variants.values() for spec in specs}
+        if device == "cuda" and any(registry.select(stage, device).name != "triton" for stage in attention):
+            return dict(self.variants)
         return {"pipeline": ()}
 
     def campaigns(self, subject: Subject) -> list[str | None]:

@@ -39,6 +39,7 @@ from ..judge.localize import axes_for
 from ..judge.mismatch import QUIET_METRICS, line
 from ..judge.oracle import Verdict, judge
 from ..judge.policy import EXACT, LSE, OUT
+from ..judge.rows import FailureKind
 from ..sandbox.call_guards import returned
 from .indices import named_indices
 
@@ -63,6 +64,14 @@ def _one(name: str, fn: Callable[..., Any]) -> Callable[[dict], tuple[Any, dict]
     def answer(kw):
         value = fn(**kw)
         return value, {name: _chunks(value) if name == "chunks" else value}
+    return answer
+
+
+def _named(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[[dict], tuple[Any, dict]]:
+    """A stage returning a tuple of tensors, each by its name."""
+    def answer(kw):
+        value = fn(**kw)
+        return value, dict(zip(names, value))
     return answer
 
 
@@ -122,6 +131,10 @@ ORACLES: dict[str, StageOracle] = {
     "sparse_decode_fp8": StageOracle(lambda kw: _attention(reference.sparse_decode(**kw)), _ATTENTION, _pair),
     "sparse_decode_nvfp4": StageOracle(lambda kw: _attention(reference.sparse_decode(**kw)), _ATTENTION, _pair),
     "dcp_merge": StageOracle(_merge, _ATTENTION, _pair),
+    "window_indices": StageOracle(
+        _named(reference.window_indices, ("indices", "lengths")),
+        (Compared("indices", EXACT), Compared("lengths", EXACT)), lambda kw: ("indices", "lengths")),
+    "sparse_decode_v4": StageOracle(lambda kw: _attention(reference.sparse_decode_v4(**kw)), _ATTENTION, _pair),
 }
 # Whose contract names a stage's dimensions (`localize.dims_of`): the nvfp4 decode shares fp8's.
 CONTRACT_OF = {"sparse_decode_nvfp4": "sparse_decode_fp8"}
@@ -249,7 +262,7 @@ def judge_call(call: Call, numerics: Numerics) -> Differs | None:
     try:
         got = oracle.got(call.kwargs, call.result)
     except ContractError as exc:
-        return Differs(call, Verdict(None, False, "contract", 1.0, 0.0, 0.0, "", str(exc)), "*")
+        return Differs(call, Verdict(None, False, FailureKind.CONTRACT, 1.0, 0.0, 0.0, "", str(exc)), "*")
     contract = CONTRACT_OF.get(call.stage, call.stage)
     names = [c.tensor for c in oracle.compared]
     judged = numerics if call.stage == "dcp_merge" else numerics.replace(dcp_size=1)

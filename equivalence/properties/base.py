@@ -36,11 +36,17 @@ from ..judge.policy import EXACT, property_bounds
 from ..judge.rows import Row, Stages
 from ..produced import Produced
 from ..sandbox.call_guards import Snapshot, guarded
+from ..sandbox.device import device_type
 from ..sandbox.calls import Raised, call_implementation, input_rows, judged_row, raised_row
 from ..spec import SPECS
 from ..subject import Subject, stage_overrides
 
 PREFIX = "property:"
+
+
+def property_op(name: str) -> str:
+    """A property's op, "property:NAME", for NAME or "property:NAME"."""
+    return name if name.startswith(PREFIX) else PREFIX + name
 
 
 @dataclass(frozen=True)
@@ -233,7 +239,7 @@ class PropertySpec:
         raised, wrote an input)."""
         params = self.params_of(case.params)
         target = self.target(params)
-        stages = registry.resolve(target.stages(params), device.split(":")[0], subject.overrides)
+        stages = registry.resolve(target.stages(params), device_type(device), subject.overrides)
         deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
         base = self._base(case, params, subject.label, stages.pairs(), device, run_id, source)
         inputs = target.inputs(params, case.seed, device)
@@ -242,7 +248,7 @@ class PropertySpec:
             compared, t_impl = call_implementation(lambda: target.check(inputs, params, guarded(stages)), case.seed,
                                                    device, on_call)
         except Raised as raised:  # the implementation's failure is the case's result, not ours
-            return Produced([raised_row(base, raised).to_record()], failed=True)
+            return Produced.failed_case(raised_row(base, raised))
         notes = tuple(f"{stage}: {why}" for stage, why in stages.fallbacks.items())
         rows = [r.to_record() for r in input_rows(base, saved.changed(), time_impl_s=t_impl)]
         if on_host:

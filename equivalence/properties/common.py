@@ -81,13 +81,13 @@ def decode(stages: Resolved, kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch
 
 
 def forward(stages: Resolved, batch: Batch, **config: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pipeline on `batch` (every rank and the merge under DCP); `config` overrides keywords."""
-    kwargs = {**batch.forward_kwargs(), **config}
+    """The pipeline on `batch` (every rank and the merge under DCP); `config` replaces metadata fields."""
     if len(batch.rank_caches) > 1:
-        kwargs.pop("block_table")
-        res = pipeline.forward_mqa_dcp(batch.q, batch.rank_caches, batch.rank_block_tables, stages=stages, **kwargs)
+        ranks = batch.rank_metadata(pipeline.MQAMetadata, **config)
+        res = pipeline.forward_mqa_dcp(batch.q, batch.rank_caches, batch.topk_indices, ranks, stages)
     else:
-        res = pipeline.forward_mqa(batch.q, batch.kv_cache, stages=stages, **kwargs)
+        res = pipeline.forward_mqa(batch.q, batch.kv_cache, batch.topk_indices,
+                                   batch.metadata(pipeline.MQAMetadata, **config), stages)
     return res.out, res.lse
 
 

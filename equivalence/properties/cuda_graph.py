@@ -42,11 +42,11 @@ from ..errors import UsageError
 from ..judge import mismatch
 from ..judge.oracle import judge, measure, verdict
 from ..judge.policy import EXACT, property_bounds
-from ..judge.rows import Row
+from ..judge.rows import FailureKind, Row
 from ..produced import Produced
 from ..sandbox.call_guards import Snapshot, guarded, output_problem, returned
 from ..sandbox.calls import Raised, call_implementation, failure_row, judged_row, raised_row, timed
-from ..sandbox.device import first_line
+from ..sandbox.device import device_type, first_line
 from ..spec import SPECS, register
 from ..subject import Subject
 from .base import Compared, PropertySpec, Target, _host
@@ -227,7 +227,7 @@ class GraphSpec(PropertySpec):
         its failure (it raised, refused the capture or wrote an input)."""
         params = self.params_of(case.params)
         target, form = self.target(params), FORMS[params.target]
-        stages = registry.resolve(target.stages(params), device.split(":")[0], subject.overrides)
+        stages = registry.resolve(target.stages(params), device_type(device), subject.overrides)
         if bad := self._no_graph(stages.chosen.values()):
             raise UsageError(f"{bad[0]} is no graph kernel")
         deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
@@ -243,7 +243,7 @@ class GraphSpec(PropertySpec):
                 lambda: capture_and_replay(lambda kw: form.eager(checked, kw), lambda kw: form.graph(captured, kw),
                                            problems, buffers, form.names), case.seed, device, on_call)
         except Raised as raised:  # the implementation's failure is the case's result, not ours
-            return Produced([raised_row(base, raised).to_record()], failed=True)
+            return Produced.failed_case(raised_row(base, raised))
         move = _host if on_host else (lambda t: t)
         # the replayed outputs by name, and each held to the eager call's answer (bitwise)
         tensors = {n: move(_stacked([r[n] for r in replayed])) for n in replayed[0]}
@@ -281,7 +281,7 @@ class GraphSpec(PropertySpec):
             problem = output_problem(check.tensor, out, dtype=check.dtype or ref[check.tensor].dtype,
                                      shape=ref[check.tensor].shape, device=str(ref[check.tensor].device))
             if problem:
-                rows.append(failure_row(base, f"reference.{check.tensor}", "contract", problem, **times))
+                rows.append(failure_row(base, f"reference.{check.tensor}", FailureKind.CONTRACT, problem, **times))
                 continue
             v = judge(check.kind, out, ref[check.tensor], params.numerics(), produced.deviations,
                       ref.get(check.scale) if check.scale else None, check.bounds_in(ref), name=check.tensor)

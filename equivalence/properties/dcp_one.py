@@ -48,9 +48,8 @@ def _forward_inputs(p: ForwardParams, seed: int, device: str) -> dict:
 
 def _forward_check(inputs: dict, p: ForwardParams, stages) -> list:
     batch = inputs["batch"]
-    kwargs = batch.forward_kwargs()
-    table = kwargs.pop("block_table")
-    one_rank = pipeline.forward_mqa_dcp(batch.q, [batch.kv_cache], [table], stages=stages, **kwargs)
+    one_rank = pipeline.forward_mqa_dcp(batch.q, [batch.kv_cache], batch.topk_indices,
+                                        [batch.metadata(pipeline.MQAMetadata, **ONE_RANK)], stages)
     lse = one_rank.lse.masked_fill(one_rank.lse == -math.inf, math.inf)
     return attention("forward_mqa", (one_rank.out, lse), forward(stages, batch), inputs["scale"])
 

@@ -46,9 +46,11 @@ def _inputs(p: ForwardParams, seed: int, device: str) -> dict:
 
 def _check(kw: dict, p: ForwardParams, stages) -> list:
     b = kw["batch"]
-    got = hisparse.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, group_buffer=b.group_buffer,
-                                        stages=stages, **b.hisparse_kwargs())
-    base = [pipeline.forward_mqa(q, cache, stages=stages, **b.plain_kwargs()) for q, cache in zip(b.q_layers, b.plain_caches)]
+    metadata = b.plain.metadata(pipeline.MQAMetadata)
+    got = hisparse.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, b.plain.topk_indices, metadata,
+                                        b.hisparse_tables(hisparse.HiSparseTables), b.group_buffer, stages)
+    base = [pipeline.forward_mqa(q, cache, b.plain.topk_indices, metadata, stages)
+            for q, cache in zip(b.q_layers, b.plain_caches)]
     # Layer 0's key norms stand in for every layer's (rows of one distribution): a unit, not a bound.
     scale = torch.cat([forward_scale(dataclasses.replace(b.plain, q=q), p.sm_scale) for q in b.q_layers])
     return [Compared("layers", "out", OUT, torch.cat([r.out for r in got]), torch.cat([r.out for r in base])),

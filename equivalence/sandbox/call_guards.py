@@ -49,12 +49,20 @@ def returned(result: Any, names: Sequence[str], required: int | None = None) -> 
     return dict(zip(names, result))
 
 
+def _shape_of(shape: Sequence[int], dims: Sequence[str] | None) -> str:
+    """"(B=1, H=8, S=1)": a shape with its contract's dimension names (a fixed width, 512, as is)."""
+    if dims is None or len(dims) != len(shape):
+        return str(tuple(shape))
+    return "(" + ", ".join(str(n) if d.isdigit() else f"{d}={n}" for d, n in zip(dims, shape)) + ")"
+
+
 def output_problem(name: str, t: Any, *, dtype: torch.dtype | None, shape: Sequence[int] | None, device: str | None,
                    contiguous: bool = False, returned_on: str | None = None,
-                   returned_strides: Sequence[int] | None = None) -> str | None:
+                   returned_strides: Sequence[int] | None = None, dims: Sequence[str] | None = None) -> str | None:
     """Why output `name` breaks its contract (one line), or None. `device`, `dtype`, `shape` None:
     not checked. `returned_on`, `returned_strides`: the device it was returned on and, where they
-    were not contiguous, its strides, where `t` is a copy on the host (a copy is contiguous)."""
+    were not contiguous, its strides, where `t` is a copy on the host (a copy is contiguous).
+    `dims`: the contract's names of its dimensions ("B", "H", "S"), which a wrong shape is said in."""
     if not isinstance(t, torch.Tensor):
         return f"{name}: {_describe(t)}, the contract says a torch.Tensor"
     odd = foreign(name, t)
@@ -69,7 +77,7 @@ def output_problem(name: str, t: Any, *, dtype: torch.dtype | None, shape: Seque
     if t.dtype != dtype:
         return f"{name}: dtype {str(t.dtype).removeprefix('torch.')}, the contract says {str(dtype).removeprefix('torch.')}"
     if tuple(t.shape) != tuple(shape):
-        return f"{name}: shape {tuple(t.shape)}, the contract says {tuple(shape)}"
+        return f"{name}: shape {tuple(t.shape)}, the contract says {_shape_of(shape, dims)}"
     if contiguous and (returned_strides is not None or not t.is_contiguous()):
         return f"{name}: strides {tuple(returned_strides or t.stride())} are not contiguous, the contract says contiguous"
     return None

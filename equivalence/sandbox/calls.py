@@ -29,7 +29,7 @@ from mla_verify.optimized.buffers import breached, poisoned, red_zones
 
 from ..errors import ContractError
 from ..judge.oracle import Verdict
-from ..judge.rows import Row
+from ..judge.rows import FailureKind, Row
 from . import device as dev
 from . import guards
 
@@ -47,15 +47,17 @@ def unsupported(reason: str) -> None:
 
 
 class Raised(Exception):
-    """The implementation raised `error` (`device_error`: what the device reported after it)."""
+    """The implementation raised `error` (`device_error`: what the device reported after it);
+    `on_device`: the error is the CUDA device's, or the device reported one after it."""
 
     def __init__(self, error: BaseException, device_error: str | None = None):
         super().__init__(dev.first_line(error))
         self.error, self.device_error = error, device_error
+        self.on_device = device_error is not None or dev.is_device_error(error)
 
 
 def _sync(device: str) -> None:
-    if device.startswith("cuda"):
+    if dev.is_cuda(device):
         torch.cuda.synchronize(device)  # that device's, whichever is current on this thread
 
 
@@ -76,7 +78,7 @@ def failure_row(base: dict, tensor: str, metric: str, reason: str, **fields) -> 
 
 def unsupported_row(base: dict, reason: str, **fields) -> Row:
     """The single row of a case the implementation declined (`unsupported`): counted, not failed."""
-    return Row(**{**base, **fields}, tensor="*", passed=True, gate_metric="unsupported", value=0.0, bound=0.0,
+    return Row(**{**base, **fields}, tensor="*", passed=True, gate_metric=FailureKind.UNSUPPORTED, value=0.0, bound=0.0,
                headroom=float("inf"), reason=reason)
 
 
@@ -86,14 +88,14 @@ def raised_row(base: dict, raised: Raised, **fields) -> Row:
     if isinstance(exc, Unsupported):
         return unsupported_row(base, f"unsupported: {exc}", **fields)
     if isinstance(exc, ContractError):
-        return failure_row(base, "*", "contract", str(exc), **fields)
+        return failure_row(base, "*", FailureKind.CONTRACT, str(exc), **fields)
     frames = traceback.extract_tb(exc.__traceback__)
     at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     message = dev.first_line(exc)
     reason = f"raised {type(exc).__name__}{': ' + message if message else ''}{at}"
     if raised.device_error and raised.device_error not in reason:
         reason += f"; the device then reported: {raised.device_error}"
-    return failure_row(base, "*", "raised", reason, **fields)
+    return failure_row(base, "*", FailureKind.RAISED, reason, device_error=raised.on_device, **fields)
 
 
 def seed_globals(seed: int) -> None:
@@ -160,7 +162,7 @@ def patched_error(patched: list[str], where: str = "") -> ContractError:
 
 def after_return_rows(base: dict, changed: list[str], **fields) -> list[Row]:
     """One failing row per output written after its call returned (`guards.Returned.changed`)."""
-    return [failure_row(base, name, "contract", f"{name}: {guards.AFTER_RETURN}", **fields) for name in changed]
+    return [failure_row(base, name, FailureKind.CONTRACT, f"{name}: {guards.AFTER_RETURN}", **fields) for name in changed]
 
 
 def noted(rows: list[Row], threads: list[str]) -> list[Row]:
@@ -174,7 +176,7 @@ def noted(rows: list[Row], threads: list[str]) -> list[Row]:
 
 def input_rows(base: dict, written: list[tuple[str, str]], **fields) -> list[Row]:
     """One failing row per input the implementation wrote (`Snapshot.changed`: tensor "input:NAME")."""
-    return [failure_row(base, f"input:{name}", "input_written", reason, written=name, **fields)
+    return [failure_row(base, f"input:{name}", FailureKind.INPUT_WRITTEN, reason, written=name, **fields)
             for name, reason in written]
 
 

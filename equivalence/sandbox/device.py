@@ -22,6 +22,16 @@ _DEVICE_ERROR = re.compile(r"CUDA error|CUDA driver error|\[CUDA\]|cudaError|dev
                            r"|CUDNN_STATUS|NCCL error", re.IGNORECASE)
 
 
+def device_type(device: str | object) -> str:
+    """The kind a device string names: "cuda" of "cuda:1", "cpu" of "cpu" (what torch.device(d).type
+    says, without building one). Every device string is read here."""
+    return str(device).split(":")[0]
+
+
+def is_cuda(device: str | object) -> bool:
+    return device_type(device) == "cuda"
+
+
 def is_device_error(error: BaseException | str) -> bool:
     """Whether an exception (or its message) is the CUDA device's rather than Python's."""
     accelerator = getattr(torch, "AcceleratorError", None)
@@ -32,7 +42,7 @@ def is_device_error(error: BaseException | str) -> bool:
 
 def synchronize(device: str) -> str | None:
     """Wait for the device; the error it reports (one line), or None."""
-    if not device.startswith("cuda"):
+    if not is_cuda(device):
         return None
     try:
         torch.cuda.synchronize()
@@ -43,7 +53,7 @@ def synchronize(device: str) -> str | None:
 
 def usable(device: str) -> bool:
     """Whether a fresh allocation and a kernel still work on `device` (a poisoned context fails)."""
-    if not device.startswith("cuda"):
+    if not is_cuda(device):
         return True
     try:
         return torch.ones(1, device=device).add_(1).item() == 2.0

@@ -28,6 +28,7 @@ from typing import Any, Collection
 import torch
 
 from .call_guards import tensors_in
+from .device import is_cuda
 
 ALIGN = 64                   # every region starts at a multiple: any dtype's view is aligned
 INITIAL_BYTES = 64 << 20     # a memfd's pages exist once written: an unused size costs nothing
@@ -233,7 +234,7 @@ def inputs_of(described: dict, mapped: Mapped, device: str) -> dict[str, Any]:
     """The arguments `hand_over` described, each tensor a view of `mapped` (on a CUDA `device`:
     of one copy of each storage on the device)."""
     storages = [mapped.bytes_at(o, n) for o, n in described["storages"]]
-    if device.startswith("cuda"):
+    if is_cuda(device):
         storages = [s.to(device) for s in storages]
 
     def value(v: Any) -> Any:

@@ -210,9 +210,7 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             continue
         if tampered := channel.tampered():
             produced = Produced([dict(tensor="*", gate_metric="contract", reason=_tampering(tampered))], failed=True)
-        retire = device.startswith("cuda") and (
-            any(r["gate_metric"] == "raised" and is_device_error(r["reason"]) for r in produced.rows)
-            or not usable(device))
+        retire = device.startswith("cuda") and (produced.device_error or not usable(device))
         called_with = {stage: sorted(keywords) for stage, keywords in CALLED_WITH.items()}  # for the parent's notes
         channel.send_frames(wire.produced_frames(seq, case.case_id, produced, retire, called_with, _children_left(),
                                                  after, into=mapped["outputs"]))

@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -363,25 +364,39 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
             "ops_note": "per case: " + ", ".join(f"{k} {v / n * 1e3:.1f} ms" for k, v in per_case.items())}
 
 
-def _part(device: str, profile_name: str, examples: int, block: int, isolated: bool, seed: int, threads: int,
-          share: float, go, results) -> None:
+@dataclass(frozen=True)
+class _Part:
+    """One of `parallel_throughput`'s campaigns: its seed and its share of the cores and the GPU."""
+
+    device: str
+    profile_name: str
+    examples: int
+    block: int
+    isolated: bool
+    seed: int
+    threads: int
+    share: float
+
+
+def _part(part: _Part, go, results) -> None:
     """One of `parallel_throughput`'s processes: warmed up, it says so and waits for `go`, then
     runs its campaign."""
     from mla_verify.equivalence.catalog import resolve_subject
     from mla_verify.equivalence.sandbox.device import GPU_SHARE_ENV, take_gpu_share
     from mla_verify.equivalence.cases.profiles import get_profile
 
-    torch.set_num_threads(threads)
-    os.environ[GPU_SHARE_ENV] = f"{share:.6f}"  # as `--parallel` deals a part: its worker reads it too
-    take_gpu_share(0.5 if isolated else 1.0)
-    subject, profile = resolve_subject("sparse_decode_fp8", [], device), get_profile(profile_name)
-    _throughput(subject, device, profile, 2 * block, block, False, seed)  # compilation, plans, row pools
+    torch.set_num_threads(part.threads)
+    os.environ[GPU_SHARE_ENV] = f"{part.share:.6f}"  # as `--parallel` deals a part: its worker reads it too
+    take_gpu_share(0.5 if part.isolated else 1.0)
+    subject, profile = resolve_subject("sparse_decode_fp8", [], part.device), get_profile(part.profile_name)
+    _throughput(subject, part.device, profile, 2 * part.block, part.block, False, part.seed)  # compilation, plans, row pools
 
     def ready() -> None:
         results.put(None)
         go.wait()
 
-    results.put(_throughput(subject, device, profile, examples, block, isolated, seed, ready=ready))
+    results.put(_throughput(subject, part.device, profile, part.examples, part.block, part.isolated, part.seed,
+                            ready=ready))
 
 
 def _gather(results, procs, count: int) -> list:
@@ -411,8 +426,8 @@ def parallel_throughput(device: str, profile_name: str, examples: int, block: in
     threads = max(1, (os.cpu_count() or 1) // parts)
     if device == "cuda":
         torch.cuda.empty_cache()  # what the sections before cached is the parts' to take
-    procs = [ctx.Process(target=_part, args=(device, profile_name, examples // parts, block, isolated, 3 + i, threads,
-                                            1 / parts, go, results)) for i in range(parts)]
+    procs = [ctx.Process(target=_part, args=(_Part(device, profile_name, examples // parts, block, isolated, 3 + i,
+                                                  threads, 1 / parts), go, results)) for i in range(parts)]
     for p in procs:
         p.start()
     try:
@@ -502,7 +517,7 @@ if sys.argv[1] == "context":
              block_size=64, topk=2048, sm_scale=0.1352, value_regime="normal", shuffle=True)
     b = make_batch(ForwardParams.of(p), 0)
     b.kv_source.clear()  # the harness's copy of the rows; the reference reads the cache
-    run = lambda: reference.forward_mqa(b.q, b.kv_cache, **b.forward_kwargs()).path
+    run = lambda: reference.forward_mqa(b.q, b.kv_cache, b.topk_indices, b.metadata(reference.MQAMetadata)).path
 else:  # a prefill streamed through the budget: 2.4 GB of K rows in float64 unchunked
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1024, 16, 576, generator=g).bfloat16()

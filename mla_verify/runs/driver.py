@@ -32,11 +32,11 @@ from mla_verify.equivalence.errors import HarnessError
 from mla_verify.equivalence.sandbox.worker import Worker
 from mla_verify.equivalence.cases.profiles import Profile
 from mla_verify.equivalence.judge.mismatch import line
-from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.judge.rows import FailureKind, Row
 from mla_verify.equivalence.sandbox.calls import failure_row
 from mla_verify.equivalence.subject import Subject, never_called, unexercised
 from mla_verify.equivalence.errors import UsageError
-from mla_verify.fuzz.campaign import Campaign, FuzzResult, Judge, UnderTest, fuzz
+from mla_verify.fuzz.campaign import Campaign, FuzzResult, Judge, Stop, UnderTest, fuzz
 from mla_verify.fuzz.casefile import load, write_atomic
 from mla_verify.runs.progress import Progress
 from mla_verify.fuzz.regressions import corpus
@@ -44,11 +44,12 @@ from mla_verify.pytest_plugin import DEFAULTS
 from mla_verify.reports.store import rows_frame
 
 from .corpus import PINNED, SOURCE, Corpus, Replayed, keep, save_replayed, with_kept
-from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, result_file
+from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, rest_command, result_file
 from .parts import check_in_parts, gate_in_parts
 from .plan import FUZZ, Run
 from .selection import impl_units
 from .sink import Sink
+from . import durations
 from .units import Unit, gate_world_size, odd_ones_out, shard_units, units
 
 MIN_DRAWS = 25  # params a campaign draws at the least where its budget allows (`block_size`)
@@ -60,6 +61,7 @@ class GateResult:
     fuzz: list[FuzzResult] = field(default_factory=list)
     notes: set[str] = field(default_factory=set)
     replayed: list[Replayed] = field(default_factory=list)  # the kept and pinned cases that failed
+    seconds: dict[str, float] = field(default_factory=dict)  # each finished unit's (runs.durations)
 
     @property
     def failed(self) -> bool:
@@ -98,7 +100,7 @@ def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker
             return found
 
         return isolated
-    cuda = device.startswith("cuda")
+    cuda = dev.is_cuda(device)
 
     def in_process(cases, source, on_call):
         if losing is None:
@@ -115,13 +117,12 @@ def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker
             base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages=(), device=device,
                         seed=case.seed, source=source, **catalog.get_spec(case.op).identity(case))
             found = [None] * len(cases)
-            found[len(called) - 1] = [failure_row(base, "*", "crashed",
-                                                  f"CUDA error after the implementation ran: {dev.first_line(exc)}")]
+            found[len(called) - 1] = [failure_row(base, "*", FailureKind.CRASHED,
+                                                  f"CUDA error after the implementation ran: {dev.first_line(exc)}",
+                                                  device_error=True)]
         if cuda and not losing.lost and (
-                any(r.gate_metric in ("raised", "crashed") and dev.is_device_error(r.reason)
-                    for rows in found if rows for r in rows) or not dev.usable(device)):
-            losing.lose("the CUDA context is unusable after a CUDA error of the implementation; "
-                        "run isolated (--isolate) to go on past crashes")
+                any(r.device_error for rows in found if rows for r in rows) or not dev.usable(device)):
+            losing.lose(Stop.DEVICE_LOST)
         return found
 
     return in_process
@@ -175,7 +176,8 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
                           result.notes, sink if run.command == FUZZ else None)
     sink.judging(unit)
     tested = UnderTest(unit.specs, unit.label, unit.deviations, unit.conventions, run.device)
-    t0 = time.monotonic()  # a campaign's seconds include the corpus cases run before it
+    t0 = start = time.monotonic()  # a campaign's seconds include the corpus cases run before it
+    finished = True                # every campaign ran its budget (a stopped one: the unit is not done)
     pinned, replayed = _pinned(unit), len(result.replayed)
     pinned_rows = []
     for case, source, why in [(c, SOURCE, "") for c in unit.kept] + [(c, PINNED, why) for c, why in pinned]:
@@ -196,6 +198,7 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
                             run.world_size or gate_world_size(spec, run.device_type), block_size(run.profile, budget),
                             run.shrink, _failures_dir(run))
         fz = fuzz(campaign, judge, sink)
+        finished &= not fz.stopped
         _found_again(fz, result.replayed[replayed:], sink)
         result.fuzz.append(fz)
         result.rows.extend(fz.rows)
@@ -207,6 +210,8 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
                       f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
             log.flush()
         t0 = time.monotonic()
+    if finished:   # its seconds size the next run's shards; an unfinished unit is an interrupted run's rest
+        result.seconds[unit.key] = time.monotonic() - start
     return True
 
 
@@ -234,8 +239,8 @@ def gate_units(run: Run, kept: Corpus | None = None) -> list[Unit]:
 
 def run_gate(run: Run, sink: Sink, log, chosen: list[Unit]) -> GateResult:
     """The units of the run's shard (`Shard()`: all of them) among `chosen` through `run_units`."""
-    return run_units(shard_units(list(run.ops) or None, run.device, run.shard, chosen), run, sink, seed=run.seed,
-                     examples=run.examples, log=log)
+    return run_units(shard_units(list(run.ops) or None, run.device, run.shard, chosen, run.durations), run, sink,
+                     seed=run.seed, examples=run.examples, log=log)
 
 
 def drive(run: Run, log: Callable[[str], None] | None = None):
@@ -287,16 +292,17 @@ def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, 
         failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
                                    replay_command(fz.case_file, run.specs, run.device, run.deviations, run.timeout,
                                                   run.isolate, run.conventions),
-                                   found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk))
-    notes = notes + [fz.stopped] * (fz.stopped not in ("", "interrupted"))
+                                   found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk,
+                                   unminimized=fz.unminimized))
+    notes = notes + [str(fz.stopped)] * (fz.stopped not in (None, Stop.INTERRUPTED))
     notes += unexercised(run.specs, call_guards.CALLED_WITH)  # what the replaced stages were never handed
     if run.world_size:
         notes += [f"worst per rank over {fz.examples} cases: {line}" for line in dcp_ranks.worst_by_rank(fz.rows)]
     silent = never_called(run.specs, call_guards.CALLED_WITH, (run.op,))
     return CheckResult(run.op, run.label,
-                       not failures and not silent and fz.stopped != "interrupted" and bool(frame.passed.all()),
+                       not failures and not silent and fz.stopped != Stop.INTERRUPTED and bool(frame.passed.all()),
                        frame, seed, fz.examples, run.out.path if run.out else None, failures,
-                       interrupted=fz.stopped == "interrupted", notes=notes, in_process=run.in_process,
+                       interrupted=fz.stopped == Stop.INTERRUPTED, notes=notes, in_process=run.in_process,
                        no_verdict=_never_judged(run.op, silent, f"these {fz.examples} cases"))
 
 
@@ -340,8 +346,9 @@ def _gate(run: Run) -> GateOutcome:
     outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupted,
                           keep(kept, result.new_findings(), result.rows) + sorted(result.notes),
                           odd_ones_out(result.rows),
-                          isolated=run.isolate,
+                          isolated=run.isolate, rest=_rest(run, chosen, result) if interrupted else (0, ""),
                           no_verdict=_never_judged("forward_mqa", silent, "the gate's cases"))
+    durations.write(run_dir.path, result.seconds)
     run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupted else meta)
 
     def said(path: Path, rows) -> list[str]:  # the replay command (with the implementation saved), the failing rows
@@ -352,9 +359,18 @@ def _gate(run: Run) -> GateOutcome:
     outcome.case_files = [(r.path, [f"  from the corpus: still fails (kept as {r.kept_as})" if r.kept_as
                                     else "  a pinned regression case: fails", *said(r.path, r.rows)])
                           for r in result.replayed]
-    outcome.case_files += [(fz.case_file, said(fz.case_file, fz.failure.rows if fz.failure else ()))
+    outcome.case_files += [(fz.case_file, [f"  not minimized: {fz.unminimized}"] * bool(fz.unminimized)
+                            + said(fz.case_file, fz.failure.rows if fz.failure else ()))
                            for fz in result.fuzz if fz.case_file and fz.case_file not in {r.path for r in result.replayed}]
     return outcome
+
+
+def _rest(run: Run, chosen: list[Unit], result: GateResult) -> tuple[int, str]:
+    """An interrupted gate's ops (and properties) with a unit it did not finish, and the command that
+    runs them (`outcome.rest_command`)."""
+    mine = shard_units(list(run.ops) or None, run.device, run.shard, chosen, run.durations)
+    left = list(dict.fromkeys(u.op for u in mine if u.key not in result.seconds))
+    return len(left), rest_command(run, left, run.out.path.with_name(f"{run.out.path.name}-rest")) if left else ""
 
 
 def main(argv: list[str] | None = None) -> int:

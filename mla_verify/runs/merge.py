@@ -1,6 +1,7 @@
 """`merge`: the run directories of a run's shards (`--shard I/N`, `runs.parts`) joined into the one
 run a single machine would have written: its rows, its meta (every shard's seeds), every shard's
-saved failing cases. `mla-verify report` then reads it like any run.
+saved failing cases, every shard's unit seconds (durations.json: `gate --durations` sizes the next
+run's shards by them). `mla-verify report` then reads it like any run.
 
 Shards that do not belong together are refused, each reason named: another revision of the
 code, other options (op, implementations, examples, seed, profile, device, ...), other shard
@@ -24,8 +25,8 @@ from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
 from mla_verify.reports.store import conform
 
+from . import durations
 from .corpus import name
-
 from .parts import Shard
 from .rundir import RunDir, load_run
 
@@ -151,6 +152,7 @@ def merge(runs: Sequence[str | Path], out: str | Path, *, force: bool = False) -
     try:
         for path, *_ in loaded:
             errors += _copy_findings(path, run_dir.path)
+        durations.write(run_dir.path, durations.joined(path for path, *_ in loaded))   # the next run's shards
         meta = _meta(runs_meta)
     except BaseException:
         run_dir.release()

@@ -13,6 +13,9 @@ import pandas as pd
 
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.judge.mismatch import QUIET_METRICS, line
+from mla_verify.equivalence.judge.rows import FailureKind
+from mla_verify.equivalence.sandbox.device import device_type, is_cuda
+from mla_verify.equivalence.subject import is_local
 from mla_verify.reports.bias import bias_of
 from mla_verify.reports.meta import IN_PROCESS
 from mla_verify.reports.stats import reached
@@ -39,6 +42,7 @@ class Failure:
     flaky: tuple[int, int] | None = None  # (failed k, of n re-runs) when a re-run passed
     minimized: bool = False
     from_corpus: bool = False       # a kept corpus's case (mla_verify.runs.corpus) that still fails
+    unminimized: str = ""           # why it was not minimized, and how to have it minimized
 
     @classmethod
     def of(cls, case, rows, case_file: Path | None, replay_command: str, **fields: Any) -> "Failure":
@@ -52,6 +56,8 @@ class Failure:
         what = ("case from the corpus" if self.from_corpus else "minimized case" if self.minimized
                 else "case (as found, not minimized)")
         out = [f"  {what}: {self.case.short()}"]
+        if self.unminimized and not (self.minimized or self.from_corpus):
+            out.append(f"  not minimized: {self.unminimized}")
         out += [f"  {line(r['tensor'], r['gate_metric'], r['value'], r['bound'], r['reason'])}" for r in self.rows]
         if self.case_file is not None:
             out.append(f"  case saved: {self.case_file}")
@@ -64,14 +70,14 @@ class Failure:
                 "case_file": None if self.case_file is None else str(self.case_file),
                 "replay_command": self.replay_command, "found_at": self.found_at, "seed": self.seed,
                 "flaky": list(self.flaky) if self.flaky else None, "minimized": self.minimized,
-                "from_corpus": self.from_corpus}
+                "from_corpus": self.from_corpus, "unminimized": self.unminimized}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Failure":
         return cls(Case.from_dict(d["case"]), d["tensor"], d["metric"], d["value"], d["bound"], d["reason"],
                    list(d["rows"]), None if d["case_file"] is None else Path(d["case_file"]), d["replay_command"],
                    d.get("found_at"), d.get("seed"), tuple(d["flaky"]) if d.get("flaky") else None,
-                   bool(d.get("minimized")), bool(d.get("from_corpus")))
+                   bool(d.get("minimized")), bool(d.get("from_corpus")), str(d.get("unminimized") or ""))
 
 
 @dataclass
@@ -125,7 +131,7 @@ class CheckResult:
             lines.append(f"PASS{judged}: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}"
                          + (f"; reached {where}" if (where := reached(self.rows)) else ""))
         if self.unsupported:
-            first = self.rows[self.rows.gate_metric == "unsupported"].reason.iloc[0]
+            first = self.rows[self.rows.gate_metric == FailureKind.UNSUPPORTED].reason.iloc[0]
             lines.append(f"  {self.unsupported} of them declined by the implementation (mla_verify.unsupported), "
                          f"not checked: {first.removeprefix('unsupported: ')}")
         if len(self.rows):
@@ -137,7 +143,7 @@ class CheckResult:
         """Cases the implementation declined (`mla_verify.unsupported`): counted, not failed."""
         if not len(self.rows):
             return 0
-        return self.rows[self.rows.gate_metric == "unsupported"].case_id.nunique()
+        return self.rows[self.rows.gate_metric == FailureKind.UNSUPPORTED].case_id.nunique()
 
     @property
     def exit_code(self) -> int:
@@ -148,7 +154,7 @@ class CheckResult:
 
 
 def _headroom(rows: pd.DataFrame) -> str:
-    gated = rows[(rows.gate_metric != "") & (rows.gate_metric != "unsupported") & rows.passed] if len(rows) else rows
+    gated = rows[(rows.gate_metric != "") & (rows.gate_metric != FailureKind.UNSUPPORTED) & rows.passed] if len(rows) else rows
     if not len(gated):
         return ""
     r = gated.loc[gated.headroom.idxmin()]
@@ -175,20 +181,37 @@ class GateOutcome:
     case_files: list[tuple[Path, list[str]]] = field(default_factory=list)  # each saved case, its lines (replay first)
     parts: int = 1
     isolated: bool = True           # judged out of the kernels' reach (reports.meta.IN_PROCESS otherwise)
+    rest: tuple[int, str] = (0, "")  # interrupted: the ops not finished, and the command that runs them
     no_verdict: str = ""            # why nothing judged what was asked (a replaced stage never called)
 
     def lines(self) -> list[str]:
-        """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts
-        said them), no verdict."""
+        """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts said them);
+        interrupted, the command that runs what it did not reach; no verdict."""
+        left, command = self.rest
         return ([f"note: {n}" for n in self.notes] + [f"odd one out: {line}" for line in self.odd_ones_out]
                 + [text for f, rows in self.case_files
                    for text in [f"finding saved: {f}", *rows]]
                 + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else [])
+                + ([f"  the rest ({left} op{'s' * (left != 1)} not finished, the cases this run would have drawn "
+                    f"for them): {command}"] if self.interrupted and command else [])
                 + ([f"NO VERDICT: {self.no_verdict}"] if self.no_verdict and not self.failed else []))
 
     @property
     def exit_code(self) -> int:
         return 130 if self.interrupted else 1 if self.failed else 4 if self.no_verdict else 0
+
+
+def rest_command(run: Any, ops: Sequence[str], out: Path) -> str:
+    """The gate command that runs `ops` (an interrupted gate's ops and properties not finished) with
+    `run`'s settings (a `runs.plan.Run`) and seed: the cases the whole run would have drawn for them,
+    the kept corpus's first, into `out`."""
+    argv = ["mla-verify", "gate", "--device", run.device_type, "--profile", run.profile.name, "--seed", str(run.seed)]
+    argv += ["--examples", str(run.examples)] if run.examples is not None else []
+    argv += [a for spec in run.impls for a in ("--impl", spec)]
+    argv += ["--corpus", run.corpus] if run.corpus else []
+    argv += [] if run.isolate else ["--no-isolate"]
+    argv += ["--timeout", f"{run.timeout:g}"] if run.timeout != DEFAULT_TIMEOUT_S else []
+    return shlex.join([*argv, *(a for op in ops for a in ("--op", op)), "--out", str(out)])
 
 
 def replay_command(case_file: Path | None, specs: Sequence[str], device: str, deviations: Sequence[str] = (),
@@ -197,13 +220,13 @@ def replay_command(case_file: Path | None, specs: Sequence[str], device: str, de
     crash replayed in-process would hang or kill the replay)."""
     argv = ["mla-verify", "replay", str(case_file) if case_file else "CASE_FILE"]
     for s in specs:
-        argv += ["--impl", "MODULE:CALLABLE" if ".api:local." in s else s]
+        argv += ["--impl", "MODULE:CALLABLE" if is_local(s) else s]
     for d in deviations:
         argv += ["--deviation", d]
     for c in conventions:
         argv += ["--convention", c]
-    argv += ["--device", device.split(":")[0]]
-    if isolate and not device.startswith("cuda"):  # isolated by default on cuda
+    argv += ["--device", device_type(device)]
+    if isolate and not is_cuda(device):  # isolated by default on cuda
         argv.append("--isolate")
     if timeout is not None and timeout != DEFAULT_TIMEOUT_S:
         argv += ["--timeout", f"{timeout:g}"]

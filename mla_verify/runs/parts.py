@@ -13,8 +13,9 @@ slots. Parts are the shards of one host: part j of shard I is slot I * P + j of 
            (the part of a host that holds them keeps every GPU for their ranks); every unit
            fuzzes with the run's seed S
 
-The index comes from the caller (`--shard $SLURM_ARRAY_TASK_ID/N`): nothing reads a scheduler's
-environment.
+The index comes from the caller (`--shard I/N`), or from the scheduler's own variables (`--shard
+auto`, `runs.schedulers`). The gate's units go by count (every T-th), or, given each unit's seconds
+last time (`runs.durations`), longest first to the slot with the fewest seconds so far.
 
 Each child runs the `Run` of its slot (`python -m mla_verify.runs.driver RUN_JSON`, `Run.part`).
 Child i sees only GPU i mod the GPU count (`CUDA_VISIBLE_DEVICES`): more parts than GPUs share
@@ -33,7 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence, TypeVar
 
@@ -44,18 +45,21 @@ from mla_verify.equivalence.sandbox.device import GPU_SHARE_ENV
 from mla_verify.equivalence.judge.rows import Row
 from mla_verify.reports.store import conform, load_run, rows_frame
 
+from . import durations
 from .interrupt import Interrupt
 from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome
+from .schedulers import from_environment
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True, order=True)
 class Shard:
-    """Shard `index` of `count` (0-based): "I/N" on the command line."""
+    """Shard `index` of `count` (0-based): "I/N" on the command line, or "auto"."""
 
     index: int = 0
     count: int = 1
+    source: str = field(default="", compare=False)   # where "auto" read it: "SLURM_ARRAY_TASK_ID=3 of ..."
 
     def __post_init__(self) -> None:
         if not (isinstance(self.index, int) and isinstance(self.count, int) and 0 <= self.index < self.count):
@@ -63,14 +67,17 @@ class Shard:
 
     @classmethod
     def parse(cls, text: "str | Shard | None") -> "Shard":
-        """"I/N" (or a Shard; None: the whole run, 0/1); ValueError saying what is wrong."""
+        """"I/N", "auto" (the scheduler's variables, `runs.schedulers`), a Shard, or None (the whole
+        run, 0/1); ValueError saying what is wrong."""
         if text is None:
             return cls()
         if isinstance(text, Shard):
             return text
+        if str(text).strip() == "auto":
+            return cls(*from_environment(os.environ))
         index, sep, count = str(text).partition("/")
         if not sep or not index.strip().isdigit() or not count.strip().isdigit():
-            raise ValueError(f"shard {text!r}: expected I/N, e.g. 0/4 (I from 0 to N-1)")
+            raise ValueError(f"shard {text!r}: expected I/N, e.g. 0/4 (I from 0 to N-1), or auto")
         return cls(int(index), int(count))
 
     def __str__(self) -> str:
@@ -89,12 +96,22 @@ class Shard:
         shares = share(examples, self.count)
         return seed + self.index, shares[self.index] if self.index < len(shares) else 0
 
-    def deal(self, units: Sequence[T], first: Sequence[bool] = ()) -> list[T]:
-        """This slot's units, in their own order: every count-th of them, those flagged in `first`
-        dealt before the rest."""
+    def deal(self, units: Sequence[T], first: Sequence[bool] = (), weights: Sequence[float] | None = None) -> list[T]:
+        """This slot's units, in their own order, those flagged in `first` dealt before the rest. By
+        count: every count-th of them. By `weights` (each unit's seconds last time, `runs.durations`):
+        longest first, each to the slot with the fewest seconds so far (the lowest on a tie), so the
+        slots end about together; equal weights deal as by count."""
         flagged = [bool(f) for f in first] + [False] * (len(units) - len(first))
-        order = sorted(range(len(units)), key=lambda i: not flagged[i])
-        mine = set(order[self.index::self.count])
+        if weights is None:
+            order = sorted(range(len(units)), key=lambda i: not flagged[i])
+            mine = set(order[self.index::self.count])
+        else:
+            loads, mine = [0.0] * self.count, set()
+            for i in sorted(range(len(units)), key=lambda i: (not flagged[i], -weights[i])):
+                slot = loads.index(min(loads))
+                loads[slot] += weights[i]
+                if slot == self.index:
+                    mine.add(i)
         return [u for i, u in enumerate(units) if i in mine]
 
 
@@ -168,7 +185,8 @@ def gate_in_parts(run, every: list, log) -> GateOutcome:
     """The gate as one child per slot that holds some of its units `every` (`runs.units`); their
     rows into the run directory."""
     log = log or (lambda line: None)
-    dealt = {i: slot.deal(every, [u.multi_rank for u in every]) for i, slot in enumerate(run.slots)}
+    weights = durations.weights([u.key for u in every], run.durations)
+    dealt = {i: slot.deal(every, [u.multi_rank for u in every], weights) for i, slot in enumerate(run.slots)}
     log(f"  {len(run.slots)} parts, {_placed(run, len(run.slots))}")
     meta, root = run.meta(), _root(run)
     run.out.start(meta)
@@ -177,6 +195,7 @@ def gate_in_parts(run, every: list, log) -> GateOutcome:
         procs = {i: _child(run.part(run.slots[i], i, root), i, len(busy), pin=not any(u.multi_rank for u in mine))
                  for i, mine in busy.items()}
         frame, codes = _collect(procs, root)
+    durations.write(root, durations.joined(root / f"part-{i}" for i in procs))
     run.out.finish(frame, meta)
     rows = [Row.from_record(r) for r in frame.to_dict("records")]
     return GateOutcome(rows, max(codes.values()) != 0 or any(not r.passed for r in rows), root, parts=len(procs),

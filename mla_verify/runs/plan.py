@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import sys
 from dataclasses import dataclass, field, fields, replace
@@ -20,24 +19,22 @@ import torch
 from mla_verify.equivalence import catalog
 from mla_verify.equivalence.ops import dcp_ranks
 from mla_verify.equivalence.catalog import get_spec, resolve_subject
+from mla_verify.equivalence.sandbox.device import device_type, is_cuda
 from mla_verify.equivalence.sandbox.worker import default_isolation
 from mla_verify.equivalence.cases.profiles import Profile, get_profile
-from mla_verify.equivalence.subject import Subject, did_you_mean
+from mla_verify.equivalence.subject import Subject, did_you_mean, local_label
 from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz.campaign import new_seed
 from mla_verify.reports.meta import collect_meta, rerun_settings
 from mla_verify.reports.store import run_file
 
+from . import durations
 from .corpus import Corpus
 from .outcome import DEFAULT_TIMEOUT_S
 from .parts import Shard
 from .rundir import FreshDir, RunDir, load_run
 from .selection import impl_units
 from .units import shard_units
-
-# Callables that cannot be imported by name (lambdas, closures, partials) are reached in this
-# process through `mla_verify.api.local`: their specs start so, and their rows' label does not.
-LOCAL = "mla_verify.api:local."
 
 FUZZ, GATE = "fuzz", "gate"
 
@@ -71,6 +68,7 @@ class Run:
     impls: tuple[str, ...] = ()           # gate: OP=SPEC / STAGE=SPEC it is restricted to (runs.selection)
     corpus: str | None = None             # the kept corpus (runs.corpus): replayed first, findings added
     corpus_replay: bool = True            # this part replays the corpus (a fuzz run's first part only)
+    durations: dict[str, float] | None = None  # gate: each unit's seconds last time (runs.durations); None: not asked
 
     @property
     def op(self) -> str:
@@ -79,7 +77,7 @@ class Run:
     @property
     def label(self) -> str:
         """fuzz: the rows' name for the implementation; a local callable by its own name."""
-        return re.sub(rf"{re.escape(LOCAL)}fn\d+_", "", self.subject.label) if self.subject is not None else ""
+        return local_label(self.subject.label) if self.subject is not None else ""
 
     @property
     def in_process(self) -> bool:
@@ -88,7 +86,7 @@ class Run:
 
     @property
     def device_type(self) -> str:
-        return self.device.split(":")[0]
+        return device_type(self.device)
 
     @property
     def slots(self) -> list[Shard]:
@@ -106,7 +104,8 @@ class Run:
                   "profile": self.profile.name, "device": self.device_type, "isolate": self.isolate,
                   "timeout": self.timeout}
         if self.command == GATE:
-            return {**common, "ops": list(self.ops) or None, "impls": list(self.impls) or None}
+            return {**common, "ops": list(self.ops) or None, "impls": list(self.impls) or None,
+                    "durations": durations.digest(self.durations)}
         return {**common, "op": self.op, "impl": list(self.specs), "path": self.path, "world_size": self.world_size,
                 "deviations": list(self.deviations), "conventions": list(self.conventions), "shrink": self.shrink,
                 "campaigns": self.shard.count * self.parts}
@@ -161,7 +160,7 @@ class Run:
             budget = (f"{self.examples}" if self.examples is not None
                       else f"{self.profile.examples} (properties: {self.profile.property_examples})")
             return (f"mla-verify gate: device {self.device}, profile {self.profile.name}, {budget} fuzz examples per "
-                    f"op and implementation or its whole covering set, seed {self.seed}{'' if self.shard.whole else f', shard {self.shard}'}"
+                    f"op and implementation or its whole covering set, seed {self.seed}{self._shard_words()}"
                     f"{', only ' + ' '.join(self.impls) if self.impls else ''}"
                     f"{f', corpus {self.corpus}' if self.corpus else ''}"
                     f"{where}")
@@ -174,6 +173,16 @@ class Run:
                 f"{where}" + (f"; the cases of baseline {self.baseline}" if self.baseline is not None else "")
                 + ("" if self.shard.whole else f"; shard {self.shard} of {self.shard.count * self.parts} campaigns: "
                    + ", ".join(f"seed {s} x {n}" for s, n in self.campaigns)))
+
+    def _shard_words(self) -> str:
+        """", shard 1/2 (SLURM_ARRAY_TASK_ID=1 of SLURM_ARRAY_TASK_COUNT=2), sized by 14 units' seconds
+        last time": which shard, and how its units were dealt."""
+        if self.shard.whole and self.parts == 1:
+            return ""
+        how = ("" if self.durations is None else ", dealt by count (no unit's seconds kept yet)" if not self.durations
+               else f", sized by {len(self.durations)} units' seconds last time")
+        source = f" ({self.shard.source})" if self.shard.source else ""
+        return ("" if self.shard.whole else f", shard {self.shard}{source}") + how
 
 
 def invocation() -> str | None:
@@ -211,6 +220,7 @@ class Options:
     junit: Path | None = None
     impls: tuple[str, ...] = ()                   # gate: OP=SPEC / STAGE=SPEC strings (runs.selection)
     corpus: str | Path | None = None              # a kept corpus directory (runs.corpus)
+    durations: str | Path | None = None           # gate: a durations.json, or a run holding one (runs.durations)
 
     @classmethod
     def asked(cls, command: str, given: Mapping[str, Any]) -> "Options":
@@ -223,7 +233,7 @@ def resolve_device(device: str | None) -> str:
     """"cpu", "cuda" or "cuda:N" (None: cuda when present); on CPU the Triton kernels run under
     their interpreter, which must be chosen before any kernel module is imported."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kind = device.split(":")[0]
+    kind = device_type(device)
     if kind not in ("cpu", "cuda") or (kind == "cpu" and device != "cpu"):
         raise UsageError(f"device {device!r}: expected cpu, cuda or cuda:N")
     if kind == "cuda" and not torch.cuda.is_available():
@@ -256,14 +266,14 @@ def plan(options: Options, log: Callable[[str], None] = lambda line: None) -> Ru
 
 def _profile(o: Options, device: str) -> Profile:
     try:
-        return get_profile(o.profile or ("gpu" if device.startswith("cuda") else "dev" if o.command == FUZZ else "ci"))
+        return get_profile(o.profile or ("gpu" if is_cuda(device) else "dev" if o.command == FUZZ else "ci"))
     except KeyError as exc:
         raise UsageError(str(exc.args[0])) from None
 
 
 def _fuzz_run(o: Options, device: str, shard: Shard) -> Run:
     """check(): one op and implementation."""
-    op, device_type = o.ops[0], device.split(":")[0]
+    op, kind = o.ops[0], device_type(device)
     try:
         spec = get_spec(op)
     except KeyError as exc:
@@ -273,13 +283,13 @@ def _fuzz_run(o: Options, device: str, shard: Shard) -> Run:
                          if spec.ranks else f"--world-size: {op} runs in one process")
     world_size = (o.world_size or spec.ranks[0]) if spec.ranks else None
     deviations = tuple(o.deviations or ())
-    subject = resolve_subject(op, o.specs, device_type, deviations=deviations, conventions=o.conventions)
+    subject = resolve_subject(op, o.specs, kind, deviations=deviations, conventions=o.conventions)
     path = spec.path_for(o.path, subject)
     profile = _profile(o, device)
     examples = o.examples or spec.examples(profile)
     isolate = default_isolation(o.isolate, o.named, spec.own_processes)
     timeout_needs_isolation(o.timeout, isolate or spec.own_processes)
-    parts = 1 if world_size or not o.named else (o.parallel or _gpu_count(device_type))
+    parts = 1 if world_size or not o.named else (o.parallel or _gpu_count(kind))
     if shard.index * parts >= examples:  # its first campaign, slot I * P, has no share of the examples
         raise UsageError(f"shard {shard}: {examples} examples over {shard.count * parts} campaigns leave it none "
                          f"(give at least {shard.count * parts} examples)")
@@ -299,14 +309,16 @@ def _gate_run(o: Options, device: str, shard: Shard) -> Run:
     profile = _profile(o, device)
     chosen = impl_units(o.impls, device, list(o.ops) or None) if o.impls else None
     corpus = open_corpus(o.corpus)
-    if not shard_units(list(o.ops) or None, device, shard, chosen):
+    seconds = durations.read(o.durations) if o.durations is not None else None
+    if not shard_units(list(o.ops) or None, device, shard, chosen, seconds):
         raise UsageError(f"--shard {shard}: the gate has fewer units (ops and implementations) than shards here")
     isolate = default_isolation(o.isolate, named=True)
     if o.timeout is not None and not isolate:
         raise UsageError("--timeout needs isolation (the default; not --no-isolate): an in-process call cannot be stopped")
     return Run(GATE, o.ops, device, profile, o.examples, o.seed, isolate, _timeout(o),
                out=_opened(o.out if o.out is not None else FreshDir.named("runs", "gate")), baseline=o.baseline,
-               shard=shard, parts=o.parallel or _gpu_count(device.split(":")[0]), impls=o.impls, corpus=corpus)
+               shard=shard, parts=o.parallel or _gpu_count(device_type(device)), impls=o.impls, corpus=corpus,
+               durations=seconds)
 
 
 def _again(o: Options, log: Callable[[str], None]) -> Options:
@@ -322,9 +334,8 @@ def _again(o: Options, log: Callable[[str], None]) -> Options:
             f"{', ops ' + ' '.join(ops) if ops else ''}{', --impl ' + ' '.join(impls) if impls else ''})")
         return replace(o, seed=seed, profile=profile, examples=examples, ops=ops, impls=impls)
     op = o.ops[0]
-    name = op.removeprefix("property:")
-    ran = {json.loads(case)["op"] for case in rows["case"].unique() if case}  # each row's Case names its op
-    if op not in ran and f"property:{name}" not in ran:
+    ran = {catalog.spec_of_row(*row) for row in zip(rows["op"], rows["path"])}
+    if op not in ran:
         raise UsageError(f"baseline {o.baseline} holds no rows of {op} (it ran {', '.join(sorted(ran))}): "
                          "nothing comparable")
     return replace(o, seed=seed, profile=profile, examples=examples, path=o.path or again["path"],

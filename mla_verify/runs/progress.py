@@ -35,8 +35,8 @@ class Progress:
         if source in ("corpus", "fuzz"):
             self.step(any(not r.passed for r in rows))
 
-    def stop_reason(self) -> str:
-        return ""
+    def stop_reason(self) -> None:
+        return None
 
     def line(self, now: float) -> str:
         elapsed = now - self.start

@@ -27,7 +27,7 @@ SEALED = (ROWS_PARQUET, ROWS_CSV, "harness-error.txt")
 # What a run (its parts, its report) writes into its directory: another entry means the directory
 # is someone else's.
 RUN_ENTRIES = (META_JSON, ROWS_PARQUET, ROWS_CSV, "journal.jsonl", "failures", "drift", ".lock", ".writing-*",
-               "report.html", "harness-error.txt", "fuzz.log", "result.json", "part-*", "junit.xml")
+               "report.html", "harness-error.txt", "fuzz.log", "result.json", "part-*", "junit.xml", "durations.json")
 
 
 def foreign(path: Path) -> list[str]:

@@ -33,7 +33,7 @@ from . import record
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import get_spec
 from mla_verify.equivalence.sandbox.calls import failure_row
-from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.judge.rows import FailureKind, Row
 from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
 from mla_verify.fuzz.casefile import slug, write_atomic
@@ -163,7 +163,7 @@ class RunDir:
         that journals it finished."""
         base = dict(run_id=run_id, case_id=case.case_id, impl=impl, stages=(), device=device, seed=case.seed,
                     source=source, **get_spec(case.op).identity(case))
-        row = failure_row(base, "*", "crashed", CRASHED, finding=crashed_file(case, specs, impl).name)
+        row = failure_row(base, "*", FailureKind.CRASHED, CRASHED, finding=crashed_file(case, specs, impl).name)
         self._write(json.dumps({"started": row.to_record(), "impl_specs": list(specs),
                                 "deviations": list(deviations)}, default=str) + "\n")
         return lambda: self._write(json.dumps({"finished": case.case_id}) + "\n")

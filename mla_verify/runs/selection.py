@@ -18,6 +18,7 @@ from typing import Sequence
 
 from mla_verify.equivalence import catalog
 from mla_verify.equivalence.errors import UsageError
+from mla_verify.equivalence.sandbox.device import device_type
 from .units import Unit
 from mla_verify.optimized import registry
 
@@ -46,7 +47,7 @@ def impl_units(impls: Sequence[str], device: str, ops: Sequence[str] | None = No
     in catalog order; `ops` (as `gate --op`) keeps only those. Every unit's implementation is
     resolved here, so a bad one is a usage error before any case runs."""
     chosen = parse(impls)
-    kind = device.split(":")[0]
+    kind = device_type(device)
     stage_specs = tuple(f"{k}={v}" for k, v in chosen.items() if k in registry.stages())
     wanted = set(catalog.select(ops)) if ops else None
     found = []

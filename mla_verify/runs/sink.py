@@ -12,6 +12,7 @@ from typing import Callable
 
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.judge.rows import Row
+from mla_verify.fuzz.campaign import Stop
 from mla_verify.runs.progress import Progress
 
 from .interrupt import Interrupt
@@ -29,7 +30,7 @@ class Sink:
         self.interrupt = interrupt or Interrupt()
         self.rows: list[Row] = []
         self.progress = Progress("", 0, every_s=math.inf)  # silent until `counting`
-        self.lost = ""        # why the device cannot run another case
+        self.lost: Stop | None = None  # why the device cannot run another case
         self.unit: Unit | None = None
         self.name_units = False  # the progress line says which unit runs next (the gate's)
         self._open: dict[str, Callable[[], None]] = {}
@@ -67,9 +68,9 @@ class Sink:
         if self.run_dir is not None and rows:
             self.run_dir.found(rows[0], name)
 
-    def lose(self, why: str) -> None:
+    def lose(self, why: Stop) -> None:
         """The device cannot run another case (the first reason is kept)."""
         self.lost = self.lost or why
 
-    def stop_reason(self) -> str:
-        return "interrupted" if self.interrupt.requested else self.lost
+    def stop_reason(self) -> Stop | None:
+        return Stop.INTERRUPTED if self.interrupt.requested else self.lost

@@ -17,6 +17,7 @@ ranks are processes of their own, so it never runs inside the isolation worker.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -24,9 +25,11 @@ import torch
 from mla_verify.equivalence import catalog
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.equivalence.spec import Spec
 from mla_verify.equivalence.subject import Subject
 
+from . import durations
 from .parts import Shard
 
 
@@ -73,6 +76,11 @@ class Unit:
     kept: tuple[Case, ...] = ()  # a kept corpus's cases of this op and implementation (runs.corpus), run first
 
     @property
+    def key(self) -> str:
+        """How `runs.durations` names the unit: "OP LABEL"."""
+        return f"{self.op} {self.label}"
+
+    @property
     def multi_rank(self) -> bool:
         return bool(catalog.get_spec(self.op).ranks)
 
@@ -80,7 +88,7 @@ class Unit:
         """The implementation under test, labelled as the rows name it."""
         if self.subject is not None:
             return self.subject
-        subject = catalog.resolve_subject(self.op, self.specs, device.split(":")[0])
+        subject = catalog.resolve_subject(self.op, self.specs, device_type(device))
         return Subject(self.label, subject.fn, subject.overrides, subject.deviations, self.specs)
 
     def campaigns(self, subject: Subject) -> tuple[str | None, ...]:
@@ -89,15 +97,14 @@ class Unit:
 
 def units(ops: list[str] | None, device: str) -> list[Unit]:
     """The gate's units for `ops` (None: every op and property) on `device`, in catalog order."""
-    device_type = device.split(":")[0]
+    kind = device_type(device)
     return [Unit(op, label, tuple(specs)) for op in catalog.select(ops or ["op", "property"])
-            for label, specs in catalog.get_spec(op).subjects(device_type).items()]
+            for label, specs in catalog.get_spec(op).subjects(kind).items()]
 
 
-def shard_units(ops: list[str] | None, device: str, shard: Shard, chosen: list[Unit] | None = None) -> list[Unit]:
-    """The units of shard `shard` (`runs.parts`: the multi-rank ones dealt first) among `chosen`
-    (None: the gate's `units`)."""
+def shard_units(ops: list[str] | None, device: str, shard: Shard, chosen: list[Unit] | None = None,
+                seconds: Mapping[str, float] | None = None) -> list[Unit]:
+    """The units of shard `shard` (`runs.parts`: the multi-rank ones dealt first; by each unit's
+    `seconds` last time where given, `runs.durations`) among `chosen` (None: the gate's `units`)."""
     every = units(ops, device) if chosen is None else chosen
-    return shard.deal(every, [u.multi_rank for u in every])
-
-
+    return shard.deal(every, [u.multi_rank for u in every], durations.weights([u.key for u in every], seconds))

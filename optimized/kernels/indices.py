@@ -19,6 +19,8 @@ made contiguous (they are [T] and [T, K] int32: small next to the attention they
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -113,6 +115,14 @@ def _check_fits_int32(block_table: torch.Tensor, stride_rows: int) -> None:
         )
 
 
+class Shard(NamedTuple):
+    """The positions one DCP rank owns (module docstring): N, n, I; the default, no DCP, owns all."""
+
+    size: int = 1
+    rank: int = 0
+    interleave: int = 1
+
+
 def _convert(
     req_id: torch.Tensor,
     block_table: torch.Tensor,
@@ -120,21 +130,20 @@ def _convert(
     *,
     block_size: int,
     stride_rows: int,
-    dcp_size: int,
-    dcp_rank: int,
-    interleave: int,
     compact: bool,
-    prefill_ids: torch.Tensor | None = None,
-    prefill_starts: torch.Tensor | None = None,
+    shard: Shard = Shard(),
+    prefill: tuple[torch.Tensor, torch.Tensor] | None = None,
     idx_mapping: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel's launch: `prefill` the prefill rows' (request ids, workspace starts)."""
     num_tokens, topk_width = topk.shape
     out = buffers.empty(topk.shape, torch.int32, topk.device)
     counts = buffers.empty((num_tokens,), torch.int32, topk.device) if compact else None
+    prefill_ids, prefill_starts = prefill or (None, None)
     if num_tokens:
         _convert_kernel[(num_tokens,)](
             req_id, block_table, block_table.stride(0), topk, out, counts, prefill_ids, prefill_starts, idx_mapping,
-            block_table.shape[1], block_size, stride_rows, dcp_size, dcp_rank, interleave,
+            block_table.shape[1], block_size, stride_rows, shard.size, shard.rank, shard.interleave,
             K=topk_width, HAS_PREFILL=prefill_ids is not None, COMPACT=compact,
             TILE=min(triton.next_power_of_2(topk_width), _MAX_TILE), HAS_IDX_MAPPING=idx_mapping is not None,
         )
@@ -157,11 +166,11 @@ def launch_convert_index(
     def dense(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.contiguous()
 
+    prefill = None if prefill_request_ids is None else (dense(prefill_request_ids), dense(prefill_workspace_starts))
     out, counts = _convert(
         req_id.contiguous(), block_table.contiguous(), topk_indices.contiguous(),
-        block_size=block_size, stride_rows=block_stride_rows or block_size, dcp_size=1, dcp_rank=0, interleave=1,
-        compact=return_valid_counts, prefill_ids=dense(prefill_request_ids), prefill_starts=dense(prefill_workspace_starts),
-        idx_mapping=dense(idx_mapping),
+        block_size=block_size, stride_rows=block_stride_rows or block_size, compact=return_valid_counts,
+        prefill=prefill, idx_mapping=dense(idx_mapping),
     )
     return (out, counts) if return_valid_counts else out
 
@@ -261,8 +270,7 @@ def dcp_convert_index(
     _check_fits_int32(block_table, block_size)
     check_launchable(topk_indices.device)
     out, _ = _convert(
-        req_id, block_table, topk_indices,
-        block_size=block_size, stride_rows=block_size, dcp_size=dcp_size, dcp_rank=dcp_rank,
-        interleave=interleave, compact=compact_valid_to_front and dcp_size > 1,
+        req_id, block_table, topk_indices, block_size=block_size, stride_rows=block_size,
+        compact=compact_valid_to_front and dcp_size > 1, shard=Shard(dcp_size, dcp_rank, interleave),
     )
     return out

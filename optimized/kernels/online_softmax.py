@@ -61,6 +61,21 @@ def attend_block(q_nope, q_rope, k_nope, k_rope, valid, m, l, acc, scale_log2e, 
 
 
 @triton.jit
+def attend_rows(q, k, valid, m, l, acc, scale_log2e, NATIVE: tl.constexpr):
+    """`attend_block` for rows that are both key and value (DeepSeek V4: d_qk = d_v = 512):
+    q [BH, D], k [BN, D] bf16 (invalid rows zero), valid [BN]; acc [BH, D]."""
+    s = _dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), dtype=tl.float32), NATIVE)
+    s = tl.where(valid[None, :], s, NEG_INF)
+    m_new = tl.maximum(m, tl.max(s, 1))
+    ref = tl.where(m_new == NEG_INF, 0.0, m_new) * scale_log2e
+    alpha = tl.math.exp2(m * scale_log2e - ref)
+    p = tl.math.exp2(s * scale_log2e - ref[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = _dot(to_bf16(p, NATIVE), k, acc * alpha[:, None], NATIVE)
+    return m_new, l, acc
+
+
+@triton.jit
 def finish(m, l, sm_scale, sink):
     """-> (lse, max_logit, scale): out = acc * scale. Empty rows: +inf, -inf, 0.
 

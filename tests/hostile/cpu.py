@@ -382,6 +382,15 @@ def sigterm_on_third_call(kv, scale_rule="pow2"):
     return eager.quantize_fp8_ds_mla(kv, scale_rule)
 
 
+def prefill_sigterm_once_on_third_call(q, kv, indices, sm_scale, topk_length=None, attn_sink=None):
+    """Correct; the third call receives SIGTERM the first time it runs in this working directory (a
+    file marks it), so that a run of the rest afterwards goes through."""
+    if _count() == 3 and not os.path.exists("interrupted-once"):
+        open("interrupted-once", "w").close()
+        os.kill(os.getpid(), signal.SIGTERM)
+    return eager.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
+
+
 def sigterm_to_its_group_on_third_call(kv, scale_rule="pow2"):
     """Correct; the third call sends SIGTERM to its whole process group, as `timeout`, Slurm's
     scancel or a Kubernetes pod's deletion do: the isolated worker receives it with the harness."""

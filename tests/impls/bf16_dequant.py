@@ -42,5 +42,6 @@ def whole_forward_mqa(q: torch.Tensor, kv_cache: torch.Tensor, **kwargs):
     deviation on a whole pipeline."""
     from mla_verify import reference
 
-    result = reference.forward_mqa(q, kv_cache, **kwargs)
+    topk = kwargs.pop("topk_indices")
+    result = reference.forward_mqa(q, kv_cache, topk, reference.MQAMetadata(**kwargs))
     return result.out.bfloat16(), None if result.lse is None else result.lse.float()

@@ -65,3 +65,43 @@ def merge_lse_in_bf16(outs, lses):
     output would."""
     out, lse = eager.dcp_merge(outs, lses)
     return out, lse.to(torch.bfloat16).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek V4's union decode: the reference with one inconsistency each (one call alone cannot
+# show it; a property can).
+
+
+def _union(q, kv_cache, indices, sm_scale, topk_length=None, extra_kv_cache=None, extra_indices=None,
+           extra_topk_length=None, attn_sink=None):
+    from mla_verify import reference
+
+    res = reference.sparse_decode_v4(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices,
+                                        extra_topk_length, attn_sink)
+    return res.out.float().to(torch.bfloat16), res.lse.float()
+
+
+def union_lse_of_main_only(q, kv_cache, indices, sm_scale, topk_length=None, extra_kv_cache=None, extra_indices=None,
+                           extra_topk_length=None, attn_sink=None):
+    """Right output, but the LSE it reports is the main list's alone: a merge of the two lists
+    weighs the extra one wrongly (to nothing)."""
+    out, _ = _union(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices, extra_topk_length,
+                    attn_sink)
+    _, lse = _union(q, kv_cache, indices, sm_scale, topk_length, None, None, None, attn_sink)
+    return out, lse
+
+
+def union_ignores_extra_length(q, kv_cache, indices, sm_scale, topk_length=None, extra_kv_cache=None,
+                               extra_indices=None, extra_topk_length=None, attn_sink=None):
+    """The extra list read whole whatever its length: an extra list of length 0 still counts."""
+    return _union(q, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices, None, attn_sink)
+
+
+def union_rope_from_the_nope_offset(q, kv_cache, indices, sm_scale, topk_length=None, extra_kv_cache=None,
+                                    extra_indices=None, extra_topk_length=None, attn_sink=None):
+    """q's RoPE dims read from 64 dims too early (dims 384..447): K's RoPE reaches the logits even
+    when q's own RoPE dims are zero."""
+    shifted = q.clone()
+    shifted[..., 448:] = q[..., 384:448]
+    return _union(shifted, kv_cache, indices, sm_scale, topk_length, extra_kv_cache, extra_indices, extra_topk_length,
+                  attn_sink)

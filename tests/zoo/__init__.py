@@ -89,6 +89,22 @@ ZOO = [
         "layer > 0 against a stale buffer", "hisparse spec §6", "bf16_hisparse"),
     Bug("group_fallback_not_taken", "forward_mqa", "index_group=tests.zoo.hisparse:fallback_not_taken",
         "buffer fallback not taken", "hisparse spec §6", "bf16_hisparse"),
+    Bug("v4_lengths_per_token", "sparse_decode_v4", "tests.zoo.v4:lengths_per_token",
+        "lengths per token read as per request", "FlashMLA [b] vs FlashInfer [tokens], issue 46"),
+    Bug("v4_extra_walked_to_main_topk", "sparse_decode_v4", "tests.zoo.v4:extra_walked_to_main_topk",
+        "dispatch keyed on the main top-k", "issue 46"),
+    Bug("v4_drops_partial_extra_block", "sparse_decode_v4", "tests.zoo.v4:drops_partial_extra_block",
+        "partial extra block dropped", "FlashMLA test-sparse-decode partial_extra_block_cases"),
+    Bug("v4_scale_tile_off_by_one", "sparse_decode_v4", "tests.zoo.v4:scale_tile_off_by_one", "scale tile off by one",
+        "issue 46"),
+    Bug("v41_fp4_nibbles_swapped", "sparse_decode_v41", "tests.zoo.v4:fp4_nibbles_swapped", "FP4 nibble order",
+        "FlashMLA V41_FP4: even element in the low nibble"),
+    Bug("v4_window_forced_full", "v4_prefill_indices", "tests.zoo.v4:window_forced_full",
+        "window length forced to the window for short sequences", "vLLM combine_topk_swa_indices"),
+    Bug("flashinfer_lengths_exclude_window", "flashinfer_decode_table", "tests.zoo.v4:lengths_exclude_window",
+        "lengths-include-the-window rule missed", "vLLM build_flashinfer_mixed_sparse_indices"),
+    Bug("v4_decode_window_unclamped", "v4_decode", "window_indices=tests.zoo.v4:window_unclamped",
+        "window length forced to the window for short sequences", "vLLM compute_swa_indices_and_lens"),
 ]
 
 # Issue 47: shapes serving produces that the draws had not reached (each escaped `ci` on seeds 1, 2

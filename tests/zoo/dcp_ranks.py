@@ -11,9 +11,16 @@ import torch
 from mla_verify.optimized import dcp_runtime, pipeline
 
 
+def _body(kw):
+    """The project's rank body on the contract's keywords."""
+    kw = dict(kw)
+    q, kv_cache, topk, group, combine = (kw.pop(k) for k in ("q", "kv_cache", "topk_indices", "group", "combine"))
+    return dcp_runtime.forward_mqa_dcp_rank(q, kv_cache, topk, pipeline.MQAMetadata(**kw), group=group, combine=combine)
+
+
 def _run(kw, **replacements):
     with mock.patch.multiple(dcp_runtime, **replacements):
-        return dcp_runtime.forward_mqa_dcp_rank(**kw)
+        return _body(kw)
 
 
 class _ReversedQueryGather(dcp_runtime.Collectives):
@@ -57,14 +64,15 @@ def lse_halves_swapped(**kw):
     return _run(kw, pack_a2a=pack)
 
 
-def _mixed_without_neutralization(step, decode_stage, dcp_size, dcp_rank, interleave):
+def _mixed_without_neutralization(step, decode_stage):
+    m = step.m
     idx = step.stages.fn("dcp_convert_index")(
-        req_id=step.req_id, block_table=step.block_table, topk_indices=step.topk,
-        block_size=step.kv_cache.shape[1], dcp_size=dcp_size, dcp_rank=dcp_rank,
-        interleave=interleave, compact_valid_to_front=False,
+        req_id=step.req_id, block_table=m.block_table, topk_indices=step.topk,
+        block_size=step.kv_cache.shape[1], dcp_size=m.dcp_size, dcp_rank=m.dcp_rank,
+        interleave=m.interleave, compact_valid_to_front=False,
     )
     out, lse = step.stages.fn(decode_stage)(
-        q=step.q.unsqueeze(0), kv_cache=step.kv_cache, indices=idx.unsqueeze(0), sm_scale=step.sm_scale
+        q=step.q.unsqueeze(0), kv_cache=step.kv_cache, indices=idx.unsqueeze(0), sm_scale=m.sm_scale
     )
     return out[0], lse[0].transpose(0, 1)
 
@@ -72,7 +80,7 @@ def _mixed_without_neutralization(step, decode_stage, dcp_size, dcp_rank, interl
 def no_empty_row_neutralization(**kw):
     """Rows this rank owns none of keep the decode kernel's (0, +inf) instead of (0, -inf)."""
     with mock.patch.object(pipeline, "_fp8_mixed", _mixed_without_neutralization):
-        return dcp_runtime.forward_mqa_dcp_rank(**kw)
+        return _body(kw)
 
 
 def _is_last_rank(group) -> bool:
@@ -83,11 +91,11 @@ def last_rank_hangs(**kw):
     """The last rank never reaches the first collective: its peers block in it."""
     if _is_last_rank(kw["group"]):
         time.sleep(3600)
-    return dcp_runtime.forward_mqa_dcp_rank(**kw)
+    return _body(kw)
 
 
 def last_rank_dies(**kw):
     """The last rank's process exits the way a CUDA illegal address takes it down."""
     if _is_last_rank(kw["group"]):
         os._exit(3)
-    return dcp_runtime.forward_mqa_dcp_rank(**kw)
+    return _body(kw)

@@ -18,8 +18,11 @@ def _patched(**replacements):
 
 
 def _run(q, kv_cache, kw, **replacements):
+    """The reference's forward_mqa on the contract's keywords, with `replacements` patched in."""
+    kw = dict(kw)
+    topk = kw.pop("topk_indices")
     with _patched(**replacements):
-        res = F.forward_mqa(q, kv_cache, **kw)
+        res = F.forward_mqa(q, kv_cache, topk, F.MQAMetadata(**kw))
     return res.out.float().to(torch.bfloat16), res.lse.float()
 
 

@@ -12,12 +12,10 @@ def skips_missing_copy(host_rows, gpu_rows, src, dst):
     return hisparse.hisparse_swap_in(host_rows, gpu_rows, src[1:], dst[1:])
 
 
-def counts_off_by_one(req_id, host_rows, resident_rows, request_state_indices, hot_block_table,
-                      device_global_indices, lru_slots, block_size, stride_rows, return_valid_counts):
+def counts_off_by_one(req_id, host_rows, resident_rows, tables, block_size, return_valid_counts):
     """Valid counts one short: the last valid row of every non-empty row is dropped."""
-    phys, counts, src, dst = hisparse.hisparse_place(
-        req_id, host_rows, resident_rows, request_state_indices, hot_block_table, device_global_indices,
-        lru_slots, block_size, stride_rows, return_valid_counts)
+    phys, counts, src, dst = hisparse.hisparse_place(req_id, host_rows, resident_rows, tables, block_size,
+                                                     return_valid_counts)
     return phys, (counts - 1).clamp(min=0), src, dst
 
 
