@@ -117,8 +117,13 @@ def covering_set(op: str, profile: Profile, seed: int, path: str | None = None,
     rng = random.Random(f"{op}/{path}/{profile.name}/{seed}")
     chosen = _features(op, cov, profile, rng, path, admit, device, world_size)
     if cov.pairs is not None:
-        chosen += pair_cases(op, cov.pairs, profile, rng, [shown for _, shown in chosen], path, admit, device,
-                             world_size, cov.pairs.cap(profile) if interpreted else None)
+
+        def build(params: dict, rng: random.Random) -> tuple[Case, Row] | None:
+            case = Case(op, params if world_size is None else {**params, "dcp_size": world_size}, rng.randrange(2**31))
+            return (case, shown_of(case, device, path)) if admit(case) else None
+
+        chosen += pair_cases(op, cov.pairs, profile, rng, [shown for _, shown in chosen], build,
+                             cov.pairs.cap(profile) if interpreted else None)
     return [case for case, _ in chosen]
 
 
@@ -162,30 +167,28 @@ def _features(op: str, cov: Coverage, profile: Profile, rng: random.Random, path
     return chosen
 
 
-def pair_cases(op: str, pairs: Pairs, profile: Profile, rng: random.Random, shown: list[Row], path: str | None,
-               admit: Callable[[Case], bool], device: str, world_size: int | None,
+Build = Callable[[dict, random.Random], "tuple[Case, Row] | None"]  # params -> (case, its routing values), None: not admitted
+
+
+def pair_cases(op: str, pairs: Pairs, profile: Profile, rng: random.Random, shown: list[Row], build: Build,
                cap: float | None = None) -> list[tuple[Case, Row]]:
     """The cases (with the values they show) that hold, beside cases showing `shown`, every tuple
     of `pairs`' factors at `profile` whose cheapest case costs at most `cap` interpreter seconds:
-    a covering array's rows, each realized as a case of `op`, kept where its tensors show a tuple
-    not held yet."""
+    a covering array's rows, each realized as a case (`build`), kept where its tensors show a
+    tuple not held yet."""
     factors = pairs.factors(profile)
     names = [f.name for f in factors]
     t = min(pairs.strength_at(profile), len(factors))
     have, found = held(pairs, profile, shown), []
     for row in covering_array(factors, t, rng, pairs.allowed, have, row_cost(op, pairs, profile), cap):
-        case, values = None, {}
+        built = None
         for _ in range(REALIZATIONS):  # a drawn length may miss what the row asks: another seed
-            params = pairs.realize(rng, profile, row)
-            candidate = Case(op, params if world_size is None else {**params, "dcp_size": world_size},
-                             rng.randrange(2**31))
-            if admit(candidate):
-                case, values = candidate, shown_of(candidate, device, path)
-                if values == row:
-                    break
-        new = tuples(values, names, t) - have
-        if case is not None and new:
-            found.append((case, values))
+            built = build(pairs.realize(rng, profile, row), rng) or built
+            if built is not None and built[1] == row:
+                break
+        new = tuples(built[1], names, t) - have if built is not None else set()
+        if new:
+            found.append(built)
             have |= new
     return found
 
