@@ -315,8 +315,8 @@ def _merge_factors(p: Profile) -> tuple[Factor, ...]:
 
 
 def _merge_row(rng: random.Random, p: Profile, row: Row) -> dict:
-    return {"ranks": row["ranks"], "tokens": rng.randint(12, 16), "heads": 4, "empty_frac": 0.3 if row["empty"] else 0.0,
-            "junk": row["junk"]}  # 48-64 rows a rank: a junk or empty one among them
+    return {"ranks": row["ranks"], "tokens": rng.randint(10, 12), "heads": 2, "empty_frac": 0.3 if row["empty"] else 0.0,
+            "junk": row["junk"]}  # 20-24 rows a rank: a junk or empty one among them (three tries: pair_cases)
 
 
 def _merge_shown(p, kw: dict) -> Row:
