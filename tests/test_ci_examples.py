@@ -134,7 +134,7 @@ class Actions:
         fake.mkdir(parents=True, exist_ok=True)
         (fake / "pip").write_text(f'#!/bin/sh\necho "pip $*" >> "{store}/pip-calls"\n')
         (fake / "pip").chmod(0o755)
-        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{fake}{os.pathsep}{os.environ['PATH']}"
+        self.env["PATH"] = f"{fake}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
         self.output: dict[str, subprocess.CompletedProcess] = {}
 
     def job(self, name: str, workdir: Path, index: int = 0, **env: str) -> list[str]:
