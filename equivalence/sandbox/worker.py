@@ -39,6 +39,7 @@ CUDA workers are spawned fresh (nothing CUDA ever runs in a process that forks).
 from __future__ import annotations
 
 import contextvars
+import gc
 import json
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -53,7 +54,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import torch
+
 from ..cases.case import Case
+from ..cases.values import release_pools
 from ..errors import HarnessError, UsageError
 from ..judge.policy import DEVIATIONS
 from ..judge.rows import Row
@@ -207,7 +211,7 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             called.append(True)
             channel.send({"kind": "calling", "seq": seq, "after": after})
 
-        try:
+        def attempt() -> Produced:
             key = (case.op, tuple(specs), tuple(deviations), tuple(conventions))
             if key not in subjects:
                 subjects[key] = resolve_subject(case.op, specs, device_type(device), deviations=deviations,
@@ -215,9 +219,11 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             CALLED_WITH.clear()
             # the parent's inputs, not built here, where the segment could be mapped
             kwargs = given and mapped["inputs"] and segment.inputs_of(given, mapped["inputs"], device)
-            produced = produce(case, subjects[key], device, run_id=request["run_id"], source=request["source"],
-                               on_call=on_call, inputs=kwargs)
-            del kwargs
+            return produce(case, subjects[key], device, run_id=request["run_id"], source=request["source"],
+                           on_call=on_call, inputs=kwargs)
+
+        try:
+            produced = _with_room(attempt, called)
         except Exception as exc:
             if called and (is_device_error(exc) or not usable(device)):
                 # The context died while (or right after) the implementation ran: its crash.
@@ -270,6 +276,21 @@ def _beyond(answer: wire.Answer, allowed: frozenset[str]) -> str | None:
 def _key(op: str, specs: Sequence[str], deviations: Sequence[str], conventions: Sequence[str]) -> tuple:
     """An implementation as the worker resolves it: (op, specs, deviations, conventions)."""
     return op, tuple(specs), tuple(deviations), tuple(conventions)
+
+
+def _with_room(attempt: Callable[[], Produced], called: list) -> Produced:
+    """attempt(), once more after the input pools and the allocator's cache are given back where the
+    harness's side of it (building the case's inputs) ran out of device memory before the
+    implementation was called: other parts on the card peaked with it."""
+    try:
+        return attempt()
+    except torch.OutOfMemoryError:
+        if called:
+            raise
+    release_pools()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return attempt()
 
 
 def _writes(case: Case) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from mla_verify.equivalence.sandbox import call_guards
 from mla_verify.equivalence.ops import dcp_ranks
 from mla_verify.equivalence.sandbox import device as dev
 from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.cases.values import release_pools
 from mla_verify.equivalence.sandbox.device import WORKER_SHARE, take_gpu_share
 from mla_verify.equivalence.errors import HarnessError
 from mla_verify.equivalence.sandbox.worker import Worker
@@ -168,7 +169,9 @@ def _within_memory(judge: Judge, unit: Unit, device: str, run_id: str) -> Judge:
 
 
 def _give_back(seconds: float) -> None:
-    """This process's cached device memory back to the card, then a wait for the other parts'."""
+    """This process's input pools and cached device memory back to the card, then a wait for the
+    other parts'."""
+    release_pools()
     gc.collect()
     torch.cuda.empty_cache()
     time.sleep(seconds)
