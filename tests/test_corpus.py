@@ -54,7 +54,7 @@ def test_a_finding_is_kept_once_named_by_its_content_and_applies_to_its_op_and_i
         t.join()
     third = corpus.add(saved_case(tmp_path, seed=2))
     assert third is not None and len(list(corpus.directory.iterdir())) == 3  # seeds 0, 1 (four writers), 2; no temporary
-    assert {c.seed for c in corpus.applying("concat_mla_q", ("k:f",))} == {0, 1, 2}
+    assert {k.case.seed for k in corpus.applying("concat_mla_q", ("k:f",))} == {0, 1, 2}
     assert corpus.applying("concat_mla_q", ("other:f",)) == () and corpus.applying("sparse_prefill", ("k:f",)) == ()
 
 
