@@ -78,6 +78,6 @@ def terminal_summary(rows: pd.DataFrame, meta: Mapping[str, Any] | None = None, 
         lines += ["", f"documented deviations (expected, not regressions): "
                       f"{c.deviation_rows} rows: {names}"]
     lines += ["", c.line()]
-    if c.failed_rows:  # the findings by cause, their files under each
+    if (c.findings or 0) > 1:  # several findings: by cause, their files under each
         lines += causes.lines(causes.of_frame(frame))
     return "\n".join(lines)

@@ -93,8 +93,13 @@ class Corpus:
         return self._cases
 
     def applying(self, op: str, specs: Sequence[str]) -> tuple[Kept, ...]:
-        """The kept cases a unit of `op` judging the --impl strings `specs` replays (`applies`)."""
-        return tuple(k for k in self.cases() if applies(k, op, specs))
+        """The kept cases a unit of `op` judging the --impl strings `specs` replays (`applies`), each
+        case once (two kernels' gates may each have kept it)."""
+        once = {}
+        for k in self.cases():
+            if applies(k, op, specs):
+                once.setdefault(k.case.case_id, k)
+        return tuple(once.values())
 
     def add(self, case_file: Path) -> Path | None:
         """Keep the finding saved in `case_file`: its path in the corpus, None if it was kept already."""
