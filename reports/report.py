@@ -138,7 +138,8 @@ def _own_sections(report: Report, frame: pd.DataFrame, against_baseline: bool) -
             "failures", "Failures",
             "Rows that failed their bound, least headroom first. Replay a case by its case_id "
             "and seed.", fails, limit=200))
-    if groups := causes.of_frame(frame):
+    groups = causes.of_frame(frame)
+    if sum(len(g.findings) for g in groups) > 1:  # several findings: by cause
         sections.append(Section(
             "causes", "Findings by cause",
             f"{len(groups)} group{'s' * (len(groups) != 1)} of the run's findings (its case files under failures/), "

@@ -134,7 +134,8 @@ class Actions:
         fake.mkdir(parents=True, exist_ok=True)
         (fake / "pip").write_text(f'#!/bin/sh\necho "pip $*" >> "{store}/pip-calls"\n')
         (fake / "pip").chmod(0o755)
-        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{fake}{os.pathsep}{os.environ['PATH']}"
+        # the recording pip first: the interpreter's folder has a real one, which would install into it
+        self.env["PATH"] = f"{fake}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
         self.output: dict[str, subprocess.CompletedProcess] = {}
 
     def job(self, name: str, workdir: Path, index: int = 0, **env: str) -> list[str]:
