@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     device = getattr(args, "device", None) or (_default_device() if args.command not in ("report", "merge", "history") else "cpu")
     _prepare(device)
     if getattr(args, "reference_memory", None):
-        from mla_verify.reference.attention import MEMORY_ENV
+        from mla_verify.reference.streaming import MEMORY_ENV
 
         os.environ[MEMORY_ENV] = str(args.reference_memory)  # read by the reference here and in every child process
     if getattr(args, "judge", None):

@@ -4,7 +4,8 @@ read: each module holds one concern, each function states its formula.
 
     fp8_ds_mla / nvfp4_ds_mla   the quantized cache row formats
     paged_cache                 writing rows by slot mapping; the flat row view
-    attention                   sparse attention, prefill and FP8 decode index forms; the memory budget
+    attention                   sparse attention, prefill and FP8 decode index forms
+    streaming                   the memory budget, and query tokens streamed through it in chunks
     indices                     logical -> physical index conversion, DCP ownership
     metadata                    decode/prefill split, path choice, prefill chunking
     workspace                   gather + up-convert into the BF16 prefill workspace
@@ -23,8 +24,6 @@ DeepSeek V4 / V4.1:
 
 from .attention import (
     AttentionResult,
-    memory_budget,
-    memory_limit,
     sparse_decode,
     sparse_decode_chunks,
     sparse_decode_fp8,
@@ -46,6 +45,7 @@ from .metadata import split_prefill_chunks
 from .nvfp4_ds_mla import dequantize_nvfp4_ds_mla, nvfp4_ds_mla_values, quantize_nvfp4_ds_mla
 from .paged_cache import flat_kv_row_view, write_fp8_ds_mla_cache, write_nvfp4_ds_mla_cache
 from .query import concat_mla_q, reshape_attn_output_for_spec_decode, reshape_query_for_spec_decode
+from .streaming import memory_budget, memory_limit
 from .union import Paged, Rows, lists_of, sparse_decode_union, sparse_decode_union_chunks, sparse_decode_v4, sparse_prefill_union
 from .v4_forward import v4_decode
 from .v4_indices import flashinfer_decode_table, flashinfer_table_as_union, v4_prefill_indices, window_indices

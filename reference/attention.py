@@ -22,28 +22,21 @@ Two index forms:
     out of range is a caller bug the kernel does not check (it reads out of bounds), so the
     reference refuses it.
 
-Memory: besides its inputs and its result, a call holds at most `budget_bytes` (default
-`memory_budget()`, 4 GiB) of working memory. Query tokens go through in chunks sized by
-`token_bytes`, what one token's intermediates take: its K rows gathered in the compute dtype and,
-one at a time, its [H, topk] logits. The `*_chunks` forms yield the result chunk by chunk and so
-hold no more than the budget whatever the number of tokens; the others collect it.
+Memory: query tokens go through in chunks that hold at most a working budget (`streaming`: 4 GiB
+by default, on a GPU never more than the process may still allocate there); the `*_chunks` forms
+yield the result chunk by chunk and so hold no more than the budget whatever the number of tokens,
+the others collect it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import os
 from typing import Callable, Iterator, NamedTuple
 
 import torch
 
+from . import streaming
 from .fp8_ds_mla import HEAD_DIM, NOPE_DIM, ROW_BYTES, fp8_ds_mla_values
 from .nvfp4_ds_mla import ROW_BYTES as NVFP4_ROW_BYTES, nvfp4_ds_mla_values
-
-DEFAULT_MEMORY_BYTES = 4 << 30
-MEMORY_ENV = "MLA_VERIFY_REFERENCE_MEMORY"  # bytes; how `--reference-memory` reaches child processes
-_memory_limit: contextvars.ContextVar[int | None] = contextvars.ContextVar("reference_memory", default=None)
 
 
 class AttentionResult(NamedTuple):
@@ -55,49 +48,6 @@ class AttentionResult(NamedTuple):
     value_abs: torch.Tensor | None = None  # [..., H, 512], with `magnitudes`
 
 
-def memory_budget() -> int:
-    """Working memory a reference attention call may hold, in bytes: the innermost
-    `memory_limit`, else the MLA_VERIFY_REFERENCE_MEMORY environment variable, else 4 GiB."""
-    limit = _memory_limit.get()
-    if limit is not None:
-        return limit
-    return int(os.environ.get(MEMORY_ENV, DEFAULT_MEMORY_BYTES))
-
-
-@contextlib.contextmanager
-def memory_limit(nbytes: int) -> Iterator[None]:
-    """Within the block, reference attention calls hold at most `nbytes` of working memory."""
-    if nbytes <= 0:
-        raise ValueError(f"a memory budget must be positive, got {nbytes}")
-    token = _memory_limit.set(int(nbytes))
-    try:
-        yield
-    finally:
-        _memory_limit.reset(token)
-
-
-def token_bytes(num_heads: int, topk: int, itemsize: int, build_bytes: int = 2 * HEAD_DIM + 64) -> int:
-    """Peak working bytes of one query token, everything it holds at once counted: its K rows
-    [topk, 576] in the compute dtype; while they are built, `build_bytes` per row (the gathered
-    source row, its index, a format's decoding temporaries: `row_build_bytes`); then either |K|
-    and its logit sizes [H, topk] in float32, or the logits [H, topk] in the compute dtype; its
-    query (compute dtype and |q| in float32) and two results [H, 512] of three tensors each (the
-    one being handed on and the next: out and the magnitudes, whether asked for or not)."""
-    per_row = HEAD_DIM * itemsize + max(build_bytes, 4 * (HEAD_DIM + num_heads), itemsize * num_heads) + 16
-    per_head = HEAD_DIM * (itemsize + 4) + 6 * NOPE_DIM * itemsize + 64
-    return topk * per_row + num_heads * per_head
-
-
-def chunk_tokens(num_heads: int, topk: int, itemsize: int, budget_bytes: int, build_bytes: int = 2 * HEAD_DIM + 64) -> int:
-    """Query tokens per chunk: as many as `budget_bytes` holds (`token_bytes` each), less a
-    sixteenth kept for the libraries' own workspaces (BLAS packing buffers, allocator rounding)."""
-    one, usable = token_bytes(num_heads, topk, itemsize, build_bytes), budget_bytes - budget_bytes // 16
-    if usable < one:
-        raise ValueError(f"a reference memory budget of {budget_bytes / 2**20:.1f} MiB holds no query token: one "
-                         f"with {num_heads} heads and top-k {topk} needs {one / 2**20:.1f} MiB")
-    return usable // one
-
-
 def attend(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -107,16 +57,10 @@ def attend(
     magnitudes: bool = False,
 ) -> AttentionResult:
     """The formula above for a chunk: q [c, H, 576], keys [c, k, 576] whose invalid rows are zero
-    (never read: no NaN leaks; with `magnitudes` the keys are spent: overwritten by their
-    magnitudes), valid [c, k]. Batched GEMMs over the gathered rows; the one [c, H, k] logit
-    matrix is worked on in place:
+    (never read: no NaN leaks), valid [c, k]. The keys are spent: once the output is out, they are
+    overwritten by their magnitudes. Batched GEMMs over the gathered rows, every head of a token
+    one GEMM against its rows (MQA); the one [c, H, k] logit matrix is worked on in place:
         m = max_j s_j,   p_j = exp(s_j - m) / sum_j exp(s_j - m) = exp(s_j - lse),   lse = m + ln sum."""
-    # The tolerance's logit scale first (float32 is plenty for a scale); a zero row adds 0.
-    abs_keys = torch.empty(keys.shape, dtype=torch.float32, device=keys.device).copy_(keys).abs_()
-    l1 = torch.einsum("thd,tkd->thk", q.abs().float(), abs_keys)
-    del abs_keys
-    logit_l1 = (sm_scale * l1.amax(dim=-1)).to(q.dtype)
-    del l1
     logits = torch.einsum("thd,tkd->thk", q, keys).mul_(sm_scale)
     logits.masked_fill_(~valid[:, None, :], float("-inf"))
     max_logits = logits.amax(dim=-1)
@@ -125,17 +69,23 @@ def attend(
     probs = logits.sub_(shift[..., None]).exp_()
     total = probs.sum(dim=-1)
     lse = shift + torch.log(total)
-    out = torch.einsum("thk,tkd->thd", probs.div_(total[..., None]), keys[..., :NOPE_DIM])
-    found = [out]
+    found = [torch.einsum("thk,tkd->thd", probs.div_(total[..., None]), keys[..., :NOPE_DIM])]
+    sizes = keys.abs_()  # |K|: the same memory; a zero row adds 0 to every sum below
     if magnitudes:
-        values = keys[..., :NOPE_DIM].abs_()  # the keys are spent: the same memory holds |V|
-        found += [torch.einsum("thk,tkd->thd", probs, values), values.sum(dim=1)[:, None, :].expand_as(out).clone()]
+        found += [torch.einsum("thk,tkd->thd", probs, sizes[..., :NOPE_DIM]),
+                  sizes[..., :NOPE_DIM].sum(dim=1)[:, None, :].expand_as(found[0]).clone()]
+    del probs, logits
+    # The tolerance's logit scale (float32 is plenty for a scale).
+    l1 = torch.einsum("thd,tkd->thk", q.abs().float(), sizes.float())
+    logit_l1 = (sm_scale * l1.amax(dim=-1)).to(q.dtype)
+    del l1
+    factor = None if attn_sink is None else 1 + torch.exp(attn_sink.to(lse.dtype)[None, :] - lse)
     for t in found:
-        if attn_sink is not None:
-            t.div_((1 + torch.exp(attn_sink.to(t.dtype)[None, :] - lse))[..., None])
+        if factor is not None:
+            t.div_(factor[..., None])
         t.masked_fill_(empty[..., None], 0)
     lse.masked_fill_(empty, float("inf"))
-    return AttentionResult(out, lse, max_logits, logit_l1, *found[1:])
+    return AttentionResult(found[0], lse, max_logits, logit_l1, *found[1:])
 
 
 def attend_chunks(
@@ -149,38 +99,28 @@ def attend_chunks(
     budget_bytes: int | None,
     magnitudes: bool = False,
 ) -> Iterator[tuple[slice, AttentionResult]]:
-    """(rows, `attend` over q [n, H, 576][rows]) chunk by chunk; `chunk_keys(rows)` returns the
-    chunk's keys in `dtype`, invalid entries zero, and their validity, with `build_bytes` of
-    temporaries per row. Nothing is held for all n tokens at once (their int64 indices alone
-    would outgrow the budget at long prefills)."""
+    """(rows, `attend` over q [n, H, 576][rows]) chunk by chunk (`streaming`); `chunk_keys(rows)`
+    returns the chunk's keys in `dtype`, invalid entries zero, and their validity, with
+    `build_bytes` of temporaries per row. Nothing is held for all n tokens at once (their int64
+    indices alone would outgrow the budget at long prefills)."""
     if sm_scale <= 0:
         raise ValueError(f"sm_scale must be > 0 (the kernels take the row max before scaling), got {sm_scale}")
     n, num_heads, _ = q.shape
-    chunk = chunk_tokens(num_heads, topk, dtype.itemsize, budget_bytes or memory_budget(), build_bytes)
-
-    def results() -> Iterator[tuple[slice, AttentionResult]]:
-        for rows in (slice(start, min(start + chunk, n)) for start in range(0, n, chunk)):
-            # No local holds a chunk's keys past its `attend`: the next chunk's are built in their place.
-            yield rows, attend(q[rows].to(dtype), *chunk_keys(rows), sm_scale, attn_sink, magnitudes)
-
-    return results()  # a plain function: bad arguments raise at the call, not at the first chunk
+    chunk = streaming.tokens_per_chunk(q.device, num_heads, topk, dtype.itemsize, budget_bytes, build_bytes)
+    # A plain function: bad arguments raise at the call, not at the first chunk.
+    return streaming.stream(n, chunk, lambda rows: attend(q[rows].to(dtype), *chunk_keys(rows), sm_scale, attn_sink,
+                                                         magnitudes))
 
 
 def collect(chunks: Iterator[tuple[slice, AttentionResult]], q: torch.Tensor, dtype: torch.dtype) -> AttentionResult:
     """The whole result of `chunks` over q [n, H, 576]: out (and the magnitudes) [n, H, 512], the
     rest [n, H]."""
     n, num_heads, _ = q.shape
-    result = None
-    for rows, part in chunks:
-        if result is None:
-            result = AttentionResult(*(None if t is None else t.new_empty((n, *t.shape[1:])) for t in part))
-        for whole, piece in zip(result, part):
-            if piece is not None:
-                whole[rows] = piece
-    if result is None:  # no query token
-        result = AttentionResult(q.new_empty((n, num_heads, NOPE_DIM), dtype=dtype),
-                                 *(q.new_empty((n, num_heads), dtype=dtype) for _ in range(3)))
-    return result
+    whole = streaming.collect(chunks, n)
+    if whole is None:  # no query token
+        whole = AttentionResult(q.new_empty((n, num_heads, NOPE_DIM), dtype=dtype),
+                                *(q.new_empty((n, num_heads), dtype=dtype) for _ in range(3)))
+    return whole
 
 
 def sparse_prefill_chunks(
@@ -239,8 +179,12 @@ def sparse_prefill(
 
 def row_build_bytes(kv_cache: torch.Tensor, itemsize: int) -> int:
     """Temporary bytes per row of `cache_row_values`: the row's bytes, its slot's index
-    arithmetic, and for nvfp4 its codes, their int32 table index and the looked-up values."""
+    arithmetic, for fp8 its NoPE widened to bfloat16 (on a CPU, where torch widens a mixed-dtype
+    product's input into a temporary of the result's dtype, that too), and for nvfp4 its codes,
+    their int32 table index and the looked-up values."""
     width = kv_cache.shape[-1] * kv_cache.element_size()
+    if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == ROW_BYTES:
+        width += NOPE_DIM * (2 + (itemsize if kv_cache.device.type == "cpu" else 0))
     if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == NVFP4_ROW_BYTES:
         width += NOPE_DIM * (2 + 4 + itemsize)
     return width + 64

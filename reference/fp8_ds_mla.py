@@ -81,14 +81,15 @@ def unpack_fp8_ds_mla(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def fp8_ds_mla_values(rows: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The exact meaning of each row: float(q_i) * scale_j and the RoPE values, in `dtype`.
 
-    float64 holds every product exactly (4 significant bits times 24). Written in place: no
-    temporary larger than the rows' bytes.
+    float64 holds every product exactly (4 significant bits times 24). q_i is widened on its way
+    through bfloat16, which holds every e4m3 value exactly: a temporary of 2 bytes an element, and
+    the product written once in `dtype`.
     """
     nope, scales, rope = unpack_fp8_ds_mla(rows)
     lead = nope.shape[:-1]
     values = torch.empty(*lead, HEAD_DIM, dtype=dtype, device=rows.device)
-    values[..., :NOPE_DIM] = nope
-    values[..., :NOPE_DIM].view(*lead, NUM_TILES, TILE).mul_(scales.to(dtype)[..., None])
+    torch.mul(nope.to(torch.bfloat16).view(*lead, NUM_TILES, TILE), scales.to(dtype)[..., None],
+              out=values[..., :NOPE_DIM].view(*lead, NUM_TILES, TILE))
     values[..., NOPE_DIM:] = rope
     return values
 

@@ -104,7 +104,7 @@ def swap_in(
     return_valid_counts: bool,
 ) -> Swaps:
     """`hisparse_resolve_residency` as a deterministic policy (module docstring). Scans rows t, then
-    columns j; for request r (state s), valid logical i (i >= 0, i // B < M):
+    columns j; for request r (state s >= 0), valid logical i (i >= 0, i // B < M):
         resident:  phys = residency[s, i//B] * S + i%B
         hot hit:   slot k with dgi[s, k] = h = host_block_table[r, i//B] * B + i%B
         miss:      k = the least recently used slot of s neither used this step nor holding a row
@@ -113,49 +113,57 @@ def swap_in(
     A step never evicts a row it needs (a request's union fits its D slots). With counts the valid
     entries are compacted stably to the front. The policy walks the tables on the host (one read
     each, not one device sync per entry); the physical indices come back on topk's device."""
-    device, tb = topk.device, tables
+    device, shape, tb = topk.device, tuple(topk.shape), tables
+    # Plain lists: the policy walks every entry, and a tensor read or op per entry cost ~0.1 s a step.
     req_id, topk, host_block_table, residency, request_state_indices, hot_block_table, device_global_indices, \
-        lru_slots = (x.cpu() for x in (req_id, topk, host_block_table, tb.residency, tb.request_state_indices,
-                                        tb.hot_block_table, tb.device_global_indices, tb.lru_slots))
-    bs, width, stride_rows = block_size, host_block_table.shape[1], tb.attention_block_stride
-    dgi = device_global_indices.clone()
-    lru = {s: [int(k) for k in lru_slots[s]] for s in range(lru_slots.shape[0])}
-    used: dict[int, set[int]] = {}
+        lru_slots = (x.tolist() for x in (req_id, topk, host_block_table, tb.residency, tb.request_state_indices,
+                                           tb.hot_block_table, tb.device_global_indices, tb.lru_slots))
+    bs, width, stride_rows = block_size, len(host_block_table[0]) if host_block_table else 0, tb.attention_block_stride
+
+    def entries(t: int):
+        """(r, s, i) of token t's valid logical entries, with their column j."""
+        r = req_id[t]
+        s = request_state_indices[r]
+        for j, i in enumerate(topk[t]):
+            if s >= 0 and 0 <= i and i // bs < width:
+                yield j, r, s, i
+
     needed: dict[int, set[int]] = {}
-    for t in range(topk.shape[0]):
-        r = int(req_id[t])
-        s = int(request_state_indices[r])
-        for i in topk[t].tolist():
-            if s >= 0 and 0 <= i and i // bs < width and not int(residency[s, i // bs]):
-                needed.setdefault(s, set()).add(int(host_block_table[r, i // bs]) * bs + i % bs)
-    phys = torch.full(tuple(topk.shape), -1, dtype=torch.int64)
+    for t in range(len(topk)):
+        for _, r, s, i in entries(t):
+            if not residency[s][i // bs]:
+                needed.setdefault(s, set()).add(host_block_table[r][i // bs] * bs + i % bs)
+    dgi = [list(row) for row in device_global_indices]
+    holders = [{} for _ in dgi]  # state -> host row -> the slots holding it (dgi inverted)
+    for s, row in enumerate(dgi):
+        for k, h in enumerate(row):
+            holders[s].setdefault(h, set()).add(k)
+    lru = [dict.fromkeys(row) for row in lru_slots]  # slots in order, least recently used first
+    used: dict[int, set[int]] = {}
+    phys = [[-1] * len(row) for row in topk]
     host_rows, hot_rows = [], []
-    for t in range(topk.shape[0]):
-        r = int(req_id[t])
-        s = int(request_state_indices[r])
-        if s < 0:
-            continue
-        for j in range(topk.shape[1]):
-            i = int(topk[t, j])
-            if i < 0 or i // bs >= width:
-                continue
+    for t in range(len(topk)):
+        for j, r, s, i in entries(t):
             page, off = i // bs, i % bs
-            if int(residency[s, page]):
-                phys[t, j] = int(residency[s, page]) * stride_rows + off
+            if residency[s][page]:
+                phys[t][j] = residency[s][page] * stride_rows + off
                 continue
-            h = int(host_block_table[r, page]) * bs + off
-            held = (dgi[s] == h).nonzero()
-            if len(held):
-                k = int(held[0])
+            h = host_block_table[r][page] * bs + off
+            if h in holders[s]:
+                k = min(holders[s][h])
             else:
-                k = next(k for k in lru[s] if k not in used.get(s, set()) and int(dgi[s, k]) not in needed[s])
-                dgi[s, k] = h
+                k = next(k for k in lru[s] if k not in used.get(s, set()) and dgi[s][k] not in needed[s])
+                holders[s][dgi[s][k]].discard(k)
+                if not holders[s][dgi[s][k]]:
+                    del holders[s][dgi[s][k]]
+                dgi[s][k] = h
+                holders[s][h] = {k}
                 host_rows.append(h)
-                hot_rows.append(int(hot_block_table[r, k // bs]) * stride_rows + k % bs)
+                hot_rows.append(hot_block_table[r][k // bs] * stride_rows + k % bs)
             used.setdefault(s, set()).add(k)
-            lru[s].remove(k)
-            lru[s].append(k)
-            phys[t, j] = int(hot_block_table[r, k // bs]) * stride_rows + k % bs
+            lru[s][k] = lru[s].pop(k)  # most recently used: to the end
+            phys[t][j] = hot_block_table[r][k // bs] * stride_rows + k % bs
+    phys = torch.tensor(phys, dtype=torch.int64).reshape(shape)
     valid = phys >= 0
     if return_valid_counts:
         order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
@@ -168,8 +176,9 @@ def apply_swaps(host_cache: torch.Tensor, gpu_rows: torch.Tensor, swaps: Swaps) 
     into its hot row."""
     out = gpu_rows.clone()
     host = host_cache.reshape(-1, host_cache.shape[-1])
-    for h, g in zip(swaps.host_rows, swaps.hot_rows):
-        out[g] = host[h]
+    # One indexed copy: a step fills each hot row at most once (a slot used in a step is not evicted in it).
+    hot, rows = (torch.tensor(x, dtype=torch.int64, device=gpu_rows.device) for x in (swaps.hot_rows, swaps.host_rows))
+    out[hot] = host[rows.to(host.device)].to(out.device)
     return out
 
 

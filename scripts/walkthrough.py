@@ -34,22 +34,28 @@ VARYING = [(re.compile(r"\d{8}-\d{6}"), "TIME"), (re.compile(r"^=+ (.*) in [\d.]
            (re.compile(r"^  \[[\w:]+\] \d+/\d+ cases, .* elapsed.*\n", re.M), "")]
 
 
-def _run(cwd: Path, argv: list[str]) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", COLUMNS="80")
-    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    return done.returncode, done.stdout + done.stderr
-
-
-def _tool(cwd: Path, command: str) -> tuple[int, str, str]:
-    """(exit code, "$ COMMAND" as the README shows it, what it printed) of a shown command line."""
+def _start(cwd: Path, command: str):
+    """Start a shown command line as the user runs it; the returned function waits for it and gives
+    (exit code, "$ COMMAND" as the README shows it, what it printed). Commands that do not wait on
+    each other's output run side by side (the walkthrough's check is a CI test: its second core)."""
     argv = shlex.split(command)
     prefix = [sys.executable, "-m", "mla_verify.cli"] if argv[0] == "mla-verify" else [sys.executable, "-m", "pytest",
                                                                                       "-p", "no:cacheprovider"]
-    code, out = _run(cwd, prefix + argv[1:])
-    # Paths as the user's shell sees them: relative to the directory, which the README calls ~/mykernels.
-    out = out.replace(f"{cwd.resolve()}/", "").replace(f"{cwd}/", "").replace(str(cwd.resolve()), "~/mykernels")
-    return code, f"$ {RUN_DIR.sub('runs/fuzz-...', command)}\n", out
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", COLUMNS="80")
+    output = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(prefix + argv[1:], cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+
+    def finished() -> tuple[int, str, str]:
+        code = proc.wait(timeout=600)
+        output.seek(0)
+        out = output.read()
+        output.close()
+        # Paths as the user's shell sees them: relative to the directory, which the README calls ~/mykernels.
+        out = out.replace(f"{cwd.resolve()}/", "").replace(f"{cwd}/", "").replace(str(cwd.resolve()), "~/mykernels")
+        return code, f"$ {RUN_DIR.sub('runs/fuzz-...', command)}\n", out
+
+    return finished
 
 
 def blocks() -> dict[str, str]:
@@ -59,22 +65,19 @@ def blocks() -> dict[str, str]:
         cwd.mkdir()
         for name in ("my_kernel.py", "test_my_kernel.py"):
             shutil.copy(ROOT / "examples" / name, cwd / name)
-        found = {}
-        _, _, listed = _tool(cwd, "mla-verify list --op sparse_prefill")
-        shown = listed.split("  implementations (--impl NAME):")[0]
-        found["list"] = shown + "...\n"
-
-        code, shown, out = _tool(cwd, "mla-verify fuzz --op sparse_prefill --impl my_kernel:sparse_prefill_v0 "
-                                      "--profile ci --seed 1")
+        listed, draft, fixed, pytest = (_start(cwd, command) for command in (
+            "mla-verify list --op sparse_prefill",
+            "mla-verify fuzz --op sparse_prefill --impl my_kernel:sparse_prefill_v0 --profile ci --seed 1",
+            "mla-verify fuzz --op sparse_prefill --impl my_kernel:sparse_prefill --profile ci --seed 1",
+            "pytest --mla-verify-profile ci"))
+        found = {"list": listed()[2].split("  implementations (--impl NAME):")[0] + "...\n"}
+        code, shown, out = draft()
         found["fuzz"] = shown + out + f"$ echo $?\n{code}\n"
         replay = next(line.split("replay: ", 1)[1] for line in out.splitlines() if line.startswith("  replay: "))
-        text = ""
-        for command in (replay, replay.replace("my_kernel:sparse_prefill_v0", "my_kernel:sparse_prefill"),
-                        "mla-verify fuzz --op sparse_prefill --impl my_kernel:sparse_prefill --profile ci --seed 1"):
-            _, shown, out = _tool(cwd, command)
-            text += shown + out
-        found["replay"] = text
-        _, shown, out = _tool(cwd, "pytest --mla-verify-profile ci")
+        replays = [_start(cwd, command)
+                   for command in (replay, replay.replace("my_kernel:sparse_prefill_v0", "my_kernel:sparse_prefill"))]
+        found["replay"] = "".join(shown + out for _, shown, out in [r() for r in replays] + [fixed()])
+        _, shown, out = pytest()
         found["pytest"] = shown + out
     return {name: f"```\n{text}```\n" for name, text in found.items()}
 

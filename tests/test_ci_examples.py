@@ -134,7 +134,6 @@ class Actions:
         fake.mkdir(parents=True, exist_ok=True)
         (fake / "pip").write_text(f'#!/bin/sh\necho "pip $*" >> "{store}/pip-calls"\n')
         (fake / "pip").chmod(0o755)
-        # the recording pip first: the interpreter's folder has a real one, which would install into it
         self.env["PATH"] = f"{fake}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
         self.output: dict[str, subprocess.CompletedProcess] = {}
 

@@ -102,17 +102,17 @@ def test_fuzz_in_parallel_campaigns_merges_rows_and_keeps_each_failure_replayabl
 
 
 def test_reference_memory_reaches_every_reference_call(capsys, tmp_path, monkeypatch):
-    from mla_verify.reference import attention
+    from mla_verify.reference import streaming
 
-    monkeypatch.delenv(attention.MEMORY_ENV, raising=False)  # restored after the test: main() sets it
+    monkeypatch.delenv(streaming.MEMORY_ENV, raising=False)  # restored after the test: main() sets it
     seen = []
-    real = attention.chunk_tokens
+    real = streaming.chunk_tokens
 
     def spy(num_heads, topk, itemsize, budget_bytes, *rest):
         seen.append(budget_bytes)
         return real(num_heads, topk, itemsize, budget_bytes, *rest)
 
-    monkeypatch.setattr(attention, "chunk_tokens", spy)
+    monkeypatch.setattr(streaming, "chunk_tokens", spy)
     code, text = run(capsys, "fuzz", "--op", "sparse_decode_fp8", "--impl", "torch-fp32", "--examples", "3", "--seed", "2",
                      "--device", "cpu", "--out", str(tmp_path), "--profile", "ci", "--reference-memory", "96MiB")
     assert code == 0, text

@@ -76,8 +76,60 @@ def test_every_small_case_and_replay_seed_is_a_valid_case():
                                                                             "target": "sparse_prefill"}})
 
 
+def test_a_padded_capture_grows_the_rows_with_padding_and_its_checks_name_them():
+    """capture 2 / 4: serving's padded batch (every padding index -1, the query rows whatever the
+    buffer held); the property's params take 1, 2, 4 and its draws pose all three."""
+    from mla_verify.equivalence.catalog import validate_case
+    from mla_verify.equivalence.properties.cuda_graph import _padded
+
+    kw = get_spec("sparse_prefill").inputs(get_spec("sparse_prefill").params_of(SMALL["sparse_prefill"]), 1, "cpu")
+    grown = _padded(kw, 4)
+    assert grown["q"].shape[0] == 16 and torch.equal(grown["q"][4:8], kw["q"]) and torch.equal(grown["q"][:4], kw["q"])
+    assert torch.equal(grown["indices"][:4], kw["indices"]) and (grown["indices"][4:] == -1).all()
+    assert grown["topk_length"].shape == (16,) and grown["kv"] is kw["kv"] and grown["attn_sink"] is kw["attn_sink"]
+    validate_case({**small_case("sparse_decode_fp8").to_dict(),
+                   "params": {**small_case("sparse_decode_fp8").params, "capture": 4}})
+    with pytest.raises(ValueError, match="capture"):
+        validate_case({**small_case("sparse_decode_fp8").to_dict(),
+                       "params": {**small_case("sparse_decode_fp8").params, "capture": 3}})
+    assert {"unpadded", "padding"} <= set(get_spec(OP).checks)
+    drawn = set()
+
+    @settings(max_examples=40, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(get_spec(OP).strategy(get_profile("ci"), "sparse_decode_fp8"))
+    def draw(case):
+        drawn.add(case.params.get("capture", 1))
+
+    draw()
+    assert drawn == {1, 2, 4}
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["flash_mla", "triton"])
+@pytest.mark.parametrize("capture", [2, 4])
+def test_a_padded_capture_replays_the_real_rows_and_empty_padding(impl, capture):
+    """Issue 48: captured at 2x / 4x the real batch, padding rows all -1: every replayed row bitwise
+    the eager call on the padded problem, the real rows the eager call on them alone (split_kv's
+    bounds: one bf16 ulp on the H100), the padding rows out 0 / lse +inf; a kernel that writes its
+    padding rows fails `padding`."""
+    for target in SMALL:
+        case = Case(OP, {**small_case(target).params, "capture": capture}, 5)
+        rows = evaluate(case, resolve_subject(OP, [impl], "cuda"), "cuda", source="test")
+        print(f"{impl} {target} x{capture}: " + ", ".join(f"{r.tensor} {r.gate_metric} {r.value:.3g}/{r.bound:.3g}"
+                                                           for r in rows))
+        assert_holds(rows)
+        assert {r.tensor for r in rows} >= {"unpadded.out", "unpadded.lse", "padding.out", "padding.lse"}
+    # power-of-two scales: the wrapped Triton launch is exact on them without declaring bf16_dequant
+    case = Case(OP, {**small_case("sparse_decode_fp8").params, "capture": capture, "scale_rule": "pow2"}, 5)
+    rows = evaluate(case, resolve_subject(OP, ["sparse_decode_fp8=tests.hostile.graph:writes_padding_rows"], "cuda"),
+                    "cuda", source="test")
+    assert [r.tensor for r in rows if not r.passed] == ["padding.out"], [(r.tensor, r.reason) for r in rows]
+
+
 
 
 def assert_holds(rows) -> None:

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from mla_verify import reference as R
-from mla_verify.reference.attention import MEMORY_ENV, chunk_tokens, row_build_bytes, token_bytes
+from mla_verify.reference.attention import row_build_bytes
+from mla_verify.reference.streaming import MEMORY_ENV, chunk_tokens, token_bytes
 
 seeds = st.integers(0, 2**31 - 1)
 
@@ -235,3 +236,24 @@ def test_working_memory_stays_within_the_budget(form):
     peak = int(done.stdout.split()[-1])
     result = 64 * 8 * (512 + 3) * 8 if form == "whole" else 0
     assert 0.5 * budget < peak <= budget + result
+
+
+def test_on_a_full_gpu_the_chunks_shrink_to_its_headroom_and_wait_for_room(monkeypatch):
+    """A part sharing a card (issue 48: four parts on an H100 ran out of their 9.9 GiB at the
+    reference): the working budget is at most 7/8 of what the process may still allocate, and a call
+    the headroom holds no token of waits for the other processes to give memory back."""
+    from mla_verify.reference import streaming
+
+    one = token_bytes(8, 64, 8)
+    room = iter([0, 0, 40 * one])  # the card full twice, then room for 40 tokens
+    monkeypatch.setattr(streaming, "device_headroom", lambda device: 10 * one)
+    assert streaming.tokens_per_chunk(torch.device("cpu"), 8, 64, 8, 4 << 30, 2 * 576 + 64) == 8  # 7/8 of 10, less 1/16
+    monkeypatch.setattr(streaming, "device_headroom", lambda device: next(room, 40 * one))
+    monkeypatch.setattr(streaming, "WAIT_STEP_S", 0.0)
+    assert streaming.tokens_per_chunk(torch.device("cpu"), 8, 64, 8, 4 << 30, 2 * 576 + 64) == 32
+    monkeypatch.setattr(streaming, "device_headroom", lambda device: 0)  # never room: as an allocation would fail
+    monkeypatch.setattr(streaming, "WAIT_S", 0.05)
+    with pytest.raises(torch.OutOfMemoryError, match="no room for one query token"):
+        streaming.tokens_per_chunk(torch.device("cpu"), 8, 64, 8, 4 << 30, 2 * 576 + 64)
+    with pytest.raises(ValueError, match="holds no query token"):  # a budget too small itself: at once
+        streaming.tokens_per_chunk(torch.device("cpu"), 8, 64, 8, one, 2 * 576 + 64)

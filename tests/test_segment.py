@@ -152,12 +152,14 @@ def test_no_one_can_resize_a_segment_and_its_parent_mapping_stays_whole():
         seg.close()
 
 
-def _strided_inputs() -> dict:
+def _strided_inputs(device: str = "cpu") -> dict:
+    """Arguments of every kind, built on `device`: q and same are two views of one storage there."""
     g = torch.Generator().manual_seed(5)
-    base = torch.randn(6, 10, generator=g).to(torch.bfloat16)
-    return {"q": base[1:, 2:9], "same": base, "idx": torch.randint(0, 9, (4, 3), generator=g, dtype=torch.int32).t(),
+    base = torch.randn(6, 10, generator=g).to(torch.bfloat16).to(device)
+    idx = torch.randint(0, 9, (4, 3), generator=g, dtype=torch.int32).to(device)
+    return {"q": base[1:, 2:9], "same": base, "idx": idx.t(),
             "scale": -0.0, "n": 7, "rule": "pow2", "none": None, "flag": True, "nan": float("nan"),
-            "lens": [3, 4], "pair": (torch.arange(4.0, dtype=torch.float64), 2)}
+            "lens": [3, 4], "pair": (torch.arange(4.0, dtype=torch.float64, device=device), 2)}
 
 
 def test_inputs_handed_over_are_the_parents_as_built_views_offsets_and_shared_storages_kept():
@@ -255,8 +257,11 @@ def test_a_worker_cannot_resize_or_unlink_the_segments_and_the_next_case_runs(tm
 
 @pytest.mark.gpu
 def test_on_cuda_the_worker_copies_handed_inputs_to_the_device_once():
-    """Unmeasured here (no GPU this session): the host segment's copy to the device, one per storage."""
-    kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _strided_inputs().items()}
+    """The host segment's copy to the device, one per storage: a CUDA judge's inputs, two of them views
+    of one device storage, arrive in the worker as views of one device storage. (Moving each
+    argument to the device on its own, as this test first did, made two storages of the one: the
+    H100 lane's failure at 5fb709e was the test's.)"""
+    kwargs = _strided_inputs("cuda")
     seg, handed = segment.hand_over(kwargs, None)
     try:
         got = segment.inputs_of(handed.described, segment.Mapped(seg.describe()), "cuda")

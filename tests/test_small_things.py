@@ -41,8 +41,8 @@ def test_drift_is_the_documented_call():
 
 @pytest.mark.parametrize("argv, message", [
     (["fuzz", "--op", "sparse_prefil"], "did you mean 'sparse_prefill'?"),
-    (["gate", "--op", "sparse_decode"], "did you mean 'sparse_decode_fp8'?"),
-    (["list", "--op", "sparse_decode"], "did you mean 'sparse_decode_fp8'?"),
+    (["gate", "--op", "sparse_decod_fp8"], "did you mean 'sparse_decode_fp8'?"),
+    (["list", "--op", "sparse_decode_fp"], "did you mean 'sparse_decode_fp8'?"),
     (["fuzz", "--op", "sparse_prefill", "--impl", "trito"], "did you mean 'triton'?"),
     (["fuzz", "--op", "sparse_prefill", "--impl", "tests.impls.upstream.sparse_prefill"],
      "did you mean 'tests.impls.upstream:sparse_prefill'?"),

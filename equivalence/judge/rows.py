@@ -44,6 +44,7 @@ class FailureKind(StrEnum):
     MISSING = "missing"              # an output the contract names was not returned
     INPUT_WRITTEN = "input_written"  # wrote an input it may not write (tensor "input:NAME")
     UNSUPPORTED = "unsupported"      # declined by `unsupported(reason)`: counted, not failed
+    NOT_JUDGED = "not_judged"        # the judge ran out of device memory for it, waits and retries: counted, not failed
 
 # Metrics' fields that serve the oracle's verdict and are not stored: the rows an output's bound
 # grows with, the shape and first mismatch.

@@ -3,7 +3,14 @@
     replay     the target captured once (`torch.cuda.CUDAGraph`) on the case's problem, then
                replayed on the problems of each of `replay_seeds` (the same shapes, copied into
                the captured buffers): every output bit for bit the eager call's on that problem.
-    reference  the same replays against the float64 reference, within the op's own bounds.
+    unpadded   with `capture` 2 or 4 (the op targets), the batch is captured at that multiple of the
+               problems' own and each replay copies in the real rows followed by serving's padding
+               (rows whose indices are all -1): the replay's real rows bit for bit the eager call on
+               the real rows alone (a kernel declaring split_kv, whose split depends on the batch, to
+               its bounds: on the H100 flash_mla and our Triton decode differ there by one bf16
+               ulp, and are bitwise equal to the eager call on the padded problem, as `replay` checks)
+    padding    the replay's padding rows hold the empty-row contract: out 0, lse +inf (max_logits -inf)
+    reference  the same replays (their real rows) against the float64 reference, within the op's own bounds.
 
 Targets: the two attention ops, and forward_mqa on decode batches (uniform spec decodes on the
 separate path, or the mixed path), the batch's metadata (req_id) built before capture as vLLM's
@@ -24,6 +31,7 @@ next (the graph owns its buffers). CUDA only: elsewhere a usage error with that 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -36,12 +44,12 @@ from mla_verify.optimized.metadata import req_id_per_token
 
 from ..cases.case import Case
 from ..cases.draws import SEEDS, decode_params, forward_params, prefill_params
-from ..cases.schema import Ints, param
+from ..cases.schema import Ints, OneOf, param
 from ..errors import ContractError
 from ..errors import UsageError
 from ..judge import mismatch
 from ..judge.oracle import judge, measure, verdict
-from ..judge.policy import EXACT, property_bounds
+from ..judge.policy import EXACT, LSE, OUT, property_bounds
 from ..judge.rows import FailureKind, Row
 from ..produced import Produced
 from ..sandbox.call_guards import Snapshot, guarded, output_problem, returned
@@ -53,20 +61,70 @@ from .base import Compared, PropertySpec, Target, _host
 from .common import (
     decode_knobs,
     decode_problem,
+    decode_scale,
     forward,
     forward_knobs,
     forward_stages,
     prefill_knobs,
     prefill_problem,
+    prefill_scale,
 )
 
 REPLAYS = 3  # drawn problems replayed per capture
 WHY_CUDA = "captures CUDA graphs: it runs on a CUDA device only"
 
 
+CAPTURES = (1, 2, 4)  # the captured batch, in multiples of the real one (the op targets)
+# What a padding row (every index -1) must hold: the empty-row contract of both attention ops.
+EMPTY_ROW = {"out": 0.0, "lse": math.inf, "max_logits": -math.inf}
+ROW_INPUTS = ("q", "indices", "topk_length")  # an op problem's tensors of a row per query row (dim 0)
+
+
 @dataclass(frozen=True)
 class Replays:
     replay_seeds: tuple[int, ...] = param(Ints(0, 2**31 - 1, 16), kw_only=True)  # the problems replayed
+    # The batch captured, in multiples of the problems' own (1: the same): the rows past the real
+    # ones are serving's padding, their indices all -1 (the op targets only).
+    capture: int = param(OneOf(*CAPTURES), default=1, kw_only=True)
+
+
+def _padded(kw: dict, times: int) -> dict:
+    """An op problem grown to `times` its rows along dim 0, as serving pads a batch up to a captured
+    size: each padding row's query is a real row's (whatever the buffer held), its indices all -1.
+    (Grown tensors are contiguous: a padded problem keeps no drawn layout.)"""
+    def grown(name: str, t: torch.Tensor) -> torch.Tensor:
+        pad = t.repeat(times - 1, *[1] * (t.dim() - 1))
+        return torch.cat([t, pad.fill_(-1) if name == "indices" else pad])
+
+    return {name: grown(name, t) if name in ROW_INPUTS and t is not None else t for name, t in kw.items()}
+
+
+def _logit_scale(kw: dict) -> torch.Tensor:
+    """The logit scale of an op problem's LSE, laid out as the op lays out its LSE."""
+    if "kv" in kw:
+        return prefill_scale(kw)
+    batch, s_q, heads = kw["q"].shape[:3]
+    return decode_scale(kw).view(batch, s_q, heads).transpose(1, 2)
+
+
+def _padding_compared(real: list[dict], replayed: list[dict], alone: list[dict], rows: int | None,
+                      move) -> list[Compared]:
+    """A padded capture's own checks: the real rows of each replay against the eager call on the
+    real rows alone ("unpadded": bitwise, a split-KV kernel's batch-dependent split aside) and its
+    padding rows against the empty-row contract ("padding": out 0, lse +inf, max_logits -inf,
+    exactly; a -0.0 is 0)."""
+    if rows is None:
+        return []
+    scale = _stacked([_logit_scale(kw) for kw in real[1:]])
+    found = []
+    for n in replayed[0]:
+        got = _stacked([r[n][:rows] for r in replayed])
+        if n in alone[0]:
+            kind, unit = (OUT, None) if n == "out" else (LSE, move(scale))
+            found.append(Compared("unpadded", n, kind, move(got), move(_stacked([a[n] for a in alone])), unit))
+        pad = _stacked([r[n][rows:] for r in replayed]) + 0.0  # -0.0 + 0.0 is 0.0
+        found.append(Compared("padding", n, EXACT, move(pad), move(torch.full_like(pad, EMPTY_ROW[n]))))
+    return found
 
 
 class CaptureError(RuntimeError):
@@ -184,8 +242,9 @@ def _unused(*_) -> list:
     return []  # a Target's `check`: this property's own `evaluate` captures, replays and judges
 
 
-def _with_replays(draw: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
-    return st.builds(lambda d, seeds: {**d, "replay_seeds": seeds}, draw, st.lists(SEEDS, min_size=REPLAYS, max_size=REPLAYS))
+def _with_replays(draw: st.SearchStrategy[dict], captures: tuple[int, ...] = (1,)) -> st.SearchStrategy[dict]:
+    return st.builds(lambda d, seeds, capture: {**d, "replay_seeds": seeds, **({"capture": capture} if capture > 1 else {})},
+                     draw, st.lists(SEEDS, min_size=REPLAYS, max_size=REPLAYS), st.sampled_from(captures))
 
 
 def _decode_batches(p) -> st.SearchStrategy[dict]:
@@ -232,23 +291,34 @@ class GraphSpec(PropertySpec):
             raise UsageError(f"{bad[0]} is no graph kernel")
         deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
         base = self._base(case, params, subject.label, stages.pairs(), device, run_id, source)
+        if params.capture > 1 and params.target not in ("sparse_prefill", "sparse_decode_fp8"):
+            raise UsageError(f"capture={params.capture}: a padded capture applies to the op targets, not {params.target}")
         seeds = (case.seed, *params.replay_seeds)
-        problems = [target.inputs(params, s, device) for s in seeds]
+        real = [target.inputs(params, s, device) for s in seeds]
+        problems = [_padded(kw, params.capture) for kw in real] if params.capture > 1 else real
         buffers = [form.buffers(kw) for kw in problems]
         for s, kw in zip(seeds[1:], buffers[1:]):
             _same_layout(buffers[0], kw, s)
         checked, captured = guarded(stages), _graph_stages(stages)
+
+        def replays() -> tuple[list[dict], list[dict], list[dict]]:
+            eager_out, replayed = capture_and_replay(lambda kw: form.eager(checked, kw), lambda kw: form.graph(captured, kw),
+                                                     problems, buffers, form.names)
+            alone = [] if problems is real else [_outputs(form.eager(checked, kw), form.names) for kw in real[1:]]
+            return eager_out, replayed, alone
+
         try:
-            (eager_out, replayed), t_impl = call_implementation(
-                lambda: capture_and_replay(lambda kw: form.eager(checked, kw), lambda kw: form.graph(captured, kw),
-                                           problems, buffers, form.names), case.seed, device, on_call)
+            (eager_out, replayed, alone), t_impl = call_implementation(replays, case.seed, device, on_call)
         except Raised as raised:  # the implementation's failure is the case's result, not ours
             return Produced.failed_case(raised_row(base, raised))
         move = _host if on_host else (lambda t: t)
-        # the replayed outputs by name, and each held to the eager call's answer (bitwise)
-        tensors = {n: move(_stacked([r[n] for r in replayed])) for n in replayed[0]}
-        compared = [Compared("replay", n, EXACT, tensors[n], move(_stacked([r[n] for r in eager_out])))
-                    for n in tensors if n in eager_out[0]]
+        rows = None if problems is real else len(real[0]["q"])  # a padded capture's real rows come first
+        # the replayed outputs' real rows by name (what the reference judges), and every replayed row
+        # held to the eager call's answer on the same (padded) problem, bitwise
+        tensors = {n: move(_stacked([r[n][:rows] for r in replayed])) for n in replayed[0]}
+        compared = [Compared("replay", n, EXACT, move(_stacked([r[n] for r in replayed])),
+                             move(_stacked([r[n] for r in eager_out]))) for n in tensors if n in eager_out[0]]
+        compared += _padding_compared(real, replayed, alone, rows, move)
         return Produced([], tensors=tensors, stages=stages.pairs(), deviations=deviations, t_impl=t_impl,
                         notes=tuple(f"{stage}: {why}" for stage, why in stages.fallbacks.items()), compared=compared)
 
@@ -268,12 +338,13 @@ class GraphSpec(PropertySpec):
         times = dict(time_ref_s=t_ref, time_impl_s=produced.t_impl)
         got = {name: t.to(device) for name, t in produced.tensors.items()}
         ref = {k: _stacked([r[k] for r in refs]) for k, v in refs[0].items() if isinstance(v, torch.Tensor)}
-        for c in produced.compared:  # each replay against the eager call
+        for c in produced.compared:  # each replay against the eager call (a padded capture's: `_padding_compared`)
             t, want = c.got.to(device), c.base.to(device)
-            kind, bounds, deviation = property_bounds(f"{self.short}.replay", EXACT, produced.deviations)
+            kind, bounds, deviation = property_bounds(f"{self.short}.{c.check}", c.kind, produced.deviations)
             v = verdict(kind, measure(kind, t, want), bounds, deviation,
-                        lambda: mismatch.Pair(f"replay.{c.tensor}", t, want))
-            rows.append(judged_row(base, f"replay.{c.tensor}", "exact", v, check="replay", **times))
+                        lambda: mismatch.Pair(f"{c.check}.{c.tensor}", t, want))
+            rows.append(judged_row(base, f"{c.check}.{c.tensor}", "exact" if kind == EXACT else c.tensor, v,
+                                   check=c.check, **times))
         for check in op.checks:
             if check.tensor not in ref or check.tensor not in got:
                 continue  # the op's optional tensor this implementation does not return
@@ -290,13 +361,14 @@ class GraphSpec(PropertySpec):
 
 register(GraphSpec(
     short="cuda_graph",
-    checks=("replay", "reference"),
+    checks=("replay", "unpadded", "padding", "reference"),
     own_params=Replays,
     targets={
         "sparse_prefill": Target("sparse_prefill", lambda p: ["sparse_prefill"], ("sparse_prefill",), prefill_problem,
-                                 _unused, prefill_knobs, lambda p: _with_replays(prefill_params(p))),
+                                 _unused, prefill_knobs, lambda p: _with_replays(prefill_params(p), CAPTURES)),
         "sparse_decode_fp8": Target("sparse_decode_fp8", lambda p: ["sparse_decode_fp8"], ("sparse_decode_fp8",),
-                                    decode_problem, _unused, decode_knobs, lambda p: _with_replays(decode_params(p))),
+                                    decode_problem, _unused, decode_knobs,
+                                    lambda p: _with_replays(decode_params(p), CAPTURES)),
         "forward_mqa": Target("forward_mqa", forward_stages, ("convert_index", "sparse_decode_fp8"), _forward_inputs,
                               _unused, forward_knobs, lambda p: _with_replays(_decode_batches(p))),
     },

@@ -15,6 +15,10 @@ import torch
 # the GPU count sets it for each part): torch's caching allocator gives back what it caches before
 # it takes more, so a part's peak, not the sum of the others' caches, is what must fit.
 GPU_SHARE_ENV = "MLA_VERIFY_GPU_SHARE"
+# An isolated campaign's worker holds one case's inputs, outputs and the kernel's workspace; its
+# judge a block's inputs, the reference's answers and bounds: the worker takes this part of their
+# share, the judge the rest (half each ran the judges of `--parallel 4` out of memory on an H100).
+WORKER_SHARE = 0.25
 
 # Messages of the errors the CUDA runtime, driver and libraries raise through torch and Triton.
 _DEVICE_ERROR = re.compile(r"CUDA error|CUDA driver error|\[CUDA\]|cudaError|device-side assert|illegal memory access"
@@ -63,7 +67,7 @@ def usable(device: str) -> bool:
 
 def take_gpu_share(part: float = 1.0) -> None:
     """Hold this process to `part` of its campaign's GPU share (MLA_VERIFY_GPU_SHARE), if one is
-    set: an isolated campaign's judge and its worker take half each."""
+    set: an isolated campaign's worker takes WORKER_SHARE, its judge the rest."""
     share = os.environ.get(GPU_SHARE_ENV)
     if share and torch.cuda.is_available():
         torch.cuda.set_per_process_memory_fraction(float(share) * part)

@@ -59,7 +59,7 @@ from ..produced import Produced
 from . import guards, reaper, segment, wire
 from .call_guards import CALLED_WITH
 from .calls import after_return_rows, failure_row, input_rows, noted, unsupported_row
-from .device import first_line, is_device_error, take_gpu_share, usable
+from .device import WORKER_SHARE, first_line, is_device_error, take_gpu_share, usable
 
 STARTUP_TIMEOUT_S = 300.0   # imports, CUDA context, warm-up: never counted against a case
 # Spares kept warming once a worker has been replaced. A CUDA worker takes seconds to start (CUDA
@@ -105,7 +105,7 @@ def _serve(conn, device: str) -> None:
     reaper.become_subreaper()  # what a kernel forks stays below this process (`reaper`)
     if not device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    take_gpu_share(0.5)  # the other half is its judge's
+    take_gpu_share(WORKER_SHARE)  # the rest is its judge's
     _warm_up(device)
     channel = _Channel(conn)
     channel.send({"kind": "ready", "pid": os.getpid()})

@@ -382,12 +382,12 @@ def _part(part: _Part, go, results) -> None:
     """One of `parallel_throughput`'s processes: warmed up, it says so and waits for `go`, then
     runs its campaign."""
     from mla_verify.equivalence.catalog import resolve_subject
-    from mla_verify.equivalence.sandbox.device import GPU_SHARE_ENV, take_gpu_share
+    from mla_verify.equivalence.sandbox.device import GPU_SHARE_ENV, WORKER_SHARE, take_gpu_share
     from mla_verify.equivalence.cases.profiles import get_profile
 
     torch.set_num_threads(part.threads)
     os.environ[GPU_SHARE_ENV] = f"{part.share:.6f}"  # as `--parallel` deals a part: its worker reads it too
-    take_gpu_share(0.5 if part.isolated else 1.0)
+    take_gpu_share(1 - WORKER_SHARE if part.isolated else 1.0)
     subject, profile = resolve_subject("sparse_decode_fp8", [], part.device), get_profile(part.profile_name)
     _throughput(subject, part.device, profile, 2 * part.block, part.block, False, part.seed)  # compilation, plans, row pools
 

@@ -14,6 +14,7 @@ runner judges, in the isolation worker or in this process.
 
 from __future__ import annotations
 
+import gc
 import sys
 import tempfile
 import time
@@ -22,12 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from mla_verify.equivalence import catalog
 from mla_verify.equivalence.sandbox import call_guards
 from mla_verify.equivalence.ops import dcp_ranks
 from mla_verify.equivalence.sandbox import device as dev
 from mla_verify.equivalence.cases.case import Case
-from mla_verify.equivalence.sandbox.device import take_gpu_share
+from mla_verify.equivalence.sandbox.device import WORKER_SHARE, take_gpu_share
 from mla_verify.equivalence.errors import HarnessError
 from mla_verify.equivalence.sandbox.worker import Worker
 from mla_verify.equivalence.cases.profiles import Profile
@@ -130,6 +133,48 @@ def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker
     return in_process
 
 
+OOM_WAITS = (2.0, 8.0)  # seconds a block the judge ran out of device memory for waits before each retry
+
+
+def _within_memory(judge: Judge, unit: Unit, device: str, run_id: str) -> Judge:
+    """`judge`, where the judge's own side (inputs, reference, verdicts; never the implementation's
+    call, whose failure is its own) runs out of device memory because the other parts on the card
+    peaked with it: its cached memory given back, the block waits and runs again, then one case at
+    a time; a case that still does not fit is a `not_judged` row of this part's log, counted and
+    not failed, and the run goes on (it was exit 3 for the whole run)."""
+    def judged(cases, source, on_call):
+        told = []  # the campaign hears of each case's call once, whatever is retried
+
+        def once() -> None:
+            if len(told) < len(cases):
+                told.append(True)
+                on_call()
+
+        for wait in OOM_WAITS:
+            try:
+                return judge(cases, source, once)
+            except torch.OutOfMemoryError as exc:
+                error = exc
+            _give_back(wait)
+        if len(cases) > 1:
+            return [rows for case in cases for rows in judged([case], source, once)]
+        case = cases[0]
+        base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages=(), device=device, seed=case.seed,
+                    source=source, **catalog.get_spec(case.op).identity(case))
+        return [[Row(**base, tensor="*", passed=True, gate_metric=FailureKind.NOT_JUDGED, value=0.0, bound=0.0,
+                     headroom=float("inf"), reason=f"not judged: the judge ran out of device memory "
+                     f"({dev.first_line(error)}); fewer --parallel parts or a smaller --reference-memory fit it")]]
+
+    return judged
+
+
+def _give_back(seconds: float) -> None:
+    """This process's cached device memory back to the card, then a wait for the other parts'."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    time.sleep(seconds)
+
+
 def block_size(profile: Profile, examples: int) -> int:
     """Cases a campaign of `examples` runs per drawn example: the profile's block, fewer where the
     campaign would draw under MIN_DRAWS params (blocks share their params: they trade breadth for
@@ -174,8 +219,9 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
     """One unit's kept cases, corpus and campaigns into `result`; False where the sink stopped the run."""
     spec = catalog.get_spec(unit.op)
     budget = _examples(spec, examples, run.profile)
-    judge = _block_runner(unit, subject, run.device, sink.run_id, None if spec.own_processes else worker,
-                          result.notes, sink if run.command == FUZZ else None)
+    judge = _within_memory(_block_runner(unit, subject, run.device, sink.run_id, None if spec.own_processes else worker,
+                                         result.notes, sink if run.command == FUZZ else None),
+                           unit, run.device, sink.run_id)
     sink.judging(unit)
     tested = UnderTest(unit.specs, unit.label, unit.deviations, unit.conventions, run.device)
     findings = Findings(_failures_dir(run), sink)
@@ -362,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     text = (argv or sys.argv[1:])[0]  # the parent chose the Triton interpreter on CPU: the environment has it
     try:
         run = Run.from_json(text)
-        take_gpu_share(0.5 if run.isolate else 1.0)  # an isolated part's worker takes the other half
+        take_gpu_share(1 - WORKER_SHARE if run.isolate else 1.0)  # an isolated part's worker takes the rest
         print(run.header(), flush=True)
         outcome = drive(run)
     except KeyboardInterrupt:

@@ -134,6 +134,7 @@ class CheckResult:
             first = self.rows[self.rows.gate_metric == FailureKind.UNSUPPORTED].reason.iloc[0]
             lines.append(f"  {self.unsupported} of them declined by the implementation (mla_verify.unsupported), "
                          f"not checked: {first.removeprefix('unsupported: ')}")
+        lines += not_judged_lines(self.rows)
         if len(self.rows):
             lines += bias_of(self.rows).lines()
         return "\n".join(lines)
@@ -149,6 +150,17 @@ class CheckResult:
     def exit_code(self) -> int:
         """What the CLI returns: 130 interrupted, 1 a failure, 0 a pass."""
         return 130 if self.interrupted else 0 if self.passed else 1
+
+
+def not_judged_lines(rows) -> list[str]:
+    """The line saying how many cases the judge could not fit on the device (`FailureKind.NOT_JUDGED`):
+    counted, never failed, never silent. `rows`: a frame or a list of Row."""
+    frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame([(r.case_id, r.gate_metric, r.reason) for r in rows],
+                                                                    columns=["case_id", "gate_metric", "reason"])
+    mine = frame[frame.gate_metric == FailureKind.NOT_JUDGED] if len(frame) else frame
+    if not len(mine):
+        return []
+    return [f"  {mine.case_id.nunique()} cases not judged, {mine.reason.iloc[0].removeprefix('not judged: ')}"]
 
 
 def _headroom(rows: pd.DataFrame) -> str:
@@ -188,6 +200,7 @@ class GateOutcome:
         return ([f"note: {n}" for n in self.notes] + [f"odd one out: {line}" for line in self.odd_ones_out]
                 + [text for f, rows in self.case_files
                    for text in [f"finding saved: {f}", *rows]]
+                + [line.strip() for line in not_judged_lines(self.rows)]
                 + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else [])
                 + ([f"  the rest ({left} op{'s' * (left != 1)} not finished, the cases this run would have drawn "
                     f"for them): {command}"] if self.interrupted and command else []))

@@ -43,3 +43,11 @@ def keeps_state(q, kv_cache, indices, sm_scale):
     if key not in _RESULTS:
         _RESULTS[key] = launch_sparse_decode_fp8(q, kv_cache, indices, sm_scale)
     return _RESULTS[key]
+
+
+def writes_padding_rows(q, kv_cache, indices, sm_scale):
+    """Graph-safe and right on every real row, but a row with no valid index (serving's padding in a
+    padded capture) gets out 1 instead of the empty row's 0: what `padding` of a padded capture sees."""
+    out, lse = launch_sparse_decode_fp8(q, kv_cache, indices, sm_scale)
+    empty = (indices == -1).all(dim=-1)  # [B, S]
+    return out.masked_fill(empty[..., None, None], 1.0), lse
