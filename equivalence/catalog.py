@@ -10,6 +10,8 @@ import importlib
 import pkgutil
 from typing import Any, Callable, Mapping, Sequence
 
+from mla_verify.optimized import registry
+
 from . import ops, properties
 from .cases.case import Case
 from .errors import UsageError
@@ -18,7 +20,7 @@ from .judge.rows import Row
 from .produced import Produced
 from .properties.base import PREFIX
 from .spec import SPECS, Spec
-from .subject import Subject, check_declared, did_you_mean
+from .subject import Subject, check_declared, described as described_, did_you_mean
 
 
 def _load() -> None:
@@ -61,14 +63,16 @@ def get_spec(name: str) -> Spec:
 
 
 def resolve_subject(op: str, specs: Sequence[str], device: str, deviations: Sequence[str] = (),
-                    conventions: Sequence[str] | Mapping[str, Any] | None = ()) -> Subject:
+                    conventions: Sequence[str] | Mapping[str, Any] | None = (), *, described: bool = False) -> Subject:
     """The --impl strings for `op` as a Subject; none: the project's implementation (for a property,
     the registry's preferred implementation of every stage, labelled "preferred").
 
     `deviations` (`--deviation`) are declared for the user's callables among `specs`, on top of
     what each declares itself; naming one without a user's callable is a usage error.
     `conventions` (`--convention KEY=VALUE`, equivalence.judge.conventions) convert what the user's
-    callables that return an LSE return into the reference's conventions."""
+    callables that return an LSE return into the reference's conventions. `described`: a user's
+    callable is described from its module's source, never imported (`subject.Described`): the
+    judge of an isolated run, whose worker imports it."""
     check_declared(specs, deviations)
     try:
         spec = get_spec(op)
@@ -78,11 +82,31 @@ def resolve_subject(op: str, specs: Sequence[str], device: str, deviations: Sequ
         declared = conventions_.parse(conventions)
     except ValueError as exc:
         raise UsageError(f"--convention: {exc}") from None
-    subject = spec.subject(tuple(specs), device, tuple(deviations))
+    with described_(described):
+        subject = spec.subject(tuple(specs), device, tuple(deviations))
     try:
         return conventions_.apply(subject, op, declared)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def allowed_deviations(subject: Subject, device: str) -> frozenset[str]:
+    """The deviations a worker may answer under for `subject` on `device`: a whole callable's own,
+    or for a pipeline or property the union over the implementation each stage resolves to (a
+    replaced stage's, the registry's default elsewhere). The judge resolved them without running
+    the user's code; a worker answering under another is the case's contract failure."""
+    if subject.fn is not None:
+        return frozenset(subject.deviations)
+    found = set(subject.deviations)
+    for stage in registry.stages():
+        if stage in subject.overrides:
+            found.update(subject.overrides[stage].deviations)
+            continue
+        try:
+            found.update(registry.select(stage, device).deviations)
+        except (KeyError, RuntimeError):
+            continue  # no implementation of it runs here: no call of it either
+    return frozenset(found)
 
 
 def evaluate(case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",

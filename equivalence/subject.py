@@ -12,10 +12,17 @@ vLLM function names the `mla_verify.adapters` function that wraps it.
 A user's callable has the documented deviations (`equivalence.judge.policy.DEVIATIONS`) it declares in
 its `__mla_verify_deviations__` attribute, plus those declared for it (`--deviation`,
 `deviations=`); registered implementations carry their own.
+
+The judge of an isolated run never imports a user's module (`described()`): each MODULE:CALLABLE
+is then a `Described` stand-in, its deviations read from its module's source as a literal
+(`sandbox.declared`), and only the worker imports it, checks its signature and calls it. What the
+worker answers under is held to what the judge resolved (`catalog.allowed_deviations`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import importlib
 import inspect
@@ -23,16 +30,19 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from mla_verify.optimized import adapters
 from mla_verify.optimized import registry
 
 from .contracts import CONTRACTS, arguments as contract_arguments
-from .errors import UsageError
+from .errors import HarnessError, UsageError
 from .judge.policy import DEVIATIONS
+from .sandbox import declared
 from .sandbox.device import first_line
 from .sandbox.guards import sigint_watch
+
+_DESCRIBED = contextvars.ContextVar("described", default=False)
 
 
 # Callables that cannot be imported by name (lambdas, closures, partials) are reached in their own
@@ -68,11 +78,44 @@ class Subject:
     conventions: tuple[str, ...] = ()            # --convention KEY=VALUE (equivalence.judge.conventions), likewise
 
 
+class Described:
+    """A user's callable as a judge knows it without importing its module: its name and the
+    deviations its source declares (`sandbox.declared`). It accepts any keyword (the worker checks
+    the real signature) and is never called: the kernel runs in the worker."""
+
+    def __init__(self, spec: str):
+        module, _, attr = spec.partition(":")
+        self.spec, self.__module__, self.__qualname__ = spec, module, attr
+        self.__name__ = attr.rpartition(".")[2]
+        try:
+            self.__mla_verify_deviations__ = declared.deviations(spec)
+        except declared.NotFound as exc:
+            raise UsageError(f"--impl {spec!r}: cannot import {module!r}: {exc}") from None
+        except declared.Undeclared:
+            self.__mla_verify_deviations__ = ()  # not Python source: declare with --deviation
+
+    def __call__(self, **kwargs):
+        raise HarnessError(f"{self.spec} was called in the judge: a user's kernel runs only in its worker")
+
+
+@contextlib.contextmanager
+def described(on: bool = True) -> Iterator[None]:
+    """While on, a user's MODULE:CALLABLE resolves to a `Described` stand-in, never imported."""
+    token = _DESCRIBED.set(on)
+    try:
+        yield
+    finally:
+        _DESCRIBED.reset(token)
+
+
 def load_callable(spec: str) -> Callable:
-    """`package.module:attr` -> the object; the working directory is importable, as in pytest."""
+    """`package.module:attr` -> the object; the working directory is importable, as in pytest.
+    Inside `described()`, its `Described` stand-in: nothing of the module runs."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UsageError(f"--impl {spec!r}: expected MODULE:CALLABLE or a registered implementation name")
+    if _DESCRIBED.get():
+        return Described(spec)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     with sigint_watch() as sigints:
@@ -94,13 +137,17 @@ def load_callable(spec: str) -> Callable:
 
 
 def check_signature(fn: Callable, arguments: Sequence[str], what: str) -> None:
-    native = adapters.native_signature(fn)
-    if native is not None:
-        raise UsageError(f"{what}: {native.hint(fn)}")
+    """UsageError where `fn` cannot take the contract's keywords; reading its signature runs the
+    user's code (a `__signature__` property), and whatever that raises is its usage error too."""
     try:
+        native = adapters.native_signature(fn)
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # builtins and C extensions: nothing to inspect, the first call will tell
+    except Exception as exc:  # noqa: BLE001 - the user's code, in one line
+        raise UsageError(f"{what}: reading its signature raised {type(exc).__name__}: {first_line(exc)}") from None
+    if native is not None:
+        raise UsageError(f"{what}: {native.hint(fn)}")
     params = sig.parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return
@@ -118,9 +165,17 @@ def check_deviations(names: Sequence[str], what: str) -> None:
 
 
 def declared_deviations(fn: Callable, deviations: Sequence[str], what: str) -> tuple[str, ...]:
-    """The deviations of a user's callable: its `__mla_verify_deviations__`, then `deviations`."""
-    own = getattr(fn, "__mla_verify_deviations__", ())
-    names = tuple(dict.fromkeys([*((own,) if isinstance(own, str) else own), *deviations]))
+    """The deviations of a user's callable: its `__mla_verify_deviations__`, then `deviations`
+    (reading the attribute runs the user's code: what it raises is a usage error)."""
+    try:
+        own = getattr(fn, "__mla_verify_deviations__", ())
+        own = (own,) if isinstance(own, str) else tuple(own)
+    except Exception as exc:  # noqa: BLE001 - the user's code, in one line
+        raise UsageError(f"{what}: reading its __mla_verify_deviations__ raised {type(exc).__name__}: "
+                         f"{first_line(exc)}") from None
+    if not all(isinstance(n, str) for n in own):
+        raise UsageError(f"{what}: its __mla_verify_deviations__ is not a tuple of names")
+    names = tuple(dict.fromkeys([*own, *deviations]))
     check_deviations(names, what)
     return names
 

@@ -65,7 +65,8 @@ def _umask() -> int:
 _MODE = 0o666 & ~_umask()  # what open() would have given: mkstemp makes files private
 
 
-def _text(cf: CaseFile) -> str:
+def text(cf: CaseFile) -> str:
+    """The case file as it is written (JSON)."""
     return json.dumps(cf.to_dict(), indent=2, sort_keys=True) + "\n"
 
 
@@ -87,7 +88,7 @@ def write_atomic(path: Path, text: str) -> Path:
 
 def save(path: Path, cf: CaseFile) -> Path:
     """Write (or update) the case file at `path`."""
-    return write_atomic(path, _text(cf))
+    return write_atomic(path, text(cf))
 
 
 def save_new(directory: Path, name: str, cf: CaseFile) -> Path:
@@ -97,7 +98,7 @@ def save_new(directory: Path, name: str, cf: CaseFile) -> Path:
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.")
     os.chmod(tmp, _MODE)
     with os.fdopen(fd, "w") as f:
-        f.write(_text(cf))
+        f.write(text(cf))
     try:
         for n in range(1, 10_000):
             path = directory / (f"{name}.json" if n == 1 else f"{name}-{n}.json")

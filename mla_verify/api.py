@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
 from mla_verify.equivalence.errors import HarnessError
+from mla_verify.equivalence.sandbox.boundary import MODES
 from mla_verify.equivalence.sandbox.worker import Worker, default_isolation
 from mla_verify.equivalence.judge.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
 from mla_verify.equivalence.judge.rows import Row
@@ -154,6 +155,7 @@ def check(
     baseline: str | Path | None = None,
     shard: str | Any | None = None,
     corpus: str | Path | None = None,
+    sandbox: str = "auto",
     log: Callable[[str], None] | None = None,
 ) -> CheckResult:
     """Fuzz `impl` on `op` against the reference (or a property, "property:NAME"), shrink the first
@@ -177,7 +179,7 @@ def check(
             named, "MODULE:CALLABLE" or a registered name, on CPU as on CUDA; a callable object
             runs in this process, and `CheckResult.in_process` says so). timeout: seconds the
             implementation may take per case in the worker (default 300; start-up and the
-            reference are not counted).
+            reference are not counted). sandbox: the worker's OS boundary, auto | strict | off.
         deviations: documented deviations (equivalence.judge.policy) the implementation declares.
         conventions: the implementation's conventions where they are not the reference's
             (equivalence.judge.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}
@@ -231,6 +233,7 @@ def gate(
     impl: Sequence[str] | None = None,
     corpus: str | Path | None = None,
     durations: str | Path | None = None,
+    sandbox: str = "auto",
     log: Callable[[str], None] | None = None,
 ) -> GateOutcome:
     """The gate (`mla-verify gate`): every op and forward_mqa path with every implementation
@@ -241,7 +244,7 @@ def gate(
         ops: only these ops, "property:NAME", or "property" (every property) (default: all).
         examples: fuzz cases per op (or property) and implementation (default: the profile's).
         profile: default ci on cpu, gpu on cuda. seed: default random, or the baseline's.
-        out: the run directory (default: a new runs/gate-TIME). isolate, timeout: as in `check`.
+        out: the run directory (default: a new runs/gate-TIME). isolate, timeout, sandbox: as in `check`.
         parallel: processes, one GPU each, dealt round-robin past the GPU count (default: every
             GPU on cuda, 1 on cpu). shard: "I/N", or "auto" (the scheduler's index and count,
             `runs.schedulers`): every N-th op and implementation from the I-th, or by `durations`
@@ -267,7 +270,6 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> CheckResu
     `log`, driven, and its JUnit file written where one was asked for."""
     log = log or (lambda line: None)
     planned = plan(options, log)
-    log(planned.header())
     try:
         outcome = drive(planned, log)
     finally:
@@ -359,6 +361,7 @@ def replay(
     timeout: float | None = None,
     deviations: Sequence[str] | None = None,
     conventions: Sequence[str] | Mapping[str, Any] | None = None,
+    sandbox: str = "auto",
     log: Callable[[str], None] | None = None,
 ) -> CheckResult:
     """Re-run a saved case exactly, and compare with the failure saved in it.
@@ -368,7 +371,9 @@ def replay(
     name; a saved MODULE:CALLABLE must be named again here (it is printed as a hint). `device`
     defaults as in `check` (`--mla-verify-device` inside pytest). `deviations`
     and `conventions` default to the ones saved with the case. `CheckResult.reproduced` says whether the saved
-    failure came back (same failing tensors and metrics, values within noise).
+    failure came back (same failing tensors and metrics, values within noise). Isolated (the
+    default for a named implementation), `impl` is imported only in its worker, behind `sandbox`
+    (as in `check`).
     """
     __tracebackhide__ = True
     device = resolve_device(default_device(device))
@@ -389,19 +394,23 @@ def replay(
         if cf.impl and tuple(cf.impl) != specs:
             log(f"  (saved with --impl {' '.join(cf.impl)})")
     deviations = tuple(cf.deviations if deviations is None else deviations)
-    subject = resolve_subject(cf.case.op, specs, device_type(device), deviations=deviations,
-                              conventions=cf.conventions if conventions is None else conventions)
-    label = _label(subject)
     own_processes = get_spec(cf.case.op).own_processes
     isolate = default_isolation(isolate, named, own_processes)
     timeout_needs_isolation(timeout, isolate or own_processes)
+    if sandbox not in MODES:
+        raise UsageError(f"--sandbox {sandbox!r}: expected one of {', '.join(MODES)}")
+    subject = resolve_subject(cf.case.op, specs, device_type(device), deviations=deviations, described=isolate,
+                              conventions=cf.conventions if conventions is None else conventions)
+    label = _label(subject)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
-    log(f"replay {cf.case.short()} on {device} with {label}{', isolated' if isolate else ''}")
+    worker = _resolved_in_worker(cf.case.op, specs, deviations, subject.conventions, device, timeout, sandbox) \
+        if isolate else None
+    log(f"replay {cf.case.short()} on {device} with {label}"
+        + (f", isolated ({worker.summary()})" if worker is not None else ""))
     if cf.failure:
         saved = "; ".join(f"{f['tensor']} {f['metric']} = {f['value']:.4g} (bound {f['bound']:.4g})" for f in cf.failure)
         log(f"  saved failure: {saved}" + (f" (flaky: failed {cf.flaky[0]} of {cf.flaky[1]} re-runs)" if cf.flaky else ""))
-    if isolate:
-        worker = Worker(device, timeout)
+    if worker is not None:
         try:
             rows = worker.run(cf.case, specs, label, source="replay", deviations=deviations,
                               conventions=subject.conventions)
@@ -415,7 +424,20 @@ def replay(
     failures = [] if passed else [Failure.of(cf.case, rows, Path(case_file), command, flaky=cf.flaky,
                                              minimized=bool(cf.failure))]
     return CheckResult(cf.case.op, label, passed, rows_frame(rows), cf.case.seed, 1, None, failures,
-                       reproduced=reproduced, notes=[note] if note else [], in_process=not (isolate or own_processes))
+                       reproduced=reproduced, notes=[note] if note else [], in_process=not (isolate or own_processes),
+                       sandbox=worker.summary() if worker is not None else "")
+
+
+def _resolved_in_worker(op: str, specs, deviations, conventions, device: str, timeout: float, sandbox: str) -> Worker:
+    """An isolation worker that imported the implementation (never this process): UsageError, in
+    one line, where it could not."""
+    worker = Worker(device, timeout, sandbox=sandbox)
+    try:
+        worker.resolve(op, specs, deviations, conventions)
+    except BaseException:
+        worker.close()
+        raise
+    return worker
 
 
 def _reproduced(saved: list[dict[str, Any]], rows) -> tuple[bool | None, str]:

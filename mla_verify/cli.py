@@ -58,6 +58,8 @@ DISCREPANCY = ("1", "a discrepancy, crash, hang, flaky result or broken contract
                     "the failing case is saved and its replay command printed")
 USAGE = ("2", "usage error or bad input, with a one-line reason, before any case runs")
 HARNESS = ("3", "mla-verify itself failed (the traceback is in the run directory's harness-error.txt)")
+NO_VERDICT = ("4", "NO VERDICT: nothing was judged (every case declined by the implementation), with the reason on a "
+                   "line starting NO VERDICT; never a pass")
 INTERRUPTED = ("130", "Ctrl-C or SIGTERM: the current case finishes, the run is written, failures' replay "
                       "commands printed")
 
@@ -129,6 +131,11 @@ def _add_isolation(p: argparse.ArgumentParser) -> None:
                    help="seconds the implementation may take per case in the worker (start-up and the reference "
                         "are not counted; default 300); not with --no-isolate: an in-process call "
                         "cannot be stopped")
+    p.add_argument("--sandbox", choices=("auto", "strict", "off"), default="auto",
+                   help="the OS boundary each isolation worker puts itself behind before any of the kernel's code "
+                        "runs (Landlock, seccomp, a user namespace, no_new_privs, its own session): auto sets up "
+                        "what this host allows and the PASS line names what held; strict refuses to run where a "
+                        "layer cannot be set up; off runs the worker as this process's user, unconfined")
 
 
 def _add_deviation(p: argparse.ArgumentParser, default: list | None) -> None:
@@ -221,7 +228,8 @@ def _add_reference_memory(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mla-verify", description=textwrap.fill(TOOL, 98, break_on_hyphens=False),
                      formatter_class=_Formatter, epilog=_epilog(
-        [("0", "no discrepancy (and no drift beyond the factor)"), DISCREPANCY, USAGE, HARNESS, INTERRUPTED],
+        [("0", "no discrepancy (and no drift beyond the factor)"), DISCREPANCY, USAGE, HARNESS, NO_VERDICT,
+         INTERRUPTED],
         [("mla-verify fuzz --op sparse_decode_fp8 --impl mykernels.decode:sparse_decode",
           "fuzz your own decode kernel against the reference"),
          ("mla-verify gate --device cpu", "the CI gate: every op and path, every implementation available here")])
@@ -275,7 +283,7 @@ def _add_fuzz_command(sub) -> None:
                  "first failing case is shrunk to the smallest one that still fails, saved as JSON under "
                  "the run directory, and printed with the `mla-verify replay` command that reproduces it. "
                  "Every compared tensor of every case is a row of the run's rows.parquet / rows.csv.",
-                 _epilog([("0", "every case passed"), DISCREPANCY, USAGE, HARNESS, INTERRUPTED],
+                 _epilog([("0", "every case passed"), DISCREPANCY, USAGE, HARNESS, NO_VERDICT, INTERRUPTED],
                          [("mla-verify fuzz --op sparse_prefill --impl mykernels.prefill:sparse_prefill "
                            "--examples 50 --seed 1",
                            "50 cases for your prefill kernel (a module-level function taking the keywords "
@@ -336,7 +344,7 @@ def _add_replay_command(sub) -> None:
                  "is imported unless --impl names it again.",
                  _epilog([("0", "the case passes now"), ("1", "it still fails (the rows say how)"),
                           ("2", "usage error, or a case file that is unreadable or outside its op's schema"),
-                          HARNESS, ("130", "Ctrl-C")],
+                          HARNESS, ("4", "NO VERDICT: the implementation declined the case"), ("130", "Ctrl-C")],
                          [("mla-verify replay RUN_DIR/failures/sparse_prefill-mykernels.prefill_fwd-8ea62855f2ee.json "
                            "--impl mykernels.prefill:fwd",
                            "re-run the case fuzz printed, on your kernel as it is now"),
@@ -364,7 +372,8 @@ def _add_gate_command(sub) -> None:
                  _epilog([("0", "no discrepancy and no drift"),
                           ("1", "a discrepancy, crash, hang or broken contract (each failing case saved, its "
                                 "replay command printed), or drift beyond the factor against --baseline"),
-                          USAGE, HARNESS, INTERRUPTED],
+                          USAGE, HARNESS, ("4", "NO VERDICT: a unit (op and implementation) judged nothing, every "
+                                                "case declined; never a pass"), INTERRUPTED],
                          [("mla-verify gate --device cpu --out runs/cpu-gate", "the CPU gate, as `make gate` runs it"),
                           ("mla-verify gate --op sparse_decode_fp8 --op property --baseline runs/last-night "
                            "--junit gate.xml", "only decode and the properties, compared with last night's run, "
@@ -446,6 +455,10 @@ def _add_report_command(sub) -> None:
                           ("mla-verify report runs/today --baseline runs/yesterday --markdown summary.md",
                            "drift against yesterday's run, with a markdown summary for the CI page")]))
     p.add_argument("run_dir", type=Path, help="a run directory written by fuzz or gate")
+    p.add_argument("--expect", default=None, metavar="DIGEST",
+                   help="the record digest the run printed at its end (`record sha256:...`): TAMPERED unless the "
+                        "run's record is still that one, for a CI that keeps the digest where the run's processes "
+                        "cannot reach it")
     p.add_argument("--baseline", type=Path, default=None, help="an earlier run directory to compare with")
     p.add_argument("--html", type=Path, default=None,
                    help="where to write the HTML report (default: RUN_DIR/report.html)")
@@ -654,6 +667,7 @@ def cmd_fuzz(args, device: str) -> int:
     options = Options(**_run_options(args, device))
     result = api.run(options, log=lambda line: print(line, flush=True))
     print(result.report())
+    _print_record(result.out)
     if options.baseline is None or result.interrupted:
         return result.exit_code
     settings = _drift_settings(args)
@@ -670,7 +684,7 @@ def cmd_replay(args, device: str) -> int:
     from mla_verify.equivalence.judge.mismatch import line
 
     result = api.replay(args.file, args.impl, device=device, isolate=args.isolate, timeout=args.timeout,
-                        deviations=args.deviation, conventions=args.convention, log=print)
+                        deviations=args.deviation, conventions=args.convention, sandbox=args.sandbox, log=print)
     for r in result.rows.itertuples():
         print(f"  ok   {r.tensor:17s} {r.gate_metric} = {r.value:.4g} of {r.bound:.4g}" if r.passed
               else f"  FAIL {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}")
@@ -680,6 +694,8 @@ def cmd_replay(args, device: str) -> int:
         from mla_verify.reports.meta import IN_PROCESS
 
         print(f"  {IN_PROCESS}")
+    if result.no_verdict:
+        print(f"NO VERDICT: {result.no_verdict}")
     return result.exit_code
 
 
@@ -698,10 +714,20 @@ def cmd_gate(args, device: str) -> int:
         return 130
     code = reports.run_report(outcome.out, baseline=options.baseline, drift=_drift_settings(args),
                               save_case=api.save_worst_case)
-    verdict = "FAILED" if outcome.failed else "passed" if outcome.isolated else f"passed ({IN_PROCESS})"
+    verdict = ("FAILED" if outcome.failed else "NO VERDICT" if outcome.no_verdict else "passed" if outcome.isolated
+               else f"passed ({IN_PROCESS})")
     print(f"gate {verdict}: {len(outcome.rows)} rows in {time.time() - started:.0f} s; "
-          f"report {outcome.out / 'report.html'}")
-    return 1 if outcome.failed else code
+          f"report {outcome.out / 'report.html'}" + (f"; {outcome.sandbox}" if outcome.sandbox else ""))
+    _print_record(outcome.out)
+    return 1 if outcome.failed else outcome.exit_code or code
+
+
+def _print_record(out: Path | None) -> None:
+    """The run's record digest, for a CI to keep and hold a later `report` to (--expect)."""
+    from mla_verify.runs import record
+
+    if out is not None and (digest := record.digest_of(out)):
+        print(f"record sha256:{digest} (mla-verify report {out} --expect {digest})")
 
 
 def cmd_report(args, device: str) -> int:
@@ -718,7 +744,7 @@ def cmd_report(args, device: str) -> int:
             print(line)
     if args.baseline is not None:
         load_run(args.baseline, "baseline")
-    said, tampered = record.report_lines(args.run_dir, meta, len(rows))
+    said, tampered = record.report_lines(args.run_dir, meta, len(rows), args.expect)
     for line in said:
         print(line)
     code = reports.run_report(args.run_dir, baseline=args.baseline, html=args.html, markdown=args.markdown,

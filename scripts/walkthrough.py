@@ -4,7 +4,7 @@ real run of its commands.
 Each block sits between `<!-- walkthrough:NAME -->` and `<!-- /walkthrough:NAME -->` and holds
 what its commands print, run as a user runs them: in a fresh directory outside this checkout with
 examples/*.py copied in (paths under it printed relative to it), on CPU. What differs run to run
-(a run directory's timestamp, pytest's duration and with it its summary line's width, its
+(a run directory's timestamp, its record's digest, the sandbox layers the host allows, pytest's duration and with it its summary line's width, its
 platform, rootdir and plugins lines, the progress lines of a slow run) is masked when checking; tests/test_examples.py fails when
 the README drifts from what the commands print (the walkthrough stays in README.md; the rest of
 the documentation is the site under docs/).
@@ -28,7 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 COMMAND = ".venv/bin/python scripts/walkthrough.py"
 RUN_DIR = re.compile(r"runs/fuzz-[\w.-]+?-\d{8}-\d{6}")
-VARYING = [(re.compile(r"\d{8}-\d{6}"), "TIME"), (re.compile(r"^=+ (.*) in [\d.]+s( \(.*\))? =+$", re.M), r"= \1 in Ns ="),
+VARYING = [(re.compile(r"\d{8}-\d{6}"), "TIME"), (re.compile(r"[0-9a-f]{64}"), "DIGEST"),
+           # the sandbox's layers are the host's (a CI runner may refuse user namespaces)
+           (re.compile(r"sandbox (auto|strict|off)[^\n]*"), "sandbox ..."),
+           (re.compile(r"^=+ (.*) in [\d.]+s( \(.*\))? =+$", re.M), r"= \1 in Ns ="),
            (re.compile(r"^(platform|rootdir:|plugins:) .*$", re.M), r"\1 ..."),
            # a slow or loaded machine prints progress lines a fast one does not
            (re.compile(r"^  \[[\w:]+\] \d+/\d+ cases, .* elapsed.*\n", re.M), "")]

@@ -43,9 +43,12 @@ def test_the_guards_section_times_every_guard_and_isolation():
     sweep = [f"message{size}{how}" for size in ("", " 1 MiB", " 4 MiB", " 16 MiB", " 64 MiB") for how in ("", ", segment")]
     assert guards == ["process_state", "judge_functions", "judge_functions, block", "sigint_watch", "inputs",
                       "owned_outputs", "after_return", *sweep, "inputs built", "inputs handed over", "journal",
-                      "isolation", "isolation"]
-    assert all(r["ms"] > 0 for r in rows if r["impl"] != "isolation")
-    small, decode = rows[-2:]
+                      "isolation", "isolation", "sandbox off", "sandbox auto", "sandbox cost", "sandbox set-up"]
+    assert all(r["ms"] > 0 for r in rows if r["impl"] not in ("isolation", "sandbox cost"))
+    off, auto = rows[-4:-2]
+    assert off["ops_note"].startswith("sandbox off;") and auto["ops_note"].startswith("sandbox auto")
+    assert all(r["first_case_ms"] > 0 and r["after_crash_ms"] > 0 for r in (off, auto))
+    small, decode = rows[-6:-4]
     assert small["after_crash_ms"] > 0 and decode["after_crash_ms"] is None
     assert all(r["in_process_ms"] > 0 and r["isolated_ms"] > 0 and r["first_case_ms"] > 0 for r in (small, decode))
 

@@ -173,17 +173,30 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="child subreapers are Linux's")
 def test_a_daemon_a_kernel_leaves_is_killed_when_its_case_ends(tmp_path):
-    pidfile = tmp_path / "daemon.pid"
+    from tests.hostile.boundary import DAEMON
+
     proc = cli("fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.boundary:leaves_a_daemon",
                "--examples", 2, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run",
-               env_extra={"MLA_VERIFY_TEST_PIDFILE": str(pidfile)})
+               env_extra={})
     text, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, text
-    pid = int(pidfile.read_text())
+    assert proc.returncode == 0 and f"daemon started: {DAEMON}" in text, text
     deadline = time.monotonic() + 5
-    while not _gone(pid) and time.monotonic() < deadline:
+    while _named(DAEMON) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _gone(pid), f"the daemon {pid} outlived the run"
+    assert not _named(DAEMON), f"the daemon {_named(DAEMON)} outlived the run"
+
+
+def _named(comm: str) -> list[int]:
+    """The living processes called `comm` (zombies are gone)."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/comm") as f:
+                if f.read().strip() == comm and not _gone(int(name)):
+                    found.append(int(name))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def test_report_says_tampered_naming_what_changed_after_the_run(capsys, tmp_path):

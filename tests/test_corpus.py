@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import mla_verify
-from mla_verify.runs.corpus import Corpus, summary
+from mla_verify.runs.corpus import Corpus, name as corpus_name, summary
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
@@ -66,6 +66,22 @@ def test_a_corpus_file_that_is_no_case_file_is_a_usage_error_naming_it(tmp_path)
     (tmp_path / "F").write_text("")
     with pytest.raises(UsageError, match="not a directory"):
         mla_verify.gate(device="cpu", ops=["concat_mla_q"], corpus=tmp_path / "F", out=tmp_path / "run")
+
+
+def test_a_squatted_name_never_keeps_a_finding_out_and_a_misnamed_file_is_refused(tmp_path):
+    """Issue 45, item 7: a process that wrote the name a finding would take (another finding's
+    file, or junk) kept the finding out of the corpus, and the next run passed."""
+    corpus = Corpus(tmp_path / "C")
+    taken = corpus.directory / corpus_name(casefile.load(saved_case(tmp_path)))
+    corpus.directory.mkdir()
+    for squatter in (b"not a case", saved_case(tmp_path, seed=7).read_bytes()):
+        taken.write_bytes(squatter)
+        assert corpus.add(saved_case(tmp_path)) == taken
+        assert [k.case.seed for k in Corpus(corpus.directory).cases()] == [0]
+    assert corpus.add(saved_case(tmp_path)) is None  # the finding itself: kept once
+    (corpus.directory / "concat_mla_q-0000000000000000.json").write_bytes(saved_case(tmp_path, seed=3).read_bytes())
+    with pytest.raises(UsageError, match="its name is not the hash of the finding it holds"):
+        Corpus(corpus.directory).cases()
 
 
 def test_check_keeps_the_finding_replays_it_first_under_another_seed_and_keeps_it_once_fixed(tmp_path, monkeypatch):
@@ -176,7 +192,7 @@ def test_gate_impl_with_a_corpus_fails_keeps_replays_first_and_passes_once_fixed
                             **settings)
     held = len(again)  # the second gate's own seed may have kept a finding too
     assert not fixed.failed and f"note: from the corpus: 0 still fail, {held} now pass{'es' if held == 1 else ''}" in fixed.lines()
-    assert not (tmp_path / "g3" / "failures").exists()
+    assert not any((tmp_path / "g3" / "failures").iterdir())  # made at the start, holding no finding
 
 
 EPILOGUE = "sparse_prefill=tests.impls.epilogue:sparse_prefill"  # a truncating bf16 epilogue

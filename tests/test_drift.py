@@ -292,6 +292,7 @@ def test_gate_baseline_reruns_its_cases_and_reports_paired(tmp_path, capsys):
     out = capsys.readouterr().out
     (a, meta_a), (b, meta_b) = api.load_run(tmp_path / "a"), api.load_run(tmp_path / "b")
     assert meta_b["seeds"] == meta_a["seeds"]
+    assert meta_b["extra"].pop("sandbox") == meta_a["extra"].pop("sandbox")  # what this host's workers stood behind
     assert meta_b["extra"] == meta_a["extra"] == {"examples": 3, "ops": ["convert_index"], "impls": None, "isolated": True}
     assert set(b["case_id"]) == set(a["case_id"])
     assert "no drift in 4 groups compared (4 paired, 0 unpaired" in out

@@ -561,12 +561,18 @@ def test_an_interrupted_gate_prints_the_command_that_runs_the_rest_and_it_does(t
 
 
 def test_a_sigterm_to_the_whole_process_group_stops_the_run_without_blaming_the_kernel(capsys, tmp_path):
-    # Isolated (the default): the worker receives the signal too; it is the parent's to handle, as
-    # Ctrl-C is, and never a `crashed` finding of a correct kernel.
-    proc = cli("fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:sigterm_to_its_group_on_third_call",
+    # Isolated (the default): the signal is the parent's to handle, as Ctrl-C is (the worker, in a
+    # session of its own behind its sandbox, does not receive it), never a `crashed` finding.
+    proc = cli("fuzz", "--op", "quantize_fp8_ds_mla", "--impl", "tests.hostile.cpu:says_each_call",
                "--examples", 10, "--seed", 1, "--device", "cpu", "--profile", "ci", "--out", tmp_path / "run",
-               start_new_session=True)  # its own group: the signal reaches the harness and its worker, not pytest
+               start_new_session=True)  # its own group: the signal reaches the harness, not pytest
+    said = []
+    while not said or said[-1] != "call 3\n":  # cases are running: the kernel said so
+        said.append(proc.stdout.readline())
+        assert said[-1], "".join(said)
+    os.killpg(proc.pid, signal.SIGTERM)
     text, _ = proc.communicate(timeout=600)
+    text = "".join(said) + text
     assert proc.returncode == 130 and "interrupted (SIGTERM)" in text and "INTERRUPTED" in text, text
     assert "crashed" not in text and not list((tmp_path / "run").glob("failures/*.json")), text
 

@@ -6,6 +6,7 @@ smallest case is `scripts/gpu_lane.sh hostile` (scripts/hostile_gpu.py): minutes
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,39 @@ def test_the_cpu_zoo_fails_isolated_on_the_gpu_where_the_parent_judges():
                 (h.impl, [(r.gate_metric, r.reason) for r in rows])
     finally:
         worker.close()
+
+
+@pytest.mark.gpu
+def test_a_cuda_worker_stands_behind_the_sandbox_and_every_kernel_reaching_outside_fails_its_case():
+    """Issue 45, item 4: the sandbox's and the worker-boundary kernels (tests.hostile.SANDBOX,
+    BOUNDARY) in a CUDA worker, each with its CPU outcome; the layers that held are printed."""
+    from mla_verify.equivalence.sandbox.worker import Worker
+    from tests.hostile import BOUNDARY, SANDBOX
+    from tests.test_hostile import CASES
+
+    worker = Worker("cuda", timeout_s=10.0)
+    try:
+        print(f"cuda worker: {worker.start().summary()}")
+        # a write hidden from the worker's own snapshot is caught where inputs are handed over (CPU) only
+        for h in [*SANDBOX, *(h for h in BOUNDARY if "hides_it" not in h.impl)]:
+            start = time.monotonic()
+            rows = worker.run(Case(h.op, CASES[h.op], 3), [h.impl], h.impl)
+            assert any(r.gate_metric == h.metric and h.says in r.reason for r in rows if not r.passed), \
+                (h.impl, [(r.gate_metric, r.reason) for r in rows])
+            assert time.monotonic() - start < 60, f"{h.impl}: the judge waited for the timeout, not the worker"
+    finally:
+        worker.close()
+
+
+@pytest.mark.gpu
+def test_a_cuda_kernel_that_kills_its_parent_only_fails_its_case(tmp_path):
+    """Issue 45, item 4: on CUDA the worker is the judge's own child: SIGKILL to its parent killed
+    the judge (exit 137, no case saved, no row). Behind the sandbox it is refused."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-m", "mla_verify.cli", "fuzz", "--op", "quantize_fp8_ds_mla", "--impl",
+                           "tests.hostile.sandbox:kills_its_judge", "--device", "cuda", "--examples", "2", "--seed", "1",
+                           "--no-shrink", "--out", str(tmp_path / "run")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    text = done.stdout + done.stderr
+    assert done.returncode == 1 and "DISCREPANCY" in text, text
+    assert list((tmp_path / "run" / "failures").glob("*.json")) and (tmp_path / "run" / "rows.parquet").exists()

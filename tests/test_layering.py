@@ -148,8 +148,8 @@ def test_check_and_gate_name_only_options_fields():
 def test_device_strings_are_read_in_one_place():
     """Issue 49: "cuda:1" was parsed in 33 places (startswith("cuda") 14, split(":")[0] 19); now
     `equivalence.sandbox.device.device_type` / `is_cuda` read it. Left: the pytest plugin (it
-    imports no torch, device.py does) and the worker, under issue 45's rewrite, to take the helper."""
-    pending = {"mla_verify/pytest_plugin.py", "equivalence/sandbox/worker.py", "equivalence/sandbox/device.py"}
+    imports no torch, device.py does)."""
+    pending = {"mla_verify/pytest_plugin.py", "equivalence/sandbox/device.py"}
     found = []
     for folder in PACKAGE:
         for path in sorted((ROOT / folder).rglob("*.py")):

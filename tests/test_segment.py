@@ -5,6 +5,7 @@ answer arrives, and compares the inputs it handed over with its own after the ca
 
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 def _message(tensors, out: segment.Segment | None):
     """`tensors` encoded by the worker's side into `out` (mapped as a worker maps it), read back by
     the parent's: (the header as sent, tensors, the bytes that went through the pipe)."""
-    into = segment.Mapped(out.describe()) if out is not None else None
+    into = segment.Mapped(out.describe(), os.dup(out.fd)) if out is not None else None
     frames = wire.encode({"kind": "produced"}, tensors, into)
     data = b"".join(bytes(f) for f in frames)
     r, w = os.pipe()
@@ -80,7 +81,7 @@ def test_the_judge_reads_its_copy_taken_when_the_answer_arrived():
     try:
         sent = torch.randn(64, dtype=torch.float64)
         _, got, _ = _message([sent], out)
-        scribbler = segment.Mapped(out.describe())
+        scribbler = segment.Mapped(out.describe(), os.dup(out.fd))
         scribbler.view[:512] = b"\xff" * 512  # the worker writes again after answering
         assert bytes(out.view[:8]) == b"\xff" * 8 and torch.equal(got[0], sent) and not got[0].isnan().any()
         with pytest.raises(TypeError):  # the judge's own mapping of the outputs is read-only
@@ -137,15 +138,15 @@ def test_outputs_placed_in_a_segment_never_given_are_unreadable():
 def test_no_one_can_resize_a_segment_and_its_parent_mapping_stays_whole():
     seg = segment.Segment.create(4096, writable=True)
     try:
-        fd = os.open(seg.describe()["path"], os.O_RDWR)  # as the worker opens it
+        fd = os.dup(seg.fd)  # as the worker holds it, handed over
         try:
             for size in (0, 1 << 20):
                 with pytest.raises(PermissionError):
                     os.ftruncate(fd, size)
         finally:
             os.close(fd)
-        with pytest.raises(PermissionError):
-            os.unlink(seg.describe()["path"])
+        with pytest.raises(OSError):
+            os.unlink(f"/proc/self/fd/{seg.fd}")  # no name to unlink: the one path is /proc's
         seg.view[4095] = 7
         assert os.fstat(seg.fd).st_size == 4096 and seg.view[4095] == 7
     finally:
@@ -166,7 +167,7 @@ def test_inputs_handed_over_are_the_parents_as_built_views_offsets_and_shared_st
     kwargs = _strided_inputs()
     seg, handed = segment.hand_over(kwargs, None)
     try:
-        got = segment.inputs_of(handed.described, segment.Mapped(seg.describe()), "cpu")
+        got = segment.inputs_of(handed.described, segment.Mapped(seg.describe(), os.dup(seg.fd)), "cpu")
         assert set(got) == set(kwargs) and len(handed.regions) == 3  # q and same share one storage
         for name in ("q", "same", "idx"):
             a, b = kwargs[name], got[name]
@@ -211,12 +212,20 @@ def test_an_isolated_case_hands_its_inputs_and_outputs_through_the_segments(monk
     assert [offsets for offsets in placed if offsets] == [[0]]  # the answer's one output, in the segment
 
 
-def test_a_worker_that_may_not_open_the_segments_falls_back_to_the_pipe_and_its_own_inputs(monkeypatch):
-    """A /proc that refuses another process's fds (here: a path that does not exist) costs the
-    segments, not the case: outputs come through the pipe, the worker builds the inputs."""
-    assert segment.mapping(None, {"path": "/proc/0/fd/0", "size": 4096, "serial": 1}) is None
-    placed, describe = [], segment.Segment.describe
-    monkeypatch.setattr(segment.Segment, "describe", lambda self: {**describe(self), "path": "/nonexistent/segment"})
+def test_a_worker_whose_segment_descriptors_do_not_come_falls_back_to_the_pipe_and_its_own_inputs(monkeypatch):
+    """Descriptors that do not arrive (here: the marker byte sent without them) cost the segments,
+    not the case: outputs come through the pipe, the worker builds the inputs."""
+    r, w = socket.socketpair()
+    try:
+        handles = segment.Handles(w.fileno())
+        socket.send_fds(r, [b"S"], [])
+        handles.receive([1])
+        assert segment.mapping(None, {"size": 4096, "serial": 1}, handles) is None
+    finally:
+        r.close()
+        w.close()
+    placed = []
+    monkeypatch.setattr(segment, "send_handles", lambda sock, segments: segments and socket.send_fds(sock, [b"S"], []))
     regions = wire._regions
     monkeypatch.setattr(wire, "_regions", lambda specs, seg: placed.append([s[-1] for s in specs]) or regions(specs, seg))
     w = Worker("cpu", timeout_s=20.0)
@@ -244,7 +253,7 @@ def test_a_worker_scribbling_its_segment_after_answering_is_judged_on_what_it_an
 
 def test_a_worker_cannot_resize_or_unlink_the_segments_and_the_next_case_runs(tmp_path):
     impl = "tests.hostile.boundary:resizes_the_segments"
-    w = Worker("cpu", timeout_s=20.0)
+    w = Worker("cpu", timeout_s=20.0, sandbox="off")  # the seals hold unconfined; confined, it could write no report
     try:
         rows = w.run(QUANTIZE, [impl], impl, run_id=str(tmp_path / "tried"))
         after = w.run(Case(QUANTIZE.op, QUANTIZE.params, 4), ["torch-fp32"], "torch-fp32")
@@ -264,7 +273,7 @@ def test_on_cuda_the_worker_copies_handed_inputs_to_the_device_once():
     kwargs = _strided_inputs("cuda")
     seg, handed = segment.hand_over(kwargs, None)
     try:
-        got = segment.inputs_of(handed.described, segment.Mapped(seg.describe()), "cuda")
+        got = segment.inputs_of(handed.described, segment.Mapped(seg.describe(), os.dup(seg.fd)), "cuda")
         for name in ("q", "same", "idx"):
             assert got[name].is_cuda and torch.equal(got[name], kwargs[name])
             assert got[name].stride() == kwargs[name].stride()

@@ -99,6 +99,20 @@ def _marked(pid: int) -> bool:
         return False
 
 
+def in_namespace(root: int, ns_pid: int) -> int | None:
+    """The pid, as this process numbers it, of the process below `root` that a PID namespace of its
+    own numbers `ns_pid` (/proc/PID/status's NSpid), or None."""
+    for pid in descendants(root):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                nspid = next((line.split()[1:] for line in f if line.startswith("NSpid:")), [])
+        except OSError:
+            continue
+        if len(nspid) > 1 and nspid[-1] == str(ns_pid):
+            return pid
+    return None
+
+
 def kill_below(pid: int) -> int:
     """SIGKILL every process below `pid` (it stays); how many there were."""
     found = descendants(pid)

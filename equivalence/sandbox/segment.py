@@ -22,6 +22,7 @@ import fcntl
 import itertools
 import mmap
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Collection
 
@@ -70,8 +71,9 @@ class Segment:
             return None
 
     def describe(self) -> dict:
-        """What the worker is told: where to open it, its size and a serial that changes with it."""
-        return {"path": f"/proc/{os.getpid()}/fd/{self.fd}", "size": self.size, "serial": self.serial}
+        """What the worker is told: its size and a serial that changes with it (its descriptor is
+        handed over beside the request that first names the serial: `send_handles`)."""
+        return {"size": self.size, "serial": self.serial}
 
     def bytes_at(self, offset: int, nbytes: int) -> torch.Tensor:
         """Bytes [offset, offset + nbytes) as a uint8 tensor on this memory (a writable segment)."""
@@ -95,35 +97,72 @@ def grown(segment: Segment | None, need: int, writable: bool) -> Segment | None:
     return Segment.create(max(INITIAL_BYTES, 2 * need), writable)
 
 
-class Mapped:
-    """The worker's mapping of a segment the parent described (`Segment.describe`)."""
+def send_handles(sock: socket.socket, segments: list[Segment]) -> None:
+    """The descriptors of `segments` to the worker at the other end of `sock` (SCM_RIGHTS), sent
+    right after the request that names their serials under "handles"."""
+    if segments:
+        socket.send_fds(sock, [b"S"], [s.fd for s in segments])
 
-    def __init__(self, described: dict):
-        self.serial, self.size = described["serial"], described["size"]
-        fd = os.open(described["path"], os.O_RDWR)
-        try:
-            if os.fstat(fd).st_size != self.size:
-                raise OSError(f"segment {described['path']} is not of {self.size} bytes")
-            self.map = mmap.mmap(fd, self.size)
-        finally:
+
+class Handles:
+    """The worker's side of `send_handles`: serial -> descriptor of each segment handed over."""
+
+    def __init__(self, fd: int):
+        self.sock = socket.socket(fileno=os.dup(fd))  # the worker's end of its pipe, for recvmsg
+        self.fds: dict[int, int] = {}
+
+    def receive(self, serials: list) -> None:
+        """The descriptors the parent sent for `serials` (the request's "handles"), in order."""
+        if not serials:
+            return
+        data, fds, _, _ = socket.recv_fds(self.sock, 1, len(serials))
+        if data == b"S" and len(fds) == len(serials):
+            self.fds.update(zip(serials, fds))
+            return
+        for fd in fds:  # not what was named: none is mapped (`mapping` falls back to the pipe)
             os.close(fd)
+
+    def take(self, serial: int) -> int | None:
+        """The descriptor of segment `serial`, now the caller's to close; None where none came."""
+        return self.fds.pop(serial, None)
+
+
+class Mapped:
+    """The worker's mapping of a segment the parent described (`Segment.describe`), through the
+    descriptor it handed over (kept open while mapped)."""
+
+    def __init__(self, described: dict, fd: int):
+        self.serial, self.size, self.fd = described["serial"], described["size"], fd
+        if os.fstat(fd).st_size != self.size:
+            raise OSError(f"segment {self.serial} is not of {self.size} bytes")
+        self.map = mmap.mmap(fd, self.size)
         self.view = memoryview(self.map)
 
     def bytes_at(self, offset: int, nbytes: int) -> torch.Tensor:
         return _bytes_at(self.map, offset, nbytes)
 
+    def close(self) -> None:
+        """Let go of the descriptor (the mapping goes once nothing views it)."""
+        os.close(self.fd)
 
-def mapping(kept: Mapped | None, described: dict | None) -> Mapped | None:
-    """`kept` where it is the segment `described`, else a new mapping of it; None where none is
-    described or this process may not open it (a /proc that refuses another process's fds): then
-    the pipe carries the outputs and the worker builds the inputs, as without segments."""
+
+def mapping(kept: Mapped | None, described: dict | None, handles: Handles) -> Mapped | None:
+    """`kept` where it is the segment `described`, else a new mapping of it (`kept` let go); None
+    where none is described or its descriptor did not come: then the pipe carries the outputs and
+    the worker builds the inputs, as without segments."""
     if described is None:
         return None
     if kept is not None and kept.serial == described["serial"] and kept.size == described["size"]:
         return kept
+    fd = handles.take(described["serial"])
+    if fd is None:
+        return None
+    if kept is not None:
+        kept.close()
     try:
-        return Mapped(described)
+        return Mapped(described, fd)
     except OSError:
+        os.close(fd)
         return None
 
 

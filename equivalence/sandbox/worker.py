@@ -43,29 +43,32 @@ import json
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import shutil
 import signal
+import socket
 import time
 import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..cases.case import Case
-from ..errors import HarnessError
+from ..errors import HarnessError, UsageError
 from ..judge.policy import DEVIATIONS
 from ..judge.rows import Row
 from ..produced import Produced
-from . import guards, reaper, segment, wire
+from . import boundary, guards, reaper, segment, wire
 from .call_guards import CALLED_WITH
 from .calls import after_return_rows, failure_row, input_rows, noted, unsupported_row
-from .device import WORKER_SHARE, first_line, is_device_error, take_gpu_share, usable
+from .device import WORKER_SHARE, device_type, first_line, is_cuda, is_device_error, take_gpu_share, usable
 
 STARTUP_TIMEOUT_S = 300.0   # imports, CUDA context, warm-up: never counted against a case
 # Spares kept warming once a worker has been replaced. A CUDA worker takes seconds to start (CUDA
 # context, cuBLAS): shrinking a crash replaces one per failing step, so two start side by side.
 SPARES = {"cpu": 1, "cuda": 2}
 HARNESS_TIMEOUT_S = 1800.0  # a case's inputs (ours, not the implementation's)
+RESOLVE_FLOOR_S = 30.0      # a module's import in the worker (a JIT build at import) may take this long at least
 READ_GRACE_S = 60.0         # a message's bytes once its first arrived (outputs of gigabytes on a slow host)
 UNREADABLE = "the worker sent an unreadable message"
 
@@ -90,27 +93,33 @@ def _warm_up(device: str) -> None:
     """The CUDA context and the libraries a first kernel call would otherwise initialize."""
     import torch
 
-    if device.startswith("cuda"):
+    if is_cuda(device):
         if ":" in device:
             torch.cuda.set_device(device)
         a = torch.ones(64, 64, device=device)
         (a @ a).sum().item()
 
 
-def _serve(conn, device: str) -> None:
+def _serve(conn, device: str, sandbox: str = "off", judge: int = 0) -> None:
     # Ctrl-C, and the SIGTERM that `timeout` or a scheduler sends the whole process group, are the
     # parent's to handle: it finishes the case; the worker dying of one would read as a crash.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    # Behind the OS boundary first, while the process has one thread and has run nothing of the
+    # user's: what the worker runs from here on (the CUDA context included) runs behind it.
+    fence = boundary.enter(sandbox, device, {judge} - {0})
     reaper.become_subreaper()  # what a kernel forks stays below this process (`reaper`)
-    if not device.startswith("cuda"):
+    if not is_cuda(device):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     take_gpu_share(WORKER_SHARE)  # the rest is its judge's
     _warm_up(device)
     channel = _Channel(conn)
-    channel.send({"kind": "ready", "pid": os.getpid()})
+    channel.send({"kind": "ready", "pid": os.getpid(), "sandbox": fence.to_dict()})  # before any user code
     with guards.kept_watch():  # taken once: each call puts back what it changed, for the next
-        _answer_cases(channel, device)
+        try:
+            _answer_cases(channel, device)
+        except (EOFError, ConnectionResetError):
+            pass  # the judge let go of this worker (behind a PID namespace, it dies a moment later)
 
 
 class _Channel:
@@ -121,6 +130,7 @@ class _Channel:
 
     def __init__(self, conn) -> None:
         self.conn, self.fd = conn, conn.fileno()
+        self.handles = segment.Handles(self.fd)  # the segments' descriptors, as the parent sends them
         self.ident, self.dup = guards.fd_identity(self.fd), os.dup(self.fd)
         self.subreaper, self.names = reaper.is_subreaper(), []
         spaces = [("the worker's connection", conn, True), ("the worker's channel", self, True),
@@ -136,7 +146,11 @@ class _Channel:
         wire.write(self.fd, frames)
 
     def receive(self) -> dict | None:
-        return json.loads(self.conn.recv_bytes())
+        """The parent's next request, the descriptors of the segments it names first received."""
+        request = json.loads(self.conn.recv_bytes())
+        if request is not None:
+            self.handles.receive(request.get("handles", []))
+        return request
 
     def tampered(self) -> list[str]:
         """What a call changed of the channel, each put back."""
@@ -179,11 +193,15 @@ def _answer_cases(channel: _Channel, device: str) -> None:
         if request.get("after"):
             channel.send({"kind": "after", "seq": seq, "after": after})
             continue
+        if "resolve" in request:
+            channel.send(_resolved(seq, request["resolve"], subjects, device))
+            continue
         case = Case.from_dict(request["case"])
         specs, deviations, conventions = request["specs"], request["deviations"], request["conventions"]
         called, given = [], request.get("inputs")
-        mapped["outputs"] = segment.mapping(mapped["outputs"], request.get("outputs"))
-        mapped["inputs"] = segment.mapping(mapped["inputs"], given and given["segment"])
+        mapped["outputs"] = segment.mapping(mapped["outputs"], request.get("outputs"), channel.handles)
+        if given:  # kept between cases that hand nothing over: its descriptor came once
+            mapped["inputs"] = segment.mapping(mapped["inputs"], given["segment"], channel.handles)
 
         def on_call() -> None:
             called.append(True)
@@ -192,7 +210,7 @@ def _answer_cases(channel: _Channel, device: str) -> None:
         try:
             key = (case.op, tuple(specs), tuple(deviations), tuple(conventions))
             if key not in subjects:
-                subjects[key] = resolve_subject(case.op, specs, device.split(":")[0], deviations=deviations,
+                subjects[key] = resolve_subject(case.op, specs, device_type(device), deviations=deviations,
                                                 conventions=conventions)
             CALLED_WITH.clear()
             # the parent's inputs, not built here, where the segment could be mapped
@@ -210,7 +228,7 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             continue
         if tampered := channel.tampered():
             produced = Produced([dict(tensor="*", gate_metric="contract", reason=_tampering(tampered))], failed=True)
-        retire = device.startswith("cuda") and (produced.device_error or not usable(device))
+        retire = is_cuda(device) and (produced.device_error or not usable(device))
         called_with = {stage: sorted(keywords) for stage, keywords in CALLED_WITH.items()}  # for the parent's notes
         channel.send_frames(wire.produced_frames(seq, case.case_id, produced, retire, called_with, _children_left(),
                                                  after, into=mapped["outputs"]))
@@ -218,6 +236,40 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             return  # never trust a context that saw a CUDA error with another case
         if produced.returned is not None:
             last = (case.case_id, produced.returned, produced.threads)
+
+
+def _resolved(seq: int, asked: dict, subjects: dict, device: str) -> dict:
+    """The answer to a "resolve" request: the implementation imported here and checked (its
+    signature, its declared deviations), or the usage error that stops it, in one line. This runs
+    the user's import-time code: here, behind the boundary, never in the judge."""
+    from ..catalog import resolve_subject  # it imports the kernels: not before `_serve` set up Triton
+
+    key = (asked["op"], tuple(asked["specs"]), tuple(asked["deviations"]), tuple(asked["conventions"]))
+    try:
+        subjects[key] = resolve_subject(asked["op"], key[1], device_type(device), deviations=key[2],
+                                        conventions=key[3])
+    except UsageError as exc:
+        return {"kind": "usage", "seq": seq, "message": str(exc)}
+    except Exception:
+        return {"kind": "error", "seq": seq, "detail": traceback.format_exc()}
+    return {"kind": "resolved", "seq": seq}
+
+
+def _beyond(answer: wire.Answer, allowed: frozenset[str]) -> str | None:
+    """Why `answer` claims bounds the run did not resolve (a deviation of its own, or of one of its
+    stage calls, outside `allowed`), else None."""
+    claimed = {*answer.deviations, *(d for run in answer.stage_calls for call in run for d in call["deviations"])}
+    if not (extra := sorted(claimed - allowed)):
+        return None
+    resolved = ", ".join(sorted(allowed)) or "none"
+    return (f"the worker answered under deviation(s) {', '.join(extra)}, which the run did not resolve (resolved: "
+            f"{resolved}; a user's callable declares them as a literal __mla_verify_deviations__ in its module's "
+            "source, or with --deviation): never a looser bound")
+
+
+def _key(op: str, specs: Sequence[str], deviations: Sequence[str], conventions: Sequence[str]) -> tuple:
+    """An implementation as the worker resolves it: (op, specs, deviations, conventions)."""
+    return op, tuple(specs), tuple(deviations), tuple(conventions)
 
 
 def _writes(case: Case) -> tuple[str, ...]:
@@ -237,14 +289,36 @@ class _Process:
     proc: Any
     conn: Any
     reader: wire.Reader
+    sock: Any                                # its pipe as a socket: the segments' descriptors go through it
+    alive: int | None = None                 # a pidfd of the process (liveness, whoever holds the pipe)
     ready: bool = False
     inputs: segment.Segment | None = None   # the cases' inputs, written here (`segment.hand_over`)
+    handed: set = field(default_factory=set)     # serials of the segments whose descriptor it holds
+    resolved: set = field(default_factory=set)   # the implementations it imported (`Worker._resolve_in`)
+    fence: boundary.Boundary | None = None       # what it said it stands behind, before any user code
 
     def close_segments(self) -> None:
         for s in (self.inputs, self.reader.segment):
             if s is not None:
                 s.close()
         self.inputs = self.reader.segment = None
+
+    def runner(self) -> int:
+        """The pid of the process that runs the cases: the worker's own, or behind a PID namespace
+        the worker the stand-in we started waits for (pid 2 there: `boundary._pid_namespace`)."""
+        if self.fence is None or "pid namespace" not in self.fence.held:
+            return self.proc.pid
+        return reaper.in_namespace(self.proc.pid, 2) or self.proc.pid
+
+    def close(self) -> None:
+        """Its segments, descriptors and scratch directory, once the process is gone."""
+        self.close_segments()
+        self.conn.close()
+        self.sock.close()
+        if self.alive is not None:
+            os.close(self.alive)
+        for scratch in boundary.scratch_dirs(self.proc.pid):  # a spare that never said ready made one too
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 _LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
@@ -295,16 +369,24 @@ def _exit_reason(code: int | None) -> str:
 class Worker:
     """One isolated evaluation process for `device` (e.g. "cuda:0"), replaced as needed."""
 
-    def __init__(self, device: str, timeout_s: float = 300.0, hand_over: bool | None = None):
+    def __init__(self, device: str, timeout_s: float = 300.0, hand_over: bool | None = None, sandbox: str = "auto"):
         """`hand_over`: whether the inputs this process builds go to the worker through a shared
         segment (else the worker builds them again). By default on CPU only: on CUDA the segment is
         host memory, a copy to the host and one back (the decode case B=64 H=128 holds ~350 MB of
         cache: tens of ms each way) against a build of 1.2-1.9 ms on the device, until device
-        memory can be shared."""
+        memory can be shared. `sandbox`: the OS boundary each worker puts itself behind
+        (`boundary.MODES`); strict refuses a worker where a layer did not hold (UsageError). This
+        process, the judge, is made not dumpable (`boundary.protect_judge`)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout_s}")
-        self.device, self.timeout_s = device, timeout_s
-        self.hand_over = not device.startswith("cuda") if hand_over is None else hand_over
+        if sandbox not in boundary.MODES:
+            raise ValueError(f"sandbox mode {sandbox!r}: expected one of {', '.join(boundary.MODES)}")
+        boundary.protect_judge()
+        self.device, self.timeout_s, self.sandbox = device, timeout_s, sandbox
+        self.fence: boundary.Boundary | None = None  # what the workers stand behind (the last one's words)
+        self.fell_back = ""  # why the workers run without the sandbox (auto, where a worker could not start behind it)
+        self._described: dict[tuple, Any] = {}  # implementation key -> the judge's Subject of it (never imported)
+        self.hand_over = not is_cuda(device) if hand_over is None else hand_over
         self._active: _Process | None = None
         self._spares: list[_Process] = []
         self.restarts, self._seq = 0, 0
@@ -313,7 +395,7 @@ class Worker:
         _LIVE.add(self)
 
     def _spawn(self) -> _Process:
-        if self.device.startswith("cuda"):
+        if is_cuda(self.device):
             ctx = mp.get_context("spawn")
         else:
             # The server imports every spec (and the kernels) once: a replacement after a crash then
@@ -323,27 +405,48 @@ class Worker:
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(["mla_verify.equivalence.sandbox.worker", "mla_verify.optimized",
                                         "mla_verify.equivalence.catalog"])
-        conn, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, self.device), daemon=True)
+        conn, child = ctx.Pipe()  # a socket pair: the segments' descriptors cross it too
+        proc = ctx.Process(target=_serve, args=(child, self.device, self.sandbox, os.getpid()), daemon=True)
         with reaper.marked():  # the worker (and the server it forks from) carries the mark of its tree
             proc.start()
         child.close()
-        return _Process(proc, conn, wire.Reader(conn.fileno(), proc.sentinel))
+        # Liveness from the process itself: a pidfd is readable once it exited, whoever still holds
+        # its pipe or its multiprocessing sentinel (a spawned worker's forked child inherits that).
+        alive = os.pidfd_open(proc.pid) if hasattr(os, "pidfd_open") else None
+        reader = wire.Reader(conn.fileno(), proc.sentinel if alive is None else alive)
+        return _Process(proc, conn, reader, socket.socket(fileno=os.dup(conn.fileno())), alive)
 
     def _await_ready(self, p: _Process) -> None:
+        """Wait for `p`'s "ready", which says what it stands behind (`boundary.Boundary`); a worker
+        that cannot start behind the sandbox in auto mode is started again without it, and says why."""
         if p.ready:
             return
-        kind, _ = self._receive(p, None, STARTUP_TIMEOUT_S)
+        kind, header = self._receive(p, None, STARTUP_TIMEOUT_S)
         if kind == "ready":
+            try:
+                p.fence = self.fence = boundary.Boundary.from_dict(header.get("sandbox"))
+            except ValueError as exc:
+                raise HarnessError(f"an isolation worker for {self.device} did not say what it stands behind: {exc}")
             p.ready = True
+            if (refused := p.fence.refused()) is not None:
+                raise UsageError(f"{refused} (this host; --sandbox auto runs with what holds)")
             return
-        p.proc.kill()
-        p.proc.join(5)
-        raise HarnessError(f"an isolation worker for {self.device} did not start within {STARTUP_TIMEOUT_S:g} s "
-                           f"({_exit_reason(p.proc.exitcode)})")
+        why = _exit_reason(p.proc.exitcode)
+        for q in (p, *self._spares):
+            q.proc.kill()
+            q.proc.join(5)
+            q.close()
+        self._spares = []
+        if self.sandbox == "auto":
+            self.sandbox, self.fell_back = "off", f"a worker could not start behind it ({why})"
+            self._active = self._spawn()
+            self._await_ready(self._active)
+            return
+        self._active = None
+        raise HarnessError(f"an isolation worker for {self.device} did not start within {STARTUP_TIMEOUT_S:g} s ({why})")
 
     def _top_up(self) -> None:
-        while len(self._spares) < SPARES[self.device.split(":")[0]]:
+        while len(self._spares) < SPARES[device_type(self.device)]:
             self._spares.append(self._spawn())
 
     def _ensure(self) -> _Process:
@@ -363,8 +466,7 @@ class Worker:
                 reaper.kill_below(p.proc.pid)
                 p.proc.kill()
             p.proc.join(5)
-            p.conn.close()
-            p.close_segments()
+            p.close()
         self.reap()
         self.restarts += 1
         self._top_up()
@@ -489,13 +591,14 @@ class Worker:
         given), or its single failure row when it died, hung or sent something that is not an answer."""
         p = self._ensure()
         base = self._base(case, label, run_id, source)
+        key = _key(case.op, specs, deviations, conventions)
+        if (why := self._resolve_in(p, key)) is not None:  # a fresh worker, whose import of it failed
+            return [failure_row(base, "*", "crashed", f"the implementation could not be resolved in a fresh worker: {why}")]
         self._seq += 1
         request = dict(seq=self._seq, case=case.to_dict(), specs=list(specs), deviations=list(deviations),
                        conventions=list(conventions), run_id=run_id, source=source)
         handed = self._segments(p, request, kwargs, case.op)
-        try:
-            p.conn.send_bytes(json.dumps(request).encode())
-        except (BrokenPipeError, OSError):
+        if not self._send(p, request):
             self._retire()
             return [failure_row(base, "*", "crashed", "the worker process died between cases")]
         kind, header = self._receive(p, self._seq, HARNESS_TIMEOUT_S)
@@ -511,7 +614,7 @@ class Worker:
         if kind == "produced":
             try:
                 written = [] if handed is None else segment.written(p.inputs, handed, _writes(case))
-                return self._answered(p, case, header, base, notes, written)
+                return self._answered(p, case, header, base, notes, self._allowed(key), written)
             except wire.Unreadable as exc:
                 kind, header = "unreadable", str(exc)
         if kind == "error" and not called:  # the harness's side, before any of the implementation's code ran
@@ -531,6 +634,94 @@ class Worker:
             reason = f"{UNREADABLE}: {why}"
         return [failure_row(base, "*", "crashed", reason)]
 
+    def start(self) -> boundary.Boundary:
+        """Start a worker now (not at the first case) and say what it stands behind."""
+        self._ensure()
+        return self.fence
+
+    def sandboxed(self) -> dict:
+        """What the run records of its workers' sandbox (`Boundary.record`), and why the workers
+        run without it where one could not start behind it (auto)."""
+        fence = self.fence or boundary.Boundary(self.sandbox)
+        return {**fence.record(), **({"fell_back": self.fell_back} if self.fell_back else {})}
+
+    def summary(self) -> str:
+        """The sandbox in one line, as a PASS line ends: "sandbox auto: ...; missing: ..."."""
+        fence = self.fence or boundary.Boundary(self.sandbox)
+        return fence.summary() + (f" ({self.fell_back})" if self.fell_back else "")
+
+    def resolve(self, op: str, specs: Sequence[str], deviations: Sequence[str] = (),
+                conventions: Sequence[str] = ()) -> Any:
+        """The implementation `specs` names for `op`, resolved where it runs: imported in a worker
+        (its import-time code, its signature and its declared deviations run there, behind the
+        sandbox), and described here from its module's source (`catalog.resolve_subject(described=
+        True)`: nothing of it runs in the judge). The judge's Subject; UsageError, in one line, where
+        it cannot be resolved (the worker's reason, or an import that did not finish within
+        max(timeout, RESOLVE_FLOOR_S)). Call it before the first case: the run then starts only
+        with an implementation its worker could import."""
+        key = _key(op, specs, deviations, conventions)
+        subject = self._subject(key)
+        if (why := self._resolve_in(self._ensure(), key)) is not None:
+            raise UsageError(why)
+        return subject
+
+    def _subject(self, key: tuple) -> Any:
+        """The judge's Subject of `key`, its user's callables described, never imported."""
+        from ..catalog import resolve_subject
+
+        if key not in self._described:
+            op, specs, deviations, conventions = key
+            self._described[key] = resolve_subject(op, specs, device_type(self.device), deviations=deviations,
+                                                   conventions=conventions, described=True)
+        return self._described[key]
+
+    def _allowed(self, key: tuple) -> frozenset[str]:
+        from ..catalog import allowed_deviations
+
+        return allowed_deviations(self._subject(key), device_type(self.device))
+
+    def _resolve_in(self, p: _Process, key: tuple) -> str | None:
+        """Have worker `p` import the implementation of `key` (once per process); None once it has,
+        else why not, in one line (the worker is then replaced)."""
+        if key in p.resolved:
+            return None
+        self._subject(key)  # the judge's reading first: a bad --impl costs no worker time
+        op, specs, deviations, conventions = key
+        self._seq += 1
+        asked = {"op": op, "specs": list(specs), "deviations": list(deviations), "conventions": list(conventions)}
+        if not self._send(p, {"seq": self._seq, "resolve": asked}):
+            self._retire()
+            return "the worker process died before it could import the implementation"
+        limit = max(self.timeout_s, RESOLVE_FLOOR_S)
+        kind, header = self._receive(p, self._seq, limit)
+        if kind == "resolved":
+            p.resolved.add(key)
+            return None
+        what = f"--impl {' '.join(specs)}"
+        if kind == "died":
+            p.proc.join(5)
+            self._retire()
+            return f"{what}: the worker died while importing it ({_exit_reason(p.proc.exitcode)})"
+        self._kill_active()
+        if kind == "usage":
+            return _said(header, "message")
+        if kind == "timeout":
+            return f"{what}: importing it in the worker did not finish within {limit:g} s"
+        why = _last_line(header) if kind == "error" else f"{UNREADABLE}: {header if kind == 'unreadable' else kind}"
+        return f"{what}: the worker failed while importing it: {why}"
+
+    def _send(self, p: _Process, request: dict) -> bool:
+        """`request` to worker `p`, then the descriptors of the segments it names for the first
+        time; False where the worker is gone."""
+        handing = [s for s in (p.reader.segment, p.inputs) if s is not None and s.serial in request.get("handles", ())]
+        try:
+            p.conn.send_bytes(json.dumps(request).encode())
+            segment.send_handles(p.sock, handing)
+        except (BrokenPipeError, OSError):
+            return False
+        p.handed.update(s.serial for s in handing)
+        return True
+
     def _segments(self, p: _Process, request: dict, kwargs: dict | None, op: str) -> segment.Handed | None:
         """`request` given the worker's outputs segment (grown where the last answer's outputs came
         through the pipe, not fitting) and, where `kwargs` can be handed over, its inputs
@@ -538,20 +729,25 @@ class Worker:
         p.reader.segment = segment.grown(p.reader.segment, p.reader.piped, writable=False)
         if p.reader.segment is not None:
             request["outputs"] = p.reader.segment.describe()
-        if kwargs is None:
-            return None
-        p.inputs, handed = segment.hand_over(kwargs, p.inputs)
-        if handed is not None:
-            request["inputs"] = handed.described
-        else:
-            self._not_plain.add(op)
+        handed = None
+        if kwargs is not None:
+            p.inputs, handed = segment.hand_over(kwargs, p.inputs)
+            if handed is not None:
+                request["inputs"] = handed.described
+            else:
+                self._not_plain.add(op)
+        # the segments this worker holds no descriptor of yet: `_send` hands them over
+        request["handles"] = [s.serial for s in (p.reader.segment, handed and p.inputs)
+                              if s is not None and s.serial not in p.handed]
         return handed
 
     def _answered(self, p: _Process, case: Case, header: dict, base: dict, notes: set[str] | None,
-                  written: list[tuple[str, str]] = ()) -> Produced:
+                  allowed: frozenset[str], written: list[tuple[str, str]] = ()) -> Produced:
         """The Produced of a "produced" message: its outputs and clock as sent, every row made here
         from what the worker found (each can only fail the case) and from the inputs this process
-        handed over that the call `written`; Unreadable when it does not parse."""
+        handed over that the call `written`; Unreadable when it does not parse. An answer under a
+        deviation the run did not resolve (`allowed`) is the case's contract failure: the bounds
+        are the run's, never the worker's."""
         if header.get("case_id") != case.case_id:
             raise wire.Unreadable(f"it answers case {str(header.get('case_id'))[:40]!r}, not {case.case_id!r}")
         answer = wire.answer_of(header, DEVIATIONS)
@@ -560,10 +756,12 @@ class Worker:
         for stage, keywords in answer.called.items():  # what the stages were handed, as if called here
             CALLED_WITH[stage].update(keywords)
         if header.get("children") is True and p.proc.is_alive():
-            reaper.kill_below(p.proc.pid)  # what the call left running ends with its case
+            reaper.kill_below(p.runner())  # what the call left running ends with its case
         if answer.retire:
             self._retire()
         base = {**base, "path": answer.path or base["path"], "stages": answer.stages}
+        if (beyond := _beyond(answer, allowed)) is not None:
+            return Produced([failure_row(base, "*", "contract", beyond).to_record()], failed=True, t_impl=answer.t_impl)
         timed = {"time_impl_s": answer.t_impl}  # an input's row, as `running.input_rows` makes it
         rows = [unsupported_row(base, reason) if metric == "unsupported" else
                 failure_row(base, tensor, metric, reason,
@@ -599,6 +797,6 @@ class Worker:
                 reaper.kill_below(p.proc.pid)
                 p.proc.kill()
             p.proc.join(5)
-            p.close_segments()
+            p.close()
         self._active, self._spares = None, []
         self.reap()

@@ -30,13 +30,16 @@ a replacement after a crash.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from typing import Callable
 
 from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.sandbox import boundary
 
 
 def aborts(kv, scale_rule="pow2"):
@@ -84,7 +87,7 @@ def bench_guards(device: str, case: Case, quick: bool) -> list[dict]:
     rows += _message_rows(shape, [t.to("cpu") for t in got.tensors.values()], timer)
     rows += _hand_over_rows(shape, lambda: spec.inputs(params, case.seed, device), kwargs, spec.writes, device, timer)
     rows.append(_row(shape, "journal", _journal_ms(case, subject, device, timer), "case journaled as started and finished"))
-    return rows + _isolation_rows(case, device, timer)
+    return rows + _isolation_rows(case, device, timer) + _sandbox_rows(device, reps)
 
 
 def _guard_rows(shape: str, kwargs: dict, outputs: dict, timer: Callable) -> list[dict]:
@@ -158,7 +161,7 @@ def _message_rows(shape: str, outputs: list, timer: Callable) -> list[dict]:
     for label, tensors in sizes:
         mib = sum(t.numel() * t.element_size() for t in tensors) / 2**20
         out = segment.Segment.create(2 * sum(segment.aligned(t.numel() * t.element_size()) for t in tensors), False)
-        into = segment.Mapped(out.describe()) if out is not None else None  # the worker maps it once
+        into = segment.Mapped(out.describe(), os.dup(out.fd)) if out is not None else None  # the worker maps it once
         try:
             rows.append(_row(shape, f"message{label}", timer(lambda: _message(tensors)),
                              f"{mib:.1f} MiB encoded, through a pipe, parsed (isolated, before issue 41)"))
@@ -166,6 +169,8 @@ def _message_rows(shape: str, outputs: list, timer: Callable) -> list[dict]:
                 rows.append(_row(shape, f"message{label}, segment", timer(lambda: _message(tensors, out, into)),
                                  f"{mib:.1f} MiB written to the shared segment, header through the pipe, copied out"))
         finally:
+            if into is not None:
+                into.close()
             del into
             if out is not None:
                 out.close()
@@ -182,7 +187,9 @@ def _hand_over_rows(shape: str, build: Callable, kwargs: dict, writes, device: s
     def hand_over():
         kept[0], handed = segment.hand_over(kwargs, kept[0])
         if handed is not None:
-            segment.inputs_of(handed.described, segment.Mapped(kept[0].describe()), device)
+            mapped = segment.Mapped(kept[0].describe(), os.dup(kept[0].fd))  # as the worker holds it, handed over
+            segment.inputs_of(handed.described, mapped, device)
+            mapped.close()
             segment.written(kept[0], handed, writes)
 
     rows = [_row(shape, "inputs built", timer(build), "the case's inputs built from its seed (the worker's, before)")]
@@ -237,4 +244,66 @@ def _isolation_rows(case: Case, device: str, timer: Callable) -> list[dict]:
                 + (f"; the case after a crash {crashed:.0f} ms" if crashed else ""))
         rows.append({**_row(label, "isolation", isolated - in_process, note), "in_process_ms": in_process,
                      "isolated_ms": isolated, "first_case_ms": first, "after_crash_ms": crashed or None})
+    return rows
+
+
+def _enter_ms(device: str, reps: int) -> float:
+    """The median ms of `boundary.enter("auto")` (scratch directory, session, user namespace,
+    no_new_privs, Landlock, seccomp), each in a child forked from this process."""
+    times = []
+    for _ in range(reps):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            start = time.perf_counter()
+            fence = boundary.enter("auto", device, ())
+            os.write(w, f"{(time.perf_counter() - start) * 1e3} {fence.scratch}".encode())
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            ms, scratch = f.read().split(" ", 1)
+        os.waitpid(pid, 0)
+        shutil.rmtree(scratch, ignore_errors=True)
+        times.append(float(ms))
+    return statistics.median(times)
+
+
+def _sandbox_rows(device: str, reps: int) -> list[dict]:
+    """A small quantize case in a worker behind no sandbox and one behind "auto", both alive and
+    timed in turn (a loaded machine's drift falls on both alike): ms per case (median), the first
+    case (the worker's start), the case after a crash; and the layers' set-up alone."""
+    from mla_verify.equivalence.sandbox.worker import Worker
+
+    small = Case("quantize_fp8_ds_mla", {"n": 64, "value_regime": "normal", "scale_rule": "pow2"}, 3)
+    modes = ("off", "auto")
+    workers = {mode: Worker(device, timeout_s=600, sandbox=mode) for mode in modes}
+
+    def timed(worker: Worker, specs: list[str]) -> float:
+        start = time.perf_counter()
+        worker.run(small, specs, "default")
+        return (time.perf_counter() - start) * 1e3
+
+    try:
+        first = {mode: timed(w, []) for mode, w in workers.items()}
+        per_case: dict[str, list[float]] = {mode: [] for mode in modes}
+        for _ in range(2 * reps):
+            for mode, w in workers.items():
+                per_case[mode].append(timed(w, []))
+        crashed = {mode: (timed(w, [f"{__name__}:aborts"]), timed(w, []))[1] for mode, w in workers.items()}
+        fences = {mode: w.summary() for mode, w in workers.items()}
+    finally:
+        for w in workers.values():
+            w.close()
+    rows, ms = [], {mode: statistics.median(per_case[mode]) for mode in modes}
+    for mode in modes:
+        rows.append({**_row(small.short()[:44], f"sandbox {mode}", ms[mode],
+                            f"{fences[mode]}; first case (worker start) {first[mode]:.0f} ms; the case after a crash "
+                            f"{crashed[mode]:.0f} ms"),
+                     "isolated_ms": ms[mode], "first_case_ms": first[mode], "after_crash_ms": crashed[mode]})
+    rows.append(_row(small.short()[:44], "sandbox cost", ms["auto"] - ms["off"],
+                     f"per case {ms['auto'] - ms['off']:+.2f} ms, worker start {first['auto'] - first['off']:+.0f} ms, "
+                     f"after a crash {crashed['auto'] - crashed['off']:+.0f} ms (auto against off, timed in turn)"))
+    if sys.platform.startswith("linux"):
+        rows.append(_row("boundary.enter", "sandbox set-up", _enter_ms(device, 10),
+                         "the layers set up alone, in a forked child (once per worker, before any user code)"))
     return rows

@@ -5,7 +5,10 @@ Each finding is added as the case file `failures/` holds (plain JSON that `mla-v
 reads), named by a hash of what makes it the same finding: op, params, seed, implementation,
 declared deviations and conventions. A rerun that finds it again adds nothing; a case that passes
 now stays, a regression test of the fix. Files are written aside and linked into place, never
-replacing one, so shards and parallel parts may add to one directory at once.
+replacing one, so shards and parallel parts may add to one directory at once. A file whose name is
+not the hash of the finding it holds is refused (a usage error naming it), and one squatting the
+name a finding takes (another finding, or no case at all) is replaced by the finding: a name taken
+beforehand never keeps a finding out.
 
 A kept case applies to a run's unit (op and implementation, `runs.units.Unit`) by what it
 exercises: its op, and every implementation its `--impl` strings name (an op's kernel; for a
@@ -86,9 +89,13 @@ class Corpus:
             found = []
             for path in sorted(self.directory.glob("*.json")) if self.directory.is_dir() else []:
                 try:
-                    found.append(Kept(path, casefile.load(path)))
+                    kept = Kept(path, casefile.load(path))
                 except (OSError, ValueError) as exc:
                     raise UsageError(f"--corpus {self.directory}: {path.name}: {exc}") from None
+                if path.name != name(kept.saved):
+                    raise UsageError(f"--corpus {self.directory}: {path.name}: its name is not the hash of the "
+                                     f"finding it holds ({name(kept.saved)}): not a file mla-verify kept; remove it")
+                found.append(kept)
             self._cases = found
         return self._cases
 
@@ -114,11 +121,21 @@ class Corpus:
             try:
                 os.link(tmp, target)  # never replaces: a finding kept already (by this or a concurrent run) stays
             except FileExistsError:
-                return None
+                if _holds(target, target.name):
+                    return None
+                os.replace(tmp, target)  # a squatter: the name is the finding's
         finally:
             Path(tmp).unlink(missing_ok=True)
         self._cases = None
         return target
+
+
+def _holds(path: Path, file_name: str) -> bool:
+    """Whether `path` is a case file of the finding `file_name` names."""
+    try:
+        return name(casefile.load(path)) == file_name
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -127,7 +144,7 @@ class Replayed:
 
     case: Case
     rows: list
-    path: Path      # its case file under the run's failures/
+    path: Path | None  # its case file under the run's failures/ (None: it could not be written)
     source: Replay
     kept_as: str    # a kept case's file name in the corpus ("" for a pinned one)
 

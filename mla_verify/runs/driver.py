@@ -48,6 +48,7 @@ from mla_verify.pytest_plugin import DEFAULTS
 from mla_verify.reports.store import rows_frame
 
 from .corpus import Corpus, Replay, Replayed, keep, not_replayed, save_replayed, with_kept
+from .declines import asked_again
 from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, rest_command, result_file
 from .parts import check_in_parts, gate_in_parts
 from .plan import FUZZ, Run
@@ -190,19 +191,45 @@ def _failures_dir(run: Run) -> Path:
     return Path(DEFAULTS.get("failures") or Path(tempfile.gettempdir()) / "mla-verify")
 
 
+def judging(run: Run, chosen: list[Unit]) -> tuple[Worker | None, dict]:
+    """The isolation worker of a run (None: judged in process), started, each unit's user
+    implementation resolved in it (imported there, never here: UsageError before the run directory
+    starts), and what meta.json records of it: the sandbox its workers stand behind and the
+    deviations each user's --impl resolved to (read from its source, or --deviation)."""
+    if not run.isolate:
+        return None, {}
+    worker = Worker(run.device, run.timeout, sandbox=run.sandbox)
+    resolved = {}
+    try:
+        worker.start()
+        for unit in chosen:
+            if any(":" in s for s in unit.specs) and not catalog.get_spec(unit.op).own_processes:
+                subject = worker.resolve(unit.op, unit.specs, unit.deviations, unit.conventions)
+                resolved[" ".join(unit.specs)] = {"op": unit.op, "deviations": list(subject.deviations)}
+    except BaseException:
+        worker.close()
+        raise
+    return worker, {"sandbox": worker.sandboxed(), **({"resolved": resolved} if resolved else {})}
+
+
 def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: int | None,
-              log=None) -> GateResult:
+              log=None, worker: Worker | None = None) -> GateResult:
     """The one campaign driver: each unit's corpus, then its campaigns of `examples` cases (None:
     the profile's budget for the op) with `seed`, every case told to `sink`, which stops the run
     after the current case when it has a reason. With `log` (the gate's; a stream), one progress
-    line over every unit and a line per campaign; without it, a fuzz run's own progress line."""
+    line over every unit and a line per campaign; without it, a fuzz run's own progress line.
+    `worker`: the run's isolation worker (`judging`), closed at the end; None: one is started here
+    where the run is isolated."""
     result = GateResult()
-    subjects = [(unit, unit.resolved(run.device)) for unit in chosen]
+    # Isolated, a user's module is imported by the worker only (dcp's ranks are processes of their own).
+    subjects = [(unit, unit.resolved(run.device, described=run.isolate and not catalog.get_spec(unit.op).own_processes))
+                for unit in chosen]
     if log is not None:
         cases = sum(len(u.kept) + len(_pinned(u))
                     + _examples(catalog.get_spec(u.op), examples, run.profile) * len(u.campaigns(s)) for u, s in subjects)
         sink.counting(Progress("gate", cases, every_s=10.0, stream=log), name_units=True)
-    worker = Worker(run.device, run.timeout) if run.isolate else None
+    if worker is None and run.isolate:
+        worker = Worker(run.device, run.timeout, sandbox=run.sandbox)
     dcp_ranks.set_timeout(run.timeout)
     try:
         for unit, subject in subjects:
@@ -219,9 +246,10 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
     """One unit's kept cases, corpus and campaigns into `result`; False where the sink stopped the run."""
     spec = catalog.get_spec(unit.op)
     budget = _examples(spec, examples, run.profile)
-    judge = _within_memory(_block_runner(unit, subject, run.device, sink.run_id, None if spec.own_processes else worker,
-                                         result.notes, sink if run.command == FUZZ else None),
-                           unit, run.device, sink.run_id)
+    judge = asked_again(_within_memory(
+        _block_runner(unit, subject, run.device, sink.run_id, None if spec.own_processes else worker, result.notes,
+                      sink if run.command == FUZZ else None),
+        unit, run.device, sink.run_id))
     sink.judging(unit)
     tested = UnderTest(unit.specs, unit.label, unit.deviations, unit.conventions, run.device)
     findings = Findings(_failures_dir(run), sink)
@@ -270,7 +298,7 @@ def _found_again(fz: FuzzResult, replayed: list[Replayed], findings: Findings) -
     (a search often shrinks to the same small case): one finding, one file. The campaign's file
     goes and its case's rows name the replayed case's."""
     same = next((r for r in replayed if fz.failure is not None and r.case == fz.failure.case), None)
-    if same is None or fz.case_file is None:
+    if same is None or same.path is None or fz.case_file is None:
         return
     findings.drop(fz.case_file, [r for r in fz.rows if r.finding == fz.case_file.name], instead=same.path)
     fz.case_file = same.path
@@ -283,39 +311,49 @@ def gate_units(run: Run, kept: Corpus | None = None) -> list[Unit]:
     return with_kept(chosen, kept)
 
 
-def run_gate(run: Run, sink: Sink, log, chosen: list[Unit]) -> GateResult:
-    """The units of the run's shard (`Shard()`: all of them) among `chosen` through `run_units`."""
-    return run_units(shard_units(list(run.ops) or None, run.device, run.shard, chosen, run.durations), run, sink,
-                     seed=run.seed, examples=run.examples, log=log)
+def run_gate(run: Run, sink: Sink, log, chosen: list[Unit], worker: Worker | None = None) -> GateResult:
+    """The units of the run's shard among `chosen` (`shard_of`) through `run_units`."""
+    return run_units(shard_of(run, chosen), run, sink, seed=run.seed, examples=run.examples, log=log, worker=worker)
+
+
+def shard_of(run: Run, chosen: list[Unit]) -> list[Unit]:
+    """The units of the run's shard (`Shard()`: all of them) among `chosen`."""
+    return shard_units(list(run.ops) or None, run.device, run.shard, chosen, run.durations)
 
 
 def drive(run: Run, log: Callable[[str], None] | None = None):
-    """Run `run`: a CheckResult for fuzz, a GateOutcome for the gate. `log` receives the lines of
-    a run in parts (the parts' own go to their logs or this process's output)."""
+    """Run `run`: a CheckResult for fuzz, a GateOutcome for the gate. `log` receives the run's
+    header line (once its worker could import the implementation: a usage error is the only line
+    otherwise) and the lines of a run in parts (the parts' own go to their logs or this process's
+    output)."""
+    log = log or (lambda line: None)
     if run.parts > 1:
+        log(run.header())
         if run.command == FUZZ:
             return check_in_parts(run, log)
         return gate_in_parts(run, gate_units(run), log)
-    return _fuzz(run) if run.command == FUZZ else _gate(run)
+    return _fuzz(run, log) if run.command == FUZZ else _gate(run, log)
 
 
-def _fuzz(run: Run) -> CheckResult:
+def _fuzz(run: Run, log: Callable[[str], None]) -> CheckResult:
     """One campaign in this process (its cases isolated or not), written to the run directory."""
     (seed, examples), = run.campaigns
-    meta, run_dir = run.meta(), run.out
-    if run_dir:
-        run_dir.start(meta)
-    sink = Sink(run_dir, f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
-    sink.counting(Progress(run.op, examples, every_s=5.0))
     kept = Corpus(run.corpus) if run.corpus else None
     unit = Unit(run.op, run.label, run.specs, subject=run.subject, paths=(run.path,), corpus=False,
                 deviations=run.deviations, conventions=run.conventions,
                 kept=kept.applying(run.op, run.specs) if kept and run.corpus_replay else ())
     left = not_replayed(kept, [unit], (run.op,), "run") if run.corpus_replay else []
+    worker, judged_by = judging(run, [unit])
+    log(run.header())
+    meta, run_dir = with_extra(run.meta(), judged_by), run.out
+    if run_dir:
+        run_dir.start(meta)
+    sink = Sink(run_dir, f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
+    sink.counting(Progress(run.op, examples, every_s=5.0))
     call_guards.CALLED_WITH.clear()
     try:
         with sink.interrupt.installed():
-            result = run_units([unit], run, sink, seed=seed, examples=examples)
+            result = run_units([unit], run, sink, seed=seed, examples=examples, worker=worker)
     except Exception as exc:
         if run_dir:
             detail = exc.detail if isinstance(exc, HarnessError) else traceback.format_exc()
@@ -324,6 +362,9 @@ def _fuzz(run: Run) -> CheckResult:
         if isinstance(exc, HarnessError):
             raise
         raise HarnessError(f"harness error: {type(exc).__name__}: {exc}", traceback.format_exc()) from exc
+    finally:
+        if worker is not None:  # closed by run_units, unless it never got there
+            worker.close()
     fz, = result.fuzz
     if run_dir:
         run_dir.finish(sink.rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
@@ -331,10 +372,16 @@ def _fuzz(run: Run) -> CheckResult:
     failures = [Failure.of(r.case, r.rows, r.path, replay_command(r.path, run.specs, run.device, run.deviations,
                                                                   run.timeout, run.isolate, run.conventions),
                            seed=seed, from_corpus=True) for r in result.replayed]
-    return _check_result(run, fz, rows_frame(sink.rows), notes, seed, failures)
+    return _check_result(run, fz, rows_frame(sink.rows), notes, seed, failures, worker.summary() if worker else "")
 
 
-def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, failures: list) -> CheckResult:
+def with_extra(meta: dict, extra: dict) -> dict:
+    """`meta` with `extra` added to its "extra" record."""
+    return {**meta, "extra": {**(meta.get("extra") or {}), **extra}} if extra else meta
+
+
+def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, failures: list,
+                  sandbox: str = "") -> CheckResult:
     if fz.failure is not None and all(f.case_file != fz.case_file for f in failures):  # not a corpus case's again
         failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
                                    replay_command(fz.case_file, run.specs, run.device, run.deviations, run.timeout,
@@ -347,19 +394,22 @@ def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, 
         notes += [f"worst per rank over {fz.examples} cases: {line}" for line in dcp_ranks.worst_by_rank(fz.rows)]
     return CheckResult(run.op, run.label, not failures and fz.stopped != Stop.INTERRUPTED and bool(frame.passed.all()),
                        frame, seed, fz.examples, run.out.path if run.out else None, failures,
-                       interrupted=fz.stopped == Stop.INTERRUPTED, notes=notes, in_process=run.in_process)
+                       interrupted=fz.stopped == Stop.INTERRUPTED, notes=notes, in_process=run.in_process,
+                       sandbox=sandbox)
 
 
-def _gate(run: Run) -> GateOutcome:
+def _gate(run: Run, log: Callable[[str], None]) -> GateOutcome:
     """The gate's units of this slot in this process, written to the run directory."""
-    run_dir, meta = run.out, run.meta()
     kept = Corpus(run.corpus) if run.corpus else None
     chosen = gate_units(run, kept)
+    worker, judged_by = judging(run, shard_of(run, chosen))
+    log(run.header())
+    run_dir, meta = run.out, with_extra(run.meta(), judged_by)
     sink = Sink(run_dir, f"gate-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
     run_dir.start(meta)
     try:
-        with sink.interrupt.installed():
-            result = run_gate(run, sink, sys.stderr, chosen)  # the stderr of the moment: pytest's capture replaces it
+        with sink.interrupt.installed():  # the stderr of the moment: pytest's capture replaces it
+            result = run_gate(run, sink, sys.stderr, chosen, worker)
     except Exception as exc:  # mla-verify's own failure: exit 3, its traceback where the message says
         detail = (exc.detail if isinstance(exc, HarnessError) else None) or traceback.format_exc()
         run_dir.write_file("harness-error.txt", detail)
@@ -372,12 +422,15 @@ def _gate(run: Run) -> GateOutcome:
         raise
     finally:
         dcp_ranks.close_all()
+        if worker is not None:  # closed by run_units, unless it never got there
+            worker.close()
     interrupted = sink.interrupt.requested
     outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupted,
                           keep(kept, result.new_findings(), result.rows) + not_replayed(kept, chosen, run.ops)
                           + sorted(result.notes),
                           odd_ones_out(result.rows),
-                          isolated=run.isolate, rest=_rest(run, chosen, result) if interrupted else (0, ""))
+                          isolated=run.isolate, rest=_rest(run, chosen, result) if interrupted else (0, ""),
+                          sandbox=worker.summary() if worker else "")
     durations.write(run_dir.path, result.seconds)
     run_dir.finish(result.rows, {**meta, "stopped": Stop.INTERRUPTED} if interrupted else meta)
 
@@ -388,7 +441,7 @@ def _gate(run: Run) -> GateOutcome:
 
     outcome.case_files = [(r.path, [f"  from the corpus: still fails (kept as {r.kept_as})" if r.kept_as
                                     else "  a pinned regression case: fails", *said(r.path, r.rows)])
-                          for r in result.replayed]
+                          for r in result.replayed if r.path is not None]
     outcome.case_files += [(fz.case_file, [f"  not minimized: {fz.unminimized}"] * bool(fz.unminimized)
                             + said(fz.case_file, fz.failure.rows if fz.failure else ()))
                            for fz in result.fuzz if fz.case_file and fz.case_file not in {r.path for r in result.replayed}]
@@ -409,8 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = Run.from_json(text)
         take_gpu_share(1 - WORKER_SHARE if run.isolate else 1.0)  # an isolated part's worker takes the rest
-        print(run.header(), flush=True)
-        outcome = drive(run)
+        outcome = drive(run, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
         return 130
     except UsageError as exc:

@@ -97,11 +97,25 @@ class CheckResult:
     notes: list[str] = field(default_factory=list)
     campaigns: int = 1              # independent campaigns (parallel parts: seeds seed, seed + 1, ...)
     in_process: bool = False        # judged in the implementation's own process (--no-isolate, a callable object)
+    sandbox: str = ""               # isolated: what its workers stood behind ("sandbox auto: ...", sandbox.boundary)
+
+    def __post_init__(self) -> None:
+        if self.no_verdict:
+            self.passed = False  # nothing judged is no pass
 
     @property
     def failure(self) -> Failure | None:
         """The failing case, or None."""
         return self.failures[0] if self.failures else None
+
+    @property
+    def no_verdict(self) -> str:
+        """Why nothing was judged (every case declined, or not judged for want of memory), else "":
+        NO VERDICT, exit 4."""
+        if self.failures or self.interrupted or not len(self.rows) or not self.rows.gate_metric.isin(UNJUDGED).all():
+            return ""
+        return (f"every one of its {self.rows.case_id.nunique()} cases was declined by the implementation "
+                f"(mla_verify.unsupported) or not judged: nothing was judged")
 
     def report(self) -> str:
         """What the CLI prints at the end: PASS with the least headroom (qualified when judged in
@@ -124,12 +138,16 @@ class CheckResult:
         if self.interrupted:
             lines.append(f"INTERRUPTED after {self.examples} examples (seed {self.seed}); rows so far in {self.out}"
                          if self.out else f"INTERRUPTED after {self.examples} examples (seed {self.seed})")
+        elif self.no_verdict:
+            lines.append(f"NO VERDICT: {self.op} ({self.impl}): {self.no_verdict}")
         elif self.passed:
             seeds = (f"seed {self.seed}" if self.campaigns == 1
                      else f"seeds {self.seed}..{self.seed + self.campaigns - 1}")
             over = f" over {self.campaigns} campaigns" if self.campaigns > 1 else ""
             judged = f" ({IN_PROCESS})" if self.in_process else ""
-            lines.append(f"PASS{judged}: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}")
+            fence = f"; {self.sandbox}" if self.sandbox else ""
+            lines.append(f"PASS{judged}: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}"
+                         f"{fence}")
         if self.unsupported:
             first = self.rows[self.rows.gate_metric == FailureKind.UNSUPPORTED].reason.iloc[0]
             lines.append(f"  {self.unsupported} of them declined by the implementation (mla_verify.unsupported), "
@@ -148,8 +166,12 @@ class CheckResult:
 
     @property
     def exit_code(self) -> int:
-        """What the CLI returns: 130 interrupted, 1 a failure, 0 a pass."""
-        return 130 if self.interrupted else 0 if self.passed else 1
+        """What the CLI returns: 130 interrupted, 1 a failure, 4 nothing judged, 0 a pass."""
+        return 130 if self.interrupted else 4 if self.no_verdict else 0 if self.passed else 1
+
+
+# A case whose rows are only these was not judged: a run or gate unit of nothing else is NO VERDICT.
+UNJUDGED = (FailureKind.UNSUPPORTED, FailureKind.NOT_JUDGED)
 
 
 def not_judged_lines(rows) -> list[str]:
@@ -174,7 +196,7 @@ def _headroom(rows: pd.DataFrame) -> str:
 def result_file(result: CheckResult) -> str:
     """A campaign's outcome as JSON (what a parallel part leaves for its parent)."""
     return json.dumps({"examples": result.examples, "seed": result.seed, "passed": result.passed,
-                       "interrupted": result.interrupted, "notes": result.notes,
+                       "interrupted": result.interrupted, "notes": result.notes, "sandbox": result.sandbox,
                        "failures": [f.to_dict() for f in result.failures]}, indent=2) + "\n"
 
 
@@ -191,23 +213,35 @@ class GateOutcome:
     case_files: list[tuple[Path, list[str]]] = field(default_factory=list)  # each saved case, its lines (replay first)
     parts: int = 1
     isolated: bool = True           # judged out of the kernels' reach (reports.meta.IN_PROCESS otherwise)
+    sandbox: str = ""               # what its workers stood behind (sandbox.boundary), as its last line says
     rest: tuple[int, str] = (0, "")  # interrupted: the ops not finished, and the command that runs them
 
     def lines(self) -> list[str]:
-        """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts said them);
-        interrupted, the command that runs what it did not reach."""
+        """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts said them),
+        the units that judged nothing; interrupted, the command that runs what it did not reach."""
         left, command = self.rest
         return ([f"note: {n}" for n in self.notes] + [f"odd one out: {line}" for line in self.odd_ones_out]
                 + [text for f, rows in self.case_files
                    for text in [f"finding saved: {f}", *rows]]
                 + [line.strip() for line in not_judged_lines(self.rows)]
+                + [f"NO VERDICT: {unit}: every case declined by the implementation (mla_verify.unsupported) or not "
+                   "judged" for unit in self.no_verdict]
                 + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else [])
                 + ([f"  the rest ({left} op{'s' * (left != 1)} not finished, the cases this run would have drawn "
                     f"for them): {command}"] if self.interrupted and command else []))
 
     @property
+    def no_verdict(self) -> list[str]:
+        """The units ("op impl") that judged nothing: every case of theirs declined."""
+        units: dict[str, bool] = {}
+        for r in self.rows:
+            unit = f"{r.op} {r.impl}"
+            units[unit] = units.get(unit, True) and r.gate_metric in UNJUDGED
+        return [unit for unit, nothing in units.items() if nothing]
+
+    @property
     def exit_code(self) -> int:
-        return 130 if self.interrupted else 1 if self.failed else 0
+        return 130 if self.interrupted else 1 if self.failed else 4 if self.no_verdict else 0
 
 
 def rest_command(run: Any, ops: Sequence[str], out: Path) -> str:

@@ -220,7 +220,7 @@ def check_in_parts(run, log):
         frame, codes = _collect(procs, root)
     if run.out:
         run.out.finish(frame, meta)
-    failures, notes, examples, interrupted, clean = [], [], 0, False, True
+    failures, notes, examples, interrupted, clean, sandbox = [], [], 0, False, True, ""
     for i, (seed, _) in enumerate(campaigns):
         path, code = root / f"part-{i}" / RESULT_JSON, codes[i]
         if not path.exists():
@@ -230,7 +230,8 @@ def check_in_parts(run, log):
         part = json.loads(path.read_text())
         examples += part["examples"]
         interrupted |= part["interrupted"]
-        clean &= code in (0, 1, 130) and (part["passed"] or bool(part["failures"]))
+        sandbox = sandbox or part.get("sandbox", "")
+        clean &= code in (0, 1, 4, 130) and (part["passed"] or bool(part["failures"]) or code == 4)
         failures += [Failure.from_dict(f) for f in part["failures"]]
         notes.append(f"part {i} (seed {seed}): exit {code}, {part['examples']} examples"
                      + "".join(f"; {n}" for n in part["notes"]))
@@ -238,4 +239,4 @@ def check_in_parts(run, log):
     rows = conform(frame) if len(frame) else rows_frame([])
     return CheckResult(run.op, run.label, passed, rows, campaigns[0][0], examples, run.out.path if run.out else None,
                        failures, interrupted=interrupted, notes=notes, campaigns=len(campaigns),
-                       in_process=run.in_process)
+                       in_process=run.in_process, sandbox=sandbox)

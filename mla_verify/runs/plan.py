@@ -22,6 +22,7 @@ from mla_verify.equivalence.catalog import get_spec, resolve_subject
 from mla_verify.equivalence.sandbox.device import device_type, is_cuda
 from mla_verify.equivalence.sandbox.worker import default_isolation
 from mla_verify.equivalence.cases.profiles import Profile, get_profile
+from mla_verify.equivalence.sandbox.boundary import MODES
 from mla_verify.equivalence.subject import Subject, did_you_mean, local_label
 from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz.campaign import new_seed
@@ -52,6 +53,7 @@ class Run:
     seed: int
     isolate: bool
     timeout: float
+    sandbox: str = "auto"                 # the OS boundary of the isolation workers (sandbox.boundary.MODES)
     out: RunDir | None = None             # the run directory being written
     baseline: Path | None = None          # the run whose cases these are again
     shard: Shard = Shard()
@@ -150,7 +152,7 @@ class Run:
         run = cls(**d)
         if run.command == FUZZ:
             run = replace(run, subject=resolve_subject(run.op, run.specs, run.device_type, deviations=run.deviations,
-                                                       conventions=run.conventions))
+                                                       conventions=run.conventions, described=run.isolate))
         return run
 
     def header(self) -> str:
@@ -220,6 +222,7 @@ class Options:
     impls: tuple[str, ...] = ()                   # gate: OP=SPEC / STAGE=SPEC strings (runs.selection)
     corpus: str | Path | None = None              # a kept corpus directory (runs.corpus)
     durations: str | Path | None = None           # gate: a durations.json, or a run holding one (runs.durations)
+    sandbox: str = "auto"                         # auto | strict | off (equivalence.sandbox.boundary)
 
     @classmethod
     def asked(cls, command: str, given: Mapping[str, Any]) -> "Options":
@@ -252,6 +255,8 @@ def plan(options: Options, log: Callable[[str], None] = lambda line: None) -> Ru
         if unknown:
             raise UsageError(f"--op {unknown[0]!r}: unknown; {did_you_mean(unknown[0], known)}known: "
                              f"{', '.join(known)}")
+    if options.sandbox not in MODES:
+        raise UsageError(f"--sandbox {options.sandbox!r}: expected one of {', '.join(MODES)}")
     o = _again(options, log) if options.baseline is not None else options
     for name, kind in (("examples", int), ("timeout", float), ("parallel", int)):
         positive(name, getattr(o, name), kind)
@@ -282,11 +287,12 @@ def _fuzz_run(o: Options, device: str, shard: Shard) -> Run:
                          if spec.ranks else f"--world-size: {op} runs in one process")
     world_size = (o.world_size or spec.ranks[0]) if spec.ranks else None
     deviations = tuple(o.deviations or ())
-    subject = resolve_subject(op, o.specs, kind, deviations=deviations, conventions=o.conventions)
+    isolate = default_isolation(o.isolate, o.named, spec.own_processes)
+    # Isolated, the judge never imports a user's module: its worker does (`Worker.resolve`).
+    subject = resolve_subject(op, o.specs, kind, deviations=deviations, conventions=o.conventions, described=isolate)
     path = spec.path_for(o.path, subject)
     profile = _profile(o, device)
     examples = o.examples or spec.examples(profile)
-    isolate = default_isolation(o.isolate, o.named, spec.own_processes)
     timeout_needs_isolation(o.timeout, isolate or spec.own_processes)
     parts = 1 if world_size or not o.named else (o.parallel or _gpu_count(kind))
     if shard.index * parts >= examples:  # its first campaign, slot I * P, has no share of the examples
@@ -295,7 +301,7 @@ def _fuzz_run(o: Options, device: str, shard: Shard) -> Run:
     if o.junit is not None:
         writable_file(o.junit, "--junit")
     corpus = open_corpus(o.corpus)
-    return Run(FUZZ, (op,), device, profile, examples, o.seed, isolate, _timeout(o), out=_opened(o.out),
+    return Run(FUZZ, (op,), device, profile, examples, o.seed, isolate, _timeout(o), o.sandbox, out=_opened(o.out),
                baseline=o.baseline, shard=shard, parts=parts, specs=o.specs, subject=subject, deviations=deviations,
                conventions=tuple(subject.conventions), path=path, world_size=world_size, shrink=o.shrink,
                named=o.named, corpus=corpus, corpus_replay=shard.index == 0)
@@ -314,7 +320,7 @@ def _gate_run(o: Options, device: str, shard: Shard) -> Run:
     isolate = default_isolation(o.isolate, named=True)
     if o.timeout is not None and not isolate:
         raise UsageError("--timeout needs isolation (the default; not --no-isolate): an in-process call cannot be stopped")
-    return Run(GATE, o.ops, device, profile, o.examples, o.seed, isolate, _timeout(o),
+    return Run(GATE, o.ops, device, profile, o.examples, o.seed, isolate, _timeout(o), o.sandbox,
                out=_opened(o.out if o.out is not None else FreshDir.named("runs", "gate")), baseline=o.baseline,
                shard=shard, parts=o.parallel or _gpu_count(device_type(device)), impls=o.impls, corpus=corpus,
                durations=seconds)

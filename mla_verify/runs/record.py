@@ -7,6 +7,11 @@ a "record" of the row count and the SHA-256 of rows.parquet, rows.csv, harness-e
 failures/*.json. `verify` reads it back; `mla-verify report` says TAMPERED (exit 1) and names what
 differs. A run written before records existed has none: report says so and reads it as it is.
 
+The digests are not keyed: a process that can write the run directory can recompute them. What a
+CI keeps out of its reach is the record's own digest (`digest`), which the run prints at its end:
+`mla-verify report DIR --expect DIGEST` says TAMPERED unless the record is still that one and the
+files still match it.
+
 And `--out` is ours alone (`foreign`): an existing directory that holds anything a run does not
 write is refused before the first case, `/` and a home directory included.
 """
@@ -85,8 +90,31 @@ def verify(run_dir: str | Path, meta: Mapping[str, Any], rows: int) -> list[str]
     return changed
 
 
-def report_lines(run_dir: str | Path, meta: Mapping[str, Any], rows: int) -> tuple[list[str], bool]:
-    """(what `report` prints about the record, whether the run was TAMPERED with)."""
+def digest(meta: Mapping[str, Any]) -> str | None:
+    """The SHA-256 of the run's record (its row count and every sealed file's digest), as the run
+    prints it at its end; None where the run has no record."""
+    record = meta.get(RECORD)
+    if not isinstance(record, dict):
+        return None
+    return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def digest_of(run_dir: str | Path) -> str | None:
+    """`digest` of the run written at `run_dir` (None where it has none, or no readable meta.json)."""
+    try:
+        return digest(json.loads((Path(run_dir) / META_JSON).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def report_lines(run_dir: str | Path, meta: Mapping[str, Any], rows: int,
+                 expect: str | None = None) -> tuple[list[str], bool]:
+    """(what `report` prints about the record, whether the run was TAMPERED with); `expect`: the
+    record's digest as the run printed it (a record rewritten to match rewritten files is caught)."""
+    if expect is not None and digest(meta) != expect.strip().lower().removeprefix("sha256:"):
+        have = digest(meta)
+        why = "it has no record" if have is None else f"its record's digest is {have}"
+        return [f"TAMPERED: {run_dir} is not what its run wrote: {why}, not the {expect} expected"], True
     changed = verify(run_dir, meta, rows)
     if changed is None:
         if meta.get("finished_at") and not meta.get("incomplete"):

@@ -141,7 +141,10 @@ class RunDir:
         raise UsageError(f"--out {self.path}: cannot take its lock")
 
     def start(self, meta: Mapping[str, Any]) -> None:
-        """meta.json as the run starts (what runs, where); the end completes it."""
+        """meta.json as the run starts (what runs, where), and failures/ made now: the run's
+        directory is whole before any case runs, and nothing else can take the name a finding is
+        saved under. The end completes meta.json."""
+        (self.path / "failures").mkdir(exist_ok=True)
         write_atomic(self.path / META_JSON, json.dumps({**meta, "finished_at": None}, indent=2, default=str) + "\n")
 
     def append(self, rows: Iterable[Row]) -> None:

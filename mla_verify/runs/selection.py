@@ -17,6 +17,7 @@ from typing import Sequence
 
 from mla_verify.equivalence import catalog
 from mla_verify.equivalence.errors import UsageError
+from mla_verify.equivalence.subject import described
 from mla_verify.equivalence.sandbox.device import device_type
 from .units import Unit
 from mla_verify.optimized import registry
@@ -50,28 +51,32 @@ def pipeline_stages() -> set[str]:
 def impl_units(impls: Sequence[str], device: str, ops: Sequence[str] | None = None) -> list[Unit]:
     """The gate's units for the implementations `impls` (`--impl KEY=SPEC` strings) on `device`,
     in catalog order; `ops` (as `gate --op`) keeps only those. Every unit's implementation is
-    resolved here, so a bad one is a usage error before any case runs."""
+    resolved here from the --impl strings and a user's module's source, never importing it (its
+    isolation worker does, before any case runs: `runs.driver.judging`), so a bad name is a usage
+    error here."""
     chosen = parse(impls)
     kind = device_type(device)
     stage_specs = tuple(f"{k}={v}" for k, v in chosen.items() if k in registry.stages())
     wanted = set(catalog.select(ops)) if ops else None
     found = []
-    for spec in catalog.specs():
-        if wanted is not None and spec.name not in wanted:
-            continue
-        if spec.name in chosen:
-            found.append(Unit(spec.name, chosen[spec.name], (chosen[spec.name],)))
-        elif spec.name == PIPELINE and set(chosen) & pipeline_stages():
-            found.append(Unit(PIPELINE, catalog.resolve_subject(PIPELINE, stage_specs, kind).label, stage_specs))
-        elif spec.family == "property" and stage_specs and spec.subjects(kind):
-            try:
-                spec.subject(stage_specs, kind)
-            except UsageError:  # it tests none of the named stages
+    with described():
+        for spec in catalog.specs():
+            if wanted is not None and spec.name not in wanted:
                 continue
-            found.append(Unit(spec.name, ",".join(stage_specs), stage_specs))
+            if spec.name in chosen:
+                found.append(Unit(spec.name, chosen[spec.name], (chosen[spec.name],)))
+            elif spec.name == PIPELINE and set(chosen) & pipeline_stages():
+                found.append(Unit(PIPELINE, catalog.resolve_subject(PIPELINE, stage_specs, kind, described=True).label,
+                                  stage_specs))
+            elif spec.family == "property" and stage_specs and spec.subjects(kind):
+                try:
+                    spec.subject(stage_specs, kind)
+                except UsageError:  # it tests none of the named stages
+                    continue
+                found.append(Unit(spec.name, ",".join(stage_specs), stage_specs))
     if not found:
         among = f" among --op {' '.join(ops)}" if ops else ""
         raise UsageError(f"gate --impl {' '.join(impls)}: nothing to run{among}")
     for unit in found:
-        unit.resolved(kind)  # UsageError now for an unimportable callable or a wrong signature
+        unit.resolved(kind, described=True)  # UsageError now for a module that is not on the path
     return found

@@ -84,11 +84,12 @@ class Unit:
     def multi_rank(self) -> bool:
         return bool(catalog.get_spec(self.op).ranks)
 
-    def resolved(self, device: str) -> Subject:
-        """The implementation under test, labelled as the rows name it."""
+    def resolved(self, device: str, described: bool = False) -> Subject:
+        """The implementation under test, labelled as the rows name it; `described`: a user's
+        callable read from its source, never imported here (its isolation worker imports it)."""
         if self.subject is not None:
             return self.subject
-        subject = catalog.resolve_subject(self.op, self.specs, device_type(device))
+        subject = catalog.resolve_subject(self.op, self.specs, device_type(device), described=described)
         return Subject(self.label, subject.fn, subject.overrides, subject.deviations, self.specs)
 
     def campaigns(self, subject: Subject) -> tuple[str | None, ...]:

@@ -130,3 +130,18 @@ BOUNDARY = [
     Hostile(B + "writes_its_input_and_hides_it", "quantize_fp8_ds_mla", "input_written",
             "what the judge handed over differs from its own copy", isolate=True),
 ]
+
+# What lies outside the worker (issue 45): its judge's process, memory, descriptors and process
+# group, the fork server, the harness's own files. Behind the sandbox each primitive is refused and
+# the kernel's own wrong answer fails its case (tests/hostile/sandbox.py says why each stands for
+# an exploit); with --sandbox off, as the judge's user, several pass.
+S = "tests.hostile.sandbox:"
+WRONG = ("mismatch_frac", "differ bit for bit")
+SANDBOX = [Hostile(S + name, "quantize_fp8_ds_mla", *WRONG, isolate=True) for name in (
+    "ptraces_the_judge", "reads_the_judges_memory", "reads_the_judges_memory_by_syscall", "opens_the_judges_descriptors",
+    "takes_a_judges_descriptor", "signals_the_judge", "signals_the_judges_group", "asks_the_fork_server",
+    "writes_the_harness", "writes_the_working_directory")] + [
+    # the bounds are the run's (item 2): a deviation declared only where the worker imports it
+    Hostile("tests.hostile.in_the_worker:declares_only_in_the_worker", "quantize_fp8_ds_mla", "contract",
+            "the worker answered under deviation(s) bf16_cache_scale, which the run did not resolve", isolate=True),
+]

@@ -2,6 +2,7 @@
 values: each computes the right quantize_fp8_ds_mla answer and then goes for the worker's pipe, its
 process or the run directory. The outcome each must get is in `tests.hostile.BOUNDARY`."""
 
+import ctypes
 import json
 import os
 import sys
@@ -9,6 +10,8 @@ import threading
 import time
 
 from mla_verify.optimized import eager
+
+DAEMON = "mla-vrf-daemon"  # the name `leaves_a_daemon`'s grandchild gives itself (15 characters at most)
 
 
 def _caller_local(name: str):
@@ -99,13 +102,14 @@ def dies_leaving_a_child_on_the_pipe(kv, scale_rule="pow2"):
 
 
 def leaves_a_daemon(kv, scale_rule="pow2"):
-    """Right answer, and a double-forked, setsid'd grandchild that outlives the call (it writes its
-    pid where MLA_VERIFY_TEST_PIDFILE says, and would rewrite the run's rows later)."""
+    """Right answer, and a double-forked, setsid'd grandchild that outlives the call: it names
+    itself DAEMON (its comm, which a test finds in /proc) and says so on the output it inherited,
+    the run's (behind the sandbox it may write no file; it would rewrite the run's rows later)."""
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:
-            with open(os.environ["MLA_VERIFY_TEST_PIDFILE"], "w") as f:
-                f.write(str(os.getpid()))
+            ctypes.CDLL(None).prctl(15, DAEMON.encode(), 0, 0, 0)  # PR_SET_NAME
+            os.write(1, f"daemon started: {DAEMON}\n".encode())
             time.sleep(120)
         os._exit(0)
     os.wait()
@@ -167,15 +171,15 @@ def scribbles_the_segment_after_answering(kv, scale_rule="pow2"):
 
 
 def resizes_the_segments(kv, scale_rule="pow2"):
-    """Right answer, after trying to truncate, grow and unlink both segments the parent shares
-    (a truncated mapping faults its reader): what each attempt raised goes to the file its run id
-    names (a test's: the worker's environment is its fork server's)."""
-    request, tried = _caller_local("request"), []
+    """Right answer, after trying to truncate and grow both segments the parent shares (a
+    truncated mapping faults its reader) through the descriptors it was handed, and to unlink them
+    (they have no name but /proc's): what each attempt raised goes to the file its run id names (a
+    test's: the worker's environment is its fork server's)."""
+    request, mapped, tried = _caller_local("request"), _caller_local("mapped"), []
     for which in ("inputs", "outputs"):
-        described = request[which]["segment"] if which == "inputs" else request[which]
-        fd = os.open(described["path"], os.O_RDWR)
+        fd = os.dup(mapped[which].fd)
         for attempt, do in (("truncate", lambda: os.ftruncate(fd, 0)), ("grow", lambda: os.ftruncate(fd, 1 << 40)),
-                            ("unlink", lambda: os.unlink(described["path"]))):
+                            ("unlink", lambda: os.unlink(f"/proc/self/fd/{fd}"))):
             try:
                 do()
                 tried.append(f"{which} {attempt}: done")

@@ -6,6 +6,7 @@ import os
 import random
 import secrets
 import signal
+import time
 
 import numpy as np
 import torch
@@ -391,11 +392,12 @@ def prefill_sigterm_once_on_third_call(q, kv, indices, sm_scale, topk_length=Non
     return eager.sparse_prefill(q, kv, indices, sm_scale, topk_length, attn_sink)
 
 
-def sigterm_to_its_group_on_third_call(kv, scale_rule="pow2"):
-    """Correct; the third call sends SIGTERM to its whole process group, as `timeout`, Slurm's
-    scancel or a Kubernetes pod's deletion do: the isolated worker receives it with the harness."""
-    if _count() == 3:
-        os.killpg(os.getpgid(0), signal.SIGTERM)
+def says_each_call(kv, scale_rule="pow2"):
+    """Correct and a little slow; says "call N" on the output it inherited (the run's), so that a
+    test can signal the run's process group while cases are running, as `timeout`, Slurm's
+    scancel or a Kubernetes pod's deletion do."""
+    os.write(1, f"call {_count()}\n".encode())
+    time.sleep(0.1)
     return eager.quantize_fp8_ds_mla(kv, scale_rule)
 
 
@@ -412,4 +414,25 @@ def loosens_the_bounds(kv, scale_rule="pow2"):
 
 def sets_default_device(kv, scale_rule="pow2"):
     torch.set_default_device("meta")
+    return eager.quantize_fp8_ds_mla(kv, scale_rule)
+
+
+# ----------------------------------------------------------------------------- declining (issue 45, item 5)
+
+
+def declines_every_case(kv, scale_rule="pow2"):
+    """Declines whatever it is asked: a run of it judged nothing, which is no pass."""
+    from mla_verify import unsupported
+
+    unsupported("this kernel takes no input at all")
+
+
+def declines_by_value(kv, scale_rule="pow2"):
+    """Declines the cases whose first value is positive (about half of them, whatever their
+    shapes), where it would be wrong, and answers the rest right: a decline that depends on the
+    values, not the params, hides the wrong answers as "not checked"."""
+    from mla_verify import unsupported
+
+    if float(kv.reshape(-1)[0]) > 0:
+        unsupported("a positive first value")
     return eager.quantize_fp8_ds_mla(kv, scale_rule)

@@ -1,0 +1,183 @@
+"""The OS boundary a worker puts itself behind (issue 45, `equivalence.sandbox.boundary`): each
+layer, alone and together, refuses what it is for, in a child process forked from this one (the
+test process itself is never put behind it); a host without a layer says so, and strict refuses."""
+
+import json
+import os
+import socket
+import sys
+import tempfile
+
+import pytest
+
+from mla_verify.equivalence.sandbox import boundary, landlock, seccomp
+from mla_verify.equivalence.sandbox.boundary import Boundary, Layer
+
+LINUX = sys.platform.startswith("linux")
+pytestmark = pytest.mark.skipif(not LINUX, reason="the sandbox's layers are Linux's")
+
+
+@pytest.fixture(autouse=True)
+def scratch_here(tmp_path, monkeypatch):
+    """The children's scratch directories under the test's own (they never reach a judge's close)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+def in_child(fn):
+    """fn() in a forked child of this process; what it returned (JSON), or its exception's text."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            out = {"ok": fn()}
+        except BaseException as exc:  # noqa: BLE001 - the child reports whatever it met
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 1 << 16):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    result = json.loads(data)
+    assert "error" not in result, result["error"]
+    return result["ok"]
+
+
+def probes(judge: int, scratch: str | None) -> dict[str, bool]:
+    """name -> whether it worked, for what a worker must not do to its judge (and two it must)."""
+    def works(attempt) -> bool:
+        try:
+            attempt()
+            return True
+        except OSError:
+            return False
+
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    found = {
+        "signal the judge": works(lambda: os.kill(judge, 0)),
+        "signal every process (-1)": works(lambda: os.kill(-1, 0)),
+        "open the judge's descriptors": works(lambda: os.close(os.open(f"/proc/{judge}/fd/0", os.O_RDONLY))),
+        "open the judge's memory": works(lambda: open(f"/proc/{judge}/mem", "rb").close()),
+        "ptrace the judge": libc.ptrace(0x4206, judge, 0, 0) == 0,  # PTRACE_SEIZE: never stops it
+        "create an AF_UNIX socket": works(lambda: socket.socket(socket.AF_UNIX).close()),
+        "write the working directory": works(lambda: os.unlink(_made(os.getcwd()))),
+        "read a file": works(lambda: open(__file__, "rb").close()),
+    }
+    if scratch is not None:
+        found["write the scratch directory"] = works(lambda: os.unlink(_made(scratch)))
+    return found
+
+
+def _made(directory: str) -> str:
+    path = os.path.join(directory, f".sandbox-probe-{os.getpid()}")
+    with open(path, "w") as f:
+        f.write("x")
+    return path
+
+
+REFUSED = ("signal the judge", "signal every process (-1)", "open the judge's descriptors", "open the judge's memory",
+           "ptrace the judge", "create an AF_UNIX socket", "write the working directory")
+
+
+def test_every_layer_holds_or_says_why_and_together_they_keep_the_judge_out_of_reach():
+    judge = os.getpid()
+
+    def behind():
+        b = boundary.enter("auto", "cpu", {judge})
+        return b.to_dict(), probes(judge, b.scratch)
+
+    described, found = in_child(behind)
+    b = Boundary.from_dict(described)
+    assert [x.name for x in b.layers] == list(boundary.LAYERS)
+    assert all(x.held or x.detail for x in b.layers)
+    if b.missing:
+        pytest.skip(f"this host does not offer every layer: {b.summary()}")
+    assert found["read a file"] and found["write the scratch directory"], found
+    assert not any(found[name] for name in REFUSED), {name: found[name] for name in REFUSED}
+    assert not os.path.exists(b.scratch) or os.path.isdir(b.scratch)
+
+
+@pytest.mark.skipif(seccomp.supported() is not None, reason="no seccomp syscall table for this machine")
+def test_seccomp_alone_refuses_tracing_cross_process_calls_signals_and_unix_sockets():
+    judge = os.getpid()
+
+    def behind():
+        boundary._no_new_privs()
+        seccomp.deny({judge})
+        return probes(judge, None)
+
+    found = in_child(behind)
+    for name in ("signal the judge", "signal every process (-1)", "ptrace the judge", "create an AF_UNIX socket"):
+        assert not found[name], name
+    assert found["write the working directory"] and found["read a file"]  # the file system is Landlock's
+
+
+@pytest.mark.skipif(landlock.abi() < 1, reason="this kernel has no Landlock")
+def test_landlock_alone_keeps_writes_in_their_place_and_the_judge_out_of_its_domain(tmp_path):
+    judge = os.getpid()
+
+    def behind():
+        boundary._no_new_privs()
+        landlock.restrict([str(tmp_path)])
+        return probes(judge, str(tmp_path))
+
+    found = in_child(behind)
+    assert found["write the scratch directory"] and not found["write the working directory"]
+    assert not found["open the judge's memory"] and not found["open the judge's descriptors"]
+    assert not found["ptrace the judge"]
+    if landlock.abi() >= 6:
+        assert not found["signal the judge"]
+
+
+def test_off_sets_up_nothing_and_strict_refuses_a_missing_layer():
+    assert boundary.enter("off", "cpu", ()).layers == () and boundary.enter("off", "cpu", ()).summary() == "sandbox off"
+    layers = (Layer("session", True, "x"), Layer("landlock", False, "Landlock is not available on this kernel"))
+    assert Boundary("auto", layers).refused() is None
+    assert Boundary("strict", layers).refused() == "--sandbox strict: landlock: Landlock is not available on this kernel"
+    assert Boundary("auto", layers).summary() == \
+        "sandbox auto: session; missing: landlock (Landlock is not available on this kernel)"
+    with pytest.raises(ValueError):
+        boundary.enter("loose", "cpu", ())
+
+
+@pytest.mark.parametrize("described", [
+    None, [], {"mode": "lax", "layers": []}, {"mode": "auto", "layers": [["ptrace", True, ""]]},
+    {"mode": "auto", "layers": [["landlock", "yes", ""]]}, {"mode": "auto", "layers": [], "scratch": "/home"},
+])
+def test_a_worker_description_that_is_not_one_is_refused(described):
+    with pytest.raises(ValueError):
+        Boundary.from_dict(described)
+
+
+def test_the_seccomp_program_jumps_only_forward_and_ends_every_path_in_a_return():
+    if seccomp.supported() is not None:
+        pytest.skip(seccomp.supported())
+    program = seccomp.program({1234, 99})
+    for i, (code, jt, jf, _) in enumerate(program):
+        if code & 0x07 == 0x05:  # a jump: both targets inside the program
+            assert i + 1 + max(jt, jf) < len(program)
+    assert program[-1][0] == 0x06  # the deny block
+
+
+@pytest.mark.parametrize("end, status", [
+    (lambda: os._exit(3), ("exit", 3)), (lambda: os.kill(os.getpid(), 9), ("signal", 9)),
+    (lambda: os.kill(os.getpid(), 10), ("signal", 10)), (lambda: None, ("exit", 0)),
+])
+def test_the_process_the_judge_started_ends_as_the_worker_behind_its_namespaces_ended(end, status):
+    """Behind a PID namespace the worker is the grandchild of the process the judge started, which
+    must end the way the worker did (a SIGKILL it mirrored once went on as a second worker)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            boundary.enter("auto", "cpu", ())
+            end()
+        finally:
+            os._exit(0)
+    _, raw = os.waitpid(pid, 0)
+    got = ("signal", os.WTERMSIG(raw)) if os.WIFSIGNALED(raw) else ("exit", os.WEXITSTATUS(raw))
+    assert got == status
