@@ -24,7 +24,9 @@ gate: $(STAMP)
 	$(BIN)/mla-verify gate --device cpu
 
 test: $(STAMP)
-	$(BIN)/python -m pytest --durations=15  # the slowest tests listed: CI time is a budget (15 min)
+	# one test process a core, up to 4 (the tests start workers of their own); the slowest listed:
+	# CI's time is a budget (15 min on 2 cores)
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --durations=15
 
 # The site's CLI and API pages are generated from the code as it builds (scripts/docs_reference.py).
 docs: $(VENV)/.docs-installed

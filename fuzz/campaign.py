@@ -35,7 +35,7 @@ from typing import Callable, Protocol
 
 from hypothesis import HealthCheck, Phase, example, given, seed as hypothesis_seed, settings
 from hypothesis.errors import Flaky
-from hypothesis.strategies import SearchStrategy
+from hypothesis.strategies import SearchStrategy, one_of
 
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import get_spec
@@ -150,6 +150,16 @@ class FuzzResult:
     unminimized: str = ""                 # why a finding was not minimized, and how to have it minimized
 
 
+def _traced(rows: list[Row], again: list[Row]) -> None:
+    """The failing rows of a case told what its traced re-run's same failures were told (the
+    first stage that differs, and its name: `Row.differing_stage`), each by its tensor, metric and
+    value."""
+    told = {(r.tensor, r.gate_metric, r.value): r for r in again if not r.passed}
+    for r in rows:
+        if not r.passed and (same := told.get((r.tensor, r.gate_metric, r.value))) is not None:
+            r.reason, r.differing_stage = same.reason, same.differing_stage
+
+
 def new_seed() -> int:
     return random.SystemRandom().randrange(2**31)
 
@@ -170,27 +180,46 @@ def _frozen_heap():
         gc.unfreeze()  # collectable again: nothing is kept for good
 
 
+def drawn_paths(op: str, path: str | None, impl_specs: tuple[str, ...]) -> tuple[str | None, ...]:
+    """What a campaign draws: `path`; where it names none and replaces stages of a pipeline
+    (`STAGE=...`), the draws that call them (`PipelineSpec.draws_for`: a HiSparse stage is called
+    on the HiSparse paths only, which the unrestricted draw never takes)."""
+    spec = get_spec(op)
+    replaced = [s.split("=", 1)[0] for s in impl_specs if "=" in s]
+    if path is not None or not replaced or not hasattr(spec, "draws_for"):
+        return (path,)
+    return spec.draws_for(replaced)
+
+
 def strategy(op: str, profile: Profile, path: str | None, world_size: int | None, impl_specs: tuple[str, ...],
              device: str) -> SearchStrategy[Case]:
-    """The cases of a campaign: the op's draws within `profile`, and for interpreted kernels
-    (Triton on CPU) only those the interpreter runs within the profile's budget a case."""
+    """The cases of a campaign: the op's draws within `profile` (on each of `drawn_paths`), and for
+    interpreted kernels (Triton on CPU) only those the interpreter runs within the profile's
+    budget a case."""
     spec = get_spec(op)
-    if not registry.interpreted(impl_specs, device_type(device)) or profile.interpreter_s is None:
-        return spec.strategy(profile, path, world_size)
-    budget = profile.interpreted()
-    return spec.strategy(budget, path, world_size).filter(
-        lambda case: spec.interpreted_s(spec.params_of(case.params)) <= budget.budget_s)
+    interpreted = registry.interpreted(impl_specs, device_type(device)) and profile.interpreter_s is not None
+    within = profile.interpreted() if interpreted else profile
+    drawn = one_of(*(spec.strategy(within, p, world_size) for p in drawn_paths(op, path, impl_specs)))
+    if not interpreted:
+        return drawn
+    return drawn.filter(lambda case: spec.interpreted_s(spec.params_of(case.params)) <= within.budget_s)
 
 
 def first_cases(op: str, profile: Profile, path: str | None, world_size: int | None, impl_specs: tuple[str, ...],
                 device: str, seed: int) -> list[Case]:
-    """The covering set a campaign starts with (`equivalence.coverage.sets`), held to the interpreter's
-    budget as `strategy` holds the draws."""
+    """The covering set a campaign starts with (`equivalence.coverage.sets`; of each of
+    `drawn_paths`), held to the interpreter's budget as `strategy` holds the draws, and its
+    routing pairs to the op's `Pairs.cap` a case."""
     spec = get_spec(op)
-    if not registry.interpreted(impl_specs, device_type(device)) or profile.interpreter_s is None:
-        return covering_set(op, profile, seed, path, device=device, world_size=world_size)
-    return covering_set(op, profile, seed, path, device=device, world_size=world_size,
-                        admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s)
+    found: list[Case] = []
+    for p in drawn_paths(op, path, impl_specs):
+        if not registry.interpreted(impl_specs, device_type(device)) or profile.interpreter_s is None:
+            found += covering_set(op, profile, seed, p, device=device, world_size=world_size)
+        else:
+            found += covering_set(op, profile, seed, p, device=device, world_size=world_size,
+                                  admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s,
+                                  interpreted=True)
+    return found
 
 
 def each(run: Runner) -> Judge:
@@ -228,14 +257,16 @@ class _Search:
         self.offset = 0   # the failing case's place in its block
         self.found: Case | None = None  # the first failing case, as found (saved at once: result.found_file)
         self.first: tuple[Case, list[Row]] | None = None  # and its rows
+        self.drawn = 0    # drawn cases judged (the covering set's not counted)
         self.origin: tuple[Case, list[Row], int] | None = None  # the drawn failure shrunk: its rows, example number
         # The covering set runs first, as Hypothesis's explicit examples. Hypothesis shrinks only its
         # draws: a failing covering case is saved and re-run as any first failure, then the draws go
         # on to the first failure they make, which is shrunk; none: the covering case is the result.
-        # Within the budget: a set larger than `examples` (blocks of `block`) keeps its first picks.
+        # The whole set runs, whatever the budget (its pairs may pass it: ci's 6); the draws fill
+        # what is left of the budget after it, or the whole budget once a covering case failed.
         c = campaign
         self.cover = first_cases(c.op, c.profile, c.path, c.world_size, c.under_test.specs, c.under_test.device,
-                                 c.seed)[:max(1, -(-c.examples // max(c.block, 1)))]
+                                 c.seed)
         self.covering = {case.case_id for case in self.cover}
 
     def note(self, note: str) -> str:
@@ -284,7 +315,12 @@ class _Search:
         if any(r.gate_metric == FailureKind.HUNG for r in rows):
             raise StopCampaign(None)  # a hang is not re-run or shrunk: every try costs the timeout
         self.stop_if_asked()
-        failed = sum(_failing(self.evaluate([case], "rerun")[0]) for _ in range(reruns))
+        # The first re-run records a pipeline's stages (`ops.stages`: in the worker, a call within
+        # its time cap): the finding names the first stage that differs, shrunk or not.
+        runs = [self.evaluate([case], "trace" if i == 0 else "rerun")[0] for i in range(reruns)]
+        if runs and _failing(runs[0]):
+            _traced(rows, runs[0])
+        failed = sum(map(_failing, runs))
         if failed < reruns:
             result.flaky = (failed, reruns)
             if result.found_file is not None:
@@ -301,11 +337,16 @@ class _Search:
             case = Case(case.op, case.params, case.seed + self.offset)
             found = [(case, self.evaluate([case], "shrink")[0])]
         else:
-            count = min(self.campaign.block, self.campaign.examples - self.result.examples)
+            # A covering case runs alone, past the budget if the set is larger; the draws fill what
+            # the set left of the budget, or, once a covering case failed, draw the whole budget
+            # for a failure Hypothesis can shrink.
+            room = self.campaign.examples - self.drawn - (len(self.cover) if self.first is None else 0)
+            count = 1 if case.case_id in self.covering else min(self.campaign.block, room)
             if count <= 0:  # the covering set and the blocks drawn spent the budget: no case past it
                 return
             cases = [case] + [Case(case.op, case.params, case.seed + i) for i in range(1, count)]
             found = [(c, rows) for c, rows in zip(cases, self.evaluate(cases, "fuzz")) if rows is not None]
+            self.drawn += len(found) if case.case_id not in self.covering else 0
             for _, rows in found:
                 self.result.examples += 1
                 self.result.rows.extend(rows)
@@ -329,11 +370,11 @@ class _Search:
 
     def run(self) -> FuzzResult:
         c, result = self.campaign, self.result
-        # Past a covering set as large as the budget, nothing is drawn.
-        drawn = ((Phase.reuse, Phase.generate) + ((Phase.shrink,) if c.shrink else ())
-                 if c.examples > len(self.cover) else ())
+        # The draws run where the budget is left after the covering set or a covering case failed
+        # (`example`): Hypothesis is asked for the budget's blocks, those past what is left skipped.
+        drawn = (Phase.reuse, Phase.generate) + ((Phase.shrink,) if c.shrink else ())
 
-        @settings(max_examples=max(1, -(-(c.examples - len(self.cover)) // max(c.block, 1))), deadline=None,
+        @settings(max_examples=max(1, -(-c.examples // max(c.block, 1))), deadline=None,
                   database=None, phases=(Phase.explicit, *drawn), print_blob=False, report_multiple_bugs=False,
                   suppress_health_check=list(HealthCheck))
         @hypothesis_seed(c.seed)
@@ -349,8 +390,7 @@ class _Search:
                 search()
             final = self.first  # a covering case's failure the draws did not repeat
             if final is not None and c.shrink:
-                drawn = max(0, c.examples - len(self.cover))
-                ends = (f"the {drawn} examples drawn after the covering set found no failure to shrink" if drawn else
+                ends = (f"the {self.drawn} examples drawn after it found no failure to shrink" if self.drawn else
                         f"this {c.examples}-example budget ends before any example is drawn to shrink")
                 result.unminimized = (f"it is a covering case (drawn first at every seed, never shrunk), and {ends}: "
                                       f"more examples (--examples {5 * c.examples}) draw on until one fails, and "

@@ -11,7 +11,7 @@ the implementation that ran it, where the rows say which:
 * a property's, where its case ran one implementation of the stages it tests: that kernel.
 
 Where they do not (a property of several kernels; a pipeline whose stages were not traced: the
-HiSparse paths, a case an isolation worker did not trace), the finding joins the one kernel its
+HiSparse paths, a call past an isolation worker's trace cap), the finding joins the one kernel its
 case ran that the run's other findings are put down to, where exactly one is, and its line says
 so; else it groups by its op (and path) or property and implementation, as does a pipeline every
 stage of which matches on its own inputs (how they are put together differs). The failing tensors

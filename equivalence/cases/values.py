@@ -12,6 +12,11 @@ Each regime stresses something different in the kernels and the cache formats:
                 them: every logit of such a row is 0, a tied softmax whose exact answer is the mean of
                 the selected V rows with lse = ln(k valid). Only the covering sets ask for it
                 (COVERING_REGIMES): the random draws keep drawing REGIMES as pinned.
+    flat        every kv row near one shared row (2% noise around it): hundreds of near-equal
+                logits, a flat softmax whose output is about that row, of order 1. Every p of a
+                row sits just below 1 where the others give one p of 1 and tiny ones, so a bias
+                in how p is rounded before P.V (toward zero: the output 2^-9 small) shows only
+                here, as a mean error. Covering sets only, as degenerate.
 Nothing is ever all zero: a zero tensor hides unwritten outputs and wrong indexing.
 
 Values are drawn on the generator's device: a case's tensors are a deterministic function of
@@ -30,7 +35,8 @@ from mla_verify import reference
 from .builders import permutation
 
 REGIMES = ("normal", "saturation", "outliers", "zero_tiles", "tiny", "peaked")
-COVERING_REGIMES = ("degenerate",)  # accepted by every value_regime param, never drawn at random
+COVERING_REGIMES = ("degenerate", "flat")  # accepted by every value_regime param, never drawn at random
+FLAT_NOISE = 0.02
 ZERO_Q_SHARE = 0.25
 NOPE, TILE = 512, 128
 
@@ -59,6 +65,8 @@ def kv_values(gen: torch.Generator, n: int, regime: str, version: int = 1) -> to
         x[:, :NOPE] = (x[:, :NOPE].view(n, NOPE // TILE, TILE) * ~zero[..., None]).view(n, NOPE)
     elif regime == "tiny":
         x[:, :NOPE] *= 1e-6
+    elif regime == "flat":
+        x = _normal(gen, (1, 576)) + FLAT_NOISE * x
     elif regime not in ("normal", "peaked", "degenerate"):
         raise ValueError(f"unknown value regime {regime!r}; known: {REGIMES + COVERING_REGIMES}")
     return x.to(torch.bfloat16)

@@ -37,7 +37,7 @@ from mla_verify.equivalence.cases.profiles import Profile
 from mla_verify.equivalence.judge.mismatch import line
 from mla_verify.equivalence.judge.rows import FailureKind, Row
 from mla_verify.equivalence.sandbox.calls import failure_row
-from mla_verify.equivalence.subject import Subject, unexercised
+from mla_verify.equivalence.subject import Subject, never_called, unexercised
 from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz.campaign import Campaign, FuzzResult, Judge, Stop, fuzz
 from mla_verify.fuzz.casefile import load, write_atomic
@@ -392,10 +392,24 @@ def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, 
     notes += unexercised(run.specs, call_guards.CALLED_WITH)  # what the replaced stages were never handed
     if run.world_size:
         notes += [f"worst per rank over {fz.examples} cases: {line}" for line in dcp_ranks.worst_by_rank(fz.rows)]
-    return CheckResult(run.op, run.label, not failures and fz.stopped != Stop.INTERRUPTED and bool(frame.passed.all()),
+    silent = never_called(run.specs, call_guards.CALLED_WITH, (run.op,))
+    return CheckResult(run.op, run.label,
+                       not failures and not silent and fz.stopped != Stop.INTERRUPTED and bool(frame.passed.all()),
                        frame, seed, fz.examples, run.out.path if run.out else None, failures,
                        interrupted=fz.stopped == Stop.INTERRUPTED, notes=notes, in_process=run.in_process,
-                       sandbox=sandbox)
+                       sandbox=sandbox, never_called=_never_judged(run.op, silent, f"these {fz.examples} cases"))
+
+
+def _never_judged(op: str, stages: list[str], cases: str) -> str:
+    """Why there is no verdict on the replaced `stages` no case called ("": there is), and where
+    calls of them are drawn (`PipelineSpec.paths_calling`)."""
+    if not stages:
+        return ""
+    spec = catalog.get_spec(op)
+    paths = spec.paths_calling(stages) if hasattr(spec, "paths_calling") else ()
+    where = (f"{op}'s paths that call {'it' if len(stages) == 1 else 'them'}: {', '.join(paths)}" if paths
+             else f"no {op} batch calls {'it' if len(stages) == 1 else 'them'}")
+    return f"{', '.join(stages)} never called by {cases}: nothing judged {'it' if len(stages) == 1 else 'them'} ({where})"
 
 
 def _gate(run: Run, log: Callable[[str], None]) -> GateOutcome:
@@ -407,6 +421,7 @@ def _gate(run: Run, log: Callable[[str], None]) -> GateOutcome:
     run_dir, meta = run.out, with_extra(run.meta(), judged_by)
     sink = Sink(run_dir, f"gate-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
     run_dir.start(meta)
+    call_guards.CALLED_WITH.clear()
     try:
         with sink.interrupt.installed():  # the stderr of the moment: pytest's capture replaces it
             result = run_gate(run, sink, sys.stderr, chosen, worker)
@@ -425,12 +440,14 @@ def _gate(run: Run, log: Callable[[str], None]) -> GateOutcome:
         if worker is not None:  # closed by run_units, unless it never got there
             worker.close()
     interrupted = sink.interrupt.requested
+    silent = never_called(run.impls, call_guards.CALLED_WITH, [u.op for u in chosen])
     outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupted,
                           keep(kept, result.new_findings(), result.rows) + not_replayed(kept, chosen, run.ops)
                           + sorted(result.notes),
                           odd_ones_out(result.rows),
                           isolated=run.isolate, rest=_rest(run, chosen, result) if interrupted else (0, ""),
-                          sandbox=worker.summary() if worker else "")
+                          sandbox=worker.summary() if worker else "",
+                          never_called=_never_judged("forward_mqa", silent, "the gate's cases"))
     durations.write(run_dir.path, result.seconds)
     run_dir.finish(result.rows, {**meta, "stopped": Stop.INTERRUPTED} if interrupted else meta)
 
