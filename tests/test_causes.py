@@ -2,8 +2,11 @@
 group, put down to the kernel the rows name; what no kernel is known for groups apart. The run of a
 truncating bf16 epilogue that reads as one group is in test_corpus.py (it keeps findings there too)."""
 
+from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.judge.rows import Row
 from mla_verify.reports.causes import JOINED, by_cause, lines, table
+from mla_verify.reports.store import rows_frame
+from mla_verify.runs.outcome import CheckResult, Failure
 
 K = "mine:prefill"   # the buggy sparse_prefill
 B = "mine:convert"   # a second buggy kernel, of convert_index
@@ -64,3 +67,17 @@ def test_what_no_kernel_is_known_for_groups_apart():
                       "forward_mqa fp8_separate (pipeline)": ["alone.json"]}
     assert list(groups)[0] == f"stage convert_index ({B})"  # the largest group first
     assert by_cause([row("x.json", "sparse_prefill", K, passed=True)]) == []
+
+
+def test_a_fuzz_run_of_several_findings_ends_with_them_by_cause():
+    """A kept case that still fails and the campaign's own (or --parallel parts' findings) of one
+    kernel: the discrepancies, then one group, where a finding alone says nothing more."""
+    rows = [row("kept.json", "sparse_prefill", K), row("own.json", "sparse_prefill", K)]
+    failures = [Failure.of(Case("sparse_prefill", {}, n), [r], None, "mla-verify replay ...")
+                for n, r in enumerate(rows)]
+    report = CheckResult("sparse_prefill", K, False, rows_frame(rows), 1, 2, None, failures).report()
+    assert report.endswith(f"FAIL: 2 findings, by cause:\n  stage sparse_prefill ({K}): 2 findings, first sparse_prefill: "
+                           "out abs_mean_err = 0.002 > 0.001\n    kept.json (sparse_prefill: out abs_mean_err = 0.002 > "
+                           "0.001)\n    own.json (sparse_prefill: out abs_mean_err = 0.002 > 0.001)")
+    alone = CheckResult("sparse_prefill", K, False, rows_frame(rows[:1]), 1, 1, None, failures[:1]).report()
+    assert "by cause" not in alone
