@@ -13,7 +13,8 @@ whole timeout). The sink is told of every case before its implementation is call
 directory journals it, so a case whose process dies in the call is still a finding:
 `mla_verify.runs.rundir`) and when the call returned; it receives every searched case's rows as
 it finishes, and its `stop_reason` is asked after every case (Ctrl-C, a lost CUDA context) and
-ends the campaign with what it has.
+ends the campaign with what it has. Findings are saved, replaced and dropped through the store
+the campaign is handed (`Campaign.findings`, `fuzz.findings`), never by path.
 
 A Hypothesis example may stand for a block of cases (`Campaign.block`): the drawn case and the
 cases of the same params at the next seeds, judged together (the reference answers them in one
@@ -27,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import random
-import sys
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -45,7 +45,7 @@ from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.equivalence.judge.rows import FailureKind, Row
 from mla_verify.optimized import registry
 
-from . import casefile
+from .findings import Findings, UnderTest
 
 # (cases of one params, source, on_call) -> each case's rows, None for a case not judged (a lost
 # CUDA context ended its block); on_call() runs before each case's implementation is called, in order
@@ -66,10 +66,6 @@ class Sink(Protocol):
     def judged(self, rows: list[Row], source: str) -> None:
         """A case's rows, as the campaign keeps them (searched cases, and the minimized one)."""
 
-    def found(self, rows: list[Row], name: str) -> None:
-        """The case of these rows (told `judged` before) is now the finding saved as `name`
-        ("": no longer, its file gone); the rows' `finding` says so already."""
-
     def stop_reason(self) -> Stop | None:
         """Why the campaign must end after this case (None to go on)."""
 
@@ -84,9 +80,6 @@ class _Quiet:
     def judged(self, rows: list[Row], source: str) -> None:
         pass
 
-    def found(self, rows: list[Row], name: str) -> None:
-        pass
-
     def stop_reason(self) -> Stop | None:
         return None
 
@@ -95,21 +88,10 @@ QUIET: Sink = _Quiet()
 
 
 @dataclass(frozen=True)
-class UnderTest:
-    """What a campaign tests, as a saved case file names it for its replay."""
-
-    specs: tuple[str, ...] = ()           # the implementation as --impl strings
-    label: str = ""                       # the rows' name for it (case files are named by it)
-    deviations: tuple[str, ...] = ()
-    conventions: tuple[str, ...] = ()
-    device: str = "cpu"
-
-
-@dataclass(frozen=True)
 class Campaign:
     """What one campaign searches: up to `examples` cases of `op` within `profile`, from `seed`.
-    `failures`: the directory failing cases are saved in (None: not saved); `block` > 1: each
-    example is a block of up to `block` cases (module doc); `examples` still counts cases."""
+    `findings`: the store failing cases are saved in (None: not saved); `block` > 1: each example
+    is a block of up to `block` cases (module doc); `examples` still counts cases."""
 
     op: str
     profile: Profile
@@ -120,7 +102,7 @@ class Campaign:
     world_size: int | None = None
     block: int = 1
     shrink: bool = True
-    failures: Path | None = None
+    findings: Findings | None = None
     reruns: int = RERUNS
 
     def found_by(self) -> str:
@@ -170,11 +152,12 @@ class FuzzResult:
 
 def _traced(rows: list[Row], again: list[Row]) -> None:
     """The failing rows of a case told what its traced re-run's same failures were told (the
-    first stage that differs), each by its tensor, metric and value."""
-    told = {(r.tensor, r.gate_metric, r.value): r.reason for r in again if not r.passed}
+    first stage that differs, and its name: `Row.differing_stage`), each by its tensor, metric and
+    value."""
+    told = {(r.tensor, r.gate_metric, r.value): r for r in again if not r.passed}
     for r in rows:
-        if not r.passed:
-            r.reason = told.get((r.tensor, r.gate_metric, r.value), r.reason)
+        if not r.passed and (same := told.get((r.tensor, r.gate_metric, r.value))) is not None:
+            r.reason, r.differing_stage = same.reason, same.differing_stage
 
 
 def new_seed() -> int:
@@ -286,28 +269,17 @@ class _Search:
                                  c.seed)
         self.covering = {case.case_id for case in self.cover}
 
-    def save(self, case: Case, rows: list[Row], note: str, where: Path | None = None,
-             unshrunk: Case | None = None) -> Path | None:
-        """The finding saved (None where the campaign saves none): a case that cannot be saved
-        (its directory replaced by a file, a full disk) is printed whole on stderr instead, and
-        the campaign goes on to its verdict; a finding is never lost to its file."""
-        c, tested = self.campaign, self.campaign.under_test
-        if c.failures is None:
+    def note(self, note: str) -> str:
+        c = self.campaign
+        return f"{note}; found by `{c.found_by()}` (profile {c.profile.name})"
+
+    def save(self, case: Case, rows: list[Row], note: str, unshrunk: Case | None = None,
+             journaled: bool = True) -> Path | None:
+        """The finding `case` saved in the campaign's store (None where it has none), its rows naming it."""
+        if self.campaign.findings is None:
             return None
-        cf = casefile.CaseFile(case, tested.specs, tested.device, casefile.failure_summary(rows),
-                               note=f"{note}; found by `{c.found_by()}` (profile {c.profile.name})",
-                               deviations=tested.deviations, flaky=self.result.flaky, conventions=tested.conventions,
-                               unshrunk=unshrunk)
-        try:
-            if where is not None:
-                return casefile.save(where, cf)
-            return casefile.save_new(Path(c.failures) / "failures",
-                                     casefile.stem(c.op, tested.label or ",".join(tested.specs), case), cf)
-        except OSError as exc:
-            print(f"mla-verify: the failing case could not be saved under {Path(c.failures) / 'failures'} "
-                  f"({exc.strerror or exc}); here it is whole, save it as a .json file to replay it:\n"
-                  f"{casefile.text(cf)}", file=sys.stderr, flush=True)
-            return None
+        return self.campaign.findings.save(self.campaign.under_test, case, rows, self.note(note),
+                                           flaky=self.result.flaky, unshrunk=unshrunk, journaled=journaled)
 
     def evaluate(self, cases: list[Case], source: str) -> list[list[Row] | None]:
         """Each case's rows from the judge; the sink told as each call starts and returns."""
@@ -336,19 +308,10 @@ class _Search:
         if reason := self.sink.stop_reason():
             raise StopCampaign(reason)
 
-    def mark(self, rows: list[Row], path: Path | None, judged: bool = True) -> None:
-        """The case of `rows` is the finding saved at `path` (None: not, or no longer); `judged`: the
-        sink had its rows already and hears of it now."""
-        for r in rows:
-            r.finding = path.name if path is not None else ""
-        if judged:
-            self.sink.found(rows, path.name if path is not None else "")
-
     def first_failure(self, case: Case, rows: list[Row], at: int) -> None:
         result, reruns = self.result, self.campaign.reruns
         result.first_failure_at, self.found = at, case
         result.found_file = self.save(case, rows, f"found at example {at}")
-        self.mark(rows, result.found_file)
         if any(r.gate_metric == FailureKind.HUNG for r in rows):
             raise StopCampaign(None)  # a hang is not re-run or shrunk: every try costs the timeout
         self.stop_if_asked()
@@ -360,7 +323,9 @@ class _Search:
         failed = sum(map(_failing, runs))
         if failed < reruns:
             result.flaky = (failed, reruns)
-            self.save(case, rows, f"flaky: failed {failed} of {reruns} re-runs", result.found_file)
+            if result.found_file is not None:
+                self.campaign.findings.replace(result.found_file, self.note(f"flaky: failed {failed} of {reruns} "
+                                                                            "re-runs"), result.flaky)
             raise StopCampaign(None)
         self.stop_if_asked()
         if not self.campaign.shrink:
@@ -457,15 +422,13 @@ class _Search:
             rows, judged, unshrunk, note = origin_rows, True, None, f"found at example {at}"
         else:
             judged, unshrunk, note = False, origin, f"minimized from the case found at example {at}"
-        result.case_file = self.save(case, rows, note, unshrunk=unshrunk)
+        result.case_file = self.save(case, rows, note, unshrunk, judged)
         result.failure = Discrepancy(case, rows)
-        self.mark(rows, result.case_file, judged)
         if not judged:
             result.rows.extend(rows)
             self.sink.judged(rows, "shrink")
         # One file a finding: the first failure's, saved at once in case the run died before this
         # one, goes now that this one is written (its case is one more failing case).
         if result.found_file is not None and result.case_file is not None:
-            self.mark(self.first[1], None)
-            result.found_file.unlink(missing_ok=True)
+            self.campaign.findings.drop(result.found_file, self.first[1])
             result.found_file = None

@@ -31,11 +31,12 @@ from .base import OpSpec
 VARIANTS = {"pipeline": (), "pipeline[triton attention]": ("sparse_prefill=triton", "sparse_decode_fp8=triton")}
 # A failing case is run again stage by stage (`equivalence.ops.stages`) in process, except for a re-run
 # (it only asks whether the failure repeats); an isolation worker records the stages only of the
-# cases a run reports (a shrink step's, whose last is the minimized case, a replay's, or the first
-# failure's first re-run, `trace`: a campaign that does not shrink still names the stage): it
-# cannot know which of its cases fail, and recording every case would run each three times.
+# cases a run reports (a shrink step's, whose last is the minimized case, a replay's, the first
+# failure's first re-run, `trace`: a campaign that does not shrink still names the stage, and the few
+# kept and pinned cases a run replays first): it cannot know which of its cases fail, and recording
+# every case would run each three times.
 UNTRACED = frozenset({"rerun", "bench"})
-TRACED_IN_WORKER = frozenset({"shrink", "replay", "trace"})  # trace: a campaign's first failure, re-run once
+TRACED_IN_WORKER = frozenset({"shrink", "replay", "trace", "kept", "corpus"})
 # The worker's traced runs count against the case's timeout (its parent waits for one answer): a
 # case whose call took longer than this is not traced there (the runs take about twice as long).
 TRACE_CALL_S = 20.0
@@ -117,7 +118,8 @@ class PipelineSpec(OpSpec):
         return not self.own_processes and subject.fn is None and self.traced(self.params_of(case.params))
 
     def _tell(self, case: Case, rows: list, calls: tuple[list, list]) -> None:
-        stages.told(rows, stages.first_difference(*calls, self.params_of(case.params).numerics()))
+        stage, text = stages.first_difference(*calls, self.params_of(case.params).numerics())
+        stages.told(rows, stage or self.name, text)  # no stage differs on its own inputs: their composition does
 
     def _traced(self, case: Case, subject: Subject, device: str) -> tuple[list, list]:
         """The case's stage calls, plain and fed, on inputs built again from its seed."""

@@ -17,6 +17,7 @@ from mla_verify.equivalence.judge.rows import FailureKind
 from mla_verify.equivalence.sandbox.device import device_type, is_cuda
 from mla_verify.equivalence.subject import is_local
 from mla_verify.reports.bias import bias_of
+from mla_verify.reports.causes import lines as cause_lines, of_frame
 from mla_verify.reports.meta import IN_PROCESS
 from mla_verify.reports.stats import reached
 
@@ -126,7 +127,8 @@ class CheckResult:
         """What the CLI prints at the end: PASS with the least headroom (qualified when judged in
         the implementation's own process: it could reach the judge), or each failure with its
         minimized case, failing metric and bound, case file and replay command; then a warning per
-        group biased against the reference (`reports.bias`: never a failure)."""
+        group biased against the reference (`reports.bias`: never a failure). Several failures are
+        grouped by cause after them (`reports.causes`)."""
         lines = [f"note: {n}" for n in self.notes]
         for f in self.failures:
             kind = f"FLAKY DISCREPANCY (failed {f.flaky[0]} of {f.flaky[1]} re-runs)" if f.flaky else "DISCREPANCY"
@@ -136,6 +138,9 @@ class CheckResult:
             lines += f.lines()
         if any(r["gate_metric"] not in QUIET_METRICS for f in self.failures for r in f.rows):
             lines.append("  (what each bound means and why it is set there: mla-verify list --tolerances --long)")
+        if len(self.failures) > 1 and (groups := of_frame(self.rows)):  # one bug found several ways reads as one
+            lines.append(f"FAIL: {len(self.failures)} findings, by cause:")
+            lines += cause_lines(groups)
         if self.interrupted:
             lines.append(f"INTERRUPTED after {self.examples} examples (seed {self.seed}); rows so far in {self.out}"
                          if self.out else f"INTERRUPTED after {self.examples} examples (seed {self.seed})")
