@@ -150,6 +150,7 @@ def check(
     path: str | None = None,
     world_size: int | None = None,
     shrink: bool = True,
+    covering: bool | None = None,
     parallel: int | None = None,
     junit: str | Path | None = None,
     baseline: str | Path | None = None,
@@ -185,7 +186,10 @@ def check(
             (equivalence.judge.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}
             or ["lse_base=2", ...]; its LSE and max_logits are converted once, as it returns them.
         path: forward_mqa's path, or a property's target. world_size: dcp's rank count (default 2).
-        shrink: minimize the first failing case. parallel: independent campaigns, one per GPU,
+        shrink: minimize the first failing case. covering: False draws `examples` cases without the
+            op's covering set (default: it runs whole first, or as the baseline ran): for tests of
+            the harness's own mechanics and benchmarks; the PASS line and meta.json say it was
+            skipped, and the gate always runs it. parallel: independent campaigns, one per GPU,
             dealt round-robin past the GPU count, each with its share of the cores (default: every
             GPU on cuda). junit: also write JUnit XML there. log: receives the
             run's header line (the CLI prints it).

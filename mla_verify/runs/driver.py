@@ -277,7 +277,7 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
             return False
         campaign = Campaign(unit.op, run.profile, budget, seed, tested, path,
                             run.world_size or gate_world_size(spec, run.device_type), block_size(run.profile, budget),
-                            run.shrink, findings)
+                            run.shrink, findings, covering=run.covering)
         fz = fuzz(campaign, judge, sink)
         finished &= not fz.stopped
         _found_again(fz, result.replayed[replayed:], findings)
@@ -400,7 +400,7 @@ def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, 
                        not failures and not silent and fz.stopped != Stop.INTERRUPTED and bool(frame.passed.all()),
                        frame, seed, fz.examples, run.out.path if run.out else None, failures,
                        interrupted=fz.stopped == Stop.INTERRUPTED, notes=notes, in_process=run.in_process,
-                       sandbox=sandbox, never_called=_never_judged(run.op, silent, f"these {fz.examples} cases"))
+                       sandbox=sandbox, covering=run.covering, never_called=_never_judged(run.op, silent, f"these {fz.examples} cases"))
 
 
 def _never_judged(op: str, stages: list[str], cases: str) -> str:

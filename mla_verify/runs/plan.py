@@ -65,6 +65,7 @@ class Run:
     path: str | None = None
     world_size: int | None = None
     shrink: bool = True
+    covering: bool = True                 # fuzz: the op's covering set runs first (False: the draws alone, said so)
     named: bool = True                    # every implementation importable in another process
     invocation: str | None = field(default_factory=lambda: invocation())  # meta.json's command
     impls: tuple[str, ...] = ()           # gate: OP=SPEC / STAGE=SPEC it is restricted to (runs.selection)
@@ -110,7 +111,7 @@ class Run:
                     "durations": durations.digest(self.durations)}
         return {**common, "op": self.op, "impl": list(self.specs), "path": self.path, "world_size": self.world_size,
                 "deviations": list(self.deviations), "conventions": list(self.conventions), "shrink": self.shrink,
-                "campaigns": self.shard.count * self.parts}
+                "covering_set": self.covering, "campaigns": self.shard.count * self.parts}
 
     def meta(self) -> dict[str, Any]:
         """meta.json: what `check(baseline=...)` and `gate --baseline` read back to draw the same
@@ -123,7 +124,7 @@ class Run:
             seeds = [s for s, _ in self.campaigns]
             extra = {"op": self.op, "examples": sum(n for _, n in self.campaigns), "path": self.path,
                      "isolated": not self.in_process, "deviations": list(self.deviations),
-                     "conventions": list(self.conventions)}
+                     "conventions": list(self.conventions), "covering_set": self.covering}
         if not self.shard.whole:
             extra |= {"shard": str(self.shard), "run": self.options()}
         return collect_meta(self.profile.name, seeds, self.device, command=self.invocation, extra=extra)
@@ -169,8 +170,9 @@ class Run:
         ranks = ""
         if self.world_size:
             ranks = f", {self.world_size} ranks ({dcp_ranks.placement(self.world_size, self.device_type).describe()})"
-        return (f"mla-verify fuzz: op {self.op}, implementation {self.label}, {self.examples} examples or the whole "
-                f"covering set, profile "
+        budget = (f"{self.examples} examples or the whole covering set" if self.covering
+                  else f"{self.examples} examples drawn, the covering set skipped (--no-covering-set)")
+        return (f"mla-verify fuzz: op {self.op}, implementation {self.label}, {budget}, profile "
                 f"{self.profile.name}, device {self.device}, seed {self.seed}{ranks}{', isolated' if self.isolate else ''}"
                 f"{where}" + (f"; the cases of baseline {self.baseline}" if self.baseline is not None else "")
                 + ("" if self.shard.whole else f"; shard {self.shard} of {self.shard.count * self.parts} campaigns: "
@@ -216,6 +218,7 @@ class Options:
     path: str | None = None
     world_size: int | None = None
     shrink: bool = True
+    covering: bool | None = None                  # fuzz: False skips the covering set (None: run it, or as the baseline did)
     parallel: int | None = None
     shard: Any = None                             # "I/N" or a Shard
     baseline: Path | None = None
@@ -305,7 +308,7 @@ def _fuzz_run(o: Options, device: str, shard: Shard) -> Run:
     return Run(FUZZ, (op,), device, profile, examples, o.seed, isolate, _timeout(o), o.sandbox, out=_opened(o.out),
                baseline=o.baseline, shard=shard, parts=parts, specs=o.specs, subject=subject, deviations=deviations,
                conventions=tuple(subject.conventions), path=path, world_size=world_size, shrink=o.shrink,
-               named=o.named, corpus=corpus, corpus_replay=shard.index == 0)
+               covering=o.covering is not False, named=o.named, corpus=corpus, corpus_replay=shard.index == 0)
 
 
 def _gate_run(o: Options, device: str, shard: Shard) -> Run:
@@ -345,7 +348,8 @@ def _again(o: Options, log: Callable[[str], None]) -> Options:
         raise UsageError(f"baseline {o.baseline} holds no rows of {op} (it ran {', '.join(sorted(ran))}): "
                          "nothing comparable")
     return replace(o, seed=seed, profile=profile, examples=examples, path=o.path or again["path"],
-                   parallel=o.parallel or again["campaigns"])
+                   parallel=o.parallel or again["campaigns"],
+                   covering=again["covering"] is not False if o.covering is None else o.covering)
 
 
 def open_corpus(directory: str | Path | None) -> str | None:
