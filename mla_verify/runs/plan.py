@@ -305,7 +305,7 @@ def _fuzz_run(o: Options, device: str, shard: Shard) -> Run:
     if o.junit is not None:
         writable_file(o.junit, "--junit")
     corpus = open_corpus(o.corpus)
-    return Run(FUZZ, (op,), device, profile, examples, o.seed, isolate, _timeout(o), o.sandbox, out=_opened(o.out),
+    return Run(FUZZ, (op,), device, profile, examples, o.seed, isolate, _timeout(o), o.sandbox, _opened(o.out),
                baseline=o.baseline, shard=shard, parts=parts, specs=o.specs, subject=subject, deviations=deviations,
                conventions=tuple(subject.conventions), path=path, world_size=world_size, shrink=o.shrink,
                covering=o.covering is not False, named=o.named, corpus=corpus, corpus_replay=shard.index == 0)
