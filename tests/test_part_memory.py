@@ -10,7 +10,7 @@ import torch
 import mla_verify
 from mla_verify import reference
 from mla_verify.cli import main
-from mla_verify.equivalence.judge.rows import FailureKind
+from mla_verify.equivalence.judge.rows import FailureKind, RowContext
 from mla_verify.runs import driver
 
 
@@ -73,6 +73,6 @@ def test_a_block_retried_after_running_out_tells_the_campaign_of_each_call_once(
 
     unit = Unit("sparse_decode_fp8", "torch-fp32", ("torch-fp32",))
     result = fuzz(Campaign("sparse_decode_fp8", get_profile("ci"), 6, 1, block=3, shrink=False),
-                  driver._within_memory(judge, unit, "cpu", "run"))
+                  driver._within_memory(judge, RowContext("run", label=unit.label)))
     assert result.stopped is None and result.examples == 6 and blocks[:2] == [3, 3]
     assert result.rows and all(r.passed and r.gate_metric != FailureKind.NOT_JUDGED for r in result.rows)

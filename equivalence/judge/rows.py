@@ -26,9 +26,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from ..cases.case import Case
 
 KINDS = ("out", "lse", "max_logits", "exact", "other")
 
@@ -139,3 +142,24 @@ STORED_FIELDS: tuple[Field, ...] = tuple(
     g for f in _STORED_OWN for g in (_METRIC_FIELDS if f.name == "metrics" else (f,)))
 COLUMNS = tuple(f.name for f in STORED_FIELDS)
 
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What every row of a block says besides its case and tensor, and what its caller hears while
+    the block runs: one per run and source (`dataclasses.replace` for another source). `base` is
+    the one place a row's identity is written."""
+
+    run_id: str = ""
+    source: str = "fuzz"       # corpus | kept | fuzz | rerun | shrink | replay | bench | ...
+    label: str = ""            # what the rows call the implementation
+    device: str = "cpu"
+    # collects what the implementation's side reported (a stage that fell back to a portable one)
+    notes: set[str] | None = field(default=None, compare=False)
+    on_call: Callable[[], None] | None = field(default=None, compare=False)  # before each case's call
+
+    def base(self, case: Case, identity: Mapping[str, Any], stages: Stages = ()) -> dict[str, Any]:
+        """The identity columns of `case`'s rows: this context's, the case's, and its spec's
+        `identity(case)` (op, path, case, knobs)."""
+        return dict(run_id=self.run_id, case_id=case.case_id, impl=self.label, stages=stages, device=self.device,
+                    seed=case.seed, source=self.source, **identity)

@@ -119,6 +119,7 @@ def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tupl
     from mla_verify.optimized.pipeline import MQAMetadata
 
     from ..sandbox.call_guards import guarded
+    from ..spec import op_of
     from ..subject import pipeline_subject
 
     kind = device_type(device)
@@ -139,7 +140,7 @@ def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tupl
             resolved = guarded(registry.resolve(  # each stage's outputs owned before its next call
                 rank_stages(params.cache_dtype, heads, dist.get_world_size(), params.combine), kind,
                 subject.overrides,
-            ))
+            ), op_of)
             metadata = batch.metadata(MQAMetadata, block_table=table)
             result = forward_mqa_dcp_rank(q, kv_cache, batch.topk_indices, metadata, group=dist.group.WORLD,
                                           combine=params.combine, stages=resolved)

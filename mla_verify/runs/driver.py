@@ -19,24 +19,23 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from mla_verify.equivalence import catalog
+from mla_verify.equivalence.blocks import Judging
 from mla_verify.equivalence.sandbox import call_guards
 from mla_verify.equivalence.ops import dcp_ranks
 from mla_verify.equivalence.sandbox import device as dev
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.sandbox.device import WORKER_SHARE, take_gpu_share
 from mla_verify.equivalence.errors import HarnessError
-from mla_verify.equivalence.sandbox.worker import Worker
 from mla_verify.equivalence.cases.profiles import Profile
 from mla_verify.equivalence.judge.mismatch import line
-from mla_verify.equivalence.judge.rows import FailureKind, Row
-from mla_verify.equivalence.sandbox.calls import failure_row
+from mla_verify.equivalence.judge.rows import FailureKind, Row, RowContext
 from mla_verify.equivalence.subject import Subject, unexercised
 from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz.campaign import Campaign, FuzzResult, Judge, Stop, UnderTest, fuzz
@@ -87,55 +86,23 @@ def _examples(spec, examples: int | None, profile: Profile) -> int:
     return examples if examples is not None else spec.examples(profile)
 
 
-def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker: Worker | None, notes: set[str],
-                  losing: Sink | None) -> Judge:
+def _block_runner(subject: Subject, judging: Judging, context: RowContext, losing: Sink | None) -> Judge:
     """(cases, source, on_call) -> each case's rows (None: not judged), for a campaign's blocks
-    (`fuzz.campaign`): in the isolation worker, or in this process. With `losing` (a fuzz run), a
-    CUDA context that saw a CUDA error of the implementation cannot run another case: its block
-    ends there (`OpSpec.evaluate_block`) and so does the campaign (`Sink.lose`), the case being the
-    implementation's crash."""
-    if worker is not None:
-        def isolated(cases, source, on_call):
-            found = worker.run_block(cases, unit.specs, unit.label, run_id, source, notes=notes,
-                                     deviations=unit.deviations, conventions=unit.conventions, on_call=on_call)
-            for rows in found:
-                for r in rows:
-                    r.impl = unit.label
-            return found
-
-        return isolated
-    cuda = dev.is_cuda(device)
-
-    def in_process(cases, source, on_call):
-        if losing is None:
-            return catalog.evaluate_block(cases, subject, device, run_id=run_id, source=source, notes=notes,
-                                          on_call=on_call)
-        called: list[bool] = []
-        try:
-            found = catalog.evaluate_block(cases, subject, device, run_id=run_id, source=source, notes=notes,
-                                           on_call=lambda: (called.append(True), on_call()))
-        except Exception as exc:  # a CUDA error the harness met after the implementation ran: that case's crash
-            if not (cuda and called and (dev.is_device_error(exc) or not dev.usable(device))):
-                raise
-            case = cases[len(called) - 1]
-            base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages=(), device=device,
-                        seed=case.seed, source=source, **catalog.get_spec(case.op).identity(case))
-            found = [None] * len(cases)
-            found[len(called) - 1] = [failure_row(base, "*", FailureKind.CRASHED,
-                                                  f"CUDA error after the implementation ran: {dev.first_line(exc)}",
-                                                  device_error=True)]
-        if cuda and not losing.lost and (
-                any(r.device_error for rows in found if rows for r in rows) or not dev.usable(device)):
+    (`fuzz.campaign`), by the run's `judging`, in `context` at the block's source. With `losing` (a
+    fuzz run), a CUDA context the implementation took with it ends the campaign (`Sink.lose`)."""
+    def judged(cases, source, on_call):
+        found = judging.block(cases, subject, replace(context, source=source, on_call=on_call))
+        if losing is not None and judging.lost:
             losing.lose(Stop.DEVICE_LOST)
         return found
 
-    return in_process
+    return judged
 
 
 OOM_WAITS = (2.0, 8.0)  # seconds a block the judge ran out of device memory for waits before each retry
 
 
-def _within_memory(judge: Judge, unit: Unit, device: str, run_id: str) -> Judge:
+def _within_memory(judge: Judge, context: RowContext) -> Judge:
     """`judge`, where the judge's own side (inputs, reference, verdicts; never the implementation's
     call, whose failure is its own) runs out of device memory because the other parts on the card
     peaked with it: its cached memory given back, the block waits and runs again, then one case at
@@ -157,9 +124,7 @@ def _within_memory(judge: Judge, unit: Unit, device: str, run_id: str) -> Judge:
             _give_back(wait)
         if len(cases) > 1:
             return [rows for case in cases for rows in judged([case], source, once)]
-        case = cases[0]
-        base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages=(), device=device, seed=case.seed,
-                    source=source, **catalog.get_spec(case.op).identity(case))
+        base = catalog.row_base(cases[0], replace(context, source=source))
         return [[Row(**base, tensor="*", passed=True, gate_metric=FailureKind.NOT_JUDGED, value=0.0, bound=0.0,
                      headroom=float("inf"), reason=f"not judged: the judge ran out of device memory "
                      f"({dev.first_line(error)}); fewer --parallel parts or a smaller --reference-memory fit it")]]
@@ -189,35 +154,35 @@ def _failures_dir(run: Run) -> Path:
     return Path(DEFAULTS.get("failures") or Path(tempfile.gettempdir()) / "mla-verify")
 
 
-def judging(run: Run, chosen: list[Unit]) -> tuple[Worker | None, dict]:
-    """The isolation worker of a run (None: judged in process), started, each unit's user
-    implementation resolved in it (imported there, never here: UsageError before the run directory
-    starts), and what meta.json records of it: the sandbox its workers stand behind and the
-    deviations each user's --impl resolved to (read from its source, or --deviation)."""
+def judging(run: Run, chosen: list[Unit]) -> tuple[Judging, dict]:
+    """How a run judges its blocks (`Judging`: in its isolation worker, or in this process), its
+    worker started and each unit's user implementation resolved in it (imported there, never
+    here: UsageError before the run directory starts), and what meta.json records of it: the
+    sandbox its workers stand behind and the deviations each user's --impl resolved to (read from
+    its source, or --deviation)."""
+    judged = Judging(run.device, run.isolate, run.timeout, run.sandbox)
     if not run.isolate:
-        return None, {}
-    worker = Worker(run.device, run.timeout, sandbox=run.sandbox)
+        return judged, {}
     resolved = {}
     try:
-        worker.start()
+        judged.start()
         for unit in chosen:
             if any(":" in s for s in unit.specs) and not catalog.get_spec(unit.op).own_processes:
-                subject = worker.resolve(unit.op, unit.specs, unit.deviations, unit.conventions)
+                subject = judged.resolve(unit.op, unit.specs, unit.deviations, unit.conventions)
                 resolved[" ".join(unit.specs)] = {"op": unit.op, "deviations": list(subject.deviations)}
     except BaseException:
-        worker.close()
+        judged.close()
         raise
-    return worker, {"sandbox": worker.sandboxed(), **({"resolved": resolved} if resolved else {})}
+    return judged, {"sandbox": judged.sandboxed(), **({"resolved": resolved} if resolved else {})}
 
 
 def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: int | None,
-              log=None, worker: Worker | None = None) -> GateResult:
+              log=None, judging: Judging | None = None) -> GateResult:
     """The one campaign driver: each unit's corpus, then its campaigns of `examples` cases (None:
     the profile's budget for the op) with `seed`, every case told to `sink`, which stops the run
     after the current case when it has a reason. With `log` (the gate's; a stream), one progress
     line over every unit and a line per campaign; without it, a fuzz run's own progress line.
-    `worker`: the run's isolation worker (`judging`), closed at the end; None: one is started here
-    where the run is isolated."""
+    `judging`: how the run judges its blocks (`judging()`), closed at the end; None: as the run asks."""
     result = GateResult()
     # Isolated, a user's module is imported by the worker only (dcp's ranks are processes of their own).
     subjects = [(unit, unit.resolved(run.device, described=run.isolate and not catalog.get_spec(unit.op).own_processes))
@@ -226,28 +191,25 @@ def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: 
         cases = sum(len(u.kept) + len(_pinned(u))
                     + _examples(catalog.get_spec(u.op), examples, run.profile) * len(u.campaigns(s)) for u, s in subjects)
         sink.counting(Progress("gate", cases, every_s=10.0, stream=log), name_units=True)
-    if worker is None and run.isolate:
-        worker = Worker(run.device, run.timeout, sandbox=run.sandbox)
+    judging = judging or Judging(run.device, run.isolate, run.timeout, run.sandbox)
     dcp_ranks.set_timeout(run.timeout)
     try:
         for unit, subject in subjects:
-            if not _run_unit(unit, subject, run, sink, result, worker, seed=seed, examples=examples, log=log):
+            if not _run_unit(unit, subject, run, sink, result, judging, seed=seed, examples=examples, log=log):
                 break
     finally:
-        if worker is not None:
-            worker.close()
+        judging.close()
     return result
 
 
-def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateResult, worker: Worker | None, *,
+def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateResult, judging: Judging, *,
               seed: int, examples: int | None, log) -> bool:
     """One unit's kept cases, corpus and campaigns into `result`; False where the sink stopped the run."""
     spec = catalog.get_spec(unit.op)
     budget = _examples(spec, examples, run.profile)
+    context = RowContext(sink.run_id, label=unit.label, device=run.device, notes=result.notes)
     judge = asked_again(_within_memory(
-        _block_runner(unit, subject, run.device, sink.run_id, None if spec.own_processes else worker, result.notes,
-                      sink if run.command == FUZZ else None),
-        unit, run.device, sink.run_id))
+        _block_runner(subject, judging, context, sink if run.command == FUZZ else None), context))
     sink.judging(unit)
     tested = UnderTest(unit.specs, unit.label, unit.deviations, unit.conventions, run.device)
     t0 = start = time.monotonic()  # a campaign's seconds include the corpus cases run before it
@@ -311,9 +273,9 @@ def gate_units(run: Run, kept: Corpus | None = None) -> list[Unit]:
     return with_kept(chosen, kept)
 
 
-def run_gate(run: Run, sink: Sink, log, chosen: list[Unit], worker: Worker | None = None) -> GateResult:
+def run_gate(run: Run, sink: Sink, log, chosen: list[Unit], judged: Judging | None = None) -> GateResult:
     """The units of the run's shard among `chosen` (`shard_of`) through `run_units`."""
-    return run_units(shard_of(run, chosen), run, sink, seed=run.seed, examples=run.examples, log=log, worker=worker)
+    return run_units(shard_of(run, chosen), run, sink, seed=run.seed, examples=run.examples, log=log, judging=judged)
 
 
 def shard_of(run: Run, chosen: list[Unit]) -> list[Unit]:
@@ -342,7 +304,7 @@ def _fuzz(run: Run, log: Callable[[str], None]) -> CheckResult:
     unit = Unit(run.op, run.label, run.specs, subject=run.subject, paths=(run.path,), corpus=False,
                 deviations=run.deviations, conventions=run.conventions,
                 kept=kept.applying(run.op, run.specs) if kept and run.corpus_replay else ())
-    worker, judged_by = judging(run, [unit])
+    judged, judged_by = judging(run, [unit])
     log(run.header())
     meta, run_dir = with_extra(run.meta(), judged_by), run.out
     if run_dir:
@@ -352,7 +314,7 @@ def _fuzz(run: Run, log: Callable[[str], None]) -> CheckResult:
     call_guards.CALLED_WITH.clear()
     try:
         with sink.interrupt.installed():
-            result = run_units([unit], run, sink, seed=seed, examples=examples, worker=worker)
+            result = run_units([unit], run, sink, seed=seed, examples=examples, judging=judged)
     except Exception as exc:
         if run_dir:
             detail = exc.detail if isinstance(exc, HarnessError) else traceback.format_exc()
@@ -362,8 +324,7 @@ def _fuzz(run: Run, log: Callable[[str], None]) -> CheckResult:
             raise
         raise HarnessError(f"harness error: {type(exc).__name__}: {exc}", traceback.format_exc()) from exc
     finally:
-        if worker is not None:  # closed by run_units, unless it never got there
-            worker.close()
+        judged.close()  # closed by run_units, unless it never got there
     fz, = result.fuzz
     if run_dir:
         run_dir.finish(sink.rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
@@ -371,7 +332,7 @@ def _fuzz(run: Run, log: Callable[[str], None]) -> CheckResult:
     failures = [Failure.of(r.case, r.rows, r.path, replay_command(r.path, run.specs, run.device, run.deviations,
                                                                   run.timeout, run.isolate, run.conventions),
                            seed=seed, from_corpus=True) for r in result.replayed]
-    return _check_result(run, fz, rows_frame(sink.rows), notes, seed, failures, worker.summary() if worker else "")
+    return _check_result(run, fz, rows_frame(sink.rows), notes, seed, failures, judged.summary())
 
 
 def with_extra(meta: dict, extra: dict) -> dict:
@@ -401,14 +362,14 @@ def _gate(run: Run, log: Callable[[str], None]) -> GateOutcome:
     """The gate's units of this slot in this process, written to the run directory."""
     kept = Corpus(run.corpus) if run.corpus else None
     chosen = gate_units(run, kept)
-    worker, judged_by = judging(run, shard_of(run, chosen))
+    judged, judged_by = judging(run, shard_of(run, chosen))
     log(run.header())
     run_dir, meta = run.out, with_extra(run.meta(), judged_by)
     sink = Sink(run_dir, f"gate-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
     run_dir.start(meta)
     try:
         with sink.interrupt.installed():  # the stderr of the moment: pytest's capture replaces it
-            result = run_gate(run, sink, sys.stderr, chosen, worker)
+            result = run_gate(run, sink, sys.stderr, chosen, judged)
     except Exception as exc:  # mla-verify's own failure: exit 3, its traceback where the message says
         detail = (exc.detail if isinstance(exc, HarnessError) else None) or traceback.format_exc()
         run_dir.write_file("harness-error.txt", detail)
@@ -421,14 +382,13 @@ def _gate(run: Run, log: Callable[[str], None]) -> GateOutcome:
         raise
     finally:
         dcp_ranks.close_all()
-        if worker is not None:  # closed by run_units, unless it never got there
-            worker.close()
+        judged.close()  # closed by run_units, unless it never got there
     interrupted = sink.interrupt.requested
     outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupted,
                           keep(kept, result.new_findings(), result.rows) + sorted(result.notes),
                           odd_ones_out(result.rows),
                           isolated=run.isolate, rest=_rest(run, chosen, result) if interrupted else (0, ""),
-                          sandbox=worker.summary() if worker else "")
+                          sandbox=judged.summary())
     durations.write(run_dir.path, result.seconds)
     run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupted else meta)
 

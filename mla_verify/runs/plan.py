@@ -20,7 +20,7 @@ from mla_verify.equivalence import catalog
 from mla_verify.equivalence.ops import dcp_ranks
 from mla_verify.equivalence.catalog import get_spec, resolve_subject
 from mla_verify.equivalence.sandbox.device import device_type, is_cuda
-from mla_verify.equivalence.sandbox.worker import default_isolation
+from mla_verify.equivalence.blocks import default_isolation
 from mla_verify.equivalence.cases.profiles import Profile, get_profile
 from mla_verify.equivalence.sandbox.boundary import MODES
 from mla_verify.equivalence.subject import Subject, did_you_mean, local_label
