@@ -10,13 +10,18 @@ back (`_Channel`); a process whose CUDA context saw an error answers and exits.
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing.connection as mpc
 import os
 import signal
 import traceback
+from typing import Callable
+
+import torch
 
 from .cases.case import Case
+from .cases.values import release_pools
 from .errors import UsageError
 from .judge.rows import RowContext
 from .sandbox import boundary, guards, produced as produced_, reaper, segment, wire
@@ -152,7 +157,7 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             called.append(True)
             channel.send({"kind": Message.CALLING, "seq": seq, "after": after})
 
-        try:
+        def attempt() -> Produced:
             key = (case.op, tuple(specs), tuple(deviations), tuple(conventions))
             if key not in subjects:
                 subjects[key] = resolve_subject(case.op, specs, device_type(device), deviations=deviations,
@@ -161,8 +166,10 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             # the parent's inputs, not built here, where the segment could be mapped
             kwargs = given and mapped["inputs"] and segment.inputs_of(given, mapped["inputs"], device)
             context = RowContext(request["run_id"], request["source"], subjects[key].label, device, on_call=on_call)
-            produced = produce(case, subjects[key], context, kwargs)
-            del kwargs
+            return produce(case, subjects[key], context, kwargs)
+
+        try:
+            produced = _with_room(attempt, called)
         except Exception as exc:
             if called and (lost := context_lost(exc, device)):  # the implementation's crash, not ours
                 channel.send({"kind": Message.CRASHED, "seq": seq, "reason": lost})
@@ -181,6 +188,21 @@ def _answer_cases(channel: _Channel, device: str) -> None:
             return  # never trust a context that saw a CUDA error with another case
         if produced.returned is not None:
             last = (case.case_id, produced.returned, produced.threads)
+
+
+def _with_room(attempt: Callable[[], Produced], called: list) -> Produced:
+    """attempt(), once more after the input pools and the allocator's cache are given back where the
+    harness's side of it (building the case's inputs) ran out of device memory before the
+    implementation was called: other parts on the card peaked with it."""
+    try:
+        return attempt()
+    except torch.OutOfMemoryError:
+        if called:
+            raise
+    release_pools()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return attempt()
 
 
 def _resolved(seq: int, asked: dict, subjects: dict, device: str) -> dict:

@@ -284,13 +284,22 @@ def pipeline_subject(op: str, specs: Sequence[str], device: str, deviations: Seq
     return Subject(label, None, overrides, (), tuple(specs), tuple(deviations))
 
 
+def replaced(specs: Sequence[str]) -> list[str]:
+    """The stages --impl STAGE=... strings replace, each once, in order."""
+    return list(dict.fromkeys(s.split("=", 1)[0] for s in specs if "=" in s))
+
+
+def never_called(specs: Sequence[str], called: dict[str, set[str]], ops: Sequence[str] = ()) -> list[str]:
+    """The stages an --impl STAGE=... replaced that no pipeline or property call reached
+    (`called`: stage -> keywords passed), but those in `ops` (an op's own campaign calls its
+    implementation directly): nothing judged them."""
+    return [stage for stage in replaced(specs) if stage not in called and stage not in ops]
+
+
 def unexercised(specs: Sequence[str], called: dict[str, set[str]]) -> list[str]:
-    """For each stage an --impl STAGE=... replaced, the keywords of its contract no call passed
-    (`called`: stage -> keywords passed): what a pipeline or property pass of it does not cover."""
-    notes = []
-    for stage in dict.fromkeys(s.split("=", 1)[0] for s in specs if "=" in s):
-        if stage not in called:
-            notes.append(f"{stage}: never called by these cases")
-        elif missing := [a for a in stage_arguments(stage) if a not in called[stage]]:
-            notes.append(f"{stage}: no case passed it {', '.join(missing)} (check({stage!r}, ...) exercises them)")
-    return notes
+    """For each stage an --impl STAGE=... replaced and a call reached, the keywords of its contract
+    no call passed (`called`: stage -> keywords passed): what a pipeline or property pass of it
+    does not cover."""
+    return [f"{stage}: no case passed it {', '.join(missing)} (check({stage!r}, ...) exercises them)"
+            for stage in replaced(specs) if stage in called
+            and (missing := [a for a in stage_arguments(stage) if a not in called[stage]])]

@@ -13,7 +13,8 @@ whole timeout). The sink is told of every case before its implementation is call
 directory journals it, so a case whose process dies in the call is still a finding:
 `mla_verify.runs.rundir`) and when the call returned; it receives every searched case's rows as
 it finishes, and its `stop_reason` is asked after every case (Ctrl-C, a lost CUDA context) and
-ends the campaign with what it has.
+ends the campaign with what it has. Findings are saved, replaced and dropped through the store
+the campaign is handed (`Campaign.findings`, `fuzz.findings`), never by path.
 
 A Hypothesis example may stand for a block of cases (`Campaign.block`): the drawn case and the
 cases of the same params at the next seeds, judged together (the reference answers them in one
@@ -27,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import random
-import sys
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -35,7 +35,7 @@ from typing import Callable, Protocol
 
 from hypothesis import HealthCheck, Phase, example, given, seed as hypothesis_seed, settings
 from hypothesis.errors import Flaky
-from hypothesis.strategies import SearchStrategy
+from hypothesis.strategies import SearchStrategy, one_of
 
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import get_spec
@@ -45,7 +45,7 @@ from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.equivalence.judge.rows import FailureKind, Row
 from mla_verify.optimized import registry
 
-from . import casefile
+from .findings import Findings, UnderTest
 
 # (cases of one params, source, on_call) -> each case's rows, None for a case not judged (a lost
 # CUDA context ended its block); on_call() runs before each case's implementation is called, in order
@@ -66,10 +66,6 @@ class Sink(Protocol):
     def judged(self, rows: list[Row], source: str) -> None:
         """A case's rows, as the campaign keeps them (searched cases, and the minimized one)."""
 
-    def found(self, rows: list[Row], name: str) -> None:
-        """The case of these rows (told `judged` before) is now the finding saved as `name`
-        ("": no longer, its file gone); the rows' `finding` says so already."""
-
     def stop_reason(self) -> Stop | None:
         """Why the campaign must end after this case (None to go on)."""
 
@@ -84,9 +80,6 @@ class _Quiet:
     def judged(self, rows: list[Row], source: str) -> None:
         pass
 
-    def found(self, rows: list[Row], name: str) -> None:
-        pass
-
     def stop_reason(self) -> Stop | None:
         return None
 
@@ -95,21 +88,10 @@ QUIET: Sink = _Quiet()
 
 
 @dataclass(frozen=True)
-class UnderTest:
-    """What a campaign tests, as a saved case file names it for its replay."""
-
-    specs: tuple[str, ...] = ()           # the implementation as --impl strings
-    label: str = ""                       # the rows' name for it (case files are named by it)
-    deviations: tuple[str, ...] = ()
-    conventions: tuple[str, ...] = ()
-    device: str = "cpu"
-
-
-@dataclass(frozen=True)
 class Campaign:
     """What one campaign searches: up to `examples` cases of `op` within `profile`, from `seed`.
-    `failures`: the directory failing cases are saved in (None: not saved); `block` > 1: each
-    example is a block of up to `block` cases (module doc); `examples` still counts cases."""
+    `findings`: the store failing cases are saved in (None: not saved); `block` > 1: each example
+    is a block of up to `block` cases (module doc); `examples` still counts cases."""
 
     op: str
     profile: Profile
@@ -120,7 +102,7 @@ class Campaign:
     world_size: int | None = None
     block: int = 1
     shrink: bool = True
-    failures: Path | None = None
+    findings: Findings | None = None
     reruns: int = RERUNS
 
     def found_by(self) -> str:
@@ -168,6 +150,16 @@ class FuzzResult:
     unminimized: str = ""                 # why a finding was not minimized, and how to have it minimized
 
 
+def _traced(rows: list[Row], again: list[Row]) -> None:
+    """The failing rows of a case told what its traced re-run's same failures were told (the
+    first stage that differs, and its name: `Row.differing_stage`), each by its tensor, metric and
+    value."""
+    told = {(r.tensor, r.gate_metric, r.value): r for r in again if not r.passed}
+    for r in rows:
+        if not r.passed and (same := told.get((r.tensor, r.gate_metric, r.value))) is not None:
+            r.reason, r.differing_stage = same.reason, same.differing_stage
+
+
 def new_seed() -> int:
     return random.SystemRandom().randrange(2**31)
 
@@ -188,27 +180,46 @@ def _frozen_heap():
         gc.unfreeze()  # collectable again: nothing is kept for good
 
 
+def drawn_paths(op: str, path: str | None, impl_specs: tuple[str, ...]) -> tuple[str | None, ...]:
+    """What a campaign draws: `path`; where it names none and replaces stages of a pipeline
+    (`STAGE=...`), the draws that call them (`PipelineSpec.draws_for`: a HiSparse stage is called
+    on the HiSparse paths only, which the unrestricted draw never takes)."""
+    spec = get_spec(op)
+    replaced = [s.split("=", 1)[0] for s in impl_specs if "=" in s]
+    if path is not None or not replaced or not hasattr(spec, "draws_for"):
+        return (path,)
+    return spec.draws_for(replaced)
+
+
 def strategy(op: str, profile: Profile, path: str | None, world_size: int | None, impl_specs: tuple[str, ...],
              device: str) -> SearchStrategy[Case]:
-    """The cases of a campaign: the op's draws within `profile`, and for interpreted kernels
-    (Triton on CPU) only those the interpreter runs within the profile's budget a case."""
+    """The cases of a campaign: the op's draws within `profile` (on each of `drawn_paths`), and for
+    interpreted kernels (Triton on CPU) only those the interpreter runs within the profile's
+    budget a case."""
     spec = get_spec(op)
-    if not registry.interpreted(impl_specs, device_type(device)) or profile.interpreter_s is None:
-        return spec.strategy(profile, path, world_size)
-    budget = profile.interpreted()
-    return spec.strategy(budget, path, world_size).filter(
-        lambda case: spec.interpreted_s(spec.params_of(case.params)) <= budget.budget_s)
+    interpreted = registry.interpreted(impl_specs, device_type(device)) and profile.interpreter_s is not None
+    within = profile.interpreted() if interpreted else profile
+    drawn = one_of(*(spec.strategy(within, p, world_size) for p in drawn_paths(op, path, impl_specs)))
+    if not interpreted:
+        return drawn
+    return drawn.filter(lambda case: spec.interpreted_s(spec.params_of(case.params)) <= within.budget_s)
 
 
 def first_cases(op: str, profile: Profile, path: str | None, world_size: int | None, impl_specs: tuple[str, ...],
                 device: str, seed: int) -> list[Case]:
-    """The covering set a campaign starts with (`equivalence.coverage.sets`), held to the interpreter's
-    budget as `strategy` holds the draws."""
+    """The covering set a campaign starts with (`equivalence.coverage.sets`; of each of
+    `drawn_paths`), held to the interpreter's budget as `strategy` holds the draws, and its
+    routing pairs to the op's `Pairs.cap` a case."""
     spec = get_spec(op)
-    if not registry.interpreted(impl_specs, device_type(device)) or profile.interpreter_s is None:
-        return covering_set(op, profile, seed, path, device=device, world_size=world_size)
-    return covering_set(op, profile, seed, path, device=device, world_size=world_size,
-                        admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s)
+    found: list[Case] = []
+    for p in drawn_paths(op, path, impl_specs):
+        if not registry.interpreted(impl_specs, device_type(device)) or profile.interpreter_s is None:
+            found += covering_set(op, profile, seed, p, device=device, world_size=world_size)
+        else:
+            found += covering_set(op, profile, seed, p, device=device, world_size=world_size,
+                                  admit=lambda case: spec.interpreted_s(spec.params_of(case.params)) <= profile.interpreter_s,
+                                  interpreted=True)
+    return found
 
 
 def each(run: Runner) -> Judge:
@@ -246,38 +257,29 @@ class _Search:
         self.offset = 0   # the failing case's place in its block
         self.found: Case | None = None  # the first failing case, as found (saved at once: result.found_file)
         self.first: tuple[Case, list[Row]] | None = None  # and its rows
+        self.drawn = 0    # drawn cases judged (the covering set's not counted)
         self.origin: tuple[Case, list[Row], int] | None = None  # the drawn failure shrunk: its rows, example number
         # The covering set runs first, as Hypothesis's explicit examples. Hypothesis shrinks only its
         # draws: a failing covering case is saved and re-run as any first failure, then the draws go
         # on to the first failure they make, which is shrunk; none: the covering case is the result.
-        # Within the budget: a set larger than `examples` (blocks of `block`) keeps its first picks.
+        # The whole set runs, whatever the budget (its pairs may pass it: ci's 6); the draws fill
+        # what is left of the budget after it, or the whole budget once a covering case failed.
         c = campaign
         self.cover = first_cases(c.op, c.profile, c.path, c.world_size, c.under_test.specs, c.under_test.device,
-                                 c.seed)[:max(1, -(-c.examples // max(c.block, 1)))]
+                                 c.seed)
         self.covering = {case.case_id for case in self.cover}
 
-    def save(self, case: Case, rows: list[Row], note: str, where: Path | None = None,
-             unshrunk: Case | None = None) -> Path | None:
-        """The finding saved (None where the campaign saves none): a case that cannot be saved
-        (its directory replaced by a file, a full disk) is printed whole on stderr instead, and
-        the campaign goes on to its verdict; a finding is never lost to its file."""
-        c, tested = self.campaign, self.campaign.under_test
-        if c.failures is None:
+    def note(self, note: str) -> str:
+        c = self.campaign
+        return f"{note}; found by `{c.found_by()}` (profile {c.profile.name})"
+
+    def save(self, case: Case, rows: list[Row], note: str, unshrunk: Case | None = None,
+             journaled: bool = True) -> Path | None:
+        """The finding `case` saved in the campaign's store (None where it has none), its rows naming it."""
+        if self.campaign.findings is None:
             return None
-        cf = casefile.CaseFile(case, tested.specs, tested.device, casefile.failure_summary(rows),
-                               note=f"{note}; found by `{c.found_by()}` (profile {c.profile.name})",
-                               deviations=tested.deviations, flaky=self.result.flaky, conventions=tested.conventions,
-                               unshrunk=unshrunk)
-        try:
-            if where is not None:
-                return casefile.save(where, cf)
-            return casefile.save_new(Path(c.failures) / "failures",
-                                     casefile.stem(c.op, tested.label or ",".join(tested.specs), case), cf)
-        except OSError as exc:
-            print(f"mla-verify: the failing case could not be saved under {Path(c.failures) / 'failures'} "
-                  f"({exc.strerror or exc}); here it is whole, save it as a .json file to replay it:\n"
-                  f"{casefile.text(cf)}", file=sys.stderr, flush=True)
-            return None
+        return self.campaign.findings.save(self.campaign.under_test, case, rows, self.note(note),
+                                           flaky=self.result.flaky, unshrunk=unshrunk, journaled=journaled)
 
     def evaluate(self, cases: list[Case], source: str) -> list[list[Row] | None]:
         """Each case's rows from the judge; the sink told as each call starts and returns."""
@@ -306,26 +308,24 @@ class _Search:
         if reason := self.sink.stop_reason():
             raise StopCampaign(reason)
 
-    def mark(self, rows: list[Row], path: Path | None, judged: bool = True) -> None:
-        """The case of `rows` is the finding saved at `path` (None: not, or no longer); `judged`: the
-        sink had its rows already and hears of it now."""
-        for r in rows:
-            r.finding = path.name if path is not None else ""
-        if judged:
-            self.sink.found(rows, path.name if path is not None else "")
-
     def first_failure(self, case: Case, rows: list[Row], at: int) -> None:
         result, reruns = self.result, self.campaign.reruns
         result.first_failure_at, self.found = at, case
         result.found_file = self.save(case, rows, f"found at example {at}")
-        self.mark(rows, result.found_file)
         if any(r.gate_metric == FailureKind.HUNG for r in rows):
             raise StopCampaign(None)  # a hang is not re-run or shrunk: every try costs the timeout
         self.stop_if_asked()
-        failed = sum(_failing(self.evaluate([case], "rerun")[0]) for _ in range(reruns))
+        # The first re-run records a pipeline's stages (`ops.stages`: in the worker, a call within
+        # its time cap): the finding names the first stage that differs, shrunk or not.
+        runs = [self.evaluate([case], "trace" if i == 0 else "rerun")[0] for i in range(reruns)]
+        if runs and _failing(runs[0]):
+            _traced(rows, runs[0])
+        failed = sum(map(_failing, runs))
         if failed < reruns:
             result.flaky = (failed, reruns)
-            self.save(case, rows, f"flaky: failed {failed} of {reruns} re-runs", result.found_file)
+            if result.found_file is not None:
+                self.campaign.findings.replace(result.found_file, self.note(f"flaky: failed {failed} of {reruns} "
+                                                                            "re-runs"), result.flaky)
             raise StopCampaign(None)
         self.stop_if_asked()
         if not self.campaign.shrink:
@@ -337,11 +337,16 @@ class _Search:
             case = Case(case.op, case.params, case.seed + self.offset)
             found = [(case, self.evaluate([case], "shrink")[0])]
         else:
-            count = min(self.campaign.block, self.campaign.examples - self.result.examples)
+            # A covering case runs alone, past the budget if the set is larger; the draws fill what
+            # the set left of the budget, or, once a covering case failed, draw the whole budget
+            # for a failure Hypothesis can shrink.
+            room = self.campaign.examples - self.drawn - (len(self.cover) if self.first is None else 0)
+            count = 1 if case.case_id in self.covering else min(self.campaign.block, room)
             if count <= 0:  # the covering set and the blocks drawn spent the budget: no case past it
                 return
             cases = [case] + [Case(case.op, case.params, case.seed + i) for i in range(1, count)]
             found = [(c, rows) for c, rows in zip(cases, self.evaluate(cases, "fuzz")) if rows is not None]
+            self.drawn += len(found) if case.case_id not in self.covering else 0
             for _, rows in found:
                 self.result.examples += 1
                 self.result.rows.extend(rows)
@@ -365,11 +370,11 @@ class _Search:
 
     def run(self) -> FuzzResult:
         c, result = self.campaign, self.result
-        # Past a covering set as large as the budget, nothing is drawn.
-        drawn = ((Phase.reuse, Phase.generate) + ((Phase.shrink,) if c.shrink else ())
-                 if c.examples > len(self.cover) else ())
+        # The draws run where the budget is left after the covering set or a covering case failed
+        # (`example`): Hypothesis is asked for the budget's blocks, those past what is left skipped.
+        drawn = (Phase.reuse, Phase.generate) + ((Phase.shrink,) if c.shrink else ())
 
-        @settings(max_examples=max(1, -(-(c.examples - len(self.cover)) // max(c.block, 1))), deadline=None,
+        @settings(max_examples=max(1, -(-c.examples // max(c.block, 1))), deadline=None,
                   database=None, phases=(Phase.explicit, *drawn), print_blob=False, report_multiple_bugs=False,
                   suppress_health_check=list(HealthCheck))
         @hypothesis_seed(c.seed)
@@ -385,8 +390,7 @@ class _Search:
                 search()
             final = self.first  # a covering case's failure the draws did not repeat
             if final is not None and c.shrink:
-                drawn = max(0, c.examples - len(self.cover))
-                ends = (f"the {drawn} examples drawn after the covering set found no failure to shrink" if drawn else
+                ends = (f"the {self.drawn} examples drawn after it found no failure to shrink" if self.drawn else
                         f"this {c.examples}-example budget ends before any example is drawn to shrink")
                 result.unminimized = (f"it is a covering case (drawn first at every seed, never shrunk), and {ends}: "
                                       f"more examples (--examples {5 * c.examples}) draw on until one fails, and "
@@ -418,15 +422,13 @@ class _Search:
             rows, judged, unshrunk, note = origin_rows, True, None, f"found at example {at}"
         else:
             judged, unshrunk, note = False, origin, f"minimized from the case found at example {at}"
-        result.case_file = self.save(case, rows, note, unshrunk=unshrunk)
+        result.case_file = self.save(case, rows, note, unshrunk, judged)
         result.failure = Discrepancy(case, rows)
-        self.mark(rows, result.case_file, judged)
         if not judged:
             result.rows.extend(rows)
             self.sink.judged(rows, "shrink")
         # One file a finding: the first failure's, saved at once in case the run died before this
         # one, goes now that this one is written (its case is one more failing case).
         if result.found_file is not None and result.case_file is not None:
-            self.mark(self.first[1], None)
-            result.found_file.unlink(missing_ok=True)
+            self.campaign.findings.drop(result.found_file, self.first[1])
             result.found_file = None

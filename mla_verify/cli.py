@@ -58,8 +58,9 @@ DISCREPANCY = ("1", "a discrepancy, crash, hang, flaky result or broken contract
                     "the failing case is saved and its replay command printed")
 USAGE = ("2", "usage error or bad input, with a one-line reason, before any case runs")
 HARNESS = ("3", "mla-verify itself failed (the traceback is in the run directory's harness-error.txt)")
-NO_VERDICT = ("4", "NO VERDICT: nothing was judged (every case declined by the implementation), with the reason on a "
-                   "line starting NO VERDICT; never a pass")
+NO_VERDICT = ("4", "NO VERDICT: nothing judged what was asked (every case declined or not judged, a replaced stage "
+                   "never called, a baseline with nothing compared under --fail-on); the line starting "
+                   "`NO VERDICT:` says why")
 INTERRUPTED = ("130", "Ctrl-C or SIGTERM: the current case finishes, the run is written, failures' replay "
                       "commands printed")
 
@@ -199,9 +200,10 @@ def _add_drift(p: argparse.ArgumentParser, pair: bool = True) -> None:
         p.add_argument("--pair", action="append", default=[], metavar="NEW=OLD",
                        help="drift: compare implementation NEW of this run with OLD of the baseline (repeatable; "
                             "default: same names, or the one implementation per op of each run)")
-    p.add_argument("--fail-on", choices=("drifted", "worse"), default="drifted",
+    p.add_argument("--fail-on", choices=("drifted", "worse"), default=None,
                    help="drift: the word that fails the run (exit 1): drifted (beyond --factor, the default) or "
-                        "worse (significantly worse within the factor, or drifted)")
+                        "worse (significantly worse within the factor, or drifted); given, a baseline with "
+                        "nothing compared fails too (exit 4, NO VERDICT)")
 
 
 def _drift_settings(args):
@@ -209,7 +211,8 @@ def _drift_settings(args):
     from mla_verify.reports.drift import DriftSettings
     from mla_verify.reports.pairing import parse_pairs
 
-    return DriftSettings(args.factor, args.confidence, args.min_cases, parse_pairs(list(args.pair)), args.fail_on)
+    return DriftSettings(args.factor, args.confidence, args.min_cases, parse_pairs(list(args.pair)),
+                         args.fail_on or "drifted")
 
 
 def _add_corpus(p: argparse.ArgumentParser) -> None:
@@ -308,7 +311,8 @@ def _add_fuzz_command(sub) -> None:
     _add_deviation(p, [])
     _add_convention(p, [])
     p.add_argument("--examples", type=_positive_int, default=None, metavar="N",
-                   help="cases to draw (default: the profile's budget)")
+                   help="cases to draw (default: the profile's budget); the op's covering set runs whole first, "
+                        "past N where it is larger")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="campaign seed (printed; default: random)")
     p.add_argument("--profile", default=None, metavar="NAME",
                    help="case sizes and budget: ci (small, seconds on CPU) | dev | nightly | gpu (production "
@@ -372,8 +376,7 @@ def _add_gate_command(sub) -> None:
                  _epilog([("0", "no discrepancy and no drift"),
                           ("1", "a discrepancy, crash, hang or broken contract (each failing case saved, its "
                                 "replay command printed), or drift beyond the factor against --baseline"),
-                          USAGE, HARNESS, ("4", "NO VERDICT: a unit (op and implementation) judged nothing, every "
-                                                "case declined; never a pass"), INTERRUPTED],
+                          USAGE, HARNESS, NO_VERDICT, INTERRUPTED],
                          [("mla-verify gate --device cpu --out runs/cpu-gate", "the CPU gate, as `make gate` runs it"),
                           ("mla-verify gate --op sparse_decode_fp8 --op property --baseline runs/last-night "
                            "--junit gate.xml", "only decode and the properties, compared with last night's run, "
@@ -383,7 +386,8 @@ def _add_gate_command(sub) -> None:
     _add_reference_memory(p)
     p.add_argument("--profile", default=None, help="case sizes and budget (default: ci on cpu, gpu on cuda)")
     p.add_argument("--examples", type=_positive_int, default=None,
-                   help="fuzz examples per op (or property) and implementation; default: the profile's")
+                   help="fuzz examples per op (or property) and implementation, or each campaign's whole covering "
+                        "set where it is larger; default: the profile's")
     p.add_argument("--seed", type=int, default=None, help="fuzz seed (printed; default: random, or the baseline's)")
     p.add_argument("--op", action="append", default=None,
                    help="restrict to these ops, property:NAME, or property (all of them) (default: everything)")
@@ -676,7 +680,8 @@ def cmd_fuzz(args, device: str) -> int:
     replay = (api.save_worst_case(drift.worst, result.out / "drift", options.deviations, options.conventions)
               if drift.worst and result.out else None)
     print("\n".join(drift.lines(replay)))
-    return result.exit_code or drift.exit_code
+    nothing = 4 if not drift.compared and args.fail_on is not None else 0  # NO VERDICT under --fail-on
+    return result.exit_code or drift.exit_code or nothing
 
 
 def cmd_replay(args, device: str) -> int:
@@ -767,7 +772,7 @@ def cmd_history(args, device: str) -> int:
 
     order = [r for r in args.revisions.split(",") if r] if args.revisions else args.order
     h = api.history(args.runs, html=args.html, order=order, factor=args.factor, confidence=args.confidence,
-                    min_cases=args.min_cases, fail_on=args.fail_on)
+                    min_cases=args.min_cases, fail_on=args.fail_on or "drifted")
     print("\n".join(h.lines()))
     if args.html is not None:
         print(f"html history: {args.html}")

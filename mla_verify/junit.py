@@ -1,6 +1,8 @@
 """JUnit XML for CI systems: one test case per (op, implementation), failing with its findings and
 failing cases counted as the report counts them (`reports.stats.Counts`), its first finding's
-failing row and the command that replays that finding's case file."""
+failing row and the command that replays that finding's case file; the failure's text adds the
+groups its findings belong to, by cause over the whole run (`reports.causes`), their files under
+each: a case of forward_mqa says it is the same kernel's fault as the op's."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from xml.sax.saxutils import quoteattr, escape
 
 from mla_verify.equivalence.judge.mismatch import line
 from mla_verify.equivalence.judge.rows import Row
+from mla_verify.reports.causes import by_cause, lines as cause_lines
 
 
 def write_junit(path: Path, rows: list[Row], suite: str = "mla-verify", replays: Mapping[str, str] | None = None) -> None:
@@ -20,6 +23,8 @@ def write_junit(path: Path, rows: list[Row], suite: str = "mla-verify", replays:
     for r in rows:
         groups[(r.op, r.impl)].append(r)
     failures = sum(any(not r.passed for r in rs) for rs in groups.values())
+    causes = by_cause(rows)
+    causes = causes if sum(len(g.findings) for g in causes) > 1 else []  # a finding alone is its own cause
     lines = [f'<testsuite name={quoteattr(suite)} tests="{len(groups)}" failures="{failures}">']
     for (op, impl), rs in sorted(groups.items()):
         cases = len({r.case_id for r in rs})
@@ -33,7 +38,9 @@ def write_junit(path: Path, rows: list[Row], suite: str = "mla-verify", replays:
                    + line(first.tensor, first.gate_metric, first.value, first.bound, first.reason))
             if first.finding in replays:
                 msg += f"; replay: {replays[first.finding]}"
-            lines.append(f"    <failure message={quoteattr(msg)}>{escape(msg)}</failure>")
+            named = {r.finding for r in bad}
+            text = "\n".join([msg, *cause_lines(g for g in causes if named & {f.name for f in g.findings})])
+            lines.append(f"    <failure message={quoteattr(msg)}>{escape(text)}</failure>")
         lines.append("  </testcase>")
     lines.append("</testsuite>")
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ baseline run.
     write_run(run_dir, rows, meta) / load_run(run_dir)      store.py
     collect_meta(...) / finish_meta(meta)                    meta.py
     terminal_summary(rows, meta)                             terminal.py
+    by_cause(rows) -> [Group]: findings grouped by cause      causes.py
     bias_of(rows, confidence) -> Bias                        bias.py (significance.py)
     compare(current, baseline, *, factor, confidence,
             min_cases, pairs) -> Drift; DriftSettings         drift.py (pairing.py, significance.py)

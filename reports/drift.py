@@ -298,6 +298,11 @@ class Drift:
         return f"factor {self.factor:g}, confidence {self.confidence:g}, min {self.min_cases} cases"
 
     @property
+    def compared(self) -> int:
+        """Groups compared with the baseline, paired or unpaired (0: nothing was: no verdict)."""
+        return len(self.mode(PAIRED)) + len(self.mode(UNPAIRED))
+
+    @property
     def verdict(self) -> str:
         paired, unpaired = len(self.mode(PAIRED)), len(self.mode(UNPAIRED))
         compared = paired + unpaired
@@ -309,7 +314,8 @@ class Drift:
         n, worse = len(self.flagged), len(self.word(WORSE))
         head = (f"DRIFT in {n} group{'s' * (n != 1)}, {compared} compared" if self.drifted
                 else f"WORSE in {worse} group{'s' * (worse != 1)} within the factor, {compared} compared"
-                if worse else f"no drift in {compared} groups compared")
+                if worse else f"no drift in {compared} groups compared" if compared
+                else "NO VERDICT: nothing compared with the baseline")
         return f"{head} ({counts}; {words or 'no group compared'}; {self.settings})"
 
     def pairing_line(self) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 import pandas as pd
 
 from mla_verify.equivalence.judge.policy import WORSE_TAIL
+from mla_verify.reports import causes
 from mla_verify.reports.bias import bias_of
 from mla_verify.reports.document import Report, Section
 from mla_verify.reports.drift import DriftSettings, Worst
@@ -123,7 +124,8 @@ def _against(report: Report, rows: pd.DataFrame, meta: Mapping[str, Any],
 
 
 def _own_sections(report: Report, frame: pd.DataFrame, against_baseline: bool) -> list[Section]:
-    """The run's own tables: at a glance, failures, error per path, documented deviations."""
+    """The run's own tables: at a glance, failures, findings by cause, error per path, documented
+    deviations."""
     sections = [Section(
         "glance", "At a glance",
         "Each op (path), tensor and implementation: failing first, then"
@@ -136,6 +138,15 @@ def _own_sections(report: Report, frame: pd.DataFrame, against_baseline: bool) -
             "failures", "Failures",
             "Rows that failed their bound, least headroom first. Replay a case by its case_id "
             "and seed.", fails, limit=200))
+    groups = causes.of_frame(frame)
+    if sum(len(g.findings) for g in groups) > 1:  # several findings: by cause
+        sections.append(Section(
+            "causes", "Findings by cause",
+            f"{len(groups)} group{'s' * (len(groups) != 1)} of the run's findings (its case files under failures/), "
+            "put down to the kernel the harness knows differs: a pipeline's first stage whose output differs "
+            "from the reference's on the same inputs, an op's own kernel, the one kernel a property's case ran "
+            "(or the one of them the other findings name); else the op (path) or property and implementation.",
+            causes.table(groups), limit=200))
     sections.append(Section(
         "groups", "Error per path",
         "Per op, path, tensor and implementation; rows held to a documented deviation are in "

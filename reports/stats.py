@@ -163,6 +163,7 @@ class Counts:
     minimized_cases: int = 0   # failing cases that are a finding's minimized case (rows of source "shrink")
     findings: int | None = None  # distinct case files the rows name; None: failing rows that name none (a run
     #                              written before rows named their finding)
+    reached: str = ""          # the heads, top-k and block sizes the cases reached (`reached`)
 
     @property
     def passed(self) -> bool:
@@ -180,7 +181,22 @@ class Counts:
         if self.incomplete:
             return (f"INCOMPLETE: the run did not finish: {self.rows} rows in {self.cases} cases, none failed, "
                     "and the cases it never reached have no verdict")
-        return f"PASS{f' ({self.judged})' if self.judged else ''}: {self.rows} rows in {self.cases} cases, none failed"
+        return (f"PASS{f' ({self.judged})' if self.judged else ''}: {self.rows} rows in {self.cases} cases, none failed"
+                + (f"; reached {self.reached}" if self.reached else ""))
+
+
+REACHED = (("heads", "heads"), ("topk", "top-k"), ("block_size", "block sizes"))
+
+
+def reached(frame: pd.DataFrame) -> str:
+    """The head counts, top-k widths and block sizes the rows' cases reached ("" where none says):
+    what a PASS covered of the sizes serving uses (64 and 128 heads, top-k 2048, pages of 64)."""
+    found = []
+    for column, word in REACHED:
+        values = sorted({int(v) for v in frame[column].dropna()}) if column in frame else []
+        if values:
+            found.append(f"{word} {', '.join(map(str, values))}")
+    return "; ".join(found)
 
 
 def counts(frame: pd.DataFrame, incomplete: bool = False, judged: str = "") -> Counts:
@@ -198,4 +214,5 @@ def counts(frame: pd.DataFrame, incomplete: bool = False, judged: str = "") -> C
         incomplete=bool(incomplete),
         judged=judged,
         findings=named if named or failed.empty else None,
+        reached=reached(frame),
     )

@@ -1,6 +1,7 @@
 """The short fixed-width summary a gate prints at its end (about 25 lines for a full run):
 per path the rows of each tensor kind, failures and the row closest to its bound; per kind the
-key error metric; the deviations; the verdict."""
+key error metric; the deviations; the verdict, and a failing run's findings by cause
+(`reports.causes`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 
+from mla_verify.reports import causes
 from mla_verify.reports.fmt import MISSING, number
 from mla_verify.reports.kinds import annotate
 from mla_verify.reports.meta import describe, judged_where
@@ -76,4 +78,6 @@ def terminal_summary(rows: pd.DataFrame, meta: Mapping[str, Any] | None = None, 
         lines += ["", f"documented deviations (expected, not regressions): "
                       f"{c.deviation_rows} rows: {names}"]
     lines += ["", c.line()]
+    if (c.findings or 0) > 1:  # several findings: by cause, their files under each
+        lines += causes.lines(causes.of_frame(frame))
     return "\n".join(lines)

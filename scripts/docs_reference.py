@@ -23,6 +23,7 @@ API = [
     ("mla_verify.runs.merge", ["merge"]),
     ("mla_verify.strategies", ["cases"]),
     ("mla_verify.reports", ["bias_of"]),
+    ("mla_verify.reports.causes", ["by_cause", "of_frame"]),
     ("mla_verify.equivalence.catalog", ["inputs"]),
     ("mla_verify.reference", ["memory_limit"]),
 ]

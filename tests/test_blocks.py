@@ -14,6 +14,7 @@ from mla_verify.equivalence.catalog import evaluate, evaluate_block, get_spec, r
 from mla_verify.equivalence.cases.profiles import get_profile
 from mla_verify.equivalence.judge.rows import RowContext
 from mla_verify.fuzz.campaign import Campaign, UnderTest, fuzz
+from mla_verify.fuzz.findings import Findings
 from mla_verify.runs.progress import Progress
 
 DECODE = {"batch": 3, "s_q": 2, "heads": 16, "topk": 128, "seq_lens": [300, 1, 70], "page_size": 16, "stride_pad": 1,
@@ -112,7 +113,8 @@ def test_a_call_writing_a_later_case_s_inputs_fails_that_case_and_the_reference_
 
 def test_a_block_campaign_saves_and_shrinks_the_one_failing_case(tmp_path):
     subject = resolve_subject("sparse_decode_fp8", [KERNEL], "cpu")
-    campaign = Campaign("sparse_decode_fp8", get_profile("ci"), 40, 2, UnderTest((KERNEL,)), block=4, failures=tmp_path)
+    campaign = Campaign("sparse_decode_fp8", get_profile("ci"), 40, 2, UnderTest((KERNEL,)), block=4,
+                        findings=Findings(tmp_path))
     result = fuzz(campaign, lambda cs, s, on_call: evaluate_block(cs, subject, "cpu", source=s, on_call=on_call))
     assert result.failure is not None and result.shrunk and result.flaky is None
     assert result.examples % 4 == 0 or result.examples == 40  # whole blocks counted case by case

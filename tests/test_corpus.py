@@ -54,7 +54,7 @@ def test_a_finding_is_kept_once_named_by_its_content_and_applies_to_its_op_and_i
         t.join()
     third = corpus.add(saved_case(tmp_path, seed=2))
     assert third is not None and len(list(corpus.directory.iterdir())) == 3  # seeds 0, 1 (four writers), 2; no temporary
-    assert {c.seed for c in corpus.applying("concat_mla_q", ("k:f",))} == {0, 1, 2}
+    assert {k.case.seed for k in corpus.applying("concat_mla_q", ("k:f",))} == {0, 1, 2}
     assert corpus.applying("concat_mla_q", ("other:f",)) == () and corpus.applying("sparse_prefill", ("k:f",)) == ()
 
 
@@ -105,6 +105,30 @@ def test_check_keeps_the_finding_replays_it_first_under_another_seed_and_keeps_i
                              isolate=False, corpus=corpus)
     assert fixed.passed and f"from the corpus: 0 still fail, {len(held)} now pass{'es' if len(held) == 1 else ''}" in fixed.report()
     assert sorted(corpus.iterdir()) == held and summary(fixed.rows.itertuples()) is not None
+
+
+def test_a_kept_case_applies_to_every_unit_that_names_what_it_exercises(tmp_path):
+    """Issue 50 item 1, unit by unit: an op's case by its kernel, a pipeline's or a property's by each
+    stage it replaced, whatever else the unit replaces; the rest is counted, within the ops judged."""
+    from mla_verify.fuzz.production import production_cases
+    from mla_verify.fuzz.regressions import corpus as pinned
+    from mla_verify.runs.corpus import not_replayed, with_kept
+
+    pipeline = pinned("forward_mqa")[0][0]
+    kept = [(Case("concat_mla_q", {"tokens": 2, "heads": 1}, 0), ("torch-fp32",)),
+            (pipeline, ("concat_mla_q=torch-fp32",)),
+            (production_cases("batch_invariance", ["forward_mqa"])[0], ("convert_index=torch-fp32",)),
+            (Case(pipeline.op, pipeline.params, 1), ("sparse_prefill=torch-fp32",)),  # a kernel not named below
+            (Case(pipeline.op, pipeline.params, 2), ())]                              # the project's own stages
+    corpus = Corpus(tmp_path / "C")
+    for n, (case, impl) in enumerate(kept):
+        corpus.add(casefile.save(tmp_path / f"{n}.json", casefile.CaseFile(case, impl)))
+    units = with_kept(impl_units(["concat_mla_q=torch-fp32", "convert_index=torch-fp32"], "cpu"), corpus)
+    replays = {u.op: [k.case for k in u.kept] for u in units if u.kept}
+    assert replays == {"concat_mla_q": [kept[0][0]], "forward_mqa": [pipeline],
+                       "property:batch_invariance": [kept[2][0]]}
+    assert not_replayed(corpus, units) == ["2 kept cases not replayed (they name implementations this gate does not)"]
+    assert not_replayed(corpus, units, ["concat_mla_q"]) == []  # --op left forward_mqa out: not this gate's to say
 
 
 def test_gate_impl_runs_what_the_named_implementations_take_part_in():
@@ -166,6 +190,70 @@ def test_gate_impl_with_a_corpus_fails_keeps_replays_first_and_passes_once_fixed
     held = len(again)  # the second gate's own seed may have kept a finding too
     assert not fixed.failed and f"note: from the corpus: 0 still fail, {held} now pass{'es' if held == 1 else ''}" in fixed.lines()
     assert not any((tmp_path / "g3" / "failures").iterdir())  # made at the start, holding no finding
+
+
+EPILOGUE = "sparse_prefill=tests.impls.epilogue:sparse_prefill"  # a truncating bf16 epilogue
+
+
+@pytest.fixture(scope="module")
+def two_kernels(tmp_path_factory):
+    """A kernel repository keeps the findings of two kernels in one corpus, each gated alone (seed 1,
+    one example a campaign): first its concat_mla_q (RoPE doubled), then its sparse_prefill (a bf16
+    epilogue that truncates), which also writes JUnit."""
+    root = tmp_path_factory.mktemp("two_kernels")
+    with pytest.MonkeyPatch.context() as patch:
+        concat = f"concat_mla_q={kernel(root, patch, 2)}"
+        settings = dict(device="cpu", examples=1, seed=1, isolate=False, corpus=root / "C")
+        alone = mla_verify.gate(impl=[concat], ops=["concat_mla_q", "forward_mqa"], out=root / "concat", **settings)
+        kept = sorted((root / "C").iterdir())
+        epilogue = mla_verify.gate(impl=[EPILOGUE], ops=["sparse_prefill", "forward_mqa"], out=root / "epilogue",
+                                   junit=root / "epilogue.xml", **settings)
+    return root, concat, alone, kept, epilogue
+
+
+def test_kept_cases_are_replayed_whenever_the_gate_names_their_implementations(two_kernels, monkeypatch):
+    """Issue 50 item 1: a case kept by a gate of one kernel (its forward_mqa finding names that one
+    stage) was matched by the exact --impl strings, so a gate naming both kernels replayed none of
+    them and said nothing. Now it is keyed by what it exercises and replayed; a gate that names
+    another kernel says how many it left."""
+    root, concat, alone, kept, epilogue = two_kernels
+    assert alone.failed and epilogue.failed
+    pipeline = [k for k in kept if casefile.load(k).case.op == "forward_mqa"]
+    assert pipeline and all(casefile.load(k).impl == (concat,) for k in pipeline)
+    # the epilogue's gate judges forward_mqa but not concat_mla_q: it leaves the kept forward_mqa cases
+    left = len(pipeline)
+    assert (f"note: {left} kept case{'s' * (left != 1)} not replayed ({'they name' if left != 1 else 'it names'} "
+            "implementations this gate does not)") in epilogue.lines()
+    every = sorted((root / "C").iterdir())
+    assert len(every) > len(kept)  # the epilogue's findings kept too
+    kernel(root, monkeypatch, 2)  # the same concat module, imported again
+    both = mla_verify.gate(impl=[concat, EPILOGUE], ops=["concat_mla_q", "sparse_prefill", "forward_mqa"], device="cpu",
+                           examples=1, seed=2, isolate=False, corpus=root / "C", out=root / "both")
+    cases = {casefile.load(k).case.case_id for k in every}  # a case both gates kept is one case
+    kept_rows = [(r.case_id, r.tensor) for r in both.rows if r.source == "kept"]
+    assert {c for c, _ in kept_rows} == cases and len(kept_rows) == len(set(kept_rows))  # every kept case, once
+    assert f"note: from the corpus: {len(cases)} still fail, 0 now pass" in both.lines()
+    assert not any("not replayed" in line for line in both.lines())
+
+
+def test_one_bug_found_ten_ways_reads_as_one_group(two_kernels, capsys):
+    """Issue 50 item 2: a truncating bf16 epilogue failed the op, the forward_mqa paths through it
+    (HiSparse's too, whose stages are not traced) and read `FAIL: 9 findings`, one line each. The
+    gate's summary, its JUnit and its report put them down to the one kernel, the files under it."""
+    root, *_, epilogue = two_kernels
+    frame, _ = load_run(root / "epilogue")
+    found = counts(frame).findings
+    group = f"stage sparse_prefill (tests.impls.epilogue:sparse_prefill): {found} findings, first "
+    assert found >= 6 and {r.op for r in epilogue.rows if r.finding} == {"sparse_prefill", "forward_mqa"}
+    mla_verify.reports.run_report(root / "epilogue", markdown=root / "report.md")
+    summary = capsys.readouterr().out.splitlines()
+    at = summary.index(counts(frame).line())
+    assert summary[at + 1].startswith(f"  {group}") and len(summary[at + 2:at + 2 + found]) == found
+    assert {line.split()[0] for line in summary[at + 2:at + 2 + found]} == set(frame.finding) - {""}
+    junit = (root / "epilogue.xml").read_text()
+    assert junit.count(group) == 2  # the op's test case and forward_mqa's each name the one group
+    report = (root / "report.md").read_text()
+    assert "### Findings by cause" in report and report.count(f"| stage sparse_prefill (tests.impls.epilogue:") == found
 
 
 USER_TESTS = '''

@@ -8,6 +8,8 @@ two runs of the same seed pair case for case and runs of different seeds do not.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -176,6 +178,9 @@ def test_too_few_cases_are_not_judged_and_say_so():
     assert not drift.drifted and (drift.groups["mode"] == TOO_FEW).all()
     assert f"{TOO_FEW}: {len(drift.groups)} groups" in "\n".join(drift.lines())
     assert f"min {DRIFT_MIN_CASES} cases" in drift.verdict
+    # nothing compared is said so (issue 47: it read "no drift in 0 groups compared"); under
+    # --fail-on, `fuzz --baseline` exits 4 (NO VERDICT) on it
+    assert drift.compared == 0 and drift.verdict.startswith("NO VERDICT: nothing compared with the baseline")
     # with 3 cases a side the test can reach p = 1/20 at best: flagged only at a confidence below 0.95
     assert not compare(new, base, min_cases=3).drifted
     loose = compare(new, base, min_cases=3, confidence=0.9)
@@ -259,12 +264,12 @@ def v1_run(tmp_path_factory):
 def test_a_kernel_inside_its_bounds_but_worse_is_flagged_case_for_case(v1_run):
     """tests.impls.drifted:v2 is v1 with its output gain off by 2**-11: it passes, and drifts."""
     v2 = api.check("sparse_prefill", "tests.impls.drifted:v2", device="cpu", baseline=v1_run)
-    assert v2.passed and v2.seed == 3 and v2.examples == 6
+    assert v2.passed and v2.seed == 3 and v2.examples >= 6  # the covering set runs whole: its pairs pass 6
     drift = api.drift(v2, v1_run)
     assert drift.exit_code == 1
     g = drift.flagged.iloc[0]
     assert (g["tensor"], g["finding"], g["metric"], g["mode"]) == ("out", "drift", "abs_bias", PAIRED)
-    assert g["paired_cases"] == 6 and g["ratio"] > 2.0
+    assert g["paired_cases"] == v2.examples and g["ratio"] > 2.0
     again = api.check("sparse_prefill", "tests.impls.drifted:v1", device="cpu", baseline=v1_run)
     assert api.drift(again, v1_run).exit_code == 0
 
@@ -274,7 +279,7 @@ def test_fuzz_baseline_prints_the_drift_and_a_replay_that_runs(v1_run, tmp_path,
             "--baseline", str(v1_run), "--out", str(tmp_path / "v2")]
     assert main(argv) == 1
     out = capsys.readouterr().out
-    assert "PASS: 6 examples" in out and "the cases of baseline" in out
+    assert re.search(r"PASS: \d+ examples", out) and "the cases of baseline" in out
     assert "DRIFT sparse_prefill out [tests.impls.drifted:v2 vs tests.impls.drifted:v1]: abs_bias median x" in out
     command = "mla-verify replay" + next(ln for ln in out.splitlines() if "drifted most" in ln).split("mla-verify replay")[1]
     assert command.startswith(f"mla-verify replay {tmp_path / 'v2' / 'drift'}") and "--impl tests.impls.drifted:v2" in command

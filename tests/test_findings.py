@@ -72,3 +72,35 @@ def test_a_run_killed_before_its_end_names_the_same_finding_from_its_journal(tmp
     assert meta["incomplete"] and (tmp_path / "run" / "journal.jsonl").exists()
     files = {p.name for p in (tmp_path / "run" / "failures").iterdir()}
     assert counts(frame, True).findings == 1 and set(frame.finding) - {""} == files
+
+
+def test_the_findings_store_saves_replaces_and_drops_and_the_rows_and_journal_follow(tmp_path):
+    """The store the campaign, the replayed cases and the driver are handed (issue 49 step 4): a
+    new file never replaces one, the rows name the finding, the journal hears of it (not where the
+    rows are journaled after), and a dropped finding's rows name another or none."""
+    from mla_verify.equivalence.judge.rows import Row
+    from mla_verify.fuzz.findings import Findings, UnderTest
+
+    class Journal:
+        def __init__(self):
+            self.told = []
+
+        def found(self, rows, name):
+            self.told.append(([r.case_id for r in rows], name))
+
+    journal, case = Journal(), Case("concat_mla_q", {"tokens": 1, "heads": 1}, 0)
+    store, tested = Findings(tmp_path, journal), UnderTest(("k:f",), "mine")
+    rows = [Row("run", case.case_id, "concat_mla_q", "concat_mla_q", "q", "mine", (), "cpu", 0, "fuzz",
+                gate_metric="mismatch_frac", value=0.5, bound=0.0, passed=False) for _ in range(2)]
+    first = store.save(tested, case, rows, "found at example 1")
+    again = store.save(tested, case, rows[1:], "found again", journaled=False)
+    assert (first.name, again.name) == (f"concat_mla_q-mine-{case.case_id}.json", f"concat_mla_q-mine-{case.case_id}-2.json")
+    assert [r.finding for r in rows] == [first.name, again.name] and journal.told == [([case.case_id] * 2, first.name)]
+    saved = casefile.load(first)
+    assert saved.impl == ("k:f",) and saved.note == "found at example 1" and saved.failure[0]["metric"] == "mismatch_frac"
+    store.replace(first, "flaky: failed 1 of 3 re-runs", (1, 3))
+    assert casefile.load(first).flaky == (1, 3) and casefile.load(first).note.startswith("flaky")
+    store.drop(again, rows[1:], instead=first)
+    store.drop(first, rows[:1])
+    assert not list((tmp_path / "failures").iterdir()) and [r.finding for r in rows] == ["", first.name]
+    assert journal.told[1:] == [([case.case_id], first.name), ([case.case_id], "")]

@@ -27,9 +27,13 @@ def drawn(op, impl, examples, seed=1, profile=CI):
 @pytest.mark.parametrize("op", ["sparse_prefill", "sparse_decode_fp8", "property:batch_invariance",
                                 "property:padding_and_order", "property:hisparse_equals_plain"])
 def test_interpreted_campaigns_draw_within_the_budget(op):
+    """12 cases, or the whole covering set where it is larger (its routing pairs), each within the
+    budget; the pairs within `pair_s` a case."""
     cases = drawn(op, "triton", 12)
-    assert len(cases) == 12
-    assert max(s for _, s in cases) <= CI.interpreter_s
+    assert len(cases) >= 12 and max(s for _, s in cases) <= CI.interpreter_s
+    if len(cases) > 12:  # the covering set ran whole: its pairs' cases within ci's pair budget
+        spec = catalog.get_spec(op)
+        assert min(s for _, s in cases) <= CI.pair_s
 
 
 def test_hisparse_against_plain_still_draws_fp8_cases_with_a_long_prefill_under_the_budget():

@@ -69,14 +69,19 @@ def test_an_old_run_is_a_baseline_of_itself_without_drift(old, capsys):
 
 def test_a_new_run_takes_an_old_run_as_its_baseline(old, tmp_path, capsys):
     """`fuzz --baseline` reads the old gate's seed, profile and budget, draws its cases again and
-    compares them with the old rows: no drift. (They no longer pair case for case: new draws
-    record input builder 2, the old cases were built by builder 1.)"""
-    code = main(["fuzz", "--op", "sparse_decode_fp8", "--impl", "torch-fp32", "--device", "cpu",
-                 "--baseline", str(old / "gate"), "--out", str(tmp_path / "new")])
+    pairs their implementations with the old rows. They no longer pair case for case (new draws
+    record input builder 2, the old cases were built by builder 1) and the old gate holds 2 cases
+    a group, too few to compare unpaired: nothing is compared, and the drift says so (it said "no
+    drift in 0 groups compared" before issue 47), failing only under --fail-on (NO VERDICT, 4)."""
+    argv = ["fuzz", "--op", "sparse_decode_fp8", "--impl", "torch-fp32", "--device", "cpu",
+            "--baseline", str(old / "gate"), "--out", str(tmp_path / "new")]
+    code = main(argv)
     out = capsys.readouterr().out
     assert code == 0, out
     assert "seed 1" in out and "profile ci" in out
-    assert "baseline drift: no drift" in out and "implementations paired: 1 by the same name" in out
+    assert "baseline drift: NO VERDICT: nothing compared with the baseline" in out
+    assert "implementations paired: 1 by the same name" in out
+    assert main(argv[:-1] + [str(tmp_path / "strict"), "--fail-on", "drifted"]) == 4
 
 
 def test_rows_carry_their_rank_check_and_written_input_as_fields(old):
@@ -124,8 +129,9 @@ def test_stages_stored_as_text_load_as_pairs_from_parquet_and_csv(tmp_path):
 
 
 def test_a_run_with_stages_as_text_is_reported_and_a_baseline(tmp_path, capsys):
-    """Reported as it was; `fuzz --baseline` takes its seed, profile and budget and compares the new
-    rows with it (the draws of a seed change with the covering sets, so the cases need not pair);
+    """Reported as it was; `fuzz --baseline` takes its seed, profile and budget and pairs the new
+    rows' implementation with it (the draws of a seed change with the covering sets, so the cases
+    need not pair, and too few to compare unpaired: nothing compared, said so);
     the new rows' stages (pairs from the start) equal the old text's; drift's replay specs rebuild
     the --impl arguments from the pairs."""
     from mla_verify.reports.drift import replay_specs
@@ -139,10 +145,11 @@ def test_a_run_with_stages_as_text_is_reported_and_a_baseline(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "seed 1" in out and "profile ci" in out
-    assert "baseline drift: no drift" in out and "implementations paired: 1 by the same name" in out
+    # 3 cases, too few a group to compare unpaired: nothing compared, and said so
+    assert "baseline drift: NO VERDICT: nothing compared" in out and "implementations paired: 1 by the same name" in out
     before, after = load_run(old)[0], load_run(tmp_path / "new")[0]
     assert (("convert_index", "torch-fp32"), ("sparse_prefill", "torch-fp32")) in set(before.stages)
-    assert set(after.stages) <= set(before.stages)  # the paths drawn again pass the same stages
+    assert set(before.stages) <= set(after.stages)  # the paths drawn again (and the pairs' others) pass the same stages
     assert replay_specs(before.iloc[-1]) == ("convert_index=torch-fp32", "sparse_prefill=torch-fp32")
 
 

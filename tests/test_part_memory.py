@@ -39,16 +39,19 @@ def test_a_judge_out_of_memory_once_waits_and_judges_the_block(monkeypatch, isol
 
 
 def test_a_case_that_never_fits_is_a_counted_row_not_a_harness_error(monkeypatch, capsys, tmp_path):
+    """Never failed, never exit 3; a run whose every case went unjudged is NO VERDICT (exit 4), no pass."""
     _failing_reference(monkeypatch, None)
     result = mla_verify.check("sparse_decode_fp8", "torch-fp32", examples=3, seed=3, profile="ci", device="cpu",
                               isolate=False)
     rows = result.rows
-    assert result.passed and len(rows) and (rows.gate_metric == FailureKind.NOT_JUDGED).all()
+    assert not result.failures and len(rows) and (rows.gate_metric == FailureKind.NOT_JUDGED).all()
+    assert not result.passed and result.exit_code == 4 and "nothing was judged" in result.no_verdict
     assert rows.reason.str.contains("ran out of device memory").all()
     assert f"{rows.case_id.nunique()} cases not judged, the judge ran out of device memory" in result.report()
     code = main(["gate", "--op", "sparse_decode_fp8", "--impl", "sparse_decode_fp8=torch-fp32", "--examples", "2",
                 "--device", "cpu", "--no-isolate", "--out", str(tmp_path / "gate")])
-    assert code == 0 and "cases not judged, the judge ran out of device memory" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert code == 4 and "cases not judged, the judge ran out of device memory" in out and "NO VERDICT" in out
 
 
 def test_a_block_retried_after_running_out_tells_the_campaign_of_each_call_once(monkeypatch):
@@ -66,13 +69,57 @@ def test_a_block_retried_after_running_out_tells_the_campaign_of_each_call_once(
 
     def judge(cases, source, on_call):
         blocks.append(len(cases))
-        if len(blocks) == 1:
+        if len(cases) == 3 and blocks.count(3) == 1:  # the first drawn block (the covering cases come one by one)
             on_call(), on_call()
             raise torch.OutOfMemoryError("CUDA out of memory (9.90 GiB allowed)")
         return catalog.evaluate_block(cases, subject, "cpu", source=source, on_call=on_call)
 
     unit = Unit("sparse_decode_fp8", "torch-fp32", ("torch-fp32",))
-    result = fuzz(Campaign("sparse_decode_fp8", get_profile("ci"), 6, 1, block=3, shrink=False),
+    result = fuzz(Campaign("sparse_decode_fp8", get_profile("ci"), 40, 1, block=3, shrink=False),
                   driver._within_memory(judge, RowContext("run", label=unit.label)))
-    assert result.stopped is None and result.examples == 6 and blocks[:2] == [3, 3]
+    # the whole covering set runs past --examples (issue 47), then the drawn block, retried whole
+    first = blocks.index(3)
+    assert result.stopped is None and result.examples >= 40 and blocks[first:first + 2] == [3, 3]
     assert result.rows and all(r.passed and r.gate_metric != FailureKind.NOT_JUDGED for r in result.rows)
+
+
+def test_the_input_pools_keep_within_their_bytes_and_give_the_same_rows_again(monkeypatch):
+    """On the H100 (`fuzz --parallel 4`, 5 GiB a worker) the pools of every regime and format kept
+    whole filled a worker building decode inputs: they are kept up to POOL_BYTES, the least recently
+    used evicted and packed again from their seed, the same bytes."""
+    from mla_verify.equivalence.cases import values
+
+    values.release_pools()
+    gen = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    first = {r: values.pooled_rows(gen(), 300, r, "fp8_ds_mla") for r in ("normal", "outliers", "peaked")}
+    monkeypatch.setattr(values, "POOL_BYTES", {**values.POOL_BYTES, "cpu": 3 * values.POOL_ROWS["cpu"] * 576 * 2})
+    monkeypatch.setattr(values, "ON_THE_SPOT_ROWS", {**values.ON_THE_SPOT_ROWS, "cpu": 0})
+    values.release_pools()
+    for regime in ("normal", "outliers", "peaked", "normal"):
+        again = values.pooled_rows(gen(), 300, regime, "fp8_ds_mla")
+        assert all(torch.equal(a, b) for a, b in zip(again, first[regime]))
+        assert sum(p.nbytes for p in values._POOLS.values()) <= values.POOL_BYTES["cpu"]
+    assert ("packed", "peaked", "fp8_ds_mla", "pow2", "cpu") in values._POOLS  # the most recent kept
+    values.release_pools()
+
+
+def test_a_worker_short_of_memory_before_the_call_gives_its_pools_back_and_builds_again(monkeypatch):
+    """The worker's own side (building a case's inputs) out of device memory: the pools and the
+    allocator's cache given back, built once more; after the implementation was called, the error
+    is the call's (the caller's crash rules), never retried."""
+    from mla_verify.equivalence.sandbox import worker
+
+    released, tries = [], []
+    monkeypatch.setattr(worker, "release_pools", lambda: released.append(True))
+
+    def attempt():
+        tries.append(True)
+        if len(tries) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB (4.95 GiB allowed)")
+        return "produced"
+
+    assert worker._with_room(attempt, called=[]) == "produced" and released == [True] and len(tries) == 2
+    tries.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        worker._with_room(attempt, called=[True])
+    assert len(tries) == 1 and released == [True]

@@ -9,9 +9,13 @@ rest as the remainder of whole HiSparse cases:
 
     sparse_prefill      PREFILL_PROGRAM_S per (token, head block) + BLOCK_S per 64-key block
     sparse_decode_fp8   DECODE_PROGRAM_S per (query row, head block, split) + BLOCK_S per key
-                        block, and COMBINE_S per (query row, head) when the top-k list is split
+                        block, each times DECODE_HEAD_BLOCK[block_h] (the decode's tiles are
+                        dequantized for the whole head block: a 64-head block took 1.65x a
+                        16-head one, measured at top-k 1024 on this project's 2-core machine,
+                        triton 3.6), and COMBINE_S per (query row, head) when the top-k list is split
     sparse_decode_v4    UNION_PROGRAM_S per (query row, head block, split) + UNION_BLOCK_S per
-                        block of either list (it dequantizes every row it loads), COMBINE_S as above
+                        block of either list (it dequantizes every row it loads), the head block's
+                        weight and COMBINE_S as above
     forward_mqa         FORWARD_TOKEN_S per token and layer besides its attention
 
 A case's estimate is its base problem's attention calls (`calls`) times the runs its check makes
@@ -33,6 +37,7 @@ PREFILL_PROGRAM_S = 0.006
 DECODE_PROGRAM_S = 0.017   # it dequantizes the fp8 tile of every key block it loads
 BLOCK_S = 0.008
 COMBINE_S = 0.002
+DECODE_HEAD_BLOCK = {16: 1.0, 32: 1.35, 64: 1.65}
 FORWARD_TOKEN_S = 0.008
 UNION_PROGRAM_S = 0.02     # measured: 2 programs of 10 blocks 0.45 s, 16 of 2 blocks 0.97 s
 UNION_BLOCK_S = 0.02
@@ -60,7 +65,7 @@ class Call:
         programs = self.rows * head_blocks * splits
         combine = self.rows * self.heads * COMBINE_S if splits > 1 else 0.0
         program_s, block_s = (UNION_PROGRAM_S, UNION_BLOCK_S) if self.kernel == "sparse_decode_v4" else (DECODE_PROGRAM_S, BLOCK_S)
-        return programs * (program_s + block_s * (split_len // cfg.block_n)) + combine
+        return programs * (program_s + block_s * (split_len // cfg.block_n)) * DECODE_HEAD_BLOCK[cfg.block_h] + combine
 
 
 def _forward_calls(p: ForwardParams) -> list[Call]:

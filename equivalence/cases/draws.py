@@ -39,7 +39,7 @@ def prefill_params(p: Profile, **fields: st.SearchStrategy) -> st.SearchStrategy
         "tokens": st.integers(1, p.max_tokens), "heads": st.sampled_from(p.heads),
         "kv_rows": st.integers(1, max(2, p.max_context)), "topk": st.sampled_from(p.prefill_topk),
         "value_regime": regimes, "sm_scale": sm_scales, "invalid": patterns(PATTERNS),
-        "topk_length": st.sampled_from(("none", "random", "edges")),
+        "topk_length": st.sampled_from(("none", "random", "edges", "garbage")),
         "sink": st.sampled_from(("none", "finite", "inf")), **fields})
 
 
@@ -63,7 +63,7 @@ def decode_params(p: Profile, batch: st.SearchStrategy[int] | None = None, **fie
     `fields` replace the default strategies."""
     def params(size: int) -> st.SearchStrategy[dict]:
         return st.fixed_dictionaries({
-            "batch": st.just(size), "s_q": st.integers(1, 2), "heads": st.sampled_from(p.heads),
+            "batch": st.just(size), "s_q": st.integers(1, 4), "heads": st.sampled_from(p.heads),
             "topk": st.sampled_from(p.decode_topk),
             "seq_lens": lengths(size, p.max_context),
             "page_size": st.sampled_from((1, 16) + p.block_sizes), "stride_pad": st.sampled_from((0, 1)),
@@ -75,7 +75,7 @@ def decode_params(p: Profile, batch: st.SearchStrategy[int] | None = None, **fie
     return (batch if batch is not None else st.integers(1, max(1, p.max_tokens // 2))).flatmap(functools.lru_cache(params))
 
 
-def dcp_index_params(p: Profile, sizes: tuple[int, ...] = (1, 2, 4, 8),
+def dcp_index_params(p: Profile, sizes: tuple[int, ...] = tuple(range(1, 9)),
                      layout: st.SearchStrategy[str] = st.just("contiguous")) -> st.SearchStrategy[dict]:
     """dcp_convert_index params within `p`, the world size drawn from `sizes`, the inputs' layout
     from `layout` (equivalence.cases.layouts)."""
@@ -95,7 +95,7 @@ def dcp_index_params(p: Profile, sizes: tuple[int, ...] = (1, 2, 4, 8),
 def merge_params(p: Profile, **fields: st.SearchStrategy) -> st.SearchStrategy[dict]:
     """dcp_merge params within `p`; `fields` replaces the strategy of any of them."""
     return st.fixed_dictionaries({
-        "ranks": st.sampled_from((1, 2, 4, 8)), "tokens": st.integers(1, p.max_tokens * 2),
+        "ranks": st.integers(1, 8), "tokens": st.integers(1, p.max_tokens * 2),
         "heads": st.sampled_from(p.heads), "empty_frac": st.sampled_from((0.0, 0.3)), "junk": st.booleans(), **fields})
 
 
@@ -180,7 +180,7 @@ def forward_params(p: Profile, path: str | None = None, *, decodes_only: bool = 
         # DCP runs on the mixed path only, with local and gathered heads in one FP8 envelope.
         dcp = 1
         if mixed and path != "fp8_mixed":
-            sizes = [n for n in (1, 2, 4, 8) if (heads * n <= 64) == (heads <= 64)]
+            sizes = [n for n in (1, 2, 3, 4, 8) if (heads * n <= 64) == (heads <= 64)]
             dcp = draw(st.sampled_from([n for n in sizes if n > 1] if path == "fp8_mixed_dcp" else sizes))
         return batch_params(draw, p, cache_dtype, heads, dcp, decodes_only=decodes_only, min_prefills=min_prefills)
 

@@ -35,7 +35,7 @@ from .values import COVERING_REGIMES, REGIMES
 
 REGIME = OneOf(*REGIMES, *COVERING_REGIMES)
 SCALE_RULE = OneOf("pow2", "raw")  # fp8_ds_mla tile scales: amax / 448 rounded up to a power of two, or raw
-DECODE_PATTERNS = ("scattered", "whole_row", "duplicates", "boundaries")  # only -1 is invalid for the decode kernel
+DECODE_PATTERNS = ("scattered", "whole_row", "duplicates", "boundaries", "runs")  # only -1 is invalid for the decode kernel
 WORLD_SIZES = (2, 4, 8)              # the multi-process DCP op's rank counts
 COMBINES = ("ag_rs", "a2a")          # ... and its combines: all-gather + reduce-scatter, all-to-all
 
@@ -51,7 +51,8 @@ class PrefillParams(Params):
     value_regime: str = param(REGIME)
     sm_scale: float = param(SM_SCALE)
     invalid: tuple[str, ...] = param(SubsetOf(*PATTERNS), ())      # invalid-index patterns (equivalence.cases.patterns)
-    topk_length: str = param(OneOf("none", "random", "edges"), "none")  # per-token lengths: none, drawn, 0/1/K-1/K
+    # per-token lengths: none, drawn, 0/1/K-1/K, drawn with anything past them (out-of-range values, not -1)
+    topk_length: str = param(OneOf("none", "random", "edges", "garbage"), "none")
     sink: str = param(OneOf("none", "finite", "inf"), "none")         # attention sink per head
     layout: str = param(OneOf(*LAYOUTS), "contiguous")                # of the inputs that may take one (equivalence.cases.layouts)
     inputs: int = param(OneOf(*BUILDERS), 1)                      # the input builder's version (equivalence.cases.builders)

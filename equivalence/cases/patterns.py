@@ -7,6 +7,8 @@ sequence is shorter than top-k). Each pattern then rewrites a seeded ~15% of the
     negatives     -1 padding replaced by other negative values (-2, -7, -123456, -2**31)
     out_of_range  entries replaced by values past the valid range (never read by a correct kernel)
     duplicates    entries replaced by copies of other valid entries of the row (each counts)
+    runs          about a quarter of the rows take a run of -1 (up to a quarter of the row) starting
+                  anywhere, the front among them: -1 before valid entries, not only after them
     boundaries    entries replaced by the exact edges of the valid range: the first invalid value
                   (prefill: N; a logical position: the block-table width) and the last valid one
                   (N - 1; the table's last slot). Where only -1 is invalid (decode slots: one past
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-PATTERNS = ("scattered", "whole_row", "negatives", "out_of_range", "duplicates", "boundaries")
+PATTERNS = ("scattered", "whole_row", "negatives", "out_of_range", "duplicates", "boundaries", "runs")
 FORWARD_PATTERNS = PATTERNS + ("beyond_seq",)  # a forward_mqa batch's: also positions past the token's sequence
 OTHER_NEGATIVES = (-2, -7, -123456, -(2**31))
 
@@ -62,6 +64,13 @@ def apply_patterns(
             else:
                 raise ValueError("boundaries needs the op's first invalid or last valid value")
             rows = torch.where(hit, edge, rows)
+        elif pattern == "runs":
+            k = rows.shape[1]
+            start = _randint(gen, 0, k, (rows.shape[0], 1))
+            length = _randint(gen, 1, max(2, k // 4) + 1, (rows.shape[0], 1))
+            pos = torch.arange(k, device=rows.device)[None, :]
+            picked = (_rand(gen, rows.shape[0]) < 0.25)[:, None]
+            rows = torch.where(picked & (pos >= start) & (pos < start + length), -1, rows)
         elif pattern == "duplicates":
             src = _randint(gen, 0, rows.shape[1], rows.shape)
             copies = rows.gather(1, src)

@@ -41,6 +41,8 @@ class Profile:
     interpreter_s: float | None   # interpreted Triton: the seconds a case may take (None: unbounded)
     budget_s: float | None = None  # the bound this campaign's draws hold to (`interpreted`); None: none
     block: int = 1                # cases per drawn example (its params at successive seeds: `fuzz.campaign`)
+    strength: int = 2             # the covering arrays' (`coverage.pairs`): pairs, triples where the budget holds them
+    pair_s: float | None = None   # interpreter seconds (`cost`) a covering array's case may take (None: unbounded)
 
     def interpreted(self) -> "Profile":
         """This profile for a campaign of interpreted kernels: draws within `interpreter_s` a case."""
@@ -50,15 +52,24 @@ class Profile:
 PROFILES = {
     p.name: p
     for p in (
-        Profile("ci", 6, 4, (1, 8, 16), (128, 256), (64, 128, 192), 320, 3, 6, (64, 128), (8, 16, 32), 3, 10.0),
+        Profile("ci", 6, 4, (1, 8, 16), (128, 256), (64, 128, 192), 320, 3, 6, (64, 128), (8, 16, 32), 3, 10.0,
+                pair_s=0.8),
         Profile("dev", 40, 16, (8, 16, 32, 64), (128, 256, 512), (64, 128, 256, 512), 1200, 5, 24, (64, 128, 256),
-                (8, 16, 32, 64), 20, 60.0),
+                (8, 16, 32, 64), 20, 60.0, pair_s=6.0),
         Profile("nightly", 300, 64, (8, 16, 32, 64, 128), (128, 512, 1024, 2048), (64, 256, 1024, 2048), 9000, 8, 128,
-                (64, 128, 256), (8, 16, 24, 32, 64, 128), 150, 600.0),
+                (64, 128, 256), (8, 16, 24, 32, 64, 128), 150, 600.0, strength=3, pair_s=60.0),
         Profile("gpu", 200, 256, (16, 32, 64, 128), (512, 1024, 2048), (512, 576, 1024, 2048), 20000, 8, 512, (64, 128),
-                (8, 16, 32, 64, 128), 50, None, block=8),
+                (8, 16, 32, 64, 128), 50, None, block=8, strength=3),
     )
 }
+
+# What serving produces, in every profile's covering sets (`coverage`), whatever its random draws
+# reach: DeepSeek V3.2's 128 heads at TP1 (64 at TP2), each with a finite sink where the op takes
+# one; its top-k of 2048; and top-k widths off the power-of-two instantiation tables that vLLM,
+# FlashInfer and SGLang dispatch bugs sat at (192, 256: FlashInfer #4372, SGLang #33134; 1152).
+PRODUCTION_HEADS = (64, 128)
+PRODUCTION_TOPK = 2048
+OFF_TABLE_TOPK = (192, 256, 1152)
 
 
 def get_profile(name: str) -> Profile:

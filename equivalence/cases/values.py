@@ -12,6 +12,11 @@ Each regime stresses something different in the kernels and the cache formats:
                 them: every logit of such a row is 0, a tied softmax whose exact answer is the mean of
                 the selected V rows with lse = ln(k valid). Only the covering sets ask for it
                 (COVERING_REGIMES): the random draws keep drawing REGIMES as pinned.
+    flat        every kv row near one shared row (2% noise around it): hundreds of near-equal
+                logits, a flat softmax whose output is about that row, of order 1. Every p of a
+                row sits just below 1 where the others give one p of 1 and tiny ones, so a bias
+                in how p is rounded before P.V (toward zero: the output 2^-9 small) shows only
+                here, as a mean error. Covering sets only, as degenerate.
 Nothing is ever all zero: a zero tensor hides unwritten outputs and wrong indexing.
 
 Values are drawn on the generator's device: a case's tensors are a deterministic function of
@@ -20,7 +25,7 @@ Values are drawn on the generator's device: a case's tensors are a deterministic
 
 from __future__ import annotations
 
-import functools
+import collections
 import zlib
 
 import torch
@@ -30,7 +35,8 @@ from mla_verify import reference
 from .builders import permutation
 
 REGIMES = ("normal", "saturation", "outliers", "zero_tiles", "tiny", "peaked")
-COVERING_REGIMES = ("degenerate",)  # accepted by every value_regime param, never drawn at random
+COVERING_REGIMES = ("degenerate", "flat")  # accepted by every value_regime param, never drawn at random
+FLAT_NOISE = 0.02
 ZERO_Q_SHARE = 0.25
 NOPE, TILE = 512, 128
 
@@ -59,6 +65,8 @@ def kv_values(gen: torch.Generator, n: int, regime: str, version: int = 1) -> to
         x[:, :NOPE] = (x[:, :NOPE].view(n, NOPE // TILE, TILE) * ~zero[..., None]).view(n, NOPE)
     elif regime == "tiny":
         x[:, :NOPE] *= 1e-6
+    elif regime == "flat":
+        x = _normal(gen, (1, 576)) + FLAT_NOISE * x
     elif regime not in ("normal", "peaked", "degenerate"):
         raise ValueError(f"unknown value regime {regime!r}; known: {REGIMES + COVERING_REGIMES}")
     return x.to(torch.bfloat16)
@@ -101,10 +109,39 @@ POOL_ROWS = {"cuda": 1 << 18, "cpu": 1 << 15}
 ON_THE_SPOT_ROWS = {"cuda": 0, "cpu": POOL_ROWS["cpu"]}
 
 
-@functools.lru_cache(maxsize=16)
+# Pools kept per device type, in bytes: what is packed again from its seed when evicted (the same
+# bytes). A GPU's are 302 MB a source pool and 172 MB an fp8 one: kept all (up to 16 regimes times
+# formats) they filled the 5 GiB share of a worker among 4 parts on an 80 GB card (H100, `fuzz
+# --parallel 4`: torch.OutOfMemoryError building a case's inputs).
+POOL_BYTES = {"cuda": 2 << 30, "cpu": 1 << 30}
+_POOLS: collections.OrderedDict[tuple[str, ...], torch.Tensor] = collections.OrderedDict()  # least recent first
+
+
+def _kept(key: tuple[str, ...], make) -> torch.Tensor:
+    """The pool `key` (its device last), made by `make()` when not kept; the least recently used
+    pools of its device type go first once they hold more than POOL_BYTES."""
+    if key in _POOLS:
+        _POOLS.move_to_end(key)
+        return _POOLS[key]
+    pool = _POOLS[key] = make()
+    kind = torch.device(key[-1]).type
+    same = [k for k in _POOLS if torch.device(k[-1]).type == kind]
+    while len(same) > 1 and sum(_POOLS[k].nbytes for k in same) > POOL_BYTES[kind]:
+        del _POOLS[same.pop(0)]
+    return pool
+
+
+def release_pools() -> None:
+    """Every kept pool given back (a process short of device memory: they are packed again on use)."""
+    _POOLS.clear()
+
+
 def _source_pool(regime: str, device: str) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(zlib.crc32(regime.encode()))
-    return kv_values(gen, POOL_ROWS[torch.device(device).type], regime)
+    def make() -> torch.Tensor:
+        gen = torch.Generator(device=device).manual_seed(zlib.crc32(regime.encode()))
+        return kv_values(gen, POOL_ROWS[torch.device(device).type], regime)
+
+    return _kept(("source", regime, device), make)
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:
@@ -126,21 +163,20 @@ def _pack(rows: torch.Tensor, cache_dtype: str, scale_rule: str) -> torch.Tensor
     return rows
 
 
-_PACKED: dict[tuple[str, str, str, str], torch.Tensor] = {}  # (regime, format, scale rule, device) -> whole pool
 _PACKED_ON_THE_SPOT: dict[tuple[str, str, str, str], int] = {}  # rows packed so far without the whole pool
 
 
 def _packed_rows(pick: torch.Tensor, regime: str, cache_dtype: str, scale_rule: str) -> torch.Tensor:
     """The packed pool's rows `pick`: packed on the spot while the pool lends (ON_THE_SPOT_ROWS),
-    else gathered from the whole pool, packed once."""
-    key = (regime, cache_dtype, scale_rule, str(pick.device))
-    if key not in _PACKED:
+    else gathered from the whole pool, packed once (again once evicted)."""
+    device = str(pick.device)
+    key = ("packed", regime, cache_dtype, scale_rule, device)
+    if key not in _POOLS:
         spot = _PACKED_ON_THE_SPOT.get(key, 0) + pick.numel()
         if spot <= ON_THE_SPOT_ROWS[pick.device.type]:
             _PACKED_ON_THE_SPOT[key] = spot
-            return _pack(_gather(_source_pool(regime, key[3]), pick), cache_dtype, scale_rule)
-        _PACKED[key] = _pack(_source_pool(regime, key[3]), cache_dtype, scale_rule)
-    return _gather(_PACKED[key], pick)
+            return _pack(_gather(_source_pool(regime, device), pick), cache_dtype, scale_rule)
+    return _gather(_kept(key, lambda: _pack(_source_pool(regime, device), cache_dtype, scale_rule)), pick)
 
 
 def pooled_rows(

@@ -15,7 +15,8 @@ from mla_verify import reference
 from mla_verify.reference.fp8_ds_mla import FP8_MAX, POW2_FLOOR
 
 from ..cases.profiles import Profile
-from .registry import Coverage, laid_out, register
+from .pairs import Factor, Row
+from .registry import Coverage, Pairs, laid_out, register
 
 VARIANTS = 3
 
@@ -96,8 +97,9 @@ register("write_fp8_ds_mla_cache", None,
 
 # --- gather_upconvert ----------------------------------------------------------------------------
 
+ZERO_LENGTH = "a zero-length request (its workspace start repeated)"
 GATHER = ("several requests", "padded block stride", "a partly filled last block", "table columns past the longest",
-          "blocks out of order", "> 64 rows")
+          "blocks out of order", "> 64 rows", ZERO_LENGTH)
 
 
 def _gather_candidates(rng: random.Random, p: Profile) -> list[dict]:
@@ -106,6 +108,9 @@ def _gather_candidates(rng: random.Random, p: Profile) -> list[dict]:
          "shuffle": True, "value_regime": "normal", "scale_rule": "raw"},
         {"seq_lens": [rng.randint(1, p.max_context)], "block_size": rng.choice(p.block_sizes), "stride_pad": 0,
          "table_pad": 0, "shuffle": False, "value_regime": "zero_tiles", "scale_rule": "pow2"},
+        # vLLM pads request slots (#51486): an empty request repeats the next one's start.
+        {"seq_lens": [rng.randint(1, 20), 0, rng.randint(1, 20), 0], "block_size": 16, "stride_pad": 0,
+         "table_pad": 0, "shuffle": True, "value_regime": "normal", "scale_rule": "pow2"},
     )]
 
 
@@ -119,12 +124,35 @@ def _gather_hits(p, kw: dict) -> set[str]:
         ("a partly filled last block", bool((lens % bs != 0).any())),
         ("table columns past the longest", table.shape[1] > int(-(-lens.max() // bs))),
         ("blocks out of order", bool((used != used.sort().values).any())),
-        ("> 64 rows", rows > 64),
+        ("> 64 rows", rows > 64), (ZERO_LENGTH, bool((lens == 0).any())),
     ) if yes}
 
 
+def _gather_factors(p: Profile) -> tuple[Factor, ...]:
+    return (Factor("zero_length", (False, True)), Factor("block_size", tuple(sorted({16, 64, *p.block_sizes}))),
+            Factor("shuffle", (False, True)), Factor("stride_pad", (0, 2)))
+
+
+def _gather_row(rng: random.Random, p: Profile, row: Row) -> dict:
+    """A chunk of two or three requests of the row's kind, an empty one among them where asked."""
+    lens = [rng.randint(1, 3 * row["block_size"]) for _ in range(rng.randint(2, 3))]
+    if row["zero_length"]:
+        lens.insert(rng.randint(0, len(lens)), 0)
+    return {"seq_lens": lens, "block_size": row["block_size"], "stride_pad": row["stride_pad"],
+            "table_pad": rng.randint(0, 1), "shuffle": row["shuffle"], "value_regime": "normal",
+            "scale_rule": rng.choice(("pow2", "raw"))}
+
+
+def _gather_shown(p, kw: dict) -> Row:
+    cache, starts = kw["kv_cache"], kw["workspace_starts"].long()
+    lens = torch.diff(torch.cat([starts, torch.tensor([kw["num_rows"]], device=starts.device)]))
+    return {"zero_length": bool((lens == 0).any()), "block_size": cache.shape[1], "shuffle": bool(p.shuffle),
+            "stride_pad": cache.stride(0) // cache.shape[2] - cache.shape[1]}
+
+
 for _op in ("gather_upconvert_fp8", "gather_upconvert_nvfp4"):
-    register(_op, None, laid_out(_op, Coverage(GATHER, _gather_candidates, _gather_hits)))
+    register(_op, None, laid_out(_op, Coverage(GATHER, _gather_candidates, _gather_hits,
+                                               Pairs(_gather_factors, _gather_row, _gather_shown, strength=3))))
 
 
 # --- split_prefill_chunks ------------------------------------------------------------------------
@@ -239,8 +267,25 @@ def _dcp_index_hits(p, kw: dict) -> set[str]:
     ) if yes}
 
 
-register("dcp_convert_index", None,
-         laid_out("dcp_convert_index", Coverage(DCP_INDEX, _dcp_index_candidates, _dcp_index_hits)))
+def _dcp_index_factors(p: Profile) -> tuple[Factor, ...]:
+    """Every rank count 1-8 (3, 5, 6 and 7 leave a rank without a partner in a pairwise tree), the
+    interleaves the draws take, compaction."""
+    return (Factor("dcp_size", tuple(range(1, 9))), Factor("interleave", (1, 2, 4, 64)),
+            Factor("compact", (False, True)))
+
+
+def _dcp_index_row(rng: random.Random, p: Profile, row: Row) -> dict:
+    return {"tokens": rng.randint(3, 6), "requests": 2, "table_width": 3, "topk": rng.choice(p.decode_topk),
+            "block_size": 64, "dcp_size": row["dcp_size"], "dcp_rank": rng.randint(0, row["dcp_size"] - 1),
+            "interleave": row["interleave"], "compact": row["compact"], "invalid": rng.choice(([], ["scattered"]))}
+
+
+def _dcp_index_shown(p, kw: dict) -> Row:
+    return {"dcp_size": kw["dcp_size"], "interleave": kw["interleave"], "compact": bool(kw["compact_valid_to_front"])}
+
+
+register("dcp_convert_index", None, laid_out("dcp_convert_index", Coverage(
+    DCP_INDEX, _dcp_index_candidates, _dcp_index_hits, Pairs(_dcp_index_factors, _dcp_index_row, _dcp_index_shown))))
 
 MERGE = ("several ranks", "a token empty on every rank", "a NaN LSE", "a +inf LSE", "> 64 tokens")
 
@@ -263,4 +308,22 @@ def _merge_hits(p, kw: dict) -> set[str]:
     ) if yes}
 
 
-register("dcp_merge", None, laid_out("dcp_merge", Coverage(MERGE, _merge_candidates, _merge_hits)))
+def _merge_factors(p: Profile) -> tuple[Factor, ...]:
+    """Every rank count 1-8, value by value (an odd count leaves a rank without a partner), with and
+    without undefined partials and empty ones."""
+    return (Factor("ranks", tuple(range(1, 9))), Factor("junk", (False, True)), Factor("empty", (False, True)))
+
+
+def _merge_row(rng: random.Random, p: Profile, row: Row) -> dict:
+    return {"ranks": row["ranks"], "tokens": rng.randint(10, 12), "heads": 2, "empty_frac": 0.3 if row["empty"] else 0.0,
+            "junk": row["junk"]}  # 20-24 rows a rank: a junk or empty one among them (three tries: pair_cases)
+
+
+def _merge_shown(p, kw: dict) -> Row:
+    lses = kw["lses"]
+    return {"ranks": lses.shape[0], "junk": bool((lses.isnan() | (lses == torch.inf)).any()),
+            "empty": bool((lses == -torch.inf).any())}
+
+
+register("dcp_merge", None, laid_out("dcp_merge", Coverage(MERGE, _merge_candidates, _merge_hits,
+                                                           Pairs(_merge_factors, _merge_row, _merge_shown))))

@@ -12,13 +12,20 @@ import random
 
 import torch
 
-from mla_verify.reference.metadata import reorder_batch_threshold, split_decodes_and_prefills
+from mla_verify.reference.metadata import (
+    prefill_workspace_size,
+    reorder_batch_threshold,
+    split_decodes_and_prefills,
+    split_prefill_chunks,
+    use_mixed_batch,
+)
 
 from ..cases.hisparse_batch import ACTIVE_TAIL_PAGES
 from ..cases.profiles import Profile
 from ..cases.routing import SIDES, sides
 from .features import DEGENERATE, degenerate_hits, tile_scales
-from .registry import Coverage, register
+from .pairs import Factor, Row
+from .registry import Coverage, Pairs, register
 
 # --- forward_mqa ---------------------------------------------------------------------------------
 
@@ -26,10 +33,12 @@ SPLIT = tuple(f"split: {side}" for side in SIDES["split"])
 BATCH = ("batch > 1", "> 64 tokens", "two or more prefill requests", "spec decodes (s_q > 1) of several requests",
          "row with no valid index", "only the decodes of a mixed batch through forward_mqa") + DEGENERATE
 DECODE_TOPK = tuple(f"decode_topk: {side}" for side in SIDES["decode_topk"])
+CHUNKED = ("two or more prefill requests in one workspace chunk", "a chunk of two or more requests ending mid-batch",
+           "a zero-length request among the prefills (its workspace start repeated)")
 PATH_FEATURES = {
     "bf16": SPLIT + BATCH,
     "fp8_mixed": SPLIT + BATCH + DECODE_TOPK + ("raw (non-power-of-two) scales",),
-    "fp8_separate": SPLIT + BATCH + DECODE_TOPK + tuple(f"chunks: {side}" for side in SIDES["chunks"])
+    "fp8_separate": SPLIT + BATCH + DECODE_TOPK + tuple(f"chunks: {side}" for side in SIDES["chunks"]) + CHUNKED
     + ("raw (non-power-of-two) scales",),
     "fp8_mixed_dcp": ("split: all decodes", "split: all prefills", "split: decodes + prefills") + BATCH + DECODE_TOPK
     + tuple(f"dcp_empty: {side}" for side in SIDES["dcp_empty"]) + ("raw (non-power-of-two) scales",),
@@ -75,8 +84,10 @@ def _forward_templates(rng: random.Random, p: Profile, path: str) -> list[dict]:
         for chunks in (1, 2, 3):
             seqs = [rng.randint(20, 40) for _ in range(chunks + 1)]
             qlens = [n // 2 + 2 for n in seqs]
-            found.append(_batch(rng, p, dtype, heads, [1] + qlens, 128,
-                                context_lens=[5] + [n - q for n, q in zip(seqs, qlens)],
+            padded = [0, 0] if chunks == 2 else []  # vLLM pads request slots (#51486): an empty one among them
+            found.append(_batch(rng, p, dtype, heads, [1] + qlens[:1] + padded[:1] + qlens[1:], 128,
+                                context_lens=[5] + [n - q for n, q in zip(seqs, qlens)][:1] + padded[1:]
+                                + [n - q for n, q in zip(seqs, qlens)][1:],
                                 workspace_size=None if chunks == 1 else max(seqs) + (40 if chunks == 2 else 0)))
     return found
 
@@ -85,16 +96,19 @@ def _unrestricted_templates(rng: random.Random, p: Profile) -> list[dict]:
     """The unrestricted draw's six, each holding what the others cannot (the fewest that reach
     every path's features: the separate path's 1, 2 and >= 3 chunks are three batches, an empty
     and a full DCP shard two on the mixed path, the BF16 cache one): spec decodes, a merged and a
-    short prefill and three more past 64 tokens in >= 3 chunks; DCP decodes of a few tokens with
+    short prefill and three more past 64 tokens in >= 3 chunks, the first chunk the short one, an
+    empty request slot and a long one (three requests in a chunk that ends mid-batch); DCP decodes of a few tokens with
     padding requests (a rank empty); BF16 and DCP decodes alone through forward_mqa; all prefills
     in two chunks; one chunk."""
     low = [h for h in p.mqa_heads if h in (8, 16)] or [16]
     quant = {"scale_rule": "raw", "invalid": ["whole_row", "scattered"]}
-    seq = rng.randint(80, 100)  # the three long prefills' sequences: one workspace each
+    seq = rng.randint(80, 100)  # the three long prefills' sequences: one workspace each, the short one's beside
     long = [seq // 2 + rng.randint(0, 8) for _ in range(3)]
-    spec = _batch(rng, p, "fp8_ds_mla", 32, [2, 2, 0, 2, 4] + long, 128, max_decode_query_len=2, **quant,
-                  value_regime="degenerate", workspace_size=seq)
-    spec["context_lens"] = spec["context_lens"][:4] + [rng.randint(0, seq - 4)] + [seq - n for n in long]
+    short = rng.randint(0, 8)   # the short prefill's context
+    spec = _batch(rng, p, "fp8_ds_mla", 32, [2, 2, 0, 2, 4, 0] + long, 128, max_decode_query_len=2,
+                  **quant, value_regime="degenerate", workspace_size=seq + short + 4)
+    # an empty request slot among the prefills (vLLM pads them, #51486): its workspace start repeated
+    spec["context_lens"] = spec["context_lens"][:4] + [short, 0] + [seq - n for n in long]
     dcp = {"dcp_size": rng.choice((2, 4)), "interleave": 1}
     empty = _batch(rng, p, "fp8_ds_mla", rng.choice(low), [2, 2, 2, 0, 0], 64, max_decode_query_len=2, **quant, **dcp,
                    value_regime="degenerate")
@@ -162,16 +176,114 @@ def _forward_hits(p, kw: dict) -> set[str]:
         scales = tile_scales(b.rank_caches[0])
         if bool(((scales > 0) & (torch.frexp(scales).mantissa != 0.5)).any()):
             hit.add("raw (non-power-of-two) scales")
-    return hit
+    chunks = _chunks(cfg, seqs[num_decodes:], p.mqa)
+    shared = [(start, end) for start, end in chunks if end - start >= 2]
+    return hit | {name for name, yes in zip(CHUNKED, (bool(shared), any(end < chunks[-1][1] for _, end in shared),
+                                                      bool(chunks) and 0 in seqs[num_decodes:])) if yes}
+
+
+def _chunks(cfg: dict, prefill_seqs: list[int], mqa: str) -> list[tuple[int, int]]:
+    """The separate path's workspace chunks of a batch's prefills (requests from 0), [] where the
+    batch has none (another path, no prefill, the prefills through dense MHA)."""
+    if (cfg["kv_cache_dtype"] == "bfloat16" or use_mixed_batch(cfg["num_heads"]) or mqa != "all"
+            or not prefill_seqs):
+        return []
+    return split_prefill_chunks(prefill_seqs, cfg["workspace_size"] or prefill_workspace_size(cfg["max_model_len"]))
+
+
+# --- forward_mqa's routing parameters in pairs (`coverage.pairs`) ---------------------------------
+
+ROUTES = ("bf16", "fp8_mixed", "fp8_separate", "fp8_mixed_dcp")
+CHUNKINGS = ("1", "2", ">=3")        # the separate path's workspace chunks ("-": another path)
+DCP_SIZES = (2, 3, 4, 8)             # every rank count the draws take, and 3: a rank left without a partner
+SPEC = (1, 2, 3, 4)                  # the decodes' query length: 1 + speculative tokens
+
+
+def _forward_factors(path: str | None):
+    """The path (unrestricted only), its chunking, the DCP ranks and the spec-decode length; a path
+    holds what it can vary."""
+    def factors(p: Profile) -> tuple[Factor, ...]:
+        spec = Factor("s", SPEC)
+        if path is None:
+            return (Factor("route", ROUTES), Factor("chunks", ("-",) + CHUNKINGS), Factor("dcp", (1,) + DCP_SIZES), spec)
+        return {"fp8_separate": (Factor("chunks", CHUNKINGS), spec),
+                "fp8_mixed_dcp": (Factor("dcp", DCP_SIZES), spec)}.get(path, (spec,))
+
+    return factors
+
+
+def _forward_allowed(row: Row) -> bool:
+    """Chunks on the separate path only, DCP on the mixed path only."""
+    route, chunks, dcp = row.get("route"), row.get("chunks"), row.get("dcp")
+    if route is not None and chunks is not None and (chunks != "-") != (route == "fp8_separate"):
+        return False
+    if route is not None and dcp is not None and (dcp > 1) != (route == "fp8_mixed_dcp"):
+        return False
+    return not (chunks not in (None, "-") and dcp is not None and dcp > 1)
+
+
+def _prefill_seqs(rng: random.Random, chunks: str | None) -> tuple[list[int], int | None]:
+    """Prefill sequence lengths and a workspace making `chunks` chunks of them, the first holding
+    two requests (ending mid-batch where more follow); None: one prefill, the default workspace."""
+    if chunks is None:
+        return [rng.randint(20, 60)], None
+    first = [rng.randint(20, 30), rng.randint(20, 30)]
+    workspace = sum(first)
+    later = {"1": [], "2": [rng.randint(first[0] + 1, workspace)],
+             ">=3": [rng.randint(workspace // 2 + 1, workspace) for _ in range(2)]}[chunks]
+    return first + later, workspace if later else None
+
+
+def _forward_row(path: str | None):
+    def realize(rng: random.Random, p: Profile, row: Row) -> dict:
+        """Two decodes of the row's length, then prefills chunked as asked, on the row's path."""
+        route, s = row.get("route", path), row["s"]
+        dcp = row.get("dcp", 2 if route == "fp8_mixed_dcp" else 1)
+        low = [h for h in p.mqa_heads if h in (8, 16)] or [16]
+        heads = 32 if route == "fp8_separate" else 8 if dcp > 1 else rng.choice(low)
+        seqs, workspace = _prefill_seqs(rng, row.get("chunks", "1") if route == "fp8_separate" else None)
+        queries = [min(n, s + rng.randint(1, 8)) for n in seqs]  # never s: a prefill, not one more decode
+        b = _batch(rng, p, "bfloat16" if route == "bf16" else "fp8_ds_mla", heads, [s, s] + queries, 128,
+                   max_decode_query_len=s, scale_rule=rng.choice(("pow2", "raw")),
+                   invalid=rng.choice(([], ["scattered"], ["whole_row"])), workspace_size=workspace)
+        b["context_lens"] = b["context_lens"][:2] + [n - q for n, q in zip(seqs, queries)]
+        return {**b, "dcp_size": dcp, "interleave": 1} if dcp > 1 else b
+
+    return realize
+
+
+def _whole_batch(p: Profile) -> float | None:
+    """A forward_mqa case is a whole batch: its pairs' cases are held to what its draws are."""
+    return p.interpreter_s
+
+
+def _forward_shown(p, kw: dict) -> Row:
+    """The path a batch takes, its chunks, ranks and decode length (none without decodes)."""
+    b = kw["batch"]
+    cfg, dcp = b.config, len(b.rank_caches)
+    qsl, seqs = list(b.query_start_loc), list(b.seq_lens)
+    lens = [y - x for x, y in zip(qsl, qsl[1:])]
+    mixed = use_mixed_batch(cfg["num_heads"])
+    route = ("bf16" if cfg["kv_cache_dtype"] == "bfloat16" else "fp8_separate" if not mixed
+             else "fp8_mixed_dcp" if dcp > 1 else "fp8_mixed")
+    threshold = reorder_batch_threshold(cfg["num_heads"], cfg["arch"], max_decode_query_len=cfg["max_decode_query_len"],
+                                        dcp_size=dcp, interleave=cfg.get("interleave", 1))
+    num_decodes = split_decodes_and_prefills(qsl, threshold).num_decodes
+    chunks = len(_chunks(cfg, seqs[num_decodes:], p.mqa))
+    row = {"route": route, "dcp": dcp, "chunks": CHUNKINGS[min(chunks, 3) - 1] if chunks else "-"}
+    return {**row, "s": lens[0]} if num_decodes and lens[0] > 0 else row
 
 
 for _path, _features in PATH_FEATURES.items():
-    register("forward_mqa", _path, Coverage(_features, _forward_candidates(_path), _forward_hits))
+    register("forward_mqa", _path, Coverage(_features, _forward_candidates(_path), _forward_hits,
+                                            Pairs(_forward_factors(_path), _forward_row(_path), _forward_shown,
+                                                  _forward_allowed, cap=_whole_batch)))
 register("forward_mqa", None, Coverage(
     tuple(dict.fromkeys(f for features in PATH_FEATURES.values() for f in features))
     + tuple(f"fp8_path: {side}" for side in SIDES["fp8_path"])
     + tuple(f"only the decodes of a mixed batch through forward_mqa: {cache} cache" for cache in ("bfloat16", "fp8_ds_mla")),
-    _forward_candidates(None), _forward_hits))
+    _forward_candidates(None), _forward_hits,
+    Pairs(_forward_factors(None), _forward_row(None), _forward_shown, _forward_allowed, cap=_whole_batch)))
 
 
 # --- the multi-process dcp op ----------------------------------------------------------------------

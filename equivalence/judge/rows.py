@@ -102,6 +102,11 @@ class Row:
     # the finding this row's case is: the name of its case file under the run's failures/ ("" for
     # every other case, failing ones included: a campaign saves one finding, the rest is evidence)
     finding: str = ""
+    # a failing pipeline case's first stage whose output differs from the reference's stage on the
+    # same inputs (`equivalence.ops.stages`): where its cause lies; the pipeline's own name (its op)
+    # where every stage matches on its own inputs (how they are put together differs); "" elsewhere,
+    # or where its stages were not traced
+    differing_stage: str = ""
     # timings (seconds)
     time_ref_s: float = math.nan
     time_impl_s: float = math.nan
@@ -113,8 +118,9 @@ class Row:
     def __post_init__(self) -> None:
         if self.kind and self.kind not in KINDS:
             raise ValueError(f"row kind {self.kind!r} is none of {', '.join(KINDS)}")
-        # stored and shown as the plain strings they are (a `FailureKind` or `policy.Kind` is one)
-        self.kind, self.gate_metric = str(self.kind), str(self.gate_metric)
+        # stored and shown as the plain strings they are (a `FailureKind`, `policy.Kind` or a
+        # replay's source is one)
+        self.kind, self.gate_metric, self.source = str(self.kind), str(self.gate_metric), str(self.source)
         self.exact = self.kind == "exact"
 
     def to_record(self) -> dict[str, Any]:

@@ -45,10 +45,13 @@ def _prefill_inputs(p: PrefillParams, seed: int, device: str) -> dict:
     idx = distinct_rows(g, torch.arange(rows, device=device).expand(tokens, rows), topk)  # every row a candidate
     idx = apply_patterns(g, idx, p.invalid, out_of_range=(rows, 2**31 - 1))
     length = None
-    if p.topk_length == "random":
+    if p.topk_length in ("random", "garbage"):
         length = randint(g, 0, topk + 1, tokens)
     elif p.topk_length == "edges":  # 0, 1, K - 1 and K
         length = host_values([0, 1, max(topk - 1, 0), topk], device)[randint(g, 0, 4, tokens)]
+    if p.topk_length == "garbage":  # past a token's length anything (what a converter may leave there), not -1
+        past = torch.arange(topk, device=device)[None, :] >= length[:, None]
+        idx = torch.where(past, randint(g, -(2**31), 2**31 - 1, tokens, topk), idx)
     sink = None
     if p.sink != "none":
         sink = torch.randn(heads, generator=g, device=device)

@@ -26,6 +26,18 @@ from .pipeline import PipelineSpec
 from .stages import recorded
 
 
+def path_stages(path: str) -> frozenset[str]:
+    """The stages a path's batches may call (`optimized.pipeline.needed_stages` of its cache and
+    heads: q as (ql_nope, q_pe) where the draws may hand it so, every DCP rank count; HiSparse's own)."""
+    from mla_verify.optimized import hisparse, pipeline  # imports every kernel module: only when asked
+
+    if path in HISPARSE_PATHS:
+        return frozenset(hisparse.needed_stages("bfloat16" if path == "bf16_hisparse" else "fp8_ds_mla"))
+    cache = "bfloat16" if path == "bf16" else "fp8_ds_mla"
+    heads, dcp = (32, 1) if path == "fp8_separate" else (16, 2 if path == "fp8_mixed_dcp" else 1)
+    return frozenset(pipeline.needed_stages(cache, heads, dcp, q_is_tuple=dcp == 1))
+
+
 def _path_params(p: Profile, path: str) -> st.SearchStrategy[dict]:
     return hisparse_params(p, path) if path in HISPARSE_PATHS else forward_params(p, path)
 
@@ -130,5 +142,6 @@ FORWARD_MQA = register(PipelineSpec(
     own_campaigns=HISPARSE_PATHS,
     draw_path=_path_params,
     traced=lambda p: not p.hisparse,  # the HiSparse pipeline's stages have no stage oracle here
+    path_stages=path_stages,
     doc="FlashMLASparseImpl.forward_mqa: bf16 / fp8_mixed / fp8_separate paths, with DCP over ranks, and the HiSparse paths",
 ), priority=0)

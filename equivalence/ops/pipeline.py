@@ -9,7 +9,7 @@ fuzzer can be held to, and world sizes it runs over.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from hypothesis import strategies as st
 
@@ -32,10 +32,12 @@ from .base import OpSpec
 VARIANTS = {"pipeline": (), "pipeline[triton attention]": ("sparse_prefill=triton", "sparse_decode_fp8=triton")}
 # A failing case is run again stage by stage (`equivalence.ops.stages`) in process, except for a re-run
 # (it only asks whether the failure repeats); an isolation worker records the stages only of the
-# cases a run reports (a shrink step's, whose last is the minimized case, or a replay's): it cannot
-# know which of its cases fail, and recording every case would run each three times.
+# cases a run reports (a shrink step's, whose last is the minimized case, a replay's, the first
+# failure's first re-run, `trace`: a campaign that does not shrink still names the stage, and the few
+# kept and pinned cases a run replays first): it cannot know which of its cases fail, and recording
+# every case would run each three times.
 UNTRACED = frozenset({"rerun", "bench"})
-TRACED_IN_WORKER = frozenset({"shrink", "replay"})
+TRACED_IN_WORKER = frozenset({"shrink", "replay", "trace", "kept", "corpus"})
 # The worker's traced runs count against the case's timeout (its parent waits for one answer): a
 # case whose call took longer than this is not traced there (the runs take about twice as long).
 TRACE_CALL_S = 20.0
@@ -50,6 +52,21 @@ class PipelineSpec(OpSpec):
     traced: Callable[[Any], bool] = lambda params: True  # whether its stages are recorded (`equivalence.ops.stages`)
     # Its subjects on a GPU: label -> --impl strings, each attention stage also run with our Triton kernel.
     variants: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: VARIANTS)
+    path_stages: Callable[[str], frozenset[str]] | None = None  # the stages a path's batches may call
+
+    def paths_calling(self, stages: Iterable[str]) -> tuple[str, ...]:
+        """The paths whose batches may call one of `stages` (a replaced stage is exercised there only)."""
+        wanted = set(stages)
+        return tuple(p for p in self.paths if self.path_stages is not None and wanted & self.path_stages(p))
+
+    def draws_for(self, stages: Iterable[str]) -> tuple[str | None, ...]:
+        """What a campaign that replaces `stages` and names no path draws: the unrestricted draw
+        where it may call one of them, else the paths fuzzed apart (HiSparse) that do; the
+        unrestricted draw where none does (the stages stay never called: no verdict)."""
+        calling = self.paths_calling(stages)
+        if not calling or any(p not in self.own_campaigns for p in calling):
+            return (None,)
+        return calling
 
     def strategy(self, profile: Profile, path: str | None = None, world_size: int | None = None) -> st.SearchStrategy[Case]:
         if path is not None:
@@ -101,7 +118,8 @@ class PipelineSpec(OpSpec):
         return not self.own_processes and subject.fn is None and self.traced(self.params_of(case.params))
 
     def _tell(self, case: Case, rows: list, calls: tuple[list, list]) -> None:
-        stages.told(rows, stages.first_difference(*calls, self.params_of(case.params).numerics()))
+        stage, text = stages.first_difference(*calls, self.params_of(case.params).numerics())
+        stages.told(rows, stage or self.name, text)  # no stage differs on its own inputs: their composition does
 
     def _traced(self, case: Case, subject: Subject, device: str) -> tuple[list, list]:
         """The case's stage calls, plain and fed, on inputs built again from its seed."""

@@ -285,14 +285,14 @@ def judge_calls(calls: Sequence[Call], numerics: Numerics) -> list[Differs]:
     return [d for c in calls if (d := judge_call(c, numerics)) is not None]
 
 
-def first_difference(plain: Sequence[Call], fed: Sequence[Call], numerics: Numerics) -> str:
-    """The line that names the first stage whose output differs from the reference's (the plain
-    run's), and what the run fed the reference's outputs shows of the others; "" where no stage
-    differs."""
+def first_difference(plain: Sequence[Call], fed: Sequence[Call], numerics: Numerics) -> tuple[str, str]:
+    """(the first stage whose output differs from the reference's (the plain run's), the line that
+    names it and what the run fed the reference's outputs shows of the others); ("", "") where no
+    call was recorded, and no stage but a line where none differs."""
     found = judge_calls(plain, numerics)
     if not found:
-        return ("every stage's output matches the reference's stage on its own inputs: what differs is how the "
-                "stages were put together, or a run that does not repeat") if plain else ""
+        return "", ("every stage's output matches the reference's stage on its own inputs: what differs is how the "
+                    "stages were put together, or a run that does not repeat") if plain else ""
     first = found[0]
     ranks = sorted({d.call.rank for d in found if d.call.stage == first.call.stage and d.call.rank is not None})
     also = f"; ranks {', '.join(map(str, ranks))} differ there" if len(ranks) > 1 else ""
@@ -301,11 +301,11 @@ def first_difference(plain: Sequence[Call], fed: Sequence[Call], numerics: Numer
     others = [d for d in judge_calls(fed, numerics) if d.call.stage != first.call.stage]
     if others:
         named = ", ".join(dict.fromkeys(d.where() for d in others))
-        return text + f"; fed the reference's stage outputs, {named} differ{'s' if len(others) == 1 else ''} too: " \
-            f"{others[0].text()}"
+        return first.call.stage, text + f"; fed the reference's stage outputs, {named} " \
+            f"differ{'s' if len(others) == 1 else ''} too: {others[0].text()}"
     if fed:
-        return text + "; fed the reference's stage outputs, every other stage matches"
-    return text
+        return first.call.stage, text + "; fed the reference's stage outputs, every other stage matches"
+    return first.call.stage, text
 
 
 def failing(rows: Sequence[Any]) -> bool:
@@ -313,13 +313,15 @@ def failing(rows: Sequence[Any]) -> bool:
     return any(not r.passed and r.gate_metric not in QUIET_METRICS for r in rows)
 
 
-def told(rows: Sequence[Any], text: str) -> None:
-    """Append `text` to the reason of each failing row of a value."""
+def told(rows: Sequence[Any], stage: str, text: str) -> None:
+    """Append `text` to the reason of each failing row of a value, and name the first `stage` that
+    differs there (`Row.differing_stage`)."""
     if not text:
         return
     for r in rows:
         if not r.passed and r.gate_metric not in QUIET_METRICS:
             r.reason = "; ".join(filter(None, (r.reason, text)))
+            r.differing_stage = stage
 
 
 def traced(run: Callable[[], Any]) -> tuple[list[Call], list[Call]]:

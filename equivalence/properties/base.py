@@ -116,6 +116,10 @@ class PropertySpec:
     def target(self, params: Params) -> Target:
         return self.targets[params.target]
 
+    def inputs(self, params: Params, seed: int, device: str) -> Inputs:
+        """The base problem a case of these params poses (its target's), as the check is handed it."""
+        return self.target(params).inputs(params, seed, device)
+
     def validate(self, params: Mapping) -> None:
         target = params.get("target")
         if not isinstance(target, str) or target not in self.targets:

@@ -25,6 +25,7 @@ from mla_verify.optimized.registry import Resolved
 
 from ..errors import ContractError
 from .guards import foreign, owned
+from .invariants import broken
 
 
 def _describe(obj: Any) -> str:
@@ -241,8 +242,9 @@ def guard(stage: str, name: str, fn: Callable, writes: Collection[str] = (), vie
     """`fn` (implementation `name` of `stage`) with its inputs snapshotted and compared after the
     call, its outputs checked for being plain dense tensors that alias no input, and handed on as
     copies of their own (`guards.owned`): a stage returning its static buffer every call would
-    otherwise overwrite what a pipeline or a property holds from its previous call. A violation
-    raises ContractError."""
+    otherwise overwrite what a pipeline or a property holds from its previous call, and its
+    metadata invariants checked (`sandbox.invariants`). A violation raises ContractError, naming
+    the stage."""
 
     @functools.wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
@@ -253,6 +255,7 @@ def guard(stage: str, name: str, fn: Callable, writes: Collection[str] = (), vie
         problems += [p for out_name, t in _outputs(result) if (p := foreign(out_name, t))]
         if not views:
             problems += [p for out_name, t in _outputs(result) if (p := saved.aliased_by(out_name, t))]
+        problems += [why] if (why := broken(stage, kwargs, result)) else []
         if problems:
             raise ContractError(f"stage {stage} ({name}): {problems[0]}")
         return result if views else owned(result)

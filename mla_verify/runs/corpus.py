@@ -10,11 +10,15 @@ not the hash of the finding it holds is refused (a usage error naming it), and o
 name a finding takes (another finding, or no case at all) is replaced by the finding: a name taken
 beforehand never keeps a finding out.
 
-A kept case applies to a run's unit (op and implementation, `runs.units.Unit`) when it was found
-on that op with the same `--impl` strings; it is replayed before the unit's pinned corpus and
-campaigns, whatever the run's seed, and its rows have source "kept". A kept or pinned case that
-fails is a finding of the run like a campaign's: saved under the run's failures/ (`save_replayed`),
-and a pinned one is kept here too.
+A kept case applies to a run's unit (op and implementation, `runs.units.Unit`) by what it
+exercises: its op, and every implementation its `--impl` strings name (an op's kernel; for a
+pipeline or a property each stage it replaced, `STAGE=SPEC`) named by the unit too, whatever else
+the unit names: a finding kept by a gate of one kernel is replayed by a gate of that kernel and
+others (`applies`). It is replayed before the unit's pinned corpus and campaigns, whatever the
+run's seed, and its rows have source "kept"; the run says how many kept cases of the ops it judges
+it did not replay (`not_replayed`). A kept or pinned case that fails is a finding of the run like a
+campaign's: saved under the run's failures/ (`save_replayed`, through the run's `Findings`), and a
+pinned one is kept here too.
 """
 
 from __future__ import annotations
@@ -23,17 +27,23 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
+from mla_verify.equivalence import catalog
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
-from mla_verify.fuzz.campaign import UnderTest
+from mla_verify.fuzz.findings import Findings, UnderTest
 
-SOURCE = "kept"  # the rows' source of a kept case's replay
-PINNED = "corpus"  # the rows' source of a case of the pinned regression corpus (fuzz/corpus)
+
+class Replay(StrEnum):
+    """Where a case replayed before the campaigns comes from: its rows' source."""
+
+    KEPT = "kept"      # a kept corpus's (this module)
+    PINNED = "corpus"  # the pinned regression corpus's (fuzz/corpus)
 
 
 @dataclass(frozen=True)
@@ -41,11 +51,19 @@ class Kept:
     """A case of the corpus: its file and what it holds."""
 
     path: Path
-    saved: casefile.CaseFile
+    saved: casefile.CaseFile = field(compare=False)
 
     @property
     def case(self) -> Case:
         return self.saved.case
+
+
+def applies(kept: Kept, op: str, specs: Sequence[str]) -> bool:
+    """Whether `kept` applies to a unit of `op` judging the --impl strings `specs`: the same op, and
+    each implementation the kept case names (its kernel, or each replaced stage as STAGE=SPEC) named
+    there too; a case kept with none (the project's own implementations) only where none is named."""
+    impl = kept.saved.impl
+    return kept.case.op == op and (set(impl) <= set(specs) if impl else not specs)
 
 
 def name(cf: casefile.CaseFile) -> str:
@@ -81,10 +99,14 @@ class Corpus:
             self._cases = found
         return self._cases
 
-    def applying(self, op: str, specs: Iterable[str]) -> tuple[Case, ...]:
-        """The kept cases of `op` found with these --impl strings."""
-        specs = tuple(specs)
-        return tuple(k.case for k in self.cases() if k.case.op == op and k.saved.impl == specs)
+    def applying(self, op: str, specs: Sequence[str]) -> tuple[Kept, ...]:
+        """The kept cases a unit of `op` judging the --impl strings `specs` replays (`applies`), each
+        case once (two kernels' gates may each have kept it)."""
+        once = {}
+        for k in self.cases():
+            if applies(k, op, specs):
+                once.setdefault(k.case.case_id, k)
+        return tuple(once.values())
 
     def add(self, case_file: Path) -> Path | None:
         """Keep the finding saved in `case_file`: its path in the corpus, None if it was kept already."""
@@ -122,23 +144,19 @@ class Replayed:
 
     case: Case
     rows: list
-    path: Path      # its case file under the run's failures/
-    source: str     # SOURCE or PINNED
+    path: Path | None  # its case file under the run's failures/ (None: it could not be written)
+    source: Replay
     kept_as: str    # a kept case's file name in the corpus ("" for a pinned one)
 
 
-def save_replayed(directory: Path, tested: UnderTest, case: Case, rows: list, source: str, why: str) -> Replayed:
-    """Save the failing kept or pinned `case` under directory/failures as the finding its rows name
-    (`Row.finding`): one file a finding, whichever way the run came to it."""
-    cf = casefile.CaseFile(case, tested.specs, tested.device, casefile.failure_summary(rows),
-                           deviations=tested.deviations, conventions=tested.conventions)
-    kept_as = name(cf) if source == SOURCE else ""
-    cf.note = f"from the kept corpus ({kept_as}): it still fails" if kept_as else f"a pinned regression case: {why}"
-    path = casefile.save_new(Path(directory) / "failures",
-                             casefile.stem(case.op, tested.label or ",".join(tested.specs), case), cf)
-    for r in rows:
-        r.finding = path.name
-    return Replayed(case, rows, path, source, kept_as)
+def save_replayed(findings: Findings, tested: UnderTest, case: Case, rows: list, source: Replay,
+                  whence: str) -> Replayed:
+    """Save the failing kept or pinned `case` in the run's `findings` as the finding its rows name
+    (`Row.finding`): one file a finding, whichever way the run came to it. `whence`: a kept case's
+    file name in the corpus, or why a pinned case is pinned."""
+    kept_as = whence if source == Replay.KEPT else ""
+    note = f"from the kept corpus ({kept_as}): it still fails" if kept_as else f"a pinned regression case: {whence}"
+    return Replayed(case, rows, findings.save(tested, case, rows, note, journaled=False), source, kept_as)
 
 
 def with_kept(units: list, corpus: Corpus | None) -> list:
@@ -146,6 +164,20 @@ def with_kept(units: list, corpus: Corpus | None) -> list:
     if corpus is None:
         return units
     return [replace(u, kept=corpus.applying(u.op, u.specs)) for u in units]
+
+
+def not_replayed(corpus: Corpus | None, units: Sequence, ops: Sequence[str] = (), run: str = "gate") -> list[str]:
+    """The line that counts the kept cases of the ops the `run` judges (`ops`: those it was narrowed
+    to, none: every op) that none of its `units` replays: they name implementations it does not."""
+    if corpus is None:
+        return []
+    judged = set(catalog.select(list(ops))) if ops else None
+    left = sum(1 for k in corpus.cases() if (judged is None or k.case.op in judged)
+               and not any(applies(k, u.op, u.specs) for u in units))
+    if not left:
+        return []
+    return [f"{left} kept case{'s' * (left != 1)} not replayed ({'they name' if left != 1 else 'it names'} "
+            f"implementations this {run} does not)"]
 
 
 def keep(corpus: Corpus | None, findings: Iterable[Path | None], rows) -> list[str]:
@@ -161,7 +193,7 @@ def outcome(rows) -> tuple[list[str], list[str]]:
     """(case ids that still fail, case ids that pass now) among the kept cases' rows."""
     verdict: dict[str, bool] = {}
     for r in rows:
-        if r.source == SOURCE:
+        if r.source == Replay.KEPT:
             verdict[r.case_id] = verdict.get(r.case_id, True) and bool(r.passed)
     return [c for c, ok in verdict.items() if not ok], [c for c, ok in verdict.items() if ok]
 

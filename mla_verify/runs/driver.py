@@ -31,21 +31,23 @@ from mla_verify.equivalence.sandbox import call_guards
 from mla_verify.equivalence.ops import dcp_ranks
 from mla_verify.equivalence.sandbox import device as dev
 from mla_verify.equivalence.cases.case import Case
+from mla_verify.equivalence.cases.values import release_pools
 from mla_verify.equivalence.sandbox.device import WORKER_SHARE, take_gpu_share
 from mla_verify.equivalence.errors import HarnessError
 from mla_verify.equivalence.cases.profiles import Profile
 from mla_verify.equivalence.judge.mismatch import line
 from mla_verify.equivalence.judge.rows import FailureKind, Row, RowContext
-from mla_verify.equivalence.subject import Subject, unexercised
+from mla_verify.equivalence.subject import Subject, never_called, unexercised
 from mla_verify.equivalence.errors import UsageError
-from mla_verify.fuzz.campaign import Campaign, FuzzResult, Judge, Stop, UnderTest, fuzz
+from mla_verify.fuzz.campaign import Campaign, FuzzResult, Judge, Stop, fuzz
 from mla_verify.fuzz.casefile import load, write_atomic
+from mla_verify.fuzz.findings import Findings, UnderTest
 from mla_verify.runs.progress import Progress
 from mla_verify.fuzz.regressions import corpus
 from mla_verify.pytest_plugin import DEFAULTS
 from mla_verify.reports.store import rows_frame
 
-from .corpus import PINNED, SOURCE, Corpus, Replayed, keep, save_replayed, with_kept
+from .corpus import Corpus, Replay, Replayed, keep, not_replayed, save_replayed, with_kept
 from .declines import asked_again
 from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, rest_command, result_file
 from .parts import check_in_parts, gate_in_parts
@@ -73,13 +75,14 @@ class GateResult:
     def new_findings(self) -> list[Path]:
         """The case files of the findings a kept corpus has yet to keep: the failing pinned cases',
         the campaigns'."""
-        return ([r.path for r in self.replayed if r.source == PINNED]
+        return ([r.path for r in self.replayed if r.source == Replay.PINNED]
                 + [fz.case_file for fz in self.fuzz if fz.case_file is not None])
 
 
 def _pinned(unit: Unit) -> list[tuple[Case, str]]:
     """(case, why) of the unit's pinned regression cases, less those its kept corpus replays already."""
-    return [(case, why) for case, why in (corpus(unit.op) if unit.corpus else []) if case not in unit.kept]
+    kept = [k.case for k in unit.kept]
+    return [(case, why) for case, why in (corpus(unit.op) if unit.corpus else []) if case not in kept]
 
 
 def _examples(spec, examples: int | None, profile: Profile) -> int:
@@ -133,7 +136,9 @@ def _within_memory(judge: Judge, context: RowContext) -> Judge:
 
 
 def _give_back(seconds: float) -> None:
-    """This process's cached device memory back to the card, then a wait for the other parts'."""
+    """This process's input pools and cached device memory back to the card, then a wait for the
+    other parts'."""
+    release_pools()
     gc.collect()
     torch.cuda.empty_cache()
     time.sleep(seconds)
@@ -212,18 +217,20 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
         _block_runner(subject, judging, context, sink if run.command == FUZZ else None), context))
     sink.judging(unit)
     tested = UnderTest(unit.specs, unit.label, unit.deviations, unit.conventions, run.device)
+    findings = Findings(_failures_dir(run), sink)
     t0 = start = time.monotonic()  # a campaign's seconds include the corpus cases run before it
     finished = True                # every campaign ran its budget (a stopped one: the unit is not done)
     pinned, replayed = _pinned(unit), len(result.replayed)
     pinned_rows = []
-    for case, source, why in [(c, SOURCE, "") for c in unit.kept] + [(c, PINNED, why) for c, why in pinned]:
+    for case, source, why in ([(k.case, Replay.KEPT, k.path.name) for k in unit.kept]
+                              + [(c, Replay.PINNED, why) for c, why in pinned]):
         if sink.stop_reason():
             return False
         sink.started(case, source)
         case_rows, = judge([case], source, lambda: None)
         sink.finished(case)
         if any(not r.passed for r in case_rows):  # a finding of this run: saved, its rows naming the file
-            result.replayed.append(save_replayed(_failures_dir(run), tested, case, case_rows, source, why))
+            result.replayed.append(save_replayed(findings, tested, case, case_rows, source, why))
         sink.judged(case_rows, source)
         pinned_rows += case_rows
     result.rows.extend(pinned_rows)
@@ -232,10 +239,10 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
             return False
         campaign = Campaign(unit.op, run.profile, budget, seed, tested, path,
                             run.world_size or gate_world_size(spec, run.device_type), block_size(run.profile, budget),
-                            run.shrink, _failures_dir(run))
+                            run.shrink, findings)
         fz = fuzz(campaign, judge, sink)
         finished &= not fz.stopped
-        _found_again(fz, result.replayed[replayed:], sink)
+        _found_again(fz, result.replayed[replayed:], findings)
         result.fuzz.append(fz)
         result.rows.extend(fz.rows)
         if log is not None:
@@ -251,18 +258,14 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
     return True
 
 
-def _found_again(fz: FuzzResult, replayed: list[Replayed], sink: Sink) -> None:
+def _found_again(fz: FuzzResult, replayed: list[Replayed], findings: Findings) -> None:
     """A campaign's finding that is a kept or pinned case its unit replayed (and saved) already
     (a search often shrinks to the same small case): one finding, one file. The campaign's file
     goes and its case's rows name the replayed case's."""
     same = next((r for r in replayed if fz.failure is not None and r.case == fz.failure.case), None)
-    if same is None or fz.case_file is None:
+    if same is None or same.path is None or fz.case_file is None:
         return
-    rows = [r for r in fz.rows if r.finding == fz.case_file.name]
-    for r in rows:
-        r.finding = same.path.name
-    sink.found(rows, same.path.name)
-    fz.case_file.unlink(missing_ok=True)
+    findings.drop(fz.case_file, [r for r in fz.rows if r.finding == fz.case_file.name], instead=same.path)
     fz.case_file = same.path
 
 
@@ -304,6 +307,7 @@ def _fuzz(run: Run, log: Callable[[str], None]) -> CheckResult:
     unit = Unit(run.op, run.label, run.specs, subject=run.subject, paths=(run.path,), corpus=False,
                 deviations=run.deviations, conventions=run.conventions,
                 kept=kept.applying(run.op, run.specs) if kept and run.corpus_replay else ())
+    left = not_replayed(kept, [unit], (run.op,), "run") if run.corpus_replay else []
     judged, judged_by = judging(run, [unit])
     log(run.header())
     meta, run_dir = with_extra(run.meta(), judged_by), run.out
@@ -328,7 +332,7 @@ def _fuzz(run: Run, log: Callable[[str], None]) -> CheckResult:
     fz, = result.fuzz
     if run_dir:
         run_dir.finish(sink.rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
-    notes = keep(kept, result.new_findings(), sink.rows) + sorted(result.notes)
+    notes = keep(kept, result.new_findings(), sink.rows) + left + sorted(result.notes)
     failures = [Failure.of(r.case, r.rows, r.path, replay_command(r.path, run.specs, run.device, run.deviations,
                                                                   run.timeout, run.isolate, run.conventions),
                            seed=seed, from_corpus=True) for r in result.replayed]
@@ -352,10 +356,24 @@ def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, 
     notes += unexercised(run.specs, call_guards.CALLED_WITH)  # what the replaced stages were never handed
     if run.world_size:
         notes += [f"worst per rank over {fz.examples} cases: {line}" for line in dcp_ranks.worst_by_rank(fz.rows)]
-    return CheckResult(run.op, run.label, not failures and fz.stopped != Stop.INTERRUPTED and bool(frame.passed.all()),
+    silent = never_called(run.specs, call_guards.CALLED_WITH, (run.op,))
+    return CheckResult(run.op, run.label,
+                       not failures and not silent and fz.stopped != Stop.INTERRUPTED and bool(frame.passed.all()),
                        frame, seed, fz.examples, run.out.path if run.out else None, failures,
                        interrupted=fz.stopped == Stop.INTERRUPTED, notes=notes, in_process=run.in_process,
-                       sandbox=sandbox)
+                       sandbox=sandbox, never_called=_never_judged(run.op, silent, f"these {fz.examples} cases"))
+
+
+def _never_judged(op: str, stages: list[str], cases: str) -> str:
+    """Why there is no verdict on the replaced `stages` no case called ("": there is), and where
+    calls of them are drawn (`PipelineSpec.paths_calling`)."""
+    if not stages:
+        return ""
+    spec = catalog.get_spec(op)
+    paths = spec.paths_calling(stages) if hasattr(spec, "paths_calling") else ()
+    where = (f"{op}'s paths that call {'it' if len(stages) == 1 else 'them'}: {', '.join(paths)}" if paths
+             else f"no {op} batch calls {'it' if len(stages) == 1 else 'them'}")
+    return f"{', '.join(stages)} never called by {cases}: nothing judged {'it' if len(stages) == 1 else 'them'} ({where})"
 
 
 def _gate(run: Run, log: Callable[[str], None]) -> GateOutcome:
@@ -367,6 +385,7 @@ def _gate(run: Run, log: Callable[[str], None]) -> GateOutcome:
     run_dir, meta = run.out, with_extra(run.meta(), judged_by)
     sink = Sink(run_dir, f"gate-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
     run_dir.start(meta)
+    call_guards.CALLED_WITH.clear()
     try:
         with sink.interrupt.installed():  # the stderr of the moment: pytest's capture replaces it
             result = run_gate(run, sink, sys.stderr, chosen, judged)
@@ -384,13 +403,16 @@ def _gate(run: Run, log: Callable[[str], None]) -> GateOutcome:
         dcp_ranks.close_all()
         judged.close()  # closed by run_units, unless it never got there
     interrupted = sink.interrupt.requested
+    silent = never_called(run.impls, call_guards.CALLED_WITH, [u.op for u in chosen])
     outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupted,
-                          keep(kept, result.new_findings(), result.rows) + sorted(result.notes),
+                          keep(kept, result.new_findings(), result.rows) + not_replayed(kept, chosen, run.ops)
+                          + sorted(result.notes),
                           odd_ones_out(result.rows),
                           isolated=run.isolate, rest=_rest(run, chosen, result) if interrupted else (0, ""),
-                          sandbox=judged.summary())
+                          sandbox=judged.summary(),
+                          never_called=_never_judged("forward_mqa", silent, "the gate's cases"))
     durations.write(run_dir.path, result.seconds)
-    run_dir.finish(result.rows, {**meta, "stopped": "interrupted"} if interrupted else meta)
+    run_dir.finish(result.rows, {**meta, "stopped": Stop.INTERRUPTED} if interrupted else meta)
 
     def said(path: Path, rows) -> list[str]:  # the replay command (with the implementation saved), the failing rows
         command = replay_command(path, load(path).impl, run.device, timeout=run.timeout, isolate=run.isolate)
@@ -399,7 +421,7 @@ def _gate(run: Run, log: Callable[[str], None]) -> GateOutcome:
 
     outcome.case_files = [(r.path, [f"  from the corpus: still fails (kept as {r.kept_as})" if r.kept_as
                                     else "  a pinned regression case: fails", *said(r.path, r.rows)])
-                          for r in result.replayed]
+                          for r in result.replayed if r.path is not None]
     outcome.case_files += [(fz.case_file, [f"  not minimized: {fz.unminimized}"] * bool(fz.unminimized)
                             + said(fz.case_file, fz.failure.rows if fz.failure else ()))
                            for fz in result.fuzz if fz.case_file and fz.case_file not in {r.path for r in result.replayed}]

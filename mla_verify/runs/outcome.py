@@ -17,7 +17,9 @@ from mla_verify.equivalence.judge.rows import FailureKind
 from mla_verify.equivalence.sandbox.device import device_type, is_cuda
 from mla_verify.equivalence.subject import is_local
 from mla_verify.reports.bias import bias_of
+from mla_verify.reports.causes import lines as cause_lines, of_frame
 from mla_verify.reports.meta import IN_PROCESS
+from mla_verify.reports.stats import reached
 
 DEFAULT_TIMEOUT_S = 300.0  # what an implementation may take per case in the isolation worker
 RESULT_JSON = "result.json"  # a fuzz part's outcome (result_file)
@@ -97,6 +99,7 @@ class CheckResult:
     campaigns: int = 1              # independent campaigns (parallel parts: seeds seed, seed + 1, ...)
     in_process: bool = False        # judged in the implementation's own process (--no-isolate, a callable object)
     sandbox: str = ""               # isolated: what its workers stood behind ("sandbox auto: ...", sandbox.boundary)
+    never_called: str = ""          # the replaced stages no case called (runs.driver): nothing judged what was asked
 
     def __post_init__(self) -> None:
         if self.no_verdict:
@@ -109,18 +112,23 @@ class CheckResult:
 
     @property
     def no_verdict(self) -> str:
-        """Why nothing was judged (every case declined, or not judged for want of memory), else "":
-        NO VERDICT, exit 4."""
-        if self.failures or self.interrupted or not len(self.rows) or not self.rows.gate_metric.isin(UNJUDGED).all():
+        """Why nothing judged what was asked (a replaced stage no case called; every case declined, or
+        not judged for want of memory), else "": NO VERDICT, exit 4 (a failure says more)."""
+        if self.failures or self.interrupted:
             return ""
-        return (f"every one of its {self.rows.case_id.nunique()} cases was declined by the implementation "
-                f"(mla_verify.unsupported) or not judged: nothing was judged")
+        if self.never_called:
+            return self.never_called
+        if not len(self.rows) or not self.rows.gate_metric.isin(UNJUDGED).all():
+            return ""
+        return (f"{self.op} ({self.impl}): every one of its {self.rows.case_id.nunique()} cases was declined by the "
+                f"implementation (mla_verify.unsupported) or not judged: nothing was judged")
 
     def report(self) -> str:
         """What the CLI prints at the end: PASS with the least headroom (qualified when judged in
         the implementation's own process: it could reach the judge), or each failure with its
         minimized case, failing metric and bound, case file and replay command; then a warning per
-        group biased against the reference (`reports.bias`: never a failure)."""
+        group biased against the reference (`reports.bias`: never a failure). Several failures are
+        grouped by cause after them (`reports.causes`)."""
         lines = [f"note: {n}" for n in self.notes]
         for f in self.failures:
             kind = f"FLAKY DISCREPANCY (failed {f.flaky[0]} of {f.flaky[1]} re-runs)" if f.flaky else "DISCREPANCY"
@@ -130,19 +138,23 @@ class CheckResult:
             lines += f.lines()
         if any(r["gate_metric"] not in QUIET_METRICS for f in self.failures for r in f.rows):
             lines.append("  (what each bound means and why it is set there: mla-verify list --tolerances --long)")
+        if len(self.failures) > 1 and (groups := of_frame(self.rows)):  # one bug found several ways reads as one
+            lines.append(f"FAIL: {len(self.failures)} findings, by cause:")
+            lines += cause_lines(groups)
         if self.interrupted:
             lines.append(f"INTERRUPTED after {self.examples} examples (seed {self.seed}); rows so far in {self.out}"
                          if self.out else f"INTERRUPTED after {self.examples} examples (seed {self.seed})")
         elif self.no_verdict:
-            lines.append(f"NO VERDICT: {self.op} ({self.impl}): {self.no_verdict}")
+            lines.append(f"NO VERDICT: {self.no_verdict}")
         elif self.passed:
             seeds = (f"seed {self.seed}" if self.campaigns == 1
                      else f"seeds {self.seed}..{self.seed + self.campaigns - 1}")
             over = f" over {self.campaigns} campaigns" if self.campaigns > 1 else ""
             judged = f" ({IN_PROCESS})" if self.in_process else ""
             fence = f"; {self.sandbox}" if self.sandbox else ""
+            reach = f"; reached {where}" if (where := reached(self.rows)) else ""
             lines.append(f"PASS{judged}: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}"
-                         f"{fence}")
+                         f"{reach}{fence}")
         if self.unsupported:
             first = self.rows[self.rows.gate_metric == FailureKind.UNSUPPORTED].reason.iloc[0]
             lines.append(f"  {self.unsupported} of them declined by the implementation (mla_verify.unsupported), "
@@ -210,29 +222,38 @@ class GateOutcome:
     isolated: bool = True           # judged out of the kernels' reach (reports.meta.IN_PROCESS otherwise)
     sandbox: str = ""               # what its workers stood behind (sandbox.boundary), as its last line says
     rest: tuple[int, str] = (0, "")  # interrupted: the ops not finished, and the command that runs them
+    never_called: str = ""          # the replaced stages no case called (runs.driver): nothing judged what was asked
 
     def lines(self) -> list[str]:
         """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts said them),
-        the units that judged nothing; interrupted, the command that runs what it did not reach."""
+        the units that judged nothing and the replaced stages never called; interrupted, the command that
+        runs what it did not reach."""
         left, command = self.rest
         return ([f"note: {n}" for n in self.notes] + [f"odd one out: {line}" for line in self.odd_ones_out]
                 + [text for f, rows in self.case_files
                    for text in [f"finding saved: {f}", *rows]]
                 + [line.strip() for line in not_judged_lines(self.rows)]
                 + [f"NO VERDICT: {unit}: every case declined by the implementation (mla_verify.unsupported) or not "
-                   "judged" for unit in self.no_verdict]
+                   "judged" for unit in self.unjudged]
                 + ([f"INTERRUPTED: {len(self.rows)} rows written to {self.out}"] if self.interrupted else [])
                 + ([f"  the rest ({left} op{'s' * (left != 1)} not finished, the cases this run would have drawn "
-                    f"for them): {command}"] if self.interrupted and command else []))
+                    f"for them): {command}"] if self.interrupted and command else [])
+                + ([f"NO VERDICT: {self.never_called}"] if self.never_called and not self.failed else []))
 
     @property
-    def no_verdict(self) -> list[str]:
+    def unjudged(self) -> list[str]:
         """The units ("op impl") that judged nothing: every case of theirs declined."""
         units: dict[str, bool] = {}
         for r in self.rows:
             unit = f"{r.op} {r.impl}"
             units[unit] = units.get(unit, True) and r.gate_metric in UNJUDGED
         return [unit for unit, nothing in units.items() if nothing]
+
+    @property
+    def no_verdict(self) -> bool:
+        """Whether something asked was never judged (a unit of declined cases, a replaced stage never
+        called): exit 4 where nothing failed."""
+        return bool(self.unjudged or self.never_called)
 
     @property
     def exit_code(self) -> int:

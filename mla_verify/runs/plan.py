@@ -162,14 +162,15 @@ class Run:
             budget = (f"{self.examples}" if self.examples is not None
                       else f"{self.profile.examples} (properties: {self.profile.property_examples})")
             return (f"mla-verify gate: device {self.device}, profile {self.profile.name}, {budget} fuzz examples per "
-                    f"op and implementation, seed {self.seed}{self._shard_words()}"
+                    f"op and implementation or its whole covering set, seed {self.seed}{self._shard_words()}"
                     f"{', only ' + ' '.join(self.impls) if self.impls else ''}"
                     f"{f', corpus {self.corpus}' if self.corpus else ''}"
                     f"{where}")
         ranks = ""
         if self.world_size:
             ranks = f", {self.world_size} ranks ({dcp_ranks.placement(self.world_size, self.device_type).describe()})"
-        return (f"mla-verify fuzz: op {self.op}, implementation {self.label}, {self.examples} examples, profile "
+        return (f"mla-verify fuzz: op {self.op}, implementation {self.label}, {self.examples} examples or the whole "
+                f"covering set, profile "
                 f"{self.profile.name}, device {self.device}, seed {self.seed}{ranks}{', isolated' if self.isolate else ''}"
                 f"{where}" + (f"; the cases of baseline {self.baseline}" if self.baseline is not None else "")
                 + ("" if self.shard.whole else f"; shard {self.shard} of {self.shard.count * self.parts} campaigns: "

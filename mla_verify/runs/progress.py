@@ -40,8 +40,9 @@ class Progress:
 
     def line(self, now: float) -> str:
         elapsed = now - self.start
-        left = elapsed / self.done * max(self.total - self.done, 0) if self.done else float("nan")
-        return (f"  [{self.label}] {self.done}/{self.total} cases, {self.failed} failing, {elapsed:.0f} s elapsed, "
+        total = max(self.total, self.done)  # a covering set larger than its campaign's budget runs whole
+        left = elapsed / self.done * (total - self.done) if self.done else float("nan")
+        return (f"  [{self.label}] {self.done}/{total} cases, {self.failed} failing, {elapsed:.0f} s elapsed, "
                 f"~{left:.0f} s left")
 
     @property

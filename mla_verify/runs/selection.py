@@ -6,7 +6,8 @@ of a stage inside `forward_mqa` (most ops are stages too: `sparse_decode_fp8=...
 `forward_mqa=SPEC` / `dcp=SPEC` a whole pipeline or rank body. The units (`runs.units.Unit`):
 
 * each named op with its implementation (its pinned corpus and campaigns, as the gate runs it);
-* `forward_mqa` with every named stage swapped in, over every path it draws;
+* `forward_mqa` with every named stage swapped in, on every path that calls one of them
+  (`PipelineSpec.paths_calling`), each a campaign of its own (its covering set and pairs);
 * every property one of whose targets tests a named stage, with the stages swapped in, on the
   targets they cover (a property that does not run on the device is left out, as the gate does).
 """
@@ -42,12 +43,6 @@ def parse(impls: Sequence[str]) -> dict[str, str]:
     return chosen
 
 
-def pipeline_stages() -> set[str]:
-    """The stages a forward_mqa call runs, as the properties' forward_mqa targets declare them."""
-    return {stage for spec in catalog.specs("property") for name, target in spec.targets.items()
-            if name == PIPELINE for stage in target.under_test}
-
-
 def impl_units(impls: Sequence[str], device: str, ops: Sequence[str] | None = None) -> list[Unit]:
     """The gate's units for the implementations `impls` (`--impl KEY=SPEC` strings) on `device`,
     in catalog order; `ops` (as `gate --op`) keeps only those. Every unit's implementation is
@@ -65,9 +60,9 @@ def impl_units(impls: Sequence[str], device: str, ops: Sequence[str] | None = No
                 continue
             if spec.name in chosen:
                 found.append(Unit(spec.name, chosen[spec.name], (chosen[spec.name],)))
-            elif spec.name == PIPELINE and set(chosen) & pipeline_stages():
+            elif spec.name == PIPELINE and (paths := spec.paths_calling(chosen)):
                 found.append(Unit(PIPELINE, catalog.resolve_subject(PIPELINE, stage_specs, kind, described=True).label,
-                                  stage_specs))
+                                  stage_specs, paths=paths))
             elif spec.family == "property" and stage_specs and spec.subjects(kind):
                 try:
                     spec.subject(stage_specs, kind)

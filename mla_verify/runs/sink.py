@@ -63,7 +63,8 @@ class Sink:
             self.progress.step(any(not r.passed for r in rows), now_at=where)
 
     def found(self, rows: list[Row], name: str) -> None:
-        """The case of `rows`, journaled already, is now the finding saved as `name` ("": no longer)."""
+        """The case of `rows`, journaled already, is now the finding saved as `name` ("": no longer):
+        the run's findings store tells it (`fuzz.findings.Journal`)."""
         if self.run_dir is not None and rows:
             self.run_dir.found(rows[0], name)
 

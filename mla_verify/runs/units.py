@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 import torch
 
 from mla_verify.equivalence import catalog
-from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.judge.rows import Row
 from mla_verify.equivalence.sandbox.device import device_type
 from mla_verify.equivalence.spec import Spec
 from mla_verify.equivalence.subject import Subject
 
 from . import durations
+from .corpus import Kept
 from .parts import Shard
 
 
@@ -73,7 +73,7 @@ class Unit:
     corpus: bool = True
     deviations: tuple[str, ...] = ()
     conventions: tuple[str, ...] = ()
-    kept: tuple[Case, ...] = ()  # a kept corpus's cases of this op and implementation (runs.corpus), run first
+    kept: tuple[Kept, ...] = ()  # a kept corpus's cases that apply to it (runs.corpus.applies), run first
 
     @property
     def key(self) -> str:

@@ -206,6 +206,14 @@ def _format_args(fmt: CacheFormat | None) -> tuple[int, int, int, bool]:
     return (0, 576, 8, True) if fmt is None else (fmt.code, fmt.data_bytes, fmt.scale_bytes, fmt.block_major)
 
 
+def _default_config(heads: int) -> AttentionConfig:
+    """64 gathered rows a step fit SM90's 227 KiB of shared memory (232,448 B) only with 64-head
+    tiles: compiled for sm_90a (triton 3.6) a V4 kernel of 64 heads needs 229,888 B, of 16 or 32
+    heads 246,272 at 2 or 3 stages (the H100 refused every 16-head V4 case: OutOfResources); at
+    32 rows the small tiles need 131-148 KB (tests/test_v4_kernel_resources.py)."""
+    return AttentionConfig(block_n=64 if heads > 32 else 32)
+
+
 def launch_union_decode(
     q: torch.Tensor,
     main: UnionList,
@@ -219,7 +227,7 @@ def launch_union_decode(
     batch, seq, heads, _ = q.shape
     topk = main.indices.shape[2]
     xtopk = 0 if extra is None else extra.indices.shape[2]
-    cfg = (config or AttentionConfig()).resolve(heads, topk + xtopk)
+    cfg = (config or _default_config(heads)).resolve(heads, topk + xtopk)
     rows, head_blocks = batch * seq, triton.cdiv(heads, cfg.block_h)
     main_blocks = triton.cdiv(topk, cfg.block_n)
     blocks = main_blocks + triton.cdiv(xtopk, cfg.block_n)

@@ -88,3 +88,16 @@ def decode_lse_not_transposed(q, kv_cache, **kw):
         return res._replace(lse=flipped)
 
     return _run(q, kv_cache, kw, sparse_decode=decode)
+
+
+def chunk_ending_mid_batch_drops_its_last_request(q, kv_cache, **kw):
+    """A chunk of two or more requests that ends mid-batch (more prefills follow it) stops its
+    token range at its last request's start: that request's rows are never computed (the output
+    buffer's zeros stay). Right for the last chunk and for chunks of one request."""
+    def change(plan, qsl, seq_lens, split):
+        last = len(plan.chunks) - 1
+        chunks = [dataclasses.replace(c, tokens=(c.tokens[0], qsl[c.requests[1] - 1]))
+                  if i < last and c.requests[1] - c.requests[0] >= 2 else c for i, c in enumerate(plan.chunks)]
+        return dataclasses.replace(plan, chunks=chunks)
+
+    return _run(q, kv_cache, kw, plan_prefill=_plan_with(change))

@@ -70,7 +70,7 @@ def prefill_rows_through_block_table(req_id, block_table, topk_indices, block_si
 def dcp_no_ownership_filter(req_id, block_table, topk_indices, block_size, dcp_size, dcp_rank, interleave,
                             compact_valid_to_front):
     """vLLM #46514: global positions converted through the local block table, unfiltered."""
-    out = reference.convert_index(req_id, block_table, topk_indices, block_size, idx_mapping=idx_mapping)
+    out = reference.convert_index(req_id, block_table, topk_indices, block_size)
     return compact_rows(out)[0] if compact_valid_to_front else out
 
 
@@ -114,3 +114,28 @@ def assumes_dense_block_table(req_id, block_table, topk_indices, block_size, blo
     dense = torch.as_strided(block_table, block_table.shape, (block_table.shape[1], 1), 0)
     return reference.convert_index(req_id, dense, topk_indices, block_size, block_stride_rows, prefill_request_ids,
                                    prefill_workspace_starts, return_valid_counts, idx_mapping=idx_mapping)
+
+
+def prefill_base_added_twice(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
+                             prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False,
+                             idx_mapping=None):
+    """A prefill token's workspace row computed as start + start + position (the request's base
+    added once in the pointer and again in the offset): right for the first request of each
+    workspace chunk, whose start is 0, wrong for a second request sharing the chunk."""
+    doubled = None if prefill_workspace_starts is None else prefill_workspace_starts * 2
+    return reference.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows,
+                                   prefill_request_ids, doubled, return_valid_counts, idx_mapping=idx_mapping)
+
+
+def invalid_entries_not_minus_one(req_id, block_table, topk_indices, block_size, block_stride_rows=None,
+                                  prefill_request_ids=None, prefill_workspace_starts=None, return_valid_counts=False,
+                                  idx_mapping=None):
+    """Invalid entries written as -2 (a sentinel of its own) instead of -1. The BF16 prefill kernel
+    skips any negative entry, so forward_mqa's bf16 path answers right: only the converter's own
+    contract (invalid entries exactly -1, a metadata invariant) shows it there."""
+    result = reference.convert_index(req_id, block_table, topk_indices, block_size, block_stride_rows,
+                                     prefill_request_ids, prefill_workspace_starts, return_valid_counts,
+                                     idx_mapping=idx_mapping)
+    if return_valid_counts:
+        return torch.where(result[0] < 0, -2, result[0]).to(result[0].dtype), result[1]
+    return torch.where(result < 0, -2, result).to(result.dtype)

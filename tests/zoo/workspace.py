@@ -36,3 +36,17 @@ def ignores_block_stride(kv_cache, block_table, workspace_starts, num_rows):
     bs = kv_cache.shape[1]
     flat = kv_cache.as_strided((kv_cache.shape[0] * bs, kv_cache.shape[2]), (kv_cache.shape[2], 1))
     return F8.dequantize_fp8_ds_mla(flat[block_table.long()[r, tok // bs] * bs + tok % bs])
+
+
+def request_by_first_equal_start(kv_cache, block_table, workspace_starts, num_rows):
+    """Row -> request by a binary search for the leftmost start <= the row: where a zero-length
+    request repeats the next one's start (vLLM pads request slots so, #51486), that request's
+    first row goes to the empty request, read through its (unused) block-table row. Right while
+    every request holds a row."""
+    starts = workspace_starts.long()
+    w = torch.arange(num_rows, device=starts.device)
+    r = torch.searchsorted(starts, w, right=False)
+    r = torch.where((r < len(starts)) & (starts[r.clamp(max=len(starts) - 1)] == w), r, r - 1)
+    tok = w - starts[r]
+    bs = kv_cache.shape[1]
+    return F8.dequantize_fp8_ds_mla(kv_cache[block_table.long()[r, tok // bs], tok % bs])
