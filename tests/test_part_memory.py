@@ -107,10 +107,10 @@ def test_a_worker_short_of_memory_before_the_call_gives_its_pools_back_and_build
     """The worker's own side (building a case's inputs) out of device memory: the pools and the
     allocator's cache given back, built once more; after the implementation was called, the error
     is the call's (the caller's crash rules), never retried."""
-    from mla_verify.equivalence.sandbox import worker
+    from mla_verify.equivalence import serve
 
     released, tries = [], []
-    monkeypatch.setattr(worker, "release_pools", lambda: released.append(True))
+    monkeypatch.setattr(serve, "release_pools", lambda: released.append(True))
 
     def attempt():
         tries.append(True)
@@ -118,8 +118,8 @@ def test_a_worker_short_of_memory_before_the_call_gives_its_pools_back_and_build
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB (4.95 GiB allowed)")
         return "produced"
 
-    assert worker._with_room(attempt, called=[]) == "produced" and released == [True] and len(tries) == 2
+    assert serve._with_room(attempt, called=[]) == "produced" and released == [True] and len(tries) == 2
     tries.clear()
     with pytest.raises(torch.OutOfMemoryError):
-        worker._with_room(attempt, called=[True])
+        serve._with_room(attempt, called=[True])
     assert len(tries) == 1 and released == [True]
