@@ -49,6 +49,17 @@ class FailureKind(StrEnum):
     UNSUPPORTED = "unsupported"      # declined by `unsupported(reason)`: counted, not failed
     NOT_JUDGED = "not_judged"        # the judge ran out of device memory for it, waits and retries: counted, not failed
 
+# Failing rows with no measured value: their reason says it all.
+QUIET_METRICS = frozenset({*FailureKind} - {FailureKind.UNSUPPORTED} | {"shape"})
+
+
+def line(tensor: str, metric: str, value: float, bound: float, reason: str) -> str:
+    """A failing verdict in one line: `out: bf16_units = 20.8 > 6: 312 / 512 elements ...`."""
+    if metric in QUIET_METRICS:
+        return f"{tensor}: {metric} -- {reason}"
+    return f"{tensor}: {metric} = {value:.4g} > {bound:.4g}: {reason}"
+
+
 # Metrics' fields that serve the oracle's verdict and are not stored: the rows an output's bound
 # grows with, the shape and first mismatch.
 _UNSTORED_METRICS = frozenset({"rows", "shape", "extra"})
@@ -122,6 +133,10 @@ class Row:
         # replay's source is one)
         self.kind, self.gate_metric, self.source = str(self.kind), str(self.gate_metric), str(self.source)
         self.exact = self.kind == "exact"
+
+    def line(self) -> str:
+        """The row as a failure is printed: `out: bf16_units = 20.8 > 6: 312 / 512 elements ...`."""
+        return line(self.tensor, self.gate_metric, self.value, self.bound, self.reason)
 
     def to_record(self) -> dict[str, Any]:
         """The row flat, COLUMNS in order: the metrics' stored fields in the place of `metrics`."""

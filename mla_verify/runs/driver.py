@@ -35,7 +35,6 @@ from mla_verify.equivalence.cases.values import release_pools
 from mla_verify.equivalence.sandbox.device import WORKER_SHARE, take_gpu_share
 from mla_verify.equivalence.errors import HarnessError
 from mla_verify.equivalence.cases.profiles import Profile
-from mla_verify.equivalence.judge.mismatch import line
 from mla_verify.equivalence.judge.rows import FailureKind, Row, RowContext
 from mla_verify.equivalence.subject import Subject, never_called, unexercised
 from mla_verify.equivalence.errors import UsageError
@@ -416,8 +415,7 @@ def _gate(run: Run, log: Callable[[str], None]) -> GateOutcome:
 
     def said(path: Path, rows) -> list[str]:  # the replay command (with the implementation saved), the failing rows
         command = replay_command(path, load(path).impl, run.device, timeout=run.timeout, isolate=run.isolate)
-        return [f"  replay: {command}", *(f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}"
-                                          for r in rows if not r.passed)]
+        return [f"  replay: {command}", *(f"  {r.line()}" for r in rows if not r.passed)]
 
     outcome.case_files = [(r.path, [f"  from the corpus: still fails (kept as {r.kept_as})" if r.kept_as
                                     else "  a pinned regression case: fails", *said(r.path, r.rows)])

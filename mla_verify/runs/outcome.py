@@ -12,8 +12,7 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 
 from mla_verify.equivalence.cases.case import Case
-from mla_verify.equivalence.judge.mismatch import QUIET_METRICS, line
-from mla_verify.equivalence.judge.rows import FailureKind
+from mla_verify.equivalence.judge.rows import QUIET_METRICS, FailureKind, Row
 from mla_verify.equivalence.sandbox.device import device_type, is_cuda
 from mla_verify.equivalence.subject import is_local
 from mla_verify.reports.bias import bias_of
@@ -59,7 +58,7 @@ class Failure:
         out = [f"  {what}: {self.case.short()}"]
         if self.unminimized and not (self.minimized or self.from_corpus):
             out.append(f"  not minimized: {self.unminimized}")
-        out += [f"  {line(r['tensor'], r['gate_metric'], r['value'], r['bound'], r['reason'])}" for r in self.rows]
+        out += [f"  {Row.from_record(r).line()}" for r in self.rows]
         if self.case_file is not None:
             out.append(f"  case saved: {self.case_file}")
         out.append(f"  replay: {self.replay_command}")
