@@ -1,5 +1,6 @@
-"""What `mla_verify.check` and `mla_verify.replay` return: the rows, the verdict and, for a
-failure, the minimized case with everything needed to replay it; `report()` is what the CLI prints."""
+"""What a run returns (`Outcome`): `mla_verify.check` and `mla_verify.replay` a `CheckResult` (the
+rows, the verdict and, for a failure, the minimized case with everything needed to replay it),
+`mla_verify.gate` a `GateOutcome`; `lines()` is what the CLI prints of either."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import pandas as pd
 
@@ -22,6 +23,25 @@ from mla_verify.reports.stats import reached
 
 DEFAULT_TIMEOUT_S = 300.0  # what an implementation may take per case in the isolation worker
 RESULT_JSON = "result.json"  # a fuzz part's outcome (result_file)
+
+
+class Outcome(Protocol):
+    """What a run returns, fuzz or gate. Two types answer it, not one: a CheckResult is one
+    implementation's verdict (its rows as a frame, each campaign's failure and its replay, a
+    replay's `reproduced`), a GateOutcome many units' (the odd ones out, every finding's case file,
+    an interrupted gate's rest); a field of one would be empty in the other."""
+
+    out: Path | None                # the run directory, if one was written
+    interrupted: bool               # Ctrl-C ended it early
+
+    def lines(self) -> list[str]:
+        """What the CLI prints of it: notes, findings, the verdict."""
+        ...
+
+    @property
+    def exit_code(self) -> int:
+        """What the CLI returns (`mla_verify.cli`'s codes: 0 pass, 1 discrepancy, 4 no verdict, 130)."""
+        ...
 
 
 @dataclass
@@ -123,6 +143,10 @@ class CheckResult:
                 f"implementation (mla_verify.unsupported) or not judged: nothing was judged")
 
     def report(self) -> str:
+        """`lines()` as the CLI prints them."""
+        return "\n".join(self.lines())
+
+    def lines(self) -> list[str]:
         """What the CLI prints at the end: PASS with the least headroom (qualified when judged in
         the implementation's own process: it could reach the judge), or each failure with its
         minimized case, failing metric and bound, case file and replay command; then a warning per
@@ -161,7 +185,7 @@ class CheckResult:
         lines += not_judged_lines(self.rows)
         if len(self.rows):
             lines += bias_of(self.rows).lines()
-        return "\n".join(lines)
+        return lines
 
     @property
     def unsupported(self) -> int:
