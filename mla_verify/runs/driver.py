@@ -48,7 +48,8 @@ from mla_verify.reports.store import rows_frame
 
 from .corpus import Corpus, Replay, Replayed, keep, not_replayed, save_replayed
 from .declines import asked_again
-from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, rest_command, result_file
+from .outcome import (RESULT_JSON, CheckResult, Failure, GateOutcome, Outcome, replay_command, rest_command,
+                      result_file)
 from .plan import FuzzRun, GateRun, Run
 from .sink import Sink
 from . import durations
@@ -427,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = Run.from_json(text)
         take_gpu_share(1 - WORKER_SHARE if run.isolate else 1.0)  # an isolated part's worker takes the rest
-        outcome = drive(run, lambda line: print(line, flush=True))
+        outcome: Outcome = drive(run, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
         return 130
     except UsageError as exc:
