@@ -33,7 +33,18 @@ from .metrics import Metrics
 if TYPE_CHECKING:
     from ..cases.case import Case
 
-KINDS = ("out", "lse", "max_logits", "exact", "other")
+
+class RowKind(StrEnum):
+    """Which key metric speaks for a row (the module's docstring); stored as its value."""
+
+    OUT = "out"
+    LSE = "lse"
+    MAX_LOGITS = "max_logits"
+    EXACT = "exact"
+    OTHER = "other"
+
+
+KINDS = tuple(RowKind)
 
 
 class FailureKind(StrEnum):
@@ -99,7 +110,7 @@ class Row:
     value_regime: str | None = None  # normal | saturation | outliers | zero_tiles | tiny | peaked | degenerate
     sm_scale: float | None = None
     # what was compared, and how far apart
-    kind: str = ""                   # KINDS, or "" (see the module's docstring)
+    kind: str = ""                   # a RowKind, or "" (see the module's docstring)
     exact: bool = field(init=False, default=False)  # kind == "exact" (a column before kind was one)
     metrics: Metrics = field(default_factory=Metrics)
     # verdict: the gated metric with the least headroom, its value and bound
@@ -132,7 +143,7 @@ class Row:
         # stored and shown as the plain strings they are (a `FailureKind`, `policy.Kind` or a
         # replay's source is one)
         self.kind, self.gate_metric, self.source = str(self.kind), str(self.gate_metric), str(self.source)
-        self.exact = self.kind == "exact"
+        self.exact = self.kind == RowKind.EXACT
 
     def line(self) -> str:
         """The row as a failure is printed: `out: bf16_units = 20.8 > 6: 312 / 512 elements ...`."""
