@@ -182,13 +182,13 @@ def judging(run: Run, chosen: list[Unit]) -> tuple[Judging, dict]:
     return judged, {"sandbox": judged.sandboxed(), **({"resolved": resolved} if resolved else {})}
 
 
-def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: int | None,
-              log=None, judging: Judging | None = None) -> UnitsResult:
+def run_units(chosen: list[Unit], run: Run, sink: Sink, judging: Judging, *, seed: int, examples: int | None,
+              log=None) -> UnitsResult:
     """The one campaign driver: each unit's corpus, then its campaigns of `examples` cases (None:
     the profile's budget for the op) with `seed`, every case told to `sink`, which stops the run
     after the current case when it has a reason. With `log` (the gate's; a stream), one progress
     line over every unit and a line per campaign; without it, a fuzz run's own progress line.
-    `judging`: how the run judges its blocks (`judging()`), closed at the end; None: as the run asks."""
+    `judging`: how the run judges its blocks (`judging()`), closed at the end."""
     result = UnitsResult()
     # Isolated, a user's module is imported by the worker only (dcp's ranks are processes of their own).
     subjects = [(unit, unit.resolved(run.device, described=run.isolate and not catalog.get_spec(unit.op).own_processes))
@@ -197,7 +197,6 @@ def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: 
         cases = sum(len(u.kept) + len(_pinned(u))
                     + _examples(catalog.get_spec(u.op), examples, run.profile) * len(u.campaigns(s)) for u, s in subjects)
         sink.counting(Progress("gate", cases, every_s=10.0, stream=log), name_units=True)
-    judging = judging or Judging(run.device, run.isolate, run.timeout, run.sandbox)
     dcp_ranks.set_timeout(run.timeout)
     try:
         for unit, subject in subjects:
@@ -306,7 +305,7 @@ def _fuzz(run: FuzzRun, log: Callable[[str], None]) -> CheckResult:
     sink.counting(Progress(run.op, examples, every_s=5.0))
     try:
         with sink.interrupt.installed():
-            result = run_units([unit], run, sink, seed=seed, examples=examples, judging=judged)
+            result = run_units([unit], run, sink, judged, seed=seed, examples=examples)
     except Exception as exc:
         if run.out:
             detail = exc.detail if isinstance(exc, HarnessError) else traceback.format_exc()
@@ -372,7 +371,7 @@ def _gate(run: GateRun, log: Callable[[str], None]) -> GateOutcome:
     judged, meta, sink = _started(run, mine, log)
     try:
         with sink.interrupt.installed():  # the stderr of the moment: pytest's capture replaces it
-            result = run_units(mine, run, sink, seed=run.seed, examples=run.examples, log=sys.stderr, judging=judged)
+            result = run_units(mine, run, sink, judged, seed=run.seed, examples=run.examples, log=sys.stderr)
     except Exception as exc:  # mla-verify's own failure: exit 3, its traceback where the message says
         detail = (exc.detail if isinstance(exc, HarnessError) else None) or traceback.format_exc()
         run.out.write_file("harness-error.txt", detail)
