@@ -105,6 +105,17 @@ class Run:
         d |= {"profile": get_profile(d["profile"]), "shard": Shard.parse(d["shard"]), "out": RunDir.open(d["out"])}
         return kind._restored(d)
 
+    # Each kind's own: the line it starts with, its campaigns' world size for a spec, its run in one
+    # child process per part, and what options() and meta() add to the shared settings.
+    def header(self) -> str:
+        raise NotImplementedError
+
+    def ranks(self, spec: Spec) -> int | None:
+        raise NotImplementedError
+
+    def in_parts(self, log: Callable[[str], None]) -> CheckResult | GateOutcome:
+        raise NotImplementedError
+
     def _options(self) -> dict[str, Any]:
         raise NotImplementedError
 
