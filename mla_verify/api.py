@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from mla_verify.equivalence.cases.case import Case
-from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
+from mla_verify.equivalence.catalog import get_spec, resolve_subject
 from mla_verify.equivalence.errors import HarnessError
 from mla_verify.equivalence.sandbox.boundary import MODES
-from mla_verify.equivalence.sandbox.worker import Worker, default_isolation
+from mla_verify.equivalence.blocks import Judging, default_isolation
 from mla_verify.equivalence.judge.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
-from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.judge.rows import Row, RowContext
 from mla_verify.equivalence.properties.base import property_op
 from mla_verify.equivalence.sandbox.calls import Unsupported, unsupported
 from mla_verify.equivalence.sandbox.device import device_type
@@ -403,21 +403,16 @@ def replay(
                               conventions=cf.conventions if conventions is None else conventions)
     label = _label(subject)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
-    worker = _resolved_in_worker(cf.case.op, specs, deviations, subject.conventions, device, timeout, sandbox) \
-        if isolate else None
-    log(f"replay {cf.case.short()} on {device} with {label}"
-        + (f", isolated ({worker.summary()})" if worker is not None else ""))
-    if cf.failure:
-        saved = "; ".join(f"{f['tensor']} {f['metric']} = {f['value']:.4g} (bound {f['bound']:.4g})" for f in cf.failure)
-        log(f"  saved failure: {saved}" + (f" (flaky: failed {cf.flaky[0]} of {cf.flaky[1]} re-runs)" if cf.flaky else ""))
-    if worker is not None:
-        try:
-            rows = worker.run(cf.case, specs, label, source="replay", deviations=deviations,
-                              conventions=subject.conventions)
-        finally:
-            worker.close()
-    else:
-        rows = evaluate(cf.case, subject, device, source="replay")
+    with Judging(device, isolate, timeout, sandbox) as judging:
+        if isolate:  # imported in its worker, never here: UsageError, in one line, where it could not be
+            judging.resolve(cf.case.op, specs, deviations, subject.conventions)
+        log(f"replay {cf.case.short()} on {device} with {label}" + (f", isolated ({judging.summary()})" if isolate else ""))
+        if cf.failure:
+            saved = "; ".join(f"{f['tensor']} {f['metric']} = {f['value']:.4g} (bound {f['bound']:.4g})"
+                              for f in cf.failure)
+            log(f"  saved failure: {saved}"
+                + (f" (flaky: failed {cf.flaky[0]} of {cf.flaky[1]} re-runs)" if cf.flaky else ""))
+        rows = judging.case(cf.case, subject, RowContext(source="replay", label=label, device=device))
     passed = all(r.passed for r in rows)
     reproduced, note = _reproduced(cf.failure, rows)
     command = replay_command(Path(case_file), specs, device, deviations, timeout, isolate, subject.conventions)
@@ -425,19 +420,7 @@ def replay(
                                              minimized=bool(cf.failure))]
     return CheckResult(cf.case.op, label, passed, rows_frame(rows), cf.case.seed, 1, None, failures,
                        reproduced=reproduced, notes=[note] if note else [], in_process=not (isolate or own_processes),
-                       sandbox=worker.summary() if worker is not None else "")
-
-
-def _resolved_in_worker(op: str, specs, deviations, conventions, device: str, timeout: float, sandbox: str) -> Worker:
-    """An isolation worker that imported the implementation (never this process): UsageError, in
-    one line, where it could not."""
-    worker = Worker(device, timeout, sandbox=sandbox)
-    try:
-        worker.resolve(op, specs, deviations, conventions)
-    except BaseException:
-        worker.close()
-        raise
-    return worker
+                       sandbox=judging.summary())
 
 
 def _reproduced(saved: list[dict[str, Any]], rows) -> tuple[bool | None, str]:
