@@ -105,12 +105,19 @@ class Run:
         d |= {"profile": get_profile(d["profile"]), "shard": Shard.parse(d["shard"]), "out": RunDir.open(d["out"])}
         return kind._restored(d)
 
-    # Each kind's own: the line it starts with, its campaigns' world size for a spec, its run in one
-    # child process per part, and what options() and meta() add to the shared settings.
+    # Each kind's own: the line it starts with, its campaigns' world size for a spec, its units and
+    # those of its slot, its run in one child process per part, and what options() and meta() add
+    # to the shared settings.
     def header(self) -> str:
         raise NotImplementedError
 
     def ranks(self, spec: Spec) -> int | None:
+        raise NotImplementedError
+
+    def units(self, kept: Corpus | None = None) -> list[Unit]:
+        raise NotImplementedError
+
+    def shard_of(self, chosen: list[Unit]) -> list[Unit]:
         raise NotImplementedError
 
     def in_parts(self, log: Callable[[str], None]) -> CheckResult | GateOutcome:
@@ -160,6 +167,17 @@ class FuzzRun(Run):
     def campaigns(self) -> list[tuple[int, int]]:
         """(seed, examples) of each campaign this host runs."""
         return [c for c in (slot.campaign(self.seed, self.examples) for slot in self.slots) if c[1]]
+
+    def units(self, kept: Corpus | None = None) -> list[Unit]:
+        """Its one unit: the implementation it was given, on its path, without the pinned corpus;
+        with the kept corpus's cases that apply to it where this part replays them."""
+        return [Unit(self.op, self.label, self.specs, subject=self.subject, paths=(self.path,), corpus=False,
+                     deviations=self.deviations, conventions=self.conventions,
+                     kept=kept.applying(self.op, self.specs) if kept and self.corpus_replay else ())]
+
+    def shard_of(self, chosen: list[Unit]) -> list[Unit]:
+        """All of `chosen`: a fuzz run's slots share its one unit's examples (`campaigns`)."""
+        return chosen
 
     def ranks(self, spec: Spec) -> int | None:
         """The world size of its campaigns of `spec` (--world-size, else the gate's: None for one process)."""
