@@ -212,7 +212,7 @@ def check(
     if given["seed"] is None and baseline is None:  # under CI=true, the commit's seed (a baseline's own wins)
         given["seed"] = DEFAULTS.get("commit_seed")
     given["specs"], given["named"] = impl_specs(impl)
-    result = run(Options.asked(FUZZ, given), log)
+    result = run(Options.asked(FUZZ, given, besides=("op", "impl", "log", "__tracebackhide__")), log)
     saved(result.failures)  # listed in a pytest session's summary
     return result
 
@@ -262,7 +262,8 @@ def gate(
             not by count; a path with none yet deals by count.
 
     Raises UsageError for bad input, before any case runs."""
-    return run(Options.asked(GATE, {**locals(), "ops": tuple(ops or ()), "impls": tuple(impl or ())}), log)
+    given = {**locals(), "ops": tuple(ops or ()), "impls": tuple(impl or ())}
+    return run(Options.asked(GATE, given, besides=("impl", "log")), log)
 
 
 def run(options: Options, log: Callable[[str], None] | None = None) -> CheckResult | GateOutcome:

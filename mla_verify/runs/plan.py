@@ -13,7 +13,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Collection, Mapping
 
 import torch
 
@@ -329,9 +329,14 @@ class Options:
     sandbox: str = "auto"                         # auto | strict | off (equivalence.sandbox.boundary)
 
     @classmethod
-    def asked(cls, command: str, given: Mapping[str, Any]) -> "Options":
-        """The options among `given` (a call's arguments by name; others are left out)."""
+    def asked(cls, command: str, given: Mapping[str, Any], besides: Collection[str] = ()) -> "Options":
+        """The options `given` (a call's arguments by name), but the names `besides` (the call's
+        own, or translated into options on the way); TypeError for any other name, so that a
+        parameter misspelled or added without its field is never dropped silently."""
         names = {f.name for f in fields(cls)} - {"command"}
+        stray = sorted(set(given) - names - set(besides))
+        if stray:
+            raise TypeError(f"{command}: {', '.join(stray)}: no run option (runs.plan.Options) of that name")
         return cls(command, **{k: v for k, v in given.items() if k in names})
 
 
