@@ -8,7 +8,10 @@ Layers, in the order they are set up (each needs the one before it only where sa
                      and a terminal's input stay the worker's
     user namespace   unshare(CLONE_NEWUSER), its uid and gid mapped to themselves: it keeps its
                      files and loses every capability outside (root's included), so a judge that
-                     is not dumpable (`protect_judge`) cannot be traced or opened through /proc
+                     is not dumpable (`protect_judge`) cannot be traced or opened through /proc.
+                     The kernel refuses it to a process that runs threads (a spawned CUDA
+                     worker's imports start some): such a worker forks first, before CUDA is
+                     initialized, and goes on in the single-threaded child (`_alone`)
     pid namespace    (with the user namespace) the worker goes on as pid 2 of a PID and mount
                      namespace of its own, under an init (pid 1) that ends with it and takes every
                      process of the namespace along; its /proc shows that namespace only (the
@@ -39,6 +42,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Callable, Iterable
+
+import torch
 
 from . import landlock, seccomp
 from .device import device_type
@@ -136,19 +141,66 @@ def _session() -> str:
 
 def _user_namespace() -> str:
     uid, gid = os.getuid(), os.getgid()
-    if len(os.listdir("/proc/self/task")) > 1:
-        raise OSError("the worker already runs threads (a user namespace needs a single-threaded process)")
+    alone = _alone()
     _checked(_libc().unshare(_CLONE_NEWUSER))
     for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
-    return f"uid {uid} and gid {gid} mapped to themselves, no capability outside"
+    return f"uid {uid} and gid {gid} mapped to themselves, no capability outside{alone}"
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _may_fork() -> None:
+    """OSError where this process initialized CUDA: its context does not survive a fork (the
+    child's first CUDA call fails), so CUDA must start in the worker's final process only."""
+    if torch.cuda.is_initialized():
+        raise OSError("the worker initialized CUDA before its boundary (it may not fork from there)")
+
+
+def _alone() -> str:
+    """Go on single-threaded, as a user namespace needs: where this process runs threads (a spawned
+    worker's imports, torch's among them, start some), fork; the child, which has one thread,
+    returns as the worker; this process stays outside as its stand-in and never returns
+    (`_stand_in_for`). What the returned detail adds, "" where nothing was forked."""
+    threads = _threads()
+    if threads == 1:
+        return ""
+    try:
+        _may_fork()
+    except OSError as exc:
+        raise OSError(f"the worker already runs threads and cannot fork to shed them: {exc}") from None
+    parent = os.getpid()
+    if (child := os.fork()) != 0:
+        _stand_in_for(child)
+    _die_with(parent)
+    return f" (in a child forked for it: the process its judge started ran {threads} threads, and stands in)"
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL this process once `parent` (its stand-in) dies, as the judge kills a worker: what is
+    behind the stand-in then ends too. Exits at once where the parent died before the call."""
+    if _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
+        os._exit(70)
+
+
+def _stand_in_for(child: int) -> None:
+    """The process the judge started, outside, once its single-threaded child goes on as the
+    worker: it waits for the child, then ends the same way (`_end_as`). It never returns."""
+    try:
+        _, status = os.waitpid(child, 0)
+        _end_as(os.waitstatus_to_exitcode(status))
+    finally:
+        os._exit(70)
 
 
 def _pid_namespace() -> str:
     """A PID and mount namespace, entered by forking twice: the caller's process stays outside as
     the worker's stand-in and never returns from here; the first child is the namespace's init;
     the second returns, as the worker (pid 2), with a /proc of the namespace mounted."""
+    _may_fork()
     libc = _libc()
     _checked(libc.unshare(_CLONE_NEWPID | _CLONE_NEWNS))
     status_r, status_w = os.pipe()
