@@ -5,6 +5,7 @@ A worker started as a CUDA one is (spawned, running threads by the time it enter
 stands behind every layer a forked CPU one does."""
 
 import json
+import mmap
 import os
 import signal
 import socket
@@ -203,22 +204,45 @@ def test_the_process_the_judge_started_ends_as_the_worker_behind_its_namespaces_
     assert got == status
 
 
-def test_a_worker_that_initialized_cuda_before_its_boundary_is_refused_the_namespaces_and_says_why():
-    """A threaded worker may shed its threads only by forking, which a CUDA context does not
-    survive: where CUDA is initialized it does not fork, and the layers are missing with why."""
-    def behind():
+def _cuda_started(how: str, where: str):
+    """Make this (forked, throwaway) process look as though CUDA started in it: torch's context
+    ("torch"), or the driver loaded ("driver": a file called libcuda.so.1 mapped, as the runtime
+    maps the real one)."""
+    if how == "torch":
+        torch.cuda.is_initialized = lambda: True
+        return None
+    path = os.path.join(where, "libcuda.so.1")
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ)
+
+
+@pytest.mark.parametrize("how, says", [("torch", "torch initialized CUDA"), ("driver", "CUDA driver (libcuda.so)")])
+def test_a_cuda_worker_where_cuda_started_before_its_boundary_forks_nothing_and_says_why(tmp_path, how, says):
+    """A threaded worker sheds its threads only by forking, which neither a CUDA context nor an
+    initialized driver survives: a CUDA worker where either started does not fork, and the
+    namespaces are missing with why (strict refuses); a CPU worker, which never uses CUDA, forks."""
+    def behind(device):
         _run_a_thread()
-        torch.cuda.is_initialized = lambda: True  # this forked child's own torch
-        b = boundary.enter("strict", "cpu", ())
+        mapped = _cuda_started(how, str(tmp_path))
+        b = boundary.enter("strict", device, ())
+        if mapped is not None:  # kept mapped while enter looked
+            mapped.close()
         return b.to_dict(), os.getpid()
 
-    described, pid = in_child(behind)
+    described, pid = in_child(lambda: behind("cuda"))
     b = Boundary.from_dict(described)
     missing = {x.name: x.detail for x in b.missing}
-    assert "initialized CUDA" in missing["user namespace"] and "runs threads" in missing["user namespace"]
+    assert missing["user namespace"].startswith("the worker already runs threads and cannot fork") \
+        and says in missing["user namespace"], missing
     assert missing["pid namespace"] == "needs the user namespace"
     assert b.refused().startswith("--sandbox strict: user namespace: the worker already runs threads")
     assert pid != 2  # nothing was forked: the process that called enter went on itself
+
+    if _user_namespaces() is None:
+        b = Boundary.from_dict(in_child(lambda: behind("cpu"))[0])
+        assert {"user namespace", "pid namespace"} <= set(b.held), b.summary()
 
 
 def threaded_serve(conn, device: str, sandbox: str = "off", judge: int = 0) -> None:
@@ -232,7 +256,8 @@ def threaded_serve(conn, device: str, sandbox: str = "off", judge: int = 0) -> N
     def checked(device: str) -> None:
         with open("/proc/self/uid_map") as f:
             own_users = f.read().split() == [str(os.getuid()), str(os.getuid()), "1"]
-        if os.getpid() != 2 or not own_users or torch.cuda.is_initialized():
+        nvml = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"  # its imports counted GPUs without CUDA
+        if os.getpid() != 2 or not own_users or torch.cuda.is_initialized() or not nvml:
             os._exit(3)
         warm_up(device)
 
@@ -244,7 +269,7 @@ def _user_namespaces() -> str | None:
     """Why this host gives a single-threaded process no user namespace, or None where it does."""
     def alone():
         try:
-            boundary._user_namespace()
+            boundary._user_namespace("cpu")
         except OSError as exc:
             return str(exc)
         return None
@@ -302,3 +327,16 @@ def test_a_worker_started_as_a_cuda_one_stands_behind_the_namespaces_and_takes_i
         assert not _left(behind)
     finally:
         judging.close()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_host_a_cuda_worker_holds_every_layer_a_cpu_worker_holds(monkeypatch):
+    """What the test above stands in for, on the device: a CUDA worker (spawned, its imports' threads
+    running, the CUDA driver not loaded before its boundary) stands behind the same layers as a CPU
+    one on this host, and its CUDA context works behind them (it said ready after its warm-up)."""
+    monkeypatch.setattr(tempfile, "tempdir", None)  # the workers' scratch where they make it
+    with Judging("cpu", isolate=True, timeout=60.0) as cpu, Judging("cuda", isolate=True, timeout=60.0) as cuda:
+        on_cpu, on_cuda = cpu.start(), cuda.start()
+        print(f"cpu worker: {on_cpu.summary()}\ncuda worker: {on_cuda.summary()}")
+        assert not cuda.worker.fell_back, cuda.summary()
+        assert on_cuda.held == on_cpu.held, (on_cpu.summary(), on_cuda.summary())

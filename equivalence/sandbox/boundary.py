@@ -46,7 +46,7 @@ from typing import Callable, Iterable
 import torch
 
 from . import landlock, seccomp
-from .device import device_type
+from .device import device_type, is_cuda
 
 MODES = ("auto", "strict", "off")
 LAYERS = ("session", "user namespace", "pid namespace", "no_new_privs", "landlock", "seccomp")
@@ -139,9 +139,9 @@ def _session() -> str:
     return "its own session and process group, no controlling terminal"
 
 
-def _user_namespace() -> str:
+def _user_namespace(device: str) -> str:
     uid, gid = os.getuid(), os.getgid()
-    alone = _alone()
+    alone = _alone(device)
     _checked(_libc().unshare(_CLONE_NEWUSER))
     for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
         with open(f"/proc/self/{name}", "w") as f:
@@ -153,14 +153,23 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _may_fork() -> None:
-    """OSError where this process initialized CUDA: its context does not survive a fork (the
-    child's first CUDA call fails), so CUDA must start in the worker's final process only."""
+def _may_fork(device: str) -> None:
+    """OSError where a worker for `device` may not fork: CUDA must start in its final process only,
+    and a forked child cannot use a CUDA context or driver its parent initialized (its first CUDA
+    call fails). The driver counts once its library is mapped: torch maps it only to use it (a
+    device count through the CUDA runtime; `worker.SPAWNED_ENV` has a spawned worker's imports
+    count through NVML instead)."""
+    if not is_cuda(device):
+        return
     if torch.cuda.is_initialized():
-        raise OSError("the worker initialized CUDA before its boundary (it may not fork from there)")
+        raise OSError("torch initialized CUDA in this process before its boundary, and a forked child could not use it")
+    with open("/proc/self/maps") as f:
+        if any(line.rstrip().rpartition("/")[2].startswith("libcuda.so") for line in f):
+            raise OSError("the CUDA driver (libcuda.so) was loaded in this process before its boundary, and a forked "
+                          "child could not use it")
 
 
-def _alone() -> str:
+def _alone(device: str) -> str:
     """Go on single-threaded, as a user namespace needs: where this process runs threads (a spawned
     worker's imports, torch's among them, start some), fork; the child, which has one thread,
     returns as the worker; this process stays outside as its stand-in and never returns
@@ -169,7 +178,7 @@ def _alone() -> str:
     if threads == 1:
         return ""
     try:
-        _may_fork()
+        _may_fork(device)
     except OSError as exc:
         raise OSError(f"the worker already runs threads and cannot fork to shed them: {exc}") from None
     parent = os.getpid()
@@ -196,11 +205,11 @@ def _stand_in_for(child: int) -> None:
         os._exit(70)
 
 
-def _pid_namespace() -> str:
+def _pid_namespace(device: str) -> str:
     """A PID and mount namespace, entered by forking twice: the caller's process stays outside as
     the worker's stand-in and never returns from here; the first child is the namespace's init;
     the second returns, as the worker (pid 2), with a /proc of the namespace mounted."""
-    _may_fork()
+    _may_fork(device)
     libc = _libc()
     _checked(libc.unshare(_CLONE_NEWPID | _CLONE_NEWNS))
     status_r, status_w = os.pipe()
@@ -306,8 +315,9 @@ def scratch_dirs(pid: int) -> list[str]:
 
 def enter(mode: str, device: str, protected: Iterable[int]) -> Boundary:
     """Put this process behind the layers `mode` asks for; `protected`: the pids no signal of its
-    may reach (its judge, its parent). Call it while the process is single-threaded, before any
-    user code runs; the layers hold for everything it starts."""
+    may reach (its judge, its parent). Call it before any user code runs and, for a CUDA worker,
+    before CUDA starts (a process that runs threads forks for the namespaces: `_alone`); the
+    layers hold for everything it starts."""
     if mode not in MODES:
         raise ValueError(f"sandbox mode {mode!r}: expected one of {', '.join(MODES)}")
     if mode == "off":
@@ -316,8 +326,8 @@ def enter(mode: str, device: str, protected: Iterable[int]) -> Boundary:
         return Boundary(mode, tuple(Layer(name, False, f"not Linux ({sys.platform})") for name in LAYERS))
     scratch = scratch_dir()
     pids = {*protected, os.getppid()}  # as the judge's namespace numbers them (none is in a new one)
-    layers = [_attempt("session", _session), _attempt("user namespace", _user_namespace)]
-    layers.append(_attempt("pid namespace", _pid_namespace) if layers[1].held
+    layers = [_attempt("session", _session), _attempt("user namespace", lambda: _user_namespace(device))]
+    layers.append(_attempt("pid namespace", lambda: _pid_namespace(device)) if layers[1].held
                   else Layer("pid namespace", False, "needs the user namespace"))
     layers.append(nnp := _attempt("no_new_privs", _no_new_privs))
     pids |= set() if layers[0].held else {0}  # kill(0): the judge's group

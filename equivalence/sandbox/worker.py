@@ -39,6 +39,7 @@ before CUDA starts (`boundary._alone`), and the process started here stands in f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -48,7 +49,7 @@ import socket
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from ..cases.case import Case
 from ..errors import HarnessError, UsageError
@@ -67,6 +68,11 @@ HARNESS_TIMEOUT_S = 1800.0  # a case's inputs (ours, not the implementation's)
 RESOLVE_FLOOR_S = 30.0      # a module's import in the worker (a JIT build at import) may take this long at least
 READ_GRACE_S = 60.0         # a message's bytes once its first arrived (outputs of gigabytes on a slow host)
 UNREADABLE = "the worker sent an unreadable message"
+# A spawned worker's imports ask torch whether there is a GPU (mla_verify.optimized, judge.fused)
+# before its boundary: through NVML, not the CUDA runtime, whose start a child it forks to enter
+# its namespaces could not use (`boundary._alone`; where the driver was loaded all the same, the
+# namespaces are missing and say so).
+SPAWNED_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 
 # An implementation as a worker imports it: (op, --impl strings, declared deviations, conventions)
 Key = tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]
@@ -140,6 +146,18 @@ def _servers() -> set[int]:
     return {p for p in pids if p}
 
 
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in this process's environment (each where not set already) while a worker starts."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
 def _said(header: dict, key: str) -> str:
     """header[key], the worker's own words, where it is a bounded string."""
     try:
@@ -209,7 +227,8 @@ class Worker:
             ctx.set_forkserver_preload(self._preload)
         conn, child = ctx.Pipe()  # a socket pair: the segments' descriptors cross it too
         proc = ctx.Process(target=self._serve, args=(child, self.device, self.sandbox, os.getpid()), daemon=True)
-        with reaper.marked():  # the worker (and the server it forks from) carries the mark of its tree
+        spawned = SPAWNED_ENV if self.start_method == "spawn" else {}
+        with reaper.marked(), _environment(spawned):  # the worker (and its fork server) carries its tree's mark
             proc.start()
         child.close()
         # Liveness from the process itself: a pidfd is readable once it exited, whoever still holds
