@@ -686,13 +686,13 @@ def cmd_fuzz(args, device: str) -> int:
 
 def cmd_replay(args, device: str) -> int:
     from mla_verify import api
-    from mla_verify.equivalence.judge.mismatch import line
+    from mla_verify.equivalence.judge.rows import Row
 
     result = api.replay(args.file, args.impl, device=device, isolate=args.isolate, timeout=args.timeout,
                         deviations=args.deviation, conventions=args.convention, sandbox=args.sandbox, log=print)
-    for r in result.rows.itertuples():
+    for r in map(Row.from_record, result.rows.to_dict("records")):
         print(f"  ok   {r.tensor:17s} {r.gate_metric} = {r.value:.4g} of {r.bound:.4g}" if r.passed
-              else f"  FAIL {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}")
+              else f"  FAIL {r.line()}")
     for note in result.notes:
         print(f"  {note}")
     if result.in_process:

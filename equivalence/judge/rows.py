@@ -33,7 +33,18 @@ from .metrics import Metrics
 if TYPE_CHECKING:
     from ..cases.case import Case
 
-KINDS = ("out", "lse", "max_logits", "exact", "other")
+
+class RowKind(StrEnum):
+    """Which key metric speaks for a row (the module's docstring); stored as its value."""
+
+    OUT = "out"
+    LSE = "lse"
+    MAX_LOGITS = "max_logits"
+    EXACT = "exact"
+    OTHER = "other"
+
+
+KINDS = tuple(RowKind)
 
 
 class FailureKind(StrEnum):
@@ -48,6 +59,17 @@ class FailureKind(StrEnum):
     INPUT_WRITTEN = "input_written"  # wrote an input it may not write (tensor "input:NAME")
     UNSUPPORTED = "unsupported"      # declined by `unsupported(reason)`: counted, not failed
     NOT_JUDGED = "not_judged"        # the judge ran out of device memory for it, waits and retries: counted, not failed
+
+# Failing rows with no measured value: their reason says it all.
+QUIET_METRICS = frozenset({*FailureKind} - {FailureKind.UNSUPPORTED} | {"shape"})
+
+
+def line(tensor: str, metric: str, value: float, bound: float, reason: str) -> str:
+    """A failing verdict in one line: `out: bf16_units = 20.8 > 6: 312 / 512 elements ...`."""
+    if metric in QUIET_METRICS:
+        return f"{tensor}: {metric} -- {reason}"
+    return f"{tensor}: {metric} = {value:.4g} > {bound:.4g}: {reason}"
+
 
 # Metrics' fields that serve the oracle's verdict and are not stored: the rows an output's bound
 # grows with, the shape and first mismatch.
@@ -88,7 +110,7 @@ class Row:
     value_regime: str | None = None  # normal | saturation | outliers | zero_tiles | tiny | peaked | degenerate
     sm_scale: float | None = None
     # what was compared, and how far apart
-    kind: str = ""                   # KINDS, or "" (see the module's docstring)
+    kind: str = ""                   # a RowKind, or "" (see the module's docstring)
     exact: bool = field(init=False, default=False)  # kind == "exact" (a column before kind was one)
     metrics: Metrics = field(default_factory=Metrics)
     # verdict: the gated metric with the least headroom, its value and bound
@@ -121,7 +143,11 @@ class Row:
         # stored and shown as the plain strings they are (a `FailureKind`, `policy.Kind` or a
         # replay's source is one)
         self.kind, self.gate_metric, self.source = str(self.kind), str(self.gate_metric), str(self.source)
-        self.exact = self.kind == "exact"
+        self.exact = self.kind == RowKind.EXACT
+
+    def line(self) -> str:
+        """The row as a failure is printed: `out: bf16_units = 20.8 > 6: 312 / 512 elements ...`."""
+        return line(self.tensor, self.gate_metric, self.value, self.bound, self.reason)
 
     def to_record(self) -> dict[str, Any]:
         """The row flat, COLUMNS in order: the metrics' stored fields in the place of `metrics`."""

@@ -25,7 +25,7 @@ from ..cases.profiles import Profile
 from ..contracts import arguments as contract_arguments
 from ..judge.localize import Axes, axes_for, dims_of
 from ..judge.oracle import judge_many
-from ..judge.rows import FailureKind, Row, RowContext, Stages
+from ..judge.rows import FailureKind, Row, RowContext, RowKind, Stages
 from ..sandbox import device as dev, guards
 from ..sandbox.call_guards import Snapshot, changed_together, output_problem, tensors_in
 from ..sandbox.produced import Produced
@@ -69,7 +69,7 @@ class Check:
     single_rank: bool = False  # one DCP rank's pre-combine partial: held to the bounds without DCP
     dtype: torch.dtype | None = None  # the contract's dtype (None: the reference's, for exact tensors)
     contiguous: bool = False   # the contract asks for a dense tensor (a later kernel reads it so)
-    row_kind: str | None = None  # its rows' kind (equivalence.judge.rows) where not the policy kind's own
+    row_kind: RowKind | None = None  # its rows' kind (equivalence.judge.rows) where not the policy kind's own
     # the name of the reference's tensors of derived per-element bounds (equivalence.judge.bounds), kept
     # under BoundKey(bound, deviation): held to elem_bound_ratio <= 1
     bound: str | None = None

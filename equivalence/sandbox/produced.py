@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..judge.policy import Kind
 from ..judge.rows import FailureKind, Row, Stages
 from . import wire
 
@@ -23,7 +24,7 @@ from . import wire
 # it, as the implementation may itself: `calls.unsupported`), and the judge makes the row.
 FINDINGS = (FailureKind.RAISED, FailureKind.CONTRACT, FailureKind.INPUT_WRITTEN, FailureKind.UNSUPPORTED)
 FINDING_FIELDS = ("tensor", "gate_metric", "reason", "written")  # a row's record less its identity and numbers
-COMPARED_KINDS = ("exact", "out", "lse")
+COMPARED_KINDS = tuple(Kind)  # how a tensor is measured (judge.policy)
 
 
 @dataclass(frozen=True)

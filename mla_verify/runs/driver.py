@@ -35,7 +35,6 @@ from mla_verify.equivalence.cases.values import release_pools
 from mla_verify.equivalence.sandbox.device import WORKER_SHARE, take_gpu_share
 from mla_verify.equivalence.errors import HarnessError
 from mla_verify.equivalence.cases.profiles import Profile
-from mla_verify.equivalence.judge.mismatch import line
 from mla_verify.equivalence.judge.rows import FailureKind, Row, RowContext
 from mla_verify.equivalence.subject import Subject, never_called, unexercised
 from mla_verify.equivalence.errors import UsageError
@@ -47,21 +46,23 @@ from mla_verify.fuzz.regressions import corpus
 from mla_verify.pytest_plugin import DEFAULTS
 from mla_verify.reports.store import rows_frame
 
-from .corpus import Corpus, Replay, Replayed, keep, not_replayed, save_replayed, with_kept
+from .corpus import Corpus, Replay, Replayed, keep, not_replayed, save_replayed
 from .declines import asked_again
-from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, rest_command, result_file
-from .parts import check_in_parts, gate_in_parts
-from .plan import FUZZ, Run
-from .selection import impl_units
+from .outcome import (RESULT_JSON, CheckResult, Failure, GateOutcome, Outcome, replay_command, rest_command,
+                      result_file)
+from .plan import FuzzRun, GateRun, Run
 from .sink import Sink
 from . import durations
-from .units import Unit, gate_world_size, odd_ones_out, shard_units, units
+from .units import Unit, odd_ones_out
 
 MIN_DRAWS = 25  # params a campaign draws at the least where its budget allows (`block_size`)
 
 
 @dataclass
-class GateResult:
+class UnitsResult:
+    """What `run_units` leaves: every row, each campaign's result, the notes, the kept and pinned
+    cases that failed, and each finished unit's seconds."""
+
     rows: list[Row] = field(default_factory=list)
     fuzz: list[FuzzResult] = field(default_factory=list)
     notes: set[str] = field(default_factory=set)
@@ -181,14 +182,14 @@ def judging(run: Run, chosen: list[Unit]) -> tuple[Judging, dict]:
     return judged, {"sandbox": judged.sandboxed(), **({"resolved": resolved} if resolved else {})}
 
 
-def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: int | None,
-              log=None, judging: Judging | None = None) -> GateResult:
+def run_units(chosen: list[Unit], run: Run, sink: Sink, judging: Judging, *, seed: int, examples: int | None,
+              log=None) -> UnitsResult:
     """The one campaign driver: each unit's corpus, then its campaigns of `examples` cases (None:
     the profile's budget for the op) with `seed`, every case told to `sink`, which stops the run
     after the current case when it has a reason. With `log` (the gate's; a stream), one progress
     line over every unit and a line per campaign; without it, a fuzz run's own progress line.
-    `judging`: how the run judges its blocks (`judging()`), closed at the end; None: as the run asks."""
-    result = GateResult()
+    `judging`: how the run judges its blocks (`judging()`), closed at the end."""
+    result = UnitsResult()
     # Isolated, a user's module is imported by the worker only (dcp's ranks are processes of their own).
     subjects = [(unit, unit.resolved(run.device, described=run.isolate and not catalog.get_spec(unit.op).own_processes))
                 for unit in chosen]
@@ -196,7 +197,6 @@ def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: 
         cases = sum(len(u.kept) + len(_pinned(u))
                     + _examples(catalog.get_spec(u.op), examples, run.profile) * len(u.campaigns(s)) for u, s in subjects)
         sink.counting(Progress("gate", cases, every_s=10.0, stream=log), name_units=True)
-    judging = judging or Judging(run.device, run.isolate, run.timeout, run.sandbox)
     dcp_ranks.set_timeout(run.timeout)
     try:
         for unit, subject in subjects:
@@ -207,14 +207,14 @@ def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: 
     return result
 
 
-def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateResult, judging: Judging, *,
+def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: UnitsResult, judging: Judging, *,
               seed: int, examples: int | None, log) -> bool:
     """One unit's kept cases, corpus and campaigns into `result`; False where the sink stopped the run."""
     spec = catalog.get_spec(unit.op)
     budget = _examples(spec, examples, run.profile)
     context = RowContext(sink.run_id, label=unit.label, device=run.device, notes=result.notes)
     judge = asked_again(_within_memory(
-        _block_runner(subject, judging, context, sink if run.command == FUZZ else None), context))
+        _block_runner(subject, judging, context, sink if run.stops_when_lost else None), context))
     sink.judging(unit)
     tested = UnderTest(unit.specs, unit.label, unit.deviations, unit.conventions, run.device)
     findings = Findings(_failures_dir(run), sink)
@@ -237,9 +237,8 @@ def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateRe
     for path in unit.campaigns(subject):
         if sink.stop_reason():
             return False
-        campaign = Campaign(unit.op, run.profile, budget, seed, tested, path,
-                            run.world_size or gate_world_size(spec, run.device_type), block_size(run.profile, budget),
-                            run.shrink, findings)
+        campaign = Campaign(unit.op, run.profile, budget, seed, tested, path, run.ranks(spec),
+                            block_size(run.profile, budget), run.shrink, findings)
         fz = fuzz(campaign, judge, sink)
         finished &= not fz.stopped
         _found_again(fz, result.replayed[replayed:], findings)
@@ -269,38 +268,32 @@ def _found_again(fz: FuzzResult, replayed: list[Replayed], findings: Findings) -
     fz.case_file = same.path
 
 
-def gate_units(run: Run, kept: Corpus | None = None) -> list[Unit]:
-    """The gate's units: those of its --impl strings (`runs.selection`), else every op and
-    implementation here; each with the kept corpus's cases that apply to it."""
-    chosen = impl_units(run.impls, run.device, run.ops) if run.impls else units(list(run.ops) or None, run.device)
-    return with_kept(chosen, kept)
-
-
-def run_gate(run: Run, sink: Sink, log, chosen: list[Unit], judged: Judging | None = None) -> GateResult:
-    """The units of the run's shard among `chosen` (`shard_of`) through `run_units`."""
-    return run_units(shard_of(run, chosen), run, sink, seed=run.seed, examples=run.examples, log=log, judging=judged)
-
-
-def shard_of(run: Run, chosen: list[Unit]) -> list[Unit]:
-    """The units of the run's shard (`Shard()`: all of them) among `chosen`."""
-    return shard_units(list(run.ops) or None, run.device, run.shard, chosen, run.durations)
-
-
-def drive(run: Run, log: Callable[[str], None] | None = None):
-    """Run `run`: a CheckResult for fuzz, a GateOutcome for the gate. `log` receives the run's
-    header line (once its worker could import the implementation: a usage error is the only line
-    otherwise) and the lines of a run in parts (the parts' own go to their logs or this process's
-    output)."""
+def drive(run: FuzzRun | GateRun, log: Callable[[str], None] | None = None) -> CheckResult | GateOutcome:
+    """Run `run`: a CheckResult for fuzz, a GateOutcome for the gate (`runs.outcome.Outcome`: its
+    lines, its exit code). `log` receives the run's header line (once its worker could import the
+    implementation: a usage error is the only line otherwise) and the lines of a run in parts (the
+    parts' own go to their logs or this process's output)."""
     log = log or (lambda line: None)
     if run.parts > 1:
         log(run.header())
-        if run.command == FUZZ:
-            return check_in_parts(run, log)
-        return gate_in_parts(run, gate_units(run), log)
-    return _fuzz(run, log) if run.command == FUZZ else _gate(run, log)
+        return run.in_parts(log)
+    return _fuzz(run, log) if isinstance(run, FuzzRun) else _gate(run, log)
 
 
-def _fuzz(run: Run, log: Callable[[str], None]) -> CheckResult:
+def _started(run: FuzzRun | GateRun, chosen: list[Unit], log: Callable[[str], None]) -> tuple[Judging, dict, Sink]:
+    """How `run` judges (`judging`, each user's implementation of `chosen` imported in its worker
+    first), its header said, its run directory started with the meta it records, and the sink that
+    hears of its cases."""
+    judged, judged_by = judging(run, chosen)
+    log(run.header())
+    meta = with_extra(run.meta(), judged_by)
+    if run.out:
+        run.out.start(meta)
+    call_guards.CALLED_WITH.clear()
+    return judged, meta, Sink(run.out, f"{run.command}-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
+
+
+def _fuzz(run: FuzzRun, log: Callable[[str], None]) -> CheckResult:
     """One campaign in this process (its cases isolated or not), written to the run directory."""
     (seed, examples), = run.campaigns
     kept = Corpus(run.corpus) if run.corpus else None
@@ -308,30 +301,24 @@ def _fuzz(run: Run, log: Callable[[str], None]) -> CheckResult:
                 deviations=run.deviations, conventions=run.conventions,
                 kept=kept.applying(run.op, run.specs) if kept and run.corpus_replay else ())
     left = not_replayed(kept, [unit], (run.op,), "run") if run.corpus_replay else []
-    judged, judged_by = judging(run, [unit])
-    log(run.header())
-    meta, run_dir = with_extra(run.meta(), judged_by), run.out
-    if run_dir:
-        run_dir.start(meta)
-    sink = Sink(run_dir, f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
+    judged, meta, sink = _started(run, [unit], log)
     sink.counting(Progress(run.op, examples, every_s=5.0))
-    call_guards.CALLED_WITH.clear()
     try:
         with sink.interrupt.installed():
-            result = run_units([unit], run, sink, seed=seed, examples=examples, judging=judged)
+            result = run_units([unit], run, sink, judged, seed=seed, examples=examples)
     except Exception as exc:
-        if run_dir:
+        if run.out:
             detail = exc.detail if isinstance(exc, HarnessError) else traceback.format_exc()
-            run_dir.write_file("harness-error.txt", detail or traceback.format_exc())
-            run_dir.finish(sink.rows, meta)
+            run.out.write_file("harness-error.txt", detail or traceback.format_exc())
+            run.out.finish(sink.rows, meta)
         if isinstance(exc, HarnessError):
             raise
         raise HarnessError(f"harness error: {type(exc).__name__}: {exc}", traceback.format_exc()) from exc
     finally:
         judged.close()  # closed by run_units, unless it never got there
     fz, = result.fuzz
-    if run_dir:
-        run_dir.finish(sink.rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
+    if run.out:
+        run.out.finish(sink.rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
     notes = keep(kept, result.new_findings(), sink.rows) + left + sorted(result.notes)
     failures = [Failure.of(r.case, r.rows, r.path, replay_command(r.path, run.specs, run.device, run.deviations,
                                                                   run.timeout, run.isolate, run.conventions),
@@ -344,7 +331,7 @@ def with_extra(meta: dict, extra: dict) -> dict:
     return {**meta, "extra": {**(meta.get("extra") or {}), **extra}} if extra else meta
 
 
-def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, failures: list,
+def _check_result(run: FuzzRun, fz: FuzzResult, frame, notes: list[str], seed: int, failures: list,
                   sandbox: str = "") -> CheckResult:
     if fz.failure is not None and all(f.case_file != fz.case_file for f in failures):  # not a corpus case's again
         failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
@@ -376,62 +363,60 @@ def _never_judged(op: str, stages: list[str], cases: str) -> str:
     return f"{', '.join(stages)} never called by {cases}: nothing judged {'it' if len(stages) == 1 else 'them'} ({where})"
 
 
-def _gate(run: Run, log: Callable[[str], None]) -> GateOutcome:
+def _gate(run: GateRun, log: Callable[[str], None]) -> GateOutcome:
     """The gate's units of this slot in this process, written to the run directory."""
     kept = Corpus(run.corpus) if run.corpus else None
-    chosen = gate_units(run, kept)
-    judged, judged_by = judging(run, shard_of(run, chosen))
-    log(run.header())
-    run_dir, meta = run.out, with_extra(run.meta(), judged_by)
-    sink = Sink(run_dir, f"gate-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
-    run_dir.start(meta)
-    call_guards.CALLED_WITH.clear()
+    chosen = run.units(kept)
+    mine = run.shard_of(chosen)
+    judged, meta, sink = _started(run, mine, log)
     try:
         with sink.interrupt.installed():  # the stderr of the moment: pytest's capture replaces it
-            result = run_gate(run, sink, sys.stderr, chosen, judged)
+            result = run_units(mine, run, sink, judged, seed=run.seed, examples=run.examples, log=sys.stderr)
     except Exception as exc:  # mla-verify's own failure: exit 3, its traceback where the message says
         detail = (exc.detail if isinstance(exc, HarnessError) else None) or traceback.format_exc()
-        run_dir.write_file("harness-error.txt", detail)
-        run_dir.release()
+        run.out.write_file("harness-error.txt", detail)
+        run.out.release()
         if isinstance(exc, HarnessError):
             raise
-        raise HarnessError(f"harness error in {run_dir.path}: {type(exc).__name__}: {exc}", detail) from exc
+        raise HarnessError(f"harness error in {run.out.path}: {type(exc).__name__}: {exc}", detail) from exc
     except BaseException:  # the journal keeps the rows so far; the next run may take the directory's lock
-        run_dir.release()
+        run.out.release()
         raise
     finally:
         dcp_ranks.close_all()
         judged.close()  # closed by run_units, unless it never got there
     interrupted = sink.interrupt.requested
     silent = never_called(run.impls, call_guards.CALLED_WITH, [u.op for u in chosen])
-    outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupted,
+    outcome = GateOutcome(result.rows, result.failed, run.out.path, interrupted,
                           keep(kept, result.new_findings(), result.rows) + not_replayed(kept, chosen, run.ops)
                           + sorted(result.notes),
                           odd_ones_out(result.rows),
-                          isolated=run.isolate, rest=_rest(run, chosen, result) if interrupted else (0, ""),
-                          sandbox=judged.summary(),
+                          isolated=run.isolate, rest=_rest(run, mine, result) if interrupted else (0, ""),
+                          sandbox=judged.summary(), case_files=_case_files(run, result),
                           never_called=_never_judged("forward_mqa", silent, "the gate's cases"))
-    durations.write(run_dir.path, result.seconds)
-    run_dir.finish(result.rows, {**meta, "stopped": Stop.INTERRUPTED} if interrupted else meta)
-
-    def said(path: Path, rows) -> list[str]:  # the replay command (with the implementation saved), the failing rows
-        command = replay_command(path, load(path).impl, run.device, timeout=run.timeout, isolate=run.isolate)
-        return [f"  replay: {command}", *(f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}"
-                                          for r in rows if not r.passed)]
-
-    outcome.case_files = [(r.path, [f"  from the corpus: still fails (kept as {r.kept_as})" if r.kept_as
-                                    else "  a pinned regression case: fails", *said(r.path, r.rows)])
-                          for r in result.replayed if r.path is not None]
-    outcome.case_files += [(fz.case_file, [f"  not minimized: {fz.unminimized}"] * bool(fz.unminimized)
-                            + said(fz.case_file, fz.failure.rows if fz.failure else ()))
-                           for fz in result.fuzz if fz.case_file and fz.case_file not in {r.path for r in result.replayed}]
+    durations.write(run.out.path, result.seconds)
+    run.out.finish(result.rows, {**meta, "stopped": Stop.INTERRUPTED} if interrupted else meta)
     return outcome
 
 
-def _rest(run: Run, chosen: list[Unit], result: GateResult) -> tuple[int, str]:
-    """An interrupted gate's ops (and properties) with a unit it did not finish, and the command that
-    runs them (`outcome.rest_command`)."""
-    mine = shard_units(list(run.ops) or None, run.device, run.shard, chosen, run.durations)
+def _case_files(run: GateRun, result: UnitsResult) -> list[tuple[Path, list[str]]]:
+    """Each finding's case file and the lines the gate prints under it: where it came from, the
+    command that replays it (with the implementation saved) and its failing rows."""
+    def said(path: Path, rows) -> list[str]:
+        command = replay_command(path, load(path).impl, run.device, timeout=run.timeout, isolate=run.isolate)
+        return [f"  replay: {command}", *(f"  {r.line()}" for r in rows if not r.passed)]
+
+    replayed = [(r.path, [f"  from the corpus: still fails (kept as {r.kept_as})" if r.kept_as
+                          else "  a pinned regression case: fails", *said(r.path, r.rows)])
+                for r in result.replayed if r.path is not None]
+    return replayed + [(fz.case_file, [f"  not minimized: {fz.unminimized}"] * bool(fz.unminimized)
+                        + said(fz.case_file, fz.failure.rows if fz.failure else ()))
+                       for fz in result.fuzz if fz.case_file and fz.case_file not in {r.path for r in result.replayed}]
+
+
+def _rest(run: GateRun, mine: list[Unit], result: UnitsResult) -> tuple[int, str]:
+    """An interrupted gate's ops (and properties) with a unit of its shard (`mine`) it did not
+    finish, and the command that runs them (`outcome.rest_command`)."""
     left = list(dict.fromkeys(u.op for u in mine if u.key not in result.seconds))
     return len(left), rest_command(run, left, run.out.path.with_name(f"{run.out.path.name}-rest")) if left else ""
 
@@ -442,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = Run.from_json(text)
         take_gpu_share(1 - WORKER_SHARE if run.isolate else 1.0)  # an isolated part's worker takes the rest
-        outcome = drive(run, lambda line: print(line, flush=True))
+        outcome: Outcome = drive(run, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
         return 130
     except UsageError as exc:
@@ -451,11 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     except HarnessError as exc:
         print(f"mla-verify: {exc}", file=sys.stderr)
         return 3
-    if run.command == FUZZ:
-        print(outcome.report())
+    if lines := outcome.lines():
+        print("\n".join(lines))
+    if isinstance(outcome, CheckResult):  # what its parent reads back (`parts.check_in_parts`)
         write_atomic(outcome.out / RESULT_JSON, result_file(outcome))
-    elif outcome.lines():
-        print("\n".join(outcome.lines()))
     return outcome.exit_code
 
 
