@@ -53,8 +53,9 @@ def serve(conn, device: str, sandbox: str = "off", judge: int = 0) -> None:
     # parent's to handle: it finishes the case; the worker dying of one would read as a crash.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    # Behind the OS boundary first, while the process has one thread and has run nothing of the
-    # user's: what the worker runs from here on (the CUDA context included) runs behind it.
+    # Behind the OS boundary first, before CUDA starts and before anything of the user's runs: what
+    # the worker runs from here on (the CUDA context included) runs behind it. A spawned worker
+    # runs threads by now (its imports'): it goes on in a single-threaded child (`boundary._alone`).
     fence = boundary.enter(sandbox, device, {judge} - {0})
     reaper.become_subreaper()  # what a kernel forks stays below this process (`reaper`)
     if not is_cuda(device):
