@@ -245,7 +245,7 @@ def test_a_cuda_worker_where_cuda_started_before_its_boundary_forks_nothing_and_
         assert {"user namespace", "pid namespace"} <= set(b.held), b.summary()
 
 
-def threaded_serve(conn, device: str, sandbox: str = "off", judge: int = 0) -> None:
+def threaded_serve(conn, device: str, sandbox: str = "off", judge: int = 0, no_namespaces: str = "") -> None:
     """`serve` in a process that runs a second thread when it enters its boundary, as a spawned CUDA
     worker does once its imports are done; the point where a CUDA worker creates its context
     (`serve._warm_up`) is checked to come behind the namespaces, with CUDA not yet initialized: a
@@ -262,7 +262,44 @@ def threaded_serve(conn, device: str, sandbox: str = "off", judge: int = 0) -> N
         warm_up(device)
 
     serve_module._warm_up = checked
-    serve_module.serve(conn, device, sandbox, judge)
+    serve_module.serve(conn, device, sandbox, judge, no_namespaces)
+
+
+def dies_behind_namespaces(conn, device: str, sandbox: str = "off", judge: int = 0, no_namespaces: str = "") -> None:
+    """`serve` for a device whose context cannot start behind the namespaces (what a CUDA driver
+    might do there, unseen so far): a worker that would get to its warm-up inside a new user
+    namespace exits 3 instead."""
+    warm_up = serve_module._warm_up
+
+    def refused(device: str) -> None:
+        with open("/proc/self/uid_map") as f:
+            if f.read().split() != ["0", "0", "4294967295"]:
+                os._exit(3)
+        warm_up(device)
+
+    serve_module._warm_up = refused
+    serve_module.serve(conn, device, sandbox, judge, no_namespaces)
+
+
+def test_a_worker_that_cannot_start_behind_the_namespaces_keeps_the_other_layers(monkeypatch, tmp_path):
+    """auto steps down one rung at a time: a worker that dies before it says ready behind the
+    namespaces is started again without them (session, no_new_privs, landlock and seccomp still
+    held, the namespaces missing with the reason), not without the whole sandbox."""
+    if (why := _user_namespaces()) is not None:
+        print(f"skipped: this host gives no unprivileged user namespace ({why})")
+        pytest.skip(f"no unprivileged user namespace here: {why}")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    worker = Worker("cpu", dies_behind_namespaces, 10.0)
+    try:
+        fence = worker.start()
+        assert not worker.fell_back and fence.mode == "auto", worker.summary()
+        assert {"session", "no_new_privs", "landlock", "seccomp"} <= set(fence.held), fence.summary()
+        missing = {x.name: x.detail for x in fence.missing}
+        assert set(missing) == {"user namespace", "pid namespace"}, fence.summary()
+        assert "a worker behind them could not start (exit code 3)" in missing["user namespace"], missing
+        assert worker.sandboxed()["missing"] == missing
+    finally:
+        worker.close()
 
 
 def _user_namespaces() -> str | None:

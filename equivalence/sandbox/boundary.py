@@ -313,11 +313,12 @@ def scratch_dirs(pid: int) -> list[str]:
     return glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{SCRATCH_PREFIX}{pid}-*"))
 
 
-def enter(mode: str, device: str, protected: Iterable[int]) -> Boundary:
+def enter(mode: str, device: str, protected: Iterable[int], no_namespaces: str = "") -> Boundary:
     """Put this process behind the layers `mode` asks for; `protected`: the pids no signal of its
-    may reach (its judge, its parent). Call it before any user code runs and, for a CUDA worker,
-    before CUDA starts (a process that runs threads forks for the namespaces: `_alone`); the
-    layers hold for everything it starts."""
+    may reach (its judge, its parent); `no_namespaces`: why the user and pid namespaces are left
+    out ("": they are tried). Call it before any user code runs and, for a CUDA worker, before
+    CUDA starts (a process that runs threads forks for the namespaces: `_alone`); the layers hold
+    for everything it starts."""
     if mode not in MODES:
         raise ValueError(f"sandbox mode {mode!r}: expected one of {', '.join(MODES)}")
     if mode == "off":
@@ -326,9 +327,11 @@ def enter(mode: str, device: str, protected: Iterable[int]) -> Boundary:
         return Boundary(mode, tuple(Layer(name, False, f"not Linux ({sys.platform})") for name in LAYERS))
     scratch = scratch_dir()
     pids = {*protected, os.getppid()}  # as the judge's namespace numbers them (none is in a new one)
-    layers = [_attempt("session", _session), _attempt("user namespace", lambda: _user_namespace(device))]
+    layers = [_attempt("session", _session),
+              Layer("user namespace", False, no_namespaces) if no_namespaces
+              else _attempt("user namespace", lambda: _user_namespace(device))]
     layers.append(_attempt("pid namespace", lambda: _pid_namespace(device)) if layers[1].held
-                  else Layer("pid namespace", False, "needs the user namespace"))
+                  else Layer("pid namespace", False, no_namespaces or "needs the user namespace"))
     layers.append(nnp := _attempt("no_new_privs", _no_new_privs))
     pids |= set() if layers[0].held else {0}  # kill(0): the judge's group
     for name, setup in (("landlock", lambda: landlock.restrict(writable_paths(device, scratch))),

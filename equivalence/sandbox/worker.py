@@ -209,6 +209,7 @@ class Worker:
         self._serve, self._preload = serve, [serve.__module__, *preload]
         self.fence: boundary.Boundary | None = None  # what the workers stand behind (the last one's words)
         self.fell_back = ""  # why the workers run without the sandbox (auto, where a worker could not start behind it)
+        self.no_namespaces = ""  # why they run without its namespaces (auto, the step before)
         self.hand_over = not is_cuda(device) if hand_over is None else hand_over
         self._active: _Process | None = None
         self._spares: list[_Process] = []
@@ -226,7 +227,8 @@ class Worker:
             os.environ.setdefault("TRITON_INTERPRET", "1")
             ctx.set_forkserver_preload(self._preload)
         conn, child = ctx.Pipe()  # a socket pair: the segments' descriptors cross it too
-        proc = ctx.Process(target=self._serve, args=(child, self.device, self.sandbox, os.getpid()), daemon=True)
+        proc = ctx.Process(target=self._serve, args=(child, self.device, self.sandbox, os.getpid(), self.no_namespaces),
+                           daemon=True)
         spawned = SPAWNED_ENV if self.start_method == "spawn" else {}
         with reaper.marked(), _environment(spawned):  # the worker (and its fork server) carries its tree's mark
             proc.start()
@@ -239,7 +241,8 @@ class Worker:
 
     def _await_ready(self, p: _Process) -> None:
         """Wait for `p`'s "ready", which says what it stands behind (`boundary.Boundary`); a worker
-        that cannot start behind the sandbox in auto mode is started again without it, and says why."""
+        that cannot start behind the sandbox in auto mode is started again without its namespaces
+        (the layers least proven under CUDA), then without the sandbox, and says why."""
         if p.ready:
             return
         kind, header = self._receive(p, None, STARTUP_TIMEOUT_S)
@@ -254,6 +257,7 @@ class Worker:
             if (refused := p.fence.refused()) is not None:
                 raise UsageError(f"{refused} (this host; --sandbox auto runs with what holds)")
             return
+        p.proc.join(1)  # its pipe closed as it died: reaped, it tells how it ended
         why = _exit_reason(p.proc.exitcode)
         for q in (p, *self._spares):
             q.proc.kill()
@@ -261,7 +265,10 @@ class Worker:
             q.close()
         self._spares = []
         if self.sandbox == "auto":
-            self.sandbox, self.fell_back = "off", f"a worker could not start behind it ({why})"
+            if self.no_namespaces or self.fence is not None:  # a worker has started behind these layers before
+                self.sandbox, self.fell_back = "off", f"a worker could not start behind it ({why})"
+            else:
+                self.no_namespaces = f"left out: a worker behind them could not start ({why})"
             self._active = self._spawn()
             self._await_ready(self._active)
             return
