@@ -46,16 +46,18 @@ def _warm_up(device: str) -> None:
         (a @ a).sum().item()
 
 
-def serve(conn, device: str, sandbox: str = "off", judge: int = 0) -> None:
-    """The worker process: behind `sandbox` (`boundary.MODES`) for `device`, its judge the
-    process `judge` (the one pid it may signal), answering on `conn` until told to stop."""
+def serve(conn, device: str, sandbox: str = "off", judge: int = 0, no_namespaces: str = "") -> None:
+    """The worker process: behind `sandbox` (`boundary.MODES`; without the namespaces where
+    `no_namespaces` says why) for `device`, its judge the process `judge` (the one pid it may
+    signal), answering on `conn` until told to stop."""
     # Ctrl-C, and the SIGTERM that `timeout` or a scheduler sends the whole process group, are the
     # parent's to handle: it finishes the case; the worker dying of one would read as a crash.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    # Behind the OS boundary first, while the process has one thread and has run nothing of the
-    # user's: what the worker runs from here on (the CUDA context included) runs behind it.
-    fence = boundary.enter(sandbox, device, {judge} - {0})
+    # Behind the OS boundary first, before CUDA starts and before anything of the user's runs: what
+    # the worker runs from here on (the CUDA context included) runs behind it. A spawned worker
+    # runs threads by now (its imports'): it goes on in a single-threaded child (`boundary._alone`).
+    fence = boundary.enter(sandbox, device, {judge} - {0}, no_namespaces)
     reaper.become_subreaper()  # what a kernel forks stays below this process (`reaper`)
     if not is_cuda(device):
         os.environ.setdefault("TRITON_INTERPRET", "1")

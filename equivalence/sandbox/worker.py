@@ -32,11 +32,14 @@ implementation ran with the context gone is the implementation's crash. Once one
 replaced, spares are kept warming in the background, so a campaign that shrinks a crash does not
 wait for start-ups. On CPU, workers fork from a server that has imported torch, mla-verify and every
 spec once (multiprocessing's forkserver), which makes a replacement take tens of milliseconds;
-CUDA workers are spawned fresh (nothing CUDA ever runs in a process that forks).
+CUDA workers are spawned fresh (no CUDA context is ever forked). A spawned worker runs threads
+once its imports are done, which a user namespace refuses: it forks once behind its boundary,
+before CUDA starts (`boundary._alone`), and the process started here stands in for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -46,7 +49,7 @@ import socket
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from ..cases.case import Case
 from ..errors import HarnessError, UsageError
@@ -65,6 +68,11 @@ HARNESS_TIMEOUT_S = 1800.0  # a case's inputs (ours, not the implementation's)
 RESOLVE_FLOOR_S = 30.0      # a module's import in the worker (a JIT build at import) may take this long at least
 READ_GRACE_S = 60.0         # a message's bytes once its first arrived (outputs of gigabytes on a slow host)
 UNREADABLE = "the worker sent an unreadable message"
+# A spawned worker's imports ask torch whether there is a GPU (mla_verify.optimized, judge.fused)
+# before its boundary: through NVML, not the CUDA runtime, whose start a child it forks to enter
+# its namespaces could not use (`boundary._alone`; where the driver was loaded all the same, the
+# namespaces are missing and say so).
+SPAWNED_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 
 # An implementation as a worker imports it: (op, --impl strings, declared deviations, conventions)
 Key = tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]
@@ -90,6 +98,7 @@ class _Process:
     handed: set = field(default_factory=set)     # serials of the segments whose descriptor it holds
     resolved: set = field(default_factory=set)   # the implementations it imported (`Worker.load`)
     fence: boundary.Boundary | None = None       # what it said it stands behind, before any user code
+    said_pid: int | None = None                  # its pid as it sees it (in its own PID namespace, if any)
 
     def close_segments(self) -> None:
         for s in (self.inputs, self.reader.segment):
@@ -98,11 +107,12 @@ class _Process:
         self.inputs = self.reader.segment = None
 
     def runner(self) -> int:
-        """The pid of the process that runs the cases: the worker's own, or behind a PID namespace
-        the worker the stand-in we started waits for (pid 2 there: `boundary._pid_namespace`)."""
-        if self.fence is None or "pid namespace" not in self.fence.held:
+        """The pid of the process that runs the cases: the one we started, or the worker it stands
+        in for (`boundary._alone`, `boundary._pid_namespace`: pid 2 behind a PID namespace), found
+        below it by the pid it said it has (a pid it made up finds nothing there: the one we started)."""
+        if self.said_pid is None or self.said_pid == self.proc.pid:
             return self.proc.pid
-        return reaper.in_namespace(self.proc.pid, 2) or self.proc.pid
+        return reaper.in_namespace(self.proc.pid, self.said_pid) or self.proc.pid
 
     def close(self) -> None:
         """Its segments, descriptors and scratch directory, once the process is gone."""
@@ -136,6 +146,18 @@ def _servers() -> set[int]:
     return {p for p in pids if p}
 
 
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in this process's environment (each where not set already) while a worker starts."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
 def _said(header: dict, key: str) -> str:
     """header[key], the worker's own words, where it is a bounded string."""
     try:
@@ -164,9 +186,11 @@ class Worker:
     """One isolated evaluation process for `device` (e.g. "cuda:0"), replaced as needed."""
 
     def __init__(self, device: str, serve: Callable, timeout_s: float = 300.0, hand_over: bool | None = None,
-                 sandbox: str = "auto", preload: Sequence[str] = ()):
+                 sandbox: str = "auto", preload: Sequence[str] = (), start: str | None = None):
         """`serve`: the worker process's function (`equivalence.serve.serve`), `preload`: the modules
-        a CPU worker's fork server imports once. `hand_over`: whether the inputs its judge builds go
+        a CPU worker's fork server imports once. `start`: multiprocessing's start method, "spawn"
+        on CUDA and "forkserver" elsewhere by default (a CPU worker spawned is started as a CUDA
+        one is: how the tests check that path). `hand_over`: whether the inputs its judge builds go
         to the worker through a shared segment (else the worker builds them again). By default on
         CPU only: on CUDA the segment is host memory, a copy to the host and one back (the decode
         case B=64 H=128 holds ~350 MB of cache: tens of ms each way) against a build of 1.2-1.9 ms
@@ -178,10 +202,14 @@ class Worker:
         if sandbox not in boundary.MODES:
             raise ValueError(f"sandbox mode {sandbox!r}: expected one of {', '.join(boundary.MODES)}")
         boundary.protect_judge()
+        if start not in (None, "spawn", "forkserver"):
+            raise ValueError(f"start method {start!r}: expected spawn or forkserver")
         self.device, self.timeout_s, self.sandbox = device, timeout_s, sandbox
+        self.start_method = start or ("spawn" if is_cuda(device) else "forkserver")
         self._serve, self._preload = serve, [serve.__module__, *preload]
         self.fence: boundary.Boundary | None = None  # what the workers stand behind (the last one's words)
         self.fell_back = ""  # why the workers run without the sandbox (auto, where a worker could not start behind it)
+        self.no_namespaces = ""  # why they run without its namespaces (auto, the step before)
         self.hand_over = not is_cuda(device) if hand_over is None else hand_over
         self._active: _Process | None = None
         self._spares: list[_Process] = []
@@ -191,18 +219,18 @@ class Worker:
         _LIVE.add(self)
 
     def _spawn(self) -> _Process:
-        if is_cuda(self.device):
-            ctx = mp.get_context("spawn")
-        else:
+        ctx = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
             # The server imports every spec (and the kernels) once: a replacement after a crash then
             # forks in ~0.07 s, not ~0.8 s (measured, quantize n=64). Triton must run interpreted
             # there before it imports anything, as in every CPU process of the run.
             os.environ.setdefault("TRITON_INTERPRET", "1")
-            ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(self._preload)
         conn, child = ctx.Pipe()  # a socket pair: the segments' descriptors cross it too
-        proc = ctx.Process(target=self._serve, args=(child, self.device, self.sandbox, os.getpid()), daemon=True)
-        with reaper.marked():  # the worker (and the server it forks from) carries the mark of its tree
+        proc = ctx.Process(target=self._serve, args=(child, self.device, self.sandbox, os.getpid(), self.no_namespaces),
+                           daemon=True)
+        spawned = SPAWNED_ENV if self.start_method == "spawn" else {}
+        with reaper.marked(), _environment(spawned):  # the worker (and its fork server) carries its tree's mark
             proc.start()
         child.close()
         # Liveness from the process itself: a pidfd is readable once it exited, whoever still holds
@@ -213,7 +241,8 @@ class Worker:
 
     def _await_ready(self, p: _Process) -> None:
         """Wait for `p`'s "ready", which says what it stands behind (`boundary.Boundary`); a worker
-        that cannot start behind the sandbox in auto mode is started again without it, and says why."""
+        that cannot start behind the sandbox in auto mode is started again without its namespaces
+        (the layers least proven under CUDA), then without the sandbox, and says why."""
         if p.ready:
             return
         kind, header = self._receive(p, None, STARTUP_TIMEOUT_S)
@@ -223,9 +252,12 @@ class Worker:
             except ValueError as exc:
                 raise HarnessError(f"an isolation worker for {self.device} did not say what it stands behind: {exc}")
             p.ready = True
+            said = header.get("pid")
+            p.said_pid = said if type(said) is int and said > 0 else None
             if (refused := p.fence.refused()) is not None:
                 raise UsageError(f"{refused} (this host; --sandbox auto runs with what holds)")
             return
+        p.proc.join(1)  # its pipe closed as it died: reaped, it tells how it ended
         why = _exit_reason(p.proc.exitcode)
         for q in (p, *self._spares):
             q.proc.kill()
@@ -233,7 +265,10 @@ class Worker:
             q.close()
         self._spares = []
         if self.sandbox == "auto":
-            self.sandbox, self.fell_back = "off", f"a worker could not start behind it ({why})"
+            if self.no_namespaces or self.fence is not None:  # a worker has started behind these layers before
+                self.sandbox, self.fell_back = "off", f"a worker could not start behind it ({why})"
+            else:
+                self.no_namespaces = f"left out: a worker behind them could not start ({why})"
             self._active = self._spawn()
             self._await_ready(self._active)
             return
