@@ -94,7 +94,10 @@ class Started:
             detail = (exc.detail if isinstance(exc, HarnessError) else None) or traceback.format_exc()
             if out:
                 out.write_file("harness-error.txt", detail)
-                out.release() if gate else out.finish(self.sink.rows, self.meta)
+                if gate:
+                    out.release()
+                else:
+                    out.finish(self.sink.rows, self.meta)
             if isinstance(exc, HarnessError):
                 raise
             where = f" in {out.path}" if gate else ""
@@ -117,7 +120,7 @@ def start(run: FuzzRun | GateRun, log: Callable[[str], None]) -> Started:
     kept = Corpus(run.corpus) if run.corpus else None
     chosen = run.units(kept)
     mine = run.shard_of(chosen)
-    left = kept_left(run, kept, chosen)
+    left = _kept_left(run, kept, chosen)
     judged, judged_by = judging(run, mine)
     try:
         log(run.header())
@@ -136,7 +139,7 @@ def start(run: FuzzRun | GateRun, log: Callable[[str], None]) -> Started:
     return started
 
 
-def kept_left(run: Run, kept: Corpus | None, chosen: list[Unit]) -> list[str]:
+def _kept_left(run: Run, kept: Corpus | None, chosen: list[Unit]) -> list[str]:
     """A fuzz run's note of the kept cases its unit does not replay (the gate's is said at its end)."""
     return not_replayed(kept, chosen, run.ops, "run") if isinstance(run, FuzzRun) and run.corpus_replay else []
 
