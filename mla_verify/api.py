@@ -10,8 +10,9 @@ repository's own pytest suite can make (the CLI parses arguments into these and 
     run(options) -> CheckResult | GateOutcome    either, from one `runs.plan.Options` (what the CLI parses)
     history(runs, html=...) -> History           many runs of one kernel line: trend and marked steps
 
-check() and gate() validate their arguments into one `Run` (mla_verify.runs.plan), which `runs.driver.drive` runs:
-in this process, or in parts on this host's GPUs; a shard (shard="I/N") runs its share of it.
+check() and gate() validate their arguments into one `Run` (mla_verify.runs.plan), which `runs.driver.execute`
+runs in this process (`runs.start` builds its parts, `runs.driver.drive` composes them), or in parts on
+this host's GPUs; a shard (shard="I/N") runs its share of it.
 
 `check(..., baseline=RUN)` re-draws the baseline run's cases (its seed, profile and budget), so that
 `drift` pairs them case for case: the way to ask "is my kernel v2 worse than v1?".
@@ -52,7 +53,7 @@ from mla_verify.reports.store import rows_frame
 
 from .junit import saved_replays, write_junit
 from .pytest_plugin import DEFAULTS, default_device, saved
-from .runs.driver import drive
+from .runs.driver import execute
 from .runs.outcome import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
 from .runs.plan import FUZZ, GATE, Options, plan, positive, resolve_device, timeout_needs_isolation, writable_file
 from .runs.rundir import load_run
@@ -211,7 +212,7 @@ def check(
     if given["seed"] is None and baseline is None:  # under CI=true, the commit's seed (a baseline's own wins)
         given["seed"] = DEFAULTS.get("commit_seed")
     given["specs"], given["named"] = impl_specs(impl)
-    result = run(Options.asked(FUZZ, given), log)
+    result = run(Options.asked(FUZZ, given, besides=("op", "impl", "log", "__tracebackhide__")), log)
     saved(result.failures)  # listed in a pytest session's summary
     return result
 
@@ -261,7 +262,8 @@ def gate(
             not by count; a path with none yet deals by count.
 
     Raises UsageError for bad input, before any case runs."""
-    return run(Options.asked(GATE, {**locals(), "ops": tuple(ops or ()), "impls": tuple(impl or ())}), log)
+    given = {**locals(), "ops": tuple(ops or ()), "impls": tuple(impl or ())}
+    return run(Options.asked(GATE, given, besides=("impl", "log")), log)
 
 
 def run(options: Options, log: Callable[[str], None] | None = None) -> CheckResult | GateOutcome:
@@ -271,7 +273,7 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> CheckResu
     log = log or (lambda line: None)
     planned = plan(options, log)
     try:
-        outcome = drive(planned, log)
+        outcome = execute(planned, log)
     finally:
         if planned.out is not None:
             planned.out.release()

@@ -11,7 +11,7 @@ import mla_verify
 from mla_verify import reference
 from mla_verify.cli import main
 from mla_verify.equivalence.judge.rows import FailureKind, RowContext
-from mla_verify.runs import driver
+from mla_verify.runs import judges
 
 
 def _failing_reference(monkeypatch, times: int | None):
@@ -25,7 +25,7 @@ def _failing_reference(monkeypatch, times: int | None):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(reference, "sparse_decode_fp8", oom)
-    monkeypatch.setattr(driver, "OOM_WAITS", (0.0, 0.0))
+    monkeypatch.setattr(judges, "OOM_WAITS", (0.0, 0.0))
     return calls
 
 
@@ -63,7 +63,7 @@ def test_a_block_retried_after_running_out_tells_the_campaign_of_each_call_once(
     from mla_verify.fuzz.campaign import Campaign, fuzz
     from mla_verify.runs.units import Unit
 
-    monkeypatch.setattr(driver, "OOM_WAITS", (0.0, 0.0))
+    monkeypatch.setattr(judges, "OOM_WAITS", (0.0, 0.0))
     subject = catalog.resolve_subject("sparse_decode_fp8", ["torch-fp32"], "cpu")
     blocks = []
 
@@ -76,7 +76,7 @@ def test_a_block_retried_after_running_out_tells_the_campaign_of_each_call_once(
 
     unit = Unit("sparse_decode_fp8", "torch-fp32", ("torch-fp32",))
     result = fuzz(Campaign("sparse_decode_fp8", get_profile("ci"), 40, 1, block=3, shrink=False),
-                  driver._within_memory(judge, RowContext("run", label=unit.label)))
+                  judges._within_memory(judge, RowContext("run", label=unit.label)))
     # the whole covering set runs past --examples (issue 47), then the drawn block, retried whole
     first = blocks.index(3)
     assert result.stopped is None and result.examples >= 40 and blocks[first:first + 2] == [3, 3]

@@ -13,7 +13,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Collection, Mapping
 
 import torch
 
@@ -105,12 +105,19 @@ class Run:
         d |= {"profile": get_profile(d["profile"]), "shard": Shard.parse(d["shard"]), "out": RunDir.open(d["out"])}
         return kind._restored(d)
 
-    # Each kind's own: the line it starts with, its campaigns' world size for a spec, its run in one
-    # child process per part, and what options() and meta() add to the shared settings.
+    # Each kind's own: the line it starts with, its campaigns' world size for a spec, its units and
+    # those of its slot, its run in one child process per part, and what options() and meta() add
+    # to the shared settings.
     def header(self) -> str:
         raise NotImplementedError
 
     def ranks(self, spec: Spec) -> int | None:
+        raise NotImplementedError
+
+    def units(self, kept: Corpus | None = None) -> list[Unit]:
+        raise NotImplementedError
+
+    def shard_of(self, chosen: list[Unit]) -> list[Unit]:
         raise NotImplementedError
 
     def in_parts(self, log: Callable[[str], None]) -> CheckResult | GateOutcome:
@@ -160,6 +167,17 @@ class FuzzRun(Run):
     def campaigns(self) -> list[tuple[int, int]]:
         """(seed, examples) of each campaign this host runs."""
         return [c for c in (slot.campaign(self.seed, self.examples) for slot in self.slots) if c[1]]
+
+    def units(self, kept: Corpus | None = None) -> list[Unit]:
+        """Its one unit: the implementation it was given, on its path, without the pinned corpus;
+        with the kept corpus's cases that apply to it where this part replays them."""
+        return [Unit(self.op, self.label, self.specs, subject=self.subject, paths=(self.path,), corpus=False,
+                     deviations=self.deviations, conventions=self.conventions,
+                     kept=kept.applying(self.op, self.specs) if kept and self.corpus_replay else ())]
+
+    def shard_of(self, chosen: list[Unit]) -> list[Unit]:
+        """All of `chosen`: a fuzz run's slots share its one unit's examples (`campaigns`)."""
+        return chosen
 
     def ranks(self, spec: Spec) -> int | None:
         """The world size of its campaigns of `spec` (--world-size, else the gate's: None for one process)."""
@@ -311,9 +329,14 @@ class Options:
     sandbox: str = "auto"                         # auto | strict | off (equivalence.sandbox.boundary)
 
     @classmethod
-    def asked(cls, command: str, given: Mapping[str, Any]) -> "Options":
-        """The options among `given` (a call's arguments by name; others are left out)."""
+    def asked(cls, command: str, given: Mapping[str, Any], besides: Collection[str] = ()) -> "Options":
+        """The options `given` (a call's arguments by name), but the names `besides` (the call's
+        own, or translated into options on the way); TypeError for any other name, so that a
+        parameter misspelled or added without its field is never dropped silently."""
         names = {f.name for f in fields(cls)} - {"command"}
+        stray = sorted(set(given) - names - set(besides))
+        if stray:
+            raise TypeError(f"{command}: {', '.join(stray)}: no run option (runs.plan.Options) of that name")
         return cls(command, **{k: v for k, v in given.items() if k in names})
 
 
