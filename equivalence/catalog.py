@@ -16,8 +16,8 @@ from . import ops, properties
 from .cases.case import Case
 from .errors import UsageError
 from .judge import conventions as conventions_
-from .judge.rows import Row
-from .produced import Produced
+from .judge.rows import Row, RowContext
+from .sandbox.produced import Produced
 from .properties.base import PREFIX
 from .spec import SPECS, Spec
 from .subject import Subject, check_declared, described as described_, did_you_mean
@@ -111,43 +111,45 @@ def allowed_deviations(subject: Subject, device: str) -> frozenset[str]:
 
 def evaluate(case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
              notes: set[str] | None = None, on_call: Callable[[], None] | None = None) -> list[Row]:
-    """Every checked tensor of `case` as a Row (a single failure row if the implementation raised);
-    see the spec's own `evaluate`."""
-    return get_spec(case.op).evaluate(case, subject, device, run_id=run_id, source=source, notes=notes,
-                                      on_call=on_call)
+    """Every checked tensor of `case` as a Row (a single failure row if the implementation raised),
+    judged in this process; see the spec's own `evaluate`. (`equivalence.blocks.Judging` judges
+    here or through an isolation worker.)"""
+    return get_spec(case.op).evaluate(case, subject, _here(subject, device, run_id, source, notes, on_call))
 
 
 def evaluate_block(cases: Sequence[Case], subject: Subject, device: str = "cpu", *, run_id: str = "",
                    source: str = "fuzz", notes: set[str] | None = None,
                    on_call: Callable[[], None] | None = None) -> list[list[Row]]:
     """The rows of each of `cases` (one op and params, their seeds differ: a fuzz block), judged
-    together where the spec can (its reference in one pass, its checks at once); `on_call` runs
-    before each case's implementation call."""
-    return get_spec(cases[0].op).evaluate_block(cases, subject, device, run_id=run_id, source=source, notes=notes,
-                                                on_call=on_call)
+    together in this process where the spec can (its reference in one pass, its checks at once);
+    `on_call` runs before each case's implementation call."""
+    return get_spec(cases[0].op).evaluate_block(cases, subject, _here(subject, device, run_id, source, notes, on_call))
 
 
-def produce(case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
-            on_call: Callable[[], None] | None = None, inputs: dict[str, Any] | None = None) -> Produced:
-    """The implementation's side of `case` (its outputs, on the host), for `judge_produced` in
-    another process: an isolation worker produces, its parent judges. `inputs`: the case's
+def _here(subject: Subject, device: str, run_id: str, source: str, notes: set[str] | None,
+          on_call: Callable[[], None] | None) -> RowContext:
+    """The rows' context of a call judged in this process: they name the subject as it resolved."""
+    return RowContext(run_id, source, subject.label, device, notes, on_call)
+
+
+def row_base(case: Case, context: RowContext) -> dict[str, Any]:
+    """The identity columns of `case`'s rows in `context` (`RowContext.base` with its spec's identity)."""
+    return context.base(case, get_spec(case.op).identity(case))
+
+
+def produce(case: Case, subject: Subject, context: RowContext, inputs: dict[str, Any] | None = None) -> Produced:
+    """The implementation's side of `case` (its outputs, on the host), for `judge_produced_block`
+    in another process: an isolation worker produces, its judge judges. `inputs`: the case's
     arguments as its judge built them (`prepare_inputs`), else built here."""
-    given = {} if inputs is None else {"inputs": inputs}
-    return get_spec(case.op).produce(case, subject, device, run_id=run_id, source=source, on_call=on_call, **given)
+    return get_spec(case.op).produce(case, subject, context, inputs)
 
 
-def judge_produced(case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",
-                   source: str = "fuzz") -> list[Row]:
-    """The rows of `case` from what `produce` sent, the reference and every verdict computed here."""
-    return get_spec(case.op).judge_produced(case, produced, label, device, run_id=run_id, source=source)
-
-
-def judge_produced_block(cases: Sequence[Case], produced: Sequence[Produced], label: str, device: str = "cpu", *,
-                         run_id: str = "", source: str = "fuzz", prepared: Any = None) -> list[list[Row]]:
-    """`judge_produced` of each case of a block (`evaluate_block`'s), judged together; `prepared`:
-    `prepare_block(cases, device)`, computed while the block was produced."""
-    return get_spec(cases[0].op).judge_produced_block(cases, produced, label, device, run_id=run_id, source=source,
-                                                      prepared=prepared)
+def judge_produced_block(cases: Sequence[Case], produced: Sequence[Produced], context: RowContext,
+                         prepared: Any = None) -> list[list[Row]]:
+    """The rows of each case of a block (`evaluate_block`'s) from what `produce` sent, the
+    reference and every verdict computed here; `prepared`: `prepare_block(cases, device)`,
+    computed while the block was produced."""
+    return get_spec(cases[0].op).judge_produced_block(cases, produced, context, prepared)
 
 
 def prepare_block(cases: Sequence[Case], device: str = "cpu", inputs: Any = None) -> Any:

@@ -18,19 +18,21 @@ never what kind of thing they hold (torch's `_comparison.Pair` idea: each handle
     subjects(device)            label -> --impl strings: every implementation the gate runs here
     campaigns(subject)          the paths a gate campaign covers (None: the unrestricted draw)
     path_for(path, subject)     a requested --path, checked (UsageError) and defaulted
-    evaluate(case, subject, device, ...)  the case's rows, judged in this process
-    produce(case, subject, device, ...)   the implementation's side of a case (`running.Produced`:
-                                its outputs on the host), made where the implementation runs
-    judge_produced(case, produced, label, device, ...)  the rows from it, the reference and every
-                                verdict computed here (an isolation worker's parent)
-    evaluate_block(cases, ...), judge_produced_block(cases, produced, ...)  the same for cases of
-                                one params whose seeds differ (a fuzz block): judged together where
-                                the spec can (one reference pass, each check at once)
+    evaluate(case, subject, context)  the case's rows, judged in this process (`context`: a
+                                `judge.rows.RowContext`, what its rows say besides the case)
+    produce(case, subject, context, inputs)  the implementation's side of a case
+                                (`sandbox.produced.Produced`: its outputs on the host), made where
+                                the implementation runs
+    judge_produced(case, produced, context)  the rows from it, the reference and every verdict
+                                computed here (an isolation worker's judge: `equivalence.blocks`)
+    evaluate_block(cases, ...), judge_produced_block(cases, produced, context, prepared)  the same
+                                for cases of one params whose seeds differ (a fuzz block): judged
+                                together where the spec can (one reference pass, each check at once)
     prepare_block(cases, device)  what judge_produced_block can compute before any output exists
                                 (an op: inputs and the reference's answer), passed to it as
-                                `prepared`; an isolation worker's parent computes it meanwhile
+                                `prepared`; an isolation worker's judge computes it meanwhile
                                 (an op also has prepare_inputs(cases, device): the inputs alone,
-                                built once by that parent and handed to its worker, then answered
+                                built once by that judge and handed to its worker, then answered
                                 by prepare_block(cases, device, inputs))
     checks, own_processes, ranks  what it compares; whether it starts processes of its own (never
                                 inside an isolation worker); the world sizes it runs (multi-process only)
@@ -43,7 +45,7 @@ imports every spec module and looks them up; spec modules never import the catal
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence, TYPE_CHECKING
+from typing import Any, Mapping, Protocol, Sequence, TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
@@ -51,8 +53,8 @@ if TYPE_CHECKING:
     from .cases.case import Case
     from .cases.profiles import Profile
     from .cases.schema import Params
-    from .judge.rows import Row
-    from .produced import Produced
+    from .judge.rows import Row, RowContext
+    from .sandbox.produced import Produced
     from .subject import Subject
 
 
@@ -75,19 +77,13 @@ class Spec(Protocol):
     def subjects(self, device: str) -> dict[str, tuple[str, ...]]: ...
     def campaigns(self, subject: "Subject") -> list[str | None]: ...
     def path_for(self, path: str | None, subject: "Subject") -> str | None: ...
-    def evaluate(self, case: "Case", subject: "Subject", device: str = "cpu", *, run_id: str = "",
-                 source: str = "fuzz", notes: set[str] | None = None,
-                 on_call: Callable[[], None] | None = None) -> list["Row"]: ...
-    def produce(self, case: "Case", subject: "Subject", device: str = "cpu", *, run_id: str = "",
-                source: str = "fuzz", on_call: Callable[[], None] | None = None) -> "Produced": ...
-    def judge_produced(self, case: "Case", produced: "Produced", label: str, device: str = "cpu", *,
-                       run_id: str = "", source: str = "fuzz") -> list["Row"]: ...
-    def evaluate_block(self, cases: Sequence["Case"], subject: "Subject", device: str = "cpu", *, run_id: str = "",
-                       source: str = "fuzz", notes: set[str] | None = None,
-                       on_call: Callable[[], None] | None = None) -> list[list["Row"]]: ...
+    def evaluate(self, case: "Case", subject: "Subject", context: "RowContext") -> list["Row"]: ...
+    def produce(self, case: "Case", subject: "Subject", context: "RowContext", inputs: Any = None) -> "Produced": ...
+    def judge_produced(self, case: "Case", produced: "Produced", context: "RowContext") -> list["Row"]: ...
+    def evaluate_block(self, cases: Sequence["Case"], subject: "Subject",
+                       context: "RowContext") -> list[list["Row"]]: ...
     def prepare_block(self, cases: Sequence["Case"], device: str = "cpu") -> Any: ...
-    def judge_produced_block(self, cases: Sequence["Case"], produced: Sequence["Produced"], label: str,
-                             device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
+    def judge_produced_block(self, cases: Sequence["Case"], produced: Sequence["Produced"], context: "RowContext",
                              prepared: Any = None) -> list[list["Row"]]: ...
 
 
@@ -98,6 +94,12 @@ class Entry:
 
 
 SPECS: dict[str, Entry] = {}
+
+
+def op_of(stage: str) -> Spec | None:
+    """The spec of the op a registry stage is (its declared writes and views guard the stage's
+    calls: `sandbox.call_guards.guarded`), None for a pipeline-internal stage."""
+    return SPECS[stage].spec if stage in SPECS else None
 
 
 def register(spec: Spec, *, priority: int) -> Spec:

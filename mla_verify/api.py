@@ -10,8 +10,9 @@ repository's own pytest suite can make (the CLI parses arguments into these and 
     run(options) -> CheckResult | GateOutcome    either, from one `runs.plan.Options` (what the CLI parses)
     history(runs, html=...) -> History           many runs of one kernel line: trend and marked steps
 
-check() and gate() validate their arguments into one `Run` (mla_verify.runs.plan), which `runs.driver.drive` runs:
-in this process, or in parts on this host's GPUs; a shard (shard="I/N") runs its share of it.
+check() and gate() validate their arguments into one `Run` (mla_verify.runs.plan), which `runs.driver.execute`
+runs in this process (`runs.start` builds its parts, `runs.driver.drive` composes them), or in parts on
+this host's GPUs; a shard (shard="I/N") runs its share of it.
 
 `check(..., baseline=RUN)` re-draws the baseline run's cases (its seed, profile and budget), so that
 `drift` pairs them case for case: the way to ask "is my kernel v2 worse than v1?".
@@ -32,12 +33,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from mla_verify.equivalence.cases.case import Case
-from mla_verify.equivalence.catalog import evaluate, get_spec, resolve_subject
+from mla_verify.equivalence.catalog import get_spec, resolve_subject
 from mla_verify.equivalence.errors import HarnessError
 from mla_verify.equivalence.sandbox.boundary import MODES
-from mla_verify.equivalence.sandbox.worker import Worker, default_isolation
+from mla_verify.equivalence.blocks import Judging, default_isolation
 from mla_verify.equivalence.judge.policy import DRIFT_CONFIDENCE, DRIFT_FACTOR, DRIFT_MIN_CASES
-from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.judge.rows import Row, RowContext
 from mla_verify.equivalence.properties.base import property_op
 from mla_verify.equivalence.sandbox.calls import Unsupported, unsupported
 from mla_verify.equivalence.sandbox.device import device_type
@@ -52,7 +53,7 @@ from mla_verify.reports.store import rows_frame
 
 from .junit import saved_replays, write_junit
 from .pytest_plugin import DEFAULTS, default_device, saved
-from .runs.driver import drive
+from .runs.driver import execute
 from .runs.outcome import DEFAULT_TIMEOUT_S, CheckResult, Failure, GateOutcome, replay_command
 from .runs.plan import FUZZ, GATE, Options, plan, positive, resolve_device, timeout_needs_isolation, writable_file
 from .runs.rundir import load_run
@@ -211,7 +212,7 @@ def check(
     if given["seed"] is None and baseline is None:  # under CI=true, the commit's seed (a baseline's own wins)
         given["seed"] = DEFAULTS.get("commit_seed")
     given["specs"], given["named"] = impl_specs(impl)
-    result = run(Options.asked(FUZZ, given), log)
+    result = run(Options.asked(FUZZ, given, besides=("op", "impl", "log", "__tracebackhide__")), log)
     saved(result.failures)  # listed in a pytest session's summary
     return result
 
@@ -261,7 +262,8 @@ def gate(
             not by count; a path with none yet deals by count.
 
     Raises UsageError for bad input, before any case runs."""
-    return run(Options.asked(GATE, {**locals(), "ops": tuple(ops or ()), "impls": tuple(impl or ())}), log)
+    given = {**locals(), "ops": tuple(ops or ()), "impls": tuple(impl or ())}
+    return run(Options.asked(GATE, given, besides=("impl", "log")), log)
 
 
 def run(options: Options, log: Callable[[str], None] | None = None) -> CheckResult | GateOutcome:
@@ -271,7 +273,7 @@ def run(options: Options, log: Callable[[str], None] | None = None) -> CheckResu
     log = log or (lambda line: None)
     planned = plan(options, log)
     try:
-        outcome = drive(planned, log)
+        outcome = execute(planned, log)
     finally:
         if planned.out is not None:
             planned.out.release()
@@ -403,21 +405,16 @@ def replay(
                               conventions=cf.conventions if conventions is None else conventions)
     label = _label(subject)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
-    worker = _resolved_in_worker(cf.case.op, specs, deviations, subject.conventions, device, timeout, sandbox) \
-        if isolate else None
-    log(f"replay {cf.case.short()} on {device} with {label}"
-        + (f", isolated ({worker.summary()})" if worker is not None else ""))
-    if cf.failure:
-        saved = "; ".join(f"{f['tensor']} {f['metric']} = {f['value']:.4g} (bound {f['bound']:.4g})" for f in cf.failure)
-        log(f"  saved failure: {saved}" + (f" (flaky: failed {cf.flaky[0]} of {cf.flaky[1]} re-runs)" if cf.flaky else ""))
-    if worker is not None:
-        try:
-            rows = worker.run(cf.case, specs, label, source="replay", deviations=deviations,
-                              conventions=subject.conventions)
-        finally:
-            worker.close()
-    else:
-        rows = evaluate(cf.case, subject, device, source="replay")
+    with Judging(device, isolate, timeout, sandbox) as judging:
+        if isolate:  # imported in its worker, never here: UsageError, in one line, where it could not be
+            judging.resolve(cf.case.op, specs, deviations, subject.conventions)
+        log(f"replay {cf.case.short()} on {device} with {label}" + (f", isolated ({judging.summary()})" if isolate else ""))
+        if cf.failure:
+            saved = "; ".join(f"{f['tensor']} {f['metric']} = {f['value']:.4g} (bound {f['bound']:.4g})"
+                              for f in cf.failure)
+            log(f"  saved failure: {saved}"
+                + (f" (flaky: failed {cf.flaky[0]} of {cf.flaky[1]} re-runs)" if cf.flaky else ""))
+        rows = judging.case(cf.case, subject, RowContext(source="replay", label=label, device=device))
     passed = all(r.passed for r in rows)
     reproduced, note = _reproduced(cf.failure, rows)
     command = replay_command(Path(case_file), specs, device, deviations, timeout, isolate, subject.conventions)
@@ -425,19 +422,7 @@ def replay(
                                              minimized=bool(cf.failure))]
     return CheckResult(cf.case.op, label, passed, rows_frame(rows), cf.case.seed, 1, None, failures,
                        reproduced=reproduced, notes=[note] if note else [], in_process=not (isolate or own_processes),
-                       sandbox=worker.summary() if worker is not None else "")
-
-
-def _resolved_in_worker(op: str, specs, deviations, conventions, device: str, timeout: float, sandbox: str) -> Worker:
-    """An isolation worker that imported the implementation (never this process): UsageError, in
-    one line, where it could not."""
-    worker = Worker(device, timeout, sandbox=sandbox)
-    try:
-        worker.resolve(op, specs, deviations, conventions)
-    except BaseException:
-        worker.close()
-        raise
-    return worker
+                       sandbox=judging.summary())
 
 
 def _reproduced(saved: list[dict[str, Any]], rows) -> tuple[bool | None, str]:

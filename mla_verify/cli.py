@@ -651,27 +651,42 @@ def _print_implementations(registry, stage: str, device: str) -> None:
         print("\n".join(textwrap.wrap(f"  - {impl.name:12s} {status}{dev}", 100, subsequent_indent=" " * 17)))
 
 
-def _run_options(args, device: str) -> dict:
-    """The run options fuzz and gate share, by the names `runs.plan.Options` gives them (a fuzz
-    run's default directory named for its op and implementation)."""
+# How fuzz's and gate's parsed arguments become `runs.plan.Options` (`_run_options`): a dest named as
+# an Options field goes to it, these are translated on the way, these the CLI reads itself; any other
+# dest is refused (TypeError), so that an option added or misspelled is never dropped silently.
+TRANSLATED = {"op": "ops", "impl": "specs (fuzz) or impls (gate)", "deviation": "deviations",
+              "convention": "conventions", "no_shrink": "shrink"}
+CLI_ONLY = {"judge": "the judge's kind, set in main", "reference_memory": "the reference's memory, set in main",
+            "factor": "drift", "confidence": "drift", "min_cases": "drift", "pair": "drift", "fail_on": "drift"}
+
+
+def _run_options(args, device: str):
+    """fuzz's and gate's `runs.plan.Options` from their parsed `args` on `device` (a fuzz run's
+    default directory named for its op and implementation)."""
     from mla_verify.runs.plan import Options
     from mla_verify.runs.rundir import FreshDir
 
+    given, names = vars(args), {f.name for f in fields(Options)}
+    stray = sorted(set(given) - names - set(TRANSLATED) - set(CLI_ONLY))
+    if stray:
+        raise TypeError(f"mla-verify {args.command}: {', '.join(stray)}: neither an Options field, nor in "
+                        "TRANSLATED or CLI_ONLY")
     fuzzing = args.command == "fuzz"
-    given = {**vars(args), "device": device, "ops": (args.op,) if fuzzing else tuple(args.op or ()),
-             "specs": tuple(args.impl) if fuzzing else (), "impls": () if fuzzing else tuple(args.impl or ()),
-             "deviations": tuple(getattr(args, "deviation", ())),
-             "conventions": tuple(getattr(args, "convention", ())), "shrink": not getattr(args, "no_shrink", False)}
-    if fuzzing and args.out is None:
-        given["out"] = FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
-    return {f.name: given[f.name] for f in fields(Options) if f.name in given}
+    out = args.out
+    if fuzzing and out is None:
+        out = FreshDir.named("runs", "fuzz", args.op, ",".join(args.impl) or "default")
+    return Options(**{**{k: v for k, v in given.items() if k in names}, "device": device, "out": out,
+                      "ops": (args.op,) if fuzzing else tuple(args.op or ()),
+                      "specs": tuple(args.impl) if fuzzing else (), "impls": () if fuzzing else tuple(args.impl or ()),
+                      "deviations": tuple(getattr(args, "deviation", ())),
+                      "conventions": tuple(getattr(args, "convention", ())),
+                      "shrink": not getattr(args, "no_shrink", False)})
 
 
 def cmd_fuzz(args, device: str) -> int:
     from mla_verify import api
-    from mla_verify.runs.plan import Options
 
-    options = Options(**_run_options(args, device))
+    options = _run_options(args, device)
     result = api.run(options, log=lambda line: print(line, flush=True))
     print(result.report())
     _print_record(result.out)
@@ -689,13 +704,13 @@ def cmd_fuzz(args, device: str) -> int:
 
 def cmd_replay(args, device: str) -> int:
     from mla_verify import api
-    from mla_verify.equivalence.judge.mismatch import line
+    from mla_verify.equivalence.judge.rows import Row
 
     result = api.replay(args.file, args.impl, device=device, isolate=args.isolate, timeout=args.timeout,
                         deviations=args.deviation, conventions=args.convention, sandbox=args.sandbox, log=print)
-    for r in result.rows.itertuples():
+    for r in map(Row.from_record, result.rows.to_dict("records")):
         print(f"  ok   {r.tensor:17s} {r.gate_metric} = {r.value:.4g} of {r.bound:.4g}" if r.passed
-              else f"  FAIL {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}")
+              else f"  FAIL {r.line()}")
     for note in result.notes:
         print(f"  {note}")
     if result.in_process:
@@ -710,10 +725,9 @@ def cmd_replay(args, device: str) -> int:
 def cmd_gate(args, device: str) -> int:
     from mla_verify import api, reports
     from mla_verify.reports.meta import IN_PROCESS
-    from mla_verify.runs.plan import Options
 
     started = time.time()
-    options = Options(**_run_options(args, device))
+    options = _run_options(args, device)
     outcome = api.run(options, log=lambda line: print(line, flush=True))
     lines = outcome.lines()
     if lines:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Mapping
 from xml.sax.saxutils import quoteattr, escape
 
-from mla_verify.equivalence.judge.mismatch import line
 from mla_verify.equivalence.judge.rows import Row
 from mla_verify.reports.causes import by_cause, lines as cause_lines
 
@@ -35,7 +34,7 @@ def write_junit(path: Path, rows: list[Row], suite: str = "mla-verify", replays:
             found = len({r.finding for r in rs if r.finding})
             msg = (f"{found} finding{'s' * (found != 1)}, {len({r.case_id for r in bad})} failing cases, {len(bad)} "
                    f"failing rows; first: case {first.case_id} seed {first.seed} "
-                   + line(first.tensor, first.gate_metric, first.value, first.bound, first.reason))
+                   + first.line())
             if first.finding in replays:
                 msg += f"; replay: {replays[first.finding]}"
             named = {r.finding for r in bad}

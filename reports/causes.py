@@ -28,7 +28,7 @@ from typing import Any
 import pandas as pd
 
 from mla_verify.equivalence import catalog
-from mla_verify.equivalence.judge.mismatch import QUIET_METRICS
+from mla_verify.equivalence.judge.rows import QUIET_METRICS
 
 JOINED = "not traced: the one failing kernel its case ran"  # what a finding put down to a kernel so says
 

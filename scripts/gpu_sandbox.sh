@@ -17,12 +17,10 @@ step() {
 }
 STEP=layers; if want "$@"; then
 step layers 60 python3 -c "
-from mla_verify.equivalence.sandbox.worker import Worker
-w = Worker('cuda', 30.0)
-try:
-    print('cuda worker:', w.start().summary())
-finally:
-    w.close()"
+from mla_verify.equivalence.blocks import Judging
+with Judging('cuda', isolate=True, timeout=30.0) as j:
+    j.start()
+    print('cuda worker:', j.summary())"
 step boundary 60 python3 -m pytest -q -rs -p no:cacheprovider tests/test_sandbox.py
 fi
 STEP=hostile; if want "$@"; then

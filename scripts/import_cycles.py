@@ -8,8 +8,9 @@ goes to the module imported (`from a.b import c` reaches `a.b.c` when that is a 
 Layers, lowest first: a folder may import only folders listed before it in its own row of
 `MAY_IMPORT` (the reference shares no code with the optimized side; nothing below the CLI reaches
 up into it). Inside equivalence/ the wings are rooms of their own (`WINGS`): what a case is (cases/)
-knows no judge, the judge knows no kernel process, the sandbox that runs the kernel knows no spec,
-and the errors, the contracts' Protocols and the produced record are leaves every wing may read.
+knows no judge, the judge knows no kernel process, the sandbox that runs the kernel (and carries
+what it produced back, `sandbox/produced.py`) knows no spec, and the errors and the contracts'
+Protocols are leaves every wing may read.
 
     python3 scripts/import_cycles.py            # from the repository root; tests/test_layering.py runs it
 """
@@ -25,8 +26,7 @@ FOLDERS = {"mla_verify": "mla_verify", "reference": "mla_verify.reference", "opt
            "equivalence": "mla_verify.equivalence", "fuzz": "mla_verify.fuzz", "reports": "mla_verify.reports"}
 # equivalence/'s wings and leaves: module path under equivalence/ -> the room it counts as
 WINGS = {"cases": "equivalence/cases", "coverage": "equivalence/coverage", "judge": "equivalence/judge",
-         "sandbox": "equivalence/sandbox", "errors": "equivalence/errors", "contracts": "equivalence/contracts",
-         "produced": "equivalence/produced"}
+         "sandbox": "equivalence/sandbox", "errors": "equivalence/errors", "contracts": "equivalence/contracts"}
 _LEAVES = {"equivalence/errors", "equivalence/contracts"}
 # folder -> the folders its modules may import (its own always)
 MAY_IMPORT = {
@@ -36,11 +36,11 @@ MAY_IMPORT = {
     "equivalence/contracts": {"optimized"},
     "equivalence/cases": {"reference", "optimized", *_LEAVES},
     "equivalence/judge": {"reference", "optimized", "equivalence/cases", *_LEAVES},
-    "equivalence/produced": {"equivalence/judge"},
-    "equivalence/sandbox": {"optimized", "equivalence/cases", "equivalence/judge", "equivalence/produced", *_LEAVES},
-    # the specs' face (spec, catalog, subject), ops/ and properties/ put the wings together
+    "equivalence/sandbox": {"optimized", "equivalence/cases", "equivalence/judge", *_LEAVES},
+    # the specs' face (spec, catalog, subject), the block's judge and the worker's own side (blocks,
+    # serve), ops/ and properties/ put the wings together
     "equivalence": {"reference", "optimized", "equivalence/cases", "equivalence/judge", "equivalence/sandbox",
-                    "equivalence/produced", *_LEAVES},
+                    *_LEAVES},
     # the covering sets sit on top: they ask each spec for its features
     "equivalence/coverage": {"reference", "optimized", "equivalence", "equivalence/cases", "equivalence/judge",
                              *_LEAVES},
@@ -51,14 +51,6 @@ MAY_IMPORT |= {
     "reports": _EQUIVALENCE,
     "mla_verify": {"reference", "optimized", *_EQUIVALENCE, "fuzz", "reports"},
 }
-# The sandbox still reaches three specs' modules (issue 49, step 3 cuts them: one object that judges a
-# block prepares and judges, the worker only carries the kernel's outputs back): each is named here so
-# that no new one can join them unseen.
-PENDING = {("mla_verify.equivalence.sandbox.worker", "mla_verify.equivalence.catalog"),
-           ("mla_verify.equivalence.sandbox.worker", "mla_verify.equivalence.properties.base"),
-           ("mla_verify.equivalence.sandbox.call_guards", "mla_verify.equivalence.spec")}
-
-
 def modules() -> dict[str, tuple[Path, str]]:
     """module name -> (its file, the folder it lives in)."""
     found = {}
@@ -138,8 +130,7 @@ def layering(graph: dict[str, set[str]], known: dict) -> list[str]:
     """Each import that reaches a folder its own may not import."""
     return [f"{name} imports {dep} ({known[name][1]}/ may not import {known[dep][1]}/)"
             for name, deps in sorted(graph.items()) for dep in sorted(deps)
-            if known[dep][1] != known[name][1] and known[dep][1] not in MAY_IMPORT[known[name][1]]
-            and (name, dep) not in PENDING]
+            if known[dep][1] != known[name][1] and known[dep][1] not in MAY_IMPORT[known[name][1]]]
 
 
 def main() -> int:

@@ -12,6 +12,7 @@ import pytest
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, evaluate_block, get_spec, resolve_subject
 from mla_verify.equivalence.cases.profiles import get_profile
+from mla_verify.equivalence.judge.rows import RowContext
 from mla_verify.fuzz.campaign import Campaign, UnderTest, fuzz
 from mla_verify.fuzz.findings import Findings
 from mla_verify.runs.progress import Progress
@@ -147,16 +148,14 @@ def test_blocks_count_cases_and_call_on_call_once_a_case():
 
 
 def test_an_isolated_block_is_judged_in_the_parent_as_in_process():
-    from mla_verify.equivalence.sandbox.worker import Worker
+    from mla_verify.equivalence.blocks import Judging
 
     subject = resolve_subject("sparse_decode_fp8", [KERNEL], "cpu")
     cases = [Case("sparse_decode_fp8", DECODE, seed) for seed in range(11, 15)]
     sent = []
-    worker = Worker("cpu")
-    try:
-        isolated = worker.run_block(cases, [KERNEL], subject.label, on_call=lambda: sent.append(1))
-    finally:
-        worker.close()
+    with Judging("cpu", isolate=True) as judging:
+        isolated = judging.block(cases, judging.subject("sparse_decode_fp8", [KERNEL]),
+                                 RowContext(label=subject.label, on_call=lambda: sent.append(1)))
     assert len(sent) == len(cases)
     for alone, rows in zip(evaluate_block(cases, subject, "cpu"), isolated):
         _same(alone, rows)
@@ -165,16 +164,13 @@ def test_an_isolated_block_is_judged_in_the_parent_as_in_process():
 def test_an_isolated_block_with_crashed_cases_judges_the_others_against_the_answer_computed_meanwhile():
     """The parent answers the block while the worker produces it: the cases that crashed keep their
     row, and each of the others is judged against its own answer, as alone."""
-    from mla_verify.equivalence.sandbox.worker import Worker
+    from mla_verify.equivalence.blocks import Judging
 
     impl = "tests.impls.some_seeds:dies_every_second_call"
     subject = resolve_subject("sparse_decode_fp8", [impl], "cpu")
     cases = [Case("sparse_decode_fp8", DECODE, seed) for seed in range(11, 15)]
-    worker = Worker("cpu")
-    try:
-        found = worker.run_block(cases, [impl], subject.label)
-    finally:
-        worker.close()
+    with Judging("cpu", isolate=True) as judging:
+        found = judging.block(cases, judging.subject("sparse_decode_fp8", [impl]), RowContext(label=subject.label))
     for i in (1, 3):
         rows, = found[i]
         assert rows.gate_metric == "crashed" and "SIGKILL" in rows.reason
@@ -209,7 +205,8 @@ def test_a_block_of_many_parts_is_judged_part_by_part_holding_no_earlier_part(mo
 
     object.__setattr__(spec, "_answer", answer)  # a frozen spec: shadowed on this instance, then removed
     try:
-        found = spec.judge_produced_block(cases, [produce(c, subject, "cpu") for c in cases], subject.label, "cpu",
+        context = RowContext(label=subject.label)
+        found = spec.judge_produced_block(cases, [produce(c, subject, context) for c in cases], context,
                                           prepared=prepared)
     finally:
         object.__delattr__(spec, "_answer")
@@ -242,7 +239,7 @@ def test_a_block_of_many_parts_evaluated_in_process_holds_no_earlier_part(monkey
 
     object.__setattr__(spec, "_answer", answer)  # a frozen spec: shadowed on this instance, then removed
     try:
-        found = spec.evaluate_block(cases, subject, "cpu")
+        found = spec.evaluate_block(cases, subject, RowContext(label=subject.label))
     finally:
         object.__delattr__(spec, "_answer")
     assert seen == [[], [False, False], [False, False]]
@@ -253,16 +250,14 @@ def test_a_block_of_many_parts_evaluated_in_process_holds_no_earlier_part(monkey
 def test_the_judge_answering_meanwhile_keeps_the_callers_reference_memory_limit():
     """The answer computed on the parent's other thread holds to the caller's `memory_limit` (a
     thread starts with an empty context): too small a budget fails there as in this thread."""
-    from mla_verify.equivalence.sandbox.worker import Worker
+    from mla_verify.equivalence.blocks import Judging
     from mla_verify.reference import memory_limit
 
     subject = resolve_subject("sparse_decode_fp8", ["torch-fp32"], "cpu")
-    worker = Worker("cpu")
-    try:
+    with Judging("cpu", isolate=True) as judging:
         with memory_limit(1 << 16), pytest.raises(ValueError, match="holds no query token"):
-            worker.run_block([Case("sparse_decode_fp8", DECODE, 11)], ["torch-fp32"], subject.label)
-    finally:
-        worker.close()
+            judging.block([Case("sparse_decode_fp8", DECODE, 11)], judging.subject("sparse_decode_fp8", ["torch-fp32"]),
+                          RowContext(label=subject.label))
 
 
 def test_a_judge_name_patched_in_a_block_fails_every_case_called_and_is_put_back(monkeypatch):

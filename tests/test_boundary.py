@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from mla_verify.equivalence.sandbox import wire
+from mla_verify.equivalence.sandbox.produced import Produced
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
-from mla_verify.equivalence.sandbox.worker import Worker
+from mla_verify.equivalence.blocks import Judging
+from tests.isolated import judged
 from tests.hostile import BOUNDARY
 from tests.test_hostile import CASES, REPO, run, saved_case
 
@@ -24,11 +26,11 @@ QUANTIZE = Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 3)
 
 @pytest.mark.parametrize("h", BOUNDARY, ids=[h.impl.split(":")[1] for h in BOUNDARY])
 def test_each_boundary_kernel_fails_its_case_isolated(h):
-    w = Worker("cpu", timeout_s=5.0)  # a worker of its own: a forged answer leaves the real one queued
+    w = Judging("cpu", isolate=True, timeout=5.0)  # a worker of its own: a forged answer leaves the real one queued
     try:
-        w.run(QUANTIZE, ["torch-fp32"], "torch-fp32")  # started and warm: the clock is the case's
+        judged(w, QUANTIZE, ["torch-fp32"], "torch-fp32")  # started and warm: the clock is the case's
         start = time.monotonic()
-        rows = w.run(Case(h.op, CASES[h.op], 3), [h.impl], h.impl)
+        rows = judged(w, Case(h.op, CASES[h.op], 3), [h.impl], h.impl)
         took = time.monotonic() - start
     finally:
         w.close()
@@ -71,9 +73,9 @@ def test_a_pass_rests_on_a_message_the_parent_parsed_as_data(monkeypatch):
     for owner, name in ((pickle, "loads"), (pickle, "load"), (ForkingPickler, "loads"),
                         (multiprocessing.connection.Connection, "recv")):
         monkeypatch.setattr(owner, name, refused)
-    w = Worker("cpu", timeout_s=20.0)
+    w = Judging("cpu", isolate=True, timeout=20.0)
     try:
-        rows = w.run(QUANTIZE, ["torch-fp32"], "torch-fp32")
+        rows = judged(w, QUANTIZE, ["torch-fp32"], "torch-fp32")
     finally:
         w.close()
     assert rows and all(r.passed for r in rows) and {r.tensor for r in rows} == {"rows"}
@@ -85,9 +87,9 @@ def test_a_pass_rests_on_a_message_the_parent_parsed_as_data(monkeypatch):
 def test_a_call_that_leaves_a_thread_running_is_noted_on_its_rows(isolated):
     impl = "tests.hostile.boundary:leaves_a_thread"
     if isolated:
-        w = Worker("cpu", timeout_s=20.0)
+        w = Judging("cpu", isolate=True, timeout=20.0)
         try:
-            rows = w.run(QUANTIZE, [impl], impl)
+            rows = judged(w, QUANTIZE, [impl], impl)
         finally:
             w.close()
     else:
@@ -149,9 +151,9 @@ def test_tensors_cross_bit_for_bit_in_every_dtype_and_as_meta():
 ])
 def test_a_pipelines_stages_cross_as_pairs_of_names(stages, says):
     header = {"tensors": [], "stages": [["convert_index", "torch-fp32"], ["sparse_prefill", "triton"]]}
-    assert wire.answer_of(header, ()).stages == (("convert_index", "torch-fp32"), ("sparse_prefill", "triton"))
+    assert Produced.from_header(header, ()).stages == (("convert_index", "torch-fp32"), ("sparse_prefill", "triton"))
     with pytest.raises(wire.Unreadable, match=says):
-        wire.answer_of({**header, "stages": stages}, ())
+        Produced.from_header({**header, "stages": stages}, ())
 
 
 # ----------------------------------------------------------------------------- nothing outlives its case

@@ -287,7 +287,7 @@ def test_a_gate_that_fails_itself_exits_3_and_its_traceback_is_where_the_message
     def broken(*args, **kwargs):
         raise TypeError("Compared.__init__() missing 1 required positional argument: 'base'")
 
-    monkeypatch.setattr(mla_verify.runs.driver, "run_gate", broken)
+    monkeypatch.setattr(mla_verify.runs.driver, "run_units", broken)
     code, text = run(capsys, "gate", "--device", "cpu", "--out", str(tmp_path / "run"))
     assert code == 3 and "harness-error.txt" in text and "TypeError" in text
     assert "missing 1 required positional argument" in (tmp_path / "run" / "harness-error.txt").read_text()

@@ -159,16 +159,17 @@ def test_flash_mla_and_triton_replay_bitwise_at_production_shapes_and_the_gpu_pr
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", GRAPH, ids=[h.impl.split(":")[1] for h in GRAPH])
 def test_a_graph_unsafe_kernel_fails_its_case_and_the_next_one_passes(h):
-    from mla_verify.equivalence.sandbox.worker import Worker
+    from mla_verify.equivalence.blocks import Judging
+    from tests.isolated import judged
 
     target = h.impl.split("=")[0]
-    worker = Worker("cuda", timeout_s=60.0)
+    worker = Judging("cuda", isolate=True, timeout=60.0)
     try:
-        rows = worker.run(small_case(target), [h.impl], h.impl)
+        rows = judged(worker, small_case(target), [h.impl], h.impl)
         assert any(r.gate_metric == h.metric and h.says in r.reason for r in rows if not r.passed), \
             [(r.tensor, r.gate_metric, r.reason) for r in rows]
         print(f"{h.impl}: " + "; ".join(f"{r.tensor} {r.gate_metric}: {r.reason[:120]}" for r in rows if not r.passed))
-        after = worker.run(small_case(target, seed=6), ["triton"], "triton")
+        after = judged(worker, small_case(target, seed=6), ["triton"], "triton")
         assert after and all(r.passed for r in after), [(r.tensor, r.reason) for r in after]
     finally:
         worker.close()
@@ -235,9 +236,9 @@ def test_the_judge_holds_each_replay_to_the_eager_answer_it_was_sent_with():
     import threading
     import time
 
+    from mla_verify.equivalence.judge.rows import RowContext
     from mla_verify.equivalence.sandbox import wire
-    from mla_verify.equivalence.produced import Produced
-    from mla_verify.equivalence.properties.base import Compared
+    from mla_verify.equivalence.sandbox.produced import Compared, Produced
     from mla_verify.equivalence.properties.cuda_graph import FORMS, _outputs, _stacked
     from mla_verify.equivalence.subject import stage_overrides
     from mla_verify.optimized import registry
@@ -254,13 +255,12 @@ def test_the_judge_holds_each_replay_to_the_eager_answer_it_was_sent_with():
                             compared=[Compared("replay", n, "exact", t, eager[n]) for n, t in replayed.items()])
         r, w = os.pipe()
         alive, _ = os.pipe()
-        frames = wire.produced_frames(1, case.case_id, produced, False, {}, False, None)
+        frames = wire.encode(*produced.to_header())
         threading.Thread(target=lambda: (wire.write(w, frames), os.close(w))).start()
         header, tensors = wire.Reader(r, alive).read(time.monotonic() + 60)
         assert len(tensors) == 2 * len(replayed)
-        answer = wire.answer_of(header, ())
-        got = Produced([], tensors=answer.tensors, stages=answer.stages, compared=[Compared(*c) for c in answer.compared])
-        return {row.tensor: row for row in spec.judge_produced(case, got, "torch-fp32", "cpu")}
+        got = Produced.from_header(header, ())
+        return {row.tensor: row for row in spec.judge_produced(case, got, RowContext(label="torch-fp32"))}
 
     rows = judged({n: t.clone() for n, t in replayed.items()})
     assert set(rows) == {"replay.out", "replay.lse", "reference.out", "reference.lse"}

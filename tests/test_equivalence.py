@@ -8,7 +8,8 @@ import torch
 
 from mla_verify.equivalence.judge import metrics as M
 from mla_verify.equivalence.cases.case import Case
-from mla_verify.equivalence.sandbox.worker import Worker
+from mla_verify.equivalence.blocks import Judging
+from tests.isolated import judged
 from mla_verify.equivalence.judge.oracle import judge
 from mla_verify.equivalence.judge.policy import DEVIATIONS, EXACT, LSE, OUT, bounds_for
 from mla_verify.equivalence.cases.numerics import Numerics
@@ -114,14 +115,14 @@ def test_case_and_case_file_round_trip(tmp_path):
                                                ("hangs", "hung", "no answer within 3 s")])
 def test_a_crashing_or_hanging_implementation_fails_its_case_and_the_worker_is_replaced(impl, metric, what):
     # 3 s: a fresh worker's start-up (seconds on a loaded CPU) is not counted against the next case.
-    worker = Worker("cpu", timeout_s=20.0 if impl != "hangs" else 3.0)
+    worker = Judging("cpu", isolate=True, timeout=20.0 if impl != "hangs" else 3.0)
     try:
         case = Case("quantize_fp8_ds_mla", {"n": 2, "value_regime": "normal", "scale_rule": "pow2"}, 1)
-        rows = worker.run(case, [f"tests.impls.misbehaving:{impl}"], impl)
+        rows = judged(worker, case, [f"tests.impls.misbehaving:{impl}"], impl)
         assert len(rows) == 1 and not rows[0].passed and rows[0].gate_metric == metric
         assert what in rows[0].reason
-        after = worker.run(case, ["mla_verify.reference:quantize_fp8_ds_mla"], "reference")  # a fresh worker goes on
-        assert after and all(r.passed for r in after) and worker.restarts == 1
+        after = judged(worker, case, ["mla_verify.reference:quantize_fp8_ds_mla"], "reference")  # a fresh worker goes on
+        assert after and all(r.passed for r in after) and worker.worker.restarts == 1
     finally:
         worker.close()
 

@@ -16,9 +16,11 @@ import pytest
 from mla_verify.cli import main
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
+from mla_verify.equivalence.blocks import Judging
 from mla_verify.equivalence.cases.profiles import get_profile
 from mla_verify.fuzz.campaign import first_cases
 from tests.hostile import CPU
+from tests.isolated import judged
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,9 +68,7 @@ def test_each_hostile_kernel_fails_its_case_with_its_reason(h):
 
 @pytest.fixture(scope="module")
 def worker():
-    from mla_verify.equivalence.sandbox.worker import Worker
-
-    w = Worker("cpu", timeout_s=3.0)
+    w = Judging("cpu", isolate=True, timeout=3.0)
     yield w
     w.close()
 
@@ -77,7 +77,7 @@ def worker():
 def test_each_hostile_kernel_fails_its_case_isolated_where_the_parent_judges(worker, h):
     """Every hostile kernel, in an isolation worker: the worker runs the call, the parent builds the
     reference and judges, out of reach of what the kernel did to its own process."""
-    rows = worker.run(Case(h.op, CASES[h.op], 3), [h.impl], h.impl)
+    rows = judged(worker, Case(h.op, CASES[h.op], 3), [h.impl], h.impl)
     failing = [(r.tensor, r.gate_metric, r.reason) for r in rows if not r.passed]
     want, says = h.outcome(isolated=True)
     assert any(metric == want and says in reason for _, metric, reason in failing), failing
@@ -142,15 +142,13 @@ def test_python_and_numpy_generators_are_seeded_from_the_case_so_replays_agree(i
 
 
 def test_start_up_and_imports_never_count_against_a_case():
-    from mla_verify.equivalence.sandbox.worker import Worker
-
-    worker = Worker("cpu", timeout_s=1.0)  # tests.hostile.slow_start takes 3 s to import
+    worker = Judging("cpu", isolate=True, timeout=1.0)  # tests.hostile.slow_start takes 3 s to import
     try:
         case = Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 1)
-        first = worker.run(case, ["tests.hostile.slow_start:quantize"], "slow")
-        crashed = worker.run(case, ["tests.hostile.cpu:aborts"], "aborts")
-        after = worker.run(case, ["tests.hostile.slow_start:quantize"], "slow")  # a fresh worker imports it again
-        assert all(r.passed for r in first + after) and crashed[0].gate_metric == "crashed" and worker.restarts == 1
+        first = judged(worker, case, ["tests.hostile.slow_start:quantize"], "slow")
+        crashed = judged(worker, case, ["tests.hostile.cpu:aborts"], "aborts")
+        after = judged(worker, case, ["tests.hostile.slow_start:quantize"], "slow")  # a fresh worker imports it again
+        assert all(r.passed for r in first + after) and crashed[0].gate_metric == "crashed" and worker.worker.restarts == 1
     finally:
         worker.close()
 

@@ -28,15 +28,16 @@ def case(op: str, tokens: int) -> Case:
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", CUDA, ids=[h.impl.split(":")[1] for h in CUDA])
 def test_a_kernel_that_kills_or_hangs_the_context_fails_its_case_and_the_next_one_passes(h):
-    from mla_verify.equivalence.sandbox.worker import Worker
+    from mla_verify.equivalence.blocks import Judging
+    from tests.isolated import judged
 
-    worker = Worker("cuda", timeout_s=10.0)
+    worker = Judging("cuda", isolate=True, timeout=10.0)
     try:
-        rows = worker.run(case(h.op, 4), [h.impl], h.impl)
+        rows = judged(worker, case(h.op, 4), [h.impl], h.impl)
         assert any(r.gate_metric == h.metric and h.says in r.reason for r in rows if not r.passed), \
             [(r.gate_metric, r.reason) for r in rows]
         # The next case, a correct implementation in the same Worker, runs in a fresh process and passes.
-        after = worker.run(case(h.op, 1), ["torch-fp32"], "torch-fp32")
+        after = judged(worker, case(h.op, 1), ["torch-fp32"], "torch-fp32")
         assert after and all(r.passed for r in after), [(r.gate_metric, r.reason) for r in after]
     finally:
         worker.close()
@@ -58,14 +59,15 @@ def test_without_isolation_a_cuda_error_ends_the_campaign_with_the_case_saved(tm
 def test_the_cpu_zoo_fails_isolated_on_the_gpu_where_the_parent_judges():
     """Every kernel of tests/hostile/cpu.py on CUDA inputs in a CUDA worker: the worker calls it,
     the parent builds the reference on the GPU and judges (mkldnn is a CPU layout: not here)."""
-    from mla_verify.equivalence.sandbox.worker import Worker
+    from mla_verify.equivalence.blocks import Judging
+    from tests.isolated import judged
     from tests.hostile import CPU
     from tests.test_hostile import CASES
 
-    worker = Worker("cuda", timeout_s=10.0)
+    worker = Judging("cuda", isolate=True, timeout=10.0)
     try:
         for h in (h for h in CPU if "mkldnn" not in h.impl):
-            rows = worker.run(Case(h.op, CASES[h.op], 3), [h.impl], h.impl)
+            rows = judged(worker, Case(h.op, CASES[h.op], 3), [h.impl], h.impl)
             want, says = h.outcome(isolated=True)
             says = says.replace("the contract says cpu", "the contract says cuda")  # meta_out
             assert any(r.gate_metric == want and says in r.reason for r in rows if not r.passed), \
@@ -78,17 +80,18 @@ def test_the_cpu_zoo_fails_isolated_on_the_gpu_where_the_parent_judges():
 def test_a_cuda_worker_stands_behind_the_sandbox_and_every_kernel_reaching_outside_fails_its_case():
     """Issue 45, item 4: the sandbox's and the worker-boundary kernels (tests.hostile.SANDBOX,
     BOUNDARY) in a CUDA worker, each with its CPU outcome; the layers that held are printed."""
-    from mla_verify.equivalence.sandbox.worker import Worker
+    from mla_verify.equivalence.blocks import Judging
+    from tests.isolated import judged
     from tests.hostile import BOUNDARY, SANDBOX
     from tests.test_hostile import CASES
 
-    worker = Worker("cuda", timeout_s=10.0)
+    worker = Judging("cuda", isolate=True, timeout=10.0)
     try:
         print(f"cuda worker: {worker.start().summary()}")
         # a write hidden from the worker's own snapshot is caught where inputs are handed over (CPU) only
         for h in [*SANDBOX, *(h for h in BOUNDARY if "hides_it" not in h.impl)]:
             start = time.monotonic()
-            rows = worker.run(Case(h.op, CASES[h.op], 3), [h.impl], h.impl)
+            rows = judged(worker, Case(h.op, CASES[h.op], 3), [h.impl], h.impl)
             assert any(r.gate_metric == h.metric and h.says in r.reason for r in rows if not r.passed), \
                 (h.impl, [(r.gate_metric, r.reason) for r in rows])
             assert time.monotonic() - start < 60, f"{h.impl}: the judge waited for the timeout, not the worker"

@@ -16,7 +16,8 @@ import pytest
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.judge import oracle
 from mla_verify.equivalence.sandbox import worker as worker_module
-from mla_verify.equivalence.sandbox.worker import Worker
+from mla_verify.equivalence.blocks import Judging
+from tests.isolated import judged
 from mla_verify.equivalence.errors import UsageError
 from tests.hostile import SANDBOX
 from tests.test_hostile import CASES, REPO, run
@@ -32,7 +33,7 @@ def _traced(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def worker():
-    w = Worker("cpu", timeout_s=10.0)
+    w = Judging("cpu", isolate=True, timeout=10.0)
     w.start()
     yield w
     w.close()
@@ -41,9 +42,9 @@ def worker():
 @pytest.mark.skipif(not LINUX, reason="the sandbox's layers are Linux's")
 @pytest.mark.parametrize("h", SANDBOX, ids=[h.impl.split(":")[1] for h in SANDBOX])
 def test_each_kernel_that_reaches_outside_its_worker_fails_its_case_and_the_judge_is_untouched(worker, h):
-    if worker.fence.missing and "in_the_worker" not in h.impl:
+    if worker.worker.fence.missing and "in_the_worker" not in h.impl:
         pytest.skip(f"this host does not offer every layer: {worker.summary()}")
-    rows = worker.run(QUANTIZE, [h.impl], h.impl)
+    rows = judged(worker, QUANTIZE, [h.impl], h.impl)
     failing = [(r.gate_metric, r.reason) for r in rows if not r.passed]
     assert any(metric == h.metric and h.says in reason for metric, reason in failing), failing
     assert _traced(os.getpid()) == 0
@@ -112,7 +113,7 @@ def test_the_users_code_before_the_call_is_a_usage_error_in_one_line_never_exit_
 
 def test_an_import_that_never_ends_is_a_usage_error_once_it_had_its_time(monkeypatch):
     monkeypatch.setattr(worker_module, "RESOLVE_FLOOR_S", 0.5)
-    w = Worker("cpu", timeout_s=1.0)
+    w = Judging("cpu", isolate=True, timeout=1.0)
     try:
         w.start()
         start = time.monotonic()
@@ -139,7 +140,7 @@ def test_a_kernel_that_kills_its_judge_only_fails_its_case(tmp_path):
 
 
 def test_strict_runs_where_every_layer_holds_and_off_says_so(capsys, tmp_path):
-    w = Worker("cpu", timeout_s=10.0, sandbox="strict")
+    w = Judging("cpu", isolate=True, timeout=10.0, sandbox="strict")
     try:
         fence = w.start()
         assert not fence.missing  # else start() raised UsageError, naming what is missing

@@ -218,13 +218,14 @@ def test_a_failure_no_stage_repeats_says_every_stage_matches():
 
 
 def test_isolated_the_worker_sends_the_stage_calls_and_the_parent_judges_them():
-    from mla_verify.equivalence.sandbox.worker import Worker
+    from mla_verify.equivalence.blocks import Judging
+    from tests.isolated import judged
 
     case = Case("forward_mqa", {**BASE, **PATHS["fp8_separate"]}, 1)
-    worker = Worker("cpu", timeout_s=120)
+    worker = Judging("cpu", isolate=True, timeout=120)
     try:
-        found = {r.tensor: r for r in worker.run(case, [FIRST_BASE], "pipeline", source="replay")}
-        unreported = {r.tensor: r for r in worker.run(case, [FIRST_BASE], "pipeline", source="rerun")}
+        found = {r.tensor: r for r in judged(worker, case, [FIRST_BASE], "pipeline", source="replay")}
+        unreported = {r.tensor: r for r in judged(worker, case, [FIRST_BASE], "pipeline", source="rerun")}
     finally:
         worker.close()
     assert FIRST in found["out"].reason and "prefill request 2 of 3" in found["out"].reason, found["out"].reason
@@ -257,13 +258,13 @@ def test_stage_calls_cross_the_wire_as_data_only():
     call = dict(stage="convert_index", impl="mine", deviations=(), rank=None,
                 kwargs={"req_id": t, "block_size": 64, "prefill_request_ids": None, "lens": [1, 2]}, result=(t, t))
     tensors: list = []
-    data = wire._calls_out(([call], []), tensors)
+    data = wire.calls_out(([call], []), tensors)
     assert len(tensors) == 1  # one tensor, however many times a call was handed it
-    (got,), fed = wire._calls_in(data, lambda i: tensors[i], DEVIATIONS)
+    (got,), fed = wire.calls_in(data, lambda i: tensors[i], DEVIATIONS)
     assert fed == [] and got["kwargs"]["lens"] == [1, 2] and got["result"] == (tensors[0], tensors[0])
     for bad in ({"x": {"__class__": "os.system"}}, {"x": {"items": [], "tuple": True, "call": 1}}):
         with pytest.raises(wire.Unreadable):
-            wire._calls_in([[{**data[0][0], "kwargs": bad}], []], lambda i: tensors[i], DEVIATIONS)
+            wire.calls_in([[{**data[0][0], "kwargs": bad}], []], lambda i: tensors[i], DEVIATIONS)
     with pytest.raises(wire.Unreadable):
-        wire._calls_in([[{**data[0][0], "deviations": ["made_up"]}], []], lambda i: tensors[i], DEVIATIONS)
-    assert wire._calls_out(([{**call, "result": object()}], []), []) == []  # not data: nothing is sent
+        wire.calls_in([[{**data[0][0], "deviations": ["made_up"]}], []], lambda i: tensors[i], DEVIATIONS)
+    assert wire.calls_out(([{**call, "result": object()}], []), []) == []  # not data: nothing is sent

@@ -1,8 +1,8 @@
 """Failure messages that show the bug (issue 29 item 3), as torch.testing.assert_close's do: how
 many elements failed of how many, the worst one's index with the kernel's value, the reference's
 and the allowed difference; +inf/-inf/NaN patterns counted so the counts add up to inf_mismatch;
-an LSE's convention or offset named; a read past topk_length traced to its token. One function
-(`mismatch.line`) prints a failing row for fuzz, replay, check()'s report and JUnit."""
+an LSE's convention or offset named; a read past topk_length traced to its token. One method
+(`Row.line`) prints a failing row for fuzz, replay, check()'s report and JUnit."""
 
 import math
 import re
@@ -12,11 +12,11 @@ import torch
 
 from mla_verify import api
 from mla_verify.cli import main
-from mla_verify.equivalence.judge import mismatch
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
 from mla_verify.equivalence.judge.oracle import judge
 from mla_verify.equivalence.judge.policy import EXACT, LSE, OUT
+from mla_verify.equivalence.judge.rows import Row
 from mla_verify.equivalence.cases.numerics import Numerics
 
 
@@ -114,7 +114,7 @@ def test_fuzz_replay_check_and_junit_print_a_failing_row_the_same_way(tmp_path, 
                        junit=tmp_path / "junit.xml")
     failure = result.failure
     row = failure.rows[0]
-    line = mismatch.line(row["tensor"], row["gate_metric"], row["value"], row["bound"], row["reason"])
+    line = Row.from_record(row).line()
     assert "LSE matches the reference in base 2" in line
     assert f"  {line}" in result.report().splitlines()
     junit = (tmp_path / "junit.xml").read_text()

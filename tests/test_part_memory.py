@@ -10,8 +10,8 @@ import torch
 import mla_verify
 from mla_verify import reference
 from mla_verify.cli import main
-from mla_verify.equivalence.judge.rows import FailureKind
-from mla_verify.runs import driver
+from mla_verify.equivalence.judge.rows import FailureKind, RowContext
+from mla_verify.runs import judges
 
 
 def _failing_reference(monkeypatch, times: int | None):
@@ -25,7 +25,7 @@ def _failing_reference(monkeypatch, times: int | None):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(reference, "sparse_decode_fp8", oom)
-    monkeypatch.setattr(driver, "OOM_WAITS", (0.0, 0.0))
+    monkeypatch.setattr(judges, "OOM_WAITS", (0.0, 0.0))
     return calls
 
 
@@ -64,7 +64,7 @@ def test_a_block_retried_after_running_out_tells_the_campaign_of_each_call_once(
     from mla_verify.fuzz.campaign import Campaign, fuzz
     from mla_verify.runs.units import Unit
 
-    monkeypatch.setattr(driver, "OOM_WAITS", (0.0, 0.0))
+    monkeypatch.setattr(judges, "OOM_WAITS", (0.0, 0.0))
     subject = catalog.resolve_subject("sparse_decode_fp8", ["torch-fp32"], "cpu")
     blocks = []
 
@@ -77,7 +77,7 @@ def test_a_block_retried_after_running_out_tells_the_campaign_of_each_call_once(
 
     unit = Unit("sparse_decode_fp8", "torch-fp32", ("torch-fp32",))
     result = fuzz(Campaign("sparse_decode_fp8", get_profile("ci"), 40, 1, block=3, shrink=False),
-                  driver._within_memory(judge, unit, "cpu", "run"))
+                  judges._within_memory(judge, RowContext("run", label=unit.label)))
     # the whole covering set runs past --examples (issue 47), then the drawn block, retried whole
     first = blocks.index(3)
     assert result.stopped is None and result.examples >= 40 and blocks[first:first + 2] == [3, 3]
@@ -108,10 +108,10 @@ def test_a_worker_short_of_memory_before_the_call_gives_its_pools_back_and_build
     """The worker's own side (building a case's inputs) out of device memory: the pools and the
     allocator's cache given back, built once more; after the implementation was called, the error
     is the call's (the caller's crash rules), never retried."""
-    from mla_verify.equivalence.sandbox import worker
+    from mla_verify.equivalence import serve
 
     released, tries = [], []
-    monkeypatch.setattr(worker, "release_pools", lambda: released.append(True))
+    monkeypatch.setattr(serve, "release_pools", lambda: released.append(True))
 
     def attempt():
         tries.append(True)
@@ -119,8 +119,8 @@ def test_a_worker_short_of_memory_before_the_call_gives_its_pools_back_and_build
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB (4.95 GiB allowed)")
         return "produced"
 
-    assert worker._with_room(attempt, called=[]) == "produced" and released == [True] and len(tries) == 2
+    assert serve._with_room(attempt, called=[]) == "produced" and released == [True] and len(tries) == 2
     tries.clear()
     with pytest.raises(torch.OutOfMemoryError):
-        worker._with_room(attempt, called=[True])
+        serve._with_room(attempt, called=[True])
     assert len(tries) == 1 and released == [True]

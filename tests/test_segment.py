@@ -15,7 +15,8 @@ import torch
 
 from mla_verify.equivalence.sandbox import segment, wire
 from mla_verify.equivalence.cases.case import Case
-from mla_verify.equivalence.sandbox.worker import Worker
+from mla_verify.equivalence.blocks import Judging
+from tests.isolated import judged
 from tests.test_hostile import CASES
 
 QUANTIZE = Case("quantize_fp8_ds_mla", CASES["quantize_fp8_ds_mla"], 3)
@@ -202,9 +203,9 @@ def test_an_isolated_case_hands_its_inputs_and_outputs_through_the_segments(monk
     regions, hand_over = wire._regions, segment.hand_over
     monkeypatch.setattr(wire, "_regions", lambda specs, seg: placed.append([s[-1] for s in specs]) or regions(specs, seg))
     monkeypatch.setattr(segment, "hand_over", lambda kw, seg: handed.append(hand_over(kw, seg)) or handed[-1])
-    w = Worker("cpu", timeout_s=20.0)
+    w = Judging("cpu", isolate=True, timeout=20.0)
     try:
-        rows = w.run(QUANTIZE, ["torch-fp32"], "torch-fp32")
+        rows = judged(w, QUANTIZE, ["torch-fp32"], "torch-fp32")
     finally:
         w.close()
     assert rows and all(r.passed for r in rows) and rows[0].metrics.numel > 0
@@ -228,9 +229,9 @@ def test_a_worker_whose_segment_descriptors_do_not_come_falls_back_to_the_pipe_a
     monkeypatch.setattr(segment, "send_handles", lambda sock, segments: segments and socket.send_fds(sock, [b"S"], []))
     regions = wire._regions
     monkeypatch.setattr(wire, "_regions", lambda specs, seg: placed.append([s[-1] for s in specs]) or regions(specs, seg))
-    w = Worker("cpu", timeout_s=20.0)
+    w = Judging("cpu", isolate=True, timeout=20.0)
     try:
-        rows = w.run(QUANTIZE, ["torch-fp32"], "torch-fp32")
+        rows = judged(w, QUANTIZE, ["torch-fp32"], "torch-fp32")
     finally:
         w.close()
     assert rows and all(r.passed for r in rows) and rows[0].metrics.numel > 0
@@ -240,10 +241,10 @@ def test_a_worker_whose_segment_descriptors_do_not_come_falls_back_to_the_pipe_a
 
 def test_a_worker_scribbling_its_segment_after_answering_is_judged_on_what_it_answered():
     impl = "tests.hostile.boundary:scribbles_the_segment_after_answering"
-    w = Worker("cpu", timeout_s=20.0)
+    w = Judging("cpu", isolate=True, timeout=20.0)
     try:
-        rows = w.run(QUANTIZE, [impl], impl)
-        out = w._active.reader.segment
+        rows = judged(w, QUANTIZE, [impl], impl)
+        out = w.worker._active.reader.segment
         time.sleep(0.6)
         assert bytes(out.view[:64]) == b"\xff" * 64  # it did scribble, after the verdict's copy was taken
     finally:
@@ -253,10 +254,10 @@ def test_a_worker_scribbling_its_segment_after_answering_is_judged_on_what_it_an
 
 def test_a_worker_cannot_resize_or_unlink_the_segments_and_the_next_case_runs(tmp_path):
     impl = "tests.hostile.boundary:resizes_the_segments"
-    w = Worker("cpu", timeout_s=20.0, sandbox="off")  # the seals hold unconfined; confined, it could write no report
+    w = Judging("cpu", isolate=True, timeout=20.0, sandbox="off")  # the seals hold unconfined; confined, it could write no report
     try:
-        rows = w.run(QUANTIZE, [impl], impl, run_id=str(tmp_path / "tried"))
-        after = w.run(Case(QUANTIZE.op, QUANTIZE.params, 4), ["torch-fp32"], "torch-fp32")
+        rows = judged(w, QUANTIZE, [impl], impl, run_id=str(tmp_path / "tried"))
+        after = judged(w, Case(QUANTIZE.op, QUANTIZE.params, 4), ["torch-fp32"], "torch-fp32")
     finally:
         w.close()
     tried = (tmp_path / "tried").read_text().splitlines()
@@ -290,9 +291,9 @@ def test_a_cuda_worker_handed_its_inputs_judges_as_one_that_builds_them():
     c = harness_case("cpu")  # B=2 H=16: small enough for any GPU lane
     found = {}
     for hand_over in (False, True):
-        w = Worker("cuda", timeout_s=120.0, hand_over=hand_over)
+        w = Judging("cuda", isolate=True, timeout=120.0, hand_over=hand_over)
         try:
-            found[hand_over] = w.run(c, ["torch-fp32"], "torch-fp32")
+            found[hand_over] = judged(w, c, ["torch-fp32"], "torch-fp32")
         finally:
             w.close()
     assert all(rows and all(r.passed for r in rows) for rows in found.values())
@@ -307,10 +308,10 @@ def test_outputs_too_large_for_the_segment_come_through_the_pipe_and_the_segment
     regions = wire._regions
     monkeypatch.setattr(wire, "_regions", lambda specs, seg: placed.append([s[-1] for s in specs]) or regions(specs, seg))
     c = harness_case("cpu")
-    w = Worker("cpu", timeout_s=60.0)
+    w = Judging("cpu", isolate=True, timeout=60.0)
     try:
-        first = w.run(c, ["torch-fp32"], "torch-fp32")
-        second = w.run(Case(c.op, c.params, c.seed + 1), ["torch-fp32"], "torch-fp32")
+        first = judged(w, c, ["torch-fp32"], "torch-fp32")
+        second = judged(w, Case(c.op, c.params, c.seed + 1), ["torch-fp32"], "torch-fp32")
     finally:
         w.close()
     assert first and second and all(r.passed for r in first + second)
@@ -338,13 +339,13 @@ def test_every_op_judged_isolated_on_handed_inputs_as_in_process(monkeypatch):
         return kept, h
 
     monkeypatch.setattr(segment, "hand_over", spy)
-    w = Worker("cpu", timeout_s=120.0)
+    w = Judging("cpu", isolate=True, timeout=120.0)
     try:
         for case in cases:
-            isolated = w.run(case, [], "default")
+            isolated = judged(w, case, [], "default")
             in_process = evaluate(case, resolve_subject(case.op, [], "cpu"), "cpu")
             assert isolated and _verdicts(isolated) == _verdicts(in_process), case.op
     finally:
         w.close()
     assert [h is not None for h in handed] == [True] * len(CASES) + [False]
-    assert w._not_plain == {"forward_mqa"}
+    assert w.worker._not_plain == {"forward_mqa"}

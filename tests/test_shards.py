@@ -171,10 +171,11 @@ def test_a_failing_shard_fails_the_merge_and_its_saved_cases_come_along(capsys, 
 
 
 def test_the_parts_of_a_shard_are_its_slots_and_travel_to_their_process_whole(tmp_path):
-    from mla_verify.runs.plan import FUZZ, GATE, Run
+    from mla_verify.runs.plan import FuzzRun, GateRun, Run
 
-    fuzz = Run(FUZZ, ("convert_index",), "cpu", get_profile("ci"), 7, 11, False, 300.0, shard=Shard(1, 2), parts=2,
-               invocation="mla-verify fuzz ...")
+    ci = dict(device="cpu", profile=get_profile("ci"), isolate=False, timeout=300.0)
+    fuzz = FuzzRun(op="convert_index", examples=7, seed=11, shard=Shard(1, 2), parts=2, invocation="mla-verify fuzz ...",
+                   **ci)
     assert fuzz.slots == [Shard(2, 4), Shard(3, 4)] and fuzz.campaigns == [(13, 2), (14, 1)]  # share(7, 4) = 2, 2, 2, 1
     part = fuzz.part(Shard(3, 4), 1, tmp_path)
     assert (part.seed, part.examples, part.shard, part.parts, part.out) == (14, 1, Shard(), 1, tmp_path / "part-1")
@@ -182,5 +183,5 @@ def test_the_parts_of_a_shard_are_its_slots_and_travel_to_their_process_whole(tm
     assert again.campaigns == [(14, 1)] and again.out.path == tmp_path / "part-1" and again.label == "torch-fp32"
     assert again.invocation == "mla-verify fuzz ..." and again.options() == part.options()
     again.out.release()
-    gate = Run(GATE, ("convert_index",), "cpu", get_profile("ci"), 2, 4, False, 300.0, shard=Shard(0, 3), parts=2)
+    gate = GateRun(ops=("convert_index",), examples=2, seed=4, shard=Shard(0, 3), parts=2, **ci)
     assert gate.part(gate.slots[1], 1, tmp_path).shard == Shard(1, 6) and gate.options()["ops"] == ["convert_index"]

@@ -148,7 +148,7 @@ def test_a_device_error_is_known_from_the_row_not_read_back_from_its_reason():
     the call's failure is known (`Raised`), never on a regex over the reason; the flag is not a
     stored column."""
     from mla_verify.equivalence.judge.rows import COLUMNS, FailureKind
-    from mla_verify.equivalence.produced import Produced
+    from mla_verify.equivalence.sandbox.produced import Produced
     from mla_verify.equivalence.sandbox.calls import Raised, raised_row, unsupported_row
 
     base = dict(run_id="r", case_id="c", op="sparse_prefill", path="sparse_prefill", impl="x", stages=(),

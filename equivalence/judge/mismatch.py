@@ -24,12 +24,9 @@ import torch
 from .localize import Axes, named_at, where
 from .metrics import Metrics, Position, lse_unit, output_row_scale, position
 from .policy import EXACT, LSE, OUT, Bound
-from .rows import FailureKind
 
 LN2 = math.log(2.0)
 ELEMENT_METRICS = ("elem_bf16_units", "lse_fp32_units", "elem_bound_ratio")  # the bounds that hold each element
-# Failing rows with no measured value: their reason says it all.
-QUIET_METRICS = frozenset({*FailureKind} - {FailureKind.UNSUPPORTED} | {"shape"})
 
 
 @dataclass(frozen=True)
@@ -43,13 +40,6 @@ class Pair:
     scale: torch.Tensor | None = None  # an output's value_max or an LSE's logit scale (oracle.measure)
     bound: torch.Tensor | None = None  # the derived per-element bound, where one holds
     axes: Axes | None = None           # its dimensions' names, for where the error sits (`localize`)
-
-
-def line(tensor: str, metric: str, value: float, bound: float, reason: str) -> str:
-    """A failing row in one line: `out: bf16_units = 20.8 > 6: 312 / 512 elements ...`."""
-    if metric in QUIET_METRICS:
-        return f"{tensor}: {metric} -- {reason}"
-    return f"{tensor}: {metric} = {value:.4g} > {bound:.4g}: {reason}"
 
 
 def describe(kind: str, c: Pair, m: Metrics, bounds: tuple[Bound, ...], metric: str) -> str:

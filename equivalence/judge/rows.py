@@ -26,11 +26,25 @@ import math
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .metrics import Metrics
 
-KINDS = ("out", "lse", "max_logits", "exact", "other")
+if TYPE_CHECKING:
+    from ..cases.case import Case
+
+
+class RowKind(StrEnum):
+    """Which key metric speaks for a row (the module's docstring); stored as its value."""
+
+    OUT = "out"
+    LSE = "lse"
+    MAX_LOGITS = "max_logits"
+    EXACT = "exact"
+    OTHER = "other"
+
+
+KINDS = tuple(RowKind)
 
 
 class FailureKind(StrEnum):
@@ -45,6 +59,17 @@ class FailureKind(StrEnum):
     INPUT_WRITTEN = "input_written"  # wrote an input it may not write (tensor "input:NAME")
     UNSUPPORTED = "unsupported"      # declined by `unsupported(reason)`: counted, not failed
     NOT_JUDGED = "not_judged"        # the judge ran out of device memory for it, waits and retries: counted, not failed
+
+# Failing rows with no measured value: their reason says it all.
+QUIET_METRICS = frozenset({*FailureKind} - {FailureKind.UNSUPPORTED} | {"shape"})
+
+
+def line(tensor: str, metric: str, value: float, bound: float, reason: str) -> str:
+    """A failing verdict in one line: `out: bf16_units = 20.8 > 6: 312 / 512 elements ...`."""
+    if metric in QUIET_METRICS:
+        return f"{tensor}: {metric} -- {reason}"
+    return f"{tensor}: {metric} = {value:.4g} > {bound:.4g}: {reason}"
+
 
 # Metrics' fields that serve the oracle's verdict and are not stored: the rows an output's bound
 # grows with, the shape and first mismatch.
@@ -85,7 +110,7 @@ class Row:
     value_regime: str | None = None  # normal | saturation | outliers | zero_tiles | tiny | peaked | degenerate
     sm_scale: float | None = None
     # what was compared, and how far apart
-    kind: str = ""                   # KINDS, or "" (see the module's docstring)
+    kind: str = ""                   # a RowKind, or "" (see the module's docstring)
     exact: bool = field(init=False, default=False)  # kind == "exact" (a column before kind was one)
     metrics: Metrics = field(default_factory=Metrics)
     # verdict: the gated metric with the least headroom, its value and bound
@@ -118,7 +143,11 @@ class Row:
         # stored and shown as the plain strings they are (a `FailureKind`, `policy.Kind` or a
         # replay's source is one)
         self.kind, self.gate_metric, self.source = str(self.kind), str(self.gate_metric), str(self.source)
-        self.exact = self.kind == "exact"
+        self.exact = self.kind == RowKind.EXACT
+
+    def line(self) -> str:
+        """The row as a failure is printed: `out: bf16_units = 20.8 > 6: 312 / 512 elements ...`."""
+        return line(self.tensor, self.gate_metric, self.value, self.bound, self.reason)
 
     def to_record(self) -> dict[str, Any]:
         """The row flat, COLUMNS in order: the metrics' stored fields in the place of `metrics`."""
@@ -145,3 +174,24 @@ STORED_FIELDS: tuple[Field, ...] = tuple(
     g for f in _STORED_OWN for g in (_METRIC_FIELDS if f.name == "metrics" else (f,)))
 COLUMNS = tuple(f.name for f in STORED_FIELDS)
 
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What every row of a block says besides its case and tensor, and what its caller hears while
+    the block runs: one per run and source (`dataclasses.replace` for another source). `base` is
+    the one place a row's identity is written."""
+
+    run_id: str = ""
+    source: str = "fuzz"       # corpus | kept | fuzz | rerun | shrink | replay | bench | ...
+    label: str = ""            # what the rows call the implementation
+    device: str = "cpu"
+    # collects what the implementation's side reported (a stage that fell back to a portable one)
+    notes: set[str] | None = field(default=None, compare=False)
+    on_call: Callable[[], None] | None = field(default=None, compare=False)  # before each case's call
+
+    def base(self, case: Case, identity: Mapping[str, Any], stages: Stages = ()) -> dict[str, Any]:
+        """The identity columns of `case`'s rows: this context's, the case's, and its spec's
+        `identity(case)` (op, path, case, knobs)."""
+        return dict(run_id=self.run_id, case_id=case.case_id, impl=self.label, stages=stages, device=self.device,
+                    seed=case.seed, source=self.source, **identity)

@@ -19,6 +19,7 @@ from mla_verify.equivalence.sandbox.call_guards import returned
 from mla_verify.equivalence.cases.patterns import apply_patterns, distinct_rows
 from mla_verify.equivalence.judge import bounds
 from mla_verify.equivalence.judge.policy import DEVIATIONS, LSE, OUT
+from mla_verify.equivalence.judge.rows import RowKind
 from mla_verify.equivalence.cases.values import fill_selected_slots, kv_values, q_values
 
 from ..cases.builders import permutation
@@ -216,7 +217,7 @@ SPARSE_PREFILL = register(OpSpec(
     call=returning(("out", "lse", "max_logits"), 2),
     checks=(Check("out", OUT, "value_max", dtype=torch.bfloat16, bound="out_bound"),
             Check("lse", LSE, "logit_l1", dtype=torch.float32, bound="lse_bound"),
-            Check("max_logits", LSE, "logit_l1", optional=True, dtype=torch.float32, row_kind="max_logits",
+            Check("max_logits", LSE, "logit_l1", optional=True, dtype=torch.float32, row_kind=RowKind.MAX_LOGITS,
                   bound="max_logits_bound")),
     knobs=lambda p: knobs(p, num_tokens=p.tokens, seq_len=p.kv_rows, cache_dtype="bfloat16"),
     explain_nan=_nan_sources(_read_past_length, _read_invalid),

@@ -25,10 +25,10 @@ from ..cases.profiles import Profile
 from ..contracts import arguments as contract_arguments
 from ..judge.localize import Axes, axes_for, dims_of
 from ..judge.oracle import judge_many
-from ..judge.rows import FailureKind, Row, Stages
-from ..produced import Produced
+from ..judge.rows import FailureKind, Row, RowContext, RowKind, Stages
 from ..sandbox import device as dev, guards
 from ..sandbox.call_guards import Snapshot, changed_together, output_problem, tensors_in
+from ..sandbox.produced import Produced
 from ..sandbox.calls import (
     Raised,
     after_return_rows,
@@ -69,7 +69,7 @@ class Check:
     single_rank: bool = False  # one DCP rank's pre-combine partial: held to the bounds without DCP
     dtype: torch.dtype | None = None  # the contract's dtype (None: the reference's, for exact tensors)
     contiguous: bool = False   # the contract asks for a dense tensor (a later kernel reads it so)
-    row_kind: str | None = None  # its rows' kind (equivalence.judge.rows) where not the policy kind's own
+    row_kind: RowKind | None = None  # its rows' kind (equivalence.judge.rows) where not the policy kind's own
     # the name of the reference's tensors of derived per-element bounds (equivalence.judge.bounds), kept
     # under BoundKey(bound, deviation): held to elem_bound_ratio <= 1
     bound: str | None = None
@@ -197,50 +197,41 @@ class OpSpec:
             raise UsageError(f"--path applies to a pipeline (forward_mqa) or a property, not {self.name}")
         return None
 
-    def _base(self, case: Case, params: Params, label: str, device: str, run_id: str, source: str) -> dict:
-        return dict(run_id=run_id, case_id=case.case_id, impl=label, stages=(), device=device, seed=case.seed,
-                    source=source, **self.identity(case, params))
-
-    def evaluate(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
-                 notes: set[str] | None = None, on_call: Callable[[], None] | None = None) -> list:
+    def evaluate(self, case: Case, subject: Subject, context: RowContext) -> list:
         """Every checked tensor of `case` as a Row (a single failure row if the implementation
         raised), judged in this process: `evaluate_block` of one case."""
-        return self.evaluate_block([case], subject, device, run_id=run_id, source=source, notes=notes,
-                                   on_call=on_call)[0]
+        return self.evaluate_block([case], subject, context)[0]
 
-    def evaluate_block(self, cases: Sequence[Case], subject: Subject, device: str = "cpu", *, run_id: str = "",
-                       source: str = "fuzz", notes: set[str] | None = None,
-                       on_call: Callable[[], None] | None = None) -> list[list]:
+    def evaluate_block(self, cases: Sequence[Case], subject: Subject, context: RowContext) -> list[list]:
         """The rows of each of `cases`, cases of one params whose seeds differ (a fuzz block),
         judged in this process. Each case's inputs are built from its seed, as its replay builds
         them, and snapshotted before any call of the block; the implementation runs once per case,
         on its own inputs; then the reference answers the block, in one call where the op stacks
         its cases (`stack`), on the inputs as built (bytes a call wrote where it must not are put
         back first): no call can reach an answer that does not exist yet. Each check is judged over
-        the block at once (`oracle.judge_many`). `notes` collects what the implementation side
-        reported (a stage that fell back to a portable implementation); `on_call` runs before each
-        call of the implementation, once its inputs are ready. A call that leaves the CUDA context
+        the block at once (`oracle.judge_many`). The context's `notes` collect what the
+        implementation side reported (a stage that fell back to a portable implementation); its
+        `on_call` runs before each call of the implementation, once its inputs are ready, on
+        `context.device`. A call that leaves the CUDA context
         unusable ends the block: its case's rows are its last, and every other case of it is None
         (not judged: what it returned lived on that context)."""
         params = self.params_of(cases[0].params)
         found: list[list | None] = []
-        for part, kwargs in self._in_parts(cases, params, device):
-            rows, lost = self._evaluate_part(part, kwargs, subject, params, device, run_id, source, notes, on_call)
+        for part, kwargs in self._in_parts(cases, params, context.device):
+            rows, lost = self._evaluate_part(part, kwargs, subject, params, context)
             del kwargs  # not held while the next part is built
             found += rows
             if lost:
                 return found + [None] * (len(cases) - len(found))
         return found
 
-    def _evaluate_part(self, part: list[Case], kwargs: list[dict], subject: Subject, params: Params, device: str,
-                       run_id: str, source: str, notes: set[str] | None,
-                       on_call: Callable[[], None] | None) -> tuple[list[list | None], bool]:
+    def _evaluate_part(self, part: list[Case], kwargs: list[dict], subject: Subject, params: Params,
+                       context: RowContext) -> tuple[list[list | None], bool]:
         """`evaluate_block` of a part of a block, its inputs built: (each case's rows, whether a call
         lost the CUDA context: then only the cases called so far have an entry, None where not judged)."""
         # Taken before the block's first call: a call writing another case's inputs shows too.
         snapshots = [Snapshot(kw) for kw in kwargs]
-        bases, outcomes, lost, last = self._calls(part, kwargs, snapshots, subject, params, device, run_id, source,
-                                                  notes, on_call)
+        bases, outcomes, lost, last = self._calls(part, kwargs, snapshots, subject, params, context)
         if lost:  # nothing after the case that lost the context runs, and nothing is judged
             return [o if isinstance(o, list) else None for o in outcomes], True
         called = [i for i, o in enumerate(outcomes) if isinstance(o, _Called)]
@@ -251,7 +242,7 @@ class OpSpec:
                 outcomes[i].rows = input_rows(bases[i], written, **outcomes[i].times)
             for inputs in snapshots:
                 inputs.put_back()
-            answer, t_ref = timed(lambda: self._answer(kwargs, params), device)
+            answer, t_ref = timed(lambda: self._answer(kwargs, params), context.device)
             t_ref /= len(part)
 
             def problem(i: int, name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:
@@ -273,8 +264,7 @@ class OpSpec:
         return found, False
 
     def _calls(self, part: list[Case], kwargs: list[dict], snapshots: list[Snapshot], subject: Subject, params: Params,
-               device: str, run_id: str, source: str, notes: set[str] | None,
-               on_call: Callable[[], None] | None) -> tuple[list[dict], list, bool, tuple | None]:
+               context: RowContext) -> tuple[list[dict], list, bool, tuple | None]:
         """Each case of a part called once, in order: (its rows' bases, its outcome: `_Called` or
         its failure rows, whether a call left the CUDA context unusable: it is then the last, and
         the last call's (position, `guards.Returned`) still to check for a write after return). The
@@ -288,19 +278,19 @@ class OpSpec:
                 for case, kw, inputs in zip(part, kwargs, snapshots):
                     if last is not None:
                         outcomes[last[0]].after, last = last[1].changed(outcomes[last[0]].threads), None
-                    base = self._base(case, params, subject.label, device, run_id, source)
+                    base = context.base(case, self.identity(case, params))
                     try:
-                        got, t_impl = call_implementation(lambda: self.call(subject, kw, params), case.seed, device,
-                                                          on_call, watch)
+                        got, t_impl = call_implementation(lambda: self.call(subject, kw, params), case.seed,
+                                                          context.device, context.on_call, watch)
                     except Raised as raised:  # the implementation's failure is the case's result, not ours
                         bases.append(base)
                         outcomes.append([raised_row(base, raised)])
-                        lost = not dev.usable(device)
+                        lost = not dev.usable(context.device)
                         if lost:
                             break
                         continue
-                    if notes is not None:
-                        notes.update(got.notes)
+                    if context.notes is not None:
+                        context.notes.update(got.notes)
                     base = {**base, "path": got.path or base["path"], "stages": got.stages}
                     bases.append(base)
                     # Memory an output shares with an input is told on what was returned; what is judged
@@ -397,20 +387,20 @@ class OpSpec:
                 rows[i].append(judged_row(bases[i], check.tensor, kind, v, rank=check.rank, **times[i]))
         return rows
 
-    def produce(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
-                on_call: Callable[[], None] | None = None, inputs: dict[str, Any] | None = None) -> Produced:
+    def produce(self, case: Case, subject: Subject, context: RowContext, inputs: dict[str, Any] | None = None) -> Produced:
         """The implementation's side of `case`, for a judge in another process (an isolation
         worker's parent): its outputs on the host with the device each came back on, and the
         rows and reasons this side alone can give (it raised, wrote an input, returned something
         that is not a plain dense tensor, or an input). No reference is computed here: the
         implementation never sees it. `inputs`: the case's arguments as the judge built them (handed
         over), else built here."""
-        params = self.params_of(case.params)
-        base = self._base(case, params, subject.label, device, run_id, source)
+        params, device = self.params_of(case.params), context.device
+        base = context.base(case, self.identity(case, params))
         kwargs = self.inputs(params, case.seed, device) if inputs is None else inputs
         inputs = Snapshot(kwargs)
         try:
-            got, t_impl = call_implementation(lambda: self.call(subject, kwargs, params), case.seed, device, on_call)
+            got, t_impl = call_implementation(lambda: self.call(subject, kwargs, params), case.seed, device,
+                                              context.on_call)
         except Raised as raised:
             return Produced.failed_case(raised_row(base, raised))
         base = {**base, "path": got.path or base["path"], "stages": got.stages}
@@ -432,11 +422,10 @@ class OpSpec:
                         returned=guards.Returned.of({n: got.tensors[n] for n in tensors}, tensors),
                         threads=watch.threads_left if watch is not None else [])
 
-    def judge_produced(self, case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",
-                       source: str = "fuzz") -> list:
+    def judge_produced(self, case: Case, produced: Produced, context: RowContext) -> list:
         """The rows of `case` from what `produce` sent: the reference computed here, on inputs
         built here, and every value judged here (`judge_produced_block` of one case)."""
-        return self.judge_produced_block([case], [produced], label, device, run_id=run_id, source=source)[0]
+        return self.judge_produced_block([case], [produced], context)[0]
 
     def prepare_inputs(self, cases: Sequence[Case], device: str = "cpu") -> "Prepared":
         """The inputs of a block's first part (`_in_parts`), its answer still to compute
@@ -458,15 +447,15 @@ class OpSpec:
         prepared.t_ref = t_ref / len(kwargs)
         return prepared
 
-    def judge_produced_block(self, cases: Sequence[Case], produced: Sequence[Produced], label: str, device: str = "cpu",
-                             *, run_id: str = "", source: str = "fuzz", prepared: "Prepared | None" = None) -> list[list]:
+    def judge_produced_block(self, cases: Sequence[Case], produced: Sequence[Produced], context: RowContext,
+                             prepared: "Prepared | None" = None) -> list[list]:
         """The rows of each of `cases` (one params, as `evaluate_block`'s) from what `produce` sent
         for it: the reference of the block and every verdict computed here (`prepared`: its first
         part's, from `prepare_block` on these cases)."""
         found = [[Row.from_record(r) for r in p.rows] for p in produced]
         if all(p.failed for p in produced):
             return found
-        params = self.params_of(cases[0].params)
+        params, device = self.params_of(cases[0].params), context.device
         parts = (prepared or self.prepare_block(cases, device)).answers(lambda kw: self._answer(kw, params), device)
         start = 0
         for kwargs, answer, t_ref in parts:
@@ -474,7 +463,7 @@ class OpSpec:
             at = [j for j, p in enumerate(got) if not p.failed]
             bases = []
             for case, p in zip(cases[start:start + len(kwargs)], got):
-                base = self._base(case, params, label, device, run_id, source)
+                base = context.base(case, self.identity(case, params))
                 bases.append({**base, "path": p.path or base["path"], "stages": p.stages})
 
             def problem(j: int, name: str, out: Any, want: torch.Tensor, check: Check) -> str | None:

@@ -37,6 +37,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
@@ -58,6 +59,15 @@ STARTUP_TIMEOUT_S = 120.0  # imports, CUDA context and rendezvous of one rank
 
 class RankFailure(RuntimeError):
     """A case's ranks raised, died or hung; the message says which and how."""
+
+
+class Said(StrEnum):
+    """What a rank's message is (its first element), and what the parent reads where none came."""
+
+    READY = "ready"  # the rank joined its group and imported the kernels
+    OK = "ok"        # a case's tensors (serialized)
+    ERROR = "error"  # the case raised (its traceback)
+    DIED = "died"    # the parent's reading: the rank's process ended
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,7 @@ def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tupl
     from mla_verify.optimized.pipeline import MQAMetadata
 
     from ..sandbox.call_guards import guarded
+    from ..spec import op_of
     from ..subject import pipeline_subject
 
     kind = device_type(device)
@@ -139,7 +150,7 @@ def _rank_case(rank: int, device: str, params: DcpParams, seed: int, specs: tupl
             resolved = guarded(registry.resolve(  # each stage's outputs owned before its next call
                 rank_stages(params.cache_dtype, heads, dist.get_world_size(), params.combine), kind,
                 subject.overrides,
-            ))
+            ), op_of)
             metadata = batch.metadata(MQAMetadata, block_table=table)
             result = forward_mqa_dcp_rank(q, kv_cache, batch.topk_indices, metadata, group=dist.group.WORLD,
                                           combine=params.combine, stages=resolved)
@@ -169,7 +180,7 @@ def _rank_main(rank: int, world_size: int, place: Placement, store_path: str, ti
                             timeout=timedelta(seconds=timeout_s))
     import mla_verify.optimized  # noqa: F401  (Triton's setup and every registration, before the first case)
 
-    conn.send(("ready", None))
+    conn.send((Said.READY, None))
     subjects: dict = {}
     try:
         while True:
@@ -178,10 +189,10 @@ def _rank_main(rank: int, world_size: int, place: Placement, store_path: str, ti
                 break
             params, seed, specs, declared = msg
             try:
-                conn.send(("ok", _serialize(_rank_case(rank, device, params, seed, tuple(specs), tuple(declared),
+                conn.send((Said.OK, _serialize(_rank_case(rank, device, params, seed, tuple(specs), tuple(declared),
                                                        subjects))))
             except Exception as exc:  # the case's failure; the parent kills the group
-                conn.send(("error", _raised(exc)))
+                conn.send((Said.ERROR, _raised(exc)))
     except (EOFError, OSError):
         pass  # the parent is gone
     finally:
@@ -242,12 +253,12 @@ class RankGroup:
                 if rank in answers:
                     continue
                 try:
-                    kind, payload = self._conns[rank].recv() if w is self._conns[rank] else ("died", None)
+                    kind, payload = self._conns[rank].recv() if w is self._conns[rank] else (Said.DIED, None)
                 except (EOFError, OSError):
-                    kind, payload = "died", None
-                if kind == "error":
+                    kind, payload = Said.DIED, None
+                if kind == Said.ERROR:
                     self._fail(f"rank {rank} raised {payload}")
-                if kind == "died":
+                if kind == Said.DIED:
                     self._procs[rank].join(5)
                     self._fail(f"rank {rank} died (exit code {self._procs[rank].exitcode}) during the {what}")
                 answers[rank] = payload

@@ -19,7 +19,7 @@ from mla_verify.optimized.validation import InputError
 from ..cases.draws import FORWARD_PATHS, HISPARSE_PATHS, forward_params, hisparse_params
 from ..cases.params import ForwardParams
 from ..cases.profiles import Profile
-from ..spec import register
+from ..spec import op_of, register
 from .base import Check, ImplOutput
 from .common import knobs
 from .pipeline import PipelineSpec
@@ -98,7 +98,7 @@ def _call(subject, kw, p: ForwardParams) -> ImplOutput:
     from mla_verify.optimized import pipeline  # imports every kernel module: only when the pipeline runs
     dcp = p.dcp_size
     needed = pipeline.needed_stages(p.cache_dtype, p.heads, dcp, isinstance(b.q, tuple))
-    stages = recorded(guarded(registry.resolve(needed, b.kv_cache.device.type, subject.overrides)))
+    stages = recorded(guarded(registry.resolve(needed, b.kv_cache.device.type, subject.overrides), op_of))
     if dcp > 1:
         ranks = b.rank_metadata(pipeline.MQAMetadata)
         res = pipeline.forward_mqa_dcp(b.q, b.rank_caches, b.topk_indices, ranks, stages)
@@ -117,7 +117,7 @@ def _hisparse(subject, b, p: ForwardParams) -> ImplOutput:
     from mla_verify.optimized import hisparse, pipeline
 
     device = b.gpu_rows[0].device.type
-    stages = guarded(registry.resolve(hisparse.needed_stages(p.cache_dtype), device, subject.overrides))
+    stages = guarded(registry.resolve(hisparse.needed_stages(p.cache_dtype), device, subject.overrides), op_of)
     tables = b.hisparse_tables(hisparse.HiSparseTables)
     res = hisparse.forward_mqa_hisparse(b.q_layers, b.host_caches, b.gpu_rows, b.plain.topk_indices,
                                         b.plain.metadata(pipeline.MQAMetadata), tables, b.group_buffer, stages)

@@ -20,8 +20,9 @@ from ..cases.case import Case
 from ..cases.draws import SEEDS
 from ..cases.profiles import Profile
 from ..errors import UsageError
-from ..produced import Produced
+from ..judge.rows import RowContext
 from ..sandbox.calls import Raised, call_implementation
+from ..sandbox.produced import Produced
 from ..subject import Subject, pipeline_subject
 from . import stages
 from .base import OpSpec
@@ -100,16 +101,15 @@ class PipelineSpec(OpSpec):
                              if self.paths else f"--path: {self.name} has no paths")
         return path
 
-    def evaluate_block(self, cases: Sequence[Case], subject: Subject, device: str = "cpu", *, source: str = "fuzz",
-                       **kwargs: Any) -> list[list]:
+    def evaluate_block(self, cases: Sequence[Case], subject: Subject, context: RowContext) -> list[list]:
         """`OpSpec.evaluate_block`, each failing case then told the first stage whose output
         differs (`equivalence.ops.stages`)."""
-        found = super().evaluate_block(cases, subject, device, source=source, **kwargs)
-        if source in UNTRACED or not self._traces(subject, cases[0]):
+        found = super().evaluate_block(cases, subject, context)
+        if context.source in UNTRACED or not self._traces(subject, cases[0]):
             return found
         for case, rows in zip(cases, found):
             if rows is not None and stages.failing(rows):
-                self._tell(case, rows, self._traced(case, subject, device))
+                self._tell(case, rows, self._traced(case, subject, context.device))
         return found
 
     def _traces(self, subject: Subject, case: Case) -> bool:
@@ -133,26 +133,25 @@ class PipelineSpec(OpSpec):
                 pass  # the calls before the raise are kept
         return stages.traced(run)
 
-    def produce(self, case: Case, subject: Subject, device: str = "cpu", *, source: str = "fuzz",
-                **kwargs: Any) -> Produced:
+    def produce(self, case: Case, subject: Subject, context: RowContext, inputs: dict[str, Any] | None = None) -> Produced:
         """`OpSpec.produce`, with the stage calls of the cases a run reports (TRACED_IN_WORKER),
         on the host, for the judge to judge."""
-        produced = super().produce(case, subject, device, source=source, **kwargs)
-        if (source not in TRACED_IN_WORKER or produced.failed or not self._traces(subject, case)
+        produced = super().produce(case, subject, context, inputs)
+        if (context.source not in TRACED_IN_WORKER or produced.failed or not self._traces(subject, case)
                 or not produced.t_impl <= TRACE_CALL_S):
             return produced
-        plain, fed = self._traced(case, subject, device)
+        plain, fed = self._traced(case, subject, context.device)
         host = [stages.fields_of(c) for c in stages.moved(plain + fed)]  # the cache both runs were handed goes once
         return replace(produced, stage_calls=(host[:len(plain)], host[len(plain):]))
 
-    def judge_produced_block(self, cases: Sequence[Case], produced: Sequence[Produced], label: str,
-                             device: str = "cpu", **kwargs: Any) -> list[list]:
+    def judge_produced_block(self, cases: Sequence[Case], produced: Sequence[Produced], context: RowContext,
+                             prepared: Any = None) -> list[list]:
         """`OpSpec.judge_produced_block`, each failing case told the first stage that differs
         from the stage calls the worker sent."""
-        found = super().judge_produced_block(cases, produced, label, device, **kwargs)
+        found = super().judge_produced_block(cases, produced, context, prepared)
         for case, p, rows in zip(cases, produced, found):
             if p.stage_calls[0] and stages.failing(rows):
                 plain, fed = ([stages.Call(**c) for c in run] for run in p.stage_calls)
-                calls = stages.moved(plain + fed, device)  # judged where the reference runs
+                calls = stages.moved(plain + fed, context.device)  # judged where the reference runs
                 self._tell(case, rows, (calls[:len(plain)], calls[len(plain):]))
         return found

@@ -6,7 +6,7 @@ while a `Recorder` is active, `recorded` wraps every stage of it, so the run kee
 keyword arguments and result. Each call is then answered by the reference's function of that
 stage (`ORACLES`) on the same arguments and judged by that stage's own checks: bit for bit for
 the index, layout and workspace stages, the oracle's bounds for attention and the merge. The
-first call that differs names the stage, with its mismatch line (`equivalence.judge.mismatch`).
+first call that differs names the stage, with its failing row's line (`equivalence.judge.rows.line`).
 
 A stage judged on its own inputs is right or wrong by itself: a kernel handed wrong indices by
 the converter before it matches the reference handed the same. A second run feeds the reference's
@@ -36,7 +36,7 @@ from mla_verify.optimized.registry import Resolved
 from ..cases.numerics import Numerics
 from ..errors import ContractError
 from ..judge.localize import axes_for
-from ..judge.mismatch import QUIET_METRICS, line
+from ..judge.rows import QUIET_METRICS, line
 from ..judge.oracle import Verdict, judge
 from ..judge.policy import EXACT, LSE, OUT
 from ..judge.rows import FailureKind

@@ -18,7 +18,7 @@ from mla_verify.equivalence.judge.policy import LSE, OUT
 from mla_verify.equivalence.sandbox.call_guards import guarded
 from mla_verify.optimized import registry
 
-from ..spec import register
+from ..spec import op_of, register
 from .base import Check, ImplOutput
 from .common import generator, host_values
 from .pipeline import PipelineSpec
@@ -72,7 +72,7 @@ def _call(subject, kw: dict, p: UnionDecodeParams) -> ImplOutput:
         return ImplOutput({"out": out, "lse": lse}, deviations=subject.deviations)
     from mla_verify.optimized import v4_pipeline  # the kernels: only when the pipeline runs
 
-    stages = recorded(guarded(registry.resolve(v4_pipeline.STAGES, kw["q"].device.type, subject.overrides)))
+    stages = recorded(guarded(registry.resolve(v4_pipeline.STAGES, kw["q"].device.type, subject.overrides), op_of))
     out, lse = v4_pipeline.v4_step(stages)(**kw)
     deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
     notes = tuple(f"{stage}: {why}" for stage, why in sorted(stages.fallbacks.items()))

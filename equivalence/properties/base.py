@@ -33,12 +33,12 @@ from ..errors import UsageError
 from ..judge import metrics as M, mismatch
 from ..judge.oracle import measure, verdict
 from ..judge.policy import EXACT, property_bounds
-from ..judge.rows import Row, Stages
-from ..produced import Produced
+from ..judge.rows import Row, RowContext
 from ..sandbox.call_guards import Snapshot, guarded
 from ..sandbox.device import device_type
 from ..sandbox.calls import Raised, call_implementation, input_rows, judged_row, raised_row
-from ..spec import SPECS
+from ..sandbox.produced import Compared, Produced
+from ..spec import SPECS, op_of
 from ..subject import Subject, stage_overrides
 
 PREFIX = "property:"
@@ -47,19 +47,6 @@ PREFIX = "property:"
 def property_op(name: str) -> str:
     """A property's op, "property:NAME", for NAME or "property:NAME"."""
     return name if name.startswith(PREFIX) else PREFIX + name
-
-
-@dataclass(frozen=True)
-class Compared:
-    """One tensor a check holds to another: `got` (the transformed problem's answer) against
-    `base` (the plain problem's), measured as policy kind `kind`."""
-
-    check: str
-    tensor: str                      # out | lse | indices
-    kind: str                        # exact | out | lse (the tensor's nature; PROPERTY_RULES may compare it exactly)
-    got: torch.Tensor
-    base: torch.Tensor
-    scale: torch.Tensor | None = None  # lse: the logit scale of each row
 
 
 Inputs = dict[str, Any]
@@ -202,51 +189,41 @@ class PropertySpec:
             raise UsageError(f"--path: {self.name} with this --impl runs on one of {', '.join(covered)}")
         return path
 
-    def evaluate(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
-                 notes: set[str] | None = None, on_call: Callable[[], None] | None = None) -> list:
+    def evaluate(self, case: Case, subject: Subject, context: RowContext) -> list:
         """Every tensor the property compares, as a Row (a single failure row if the
-        implementation raised); `notes` collects the stages that fell back from their preferred
-        implementation; `on_call` runs just before the implementation is first called."""
-        produced = self.produce(case, subject, device, run_id=run_id, source=source, on_call=on_call, on_host=False)
-        if notes is not None:
-            notes.update(produced.notes)
-        return self.judge_produced(case, produced, subject.label, device, run_id=run_id, source=source)
+        implementation raised); the context's `notes` collect the stages that fell back from their
+        preferred implementation; its `on_call` runs just before the implementation is first called."""
+        produced = self.produce(case, subject, context, on_host=False)
+        if context.notes is not None:
+            context.notes.update(produced.notes)
+        return self.judge_produced(case, produced, context)
 
-    def evaluate_block(self, cases: Sequence[Case], subject: Subject, device: str = "cpu", *, run_id: str = "",
-                       source: str = "fuzz", notes: set[str] | None = None,
-                       on_call: Callable[[], None] | None = None) -> list[list]:
+    def evaluate_block(self, cases: Sequence[Case], subject: Subject, context: RowContext) -> list[list]:
         """`evaluate` of each case: a property's cases pose problems of their own, judged one by one."""
-        return [self.evaluate(case, subject, device, run_id=run_id, source=source, notes=notes, on_call=on_call)
-                for case in cases]
+        return [self.evaluate(case, subject, context) for case in cases]
 
     def prepare_block(self, cases: Sequence[Case], device: str = "cpu") -> None:
         """Nothing: a property's problems are posed by what its calls return."""
 
-    def judge_produced_block(self, cases: Sequence[Case], produced: Sequence[Produced], label: str,
-                             device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
+    def judge_produced_block(self, cases: Sequence[Case], produced: Sequence[Produced], context: RowContext,
                              prepared: None = None) -> list[list]:
-        return [self.judge_produced(case, p, label, device, run_id=run_id, source=source)
-                for case, p in zip(cases, produced)]
+        return [self.judge_produced(case, p, context) for case, p in zip(cases, produced)]
 
-    def _base(self, case: Case, params: Params, label: str, stages: Stages, device: str, run_id: str, source: str) -> dict:
-        return dict(run_id=run_id, case_id=case.case_id, impl=label, stages=stages, device=device, seed=case.seed,
-                    source=source, **self.identity(case, params))
-
-    def produce(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
-                on_call: Callable[[], None] | None = None, on_host: bool = True) -> Produced:
+    def produce(self, case: Case, subject: Subject, context: RowContext, inputs: None = None,
+                on_host: bool = True) -> Produced:
         """The implementation's side of `case`: the comparisons its calls make (copied to the host
         for a judge in another process, `on_host`) and the rows only this side can make (it
         raised, wrote an input)."""
-        params = self.params_of(case.params)
+        params, device = self.params_of(case.params), context.device
         target = self.target(params)
         stages = registry.resolve(target.stages(params), device_type(device), subject.overrides)
         deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
-        base = self._base(case, params, subject.label, stages.pairs(), device, run_id, source)
+        base = context.base(case, self.identity(case, params), stages.pairs())
         inputs = target.inputs(params, case.seed, device)
         saved = Snapshot(inputs)
         try:
-            compared, t_impl = call_implementation(lambda: target.check(inputs, params, guarded(stages)), case.seed,
-                                                   device, on_call)
+            compared, t_impl = call_implementation(lambda: target.check(inputs, params, guarded(stages, op_of)),
+                                                   case.seed, device, context.on_call)
         except Raised as raised:  # the implementation's failure is the case's result, not ours
             return Produced.failed_case(raised_row(base, raised))
         notes = tuple(f"{stage}: {why}" for stage, why in stages.fallbacks.items())
@@ -257,14 +234,13 @@ class PropertySpec:
         return Produced(rows, stages=stages.pairs(), deviations=deviations, notes=notes, t_impl=t_impl,
                         compared=compared)
 
-    def judge_produced(self, case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",
-                       source: str = "fuzz") -> list:
+    def judge_produced(self, case: Case, produced: Produced, context: RowContext) -> list:
         """The rows of `case` from what `produce` made: every comparison judged here."""
         rows = [Row.from_record(r) for r in produced.rows]
         if produced.failed:
             return rows
         params = self.params_of(case.params)
-        base = self._base(case, params, label, produced.stages, device, run_id, source)
+        base = context.base(case, self.identity(case, params), produced.stages)
         for c in produced.compared:
             kind, bounds, deviation = property_bounds(f"{self.short}.{c.check}", c.kind, produced.deviations)
             got, want = _unsigned_zeros(c.got), _unsigned_zeros(c.base)

@@ -22,7 +22,7 @@ from mla_verify.reference.attention import cache_row_values
 from ..cases.params import DecodeParams, ForwardParams, PrefillParams
 from ..ops.attention import SPARSE_DECODE_FP8, SPARSE_PREFILL
 from ..ops.forward import FORWARD_MQA
-from .base import Compared
+from ..sandbox.produced import Compared
 
 D_V = 512
 ATTENTION_STAGES = ("sparse_prefill", "sparse_decode_fp8")

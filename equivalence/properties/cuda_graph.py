@@ -50,14 +50,15 @@ from ..errors import UsageError
 from ..judge import mismatch
 from ..judge.oracle import judge, measure, verdict
 from ..judge.policy import EXACT, LSE, OUT, property_bounds
-from ..judge.rows import FailureKind, Row
-from ..produced import Produced
+from ..judge.rows import FailureKind, Row, RowContext
 from ..sandbox.call_guards import Snapshot, guarded, output_problem, returned
 from ..sandbox.calls import Raised, call_implementation, failure_row, judged_row, raised_row, timed
 from ..sandbox.device import device_type, first_line
-from ..spec import SPECS, register
+from ..sandbox.produced import Produced
+from ..spec import SPECS, op_of, register
 from ..subject import Subject
-from .base import Compared, PropertySpec, Target, _host
+from ..sandbox.produced import Compared
+from .base import PropertySpec, Target, _host
 from .common import (
     decode_knobs,
     decode_problem,
@@ -279,18 +280,18 @@ class GraphSpec(PropertySpec):
                              f"design); {self.name} runs {', '.join(self.subjects(device)) or 'none'}")
         return subject
 
-    def produce(self, case: Case, subject: Subject, device: str = "cpu", *, run_id: str = "", source: str = "fuzz",
-                on_call: Callable[[], None] | None = None, on_host: bool = True) -> Produced:
+    def produce(self, case: Case, subject: Subject, context: RowContext, inputs: None = None,
+                on_host: bool = True) -> Produced:
         """The implementation's side of `case`: its eager answers and graph replays on every
         problem (on the host for a judge in another process, `on_host`), or the single row of
         its failure (it raised, refused the capture or wrote an input)."""
-        params = self.params_of(case.params)
+        params, device = self.params_of(case.params), context.device
         target, form = self.target(params), FORMS[params.target]
         stages = registry.resolve(target.stages(params), device_type(device), subject.overrides)
         if bad := self._no_graph(stages.chosen.values()):
             raise UsageError(f"{bad[0]} is no graph kernel")
         deviations = tuple(sorted({d for impl in stages.chosen.values() for d in impl.deviations}))
-        base = self._base(case, params, subject.label, stages.pairs(), device, run_id, source)
+        base = context.base(case, self.identity(case, params), stages.pairs())
         if params.capture > 1 and params.target not in ("sparse_prefill", "sparse_decode_fp8"):
             raise UsageError(f"capture={params.capture}: a padded capture applies to the op targets, not {params.target}")
         seeds = (case.seed, *params.replay_seeds)
@@ -299,7 +300,7 @@ class GraphSpec(PropertySpec):
         buffers = [form.buffers(kw) for kw in problems]
         for s, kw in zip(seeds[1:], buffers[1:]):
             _same_layout(buffers[0], kw, s)
-        checked, captured = guarded(stages), _graph_stages(stages)
+        checked, captured = guarded(stages, op_of), _graph_stages(stages)
 
         def replays() -> tuple[list[dict], list[dict], list[dict]]:
             eager_out, replayed = capture_and_replay(lambda kw: form.eager(checked, kw), lambda kw: form.graph(captured, kw),
@@ -308,7 +309,7 @@ class GraphSpec(PropertySpec):
             return eager_out, replayed, alone
 
         try:
-            (eager_out, replayed, alone), t_impl = call_implementation(replays, case.seed, device, on_call)
+            (eager_out, replayed, alone), t_impl = call_implementation(replays, case.seed, device, context.on_call)
         except Raised as raised:  # the implementation's failure is the case's result, not ours
             return Produced.failed_case(raised_row(base, raised))
         move = _host if on_host else (lambda t: t)
@@ -322,17 +323,16 @@ class GraphSpec(PropertySpec):
         return Produced([], tensors=tensors, stages=stages.pairs(), deviations=deviations, t_impl=t_impl,
                         notes=tuple(f"{stage}: {why}" for stage, why in stages.fallbacks.items()), compared=compared)
 
-    def judge_produced(self, case: Case, produced: Produced, label: str, device: str = "cpu", *, run_id: str = "",
-                       source: str = "fuzz") -> list:
+    def judge_produced(self, case: Case, produced: Produced, context: RowContext) -> list:
         """The replay rows (each replay against the eager call, bitwise) and the reference rows
         (each replay against the exact answer of its problem, built again here from its seed)."""
         rows = [Row.from_record(r) for r in produced.rows]
         if produced.failed:
             return rows
-        params = self.params_of(case.params)
+        params, device = self.params_of(case.params), context.device
         target, form = self.target(params), FORMS[params.target]
         op = SPECS[form.op].spec
-        base = self._base(case, params, label, produced.stages, device, run_id, source)
+        base = context.base(case, self.identity(case, params), produced.stages)
         problems = [target.inputs(params, s, device) for s in params.replay_seeds]
         refs, t_ref = timed(lambda: [op.reference(kw, params) for kw in problems], device)
         times = dict(time_ref_s=t_ref, time_impl_s=produced.t_impl)

@@ -26,7 +26,8 @@ from ..cases.params import ForwardParams
 from ..ops.dcp import DCP_MERGE, MergeParams
 from ..ops.indices import DCP_CONVERT_INDEX
 from ..spec import register
-from .base import Compared, PropertySpec, Target
+from ..sandbox.produced import Compared
+from .base import PropertySpec, Target
 from .common import PIPELINE_STAGES, attention, forward, forward_knobs, forward_scale, forward_stages
 
 INDEX_STAGES = ("dcp_convert_index", "convert_index")

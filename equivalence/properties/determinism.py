@@ -18,7 +18,8 @@ from ..cases.draws import decode_params, forward_params, merge_params, prefill_p
 from ..cases.schema import Params
 from ..ops.dcp import DCP_MERGE
 from ..spec import register
-from .base import Compared, PropertySpec, Target
+from ..sandbox.produced import Compared
+from .base import PropertySpec, Target
 from .common import (
     PIPELINE_STAGES,
     decode_knobs,

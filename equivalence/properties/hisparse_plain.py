@@ -28,7 +28,8 @@ from ..cases.draws import hisparse_params, within_budget
 from ..cases.params import ForwardParams
 from ..cases.profiles import Profile
 from ..spec import register
-from .base import Compared, PropertySpec, Target
+from ..sandbox.produced import Compared
+from .base import PropertySpec, Target
 from .common import forward_knobs, forward_scale
 
 UNDER_TEST = ("convert_index", "hisparse_place", "hisparse_swap_in", "hisparse_prefill_plan", "stage_prefill_rows",

@@ -21,7 +21,8 @@ from mla_verify.equivalence.judge.policy import EXACT, LSE, OUT
 from ..cases.draws import forward_params
 from ..ops.formats import WRITE_CACHE
 from ..spec import register
-from .base import Compared, PropertySpec, Target
+from ..sandbox.produced import Compared
+from .base import PropertySpec, Target
 from .common import PIPELINE_STAGES, forward, forward_knobs, forward_stages
 
 LAYERS = 3

@@ -23,7 +23,8 @@ from mla_verify.equivalence.judge.policy import LSE, OUT
 
 from ..cases.draws import prefill_params
 from ..spec import register
-from .base import Compared, PropertySpec, Target
+from ..sandbox.produced import Compared
+from .base import PropertySpec, Target
 from .common import prefill_knobs, prefill_problem
 
 

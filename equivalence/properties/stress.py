@@ -24,7 +24,8 @@ from ..errors import UsageError
 from ..judge.policy import EXACT
 from ..spec import register
 from ..subject import Subject
-from .base import Compared, PropertySpec, Target
+from ..sandbox.produced import Compared
+from .base import PropertySpec, Target
 from .common import decode_knobs, decode_problem, prefill_knobs, prefill_problem
 
 RUNS = 8           # calls per problem

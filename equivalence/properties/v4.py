@@ -28,7 +28,8 @@ from mla_verify.reference import v4_pages
 
 from ..ops.v4 import FORMATS_OF, SPARSE_DECODE_V4, SPARSE_DECODE_V41, union_decode_params
 from ..spec import register
-from .base import Compared, PropertySpec, Target
+from ..sandbox.produced import Compared
+from .base import PropertySpec, Target
 from .common import logit_scale, rewrite_generator
 
 ROPE = slice(448, 512)

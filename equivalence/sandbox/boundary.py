@@ -8,7 +8,10 @@ Layers, in the order they are set up (each needs the one before it only where sa
                      and a terminal's input stay the worker's
     user namespace   unshare(CLONE_NEWUSER), its uid and gid mapped to themselves: it keeps its
                      files and loses every capability outside (root's included), so a judge that
-                     is not dumpable (`protect_judge`) cannot be traced or opened through /proc
+                     is not dumpable (`protect_judge`) cannot be traced or opened through /proc.
+                     The kernel refuses it to a process that runs threads (a spawned CUDA
+                     worker's imports start some): such a worker forks first, before CUDA is
+                     initialized, and goes on in the single-threaded child (`_alone`)
     pid namespace    (with the user namespace) the worker goes on as pid 2 of a PID and mount
                      namespace of its own, under an init (pid 1) that ends with it and takes every
                      process of the namespace along; its /proc shows that namespace only (the
@@ -40,8 +43,10 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+import torch
+
 from . import landlock, seccomp
-from .device import device_type
+from .device import device_type, is_cuda
 
 MODES = ("auto", "strict", "off")
 LAYERS = ("session", "user namespace", "pid namespace", "no_new_privs", "landlock", "seccomp")
@@ -134,21 +139,77 @@ def _session() -> str:
     return "its own session and process group, no controlling terminal"
 
 
-def _user_namespace() -> str:
+def _user_namespace(device: str) -> str:
     uid, gid = os.getuid(), os.getgid()
-    if len(os.listdir("/proc/self/task")) > 1:
-        raise OSError("the worker already runs threads (a user namespace needs a single-threaded process)")
+    alone = _alone(device)
     _checked(_libc().unshare(_CLONE_NEWUSER))
     for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
-    return f"uid {uid} and gid {gid} mapped to themselves, no capability outside"
+    return f"uid {uid} and gid {gid} mapped to themselves, no capability outside{alone}"
 
 
-def _pid_namespace() -> str:
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _may_fork(device: str) -> None:
+    """OSError where a worker for `device` may not fork: CUDA must start in its final process only,
+    and a forked child cannot use a CUDA context or driver its parent initialized (its first CUDA
+    call fails). The driver counts once its library is mapped: torch maps it only to use it (a
+    device count through the CUDA runtime; `worker.SPAWNED_ENV` has a spawned worker's imports
+    count through NVML instead)."""
+    if not is_cuda(device):
+        return
+    if torch.cuda.is_initialized():
+        raise OSError("torch initialized CUDA in this process before its boundary, and a forked child could not use it")
+    with open("/proc/self/maps") as f:
+        if any(line.rstrip().rpartition("/")[2].startswith("libcuda.so") for line in f):
+            raise OSError("the CUDA driver (libcuda.so) was loaded in this process before its boundary, and a forked "
+                          "child could not use it")
+
+
+def _alone(device: str) -> str:
+    """Go on single-threaded, as a user namespace needs: where this process runs threads (a spawned
+    worker's imports, torch's among them, start some), fork; the child, which has one thread,
+    returns as the worker; this process stays outside as its stand-in and never returns
+    (`_stand_in_for`). What the returned detail adds, "" where nothing was forked."""
+    threads = _threads()
+    if threads == 1:
+        return ""
+    try:
+        _may_fork(device)
+    except OSError as exc:
+        raise OSError(f"the worker already runs threads and cannot fork to shed them: {exc}") from None
+    parent = os.getpid()
+    if (child := os.fork()) != 0:
+        _stand_in_for(child)
+    _die_with(parent)
+    return f" (in a child forked for it: the process its judge started ran {threads} threads, and stands in)"
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL this process once `parent` (its stand-in) dies, as the judge kills a worker: what is
+    behind the stand-in then ends too. Exits at once where the parent died before the call."""
+    if _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
+        os._exit(70)
+
+
+def _stand_in_for(child: int) -> None:
+    """The process the judge started, outside, once its single-threaded child goes on as the
+    worker: it waits for the child, then ends the same way (`_end_as`). It never returns."""
+    try:
+        _, status = os.waitpid(child, 0)
+        _end_as(os.waitstatus_to_exitcode(status))
+    finally:
+        os._exit(70)
+
+
+def _pid_namespace(device: str) -> str:
     """A PID and mount namespace, entered by forking twice: the caller's process stays outside as
     the worker's stand-in and never returns from here; the first child is the namespace's init;
     the second returns, as the worker (pid 2), with a /proc of the namespace mounted."""
+    _may_fork(device)
     libc = _libc()
     _checked(libc.unshare(_CLONE_NEWPID | _CLONE_NEWNS))
     status_r, status_w = os.pipe()
@@ -252,10 +313,12 @@ def scratch_dirs(pid: int) -> list[str]:
     return glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{SCRATCH_PREFIX}{pid}-*"))
 
 
-def enter(mode: str, device: str, protected: Iterable[int]) -> Boundary:
+def enter(mode: str, device: str, protected: Iterable[int], no_namespaces: str = "") -> Boundary:
     """Put this process behind the layers `mode` asks for; `protected`: the pids no signal of its
-    may reach (its judge, its parent). Call it while the process is single-threaded, before any
-    user code runs; the layers hold for everything it starts."""
+    may reach (its judge, its parent); `no_namespaces`: why the user and pid namespaces are left
+    out ("": they are tried). Call it before any user code runs and, for a CUDA worker, before
+    CUDA starts (a process that runs threads forks for the namespaces: `_alone`); the layers hold
+    for everything it starts."""
     if mode not in MODES:
         raise ValueError(f"sandbox mode {mode!r}: expected one of {', '.join(MODES)}")
     if mode == "off":
@@ -264,9 +327,11 @@ def enter(mode: str, device: str, protected: Iterable[int]) -> Boundary:
         return Boundary(mode, tuple(Layer(name, False, f"not Linux ({sys.platform})") for name in LAYERS))
     scratch = scratch_dir()
     pids = {*protected, os.getppid()}  # as the judge's namespace numbers them (none is in a new one)
-    layers = [_attempt("session", _session), _attempt("user namespace", _user_namespace)]
-    layers.append(_attempt("pid namespace", _pid_namespace) if layers[1].held
-                  else Layer("pid namespace", False, "needs the user namespace"))
+    layers = [_attempt("session", _session),
+              Layer("user namespace", False, no_namespaces) if no_namespaces
+              else _attempt("user namespace", lambda: _user_namespace(device))]
+    layers.append(_attempt("pid namespace", lambda: _pid_namespace(device)) if layers[1].held
+                  else Layer("pid namespace", False, no_namespaces or "needs the user namespace"))
     layers.append(nnp := _attempt("no_new_privs", _no_new_privs))
     pids |= set() if layers[0].held else {0}  # kill(0): the judge's group
     for name, setup in (("landlock", lambda: landlock.restrict(writable_paths(device, scratch))),

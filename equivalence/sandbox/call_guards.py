@@ -24,7 +24,6 @@ import torch
 from mla_verify.optimized.registry import Resolved
 
 from ..errors import ContractError
-from ..spec import SPECS
 from .guards import foreign, owned
 from .invariants import broken
 
@@ -264,10 +263,11 @@ def guard(stage: str, name: str, fn: Callable, writes: Collection[str] = (), vie
     return checked
 
 
-def guarded(stages: Resolved) -> Resolved:
-    """`stages` with every chosen implementation wrapped by `guard` (its op's declared writes and views)."""
+def guarded(stages: Resolved, op_of: Callable[[str], Any]) -> Resolved:
+    """`stages` with every chosen implementation wrapped by `guard` (its op's declared writes and
+    views: `op_of(stage)`, the spec of the op a stage is, None for a pipeline-internal stage)."""
     def wrap(stage: str, impl):
-        op = SPECS[stage].spec if stage in SPECS else None  # pipeline-internal stages have no op of their own
+        op = op_of(stage)
         fn = guard(stage, impl.name, impl.fn, op.writes if op else (), op.views if op else False)
         return dataclasses.replace(impl, fn=fn)
 

@@ -65,6 +65,16 @@ def usable(device: str) -> bool:
         return False
 
 
+def context_lost(error: BaseException, device: str) -> str | None:
+    """Why a harness error met once the implementation ran is that call's crash, not the
+    harness's: the call took the CUDA context with it (the error is the device's, or the device
+    no longer works); None where the context stands. The one rule for the worker's process and a
+    block judged in the implementation's own (`equivalence.blocks`)."""
+    if is_cuda(device) and (is_device_error(error) or not usable(device)):
+        return f"CUDA error after the implementation ran: {first_line(error)}"
+    return None
+
+
 def take_gpu_share(part: float = 1.0) -> None:
     """Hold this process to `part` of its campaign's GPU share (MLA_VERIFY_GPU_SHARE), if one is
     set: an isolated campaign's worker takes WORKER_SHARE, its judge the rest."""

@@ -100,15 +100,16 @@ def _marked(pid: int) -> bool:
 
 
 def in_namespace(root: int, ns_pid: int) -> int | None:
-    """The pid, as this process numbers it, of the process below `root` that a PID namespace of its
-    own numbers `ns_pid` (/proc/PID/status's NSpid), or None."""
+    """The pid, as this process numbers it, of the process below `root` that its own PID namespace
+    numbers `ns_pid` (the last of /proc/PID/status's NSpid: the same pid where it has no namespace
+    of its own), or None."""
     for pid in descendants(root):
         try:
             with open(f"/proc/{pid}/status") as f:
                 nspid = next((line.split()[1:] for line in f if line.startswith("NSpid:")), [])
         except OSError:
             continue
-        if len(nspid) > 1 and nspid[-1] == str(ns_pid):
+        if nspid and nspid[-1] == str(ns_pid):
             return pid
     return None
 

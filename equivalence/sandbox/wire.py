@@ -29,6 +29,7 @@ import select
 import struct
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -50,6 +51,23 @@ DEVICES = ("cpu", "cuda", "meta")
 
 class Unreadable(Exception):
     """A message that does not parse, arrives out of sequence or stops midway: the reason."""
+
+
+class Message(StrEnum):
+    """A message's `kind`, and what the parent reads in the place of one."""
+
+    READY = "ready"          # the worker started, behind what it says (before any user code)
+    RESOLVED = "resolved"    # it imported the implementation asked for
+    USAGE = "usage"          # it could not: the user's error, in one line
+    CALLING = "calling"      # a case's inputs are built: its implementation is called now
+    PRODUCED = "produced"    # a case's answer (`equivalence.sandbox.produced.Produced.to_header`)
+    CRASHED = "crashed"      # its CUDA context died once the implementation ran: it exits
+    ERROR = "error"          # the harness failed in the worker (its traceback)
+    AFTER = "after"          # its check of the last case's outputs for a write after return
+    # the parent's reading where no message came
+    TIMEOUT = "timeout"
+    DIED = "died"
+    UNREADABLE = "unreadable"
 
 
 # ----------------------------------------------------------------------------- the worker's side
@@ -101,13 +119,13 @@ class Reader:
     segment: Any = None  # the worker's outputs segment (`segment.Segment`), mapped read-only here
     piped: int = 0       # the most bytes of one message's tensors that came through the pipe
 
-    def wait(self, timeout_s: float) -> str:
-        """"data" once the pipe has something to read, "died" when the worker exited with nothing
-        left to read, "timeout" after `timeout_s`."""
+    def wait(self, timeout_s: float) -> Message | None:
+        """None once the pipe has something to read, DIED when the worker exited with nothing left
+        to read, TIMEOUT after `timeout_s`."""
         ready, _, _ = select.select([self.fd, self.sentinel], [], [], max(0.0, timeout_s))
         if self.fd in ready:
-            return "data"
-        return "died" if ready else "timeout"
+            return None
+        return Message.DIED if ready else Message.TIMEOUT
 
     def _exact(self, n: int, deadline: float, into: memoryview | None = None) -> bytes | memoryview:
         buf = into if into is not None else memoryview(bytearray(n))
@@ -145,7 +163,7 @@ class Reader:
             raise Unreadable(f"its header is not JSON ({exc})") from None
         if not isinstance(header, dict):
             raise Unreadable("its header is not a JSON object")
-        specs = [_tensor_spec(d) for d in _list(header.get("tensors", []), "tensors", MAX_TENSORS)]
+        specs = [_tensor_spec(d) for d in listed(header.get("tensors", []), "tensors", MAX_TENSORS)]
         if sum(nbytes for *_, nbytes, offset in specs if offset is None) > MESSAGE_LIMIT:
             raise Unreadable(f"its tensors claim more than {MESSAGE_LIMIT} bytes together")
         _regions(specs, self.segment)
@@ -187,7 +205,7 @@ def _tensor_spec(d: Any) -> tuple[torch.dtype, list[int], str, int, int | None]:
     dtype = DTYPES.get(d.get("dtype")) if isinstance(d.get("dtype"), str) else None
     if dtype is None:
         raise Unreadable(f"a tensor's dtype {str(d.get('dtype'))[:40]!r} is not one of {', '.join(DTYPES)}")
-    shape = _list(d.get("shape"), "shape", MAX_DIMS)
+    shape = listed(d.get("shape"), "shape", MAX_DIMS)
     if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= TENSOR_LIMIT for n in shape):
         raise Unreadable(f"a tensor's shape {shape} is not a list of sizes up to {TENSOR_LIMIT}")
     device, nbytes = d.get("device"), d.get("nbytes")
@@ -204,7 +222,7 @@ def _tensor_spec(d: Any) -> tuple[torch.dtype, list[int], str, int, int | None]:
     return dtype, shape, device, want, offset
 
 
-def _list(v: Any, what: str, limit: int) -> list:
+def listed(v: Any, what: str, limit: int) -> list:
     if not isinstance(v, list) or len(v) > limit:
         raise Unreadable(f"its {what} is not a list of at most {limit}")
     return v
@@ -222,7 +240,7 @@ def text(header: dict[str, Any], key: str, default: str | None = "") -> str | No
 
 def texts(v: Any, what: str) -> list[str]:
     """A list of bounded strings."""
-    items = _list(v if v is not None else [], what, 4096)
+    items = listed(v if v is not None else [], what, 4096)
     if not all(isinstance(s, str) and len(s) <= TEXT_LIMIT for s in items):
         raise Unreadable(f"its {what} is not a list of strings")
     return items
@@ -234,49 +252,13 @@ def number(v: Any, what: str) -> float:
     return float(v)
 
 
-# ----------------------------------------------------------------------------- a case's answer
-
-# What the worker may say about a case besides its outputs: each only ever fails it (or declines
-# it, as the implementation may itself: `running.unsupported`), and the parent makes the row.
-FINDINGS = ("raised", "contract", "input_written", "unsupported")
-COMPARED_KINDS = ("exact", "out", "lse")
-
-
-def produced_frames(seq: int, case_id: str, produced: Any, retire: bool, called: dict[str, list[str]],
-                    children: bool, after: dict | None, into: Any = None) -> list:
-    """The worker's answer to request `seq`: `produced` (`equivalence.produced.Produced`) as a
-    header of data and its tensors (in the outputs segment `into` where they fit); its rows go
-    as findings, never as verdicts."""
-    tensors: list[torch.Tensor] = []
-    at: dict[int, int] = {}
-
-    def index(t: torch.Tensor | None) -> int | None:
-        if t is None:
-            return None
-        if id(t) not in at:  # a tensor handed twice (an output a comparison holds too) crosses once
-            at[id(t)] = len(tensors)
-            tensors.append(t)
-        return at[id(t)]
-
-    header = dict(
-        kind="produced", seq=seq, case_id=case_id, retire=retire, called=called, children=children, after=after,
-        findings=[dict(tensor=r["tensor"], metric=r["gate_metric"], reason=r["reason"], written=r.get("written", ""))
-                  for r in produced.rows],
-        outputs={name: index(t) for name, t in produced.tensors.items()},
-        devices=produced.devices, strides={k: list(v) for k, v in produced.strides.items()},
-        problems=produced.problems, stages=produced.stages, deviations=list(produced.deviations), path=produced.path,
-        notes=list(produced.notes), t_impl=produced.t_impl, threads=[t.name for t in produced.threads],
-        compared=[dict(check=c.check, tensor=c.tensor, kind=c.kind, got=index(c.got), base=index(c.base),
-                       scale=index(c.scale)) for c in produced.compared])
-    header["stage_calls"] = _calls_out(produced.stage_calls, tensors)
-    return encode(header, tensors, into)
-
+# ----------------------------------------------------------------------------- a pipeline's stage calls
 
 CALL_FIELDS = ("stage", "impl", "deviations", "rank", "kwargs", "result")  # `equivalence.ops.stages.Call`'s
 MAX_DEPTH, MAX_ITEMS = 4, 4096
 
 
-def _calls_out(runs: tuple[list[dict], list[dict]], tensors: list[torch.Tensor]) -> list:
+def calls_out(runs: tuple[list[dict], list[dict]], tensors: list[torch.Tensor]) -> list:
     """A pipeline's stage calls (`Produced.stage_calls`: two runs of calls as dicts) as data, their
     tensors appended to `tensors` (one a tensor, however many calls were handed it); [] where
     they do not fit a message (MAX_TENSORS) or hold a value that is not data."""
@@ -307,13 +289,13 @@ def _calls_out(runs: tuple[list[dict], list[dict]], tensors: list[torch.Tensor])
     return runs_out
 
 
-def _calls_in(v: Any, tensor, known_deviations: Any) -> tuple[list[dict], list[dict]]:
-    """`_calls_out`'s data read back strictly: two runs of calls as dicts; Unreadable otherwise."""
+def calls_in(v: Any, tensor, known_deviations: Any) -> tuple[list[dict], list[dict]]:
+    """`calls_out`'s data read back strictly: two runs of calls as dicts; Unreadable otherwise."""
     def value(x: Any, depth: int = 0) -> Any:
         if isinstance(x, dict) and set(x) == {"tensor"}:
             return tensor(x["tensor"])
         if isinstance(x, dict) and set(x) == {"items", "tuple"} and depth < MAX_DEPTH:
-            items = [value(y, depth + 1) for y in _list(x["items"], "a stage value", MAX_ITEMS)]
+            items = [value(y, depth + 1) for y in listed(x["items"], "a stage value", MAX_ITEMS)]
             return tuple(items) if x["tuple"] is True else items
         if x is None or isinstance(x, (bool, int, float)) or (isinstance(x, str) and len(x) <= TEXT_LIMIT):
             return x
@@ -332,75 +314,15 @@ def _calls_in(v: Any, tensor, known_deviations: Any) -> tuple[list[dict], list[d
         if not isinstance(kwargs, dict) or len(kwargs) > 64:
             raise Unreadable("a stage call's keywords are not an object")
         return dict(stage=text(c, "stage"), impl=text(c, "impl"), deviations=tuple(deviations), rank=rank,
-                    kwargs={_name(k): value(x) for k, x in kwargs.items()}, result=value(c["result"]))
+                    kwargs={name(k): value(x) for k, x in kwargs.items()}, result=value(c["result"]))
 
-    runs = _list(v, "stage_calls", 2)
+    runs = listed(v, "stage_calls", 2)
     if not runs:
         return [], []
     if len(runs) != 2:
         raise Unreadable("its stage calls are not two runs")
-    plain, fed = ([call(c) for c in _list(run, "a run's stage calls", MAX_ITEMS)] for run in runs)
+    plain, fed = ([call(c) for c in listed(run, "a run's stage calls", MAX_ITEMS)] for run in runs)
     return plain, fed
-
-
-@dataclass
-class Answer:
-    """A parsed "produced" message: what the parent needs to judge the case."""
-
-    findings: list[tuple[str, str, str, str]]   # (tensor, metric, reason, the input it wrote or "")
-    tensors: dict[str, torch.Tensor]
-    devices: dict[str, str]
-    strides: dict[str, tuple[int, ...]]
-    problems: dict[str, str]
-    stages: tuple[tuple[str, str], ...]  # (stage, impl) pairs (`equivalence.judge.rows.Stages`)
-    deviations: tuple[str, ...]
-    path: str | None
-    notes: tuple[str, ...]
-    t_impl: float
-    compared: list[tuple[str, str, str, torch.Tensor, torch.Tensor, torch.Tensor | None]]
-    retire: bool
-    called: dict[str, list[str]]
-    threads: list[str]
-    stage_calls: tuple[list[dict], list[dict]]  # a pipeline's, plain and fed (`equivalence.ops.stages`)
-
-
-def answer_of(header: dict[str, Any], known_deviations: Any) -> Answer:
-    """The "produced" header `header` (tensors decoded: `Reader.read`) checked field by field;
-    Unreadable for anything out of place. A deviation must be one of `known_deviations`."""
-    tensors = header["tensors"]
-
-    def tensor(i: Any, optional: bool = False) -> torch.Tensor | None:
-        if i is None and optional:
-            return None
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tensors):
-            raise Unreadable(f"it names tensor {str(i)[:20]}, which it did not send")
-        return tensors[i]
-
-    findings = []
-    for f in _list(header.get("findings", []), "findings", 4096):
-        if not isinstance(f, dict) or f.get("metric") not in FINDINGS:
-            raise Unreadable(f"a finding is not one of {', '.join(FINDINGS)}")
-        findings.append((text(f, "tensor"), f["metric"], text(f, "reason"), text(f, "written")))
-    outputs = header.get("outputs", {})
-    if not isinstance(outputs, dict) or len(outputs) > MAX_TENSORS:
-        raise Unreadable("its outputs are not an object")
-    deviations = texts(header.get("deviations"), "deviations")
-    if unknown := [d for d in deviations if d not in known_deviations]:
-        raise Unreadable(f"it declares deviations {unknown[:3]} that mla-verify does not know")
-    compared = []
-    for c in _list(header.get("compared", []), "compared", 4096):
-        if not isinstance(c, dict) or c.get("kind") not in COMPARED_KINDS:
-            raise Unreadable("a comparison is not an object of a known kind")
-        compared.append((text(c, "check"), text(c, "tensor"), c["kind"], tensor(c.get("got")), tensor(c.get("base")),
-                         tensor(c.get("scale"), optional=True)))
-    return Answer(findings, {_name(k): tensor(i) for k, i in outputs.items()}, _strings(header.get("devices")),
-                  {_name(k): tuple(_ints(v)) for k, v in _mapping(header.get("strides")).items()},
-                  _strings(header.get("problems")), _pairs(header.get("stages")), tuple(deviations),
-                  text(header, "path", None), tuple(texts(header.get("notes"), "notes")),
-                  number(header.get("t_impl", math.nan), "t_impl"), compared, header.get("retire") is True,
-                  {_name(k): texts(v, "keywords") for k, v in _mapping(header.get("called")).items()},
-                  texts(header.get("threads"), "threads"),
-                  _calls_in(header.get("stage_calls", []), tensor, known_deviations))
 
 
 def after_of(header: dict[str, Any]) -> tuple[str, list[str]] | None:
@@ -411,24 +333,24 @@ def after_of(header: dict[str, Any]) -> tuple[str, list[str]] | None:
         return None
     if not isinstance(after, dict):
         raise Unreadable("its 'after' is not an object")
-    return text(after, "case_id"), [_name(n) for n in texts(after.get("changed"), "changed")]
+    return text(after, "case_id"), [name(n) for n in texts(after.get("changed"), "changed")]
 
 
-def _pairs(v: Any) -> tuple[tuple[str, str], ...]:
+def pairs(v: Any) -> tuple[tuple[str, str], ...]:
     """A pipeline's stages as sent, [[stage, impl], ...]: pairs of bounded strings."""
-    pairs = _list(v if v is not None else [], "stages", MAX_ITEMS)
-    if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+    sent = listed(v if v is not None else [], "stages", MAX_ITEMS)
+    if not all(isinstance(p, list) and len(p) == 2 for p in sent):
         raise Unreadable("its stages are not [stage, implementation] pairs")
-    return tuple((_name(s), _name(i)) for s, i in (texts(p, "stages") for p in pairs))
+    return tuple((name(s), name(i)) for s, i in (texts(p, "stages") for p in sent))
 
 
-def _name(k: str) -> str:
+def name(k: str) -> str:
     if len(k) > 200:
         raise Unreadable("a name is over 200 characters")
     return k
 
 
-def _mapping(v: Any) -> dict:
+def mapping(v: Any) -> dict:
     if v is None:
         return {}
     if not isinstance(v, dict) or len(v) > 4096:
@@ -436,15 +358,15 @@ def _mapping(v: Any) -> dict:
     return v
 
 
-def _strings(v: Any) -> dict[str, str]:
-    d = _mapping(v)
+def strings(v: Any) -> dict[str, str]:
+    d = mapping(v)
     if not all(isinstance(s, str) and len(s) <= TEXT_LIMIT for s in d.values()):
         raise Unreadable("a field is not an object of strings")
-    return {_name(k): s for k, s in d.items()}
+    return {name(k): s for k, s in d.items()}
 
 
-def _ints(v: Any) -> list[int]:
-    items = _list(v, "strides", MAX_DIMS)
+def ints(v: Any) -> list[int]:
+    items = listed(v, "strides", MAX_DIMS)
     if not all(isinstance(n, int) and not isinstance(n, bool) and abs(n) <= TENSOR_LIMIT for n in items):
         raise Unreadable("its strides are not integers")
     return items

@@ -35,7 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -325,14 +325,14 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
     the clock starts (`ready()` just before), and judged here: cases/s and the time per case
     split into drawing it, the reference, the kernel and the rest (inputs, snapshots, judging;
     isolated: the worker's side too)."""
-    from mla_verify.equivalence.catalog import evaluate_block
-    from mla_verify.equivalence.sandbox.worker import Worker
+    from mla_verify.equivalence.blocks import Judging
+    from mla_verify.equivalence.judge.rows import RowContext
     from mla_verify.fuzz.campaign import Campaign, fuzz
 
     spent = {"evaluate": 0.0, "reference": 0.0, "kernel": 0.0}
-    worker = Worker(device) if isolated else None
-    if worker is not None:
-        worker.run(harness_case(device), [], subject.label)  # its start-up and warm-up, off the clock
+    judging, context = Judging(device, isolated), RowContext(label=subject.label, device=device)
+    if isolated:
+        judging.case(harness_case(device), subject, context)  # its start-up and warm-up, off the clock
 
     def account(found, seconds):
         spent["evaluate"] += seconds
@@ -343,8 +343,7 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
 
     def run_block(cases, source, on_call):
         start = time.perf_counter()
-        found = (worker.run_block(cases, [], subject.label, on_call=on_call) if worker
-                 else evaluate_block(cases, subject, device, source=source, on_call=on_call))
+        found = judging.block(cases, subject, replace(context, source=source, on_call=on_call))
         return account(found, time.perf_counter() - start)
 
     try:
@@ -354,8 +353,7 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
                       run_block)
         elapsed = time.perf_counter() - start
     finally:
-        if worker is not None:
-            worker.close()
+        judging.close()
     n = max(result.examples, 1)
     per_case = {"draw": elapsed - spent["evaluate"], "reference": spent["reference"], "kernel": spent["kernel"],
                 "inputs_judge": spent["evaluate"] - spent["reference"] - spent["kernel"]}

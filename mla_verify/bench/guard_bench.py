@@ -23,7 +23,7 @@ s_q=2 H=128 on a GPU, B=2 H=16 on a CPU), median of `reps` runs:
                   viewed by the worker, compared back after the call
   journal         the case journaled as started and finished in a run directory
 and isolation: the same case (and a small quantize case) evaluated in this process and in an
-isolation worker (`equivalence.sandbox.worker.Worker`), ms per case each, plus the worker's start and
+isolation worker (`equivalence.blocks.Judging`), ms per case each, plus the worker's start and
 a replacement after a crash.
 """
 
@@ -40,6 +40,7 @@ from typing import Callable
 
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.sandbox import boundary
+from mla_verify.equivalence.judge.rows import RowContext
 
 
 def aborts(kv, scale_rule="pow2"):
@@ -208,8 +209,7 @@ def _journal_ms(case: Case, subject, device: str, timer: Callable) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = RunDir.open(f"{tmp}/run")
         try:
-            return timer(lambda: run_dir.case_started(case, "fuzz", run_id="bench", impl=subject.label, specs=(),
-                                                      device=device)())
+            return timer(lambda: run_dir.case_started(case, RowContext("bench", "fuzz", subject.label, device), ())())
         finally:
             run_dir.release()
 
@@ -217,8 +217,8 @@ def _journal_ms(case: Case, subject, device: str, timer: Callable) -> float:
 def _isolation_rows(case: Case, device: str, timer: Callable) -> list[dict]:
     """`case` (and a small quantize case) evaluated in this process and in an isolation worker:
     ms per case each, the worker's first case and the case after a crash."""
+    from mla_verify.equivalence.blocks import Judging
     from mla_verify.equivalence.catalog import evaluate, resolve_subject
-    from mla_verify.equivalence.sandbox.worker import Worker
 
     rows = []
     small = Case("quantize_fp8_ds_mla", {"n": 64, "value_regime": "normal", "scale_rule": "pow2"}, 3)
@@ -226,20 +226,18 @@ def _isolation_rows(case: Case, device: str, timer: Callable) -> list[dict]:
         label = c.short()[:44]
         resolved = resolve_subject(c.op, [], device)
         in_process = timer(lambda c=c, resolved=resolved: evaluate(c, resolved, device))
-        worker = Worker(device, timeout_s=600)
-        try:
+        with Judging(device, isolate=True, timeout=600) as judging:
+            default = judging.subject(c.op)
             start = time.perf_counter()
-            worker.run(c, [], "default")
+            judging.case(c, default)
             first = (time.perf_counter() - start) * 1e3
-            isolated = timer(lambda c=c: worker.run(c, [], "default"))
+            isolated = timer(lambda c=c: judging.case(c, default))
             crashed = 0.0
             if c is small:
-                worker.run(c, [f"{__name__}:aborts"], "aborts")
+                judging.case(c, judging.subject(c.op, [f"{__name__}:aborts"]))
                 start = time.perf_counter()
-                worker.run(c, [], "default")
+                judging.case(c, default)
                 crashed = (time.perf_counter() - start) * 1e3
-        finally:
-            worker.close()
         note = (f"in-process {in_process:.2f} ms, isolated {isolated:.2f} ms; first case (worker start) {first:.0f} ms"
                 + (f"; the case after a crash {crashed:.0f} ms" if crashed else ""))
         rows.append({**_row(label, "isolation", isolated - in_process, note), "in_process_ms": in_process,
@@ -272,15 +270,16 @@ def _sandbox_rows(device: str, reps: int) -> list[dict]:
     """A small quantize case in a worker behind no sandbox and one behind "auto", both alive and
     timed in turn (a loaded machine's drift falls on both alike): ms per case (median), the first
     case (the worker's start), the case after a crash; and the layers' set-up alone."""
-    from mla_verify.equivalence.sandbox.worker import Worker
+    from mla_verify.equivalence.blocks import Judging
 
     small = Case("quantize_fp8_ds_mla", {"n": 64, "value_regime": "normal", "scale_rule": "pow2"}, 3)
     modes = ("off", "auto")
-    workers = {mode: Worker(device, timeout_s=600, sandbox=mode) for mode in modes}
+    workers = {mode: Judging(device, isolate=True, timeout=600, sandbox=mode) for mode in modes}
 
-    def timed(worker: Worker, specs: list[str]) -> float:
+    def timed(judging: Judging, specs: list[str]) -> float:
+        subject = judging.subject(small.op, specs)
         start = time.perf_counter()
-        worker.run(small, specs, "default")
+        judging.case(small, subject)
         return (time.perf_counter() - start) * 1e3
 
     try:

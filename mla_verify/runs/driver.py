@@ -1,293 +1,81 @@
-"""The one execution of a run (`runs.plan.Run`), fuzz or gate: `drive` runs it
+"""The one execution of a run (`runs.plan.Run`), fuzz or gate: `execute` runs it
 
     parts == 1   this process runs its slot (`runs.parts`): the fuzz campaign of seed S + k and
-                 its share of the examples, or the gate's units of slot k
+                 its share of the examples, or the gate's units of slot k: started
+                 (`runs.start`: every part of it built) and driven here
     parts > 1    one child process per part, each the Run of one slot of this host
                  (`python -m mla_verify.runs.driver RUN_JSON`, `runs.parts`), their rows joined
                  into the run directory
 
-Both kinds judge each case through `run_units`, the one campaign driver: a `Unit`
-(`runs.units`) is one op and implementation with its corpus and campaigns (a fuzz run: one unit,
-no corpus); each campaign is a Hypothesis search (`fuzz.campaign`) whose blocks of cases the block
-runner judges, in the isolation worker or in this process.
+`drive` composes a started run: each unit's kept and pinned cases, then its campaigns, each a
+Hypothesis search (`fuzz.campaign`) whose blocks of cases go to the unit's judge (`runs.judges`,
+in the isolation worker or in this process); then the run's outcome (`runs.outcome`).
 """
 
 from __future__ import annotations
 
-import gc
 import sys
-import tempfile
 import time
-import traceback
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
-import torch
-
-from mla_verify.equivalence import catalog
-from mla_verify.equivalence.sandbox import call_guards
-from mla_verify.equivalence.ops import dcp_ranks
-from mla_verify.equivalence.sandbox import device as dev
-from mla_verify.equivalence.cases.case import Case
-from mla_verify.equivalence.cases.values import release_pools
+from mla_verify.equivalence.errors import HarnessError, UsageError
 from mla_verify.equivalence.sandbox.device import WORKER_SHARE, take_gpu_share
-from mla_verify.equivalence.errors import HarnessError
-from mla_verify.equivalence.sandbox.worker import Worker
-from mla_verify.equivalence.cases.profiles import Profile
-from mla_verify.equivalence.judge.mismatch import line
-from mla_verify.equivalence.judge.rows import FailureKind, Row
-from mla_verify.equivalence.sandbox.calls import failure_row
-from mla_verify.equivalence.subject import Subject, never_called, unexercised
-from mla_verify.equivalence.errors import UsageError
-from mla_verify.fuzz.campaign import Campaign, FuzzResult, Judge, Stop, fuzz
-from mla_verify.fuzz.casefile import load, write_atomic
-from mla_verify.fuzz.findings import Findings, UnderTest
-from mla_verify.runs.progress import Progress
-from mla_verify.fuzz.regressions import corpus
-from mla_verify.pytest_plugin import DEFAULTS
-from mla_verify.reports.store import rows_frame
+from mla_verify.fuzz.campaign import FuzzResult, fuzz
+from mla_verify.fuzz.casefile import write_atomic
+from mla_verify.fuzz.findings import Findings
 
-from .corpus import Corpus, Replay, Replayed, keep, not_replayed, save_replayed, with_kept
-from .declines import asked_again
-from .outcome import RESULT_JSON, CheckResult, Failure, GateOutcome, replay_command, rest_command, result_file
-from .parts import check_in_parts, gate_in_parts
-from .plan import FUZZ, Run
-from .selection import impl_units
-from .sink import Sink
-from . import durations
-from .units import Unit, gate_world_size, odd_ones_out, shard_units, units
-
-MIN_DRAWS = 25  # params a campaign draws at the least where its budget allows (`block_size`)
+from .corpus import Replayed, save_replayed
+from .finish import UnitsResult, finish
+from .outcome import RESULT_JSON, CheckResult, GateOutcome, Outcome, result_file
+from .plan import FuzzRun, GateRun, Run
+from .start import Ready, Started, start
 
 
-@dataclass
-class GateResult:
-    rows: list[Row] = field(default_factory=list)
-    fuzz: list[FuzzResult] = field(default_factory=list)
-    notes: set[str] = field(default_factory=set)
-    replayed: list[Replayed] = field(default_factory=list)  # the kept and pinned cases that failed
-    seconds: dict[str, float] = field(default_factory=dict)  # each finished unit's (runs.durations)
-
-    @property
-    def failed(self) -> bool:
-        return any(not r.passed for r in self.rows)
-
-    def new_findings(self) -> list[Path]:
-        """The case files of the findings a kept corpus has yet to keep: the failing pinned cases',
-        the campaigns'."""
-        return ([r.path for r in self.replayed if r.source == Replay.PINNED]
-                + [fz.case_file for fz in self.fuzz if fz.case_file is not None])
-
-
-def _pinned(unit: Unit) -> list[tuple[Case, str]]:
-    """(case, why) of the unit's pinned regression cases, less those its kept corpus replays already."""
-    kept = [k.case for k in unit.kept]
-    return [(case, why) for case, why in (corpus(unit.op) if unit.corpus else []) if case not in kept]
-
-
-def _examples(spec, examples: int | None, profile: Profile) -> int:
-    return examples if examples is not None else spec.examples(profile)
-
-
-def _block_runner(unit: Unit, subject: Subject, device: str, run_id: str, worker: Worker | None, notes: set[str],
-                  losing: Sink | None) -> Judge:
-    """(cases, source, on_call) -> each case's rows (None: not judged), for a campaign's blocks
-    (`fuzz.campaign`): in the isolation worker, or in this process. With `losing` (a fuzz run), a
-    CUDA context that saw a CUDA error of the implementation cannot run another case: its block
-    ends there (`OpSpec.evaluate_block`) and so does the campaign (`Sink.lose`), the case being the
-    implementation's crash."""
-    if worker is not None:
-        def isolated(cases, source, on_call):
-            found = worker.run_block(cases, unit.specs, unit.label, run_id, source, notes=notes,
-                                     deviations=unit.deviations, conventions=unit.conventions, on_call=on_call)
-            for rows in found:
-                for r in rows:
-                    r.impl = unit.label
-            return found
-
-        return isolated
-    cuda = dev.is_cuda(device)
-
-    def in_process(cases, source, on_call):
-        if losing is None:
-            return catalog.evaluate_block(cases, subject, device, run_id=run_id, source=source, notes=notes,
-                                          on_call=on_call)
-        called: list[bool] = []
-        try:
-            found = catalog.evaluate_block(cases, subject, device, run_id=run_id, source=source, notes=notes,
-                                           on_call=lambda: (called.append(True), on_call()))
-        except Exception as exc:  # a CUDA error the harness met after the implementation ran: that case's crash
-            if not (cuda and called and (dev.is_device_error(exc) or not dev.usable(device))):
-                raise
-            case = cases[len(called) - 1]
-            base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages=(), device=device,
-                        seed=case.seed, source=source, **catalog.get_spec(case.op).identity(case))
-            found = [None] * len(cases)
-            found[len(called) - 1] = [failure_row(base, "*", FailureKind.CRASHED,
-                                                  f"CUDA error after the implementation ran: {dev.first_line(exc)}",
-                                                  device_error=True)]
-        if cuda and not losing.lost and (
-                any(r.device_error for rows in found if rows for r in rows) or not dev.usable(device)):
-            losing.lose(Stop.DEVICE_LOST)
-        return found
-
-    return in_process
-
-
-OOM_WAITS = (2.0, 8.0)  # seconds a block the judge ran out of device memory for waits before each retry
-
-
-def _within_memory(judge: Judge, unit: Unit, device: str, run_id: str) -> Judge:
-    """`judge`, where the judge's own side (inputs, reference, verdicts; never the implementation's
-    call, whose failure is its own) runs out of device memory because the other parts on the card
-    peaked with it: its cached memory given back, the block waits and runs again, then one case at
-    a time; a case that still does not fit is a `not_judged` row of this part's log, counted and
-    not failed, and the run goes on (it was exit 3 for the whole run)."""
-    def judged(cases, source, on_call):
-        told = []  # the campaign hears of each case's call once, whatever is retried
-
-        def once() -> None:
-            if len(told) < len(cases):
-                told.append(True)
-                on_call()
-
-        for wait in OOM_WAITS:
-            try:
-                return judge(cases, source, once)
-            except torch.OutOfMemoryError as exc:
-                error = exc
-            _give_back(wait)
-        if len(cases) > 1:
-            return [rows for case in cases for rows in judged([case], source, once)]
-        case = cases[0]
-        base = dict(run_id=run_id, case_id=case.case_id, impl=unit.label, stages=(), device=device, seed=case.seed,
-                    source=source, **catalog.get_spec(case.op).identity(case))
-        return [[Row(**base, tensor="*", passed=True, gate_metric=FailureKind.NOT_JUDGED, value=0.0, bound=0.0,
-                     headroom=float("inf"), reason=f"not judged: the judge ran out of device memory "
-                     f"({dev.first_line(error)}); fewer --parallel parts or a smaller --reference-memory fit it")]]
-
-    return judged
-
-
-def _give_back(seconds: float) -> None:
-    """This process's input pools and cached device memory back to the card, then a wait for the
-    other parts'."""
-    release_pools()
-    gc.collect()
-    torch.cuda.empty_cache()
-    time.sleep(seconds)
-
-
-def block_size(profile: Profile, examples: int) -> int:
-    """Cases a campaign of `examples` runs per drawn example: the profile's block, fewer where the
-    campaign would draw under MIN_DRAWS params (blocks share their params: they trade breadth for
-    speed)."""
-    return max(1, min(profile.block, examples // MIN_DRAWS))
-
-
-def _failures_dir(run: Run) -> Path:
-    """Where failing cases are saved: the run directory, else pytest's --mla-verify-failures or a
-    temporary directory."""
-    if run.out is not None:
-        return run.out.path
-    return Path(DEFAULTS.get("failures") or Path(tempfile.gettempdir()) / "mla-verify")
-
-
-def judging(run: Run, chosen: list[Unit]) -> tuple[Worker | None, dict]:
-    """The isolation worker of a run (None: judged in process), started, each unit's user
-    implementation resolved in it (imported there, never here: UsageError before the run directory
-    starts), and what meta.json records of it: the sandbox its workers stand behind and the
-    deviations each user's --impl resolved to (read from its source, or --deviation)."""
-    if not run.isolate:
-        return None, {}
-    worker = Worker(run.device, run.timeout, sandbox=run.sandbox)
-    resolved = {}
-    try:
-        worker.start()
-        for unit in chosen:
-            if any(":" in s for s in unit.specs) and not catalog.get_spec(unit.op).own_processes:
-                subject = worker.resolve(unit.op, unit.specs, unit.deviations, unit.conventions)
-                resolved[" ".join(unit.specs)] = {"op": unit.op, "deviations": list(subject.deviations)}
-    except BaseException:
-        worker.close()
-        raise
-    return worker, {"sandbox": worker.sandboxed(), **({"resolved": resolved} if resolved else {})}
-
-
-def run_units(chosen: list[Unit], run: Run, sink: Sink, *, seed: int, examples: int | None,
-              log=None, worker: Worker | None = None) -> GateResult:
-    """The one campaign driver: each unit's corpus, then its campaigns of `examples` cases (None:
-    the profile's budget for the op) with `seed`, every case told to `sink`, which stops the run
-    after the current case when it has a reason. With `log` (the gate's; a stream), one progress
-    line over every unit and a line per campaign; without it, a fuzz run's own progress line.
-    `worker`: the run's isolation worker (`judging`), closed at the end; None: one is started here
-    where the run is isolated."""
-    result = GateResult()
-    # Isolated, a user's module is imported by the worker only (dcp's ranks are processes of their own).
-    subjects = [(unit, unit.resolved(run.device, described=run.isolate and not catalog.get_spec(unit.op).own_processes))
-                for unit in chosen]
-    if log is not None:
-        cases = sum(len(u.kept) + len(_pinned(u))
-                    + _examples(catalog.get_spec(u.op), examples, run.profile) * len(u.campaigns(s)) for u, s in subjects)
-        sink.counting(Progress("gate", cases, every_s=10.0, stream=log), name_units=True)
-    if worker is None and run.isolate:
-        worker = Worker(run.device, run.timeout, sandbox=run.sandbox)
-    dcp_ranks.set_timeout(run.timeout)
-    try:
-        for unit, subject in subjects:
-            if not _run_unit(unit, subject, run, sink, result, worker, seed=seed, examples=examples, log=log):
-                break
-    finally:
-        if worker is not None:
-            worker.close()
+def run_units(run: Started) -> UnitsResult:
+    """The one campaign driver: each ready unit's kept and pinned cases, then its campaigns,
+    every case told to the run's sink, which stops the run after the current case when it has a
+    reason. The gate's log: one progress line over every unit and a line per campaign on stderr;
+    a fuzz run's: its own progress line."""
+    result = UnitsResult(notes=run.notes)
+    log = sys.stderr if run.writes_lines else None  # the stderr of the moment: pytest's capture replaces it
+    for ready in run.units:
+        if not _run_unit(ready, run, result, log):
+            break
     return result
 
 
-def _run_unit(unit: Unit, subject: Subject, run: Run, sink: Sink, result: GateResult, worker: Worker | None, *,
-              seed: int, examples: int | None, log) -> bool:
+def _run_unit(ready: Ready, run: Started, result: UnitsResult, log) -> bool:
     """One unit's kept cases, corpus and campaigns into `result`; False where the sink stopped the run."""
-    spec = catalog.get_spec(unit.op)
-    budget = _examples(spec, examples, run.profile)
-    judge = asked_again(_within_memory(
-        _block_runner(unit, subject, run.device, sink.run_id, None if spec.own_processes else worker, result.notes,
-                      sink if run.command == FUZZ else None),
-        unit, run.device, sink.run_id))
+    unit, sink = ready.unit, run.sink
     sink.judging(unit)
-    tested = UnderTest(unit.specs, unit.label, unit.deviations, unit.conventions, run.device)
-    findings = Findings(_failures_dir(run), sink)
     t0 = start = time.monotonic()  # a campaign's seconds include the corpus cases run before it
     finished = True                # every campaign ran its budget (a stopped one: the unit is not done)
-    pinned, replayed = _pinned(unit), len(result.replayed)
+    replayed = len(result.replayed)
     pinned_rows = []
-    for case, source, why in ([(k.case, Replay.KEPT, k.path.name) for k in unit.kept]
-                              + [(c, Replay.PINNED, why) for c, why in pinned]):
+    for case, source, why in ready.replays:
         if sink.stop_reason():
             return False
         sink.started(case, source)
-        case_rows, = judge([case], source, lambda: None)
+        case_rows, = ready.judge([case], source, lambda: None)
         sink.finished(case)
         if any(not r.passed for r in case_rows):  # a finding of this run: saved, its rows naming the file
-            result.replayed.append(save_replayed(findings, tested, case, case_rows, source, why))
+            result.replayed.append(save_replayed(ready.findings, ready.tested, case, case_rows, source, why))
         sink.judged(case_rows, source)
         pinned_rows += case_rows
     result.rows.extend(pinned_rows)
-    for path in unit.campaigns(subject):
+    for campaign in ready.campaigns:
         if sink.stop_reason():
             return False
-        campaign = Campaign(unit.op, run.profile, budget, seed, tested, path,
-                            run.world_size or gate_world_size(spec, run.device_type), block_size(run.profile, budget),
-                            run.shrink, findings, covering=run.covering)
-        fz = fuzz(campaign, judge, sink)
+        fz = fuzz(campaign, ready.judge, sink)
         finished &= not fz.stopped
-        _found_again(fz, result.replayed[replayed:], findings)
+        _found_again(fz, result.replayed[replayed:], ready.findings)
         result.fuzz.append(fz)
         result.rows.extend(fz.rows)
         if log is not None:
-            where = f"{unit.op} ({path})" if path else unit.op
+            where = f"{unit.op} ({campaign.path})" if campaign.path else unit.op
             bad = sum(not r.passed for r in [*pinned_rows, *fz.rows])
             kept = f"{len(unit.kept)} kept + " if unit.kept else ""
-            log.write(f"{where:38s} {unit.label:28s} {kept}{len(pinned):3d} corpus + {fz.examples:4d} fuzz cases "
+            log.write(f"{where:38s} {unit.label:28s} {kept}{ready.pinned:3d} corpus + {fz.examples:4d} fuzz cases "
                       f"{time.monotonic() - t0:6.1f} s  {'FAIL' if bad else 'ok'}{f' ({bad} rows)' if bad else ''}\n")
             log.flush()
         t0 = time.monotonic()
@@ -307,173 +95,27 @@ def _found_again(fz: FuzzResult, replayed: list[Replayed], findings: Findings) -
     fz.case_file = same.path
 
 
-def gate_units(run: Run, kept: Corpus | None = None) -> list[Unit]:
-    """The gate's units: those of its --impl strings (`runs.selection`), else every op and
-    implementation here; each with the kept corpus's cases that apply to it."""
-    chosen = impl_units(run.impls, run.device, run.ops) if run.impls else units(list(run.ops) or None, run.device)
-    return with_kept(chosen, kept)
-
-
-def run_gate(run: Run, sink: Sink, log, chosen: list[Unit], worker: Worker | None = None) -> GateResult:
-    """The units of the run's shard among `chosen` (`shard_of`) through `run_units`."""
-    return run_units(shard_of(run, chosen), run, sink, seed=run.seed, examples=run.examples, log=log, worker=worker)
-
-
-def shard_of(run: Run, chosen: list[Unit]) -> list[Unit]:
-    """The units of the run's shard (`Shard()`: all of them) among `chosen`."""
-    return shard_units(list(run.ops) or None, run.device, run.shard, chosen, run.durations)
-
-
-def drive(run: Run, log: Callable[[str], None] | None = None):
-    """Run `run`: a CheckResult for fuzz, a GateOutcome for the gate. `log` receives the run's
-    header line (once its worker could import the implementation: a usage error is the only line
-    otherwise) and the lines of a run in parts (the parts' own go to their logs or this process's
-    output)."""
+def execute(run: FuzzRun | GateRun, log: Callable[[str], None] | None = None) -> CheckResult | GateOutcome:
+    """Run `run`: a CheckResult for fuzz, a GateOutcome for the gate (`runs.outcome.Outcome`: its
+    lines, its exit code). `log` receives the run's header line (once its worker could import the
+    implementation: a usage error is the only line otherwise) and the lines of a run in parts (the
+    parts' own go to their logs or this process's output)."""
     log = log or (lambda line: None)
     if run.parts > 1:
         log(run.header())
-        if run.command == FUZZ:
-            return check_in_parts(run, log)
-        return gate_in_parts(run, gate_units(run), log)
-    return _fuzz(run, log) if run.command == FUZZ else _gate(run, log)
+        return run.in_parts(log)
+    started = start(run, log)
+    return finish(started, drive(started))
 
 
-def _fuzz(run: Run, log: Callable[[str], None]) -> CheckResult:
-    """One campaign in this process (its cases isolated or not), written to the run directory."""
-    (seed, examples), = run.campaigns
-    kept = Corpus(run.corpus) if run.corpus else None
-    unit = Unit(run.op, run.label, run.specs, subject=run.subject, paths=(run.path,), corpus=False,
-                deviations=run.deviations, conventions=run.conventions,
-                kept=kept.applying(run.op, run.specs) if kept and run.corpus_replay else ())
-    left = not_replayed(kept, [unit], (run.op,), "run") if run.corpus_replay else []
-    worker, judged_by = judging(run, [unit])
-    log(run.header())
-    meta, run_dir = with_extra(run.meta(), judged_by), run.out
-    if run_dir:
-        run_dir.start(meta)
-    sink = Sink(run_dir, f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
-    sink.counting(Progress(run.op, examples, every_s=5.0))
-    call_guards.CALLED_WITH.clear()
+def drive(run: Started) -> UnitsResult:
+    """A started run (`runs.start`) driven: its units' cases judged, written to the run
+    directory as they come; its worker stopped at the end."""
     try:
-        with sink.interrupt.installed():
-            result = run_units([unit], run, sink, seed=seed, examples=examples, worker=worker)
-    except Exception as exc:
-        if run_dir:
-            detail = exc.detail if isinstance(exc, HarnessError) else traceback.format_exc()
-            run_dir.write_file("harness-error.txt", detail or traceback.format_exc())
-            run_dir.finish(sink.rows, meta)
-        if isinstance(exc, HarnessError):
-            raise
-        raise HarnessError(f"harness error: {type(exc).__name__}: {exc}", traceback.format_exc()) from exc
+        with run.guarded(), run.sink.interrupt.installed():
+            return run_units(run)
     finally:
-        if worker is not None:  # closed by run_units, unless it never got there
-            worker.close()
-    fz, = result.fuzz
-    if run_dir:
-        run_dir.finish(sink.rows, {**meta, "stopped": fz.stopped} if fz.stopped else meta)  # a stopped run is no pass
-    notes = keep(kept, result.new_findings(), sink.rows) + left + sorted(result.notes)
-    failures = [Failure.of(r.case, r.rows, r.path, replay_command(r.path, run.specs, run.device, run.deviations,
-                                                                  run.timeout, run.isolate, run.conventions),
-                           seed=seed, from_corpus=True) for r in result.replayed]
-    return _check_result(run, fz, rows_frame(sink.rows), notes, seed, failures, worker.summary() if worker else "")
-
-
-def with_extra(meta: dict, extra: dict) -> dict:
-    """`meta` with `extra` added to its "extra" record."""
-    return {**meta, "extra": {**(meta.get("extra") or {}), **extra}} if extra else meta
-
-
-def _check_result(run: Run, fz: FuzzResult, frame, notes: list[str], seed: int, failures: list,
-                  sandbox: str = "") -> CheckResult:
-    if fz.failure is not None and all(f.case_file != fz.case_file for f in failures):  # not a corpus case's again
-        failures.append(Failure.of(fz.failure.case, fz.failure.rows, fz.case_file,
-                                   replay_command(fz.case_file, run.specs, run.device, run.deviations, run.timeout,
-                                                  run.isolate, run.conventions),
-                                   found_at=fz.first_failure_at, seed=seed, flaky=fz.flaky, minimized=fz.shrunk,
-                                   unminimized=fz.unminimized))
-    notes = notes + [str(fz.stopped)] * (fz.stopped not in (None, Stop.INTERRUPTED))
-    notes += unexercised(run.specs, call_guards.CALLED_WITH)  # what the replaced stages were never handed
-    if run.world_size:
-        notes += [f"worst per rank over {fz.examples} cases: {line}" for line in dcp_ranks.worst_by_rank(fz.rows)]
-    silent = never_called(run.specs, call_guards.CALLED_WITH, (run.op,))
-    return CheckResult(run.op, run.label,
-                       not failures and not silent and fz.stopped != Stop.INTERRUPTED and bool(frame.passed.all()),
-                       frame, seed, fz.examples, run.out.path if run.out else None, failures,
-                       interrupted=fz.stopped == Stop.INTERRUPTED, notes=notes, in_process=run.in_process,
-                       sandbox=sandbox, covering=run.covering, never_called=_never_judged(run.op, silent, f"these {fz.examples} cases"))
-
-
-def _never_judged(op: str, stages: list[str], cases: str) -> str:
-    """Why there is no verdict on the replaced `stages` no case called ("": there is), and where
-    calls of them are drawn (`PipelineSpec.paths_calling`)."""
-    if not stages:
-        return ""
-    spec = catalog.get_spec(op)
-    paths = spec.paths_calling(stages) if hasattr(spec, "paths_calling") else ()
-    where = (f"{op}'s paths that call {'it' if len(stages) == 1 else 'them'}: {', '.join(paths)}" if paths
-             else f"no {op} batch calls {'it' if len(stages) == 1 else 'them'}")
-    return f"{', '.join(stages)} never called by {cases}: nothing judged {'it' if len(stages) == 1 else 'them'} ({where})"
-
-
-def _gate(run: Run, log: Callable[[str], None]) -> GateOutcome:
-    """The gate's units of this slot in this process, written to the run directory."""
-    kept = Corpus(run.corpus) if run.corpus else None
-    chosen = gate_units(run, kept)
-    worker, judged_by = judging(run, shard_of(run, chosen))
-    log(run.header())
-    run_dir, meta = run.out, with_extra(run.meta(), judged_by)
-    sink = Sink(run_dir, f"gate-{time.strftime('%Y%m%d-%H%M%S')}", run.device)
-    run_dir.start(meta)
-    call_guards.CALLED_WITH.clear()
-    try:
-        with sink.interrupt.installed():  # the stderr of the moment: pytest's capture replaces it
-            result = run_gate(run, sink, sys.stderr, chosen, worker)
-    except Exception as exc:  # mla-verify's own failure: exit 3, its traceback where the message says
-        detail = (exc.detail if isinstance(exc, HarnessError) else None) or traceback.format_exc()
-        run_dir.write_file("harness-error.txt", detail)
-        run_dir.release()
-        if isinstance(exc, HarnessError):
-            raise
-        raise HarnessError(f"harness error in {run_dir.path}: {type(exc).__name__}: {exc}", detail) from exc
-    except BaseException:  # the journal keeps the rows so far; the next run may take the directory's lock
-        run_dir.release()
-        raise
-    finally:
-        dcp_ranks.close_all()
-        if worker is not None:  # closed by run_units, unless it never got there
-            worker.close()
-    interrupted = sink.interrupt.requested
-    silent = never_called(run.impls, call_guards.CALLED_WITH, [u.op for u in chosen])
-    outcome = GateOutcome(result.rows, result.failed, run_dir.path, interrupted,
-                          keep(kept, result.new_findings(), result.rows) + not_replayed(kept, chosen, run.ops)
-                          + sorted(result.notes),
-                          odd_ones_out(result.rows),
-                          isolated=run.isolate, rest=_rest(run, chosen, result) if interrupted else (0, ""),
-                          sandbox=worker.summary() if worker else "",
-                          never_called=_never_judged("forward_mqa", silent, "the gate's cases"))
-    durations.write(run_dir.path, result.seconds)
-    run_dir.finish(result.rows, {**meta, "stopped": Stop.INTERRUPTED} if interrupted else meta)
-
-    def said(path: Path, rows) -> list[str]:  # the replay command (with the implementation saved), the failing rows
-        command = replay_command(path, load(path).impl, run.device, timeout=run.timeout, isolate=run.isolate)
-        return [f"  replay: {command}", *(f"  {line(r.tensor, r.gate_metric, r.value, r.bound, r.reason)}"
-                                          for r in rows if not r.passed)]
-
-    outcome.case_files = [(r.path, [f"  from the corpus: still fails (kept as {r.kept_as})" if r.kept_as
-                                    else "  a pinned regression case: fails", *said(r.path, r.rows)])
-                          for r in result.replayed if r.path is not None]
-    outcome.case_files += [(fz.case_file, [f"  not minimized: {fz.unminimized}"] * bool(fz.unminimized)
-                            + said(fz.case_file, fz.failure.rows if fz.failure else ()))
-                           for fz in result.fuzz if fz.case_file and fz.case_file not in {r.path for r in result.replayed}]
-    return outcome
-
-
-def _rest(run: Run, chosen: list[Unit], result: GateResult) -> tuple[int, str]:
-    """An interrupted gate's ops (and properties) with a unit it did not finish, and the command that
-    runs them (`outcome.rest_command`)."""
-    mine = shard_units(list(run.ops) or None, run.device, run.shard, chosen, run.durations)
-    left = list(dict.fromkeys(u.op for u in mine if u.key not in result.seconds))
-    return len(left), rest_command(run, left, run.out.path.with_name(f"{run.out.path.name}-rest")) if left else ""
+        run.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -482,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = Run.from_json(text)
         take_gpu_share(1 - WORKER_SHARE if run.isolate else 1.0)  # an isolated part's worker takes the rest
-        outcome = drive(run, lambda line: print(line, flush=True))
+        outcome: Outcome = execute(run, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
         return 130
     except UsageError as exc:
@@ -491,11 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     except HarnessError as exc:
         print(f"mla-verify: {exc}", file=sys.stderr)
         return 3
-    if run.command == FUZZ:
-        print(outcome.report())
+    if lines := outcome.lines():
+        print("\n".join(lines))
+    if isinstance(outcome, CheckResult):  # what its parent reads back (`parts.check_in_parts`)
         write_atomic(outcome.out / RESULT_JSON, result_file(outcome))
-    elif outcome.lines():
-        print("\n".join(outcome.lines()))
     return outcome.exit_code
 
 

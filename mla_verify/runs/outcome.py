@@ -1,5 +1,6 @@
-"""What `mla_verify.check` and `mla_verify.replay` return: the rows, the verdict and, for a
-failure, the minimized case with everything needed to replay it; `report()` is what the CLI prints."""
+"""What a run returns (`Outcome`): `mla_verify.check` and `mla_verify.replay` a `CheckResult` (the
+rows, the verdict and, for a failure, the minimized case with everything needed to replay it),
+`mla_verify.gate` a `GateOutcome`; `lines()` is what the CLI prints of either."""
 
 from __future__ import annotations
 
@@ -7,13 +8,12 @@ import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import pandas as pd
 
 from mla_verify.equivalence.cases.case import Case
-from mla_verify.equivalence.judge.mismatch import QUIET_METRICS, line
-from mla_verify.equivalence.judge.rows import FailureKind
+from mla_verify.equivalence.judge.rows import QUIET_METRICS, FailureKind, Row
 from mla_verify.equivalence.sandbox.device import device_type, is_cuda
 from mla_verify.equivalence.subject import is_local
 from mla_verify.reports.bias import bias_of
@@ -23,6 +23,25 @@ from mla_verify.reports.stats import reached
 
 DEFAULT_TIMEOUT_S = 300.0  # what an implementation may take per case in the isolation worker
 RESULT_JSON = "result.json"  # a fuzz part's outcome (result_file)
+
+
+class Outcome(Protocol):
+    """What a run returns, fuzz or gate. Two types answer it, not one: a CheckResult is one
+    implementation's verdict (its rows as a frame, each campaign's failure and its replay, a
+    replay's `reproduced`), a GateOutcome many units' (the odd ones out, every finding's case file,
+    an interrupted gate's rest); a field of one would be empty in the other."""
+
+    out: Path | None                # the run directory, if one was written
+    interrupted: bool               # Ctrl-C ended it early
+
+    def lines(self) -> list[str]:
+        """What the CLI prints of it: notes, findings, the verdict."""
+        ...
+
+    @property
+    def exit_code(self) -> int:
+        """What the CLI returns (`mla_verify.cli`'s codes: 0 pass, 1 discrepancy, 4 no verdict, 130)."""
+        ...
 
 
 @dataclass
@@ -59,7 +78,7 @@ class Failure:
         out = [f"  {what}: {self.case.short()}"]
         if self.unminimized and not (self.minimized or self.from_corpus):
             out.append(f"  not minimized: {self.unminimized}")
-        out += [f"  {line(r['tensor'], r['gate_metric'], r['value'], r['bound'], r['reason'])}" for r in self.rows]
+        out += [f"  {Row.from_record(r).line()}" for r in self.rows]
         if self.case_file is not None:
             out.append(f"  case saved: {self.case_file}")
         out.append(f"  replay: {self.replay_command}")
@@ -125,6 +144,10 @@ class CheckResult:
                 f"implementation (mla_verify.unsupported) or not judged: nothing was judged")
 
     def report(self) -> str:
+        """`lines()` as the CLI prints them."""
+        return "\n".join(self.lines())
+
+    def lines(self) -> list[str]:
         """What the CLI prints at the end: PASS with the least headroom (qualified when judged in
         the implementation's own process: it could reach the judge), or each failure with its
         minimized case, failing metric and bound, case file and replay command; then a warning per
@@ -165,7 +188,7 @@ class CheckResult:
         lines += not_judged_lines(self.rows)
         if len(self.rows):
             lines += bias_of(self.rows).lines()
-        return "\n".join(lines)
+        return lines
 
     @property
     def unsupported(self) -> int:
@@ -226,7 +249,6 @@ class GateOutcome:
     sandbox: str = ""               # what its workers stood behind (sandbox.boundary), as its last line says
     rest: tuple[int, str] = (0, "")  # interrupted: the ops not finished, and the command that runs them
     never_called: str = ""          # the replaced stages no case called (runs.driver): nothing judged what was asked
-    covering: bool = True           # the op's covering set ran first (False: the draws alone, --no-covering-set)
 
     def lines(self) -> list[str]:
         """Notes, disagreeing implementations, the findings' case files (a run in parts: its parts said them),

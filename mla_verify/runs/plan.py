@@ -1,7 +1,8 @@
 """What a run is, whatever starts it: `check()` and `mla-verify fuzz` (one op and implementation),
 `gate()` and `mla-verify gate` (every op and implementation here), a part of either on one of this
 host's GPUs (`runs.parts`), a shard of either on another machine. What a caller asks is `Options`;
-`plan` checks it, once for check() and gate(), into a `Run`; `runs.driver` runs it.
+`plan` checks it, once for check() and gate(), into a `Run` of its kind (`FuzzRun`, `GateRun`: one
+shared settings type, each kind's own beside it); `runs.driver` runs it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Collection, Mapping
 
 import torch
 
@@ -20,33 +21,38 @@ from mla_verify.equivalence import catalog
 from mla_verify.equivalence.ops import dcp_ranks
 from mla_verify.equivalence.catalog import get_spec, resolve_subject
 from mla_verify.equivalence.sandbox.device import device_type, is_cuda
-from mla_verify.equivalence.sandbox.worker import default_isolation
+from mla_verify.equivalence.blocks import default_isolation
 from mla_verify.equivalence.cases.profiles import Profile, get_profile
 from mla_verify.equivalence.sandbox.boundary import MODES
 from mla_verify.equivalence.subject import Subject, did_you_mean, local_label
 from mla_verify.equivalence.errors import UsageError
+from mla_verify.equivalence.spec import Spec
 from mla_verify.fuzz.campaign import new_seed
 from mla_verify.reports.meta import collect_meta, rerun_settings
 from mla_verify.reports.store import run_file
 
 from . import durations
-from .corpus import Corpus
-from .outcome import DEFAULT_TIMEOUT_S
-from .parts import Shard
+from .corpus import Corpus, with_kept
+from .outcome import DEFAULT_TIMEOUT_S, CheckResult, GateOutcome
+from .parts import Shard, check_in_parts, gate_in_parts
 from .rundir import FreshDir, RunDir, load_run
 from .selection import impl_units
-from .units import shard_units
+from .units import Unit, gate_world_size, shard_units, units
 
 FUZZ, GATE = "fuzz", "gate"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Run:
-    """What one run is. `examples`: fuzz, the whole run's cases (shared out over its campaigns);
-    the gate, per unit (None: the profile's budgets)."""
+    """What every run is, fuzz or gate: where it runs, what it draws, how its cases are judged and
+    where it writes. `examples`: fuzz, the whole run's cases (shared out over its campaigns); the
+    gate, per unit (None: the profile's budgets). A kind's own settings are its class's
+    (`FuzzRun`, `GateRun`); `command` names it."""
 
-    command: str                          # FUZZ or GATE
-    ops: tuple[str, ...]                  # fuzz: its op; gate: what was asked (empty: every op and property)
+    command: ClassVar[str]
+    # In this process, a CUDA context the implementation took with it ends the run (the fuzz
+    # campaign's `Stop.DEVICE_LOST`); the gate goes on to its next case.
+    stops_when_lost: ClassVar[bool]
     device: str                           # "cpu", "cuda" or "cuda:N"
     profile: Profile
     examples: int | None
@@ -58,34 +64,9 @@ class Run:
     baseline: Path | None = None          # the run whose cases these are again
     shard: Shard = Shard()
     parts: int = 1                        # this host's processes: the shard's slots (runs.parts)
-    specs: tuple[str, ...] = ()           # fuzz: the implementation as --impl strings
-    subject: Subject | None = None        # fuzz: the resolved implementation
-    deviations: tuple[str, ...] = ()
-    conventions: tuple[str, ...] = ()     # fuzz: the implementation's declared conventions ("lse_base=2", ...)
-    path: str | None = None
-    world_size: int | None = None
-    shrink: bool = True
-    covering: bool = True                 # fuzz: the op's covering set runs first (False: the draws alone, said so)
-    named: bool = True                    # every implementation importable in another process
     invocation: str | None = field(default_factory=lambda: invocation())  # meta.json's command
-    impls: tuple[str, ...] = ()           # gate: OP=SPEC / STAGE=SPEC it is restricted to (runs.selection)
     corpus: str | None = None             # the kept corpus (runs.corpus): replayed first, findings added
-    corpus_replay: bool = True            # this part replays the corpus (a fuzz run's first part only)
-    durations: dict[str, float] | None = None  # gate: each unit's seconds last time (runs.durations); None: not asked
-
-    @property
-    def op(self) -> str:
-        return self.ops[0]
-
-    @property
-    def label(self) -> str:
-        """fuzz: the rows' name for the implementation; a local callable by its own name."""
-        return local_label(self.subject.label) if self.subject is not None else ""
-
-    @property
-    def in_process(self) -> bool:
-        """fuzz: judged in the implementation's own process (not isolated, no rank processes)."""
-        return self.command == FUZZ and not (self.isolate or self.world_size)
+    shrink: bool = True                   # a campaign's finding is minimized
 
     @property
     def device_type(self) -> str:
@@ -96,77 +77,140 @@ class Run:
         """The slots of the whole run this host runs, one per part."""
         return self.shard.slots(self.parts)
 
-    @property
-    def campaigns(self) -> list[tuple[int, int]]:
-        """fuzz: (seed, examples) of each campaign this host runs."""
-        return [c for c in (slot.campaign(self.seed, self.examples) for slot in self.slots) if c[1]]
-
     def options(self) -> dict[str, Any]:
         """The settings every shard of one run shares (`merge` checks them)."""
-        common = {"command": self.command, "examples": self.examples, "seed": self.seed,
-                  "profile": self.profile.name, "device": self.device_type, "isolate": self.isolate,
-                  "timeout": self.timeout}
-        if self.command == GATE:
-            return {**common, "ops": list(self.ops) or None, "impls": list(self.impls) or None,
-                    "durations": durations.digest(self.durations)}
-        return {**common, "op": self.op, "impl": list(self.specs), "path": self.path, "world_size": self.world_size,
-                "deviations": list(self.deviations), "conventions": list(self.conventions), "shrink": self.shrink,
-                "covering_set": self.covering, "campaigns": self.shard.count * self.parts}
+        return {"command": self.command, "examples": self.examples, "seed": self.seed, "profile": self.profile.name,
+                "device": self.device_type, "isolate": self.isolate, "timeout": self.timeout, **self._options()}
 
     def meta(self) -> dict[str, Any]:
         """meta.json: what `check(baseline=...)` and `gate --baseline` read back to draw the same
         cases (reports.meta.rerun_settings), and for a shard what `merge` checks."""
-        if self.command == GATE:
-            seeds, extra = [self.seed], {"examples": self.examples, "ops": list(self.ops) or None,
-                                         "impls": list(self.impls) or None,
-                                         "isolated": self.isolate}
-        else:
-            seeds = [s for s, _ in self.campaigns]
-            extra = {"op": self.op, "examples": sum(n for _, n in self.campaigns), "path": self.path,
-                     "isolated": not self.in_process, "deviations": list(self.deviations),
-                     "conventions": list(self.conventions), "covering_set": self.covering}
+        seeds, extra = self._meta()
         if not self.shard.whole:
             extra |= {"shard": str(self.shard), "run": self.options()}
         return collect_meta(self.profile.name, seeds, self.device, command=self.invocation, extra=extra)
 
-    def part(self, slot: Shard, index: int, root: Path) -> "Run":
-        """The Run of one part: its slot, in ROOT/part-INDEX. A fuzz part is the whole campaign of
-        its slot's seed and examples."""
-        here = dict(device=self.device_type, parts=1, out=root / f"part-{index}", baseline=None)
-        if self.command == FUZZ:
-            seed, examples = slot.campaign(self.seed, self.examples)
-            return replace(self, seed=seed, examples=examples, shard=Shard(), **here,
-                           corpus_replay=self.corpus_replay and index == 0)
-        return replace(self, shard=slot, **here)
-
     def to_json(self) -> str:
-        """A part's Run for its process (the subject is resolved again there from `specs`)."""
+        """A part's Run for its process (`Run.from_json`; a fuzz run's subject is resolved again
+        there from its specs)."""
         plain = {f.name: getattr(self, f.name) for f in fields(self)
                  if f.name not in ("subject", "profile", "shard", "out", "baseline")}
-        return json.dumps({**plain, "profile": self.profile.name, "shard": str(self.shard), "out": str(self.out)})
+        return json.dumps({"command": self.command, **plain, "profile": self.profile.name, "shard": str(self.shard),
+                           "out": str(self.out)})
+
+    @staticmethod
+    def from_json(text: str) -> "FuzzRun | GateRun":
+        d = json.loads(text)
+        kind = {FUZZ: FuzzRun, GATE: GateRun}[d.pop("command")]
+        d |= {"profile": get_profile(d["profile"]), "shard": Shard.parse(d["shard"]), "out": RunDir.open(d["out"])}
+        return kind._restored(d)
+
+    # Each kind's own: the line it starts with, its campaigns' world size for a spec, its units and
+    # those of its slot, its run in one child process per part, and what options() and meta() add
+    # to the shared settings.
+    def header(self) -> str:
+        raise NotImplementedError
+
+    def ranks(self, spec: Spec) -> int | None:
+        raise NotImplementedError
+
+    def units(self, kept: Corpus | None = None) -> list[Unit]:
+        raise NotImplementedError
+
+    def shard_of(self, chosen: list[Unit]) -> list[Unit]:
+        raise NotImplementedError
+
+    def in_parts(self, log: Callable[[str], None]) -> CheckResult | GateOutcome:
+        raise NotImplementedError
+
+    def _options(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _meta(self) -> tuple[list[int], dict[str, Any]]:
+        raise NotImplementedError
+
+    def _here(self) -> dict[str, Any]:
+        """What every part's Run changes of this one's settings: this host's device type, one part."""
+        return dict(device=self.device_type, parts=1, baseline=None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FuzzRun(Run):
+    """One op and implementation, its campaigns of this host (`campaigns`)."""
+
+    command: ClassVar[str] = FUZZ
+    stops_when_lost: ClassVar[bool] = True
+    op: str
+    specs: tuple[str, ...] = ()           # the implementation as --impl strings
+    subject: Subject | None = None        # the resolved implementation
+    deviations: tuple[str, ...] = ()
+    conventions: tuple[str, ...] = ()     # the implementation's declared conventions ("lse_base=2", ...)
+    path: str | None = None
+    world_size: int | None = None
+    corpus_replay: bool = True            # this part replays the corpus (a fuzz run's first part only)
+    covering: bool = True                 # the op's covering set runs first (False: the draws alone, said so)
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return (self.op,)
+
+    @property
+    def label(self) -> str:
+        """The rows' name for the implementation; a local callable by its own name."""
+        return local_label(self.subject.label) if self.subject is not None else ""
+
+    @property
+    def in_process(self) -> bool:
+        """Judged in the implementation's own process (not isolated, no rank processes)."""
+        return not (self.isolate or self.world_size)
+
+    @property
+    def campaigns(self) -> list[tuple[int, int]]:
+        """(seed, examples) of each campaign this host runs."""
+        return [c for c in (slot.campaign(self.seed, self.examples) for slot in self.slots) if c[1]]
+
+    def units(self, kept: Corpus | None = None) -> list[Unit]:
+        """Its one unit: the implementation it was given, on its path, without the pinned corpus;
+        with the kept corpus's cases that apply to it where this part replays them."""
+        return [Unit(self.op, self.label, self.specs, subject=self.subject, paths=(self.path,), corpus=False,
+                     deviations=self.deviations, conventions=self.conventions,
+                     kept=kept.applying(self.op, self.specs) if kept and self.corpus_replay else ())]
+
+    def shard_of(self, chosen: list[Unit]) -> list[Unit]:
+        """All of `chosen`: a fuzz run's slots share its one unit's examples (`campaigns`)."""
+        return chosen
+
+    def ranks(self, spec: Spec) -> int | None:
+        """The world size of its campaigns of `spec` (--world-size, else the gate's: None for one process)."""
+        return self.world_size or gate_world_size(spec, self.device_type)
+
+    def _options(self) -> dict[str, Any]:
+        return {"op": self.op, "impl": list(self.specs), "path": self.path, "world_size": self.world_size,
+                "deviations": list(self.deviations), "conventions": list(self.conventions), "shrink": self.shrink,
+                "covering_set": self.covering, "campaigns": self.shard.count * self.parts}
+
+    def _meta(self) -> tuple[list[int], dict[str, Any]]:
+        return [s for s, _ in self.campaigns], {
+            "op": self.op, "examples": sum(n for _, n in self.campaigns), "path": self.path,
+            "isolated": not self.in_process, "deviations": list(self.deviations), "conventions": list(self.conventions),
+            "covering_set": self.covering}
+
+    def part(self, slot: Shard, index: int, root: Path) -> "FuzzRun":
+        """The Run of one part, the whole campaign of its slot's seed and examples, in ROOT/part-INDEX."""
+        seed, examples = slot.campaign(self.seed, self.examples)
+        return replace(self, seed=seed, examples=examples, shard=Shard(), out=root / f"part-{index}",
+                       corpus_replay=self.corpus_replay and index == 0, **self._here())
 
     @classmethod
-    def from_json(cls, text: str) -> "Run":
-        d = json.loads(text)
-        d |= {"profile": get_profile(d["profile"]), "shard": Shard.parse(d["shard"]), "out": RunDir.open(d["out"]),
-              **{k: tuple(d[k]) for k in ("ops", "specs", "deviations", "conventions", "impls")}}
+    def _restored(cls, d: dict[str, Any]) -> "FuzzRun":
+        d |= {k: tuple(d[k]) for k in ("specs", "deviations", "conventions")}
         run = cls(**d)
-        if run.command == FUZZ:
-            run = replace(run, subject=resolve_subject(run.op, run.specs, run.device_type, deviations=run.deviations,
-                                                       conventions=run.conventions, described=run.isolate))
-        return run
+        return replace(run, subject=resolve_subject(run.op, run.specs, run.device_type, deviations=run.deviations,
+                                                    conventions=run.conventions, described=run.isolate))
 
     def header(self) -> str:
         """The line a run starts with."""
         where = f", run {self.out.path}" if self.out else ""
-        if self.command == GATE:
-            budget = (f"{self.examples}" if self.examples is not None
-                      else f"{self.profile.examples} (properties: {self.profile.property_examples})")
-            return (f"mla-verify gate: device {self.device}, profile {self.profile.name}, {budget} fuzz examples per "
-                    f"op and implementation or its whole covering set, seed {self.seed}{self._shard_words()}"
-                    f"{', only ' + ' '.join(self.impls) if self.impls else ''}"
-                    f"{f', corpus {self.corpus}' if self.corpus else ''}"
-                    f"{where}")
         ranks = ""
         if self.world_size:
             ranks = f", {self.world_size} ranks ({dcp_ranks.placement(self.world_size, self.device_type).describe()})"
@@ -178,6 +222,63 @@ class Run:
                 + ("" if self.shard.whole else f"; shard {self.shard} of {self.shard.count * self.parts} campaigns: "
                    + ", ".join(f"seed {s} x {n}" for s, n in self.campaigns)))
 
+    def in_parts(self, log: Callable[[str], None]) -> CheckResult:
+        """Its campaigns, one child process each (`runs.parts`)."""
+        return check_in_parts(self, log)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateRun(Run):
+    """Every op and implementation here (or those `ops` and `impls` ask for), the units of its shard."""
+
+    command: ClassVar[str] = GATE
+    stops_when_lost: ClassVar[bool] = False
+    covering: ClassVar[bool] = True       # every campaign runs its covering set first (fuzz may skip it)
+    ops: tuple[str, ...] = ()             # what was asked (empty: every op and property)
+    impls: tuple[str, ...] = ()           # OP=SPEC / STAGE=SPEC it is restricted to (runs.selection)
+    durations: dict[str, float] | None = None  # each unit's seconds last time (runs.durations); None: not asked
+
+    def units(self, kept: Corpus | None = None) -> list[Unit]:
+        """The gate's units: those of its --impl strings (`runs.selection`), else every op and
+        implementation here; each with the kept corpus's cases that apply to it."""
+        chosen = impl_units(self.impls, self.device, self.ops) if self.impls else units(list(self.ops) or None, self.device)
+        return with_kept(chosen, kept)
+
+    def shard_of(self, chosen: list[Unit]) -> list[Unit]:
+        """The units of its shard (`Shard()`: all of them) among `chosen`."""
+        return shard_units(list(self.ops) or None, self.device, self.shard, chosen, self.durations)
+
+    def ranks(self, spec: Spec) -> int | None:
+        """The world size of its campaigns of `spec`: the most its GPUs hold (`units.gate_world_size`)."""
+        return gate_world_size(spec, self.device_type)
+
+    def _options(self) -> dict[str, Any]:
+        return {"ops": list(self.ops) or None, "impls": list(self.impls) or None,
+                "durations": durations.digest(self.durations)}
+
+    def _meta(self) -> tuple[list[int], dict[str, Any]]:
+        return [self.seed], {"examples": self.examples, "ops": list(self.ops) or None,
+                             "impls": list(self.impls) or None, "isolated": self.isolate}
+
+    def part(self, slot: Shard, index: int, root: Path) -> "GateRun":
+        """The Run of one part: its slot, in ROOT/part-INDEX."""
+        return replace(self, shard=slot, out=root / f"part-{index}", **self._here())
+
+    @classmethod
+    def _restored(cls, d: dict[str, Any]) -> "GateRun":
+        return cls(**{**d, "ops": tuple(d["ops"]), "impls": tuple(d["impls"])})
+
+    def header(self) -> str:
+        """The line a run starts with."""
+        where = f", run {self.out.path}" if self.out else ""
+        budget = (f"{self.examples}" if self.examples is not None
+                  else f"{self.profile.examples} (properties: {self.profile.property_examples})")
+        return (f"mla-verify gate: device {self.device}, profile {self.profile.name}, {budget} fuzz examples per "
+                f"op and implementation or its whole covering set, seed {self.seed}{self._shard_words()}"
+                f"{', only ' + ' '.join(self.impls) if self.impls else ''}"
+                f"{f', corpus {self.corpus}' if self.corpus else ''}"
+                f"{where}")
+
     def _shard_words(self) -> str:
         """", shard 1/2 (SLURM_ARRAY_TASK_ID=1 of SLURM_ARRAY_TASK_COUNT=2), sized by 14 units' seconds
         last time": which shard, and how its units were dealt."""
@@ -187,6 +288,10 @@ class Run:
                else f", sized by {len(self.durations)} units' seconds last time")
         source = f" ({self.shard.source})" if self.shard.source else ""
         return ("" if self.shard.whole else f", shard {self.shard}{source}") + how
+
+    def in_parts(self, log: Callable[[str], None]) -> GateOutcome:
+        """Its units dealt to one child process per part (`runs.parts`)."""
+        return gate_in_parts(self, self.units(), log)
 
 
 def invocation() -> str | None:
@@ -229,9 +334,14 @@ class Options:
     sandbox: str = "auto"                         # auto | strict | off (equivalence.sandbox.boundary)
 
     @classmethod
-    def asked(cls, command: str, given: Mapping[str, Any]) -> "Options":
-        """The options among `given` (a call's arguments by name; others are left out)."""
+    def asked(cls, command: str, given: Mapping[str, Any], besides: Collection[str] = ()) -> "Options":
+        """The options `given` (a call's arguments by name), but the names `besides` (the call's
+        own, or translated into options on the way); TypeError for any other name, so that a
+        parameter misspelled or added without its field is never dropped silently."""
         names = {f.name for f in fields(cls)} - {"command"}
+        stray = sorted(set(given) - names - set(besides))
+        if stray:
+            raise TypeError(f"{command}: {', '.join(stray)}: no run option (runs.plan.Options) of that name")
         return cls(command, **{k: v for k, v in given.items() if k in names})
 
 
@@ -249,7 +359,7 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-def plan(options: Options, log: Callable[[str], None] = lambda line: None) -> Run:
+def plan(options: Options, log: Callable[[str], None] = lambda line: None) -> FuzzRun | GateRun:
     """The Run `options` ask for, checked before any case runs (UsageError with the reason
     otherwise): the one validation of `check()` and `gate()`. `log` hears of a baseline's reuse."""
     device = resolve_device(options.device)
@@ -279,7 +389,7 @@ def _profile(o: Options, device: str) -> Profile:
         raise UsageError(str(exc.args[0])) from None
 
 
-def _fuzz_run(o: Options, device: str, shard: Shard) -> Run:
+def _fuzz_run(o: Options, device: str, shard: Shard) -> FuzzRun:
     """check(): one op and implementation."""
     op, kind = o.ops[0], device_type(device)
     try:
@@ -305,13 +415,13 @@ def _fuzz_run(o: Options, device: str, shard: Shard) -> Run:
     if o.junit is not None:
         writable_file(o.junit, "--junit")
     corpus = open_corpus(o.corpus)
-    return Run(FUZZ, (op,), device, profile, examples, o.seed, isolate, _timeout(o), o.sandbox, _opened(o.out),
-               baseline=o.baseline, shard=shard, parts=parts, specs=o.specs, subject=subject, deviations=deviations,
-               conventions=tuple(subject.conventions), path=path, world_size=world_size, shrink=o.shrink,
-               covering=o.covering is not False, named=o.named, corpus=corpus, corpus_replay=shard.index == 0)
+    return FuzzRun(**_shared(o, device, shard, profile), op=op, examples=examples, isolate=isolate,
+                   out=_opened(o.out), parts=parts, corpus=corpus, specs=o.specs, subject=subject,
+                   deviations=deviations, conventions=tuple(subject.conventions), path=path, world_size=world_size,
+                   shrink=o.shrink, corpus_replay=shard.index == 0, covering=o.covering is not False)
 
 
-def _gate_run(o: Options, device: str, shard: Shard) -> Run:
+def _gate_run(o: Options, device: str, shard: Shard) -> GateRun:
     """gate(): every op and implementation here (the registered ones: named)."""
     if o.junit is not None:
         writable_file(o.junit, "--junit")
@@ -324,10 +434,16 @@ def _gate_run(o: Options, device: str, shard: Shard) -> Run:
     isolate = default_isolation(o.isolate, named=True)
     if o.timeout is not None and not isolate:
         raise UsageError("--timeout needs isolation (the default; not --no-isolate): an in-process call cannot be stopped")
-    return Run(GATE, o.ops, device, profile, o.examples, o.seed, isolate, _timeout(o), o.sandbox,
-               out=_opened(o.out if o.out is not None else FreshDir.named("runs", "gate")), baseline=o.baseline,
-               shard=shard, parts=o.parallel or _gpu_count(device_type(device)), impls=o.impls, corpus=corpus,
-               durations=seconds)
+    return GateRun(**_shared(o, device, shard, profile), ops=o.ops, examples=o.examples, isolate=isolate,
+                   out=_opened(o.out if o.out is not None else FreshDir.named("runs", "gate")),
+                   parts=o.parallel or _gpu_count(device_type(device)), impls=o.impls, corpus=corpus,
+                   durations=seconds)
+
+
+def _shared(o: Options, device: str, shard: Shard, profile: Profile) -> dict[str, Any]:
+    """The settings (`Run`'s fields) every kind of run takes from `o` alike."""
+    return dict(device=device, shard=shard, profile=profile, seed=o.seed, timeout=_timeout(o), sandbox=o.sandbox,
+                baseline=o.baseline)
 
 
 def _again(o: Options, log: Callable[[str], None]) -> Options:

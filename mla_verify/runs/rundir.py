@@ -31,9 +31,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from . import record
 from mla_verify.equivalence.cases.case import Case
-from mla_verify.equivalence.catalog import get_spec
+from mla_verify.equivalence.catalog import row_base
 from mla_verify.equivalence.sandbox.calls import failure_row
-from mla_verify.equivalence.judge.rows import FailureKind, Row
+from mla_verify.equivalence.judge.rows import FailureKind, Row, RowContext
 from mla_verify.equivalence.errors import UsageError
 from mla_verify.fuzz import casefile
 from mla_verify.fuzz.casefile import slug, write_atomic
@@ -159,14 +159,14 @@ class RunDir:
         self._write(json.dumps({"found": name, "case_id": row.case_id, "impl": row.impl, "source": row.source})
                     + "\n")
 
-    def case_started(self, case: Case, source: str, *, run_id: str, impl: str, specs: Sequence[str], device: str,
+    def case_started(self, case: Case, context: RowContext, specs: Sequence[str],
                      deviations: Sequence[str] = ()) -> Callable[[], None]:
-        """Journal `case` as started, before its implementation is called: the row it gets if the
-        process never comes back (`reports.store.CRASHED`), and what replays it. Returns the call
-        that journals it finished."""
-        base = dict(run_id=run_id, case_id=case.case_id, impl=impl, stages=(), device=device, seed=case.seed,
-                    source=source, **get_spec(case.op).identity(case))
-        row = failure_row(base, "*", FailureKind.CRASHED, CRASHED, finding=crashed_file(case, specs, impl).name)
+        """Journal `case` as started, before its implementation is called: the row it gets in
+        `context` if the process never comes back (`reports.store.CRASHED`), and what replays it
+        (the --impl strings `specs`, declared `deviations`). Returns the call that journals it
+        finished."""
+        row = failure_row(row_base(case, context), "*", FailureKind.CRASHED, CRASHED,
+                          finding=crashed_file(case, specs, context.label).name)
         self._write(json.dumps({"started": row.to_record(), "impl_specs": list(specs),
                                 "deviations": list(deviations)}, default=str) + "\n")
         return lambda: self._write(json.dumps({"finished": case.case_id}) + "\n")

@@ -47,7 +47,7 @@ def impl_units(impls: Sequence[str], device: str, ops: Sequence[str] | None = No
     """The gate's units for the implementations `impls` (`--impl KEY=SPEC` strings) on `device`,
     in catalog order; `ops` (as `gate --op`) keeps only those. Every unit's implementation is
     resolved here from the --impl strings and a user's module's source, never importing it (its
-    isolation worker does, before any case runs: `runs.driver.judging`), so a bad name is a usage
+    isolation worker does, before any case runs: `runs.start.judging`), so a bad name is a usage
     error here."""
     chosen = parse(impls)
     kind = device_type(device)

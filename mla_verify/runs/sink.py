@@ -11,7 +11,7 @@ import math
 from typing import Callable
 
 from mla_verify.equivalence.cases.case import Case
-from mla_verify.equivalence.judge.rows import Row
+from mla_verify.equivalence.judge.rows import Row, RowContext
 from mla_verify.fuzz.campaign import Stop
 from mla_verify.runs.progress import Progress
 
@@ -47,8 +47,7 @@ class Sink:
         if self.run_dir is not None:
             unit = self.unit
             self._open[case.case_id] = self.run_dir.case_started(
-                case, source, run_id=self.run_id, impl=unit.label, specs=unit.specs, device=self.device,
-                deviations=unit.deviations)
+                case, RowContext(self.run_id, source, unit.label, self.device), unit.specs, unit.deviations)
 
     def finished(self, case: Case) -> None:
         done = self._open.pop(case.case_id, None)
