@@ -418,7 +418,7 @@ def _fuzz_run(o: Options, device: str, shard: Shard) -> FuzzRun:
     return FuzzRun(**_shared(o, device, shard, profile), op=op, examples=examples, isolate=isolate,
                    out=_opened(o.out), parts=parts, corpus=corpus, specs=o.specs, subject=subject,
                    deviations=deviations, conventions=tuple(subject.conventions), path=path, world_size=world_size,
-                   shrink=o.shrink, corpus_replay=shard.index == 0, covering=o.covering is not False)
+                   corpus_replay=shard.index == 0, covering=o.covering is not False)
 
 
 def _gate_run(o: Options, device: str, shard: Shard) -> GateRun:
@@ -443,7 +443,7 @@ def _gate_run(o: Options, device: str, shard: Shard) -> GateRun:
 def _shared(o: Options, device: str, shard: Shard, profile: Profile) -> dict[str, Any]:
     """The settings (`Run`'s fields) every kind of run takes from `o` alike."""
     return dict(device=device, shard=shard, profile=profile, seed=o.seed, timeout=_timeout(o), sandbox=o.sandbox,
-                baseline=o.baseline)
+                baseline=o.baseline, shrink=o.shrink)
 
 
 def _again(o: Options, log: Callable[[str], None]) -> Options:
