@@ -91,7 +91,10 @@ QUIET: Sink = _Quiet()
 class Campaign:
     """What one campaign searches: up to `examples` cases of `op` within `profile`, from `seed`.
     `findings`: the store failing cases are saved in (None: not saved); `block` > 1: each example
-    is a block of up to `block` cases (module doc); `examples` still counts cases."""
+    is a block of up to `block` cases (module doc); `examples` still counts cases. `covering`:
+    False draws without the op's covering set (`first_cases`): `examples` drawn cases and no
+    others, for benchmarks and tests of the harness's own mechanics (blocks, shards, options);
+    a run that skips it says so in its PASS line and meta.json (`runs.plan.Run.covering`)."""
 
     op: str
     profile: Profile
@@ -104,13 +107,15 @@ class Campaign:
     shrink: bool = True
     findings: Findings | None = None
     reruns: int = RERUNS
+    covering: bool = True
 
     def found_by(self) -> str:
         """The command that draws this campaign's cases again."""
         return (f"mla-verify fuzz --op {self.op}" + (f" --path {self.path}" if self.path else "")
                 + (f" --world-size {self.world_size}" if self.world_size else "") + f" --seed {self.seed}"
                 + "".join(f" --deviation {name}" for name in self.under_test.deviations)
-                + "".join(f" --convention {c}" for c in self.under_test.conventions))
+                + "".join(f" --convention {c}" for c in self.under_test.conventions)
+                + ("" if self.covering else " --no-covering-set"))
 
 
 class Discrepancy(Exception):
@@ -266,7 +271,7 @@ class _Search:
         # what is left of the budget after it, or the whole budget once a covering case failed.
         c = campaign
         self.cover = first_cases(c.op, c.profile, c.path, c.world_size, c.under_test.specs, c.under_test.device,
-                                 c.seed)
+                                 c.seed) if c.covering else []
         self.covering = {case.case_id for case in self.cover}
 
     def note(self, note: str) -> str:

@@ -151,6 +151,7 @@ def check(
     path: str | None = None,
     world_size: int | None = None,
     shrink: bool = True,
+    covering: bool | None = None,
     parallel: int | None = None,
     junit: str | Path | None = None,
     baseline: str | Path | None = None,
@@ -186,10 +187,10 @@ def check(
             (equivalence.judge.conventions): {"lse_base": 2, "empty_lse": "-inf", "max_logits_base": 2}
             or ["lse_base=2", ...]; its LSE and max_logits are converted once, as it returns them.
         path: forward_mqa's path, or a property's target. world_size: dcp's rank count (default 2).
-        shrink: minimize the first failing case. parallel: independent campaigns, one per GPU,
-            dealt round-robin past the GPU count, each with its share of the cores (default: every
-            GPU on cuda). junit: also write JUnit XML there. log: receives the
-            run's header line (the CLI prints it).
+        shrink: minimize the first failing case. covering: False skips the op's covering set (default: it runs
+            whole first, or as the baseline's did; the PASS line and meta.json say so; a gate always runs it).
+            parallel: independent campaigns, one per GPU, dealt round-robin past the GPU count, each with its
+            share of the cores (default: every GPU on cuda). junit: also JUnit XML there. log: hears the header.
         baseline: a run directory of the same op: seed, profile, examples and path default to the
             ones it recorded, so the campaign draws its cases again (`drift` then pairs them).
         shard: "I/N", "auto" (`runs.schedulers`) or a `runs.parts.Shard`: run only shard I of
@@ -205,9 +206,8 @@ def check(
             ...), before any case runs.
         HarnessError: mla-verify itself failed; the rows so far are written first.
     """
-    # Inside pytest, --mla-verify-profile/-examples/-device fill what the test left unset.
     __tracebackhide__ = True  # a pytest failure ends at the test's call
-    given = {**locals(), "ops": (op,), "device": resolve_device(default_device(device))}
+    given = {**locals(), "ops": (op,), "device": resolve_device(default_device(device))}  # pytest's options fill gaps
     given.update((name, DEFAULTS.get(name)) for name in ("examples", "profile", "seed", "corpus") if given[name] is None)
     if given["seed"] is None and baseline is None:  # under CI=true, the commit's seed (a baseline's own wins)
         given["seed"] = DEFAULTS.get("commit_seed")

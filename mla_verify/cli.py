@@ -322,6 +322,9 @@ def _add_fuzz_command(sub) -> None:
                    help="run directory: rows, meta, failing case files; must not hold a run "
                         "(default: a new runs/fuzz-OP-IMPL-TIME)")
     p.add_argument("--no-shrink", action="store_true", help="report the first failing case as found")
+    p.add_argument("--no-covering-set", dest="covering", action="store_false", default=None,
+                   help="draw N cases without the op's covering set (tests of the harness, benchmarks); the PASS "
+                        "line and meta.json say it was skipped (default: it runs whole first, or as --baseline ran)")
     p.add_argument("--junit", type=Path, default=None, metavar="FILE",
                    help="also write a JUnit XML report there for CI: one test case per op and implementation, "
                         "failed with its first failing row (default: none)")

@@ -167,12 +167,14 @@ def judged_where(meta: Mapping[str, Any]) -> str:
 def rerun_settings(meta: Mapping[str, Any]) -> dict[str, Any]:
     """What re-draws a run's cases: its first seed, profile, campaign count (parallel parts run
     seeds S, S+1, ...) and what it recorded in "extra" (examples, ops and --impl strings, or op and
-    path). Missing entries are None: a caller keeps its own default there."""
+    path, whether a fuzz run skipped its covering set). Missing entries are None: a caller keeps its
+    own default there."""
     extra = meta.get("extra") or {}
     seeds = meta.get("seeds") or []
     return {"seed": seeds[0] if seeds else None, "profile": meta.get("profile"),
             "campaigns": len(seeds) or None, "examples": extra.get("examples"), "ops": extra.get("ops"),
-            "op": extra.get("op"), "path": extra.get("path"), "impls": extra.get("impls")}
+            "op": extra.get("op"), "path": extra.get("path"), "impls": extra.get("impls"),
+            "covering": extra.get("covering_set")}
 
 
 def _gated(meta: Mapping[str, Any]) -> str:

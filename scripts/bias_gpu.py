@@ -38,6 +38,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--examples", type=int, default=120)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("runs/bias"))
+    p.add_argument("--no-covering-set", dest="covering", action="store_false",
+                   help="the N cases drawn alone (tests/test_bias.py on CPU); default: each op's covering set first")
     return p.parse_args(argv)
 
 
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             out = args.out / f"{op}-{impl}"
             shutil.rmtree(out, ignore_errors=True)
             result = api.check(op, impl, examples=args.examples, seed=args.seed, device=device, profile=profile,
-                               out=out, isolate=False, shrink=False, log=lambda line: print(line, flush=True))
+                               out=out, isolate=False, shrink=False, covering=args.covering,
+                               log=lambda line: print(line, flush=True))
             print(result.report(), flush=True)
             failed |= not result.passed
             runs[(op, impl)] = result.rows

@@ -24,6 +24,10 @@ from mla_verify.reports.drift import DRIFT, IMPROVED, PAIRED, UNPAIRED, compare
 from mla_verify.reports.significance import mean_interval, shift_interval, t_quantile, t_two_sided
 
 CASES, SEED = 60, 27
+# The draws alone (no covering set): gain10 sits at 0.98 of abs_mean_err's 1e-3 on the drawn regimes,
+# inside every bound; a flat-regime 128-head covering case adds its rounding lean and fails it (1.13e-3),
+# which is the bound doing its job, not what these tests are about.
+DRAWN = dict(covering=False)
 GAIN_FLOOR = next(m for m in BIAS_METRICS if m.name == "gain").floors["out"]
 
 
@@ -82,10 +86,11 @@ def test_t_intervals_match_the_tables():
 
 @pytest.fixture(scope="module")
 def twin(tmp_path_factory):
-    """The correct kernel's run: sparse_prefill, 60 cases of profile ci."""
+    """The correct kernel's run: sparse_prefill, 60 drawn cases of profile ci (its reruns against it
+    as a baseline draw alone too: meta.json says the covering set was skipped)."""
     out = tmp_path_factory.mktemp("bias") / "v1"
     assert api.check("sparse_prefill", "tests.impls.drifted:v1", examples=CASES, seed=SEED, device="cpu",
-                     profile="ci", out=out).passed
+                     profile="ci", out=out, **DRAWN).passed
     return out
 
 
@@ -97,7 +102,7 @@ def _metric(drift, tensor: str, metric: str) -> pd.Series:
 @pytest.mark.parametrize("kernel, tensor, metric", [("gain10", "out", "gain"), ("lse_offset", "lse", "bias_units")])
 def test_a_biased_kernel_is_flagged_against_its_correct_twin(twin, kernel, tensor, metric):
     run = api.check("sparse_prefill", f"tests.impls.drifted:{kernel}", device="cpu", baseline=twin)
-    assert run.passed and run.examples == CASES                       # inside every bound
+    assert run.passed and run.examples == CASES and not run.covering   # inside every bound, the twin's draws
     drift = api.drift(run, twin)
     assert drift.exit_code == 1
     m = _metric(drift, tensor, metric)
@@ -114,7 +119,7 @@ def test_a_biased_kernel_is_flagged_against_its_correct_twin(twin, kernel, tenso
 
 def test_a_reseeded_rerun_of_the_same_code_is_clean(twin):
     again = api.check("sparse_prefill", "tests.impls.drifted:v1", examples=CASES, seed=SEED + 1, device="cpu",
-                      profile="ci")
+                      profile="ci", **DRAWN)
     base, _ = api.load_run(twin)
     assert not api.drift(again, twin).drifted
     # with no case in common every group is judged unpaired, Welch's test on the bias metrics
@@ -148,19 +153,22 @@ def test_a_significant_shift_below_the_floor_is_not_drift(twin):
 def test_a_single_run_warns_of_bias_and_still_passes(twin, tmp_path, capsys):
     out = tmp_path / "gain10"
     assert main(["fuzz", "--op", "sparse_prefill", "--impl", "tests.impls.drifted:gain10", "--device", "cpu",
-                 "--examples", str(CASES), "--seed", str(SEED), "--profile", "ci", "--out", str(out)]) == 0
+                 "--examples", str(CASES), "--seed", str(SEED), "--profile", "ci", "--no-covering-set",
+                 "--out", str(out)]) == 0
     assert "\nwarning: BIAS sparse_prefill out [tests.impls.drifted:gain10]: gain +" in capsys.readouterr().out
     assert main(["report", str(out)]) == 0
     text = capsys.readouterr().out
     line = next(ln for ln in text.splitlines() if ln.startswith("warning: BIAS"))
     assert line.startswith("warning: BIAS sparse_prefill out [tests.impls.drifted:gain10]: gain +")
-    assert re.search(r"± \S+ \(t interval at 0.99\) over 5\d cases, floor 1.22e-04$", line)  # gain-less cases left out
+    over = re.search(r"± \S+ \(t interval at 0.99\) over (\d+) cases, floor 1.22e-04$", line)
     page = (out / "report.html").read_text()
     assert 'class="banner warn"' in page and 'id="plot-bias"' in page and 'id="bias"' in page
     assert main(["report", str(twin)]) == 0
     assert "warning: BIAS" not in capsys.readouterr().out
     frame, _ = reports.load_run(out)
     assert frame[["gain", "gain_se", "bias_units"]].notna().any().all()   # stored in the run's rows
+    gained = frame[(frame["tensor"] == "out") & frame["gain"].notna()]
+    assert over and int(over.group(1)) == gained["case_id"].nunique()    # the cases with a gain, no others
     table = bias_of(frame).table
     assert set(table.loc[table["finding"] == BIASED, "metric"]) == {"gain"}
 
@@ -176,7 +184,7 @@ def test_the_gpu_lanes_bias_table_runs_on_cpu(tmp_path, capsys):
     finally:
         sys.path.pop(0)
     assert bias_gpu.main(["--device", "cpu", "--op", "sparse_prefill", "--impl", "torch-fp32", "--impl", "triton",
-                          "--examples", "6", "--out", str(tmp_path)]) == 0
+                          "--examples", "6", "--no-covering-set", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "bias.md").read_text()
     assert table in capsys.readouterr().out                                   # printed, and written
     lines = table.splitlines()

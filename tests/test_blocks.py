@@ -114,7 +114,7 @@ def test_a_call_writing_a_later_case_s_inputs_fails_that_case_and_the_reference_
 def test_a_block_campaign_saves_and_shrinks_the_one_failing_case(tmp_path):
     subject = resolve_subject("sparse_decode_fp8", [KERNEL], "cpu")
     campaign = Campaign("sparse_decode_fp8", get_profile("ci"), 40, 2, UnderTest((KERNEL,)), block=4,
-                        findings=Findings(tmp_path))
+                        findings=Findings(tmp_path), covering=False)  # covering cases run one at a time: drawn blocks only
     result = fuzz(campaign, lambda cs, s, on_call: evaluate_block(cs, subject, "cpu", source=s, on_call=on_call))
     assert result.failure is not None and result.shrunk and result.flaky is None
     assert result.examples % 4 == 0 or result.examples == 40  # whole blocks counted case by case
@@ -141,7 +141,8 @@ def test_blocks_count_cases_and_call_on_call_once_a_case():
             started.append(case.case_id)
 
     started = []
-    result = fuzz(Campaign("sparse_decode_fp8", get_profile("ci"), 10, 1, block=4), run_block, Told("told", 10))
+    result = fuzz(Campaign("sparse_decode_fp8", get_profile("ci"), 10, 1, block=4, covering=False), run_block,
+                  Told("told", 10))
     assert blocks == [4, 4, 2] and result.examples == 10 and len(calls) == 10
     assert started == [c for c in dict.fromkeys(r.case_id for r in result.rows)]  # journaled in call order
 

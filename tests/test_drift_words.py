@@ -71,11 +71,15 @@ def test_rounding_p_to_bf16_reads_worse_with_the_numbers_behind_it(runs, capsys)
     assert (out["word"], out["mode"], lse["word"]) == ("worse", PAIRED, "unchanged") and out["paired_cases"] >= CASES - 1
     assert drift.exit_code == 0 and not drift.drifted                 # worse never fails by default
     units = drift.metrics[(drift.metrics["tensor"] == "out") & (drift.metrics["metric"] == "bf16_units")].iloc[0]
-    assert units["finding"] == "worse" and 1.0 <= units["ratio"] < 1.1  # the median case barely moves: the tail does
+    assert units["finding"] == "worse" and units["ratio"] >= 1.0        # the median case moves up, if at all
     assert units["moved_up"] >= 10 and units["moved_down"] == 0 and units["p_moved"] < 0.01
     line = next(ln for ln in drift.lines() if ln.startswith("  worse: "))
     print(line)
-    assert re.match(r"  worse: out bf16_units p99 1 -> \d+\.\d+ \(x\d+\.\d+\), median x1(\.0\d)?, abs_bias p90 x\d", line)
+    # the tail moves most: on drawn cases the median barely moved (x1.0x); the covering set's flat rows
+    # of hundreds of keys, where bf16 weights lose most, move it too (seed 7: p99 x1.75, median x1.29)
+    tail, median = re.match(r"  worse: out bf16_units p99 1 -> \d+\.\d+ \(x(\d+\.\d+)\), median x(\d+(?:\.\d+)?), "
+                            r"(?:.*, )?abs_bias p90 x\d", line).groups()
+    assert float(tail) > float(median) and float(median) == pytest.approx(units["ratio"], abs=0.01)
     assert drift.verdict.startswith("WORSE in 1 group within the factor, 2 compared (2 paired, 0 unpaired; 1 worse, 1 unchanged")
     assert api.drift(runs["v2"], runs["v1"], fail_on="worse").exit_code == 1
     report = build_report(*api.load_run(runs["v2"]), api.load_run(runs["v1"]))

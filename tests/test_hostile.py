@@ -17,6 +17,8 @@ from mla_verify.cli import main
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
 from mla_verify.equivalence.blocks import Judging
+from mla_verify.equivalence.cases.profiles import get_profile
+from mla_verify.fuzz.campaign import first_cases
 from tests.hostile import CPU
 from tests.isolated import judged
 
@@ -418,9 +420,11 @@ def test_a_racy_kernel_returning_its_static_buffer_fails_determinism_and_a_corre
     result = check(op, {"sparse_prefill": "tests.hostile.cpu:static_prefill_racy"}, examples=4, seed=1,
                    profile="ci", device="cpu", path="sparse_prefill", shrink=False)
     assert not result.passed  # padding_and_order's permuted call no longer compares a buffer with itself
+    # fp8_separate calls the prefill once a workspace chunk, each into the same buffer (fp8_mixed_dcp,
+    # tried here before, never calls it: NO VERDICT since issue 47)
     result = check("forward_mqa", {"sparse_prefill": "tests.hostile.cpu:static_prefill"}, examples=2, seed=1,
-                   profile="ci", device="cpu", path="fp8_mixed_dcp")
-    assert result.passed, result.report()  # every rank's prefill into the same buffer
+                   profile="ci", device="cpu", path="fp8_separate")
+    assert result.passed, result.report()
 
 
 def test_isolation_is_the_default_on_cpu_and_an_in_process_pass_says_so(capsys, tmp_path):
@@ -436,7 +440,9 @@ def test_isolation_is_the_default_on_cpu_and_an_in_process_pass_says_so(capsys, 
         assert proc.returncode == code, text
         assert json.loads((tmp_path / out / "meta.json").read_text())["extra"]["isolated"] is (not flags)
     assert "differ bit for bit" in (tmp_path / "isolated" / "rows.csv").read_text()
-    assert f"PASS ({IN_PROCESS}): 3 examples" in text
+    cover = first_cases("quantize_fp8_ds_mla", get_profile("ci"), None, None, ("tests.hostile.cpu:loosens_the_bounds",),
+                        "cpu", 1)  # runs whole, the draws fill the rest of 3
+    assert f"PASS ({IN_PROCESS}): {max(3, len(cover))} examples" in text
     code, text = run(capsys, "report", tmp_path / "in-process")
     assert code == 0 and f"PASS ({IN_PROCESS}): " in text and "PASS: " not in text
     code, text = run(capsys, "report", _finished_run(capsys, tmp_path / "named"))  # isolated by default
@@ -459,7 +465,8 @@ def test_check_isolates_a_named_implementation_and_says_when_it_judged_a_callabl
     assert not named.passed and not named.in_process  # judged in this process, the kernel in a worker
     local = check("quantize_fp8_ds_mla", lambda kv, scale_rule="pow2": cpu.eager.quantize_fp8_ds_mla(kv, scale_rule),
                   examples=2, seed=1, profile="ci", device="cpu")
-    assert local.passed and local.in_process and f"PASS ({IN_PROCESS}): 2 examples" in local.report()
+    cover = first_cases("quantize_fp8_ds_mla", get_profile("ci"), None, None, ("local",), "cpu", 1)
+    assert local.passed and local.in_process and f"PASS ({IN_PROCESS}): {max(2, len(cover))} examples" in local.report()
 
 
 def test_a_kernel_changing_global_state_fails_its_case_and_nothing_after_it_inherits_the_change(tmp_path,

@@ -173,12 +173,17 @@ def concat_doubles_rope(ql_nope, q_pe):
     return torch.cat([ql_nope, q_pe * 2], dim=-1)
 
 
+def concat_doubles_rope_past_64_tokens(ql_nope, q_pe):
+    return torch.cat([ql_nope, torch.cat([q_pe[:64], q_pe[64:] * 2])], dim=-1)
+
+
 def test_a_finding_left_unminimized_says_how_to_minimize_it(tmp_path):
-    """A budget the covering set fills (2 examples of concat_mla_q's 3 covering cases) draws nothing to
-    shrink: the failure says so, and how many examples would."""
-    result = api.check("concat_mla_q", "tests.test_mismatch:concat_doubles_rope", examples=2, device="cpu", profile="ci",
-                       seed=1, out=tmp_path / "run")
+    """A failure only a covering case shows (its 65 tokens; ci draws at most a few) is never shrunk:
+    the draws after it find none to shrink. The failure says so, and how many examples draw on."""
+    result = api.check("concat_mla_q", "tests.test_mismatch:concat_doubles_rope_past_64_tokens", examples=2,
+                       device="cpu", profile="ci", seed=1, out=tmp_path / "run")
     assert not result.passed and not result.failure.minimized
     report = result.report()
     assert "case (as found, not minimized)" in report and "not minimized: it is a covering case" in report
+    assert "the 2 examples drawn after it found no failure to shrink" in report, report
     assert "(--examples 10) draw on until one fails, and minimize it" in report, report

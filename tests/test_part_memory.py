@@ -41,8 +41,9 @@ def test_a_judge_out_of_memory_once_waits_and_judges_the_block(monkeypatch, isol
 def test_a_case_that_never_fits_is_a_counted_row_not_a_harness_error(monkeypatch, capsys, tmp_path):
     """Never failed, never exit 3; a run whose every case went unjudged is NO VERDICT (exit 4), no pass."""
     _failing_reference(monkeypatch, None)
+    # three drawn cases (the gate below runs the covering set: 31 cases, every one unjudged)
     result = mla_verify.check("sparse_decode_fp8", "torch-fp32", examples=3, seed=3, profile="ci", device="cpu",
-                              isolate=False)
+                              isolate=False, covering=False)
     rows = result.rows
     assert not result.failures and len(rows) and (rows.gate_metric == FailureKind.NOT_JUDGED).all()
     assert not result.passed and result.exit_code == 4 and "nothing was judged" in result.no_verdict

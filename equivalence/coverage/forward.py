@@ -33,13 +33,16 @@ SPLIT = tuple(f"split: {side}" for side in SIDES["split"])
 BATCH = ("batch > 1", "> 64 tokens", "two or more prefill requests", "spec decodes (s_q > 1) of several requests",
          "row with no valid index", "only the decodes of a mixed batch through forward_mqa") + DEGENERATE
 DECODE_TOPK = tuple(f"decode_topk: {side}" for side in SIDES["decode_topk"])
+# concat_mla_q is a stage of forward_mqa only where q comes as its two halves: a campaign replacing
+# it is judged on these cases (without one, NO VERDICT: the stage was never called)
+Q_TUPLE = "q handed as (ql_nope, q_pe): concat_mla_q called"
 CHUNKED = ("two or more prefill requests in one workspace chunk", "a chunk of two or more requests ending mid-batch",
            "a zero-length request among the prefills (its workspace start repeated)")
 PATH_FEATURES = {
-    "bf16": SPLIT + BATCH,
-    "fp8_mixed": SPLIT + BATCH + DECODE_TOPK + ("raw (non-power-of-two) scales",),
+    "bf16": SPLIT + BATCH + (Q_TUPLE,),
+    "fp8_mixed": SPLIT + BATCH + DECODE_TOPK + ("raw (non-power-of-two) scales", Q_TUPLE),
     "fp8_separate": SPLIT + BATCH + DECODE_TOPK + tuple(f"chunks: {side}" for side in SIDES["chunks"]) + CHUNKED
-    + ("raw (non-power-of-two) scales",),
+    + ("raw (non-power-of-two) scales", Q_TUPLE),
     "fp8_mixed_dcp": ("split: all decodes", "split: all prefills", "split: decodes + prefills") + BATCH + DECODE_TOPK
     + tuple(f"dcp_empty: {side}" for side in SIDES["dcp_empty"]) + ("raw (non-power-of-two) scales",),
 }
@@ -59,7 +62,8 @@ def _batch(rng: random.Random, p: Profile, dtype: str, heads: int, qlens: list[i
 
 def _forward_templates(rng: random.Random, p: Profile, path: str) -> list[dict]:
     """A path's templates: decodes with padding requests, decodes with a merged and a short
-    prefill past 64 tokens, all prefills (the first past the threshold), and on the separate path
+    prefill past 64 tokens, all prefills (the first past the threshold; q as its two halves off the DCP
+    path, which takes it whole), and on the separate path
     prefills in one, two and three or more workspace chunks."""
     dtype = "bfloat16" if path == "bf16" else "fp8_ds_mla"
     low = [h for h in p.mqa_heads if h in (8, 16)] or [16]
@@ -73,7 +77,7 @@ def _forward_templates(rng: random.Random, p: Profile, path: str) -> list[dict]:
         # Zero q rows (tied logits) among random ones, in decodes and prefills alike.
         _batch(rng, p, dtype, heads, [s, s, 0, s, s + 2, 66], 128, max_decode_query_len=s, **quant, **dcp,
                value_regime="degenerate"),
-        _batch(rng, p, dtype, heads, [129, 3], 128, **dcp),
+        _batch(rng, p, dtype, heads, [129, 3], 128, **dcp, **({} if dcp else {"q_form": "tuple"})),
         # Dense MHA takes the prefills: q holds the decodes alone.
         _batch(rng, p, dtype, heads, [1, 1, 3, 2], 128, mqa="decodes", **dcp),
     ]
@@ -113,7 +117,7 @@ def _unrestricted_templates(rng: random.Random, p: Profile) -> list[dict]:
     empty = _batch(rng, p, "fp8_ds_mla", rng.choice(low), [2, 2, 2, 0, 0], 64, max_decode_query_len=2, **quant, **dcp,
                    value_regime="degenerate")
     empty["context_lens"] = [rng.randint(0, 1) for _ in range(5)]
-    prefills = _batch(rng, p, "fp8_ds_mla", 32, [129, 3], 128)
+    prefills = _batch(rng, p, "fp8_ds_mla", 32, [129, 3], 128, q_form="tuple")
     prefills["workspace_size"] = max(c + n for c, n in zip(prefills["context_lens"], [129, 3]))
     return [spec, empty, prefills,
             _batch(rng, p, "bfloat16", rng.choice(low), [1, 1, 3, 2], 128, mqa="decodes"),
@@ -169,6 +173,7 @@ def _forward_hits(p, kw: dict) -> set[str]:
         ("spec decodes (s_q > 1) of several requests", sum(1 < n for n in lens[:num_decodes]) > 1),
         ("row with no valid index", bool((idx[:qsl[-1]] < 0).all(-1).any())),
         ("only the decodes of a mixed batch through forward_mqa", _rows(b.q) < qsl[-1] and num_decodes < len(lens)),
+        (Q_TUPLE, isinstance(b.q, tuple)),
     ) if yes}
     if "only the decodes of a mixed batch through forward_mqa" in hit:  # the unrestricted draw asks it of both caches
         hit.add(f"only the decodes of a mixed batch through forward_mqa: {cfg['kv_cache_dtype']} cache")

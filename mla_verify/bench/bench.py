@@ -319,7 +319,8 @@ def _evaluated(case, subject, device: str, count: int) -> dict[str, float]:
 
 def _throughput(subject, device: str, profile, examples: int, block: int, isolated: bool = False, seed: int = 3,
                 ready=lambda: None) -> dict:
-    """A fuzz campaign of sparse_decode_fp8 cases (no shrinking) in blocks of `block`, judged in
+    """A fuzz campaign of `examples` drawn sparse_decode_fp8 cases (no shrinking, no covering set:
+    its cases run one at a time, whatever the block) in blocks of `block`, judged in
     this process or (`isolated`) produced in an isolation worker, started and warmed up before
     the clock starts (`ready()` just before), and judged here: cases/s and the time per case
     split into drawing it, the reference, the kernel and the rest (inputs, snapshots, judging;
@@ -348,7 +349,8 @@ def _throughput(subject, device: str, profile, examples: int, block: int, isolat
     try:
         ready()
         start = time.perf_counter()
-        result = fuzz(Campaign("sparse_decode_fp8", profile, examples, seed, block=block, shrink=False), run_block)
+        result = fuzz(Campaign("sparse_decode_fp8", profile, examples, seed, block=block, shrink=False, covering=False),
+                      run_block)
         elapsed = time.perf_counter() - start
     finally:
         judging.close()

@@ -81,7 +81,8 @@ def _check_result(run: FuzzRun, fz: FuzzResult, frame, notes: list[str], seed: i
                        not failures and not silent and fz.stopped != Stop.INTERRUPTED and bool(frame.passed.all()),
                        frame, seed, fz.examples, run.out.path if run.out else None, failures,
                        interrupted=fz.stopped == Stop.INTERRUPTED, notes=notes, in_process=run.in_process,
-                       sandbox=sandbox, never_called=_never_judged(run.op, silent, f"these {fz.examples} cases"))
+                       sandbox=sandbox, covering=run.covering,
+                       never_called=_never_judged(run.op, silent, f"these {fz.examples} cases"))
 
 
 def _never_judged(op: str, stages: list[str], cases: str) -> str:

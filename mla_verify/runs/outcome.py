@@ -119,6 +119,7 @@ class CheckResult:
     in_process: bool = False        # judged in the implementation's own process (--no-isolate, a callable object)
     sandbox: str = ""               # isolated: what its workers stood behind ("sandbox auto: ...", sandbox.boundary)
     never_called: str = ""          # the replaced stages no case called (runs.driver): nothing judged what was asked
+    covering: bool = True           # the op's covering set ran first (False: the draws alone, --no-covering-set)
 
     def __post_init__(self) -> None:
         if self.no_verdict:
@@ -176,7 +177,9 @@ class CheckResult:
             judged = f" ({IN_PROCESS})" if self.in_process else ""
             fence = f"; {self.sandbox}" if self.sandbox else ""
             reach = f"; reached {where}" if (where := reached(self.rows)) else ""
-            lines.append(f"PASS{judged}: {self.examples} examples{over}, no discrepancy ({seeds}){_headroom(self.rows)}"
+            drawn = "" if self.covering else " drawn, the covering set skipped (--no-covering-set)"
+            lines.append(f"PASS{judged}: {self.examples} examples{drawn}{over}, no discrepancy ({seeds})"
+                         f"{_headroom(self.rows)}"
                          f"{reach}{fence}")
         if self.unsupported:
             first = self.rows[self.rows.gate_metric == FailureKind.UNSUPPORTED].reason.iloc[0]

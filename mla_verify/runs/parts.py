@@ -239,4 +239,4 @@ def check_in_parts(run, log):
     rows = conform(frame) if len(frame) else rows_frame([])
     return CheckResult(run.op, run.label, passed, rows, campaigns[0][0], examples, run.out.path if run.out else None,
                        failures, interrupted=interrupted, notes=notes, campaigns=len(campaigns),
-                       in_process=run.in_process, sandbox=sandbox)
+                       in_process=run.in_process, sandbox=sandbox, covering=run.covering)

@@ -148,6 +148,7 @@ class FuzzRun(Run):
     path: str | None = None
     world_size: int | None = None
     corpus_replay: bool = True            # this part replays the corpus (a fuzz run's first part only)
+    covering: bool = True                 # the op's covering set runs first (False: the draws alone, said so)
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -186,12 +187,13 @@ class FuzzRun(Run):
     def _options(self) -> dict[str, Any]:
         return {"op": self.op, "impl": list(self.specs), "path": self.path, "world_size": self.world_size,
                 "deviations": list(self.deviations), "conventions": list(self.conventions), "shrink": self.shrink,
-                "campaigns": self.shard.count * self.parts}
+                "covering_set": self.covering, "campaigns": self.shard.count * self.parts}
 
     def _meta(self) -> tuple[list[int], dict[str, Any]]:
         return [s for s, _ in self.campaigns], {
             "op": self.op, "examples": sum(n for _, n in self.campaigns), "path": self.path,
-            "isolated": not self.in_process, "deviations": list(self.deviations), "conventions": list(self.conventions)}
+            "isolated": not self.in_process, "deviations": list(self.deviations), "conventions": list(self.conventions),
+            "covering_set": self.covering}
 
     def part(self, slot: Shard, index: int, root: Path) -> "FuzzRun":
         """The Run of one part, the whole campaign of its slot's seed and examples, in ROOT/part-INDEX."""
@@ -212,8 +214,9 @@ class FuzzRun(Run):
         ranks = ""
         if self.world_size:
             ranks = f", {self.world_size} ranks ({dcp_ranks.placement(self.world_size, self.device_type).describe()})"
-        return (f"mla-verify fuzz: op {self.op}, implementation {self.label}, {self.examples} examples or the whole "
-                f"covering set, profile "
+        budget = (f"{self.examples} examples or the whole covering set" if self.covering
+                  else f"{self.examples} examples drawn, the covering set skipped (--no-covering-set)")
+        return (f"mla-verify fuzz: op {self.op}, implementation {self.label}, {budget}, profile "
                 f"{self.profile.name}, device {self.device}, seed {self.seed}{ranks}{', isolated' if self.isolate else ''}"
                 f"{where}" + (f"; the cases of baseline {self.baseline}" if self.baseline is not None else "")
                 + ("" if self.shard.whole else f"; shard {self.shard} of {self.shard.count * self.parts} campaigns: "
@@ -230,6 +233,7 @@ class GateRun(Run):
 
     command: ClassVar[str] = GATE
     stops_when_lost: ClassVar[bool] = False
+    covering: ClassVar[bool] = True       # every campaign runs its covering set first (fuzz may skip it)
     ops: tuple[str, ...] = ()             # what was asked (empty: every op and property)
     impls: tuple[str, ...] = ()           # OP=SPEC / STAGE=SPEC it is restricted to (runs.selection)
     durations: dict[str, float] | None = None  # each unit's seconds last time (runs.durations); None: not asked
@@ -319,6 +323,7 @@ class Options:
     path: str | None = None
     world_size: int | None = None
     shrink: bool = True
+    covering: bool | None = None                  # fuzz: False skips the covering set (None: run it, or as the baseline did)
     parallel: int | None = None
     shard: Any = None                             # "I/N" or a Shard
     baseline: Path | None = None
@@ -413,7 +418,7 @@ def _fuzz_run(o: Options, device: str, shard: Shard) -> FuzzRun:
     return FuzzRun(**_shared(o, device, shard, profile), op=op, examples=examples, isolate=isolate,
                    out=_opened(o.out), parts=parts, corpus=corpus, specs=o.specs, subject=subject,
                    deviations=deviations, conventions=tuple(subject.conventions), path=path, world_size=world_size,
-                   shrink=o.shrink, corpus_replay=shard.index == 0)
+                   corpus_replay=shard.index == 0, covering=o.covering is not False)
 
 
 def _gate_run(o: Options, device: str, shard: Shard) -> GateRun:
@@ -438,7 +443,7 @@ def _gate_run(o: Options, device: str, shard: Shard) -> GateRun:
 def _shared(o: Options, device: str, shard: Shard, profile: Profile) -> dict[str, Any]:
     """The settings (`Run`'s fields) every kind of run takes from `o` alike."""
     return dict(device=device, shard=shard, profile=profile, seed=o.seed, timeout=_timeout(o), sandbox=o.sandbox,
-                baseline=o.baseline)
+                baseline=o.baseline, shrink=o.shrink)
 
 
 def _again(o: Options, log: Callable[[str], None]) -> Options:
@@ -459,7 +464,8 @@ def _again(o: Options, log: Callable[[str], None]) -> Options:
         raise UsageError(f"baseline {o.baseline} holds no rows of {op} (it ran {', '.join(sorted(ran))}): "
                          "nothing comparable")
     return replace(o, seed=seed, profile=profile, examples=examples, path=o.path or again["path"],
-                   parallel=o.parallel or again["campaigns"])
+                   parallel=o.parallel or again["campaigns"],
+                   covering=again["covering"] is not False if o.covering is None else o.covering)
 
 
 def open_corpus(directory: str | Path | None) -> str | None:

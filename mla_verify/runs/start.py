@@ -159,7 +159,7 @@ def _ready(run: FuzzRun | GateRun, mine: list[Unit], started: Started) -> list[R
         replays = ([(k.case, Replay.KEPT, k.path.name) for k in unit.kept]
                    + [(c, Replay.PINNED, why) for c, why in _pinned(unit)])
         campaigns = [Campaign(unit.op, run.profile, budget, seed, tested, path, run.ranks(spec),
-                              block_size(run.profile, budget), run.shrink, findings)
+                              block_size(run.profile, budget), run.shrink, findings, covering=run.covering)
                      for path in unit.campaigns(subject)]
         judge = unit_judge(subject, started.judging, context, started.sink if run.stops_when_lost else None)
         readies.append(Ready(unit, tested, findings, tuple(replays), judge, tuple(campaigns)))
