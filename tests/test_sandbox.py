@@ -281,15 +281,14 @@ def dies_behind_namespaces(conn, device: str, sandbox: str = "off", judge: int =
     serve_module.serve(conn, device, sandbox, judge, no_namespaces)
 
 
-def test_a_worker_that_cannot_start_behind_the_namespaces_keeps_the_other_layers(monkeypatch, tmp_path):
+def test_a_worker_that_cannot_start_behind_the_namespaces_keeps_the_other_layers():
     """auto steps down one rung at a time: a worker that dies before it says ready behind the
     namespaces is started again without them (session, no_new_privs, landlock and seccomp still
     held, the namespaces missing with the reason), not without the whole sandbox."""
     if (why := _user_namespaces()) is not None:
         print(f"skipped: this host gives no unprivileged user namespace ({why})")
         pytest.skip(f"no unprivileged user namespace here: {why}")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    worker = Worker("cpu", dies_behind_namespaces, 10.0)
+    worker = Worker("cpu", dies_behind_namespaces, 10.0)  # forked by this process's fork server, from its TMPDIR
     try:
         fence = worker.start()
         assert not worker.fell_back and fence.mode == "auto", worker.summary()
