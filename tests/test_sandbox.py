@@ -281,14 +281,15 @@ def dies_behind_namespaces(conn, device: str, sandbox: str = "off", judge: int =
     serve_module.serve(conn, device, sandbox, judge, no_namespaces)
 
 
-def test_a_worker_that_cannot_start_behind_the_namespaces_keeps_the_other_layers():
+def test_a_worker_that_cannot_start_behind_the_namespaces_keeps_the_other_layers(tmp_path, monkeypatch):
     """auto steps down one rung at a time: a worker that dies before it says ready behind the
     namespaces is started again without them (session, no_new_privs, landlock and seccomp still
     held, the namespaces missing with the reason), not without the whole sandbox."""
     if (why := _user_namespaces()) is not None:
         print(f"skipped: this host gives no unprivileged user namespace ({why})")
         pytest.skip(f"no unprivileged user namespace here: {why}")
-    worker = Worker("cpu", dies_behind_namespaces, 10.0)  # forked by this process's fork server, from its TMPDIR
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the spawned worker's scratch, where its judge looks
+    worker = Worker("cpu", dies_behind_namespaces, 10.0, start="spawn")
     try:
         fence = worker.start()
         assert not worker.fell_back and fence.mode == "auto", worker.summary()
