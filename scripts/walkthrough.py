@@ -61,8 +61,9 @@ def _start(cwd: Path, command: str):
     return finished
 
 
-def blocks() -> dict[str, str]:
-    """Each block's text, from running the walkthrough in a fresh directory."""
+def runs() -> dict[str, list[tuple[int, str, str]]]:
+    """Each block's commands, run as the walkthrough runs them in a fresh directory: (exit code,
+    "$ COMMAND", what it printed) each (tests/test_examples.py reads the exit codes too)."""
     with tempfile.TemporaryDirectory(prefix="mla-verify-walkthrough-") as tmp:
         cwd = Path(tmp) / "mykernels"
         cwd.mkdir()
@@ -73,16 +74,40 @@ def blocks() -> dict[str, str]:
             "mla-verify fuzz --op sparse_prefill --impl my_kernel:sparse_prefill_v0 --profile ci --seed 1",
             "mla-verify fuzz --op sparse_prefill --impl my_kernel:sparse_prefill --profile ci --seed 1",
             "pytest --mla-verify-profile ci"))
-        found = {"list": listed()[2].split("  implementations (--impl NAME):")[0] + "...\n"}
-        code, shown, out = draft()
-        found["fuzz"] = shown + out + f"$ echo $?\n{code}\n"
+        found = {"list": [listed()], "fuzz": [draft()]}
+        out = found["fuzz"][0][2]
         replay = next(line.split("replay: ", 1)[1] for line in out.splitlines() if line.startswith("  replay: "))
         replays = [_start(cwd, command)
                    for command in (replay, replay.replace("my_kernel:sparse_prefill_v0", "my_kernel:sparse_prefill"))]
-        found["replay"] = "".join(shown + out for _, shown, out in [r() for r in replays] + [fixed()])
-        _, shown, out = pytest()
-        found["pytest"] = shown + out
+        found["replay"] = [r() for r in replays] + [fixed()]
+        found["pytest"] = [pytest()]
+    return found
+
+
+def blocks(ran: dict[str, list[tuple[int, str, str]]] | None = None) -> dict[str, str]:
+    """Each block's text, from `ran` (default: running the walkthrough now, `runs`)."""
+    ran = runs() if ran is None else ran
+    code, shown, out = ran["fuzz"][0]
+    found = {"list": ran["list"][0][2].split("  implementations (--impl NAME):")[0] + "...\n",
+             "fuzz": shown + out + f"$ echo $?\n{code}\n",
+             "replay": "".join(shown + out for _, shown, out in ran["replay"]),
+             "pytest": "".join(shown + out for _, shown, out in ran["pytest"])}
     return {name: f"```\n{text}```\n" for name, text in found.items()}
+
+
+def stale(text: str, found: dict[str, str]) -> str | None:
+    """Where README.md's `text` differs from the `found` blocks (masked), as the first differing
+    line of the first such block; None where every block holds what its commands print."""
+    for name, block in found.items():
+        start, stop = region(text, name)
+        if masked(text[start:stop]) != masked(block):
+            old_lines, new_lines = masked(text[start:stop]).splitlines(), masked(block).splitlines()
+            first = next((i for i, (a, b) in enumerate(zip(old_lines, new_lines)) if a != b),
+                         min(len(old_lines), len(new_lines)))
+            return (f"README.md's walkthrough block {name!r} is out of date at its line {first + 1}: run {COMMAND}\n"
+                    f"  README:  {old_lines[first] if first < len(old_lines) else '(ends)'}\n"
+                    f"  printed: {new_lines[first] if first < len(new_lines) else '(ends)'}")
+    return None
 
 
 def _markers(name: str) -> tuple[str, str]:
@@ -106,19 +131,18 @@ def masked(text: str) -> str:
 
 def main(argv: list[str]) -> int:
     text = README.read_text()
-    new = text
-    for name, block in blocks().items():
-        start, stop = region(new, name)
-        if "--check" in argv and masked(new[start:stop]) != masked(block):
-            old_lines, new_lines = masked(new[start:stop]).splitlines(), masked(block).splitlines()
-            first = next((i for i, (a, b) in enumerate(zip(old_lines, new_lines)) if a != b),
-                         min(len(old_lines), len(new_lines)))
-            print(f"README.md's walkthrough block {name!r} is out of date at its line {first + 1}: run {COMMAND}\n"
-                  f"  README:  {old_lines[first] if first < len(old_lines) else '(ends)'}\n"
-                  f"  printed: {new_lines[first] if first < len(new_lines) else '(ends)'}", file=sys.stderr)
+    found = blocks()
+    if "--check" in argv:
+        problem = stale(text, found)
+        if problem:
+            print(problem, file=sys.stderr)
             return 1
+        return 0
+    new = text
+    for name, block in found.items():
+        start, stop = region(new, name)
         new = new[:start] + block + new[stop:]
-    if "--check" not in argv and new != text:
+    if new != text:
         README.write_text(new)
         print("README.md: walkthrough blocks rewritten")
     return 0

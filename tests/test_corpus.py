@@ -193,42 +193,44 @@ def test_gate_impl_with_a_corpus_fails_keeps_replays_first_and_passes_once_fixed
 
 
 EPILOGUE = "sparse_prefill=tests.impls.epilogue:sparse_prefill"  # a truncating bf16 epilogue
+# Two stages of a kernel repository that only the HiSparse paths call (seconds a gate, where the
+# forward_mqa paths through concat_mla_q or sparse_prefill take half a minute each): the valid counts
+# one short (both HiSparse paths), and every prefill chunk gathered as the first (fp8 HiSparse only).
+PLACE = "hisparse_place=tests.zoo.hisparse:counts_off_by_one"
+GATHER = "gather_fp8_prefill=tests.zoo.hisparse:request_start_ignored"
 
 
 @pytest.fixture(scope="module")
-def two_kernels(tmp_path_factory):
-    """A kernel repository keeps the findings of two kernels in one corpus, each gated alone (seed 1,
-    one example a campaign): first its concat_mla_q (RoPE doubled), then its sparse_prefill (a bf16
-    epilogue that truncates), which also writes JUnit."""
-    root = tmp_path_factory.mktemp("two_kernels")
-    with pytest.MonkeyPatch.context() as patch:
-        concat = f"concat_mla_q={kernel(root, patch, 2)}"
-        settings = dict(device="cpu", examples=1, seed=1, isolate=False, corpus=root / "C")
-        alone = mla_verify.gate(impl=[concat], ops=["concat_mla_q", "forward_mqa"], out=root / "concat", **settings)
-        kept = sorted((root / "C").iterdir())
-        epilogue = mla_verify.gate(impl=[EPILOGUE], ops=["sparse_prefill", "forward_mqa"], out=root / "epilogue",
-                                   junit=root / "epilogue.xml", **settings)
-    return root, concat, alone, kept, epilogue
+def epilogue_gate(tmp_path_factory):
+    """A kernel repository's sparse_prefill (a bf16 epilogue that truncates) gated alone (seed 1,
+    one example a campaign), writing JUnit."""
+    root = tmp_path_factory.mktemp("epilogue")
+    epilogue = mla_verify.gate(impl=[EPILOGUE], ops=["sparse_prefill", "forward_mqa"], out=root / "epilogue",
+                               junit=root / "epilogue.xml", device="cpu", examples=1, seed=1, isolate=False,
+                               corpus=root / "C")
+    return root, epilogue
 
 
-def test_kept_cases_are_replayed_whenever_the_gate_names_their_implementations(two_kernels, monkeypatch):
+def test_kept_cases_are_replayed_whenever_the_gate_names_their_implementations(tmp_path):
     """Issue 50 item 1: a case kept by a gate of one kernel (its forward_mqa finding names that one
     stage) was matched by the exact --impl strings, so a gate naming both kernels replayed none of
     them and said nothing. Now it is keyed by what it exercises and replayed; a gate that names
-    another kernel says how many it left."""
-    root, concat, alone, kept, epilogue = two_kernels
-    assert alone.failed and epilogue.failed
+    another kernel says how many it left. One corpus keeps the findings of two stages, each gated
+    alone (seed 1, one example a campaign), then both together."""
+    settings = dict(device="cpu", examples=1, isolate=False, corpus=tmp_path / "C", ops=["forward_mqa"])
+    alone = mla_verify.gate(impl=[PLACE], seed=1, out=tmp_path / "place", **settings)
+    kept = sorted((tmp_path / "C").iterdir())
+    other = mla_verify.gate(impl=[GATHER], seed=1, out=tmp_path / "gather", **settings)
+    assert alone.failed and other.failed
     pipeline = [k for k in kept if casefile.load(k).case.op == "forward_mqa"]
-    assert pipeline and all(casefile.load(k).impl == (concat,) for k in pipeline)
-    # the epilogue's gate judges forward_mqa but not concat_mla_q: it leaves the kept forward_mqa cases
+    assert pipeline and all(casefile.load(k).impl == (PLACE,) for k in pipeline)
+    # the gather's gate judges forward_mqa but not hisparse_place: it leaves the kept forward_mqa cases
     left = len(pipeline)
     assert (f"note: {left} kept case{'s' * (left != 1)} not replayed ({'they name' if left != 1 else 'it names'} "
-            "implementations this gate does not)") in epilogue.lines()
-    every = sorted((root / "C").iterdir())
-    assert len(every) > len(kept)  # the epilogue's findings kept too
-    kernel(root, monkeypatch, 2)  # the same concat module, imported again
-    both = mla_verify.gate(impl=[concat, EPILOGUE], ops=["concat_mla_q", "sparse_prefill", "forward_mqa"], device="cpu",
-                           examples=1, seed=2, isolate=False, corpus=root / "C", out=root / "both")
+            "implementations this gate does not)") in other.lines()
+    every = sorted((tmp_path / "C").iterdir())
+    assert len(every) > len(kept)  # the gather's findings kept too
+    both = mla_verify.gate(impl=[PLACE, GATHER], seed=2, out=tmp_path / "both", **settings)
     cases = {casefile.load(k).case.case_id for k in every}  # a case both gates kept is one case
     kept_rows = [(r.case_id, r.tensor) for r in both.rows if r.source == "kept"]
     assert {c for c, _ in kept_rows} == cases and len(kept_rows) == len(set(kept_rows))  # every kept case, once
@@ -236,11 +238,11 @@ def test_kept_cases_are_replayed_whenever_the_gate_names_their_implementations(t
     assert not any("not replayed" in line for line in both.lines())
 
 
-def test_one_bug_found_ten_ways_reads_as_one_group(two_kernels, capsys):
+def test_one_bug_found_ten_ways_reads_as_one_group(epilogue_gate, capsys):
     """Issue 50 item 2: a truncating bf16 epilogue failed the op, the forward_mqa paths through it
     (HiSparse's too, whose stages are not traced) and read `FAIL: 9 findings`, one line each. The
     gate's summary, its JUnit and its report put them down to the one kernel, the files under it."""
-    root, *_, epilogue = two_kernels
+    root, epilogue = epilogue_gate
     frame, _ = load_run(root / "epilogue")
     found = counts(frame).findings
     group = f"stage sparse_prefill (tests.impls.epilogue:sparse_prefill): {found} findings, first "

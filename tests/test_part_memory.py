@@ -14,9 +14,10 @@ from mla_verify.equivalence.judge.rows import FailureKind, RowContext
 from mla_verify.runs import judges
 
 
-def _failing_reference(monkeypatch, times: int | None):
-    """The decode reference raising OutOfMemoryError its first `times` calls (None: always)."""
-    real, calls = reference.sparse_decode_fp8, []
+def _failing_reference(monkeypatch, times: int | None, op: str = "sparse_decode_fp8"):
+    """`op`'s reference (the decode's by default) raising OutOfMemoryError its first `times` calls
+    (None: always)."""
+    real, calls = getattr(reference, op), []
 
     def oom(*args, **kwargs):
         calls.append(True)
@@ -24,7 +25,7 @@ def _failing_reference(monkeypatch, times: int | None):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (9.90 GiB allowed)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(reference, "sparse_decode_fp8", oom)
+    monkeypatch.setattr(reference, op, oom)
     monkeypatch.setattr(judges, "OOM_WAITS", (0.0, 0.0))
     return calls
 
@@ -41,7 +42,9 @@ def test_a_judge_out_of_memory_once_waits_and_judges_the_block(monkeypatch, isol
 def test_a_case_that_never_fits_is_a_counted_row_not_a_harness_error(monkeypatch, capsys, tmp_path):
     """Never failed, never exit 3; a run whose every case went unjudged is NO VERDICT (exit 4), no pass."""
     _failing_reference(monkeypatch, None)
-    # three drawn cases (the gate below runs the covering set: 31 cases, every one unjudged)
+    _failing_reference(monkeypatch, None, "concat_mla_q")
+    # three drawn cases; the gate below runs concat_mla_q's covering set, every case unjudged (the
+    # decode's holds production sizes: 31 cases, half a minute on CPU for the same exit)
     result = mla_verify.check("sparse_decode_fp8", "torch-fp32", examples=3, seed=3, profile="ci", device="cpu",
                               isolate=False, covering=False)
     rows = result.rows
@@ -49,7 +52,7 @@ def test_a_case_that_never_fits_is_a_counted_row_not_a_harness_error(monkeypatch
     assert not result.passed and result.exit_code == 4 and "nothing was judged" in result.no_verdict
     assert rows.reason.str.contains("ran out of device memory").all()
     assert f"{rows.case_id.nunique()} cases not judged, the judge ran out of device memory" in result.report()
-    code = main(["gate", "--op", "sparse_decode_fp8", "--impl", "sparse_decode_fp8=torch-fp32", "--examples", "2",
+    code = main(["gate", "--op", "concat_mla_q", "--impl", "concat_mla_q=torch-fp32", "--examples", "2",
                 "--device", "cpu", "--no-isolate", "--out", str(tmp_path / "gate")])
     out = capsys.readouterr().out
     assert code == 4 and "cases not judged, the judge ran out of device memory" in out and "NO VERDICT" in out
