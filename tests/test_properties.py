@@ -119,7 +119,7 @@ def test_property_catches_a_broken_implementation(name, target, impl, checks):
     seed = new_seed()
     op = PROPERTIES[name].name
     subject = resolve_subject(op, [impl], "cpu")
-    result = fuzz(Campaign(op, get_profile("ci"), BUDGET, seed, path=target, shrink=False),
+    result = fuzz(Campaign(op, get_profile("ci"), BUDGET, seed, path=target, shrink=False, reruns=0),
                   each(lambda case, source: evaluate(case, subject, "cpu", source=source)))
     print(f"{impl} under {op} ({target}): seed {seed}, first failure at example {result.first_failure_at}")
     assert result.failure is not None, f"{impl} escaped {op} on {target} for {BUDGET} examples (seed {seed})"
