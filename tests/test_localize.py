@@ -146,7 +146,7 @@ def test_the_correct_implementations_print_no_pattern_over_the_gates_cases_resee
     draws) through the implementations the CPU gate defaults to: no pattern line from the elements
     nearest their bounds. forward_mqa draws without its covering set: its 37 cases pose the
     attention kernels whose covering sets run here (production heads and top-k, flat rows) along
-    its paths, and cost two thirds of the test (56 s of a CI run)."""
+    its paths, and were two thirds of the test's time (56 s in a CI run before)."""
     counts, lines, cases = {"tensors": 0, "with_differences": 0}, [], 0
     for op in FLOAT_OPS:
         pinned = [Case(c.op, c.params, c.seed + k) for c, _ in corpus(op) for k in range(1, RESEEDS + 1)]
