@@ -30,6 +30,10 @@ TARGET_IDS = [f"{name}-{target}" for name, target in TARGETS]
 # HiSparse batch of two 135-token prefills took 97 s of a CI run).
 TINY = Profile("tiny", 3, 2, (1, 8), (128,), (64,), 160, 2, 3, (64,), (8, 32), 3, 10.0)
 CPU_RUNS = {"torch-fp32": (get_profile("ci"), 6), "triton": (TINY.interpreted(), 2)}
+# Properties whose CPU run is another test's subject, held there at least as strictly: the grid
+# would pose them again (HiSparse against plain: an FP8 case is 10-20 s under the interpreter).
+HELD_ELSEWHERE = {"hisparse_equals_plain": "held bit for bit for both implementations, bf16 and FP8 groups, by "
+                                            "tests/test_hisparse.py::test_hisparse_equals_plain_bitwise"}
 GPU_EXAMPLES = 3
 
 
@@ -67,6 +71,8 @@ def test_property_holds_on_cpu(name, target, impl):
     # one here (property:cuda_graph captures CUDA graphs) its GPU tests below and tests/test_cuda_graph.py hold it.
     if impl not in get_spec(op).subjects("cpu"):
         pytest.skip(f"{op} does not run {impl} on cpu: {get_spec(op).facts('cpu')[-1]}")
+    if name in HELD_ELSEWHERE:
+        pytest.skip(HELD_ELSEWHERE[name])
     subject = resolve_subject(op, [impl], "cpu")
 
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -113,7 +119,7 @@ def test_property_catches_a_broken_implementation(name, target, impl, checks):
     seed = new_seed()
     op = PROPERTIES[name].name
     subject = resolve_subject(op, [impl], "cpu")
-    result = fuzz(Campaign(op, get_profile("ci"), BUDGET, seed, path=target, shrink=False),
+    result = fuzz(Campaign(op, get_profile("ci"), BUDGET, seed, path=target, shrink=False, reruns=0),
                   each(lambda case, source: evaluate(case, subject, "cpu", source=source)))
     print(f"{impl} under {op} ({target}): seed {seed}, first failure at example {result.first_failure_at}")
     assert result.failure is not None, f"{impl} escaped {op} on {target} for {BUDGET} examples (seed {seed})"

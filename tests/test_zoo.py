@@ -24,7 +24,10 @@ FOUND: dict[str, int | None] = {}
 def test_zoo_bug_is_caught(bug, profile):
     seed, budget = new_seed(), get_profile(profile).examples
     subject = resolve_subject(bug.op, [bug.impl], "cpu")
-    result = fuzz(Campaign(bug.op, get_profile(profile), budget, seed, UnderTest((bug.impl,)), path=bug.path, shrink=False),
+    # No re-runs: whether a finding is flaky, and its traced stage, are the gate's to tell
+    # (tests/test_hostile.py, tests/test_stage_verdicts.py); here the first failing case ends the campaign.
+    result = fuzz(Campaign(bug.op, get_profile(profile), budget, seed, UnderTest((bug.impl,)), path=bug.path,
+                           shrink=False, reruns=0),
                   each(lambda case, source: evaluate(case, subject, "cpu", source=source)))
     FOUND[f"{bug.name} ({profile})"] = result.first_failure_at
     print(f"{bug.name}: profile {profile}, seed {seed}, first failure at example {result.first_failure_at}")
