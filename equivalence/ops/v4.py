@@ -83,9 +83,10 @@ class UnionDecodeParams(Params):
 
 
 def union_decode_params(p: Profile, kv_format: str, extra_formats: tuple[str, ...],
-                        s_q: tuple[int, ...] = (1, 2, 4)) -> st.SearchStrategy[dict]:
+                        s_q: tuple[int, ...] = (1, 2, 4), min_batch: int = 1) -> st.SearchStrategy[dict]:
     """Union decode params within `p`: the window of 64 or 128, the extra list any of the profile's
-    decode widths, a partial 64-entry block or none; `s_q` the query tokens a request may have."""
+    decode widths, a partial 64-entry block or none; `s_q` the query tokens a request may have,
+    `min_batch` the fewest requests."""
     def params(batch: int) -> st.SearchStrategy[dict]:
         return st.fixed_dictionaries({
             "batch": st.just(batch), "s_q": st.sampled_from(s_q), "heads": st.sampled_from(p.heads),
@@ -99,7 +100,7 @@ def union_decode_params(p: Profile, kv_format: str, extra_formats: tuple[str, ..
             "invalid": patterns(DECODE_PATTERNS), "sink": st.sampled_from(("none", "finite", "inf")),
             "special_tiles": st.booleans(), "page_gap": st.sampled_from((0, 1))})
 
-    return st.integers(1, max(2, p.max_tokens // 8)).flatmap(params)
+    return st.integers(min_batch, max(min_batch, 2, p.max_tokens // 8)).flatmap(params)
 
 
 def latent_rows(g: torch.Generator, n: int, p: UnionDecodeParams) -> torch.Tensor:

@@ -13,7 +13,8 @@
                       row rewritten: the logits never see K's RoPE, so the lse and out's NoPE dims
                       (0..447) do not move, bit for bit (V's RoPE dims do: V is the whole row).
     v4_row_alone      alone: request 0 run alone against its rows of the batch (`split_kv` kernels
-                      to its bound).
+                      to its bound); drawn with 2 requests or more (a batch of one compares a
+                      request with itself).
 """
 
 from __future__ import annotations
@@ -163,12 +164,13 @@ def _alone_check(op: str):
     return check
 
 
-def _targets(problem, check, runs: int, extra_only: bool = False, more: tuple[str, ...] = ()) -> dict[str, Target]:
+def _targets(problem, check, runs: int, extra_only: bool = False, more: tuple[str, ...] = (),
+             min_batch: int = 1) -> dict[str, Target]:
     """One target per union decode op, drawn as the op draws but with 1 or 2 query tokens a request
     (the op's own campaigns cover MTP; a property runs its problem several times), `extra_only`:
-    with an extra list; calling the op's stage and `more`."""
+    with an extra list; at least `min_batch` requests; calling the op's stage and `more`."""
     def draw(op):
-        return lambda prof: union_decode_params(prof, *FORMATS_OF[op.name], s_q=(1, 2)).filter(
+        return lambda prof: union_decode_params(prof, *FORMATS_OF[op.name], s_q=(1, 2), min_batch=min_batch).filter(
             lambda d: d["extra_topk"] > 0 or not extra_only)
 
     return {op.name: Target(op.name, lambda p, op=op: [op.name, *more], (op.name,),
@@ -191,6 +193,6 @@ register(PropertySpec(
     doc="with q's RoPE dims zero, K's RoPE values never reach the lse or out's NoPE dims (bitwise)",
 ), priority=122)
 register(PropertySpec(
-    short="v4_row_alone", checks=("alone",), targets=_targets(_alone_problem, _alone_check, 2),
+    short="v4_row_alone", checks=("alone",), targets=_targets(_alone_problem, _alone_check, 2, min_batch=2),
     doc="request 0 alone = its rows of the batch (split-KV kernels: within a rounding)",
 ), priority=123)
