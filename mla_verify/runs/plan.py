@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import sys
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Collection, Mapping
@@ -43,7 +44,7 @@ FUZZ, GATE = "fuzz", "gate"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Run:
+class Run(ABC):
     """What every run is, fuzz or gate: where it runs, what it draws, how its cases are judged and
     where it writes. `examples`: fuzz, the whole run's cases (shared out over its campaigns); the
     gate, per unit (None: the profile's budgets). A kind's own settings are its class's
@@ -105,27 +106,34 @@ class Run:
         d |= {"profile": get_profile(d["profile"]), "shard": Shard.parse(d["shard"]), "out": RunDir.open(d["out"])}
         return kind._restored(d)
 
-    # Each kind's own: the line it starts with, its campaigns' world size for a spec, its units and
-    # those of its slot, its run in one child process per part, and what options() and meta() add
-    # to the shared settings.
+    # Each kind's own (FuzzRun, GateRun): the line it starts with, its campaigns' world size for a
+    # spec, its units and those of its slot, its run in one child process per part, and what
+    # options() and meta() add to the shared settings. A Run itself is never made.
+    @abstractmethod
     def header(self) -> str:
         raise NotImplementedError
 
+    @abstractmethod
     def ranks(self, spec: Spec) -> int | None:
         raise NotImplementedError
 
+    @abstractmethod
     def units(self, kept: Corpus | None = None) -> list[Unit]:
         raise NotImplementedError
 
+    @abstractmethod
     def shard_of(self, chosen: list[Unit]) -> list[Unit]:
         raise NotImplementedError
 
+    @abstractmethod
     def in_parts(self, log: Callable[[str], None]) -> CheckResult | GateOutcome:
         raise NotImplementedError
 
+    @abstractmethod
     def _options(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    @abstractmethod
     def _meta(self) -> tuple[list[int], dict[str, Any]]:
         raise NotImplementedError
 
