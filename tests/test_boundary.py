@@ -17,7 +17,7 @@ from mla_verify.equivalence.sandbox.produced import Produced
 from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.catalog import evaluate, resolve_subject
 from mla_verify.equivalence.blocks import Judging
-from tests.isolated import judged
+from tests.isolated import gone, judged
 from tests.hostile import BOUNDARY
 from tests.test_hostile import CASES, REPO, run, saved_case
 
@@ -165,14 +165,6 @@ def cli(*argv, env_extra: dict) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="child subreapers are Linux's")
 def test_a_daemon_a_kernel_leaves_is_killed_when_its_case_ends(tmp_path):
     from tests.hostile.boundary import DAEMON
@@ -194,7 +186,7 @@ def _named(comm: str) -> list[int]:
     for name in os.listdir("/proc"):
         try:
             with open(f"/proc/{name}/comm") as f:
-                if f.read().strip() == comm and not _gone(int(name)):
+                if f.read().strip() == comm and not gone(int(name)):
                     found.append(int(name))
         except (OSError, ValueError):
             continue

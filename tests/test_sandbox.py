@@ -23,7 +23,7 @@ from mla_verify.equivalence.cases.case import Case
 from mla_verify.equivalence.sandbox import boundary, landlock, reaper, seccomp
 from mla_verify.equivalence.sandbox.boundary import Boundary, Layer
 from mla_verify.equivalence.sandbox.worker import Worker
-from tests.isolated import judged
+from tests.isolated import gone, judged
 
 LINUX = sys.platform.startswith("linux")
 pytestmark = pytest.mark.skipif(not LINUX, reason="the sandbox's layers are Linux's")
@@ -314,20 +314,12 @@ def _user_namespaces() -> str | None:
     return in_child(alone)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
 def _left(pids: list[int], within_s: float = 5.0) -> list[int]:
     """Those of `pids` still running after `within_s` seconds (a SIGKILL takes a moment to land)."""
     deadline = time.monotonic() + within_s
-    while any(not _gone(p) for p in pids) and time.monotonic() < deadline:
+    while any(not gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return [p for p in pids if not _gone(p)]
+    return [p for p in pids if not gone(p)]
 
 
 def test_a_worker_started_as_a_cuda_one_stands_behind_the_namespaces_and_takes_its_processes_along(
